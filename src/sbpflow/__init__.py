@@ -1,0 +1,59 @@
+"""sbpflow: distribution as a property of tensors.
+
+A global tensor has a logical shape, a :func:`placement` and an SBP per mesh
+axis; ops pick SBP signatures and the framework inserts the data movement.
+
+>>> import sbpflow
+>>> from sbpflow import sbp
+>>> p = sbpflow.placement("cpu", [0, 1])
+>>> x = sbpflow.randn(4, 5, placement=p, sbp=sbp.split(0))
+>>> w = sbpflow.randn(5, 8, placement=p, sbp=sbp.broadcast)
+>>> (x @ w).sbp
+(Split(dim=0),)
+"""
+
+from __future__ import annotations
+
+from . import boxing, comm, sbp
+from .autograd import enable_grad, is_grad_enabled, no_grad
+from .creation import (
+    arange, full, full_like, ones, ones_like, rand, rand_like, randint, randn, randn_like, tensor, uniform, zeros,
+    zeros_like,
+)
+from .errors import (
+    AutogradError, BoxingError, CommError, DTypeError, OpError, PlacementError, SbpError, SbpflowError, ShapeError,
+)
+from .ops import functional
+from .placement import Placement, placement
+from .random import manual_seed
+from .tensor import Tensor
+
+__version__ = "0.1.0"
+
+
+def explain(x: Tensor, placement: Placement | None = None, sbp: object = None) -> str:
+    """The boxing plan that ``x.to_global(placement, sbp)`` would run, as text (also printed).
+
+    >>> import sbpflow
+    >>> p = sbpflow.placement("cpu", [0, 1])
+    >>> x = sbpflow.zeros(4, 4, placement=p, sbp=sbpflow.sbp.split(0))
+    >>> text = sbpflow.explain(x, sbp=sbpflow.sbp.broadcast)
+    boxing (4, 4) float32: cpu:[0, 1] (S(0)) -> cpu:[0, 1] (B)
+      1. all_gather axis 0               (S(0)) -> (B)  32 B/rank, 64 B total, 20.0 us
+      total: 32 B/rank, 64 B, 20.0 us
+    """
+    from .sbp import normalize
+
+    placement = placement or x.placement
+    nd = x.sbp if sbp is None else normalize(sbp, placement, x.ndim)
+    text = str(boxing.plan(tuple(x.shape), x.dtype, boxing.Layout(x.placement, x.sbp), boxing.Layout(placement, nd)))
+    print(text)
+    return text
+
+
+__all__ = [
+    "AutogradError", "BoxingError", "CommError", "DTypeError", "OpError", "Placement", "PlacementError", "SbpError",
+    "SbpflowError", "ShapeError", "Tensor", "arange", "boxing", "comm", "enable_grad", "explain", "full", "full_like",
+    "functional", "is_grad_enabled", "manual_seed", "no_grad", "ones", "ones_like", "placement", "rand", "rand_like",
+    "randint", "randn", "randn_like", "sbp", "tensor", "uniform", "zeros", "zeros_like",
+]

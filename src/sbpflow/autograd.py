@@ -1,0 +1,255 @@
+"""Reverse-mode autodiff over sbpflow ops.
+
+Every op's gradient is written in sbpflow ops, so backward gets SBP inference
+and boxing like forward: a partial gradient stays partial between ops and is
+reduced only where a consumer, or a leaf's own SBP, needs otherwise. A leaf's
+``.grad`` always has the leaf's placement and SBP, so a broadcast weight under
+split data gets one all-reduce per backward (the DDP behaviour).
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
+
+from .errors import AutogradError
+
+if TYPE_CHECKING:
+    from .ops.registry import OpDef
+    from .tensor import Tensor
+
+
+class _Mode(threading.local):
+    grad_enabled = True
+
+
+_mode = _Mode()
+
+
+def is_grad_enabled() -> bool:
+    return _mode.grad_enabled
+
+
+@contextmanager
+def _set_grad(enabled: bool) -> Iterator[None]:
+    previous = _mode.grad_enabled
+    _mode.grad_enabled = enabled
+    try:
+        yield
+    finally:
+        _mode.grad_enabled = previous
+
+
+class no_grad:
+    """Context manager and decorator that turns off gradient recording."""
+
+    def __enter__(self) -> None:
+        self._previous = _mode.grad_enabled
+        _mode.grad_enabled = False
+
+    def __exit__(self, *exc: object) -> None:
+        _mode.grad_enabled = self._previous
+
+    def __call__(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            with _set_grad(False):
+                return fn(*args, **kwargs)
+
+        wrapped.__name__ = getattr(fn, "__name__", "wrapped")
+        wrapped.__doc__ = fn.__doc__
+        return wrapped
+
+
+class enable_grad(no_grad):
+    def __enter__(self) -> None:
+        self._previous = _mode.grad_enabled
+        _mode.grad_enabled = True
+
+
+class Node:
+    """One recorded op application: what backward needs to compute input gradients."""
+
+    __slots__ = ("op", "inputs", "versions", "outputs", "out_refs", "args", "attrs", "needs", "freed", "__weakref__")
+
+    def __init__(self, op: "OpDef", inputs: Sequence[Any], outputs: Sequence["Tensor"], attrs: dict[str, Any],
+                 save_outputs: bool) -> None:
+        self.op = op
+        self.args = tuple(inputs)  # tensors and scalars, in call order
+        self.inputs = tuple(a for a in inputs if _is_tensor(a))
+        self.versions = tuple(t._version for t in self.inputs)
+        self.outputs = tuple(o.detach() for o in outputs) if save_outputs else ()
+        self.out_refs = tuple(weakref.ref(o) for o in outputs)
+        self.attrs = attrs
+        self.needs = tuple(t.requires_grad for t in self.inputs)
+        self.freed = False
+
+    @property
+    def name(self) -> str:
+        return f"{self.op.name}_backward"
+
+
+def _is_tensor(x: Any) -> bool:
+    from .tensor import Tensor
+
+    return isinstance(x, Tensor)
+
+
+class BackwardCtx:
+    """What an op's gradient function sees: its inputs, outputs, scalars and attributes."""
+
+    __slots__ = ("inputs", "args", "outputs", "attrs", "needs_input_grad")
+
+    def __init__(self, node: Node) -> None:
+        self.inputs = tuple(t.detach() for t in node.inputs)
+        self.args = tuple(a.detach() if _is_tensor(a) else a for a in node.args)
+        self.outputs = node.outputs
+        self.attrs = node.attrs
+        self.needs_input_grad = node.needs
+
+
+def backward(roots: Sequence["Tensor"], grads: Sequence["Tensor | None"], retain_graph: bool = False) -> None:
+    """Accumulates d(roots)/d(leaf) into every reachable leaf's ``.grad``."""
+    from .ops import functional as F
+
+    pending: dict[tuple[int, int], Tensor] = {}  # (id(node), output index) -> gradient so far
+    leaf_grads: dict[int, tuple[Tensor, Tensor]] = {}
+    with _set_grad(False):
+        for root, grad in zip(roots, grads):
+            _check_root(root)
+            grad = _root_grad(root, grad)
+            _send(root, grad, pending, leaf_grads)
+        for node in _topological(roots):
+            outs = [pending.pop((id(node), i), None) for i in range(len(node.out_refs))]
+            if all(g is None for g in outs):
+                continue
+            outs = _run_output_hooks(node, outs)
+            in_grads = _call_backward(node, outs)
+            for t, g in zip(node.inputs, in_grads):
+                if g is not None and t.requires_grad:
+                    _send(t, g, pending, leaf_grads)
+            if not retain_graph:
+                node.freed = True
+                node.outputs = ()
+        for leaf, grad in leaf_grads.values():
+            _accumulate_leaf(leaf, grad, F)
+
+
+def _check_root(root: "Tensor") -> None:
+    if not root.requires_grad:
+        raise AutogradError(
+            f"backward() needs a tensor that requires grad, but got {root._describe()} with requires_grad=False "
+            "and no grad_fn"
+        )
+
+
+def _root_grad(root: "Tensor", grad: "Tensor | None") -> "Tensor":
+    from .ops import functional as F
+
+    if grad is None:
+        if root.numel() != 1:
+            raise AutogradError(
+                f"backward() without a gradient needs a scalar output, but got {root._describe()}; "
+                "pass gradient= with the output's shape"
+            )
+        return F.ones_like(root)
+    if tuple(grad.shape) != tuple(root.shape):
+        raise AutogradError(
+            f"backward(gradient=...) needs the output's shape {list(root.shape)}, but got {grad._describe()}"
+        )
+    return grad
+
+
+def _send(t: "Tensor", grad: "Tensor", pending: dict, leaf_grads: dict) -> None:  # type: ignore[type-arg]
+    from .ops import functional as F
+
+    if t.grad_fn is None:
+        if t._hooks:
+            for hook in t._hooks:
+                out = hook(grad)
+                grad = grad if out is None else out
+        previous = leaf_grads.get(id(t))
+        leaf_grads[id(t)] = (t, grad if previous is None else F.add(previous[1], grad))
+        return
+    key = (id(t.grad_fn), t._out_index)
+    previous_grad = pending.get(key)
+    pending[key] = grad if previous_grad is None else F.add(previous_grad, grad)
+
+
+def _run_output_hooks(node: Node, outs: list["Tensor | None"]) -> list["Tensor | None"]:
+    for i, ref in enumerate(node.out_refs):
+        t = ref()
+        if t is None or outs[i] is None:
+            continue
+        g = outs[i]
+        for hook in t._hooks or ():
+            out = hook(g)  # type: ignore[arg-type]
+            g = g if out is None else out
+        outs[i] = g
+        if t._retains_grad:
+            t.grad = g if t.grad is None else t.grad + g  # type: ignore[operator]
+    return outs
+
+
+def _call_backward(node: Node, outs: list["Tensor | None"]) -> Sequence["Tensor | None"]:
+    if node.freed:
+        raise AutogradError(
+            f"trying to run backward through {node.name} a second time; pass retain_graph=True to the first backward()"
+        )
+    for t, v in zip(node.inputs, node.versions):
+        if t._version != v:
+            raise AutogradError(
+                f"an input of {node.op.name} ({t._describe()}) was modified in place after the op used it; "
+                "its gradient would be wrong"
+            )
+    if node.op.backward_fn is None:
+        raise AutogradError(f"op {node.op.name!r} has no gradient")
+    filled = [g if g is not None else _zeros_for(node, i) for i, g in enumerate(outs)]
+    grads = node.op.backward_fn(BackwardCtx(node), *filled)
+    if not isinstance(grads, (tuple, list)):
+        grads = (grads,)
+    if len(grads) != len(node.inputs):
+        raise AssertionError(f"{node.name} returned {len(grads)} gradients for {len(node.inputs)} inputs")
+    return grads
+
+
+def _zeros_for(node: Node, index: int) -> "Tensor":
+    from .ops import functional as F
+
+    out = node.out_refs[index]()
+    if out is None:
+        raise AutogradError(f"{node.name}: output {index} is gone and has no gradient")
+    return F.zeros_like(out)
+
+
+def _topological(roots: Sequence["Tensor"]) -> list[Node]:
+    """Nodes reachable from the roots, each after every node that consumes its outputs."""
+    order: list[Node] = []
+    seen: set[int] = set()
+    stack: list[tuple[Node, bool]] = [(r.grad_fn, False) for r in roots if r.grad_fn is not None]
+    while stack:
+        node, done = stack.pop()
+        if done:
+            order.append(node)
+            continue
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        stack.append((node, True))
+        for t in node.inputs:
+            if t.grad_fn is not None and id(t.grad_fn) not in seen:
+                stack.append((t.grad_fn, False))
+    return order[::-1]
+
+
+def _accumulate_leaf(leaf: "Tensor", grad: "Tensor", F: Any) -> None:
+    if leaf.is_global:
+        if grad.placement != leaf.placement or grad.sbp != leaf.sbp:
+            grad = F.to_global(grad, leaf.placement, leaf.sbp)
+    if grad.dtype != leaf.dtype:
+        grad = F.cast(grad, leaf.dtype)
+    if leaf.grad is None:
+        leaf.grad = grad
+    else:
+        leaf.grad = F.add(leaf.grad, grad)

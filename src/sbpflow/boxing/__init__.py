@@ -1,0 +1,15 @@
+"""Boxing: converting a global tensor between SBPs and placements.
+
+:mod:`.plan` finds the cheapest sequence of primitive steps (its module
+docstring holds the transition table); :mod:`.execute` runs it on a backend.
+"""
+
+from __future__ import annotations
+
+from .execute import execute, identity_element
+from .plan import CostModel, Layout, LinkCost, Plan, Step, cost_model, get_cost_model, plan
+
+__all__ = [
+    "CostModel", "Layout", "LinkCost", "Plan", "Step", "cost_model", "get_cost_model", "plan", "execute",
+    "identity_element",
+]

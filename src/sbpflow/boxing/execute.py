@@ -1,0 +1,239 @@
+"""Boxing executor: runs a :class:`Plan` step by step on a comm backend.
+
+Shards are ``{global rank: torch.Tensor}`` for the ranks this process owns.
+Each step kind below is one row of the table in :mod:`sbpflow.boxing.plan`.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from .._layout import Box, Shape, box_shape, numel, relative, shard_box
+from ..comm import Backend, Transfer, get_backend
+from ..sbp import Broadcast, Partial, Split
+from .plan import Layout, Plan, Step, transfer_pieces
+
+Shards = dict[int, torch.Tensor]
+
+
+def execute(plan: Plan, shards: Shards, backend: Backend | None = None) -> Shards:
+    """Runs every step of ``plan``; returns the destination shards this process owns."""
+    backend = backend or get_backend()
+    for step in plan.steps:
+        shards = _RUNNERS[step.kind](step, plan.shape, plan.dtype, shards, backend)
+    return shards
+
+
+def identity_element(op: str, dtype: torch.dtype) -> float | int | bool:
+    """The value that does not change a reduction by ``op``: 0, or the dtype's lowest/highest."""
+    if op == "sum":
+        return 0
+    if dtype == torch.bool:
+        return op == "min"
+    if dtype.is_floating_point:
+        return -float("inf") if op == "max" else float("inf")
+    info = torch.iinfo(dtype)
+    return info.min if op == "max" else info.max
+
+
+def _box(shape: Shape, layout: Layout, rank: int) -> Box:
+    return shard_box(shape, layout.placement, layout.sbp, rank)
+
+
+def _overlap(a: Box, b: Box) -> Box:
+    """Intersection of two boxes, possibly empty (zero-length dims)."""
+    out = []
+    for (a0, a1), (b0, b1) in zip(a, b):
+        lo = max(a0, b0)
+        out.append((lo, max(lo, min(a1, b1))))
+    return tuple(out)
+
+
+def _owned(step: Step, layout: Layout, backend: Backend) -> list[int]:
+    return backend.owned(layout.placement.flat_ranks)
+
+
+# -- local: B -> S (slice), S -> P (pad with the identity), B -> P (zero or keep) -----------
+
+
+def _run_local(step: Step, shape: Shape, dtype: torch.dtype, shards: Shards, backend: Backend) -> Shards:
+    assert step.axis is not None
+    target = step.dst.sbp[step.axis]
+    source = step.src.sbp[step.axis]
+    out: Shards = {}
+    for r in _owned(step, step.src, backend):
+        old, new = _box(shape, step.src, r), _box(shape, step.dst, r)
+        t = shards[r]
+        if isinstance(target, Split):  # B -> S
+            out[r] = t[relative(new, old)]
+        elif isinstance(source, Split):  # S -> P: pad around the slice
+            assert isinstance(target, Partial)
+            full = torch.full(box_shape(new), identity_element(target.op, t.dtype), dtype=t.dtype, device=t.device)
+            full[relative(old, new)] = t
+            out[r] = full
+        else:  # B -> P
+            assert isinstance(source, Broadcast) and isinstance(target, Partial)
+            first = step.src.placement.coords(r)[step.axis] == 0
+            out[r] = t if target.op != "sum" or first else torch.zeros_like(t)
+    return out
+
+
+# -- collectives along one mesh axis ---------------------------------------------------------
+
+
+def _groups(step: Step, backend: Backend) -> list[tuple[int, ...]]:
+    assert step.axis is not None
+    groups = step.src.placement.axis_groups(step.axis)
+    return [g for g in groups if backend.owned(g)]
+
+
+def _run_all_gather(step: Step, shape: Shape, dtype: torch.dtype, shards: Shards, backend: Backend) -> Shards:
+    source = step.src.sbp[step.axis]  # type: ignore[index]
+    assert isinstance(source, Split)
+    out: Shards = {}
+    for group in _groups(step, backend):
+        shapes = [box_shape(_box(shape, step.src, g)) for g in group]
+        gathered = backend.all_gather(group, {r: shards[r] for r in backend.owned(group)}, shapes, dtype)
+        for r, pieces in gathered.items():
+            out[r] = torch.cat(pieces, dim=source.dim)
+    return out
+
+
+def _run_all_reduce(step: Step, shape: Shape, dtype: torch.dtype, shards: Shards, backend: Backend) -> Shards:
+    source = step.src.sbp[step.axis]  # type: ignore[index]
+    assert isinstance(source, Partial)
+    out: Shards = {}
+    for group in _groups(step, backend):
+        out.update(backend.all_reduce(group, {r: shards[r] for r in backend.owned(group)}, source.op))
+    return out
+
+
+def _run_reduce_scatter(step: Step, shape: Shape, dtype: torch.dtype, shards: Shards, backend: Backend) -> Shards:
+    source = step.src.sbp[step.axis]  # type: ignore[index]
+    assert isinstance(source, Partial)
+    out: Shards = {}
+    for group in _groups(step, backend):
+        inputs = {}
+        for r in backend.owned(group):
+            mine = _box(shape, step.src, r)
+            inputs[r] = [shards[r][relative(_box(shape, step.dst, g), mine)].contiguous() for g in group]
+        out.update(backend.reduce_scatter(group, inputs, source.op))
+    return out
+
+
+def _run_all_to_all(step: Step, shape: Shape, dtype: torch.dtype, shards: Shards, backend: Backend) -> Shards:
+    source = step.src.sbp[step.axis]  # type: ignore[index]
+    assert isinstance(source, Split)
+    out: Shards = {}
+    for group in _groups(step, backend):
+        owned = backend.owned(group)
+        inputs, recv_shapes = {}, {}
+        for r in owned:
+            mine = _box(shape, step.src, r)
+            inputs[r] = [shards[r][relative(_overlap(mine, _box(shape, step.dst, g)), mine)].contiguous() for g in group]
+            want = _box(shape, step.dst, r)
+            recv_shapes[r] = [box_shape(_overlap(_box(shape, step.src, g), want)) for g in group]
+        moved = _a2a_bytes(shape, step, group, dtype)
+        received = backend.all_to_all(group, inputs, recv_shapes, dtype, moved)
+        for r, pieces in received.items():
+            out[r] = torch.cat(pieces, dim=source.dim)
+    return out
+
+
+def _a2a_bytes(shape: Shape, step: Step, group: tuple[int, ...], dtype: torch.dtype) -> int:
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    total = 0
+    for g in group:
+        for h in group:
+            if g != h:
+                total += numel(box_shape(_overlap(_box(shape, step.src, g), _box(shape, step.dst, h))))
+    return total * itemsize
+
+
+# -- across placements -----------------------------------------------------------------------
+
+
+def _run_send_recv(step: Step, shape: Shape, dtype: torch.dtype, shards: Shards, backend: Backend) -> Shards:
+    if step.detail == "pairwise":
+        pieces = _pairwise_pieces(shape, step)
+    else:
+        pieces = transfer_pieces(shape, step.src, step.dst)
+    transfers, payloads = [], {}
+    for i, (src, dst, box) in enumerate(pieces):
+        transfers.append(Transfer(src, dst, box_shape(box), dtype))
+        if backend.owns(src) and src in shards:
+            payloads[i] = shards[src][relative(box, _src_box(shape, step, src))].contiguous()
+    received = backend.send_recv(transfers, payloads)
+    return _assemble(shape, step, pieces, received, dtype, backend)
+
+
+def _src_box(shape: Shape, step: Step, rank: int) -> Box:
+    return _box(shape, step.src, rank)
+
+
+def _pairwise_pieces(shape: Shape, step: Step) -> list[tuple[int, int, Box]]:
+    src_pl, dst_pl = step.src.placement, step.dst.placement
+    out = []
+    for r in src_pl.flat_ranks:
+        coords = src_pl.coords(r)
+        out.append((r, dst_pl.rank_at(coords), _box(shape, step.src, r)))
+    return out
+
+
+def _assemble(
+    shape: Shape, step: Step, pieces, received: dict[int, torch.Tensor], dtype: torch.dtype, backend: Backend
+) -> Shards:  # type: ignore[no-untyped-def]
+    out: Shards = {}
+    dst_pl = step.dst.placement
+    for d in backend.owned(dst_pl.flat_ranks):
+        device = backend.device_for(dst_pl.type, d)
+        want = _box(shape, step.dst, d)
+        if step.detail == "pairwise":
+            src_r = step.src.placement.rank_at(dst_pl.coords(d))
+            out[d] = _pairwise_result(pieces, received, src_r, d).to(device)
+            continue
+        mine = [(i, box) for i, (_, dst, box) in enumerate(pieces) if dst == d]
+        if len(mine) == 1 and mine[0][1] == want:
+            out[d] = received[mine[0][0]].to(device)
+            continue
+        full = torch.empty(box_shape(want), dtype=dtype, device=device)
+        for i, box in mine:
+            full[relative(box, want)] = received[i].to(device)
+        out[d] = full
+    return out
+
+
+def _pairwise_result(pieces, received, src_rank: int, dst_rank: int) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    for i, (src, dst, _) in enumerate(pieces):
+        if src == src_rank and dst == dst_rank:
+            return received[i]
+    raise KeyError((src_rank, dst_rank))
+
+
+def _run_broadcast(step: Step, shape: Shape, dtype: torch.dtype, shards: Shards, backend: Backend) -> Shards:
+    root = step.src.placement.flat_ranks[0]
+    group = step.dst.placement.flat_ranks
+    out = backend.broadcast(group, root, {root: shards[root]} if root in shards else {}, shape, dtype)
+    return {r: t.to(backend.device_for(step.dst.placement.type, r)) for r, t in out.items()}
+
+
+def _run_reduce(step: Step, shape: Shape, dtype: torch.dtype, shards: Shards, backend: Backend) -> Shards:
+    root = step.dst.placement.flat_ranks[0]
+    group = step.src.placement.flat_ranks
+    owned = {r: shards[r] for r in backend.owned(group)}
+    out = backend.reduce(group, root, owned, step.detail, shape, dtype)
+    return {r: t.to(backend.device_for(step.dst.placement.type, r)) for r, t in out.items()}
+
+
+_RUNNERS: dict[str, Callable[[Step, Shape, torch.dtype, Shards, Backend], Shards]] = {
+    "local": _run_local,
+    "all_gather": _run_all_gather,
+    "all_reduce": _run_all_reduce,
+    "reduce_scatter": _run_reduce_scatter,
+    "all_to_all": _run_all_to_all,
+    "send_recv": _run_send_recv,
+    "broadcast": _run_broadcast,
+    "reduce": _run_reduce,
+}

@@ -1,0 +1,427 @@
+"""Boxing planner: the cheapest sequence of primitive steps between two layouts.
+
+Transition table for one mesh axis of ``p`` ranks, a group-level value of ``|T|``
+bytes, and the cost model's latency ``α`` and inverse bandwidth ``β``.
+"bytes" is what one rank receives; every row is mirrored by a case below.
+
+    from      to        step             bytes per rank      time
+    S(i)      S(i)      (identity)       0                   0
+    S(i)      B         all_gather       (p-1)/p  |T|        (p-1)α + (p-1)/p |T| β
+    S(i)      S(j)      all_to_all       (p-1)/p² |T|        (p-1)α + (p-1)/p² |T| β
+    S(i)      P(op)     local (pad)      0                   0
+    B         S(i)      local (slice)    0                   0
+    B         P(op)     local (zero)     0                   0
+    P(op)     B         all_reduce       2(p-1)/p |T|        2(p-1)α + 2(p-1)/p |T| β
+    P(op)     S(i)      reduce_scatter   (p-1)/p  |T|        (p-1)α + (p-1)/p |T| β
+    P(a)      P(b)      (through B)      all_reduce, then local
+
+Across placements (the two rank sets may overlap, differ in size or in mesh):
+
+    same mesh shape, same SBP   send_recv (pairwise)   shard bytes          α + shard β
+    S/B → S/B                   send_recv (general)    bytes each dst lacks  msgs α + max bytes β
+    B on one rank → B           broadcast              |T|                  ⌈log2 p⌉α + |T| β
+    P on p ranks → B on one     reduce                 |T|                  ⌈log2 p⌉α + |T| β
+
+n-D SBPs change one mesh axis at a time. A step on axis ``k`` is valid only if
+no inner axis (``j > k``) splits a tensor dim the step splits or gathers, and,
+for steps that reduce or create partial values, no inner axis is partial with
+another op. When no chain of valid steps exists, the general send_recv covers
+any pair. Intermediate SBPs come out of a shortest-path search over
+(placement, SBP) states, where edge weights are the α-β times above; ties go to
+the plan with fewer steps.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
+from functools import lru_cache
+from typing import Iterator
+
+import torch
+
+from .._layout import Shape, intersect, numel, shard_box, box_shape
+from ..errors import BoxingError
+from ..placement import Placement
+from ..sbp import Broadcast, NdSbp, Partial, SbpParallel, Split, broadcast, format_nd
+
+# ----------------------------------------------------------------------------- costs
+
+
+@dataclass(frozen=True)
+class LinkCost:
+    """Latency per message (seconds) and seconds per byte of one link type."""
+
+    alpha: float
+    beta: float
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """α-β costs per device type and link, plus the node size that tells links apart.
+
+    ``links`` maps ``(device_type, "intra" | "inter")`` to a :class:`LinkCost`.
+    A step whose ranks span more than one node (``rank // ranks_per_node``) pays
+    the inter-node cost.
+    """
+
+    links: tuple[tuple[tuple[str, str], LinkCost], ...] = (
+        (("cpu", "intra"), LinkCost(alpha=20e-6, beta=1 / 5e9)),
+        (("cpu", "inter"), LinkCost(alpha=50e-6, beta=1 / 1.25e9)),
+        (("cuda", "intra"), LinkCost(alpha=5e-6, beta=1 / 100e9)),
+        (("cuda", "inter"), LinkCost(alpha=10e-6, beta=1 / 12.5e9)),
+    )
+    ranks_per_node: int = 8
+
+    def link(self, device_type: str, ranks: tuple[int, ...]) -> LinkCost:
+        nodes = {r // self.ranks_per_node for r in ranks}
+        kind = "intra" if len(nodes) <= 1 else "inter"
+        return dict(self.links)[(device_type, kind)]
+
+    def with_link(self, device_type: str, kind: str, alpha: float, beta: float) -> "CostModel":
+        table = dict(self.links)
+        table[(device_type, kind)] = LinkCost(alpha, beta)
+        return replace(self, links=tuple(sorted(table.items())))
+
+
+_cost_model = [CostModel()]
+
+
+def get_cost_model() -> CostModel:
+    return _cost_model[-1]
+
+
+@contextmanager
+def cost_model(model: CostModel) -> Iterator[CostModel]:
+    """Plans inside the block use ``model``."""
+    _cost_model.append(model)
+    try:
+        yield model
+    finally:
+        _cost_model.pop()
+
+
+# ----------------------------------------------------------------------------- plans
+
+LOCAL = "local"
+COLLECTIVES = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all", "broadcast", "reduce", "send_recv")
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where a logical tensor lives: a placement and an n-D SBP."""
+
+    placement: Placement
+    sbp: NdSbp
+
+    def __str__(self) -> str:
+        return f"{self.placement} {format_nd(self.sbp)}"
+
+
+@dataclass(frozen=True)
+class Step:
+    """One primitive of a plan. ``axis`` is the mesh axis for same-placement steps."""
+
+    kind: str
+    src: Layout
+    dst: Layout
+    axis: int | None
+    bytes: int  # received over all ranks
+    bytes_per_rank: int  # received by the busiest rank
+    time: float
+    detail: str = ""  # "pairwise" or "general" for send_recv, the op for reductions
+
+    def __str__(self) -> str:
+        where = f" axis {self.axis}" if self.axis is not None else ""
+        what = f"{self.kind}{'(' + self.detail + ')' if self.detail else ''}{where}"
+        return (
+            f"{what:<28} {format_nd(self.src.sbp)} -> {format_nd(self.dst.sbp)}"
+            f"{'' if self.src.placement == self.dst.placement else f'  [{self.src.placement} -> {self.dst.placement}]'}"
+            f"  {self.bytes_per_rank} B/rank, {self.bytes} B total, {self.time * 1e6:.1f} us"
+        )
+
+
+@dataclass(frozen=True)
+class Plan:
+    shape: Shape
+    dtype: torch.dtype
+    src: Layout
+    dst: Layout
+    steps: tuple[Step, ...] = field(default=())
+
+    @property
+    def bytes(self) -> int:
+        return sum(s.bytes for s in self.steps)
+
+    @property
+    def bytes_per_rank(self) -> int:
+        return sum(s.bytes_per_rank for s in self.steps)
+
+    @property
+    def time(self) -> float:
+        return sum(s.time for s in self.steps)
+
+    def collectives(self) -> list[str]:
+        return [s.kind for s in self.steps if s.kind != LOCAL]
+
+    def __str__(self) -> str:
+        head = f"boxing {tuple(self.shape)} {str(self.dtype).replace('torch.', '')}: {self.src} -> {self.dst}"
+        if not self.steps:
+            return head + "\n  (identity: nothing moves)"
+        lines = [head] + [f"  {i + 1}. {s}" for i, s in enumerate(self.steps)]
+        lines.append(f"  total: {self.bytes_per_rank} B/rank, {self.bytes} B, {self.time * 1e6:.1f} us")
+        return "\n".join(lines)
+
+
+def plan(
+    shape: Shape, dtype: torch.dtype, src: Layout, dst: Layout, model: CostModel | None = None
+) -> Plan:
+    """The cheapest plan from ``src`` to ``dst`` for a logical tensor of ``shape``."""
+    return _plan_cached(tuple(shape), dtype, src, dst, model or get_cost_model())
+
+
+@lru_cache(maxsize=8192)
+def _plan_cached(shape: Shape, dtype: torch.dtype, src: Layout, dst: Layout, model: CostModel) -> Plan:
+    if src == dst:
+        return Plan(shape, dtype, src, dst)
+    ctx = _Ctx(shape, _itemsize(dtype), model, _candidates(shape, src, dst))
+    steps = _search(ctx, src, dst)
+    return Plan(shape, dtype, src, dst, tuple(steps))
+
+
+@lru_cache(maxsize=64)
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+# ----------------------------------------------------------------------------- search
+
+
+@dataclass(frozen=True)
+class _Ctx:
+    shape: Shape
+    itemsize: int
+    model: CostModel
+    candidates: tuple[SbpParallel, ...]
+
+
+def _candidates(shape: Shape, src: Layout, dst: Layout) -> tuple[SbpParallel, ...]:
+    """1-D SBPs worth visiting: B, every split dim, and only the partial ops in play."""
+    ops = {s.op for s in src.sbp + dst.sbp if isinstance(s, Partial)} | {"sum"}
+    return (broadcast,) + tuple(Split(d) for d in range(len(shape))) + tuple(Partial(op) for op in sorted(ops))
+
+
+def _search(ctx: _Ctx, src: Layout, dst: Layout) -> list[Step]:
+    counter = itertools.count()
+    best: dict[Layout, tuple[float, int]] = {src: (0.0, 0)}
+    back: dict[Layout, Step] = {}
+    heap = [(0.0, 0, next(counter), src)]
+    while heap:
+        cost, nsteps, _, state = heapq.heappop(heap)
+        if state == dst:
+            return _unwind(back, src, dst)
+        if best.get(state, (math.inf, 0)) < (cost, nsteps):
+            continue
+        for step in _edges(ctx, state, dst):
+            key = (cost + step.time, nsteps + 1)
+            if key < best.get(step.dst, (math.inf, 0)):
+                best[step.dst] = key
+                back[step.dst] = step
+                heapq.heappush(heap, (key[0], key[1], next(counter), step.dst))
+    raise BoxingError(f"no boxing plan from {src} to {dst} for a tensor of shape {ctx.shape}")
+
+
+def _unwind(back: dict[Layout, Step], src: Layout, dst: Layout) -> list[Step]:
+    steps = []
+    state = dst
+    while state != src:
+        step = back[state]
+        steps.append(step)
+        state = step.src
+    return steps[::-1]
+
+
+def _edges(ctx: _Ctx, state: Layout, dst: Layout) -> Iterator[Step]:
+    if state.placement == dst.placement:
+        yield from _axis_steps(ctx, state)
+        if not _has_partial(state.sbp) and state.sbp != dst.sbp:
+            yield from _general_transfer(ctx, state, Layout(dst.placement, _unpartial(dst.sbp)))
+    else:
+        yield from _axis_steps(ctx, state)
+        yield from _cross_steps(ctx, state, dst)
+
+
+def _has_partial(sbp: NdSbp) -> bool:
+    return any(isinstance(s, Partial) for s in sbp)
+
+
+def _unpartial(sbp: NdSbp) -> NdSbp:
+    return tuple(broadcast if isinstance(s, Partial) else s for s in sbp)
+
+
+# ----------------------------------------------------------------------------- same placement, one axis
+
+
+def _axis_steps(ctx: _Ctx, state: Layout) -> Iterator[Step]:
+    for axis, current in enumerate(state.sbp):
+        for target in ctx.candidates:
+            if target == current or not _valid_on_axis(state.sbp, axis, current, target):
+                continue
+            kind = _axis_kind(current, target)
+            if kind is None:
+                continue
+            new = Layout(state.placement, state.sbp[:axis] + (target,) + state.sbp[axis + 1 :])
+            yield _axis_step(ctx, kind, state, new, axis)
+
+
+def _axis_kind(a: SbpParallel, b: SbpParallel) -> str | None:
+    """The 1-D transition table above, row by row."""
+    if isinstance(a, Split) and isinstance(b, Broadcast):
+        return "all_gather"
+    if isinstance(a, Split) and isinstance(b, Split):
+        return "all_to_all"
+    if isinstance(a, Partial) and isinstance(b, Broadcast):
+        return "all_reduce"
+    if isinstance(a, Partial) and isinstance(b, Split):
+        return "reduce_scatter"
+    if isinstance(a, Partial) and isinstance(b, Partial):
+        return None  # goes through B
+    return LOCAL  # B -> S, B -> P, S -> P
+
+
+def _split_dims(*sbps: SbpParallel) -> set[int]:
+    return {s.dim for s in sbps if isinstance(s, Split)}
+
+
+def _valid_on_axis(sbp: NdSbp, axis: int, a: SbpParallel, b: SbpParallel) -> bool:
+    inner = sbp[axis + 1 :]
+    touched = _split_dims(a, b)
+    if touched & _split_dims(*inner):
+        return False
+    op = a.op if isinstance(a, Partial) else b.op if isinstance(b, Partial) else None
+    if op is not None and any(isinstance(s, Partial) and s.op != op for s in inner):
+        return False
+    return True
+
+
+def _axis_step(ctx: _Ctx, kind: str, src: Layout, dst: Layout, axis: int) -> Step:
+    if kind == LOCAL:
+        return Step(LOCAL, src, dst, axis, 0, 0, 0.0)
+    pl = src.placement
+    p = pl.hierarchy[axis]
+    src_bytes = [numel(_shard_shape(ctx, src, r)) * ctx.itemsize for r in pl.flat_ranks]
+    if kind == "all_gather":
+        total = (p - 1) * sum(src_bytes)
+        rounds = p - 1
+    elif kind == "reduce_scatter":
+        total = (p - 1) * sum(src_bytes) // p
+        rounds = p - 1
+    elif kind == "all_reduce":
+        total = 2 * (p - 1) * sum(src_bytes) // p
+        rounds = 2 * (p - 1)
+    else:  # all_to_all: everything but the piece a rank keeps
+        kept = [_kept_bytes(ctx, src, dst, r) for r in pl.flat_ranks]
+        total = sum(src_bytes) - sum(kept)
+        rounds = p - 1
+    per_rank = total // pl.size
+    detail = src.sbp[axis].op if isinstance(src.sbp[axis], Partial) else ""  # type: ignore[union-attr]
+    link = ctx.model.link(pl.type, pl.axis_group_of(pl.flat_ranks[0], axis))
+    return Step(kind, src, dst, axis, total, per_rank, rounds * link.alpha + per_rank * link.beta, detail)
+
+
+def _shard_shape(ctx: _Ctx, layout: Layout, rank: int) -> Shape:
+    return box_shape(shard_box(ctx.shape, layout.placement, layout.sbp, rank))
+
+
+def _kept_bytes(ctx: _Ctx, src: Layout, dst: Layout, rank: int) -> int:
+    a = shard_box(ctx.shape, src.placement, src.sbp, rank)
+    b = shard_box(ctx.shape, dst.placement, dst.sbp, rank)
+    common = intersect(a, b)
+    return 0 if common is None else numel(box_shape(common)) * ctx.itemsize
+
+
+# ----------------------------------------------------------------------------- across placements
+
+
+def _cross_steps(ctx: _Ctx, state: Layout, dst: Layout) -> Iterator[Step]:
+    src_pl, dst_pl = state.placement, dst.placement
+    if src_pl.hierarchy == dst_pl.hierarchy:
+        yield _pairwise_transfer(ctx, state, Layout(dst_pl, state.sbp))
+    if not _has_partial(state.sbp):
+        targets = [_unpartial(dst.sbp)]
+        if dst_pl.ndim == src_pl.ndim and state.sbp != targets[0]:
+            targets.append(state.sbp)  # move as is, convert on the destination
+        for sbp in targets:
+            yield from _general_transfer(ctx, state, Layout(dst_pl, sbp))
+    all_b = all(isinstance(s, Broadcast) for s in state.sbp)
+    if all_b and src_pl.size == 1 and src_pl.flat_ranks[0] in dst_pl.flat_ranks and dst_pl.size > 1:
+        yield _rooted(ctx, "broadcast", state, Layout(dst_pl, (broadcast,) * dst_pl.ndim), dst_pl.flat_ranks)
+    ops = {s.op for s in state.sbp if isinstance(s, Partial)}
+    all_p = len(ops) == 1 and all(isinstance(s, Partial) for s in state.sbp)
+    if all_p and dst_pl.size == 1 and dst_pl.flat_ranks[0] in src_pl.flat_ranks and src_pl.size > 1:
+        step = _rooted(ctx, "reduce", state, Layout(dst_pl, (broadcast,) * dst_pl.ndim), src_pl.flat_ranks)
+        yield replace(step, detail=ops.pop())
+
+
+def _rooted(ctx: _Ctx, kind: str, src: Layout, dst: Layout, group: tuple[int, ...]) -> Step:
+    size = numel(ctx.shape) * ctx.itemsize
+    p = len(group)
+    link = ctx.model.link(src.placement.type, group)
+    time = math.ceil(math.log2(p)) * link.alpha + size * link.beta
+    return Step(kind, src, dst, None, (p - 1) * size, size, time)
+
+
+def _pairwise_transfer(ctx: _Ctx, src: Layout, dst: Layout) -> Step:
+    total, per_rank = 0, 0
+    for coords in itertools.product(*(range(n) for n in src.placement.hierarchy)):
+        a, b = src.placement.rank_at(coords), dst.placement.rank_at(coords)
+        if a != b:
+            size = numel(_shard_shape(ctx, src, a)) * ctx.itemsize
+            total += size
+            per_rank = max(per_rank, size)
+    return _transfer_step(ctx, src, dst, total, per_rank, 1 if total else 0, "pairwise")
+
+
+def _general_transfer(ctx: _Ctx, src: Layout, dst: Layout) -> Iterator[Step]:
+    pieces = transfer_pieces(ctx.shape, src, dst)
+    received: dict[int, int] = {}
+    messages: dict[int, int] = {}
+    for src_rank, dst_rank, box in pieces:
+        if src_rank != dst_rank:
+            received[dst_rank] = received.get(dst_rank, 0) + numel(box_shape(box)) * ctx.itemsize
+            messages[dst_rank] = messages.get(dst_rank, 0) + 1
+    total = sum(received.values())
+    yield _transfer_step(ctx, src, dst, total, max(received.values(), default=0), max(messages.values(), default=0),
+                         "general")
+
+
+def _transfer_step(ctx: _Ctx, src: Layout, dst: Layout, total: int, per_rank: int, msgs: int, how: str) -> Step:
+    ranks = tuple(sorted(set(src.placement.flat_ranks) | set(dst.placement.flat_ranks)))
+    link = ctx.model.link(src.placement.type if src.placement.type == dst.placement.type else "cpu", ranks)
+    return Step("send_recv", src, dst, None, total, per_rank, msgs * link.alpha + per_rank * link.beta, how)
+
+
+@lru_cache(maxsize=4096)
+def transfer_pieces(shape: Shape, src: Layout, dst: Layout) -> tuple[tuple[int, int, tuple[tuple[int, int], ...]], ...]:
+    """(src rank, dst rank, logical box) for a general send/recv between non-partial layouts.
+
+    Distinct source boxes tile the tensor; each is held by one or more replicas.
+    A destination reads a box from itself when it is a replica, otherwise from
+    replicas in turn, to spread the load.
+    """
+    holders: dict[tuple[tuple[int, int], ...], list[int]] = {}
+    for r in src.placement.flat_ranks:
+        holders.setdefault(shard_box(shape, src.placement, src.sbp, r), []).append(r)
+    out = []
+    for i, d in enumerate(dst.placement.flat_ranks):
+        want = shard_box(shape, dst.placement, dst.sbp, d)
+        for box, replicas in holders.items():
+            common = intersect(want, box)
+            if common is None:
+                continue
+            source = d if d in replicas else replicas[i % len(replicas)]
+            out.append((source, d, common))
+    return tuple(out)

@@ -1,0 +1,165 @@
+"""The comm backend interface.
+
+A backend moves shards between global ranks. A process *owns* some ranks: the
+simulated backend owns them all, a torch.distributed process owns one. Every
+method takes and returns ``{rank: tensor}`` for the owned ranks of the group
+only, and every shape a receiver cannot know is passed in explicitly, so that
+uneven shards need no extra round trip.
+
+Collectives are issued by every owned member of ``group`` (a tuple of global
+ranks in mesh order). ``op`` is ``"sum"``, ``"max"`` or ``"min"``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+import torch
+
+from . import record
+
+Shape = tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One point-to-point piece: ``src`` sends ``tensor`` (known on src only) to ``dst``."""
+
+    src: int
+    dst: int
+    shape: Shape
+    dtype: torch.dtype
+
+
+def nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n * _itemsize(dtype)
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+class Backend(ABC):
+    """Base class of comm backends; subclasses implement the ``_``-prefixed primitives."""
+
+    name = "base"
+
+    @abstractmethod
+    def owns(self, rank: int) -> bool:
+        """Whether this process holds the shard of global rank ``rank``."""
+
+    def owned(self, ranks: Iterable[int]) -> list[int]:
+        return [r for r in ranks if self.owns(r)]
+
+    @abstractmethod
+    def device_for(self, device_type: str, rank: int) -> torch.device:
+        """The torch device that holds rank ``rank``'s shards for a placement type."""
+
+    # -- collectives; each records itself, then calls the primitive ---------------
+
+    def all_gather(
+        self, group: tuple[int, ...], inputs: dict[int, torch.Tensor], shapes: Sequence[Shape], dtype: torch.dtype
+    ) -> dict[int, list[torch.Tensor]]:
+        """Every member gets every member's tensor: ``out[r][j]`` came from ``group[j]``."""
+        total = sum(nbytes(s, dtype) for s in shapes)
+        record.emit("all_gather", group, (len(group) - 1) * total)
+        return self._all_gather(group, inputs, shapes, dtype)
+
+    def all_reduce(self, group: tuple[int, ...], inputs: dict[int, torch.Tensor], op: str) -> dict[int, torch.Tensor]:
+        t = next(iter(inputs.values())) if inputs else None
+        size = nbytes(t.shape, t.dtype) if t is not None else 0
+        record.emit("all_reduce", group, 2 * (len(group) - 1) * size)
+        return self._all_reduce(group, inputs, op)
+
+    def reduce_scatter(
+        self, group: tuple[int, ...], inputs: dict[int, list[torch.Tensor]], op: str
+    ) -> dict[int, torch.Tensor]:
+        """``inputs[r][j]`` is rank r's piece for ``group[j]``; member j gets the reduction of its pieces."""
+        chunks = next(iter(inputs.values())) if inputs else []
+        size = sum(nbytes(c.shape, c.dtype) for c in chunks)
+        record.emit("reduce_scatter", group, (len(group) - 1) * size)
+        return self._reduce_scatter(group, inputs, op)
+
+    def all_to_all(
+        self,
+        group: tuple[int, ...],
+        inputs: dict[int, list[torch.Tensor]],
+        recv_shapes: dict[int, list[Shape]],
+        dtype: torch.dtype,
+        total_bytes: int,
+    ) -> dict[int, list[torch.Tensor]]:
+        """``inputs[r][j]`` goes to ``group[j]``; ``out[r][j]`` came from ``group[j]``."""
+        record.emit("all_to_all", group, total_bytes)
+        return self._all_to_all(group, inputs, recv_shapes, dtype)
+
+    def broadcast(
+        self, group: tuple[int, ...], root: int, inputs: dict[int, torch.Tensor], shape: Shape, dtype: torch.dtype
+    ) -> dict[int, torch.Tensor]:
+        record.emit("broadcast", group, (len(group) - 1) * nbytes(shape, dtype))
+        return self._broadcast(group, root, inputs, shape, dtype)
+
+    def reduce(
+        self, group: tuple[int, ...], root: int, inputs: dict[int, torch.Tensor], op: str, shape: Shape,
+        dtype: torch.dtype,
+    ) -> dict[int, torch.Tensor]:
+        record.emit("reduce", group, (len(group) - 1) * nbytes(shape, dtype))
+        return self._reduce(group, root, inputs, op, shape, dtype)
+
+    def send_recv(
+        self, transfers: Sequence[Transfer], tensors: dict[int, torch.Tensor]
+    ) -> dict[int, torch.Tensor]:
+        """Point-to-point pieces. ``tensors[i]`` is transfer i's payload where its src is owned;
+        the result maps i to the received tensor where its dst is owned."""
+        moved = [t for t in transfers if t.src != t.dst]
+        if moved:
+            ranks = tuple(sorted({t.src for t in moved} | {t.dst for t in moved}))
+            record.emit("send_recv", ranks, sum(nbytes(t.shape, t.dtype) for t in moved))
+        return self._send_recv(transfers, tensors)
+
+    # -- primitives ---------------------------------------------------------------
+
+    @abstractmethod
+    def _all_gather(self, group, inputs, shapes, dtype):  # type: ignore[no-untyped-def]
+        ...
+
+    @abstractmethod
+    def _all_reduce(self, group, inputs, op):  # type: ignore[no-untyped-def]
+        ...
+
+    @abstractmethod
+    def _reduce_scatter(self, group, inputs, op):  # type: ignore[no-untyped-def]
+        ...
+
+    @abstractmethod
+    def _all_to_all(self, group, inputs, recv_shapes, dtype):  # type: ignore[no-untyped-def]
+        ...
+
+    @abstractmethod
+    def _broadcast(self, group, root, inputs, shape, dtype):  # type: ignore[no-untyped-def]
+        ...
+
+    @abstractmethod
+    def _reduce(self, group, root, inputs, op, shape, dtype):  # type: ignore[no-untyped-def]
+        ...
+
+    @abstractmethod
+    def _send_recv(self, transfers, tensors):  # type: ignore[no-untyped-def]
+        ...
+
+
+def reduce_tensors(tensors: Sequence[torch.Tensor], op: str) -> torch.Tensor:
+    """Elementwise reduction of same-shaped tensors, in a fixed order (deterministic)."""
+    out = tensors[0].clone()
+    for t in tensors[1:]:
+        if op == "sum":
+            out.add_(t)
+        elif op == "max":
+            torch.maximum(out, t, out=out)
+        else:
+            torch.minimum(out, t, out=out)
+    return out

@@ -1,0 +1,77 @@
+"""Recording which collectives ran, on which ranks, with how many bytes.
+
+>>> import sbpflow
+>>> with sbpflow.comm.record() as log:
+...     pass
+>>> log.counts()
+{}
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Iterator
+
+
+@dataclass(frozen=True)
+class CommEvent:
+    """One collective call: its kind, the global ranks that took part, and bytes.
+
+    ``bytes`` is the total number of bytes received over all ranks of the group
+    (ring algorithms for all-reduce and reduce-scatter), so an even all-gather of
+    a tensor of ``n`` bytes on ``p`` ranks records ``(p - 1) * n``.
+    """
+
+    kind: str
+    ranks: tuple[int, ...]
+    bytes: int
+    note: str = ""
+
+
+@dataclass
+class CommLog:
+    events: list[CommEvent] = field(default_factory=list)
+
+    def counts(self) -> dict[str, int]:
+        """Number of calls per collective kind."""
+        return dict(Counter(e.kind for e in self.events))
+
+    def total_bytes(self) -> int:
+        return sum(e.bytes for e in self.events)
+
+    def kinds(self) -> list[str]:
+        return [e.kind for e in self.events]
+
+    def clear(self) -> None:
+        self.events.clear()
+
+
+_local = threading.local()
+
+
+def _active() -> list[CommLog]:
+    if not hasattr(_local, "logs"):
+        _local.logs = []
+    return _local.logs  # type: ignore[no-any-return]
+
+
+@contextmanager
+def record() -> Iterator[CommLog]:
+    """Records every collective issued inside the block (nested blocks all see them)."""
+    log = CommLog()
+    _active().append(log)
+    try:
+        yield log
+    finally:
+        _active().remove(log)
+
+
+def emit(kind: str, ranks: tuple[int, ...], nbytes: int, note: str = "") -> None:
+    logs = _active()
+    if logs:
+        event = CommEvent(kind, tuple(ranks), int(nbytes), note)
+        for log in logs:
+            log.events.append(event)

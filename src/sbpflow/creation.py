@@ -1,0 +1,243 @@
+"""Creating tensors: from data, constants, ranges and random streams.
+
+Without ``placement`` these make local tensors; with it, global ones whose
+shards each rank builds for itself (a rank never materialises the whole
+random tensor).
+
+>>> import sbpflow
+>>> p = sbpflow.placement("cpu", [0, 1, 2])
+>>> x = sbpflow.arange(7, placement=p, sbp=sbpflow.sbp.split(0))
+>>> [t.tolist() for t in x.local_tensors().values()]
+[[0, 1, 2], [3, 4], [5, 6]]
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import numpy as np
+import torch
+
+from . import random as _rng
+from ._layout import Box, shard_box
+from .comm import get_backend
+from .errors import AutogradError, ShapeError, SbpError
+from .placement import Placement
+from .sbp import NdSbp, Partial, broadcast, normalize
+from .tensor import Tensor, shards_from_full
+
+
+def _shape_arg(size: Sequence[Any]) -> tuple[int, ...]:
+    if len(size) == 1 and isinstance(size[0], (list, tuple, torch.Size)):
+        size = tuple(size[0])
+    for n in size:
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ShapeError(f"tensor sizes must be non-negative ints, but got {list(size)}")
+    return tuple(int(n) for n in size)
+
+
+def _check_layout(placement: Any, sbp: Any, ndim: int, what: str) -> NdSbp | None:
+    if placement is None:
+        if sbp is not None:
+            raise SbpError(f"{what}: sbp= needs placement= as well")
+        return None
+    if not isinstance(placement, Placement):
+        raise SbpError(f"{what}: placement= needs an sbpflow.placement, but got {placement!r}")
+    if sbp is None:
+        sbp = (broadcast,) * placement.ndim
+    return normalize(sbp, placement, ndim, what=what)
+
+
+def _finish(t: Tensor, requires_grad: bool) -> Tensor:
+    if requires_grad:
+        t.requires_grad_(True)
+    return t
+
+
+def _build(shape: tuple[int, ...], dtype: torch.dtype, placement: Placement, nd: NdSbp,
+           make: Callable[[Box, torch.device], torch.Tensor], requires_grad: bool) -> Tensor:
+    """Each owned rank builds its own shard with ``make(box, device)``; partial sums keep it on coordinate 0."""
+    backend = get_backend()
+    shards = {}
+    for r in backend.owned(placement.flat_ranks):
+        box = shard_box(shape, placement, nd, r)
+        device = backend.device_for(placement.type, r)
+        coords = placement.coords(r)
+        zero = any(isinstance(s, Partial) and s.op == "sum" and c != 0 for s, c in zip(nd, coords))
+        piece = make(box, device)
+        shards[r] = torch.zeros_like(piece) if zero else piece
+    return _finish(Tensor._from_shards(shape, dtype, placement, nd, shards), requires_grad)
+
+
+def _box_shape(box: Box) -> tuple[int, ...]:
+    return tuple(b - a for a, b in box)
+
+
+# -- from data -----------------------------------------------------------------------------------
+
+
+def tensor(data: Any, *, placement: Placement | None = None, sbp: Any = None, dtype: torch.dtype | None = None,
+           requires_grad: bool = False) -> Tensor:
+    """A tensor holding ``data`` (list, NumPy array, torch tensor or sbpflow tensor) as its logical value.
+
+    >>> import sbpflow
+    >>> sbpflow.tensor([1.0, 2.0]).numpy().tolist()
+    [1.0, 2.0]
+    """
+    value = _to_torch(data, dtype)
+    nd = _check_layout(placement, sbp, value.dim(), f"sbpflow.tensor of shape {list(value.shape)}")
+    if nd is None or placement is None:
+        return _finish(Tensor._from_local(value.clone() if isinstance(data, torch.Tensor) else value), requires_grad)
+    shards = shards_from_full(value, placement, nd)
+    return _finish(Tensor._from_shards(tuple(value.shape), value.dtype, placement, nd, shards), requires_grad)
+
+
+def _to_torch(data: Any, dtype: torch.dtype | None) -> torch.Tensor:
+    if isinstance(data, Tensor):
+        from .tensor import logical_value
+
+        data = logical_value(data)
+    if isinstance(data, torch.Tensor):
+        return data.detach().to(dtype) if dtype is not None else data.detach()
+    if isinstance(data, np.ndarray):
+        return torch.from_numpy(np.ascontiguousarray(data)).to(dtype) if dtype else torch.from_numpy(data.copy())
+    try:
+        return torch.tensor(data, dtype=dtype)
+    except (ValueError, TypeError) as e:
+        raise ShapeError(f"sbpflow.tensor needs rectangular numeric data, but {_short(data)} is not: {e}") from None
+
+
+def _short(data: Any) -> str:
+    text = repr(data)
+    return text if len(text) < 80 else text[:77] + "..."
+
+
+# -- constants and ranges ------------------------------------------------------------------------
+
+
+def full(*size: Any, fill_value: Any = None, placement: Placement | None = None, sbp: Any = None,
+         dtype: torch.dtype | None = None, requires_grad: bool = False) -> Tensor:
+    """``full(2, 3, fill_value=7.0)`` or ``full((2, 3), 7.0)``."""
+    if fill_value is None and len(size) == 2 and isinstance(size[0], (tuple, list, torch.Size)):
+        size, fill_value = (size[0],), size[1]
+    shape = _shape_arg(size)
+    if dtype is None:
+        dtype = torch.tensor(fill_value).dtype if not isinstance(fill_value, float) else torch.get_default_dtype()
+    nd = _check_layout(placement, sbp, len(shape), f"full({list(shape)})")
+    if nd is None or placement is None:
+        return _finish(Tensor._from_local(torch.full(shape, fill_value, dtype=dtype)), requires_grad)
+    return _build(shape, dtype, placement, nd,
+                  lambda box, dev: torch.full(_box_shape(box), fill_value, dtype=dtype, device=dev), requires_grad)
+
+
+def zeros(*size: Any, placement: Placement | None = None, sbp: Any = None, dtype: torch.dtype | None = None,
+          requires_grad: bool = False) -> Tensor:
+    return full(_shape_arg(size), 0.0 if dtype is None else 0, placement=placement, sbp=sbp,
+                dtype=dtype or torch.get_default_dtype(), requires_grad=requires_grad)
+
+
+def ones(*size: Any, placement: Placement | None = None, sbp: Any = None, dtype: torch.dtype | None = None,
+         requires_grad: bool = False) -> Tensor:
+    return full(_shape_arg(size), 1.0 if dtype is None else 1, placement=placement, sbp=sbp,
+                dtype=dtype or torch.get_default_dtype(), requires_grad=requires_grad)
+
+
+def arange(start: Any, end: Any = None, step: Any = 1, *, placement: Placement | None = None, sbp: Any = None,
+           dtype: torch.dtype | None = None, requires_grad: bool = False) -> Tensor:
+    if end is None:
+        start, end = 0, start
+    ref = torch.arange(start, end, step, dtype=dtype, device="meta")
+    n, dtype = ref.shape[0], ref.dtype
+    nd = _check_layout(placement, sbp, 1, f"arange({start}, {end}, {step})")
+    if nd is None or placement is None:
+        return _finish(Tensor._from_local(torch.arange(start, end, step, dtype=dtype)), requires_grad)
+
+    def make(box: Box, dev: torch.device) -> torch.Tensor:
+        lo, hi = box[0]
+        return (torch.arange(lo, hi, dtype=torch.float64 if dtype.is_floating_point else torch.int64) * step
+                + start).to(dtype=dtype, device=dev)
+
+    return _build((n,), dtype, placement, nd, make, requires_grad)
+
+
+# -- random --------------------------------------------------------------------------------------
+
+
+def _random(kind: str, size: Sequence[Any], placement: Placement | None, sbp: Any, dtype: torch.dtype | None,
+            requires_grad: bool, low: float = 0.0, high: float = 1.0) -> Tensor:
+    shape = _shape_arg(size)
+    dtype = dtype or torch.get_default_dtype()
+    if not dtype.is_floating_point:
+        raise SbpError(f"{'randn' if kind == 'normal' else 'rand'} needs a floating-point dtype, but got {dtype}")
+    key = _rng.next_key()
+    nd = _check_layout(placement, sbp, len(shape), f"random tensor of shape {list(shape)}")
+    if nd is None or placement is None:
+        full_box = tuple((0, n) for n in shape)
+        value = _rng.fill(key, shape, full_box, kind, dtype, torch.device("cpu"), low, high)
+        return _finish(Tensor._from_local(value), requires_grad)
+    return _build(shape, dtype, placement, nd,
+                  lambda box, dev: _rng.fill(key, shape, box, kind, dtype, dev, low, high), requires_grad)
+
+
+def randn(*size: Any, placement: Placement | None = None, sbp: Any = None, dtype: torch.dtype | None = None,
+          requires_grad: bool = False) -> Tensor:
+    """Standard normal values; the logical value depends on the seed and call order only."""
+    return _random("normal", size, placement, sbp, dtype, requires_grad)
+
+
+def rand(*size: Any, placement: Placement | None = None, sbp: Any = None, dtype: torch.dtype | None = None,
+         requires_grad: bool = False) -> Tensor:
+    """Uniform values on [0, 1); the logical value depends on the seed and call order only."""
+    return _random("uniform", size, placement, sbp, dtype, requires_grad)
+
+
+def uniform(*size: Any, low: float = 0.0, high: float = 1.0, placement: Placement | None = None, sbp: Any = None,
+            dtype: torch.dtype | None = None, requires_grad: bool = False) -> Tensor:
+    return _random("uniform", size, placement, sbp, dtype, requires_grad, low, high)
+
+
+def randint(low: int, high: int, size: Sequence[int], *, placement: Placement | None = None, sbp: Any = None,
+            dtype: torch.dtype = torch.int64) -> Tensor:
+    """Integers on [low, high), from the same placement-independent stream."""
+    u = uniform(*size, low=float(low), high=float(high), placement=placement, sbp=sbp, dtype=torch.float64)
+    from .ops import functional as F
+
+    return F.cast(F.floor(u), dtype)
+
+
+# -- like --------------------------------------------------------------------------------------
+
+
+def _like_layout(x: Tensor) -> tuple[Placement | None, Any]:
+    """A constant needs no partial: partial axes become B (free to slice later)."""
+    if not x.is_global:
+        return None, None
+    return x.placement, tuple(broadcast if isinstance(s, Partial) else s for s in x.sbp)
+
+
+def full_like(x: Tensor, fill_value: Any, dtype: torch.dtype | None = None) -> Tensor:
+    placement, sbp = _like_layout(x)
+    return full(tuple(x.shape), fill_value, placement=placement, sbp=sbp, dtype=dtype or x.dtype)
+
+
+def zeros_like(x: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+    return full_like(x, 0, dtype)
+
+
+def ones_like(x: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+    return full_like(x, 1, dtype)
+
+
+def randn_like(x: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+    placement, sbp = _like_layout(x)
+    return randn(tuple(x.shape), placement=placement, sbp=sbp, dtype=dtype or x.dtype)
+
+
+def rand_like(x: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+    placement, sbp = _like_layout(x)
+    return rand(tuple(x.shape), placement=placement, sbp=sbp, dtype=dtype or x.dtype)
+
+
+def _no_grad_check(requires_grad: bool, dtype: torch.dtype) -> None:
+    if requires_grad and not dtype.is_floating_point:
+        raise AutogradError(f"only floating-point tensors can require gradients, but got dtype {dtype}")

@@ -1,0 +1,43 @@
+"""sbpflow's own exception types.
+
+User mistakes raise these (never ``assert``), with messages that state the rule
+first and then the offending value.
+"""
+
+from __future__ import annotations
+
+
+class SbpflowError(Exception):
+    """Base class of every error sbpflow raises on purpose."""
+
+
+class PlacementError(SbpflowError, ValueError):
+    """An invalid placement: bad device type, ranks or mesh."""
+
+
+class SbpError(SbpflowError, ValueError):
+    """An invalid SBP, or SBPs that do not fit a tensor or placement."""
+
+
+class ShapeError(SbpflowError, ValueError):
+    """Shapes that an op cannot accept."""
+
+
+class DTypeError(SbpflowError, TypeError):
+    """Dtypes that an op cannot accept."""
+
+
+class BoxingError(SbpflowError, RuntimeError):
+    """A conversion between SBPs or placements that cannot be planned or run."""
+
+
+class OpError(SbpflowError, RuntimeError):
+    """An op that cannot run on the given inputs (no rule, bad arguments)."""
+
+
+class AutogradError(SbpflowError, RuntimeError):
+    """Misuse of reverse-mode differentiation."""
+
+
+class CommError(SbpflowError, RuntimeError):
+    """A communication failure: a timeout, a mismatch between ranks, a dead peer."""

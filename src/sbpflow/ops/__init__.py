@@ -1,0 +1,8 @@
+"""Ops: one registry (:mod:`.registry`), one file per op family, the functional API."""
+
+from __future__ import annotations
+
+from . import functional, methods
+from .registry import REGISTRY, Meta, OpDef, ShardCtx, Sig, op
+
+__all__ = ["REGISTRY", "Meta", "OpDef", "ShardCtx", "Sig", "op", "functional", "methods"]

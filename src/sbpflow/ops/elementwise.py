@@ -1,0 +1,341 @@
+"""Elementwise ops with broadcasting and torch's type promotion.
+
+SBP rules: any output dim may be split (inputs broadcast along it stay B);
+partial values pass through ops that are linear in them (add, sub, neg, and mul
+or div by a broadcast factor); ``P(max)``/``P(min)`` pass through monotone
+non-decreasing unary ops, and ``neg`` swaps them.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as TF
+
+from ..sbp import Partial, broadcast
+from . import _rules as R
+from .registry import Meta, op
+
+PSUM, PMAX, PMIN = Partial("sum"), Partial("max"), Partial("min")
+B = broadcast
+
+
+def _n_tensors(args: tuple[Any, ...]) -> int:
+    return len(R.metas(args))
+
+
+# -- unary ------------------------------------------------------------------------------------
+
+
+def _unary_sigs(monotone: bool = False, linear: bool = False, flips: bool = False):  # type: ignore[no-untyped-def]
+    def sigs(x: Meta, *rest: Any, outs: tuple[Meta, ...], **_: Any) -> list:  # type: ignore[type-arg]
+        partial: list[tuple[Any, ...]] = []
+        if linear:
+            partial.append((PSUM, PSUM))
+        if monotone:
+            partial += [(PMAX, PMAX), (PMIN, PMIN)]
+        if flips:
+            partial += [(PMAX, PMIN), (PMIN, PMAX)]
+        return R.elementwise_sigs((x,), outs[0], partial)
+
+    return sigs
+
+
+def _unary(name: str, fn: Any, *, meta: Any = R.same_meta, monotone: bool = False, linear: bool = False,
+           flips: bool = False, save_outputs: bool = False) -> Any:
+    return op(name, meta=meta, sbp=_unary_sigs(monotone, linear, flips), save_outputs=save_outputs)(fn)
+
+
+neg = _unary("neg", torch.neg, linear=True, flips=True)
+exp = _unary("exp", torch.exp, meta=R.float_meta, monotone=True, save_outputs=True)
+log = _unary("log", torch.log, meta=R.float_meta, monotone=True)
+sqrt = _unary("sqrt", torch.sqrt, meta=R.float_meta, monotone=True, save_outputs=True)
+rsqrt = _unary("rsqrt", torch.rsqrt, meta=R.float_meta, save_outputs=True)
+abs_ = _unary("abs", torch.abs)
+tanh = _unary("tanh", torch.tanh, meta=R.float_meta, monotone=True, save_outputs=True)
+sigmoid = _unary("sigmoid", torch.sigmoid, meta=R.float_meta, monotone=True, save_outputs=True)
+relu = _unary("relu", torch.relu, monotone=True, save_outputs=True)
+silu = _unary("silu", TF.silu)
+sign = _unary("sign", torch.sign)
+
+
+@op("gelu", meta=R.same_meta, sbp=_unary_sigs())
+def gelu(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
+    return TF.gelu(x, approximate=approximate)
+
+
+@op("cast", meta=lambda x, dtype: Meta(x.shape, dtype), sbp=_unary_sigs(monotone=True, linear=True))
+def cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return x.to(dtype)
+
+
+@neg.grad
+def _neg_grad(ctx: Any, dy: Any) -> Any:
+    return (-dy,)
+
+
+@exp.grad
+def _exp_grad(ctx: Any, dy: Any) -> Any:
+    return (dy * ctx.outputs[0],)
+
+
+@log.grad
+def _log_grad(ctx: Any, dy: Any) -> Any:
+    return (dy / ctx.inputs[0],)
+
+
+@sqrt.grad
+def _sqrt_grad(ctx: Any, dy: Any) -> Any:
+    return (dy / (2 * ctx.outputs[0]),)
+
+
+@rsqrt.grad
+def _rsqrt_grad(ctx: Any, dy: Any) -> Any:
+    y = ctx.outputs[0]
+    return (dy * y * y * y * -0.5,)
+
+
+@abs_.grad
+def _abs_grad(ctx: Any, dy: Any) -> Any:
+    return (dy * sign(ctx.inputs[0]),)
+
+
+@tanh.grad
+def _tanh_grad(ctx: Any, dy: Any) -> Any:
+    y = ctx.outputs[0]
+    return (dy * (1 - y * y),)
+
+
+@sigmoid.grad
+def _sigmoid_grad(ctx: Any, dy: Any) -> Any:
+    y = ctx.outputs[0]
+    return (dy * y * (1 - y),)
+
+
+@relu.grad
+def _relu_grad(ctx: Any, dy: Any) -> Any:
+    return (where(gt(ctx.outputs[0], 0), dy, 0.0),)
+
+
+@silu.grad
+def _silu_grad(ctx: Any, dy: Any) -> Any:
+    x = ctx.inputs[0]
+    s = sigmoid(x)
+    return (dy * s * (1 + x * (1 - s)),)
+
+
+@gelu.grad
+def _gelu_grad(ctx: Any, dy: Any) -> Any:
+    return (gelu_backward(dy, ctx.inputs[0], approximate=ctx.attrs.get("approximate", "none")),)
+
+
+@op("gelu_backward", meta=R.elementwise_meta, sbp=lambda dy, x, outs, **_: R.elementwise_sigs((dy, x), outs[0]),
+    differentiable=False)
+def gelu_backward(dy: torch.Tensor, x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
+    return torch.ops.aten.gelu_backward(dy, x, approximate=approximate)
+
+
+@cast.grad
+def _cast_grad(ctx: Any, dy: Any) -> Any:
+    return (cast(dy, dtype=ctx.inputs[0].dtype),)
+
+
+@sign.grad
+def _sign_grad(ctx: Any, dy: Any) -> Any:
+    return (dy * 0.0,)
+
+
+# -- binary -----------------------------------------------------------------------------------
+
+
+def _binary_sigs(kind: str):  # type: ignore[no-untyped-def]
+    """``kind``: "add" (P+P), "mul" (P*B, B*P), "div" (P/B), "rsub"... or "" (none)."""
+
+    def sigs(*args: Any, outs: tuple[Meta, ...], **_: Any) -> list:  # type: ignore[type-arg]
+        n = _n_tensors(args)
+        partial: list[tuple[Any, ...]] = []
+        if n == 2:
+            if kind == "add":
+                partial += [(PSUM, PSUM, PSUM), (PMAX, B, PMAX), (PMIN, B, PMIN), (B, PMAX, PMAX), (B, PMIN, PMIN)]
+            elif kind == "sub":
+                partial += [(PSUM, PSUM, PSUM), (PMAX, B, PMAX), (PMIN, B, PMIN), (B, PMAX, PMIN), (B, PMIN, PMAX)]
+            elif kind == "mul":
+                partial += [(PSUM, B, PSUM), (B, PSUM, PSUM)]
+            elif kind == "div":
+                partial += [(PSUM, B, PSUM)]
+        elif n == 1 and kind in ("mul", "div"):
+            partial += [(PSUM, PSUM)]
+        elif n == 1 and kind in ("add", "sub"):
+            partial += [(PMAX, PMAX), (PMIN, PMIN)]
+        return R.elementwise_sigs(args, outs[0], partial)
+
+    return sigs
+
+
+def _binary(name: str, fn: Any, kind: str = "", meta: Any = R.elementwise_meta) -> Any:
+    return op(name, meta=meta, sbp=_binary_sigs(kind))(fn)
+
+
+add = _binary("add", torch.add, "add")
+sub = _binary("sub", torch.sub, "sub")
+mul = _binary("mul", torch.mul, "mul")
+div = _binary("div", torch.div, "div", meta=R.float_meta)
+pow_ = _binary("pow", torch.pow)
+maximum = _binary("maximum", torch.maximum)
+minimum = _binary("minimum", torch.minimum)
+rsub = _binary("rsub", lambda x, s: s - x)
+rdiv = _binary("rdiv", lambda x, s: s / x, meta=R.float_meta)
+rpow = _binary("rpow", lambda x, s: torch.pow(s, x), meta=R.float_meta)
+
+eq = op("eq", meta=R.bool_meta, sbp=_binary_sigs(""), differentiable=False)(torch.eq)
+ne = op("ne", meta=R.bool_meta, sbp=_binary_sigs(""), differentiable=False)(torch.ne)
+lt = op("lt", meta=R.bool_meta, sbp=_binary_sigs(""), differentiable=False)(torch.lt)
+le = op("le", meta=R.bool_meta, sbp=_binary_sigs(""), differentiable=False)(torch.le)
+gt = op("gt", meta=R.bool_meta, sbp=_binary_sigs(""), differentiable=False)(torch.gt)
+ge = op("ge", meta=R.bool_meta, sbp=_binary_sigs(""), differentiable=False)(torch.ge)
+logical_not = op("logical_not", meta=lambda x: Meta(x.shape, torch.bool), sbp=_unary_sigs(),
+                 differentiable=False)(torch.logical_not)
+
+
+def _where_meta(c: Meta, a: Any, b: Any) -> Meta:
+    shape = R.broadcast_shapes(*(m.shape for m in R.metas((c, a, b))))
+    return Meta(shape, R.result_type(a, b))
+
+
+@op("where", meta=_where_meta, sbp=lambda *args, outs, **_: R.elementwise_sigs(args, outs[0]))
+def where(c: torch.Tensor, a: Any, b: Any) -> torch.Tensor:
+    return torch.where(c, a, b)
+
+
+def _clamp_meta(x: Meta, lo: Any, hi: Any) -> Meta:
+    return x
+
+
+@op("clamp", meta=_clamp_meta, sbp=lambda x, lo, hi, outs: R.elementwise_sigs((x,), outs[0], [(PMAX, PMAX), (PMIN, PMIN)]))
+def clamp(x: torch.Tensor, lo: Any, hi: Any) -> torch.Tensor:
+    return torch.clamp(x, lo, hi)
+
+
+def _grad_pair(ctx: Any) -> tuple[Any, Any, Any]:
+    a, b = ctx.args
+    return a, b, ctx.needs_input_grad
+
+
+def _per_tensor(ctx: Any, *grads: Any) -> tuple[Any, ...]:
+    """Keeps the gradients of tensor arguments only, reduced to each input's shape."""
+    from .functional import sum_to
+
+    out = []
+    for arg, g in zip(ctx.args, grads):
+        if hasattr(arg, "shape"):
+            out.append(None if g is None else sum_to(g, tuple(arg.shape)))
+    return tuple(out)
+
+
+@add.grad
+def _add_grad(ctx: Any, dy: Any) -> Any:
+    return _per_tensor(ctx, dy, dy)
+
+
+@sub.grad
+def _sub_grad(ctx: Any, dy: Any) -> Any:
+    return _per_tensor(ctx, dy, -dy)
+
+
+@mul.grad
+def _mul_grad(ctx: Any, dy: Any) -> Any:
+    a, b = ctx.args
+    return _per_tensor(ctx, dy * b, dy * a)
+
+
+@div.grad
+def _div_grad(ctx: Any, dy: Any) -> Any:
+    a, b = ctx.args
+    ga = dy / b
+    gb = -ga * a / b if hasattr(b, "shape") else None
+    return _per_tensor(ctx, ga, gb)
+
+
+@pow_.grad
+def _pow_grad(ctx: Any, dy: Any) -> Any:
+    a, b = ctx.args
+    ga = dy * b * a ** (b - 1)
+    gb = dy * a**b * log(a) if hasattr(b, "shape") else None
+    return _per_tensor(ctx, ga, gb)
+
+
+@rsub.grad
+def _rsub_grad(ctx: Any, dy: Any) -> Any:
+    return (-dy,)
+
+
+@rdiv.grad
+def _rdiv_grad(ctx: Any, dy: Any) -> Any:
+    x, s = ctx.args
+    return (-dy * s / (x * x),)
+
+
+@rpow.grad
+def _rpow_grad(ctx: Any, dy: Any) -> Any:
+    x, s = ctx.args
+    return (dy * rpow(x, s) * math.log(s),)
+
+
+def _select_grad(ctx: Any, dy: Any, take_a: Any) -> Any:
+    return _per_tensor(ctx, where(take_a, dy, 0.0), where(take_a, 0.0, dy))
+
+
+@maximum.grad
+def _maximum_grad(ctx: Any, dy: Any) -> Any:
+    a, b = ctx.args
+    return _select_grad(ctx, dy, ge(a, b))
+
+
+@minimum.grad
+def _minimum_grad(ctx: Any, dy: Any) -> Any:
+    a, b = ctx.args
+    return _select_grad(ctx, dy, le(a, b))
+
+
+@where.grad
+def _where_grad(ctx: Any, dy: Any) -> Any:
+    from .functional import sum_to
+
+    c, a, b = ctx.args
+    grads = [None]
+    if hasattr(a, "shape"):
+        grads.append(sum_to(where(c, dy, 0.0), tuple(a.shape)))
+    if hasattr(b, "shape"):
+        grads.append(sum_to(where(c, 0.0, dy), tuple(b.shape)))
+    return tuple(grads)
+
+
+@clamp.grad
+def _clamp_grad(ctx: Any, dy: Any) -> Any:
+    x, lo, hi = ctx.args
+    keep = x == x
+    if lo is not None:
+        keep = keep & ge(x, lo)
+    if hi is not None:
+        keep = keep & le(x, hi)
+    return (where(keep, dy, 0.0),)
+
+
+logical_and = op("logical_and", meta=R.bool_meta, sbp=_binary_sigs(""), differentiable=False)(torch.logical_and)
+logical_or = op("logical_or", meta=R.bool_meta, sbp=_binary_sigs(""), differentiable=False)(torch.logical_or)
+
+
+floor = _unary("floor", torch.floor, monotone=True)
+ceil = _unary("ceil", torch.ceil, monotone=True)
+round_ = _unary("round", torch.round, monotone=True)
+
+
+@floor.grad
+def _floor_grad(ctx: Any, dy: Any) -> Any:
+    return (dy * 0.0,)
+
+
+ceil.grad(_floor_grad)
+round_.grad(_floor_grad)

@@ -1,0 +1,297 @@
+"""The functional API: every op as a function, with scalars, defaults and composites.
+
+Op families live in their own modules; this module re-exports them and adds
+the argument handling (Python scalars on either side, 1-D matmul) and the ops
+built from other ops (var, std, sum_to ...), so that composites get SBP
+inference and gradients for free.
+"""
+
+from __future__ import annotations
+
+import builtins
+from typing import Any, Sequence
+
+import torch
+
+from ..creation import full_like, ones_like, rand_like, randn_like, zeros_like
+from ..errors import ShapeError
+from ..tensor import Tensor
+from . import _rules as R
+from . import elementwise as E
+from . import matrix as M
+from . import reduction as RD
+from . import shape as SH
+from .convert import local_to_global, to_global
+from .attention import *  # noqa: F401,F403
+from .conv import *  # noqa: F401,F403
+from .indexing import *  # noqa: F401,F403
+from .loss import *  # noqa: F401,F403
+from .normalization import *  # noqa: F401,F403
+
+Scalar = int | float | bool
+
+
+def _is_t(x: Any) -> bool:
+    return isinstance(x, Tensor)
+
+
+# -- elementwise -----------------------------------------------------------------------------------
+
+
+def add(x: Any, y: Any, alpha: Any = None) -> Tensor:
+    if alpha is not None:
+        y = mul(y, alpha)
+    return E.add(x, y) if _is_t(x) else E.add(y, x)
+
+
+def sub(x: Any, y: Any, alpha: Any = None) -> Tensor:
+    if alpha is not None:
+        y = mul(y, alpha)
+    return E.sub(x, y) if _is_t(x) else E.rsub(y, x)
+
+
+def mul(x: Any, y: Any) -> Tensor:
+    return E.mul(x, y) if _is_t(x) else E.mul(y, x)
+
+
+def div(x: Any, y: Any) -> Tensor:
+    return E.div(x, y) if _is_t(x) else E.rdiv(y, x)
+
+
+def pow(x: Any, y: Any) -> Tensor:
+    return E.pow_(x, y) if _is_t(x) else E.rpow(y, x)
+
+
+def maximum(x: Tensor, y: Any) -> Tensor:
+    return E.maximum(x, y)
+
+
+def minimum(x: Tensor, y: Any) -> Tensor:
+    return E.minimum(x, y)
+
+
+def _cmp(op: Any, flipped: Any):  # type: ignore[no-untyped-def]
+    def f(x: Any, y: Any) -> Tensor:
+        return op(x, y) if _is_t(x) else flipped(y, x)
+
+    return f
+
+
+eq = _cmp(E.eq, E.eq)
+ne = _cmp(E.ne, E.ne)
+lt = _cmp(E.lt, E.gt)
+le = _cmp(E.le, E.ge)
+gt = _cmp(E.gt, E.lt)
+ge = _cmp(E.ge, E.le)
+logical_not = E.logical_not
+logical_and = E.logical_and
+logical_or = E.logical_or
+
+neg, exp, log, sqrt, rsqrt, tanh, sigmoid, relu, silu = (
+    E.neg, E.exp, E.log, E.sqrt, E.rsqrt, E.tanh, E.sigmoid, E.relu, E.silu,
+)
+abs = E.abs_
+sign, floor, ceil, round = E.sign, E.floor, E.ceil, E.round_
+
+
+def gelu(x: Tensor, approximate: str = "none") -> Tensor:
+    if approximate not in ("none", "tanh"):
+        raise ValueError(f"gelu approximate must be 'none' or 'tanh', but got {approximate!r}")
+    return E.gelu(x, approximate=approximate)
+
+
+def square(x: Tensor) -> Tensor:
+    return E.mul(x, x)
+
+
+def where(condition: Tensor, x: Any, y: Any) -> Tensor:
+    if not _is_t(x) and not _is_t(y):
+        raise TypeError("where needs at least one tensor among x and y")
+    return E.where(condition, x, y)
+
+
+def clamp(x: Tensor, min: Any = None, max: Any = None) -> Tensor:
+    if _is_t(min) or _is_t(max):
+        out = x
+        if min is not None:
+            out = maximum(out, min) if _is_t(min) else E.clamp(out, min, None)
+        if max is not None:
+            out = minimum(out, max) if _is_t(max) else E.clamp(out, None, max)
+        return out
+    return E.clamp(x, min, max)
+
+
+clip = clamp
+
+
+def cast(x: Tensor, dtype: torch.dtype) -> Tensor:
+    return x if x.dtype == dtype else E.cast(x, dtype=dtype)
+
+
+# -- matrix ------------------------------------------------------------------------------------------
+
+
+def matmul(a: Tensor, b: Tensor) -> Tensor:
+    """torch.matmul semantics, 1-D operands included."""
+    if a.ndim == 0 or b.ndim == 0:
+        raise ShapeError(f"matmul needs tensors of at least 1 dim, but got a {list(a.shape)} and b {list(b.shape)}")
+    squeeze_a, squeeze_b = a.ndim == 1, b.ndim == 1
+    if squeeze_a:
+        a = SH.unsqueeze(a, dim=0)
+    if squeeze_b:
+        b = SH.unsqueeze(b, dim=1)
+    out = M.matmul(a, b)
+    if squeeze_a:
+        out = SH.squeeze(out, dim=-2)
+    if squeeze_b:
+        out = SH.squeeze(out, dim=-1)
+    return out
+
+
+def bmm(a: Tensor, b: Tensor) -> Tensor:
+    if a.ndim != 3 or b.ndim != 3:
+        raise ShapeError(f"bmm needs 3-D tensors, but got a {list(a.shape)} and b {list(b.shape)}")
+    return M.matmul(a, b)
+
+
+mm = matmul
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    return M.linear(x, weight, bias) if bias is not None else M.linear(x, weight)
+
+
+# -- reductions --------------------------------------------------------------------------------------
+
+
+def _dims(dim: Any) -> Any:
+    if isinstance(dim, list):
+        return tuple(dim)
+    return dim
+
+
+def sum(x: Tensor, dim: Any = None, keepdim: bool = False, dtype: torch.dtype | None = None) -> Tensor:
+    return RD.sum_(x, dim=_dims(dim), keepdim=keepdim, dtype=dtype)
+
+
+def mean(x: Tensor, dim: Any = None, keepdim: bool = False, dtype: torch.dtype | None = None) -> Tensor:
+    return RD.mean(x, dim=_dims(dim), keepdim=keepdim, dtype=dtype)
+
+
+def amax(x: Tensor, dim: Any = None, keepdim: bool = False) -> Tensor:
+    return RD.amax(x, dim=_dims(dim), keepdim=keepdim)
+
+
+def amin(x: Tensor, dim: Any = None, keepdim: bool = False) -> Tensor:
+    return RD.amin(x, dim=_dims(dim), keepdim=keepdim)
+
+
+def var(x: Tensor, dim: Any = None, keepdim: bool = False, correction: int = 1, unbiased: bool | None = None) -> Tensor:
+    """Variance as mean((x - mean)^2) * n / (n - correction): exact under uneven splits."""
+    if unbiased is not None:
+        correction = 1 if unbiased else 0
+    dims = R.normalize_dims(_dims(dim), x.ndim)
+    n = 1
+    for d in dims:
+        n *= x.shape[d]
+    centered = x - mean(x, dim=dims, keepdim=True)
+    out = mean(centered * centered, dim=dims, keepdim=keepdim)
+    return out * (n / (n - correction)) if n - correction > 0 else out * float("nan")
+
+
+def std(x: Tensor, dim: Any = None, keepdim: bool = False, correction: int = 1, unbiased: bool | None = None) -> Tensor:
+    return sqrt(var(x, dim, keepdim, correction, unbiased))
+
+
+# -- shape ------------------------------------------------------------------------------------------
+
+
+def reshape(x: Tensor, *shape: Any) -> Tensor:
+    if len(shape) == 1 and isinstance(shape[0], (tuple, list, torch.Size)):
+        shape = tuple(shape[0])
+    target = SH.infer_shape(shape, x.numel())
+    return x if target == tuple(x.shape) else SH.reshape(x, shape=target)
+
+
+view = reshape
+
+
+def transpose(x: Tensor, dim0: int, dim1: int) -> Tensor:
+    d0, d1 = R.normalize_dim(dim0, x.ndim), R.normalize_dim(dim1, x.ndim)
+    if d0 == d1:
+        return x
+    dims = list(range(x.ndim))
+    dims[d0], dims[d1] = dims[d1], dims[d0]
+    return SH.permute(x, dims=tuple(dims))
+
+
+def permute(x: Tensor, *dims: Any) -> Tensor:
+    if len(dims) == 1 and isinstance(dims[0], (tuple, list)):
+        dims = tuple(dims[0])
+    return SH.permute(x, dims=tuple(dims))
+
+
+def t(x: Tensor) -> Tensor:
+    return transpose(x, 0, 1) if x.ndim == 2 else x
+
+
+def unsqueeze(x: Tensor, dim: int) -> Tensor:
+    return SH.unsqueeze(x, dim=dim)
+
+
+def squeeze(x: Tensor, dim: Any = None) -> Tensor:
+    if dim is None:
+        for d in reversed(range(x.ndim)):
+            if x.shape[d] == 1:
+                x = SH.squeeze(x, dim=d)
+        return x
+    return SH.squeeze(x, dim=dim)
+
+
+def expand(x: Tensor, *shape: Any) -> Tensor:
+    if len(shape) == 1 and isinstance(shape[0], (tuple, list, torch.Size)):
+        shape = tuple(shape[0])
+    return SH.expand(x, shape=tuple(shape))
+
+
+def expand_as(x: Tensor, other: Tensor) -> Tensor:
+    return expand(x, tuple(other.shape))
+
+
+def sum_to(g: Tensor, shape: tuple[int, ...]) -> Tensor:
+    """Sums a broadcast gradient back to ``shape`` (the reverse of broadcasting)."""
+    if tuple(g.shape) == tuple(shape):
+        return g
+    lead = g.ndim - len(shape)
+    dims = tuple(range(lead)) + tuple(lead + i for i, n in enumerate(shape) if n == 1 and g.shape[lead + i] != 1)
+    out = sum(g, dim=dims, keepdim=True) if dims else g
+    return reshape(out, tuple(shape)) if tuple(out.shape) != tuple(shape) else out
+
+
+def expand_reduced(g: Tensor, shape: tuple[int, ...], dim: Any, keepdim: bool) -> Tensor:
+    """Broadcasts the result of a reduction over ``dim`` back to the input ``shape``."""
+    dims = R.normalize_dims(dim, len(shape))
+    if not keepdim:
+        for d in dims:
+            g = unsqueeze(g, d)
+    return expand(g, tuple(shape)) if tuple(g.shape) != tuple(shape) else g
+
+
+def flatten(x: Tensor, start_dim: int = 0, end_dim: int = -1) -> Tensor:
+    if x.ndim == 0:
+        return reshape(x, (1,))
+    s, e = R.normalize_dim(start_dim, x.ndim), R.normalize_dim(end_dim, x.ndim)
+    merged = 1
+    for n in x.shape[s : e + 1]:
+        merged *= n
+    return reshape(x, tuple(x.shape[:s]) + (merged,) + tuple(x.shape[e + 1 :]))
+
+
+def unflatten(x: Tensor, dim: int, sizes: Sequence[int]) -> Tensor:
+    d = R.normalize_dim(dim, x.ndim)
+    return reshape(x, tuple(x.shape[:d]) + tuple(sizes) + tuple(x.shape[d + 1 :]))
+
+
+__all__ = [n for n in dir() if not n.startswith("_") and n not in {"Any", "Sequence", "annotations", "builtins",
+                                                                     "torch", "Tensor", "R", "E", "M", "RD", "SH"}]
+_ = (builtins, full_like, ones_like, rand_like, randn_like, zeros_like, local_to_global, to_global)

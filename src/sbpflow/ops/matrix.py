@@ -1,0 +1,185 @@
+"""matmul / bmm and linear.
+
+Signatures (2-D view; batch dims may be split on both sides, or on the side that has them):
+
+    a       b       out
+    S(m)    B       S(m)        rows of a
+    B       S(n)    S(n)        columns of b
+    S(k)    S(k)    P(sum)      the contraction dim
+    P(sum)  B       P(sum)      linear in a
+    B       P(sum)  P(sum)      linear in b
+    B       B       B
+
+``linear(x, w, b)`` uses torch's layout ``w: (out, in)``: column-parallel is
+``w`` S(0) (output S(-1)), row-parallel is ``x`` S(-1) with ``w`` S(1) (output
+P(sum), the bias added by one rank only).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as TF
+
+from ..errors import ShapeError
+from ..sbp import Partial, Split, broadcast
+from . import _rules as R
+from .registry import Meta, ShardCtx, Sig, op
+
+PSUM = Partial("sum")
+B = broadcast
+
+
+def _matmul_meta(a: Meta, b: Meta) -> Meta:
+    if a.ndim < 2 or b.ndim < 2:
+        raise ShapeError("the matmul op takes tensors of at least 2 dims (functional.matmul handles 1-D ones)")
+    R.check_dtypes_equal("matmul", a, b)
+    if a.shape[-1] != b.shape[-2]:
+        raise ShapeError(
+            f"matmul needs a's last dim to equal b's second-to-last dim, but got a {list(a.shape)} and b {list(b.shape)}"
+        )
+    batch = R.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    return Meta(batch + (a.shape[-2], b.shape[-1]), a.dtype)
+
+
+def _batch_dim(m: Meta, out_ndim: int, d: int, out: Meta) -> Any:
+    k = d - (out_ndim - m.ndim)
+    return Split(k) if k >= 0 and m.shape[k] == out.shape[d] else B
+
+
+def _matmul_sigs(a: Meta, b: Meta, outs: tuple[Meta, ...]) -> list[Sig]:
+    out = outs[0]
+    n = out.ndim
+    sigs = [
+        Sig((B, B), (B,)),
+        Sig((Split(a.ndim - 2), B), (Split(n - 2),)),
+        Sig((B, Split(b.ndim - 1)), (Split(n - 1),)),
+        Sig((Split(a.ndim - 1), Split(b.ndim - 2)), (PSUM,)),
+        Sig((PSUM, B), (PSUM,)),
+        Sig((B, PSUM), (PSUM,)),
+    ]
+    for d in range(n - 2):
+        sa, sb = _batch_dim(a, n, d, out), _batch_dim(b, n, d, out)
+        if isinstance(sa, Split) or isinstance(sb, Split):
+            sigs.append(Sig((sa, sb), (Split(d),)))
+    return sigs
+
+
+@op("matmul", meta=_matmul_meta, sbp=_matmul_sigs)
+def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return torch.matmul(a, b)
+
+
+@matmul.grad
+def _matmul_grad(ctx: Any, dy: Any) -> Any:
+    from .functional import sum_to, transpose
+
+    a, b = ctx.inputs
+    da = sum_to(matmul(dy, transpose(b, -1, -2)), tuple(a.shape)) if ctx.needs_input_grad[0] else None
+    db = sum_to(matmul(transpose(a, -1, -2), dy), tuple(b.shape)) if ctx.needs_input_grad[1] else None
+    return da, db
+
+
+# -- linear -------------------------------------------------------------------------------------
+
+
+def _linear_meta(x: Meta, w: Meta, b: Any = None) -> Meta:
+    if w.ndim != 2 or x.ndim < 1:
+        raise ShapeError(f"linear needs weight of shape (out, in) and input (..., in), but got x {list(x.shape)}, "
+                         f"weight {list(w.shape)}")
+    if x.shape[-1] != w.shape[1]:
+        raise ShapeError(f"linear needs input's last dim {x.shape[-1]} to equal weight's in-features {w.shape[1]} "
+                         f"(x {list(x.shape)}, weight {list(w.shape)})")
+    R.check_dtypes_equal("linear", x, w, *([b] if isinstance(b, Meta) else []))
+    if isinstance(b, Meta) and tuple(b.shape) != (w.shape[0],):
+        raise ShapeError(f"linear needs bias of shape [{w.shape[0]}], but got {list(b.shape)}")
+    return Meta(x.shape[:-1] + (w.shape[0],), x.dtype)
+
+
+def _linear_sigs(x: Meta, w: Meta, b: Any = None, *, outs: tuple[Meta, ...]) -> list[Sig]:
+    has_bias = isinstance(b, Meta)
+    last = x.ndim - 1
+
+    def sig(xs: Any, ws: Any, bs: Any, out: Any) -> Sig:
+        return Sig((xs, ws, bs) if has_bias else (xs, ws), (out,))
+
+    sigs = [
+        sig(B, B, B, B),
+        sig(B, Split(0), Split(0), Split(last)),  # column parallel
+        sig(Split(last), Split(1), PSUM, PSUM),  # row parallel: the bias counted once
+        sig(PSUM, B, PSUM, PSUM),
+    ]
+    for d in range(last):
+        sigs.append(sig(Split(d), B, B, Split(d)))
+    return sigs
+
+
+@op("linear", meta=_linear_meta, sbp=_linear_sigs)
+def linear(x: torch.Tensor, w: torch.Tensor, b: Any = None) -> torch.Tensor:
+    return TF.linear(x, w, b)
+
+
+@linear.grad
+def _linear_grad(ctx: Any, dy: Any) -> Any:
+    from .functional import sum
+
+    x, w = ctx.inputs[0], ctx.inputs[1]
+    needs = ctx.needs_input_grad
+    dx = matmul_nd(dy, w) if needs[0] else None
+    dw = linear_weight_grad(dy, x) if needs[1] else None
+    grads = [dx, dw]
+    if len(ctx.inputs) == 3:
+        grads.append(sum(dy, dim=tuple(range(dy.ndim - 1))) if needs[2] else None)
+    return tuple(grads)
+
+
+def _nd_meta(dy: Meta, w: Meta) -> Meta:
+    return Meta(dy.shape[:-1] + (w.shape[1],), dy.dtype)
+
+
+def _nd_sigs(dy: Meta, w: Meta, outs: tuple[Meta, ...]) -> list[Sig]:
+    last = dy.ndim - 1
+    sigs = [Sig((B, B), (B,)), Sig((Split(last), Split(0)), (PSUM,)), Sig((B, Split(1)), (Split(last),)),
+            Sig((PSUM, B), (PSUM,)), Sig((B, PSUM), (PSUM,))]
+    sigs += [Sig((Split(d), B), (Split(d),)) for d in range(last)]
+    return sigs
+
+
+@op("matmul_nd", meta=_nd_meta, sbp=_nd_sigs)
+def matmul_nd(dy: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``dy (..., out) @ w (out, in) -> (..., in)``: the input gradient of linear."""
+    return torch.matmul(dy, w)
+
+
+@matmul_nd.grad
+def _matmul_nd_grad(ctx: Any, g: Any) -> Any:
+    dy, w = ctx.inputs
+    return linear(g, w) if ctx.needs_input_grad[0] else None, linear_weight_grad(dy, g) if ctx.needs_input_grad[1] else None
+
+
+def _wgrad_meta(dy: Meta, x: Meta) -> Meta:
+    return Meta((dy.shape[-1], x.shape[-1]), dy.dtype)
+
+
+def _wgrad_sigs(dy: Meta, x: Meta, outs: tuple[Meta, ...]) -> list[Sig]:
+    last = dy.ndim - 1
+    sigs = [Sig((B, B), (B,)), Sig((Split(last), B), (Split(0),)), Sig((B, Split(last)), (Split(1),)),
+            Sig((PSUM, B), (PSUM,)), Sig((B, PSUM), (PSUM,))]
+    sigs += [Sig((Split(d), Split(d)), (PSUM,)) for d in range(last)]
+    return sigs
+
+
+@op("linear_weight_grad", meta=_wgrad_meta, sbp=_wgrad_sigs)
+def linear_weight_grad(dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``sum over batch dims of dy^T x``: (out, in), the weight gradient of linear."""
+    return torch.matmul(dy.reshape(-1, dy.shape[-1]).t(), x.reshape(-1, x.shape[-1]))
+
+
+@linear_weight_grad.grad
+def _wgrad_grad(ctx: Any, g: Any) -> Any:
+    dy, x = ctx.inputs
+    return (linear(x, g) if ctx.needs_input_grad[0] else None, matmul_nd(dy, g) if ctx.needs_input_grad[1] else None)
+
+
+del ShardCtx

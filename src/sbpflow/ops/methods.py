@@ -1,0 +1,120 @@
+"""Tensor methods and Python operators, bound onto :class:`sbpflow.Tensor`.
+
+Op families bind their own extra methods with :func:`bind_methods`.
+In-place forms (``add_``, ``mul_`` ...) compute out of place, box the result to
+the tensor's own layout and copy it in; when every operand already shares that
+layout (and nothing is partial) they run torch's in-place kernel per shard.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from ..autograd import is_grad_enabled
+from ..errors import AutogradError
+from ..sbp import Partial
+from ..tensor import Tensor
+from . import functional as F
+
+
+def bind_methods(table: dict[str, Callable[..., Any]]) -> None:
+    for name, fn in table.items():
+        setattr(Tensor, name, fn)
+
+
+def _r(fn: Callable[[Any, Any], Tensor]) -> Callable[[Tensor, Any], Tensor]:
+    return lambda self, other: fn(other, self)
+
+
+bind_methods({
+    "__add__": F.add, "__radd__": _r(F.add), "__sub__": F.sub, "__rsub__": _r(F.sub),
+    "__mul__": F.mul, "__rmul__": _r(F.mul), "__truediv__": F.div, "__rtruediv__": _r(F.div),
+    "__pow__": F.pow, "__rpow__": _r(F.pow), "__matmul__": F.matmul, "__rmatmul__": _r(F.matmul),
+    "__neg__": F.neg, "__abs__": F.abs, "__lt__": F.lt, "__le__": F.le, "__gt__": F.gt, "__ge__": F.ge,
+    "__eq__": F.eq, "__ne__": F.ne, "__and__": F.logical_and, "__or__": F.logical_or,
+    "__invert__": F.logical_not,
+    "add": F.add, "sub": F.sub, "mul": F.mul, "div": F.div, "pow": F.pow, "neg": F.neg, "exp": F.exp,
+    "log": F.log, "sqrt": F.sqrt, "rsqrt": F.rsqrt, "abs": F.abs, "tanh": F.tanh, "sigmoid": F.sigmoid,
+    "relu": F.relu, "square": F.square, "clamp": F.clamp, "clip": F.clamp, "maximum": F.maximum,
+    "minimum": F.minimum, "eq": F.eq, "ne": F.ne, "lt": F.lt, "le": F.le, "gt": F.gt, "ge": F.ge,
+    "matmul": F.matmul, "sum": F.sum, "mean": F.mean, "amax": F.amax, "amin": F.amin, "var": F.var,
+    "std": F.std, "reshape": F.reshape, "view": F.view, "transpose": F.transpose, "permute": F.permute,
+    "unsqueeze": F.unsqueeze, "squeeze": F.squeeze, "expand": F.expand, "expand_as": F.expand_as,
+    "flatten": F.flatten, "unflatten": F.unflatten, "floor": F.floor, "sign": F.sign,
+    "t": F.t, "float": lambda self: F.cast(self, torch.float32), "double": lambda self: F.cast(self, torch.float64),
+    "long": lambda self: F.cast(self, torch.int64), "int": lambda self: F.cast(self, torch.int32),
+    "bool": lambda self: F.cast(self, torch.bool), "half": lambda self: F.cast(self, torch.float16),
+    "bfloat16": lambda self: F.cast(self, torch.bfloat16), "type_as": lambda self, o: F.cast(self, o.dtype),
+})
+
+
+def _to(self: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+    dtype = kwargs.get("dtype")
+    for a in args:
+        if isinstance(a, torch.dtype):
+            dtype = a
+    return F.cast(self, dtype) if dtype is not None else self
+
+
+Tensor.to = _to  # type: ignore[attr-defined]
+Tensor.T = property(lambda self: F.permute(self, tuple(reversed(range(self.ndim)))))  # type: ignore[attr-defined]
+Tensor.mT = property(lambda self: F.transpose(self, -1, -2))  # type: ignore[attr-defined]
+
+
+# -- in place --------------------------------------------------------------------------------------
+
+
+def _fast_ok(self: Tensor, args: tuple[Any, ...]) -> bool:
+    if self._local is not None:
+        return all(not isinstance(a, Tensor) or a._local is not None for a in args)
+    if any(isinstance(s, Partial) for s in self.sbp):
+        return False
+    for a in args:
+        if isinstance(a, Tensor) and (a._local is not None or a.placement != self.placement or a.sbp != self.sbp
+                                      or tuple(a.shape) != tuple(self.shape) or a.dtype != self.dtype):
+            return False
+    return True
+
+
+def _inplace(name: str, fn: Callable[..., Tensor]) -> Callable[..., Tensor]:
+    def method(self: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        if is_grad_enabled() and (self.requires_grad or any(isinstance(a, Tensor) and a.requires_grad for a in args)):
+            raise AutogradError(
+                f"{name}() modifies a tensor in place while gradients are recorded ({self._describe()}); "
+                "wrap it in sbpflow.no_grad() or use the out-of-place form"
+            )
+        if _fast_ok(self, args):
+            for r, shard in self.local_tensors().items():
+                values = [a.local_tensors()[r] if isinstance(a, Tensor) else a for a in args]
+                getattr(shard, name)(*values, **kwargs)
+            self._version += 1
+            return self
+        result = fn(self, *args, **kwargs)
+        if self.is_global and (result.placement != self.placement or result.sbp != self.sbp):
+            result = F.to_global(result, self.placement, self.sbp)
+        if result.dtype != self.dtype:
+            result = F.cast(result, self.dtype)
+        return self._assign(result)
+
+    method.__name__ = name
+    return method
+
+
+def _copy(self: Tensor, src: Any) -> Tensor:
+    return F.expand(src, tuple(self.shape)) if tuple(src.shape) != tuple(self.shape) else src
+
+
+def _fill(self: Tensor, value: Any) -> Tensor:
+    return F.full_like(self, value)
+
+
+bind_methods({
+    "add_": _inplace("add_", F.add), "sub_": _inplace("sub_", F.sub), "mul_": _inplace("mul_", F.mul),
+    "div_": _inplace("div_", F.div), "pow_": _inplace("pow_", F.pow), "clamp_": _inplace("clamp_", F.clamp),
+    "copy_": _inplace("copy_", _copy), "fill_": _inplace("fill_", _fill),
+    "zero_": _inplace("zero_", lambda self: F.zeros_like(self)),
+    "neg_": _inplace("neg_", F.neg), "sqrt_": _inplace("sqrt_", F.sqrt), "exp_": _inplace("exp_", F.exp),
+    "maximum_": _inplace("maximum_", F.maximum),
+})

@@ -1,0 +1,362 @@
+"""The op registry: one decorator, one definition per op, serving eager and traced execution.
+
+An op declares
+
+* ``meta(*args, **attrs)``: output :class:`Meta` from input metadata, never data;
+* ``sbp(*args, outs, **attrs)``: its valid 1-D signatures (:class:`Sig`), one
+  SBP per tensor input and output; n-D signatures are their product;
+* the kernel (the decorated function) on local torch tensors;
+* ``@op.grad``: its gradient, written in sbpflow ops.
+
+Positional arguments are tensors or *dynamic* scalars (their type is part of
+the dispatch cache key, their value is not); keyword arguments are static
+attributes and are part of the key.
+
+>>> import torch
+>>> from sbpflow.ops.registry import op, Sig, Meta
+>>> from sbpflow.sbp import broadcast, split
+>>> @op("twice", meta=lambda x: x, sbp=lambda x, outs: [Sig((split(d),), (split(d),)) for d in range(len(x.shape))])
+... def twice(x: torch.Tensor) -> torch.Tensor:
+...     return 2 * x
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+
+from .. import boxing
+from .._layout import Box, shard_box
+from ..autograd import Node, is_grad_enabled
+from ..comm import get_backend
+from ..errors import OpError, SbpflowError
+from ..placement import Placement
+from ..sbp import Broadcast, NdSbp, SbpParallel, format_nd
+from ..tensor import Tensor
+
+
+@dataclass(frozen=True)
+class Meta:
+    """Logical metadata of a tensor argument or result."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+
+@dataclass(frozen=True)
+class Scalar:
+    """A dynamic scalar argument as meta inference sees it: only its Python type."""
+
+    type: type
+
+
+@dataclass(frozen=True)
+class Sig:
+    """A 1-D SBP signature: one SBP per tensor input, one per output."""
+
+    ins: tuple[SbpParallel, ...]
+    outs: tuple[SbpParallel, ...]
+
+
+@dataclass(frozen=True)
+class ShardCtx:
+    """What a shard-aware kernel learns about the shard it computes."""
+
+    rank: int
+    placement: Placement | None
+    in_boxes: tuple[Box, ...]  # logical box of each tensor input's shard
+    out_boxes: tuple[Box, ...]
+    in_metas: tuple[Meta, ...]
+    out_metas: tuple[Meta, ...]
+    in_sbps: tuple[NdSbp, ...]
+    out_sbps: tuple[NdSbp, ...]
+
+
+REGISTRY: dict[str, "OpDef"] = {}
+
+
+class OpDef:
+    """A registered op; calling it dispatches (see :func:`apply`)."""
+
+    def __init__(self, name: str, kernel: Callable[..., Any], meta: Callable[..., Any], sbp: Callable[..., Any],
+                 shard_aware: bool, save_outputs: bool, differentiable: bool, mesh_aware: bool) -> None:
+        self.name = name
+        self.kernel = kernel
+        self.meta = meta
+        self.sbp = sbp
+        self.shard_aware = shard_aware
+        self.save_outputs = save_outputs
+        self.differentiable = differentiable
+        self.mesh_aware = mesh_aware
+        self.backward_fn: Callable[..., Any] | None = None
+
+    def grad(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """Decorator: registers this op's gradient ``fn(ctx, *grad_outputs) -> input grads``."""
+        self.backward_fn = fn
+        return fn
+
+    def __call__(self, *args: Any, **attrs: Any) -> Any:
+        return apply(self, args, attrs)
+
+    def __repr__(self) -> str:
+        return f"<sbpflow op {self.name}>"
+
+
+def op(name: str, *, meta: Callable[..., Any], sbp: Callable[..., Any], shard_aware: bool = False,
+       save_outputs: bool = False, differentiable: bool = True,
+       mesh_aware: bool = False) -> Callable[[Callable[..., Any]], OpDef]:
+    """Registers the decorated kernel as op ``name``.
+
+    ``shard_aware`` kernels get a :class:`ShardCtx` first; ``mesh_aware`` SBP
+    rules get ``mesh=`` (the placement's hierarchy) for rules that hold only
+    for some mesh sizes, such as a reshape of an unevenly split dim;
+    ``save_outputs`` keeps the outputs for the gradient.
+    """
+
+    def register(kernel: Callable[..., Any]) -> OpDef:
+        if name in REGISTRY:
+            raise OpError(f"op {name!r} is registered twice")
+        definition = OpDef(name, kernel, meta, sbp, shard_aware, save_outputs, differentiable, mesh_aware)
+        REGISTRY[name] = definition
+        return definition
+
+    return register
+
+
+# ----------------------------------------------------------------------------- dispatch
+
+
+def apply(opdef: OpDef, args: Sequence[Any], attrs: dict[str, Any]) -> Any:
+    """Runs ``opdef`` on ``args``: meta, signature choice, boxing, kernels, autograd record."""
+    tensors = [a for a in args if isinstance(a, Tensor)]
+    if not tensors:
+        raise OpError(f"op {opdef.name!r} needs at least one tensor argument")
+    global_flags = {t._local is None for t in tensors}
+    if len(global_flags) > 1:
+        raise OpError(
+            f"op {opdef.name!r} got local and global tensors together: {_describe_args(args)}; "
+            "convert the local ones with .to_global(placement, sbp)"
+        )
+    if global_flags.pop():
+        outputs = _apply_global(opdef, args, attrs, tensors)
+    else:
+        outputs = _apply_local(opdef, args, attrs)
+    single = not isinstance(outputs, tuple)
+    outs = (outputs,) if single else outputs
+    if opdef.differentiable and is_grad_enabled() and any(t.requires_grad for t in tensors):
+        _record(opdef, args, attrs, outs)
+    return outputs
+
+
+def _record(opdef: OpDef, args: Sequence[Any], attrs: dict[str, Any], outs: tuple[Tensor, ...]) -> None:
+    node = Node(opdef, args, outs, attrs, opdef.save_outputs)
+    for i, o in enumerate(outs):
+        if o.dtype.is_floating_point or o.dtype.is_complex:
+            o.requires_grad = True
+            o.grad_fn = node
+            o._out_index = i
+
+
+def _describe_args(args: Sequence[Any]) -> str:
+    parts = []
+    for i, a in enumerate(args):
+        parts.append(f"arg {i}: {a._describe()}" if isinstance(a, Tensor) else f"arg {i}: {type(a).__name__} {a!r}")
+    return "; ".join(parts)
+
+
+def _arg_meta(a: Any) -> Any:
+    if isinstance(a, Tensor):
+        return Meta(tuple(a.shape), a.dtype)
+    return Scalar(type(a))
+
+
+def _attrs_key(attrs: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
+    return tuple(sorted(attrs.items())) if attrs else ()
+
+
+def _infer(opdef: OpDef, args: Sequence[Any], metas: Sequence[Any], attrs: dict[str, Any]) -> tuple[Meta, ...]:
+    try:
+        out = opdef.meta(*metas, **attrs)
+    except SbpflowError as e:
+        raise type(e)(f"op {opdef.name!r}: {e}; inputs: {_describe_args(args)}") from None
+    return out if isinstance(out, tuple) else (out,)
+
+
+# -- local tensors --------------------------------------------------------------------------
+
+_local_cache: dict[Any, tuple[Meta, ...]] = {}
+
+
+def _apply_local(opdef: OpDef, args: Sequence[Any], attrs: dict[str, Any]) -> Any:
+    metas = tuple(_arg_meta(a) for a in args)
+    key = (opdef.name, metas, _attrs_key(attrs))
+    out_metas = _local_cache.get(key)
+    if out_metas is None:
+        out_metas = _infer(opdef, args, metas, attrs)
+        _local_cache[key] = out_metas
+    values = [a._local if isinstance(a, Tensor) else a for a in args]
+    if opdef.shard_aware:
+        in_metas = tuple(m for m in metas if isinstance(m, Meta))
+        ctx = ShardCtx(0, None, tuple(_full(m) for m in in_metas), tuple(_full(m) for m in out_metas), in_metas,
+                       out_metas, (), ())
+        result = opdef.kernel(ctx, *values, **attrs)
+    else:
+        result = opdef.kernel(*values, **attrs)
+    if isinstance(result, tuple):
+        return tuple(Tensor._from_local(r) for r in result)
+    return Tensor._from_local(result)
+
+
+def _full(m: Meta) -> Box:
+    return tuple((0, n) for n in m.shape)
+
+
+# -- global tensors -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The cached outcome of dispatch for one (op, input metadata) key."""
+
+    out_metas: tuple[Meta, ...]
+    in_sbps: tuple[NdSbp, ...]
+    out_sbps: tuple[NdSbp, ...]
+    plans: tuple[boxing.Plan | None, ...]  # per tensor input; None when it is already in place
+
+
+_global_cache: dict[Any, Decision] = {}
+
+
+def _apply_global(opdef: OpDef, args: Sequence[Any], attrs: dict[str, Any], tensors: list[Tensor]) -> Any:
+    placement = tensors[0].placement
+    for t in tensors[1:]:
+        if t.placement != placement:
+            raise OpError(
+                f"op {opdef.name!r} needs all inputs on one placement, but got {placement} and {t.placement} "
+                f"({_describe_args(args)}); move one with .to_global(placement=...)"
+            )
+    key = (opdef.name, placement, tuple(_global_key(a) for a in args), _attrs_key(attrs))
+    decision = _global_cache.get(key)
+    if decision is None:
+        decision = decide(opdef, args, attrs, placement)
+        _global_cache[key] = decision
+    return run(opdef, decision, args, attrs, placement)
+
+
+def _global_key(a: Any) -> Any:
+    if isinstance(a, Tensor):
+        return (a._shape, a._dtype, a._sbp)
+    return type(a)
+
+
+def decide(opdef: OpDef, args: Sequence[Any], attrs: dict[str, Any], placement: Placement) -> Decision:
+    """Meta inference plus the cheapest n-D signature for the inputs' current SBPs."""
+    metas = tuple(_arg_meta(a) for a in args)
+    out_metas = _infer(opdef, args, metas, attrs)
+    tensors = [a for a in args if isinstance(a, Tensor)]
+    extra = {"mesh": placement.hierarchy} if opdef.mesh_aware else {}
+    sigs = [s for s in opdef.sbp(*metas, outs=out_metas, **extra, **attrs) if _sig_fits(s, tensors, out_metas)]
+    if not sigs:
+        raise OpError(f"op {opdef.name!r} has no SBP signature for {_describe_args(args)}")
+    current = tuple(t.sbp for t in tensors)
+    exact = _exact_match(sigs, current, placement.ndim)
+    if exact is not None:
+        in_sbps, out_sbps = exact
+        return Decision(out_metas, in_sbps, out_sbps, (None,) * len(tensors))
+    best: tuple[Any, ...] | None = None
+    for combo in itertools.product(sigs, repeat=placement.ndim):
+        in_sbps = tuple(tuple(sig.ins[i] for sig in combo) for i in range(len(tensors)))
+        plans = tuple(
+            None if in_sbps[i] == t.sbp else boxing.plan(
+                tuple(t.shape), t.dtype, boxing.Layout(placement, t.sbp), boxing.Layout(placement, in_sbps[i]))
+            for i, t in enumerate(tensors)
+        )
+        cost = (sum(p.time for p in plans if p), sum(len(p.steps) for p in plans if p))
+        if best is None or cost < best[0]:
+            out_sbps = tuple(tuple(sig.outs[j] for sig in combo) for j in range(len(out_metas)))
+            best = (cost, in_sbps, out_sbps, plans)
+    assert best is not None
+    return Decision(out_metas, best[1], best[2], best[3])
+
+
+def _sig_fits(sig: Sig, tensors: Sequence[Tensor], outs: Sequence[Meta]) -> bool:
+    for s, t in zip(sig.ins, tensors):
+        if not isinstance(s, Broadcast) and hasattr(s, "dim") and s.dim >= t.ndim:
+            return False
+    for s, m in zip(sig.outs, outs):
+        if hasattr(s, "dim") and s.dim >= m.ndim:
+            return False
+    return len(sig.ins) == len(tensors) and len(sig.outs) == len(outs)
+
+
+def _exact_match(sigs: Sequence[Sig], current: tuple[NdSbp, ...], ndim: int) -> tuple[Any, Any] | None:
+    chosen = []
+    for axis in range(ndim):
+        here = tuple(sbp[axis] for sbp in current)
+        match = next((s for s in sigs if s.ins == here), None)
+        if match is None:
+            return None
+        chosen.append(match)
+    in_sbps = current
+    out_sbps = tuple(tuple(sig.outs[j] for sig in chosen) for j in range(len(chosen[0].outs)))
+    return in_sbps, out_sbps
+
+
+def run(opdef: OpDef, decision: Decision, args: Sequence[Any], attrs: dict[str, Any], placement: Placement) -> Any:
+    """Boxes the inputs as decided and runs the kernel on every owned shard."""
+    backend = get_backend()
+    shard_maps: list[dict[int, torch.Tensor]] = []
+    i = 0
+    for a in args:
+        if isinstance(a, Tensor):
+            plan = decision.plans[i]
+            shard_maps.append(boxing.execute(plan, a._shards or {}) if plan is not None else (a._shards or {}))
+            i += 1
+    owned = backend.owned(placement.flat_ranks)
+    results: dict[int, Any] = {}
+    for r in owned:
+        values: list[Any] = []
+        j = 0
+        for a in args:
+            if isinstance(a, Tensor):
+                values.append(shard_maps[j][r])
+                j += 1
+            else:
+                values.append(a)
+        if opdef.shard_aware:
+            values.insert(0, _shard_ctx(r, placement, decision, args))
+        results[r] = opdef.kernel(*values, **attrs)
+    return _wrap(decision, placement, results)
+
+
+def _shard_ctx(rank: int, placement: Placement, decision: Decision, args: Sequence[Any]) -> ShardCtx:
+    in_metas = tuple(Meta(tuple(a.shape), a.dtype) for a in args if isinstance(a, Tensor))
+    return ShardCtx(
+        rank, placement,
+        tuple(shard_box(m.shape, placement, s, rank) for m, s in zip(in_metas, decision.in_sbps)),
+        tuple(shard_box(m.shape, placement, s, rank) for m, s in zip(decision.out_metas, decision.out_sbps)),
+        in_metas, decision.out_metas, decision.in_sbps, decision.out_sbps,
+    )
+
+
+def _wrap(decision: Decision, placement: Placement, results: dict[int, Any]) -> Any:
+    n = len(decision.out_metas)
+    outs = []
+    for j in range(n):
+        shards = {r: (res[j] if n > 1 else res) for r, res in results.items()}
+        m = decision.out_metas[j]
+        outs.append(Tensor._from_shards(m.shape, m.dtype, placement, decision.out_sbps[j], shards))
+    return tuple(outs) if n > 1 else outs[0]
+
+
+def describe_decision(opdef: OpDef, decision: Decision) -> str:
+    ins = ", ".join(format_nd(s) for s in decision.in_sbps)
+    outs = ", ".join(format_nd(s) for s in decision.out_sbps)
+    return f"{opdef.name}: ({ins}) -> ({outs})"

@@ -1,0 +1,204 @@
+"""Shape ops that map SBP through where they can: reshape, transpose, permute,
+unsqueeze, squeeze, expand.
+
+A split dim maps through a reshape when it stays whole, or when it is the
+outermost dim of a merged or split group and divides evenly over the mesh.
+Partial values pass through every op here (they are all linear).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+
+from .._layout import box_shape, numel
+from ..errors import ShapeError
+from ..sbp import Partial, Split, broadcast
+from . import _rules as R
+from .registry import Meta, ShardCtx, Sig, op
+
+B = broadcast
+_PARTIALS = (Partial("sum"), Partial("max"), Partial("min"))
+
+
+def _passthrough(ins: int = 1) -> list[Sig]:
+    return [Sig((B,) * ins, (B,))] + [Sig((p,) * ins, (p,)) for p in _PARTIALS]
+
+
+# -- reshape ---------------------------------------------------------------------------------------
+
+
+def infer_shape(shape: Sequence[int], numel_in: int) -> tuple[int, ...]:
+    shape = list(shape)
+    if shape.count(-1) > 1:
+        raise ShapeError(f"reshape allows at most one -1, but got {shape}")
+    if -1 in shape:
+        known = numel([n for n in shape if n != -1])
+        if known == 0 or numel_in % known:
+            raise ShapeError(f"cannot reshape {numel_in} elements into {shape}")
+        shape[shape.index(-1)] = numel_in // known
+    if numel(shape) != numel_in or any(n < 0 for n in shape):
+        raise ShapeError(f"cannot reshape a tensor of {numel_in} elements into shape {shape}")
+    return tuple(shape)
+
+
+def _reshape_meta(x: Meta, shape: tuple[int, ...]) -> Meta:
+    return Meta(infer_shape(shape, numel(x.shape)), x.dtype)
+
+
+def _groups(a: Sequence[int], b: Sequence[int]) -> list[tuple[list[int], list[int]]]:
+    """Pairs of dim index lists with equal products, scanning both shapes left to right."""
+    out, i, j = [], 0, 0
+    while i < len(a) and j < len(b):
+        ga, gb, pa, pb = [i], [j], a[i], b[j]
+        i, j = i + 1, j + 1
+        while pa != pb:
+            if pa < pb and i < len(a):
+                pa *= a[i]
+                ga.append(i)
+                i += 1
+            elif pb < pa and j < len(b):
+                pb *= b[j]
+                gb.append(j)
+                j += 1
+            else:
+                break
+        out.append((ga, gb))
+    return out
+
+
+def _reshape_sigs(x: Meta, outs: tuple[Meta, ...], shape: Any = None, mesh: tuple[int, ...] = ()) -> list[Sig]:
+    out = outs[0]
+    ranks = numel(mesh) if mesh else 1
+    sigs = _passthrough()
+    for ga, gb in _groups(x.shape, out.shape):
+        da = next((d for d in ga if x.shape[d] != 1), None)
+        db = next((d for d in gb if out.shape[d] != 1), None)
+        if da is None or db is None:
+            continue
+        na, nb = x.shape[da], out.shape[db]
+        small, big = min(na, nb), max(na, nb)
+        if na == nb or (small % ranks == 0 and big % small == 0):
+            sigs.append(Sig((Split(da),), (Split(db),)))
+    return sigs
+
+
+@op("reshape", meta=_reshape_meta, sbp=_reshape_sigs, shard_aware=True, mesh_aware=True)
+def reshape(ctx: ShardCtx, x: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    return x.reshape(box_shape(ctx.out_boxes[0]))
+
+
+@reshape.grad
+def _reshape_grad(ctx: Any, dy: Any) -> Any:
+    return (reshape(dy, shape=tuple(ctx.inputs[0].shape)),)
+
+
+# -- permute / transpose ------------------------------------------------------------------------
+
+
+def _permute_meta(x: Meta, dims: tuple[int, ...]) -> Meta:
+    if len(dims) != x.ndim or sorted(R.normalize_dim(d, x.ndim) for d in dims) != list(range(x.ndim)):
+        raise ShapeError(f"permute needs a permutation of {x.ndim} dims, but got {list(dims)}")
+    return Meta(tuple(x.shape[R.normalize_dim(d, x.ndim)] for d in dims), x.dtype)
+
+
+def _permute_sigs(x: Meta, outs: tuple[Meta, ...], dims: tuple[int, ...]) -> list[Sig]:
+    dims = tuple(R.normalize_dim(d, x.ndim) for d in dims)
+    return _passthrough() + [Sig((Split(src),), (Split(i),)) for i, src in enumerate(dims)]
+
+
+@op("permute", meta=_permute_meta, sbp=_permute_sigs)
+def permute(x: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
+    return x.permute(dims)
+
+
+@permute.grad
+def _permute_grad(ctx: Any, dy: Any) -> Any:
+    dims = tuple(R.normalize_dim(d, dy.ndim) for d in ctx.attrs["dims"])
+    inverse = tuple(sorted(range(len(dims)), key=lambda i: dims[i]))
+    return (permute(dy, dims=inverse),)
+
+
+# -- unsqueeze / squeeze / expand -----------------------------------------------------------------
+
+
+def _unsqueeze_meta(x: Meta, dim: int) -> Meta:
+    d = R.normalize_dim(dim, x.ndim + 1)
+    return Meta(x.shape[:d] + (1,) + x.shape[d:], x.dtype)
+
+
+def _unsqueeze_sigs(x: Meta, outs: tuple[Meta, ...], dim: int) -> list[Sig]:
+    d = R.normalize_dim(dim, x.ndim + 1)
+    return _passthrough() + [Sig((Split(k),), (Split(k if k < d else k + 1),)) for k in range(x.ndim)]
+
+
+@op("unsqueeze", meta=_unsqueeze_meta, sbp=_unsqueeze_sigs)
+def unsqueeze(x: torch.Tensor, dim: int) -> torch.Tensor:
+    return x.unsqueeze(dim)
+
+
+@unsqueeze.grad
+def _unsqueeze_grad(ctx: Any, dy: Any) -> Any:
+    return (squeeze(dy, dim=R.normalize_dim(ctx.attrs["dim"], dy.ndim)),)
+
+
+def _squeeze_meta(x: Meta, dim: int) -> Meta:
+    d = R.normalize_dim(dim, x.ndim)
+    if x.shape[d] != 1:
+        return x
+    return Meta(x.shape[:d] + x.shape[d + 1 :], x.dtype)
+
+
+def _squeeze_sigs(x: Meta, outs: tuple[Meta, ...], dim: int) -> list[Sig]:
+    d = R.normalize_dim(dim, x.ndim)
+    removed = x.shape[d] == 1
+    return _passthrough() + [
+        Sig((Split(k),), (Split(k - 1 if removed and k > d else k),)) for k in range(x.ndim) if not (removed and k == d)
+    ]
+
+
+@op("squeeze", meta=_squeeze_meta, sbp=_squeeze_sigs)
+def squeeze(x: torch.Tensor, dim: int) -> torch.Tensor:
+    return x.squeeze(dim)
+
+
+@squeeze.grad
+def _squeeze_grad(ctx: Any, dy: Any) -> Any:
+    x = ctx.inputs[0]
+    return (reshape(dy, shape=tuple(x.shape)),)
+
+
+def _expand_meta(x: Meta, shape: tuple[int, ...]) -> Meta:
+    if len(shape) < x.ndim:
+        raise ShapeError(f"expand needs at least {x.ndim} dims, but got shape {list(shape)} for input {list(x.shape)}")
+    lead = len(shape) - x.ndim
+    out = list(shape)
+    for i, n in enumerate(x.shape):
+        want = shape[lead + i]
+        if want == -1:
+            out[lead + i] = n
+        elif n != 1 and n != want:
+            raise ShapeError(f"cannot expand shape {list(x.shape)} to {list(shape)}: dim {i} has size {n}, not 1")
+    return Meta(tuple(out), x.dtype)
+
+
+def _expand_sigs(x: Meta, outs: tuple[Meta, ...], shape: tuple[int, ...]) -> list[Sig]:
+    lead = outs[0].ndim - x.ndim
+    sigs = [Sig((B,), (B,))] + [Sig((p,), (p,)) for p in _PARTIALS[1:]] + [Sig((_PARTIALS[0],), (_PARTIALS[0],))]
+    for k, n in enumerate(x.shape):
+        if n == outs[0].shape[lead + k]:
+            sigs.append(Sig((Split(k),), (Split(lead + k),)))
+    return sigs
+
+
+@op("expand", meta=_expand_meta, sbp=_expand_sigs, shard_aware=True)
+def expand(ctx: ShardCtx, x: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    return x.expand(box_shape(ctx.out_boxes[0]))
+
+
+@expand.grad
+def _expand_grad(ctx: Any, dy: Any) -> Any:
+    from .functional import sum_to
+
+    return (sum_to(dy, tuple(ctx.inputs[0].shape)),)

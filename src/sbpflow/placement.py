@@ -1,0 +1,154 @@
+"""Placements: a device type plus the ranks of a 1-D, 2-D or 3-D device mesh.
+
+A placement is pure data. It is frozen and hashable, so it can key caches, and
+it is validated when it is built.
+
+>>> import sbpflow
+>>> p = sbpflow.placement("cpu", [[0, 1], [2, 3]])
+>>> p.hierarchy, p.ranks
+((2, 2), ((0, 1), (2, 3)))
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Sequence
+
+from .errors import PlacementError
+
+DEVICE_TYPES = ("cpu", "cuda")
+MAX_MESH_NDIM = 3
+
+
+def _nest(ranks: Any, where: str) -> Any:
+    """Turns nested lists/tuples/ranges into nested tuples of int, checking leaves."""
+    if isinstance(ranks, (list, tuple, range)):
+        return tuple(_nest(r, where) for r in ranks)
+    if hasattr(ranks, "tolist"):  # numpy arrays and torch tensors
+        return _nest(ranks.tolist(), where)
+    if isinstance(ranks, bool) or not isinstance(ranks, int):
+        raise PlacementError(f"placement ranks must be non-negative ints, but {where} contains {ranks!r}")
+    return ranks
+
+
+def _mesh_shape(ranks: Any, full: Any) -> tuple[int, ...]:
+    if not isinstance(ranks, tuple):
+        return ()
+    if len(ranks) == 0:
+        raise PlacementError(f"placement ranks must not be empty, but got {full!r}")
+    shapes = {_mesh_shape(r, full) for r in ranks}
+    if len(shapes) != 1:
+        raise PlacementError(f"placement ranks must form a rectangular mesh, but {full!r} is ragged")
+    return (len(ranks),) + shapes.pop()
+
+
+def _flatten(ranks: Any) -> Iterator[int]:
+    if isinstance(ranks, tuple):
+        for r in ranks:
+            yield from _flatten(r)
+    else:
+        yield ranks
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a global tensor lives: a device type and a mesh of global ranks."""
+
+    type: str
+    ranks: Any  # nested tuples of int, one level per mesh axis
+    hierarchy: tuple[int, ...] = field(init=False, compare=False)
+    flat_ranks: tuple[int, ...] = field(init=False, compare=False, repr=False)
+
+    def __init__(self, type: str, ranks: Sequence[Any] | int | range) -> None:
+        if type not in DEVICE_TYPES:
+            raise PlacementError(f"placement type must be one of {DEVICE_TYPES}, but got {type!r}")
+        if isinstance(ranks, int) and not isinstance(ranks, bool):
+            ranks = [ranks]
+        nested = _nest(ranks, repr(ranks))
+        if not isinstance(nested, tuple):
+            raise PlacementError(f"placement ranks must be a list, but got {ranks!r}")
+        shape = _mesh_shape(nested, ranks)
+        if len(shape) > MAX_MESH_NDIM:
+            raise PlacementError(
+                f"placement meshes have at most {MAX_MESH_NDIM} axes, but {ranks!r} has {len(shape)}"
+            )
+        flat = tuple(_flatten(nested))
+        negative = [r for r in flat if r < 0]
+        if negative:
+            raise PlacementError(f"placement ranks must be non-negative, but {ranks!r} contains {negative[0]}")
+        if len(set(flat)) != len(flat):
+            dup = next(r for r in flat if flat.count(r) > 1)
+            raise PlacementError(f"placement ranks must be distinct, but rank {dup} appears twice in {ranks!r}")
+        if type == "cuda":
+            _check_cuda_available(ranks)
+        object.__setattr__(self, "type", type)
+        object.__setattr__(self, "ranks", nested)
+        object.__setattr__(self, "hierarchy", shape)
+        object.__setattr__(self, "flat_ranks", flat)
+
+    @property
+    def ndim(self) -> int:
+        """Number of mesh axes."""
+        return len(self.hierarchy)
+
+    @property
+    def size(self) -> int:
+        """Number of ranks."""
+        return len(self.flat_ranks)
+
+    def coords(self, rank: int) -> tuple[int, ...]:
+        """Mesh coordinates of a global rank of this placement."""
+        index = self.flat_ranks.index(rank)
+        out = []
+        for n in reversed(self.hierarchy):
+            out.append(index % n)
+            index //= n
+        return tuple(reversed(out))
+
+    def rank_at(self, coords: Sequence[int]) -> int:
+        """Global rank at the given mesh coordinates."""
+        node: Any = self.ranks
+        for c in coords:
+            node = node[c]
+        return int(node)
+
+    def axis_groups(self, axis: int) -> list[tuple[int, ...]]:
+        """The rank groups that communicate along one mesh axis (every other coordinate fixed)."""
+        groups: dict[tuple[int, ...], list[int]] = {}
+        for rank in self.flat_ranks:
+            c = self.coords(rank)
+            key = c[:axis] + c[axis + 1 :]
+            groups.setdefault(key, []).append(rank)
+        return [tuple(g) for g in groups.values()]
+
+    def axis_group_of(self, rank: int, axis: int) -> tuple[int, ...]:
+        """The group along ``axis`` that contains ``rank``, in mesh order."""
+        c = list(self.coords(rank))
+        out = []
+        for i in range(self.hierarchy[axis]):
+            c[axis] = i
+            out.append(self.rank_at(c))
+        return tuple(out)
+
+    def __repr__(self) -> str:
+        return f"placement(type={self.type!r}, ranks={_as_lists(self.ranks)})"
+
+    def __str__(self) -> str:
+        return f"{self.type}:{_as_lists(self.ranks)}"
+
+
+def _as_lists(ranks: Any) -> Any:
+    return [_as_lists(r) for r in ranks] if isinstance(ranks, tuple) else ranks
+
+
+def _check_cuda_available(ranks: Any) -> None:
+    import torch
+
+    if not torch.cuda.is_available():
+        raise PlacementError(
+            f"placement('cuda', {ranks!r}) needs a CUDA GPU, but torch.cuda.is_available() is False; "
+            "use placement('cpu', ...) on this machine"
+        )
+
+
+placement = Placement

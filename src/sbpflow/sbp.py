@@ -1,0 +1,142 @@
+"""SBP: how a logical tensor maps onto the shards of one mesh axis.
+
+* ``split(d)`` (printed ``S(d)``): each rank holds a slice along dim ``d``; uneven
+  lengths give the first ranks one more element, as ``torch.tensor_split`` does.
+* ``broadcast`` (``B``): each rank holds the whole value.
+* ``partial_sum`` / ``partial_max`` / ``partial_min`` (``P(sum)`` ...): each rank
+  holds a same-shaped piece; the logical value is their sum / max / min.
+
+These are frozen values; the collectives that convert between them live in
+:mod:`sbpflow.boxing`. A tensor's SBP is a tuple with one entry per mesh axis.
+
+>>> from sbpflow import sbp
+>>> sbp.split(0), sbp.broadcast, sbp.partial_sum
+(Split(dim=0), Broadcast(), Partial(op='sum'))
+>>> str(sbp.split(1)), sbp.parse("P(max)")
+('S(1)', Partial(op='max'))
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Union
+
+from .errors import SbpError
+
+if TYPE_CHECKING:
+    from .placement import Placement
+
+PARTIAL_OPS = ("sum", "max", "min")
+
+
+@dataclass(frozen=True)
+class Split:
+    """Each rank along the axis holds a contiguous slice along tensor dim ``dim``."""
+
+    dim: int
+
+    def __post_init__(self) -> None:
+        if isinstance(self.dim, bool) or not isinstance(self.dim, int) or self.dim < 0:
+            raise SbpError(f"split(dim) needs a non-negative int dim, but got {self.dim!r}")
+
+    def __str__(self) -> str:
+        return f"S({self.dim})"
+
+
+@dataclass(frozen=True)
+class Broadcast:
+    """Each rank along the axis holds the whole value."""
+
+    def __str__(self) -> str:
+        return "B"
+
+
+@dataclass(frozen=True)
+class Partial:
+    """Each rank holds a piece; the logical value is their reduction by ``op``."""
+
+    op: str = "sum"
+
+    def __post_init__(self) -> None:
+        if self.op not in PARTIAL_OPS:
+            raise SbpError(f"partial SBP op must be one of {PARTIAL_OPS}, but got {self.op!r}")
+
+    def __str__(self) -> str:
+        return f"P({self.op})"
+
+
+SbpParallel = Union[Split, Broadcast, Partial]
+NdSbp = tuple[SbpParallel, ...]
+SBP_TYPES = (Split, Broadcast, Partial)
+
+
+def split(dim: int) -> Split:
+    """``S(dim)``: shards are slices along tensor dim ``dim``."""
+    return Split(dim)
+
+
+broadcast = Broadcast()
+partial_sum = Partial("sum")
+partial_max = Partial("max")
+partial_min = Partial("min")
+
+_PATTERN = re.compile(r"^\s*(?:S\((\d+)\)|(B)|P\((sum|max|min)\))\s*$")
+
+
+def parse(text: str) -> SbpParallel:
+    """Parses ``S(0)``, ``B`` or ``P(sum)`` back into an SBP value."""
+    m = _PATTERN.match(text) if isinstance(text, str) else None
+    if m is None:
+        raise SbpError(f"cannot parse {text!r} as an SBP; expected 'S(<dim>)', 'B' or 'P(sum|max|min)'")
+    if m.group(1) is not None:
+        return Split(int(m.group(1)))
+    if m.group(2):
+        return broadcast
+    return Partial(m.group(3))
+
+
+def is_sbp(x: Any) -> bool:
+    return isinstance(x, SBP_TYPES)
+
+
+def normalize(sbp: Any, placement: "Placement", ndim: int | None = None, what: str = "tensor") -> NdSbp:
+    """Turns a single SBP or a sequence into a tuple with one entry per mesh axis.
+
+    Strings such as ``"S(0)"`` are parsed. With ``ndim`` given, split dims are
+    checked against the tensor's number of dims.
+    """
+    if isinstance(sbp, (str,) + SBP_TYPES):
+        items: tuple[Any, ...] = (sbp,)
+    elif isinstance(sbp, (list, tuple)):
+        items = tuple(sbp)
+    else:
+        raise SbpError(
+            f"sbp of {what} must be an SBP such as sbp.split(0), sbp.broadcast or sbp.partial_sum, "
+            f"or a tuple of them, but got {sbp!r} of type {type(sbp).__name__}"
+        )
+    out = tuple(parse(s) if isinstance(s, str) else s for s in items)
+    for s in out:
+        if not is_sbp(s):
+            raise SbpError(
+                f"sbp of {what} must contain SBP values (sbp.split(d), sbp.broadcast, sbp.partial_*), "
+                f"but got {s!r} of type {type(s).__name__}"
+            )
+    if len(out) != placement.ndim:
+        raise SbpError(
+            f"sbp of {what} needs one entry per mesh axis: placement {placement} has {placement.ndim} "
+            f"axis(es), but got {len(out)} SBP(s) {format_nd(out)}"
+        )
+    if ndim is not None:
+        for s in out:
+            if isinstance(s, Split) and s.dim >= ndim:
+                raise SbpError(
+                    f"sbp of {what} splits dim {s.dim}, but the tensor has only {ndim} dim(s); "
+                    f"expected split(d) with 0 <= d < {ndim}"
+                )
+    return out
+
+
+def format_nd(sbp: NdSbp) -> str:
+    """Short form of an n-D SBP: ``(S(0), B)``."""
+    return "(" + ", ".join(str(s) for s in sbp) + ")"

@@ -1,0 +1,325 @@
+"""The one Tensor type: local (one torch tensor) or global (logical shape + shards).
+
+A global tensor has a logical ``shape`` and ``dtype``, a ``placement``, an n-D
+``sbp`` (one entry per mesh axis) and a shard for each rank this process owns.
+Shard ``r`` is the box :func:`sbpflow._layout.shard_box` assigns to rank ``r``.
+
+>>> import sbpflow
+>>> from sbpflow import sbp
+>>> x = sbpflow.tensor([[1., 2.], [3., 4.]], placement=sbpflow.placement("cpu", [0, 1]), sbp=sbp.split(0))
+>>> x.shape, x.sbp
+(torch.Size([2, 2]), (Split(dim=0),))
+>>> x.local_tensors()[1]
+tensor([[3., 4.]])
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
+
+import numpy as np
+import torch
+
+from . import boxing
+from ._layout import Shape, shard_box
+from .comm import get_backend
+from .errors import AutogradError, SbpflowError, SbpError
+from .placement import Placement
+from .sbp import NdSbp, broadcast, format_nd, normalize
+
+if TYPE_CHECKING:
+    from .autograd import Node
+
+
+class Tensor:
+    """A local or global tensor; see the module docstring."""
+
+    __slots__ = (
+        "_shape", "_dtype", "_placement", "_sbp", "_shards", "_local",
+        "requires_grad", "grad", "grad_fn", "_out_index", "_retains_grad", "_hooks", "_version", "__weakref__",
+    )
+
+    def __init__(self) -> None:
+        raise TypeError("build tensors with sbpflow.tensor(...), sbpflow.randn(...) and friends")
+
+    # -- construction from parts (internal) ----------------------------------------------
+
+    @classmethod
+    def _from_local(cls, t: torch.Tensor, requires_grad: bool = False) -> "Tensor":
+        self = object.__new__(cls)
+        self._local = t
+        self._shards = None
+        self._placement = None
+        self._sbp = None
+        self._shape = None
+        self._dtype = None
+        self._init_autograd(requires_grad)
+        return self
+
+    @classmethod
+    def _from_shards(
+        cls, shape: Shape, dtype: torch.dtype, placement: Placement, sbp: NdSbp, shards: dict[int, torch.Tensor],
+        requires_grad: bool = False,
+    ) -> "Tensor":
+        self = object.__new__(cls)
+        self._local = None
+        self._shards = shards
+        self._placement = placement
+        self._sbp = sbp
+        self._shape = tuple(shape)
+        self._dtype = dtype
+        self._init_autograd(requires_grad)
+        return self
+
+    def _init_autograd(self, requires_grad: bool) -> None:
+        self.requires_grad = requires_grad
+        self.grad: Tensor | None = None
+        self.grad_fn: Node | None = None
+        self._out_index = 0
+        self._retains_grad = False
+        self._hooks: list[Callable[[Tensor], Tensor | None]] | None = None
+        self._version = 0
+
+    # -- metadata ------------------------------------------------------------------------
+
+    @property
+    def is_global(self) -> bool:
+        return self._placement is not None
+
+    @property
+    def shape(self) -> torch.Size:
+        """The logical shape (the whole tensor, not a shard)."""
+        if self._local is not None:
+            return self._local.shape
+        return torch.Size(self._shape)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._local.dtype if self._local is not None else self._dtype  # type: ignore[return-value]
+
+    @property
+    def placement(self) -> Placement:
+        if self._placement is None:
+            raise SbpflowError("a local tensor has no placement; convert it with .to_global(placement, sbp)")
+        return self._placement
+
+    @property
+    def sbp(self) -> NdSbp:
+        if self._sbp is None:
+            raise SbpflowError("a local tensor has no sbp; convert it with .to_global(placement, sbp)")
+        return self._sbp
+
+    @property
+    def device(self) -> torch.device:
+        if self._local is not None:
+            return self._local.device
+        return torch.device(self.placement.type)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def size(self, dim: int | None = None) -> Any:
+        return self.shape if dim is None else self.shape[dim]
+
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    def element_size(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def is_leaf(self) -> bool:
+        return self.grad_fn is None
+
+    def _describe(self) -> str:
+        """Short description for error messages: shape, dtype, placement and sbp."""
+        shape = list(self.shape)
+        dtype = str(self.dtype).replace("torch.", "")
+        if self.is_global:
+            return f"shape {shape} {dtype} on {self.placement} sbp {format_nd(self.sbp)}"
+        return f"local shape {shape} {dtype}"
+
+    # -- shards --------------------------------------------------------------------------
+
+    def local_tensors(self) -> dict[int, torch.Tensor]:
+        """``{rank: shard}`` for every rank this process owns."""
+        if self._local is not None:
+            return {0: self._local}
+        return dict(self._shards or {})
+
+    def to_local(self) -> torch.Tensor:
+        """This process's shard (or the tensor itself, for a local tensor)."""
+        if self._local is not None:
+            return self._local
+        shards = self._shards or {}
+        if len(shards) > 1:
+            raise SbpflowError(
+                f"to_local() needs one shard per process, but this process holds the {len(shards)} virtual ranks "
+                f"{sorted(shards)} of a tensor with {self._describe()}; use .local_tensors() for {{rank: shard}}"
+            )
+        if not shards:
+            raise SbpflowError(f"this process holds no shard of the tensor with {self._describe()}")
+        return next(iter(shards.values()))
+
+    def to_global(self, placement: Placement | None = None, sbp: Any = None, *, grad_sbp: Any = None) -> "Tensor":
+        """Converts to ``placement`` and ``sbp``; an omitted argument keeps the current value.
+
+        On a local tensor, the local tensor becomes this rank's shard (every
+        virtual rank of this process contributes the same value).
+        """
+        from .ops import functional as F
+
+        if self._local is not None:
+            if placement is None or sbp is None:
+                raise SbpError("to_global() of a local tensor needs both placement= and sbp=")
+            return F.local_to_global(self, placement, sbp)
+        placement = self.placement if placement is None else placement
+        if not isinstance(placement, Placement):
+            raise SbpError(f"to_global(placement=...) needs an sbpflow.placement, but got {placement!r}")
+        nd = self.sbp if sbp is None else normalize(sbp, placement, self.ndim, what=f"tensor with {self._describe()}")
+        if sbp is None and placement.ndim != len(nd):
+            raise SbpError(
+                f"to_global() onto {placement} ({placement.ndim} mesh axes) needs sbp=, since the tensor's sbp "
+                f"{format_nd(self.sbp)} has {len(self.sbp)} entries"
+            )
+        return F.to_global(self, placement, nd)
+
+    def numpy(self) -> np.ndarray:
+        """The logical value as a NumPy array (on every process)."""
+        return logical_value(self).cpu().numpy() if self.dtype != torch.bfloat16 else (
+            logical_value(self).float().cpu().numpy()
+        )
+
+    def tolist(self) -> Any:
+        return logical_value(self).tolist()
+
+    def item(self) -> Any:
+        if self.numel() != 1:
+            raise SbpflowError(f"item() needs a tensor with one element, but got {self._describe()}")
+        return logical_value(self).reshape(()).item()
+
+    def __len__(self) -> int:
+        if self.ndim == 0:
+            raise TypeError("len() of a 0-d tensor")
+        return int(self.shape[0])
+
+    def __iter__(self) -> Iterator["Tensor"]:
+        for i in range(len(self)):
+            yield self[i]
+
+    def __bool__(self) -> bool:
+        return bool(self.item())
+
+    def __float__(self) -> float:
+        return float(self.item())
+
+    def __int__(self) -> int:
+        return int(self.item())
+
+    def __index__(self) -> int:
+        return int(self.item())
+
+    __hash__ = object.__hash__
+
+    def __repr__(self) -> str:
+        value = logical_value(self)
+        body = repr(value)[len("tensor(") : -1] if repr(value).startswith("tensor(") else repr(value)
+        extra = []
+        if self.is_global:
+            extra.append(f"placement={self.placement!r}, sbp={format_nd(self.sbp)}")
+        extra.append(f"shape={list(self.shape)}")
+        if self.grad_fn is not None:
+            extra.append(f"grad_fn=<{self.grad_fn.name}>")
+        elif self.requires_grad:
+            extra.append("requires_grad=True")
+        return f"tensor({body}, {', '.join(extra)})"
+
+    __str__ = __repr__
+
+    # -- autograd ------------------------------------------------------------------------
+
+    def backward(self, gradient: "Tensor | None" = None, retain_graph: bool = False) -> None:
+        from .autograd import backward
+
+        backward([self], [gradient], retain_graph=retain_graph)
+
+    def detach(self) -> "Tensor":
+        """The same values, cut from the graph (shards are shared, as torch shares storage)."""
+        if self._local is not None:
+            return Tensor._from_local(self._local.detach())
+        shards = {r: t.detach() for r, t in (self._shards or {}).items()}
+        return Tensor._from_shards(self.shape, self.dtype, self.placement, self.sbp, shards)
+
+    def requires_grad_(self, flag: bool = True) -> "Tensor":
+        if not self.is_leaf:
+            raise AutogradError("requires_grad_() applies to leaf tensors; use .detach().requires_grad_()")
+        if flag and not (self.dtype.is_floating_point or self.dtype.is_complex):
+            raise AutogradError(f"only floating-point tensors can require gradients, but got {self._describe()}")
+        self.requires_grad = flag
+        return self
+
+    def retain_grad(self) -> None:
+        self._retains_grad = True
+
+    def register_hook(self, hook: Callable[["Tensor"], "Tensor | None"]) -> Callable[[], None]:
+        """Calls ``hook(grad)`` when this tensor's gradient is computed; a returned tensor replaces it."""
+        if self._hooks is None:
+            self._hooks = []
+        self._hooks.append(hook)
+        hooks = self._hooks
+        return lambda: hooks.remove(hook)
+
+    # -- in-place support ----------------------------------------------------------------
+
+    def _assign(self, value: "Tensor") -> "Tensor":
+        """Copies ``value`` (already in this tensor's layout) into this tensor's storage."""
+        if self._local is not None:
+            self._local.copy_(value.to_local())
+        else:
+            src = value._shards or {}
+            for r, t in (self._shards or {}).items():
+                t.copy_(src[r])
+        self._version += 1
+        return self
+
+
+def logical_value(t: Tensor) -> torch.Tensor:
+    """The whole logical value as one torch tensor (boxing to broadcast if needed)."""
+    if t._local is not None:
+        return t._local
+    target = boxing.Layout(t.placement, (broadcast,) * t.placement.ndim)
+    plan = boxing.plan(tuple(t.shape), t.dtype, _layout(t), target)
+    shards = boxing.execute(plan, t._shards or {})
+    if not shards:
+        raise SbpflowError(f"this process holds no shard of the tensor with {t._describe()}")
+    return shards[min(shards)]
+
+
+def _layout(t: Tensor) -> boxing.Layout:
+    return boxing.Layout(t.placement, t.sbp)
+
+
+def shards_from_full(
+    value: torch.Tensor, placement: Placement, nd_sbp: NdSbp, ranks: Sequence[int] | None = None
+) -> dict[int, torch.Tensor]:
+    """Cuts a full logical value into the shards this process owns (each its own memory)."""
+    from .sbp import Partial
+
+    backend = get_backend()
+    out = {}
+    shape = tuple(value.shape)
+    for r in ranks if ranks is not None else backend.owned(placement.flat_ranks):
+        box = shard_box(shape, placement, nd_sbp, r)
+        piece = value[tuple(slice(a, b) for a, b in box)]
+        coords = placement.coords(r)
+        zero = any(isinstance(s, Partial) and s.op == "sum" and c != 0 for s, c in zip(nd_sbp, coords))
+        device = backend.device_for(placement.type, r)
+        out[r] = torch.zeros_like(piece, device=device) if zero else piece.to(device, copy=True)
+    return out
