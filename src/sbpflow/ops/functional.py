@@ -9,7 +9,8 @@ inference and gradients for free.
 from __future__ import annotations
 
 import builtins
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -21,9 +22,9 @@ from . import elementwise as E
 from . import matrix as M
 from . import reduction as RD
 from . import shape as SH
-from .convert import local_to_global, to_global
 from .attention import *  # noqa: F401,F403
 from .conv import *  # noqa: F401,F403
+from .convert import local_to_global, to_global
 from .indexing import *  # noqa: F401,F403
 from .loss import *  # noqa: F401,F403
 from .normalization import *  # noqa: F401,F403
@@ -62,12 +63,18 @@ def pow(x: Any, y: Any) -> Tensor:
     return E.pow_(x, y) if _is_t(x) else E.rpow(y, x)
 
 
-def maximum(x: Tensor, y: Any) -> Tensor:
-    return E.maximum(x, y)
+def maximum(x: Any, y: Any) -> Tensor:
+    """Elementwise max; a Python scalar on either side acts as a clamp bound."""
+    if not _is_t(y):
+        return E.clamp(x, y, None)
+    return E.maximum(x, y) if _is_t(x) else E.clamp(y, x, None)
 
 
-def minimum(x: Tensor, y: Any) -> Tensor:
-    return E.minimum(x, y)
+def minimum(x: Any, y: Any) -> Tensor:
+    """Elementwise min; a Python scalar on either side acts as a clamp bound."""
+    if not _is_t(y):
+        return E.clamp(x, None, y)
+    return E.minimum(x, y) if _is_t(x) else E.clamp(y, None, x)
 
 
 def _cmp(op: Any, flipped: Any):  # type: ignore[no-untyped-def]

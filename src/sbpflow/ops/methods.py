@@ -8,20 +8,35 @@ layout (and nothing is partial) they run torch's in-place kernel per shard.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from ..autograd import is_grad_enabled
-from ..errors import AutogradError
+from ..errors import AutogradError, DTypeError, OpError, ShapeError
 from ..sbp import Partial
 from ..tensor import Tensor
 from . import functional as F
+from .registry import OpDef
 
 
 def bind_methods(table: dict[str, Callable[..., Any]]) -> None:
+    """Sets each ``fn`` as a method of :class:`Tensor`; registered ops are wrapped so that they bind ``self``."""
     for name, fn in table.items():
-        setattr(Tensor, name, fn)
+        setattr(Tensor, name, _as_function(fn))
+
+
+def _as_function(fn: Callable[..., Any]) -> Callable[..., Any]:
+    # An OpDef is a callable object, not a function, so Python would not pass ``self`` to it as a method.
+    if not isinstance(fn, OpDef):
+        return fn
+
+    def method(self: Tensor, *args: Any, **kwargs: Any) -> Any:
+        return fn(self, *args, **kwargs)
+
+    method.__name__ = fn.name
+    return method
 
 
 def _r(fn: Callable[[Any, Any], Tensor]) -> Callable[[Tensor, Any], Tensor]:
@@ -66,32 +81,40 @@ Tensor.mT = property(lambda self: F.transpose(self, -1, -2))  # type: ignore[att
 # -- in place --------------------------------------------------------------------------------------
 
 
-def _fast_ok(self: Tensor, args: tuple[Any, ...]) -> bool:
-    if self._local is not None:
-        return all(not isinstance(a, Tensor) or a._local is not None for a in args)
-    if any(isinstance(s, Partial) for s in self.sbp):
+def _fast_ok(self: Tensor, name: str, args: tuple[Any, ...]) -> bool:
+    """Whether torch's own in-place kernel can run shard by shard (same layout, shape and dtype everywhere)."""
+    if not hasattr(torch.Tensor, name):
+        return False
+    if self._local is None and any(isinstance(s, Partial) for s in self.sbp):
         return False
     for a in args:
-        if isinstance(a, Tensor) and (a._local is not None or a.placement != self.placement or a.sbp != self.sbp
-                                      or tuple(a.shape) != tuple(self.shape) or a.dtype != self.dtype):
-            return False
+        if isinstance(a, Tensor):
+            if (a._local is None) != (self._local is None) or a.shape != self.shape or a.dtype != self.dtype:
+                return False
+            if a._local is None and (a.placement != self.placement or a.sbp != self.sbp):
+                return False
+        elif isinstance(a, float) and not self.dtype.is_floating_point:
+            return False  # torch refuses int += float; the checked slow path says why
     return True
 
 
-def _inplace(name: str, fn: Callable[..., Tensor]) -> Callable[..., Tensor]:
+def _inplace(name: str, fn: Callable[..., Tensor], any_dtype: bool = False) -> Callable[..., Tensor]:
+    """An in-place method ``name``: ``fn`` computes the new value; ``any_dtype`` lets it cast freely (copy_, fill_)."""
+
     def method(self: Tensor, *args: Any, **kwargs: Any) -> Tensor:
         if is_grad_enabled() and (self.requires_grad or any(isinstance(a, Tensor) and a.requires_grad for a in args)):
             raise AutogradError(
                 f"{name}() modifies a tensor in place while gradients are recorded ({self._describe()}); "
                 "wrap it in sbpflow.no_grad() or use the out-of-place form"
             )
-        if _fast_ok(self, args):
+        if _fast_ok(self, name, args):
             for r, shard in self.local_tensors().items():
                 values = [a.local_tensors()[r] if isinstance(a, Tensor) else a for a in args]
                 getattr(shard, name)(*values, **kwargs)
             self._version += 1
             return self
         result = fn(self, *args, **kwargs)
+        _check_inplace_result(name, self, result, any_dtype)
         if self.is_global and (result.placement != self.placement or result.sbp != self.sbp):
             result = F.to_global(result, self.placement, self.sbp)
         if result.dtype != self.dtype:
@@ -100,6 +123,22 @@ def _inplace(name: str, fn: Callable[..., Tensor]) -> Callable[..., Tensor]:
 
     method.__name__ = name
     return method
+
+
+def _check_inplace_result(name: str, self: Tensor, result: Tensor, any_dtype: bool) -> None:
+    if result.shape != self.shape:
+        raise ShapeError(
+            f"{name}() cannot write a result of shape {list(result.shape)} into a tensor with {self._describe()}; "
+            "the other operands must broadcast to the target's shape"
+        )
+    if not any_dtype and not torch.can_cast(result.dtype, self.dtype):
+        raise DTypeError(
+            f"{name}() computes a {str(result.dtype).replace('torch.', '')} result, which cannot be stored in place "
+            f"into a tensor with {self._describe()}; use the out-of-place form"
+        )
+    if (result._local is None) != (self._local is None):
+        raise OpError(f"{name}() got local and global tensors together: target {self._describe()}, "
+                      f"result {result._describe()}")
 
 
 def _copy(self: Tensor, src: Any) -> Tensor:
@@ -113,8 +152,8 @@ def _fill(self: Tensor, value: Any) -> Tensor:
 bind_methods({
     "add_": _inplace("add_", F.add), "sub_": _inplace("sub_", F.sub), "mul_": _inplace("mul_", F.mul),
     "div_": _inplace("div_", F.div), "pow_": _inplace("pow_", F.pow), "clamp_": _inplace("clamp_", F.clamp),
-    "copy_": _inplace("copy_", _copy), "fill_": _inplace("fill_", _fill),
-    "zero_": _inplace("zero_", lambda self: F.zeros_like(self)),
+    "copy_": _inplace("copy_", _copy, any_dtype=True), "fill_": _inplace("fill_", _fill, any_dtype=True),
+    "zero_": _inplace("zero_", lambda self: F.zeros_like(self), any_dtype=True),
     "neg_": _inplace("neg_", F.neg), "sqrt_": _inplace("sqrt_", F.sqrt), "exp_": _inplace("exp_", F.exp),
     "maximum_": _inplace("maximum_", F.maximum),
 })
