@@ -24,6 +24,8 @@ from .errors import (
     AutogradError, BoxingError, CommError, DTypeError, OpError, PlacementError, SbpError, SbpflowError, ShapeError,
 )
 from .ops import functional
+from . import nn
+from . import optim
 from .placement import Placement, placement
 from .random import manual_seed
 from .tensor import Tensor
@@ -54,6 +56,6 @@ def explain(x: Tensor, placement: Placement | None = None, sbp: object = None) -
 __all__ = [
     "AutogradError", "BoxingError", "CommError", "DTypeError", "OpError", "Placement", "PlacementError", "SbpError",
     "SbpflowError", "ShapeError", "Tensor", "arange", "boxing", "comm", "enable_grad", "explain", "full", "full_like",
-    "functional", "is_grad_enabled", "manual_seed", "no_grad", "ones", "ones_like", "placement", "rand", "rand_like",
-    "randint", "randn", "randn_like", "sbp", "tensor", "uniform", "zeros", "zeros_like",
+    "functional", "is_grad_enabled", "manual_seed", "nn", "no_grad", "ones", "ones_like", "optim", "placement", "rand",
+    "rand_like", "randint", "randn", "randn_like", "sbp", "tensor", "uniform", "zeros", "zeros_like",
 ]

@@ -1,0 +1,25 @@
+"""Neural-network layers, parameters and parallel plans over sbpflow tensors.
+
+>>> import sbpflow
+>>> from sbpflow import nn
+>>> net = nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 2))
+>>> net(sbpflow.randn(3, 4)).shape
+torch.Size([3, 2])
+"""
+
+from __future__ import annotations
+
+from . import functional, init, parallel, utils
+from .container import ModuleDict, ModuleList, Sequential
+from .conv import AdaptiveAvgPool2d, AvgPool2d, Conv2d, MaxPool2d
+from .layers import GELU, Dropout, Embedding, Flatten, Identity, Linear, ReLU, SiLU, Tanh
+from .loss import CrossEntropyLoss, MSELoss
+from .module import Module, Parameter
+from .normalization import BatchNorm1d, BatchNorm2d, LayerNorm, RMSNorm
+
+__all__ = [
+    "GELU", "AdaptiveAvgPool2d", "AvgPool2d", "BatchNorm1d", "BatchNorm2d", "Conv2d", "CrossEntropyLoss", "Dropout",
+    "Embedding", "Flatten", "Identity", "LayerNorm", "Linear", "MSELoss", "MaxPool2d", "Module", "ModuleDict",
+    "ModuleList", "Parameter", "RMSNorm", "ReLU", "Sequential", "SiLU", "Tanh", "functional", "init", "parallel",
+    "utils",
+]

@@ -1,0 +1,47 @@
+"""Building a layer's parameters directly in a layout (``placement=`` / ``sbp=`` on every layer)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from ..creation import zeros
+from ..errors import SbpError
+from ..placement import Placement
+from ..sbp import broadcast
+from ..tensor import Tensor
+from .module import Parameter
+
+
+def layout_for(name: str, placement: Placement | None, sbp: Any, layer: str) -> dict[str, Any]:
+    """``placement``/``sbp`` keyword arguments for parameter ``name`` of ``layer``.
+
+    ``sbp`` is ``None`` (broadcast), one SBP (or n-D tuple) for every parameter,
+    or a mapping ``{parameter name: sbp}`` whose missing names get broadcast.
+    """
+    if placement is None:
+        if sbp is not None:
+            raise SbpError(f"{layer}: sbp= needs placement= as well")
+        return {}
+    if not isinstance(placement, Placement):
+        raise SbpError(f"{layer}: placement= needs an sbpflow.placement, but got {placement!r}")
+    if isinstance(sbp, Mapping):
+        chosen = sbp.get(name)
+    else:
+        chosen = sbp
+    return {"placement": placement, "sbp": (broadcast,) * placement.ndim if chosen is None else chosen}
+
+
+def empty_param(shape: tuple[int, ...], name: str, placement: Placement | None, sbp: Any, layer: str,
+                dtype: torch.dtype | None = None) -> Parameter:
+    """A zero parameter of logical ``shape`` in the requested layout, ready for an ``nn.init`` initialiser."""
+    kwargs = layout_for(name, placement, sbp, layer)
+    return Parameter(zeros(*shape, dtype=dtype, **kwargs))
+
+
+def empty_buffer(shape: tuple[int, ...], name: str, placement: Placement | None, layer: str,
+                 dtype: torch.dtype | None = None) -> Tensor:
+    """A zero buffer, broadcast over ``placement`` when one is given."""
+    return zeros(*shape, dtype=dtype, **layout_for(name, placement, None, layer))

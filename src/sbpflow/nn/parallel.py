@@ -1,0 +1,194 @@
+"""Parallel plans: tensor and data parallelism as SBPs on parameters and inputs, with no new layer classes.
+
+A plan maps module-name patterns (``fnmatch`` on qualified names from
+``named_modules()``; the root is ``""``) to a style. Each style only sets the
+SBP of the matched module's own parameters on one mesh axis (other axes keep
+their SBP, broadcast by default); the ops' SBP signatures then do the rest:
+
+    style                      Linear / Conv2d               Embedding
+    ColwiseParallel()          weight S(0), bias S(0)        weight S(1)
+    RowwiseParallel()          weight S(1), bias B           weight S(0) (vocab parallel)
+    VocabParallelEmbedding()   (same as RowwiseParallel, for embeddings)
+    Replicate()                every parameter B             every parameter B
+    DataParallelInput(dim=0)   converts the module's tensor inputs to S(dim) before forward
+
+A column-parallel Linear then gives an output split on its last dim, and a
+row-parallel Linear fed that output gives a partial sum (one all-reduce where a
+consumer needs it): the Megatron MLP falls out of the signatures.
+
+>>> import sbpflow
+>>> from sbpflow import nn
+>>> from sbpflow.nn.parallel import ColwiseParallel, RowwiseParallel, apply_plan
+>>> mlp = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4))
+>>> p = sbpflow.placement("cpu", [0, 1])
+>>> _ = apply_plan(mlp, {"0": ColwiseParallel(), "2": RowwiseParallel()}, p)
+>>> mlp[0].weight.sbp, mlp[2].weight.sbp, mlp[2].bias.sbp
+((Split(dim=0),), (Split(dim=1),), (Broadcast(),))
+>>> mlp(sbpflow.randn(3, 4, placement=p, sbp=sbpflow.sbp.broadcast)).sbp
+(Partial(op='sum'),)
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import AutogradError, SbpError
+from ..placement import Placement
+from ..sbp import Broadcast, SbpParallel, Split, broadcast, normalize
+from ..tensor import Tensor, shards_from_full
+from .module import Module, relayout_
+
+# -- styles (pure data) ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ColwiseParallel:
+    """Split the output features: Linear/Conv2d weight and bias S(0); Embedding weight S(1)."""
+
+
+@dataclass(frozen=True)
+class RowwiseParallel:
+    """Split the input features: Linear/Conv2d weight S(1), bias B; Embedding weight S(0) (the vocabulary)."""
+
+
+@dataclass(frozen=True)
+class VocabParallelEmbedding(RowwiseParallel):
+    """An embedding split over its vocabulary (rows): weight S(0)."""
+
+
+@dataclass(frozen=True)
+class Replicate:
+    """Every parameter of the module broadcast on the mesh axis."""
+
+
+@dataclass(frozen=True)
+class DataParallelInput:
+    """The module's tensor inputs are converted to S(dim) on the mesh axis before its forward runs."""
+
+    dim: int = 0
+
+
+Style = ColwiseParallel | RowwiseParallel | Replicate | DataParallelInput
+
+
+def _param_sbp(module: Module, name: str, style: Any, where: str) -> SbpParallel:
+    """The SBP ``style`` gives parameter ``name`` of ``module`` on the plan's mesh axis."""
+    from .conv import Conv2d
+    from .layers import Embedding, Linear
+
+    if isinstance(style, Replicate):
+        return broadcast
+    column = isinstance(style, ColwiseParallel)
+    if isinstance(module, Embedding):
+        return Split(1) if column else Split(0)
+    if isinstance(module, (Linear, Conv2d)):
+        if name == "weight":
+            return Split(0) if column else Split(1)
+        return Split(0) if column else broadcast
+    raise SbpError(
+        f"apply_plan: {type(style).__name__} applies to Linear, Conv2d and Embedding modules, but {where} is a "
+        f"{type(module).__name__}; use Replicate() or leave it out of the plan"
+    )
+
+
+# -- applying a plan -------------------------------------------------------------------------------
+
+
+def apply_plan(module: Module, plan: Mapping[str, Any], placement: Placement, mesh_axis: int = 0) -> Module:
+    """Places every parameter and buffer of ``module`` on ``placement`` with the SBPs ``plan`` asks for.
+
+    Modules matched by no pattern get broadcast parameters on ``mesh_axis``.
+    The first matching pattern (in the plan's order) wins. Parameters stay the
+    same objects (leaves with ``requires_grad``). Returns ``module``.
+    """
+    _check_plan_args(module, plan, placement, mesh_axis)
+    named = list(module.named_modules())
+    styles: dict[int, tuple[str, Any]] = {}
+    for pattern, style in plan.items():
+        hits = [(name, m) for name, m in named if fnmatch.fnmatchcase(name, pattern)]
+        if not hits:
+            names = [n or "''" for n, _ in named]
+            raise SbpError(f"apply_plan: pattern {pattern!r} matches no module; the module names are {names}")
+        for name, m in hits:
+            styles.setdefault(id(m), (name, style))
+    for qualified, m in named:
+        where, style = styles.get(id(m), (qualified, Replicate()))
+        if isinstance(style, DataParallelInput):
+            m.register_forward_pre_hook(data_parallel_input(placement, style.dim, mesh_axis))
+            style = Replicate()
+        _place_own_tensors(m, where or "the root module", style, placement, mesh_axis)
+    return module
+
+
+def _check_plan_args(module: Module, plan: Mapping[str, Any], placement: Placement, mesh_axis: int) -> None:
+    if not isinstance(module, Module):
+        raise SbpError(f"apply_plan needs an nn.Module, but got {type(module).__name__}")
+    if not isinstance(placement, Placement):
+        raise SbpError(f"apply_plan needs an sbpflow.placement, but got {placement!r}")
+    if not 0 <= mesh_axis < placement.ndim:
+        raise SbpError(f"apply_plan: mesh_axis must be in [0, {placement.ndim}) for placement {placement}, "
+                       f"but got {mesh_axis}")
+    for pattern, style in plan.items():
+        if not isinstance(style, (ColwiseParallel, RowwiseParallel, Replicate, DataParallelInput)):
+            raise SbpError(
+                f"apply_plan: the style for {pattern!r} must be ColwiseParallel(), RowwiseParallel(), "
+                f"VocabParallelEmbedding(), Replicate() or DataParallelInput(dim), but got {style!r}"
+            )
+
+
+def _place_own_tensors(m: Module, where: str, style: Any, placement: Placement, mesh_axis: int) -> None:
+    for name, p in m._parameters.items():
+        if p is not None:
+            relayout_(p, placement, _with_axis(p, placement, mesh_axis, _param_sbp(m, name, style, where)))
+    for b in m._buffers.values():
+        if b is not None:
+            relayout_(b, placement, _with_axis(b, placement, mesh_axis, broadcast))
+
+
+def _with_axis(t: Tensor, placement: Placement, mesh_axis: int, s: SbpParallel) -> tuple[SbpParallel, ...]:
+    """``t``'s current SBP on ``placement`` (all B if it lives elsewhere) with ``s`` on ``mesh_axis``."""
+    base = list(t.sbp) if t.is_global and t.placement == placement else [broadcast] * placement.ndim
+    base[mesh_axis] = s
+    return tuple(base)
+
+
+# -- inputs ----------------------------------------------------------------------------------------
+
+
+def data_parallel_input(placement: Placement, dim: int = 0, mesh_axis: int = 0) -> Callable[..., tuple[Any, ...]]:
+    """A forward pre-hook that lays out tensor inputs S(dim) on ``mesh_axis`` (B on the other axes).
+
+    A local input is taken as the whole logical batch and cut into shards; a
+    global one is boxed. Non-tensor arguments pass through.
+    """
+
+    def convert(x: Any) -> Any:
+        if not isinstance(x, Tensor):
+            return x
+        nd = [Broadcast()] * placement.ndim
+        nd[mesh_axis] = Split(dim)
+        sbp = normalize(tuple(nd), placement, x.ndim, what=f"DataParallelInput of input with {x._describe()}")
+        if x.is_global:
+            return x.to_global(placement, sbp)
+        if x.requires_grad:
+            raise AutogradError(
+                f"DataParallelInput cuts a local input into shards, which would cut it from the graph, but the "
+                f"input ({x._describe()}) requires grad; pass a global tensor instead"
+            )
+        value = x.to_local()
+        return Tensor._from_shards(tuple(value.shape), value.dtype, placement, sbp,
+                                   shards_from_full(value, placement, sbp))
+
+    def hook(module: Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        return tuple(convert(a) for a in args)
+
+    return hook
+
+
+__all__ = [
+    "ColwiseParallel", "DataParallelInput", "Replicate", "RowwiseParallel", "Style", "VocabParallelEmbedding",
+    "apply_plan", "data_parallel_input",
+]

@@ -1,0 +1,16 @@
+"""Optimizers, learning-rate schedules and gradient clipping for sbpflow parameters.
+
+Updates run shard by shard on local torch tensors; optimizer state has its
+parameter's placement and SBP (see :mod:`sbpflow.optim.optimizer` for the
+``state_sbp`` hook that shards it, ZeRO style).
+"""
+
+from __future__ import annotations
+
+from . import lr_scheduler
+from .adam import Adam, AdamW
+from .clip import clip_grad_norm_, clip_grad_value_
+from .optimizer import Optimizer
+from .sgd import SGD
+
+__all__ = ["SGD", "Adam", "AdamW", "Optimizer", "clip_grad_norm_", "clip_grad_value_", "lr_scheduler"]

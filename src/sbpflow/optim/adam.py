@@ -1,0 +1,79 @@
+"""Adam and AdamW (torch.optim.Adam/AdamW's rules, run per shard with foreach kernels)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from .optimizer import Optimizer, ShardBatch
+
+
+class Adam(Optimizer):
+    """Adam; ``weight_decay`` adds ``wd * p`` to the gradient (L2), AdamW decays the weights instead.
+
+    >>> import sbpflow
+    >>> w = sbpflow.nn.Parameter(sbpflow.ones(2))
+    >>> opt = sbpflow.optim.Adam([w], lr=0.1)
+    >>> w.sum().backward()
+    >>> opt.step()
+    >>> [round(v, 4) for v in w.tolist()]
+    [0.9, 0.9]
+    """
+
+    decoupled = False
+
+    def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 0.0, amsgrad: bool = False, maximize: bool = False) -> None:
+        if lr < 0 or eps < 0 or weight_decay < 0:
+            raise ValueError(f"{type(self).__name__} needs lr, eps and weight_decay >= 0, but got {lr}, {eps}, "
+                             f"{weight_decay}")
+        if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
+            raise ValueError(f"{type(self).__name__} needs betas in [0, 1), but got {betas}")
+        super().__init__(params, {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay,
+                                  "amsgrad": amsgrad, "maximize": maximize})
+
+    def _state_names(self, group: dict[str, Any]) -> list[str]:
+        return ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if group["amsgrad"] else [])
+
+    def _init_scalars(self, state: Any) -> None:
+        state["step"] = 0.0
+
+    def _update(self, group: dict[str, Any], batch: ShardBatch) -> None:
+        lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+        for t in batch.tensors:
+            self.state[t]["step"] += 1
+        steps = [self.state[batch.tensors[i]]["step"] for i in batch.owner]  # one per shard
+        params, grads = batch.params, batch.grads
+        exp_avgs, exp_avg_sqs = batch.state["exp_avg"], batch.state["exp_avg_sq"]
+        if group["maximize"]:
+            grads = torch._foreach_neg(grads)
+        if wd != 0:
+            if self.decoupled:
+                torch._foreach_mul_(params, 1 - lr * wd)
+            else:
+                grads = torch._foreach_add(grads, params, alpha=wd)
+        torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
+        torch._foreach_mul_(exp_avg_sqs, beta2)
+        torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1 - beta2)
+        step_size = [-(lr / (1 - beta1**s)) for s in steps]
+        bias_correction2_sqrt = [(1 - beta2**s) ** 0.5 for s in steps]
+        if group["amsgrad"]:
+            torch._foreach_maximum_(batch.state["max_exp_avg_sq"], exp_avg_sqs)
+            denom = torch._foreach_sqrt(batch.state["max_exp_avg_sq"])
+        else:
+            denom = torch._foreach_sqrt(exp_avg_sqs)
+        torch._foreach_div_(denom, bias_correction2_sqrt)
+        torch._foreach_add_(denom, eps)
+        torch._foreach_addcdiv_(params, exp_avgs, denom, step_size)
+
+
+class AdamW(Adam):
+    """Adam with decoupled weight decay: ``p *= 1 - lr * weight_decay`` before the Adam step (default 0.01)."""
+
+    decoupled = True
+
+    def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 1e-2, amsgrad: bool = False, maximize: bool = False) -> None:
+        super().__init__(params, lr, betas, eps, weight_decay, amsgrad, maximize)

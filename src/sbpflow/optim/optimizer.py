@@ -1,0 +1,290 @@
+"""The optimizer base: param groups, per-parameter state in the parameter's layout, per-shard updates.
+
+Every update rule here is elementwise, so a step runs on local shards: for
+each parameter, the shards this process owns of the parameter, its gradient
+and its state tensors line up one to one, and the rule runs over all of them
+at once with ``torch._foreach_*`` kernels (no sbpflow dispatch, no comm).
+
+State layout and ZeRO. Each parameter's state tensors are sbpflow global
+tensors on the parameter's placement with SBP :meth:`Optimizer.state_sbp`,
+which defaults to the parameter's own SBP. Overriding it (say ``S(0)`` on the
+data-parallel axis while the parameter is ``B``) shards the state, ZeRO-1
+style, with no other change: the step then boxes the gradient and a detached
+view of the parameter to the state SBP (a local slice for B -> S), updates
+that, and boxes the result back into the parameter (one all-gather).
+
+A parameter whose SBP is partial has no per-shard value to update, so it
+raises an :class:`~sbpflow.errors.SbpError`.
+
+>>> import sbpflow
+>>> w = sbpflow.nn.Parameter(sbpflow.ones(3))
+>>> opt = sbpflow.optim.SGD([w], lr=0.5)
+>>> (w * w).sum().backward()
+>>> opt.step()
+>>> w.tolist()
+[0.0, 0.0, 0.0]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..autograd import enable_grad, no_grad
+from ..creation import zeros
+from ..errors import SbpError, SbpflowError
+from ..sbp import NdSbp, Partial, format_nd
+from ..tensor import Tensor, logical_value, shards_from_full
+
+
+class ParamState(dict):  # type: ignore[type-arg]
+    """The state of one parameter: names to sbpflow tensors (in the state layout) or Python numbers."""
+
+
+class _StateByParam:
+    """``optimizer.state[param]``, keyed by identity (Tensor ``==`` is elementwise, so no dict of tensors)."""
+
+    def __init__(self) -> None:
+        self._by_id: dict[int, tuple[Tensor, ParamState]] = {}
+
+    def __getitem__(self, p: Tensor) -> ParamState:
+        entry = self._by_id.get(id(p))
+        if entry is None:
+            entry = (p, ParamState())
+            self._by_id[id(p)] = entry
+        return entry[1]
+
+    def __contains__(self, p: object) -> bool:
+        return id(p) in self._by_id
+
+    def __len__(self) -> int:
+        return len(self._by_id)
+
+    def items(self) -> Iterator[tuple[Tensor, ParamState]]:
+        return iter(self._by_id.values())
+
+    def clear(self) -> None:
+        self._by_id.clear()
+
+
+@dataclass
+class ShardBatch:
+    """Local torch shards of the parameters one step updates, aligned by position.
+
+    ``params[i]``, ``grads[i]`` and ``state[name][i]`` are the same rank's shard
+    of the same parameter; ``owner[i]`` is the index of that parameter in
+    ``tensors`` (so per-parameter scalars, such as Adam's step, expand to shards).
+    """
+
+    tensors: list[Tensor]
+    params: list[torch.Tensor]
+    grads: list[torch.Tensor]
+    owner: list[int]
+    state: dict[str, list[torch.Tensor]]
+
+
+class Optimizer:
+    """Base class: holds ``param_groups`` (dicts with ``"params"`` plus hyperparameters) and ``state``."""
+
+    def __init__(self, params: Iterable[Any], defaults: dict[str, Any]) -> None:
+        self.defaults = defaults
+        self.state = _StateByParam()
+        self.param_groups: list[dict[str, Any]] = []
+        groups = list(params)
+        if not groups:
+            raise SbpflowError(f"{type(self).__name__} got an empty parameter list")
+        if not isinstance(groups[0], dict):
+            groups = [{"params": groups}]
+        for g in groups:
+            self.add_param_group(g)
+
+    def add_param_group(self, group: dict[str, Any]) -> None:
+        """Adds a group; missing hyperparameters come from the defaults."""
+        params = group["params"]
+        params = [params] if isinstance(params, Tensor) else list(params)
+        seen = {id(p) for g in self.param_groups for p in g["params"]}
+        for p in params:
+            _check_param(p, type(self).__name__)
+            if id(p) in seen:
+                raise SbpflowError(f"{type(self).__name__}: a parameter ({p._describe()}) appears in two groups")
+            seen.add(id(p))
+        full = {**self.defaults, **group, "params": params}
+        self.param_groups.append(full)
+
+    # -- the layout hook -------------------------------------------------------------------------
+
+    def state_sbp(self, param: Tensor) -> NdSbp | None:
+        """The SBP of ``param``'s state tensors (its own SBP; ``None`` for a local parameter). Override for ZeRO."""
+        return param.sbp if param.is_global else None
+
+    # -- gradients -------------------------------------------------------------------------------
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if set_to_none:
+                    p.grad = None
+                else:
+                    with no_grad():
+                        p.grad.zero_()
+
+    # -- step ------------------------------------------------------------------------------------
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Updates every parameter that has a gradient; returns ``closure()``'s loss if given."""
+        loss = None
+        if closure is not None:
+            with enable_grad():
+                loss = closure()
+        with no_grad():
+            for group in self.param_groups:
+                params = [p for p in group["params"] if p.grad is not None]
+                if params:
+                    self._step_params(group, params)
+        return loss
+
+    def _step_params(self, group: dict[str, Any], params: list[Tensor]) -> None:
+        views = [self._update_view(p) for p in params]
+        batch = self._batch(group, params, views)
+        self._update(group, batch)
+        for p, (view, _) in zip(params, views, strict=True):
+            if view is not p:  # sharded state: the updated slice goes back into the parameter
+                p._assign(view.to_global(p.placement, p.sbp))
+
+    def _update_view(self, p: Tensor) -> tuple[Tensor, Tensor]:
+        """``(parameter, gradient)`` in the state layout: ``p`` itself unless :meth:`state_sbp` differs."""
+        grad = p.grad
+        assert grad is not None
+        if not p.is_global:
+            return p, grad
+        _check_not_partial(p, type(self).__name__)
+        target = self.state_sbp(p)
+        if target is None or target == p.sbp:
+            if grad.placement != p.placement or grad.sbp != p.sbp:
+                grad = grad.to_global(p.placement, p.sbp)
+            return p, grad
+        if any(isinstance(s, Partial) for s in target):
+            raise SbpError(f"{type(self).__name__}.state_sbp must not be partial, but gave {format_nd(target)} "
+                           f"for the parameter with {p._describe()}")
+        return p.detach().to_global(p.placement, target), grad.to_global(p.placement, target)
+
+    def _batch(self, group: dict[str, Any], params: list[Tensor], views: list[tuple[Tensor, Tensor]]) -> ShardBatch:
+        names = self._state_names(group)
+        batch = ShardBatch(params, [], [], [], {name: [] for name in names})
+        for i, (p, (view, grad)) in enumerate(zip(params, views, strict=True)):
+            state = self.state[p]
+            self._init_state(p, view, state, names)
+            grad_shards = grad.local_tensors()
+            for r, shard in view.local_tensors().items():
+                batch.params.append(shard)
+                batch.grads.append(grad_shards[r])
+                batch.owner.append(i)
+                for name in names:
+                    batch.state[name].append(state[name].local_tensors()[r])
+        return batch
+
+    def _init_state(self, p: Tensor, view: Tensor, state: ParamState, names: list[str]) -> None:
+        if not state:
+            self._init_scalars(state)
+        for name in names:
+            if name not in state:
+                state[name] = _zeros_like_view(view)
+
+    # -- what subclasses define ------------------------------------------------------------------
+
+    def _state_names(self, group: dict[str, Any]) -> list[str]:
+        """Names of the tensor state this group's update needs (created as zeros in the state layout)."""
+        return []
+
+    def _init_scalars(self, state: ParamState) -> None:
+        """Scalar state of a parameter seen for the first time (such as Adam's step)."""
+
+    def _update(self, group: dict[str, Any], batch: ShardBatch) -> None:
+        raise NotImplementedError
+
+    # -- state dict ------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"state": {index: {...}}, "param_groups": [...]}``, parameters numbered in group order (as torch)."""
+        index = {id(p): i for i, p in enumerate(self._all_params())}
+        state = {index[id(p)]: dict(s) for p, s in self.state.items() if id(p) in index and s}
+        groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [index[id(p)] for p in g["params"]]}
+                  for g in self.param_groups]
+        return {"state": state, "param_groups": groups}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Loads hyperparameters and state; tensors (sbpflow, torch or NumPy) are laid out like this optimizer's."""
+        groups = state_dict["param_groups"]
+        if len(groups) != len(self.param_groups) or any(
+            len(a["params"]) != len(b["params"]) for a, b in zip(groups, self.param_groups, strict=True)
+        ):
+            raise SbpflowError(f"{type(self).__name__}.load_state_dict: the saved param groups do not match this "
+                               "optimizer's (different number of groups or parameters per group)")
+        self.state.clear()
+        for saved, own in zip(groups, self.param_groups, strict=True):
+            own.update({k: v for k, v in saved.items() if k != "params"})
+            for saved_index, p in zip(saved["params"], own["params"], strict=True):
+                entry = state_dict["state"].get(saved_index)
+                if entry:
+                    self.state[p].update({k: self._load_value(k, v, p) for k, v in entry.items()})
+
+    def _load_value(self, name: str, value: Any, p: Tensor) -> Any:
+        if name == "step":
+            return float(value.item() if hasattr(value, "item") else value)
+        if value is None or isinstance(value, (int, float)):
+            return value
+        return _in_state_layout(value, p, self.state_sbp(p))
+
+    def _all_params(self) -> list[Tensor]:
+        return [p for g in self.param_groups for p in g["params"]]
+
+    def __repr__(self) -> str:
+        lines = [f"{type(self).__name__} ("]
+        for i, g in enumerate(self.param_groups):
+            lines.append(f"Parameter Group {i}")
+            lines += [f"    {k}: {v}" for k, v in sorted(g.items()) if k != "params"]
+        return "\n".join(lines) + "\n)"
+
+
+def _check_param(p: Any, who: str) -> None:
+    if not isinstance(p, Tensor):
+        raise SbpflowError(f"{who} optimizes sbpflow Tensors, but got {type(p).__name__}")
+    if not p.is_leaf:
+        raise SbpflowError(f"{who} can only optimize leaf tensors, but got one with grad_fn ({p._describe()})")
+
+
+def _check_not_partial(p: Tensor, who: str) -> None:
+    if any(isinstance(s, Partial) for s in p.sbp):
+        raise SbpError(
+            f"{who} updates parameters shard by shard, which needs a split or broadcast SBP, but a parameter has "
+            f"{p._describe()}; a partial value has no per-shard update (convert it with .to_global(sbp=...) first)"
+        )
+
+
+def _zeros_like_view(view: Tensor) -> Tensor:
+    if not view.is_global:
+        return zeros(tuple(view.shape), dtype=view.dtype)
+    return zeros(tuple(view.shape), placement=view.placement, sbp=view.sbp, dtype=view.dtype)
+
+
+def _in_state_layout(value: Any, p: Tensor, sbp: NdSbp | None) -> Tensor:
+    """A saved state tensor as a new tensor in ``p``'s state layout (its own memory)."""
+    if isinstance(value, Tensor):
+        if value.is_global and p.is_global:
+            moved = value.detach().to_global(p.placement, sbp)
+            return Tensor._from_shards(tuple(moved.shape), p.dtype, p.placement, moved.sbp,
+                                       {r: t.to(p.dtype, copy=True) for r, t in moved.local_tensors().items()})
+        value = logical_value(value)
+    full = torch.as_tensor(value).detach().to(p.dtype)
+    if tuple(full.shape) != tuple(p.shape):
+        raise SbpflowError(f"optimizer state of shape {list(full.shape)} does not fit the parameter with "
+                           f"{p._describe()}")
+    if not p.is_global:
+        return Tensor._from_local(full.clone())
+    assert sbp is not None
+    return Tensor._from_shards(tuple(full.shape), p.dtype, p.placement, sbp, shards_from_full(full, p.placement, sbp))
