@@ -1,0 +1,13 @@
+"""Demos on virtual CPU devices: a tour of matmul under SBP, then training a GPT (``sbpflow demo``)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    """Runs ``sbpflow demo`` with command-line style ``argv`` (see ``sbpflow demo --help``)."""
+    from .train_gpt import main as run
+
+    return run(argv)

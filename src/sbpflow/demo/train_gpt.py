@@ -1,0 +1,461 @@
+"""Training a GPT under any data x tensor x pipeline strategy, and the ``sbpflow demo``.
+
+:func:`train_gpt` is the equivalence workhorse: the same seed, data and
+hyper-parameters under any strategy give the same losses and parameters as
+one device. It runs on whatever comm backend is installed (virtual ranks in
+one process, or one rank per process under torch.distributed).
+
+:func:`main` is the demo: a character-level GPT trained on Python's own
+standard-library sources, on virtual CPU devices, with the strategy table, the
+collectives of one training step, a loss curve (PNG) and a text sample.
+
+>>> from sbpflow.demo.train_gpt import train_gpt
+>>> from sbpflow.models.gpt import GPTConfig
+>>> cfg = GPTConfig(vocab_size=20, block_size=8, n_layer=1, n_head=2, n_embd=8)
+>>> losses, params = train_gpt("dp=2", steps=2, config=cfg, batch_size=4, seq_len=8)
+>>> len(losses), params["wte.weight"].shape
+(2, (20, 8))
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import sysconfig
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+import sbpflow
+from sbpflow import nn, optim
+from sbpflow.comm import CommEvent, record
+from sbpflow.models.gpt import GPT, GPTConfig, Strategy, parallelize, parse_strategy
+from sbpflow.tensor import Tensor
+
+# ----------------------------------------------------------------------------- training
+
+
+@dataclass
+class Trainer:
+    """A model, its strategy (None on one device) and its optimizer: one training step at a time."""
+
+    model: GPT
+    strategy: Strategy | None
+    optimizer: Any
+    clip: float | None = 1.0
+
+    def inputs(self, ids: np.ndarray, targets: np.ndarray) -> tuple[Tensor, Tensor]:
+        """Logical (B, T) arrays as the model's inputs: local tensors, or laid out by the strategy."""
+        if self.strategy is None:
+            return sbpflow.tensor(ids.astype(np.int64)), sbpflow.tensor(targets.astype(np.int64))
+        ids_t, targets_t = self.strategy.shard_inputs(ids, targets)
+        assert targets_t is not None
+        return ids_t, targets_t
+
+    def step(self, ids: np.ndarray, targets: np.ndarray, phases: PhaseLog | None = None) -> float:
+        """Forward, backward, gradient clipping and an optimizer step; returns the loss."""
+        phases = phases or PhaseLog(None)
+        ids_t, targets_t = self.inputs(ids, targets)
+        with phases("forward"):
+            _, loss = self.model(ids_t, targets_t)
+        assert loss is not None
+        self.optimizer.zero_grad()
+        with phases("backward"):
+            loss.backward()
+        with phases("clip_grad_norm"):
+            if self.clip is not None:
+                nn.utils.clip_grad_norm_(list(self.model.parameters()), self.clip)
+        with phases("optimizer"):
+            self.optimizer.step()
+        return scalar(loss, self.strategy)
+
+
+def build(config: GPTConfig, strategy: str | dict[str, int] | None, *, seed: int = 0, lr: float = 1e-3,
+          weight_decay: float = 0.1, clip: float | None = 1.0, device: str = "cpu") -> Trainer:
+    """Builds the GPT from ``seed``, places it under ``strategy`` (None or "single": no placement), adds AdamW.
+
+    Weight decay applies to matrices (weights and embeddings), not to biases and LayerNorm scales, as in nanoGPT.
+    """
+    sbpflow.manual_seed(seed)
+    model = GPT(config)
+    degrees = parse_strategy(strategy)
+    placed = None if _is_single(strategy) else parallelize(model, device=device, **degrees)
+    params = list(model.parameters())
+    groups = [
+        {"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+    ]
+    return Trainer(model, placed, optim.AdamW(groups, lr=lr, betas=(0.9, 0.95)), clip)
+
+
+def _is_single(strategy: str | dict[str, int] | None) -> bool:
+    return strategy is None or (isinstance(strategy, str) and strategy.strip() in ("", "single", "none"))
+
+
+def scalar(t: Tensor, strategy: Strategy | None) -> float:
+    """A one-element tensor's value on every process, also where its placement has no rank of this process."""
+    if strategy is not None and strategy.pipeline > 1:
+        t = t.to_global(placement=strategy.everywhere, sbp=sbpflow.sbp.broadcast)
+    return float(t.item())
+
+
+def random_batches(vocab_size: int, steps: int, batch_size: int, seq_len: int,
+                   seed: int = 0) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """``steps`` batches of random token ids as (ids, targets), targets being ids shifted by one."""
+    rng = np.random.default_rng(seed)
+    for _ in range(steps):
+        tokens = rng.integers(0, vocab_size, size=(batch_size, seq_len + 1))
+        yield tokens[:, :-1], tokens[:, 1:]
+
+
+def train_gpt(strategy: str | dict[str, int] | None, steps: int, *, config: GPTConfig | None = None,
+              batch_size: int = 8, seq_len: int = 16, lr: float = 1e-3, seed: int = 0,
+              clip: float | None = 1.0) -> tuple[list[float], dict[str, np.ndarray]]:
+    """Trains a GPT for ``steps`` AdamW steps on random tokens; returns the losses and the final parameters.
+
+    ``strategy`` is None / "single" (one device, local tensors) or a spec such
+    as ``"dp=2,tp=2,pp=2"``; ranks are those of the installed comm backend.
+    Parameters are logical values by name, comparable across strategies.
+    """
+    config = config or GPTConfig(vocab_size=100, block_size=seq_len, n_layer=2, n_head=4, n_embd=64, dropout=0.1)
+    trainer = build(config, strategy, seed=seed, lr=lr, clip=clip)
+    losses = [trainer.step(ids, targets) for ids, targets in random_batches(
+        config.vocab_size, steps, batch_size, seq_len, seed=seed + 1)]
+    return losses, parameter_values(trainer)
+
+
+def parameter_values(trainer: Trainer) -> dict[str, np.ndarray]:
+    """Each parameter's logical value by name, on every process."""
+    out = {}
+    for name, p in trainer.model.named_parameters():
+        value = p.detach()
+        if trainer.strategy is not None and trainer.strategy.pipeline > 1:
+            value = value.to_global(placement=trainer.strategy.everywhere, sbp=sbpflow.sbp.broadcast)
+        out[name] = value.numpy()
+    return out
+
+
+# ----------------------------------------------------------------------------- where collectives happen
+
+
+class PhaseLog:
+    """Attributes the collectives of one step to a phase (forward, backward ...) and, in forward, to a module.
+
+    One :func:`sbpflow.comm.record` log is open for the step; each module's
+    forward claims the events issued while it ran and not claimed by a child
+    (children finish first), so every event lands in its innermost module.
+    """
+
+    def __init__(self, model: GPT | None) -> None:
+        self.log: Any = None
+        self.where: dict[int, str] = {}
+        self._phase = ""
+        self._model = model
+        self._undo: list[Callable[[], None]] = []
+
+    @contextmanager
+    def __call__(self, phase: str) -> Iterator[None]:
+        if self.log is None:
+            yield
+            return
+        self._phase = phase
+        start = len(self.log.events)
+        yield
+        self._claim(start, phase)
+
+    @contextmanager
+    def recording(self) -> Iterator[PhaseLog]:
+        """Records one step, wrapping every module's forward to tag its events."""
+        assert self._model is not None
+        with record() as log:
+            self.log = log
+            for name, module in self._model.named_modules():
+                self._wrap(name or "gpt", module)
+            try:
+                yield self
+            finally:
+                for undo in self._undo:
+                    undo()
+                self._undo.clear()
+
+    def _wrap(self, name: str, module: nn.Module) -> None:
+        inner = module.forward
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            start = len(self.log.events)
+            out = inner(*args, **kwargs)
+            self._claim(start, f"forward {_short_name(name)}")
+            return out
+
+        object.__setattr__(module, "forward", forward)
+        self._undo.append(lambda: object.__delattr__(module, "forward"))
+
+    def _claim(self, start: int, label: str) -> None:
+        for i in range(start, len(self.log.events)):
+            self.where.setdefault(i, label)
+
+    def table(self) -> str:
+        """Collectives of the recorded step: where they ran, their kind, calls and bytes (summed over ranks)."""
+        rows: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0])
+        kinds: dict[str, list[int]] = defaultdict(lambda: [0, 0])
+        for i, event in enumerate(self.log.events):
+            where = self.where.get(i, "other")
+            for key, table in (((where, event.kind), rows), ((event.kind,), kinds)):
+                table[key][0] += 1  # type: ignore[index]
+                table[key][1] += event.bytes  # type: ignore[index]
+        return _format_comm(rows, kinds, self.log.events)
+
+
+def _short_name(name: str) -> str:
+    """``h.0.attn.c_proj`` -> ``h.*.attn.c_proj``: blocks share rows so the table stays short."""
+    parts = name.split(".")
+    if len(parts) >= 2 and parts[0] == "h" and parts[1].isdigit():
+        parts[1] = "*"
+    return ".".join(parts)
+
+
+def _format_comm(rows: dict[tuple[str, str], list[int]], kinds: dict[Any, list[int]],
+                 events: Sequence[CommEvent]) -> str:
+    width = max([len(w) for w, _ in rows] + [20])
+    lines = [f"  {'where':<{width}}  {'collective':<15} {'calls':>5} {'bytes':>12}"]
+    for (where, kind), (calls, nbytes) in sorted(rows.items(), key=_phase_order):
+        lines.append(f"  {where:<{width}}  {kind:<15} {calls:>5} {nbytes:>12,}")
+    lines.append("  " + "-" * (width + 36))
+    for (kind,), (calls, nbytes) in sorted(kinds.items()):
+        lines.append(f"  {'total':<{width}}  {kind:<15} {calls:>5} {nbytes:>12,}")
+    lines.append(f"  {'total':<{width}}  {'all':<15} {len(events):>5} {sum(e.bytes for e in events):>12,}")
+    return "\n".join(lines)
+
+
+def _phase_order(item: tuple[tuple[str, str], list[int]]) -> tuple[int, str, str]:
+    (where, kind), _ = item
+    order = ["forward", "backward", "clip_grad_norm", "optimizer", "other"]
+    first = where.split(" ")[0]
+    return (order.index(first) if first in order else len(order), where, kind)
+
+
+# ----------------------------------------------------------------------------- the demo
+
+STDLIB_FILES = (
+    "abc.py", "bisect.py", "contextlib.py", "copy.py", "fractions.py", "functools.py", "heapq.py", "operator.py",
+    "pprint.py", "queue.py", "random.py", "shlex.py", "statistics.py", "string.py", "textwrap.py",
+)
+
+
+def stdlib_text(files: Sequence[str] = STDLIB_FILES) -> str:
+    """The concatenated sources of a fixed list of standard-library modules (about 300 KB, nothing downloaded).
+
+    Characters outside 7-bit ASCII become ``?`` so the vocabulary is the same on every machine.
+    """
+    root = sysconfig.get_paths()["stdlib"]
+    parts = []
+    for name in sorted(files):
+        path = os.path.join(root, name)
+        if os.path.exists(path):
+            with open(path, encoding="utf-8", errors="replace") as f:
+                parts.append(f.read())
+    if not parts:
+        raise FileNotFoundError(f"none of the standard-library files {list(files)} exist under {root}")
+    return "".join(c if ord(c) < 128 else "?" for c in "\n".join(parts))
+
+
+@dataclass(frozen=True)
+class CharData:
+    """A character-level corpus: the vocabulary and the text as ids."""
+
+    chars: str
+    ids: np.ndarray
+
+    @classmethod
+    def from_text(cls, text: str) -> CharData:
+        chars = "".join(sorted(set(text)))
+        lookup = {c: i for i, c in enumerate(chars)}
+        return cls(chars, np.array([lookup[c] for c in text], dtype=np.int64))
+
+    def encode(self, text: str) -> list[int]:
+        return [self.chars.index(c) for c in text if c in self.chars]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return "".join(self.chars[i] for i in ids)
+
+    def batches(self, batch_size: int, block: int, seed: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """Random windows of ``block + 1`` characters, forever."""
+        rng = np.random.default_rng(seed)
+        while True:
+            starts = rng.integers(0, len(self.ids) - block - 1, size=batch_size)
+            windows = np.stack([self.ids[s : s + block + 1] for s in starts])
+            yield windows[:, :-1], windows[:, 1:]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The demo's options (shared by ``sbpflow demo`` and ``python -m sbpflow.demo``)."""
+    parser.add_argument("--devices", type=int, default=4,
+                        help="number of virtual CPU devices (default 4)")
+    parser.add_argument("--strategy", default=None,
+                        help='how to use them, e.g. "dp=2,tp=2" (default for 4 devices), "dp=4", "tp=2", "pp=2" or '
+                             '"dp=2,tp=2,pp=2": data, tensor (Megatron) and pipeline degrees, whose product must be '
+                             "--devices; without it, dp=2,tp=2 on 4 devices and dp=N otherwise")
+    parser.add_argument("--steps", type=int, default=200, help="training steps (default 200)")
+    parser.add_argument("--n-layer", type=int, default=2, help="transformer blocks (default 2)")
+    parser.add_argument("--n-embd", type=int, default=64, help="model width; a multiple of 4, the head count "
+                                                               "(default 64)")
+    parser.add_argument("--block-size", type=int, default=64, help="characters of context (default 64)")
+    parser.add_argument("--batch-size", type=int, default=16, help="sequences per step, over all data ranks "
+                                                                   "(default 16)")
+    parser.add_argument("--lr", type=float, default=3e-3, help="peak AdamW learning rate (default 3e-3)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the init, dropout and batches (default 0)")
+    parser.add_argument("--out", default="out", help="folder for the loss curve PNG (default out/)")
+    parser.add_argument("--no-tour", action="store_true", help="skip the matmul tour that runs before training")
+    return parser
+
+
+def _resolve_strategy(args: argparse.Namespace) -> dict[str, int]:
+    """The degrees from --strategy and --devices; a mismatch ends the program with a message."""
+    if args.devices < 1:
+        raise SystemExit(f"sbpflow demo: --devices must be at least 1, but got {args.devices}")
+    if args.strategy is None:
+        if args.devices == 4:
+            return {"data": 2, "tensor": 2, "pipeline": 1}
+        return {"data": args.devices, "tensor": 1, "pipeline": 1}
+    try:
+        degrees = parse_strategy(args.strategy)
+    except sbpflow.SbpflowError as e:
+        raise SystemExit(f"sbpflow demo: {e}") from None
+    used = degrees["data"] * degrees["tensor"] * degrees["pipeline"]
+    if used != args.devices:
+        raise SystemExit(f"sbpflow demo: --strategy {args.strategy} uses {used} devices, but --devices is "
+                         f"{args.devices}")
+    return degrees
+
+
+def main(argv: Sequence[str] | None = None, print_fn: Callable[[str], None] = print) -> dict[str, Any]:
+    """Parses the demo's options and runs it; returns what it showed (losses, tables, PNG path, sample)."""
+    parser = add_arguments(argparse.ArgumentParser(prog="sbpflow demo", description=DESCRIPTION))
+    return run_from_args(parser.parse_args(list(argv) if argv is not None else None), print_fn)
+
+
+def run_from_args(args: argparse.Namespace, print_fn: Callable[[str], None] = print) -> dict[str, Any]:
+    """Runs the demo with parsed options (see :func:`add_arguments`)."""
+    degrees = _resolve_strategy(args)
+    if not args.no_tour:
+        _matmul_tour(print_fn)
+    data = CharData.from_text(stdlib_text())
+    print_fn(f"\n== training a character-level GPT on {len(data.ids):,} characters of Python's standard library "
+             f"(vocabulary {len(data.chars)})")
+    config = GPTConfig(vocab_size=len(data.chars), block_size=args.block_size, n_layer=args.n_layer, n_head=4,
+                       n_embd=args.n_embd, dropout=0.0)
+    trainer = build(config, dict(degrees), seed=args.seed, lr=args.lr)
+    assert trainer.strategy is not None
+    print_fn(trainer.strategy.describe())
+    warmup = min(max(1, args.steps // 10), args.steps - 1)
+    schedule = optim.lr_scheduler.WarmupCosine(trainer.optimizer, warmup_steps=warmup, total_steps=args.steps)
+    losses, comm_table = _train(trainer, data, args, schedule, print_fn)
+    print_fn("\n== collectives of one training step (bytes summed over ranks)\n" + comm_table)
+    png = plot_losses(losses, os.path.join(args.out, "gpt_loss.png"), trainer.strategy)
+    print_fn(f"\nloss {losses[0]:.3f} -> {losses[-1]:.3f}; curve saved to {png}")
+    prompt = sbpflow.tensor(np.array([data.encode("def ")], dtype=np.int64))
+    sample = data.decode(trainer.model.generate(prompt, 200, temperature=0.8, seed=args.seed))
+    print_fn("\n== sample\n" + sample)
+    return {"losses": losses, "png": png, "sample": sample, "strategy": trainer.strategy.describe(),
+            "comm": comm_table}
+
+
+DESCRIPTION = (
+    "Trains a small character-level GPT on Python standard-library sources on virtual CPU devices. Parameters are "
+    "laid out Megatron-style on the tensor axis (q/k/v and MLP fc split by output, c_proj by input, embedding and "
+    "head by vocabulary), replicated on the data axis, and divided by blocks among pipeline stages; sbpflow inserts "
+    "every collective. Prints the strategy, the collectives of one step, a progress bar, then saves the loss curve "
+    "as a PNG and prints a sample."
+)
+
+
+def _matmul_tour(print_fn: Callable[[str], None]) -> None:
+    try:
+        from sbpflow.demo import matmul_tour
+    except ImportError:
+        return
+    print_fn("== a tour of matmul under SBP")
+    matmul_tour.run(print_fn=print_fn)
+
+
+def _train(trainer: Trainer, data: CharData, args: argparse.Namespace, schedule: Any,
+           print_fn: Callable[[str], None]) -> tuple[list[float], str]:
+    batches = data.batches(args.batch_size, args.block_size, args.seed + 1)
+    bar = ProgressBar(args.steps)
+    losses: list[float] = []
+    table = ""
+    start = time.perf_counter()
+    for step in range(args.steps):
+        ids, targets = next(batches)
+        if step == 1:  # the second step: the first one also fills dispatch caches and optimizer state
+            phases = PhaseLog(trainer.model)
+            with phases.recording():
+                losses.append(trainer.step(ids, targets, phases))
+            table = phases.table()
+        else:
+            losses.append(trainer.step(ids, targets))
+        schedule.step()
+        tokens = (step + 1) * ids.size
+        bar.update(step + 1, losses[-1], tokens / max(time.perf_counter() - start, 1e-9))
+    bar.close()
+    return losses, table
+
+
+class ProgressBar:
+    """A plain-stdout progress bar: redrawn in place on a terminal, a line per 10% otherwise."""
+
+    def __init__(self, total: int, width: int = 30, stream: Any = None) -> None:
+        self.total, self.width = total, width
+        self.stream = stream or sys.stdout
+        self.tty = hasattr(self.stream, "isatty") and self.stream.isatty()
+        self._last_tenth = -1
+
+    def update(self, done: int, loss: float, tokens_per_s: float) -> None:
+        filled = int(self.width * done / max(self.total, 1))
+        text = (f"[{'#' * filled}{'.' * (self.width - filled)}] step {done}/{self.total}  loss {loss:.4f}  "
+                f"{tokens_per_s:,.0f} tok/s")
+        if self.tty:
+            self.stream.write("\r" + text)
+            self.stream.flush()
+            return
+        tenth = 10 * done // max(self.total, 1)
+        if tenth != self._last_tenth:
+            self._last_tenth = tenth
+            self.stream.write(text + "\n")
+
+    def close(self) -> None:
+        if self.tty:
+            self.stream.write("\n")
+        self.stream.flush()
+
+
+def plot_losses(losses: Sequence[float], path: str, strategy: Strategy | None = None) -> str:
+    """Saves the loss curve as a PNG (matplotlib's Agg backend, no display needed); returns the path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot(range(1, len(losses) + 1), losses, linewidth=1.2)
+    ax.set_xlabel("step")
+    ax.set_ylabel("cross-entropy loss")
+    where = (f"data={strategy.data} x tensor={strategy.tensor} x pipeline={strategy.pipeline}"
+             if strategy else "one device")
+    ax.set_title(f"char-level GPT, {where}")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+if __name__ == "__main__":
+    main()
