@@ -159,10 +159,10 @@ class Module:
             raise SbpflowError(f"{type(self).__name__}: call super().__init__() before assigning attributes")
         params, buffers, modules = self._parameters, self._buffers, self._modules
         if isinstance(value, Parameter):
-            self._forget(name)
+            self._forget(name, keep=params)
             params[name] = value
         elif isinstance(value, Module):
-            self._forget(name)
+            self._forget(name, keep=modules)
             modules[name] = value
         elif name in params:
             if value is not None:
@@ -180,9 +180,11 @@ class Module:
         else:
             object.__setattr__(self, name, value)
 
-    def _forget(self, name: str) -> None:
+    def _forget(self, name: str, keep: Any = None) -> None:
+        """Drops ``name`` from every table but ``keep`` (re-assigning keeps its place, as torch)."""
         for table in (self._parameters, self._buffers, self._modules):
-            table.pop(name, None)
+            if table is not keep:
+                table.pop(name, None)
         self._non_persistent.discard(name)
         self.__dict__.pop(name, None)
 

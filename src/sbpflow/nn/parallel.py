@@ -74,24 +74,29 @@ class DataParallelInput:
 Style = ColwiseParallel | RowwiseParallel | Replicate | DataParallelInput
 
 
-def _param_sbp(module: Module, name: str, style: Any, where: str) -> SbpParallel:
-    """The SBP ``style`` gives parameter ``name`` of ``module`` on the plan's mesh axis."""
+def _check_style_fits(module: Module, where: str, style: Any) -> None:
     from .conv import Conv2d
     from .layers import Embedding, Linear
+
+    if isinstance(style, (ColwiseParallel, RowwiseParallel)) and not isinstance(module, (Linear, Conv2d, Embedding)):
+        raise SbpError(
+            f"apply_plan: {type(style).__name__} applies to Linear, Conv2d and Embedding modules, but {where} is a "
+            f"{type(module).__name__}; use Replicate() or leave it out of the plan"
+        )
+
+
+def _param_sbp(module: Module, name: str, style: Any) -> SbpParallel:
+    """The SBP ``style`` gives parameter ``name`` of ``module`` (checked by :func:`_check_style_fits`)."""
+    from .layers import Embedding
 
     if isinstance(style, Replicate):
         return broadcast
     column = isinstance(style, ColwiseParallel)
     if isinstance(module, Embedding):
         return Split(1) if column else Split(0)
-    if isinstance(module, (Linear, Conv2d)):
-        if name == "weight":
-            return Split(0) if column else Split(1)
-        return Split(0) if column else broadcast
-    raise SbpError(
-        f"apply_plan: {type(style).__name__} applies to Linear, Conv2d and Embedding modules, but {where} is a "
-        f"{type(module).__name__}; use Replicate() or leave it out of the plan"
-    )
+    if name == "weight":  # Linear (out, in) and Conv2d (out, in, kh, kw)
+        return Split(0) if column else Split(1)
+    return Split(0) if column else broadcast
 
 
 # -- applying a plan -------------------------------------------------------------------------------
@@ -106,21 +111,29 @@ def apply_plan(module: Module, plan: Mapping[str, Any], placement: Placement, me
     """
     _check_plan_args(module, plan, placement, mesh_axis)
     named = list(module.named_modules())
-    styles: dict[int, tuple[str, Any]] = {}
-    for pattern, style in plan.items():
-        hits = [(name, m) for name, m in named if fnmatch.fnmatchcase(name, pattern)]
-        if not hits:
-            names = [n or "''" for n, _ in named]
-            raise SbpError(f"apply_plan: pattern {pattern!r} matches no module; the module names are {names}")
-        for name, m in hits:
-            styles.setdefault(id(m), (name, style))
-    for qualified, m in named:
-        where, style = styles.get(id(m), (qualified, Replicate()))
+    chosen = _match(named, plan)
+    for name, m in named:  # check everything before touching anything
+        _check_style_fits(m, name or "the root module", chosen.get(id(m), Replicate()))
+    for _, m in named:
+        style = chosen.get(id(m), Replicate())
         if isinstance(style, DataParallelInput):
             m.register_forward_pre_hook(data_parallel_input(placement, style.dim, mesh_axis))
             style = Replicate()
-        _place_own_tensors(m, where or "the root module", style, placement, mesh_axis)
+        _place_own_tensors(m, style, placement, mesh_axis)
     return module
+
+
+def _match(named: list[tuple[str, Module]], plan: Mapping[str, Any]) -> dict[int, Any]:
+    """``{id(module): style}``; the first pattern (in plan order) that matches a module's name wins."""
+    chosen: dict[int, Any] = {}
+    for pattern, style in plan.items():
+        hits = [m for name, m in named if fnmatch.fnmatchcase(name, pattern)]
+        if not hits:
+            names = [n or "''" for n, _ in named]
+            raise SbpError(f"apply_plan: pattern {pattern!r} matches no module; the module names are {names}")
+        for m in hits:
+            chosen.setdefault(id(m), style)
+    return chosen
 
 
 def _check_plan_args(module: Module, plan: Mapping[str, Any], placement: Placement, mesh_axis: int) -> None:
@@ -139,10 +152,10 @@ def _check_plan_args(module: Module, plan: Mapping[str, Any], placement: Placeme
             )
 
 
-def _place_own_tensors(m: Module, where: str, style: Any, placement: Placement, mesh_axis: int) -> None:
+def _place_own_tensors(m: Module, style: Any, placement: Placement, mesh_axis: int) -> None:
     for name, p in m._parameters.items():
         if p is not None:
-            relayout_(p, placement, _with_axis(p, placement, mesh_axis, _param_sbp(m, name, style, where)))
+            relayout_(p, placement, _with_axis(p, placement, mesh_axis, _param_sbp(m, name, style)))
     for b in m._buffers.values():
         if b is not None:
             relayout_(b, placement, _with_axis(b, placement, mesh_axis, broadcast))
