@@ -215,22 +215,23 @@ def _candidates(shape: Shape, src: Layout, dst: Layout) -> tuple[SbpParallel, ..
 
 
 def _search(ctx: _Ctx, src: Layout, dst: Layout) -> list[Step]:
+    # keys are (time, collectives, steps): on equal time (always, on one rank), local steps beat a collective
     counter = itertools.count()
-    best: dict[Layout, tuple[float, int]] = {src: (0.0, 0)}
+    best: dict[Layout, tuple[float, int, int]] = {src: (0.0, 0, 0)}
     back: dict[Layout, Step] = {}
-    heap = [(0.0, 0, next(counter), src)]
+    heap = [(0.0, 0, 0, next(counter), src)]
     while heap:
-        cost, nsteps, _, state = heapq.heappop(heap)
+        cost, ncoll, nsteps, _, state = heapq.heappop(heap)
         if state == dst:
             return _unwind(back, src, dst)
-        if best.get(state, (math.inf, 0)) < (cost, nsteps):
+        if best.get(state, (math.inf, 0, 0)) < (cost, ncoll, nsteps):
             continue
         for step in _edges(ctx, state, dst):
-            key = (cost + step.time, nsteps + 1)
-            if key < best.get(step.dst, (math.inf, 0)):
+            key = (cost + step.time, ncoll + (step.kind != LOCAL), nsteps + 1)
+            if key < best.get(step.dst, (math.inf, 0, 0)):
                 best[step.dst] = key
                 back[step.dst] = step
-                heapq.heappush(heap, (key[0], key[1], next(counter), step.dst))
+                heapq.heappush(heap, (key[0], key[1], key[2], next(counter), step.dst))
     raise BoxingError(f"no boxing plan from {src} to {dst} for a tensor of shape {ctx.shape}")
 
 
