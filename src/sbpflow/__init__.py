@@ -26,6 +26,7 @@ from .errors import (
 from .ops import functional
 from . import nn
 from . import optim
+from . import models
 from .placement import Placement, placement
 from .random import manual_seed
 from .tensor import Tensor
@@ -56,6 +57,7 @@ def explain(x: Tensor, placement: Placement | None = None, sbp: object = None) -
 __all__ = [
     "AutogradError", "BoxingError", "CommError", "DTypeError", "OpError", "Placement", "PlacementError", "SbpError",
     "SbpflowError", "ShapeError", "Tensor", "arange", "boxing", "comm", "enable_grad", "explain", "full", "full_like",
-    "functional", "is_grad_enabled", "manual_seed", "nn", "no_grad", "ones", "ones_like", "optim", "placement", "rand",
-    "rand_like", "randint", "randn", "randn_like", "sbp", "tensor", "uniform", "zeros", "zeros_like",
+    "functional", "is_grad_enabled", "manual_seed", "models", "nn", "no_grad", "ones", "ones_like", "optim",
+    "placement", "rand", "rand_like", "randint", "randn", "randn_like", "sbp", "tensor", "uniform", "zeros",
+    "zeros_like",
 ]
