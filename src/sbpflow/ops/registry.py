@@ -278,12 +278,29 @@ def decide(opdef: OpDef, args: Sequence[Any], attrs: dict[str, Any], placement: 
                 tuple(t.shape), t.dtype, boxing.Layout(placement, t.sbp), boxing.Layout(placement, in_sbps[i]))
             for i, t in enumerate(tensors)
         )
-        cost = (sum(p.time for p in plans if p), sum(len(p.steps) for p in plans if p))
+        cost = _boxing_cost(plans)
         if best is None or cost < best[0]:
             out_sbps = tuple(tuple(sig.outs[j] for sig in combo) for j in range(len(out_metas)))
             best = (cost, in_sbps, out_sbps, plans)
     assert best is not None
     return Decision(out_metas, best[1], best[2], best[3])
+
+
+def _boxing_cost(plans: Sequence[boxing.Plan | None]) -> tuple[float, int, int, int, int]:
+    """Modelled time, then collectives, local steps into a partial, bytes and steps.
+
+    Ties after time matter: on one rank every plan is free, yet a local slice must beat a
+    (trivial) all-gather; and turning S or B into a partial only defers a reduction to the
+    consumer, so a split signature beats it. Equal costs keep the earlier signature.
+    """
+    real = [p for p in plans if p is not None]
+    to_partial = sum(1 for p in real for st in p.steps if st.kind == "local" and _adds_partial(st))
+    return (sum(p.time for p in real), sum(len(p.collectives()) for p in real), to_partial,
+            sum(p.bytes for p in real), sum(len(p.steps) for p in real))
+
+
+def _adds_partial(step: boxing.Step) -> bool:
+    return sum(isinstance(s, Partial) for s in step.dst.sbp) > sum(isinstance(s, Partial) for s in step.src.sbp)
 
 
 def _sig_fits(sig: Sig, tensors: Sequence[Tensor], outs: Sequence[Meta]) -> bool:
