@@ -34,7 +34,7 @@ from ..autograd import Node, is_grad_enabled
 from ..comm import get_backend
 from ..errors import OpError, SbpflowError
 from ..placement import Placement
-from ..sbp import Broadcast, NdSbp, SbpParallel, format_nd
+from ..sbp import Broadcast, NdSbp, Partial, SbpParallel, format_nd
 from ..tensor import Tensor
 
 
