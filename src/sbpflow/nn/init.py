@@ -24,6 +24,7 @@ from typing import Any
 from ..autograd import no_grad
 from ..creation import full, randn, uniform
 from ..errors import ShapeError
+from ..ops import functional as F
 from ..tensor import Tensor
 
 
@@ -48,7 +49,7 @@ def normal_(tensor: Tensor, mean: float = 0.0, std: float = 1.0) -> Tensor:
     """Fills ``tensor`` with values from N(mean, std²)."""
     value = randn(*tensor.shape, **_layout_kwargs(tensor))
     with no_grad():
-        value = value * std + mean if (std != 1.0 or mean != 0.0) else value
+        value = F.add(F.mul(value, std), mean) if (std != 1.0 or mean != 0.0) else value
     return _overwrite(tensor, value)
 
 

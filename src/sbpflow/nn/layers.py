@@ -80,8 +80,10 @@ class Embedding(Module):
         from ..autograd import no_grad
         from ..creation import arange
 
-        layout = {"placement": self.weight.placement, "sbp": _rows_sbp(self.weight)} if self.weight.is_global else {}
-        rows = arange(self.num_embeddings, **layout)
+        if self.weight.is_global:
+            rows = arange(self.num_embeddings, placement=self.weight.placement, sbp=_rows_sbp(self.weight))
+        else:
+            rows = arange(self.num_embeddings)
         with no_grad():
             keep = F.unsqueeze(F.ne(rows, self.padding_idx), 1)  # (num_embeddings, 1), logical
             value = F.where(keep, self.weight, 0.0)

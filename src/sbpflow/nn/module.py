@@ -305,7 +305,7 @@ class Module:
                 p.grad = None
             else:
                 with no_grad():
-                    p.grad.zero_()
+                    p.grad.zero_()  # type: ignore[attr-defined]  # bound by sbpflow.ops.methods
 
     # -- layout ----------------------------------------------------------------------------------
 

@@ -163,7 +163,7 @@ def _place_own_tensors(m: Module, style: Any, placement: Placement, mesh_axis: i
 
 def _with_axis(t: Tensor, placement: Placement, mesh_axis: int, s: SbpParallel) -> tuple[SbpParallel, ...]:
     """``t``'s current SBP on ``placement`` (all B if it lives elsewhere) with ``s`` on ``mesh_axis``."""
-    base = list(t.sbp) if t.is_global and t.placement == placement else [broadcast] * placement.ndim
+    base: list[SbpParallel] = list(t.sbp) if t.is_global and t.placement == placement else [broadcast] * placement.ndim
     base[mesh_axis] = s
     return tuple(base)
 
@@ -181,7 +181,7 @@ def data_parallel_input(placement: Placement, dim: int = 0, mesh_axis: int = 0) 
     def convert(x: Any) -> Any:
         if not isinstance(x, Tensor):
             return x
-        nd = [Broadcast()] * placement.ndim
+        nd: list[SbpParallel] = [Broadcast()] * placement.ndim
         nd[mesh_axis] = Split(dim)
         sbp = normalize(tuple(nd), placement, x.ndim, what=f"DataParallelInput of input with {x._describe()}")
         if x.is_global:

@@ -48,12 +48,12 @@ class Adam(Optimizer):
         params, grads = batch.params, batch.grads
         exp_avgs, exp_avg_sqs = batch.state["exp_avg"], batch.state["exp_avg_sq"]
         if group["maximize"]:
-            grads = torch._foreach_neg(grads)
+            grads = list(torch._foreach_neg(grads))
         if wd != 0:
             if self.decoupled:
                 torch._foreach_mul_(params, 1 - lr * wd)
             else:
-                grads = torch._foreach_add(grads, params, alpha=wd)
+                grads = list(torch._foreach_add(grads, params, alpha=wd))
         torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
         torch._foreach_mul_(exp_avg_sqs, beta2)
         torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1 - beta2)

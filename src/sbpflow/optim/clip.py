@@ -45,7 +45,7 @@ def clip_grad_norm_(parameters: Tensor | Iterable[Tensor], max_norm: float, norm
         coef = max_norm / (total + 1e-6)
         if coef < 1.0:
             for g in grads:
-                g.mul_(coef)
+                g.mul_(coef)  # type: ignore[attr-defined]  # bound by sbpflow.ops.methods
     return total
 
 
@@ -60,7 +60,7 @@ def _total_norm(grads: list[Tensor], norm_type: float) -> float:
         moved = [F.to_global(t, home, (broadcast,) * home.ndim) for t in globals_]
         combined = moved[0]
         for t in moved[1:]:
-            combined = F.maximum(combined, t) if math.isinf(norm_type) else combined + t
+            combined = F.maximum(combined, t) if math.isinf(norm_type) else F.add(combined, t)
     values = locals_ + ([float(combined.item())] if combined is not None else [])
     if math.isinf(norm_type):
         return max(values)
@@ -73,7 +73,7 @@ def _piece(g: Tensor, norm_type: float) -> Tensor:
     if math.isinf(norm_type):
         return F.amax(F.abs(g))
     if norm_type == 2.0:
-        return F.sum(g * g)
+        return F.sum(F.square(g))
     if norm_type == 1.0:
         return F.sum(F.abs(g))
     return F.sum(F.pow(F.abs(g), norm_type))
@@ -85,7 +85,7 @@ def clip_grad_value_(parameters: Tensor | Iterable[Tensor], clip_value: float) -
     with no_grad():
         for p in params:
             if p.grad is not None:
-                p.grad.clamp_(-clip_value, clip_value)
+                p.grad.clamp_(-clip_value, clip_value)  # type: ignore[attr-defined]
 
 
 __all__ = ["clip_grad_norm_", "clip_grad_value_"]

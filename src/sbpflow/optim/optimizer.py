@@ -131,7 +131,7 @@ class Optimizer:
                     p.grad = None
                 else:
                     with no_grad():
-                        p.grad.zero_()
+                        p.grad.zero_()  # type: ignore[attr-defined]  # bound by sbpflow.ops.methods
 
     # -- step ------------------------------------------------------------------------------------
 

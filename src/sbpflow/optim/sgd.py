@@ -44,9 +44,9 @@ class SGD(Optimizer):
     def _update(self, group: dict[str, Any], batch: ShardBatch) -> None:
         grads = batch.grads
         if group["maximize"]:
-            grads = torch._foreach_neg(grads)
+            grads = list(torch._foreach_neg(grads))
         if group["weight_decay"] != 0:
-            grads = torch._foreach_add(grads, batch.params, alpha=group["weight_decay"])
+            grads = list(torch._foreach_add(grads, batch.params, alpha=group["weight_decay"]))
         if group["momentum"] != 0:
             grads = self._momentum(group, batch, grads)
         torch._foreach_add_(batch.params, grads, alpha=-group["lr"])
@@ -66,5 +66,5 @@ class SGD(Optimizer):
         for t in batch.tensors:
             self.state[t]["momentum_started"] = True
         if group["nesterov"]:
-            return torch._foreach_add(grads, bufs, alpha=momentum)
+            return list(torch._foreach_add(grads, bufs, alpha=momentum))
         return bufs
