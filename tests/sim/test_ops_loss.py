@@ -101,7 +101,7 @@ def test_embedding_index_out_of_range() -> None:
     p = PLACEMENTS["2"]
     w = sbpflow.tensor(randn(5, 3), placement=p, sbp=S.split(0))
     ids = sbpflow.tensor(torch.tensor([1, 7]), placement=p, sbp=B)
-    with pytest.raises(OpError, match=r"embedding: index 7 is out of range for 5 classes"):
+    with pytest.raises(OpError, match=r"embedding: index 7 is out of range for 5 weight rows"):
         F.embedding(ids, w)
     with pytest.raises(DTypeError, match="embedding needs integer ids"):
         F.embedding(sbpflow.tensor(randn(2), placement=p, sbp=B), w)
@@ -193,6 +193,32 @@ def test_cross_entropy_on_2x2_batch_and_vocab_parallel() -> None:
     assert r.grads[0].sbp == (S.split(0), S.split(1))
 
 
+@pytest.mark.parametrize("pname", PNAMES)
+@pytest.mark.parametrize("seed", range(4))
+def test_cross_entropy_with_class_probabilities(pname: str, seed: int) -> None:
+    rng = random.Random(seed)
+    p = PLACEMENTS[pname]
+    shape = rng.choice([(7, 5), (3, 4, 2), (5,)])
+    probs = torch.softmax(randn(*shape, seed=seed + 1), dim=0 if len(shape) == 1 else 1)
+    reduction = rng.choice(["mean", "sum", "none"])
+    smoothing = rng.choice([0.0, 0.1])
+    check(lambda a, b: F.cross_entropy(a, b, reduction=reduction, label_smoothing=smoothing),
+          lambda a, b: TF.cross_entropy(a, b, reduction=reduction, label_smoothing=smoothing),
+          [randn(*shape, seed=seed), probs], p, [random_sbp(shape, p, rng), random_sbp(shape, p, rng)])
+
+
+@pytest.mark.parametrize("name", ["cross_entropy", "nll_loss", "mse_loss", "embedding"])
+def test_local_tensors(name: str) -> None:
+    """Tensors without a placement run the same kernels on one device."""
+    x, t = randn(6, 5), _labels((6,), 5, 2, ignore=-100)
+    if name == "mse_loss":
+        check(F.mse_loss, TF.mse_loss, [x, randn(6, 5, seed=1)], None)
+    elif name == "embedding":
+        check(lambda i, w: F.embedding(i, w, 1), lambda i, w: TF.embedding(i, w, 1), [t.clamp(0), x], None)
+    else:
+        check(getattr(F, name), getattr(TF, name), [x, t], None)
+
+
 def test_cross_entropy_all_targets_ignored_gives_nan_like_torch() -> None:
     p = PLACEMENTS["2"]
     x = sbpflow.tensor(randn(3, 4), placement=p, sbp=S.split(1))
@@ -213,7 +239,9 @@ def test_loss_errors() -> None:
     short = sbpflow.tensor(torch.tensor([0, 1, 2]), placement=p, sbp=B)
     with pytest.raises(ShapeError, match=r"cross_entropy: input shape \[4, 5\].*target of shape \[4\].*\[3\]"):
         F.cross_entropy(x, short)
-    with pytest.raises(DTypeError, match="cross_entropy: target must hold integer class indices"):
+    with pytest.raises(DTypeError, match="nll_loss: target must hold integer class indices"):
+        F.nll_loss(x, sbpflow.tensor(randn(4), placement=p, sbp=B))
+    with pytest.raises(ShapeError, match=r"cross_entropy: class-probability targets need the input's shape"):
         F.cross_entropy(x, sbpflow.tensor(randn(4), placement=p, sbp=B))
     with pytest.raises(OpError, match="reduction must be"):
         F.nll_loss(x, bad, reduction="avg")

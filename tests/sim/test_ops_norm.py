@@ -49,6 +49,20 @@ def test_softmax_random_sbp(pname: str, seed: int, name: str) -> None:
           [random_sbp(shape, p, rng, partial=True)])
 
 
+@pytest.mark.parametrize("name", ["softmax", "log_softmax", "layer_norm", "rms_norm", "batch_norm"])
+def test_local_tensors(name: str) -> None:
+    """Tensors without a placement run the fused kernels on one device."""
+    x = randn(6, 5)
+    if name in ("softmax", "log_softmax"):
+        check(lambda a: getattr(F, name)(a, 1), lambda a: getattr(torch, name)(a, 1), [x], None)
+    elif name == "batch_norm":
+        check(lambda a: F.batch_norm(a, None, None, training=True),
+              lambda a: TF.batch_norm(a, None, None, training=True), [x], None)
+    else:
+        check(lambda a, w: getattr(F, name)(a, (5,), w), lambda a, w: getattr(TF, name)(a, (5,), w),
+              [x, randn(5, seed=1)], None)
+
+
 def test_softmax_methods_are_bound() -> None:
     x = randn(3, 4)
     check(lambda a: a.softmax(1) + a.log_softmax(0), lambda a: a.softmax(1) + a.log_softmax(0), [x],

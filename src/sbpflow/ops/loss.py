@@ -39,7 +39,8 @@ def _split_on(x: Tensor, dim: int) -> bool:
     return x.is_global and any(isinstance(s, Split) and s.dim == dim for s in x.sbp)
 
 
-def _check_labels(name: str, labels: torch.Tensor, count: int, what: str, ignore_index: int | None = None) -> None:
+def _check_labels(name: str, labels: torch.Tensor, count: int, what: str, ignore_index: int | None = None,
+                  of: str = "classes") -> None:
     """Raises sbpflow's error for the first label outside ``[0, count)`` (``ignore_index`` allowed)."""
     bad = (labels < 0) | (labels >= count)
     if ignore_index is not None:
@@ -47,7 +48,7 @@ def _check_labels(name: str, labels: torch.Tensor, count: int, what: str, ignore
     if bool(bad.any()):
         value = int(labels[bad][0])
         allowed = f" or ignore_index={ignore_index}" if ignore_index is not None else ""
-        raise OpError(f"{name}: {what} {value} is out of range for {count} classes (expected 0..{count - 1}{allowed})")
+        raise OpError(f"{name}: {what} {value} is out of range for {count} {of} (expected 0..{count - 1}{allowed})")
 
 
 def _owned(labels: torch.Tensor, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -78,7 +79,7 @@ def _embedding_sigs(ids: Meta, weight: Meta, outs: tuple[Meta, ...], padding_idx
 
 @op("embedding", meta=_embedding_meta, sbp=_embedding_sigs, shard_aware=True)
 def _embedding(ctx: ShardCtx, ids: torch.Tensor, weight: torch.Tensor, padding_idx: int | None) -> torch.Tensor:
-    _check_labels("embedding", ids, ctx.in_metas[1].shape[0], "index")
+    _check_labels("embedding", ids, ctx.in_metas[1].shape[0], "index", of="weight rows")
     lo, hi = ctx.in_boxes[1][0]  # this shard's rows of the logical weight
     own, local = _owned(ids, lo, hi)
     if hi == lo:
@@ -257,7 +258,8 @@ def nll_loss(logp: Tensor, target: Tensor, ignore_index: int = -100, reduction: 
 
 def cross_entropy(logits: Tensor, target: Tensor, ignore_index: int = -100, reduction: str = "mean",
                   label_smoothing: float = 0.0) -> Tensor:
-    """``torch.nn.functional.cross_entropy`` over class indices (class dim 1 for inputs of 2 or more dims).
+    """``torch.nn.functional.cross_entropy`` (class dim 1 for inputs of 2 or more dims), with class-index
+    targets or, as in torch, floating-point class probabilities of the input's shape.
 
     With the class dim split (the vocab-parallel loss) the log-softmax takes its max and
     log-sum-exp through partials and the rank owning each target class picks its logit, so the
@@ -272,6 +274,8 @@ def cross_entropy(logits: Tensor, target: Tensor, ignore_index: int = -100, redu
     _check_reduction("cross_entropy", reduction)
     if not 0.0 <= label_smoothing <= 1.0:
         raise OpError(f"cross_entropy: label_smoothing must be in [0, 1], but got {label_smoothing}")
+    if target.dtype.is_floating_point:
+        return _soft_cross_entropy(logits, target, reduction, label_smoothing)
     x, t = _classes_last("cross_entropy", logits, target)
     last = x.ndim - 1
     logp = _log_softmax(x, last, force_partial=_split_on(x, last))  # logical (N, d..., C)
@@ -282,6 +286,25 @@ def cross_entropy(logits: Tensor, target: Tensor, ignore_index: int = -100, redu
         smooth = E.mul(E.neg(RD.sum_(logp, dim=last)), valid)  # P(sum) when classes are split
         losses = E.add(E.mul(losses, 1.0 - label_smoothing), E.mul(smooth, label_smoothing / classes))
     return _reduce("cross_entropy", losses, valid, reduction, logits.ndim == 1)
+
+
+def _soft_cross_entropy(logits: Tensor, target: Tensor, reduction: str, label_smoothing: float) -> Tensor:
+    """-sum(p * log_softmax(x)) over the class dim; mean divides by the number of samples (all count)."""
+    if tuple(target.shape) != tuple(logits.shape):
+        raise ShapeError(
+            f"cross_entropy: class-probability targets need the input's shape {list(logits.shape)}, but got "
+            f"{target._describe()}"
+        )
+    dim = 0 if logits.ndim == 1 else 1
+    classes = logits.shape[dim]
+    if label_smoothing > 0.0:
+        target = E.add(E.mul(target, 1.0 - label_smoothing), label_smoothing / classes)
+    logp = _log_softmax(logits, dim, force_partial=_split_on(logits, dim))
+    losses = E.neg(RD.sum_(E.mul(logp, target), dim=dim))  # P(sum) when classes are split
+    if reduction == "none":
+        return losses
+    total = RD.sum_(losses)
+    return total if reduction == "sum" else E.div(total, losses.numel())
 
 
 def mse_loss(input: Tensor, target: Tensor, reduction: str = "mean") -> Tensor:
