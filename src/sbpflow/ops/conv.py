@@ -1,5 +1,328 @@
-"""(filled in by its op family's issue work)"""
+"""2-D convolution and pooling on (N, C, H, W) shards.
+
+conv2d signatures (x, weight, bias -> out; channel splits only for groups=1):
+
+    x        weight   bias     out       why
+    S(0)     B        B        S(0)      data parallel: samples are independent
+    B        S(0)     S(0)     S(1)      output channels: each rank owns some filters
+    S(1)     S(1)     P(sum)   P(sum)    input channels: the contraction, bias counted once
+    P(sum)   B        P(sum)   P(sum)    linear in x
+    B        P(sum)   P(sum)   P(sum)    linear in weight
+    B        B        B        B
+
+Its gradients are their own ops (torch's backward kernels on the shards) with
+the matching signatures, e.g. the weight gradient of ``x S(0), weight B`` is
+``P(sum)``: one all-reduce per weight to reach the weight's own ``B``.
+
+Pooling works per (sample, channel) plane, so splits of the batch and channel
+dims pass through; ``P(max)`` passes through max pooling, ``P(sum)`` through
+the (linear) average poolings.
+"""
 
 from __future__ import annotations
 
-__all__: list[str] = []
+from typing import Any
+
+import torch
+import torch.nn.functional as TF
+from torch.nn import grad as torch_grad
+
+from .._layout import box_shape
+from ..errors import DTypeError, ShapeError
+from ..sbp import Partial, Split, broadcast
+from ..tensor import Tensor
+from . import _rules as R
+from .reduction import sum_
+from .registry import Meta, ShardCtx, Sig, op
+
+__all__ = ["conv2d", "max_pool2d", "avg_pool2d", "adaptive_avg_pool2d"]
+
+B = broadcast
+PSUM, PMAX = Partial("sum"), Partial("max")
+Pair = tuple[int, int]
+
+
+def _pair(name: str, what: str, value: Any) -> Pair:
+    pair = (value, value) if isinstance(value, int) else tuple(value)
+    if len(pair) != 2 or not all(isinstance(n, int) and not isinstance(n, bool) for n in pair):
+        raise ShapeError(f"{name} needs {what} as an int or a pair of ints, but got {value!r}")
+    return pair  # type: ignore[return-value]
+
+
+def _meta_shape(name: str, fn: Any, *shapes: tuple[int, ...]) -> tuple[int, ...]:
+    """Output shape from torch's own shape rules, run on meta tensors (no data, no compute)."""
+    try:
+        return tuple(fn(*(torch.empty(s, device="meta") for s in shapes)).shape)
+    except RuntimeError as e:
+        raise ShapeError(f"{name} cannot take input {list(shapes[0])}: {str(e).splitlines()[0]}") from None
+
+
+# -- conv2d ----------------------------------------------------------------------------------------
+
+
+def _conv_meta(x: Meta, w: Meta, *bias: Meta, stride: Pair, padding: Pair, dilation: Pair, groups: int) -> Meta:
+    if x.ndim != 4 or w.ndim != 4:
+        raise ShapeError(f"conv2d needs input (N, C, H, W) and weight (O, C/groups, kH, kW), but got input "
+                         f"{list(x.shape)} and weight {list(w.shape)}")
+    if x.shape[1] != w.shape[1] * groups or w.shape[0] % groups:
+        raise ShapeError(f"conv2d needs input channels = weight.shape[1] * groups and output channels divisible by "
+                         f"groups, but got input {list(x.shape)} ({x.shape[1]} channels), weight {list(w.shape)}, "
+                         f"groups {groups}")
+    if bias and tuple(bias[0].shape) != (w.shape[0],):
+        raise ShapeError(f"conv2d needs bias of shape [{w.shape[0]}], but got {list(bias[0].shape)}")
+    R.check_dtypes_equal("conv2d", x, w, *bias)
+    if not x.dtype.is_floating_point:
+        raise DTypeError(f"conv2d needs floating-point tensors, but got {x.dtype}")
+    shape = _meta_shape("conv2d", lambda a, b: TF.conv2d(a, b, None, stride, padding, dilation, groups),
+                        x.shape, w.shape)
+    return Meta(shape, x.dtype)
+
+
+def _conv_sigs(x: Meta, w: Meta, *bias: Meta, outs: tuple[Meta, ...], groups: int, **_: Any) -> list[Sig]:
+    def sig(xs: Any, ws: Any, bs: Any, out: Any) -> Sig:
+        return Sig((xs, ws, bs) if bias else (xs, ws), (out,))
+
+    sigs = [sig(B, B, B, B), sig(Split(0), B, B, Split(0)), sig(PSUM, B, PSUM, PSUM), sig(B, PSUM, PSUM, PSUM)]
+    if groups == 1:
+        sigs += [sig(B, Split(0), Split(0), Split(1)), sig(Split(1), Split(1), PSUM, PSUM)]
+    return sigs
+
+
+@op("conv2d", meta=_conv_meta, sbp=_conv_sigs)
+def _conv2d(x: torch.Tensor, w: torch.Tensor, *bias: torch.Tensor, stride: Pair, padding: Pair, dilation: Pair,
+            groups: int) -> torch.Tensor:
+    return TF.conv2d(x, w, bias[0] if bias else None, stride, padding, dilation, groups)
+
+
+@_conv2d.grad
+def _conv2d_grad(ctx: Any, dy: Any) -> Any:
+    x, w = ctx.inputs[:2]
+    needs = ctx.needs_input_grad
+    dx = conv2d_input_grad(dy, w, input_shape=tuple(x.shape), **ctx.attrs) if needs[0] else None
+    dw = conv2d_weight_grad(dy, x, weight_shape=tuple(w.shape), **ctx.attrs) if needs[1] else None
+    if len(ctx.inputs) == 2:
+        return dx, dw
+    return dx, dw, sum_(dy, dim=(0, 2, 3)) if needs[2] else None
+
+
+def _input_grad_meta(dy: Meta, w: Meta, input_shape: tuple[int, ...], **_: Any) -> Meta:
+    return Meta(input_shape, dy.dtype)
+
+
+def _input_grad_sigs(dy: Meta, w: Meta, outs: tuple[Meta, ...], groups: int, **_: Any) -> list[Sig]:
+    sigs = [Sig((B, B), (B,)), Sig((Split(0), B), (Split(0),)), Sig((PSUM, B), (PSUM,)), Sig((B, PSUM), (PSUM,))]
+    if groups == 1:
+        sigs += [Sig((Split(1), Split(0)), (PSUM,)), Sig((B, Split(1)), (Split(1),))]
+    return sigs
+
+
+@op("conv2d_input_grad", meta=_input_grad_meta, sbp=_input_grad_sigs, shard_aware=True, differentiable=False)
+def conv2d_input_grad(ctx: ShardCtx, dy: torch.Tensor, w: torch.Tensor, input_shape: tuple[int, ...], stride: Pair,
+                      padding: Pair, dilation: Pair, groups: int) -> torch.Tensor:
+    """d(conv2d)/d(input) on the shard: torch's backward kernel for this shard's input box."""
+    local_shape = box_shape(ctx.out_boxes[0])
+    return torch_grad.conv2d_input(local_shape, w, dy, stride, padding, dilation, groups)
+
+
+def _weight_grad_meta(dy: Meta, x: Meta, weight_shape: tuple[int, ...], **_: Any) -> Meta:
+    return Meta(weight_shape, dy.dtype)
+
+
+def _weight_grad_sigs(dy: Meta, x: Meta, outs: tuple[Meta, ...], groups: int, **_: Any) -> list[Sig]:
+    sigs = [Sig((B, B), (B,)), Sig((Split(0), Split(0)), (PSUM,)), Sig((PSUM, B), (PSUM,)), Sig((B, PSUM), (PSUM,))]
+    if groups == 1:
+        sigs += [Sig((Split(1), B), (Split(0),)), Sig((B, Split(1)), (Split(1),))]
+    return sigs
+
+
+@op("conv2d_weight_grad", meta=_weight_grad_meta, sbp=_weight_grad_sigs, shard_aware=True, differentiable=False)
+def conv2d_weight_grad(ctx: ShardCtx, dy: torch.Tensor, x: torch.Tensor, weight_shape: tuple[int, ...], stride: Pair,
+                       padding: Pair, dilation: Pair, groups: int) -> torch.Tensor:
+    """d(conv2d)/d(weight) on the shard, summed over the shard's samples (a partial sum under a batch split)."""
+    local_shape = box_shape(ctx.out_boxes[0])
+    if x.shape[0] == 0:  # an empty batch shard contributes nothing
+        return x.new_zeros(local_shape)
+    return torch_grad.conv2d_weight(x, local_shape, dy, stride, padding, dilation, groups)
+
+
+def _conv_padding(padding: Any, w: Tensor, dilation: Pair) -> Pair:
+    if padding == "valid":
+        return (0, 0)
+    if padding == "same":
+        total = [d * (k - 1) for d, k in zip(dilation, w.shape[2:], strict=True)]
+        if any(t % 2 for t in total):
+            raise ShapeError(f"conv2d padding='same' needs an odd effective kernel size, but got weight "
+                             f"{w._describe()} with dilation {dilation}; pad explicitly instead")
+        return (total[0] // 2, total[1] // 2)
+    return _pair("conv2d", "padding", padding)
+
+
+def conv2d(x: Tensor, weight: Tensor, bias: Tensor | None = None, stride: Any = 1, padding: Any = 0,
+           dilation: Any = 1, groups: int = 1) -> Tensor:
+    """2-D convolution of ``x`` (N, C, H, W) with ``weight`` (O, C/groups, kH, kW), as torch's.
+
+    ``padding`` is an int, a pair, ``"valid"`` or ``"same"`` (odd effective kernels).
+
+    >>> import sbpflow
+    >>> x, w = sbpflow.randn(2, 3, 8, 8), sbpflow.randn(4, 3, 3, 3)
+    >>> sbpflow.functional.conv2d(x, w, stride=2, padding=1).shape
+    torch.Size([2, 4, 4, 4])
+    """
+    dilation = _pair("conv2d", "dilation", dilation)
+    attrs = dict(stride=_pair("conv2d", "stride", stride), padding=_conv_padding(padding, weight, dilation),
+                 dilation=dilation, groups=int(groups))
+    args = (x, weight) if bias is None else (x, weight, bias)
+    return _conv2d(*args, **attrs)
+
+
+# -- pooling ---------------------------------------------------------------------------------------
+
+
+def _pool_sigs(partial: Partial):  # type: ignore[no-untyped-def]
+    """Batch and channel dims (all but the last two) pass through; ``partial`` passes through too."""
+
+    def sigs(x: Meta, outs: tuple[Meta, ...], **_: Any) -> list[Sig]:
+        out = [Sig((B,), (B,)), Sig((partial,), (partial,))]
+        return out + [Sig((Split(d),), (Split(d),)) for d in range(x.ndim - 2)]
+
+    return sigs
+
+
+def _check_pool_input(name: str, x: Meta) -> None:
+    if x.ndim not in (3, 4):
+        raise ShapeError(f"{name} needs an input of shape (N, C, H, W) or (C, H, W), but got {list(x.shape)}")
+    if not x.dtype.is_floating_point:
+        raise DTypeError(f"{name} needs a floating-point input, but got {x.dtype}")
+
+
+def _max_pool_meta(x: Meta, kernel_size: Pair, stride: Pair, padding: Pair, dilation: Pair, ceil_mode: bool) -> Meta:
+    _check_pool_input("max_pool2d", x)
+    fn = lambda a: TF.max_pool2d(a, kernel_size, stride, padding, dilation, ceil_mode)  # noqa: E731
+    return Meta(_meta_shape("max_pool2d", fn, x.shape), x.dtype)
+
+
+@op("max_pool2d", meta=_max_pool_meta, sbp=_pool_sigs(PMAX))
+def _max_pool2d(x: torch.Tensor, kernel_size: Pair, stride: Pair, padding: Pair, dilation: Pair,
+                ceil_mode: bool) -> torch.Tensor:
+    return TF.max_pool2d(x, kernel_size, stride, padding, dilation, ceil_mode)
+
+
+@_max_pool2d.grad
+def _max_pool2d_grad(ctx: Any, dy: Any) -> Any:
+    return (max_pool2d_backward(dy, ctx.inputs[0], **ctx.attrs),)
+
+
+def _backward_meta(dy: Meta, x: Meta, **_: Any) -> Meta:
+    return x
+
+
+def _max_pool_backward_sigs(dy: Meta, x: Meta, outs: tuple[Meta, ...], **_: Any) -> list[Sig]:
+    sigs = [Sig((B, B), (B,)), Sig((PSUM, B), (PSUM,))]  # linear in dy once x (the arg-max) is whole
+    return sigs + [Sig((Split(d), Split(d)), (Split(d),)) for d in range(x.ndim - 2)]
+
+
+@op("max_pool2d_backward", meta=_backward_meta, sbp=_max_pool_backward_sigs, differentiable=False)
+def max_pool2d_backward(dy: torch.Tensor, x: torch.Tensor, kernel_size: Pair, stride: Pair, padding: Pair,
+                        dilation: Pair, ceil_mode: bool) -> torch.Tensor:
+    """Routes ``dy`` to each window's arg-max (recomputed from ``x`` on the shard)."""
+    _, indices = TF.max_pool2d(x, kernel_size, stride, padding, dilation, ceil_mode, return_indices=True)
+    return torch.ops.aten.max_pool2d_with_indices_backward(dy, x, kernel_size, stride, padding, dilation, ceil_mode,
+                                                           indices)
+
+
+def max_pool2d(x: Tensor, kernel_size: Any, stride: Any = None, padding: Any = 0, dilation: Any = 1,
+               ceil_mode: bool = False) -> Tensor:
+    """Max over ``kernel_size`` windows of each (sample, channel) plane, as torch's (stride defaults to the kernel).
+
+    >>> import sbpflow
+    >>> sbpflow.functional.max_pool2d(sbpflow.randn(2, 3, 8, 8), 2).shape
+    torch.Size([2, 3, 4, 4])
+    """
+    kernel = _pair("max_pool2d", "kernel_size", kernel_size)
+    step = kernel if stride is None or stride == () else _pair("max_pool2d", "stride", stride)
+    return _max_pool2d(x, kernel_size=kernel, stride=step, padding=_pair("max_pool2d", "padding", padding),
+                       dilation=_pair("max_pool2d", "dilation", dilation), ceil_mode=bool(ceil_mode))
+
+
+def _avg_pool_meta(x: Meta, kernel_size: Pair, stride: Pair, padding: Pair, ceil_mode: bool,
+                   count_include_pad: bool) -> Meta:
+    _check_pool_input("avg_pool2d", x)
+    fn = lambda a: TF.avg_pool2d(a, kernel_size, stride, padding, ceil_mode, count_include_pad)  # noqa: E731
+    return Meta(_meta_shape("avg_pool2d", fn, x.shape), x.dtype)
+
+
+@op("avg_pool2d", meta=_avg_pool_meta, sbp=_pool_sigs(PSUM))
+def _avg_pool2d(x: torch.Tensor, kernel_size: Pair, stride: Pair, padding: Pair, ceil_mode: bool,
+                count_include_pad: bool) -> torch.Tensor:
+    return TF.avg_pool2d(x, kernel_size, stride, padding, ceil_mode, count_include_pad)
+
+
+@_avg_pool2d.grad
+def _avg_pool2d_grad(ctx: Any, dy: Any) -> Any:
+    return (avg_pool2d_backward(dy, input_shape=tuple(ctx.inputs[0].shape), **ctx.attrs),)
+
+
+def _shape_meta(dy: Meta, input_shape: tuple[int, ...], **_: Any) -> Meta:
+    return Meta(input_shape, dy.dtype)
+
+
+@op("avg_pool2d_backward", meta=_shape_meta, sbp=_pool_sigs(PSUM), shard_aware=True, differentiable=False)
+def avg_pool2d_backward(ctx: ShardCtx, dy: torch.Tensor, input_shape: tuple[int, ...], kernel_size: Pair,
+                        stride: Pair, padding: Pair, ceil_mode: bool, count_include_pad: bool) -> torch.Tensor:
+    """Spreads ``dy`` evenly over each window; only the shard's input shape matters, not its values."""
+    shape_only = dy.new_empty(box_shape(ctx.out_boxes[0]))
+    return torch.ops.aten.avg_pool2d_backward(dy, shape_only, kernel_size, stride, padding, ceil_mode,
+                                              count_include_pad, None)
+
+
+def avg_pool2d(x: Tensor, kernel_size: Any, stride: Any = None, padding: Any = 0, ceil_mode: bool = False,
+               count_include_pad: bool = True) -> Tensor:
+    """Mean over ``kernel_size`` windows of each (sample, channel) plane, as torch's.
+
+    >>> import sbpflow
+    >>> sbpflow.functional.avg_pool2d(sbpflow.randn(2, 3, 8, 8), 3, stride=2, padding=1).shape
+    torch.Size([2, 3, 4, 4])
+    """
+    kernel = _pair("avg_pool2d", "kernel_size", kernel_size)
+    step = kernel if stride is None or stride == () else _pair("avg_pool2d", "stride", stride)
+    return _avg_pool2d(x, kernel_size=kernel, stride=step, padding=_pair("avg_pool2d", "padding", padding),
+                       ceil_mode=bool(ceil_mode), count_include_pad=bool(count_include_pad))
+
+
+def _adaptive_meta(x: Meta, output_size: Pair) -> Meta:
+    _check_pool_input("adaptive_avg_pool2d", x)
+    return Meta(x.shape[:-2] + output_size, x.dtype)
+
+
+@op("adaptive_avg_pool2d", meta=_adaptive_meta, sbp=_pool_sigs(PSUM))
+def _adaptive_avg_pool2d(x: torch.Tensor, output_size: Pair) -> torch.Tensor:
+    return TF.adaptive_avg_pool2d(x, output_size)
+
+
+@_adaptive_avg_pool2d.grad
+def _adaptive_avg_pool2d_grad(ctx: Any, dy: Any) -> Any:
+    return (adaptive_avg_pool2d_backward(dy, input_shape=tuple(ctx.inputs[0].shape)),)
+
+
+@op("adaptive_avg_pool2d_backward", meta=_shape_meta, sbp=_pool_sigs(PSUM), shard_aware=True, differentiable=False)
+def adaptive_avg_pool2d_backward(ctx: ShardCtx, dy: torch.Tensor, input_shape: tuple[int, ...]) -> torch.Tensor:
+    """Spreads ``dy`` over each adaptive window; only the shard's input shape matters."""
+    shape_only = dy.new_empty(box_shape(ctx.out_boxes[0]))
+    return torch.ops.aten._adaptive_avg_pool2d_backward(dy, shape_only)
+
+
+def adaptive_avg_pool2d(x: Tensor, output_size: Any) -> Tensor:
+    """Mean pooling of each (sample, channel) plane to ``output_size`` (an int, a pair; None keeps that size).
+
+    >>> import sbpflow
+    >>> sbpflow.functional.adaptive_avg_pool2d(sbpflow.randn(2, 3, 7, 5), (1, None)).shape
+    torch.Size([2, 3, 1, 5])
+    """
+    sizes = (output_size, output_size) if output_size is None or isinstance(output_size, int) else tuple(output_size)
+    if len(sizes) != 2 or not all(s is None or (isinstance(s, int) and s > 0) for s in sizes):
+        raise ShapeError(f"adaptive_avg_pool2d needs output_size as a positive int, a pair or None, but got "
+                         f"{output_size!r}; input {x._describe()}")
+    if x.ndim < 2:
+        raise ShapeError(f"adaptive_avg_pool2d needs an input of shape (N, C, H, W) or (C, H, W), got {x._describe()}")
+    full = tuple(x.shape[-2 + i] if s is None else s for i, s in enumerate(sizes))
+    return _adaptive_avg_pool2d(x, output_size=full)
