@@ -250,7 +250,8 @@ def test_sequential_module_list_and_dict_match_torch() -> None:
 
 @pytest.mark.parametrize("pname,logit_sbp,target_sbp", [(None, None, None), ("2", (S.split(0),), (S.split(0),)),
                                                         ("3", (S.split(1),), (B,))])
-@pytest.mark.parametrize("kwargs", [{}, {"reduction": "sum", "label_smoothing": 0.1}, {"ignore_index": -1}])
+@pytest.mark.parametrize("kwargs", [{}, {"reduction": "sum", "label_smoothing": 0.1}, {"ignore_index": -1},
+                                    {"ignore_index": 1, "label_smoothing": 0.2}])
 def test_cross_entropy_loss(pname: str | None, logit_sbp: Any, target_sbp: Any, kwargs: dict[str, Any]) -> None:
     placement = PLACEMENTS[pname] if pname else None
     target = torch.tensor([0, 4, -1, 3, 2, 1, 6]) if kwargs.get("ignore_index") == -1 else torch.tensor([0, 4, 1, 3,

@@ -161,6 +161,7 @@ def _pick(ctx: ShardCtx, x: torch.Tensor, target: torch.Tensor, ignore_index: in
     _check_labels(name, target, ctx.in_metas[0].shape[-1], "target label", ignore_index)
     lo, hi = ctx.in_boxes[0][-1]
     own, local = _owned(target, lo, hi)
+    own &= target != ignore_index  # an ignore_index inside [0, C) is a class id too: never pick it
     if hi == lo:
         return x.new_zeros(target.shape)
     picked = x.gather(-1, local.unsqueeze(-1)).squeeze(-1)  # local (...)
