@@ -237,8 +237,8 @@ class Strategy:
 
     @property
     def input_sbp(self) -> tuple[Any, ...]:
-        """SBP of ids and targets: split on the batch over data, broadcast over tensor."""
-        return (split(0), broadcast)
+        """SBP of ids and targets: split on the batch over data (B if data is 1), broadcast over tensor."""
+        return (split(0) if self.data > 1 else broadcast, broadcast)
 
     @property
     def world_size(self) -> int:
@@ -320,14 +320,17 @@ def parallelize(model: GPT, data: int = 1, tensor: int = 1, pipeline: int = 1, d
     _check_degrees(model.config, data, tensor, pipeline)
     strategy = Strategy(data, tensor, pipeline, device, stage_placements(data, tensor, pipeline, device),
                         split_blocks(model.config.n_layer, pipeline))
+    # A size-1 axis keeps B everywhere (inputs included): a split or partial value there is the whole
+    # value anyway, and B spares no-op collectives on one-rank groups.
+    megatron = tensor > 1
     first, last = strategy.stages[0], strategy.stages[-1]
-    apply_plan(model.wte, {"": VocabParallelEmbedding()}, first, TENSOR_AXIS)
+    apply_plan(model.wte, {"": VocabParallelEmbedding()} if megatron else {}, first, TENSOR_AXIS)
     apply_plan(model.wpe, {}, first, TENSOR_AXIS)
     for block, stage in zip(model.h, strategy.block_stage, strict=True):
-        apply_plan(block, BLOCK_PLAN, strategy.stages[stage], TENSOR_AXIS)
+        apply_plan(block, BLOCK_PLAN if megatron else {}, strategy.stages[stage], TENSOR_AXIS)
     apply_plan(model.ln_f, {}, last, TENSOR_AXIS)
-    if not model.config.tie_weights:
-        apply_plan(model.lm_head, {"": ColwiseParallel()}, last, TENSOR_AXIS)  # weight S(0): vocab parallel
+    if not model.config.tie_weights:  # weight S(0): vocab parallel
+        apply_plan(model.lm_head, {"": ColwiseParallel()} if megatron else {}, last, TENSOR_AXIS)
     for name, param in model.named_parameters():
         strategy.params[name] = (strategy.stages.index(param.placement), param.sbp, tuple(param.shape))
     model.strategy = strategy
