@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
 
 from .errors import AutogradError
 
@@ -71,9 +72,10 @@ class enable_grad(no_grad):
 class Node:
     """One recorded op application: what backward needs to compute input gradients."""
 
-    __slots__ = ("op", "inputs", "versions", "outputs", "out_refs", "args", "attrs", "needs", "freed", "__weakref__")
+    __slots__ = ("op", "inputs", "versions", "outputs", "out_refs", "out_meta", "args", "attrs", "needs", "freed",
+                 "__weakref__")
 
-    def __init__(self, op: "OpDef", inputs: Sequence[Any], outputs: Sequence["Tensor"], attrs: dict[str, Any],
+    def __init__(self, op: OpDef, inputs: Sequence[Any], outputs: Sequence[Tensor], attrs: dict[str, Any],
                  save_outputs: bool) -> None:
         self.op = op
         self.args = tuple(inputs)  # tensors and scalars, in call order
@@ -81,6 +83,9 @@ class Node:
         self.versions = tuple(t._version for t in self.inputs)
         self.outputs = tuple(o.detach() for o in outputs) if save_outputs else ()
         self.out_refs = tuple(weakref.ref(o) for o in outputs)
+        # with several outputs, one may be dropped before backward (max's indices): keep what its zeros need
+        self.out_meta = (tuple((tuple(o.shape), o.dtype, o._placement, o._sbp) for o in outputs)
+                         if len(outputs) > 1 else ())
         self.attrs = attrs
         self.needs = tuple(t.requires_grad for t in self.inputs)
         self.freed = False
@@ -109,14 +114,14 @@ class BackwardCtx:
         self.needs_input_grad = node.needs
 
 
-def backward(roots: Sequence["Tensor"], grads: Sequence["Tensor | None"], retain_graph: bool = False) -> None:
+def backward(roots: Sequence[Tensor], grads: Sequence[Tensor | None], retain_graph: bool = False) -> None:
     """Accumulates d(roots)/d(leaf) into every reachable leaf's ``.grad``."""
     from .ops import functional as F
 
     pending: dict[tuple[int, int], Tensor] = {}  # (id(node), output index) -> gradient so far
     leaf_grads: dict[int, tuple[Tensor, Tensor]] = {}
     with _set_grad(False):
-        for root, grad in zip(roots, grads):
+        for root, grad in zip(roots, grads, strict=True):
             _check_root(root)
             grad = _root_grad(root, grad)
             _send(root, grad, pending, leaf_grads)
@@ -126,7 +131,7 @@ def backward(roots: Sequence["Tensor"], grads: Sequence["Tensor | None"], retain
                 continue
             outs = _run_output_hooks(node, outs)
             in_grads = _call_backward(node, outs)
-            for t, g in zip(node.inputs, in_grads):
+            for t, g in zip(node.inputs, in_grads, strict=True):
                 if g is not None and t.requires_grad:
                     _send(t, g, pending, leaf_grads)
             if not retain_graph:
@@ -136,7 +141,7 @@ def backward(roots: Sequence["Tensor"], grads: Sequence["Tensor | None"], retain
             _accumulate_leaf(leaf, grad, F)
 
 
-def _check_root(root: "Tensor") -> None:
+def _check_root(root: Tensor) -> None:
     if not root.requires_grad:
         raise AutogradError(
             f"backward() needs a tensor that requires grad, but got {root._describe()} with requires_grad=False "
@@ -144,7 +149,7 @@ def _check_root(root: "Tensor") -> None:
         )
 
 
-def _root_grad(root: "Tensor", grad: "Tensor | None") -> "Tensor":
+def _root_grad(root: Tensor, grad: Tensor | None) -> Tensor:
     from .ops import functional as F
 
     if grad is None:
@@ -161,7 +166,7 @@ def _root_grad(root: "Tensor", grad: "Tensor | None") -> "Tensor":
     return grad
 
 
-def _send(t: "Tensor", grad: "Tensor", pending: dict, leaf_grads: dict) -> None:  # type: ignore[type-arg]
+def _send(t: Tensor, grad: Tensor, pending: dict, leaf_grads: dict) -> None:  # type: ignore[type-arg]
     from .ops import functional as F
 
     if t.grad_fn is None:
@@ -177,7 +182,7 @@ def _send(t: "Tensor", grad: "Tensor", pending: dict, leaf_grads: dict) -> None:
     pending[key] = grad if previous_grad is None else F.add(previous_grad, grad)
 
 
-def _run_output_hooks(node: Node, outs: list["Tensor | None"]) -> list["Tensor | None"]:
+def _run_output_hooks(node: Node, outs: list[Tensor | None]) -> list[Tensor | None]:
     for i, ref in enumerate(node.out_refs):
         t = ref()
         if t is None or outs[i] is None:
@@ -192,12 +197,12 @@ def _run_output_hooks(node: Node, outs: list["Tensor | None"]) -> list["Tensor |
     return outs
 
 
-def _call_backward(node: Node, outs: list["Tensor | None"]) -> Sequence["Tensor | None"]:
+def _call_backward(node: Node, outs: list[Tensor | None]) -> Sequence[Tensor | None]:
     if node.freed:
         raise AutogradError(
             f"trying to run backward through {node.name} a second time; pass retain_graph=True to the first backward()"
         )
-    for t, v in zip(node.inputs, node.versions):
+    for t, v in zip(node.inputs, node.versions, strict=True):
         if t._version != v:
             raise AutogradError(
                 f"an input of {node.op.name} ({t._describe()}) was modified in place after the op used it; "
@@ -214,16 +219,23 @@ def _call_backward(node: Node, outs: list["Tensor | None"]) -> Sequence["Tensor 
     return grads
 
 
-def _zeros_for(node: Node, index: int) -> "Tensor":
+def _zeros_for(node: Node, index: int) -> Tensor | None:
     from .ops import functional as F
 
     out = node.out_refs[index]()
-    if out is None:
+    if out is not None:
+        return F.zeros_like(out)
+    if not node.out_meta:
         raise AutogradError(f"{node.name}: output {index} is gone and has no gradient")
-    return F.zeros_like(out)
+    shape, dtype, placement, sbp = node.out_meta[index]
+    if not (dtype.is_floating_point or dtype.is_complex):
+        return None  # integer outputs (indices) have no gradient
+    from .creation import zeros
+
+    return zeros(shape, dtype=dtype, placement=placement, sbp=sbp)
 
 
-def _topological(roots: Sequence["Tensor"]) -> list[Node]:
+def _topological(roots: Sequence[Tensor]) -> list[Node]:
     """Nodes reachable from the roots, each after every node that consumes its outputs."""
     order: list[Node] = []
     seen: set[int] = set()
@@ -243,7 +255,7 @@ def _topological(roots: Sequence["Tensor"]) -> list[Node]:
     return order[::-1]
 
 
-def _accumulate_leaf(leaf: "Tensor", grad: "Tensor", F: Any) -> None:
+def _accumulate_leaf(leaf: Tensor, grad: Tensor, F: Any) -> None:
     if leaf.is_global:
         if grad.placement != leaf.placement or grad.sbp != leaf.sbp:
             grad = F.to_global(grad, leaf.placement, leaf.sbp)

@@ -193,6 +193,47 @@ def amin(x: Tensor, dim: Any = None, keepdim: bool = False) -> Tensor:
     return RD.amin(x, dim=_dims(dim), keepdim=keepdim)
 
 
+class MaxMin(tuple):  # type: ignore[type-arg]
+    """``(values, indices)`` of :func:`max` / :func:`min` over a dim, like ``torch.return_types.max``."""
+
+    __slots__ = ()
+
+    def __new__(cls, values: Tensor, indices: Tensor) -> MaxMin:
+        return super().__new__(cls, (values, indices))
+
+    @property
+    def values(self) -> Tensor:
+        return self[0]  # type: ignore[no-any-return]
+
+    @property
+    def indices(self) -> Tensor:
+        return self[1]  # type: ignore[no-any-return]
+
+
+def max(x: Tensor, dim: Any = None, keepdim: bool = False) -> Any:
+    """torch.max: no dim gives the largest value; a dim gives ``(values, indices)``; a tensor is ``maximum``.
+
+    >>> import sbpflow
+    >>> x = sbpflow.tensor([[1.0, 5.0], [4.0, 2.0]])
+    >>> max(x).item(), max(x, dim=1).indices.tolist()
+    (5.0, [1, 0])
+    """
+    if _is_t(dim):
+        return maximum(x, dim)
+    if dim is None:
+        return RD.amax(x)
+    return MaxMin(*RD.max_dim(x, dim=dim, keepdim=keepdim))
+
+
+def min(x: Tensor, dim: Any = None, keepdim: bool = False) -> Any:
+    """torch.min: no dim gives the smallest value; a dim gives ``(values, indices)``; a tensor is ``minimum``."""
+    if _is_t(dim):
+        return minimum(x, dim)
+    if dim is None:
+        return RD.amin(x)
+    return MaxMin(*RD.min_dim(x, dim=dim, keepdim=keepdim))
+
+
 def var(x: Tensor, dim: Any = None, keepdim: bool = False, correction: int = 1, unbiased: bool | None = None) -> Tensor:
     """Variance as mean((x - mean)^2) * n / (n - correction): exact under uneven splits."""
     if unbiased is not None:

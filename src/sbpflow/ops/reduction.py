@@ -132,3 +132,77 @@ def _minmax_grad(ctx: Any, dy: Any) -> Any:
 
 amax.grad(_minmax_grad)
 amin.grad(_minmax_grad)
+
+
+# -- max / min over one dim, with indices ---------------------------------------------------------
+#
+# Indices are positions along the logical dim, so the reduced dim is never split here: a split
+# input is boxed to B along it first (the signatures below list no split of ``dim``). Other dims
+# may stay split; the values and indices keep that split.
+
+
+def _minmax_dim_meta(x: Meta, dim: int, keepdim: bool = False) -> tuple[Meta, Meta]:
+    if x.ndim and x.shape[R.normalize_dim(dim, x.ndim)] == 0:
+        raise R.ShapeError(f"max/min over dim {dim} needs a non-empty dim, but the input has shape {list(x.shape)}")
+    shape = _reduced_shape(x, (R.normalize_dim(dim, x.ndim),), keepdim)
+    return Meta(shape, x.dtype), Meta(shape, torch.int64)
+
+
+def _minmax_dim_sigs(x: Meta, outs: tuple[Meta, ...], dim: int, keepdim: bool = False) -> list[Sig]:
+    reduced = R.normalize_dim(dim, x.ndim)
+    sigs = [Sig((broadcast,), (broadcast, broadcast))]
+    for d in range(x.ndim):
+        if d != reduced:
+            out = Split(_out_dim(d, (reduced,), keepdim))
+            sigs.append(Sig((Split(d),), (out, out)))
+    return sigs
+
+
+def _minmax_dim(fn: Any):  # type: ignore[no-untyped-def]
+    def kernel(x: torch.Tensor, dim: int, keepdim: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        values, indices = fn(x, dim=dim, keepdim=keepdim)
+        return values, indices
+
+    return kernel
+
+
+max_dim = op("max_dim", meta=_minmax_dim_meta, sbp=_minmax_dim_sigs)(_minmax_dim(torch.max))
+min_dim = op("min_dim", meta=_minmax_dim_meta, sbp=_minmax_dim_sigs)(_minmax_dim(torch.min))
+
+
+def _minmax_dim_grad(ctx: Any, dvalues: Any, dindices: Any) -> Any:
+    x = ctx.inputs[0]
+    dim, keepdim = ctx.attrs["dim"], ctx.attrs.get("keepdim", False)
+    indices = ctx.outputs[1]
+    return (index_scatter(dvalues, indices, shape=tuple(x.shape), dim=R.normalize_dim(dim, x.ndim), keepdim=keepdim),)
+
+
+max_dim.save_outputs = True
+min_dim.save_outputs = True
+max_dim.grad(_minmax_dim_grad)
+min_dim.grad(_minmax_dim_grad)
+
+
+def _scatter_meta(g: Meta, idx: Meta, shape: tuple[int, ...], dim: int, keepdim: bool) -> Meta:
+    return Meta(shape, g.dtype)
+
+
+def _scatter_sigs(g: Meta, idx: Meta, outs: tuple[Meta, ...], shape: tuple[int, ...], dim: int,
+                  keepdim: bool) -> list[Sig]:
+    # the inverse of _minmax_dim_sigs: the scattered dim is whole on every rank
+    sigs = [Sig((broadcast, broadcast), (broadcast,)), Sig((Partial("sum"), broadcast), (Partial("sum"),))]
+    for d in range(len(shape)):
+        if d != dim:
+            src = Split(_out_dim(d, (dim,), keepdim))
+            sigs.append(Sig((src, src), (Split(d),)))
+    return sigs
+
+
+@op("index_scatter", meta=_scatter_meta, sbp=_scatter_sigs, shard_aware=True, differentiable=False)
+def index_scatter(ctx: ShardCtx, g: torch.Tensor, idx: torch.Tensor, shape: tuple[int, ...], dim: int,
+                  keepdim: bool) -> torch.Tensor:
+    """Zeros of ``shape`` with ``g`` placed at ``idx`` along ``dim``: the gradient of max/min over a dim."""
+    local_shape = tuple(hi - lo for lo, hi in ctx.out_boxes[0])  # per shard
+    if not keepdim:
+        g, idx = g.unsqueeze(dim), idx.unsqueeze(dim)
+    return torch.zeros(local_shape, dtype=g.dtype, device=g.device).scatter(dim, idx, g)
