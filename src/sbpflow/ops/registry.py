@@ -270,6 +270,7 @@ def decide(opdef: OpDef, args: Sequence[Any], attrs: dict[str, Any], placement: 
     if exact is not None:
         in_sbps, out_sbps = exact
         return Decision(out_metas, in_sbps, out_sbps, (None,) * len(tensors))
+    has_partial = any(isinstance(s, Partial) for sbp in current for s in sbp)
     best: tuple[Any, ...] | None = None
     for combo in itertools.product(sigs, repeat=placement.ndim):
         in_sbps = tuple(tuple(sig.ins[i] for sig in combo) for i in range(len(tensors)))
@@ -278,7 +279,7 @@ def decide(opdef: OpDef, args: Sequence[Any], attrs: dict[str, Any], placement: 
                 tuple(t.shape), t.dtype, boxing.Layout(placement, t.sbp), boxing.Layout(placement, in_sbps[i]))
             for i, t in enumerate(tensors)
         )
-        cost = _boxing_cost(plans)
+        cost = _boxing_cost(plans, has_partial)
         if best is None or cost < best[0]:
             out_sbps = tuple(tuple(sig.outs[j] for sig in combo) for j in range(len(out_metas)))
             best = (cost, in_sbps, out_sbps, plans)
@@ -286,17 +287,20 @@ def decide(opdef: OpDef, args: Sequence[Any], attrs: dict[str, Any], placement: 
     return Decision(out_metas, best[1], best[2], best[3])
 
 
-def _boxing_cost(plans: Sequence[boxing.Plan | None]) -> tuple[float, int, int, int, int]:
-    """Modelled time, then collectives, local steps into a partial, bytes and steps.
+def _boxing_cost(plans: Sequence[boxing.Plan | None], has_partial: bool) -> tuple[Any, ...]:
+    """Orders boxing options: modelled time, then collectives, local steps into a partial, bytes, steps.
 
-    Ties after time matter: on one rank every plan is free, yet a local slice must beat a
-    (trivial) all-gather; and turning S or B into a partial only defers a reduction to the
-    consumer, so a split signature beats it. Equal costs keep the earlier signature.
+    Turning an S or B input into a partial is free locally but only moves a reduction (an all-reduce,
+    dearer than the all-gather it avoids) to the consumer, on a full-size buffer. So when no input is
+    partial yet, such options rank after every other one, and the all-B fallback is taken instead;
+    with a partial input (P + B), zeroing the B side is the cheap, right move. Ties after time matter
+    too: on one rank every plan is free, yet a local slice must beat a trivial all-gather. Equal costs
+    keep the earlier signature.
     """
     real = [p for p in plans if p is not None]
     to_partial = sum(1 for p in real for st in p.steps if st.kind == "local" and _adds_partial(st))
-    return (sum(p.time for p in real), sum(len(p.collectives()) for p in real), to_partial,
-            sum(p.bytes for p in real), sum(len(p.steps) for p in real))
+    return (to_partial > 0 and not has_partial, sum(p.time for p in real), sum(len(p.collectives()) for p in real),
+            to_partial, sum(p.bytes for p in real), sum(len(p.steps) for p in real))
 
 
 def _adds_partial(step: boxing.Step) -> bool:
