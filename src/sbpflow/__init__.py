@@ -23,6 +23,7 @@ from .creation import (
 from .errors import (
     AutogradError, BoxingError, CommError, DTypeError, OpError, PlacementError, SbpError, SbpflowError, ShapeError,
 )
+from .distributed import print0, rank, world_size
 from .ops import functional
 from . import nn
 from . import optim
@@ -60,4 +61,5 @@ __all__ = [
     "functional", "is_grad_enabled", "manual_seed", "models", "nn", "no_grad", "ones", "ones_like", "optim",
     "placement", "rand", "rand_like", "randint", "randn", "randn_like", "sbp", "tensor", "uniform", "zeros",
     "zeros_like",
+    "print0", "rank", "world_size",
 ]

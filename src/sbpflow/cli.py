@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import Any
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="sbpflow", description="sbpflow: distribution as a property of tensors")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_demo(sub)
+    _add_launch(sub)
     args = parser.parse_args(argv)
+    if args.command == "launch":
+        return launch(args)
     if args.command == "demo":
         from .demo.train_gpt import run_from_args
 
@@ -24,6 +28,80 @@ def _add_demo(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
     add_arguments(sub.add_parser("demo", help="train a small GPT on virtual CPU devices (data x tensor x pipeline)",
                                  description=DESCRIPTION))
+
+
+def _add_launch(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "launch", help="run a script on N processes per node (torchrun, c10d rendezvous)",
+        description="Runs SCRIPT in N processes per node, one global rank each, through torchrun's c10d "
+                    "rendezvous. The same script also runs as plain `python SCRIPT` on virtual ranks.",
+    )
+    p.add_argument("-n", "--nproc-per-node", type=int, required=True, help="processes (ranks) on this node")
+    p.add_argument("--nnodes", type=int, default=1, help="number of nodes (default 1)")
+    p.add_argument("--node-rank", type=int, default=0, help="this node's index, 0..nnodes-1 (default 0)")
+    p.add_argument("--master-addr", default=None, help="rendezvous host (needed with --nnodes > 1)")
+    p.add_argument("--master-port", type=int, default=None, help="rendezvous port (default: a free one)")
+    p.add_argument("script", help="the Python script to run")
+    p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
+
+
+def torchrun_argv(args: argparse.Namespace) -> list[str]:
+    """The torchrun command line for ``sbpflow launch`` arguments.
+
+    >>> import argparse
+    >>> torchrun_argv(argparse.Namespace(nproc_per_node=2, nnodes=1, node_rank=0, master_addr=None,
+    ...                                  master_port=None, script="train.py", script_args=["--lr", "0.1"]))
+    ['--nproc-per-node', '2', '--nnodes', '1', '--max-restarts', '0', '--standalone', 'train.py', '--lr', '0.1']
+    """
+    argv = ["--nproc-per-node", str(args.nproc_per_node), "--nnodes", str(args.nnodes), "--max-restarts", "0"]
+    if args.nnodes == 1 and args.master_addr is None and args.master_port is None:
+        argv.append("--standalone")  # c10d rendezvous on localhost, on a free port
+    else:
+        if args.master_addr is None and args.nnodes > 1:
+            raise SystemExit("sbpflow launch: --nnodes > 1 needs --master-addr (the host of node 0)")
+        endpoint = f"{args.master_addr or '127.0.0.1'}:{args.master_port or 29500}"
+        argv += ["--node-rank", str(args.node_rank), "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
+                 "--rdzv-id", "sbpflow"]
+    return argv + [args.script, *args.script_args]
+
+
+def launch(args: argparse.Namespace) -> int:
+    """Runs the script under torchrun; on failure prints which ranks failed and returns 1.
+
+    torchrun stops every other process of the job as soon as one fails.
+    """
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    if args.nproc_per_node < 1:
+        raise SystemExit(f"sbpflow launch: -n must be at least 1, but got {args.nproc_per_node}")
+    try:
+        run(get_args_parser().parse_args(torchrun_argv(args)))
+    except ChildFailedError as e:
+        print(_failure_summary(e), file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
+def _failure_summary(error: Any) -> str:
+    first_rank, first = error.get_first_failure()
+    lines = [f"sbpflow launch: {error.name} failed; first failure: rank {first_rank} "
+             f"(exit code {first.exitcode}{_signal_name(first.exitcode)})"]
+    for rank, failure in sorted(error.failures.items()):
+        lines.append(f"  rank {rank} (local rank {failure.local_rank}): exit code {failure.exitcode}"
+                     f"{_signal_name(failure.exitcode)}")
+    return "\n".join(lines)
+
+
+def _signal_name(exitcode: int) -> str:
+    if exitcode >= 0:
+        return ""
+    import signal
+
+    try:
+        return f", {signal.Signals(-exitcode).name}: stopped by the launcher after another rank failed"
+    except ValueError:
+        return ""
 
 
 if __name__ == "__main__":

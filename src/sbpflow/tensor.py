@@ -291,10 +291,15 @@ class Tensor:
 
 
 def logical_value(t: Tensor) -> torch.Tensor:
-    """The whole logical value as one torch tensor (boxing to broadcast if needed)."""
+    """The whole logical value as one torch tensor (boxing to broadcast if needed).
+
+    Every process gets it, also one that owns no rank of the placement: the
+    value is then boxed onto a placement that covers every process.
+    """
     if t._local is not None:
         return t._local
-    target = boxing.Layout(t.placement, (broadcast,) * t.placement.ndim)
+    placement = get_backend().everywhere(t.placement)
+    target = boxing.Layout(placement, (broadcast,) * placement.ndim)
     plan = boxing.plan(tuple(t.shape), t.dtype, _layout(t), target)
     shards = boxing.execute(plan, t._shards or {})
     if not shards:

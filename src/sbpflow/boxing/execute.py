@@ -12,6 +12,7 @@ import torch
 
 from .._layout import Box, Shape, box_shape, numel, relative, shard_box
 from ..comm import Backend, Transfer, get_backend
+from ..distributed import activity
 from ..sbp import Broadcast, Partial, Split
 from .plan import Layout, Plan, Step, transfer_pieces
 
@@ -19,11 +20,34 @@ Shards = dict[int, torch.Tensor]
 
 
 def execute(plan: Plan, shards: Shards, backend: Backend | None = None) -> Shards:
-    """Runs every step of ``plan``; returns the destination shards this process owns."""
+    """Runs every step of ``plan``; returns the destination shards this process owns.
+
+    Every process runs every plan, also one whose placements it has no rank of:
+    it then just takes part in the steps that involve it (and in process-group set-up).
+    """
     backend = backend or get_backend()
-    for step in plan.steps:
-        shards = _RUNNERS[step.kind](step, plan.shape, plan.dtype, shards, backend)
+    if not plan.steps:
+        return shards
+    backend.prepare(plan)
+    for i, step in enumerate(plan.steps):
+        with activity(_StepName(plan, i)):
+            shards = _RUNNERS[step.kind](step, plan.shape, plan.dtype, shards, backend)
     return shards
+
+
+class _StepName:
+    """Names a running step for comm errors; formatted only when an error needs it."""
+
+    __slots__ = ("plan", "index")
+
+    def __init__(self, plan: Plan, index: int) -> None:
+        self.plan, self.index = plan, index
+
+    def __call__(self) -> str:
+        step = self.plan.steps[self.index]
+        where = f"axis {step.axis} " if step.axis is not None else ""
+        return (f"boxing {list(self.plan.shape)} {self.plan.src} -> {self.plan.dst}, step {self.index + 1}/"
+                f"{len(self.plan.steps)}: {step.kind} {where}{step.src} -> {step.dst}")
 
 
 def identity_element(op: str, dtype: torch.dtype) -> float | int | bool:
@@ -165,7 +189,8 @@ def _run_send_recv(step: Step, shape: Shape, dtype: torch.dtype, shards: Shards,
         transfers.append(Transfer(src, dst, box_shape(box), dtype))
         if backend.owns(src) and src in shards:
             payloads[i] = shards[src][relative(box, _src_box(shape, step, src))].contiguous()
-    received = backend.send_recv(transfers, payloads)
+    both_cuda = step.src.placement.type == step.dst.placement.type == "cuda"
+    received = backend.send_recv(transfers, payloads, device_type="cuda" if both_cuda else "cpu")
     return _assemble(shape, step, pieces, received, dtype, backend)
 
 
@@ -215,7 +240,8 @@ def _pairwise_result(pieces, received, src_rank: int, dst_rank: int) -> torch.Te
 def _run_broadcast(step: Step, shape: Shape, dtype: torch.dtype, shards: Shards, backend: Backend) -> Shards:
     root = step.src.placement.flat_ranks[0]
     group = step.dst.placement.flat_ranks
-    out = backend.broadcast(group, root, {root: shards[root]} if root in shards else {}, shape, dtype)
+    out = backend.broadcast(group, root, {root: shards[root]} if root in shards else {}, shape, dtype,
+                            device_type=step.dst.placement.type)
     return {r: t.to(backend.device_for(step.dst.placement.type, r)) for r, t in out.items()}
 
 

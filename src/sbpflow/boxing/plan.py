@@ -44,6 +44,7 @@ from typing import Iterator
 import torch
 
 from .._layout import Shape, intersect, numel, shard_box, box_shape
+from ..comm import get_backend
 from ..errors import BoxingError
 from ..placement import Placement
 from ..sbp import Broadcast, NdSbp, Partial, SbpParallel, Split, broadcast, format_nd
@@ -179,15 +180,22 @@ class Plan:
 def plan(
     shape: Shape, dtype: torch.dtype, src: Layout, dst: Layout, model: CostModel | None = None
 ) -> Plan:
-    """The cheapest plan from ``src`` to ``dst`` for a logical tensor of ``shape``."""
-    return _plan_cached(tuple(shape), dtype, src, dst, model or get_cost_model())
+    """The cheapest plan from ``src`` to ``dst`` for a logical tensor of ``shape``.
+
+    Step kinds that the comm backend composes from other collectives cost what
+    the composition really moves (``Backend.cost_factors``; e.g. gloo's
+    reduce-scatter is an all-reduce, twice the bytes).
+    """
+    factors = get_backend().cost_factors()
+    return _plan_cached(tuple(shape), dtype, src, dst, model or get_cost_model(), factors)
 
 
 @lru_cache(maxsize=8192)
-def _plan_cached(shape: Shape, dtype: torch.dtype, src: Layout, dst: Layout, model: CostModel) -> Plan:
+def _plan_cached(shape: Shape, dtype: torch.dtype, src: Layout, dst: Layout, model: CostModel,
+                 factors: tuple[tuple[tuple[str, str], float], ...] = ()) -> Plan:
     if src == dst:
         return Plan(shape, dtype, src, dst)
-    ctx = _Ctx(shape, _itemsize(dtype), model, _candidates(shape, src, dst))
+    ctx = _Ctx(shape, _itemsize(dtype), model, _candidates(shape, src, dst), dict(factors))
     steps = _search(ctx, src, dst)
     return Plan(shape, dtype, src, dst, tuple(steps))
 
@@ -206,6 +214,7 @@ class _Ctx:
     itemsize: int
     model: CostModel
     candidates: tuple[SbpParallel, ...]
+    factors: dict[tuple[str, str], float] = field(default_factory=dict)  # (device type, kind) -> cost multiplier
 
 
 def _candidates(shape: Shape, src: Layout, dst: Layout) -> tuple[SbpParallel, ...]:
@@ -327,10 +336,12 @@ def _axis_step(ctx: _Ctx, kind: str, src: Layout, dst: Layout, axis: int) -> Ste
         kept = [_kept_bytes(ctx, src, dst, r) for r in pl.flat_ranks]
         total = sum(src_bytes) - sum(kept)
         rounds = p - 1
+    factor = ctx.factors.get((pl.type, kind), 1.0)
+    total = int(total * factor)
     per_rank = total // pl.size
     detail = src.sbp[axis].op if isinstance(src.sbp[axis], Partial) else ""  # type: ignore[union-attr]
     link = ctx.model.link(pl.type, pl.axis_group_of(pl.flat_ranks[0], axis))
-    return Step(kind, src, dst, axis, total, per_rank, rounds * link.alpha + per_rank * link.beta, detail)
+    return Step(kind, src, dst, axis, total, per_rank, factor * rounds * link.alpha + per_rank * link.beta, detail)
 
 
 def _shard_shape(ctx: _Ctx, layout: Layout, rank: int) -> Shape:

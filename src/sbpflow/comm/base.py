@@ -7,18 +7,29 @@ only, and every shape a receiver cannot know is passed in explicitly, so that
 uneven shards need no extra round trip.
 
 Collectives are issued by every owned member of ``group`` (a tuple of global
-ranks in mesh order). ``op`` is ``"sum"``, ``"max"`` or ``"min"``.
+ranks in mesh order). ``op`` is ``"sum"``, ``"max"`` or ``"min"``. A process
+records (:mod:`.record`) only the collectives it takes part in.
+
+Every process runs the same program, so every process executes the same
+boxing plans in the same order, including processes that own no rank of a
+plan's placements; :meth:`Backend.prepare` is called with each plan on every
+process, which is where a multi-process backend creates its process groups
+(creation is collective over the whole job).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import TYPE_CHECKING, Iterable, Sequence
 
 import torch
 
 from . import record
+
+if TYPE_CHECKING:
+    from ..boxing.plan import Plan
+    from ..placement import Placement
 
 Shape = tuple[int, ...]
 
@@ -60,6 +71,31 @@ class Backend(ABC):
     def device_for(self, device_type: str, rank: int) -> torch.device:
         """The torch device that holds rank ``rank``'s shards for a placement type."""
 
+    def prepare(self, plan: Plan) -> None:  # noqa: B027 - optional hook, a no-op unless a backend needs it
+        """Called on every process before ``plan`` runs (see the module docstring); nothing by default."""
+
+    def cost_factors(self) -> tuple[tuple[tuple[str, str], float], ...]:
+        """``((device_type, step kind), factor)``: how many times the planner's α-β time and bytes a step
+        really costs here, for collectives this backend composes from others (see TorchDistBackend)."""
+        return ()
+
+    def cost_factor(self, kind: str, device_type: str) -> float:
+        for key, factor in self.cost_factors():
+            if key == (device_type, kind):
+                return factor
+        return 1.0
+
+    def local_shapes(self, placement: Placement, shape: Shape) -> dict[int, Shape]:
+        """Every rank's local shape when each process offers ``shape`` as its ranks' shard (local_to_global).
+
+        One process owns every rank here, so all ranks offer the same shape.
+        """
+        return {r: tuple(shape) for r in placement.flat_ranks}
+
+    def everywhere(self, placement: Placement) -> Placement:
+        """A placement on which every process owns a rank: where ``.numpy()`` gathers a value to."""
+        return placement
+
     # -- collectives; each records itself, then calls the primitive ---------------
 
     def all_gather(
@@ -82,7 +118,8 @@ class Backend(ABC):
         """``inputs[r][j]`` is rank r's piece for ``group[j]``; member j gets the reduction of its pieces."""
         chunks = next(iter(inputs.values())) if inputs else []
         size = sum(nbytes(c.shape, c.dtype) for c in chunks)
-        record.emit("reduce_scatter", group, (len(group) - 1) * size)
+        factor = self.cost_factor("reduce_scatter", chunks[0].device.type) if chunks else 1.0
+        record.emit("reduce_scatter", group, int(factor * (len(group) - 1) * size))
         return self._reduce_scatter(group, inputs, op)
 
     def all_to_all(
@@ -98,28 +135,36 @@ class Backend(ABC):
         return self._all_to_all(group, inputs, recv_shapes, dtype)
 
     def broadcast(
-        self, group: tuple[int, ...], root: int, inputs: dict[int, torch.Tensor], shape: Shape, dtype: torch.dtype
+        self, group: tuple[int, ...], root: int, inputs: dict[int, torch.Tensor], shape: Shape, dtype: torch.dtype,
+        device_type: str = "cpu",
     ) -> dict[int, torch.Tensor]:
+        """``root`` (a member) sends its tensor to every member; results lie on ``device_type`` devices."""
+        if not self.owned(group):
+            return {}
         record.emit("broadcast", group, (len(group) - 1) * nbytes(shape, dtype))
-        return self._broadcast(group, root, inputs, shape, dtype)
+        return self._broadcast(group, root, inputs, shape, dtype, device_type)
 
     def reduce(
         self, group: tuple[int, ...], root: int, inputs: dict[int, torch.Tensor], op: str, shape: Shape,
         dtype: torch.dtype,
     ) -> dict[int, torch.Tensor]:
+        """``root`` (a member) gets the reduction of every member's tensor."""
+        if not self.owned(group):
+            return {}
         record.emit("reduce", group, (len(group) - 1) * nbytes(shape, dtype))
         return self._reduce(group, root, inputs, op, shape, dtype)
 
     def send_recv(
-        self, transfers: Sequence[Transfer], tensors: dict[int, torch.Tensor]
+        self, transfers: Sequence[Transfer], tensors: dict[int, torch.Tensor], device_type: str = "cpu"
     ) -> dict[int, torch.Tensor]:
         """Point-to-point pieces. ``tensors[i]`` is transfer i's payload where its src is owned;
-        the result maps i to the received tensor where its dst is owned."""
+        the result maps i to the received tensor where its dst is owned. ``device_type`` is
+        "cuda" when both ends are cuda placements (a backend may then move pieces GPU to GPU)."""
         moved = [t for t in transfers if t.src != t.dst]
-        if moved:
+        if moved and any(self.owns(t.src) or self.owns(t.dst) for t in moved):
             ranks = tuple(sorted({t.src for t in moved} | {t.dst for t in moved}))
             record.emit("send_recv", ranks, sum(nbytes(t.shape, t.dtype) for t in moved))
-        return self._send_recv(transfers, tensors)
+        return self._send_recv(transfers, tensors, device_type)
 
     # -- primitives ---------------------------------------------------------------
 
@@ -140,7 +185,7 @@ class Backend(ABC):
         ...
 
     @abstractmethod
-    def _broadcast(self, group, root, inputs, shape, dtype):  # type: ignore[no-untyped-def]
+    def _broadcast(self, group, root, inputs, shape, dtype, device_type):  # type: ignore[no-untyped-def]
         ...
 
     @abstractmethod
@@ -148,7 +193,7 @@ class Backend(ABC):
         ...
 
     @abstractmethod
-    def _send_recv(self, transfers, tensors):  # type: ignore[no-untyped-def]
+    def _send_recv(self, transfers, tensors, device_type):  # type: ignore[no-untyped-def]
         ...
 
 

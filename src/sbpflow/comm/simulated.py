@@ -40,11 +40,11 @@ class SimulatedBackend(Backend):
     def _all_to_all(self, group, inputs, recv_shapes, dtype):  # type: ignore[no-untyped-def]
         return {r: [inputs[g][j] for g in group] for j, r in enumerate(group)}
 
-    def _broadcast(self, group, root, inputs, shape, dtype):  # type: ignore[no-untyped-def]
-        return {r: inputs[root].clone() for r in group}
+    def _broadcast(self, group, root, inputs, shape, dtype, device_type):  # type: ignore[no-untyped-def]
+        return {r: inputs[root].to(self.device_for(device_type, r), copy=True) for r in group}
 
     def _reduce(self, group, root, inputs, op, shape, dtype):  # type: ignore[no-untyped-def]
         return {root: reduce_tensors([inputs[g] for g in group], op)}
 
-    def _send_recv(self, transfers, tensors):  # type: ignore[no-untyped-def]
+    def _send_recv(self, transfers, tensors, device_type):  # type: ignore[no-untyped-def]
         return {i: tensors[i] for i in range(len(transfers))}

@@ -11,11 +11,12 @@ from typing import Any
 import torch
 
 from .. import boxing
+from .._layout import shard_shape
 from ..autograd import is_grad_enabled
 from ..comm import get_backend
-from ..errors import SbpError
+from ..errors import SbpError, ShapeError
 from ..placement import Placement
-from ..sbp import NdSbp, Partial, Split, normalize
+from ..sbp import NdSbp, Partial, Split, format_nd, normalize
 from ..tensor import Tensor
 from .registry import OpDef, _record
 
@@ -47,21 +48,27 @@ def _to_global_grad(ctx: Any, dy: Tensor) -> Any:
 
 
 def local_to_global(x: Tensor, placement: Placement, sbp: Any) -> Tensor:
-    """Takes the local tensor as this rank's shard: every owned (virtual) rank contributes it."""
+    """Takes the local tensor as this rank's shard: every owned (virtual) rank contributes it.
+
+    With one process per rank the shards may differ in length along split dims
+    (as ``torch.tensor_split`` cuts them); the logical shape comes from every
+    rank's local shape, which costs one small exchange between processes.
+    """
     if not isinstance(placement, Placement):
         raise SbpError(f"to_global(placement=...) needs an sbpflow.placement, but got {placement!r}")
     local = x.to_local()
     nd = normalize(sbp, placement, local.dim(), what=f"local tensor of shape {list(local.shape)}")
-    shape = list(local.shape)
-    for axis, s in enumerate(nd):
-        if isinstance(s, Split):
-            shape[s.dim] *= placement.hierarchy[axis]
     backend = get_backend()
+    shape = _logical_shape(placement, nd, backend.local_shapes(placement, tuple(local.shape)))
     shards = {}
-    for r in backend.owned(placement.flat_ranks):
+    owned = backend.owned(placement.flat_ranks)
+    for r in owned:
         coords = placement.coords(r)
         device = backend.device_for(placement.type, r)
-        zero = any(isinstance(s, Partial) and s.op == "sum" and c != 0 for s, c in zip(nd, coords))
+        # A rank's local tensor is its partial contribution; virtual ranks of one process share one local
+        # tensor, so there only coordinate 0 contributes it (the logical value is then the local one).
+        partial_elsewhere = any(isinstance(s, Partial) and s.op == "sum" and c != 0 for s, c in zip(nd, coords, strict=True))
+        zero = len(owned) > 1 and partial_elsewhere
         shards[r] = torch.zeros_like(local, device=device) if zero else local.to(device, copy=True)
     out = Tensor._from_shards(tuple(shape), local.dtype, placement, nd, shards)
     if is_grad_enabled() and x.requires_grad:
@@ -69,9 +76,40 @@ def local_to_global(x: Tensor, placement: Placement, sbp: Any) -> Tensor:
     return out
 
 
+def _logical_shape(placement: Placement, nd: NdSbp, shapes: dict[int, tuple[int, ...]]) -> tuple[int, ...]:
+    """The logical shape whose shards (as ``shard_box`` cuts them) are exactly the given local ``shapes``.
+
+    A dim split by some mesh axes is the sum of the pieces of the ranks whose
+    coordinate is 0 on every other axis; any other dim must agree on all ranks.
+    """
+    first = shapes[placement.flat_ranks[0]]
+    if any(len(s) != len(first) for s in shapes.values()):
+        raise ShapeError(f"local_to_global needs local tensors of one rank (ndim) on every rank, but got {shapes}")
+    shape = []
+    for d in range(len(first)):
+        axes = {axis for axis, s in enumerate(nd) if isinstance(s, Split) and s.dim == d}
+        owners = [r for r in placement.flat_ranks
+                  if all(c == 0 for axis, c in enumerate(placement.coords(r)) if axis not in axes)]
+        shape.append(sum(shapes[r][d] for r in owners) if axes else first[d])
+    logical = tuple(shape)
+    for r in placement.flat_ranks:
+        if shard_shape(logical, placement, nd, r) != tuple(shapes[r]):
+            expected = {q: shard_shape(logical, placement, nd, q) for q in placement.flat_ranks}
+            raise ShapeError(
+                f"local_to_global onto {placement} with sbp {format_nd(nd)} needs local shapes that tile a logical "
+                f"tensor the way torch.tensor_split cuts it (a logical shape {list(logical)} has shards {expected}), "
+                f"but the ranks hold {shapes}"
+            )
+    return logical
+
+
 @_local_to_global.grad
 def _local_to_global_grad(ctx: Any, dy: Tensor) -> Any:
-    local = sum(t.to(ctx.inputs[0].device) for t in dy.local_tensors().values())
+    x = ctx.inputs[0]
+    shards = list(dy.local_tensors().values())
+    if not shards:  # this process owns no rank of the placement: its local tensor fed nothing
+        return (Tensor._from_local(torch.zeros_like(x.to_local())),)
+    local = sum(t.to(x.device) for t in shards)
     return (Tensor._from_local(local),)
 
 

@@ -32,6 +32,7 @@ from .. import boxing
 from .._layout import Box, shard_box
 from ..autograd import Node, is_grad_enabled
 from ..comm import get_backend
+from ..distributed import activity
 from ..errors import OpError, SbpflowError
 from ..placement import Placement
 from ..sbp import Broadcast, NdSbp, Partial, SbpParallel, format_nd
@@ -247,7 +248,8 @@ def _apply_global(opdef: OpDef, args: Sequence[Any], attrs: dict[str, Any], tens
     if decision is None:
         decision = decide(opdef, args, attrs, placement)
         _global_cache[key] = decision
-    return run(opdef, decision, args, attrs, placement)
+    with activity(lambda: f"op {opdef.name!r}"):  # named in comm errors raised while it runs
+        return run(opdef, decision, args, attrs, placement)
 
 
 def _global_key(a: Any) -> Any:

@@ -1,0 +1,398 @@
+"""One process per rank: shards move through torch.distributed (gloo for cpu, NCCL for cuda).
+
+Each process owns exactly its own global rank (torchrun's ``RANK``). How each
+primitive of the boxing planner maps onto torch.distributed:
+
+    primitive        gloo (cpu placements)                      NCCL (cuda placements)
+    all_gather       all_gather_single of flat shards padded     same
+                     to the largest (uneven shards)
+    all_reduce       all_reduce                                  all_reduce
+    reduce_scatter   one all_reduce of the concatenated pieces,  reduce_scatter_tensor of flat pieces padded
+                     each member keeps its own: 2x the bytes     to the largest
+                     (cost factor 2, see below)
+    all_to_all       all_to_all_single with split sizes          same
+                     (uneven pieces flattened into one buffer)
+    broadcast        broadcast                                   broadcast
+    reduce           reduce                                      reduce
+    send_recv        isend/irecv, tag = piece index              batch_isend_irecv
+
+gloo has no reduce-scatter of its own (torch's gloo ``reduce_scatter`` runs one
+all-reduce per destination), so sbpflow runs a single all-reduce: the bytes and
+rounds of an all-reduce, twice the ring reduce-scatter the planner assumes.
+:meth:`TorchDistBackend.cost_factors` says so, and the planner multiplies that
+step's cost by it (and the recorder counts the real bytes).
+
+Process groups. A collective needs a process group per rank set, and creating
+one is collective over the whole job: every process must create the same groups
+in the same order, members or not. Every process runs every boxing plan (see
+:mod:`sbpflow.comm.base`), so :meth:`TorchDistBackend.prepare` creates, on the
+first plan that touches a placement, the groups of all its mesh-axis rank sets
+and of all its ranks, in a fixed order, on every process. Groups are cached by
+(transport, sorted ranks). Shards of cuda placements live on ``cuda:LOCAL_RANK``;
+their rank sets get an NCCL group next to the gloo one, which then carries only
+the debug fingerprints.
+
+Faults. Every group has the ``SBPFLOW_TIMEOUT`` timeout; a collective that
+fails or times out raises :class:`~sbpflow.errors.CommError` naming the op or
+boxing step it ran in. With ``SBPFLOW_DEBUG=1`` each collective is preceded by
+an exchange of fingerprints (kind, group, shapes, dtype) over the gloo group of
+the same ranks, and a mismatch raises with every member's side.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from .._layout import numel
+from ..distributed import Config, current_activity
+from ..errors import CommError, PlacementError
+from .base import Backend, Shape, Transfer
+
+if TYPE_CHECKING:
+    from ..boxing.plan import Plan
+    from ..placement import Placement
+
+Group = tuple[int, ...]
+
+_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+class TorchDistBackend(Backend):
+    """Owns global rank ``config.rank``; joins the default (gloo) process group on construction."""
+
+    name = "torch.distributed"
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.rank = config.rank
+        self.world_size = config.world_size
+        self.timeout = datetime.timedelta(seconds=config.timeout)
+        self._groups: dict[tuple[str, Group], Any] = {}  # (transport, sorted ranks) -> ProcessGroup
+        self._ready: set[Any] = set()  # placements (and rank sets) whose groups exist
+        if torch.cuda.is_available():
+            torch.cuda.set_device(config.local_rank)
+        if not dist.is_initialized():
+            # env:// lets torch find torchrun's agent store (TORCHELASTIC_USE_AGENT_STORE) or host its own
+            self._call("init_process_group", tuple(range(self.world_size)), lambda: dist.init_process_group(
+                "gloo", init_method="env://", rank=self.rank, world_size=self.world_size, timeout=self.timeout))
+
+    def close(self) -> None:
+        """Leaves every group and the default process group."""
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        self._groups.clear()
+        self._ready.clear()
+
+    # -- ownership and devices ------------------------------------------------------------
+
+    def owns(self, rank: int) -> bool:
+        return rank == self.rank
+
+    def owned(self, ranks: Iterable[int]) -> list[int]:
+        ranks = tuple(ranks)
+        self._check_ranks(ranks)
+        return [self.rank] if self.rank in ranks else []
+
+    def _check_ranks(self, ranks: Sequence[int]) -> None:
+        if ranks and max(ranks) >= self.world_size:
+            raise PlacementError(
+                f"placement ranks must be below the number of processes, {self.world_size} (ranks 0.."
+                f"{self.world_size - 1}), but ranks {list(ranks)} include {max(ranks)}; launch more processes "
+                f"(sbpflow launch -n {max(ranks) + 1}) or use fewer ranks"
+            )
+
+    def device_for(self, device_type: str, rank: int) -> torch.device:
+        if device_type == "cuda":
+            return torch.device("cuda", self.config.local_rank)
+        return torch.device("cpu")
+
+    def everywhere(self, placement: Placement) -> Placement:
+        from ..placement import Placement
+
+        if set(placement.flat_ranks) >= set(range(self.world_size)):
+            return placement
+        return Placement(placement.type, list(range(self.world_size)))
+
+    def cost_factors(self) -> tuple[tuple[tuple[str, str], float], ...]:
+        return ((("cpu", "reduce_scatter"), 2.0),)
+
+    # -- process groups -------------------------------------------------------------------
+
+    def prepare(self, plan: Plan) -> None:
+        for step in plan.steps:
+            for placement in (step.src.placement, step.dst.placement):
+                if placement not in self._ready:
+                    self._prepare_placement(placement)
+            if step.kind == "send_recv" and self.config.debug:
+                union = tuple(sorted(set(step.src.placement.flat_ranks) | set(step.dst.placement.flat_ranks)))
+                self._ensure(union, "gloo")
+
+    def _prepare_placement(self, placement: Placement) -> None:
+        """Creates the groups of every axis rank set and of all ranks, in one order on every process."""
+        self._check_ranks(placement.flat_ranks)
+        rank_sets: list[Group] = []
+        for axis in range(placement.ndim):
+            rank_sets += placement.axis_groups(axis)
+        rank_sets.append(placement.flat_ranks)
+        if placement.type == "cuda":
+            self._ensure(tuple(range(self.world_size)), "nccl")  # point-to-point pieces between GPUs
+        for ranks in rank_sets:
+            self._ensure(tuple(sorted(ranks)), "gloo")
+            if placement.type == "cuda":
+                self._ensure(tuple(sorted(ranks)), "nccl")
+        self._ready.add(placement)
+
+    def _ensure(self, ranks: Group, transport: str) -> None:
+        key = (transport, ranks)
+        if key in self._groups or len(ranks) < 2:
+            return
+        if transport == "gloo" and len(ranks) == self.world_size:
+            self._groups[key] = dist.group.WORLD
+            return
+        self._groups[key] = self._call(
+            f"new_group({transport})", ranks,
+            lambda: dist.new_group(list(ranks), timeout=self.timeout, backend=transport))
+
+    def _group(self, group: Group, device: torch.device) -> Any:
+        transport = "nccl" if device.type == "cuda" else "gloo"
+        pg = self._groups.get((transport, tuple(sorted(group))))
+        if pg is None:
+            raise CommError(
+                f"internal: no {transport} process group for ranks {list(group)} on rank {self.rank} while "
+                f"running {current_activity()}; groups are created by prepare() before a plan runs"
+            )
+        return pg
+
+    # -- errors and debug checks ----------------------------------------------------------
+
+    def _call(self, kind: str, group: Group, fn: Callable[[], Any]) -> Any:
+        """Runs a torch.distributed call; a failure or timeout becomes a CommError that says where we were."""
+        try:
+            return fn()
+        except CommError:
+            raise
+        except (RuntimeError, ValueError) as e:  # DistBackendError, DistStoreError, gloo errors
+            raise CommError(self._explain(kind, group, e)) from e
+
+    def _explain(self, kind: str, group: Group, error: Exception) -> str:
+        text = str(error)
+        lowered = text.lower()
+        if "timed out" in lowered or "timeout" in lowered:
+            why = (f"timed out after {self.config.timeout:g} s (SBPFLOW_TIMEOUT) waiting for the other ranks; one of "
+                   "them may have failed, or skipped or reordered this collective (SBPFLOW_DEBUG=1 compares the "
+                   "collectives every rank issues)")
+        elif "closed" in lowered or "reset" in lowered or "broken pipe" in lowered:
+            why = "a peer closed its connection: another rank probably failed (see its output)"
+        else:
+            why = text.strip().splitlines()[0] if text.strip() else type(error).__name__
+        return f"{kind} on ranks {list(group)} failed on rank {self.rank} while running {current_activity()}: {why}"
+
+    def _check_same(self, kind: str, group: Group, what: tuple[Any, ...]) -> None:
+        """SBPFLOW_DEBUG: every member states what it is about to issue; any difference raises."""
+        if not self.config.debug or len(group) < 2:
+            return
+        pg = self._groups.get(("gloo", tuple(sorted(group))))
+        mine = (kind, tuple(group)) + what
+        sides: list[Any] = [None] * len(group)
+        self._call(f"debug check before {kind}", group,
+                   lambda: dist.all_gather_object(sides, (mine, current_activity()), group=pg))
+        if any(side[0] != mine for side in sides):
+            members = sorted(group)
+            lines = [f"  rank {members[i]}: {_fingerprint(side[0])}  in {side[1]}" for i, side in enumerate(sides)]
+            raise CommError(
+                f"ranks {members} issue different collectives (SBPFLOW_DEBUG check, seen on rank {self.rank}); "
+                "every rank of a group must run the same ops in the same order:\n" + "\n".join(lines)
+            )
+
+    # -- collectives ------------------------------------------------------------------------
+
+    def _all_gather(self, group, inputs, shapes, dtype):  # type: ignore[no-untyped-def]
+        mine = inputs[self.rank]
+        if len(group) == 1:
+            return {self.rank: [mine]}
+        self._check_same("all_gather", group, (tuple(map(tuple, shapes)), str(dtype)))
+        biggest = max(numel(s) for s in shapes)
+        if biggest == 0:
+            return {self.rank: [torch.empty(s, dtype=dtype, device=mine.device) for s in shapes]}
+        flat = _padded(mine, biggest)
+        out = torch.empty(len(group) * biggest, dtype=flat.dtype, device=flat.device)
+        pg = self._group(group, mine.device)
+        self._call("all_gather", group, lambda: dist.all_gather_single(out, flat, group=pg))
+        slots = out.view(len(group), biggest)
+        order = sorted(group)  # torch orders a group's members by global rank
+        pieces = [_unflat(slots[order.index(g)], shapes[j], dtype) for j, g in enumerate(group)]
+        return {self.rank: pieces}
+
+    def _all_reduce(self, group, inputs, op):  # type: ignore[no-untyped-def]
+        mine = inputs[self.rank]
+        if len(group) == 1:
+            return {self.rank: mine.clone()}
+        self._check_same("all_reduce", group, (tuple(mine.shape), str(mine.dtype), op))
+        buffer, reduce_op = _reducible(mine.contiguous().clone(), op)
+        pg = self._group(group, mine.device)
+        self._call("all_reduce", group, lambda: dist.all_reduce(buffer, op=reduce_op, group=pg))
+        return {self.rank: buffer.to(mine.dtype).view(mine.shape)}
+
+    def _reduce_scatter(self, group, inputs, op):  # type: ignore[no-untyped-def]
+        pieces = inputs[self.rank]
+        me = group.index(self.rank)
+        if len(group) == 1:
+            return {self.rank: pieces[0].clone()}
+        shapes = [tuple(p.shape) for p in pieces]
+        self._check_same("reduce_scatter", group, (tuple(shapes), str(pieces[0].dtype), op))
+        device, dtype = pieces[0].device, pieces[0].dtype
+        pg = self._group(group, device)
+        if device.type == "cuda":
+            return {self.rank: self._reduce_scatter_nccl(group, pieces, op, pg)}
+        # gloo: one all-reduce of every piece, each member keeps its own (see the module docstring)
+        buffer, reduce_op = _reducible(torch.cat([p.reshape(-1) for p in pieces]), op)
+        self._call("reduce_scatter (as all_reduce)", group, lambda: dist.all_reduce(buffer, op=reduce_op, group=pg))
+        start = sum(numel(s) for s in shapes[:me])
+        mine = buffer[start : start + numel(shapes[me])]
+        return {self.rank: mine.to(dtype).view(shapes[me]).clone()}
+
+    def _reduce_scatter_nccl(self, group: Group, pieces: list[torch.Tensor], op: str, pg: Any) -> torch.Tensor:
+        order = sorted(group)
+        biggest = max(p.numel() for p in pieces)
+        me = group.index(self.rank)
+        # torch sends chunk i of the input to group member i (by global rank order)
+        ordered = [pieces[group.index(g)] for g in order]
+        buffer, reduce_op = _reducible(torch.cat([_padded(p, biggest) for p in ordered]), op)
+        out = torch.empty(biggest, dtype=buffer.dtype, device=buffer.device)
+        self._call("reduce_scatter", group,
+                   lambda: dist.reduce_scatter_tensor(out, buffer, op=reduce_op, group=pg))
+        return _unflat(out.to(pieces[me].dtype), tuple(pieces[me].shape), pieces[me].dtype).clone()
+
+    def _all_to_all(self, group, inputs, recv_shapes, dtype):  # type: ignore[no-untyped-def]
+        pieces = inputs[self.rank]
+        shapes = recv_shapes[self.rank]
+        if len(group) == 1:
+            return {self.rank: [pieces[0]]}
+        order = sorted(group)
+        send = [pieces[group.index(g)] for g in order]  # torch's split i goes to the i-th lowest rank
+        recv = [shapes[group.index(g)] for g in order]
+        self._check_same("all_to_all", group, (str(dtype),))  # piece shapes differ per member
+        device = pieces[0].device
+        send_buf = torch.cat([p.reshape(-1) for p in send])
+        recv_buf = torch.empty(sum(numel(s) for s in recv), dtype=dtype, device=device)
+        pg = self._group(group, device)
+        self._call("all_to_all", group, lambda: dist.all_to_all_single(
+            recv_buf, send_buf, output_split_sizes=[numel(s) for s in recv],
+            input_split_sizes=[p.numel() for p in send], group=pg))
+        chunks = torch.split(recv_buf, [numel(s) for s in recv])
+        by_rank = {g: c.view(s) for g, c, s in zip(order, chunks, recv, strict=True)}
+        return {self.rank: [by_rank[g] for g in group]}
+
+    def _broadcast(self, group, root, inputs, shape, dtype, device_type):  # type: ignore[no-untyped-def]
+        device = self.device_for(device_type, self.rank)
+        if self.rank == root:
+            buffer = inputs[root].to(device).contiguous().clone()
+        else:
+            buffer = torch.empty(shape, dtype=dtype, device=device)
+        if len(group) == 1:
+            return {self.rank: buffer}
+        self._check_same("broadcast", group, (tuple(shape), str(dtype), root))
+        work, _ = _reducible(buffer, "sum")
+        pg = self._group(group, device)
+        self._call("broadcast", group, lambda: dist.broadcast(work, src=root, group=pg))
+        return {self.rank: work.to(dtype).view(shape)}
+
+    def _reduce(self, group, root, inputs, op, shape, dtype):  # type: ignore[no-untyped-def]
+        mine = inputs[self.rank]
+        if len(group) == 1:
+            return {self.rank: mine.clone()}
+        self._check_same("reduce", group, (tuple(shape), str(dtype), root, op))
+        buffer, reduce_op = _reducible(mine.contiguous().clone(), op)
+        pg = self._group(group, mine.device)
+        self._call("reduce", group, lambda: dist.reduce(buffer, dst=root, op=reduce_op, group=pg))
+        return {root: buffer.to(dtype).view(shape)} if self.rank == root else {}
+
+    def _send_recv(self, transfers, tensors, device_type):  # type: ignore[no-untyped-def]
+        moved = [t for t in transfers if t.src != t.dst]
+        involved = tuple(sorted({t.src for t in moved} | {t.dst for t in moved}))
+        if self.rank in involved:
+            self._check_same("send_recv", involved, (tuple(moved),))
+        out: dict[int, torch.Tensor] = {}
+        device = self.device_for(device_type, self.rank)
+        ops: list[tuple[str, int, torch.Tensor, int]] = []  # (send | recv, peer, buffer, transfer index)
+        for i, t in enumerate(transfers):
+            if t.src == t.dst:
+                if self.owns(t.src):
+                    out[i] = tensors[i]
+            elif self.owns(t.src):
+                ops.append(("send", t.dst, _reducible(tensors[i].to(device).contiguous(), "sum")[0], i))
+            elif self.owns(t.dst):
+                ops.append(("recv", t.src, _recv_buffer(t, device), i))
+        if ops:
+            self._call("send_recv", involved, lambda: self._run_p2p(ops, device))
+        for kind, _, buffer, i in ops:
+            if kind == "recv":
+                out[i] = buffer.to(transfers[i].dtype)
+        return out
+
+    def _run_p2p(self, ops: list[tuple[str, int, torch.Tensor, int]], device: torch.device) -> None:
+        if device.type == "cuda":
+            pg = self._groups[("nccl", tuple(range(self.world_size)))]
+            batch = [dist.P2POp(dist.isend if kind == "send" else dist.irecv, buf, peer, group=pg)
+                     for kind, peer, buf, _ in ops]
+            works = dist.batch_isend_irecv(batch)
+        else:
+            works = [(dist.isend if kind == "send" else dist.irecv)(buf, peer, tag=i) for kind, peer, buf, i in ops]
+        for work in works:
+            if work is not None:
+                work.wait(self.timeout)
+
+    # -- local_to_global --------------------------------------------------------------------
+
+    def local_shapes(self, placement: Placement, shape: Shape) -> dict[int, Shape]:
+        """Each process states its shard's shape (every process calls this, members or not)."""
+        self._check_ranks(placement.flat_ranks)
+        offer = tuple(shape) if self.rank in placement.flat_ranks else None
+        everyone: list[Any] = [None] * self.world_size
+        self._call("local shape exchange", tuple(range(self.world_size)),
+                   lambda: dist.all_gather_object(everyone, (self.rank, offer)))
+        shapes = dict(everyone)
+        return {r: shapes[r] for r in placement.flat_ranks}
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _padded(t: torch.Tensor, length: int) -> torch.Tensor:
+    """``t`` flattened and padded with zeros to ``length`` elements (uneven shards in equal-size collectives)."""
+    flat = _reducible(t.contiguous().reshape(-1), "sum")[0]
+    if flat.numel() == length:
+        return flat
+    out = torch.zeros(length, dtype=flat.dtype, device=flat.device)
+    out[: flat.numel()] = flat
+    return out
+
+
+def _unflat(flat: torch.Tensor, shape: Shape, dtype: torch.dtype) -> torch.Tensor:
+    return flat[: numel(shape)].to(dtype).view(shape)
+
+
+def _reducible(t: torch.Tensor, op: str) -> tuple[torch.Tensor, Any]:
+    """A buffer the transport can reduce and the ReduceOp to use.
+
+    bool travels as uint8; a sum of bools is their logical or (as torch's ``add_``
+    on bool tensors), which is a max on 0/1 values.
+    """
+    if t.dtype == torch.bool:
+        return t.to(torch.uint8), _OPS["max" if op == "sum" else op]
+    return t, _OPS[op]
+
+
+def _recv_buffer(t: Transfer, device: torch.device) -> torch.Tensor:
+    dtype = torch.uint8 if t.dtype == torch.bool else t.dtype
+    return torch.empty(t.shape, dtype=dtype, device=device)
+
+
+def _fingerprint(side: tuple[Any, ...]) -> str:
+    kind, group, *rest = side
+    return f"{kind} on ranks {list(group)} with {', '.join(map(str, rest))}"

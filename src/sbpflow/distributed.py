@@ -1,0 +1,262 @@
+"""Real processes: start-up from torchrun's environment, rank queries, and the fault machinery.
+
+One program runs in every process. Without torchrun's environment (``RANK``,
+``WORLD_SIZE``) there is one process that owns every rank of every placement
+(the simulated backend); under ``torchrun`` or ``sbpflow launch`` each process
+owns exactly its own global rank and shards move through torch.distributed.
+sbpflow initialises itself on first use, so the same script runs both ways:
+
+>>> import sbpflow
+>>> sbpflow.rank(), sbpflow.world_size()          # a plain `python script.py`
+(0, 1)
+>>> sbpflow.print0("printed by process 0 only")
+printed by process 0 only
+
+Faults end a job instead of hanging it:
+
+* every collective waits at most ``SBPFLOW_TIMEOUT`` seconds, then raises
+  :class:`~sbpflow.errors.CommError` naming the op or boxing step it waited in
+  (see :func:`activity`);
+* ``SBPFLOW_DEBUG=1`` makes every group compare what its members are about to
+  issue (kind, shapes, dtype, group) before each collective, and reports the
+  first mismatch with both sides;
+* an uncaught exception in a launched process prints which rank failed and
+  exits it at once, so its peers see closed connections instead of waiting.
+
+The environment is read once, into :class:`Config`; library code never writes
+``os.environ``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import traceback
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from .errors import SbpflowError
+
+if TYPE_CHECKING:
+    from .comm.base import Backend
+
+DEFAULT_TIMEOUT = 300.0
+
+
+@dataclass(frozen=True)
+class Config:
+    """What this process learns from its environment, read once at start-up."""
+
+    launched: bool  # torchrun (or sbpflow launch) started this process: RANK and WORLD_SIZE are set
+    rank: int  # this process's global rank (RANK)
+    world_size: int  # number of processes in the job (WORLD_SIZE)
+    local_rank: int  # rank within this node; picks the GPU of cuda placements (LOCAL_RANK)
+    master_addr: str  # host of the rendezvous store (MASTER_ADDR)
+    master_port: int  # its port (MASTER_PORT)
+    timeout: float  # seconds a collective waits for its peers before CommError (SBPFLOW_TIMEOUT)
+    debug: bool  # compare every collective's fingerprint across its group first (SBPFLOW_DEBUG=1)
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> Config:
+        """Reads torchrun's variables and sbpflow's own; a malformed value raises SbpflowError."""
+        env = os.environ if env is None else env
+        launched = "RANK" in env and "WORLD_SIZE" in env
+        return cls(
+            launched=launched,
+            rank=_int(env, "RANK", 0),
+            world_size=_int(env, "WORLD_SIZE", 1),
+            local_rank=_int(env, "LOCAL_RANK", 0),
+            master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
+            master_port=_int(env, "MASTER_PORT", 29500),
+            timeout=_float(env, "SBPFLOW_TIMEOUT", DEFAULT_TIMEOUT),
+            debug=env.get("SBPFLOW_DEBUG", "0").strip().lower() not in ("", "0", "false", "no", "off"),
+        )
+
+
+def _int(env: Mapping[str, str], name: str, default: int) -> int:
+    text = env.get(name)
+    if text is None:
+        return default
+    try:
+        return int(text)
+    except ValueError:
+        raise SbpflowError(f"environment variable {name} must be an integer, but it is {text!r}") from None
+
+
+def _float(env: Mapping[str, str], name: str, default: float) -> float:
+    text = env.get(name)
+    if text is None:
+        return default
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if value <= 0:
+        raise SbpflowError(f"environment variable {name} must be a positive number of seconds, but it is {text!r}")
+    return value
+
+
+# ----------------------------------------------------------------------------- start-up
+
+
+@dataclass
+class _State:
+    config: Config | None = None
+    backend: Backend | None = None
+
+
+_state = _State()
+_init_lock = threading.Lock()
+
+
+def config() -> Config:
+    """This process's :class:`Config` (the environment is read on the first call only)."""
+    if _state.config is None:
+        _state.config = Config.from_env()
+    return _state.config
+
+
+def init(cfg: Config | None = None) -> Backend:
+    """Sets up this process's comm backend once and returns it; later calls return the same one.
+
+    Under torchrun this joins the default process group (gloo; cuda placements
+    get NCCL groups of their own) and binds cuda placements to GPU
+    ``LOCAL_RANK``. Otherwise it installs the simulated backend.
+    """
+    from . import comm
+
+    with _init_lock:
+        if _state.backend is not None:
+            if comm._backend is None:  # someone cleared it with set_backend(None): put ours back
+                comm.set_backend(_state.backend)
+            return _state.backend
+        if cfg is not None:
+            _state.config = cfg
+        cfg = config()
+
+        if cfg.launched:
+            from .comm.torch_dist import TorchDistBackend
+
+            backend: Backend = TorchDistBackend(cfg)
+            _install_excepthook(cfg.rank)
+        else:
+            backend = comm.SimulatedBackend()
+        _state.backend = backend
+        comm.set_backend(backend)
+        return backend
+
+
+def is_initialized() -> bool:
+    return _state.backend is not None
+
+
+def shutdown() -> None:
+    """Leaves the process group (if any) and goes back to the simulated backend; init() may run again."""
+    from . import comm
+
+    with _init_lock:
+        backend, _state.backend = _state.backend, None
+        _state.config = None
+        comm.set_backend(None)
+        close = getattr(backend, "close", None)
+        if close is not None:
+            close()
+
+
+def rank() -> int:
+    """This process's global rank: 0 in a plain (simulated) run.
+
+    >>> import sbpflow
+    >>> sbpflow.rank()
+    0
+    """
+    return _this_rank()
+
+
+def world_size() -> int:
+    """The number of processes in the job: 1 in a plain run, where one process owns every rank."""
+    init()
+    return config().world_size if config().launched else 1
+
+
+def _this_rank() -> int:
+    init()
+    return config().rank if config().launched else 0
+
+
+def print0(*objects: Any, rank: int = 0, **kwargs: Any) -> None:
+    """``print`` on process ``rank`` only (0 by default); other processes print nothing.
+
+    >>> import sbpflow
+    >>> sbpflow.print0("loss", 0.25)
+    loss 0.25
+    """
+    if _this_rank() == rank:
+        kwargs.setdefault("flush", True)
+        print(*objects, **kwargs)
+
+
+# ----------------------------------------------------------------------------- what is running now
+
+_activity = threading.local()
+
+
+class activity:
+    """Context manager naming what this thread is doing (an op, a boxing step) for comm error messages.
+
+    ``what`` is a string, or a callable that makes one: it is only formatted if
+    an error needs it, so dispatch pays next to nothing.
+
+    >>> with activity("op 'matmul'"), activity(lambda: "boxing step 1/1: all_reduce"):
+    ...     current_activity()
+    "op 'matmul' > boxing step 1/1: all_reduce"
+    """
+
+    __slots__ = ("what",)
+
+    def __init__(self, what: str | Callable[[], str]) -> None:
+        self.what = what
+
+    def __enter__(self) -> None:
+        stack = getattr(_activity, "stack", None)
+        if stack is None:
+            stack = _activity.stack = []
+        stack.append(self.what)
+
+    def __exit__(self, *exc: object) -> None:
+        _activity.stack.pop()
+
+
+def current_activity() -> str:
+    """What this thread is doing, outermost first, e.g. ``"op 'matmul' > boxing step 1/2: all_gather ..."``."""
+    stack = getattr(_activity, "stack", None)
+    if not stack:
+        return "no sbpflow op (a direct comm call)"
+    return " > ".join(w if isinstance(w, str) else w() for w in stack)
+
+
+# ----------------------------------------------------------------------------- failures
+
+
+def _install_excepthook(rank: int) -> None:
+    """On an uncaught exception: print it, name the rank, and leave at once.
+
+    Leaving with ``os._exit`` skips interpreter teardown, where a process group
+    whose peers are gone can block; the peers then see a closed connection and
+    fail fast instead of waiting for their timeout.
+    """
+    previous = sys.excepthook
+
+    def hook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
+        try:
+            previous(kind, value, tb)
+            print(f"sbpflow: rank {rank} failed with {kind.__name__}: {value}", file=sys.stderr, flush=True)
+            sys.stdout.flush()
+        except Exception:  # noqa: BLE001 - the exit below must happen whatever printing does
+            traceback.print_exc()
+        finally:
+            os._exit(1)
+
+    sys.excepthook = hook
