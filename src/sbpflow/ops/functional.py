@@ -257,7 +257,10 @@ def std(x: Tensor, dim: Any = None, keepdim: bool = False, correction: int = 1, 
 def reshape(x: Tensor, *shape: Any) -> Tensor:
     if len(shape) == 1 and isinstance(shape[0], (tuple, list, torch.Size)):
         shape = tuple(shape[0])
-    target = SH.infer_shape(shape, x.numel())
+    try:
+        target = SH.infer_shape(shape, x.numel())
+    except ShapeError as e:
+        raise ShapeError(f"op 'reshape': {e}; input: {x._describe()}") from None
     return x if target == tuple(x.shape) else SH.reshape(x, shape=target)
 
 
