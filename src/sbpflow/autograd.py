@@ -15,7 +15,10 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from .errors import AutogradError
+from .sbp import broadcast
 
 if TYPE_CHECKING:
     from .ops.registry import OpDef
@@ -96,9 +99,20 @@ class Node:
 
 
 def _is_tensor(x: Any) -> bool:
-    from .tensor import Tensor
+    return isinstance(x, _tensor_class())
 
-    return isinstance(x, Tensor)
+
+def _tensor_class() -> type:
+    # tensor.py imports this module, so Tensor is looked up once, on first use, not per call
+    global _TENSOR
+    if _TENSOR is None:
+        from .tensor import Tensor
+
+        _TENSOR = Tensor
+    return _TENSOR
+
+
+_TENSOR: type | None = None
 
 
 class BackwardCtx:
@@ -107,8 +121,9 @@ class BackwardCtx:
     __slots__ = ("inputs", "args", "outputs", "attrs", "needs_input_grad")
 
     def __init__(self, node: Node) -> None:
-        self.inputs = tuple(t.detach() for t in node.inputs)
-        self.args = tuple(a.detach() if _is_tensor(a) else a for a in node.args)
+        # no detach: gradient functions run with recording off, so the inputs themselves are safe to use
+        self.inputs = node.inputs
+        self.args = node.args
         self.outputs = node.outputs
         self.attrs = node.attrs
         self.needs_input_grad = node.needs
@@ -150,7 +165,6 @@ def _check_root(root: Tensor) -> None:
 
 
 def _root_grad(root: Tensor, grad: Tensor | None) -> Tensor:
-    from .ops import functional as F
 
     if grad is None:
         if root.numel() != 1:
@@ -158,7 +172,7 @@ def _root_grad(root: Tensor, grad: Tensor | None) -> Tensor:
                 f"backward() without a gradient needs a scalar output, but got {root._describe()}; "
                 "pass gradient= with the output's shape"
             )
-        return F.ones_like(root)
+        return _ones_broadcast(root)
     if tuple(grad.shape) != tuple(root.shape):
         raise AutogradError(
             f"backward(gradient=...) needs the output's shape {list(root.shape)}, but got {grad._describe()}"
@@ -166,20 +180,32 @@ def _root_grad(root: Tensor, grad: Tensor | None) -> Tensor:
     return grad
 
 
-def _send(t: Tensor, grad: Tensor, pending: dict, leaf_grads: dict) -> None:  # type: ignore[type-arg]
-    from .ops import functional as F
+def _ones_broadcast(root: Tensor) -> Tensor:
+    """The implicit root gradient: ones, broadcast on every rank (built directly: it is on every backward's path).
 
+    B rather than the root's own SBP: a partial root would make every gradient below it partial too.
+    """
+    from .tensor import Tensor
+
+    if root._local is not None:
+        return Tensor._from_local(torch.ones_like(root._local))
+    shape = tuple(root.shape)
+    shards = {r: torch.ones(shape, dtype=root.dtype, device=t.device) for r, t in (root._shards or {}).items()}
+    return Tensor._from_shards(shape, root.dtype, root.placement, (broadcast,) * root.placement.ndim, shards)
+
+
+def _send(t: Tensor, grad: Tensor, pending: dict, leaf_grads: dict) -> None:  # type: ignore[type-arg]
     if t.grad_fn is None:
         if t._hooks:
             for hook in t._hooks:
                 out = hook(grad)
                 grad = grad if out is None else out
         previous = leaf_grads.get(id(t))
-        leaf_grads[id(t)] = (t, grad if previous is None else F.add(previous[1], grad))
+        leaf_grads[id(t)] = (t, grad if previous is None else previous[1] + grad)
         return
     key = (id(t.grad_fn), t._out_index)
     previous_grad = pending.get(key)
-    pending[key] = grad if previous_grad is None else F.add(previous_grad, grad)
+    pending[key] = grad if previous_grad is None else previous_grad + grad
 
 
 def _run_output_hooks(node: Node, outs: list[Tensor | None]) -> list[Tensor | None]:

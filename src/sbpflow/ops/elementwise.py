@@ -116,7 +116,14 @@ def _sigmoid_grad(ctx: Any, dy: Any) -> Any:
 
 @relu.grad
 def _relu_grad(ctx: Any, dy: Any) -> Any:
-    return (where(gt(ctx.outputs[0], 0), dy, 0.0),)
+    return (relu_backward(dy, ctx.outputs[0]),)
+
+
+@op("relu_backward", meta=lambda dy, y: dy, differentiable=False,
+    sbp=lambda dy, y, outs: R.elementwise_sigs((dy, y), outs[0], [(PSUM, B, PSUM)]))
+def relu_backward(dy: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """``dy`` where the relu output ``y`` is positive, else 0: one kernel instead of gt + where (linear in dy)."""
+    return torch.ops.aten.threshold_backward(dy, y, 0)
 
 
 @silu.grad
@@ -213,7 +220,11 @@ def _clamp_meta(x: Meta, lo: Any, hi: Any) -> Meta:
     return x
 
 
-@op("clamp", meta=_clamp_meta, sbp=lambda x, lo, hi, outs: R.elementwise_sigs((x,), outs[0], [(PMAX, PMAX), (PMIN, PMIN)]))
+def _clamp_sigs(x: Meta, lo: Any, hi: Any, outs: tuple[Meta, ...]) -> list[Any]:
+    return R.elementwise_sigs((x,), outs[0], [(PMAX, PMAX), (PMIN, PMIN)])  # clamp is monotone
+
+
+@op("clamp", meta=_clamp_meta, sbp=_clamp_sigs)
 def clamp(x: torch.Tensor, lo: Any, hi: Any) -> torch.Tensor:
     return torch.clamp(x, lo, hi)
 
@@ -228,7 +239,7 @@ def _per_tensor(ctx: Any, *grads: Any) -> tuple[Any, ...]:
     from .functional import sum_to
 
     out = []
-    for arg, g in zip(ctx.args, grads):
+    for arg, g in zip(ctx.args, grads, strict=False):  # scalar args may have no gradient slot
         if hasattr(arg, "shape"):
             out.append(None if g is None else sum_to(g, tuple(arg.shape)))
     return tuple(out)

@@ -321,6 +321,8 @@ def sum_to(g: Tensor, shape: tuple[int, ...]) -> Tensor:
 
 def expand_reduced(g: Tensor, shape: tuple[int, ...], dim: Any, keepdim: bool) -> Tensor:
     """Broadcasts the result of a reduction over ``dim`` back to the input ``shape``."""
+    if dim is None and not keepdim:  # a 0-d result expands straight to any shape
+        return expand(g, tuple(shape)) if shape else g
     dims = R.normalize_dims(dim, len(shape))
     if not keepdim:
         for d in dims:

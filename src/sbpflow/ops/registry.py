@@ -23,8 +23,9 @@ attributes and are part of the key.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -80,7 +81,7 @@ class ShardCtx:
     out_sbps: tuple[NdSbp, ...]
 
 
-REGISTRY: dict[str, "OpDef"] = {}
+REGISTRY: dict[str, OpDef] = {}
 
 
 class OpDef:
@@ -97,6 +98,7 @@ class OpDef:
         self.differentiable = differentiable
         self.mesh_aware = mesh_aware
         self.backward_fn: Callable[..., Any] | None = None
+        self.activity = f"op {name!r}"  # what comm errors name while this op boxes its inputs
 
     def grad(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         """Decorator: registers this op's gradient ``fn(ctx, *grad_outputs) -> input grads``."""
@@ -136,23 +138,25 @@ def op(name: str, *, meta: Callable[..., Any], sbp: Callable[..., Any], shard_aw
 
 def apply(opdef: OpDef, args: Sequence[Any], attrs: dict[str, Any]) -> Any:
     """Runs ``opdef`` on ``args``: meta, signature choice, boxing, kernels, autograd record."""
-    tensors = [a for a in args if isinstance(a, Tensor)]
-    if not tensors:
+    # one pass over the args: local or global (never both), and whether any needs a gradient
+    is_global: bool | None = None
+    needs_grad = False
+    for a in args:
+        if isinstance(a, Tensor):
+            here = a._local is None
+            if is_global is None:
+                is_global = here
+            elif here != is_global:
+                raise OpError(
+                    f"op {opdef.name!r} got local and global tensors together: {_describe_args(args)}; "
+                    "convert the local ones with .to_global(placement, sbp)"
+                )
+            needs_grad = needs_grad or a.requires_grad
+    if is_global is None:
         raise OpError(f"op {opdef.name!r} needs at least one tensor argument")
-    global_flags = {t._local is None for t in tensors}
-    if len(global_flags) > 1:
-        raise OpError(
-            f"op {opdef.name!r} got local and global tensors together: {_describe_args(args)}; "
-            "convert the local ones with .to_global(placement, sbp)"
-        )
-    if global_flags.pop():
-        outputs = _apply_global(opdef, args, attrs, tensors)
-    else:
-        outputs = _apply_local(opdef, args, attrs)
-    single = not isinstance(outputs, tuple)
-    outs = (outputs,) if single else outputs
-    if opdef.differentiable and is_grad_enabled() and any(t.requires_grad for t in tensors):
-        _record(opdef, args, attrs, outs)
+    outputs = _apply_global(opdef, args, attrs) if is_global else _apply_local(opdef, args, attrs)
+    if needs_grad and opdef.differentiable and is_grad_enabled():
+        _record(opdef, args, attrs, outputs if isinstance(outputs, tuple) else (outputs,))
     return outputs
 
 
@@ -179,7 +183,9 @@ def _arg_meta(a: Any) -> Any:
 
 
 def _attrs_key(attrs: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
-    return tuple(sorted(attrs.items())) if attrs else ()
+    if not attrs:
+        return ()
+    return tuple(attrs.items()) if len(attrs) == 1 else tuple(sorted(attrs.items()))
 
 
 def _infer(opdef: OpDef, args: Sequence[Any], metas: Sequence[Any], attrs: dict[str, Any]) -> tuple[Meta, ...]:
@@ -192,22 +198,27 @@ def _infer(opdef: OpDef, args: Sequence[Any], metas: Sequence[Any], attrs: dict[
 
 # -- local tensors --------------------------------------------------------------------------
 
-_local_cache: dict[Any, tuple[Meta, ...]] = {}
+# (op name, (shape, dtype) or scalar type per arg, attrs) -> (output metas, ShardCtx for shard-aware kernels)
+_local_cache: dict[Any, tuple[tuple[Meta, ...], ShardCtx | None]] = {}
 
 
 def _apply_local(opdef: OpDef, args: Sequence[Any], attrs: dict[str, Any]) -> Any:
-    metas = tuple(_arg_meta(a) for a in args)
-    key = (opdef.name, metas, _attrs_key(attrs))
-    out_metas = _local_cache.get(key)
-    if out_metas is None:
+    # the key is built from torch's own Size and dtype: no Meta objects on the hot path
+    key = (opdef.name, tuple([(a._local.shape, a._local.dtype) if isinstance(a, Tensor) else type(a) for a in args]),
+           _attrs_key(attrs))
+    cached = _local_cache.get(key)
+    if cached is None:
+        metas = tuple(_arg_meta(a) for a in args)
         out_metas = _infer(opdef, args, metas, attrs)
-        _local_cache[key] = out_metas
+        ctx = None
+        if opdef.shard_aware:
+            in_metas = tuple(m for m in metas if isinstance(m, Meta))
+            ctx = ShardCtx(0, None, tuple(_full(m) for m in in_metas), tuple(_full(m) for m in out_metas), in_metas,
+                           out_metas, (), ())
+        cached = _local_cache[key] = (out_metas, ctx)
     values = [a._local if isinstance(a, Tensor) else a for a in args]
-    if opdef.shard_aware:
-        in_metas = tuple(m for m in metas if isinstance(m, Meta))
-        ctx = ShardCtx(0, None, tuple(_full(m) for m in in_metas), tuple(_full(m) for m in out_metas), in_metas,
-                       out_metas, (), ())
-        result = opdef.kernel(ctx, *values, **attrs)
+    if cached[1] is not None:
+        result = opdef.kernel(cached[1], *values, **attrs)
     else:
         result = opdef.kernel(*values, **attrs)
     if isinstance(result, tuple):
@@ -230,32 +241,38 @@ class Decision:
     in_sbps: tuple[NdSbp, ...]
     out_sbps: tuple[NdSbp, ...]
     plans: tuple[boxing.Plan | None, ...]  # per tensor input; None when it is already in place
+    in_metas: tuple[Meta, ...] = ()  # per tensor input, for shard-aware kernels
 
 
+# (op name, placement, (shape, dtype, sbp) or scalar type per arg, attrs) -> Decision
 _global_cache: dict[Any, Decision] = {}
 
 
-def _apply_global(opdef: OpDef, args: Sequence[Any], attrs: dict[str, Any], tensors: list[Tensor]) -> Any:
-    placement = tensors[0].placement
-    for t in tensors[1:]:
-        if t.placement != placement:
-            raise OpError(
-                f"op {opdef.name!r} needs all inputs on one placement, but got {placement} and {t.placement} "
-                f"({_describe_args(args)}); move one with .to_global(placement=...)"
-            )
-    key = (opdef.name, placement, tuple(_global_key(a) for a in args), _attrs_key(attrs))
+def _apply_global(opdef: OpDef, args: Sequence[Any], attrs: dict[str, Any]) -> Any:
+    placement = None
+    key_args = []
+    for a in args:
+        if isinstance(a, Tensor):
+            if placement is None:
+                placement = a._placement
+            elif a._placement is not placement and a._placement != placement:
+                raise OpError(
+                    f"op {opdef.name!r} needs all inputs on one placement, but got {placement} and {a._placement} "
+                    f"({_describe_args(args)}); move one with .to_global(placement=...)"
+                )
+            key_args.append((a._shape, a._dtype, a._sbp))
+        else:
+            key_args.append(type(a))
+    assert placement is not None  # apply() saw a global tensor
+    key = (opdef.name, placement, tuple(key_args), _attrs_key(attrs))
     decision = _global_cache.get(key)
     if decision is None:
         decision = decide(opdef, args, attrs, placement)
         _global_cache[key] = decision
-    with activity(lambda: f"op {opdef.name!r}"):  # named in comm errors raised while it runs
-        return run(opdef, decision, args, attrs, placement)
-
-
-def _global_key(a: Any) -> Any:
-    if isinstance(a, Tensor):
-        return (a._shape, a._dtype, a._sbp)
-    return type(a)
+    if any(p is not None for p in decision.plans):
+        with activity(opdef.activity):  # named in comm errors raised while its inputs are boxed
+            return run(opdef, decision, args, attrs, placement)
+    return run(opdef, decision, args, attrs, placement)
 
 
 def decide(opdef: OpDef, args: Sequence[Any], attrs: dict[str, Any], placement: Placement) -> Decision:
@@ -263,6 +280,7 @@ def decide(opdef: OpDef, args: Sequence[Any], attrs: dict[str, Any], placement: 
     metas = tuple(_arg_meta(a) for a in args)
     out_metas = _infer(opdef, args, metas, attrs)
     tensors = [a for a in args if isinstance(a, Tensor)]
+    in_metas = tuple(m for m in metas if isinstance(m, Meta))
     extra = {"mesh": placement.hierarchy} if opdef.mesh_aware else {}
     sigs = [s for s in opdef.sbp(*metas, outs=out_metas, **extra, **attrs) if _sig_fits(s, tensors, out_metas)]
     if not sigs:
@@ -271,7 +289,7 @@ def decide(opdef: OpDef, args: Sequence[Any], attrs: dict[str, Any], placement: 
     exact = _exact_match(sigs, current, placement.ndim)
     if exact is not None:
         in_sbps, out_sbps = exact
-        return Decision(out_metas, in_sbps, out_sbps, (None,) * len(tensors))
+        return Decision(out_metas, in_sbps, out_sbps, (None,) * len(tensors), in_metas)
     has_partial = any(isinstance(s, Partial) for sbp in current for s in sbp)
     best: tuple[Any, ...] | None = None
     for combo in itertools.product(sigs, repeat=placement.ndim):
@@ -286,7 +304,7 @@ def decide(opdef: OpDef, args: Sequence[Any], attrs: dict[str, Any], placement: 
             out_sbps = tuple(tuple(sig.outs[j] for sig in combo) for j in range(len(out_metas)))
             best = (cost, in_sbps, out_sbps, plans)
     assert best is not None
-    return Decision(out_metas, best[1], best[2], best[3])
+    return Decision(out_metas, best[1], best[2], best[3], in_metas)
 
 
 def _boxing_cost(plans: Sequence[boxing.Plan | None], has_partial: bool) -> tuple[Any, ...]:
@@ -310,10 +328,10 @@ def _adds_partial(step: boxing.Step) -> bool:
 
 
 def _sig_fits(sig: Sig, tensors: Sequence[Tensor], outs: Sequence[Meta]) -> bool:
-    for s, t in zip(sig.ins, tensors):
+    for s, t in zip(sig.ins, tensors, strict=False):  # lengths are checked below
         if not isinstance(s, Broadcast) and hasattr(s, "dim") and s.dim >= t.ndim:
             return False
-    for s, m in zip(sig.outs, outs):
+    for s, m in zip(sig.outs, outs, strict=False):
         if hasattr(s, "dim") and s.dim >= m.ndim:
             return False
     return len(sig.ins) == len(tensors) and len(sig.outs) == len(outs)
@@ -334,49 +352,45 @@ def _exact_match(sigs: Sequence[Sig], current: tuple[NdSbp, ...], ndim: int) -> 
 
 def run(opdef: OpDef, decision: Decision, args: Sequence[Any], attrs: dict[str, Any], placement: Placement) -> Any:
     """Boxes the inputs as decided and runs the kernel on every owned shard."""
-    backend = get_backend()
+    positions: list[int] = []  # where the tensor args sit among args
     shard_maps: list[dict[int, torch.Tensor]] = []
-    i = 0
-    for a in args:
+    for pos, a in enumerate(args):
         if isinstance(a, Tensor):
-            plan = decision.plans[i]
-            shard_maps.append(boxing.execute(plan, a._shards or {}) if plan is not None else (a._shards or {}))
-            i += 1
-    owned = backend.owned(placement.flat_ranks)
+            plan = decision.plans[len(positions)]
+            shards = a._shards or {}
+            shard_maps.append(boxing.execute(plan, shards) if plan is not None else shards)
+            positions.append(pos)
+    values = list(args)
     results: dict[int, Any] = {}
-    for r in owned:
-        values: list[Any] = []
-        j = 0
-        for a in args:
-            if isinstance(a, Tensor):
-                values.append(shard_maps[j][r])
-                j += 1
-            else:
-                values.append(a)
+    for r in get_backend().owned(placement.flat_ranks):
+        for pos, shards in zip(positions, shard_maps, strict=True):
+            values[pos] = shards[r]
         if opdef.shard_aware:
-            values.insert(0, _shard_ctx(r, placement, decision, args))
-        results[r] = opdef.kernel(*values, **attrs)
+            results[r] = opdef.kernel(_shard_ctx(r, placement, decision, args), *values, **attrs)
+        else:
+            results[r] = opdef.kernel(*values, **attrs)
     return _wrap(decision, placement, results)
 
 
 def _shard_ctx(rank: int, placement: Placement, decision: Decision, args: Sequence[Any]) -> ShardCtx:
-    in_metas = tuple(Meta(tuple(a.shape), a.dtype) for a in args if isinstance(a, Tensor))
+    in_metas, out_metas = decision.in_metas, decision.out_metas
     return ShardCtx(
         rank, placement,
-        tuple(shard_box(m.shape, placement, s, rank) for m, s in zip(in_metas, decision.in_sbps)),
-        tuple(shard_box(m.shape, placement, s, rank) for m, s in zip(decision.out_metas, decision.out_sbps)),
-        in_metas, decision.out_metas, decision.in_sbps, decision.out_sbps,
+        tuple(shard_box(m.shape, placement, s, rank) for m, s in zip(in_metas, decision.in_sbps, strict=True)),
+        tuple(shard_box(m.shape, placement, s, rank) for m, s in zip(out_metas, decision.out_sbps, strict=True)),
+        in_metas, out_metas, decision.in_sbps, decision.out_sbps,
     )
 
 
 def _wrap(decision: Decision, placement: Placement, results: dict[int, Any]) -> Any:
-    n = len(decision.out_metas)
+    metas, sbps = decision.out_metas, decision.out_sbps
+    if len(metas) == 1:
+        return Tensor._from_shards(metas[0].shape, metas[0].dtype, placement, sbps[0], results)
     outs = []
-    for j in range(n):
-        shards = {r: (res[j] if n > 1 else res) for r, res in results.items()}
-        m = decision.out_metas[j]
-        outs.append(Tensor._from_shards(m.shape, m.dtype, placement, decision.out_sbps[j], shards))
-    return tuple(outs) if n > 1 else outs[0]
+    for j, m in enumerate(metas):
+        shards = {r: res[j] for r, res in results.items()}
+        outs.append(Tensor._from_shards(m.shape, m.dtype, placement, sbps[j], shards))
+    return tuple(outs)
 
 
 def describe_decision(opdef: OpDef, decision: Decision) -> str:
