@@ -1,0 +1,60 @@
+"""The demo runs end to end with tiny settings: strategy table, collectives, progress, PNG, sample."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from sbpflow import cli
+from sbpflow.demo.train_gpt import CharData, main, stdlib_text
+
+TINY = ["--n-layer", "1", "--n-embd", "32", "--batch-size", "8", "--block-size", "16", "--lr", "1e-2",
+        "--no-tour", "--sample-length", "20"]
+
+
+def test_demo_trains_plots_and_samples(tmp_path: Path) -> None:
+    lines: list[str] = []
+    shown = main(["--steps", "12", "--out", str(tmp_path), *TINY], print_fn=lines.append)
+    losses = shown["losses"]
+    assert len(losses) == 12
+    assert np.mean(losses[-3:]) < losses[0] - 0.3  # a character model learns the unigram quickly
+    png = Path(shown["png"])
+    assert png.exists() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "data=2 x tensor=2 x pipeline=1" in shown["strategy"] and "(B, S(1))" in shown["strategy"]
+    assert "backward" in shown["comm"] and "all_reduce" in shown["comm"]
+    assert len(shown["sample"]) == 16 + 20
+    assert any("collectives of one training step" in line for line in lines)
+
+
+def test_cli_demo_with_a_pipeline_strategy(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["demo", "--devices", "2", "--strategy", "pp=2", "--steps", "3", "--out", str(tmp_path),
+                     *TINY, "--n-layer", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "stage 1: cpu:[[1]]" in out and "send_recv" in out and "step 3/3" in out
+    assert os.path.exists(tmp_path / "gpt_loss.png")
+
+
+def test_demo_help_and_bad_strategies(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        cli.main(["demo", "--help"])
+    text = capsys.readouterr().out
+    for option in ("--devices", "--strategy", "--steps", "--n-layer", "--n-embd", "--batch-size", "--seed"):
+        assert option in text
+    with pytest.raises(SystemExit, match="uses 4 devices, but --devices is 2"):
+        main(["--devices", "2", "--strategy", "dp=2,tp=2"])
+    with pytest.raises(SystemExit, match="strategy keys are dp, tp and pp"):
+        main(["--strategy", "zz=4"])
+    with pytest.raises(SystemExit, match="pipeline=4 needs at least that many blocks"):
+        main(["--strategy", "pp=4", *TINY])
+
+
+def test_corpus_is_fixed_stdlib_text() -> None:
+    text = stdlib_text()
+    assert 100_000 < len(text) < 1_000_000 and max(map(ord, text)) < 128
+    data = CharData.from_text(text)
+    assert data.decode(data.encode("def f(x):")) == "def f(x):"
+    ids, targets = next(data.batches(2, 8, seed=0))
+    assert ids.shape == targets.shape == (2, 8) and (ids[:, 1:] == targets[:, :-1]).all()
