@@ -38,7 +38,9 @@ class SimulatedBackend(Backend):
         }
 
     def _all_to_all(self, group, inputs, recv_shapes, dtype):  # type: ignore[no-untyped-def]
-        return {r: [inputs[g][j] for g in group] for j, r in enumerate(group)}
+        # A piece from another rank is copied: it may be a view of that rank's shard, and a received
+        # tensor must never share memory with another rank's (as on a real backend).
+        return {r: [inputs[g][j] if g == r else inputs[g][j].clone() for g in group] for j, r in enumerate(group)}
 
     def _broadcast(self, group, root, inputs, shape, dtype, device_type):  # type: ignore[no-untyped-def]
         return {r: inputs[root].to(self.device_for(device_type, r), copy=True) for r in group}
@@ -47,4 +49,5 @@ class SimulatedBackend(Backend):
         return {root: reduce_tensors([inputs[g] for g in group], op)}
 
     def _send_recv(self, transfers, tensors, device_type):  # type: ignore[no-untyped-def]
-        return {i: tensors[i] for i in range(len(transfers))}
+        # Payloads are views of the sender's shard; the receiver gets its own copy unless it sent to itself.
+        return {i: tensors[i] if t.src == t.dst else tensors[i].clone() for i, t in enumerate(transfers)}
