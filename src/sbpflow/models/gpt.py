@@ -77,7 +77,7 @@ class CausalSelfAttention(nn.Module):
         k = self.k(x).reshape(b, t, self.n_head, hd).transpose(1, 2)  # logical (B, H, T, hd)
         v = self.v(x).reshape(b, t, self.n_head, hd).transpose(1, 2)  # logical (B, H, T, hd)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # logical (B, H, T, hd)
-        y = y.transpose(1, 2).reshape(b, t, c)  # logical (B, T, C)
+        y = F.reshape(F.transpose(y, 1, 2), (b, t, c))  # logical (B, T, C)
         return self.resid_dropout(self.c_proj(y))
 
 
@@ -141,7 +141,7 @@ class GPT(nn.Module):
         if targets is None:
             return logits, None
         v = self.config.vocab_size
-        loss = F.cross_entropy(logits.reshape(b * t, v), targets.reshape(b * t))
+        loss = F.cross_entropy(F.reshape(logits, (b * t, v)), F.reshape(targets, (b * t,)))  # logical (B*T, V)
         return logits, loss
 
     def _positions(self, t: int) -> Tensor:
