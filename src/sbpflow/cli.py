@@ -84,13 +84,26 @@ def launch(args: argparse.Namespace) -> int:
 
 
 def _failure_summary(error: Any) -> str:
-    first_rank, first = error.get_first_failure()
+    """Names the rank that failed first. torchrun's own pick goes by whole-second timestamps, so a rank
+    stopped by the launcher (a signal) or failing because a peer went away can tie with the real cause."""
+    failures = sorted(error.failures.items(), key=lambda kv: (kv[1].exitcode < 0, _secondary(kv[1]),
+                                                              kv[1].timestamp, kv[0]))
+    first_rank, first = failures[0]
     lines = [f"sbpflow launch: {error.name} failed; first failure: rank {first_rank} "
-             f"(exit code {first.exitcode}{_signal_name(first.exitcode)})"]
+             f"(exit code {first.exitcode}{_signal_name(first.exitcode)}){_message(first)}"]
     for rank, failure in sorted(error.failures.items()):
         lines.append(f"  rank {rank} (local rank {failure.local_rank}): exit code {failure.exitcode}"
-                     f"{_signal_name(failure.exitcode)}")
+                     f"{_signal_name(failure.exitcode)}{_message(failure)}")
     return "\n".join(lines)
+
+
+def _message(failure: Any) -> str:
+    message = failure.message.get("message", "") if isinstance(failure.message, dict) else ""
+    return f": {message.splitlines()[0]}" if message else ""
+
+
+def _secondary(failure: Any) -> bool:
+    return "a peer closed its connection" in _message(failure)
 
 
 def _signal_name(exitcode: int) -> str:

@@ -32,6 +32,7 @@ from __future__ import annotations
 import os
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -57,6 +58,7 @@ class Config:
     master_port: int  # its port (MASTER_PORT)
     timeout: float  # seconds a collective waits for its peers before CommError (SBPFLOW_TIMEOUT)
     debug: bool  # compare every collective's fingerprint across its group first (SBPFLOW_DEBUG=1)
+    error_file: str | None = None  # where torchrun wants a failed worker's error (TORCHELASTIC_ERROR_FILE)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Config:
@@ -72,6 +74,7 @@ class Config:
             master_port=_int(env, "MASTER_PORT", 29500),
             timeout=_float(env, "SBPFLOW_TIMEOUT", DEFAULT_TIMEOUT),
             debug=env.get("SBPFLOW_DEBUG", "0").strip().lower() not in ("", "0", "false", "no", "off"),
+            error_file=env.get("TORCHELASTIC_ERROR_FILE") or None,
         )
 
 
@@ -140,7 +143,7 @@ def init(cfg: Config | None = None) -> Backend:
             from .comm.torch_dist import TorchDistBackend
 
             backend: Backend = TorchDistBackend(cfg)
-            _install_excepthook(cfg.rank)
+            _install_excepthook(cfg)
         else:
             backend = comm.SimulatedBackend()
         _state.backend = backend
@@ -239,24 +242,53 @@ def current_activity() -> str:
 
 # ----------------------------------------------------------------------------- failures
 
+PEER_FAILURE_GRACE = 5.0  # seconds a rank that only saw a peer fail waits before it exits (see below)
 
-def _install_excepthook(rank: int) -> None:
+
+def peer_failed(error: BaseException) -> bool:
+    """Whether ``error`` says another process went away (a consequence, not the cause, of a failed job)."""
+    from .errors import CommError
+
+    return isinstance(error, CommError) and getattr(error, "peer_failed", False)
+
+
+def _install_excepthook(cfg: Config) -> None:
     """On an uncaught exception: print it, name the rank, and leave at once.
 
     Leaving with ``os._exit`` skips interpreter teardown, where a process group
     whose peers are gone can block; the peers then see a closed connection and
-    fail fast instead of waiting for their timeout.
+    fail fast instead of waiting for their timeout. A rank that fails only
+    because a peer went away waits ``PEER_FAILURE_GRACE`` seconds first, so that
+    the launcher sees the failed rank exit first and names it as the root cause
+    (torchrun then stops the waiting ranks itself). Under torchrun the error
+    also goes to its error file, so torchrun's summary shows the message.
     """
     previous = sys.excepthook
 
     def hook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
         try:
             previous(kind, value, tb)
-            print(f"sbpflow: rank {rank} failed with {kind.__name__}: {value}", file=sys.stderr, flush=True)
+            secondary = peer_failed(value)
+            note = " (a peer failed first)" if secondary else ""
+            print(f"sbpflow: rank {cfg.rank} failed with {kind.__name__}: {value}{note}", file=sys.stderr, flush=True)
             sys.stdout.flush()
+            if secondary:
+                time.sleep(PEER_FAILURE_GRACE)
+            if cfg.error_file:
+                _write_error_file(cfg.error_file, f"{kind.__name__}: {value}", "".join(traceback.format_tb(tb)))
         except Exception:  # noqa: BLE001 - the exit below must happen whatever printing does
             traceback.print_exc()
         finally:
             os._exit(1)
 
     sys.excepthook = hook
+
+
+def _write_error_file(path: str, message: str, callstack: str) -> None:
+    """The error file format torchrun reads back into its failure summary."""
+    import json
+
+    body = {"message": {"message": message, "extraInfo": {"py_callstack": callstack,
+                                                          "timestamp": str(int(time.time()))}}}
+    with open(path, "w") as f:
+        json.dump(body, f)

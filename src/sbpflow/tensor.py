@@ -23,6 +23,7 @@ import torch
 from . import boxing
 from ._layout import Shape, shard_box
 from .comm import get_backend
+from .distributed import activity
 from .errors import AutogradError, SbpflowError, SbpError
 from .placement import Placement
 from .sbp import NdSbp, broadcast, format_nd, normalize
@@ -301,7 +302,8 @@ def logical_value(t: Tensor) -> torch.Tensor:
     placement = get_backend().everywhere(t.placement)
     target = boxing.Layout(placement, (broadcast,) * placement.ndim)
     plan = boxing.plan(tuple(t.shape), t.dtype, _layout(t), target)
-    shards = boxing.execute(plan, t._shards or {})
+    with activity("reading a logical value (numpy, item, tolist, print)"):
+        shards = boxing.execute(plan, t._shards or {})
     if not shards:
         raise SbpflowError(f"this process holds no shard of the tensor with {t._describe()}")
     return shards[min(shards)]

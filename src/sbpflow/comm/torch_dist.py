@@ -177,17 +177,20 @@ class TorchDistBackend(Backend):
         except CommError:
             raise
         except (RuntimeError, ValueError) as e:  # DistBackendError, DistStoreError, gloo errors
-            raise CommError(self._explain(kind, group, e)) from e
+            error = CommError(self._explain(kind, group, e))
+            # read by sbpflow.distributed.peer_failed: this rank failed because another one went away
+            error.peer_failed = _closed(e)  # type: ignore[attr-defined]
+            raise error from e
 
     def _explain(self, kind: str, group: Group, error: Exception) -> str:
         text = str(error)
         lowered = text.lower()
-        if "timed out" in lowered or "timeout" in lowered:
+        if _closed(error):
+            why = "a peer closed its connection: another rank probably failed (see its output)"
+        elif "timed out" in lowered or "timeout" in lowered:
             why = (f"timed out after {self.config.timeout:g} s (SBPFLOW_TIMEOUT) waiting for the other ranks; one of "
                    "them may have failed, or skipped or reordered this collective (SBPFLOW_DEBUG=1 compares the "
                    "collectives every rank issues)")
-        elif "closed" in lowered or "reset" in lowered or "broken pipe" in lowered:
-            why = "a peer closed its connection: another rank probably failed (see its output)"
         else:
             why = text.strip().splitlines()[0] if text.strip() else type(error).__name__
         return f"{kind} on ranks {list(group)} failed on rank {self.rank} while running {current_activity()}: {why}"
@@ -336,6 +339,7 @@ class TorchDistBackend(Backend):
         return out
 
     def _run_p2p(self, ops: list[tuple[str, int, torch.Tensor, int]], device: torch.device) -> None:
+        works: Sequence[Any]
         if device.type == "cuda":
             pg = self._groups[("nccl", tuple(range(self.world_size)))]
             batch = [dist.P2POp(dist.isend if kind == "send" else dist.irecv, buf, peer, group=pg)
@@ -361,6 +365,13 @@ class TorchDistBackend(Backend):
 
 
 # ----------------------------------------------------------------------------- helpers
+
+
+def _closed(error: Exception) -> bool:
+    """Whether a transport error means a peer went away (gloo: "Connection closed by peer", resets)."""
+    text = str(error).lower()
+    return "closed by peer" in text or "connection reset" in text or "broken pipe" in text or (
+        "connection closed" in text and "timeout" not in text)
 
 
 def _padded(t: torch.Tensor, length: int) -> torch.Tensor:
