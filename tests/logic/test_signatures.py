@@ -97,6 +97,10 @@ def test_no_partial_is_invented_from_split_inputs() -> None:
 
     d = decide(SH.reshape, (_t((5, 4), p3, S.split(0)),), {"shape": (20,)}, p3)
     assert d.in_sbps == ((B,),) and d.out_sbps == ((B,),)
+    # zeroing a B input is fine: a row-parallel linear counts its bias once, with no communication
+    x, w, b = _t((5, 8), P2, S.split(1)), _t((6, 8), P2, S.split(1)), _t((6,), P2, B)
+    d = decide(M.linear, (x, w, b), {}, P2)
+    assert d.out_sbps == ((PSUM,),) and all(p is None or not p.collectives() for p in d.plans)
     # with a partial input, zeroing the B side to add partials is the cheap choice
     d = decide(E.add, (_t((4,), P2, PSUM), _t((4,), P2, B)), {}, P2)
     assert d.out_sbps == ((PSUM,),) and d.plans[0] is None and d.plans[1].collectives() == []

@@ -36,7 +36,7 @@ from ..comm import get_backend
 from ..distributed import activity
 from ..errors import OpError, SbpflowError
 from ..placement import Placement
-from ..sbp import Broadcast, NdSbp, Partial, SbpParallel, format_nd
+from ..sbp import SBP_TYPES, Broadcast, NdSbp, Partial, SbpParallel, Split, format_nd
 from ..tensor import Tensor
 
 
@@ -310,21 +310,25 @@ def decide(opdef: OpDef, args: Sequence[Any], attrs: dict[str, Any], placement: 
 def _boxing_cost(plans: Sequence[boxing.Plan | None], has_partial: bool) -> tuple[Any, ...]:
     """Orders boxing options: modelled time, then collectives, local steps into a partial, bytes, steps.
 
-    Turning an S or B input into a partial is free locally but only moves a reduction (an all-reduce,
+    Padding a split input into a partial is free locally but only moves a reduction (an all-reduce,
     dearer than the all-gather it avoids) to the consumer, on a full-size buffer. So when no input is
-    partial yet, such options rank after every other one, and the all-B fallback is taken instead;
-    with a partial input (P + B), zeroing the B side is the cheap, right move. Ties after time matter
-    too: on one rank every plan is free, yet a local slice must beat a trivial all-gather. Equal costs
-    keep the earlier signature.
+    partial yet, such options rank after every other one, and the all-B fallback is taken instead.
+    Zeroing a B input into a partial stays cheap and right: the bias of a row-parallel linear, or the
+    B side of P + B. Ties after time matter too: on one rank every plan is free, yet a local slice must
+    beat a trivial all-gather. Equal costs keep the earlier signature.
     """
     real = [p for p in plans if p is not None]
-    to_partial = sum(1 for p in real for st in p.steps if st.kind == "local" and _adds_partial(st))
-    return (to_partial > 0 and not has_partial, sum(p.time for p in real), sum(len(p.collectives()) for p in real),
+    local_steps = [st for p in real for st in p.steps if st.kind == "local"]
+    pads = sum(1 for st in local_steps if _adds_partial(st, Split))
+    to_partial = sum(1 for st in local_steps if _adds_partial(st, SBP_TYPES))
+    return (pads > 0 and not has_partial, sum(p.time for p in real), sum(len(p.collectives()) for p in real),
             to_partial, sum(p.bytes for p in real), sum(len(p.steps) for p in real))
 
 
-def _adds_partial(step: boxing.Step) -> bool:
-    return sum(isinstance(s, Partial) for s in step.dst.sbp) > sum(isinstance(s, Partial) for s in step.src.sbp)
+def _adds_partial(step: boxing.Step, source: Any) -> bool:
+    """Whether a local step turns a mesh axis holding an SBP of type ``source`` into a partial."""
+    return any(isinstance(b, Partial) and not isinstance(a, Partial) and isinstance(a, source)
+               for a, b in zip(step.src.sbp, step.dst.sbp, strict=True))
 
 
 def _sig_fits(sig: Sig, tensors: Sequence[Tensor], outs: Sequence[Meta]) -> bool:
