@@ -13,12 +13,13 @@ bytes, and the cost model's latency ``α`` and inverse bandwidth ``β``.
     B         P(op)     local (zero)     0                   0
     P(op)     B         all_reduce       2(p-1)/p |T|        2(p-1)α + 2(p-1)/p |T| β
     P(op)     S(i)      reduce_scatter   (p-1)/p  |T|        (p-1)α + (p-1)/p |T| β
-    P(a)      P(b)      (through B)      all_reduce, then local
+    P(a)      P(b)      (through S or B) reduce_scatter or all_reduce, then local
 
 Across placements (the two rank sets may overlap, differ in size or in mesh):
 
     same mesh shape, same SBP   send_recv (pairwise)   shard bytes          α + shard β
-    S/B → S/B                   send_recv (general)    bytes each dst lacks  msgs α + max bytes β
+    S/B → S/B                   send_recv (general)    bytes each dst lacks  msgs α + bytes β of the busiest rank
+                                                       (sent or received)
     B on one rank → B           broadcast              |T|                  ⌈log2 p⌉α + |T| β
     P on p ranks → B on one     reduce                 |T|                  ⌈log2 p⌉α + |T| β
 
@@ -398,15 +399,20 @@ def _pairwise_transfer(ctx: _Ctx, src: Layout, dst: Layout) -> Step:
 
 
 def _general_transfer(ctx: _Ctx, src: Layout, dst: Layout) -> Iterator[Step]:
+    """Every destination fetches the boxes it lacks. The busiest rank, sending or receiving, sets the time:
+    a lone source feeding many destinations sends every piece itself (which a broadcast tree avoids)."""
     pieces = transfer_pieces(ctx.shape, src, dst)
-    received: dict[int, int] = {}
-    messages: dict[int, int] = {}
+    traffic: dict[tuple[str, int], int] = {}  # ("in" | "out", rank) -> bytes
+    messages: dict[tuple[str, int], int] = {}
     for src_rank, dst_rank, box in pieces:
-        if src_rank != dst_rank:
-            received[dst_rank] = received.get(dst_rank, 0) + numel(box_shape(box)) * ctx.itemsize
-            messages[dst_rank] = messages.get(dst_rank, 0) + 1
-    total = sum(received.values())
-    yield _transfer_step(ctx, src, dst, total, max(received.values(), default=0), max(messages.values(), default=0),
+        if src_rank == dst_rank:
+            continue
+        size = numel(box_shape(box)) * ctx.itemsize
+        for key in (("out", src_rank), ("in", dst_rank)):
+            traffic[key] = traffic.get(key, 0) + size
+            messages[key] = messages.get(key, 0) + 1
+    total = sum(size for (way, _), size in traffic.items() if way == "in")
+    yield _transfer_step(ctx, src, dst, total, max(traffic.values(), default=0), max(messages.values(), default=0),
                          "general")
 
 
