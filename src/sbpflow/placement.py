@@ -64,6 +64,8 @@ class Placement:
             raise PlacementError(f"placement type must be one of {DEVICE_TYPES}, but got {type!r}")
         if isinstance(ranks, int) and not isinstance(ranks, bool):
             ranks = [ranks]
+        if not isinstance(ranks, (list, tuple, range)) and not hasattr(ranks, "tolist"):
+            raise PlacementError(f"placement ranks must be a list (or nested lists) of ints, but got {ranks!r}")
         nested = _nest(ranks, repr(ranks))
         if not isinstance(nested, tuple):
             raise PlacementError(f"placement ranks must be a list, but got {ranks!r}")
