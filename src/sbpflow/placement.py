@@ -11,8 +11,9 @@ it is validated when it is built.
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Sequence
+from typing import Any
 
 from .errors import PlacementError
 
