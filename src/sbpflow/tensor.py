@@ -37,7 +37,8 @@ class Tensor:
 
     __slots__ = (
         "_shape", "_dtype", "_placement", "_sbp", "_shards", "_local",
-        "requires_grad", "grad", "grad_fn", "_out_index", "_retains_grad", "_hooks", "_version", "__weakref__",
+        "requires_grad", "grad", "grad_fn", "_out_index", "_retains_grad", "_hooks", "_version", "_boxed",
+        "__weakref__",
     )
 
     def __init__(self) -> None:
@@ -80,6 +81,10 @@ class Tensor:
         self._retains_grad = False
         self._hooks: list[Callable[[Tensor], Tensor | None]] | None = None
         self._version = 0
+        # Boxed copies of this tensor, {(layout, version): shards}, so that several consumers needing the
+        # same conversion share one collective. Only op outputs enable it (see ops.registry.run): leaves
+        # such as parameters are updated in place on their shards by optimizers.
+        self._boxed: dict[Any, dict[int, torch.Tensor]] | None = None
 
     # -- metadata ------------------------------------------------------------------------
 

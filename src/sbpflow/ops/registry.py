@@ -264,7 +264,7 @@ def _apply_global(opdef: OpDef, args: Sequence[Any], attrs: dict[str, Any]) -> A
         else:
             key_args.append(type(a))
     assert placement is not None  # apply() saw a global tensor
-    key = (opdef.name, placement, tuple(key_args), _attrs_key(attrs))
+    key = (opdef.name, placement, tuple(key_args), _attrs_key(attrs), _cost_model_token())
     decision = _global_cache.get(key)
     if decision is None:
         decision = decide(opdef, args, attrs, placement)
@@ -273,6 +273,18 @@ def _apply_global(opdef: OpDef, args: Sequence[Any], attrs: dict[str, Any]) -> A
         with activity(opdef.activity):  # named in comm errors raised while its inputs are boxed
             return run(opdef, decision, args, attrs, placement)
     return run(opdef, decision, args, attrs, placement)
+
+
+_cost_models: dict[int, boxing.CostModel] = {}  # keeps every model that keyed a decision alive, so ids stay unique
+
+
+def _cost_model_token() -> int:
+    """Decisions depend on the cost model in force: a ``boxing.cost_model(...)`` block must not reuse others'."""
+    model = boxing.get_cost_model()
+    token = id(model)
+    if token not in _cost_models:
+        _cost_models[token] = model
+    return token
 
 
 def decide(opdef: OpDef, args: Sequence[Any], attrs: dict[str, Any], placement: Placement) -> Decision:
@@ -362,7 +374,7 @@ def run(opdef: OpDef, decision: Decision, args: Sequence[Any], attrs: dict[str, 
         if isinstance(a, Tensor):
             plan = decision.plans[len(positions)]
             shards = a._shards or {}
-            shard_maps.append(boxing.execute(plan, shards) if plan is not None else shards)
+            shard_maps.append(_boxed(a, plan) if plan is not None else shards)
             positions.append(pos)
     values = list(args)
     results: dict[int, Any] = {}
@@ -374,6 +386,22 @@ def run(opdef: OpDef, decision: Decision, args: Sequence[Any], attrs: dict[str, 
         else:
             results[r] = opdef.kernel(*values, **attrs)
     return _wrap(decision, placement, results)
+
+
+def _boxed(t: Tensor, plan: boxing.Plan) -> dict[int, torch.Tensor]:
+    """``t``'s shards converted by ``plan``, reusing a conversion another consumer of ``t`` already ran.
+
+    Without this, a tensor read by several ops in one layout (x feeding q, k and v projections) would be
+    gathered once per consumer. Keyed by ``t._version``, so an in-place update invalidates the copy.
+    """
+    if t._boxed is None:
+        return boxing.execute(plan, t._shards or {})
+    key = (plan.dst, t._version)
+    shards = t._boxed.get(key)
+    if shards is None:
+        shards = boxing.execute(plan, t._shards or {})
+        t._boxed[key] = shards
+    return shards
 
 
 def _shard_ctx(rank: int, placement: Placement, decision: Decision, args: Sequence[Any]) -> ShardCtx:
@@ -389,11 +417,14 @@ def _shard_ctx(rank: int, placement: Placement, decision: Decision, args: Sequen
 def _wrap(decision: Decision, placement: Placement, results: dict[int, Any]) -> Any:
     metas, sbps = decision.out_metas, decision.out_sbps
     if len(metas) == 1:
-        return Tensor._from_shards(metas[0].shape, metas[0].dtype, placement, sbps[0], results)
+        out = Tensor._from_shards(metas[0].shape, metas[0].dtype, placement, sbps[0], results)
+        out._boxed = {}
+        return out
     outs = []
     for j, m in enumerate(metas):
         shards = {r: res[j] for r, res in results.items()}
         outs.append(Tensor._from_shards(m.shape, m.dtype, placement, sbps[j], shards))
+        outs[-1]._boxed = {}
     return tuple(outs)
 
 
