@@ -45,11 +45,12 @@ EXPECTED_COUNTS: dict[int, dict[str, Any]] = {
         "mesh (S0,S1)->(B,B)": {AG: 2},  # one per mesh axis: each process is in one group of each axis
         "mesh (P,S0)->(B,S0)": {AR: 1},
         "mesh (B,P)->(S1,B)": {AR: 1},
-        "S0 [1,2] -> B all": {SR: 1},
+        # gather on the source ranks, then they send the whole value to ranks 0 and 3
+        "S0 [1,2] -> B all": [{SR: 1}, {AG: 1, SR: 1}, {AG: 1, SR: 1}, {SR: 1}],
         # gloo's reduce-scatter costs an all-reduce (cost factor 2), so the planner all-reduces on [0, 1, 2]
         # and rank 0 alone sends to rank 3
         "P [0,1,2] -> B [3]": [{AR: 1, SR: 1}, {AR: 1}, {AR: 1}, {SR: 1}],
-        "B [0] -> B all": {SR: 1},
+        "B [0] -> B all": {"broadcast": 1},  # one rank to many
         "S0 all -> mesh (S1,S0)": {SR: 1},
         "S0 [0,1] -> S1 [2,3]": {SR: 1},
     },

@@ -36,7 +36,10 @@ Faults. Every group has the ``SBPFLOW_TIMEOUT`` timeout; a collective that
 fails or times out raises :class:`~sbpflow.errors.CommError` naming the op or
 boxing step it ran in. With ``SBPFLOW_DEBUG=1`` each collective is preceded by
 an exchange of fingerprints (kind, group, shapes, dtype) over the gloo group of
-the same ranks, and a mismatch raises with every member's side.
+the same ranks, and a mismatch raises with every member's side. On NCCL a
+collective that outlives the timeout is aborted by torch's watchdog, which ends
+the process rather than raising; the gloo debug check still reports mismatched
+collectives as CommError before any NCCL call is issued.
 """
 
 from __future__ import annotations
