@@ -28,8 +28,8 @@ no inner axis (``j > k``) splits a tensor dim the step splits or gathers, and,
 for steps that reduce or create partial values, no inner axis is partial with
 another op. When no chain of valid steps exists, the general send_recv covers
 any pair. Intermediate SBPs come out of a shortest-path search over
-(placement, SBP) states, where edge weights are the α-β times above; ties go to
-the plan with fewer steps.
+(placement, SBP) states, where edge weights are the α-β times above; ties (up to
+float rounding) go to fewer collectives, then fewer steps, then fewer bytes.
 """
 
 from __future__ import annotations
@@ -37,14 +37,14 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
-from typing import Iterator
 
 import torch
 
-from .._layout import Shape, intersect, numel, shard_box, box_shape
+from .._layout import Shape, box_shape, intersect, numel, shard_box
 from ..comm import get_backend
 from ..errors import BoxingError
 from ..placement import Placement
@@ -83,7 +83,7 @@ class CostModel:
         kind = "intra" if len(nodes) <= 1 else "inter"
         return dict(self.links)[(device_type, kind)]
 
-    def with_link(self, device_type: str, kind: str, alpha: float, beta: float) -> "CostModel":
+    def with_link(self, device_type: str, kind: str, alpha: float, beta: float) -> CostModel:
         table = dict(self.links)
         table[(device_type, kind)] = LinkCost(alpha, beta)
         return replace(self, links=tuple(sorted(table.items())))
@@ -225,24 +225,42 @@ def _candidates(shape: Shape, src: Layout, dst: Layout) -> tuple[SbpParallel, ..
 
 
 def _search(ctx: _Ctx, src: Layout, dst: Layout) -> list[Step]:
-    # keys are (time, collectives, steps): on equal time (always, on one rank), local steps beat a collective
+    # keys are (time, collectives, steps, bytes): on equal time (always, on one rank), local steps beat a
+    # collective, and of two equally fast transfers the one that moves fewer bytes wins.
+    # Times that differ only by float rounding count as equal (all-reduce vs reduce-scatter + all-gather), so
+    # the search runs on until no queued state can still tie with the best plan found.
     counter = itertools.count()
-    best: dict[Layout, tuple[float, int, int]] = {src: (0.0, 0, 0)}
+    best: dict[Layout, tuple[float, int, int, int]] = {src: (0.0, 0, 0, 0)}
     back: dict[Layout, Step] = {}
-    heap = [(0.0, 0, 0, next(counter), src)]
+    heap = [(0.0, 0, 0, 0, next(counter), src)]
     while heap:
-        cost, ncoll, nsteps, _, state = heapq.heappop(heap)
-        if state == dst:
-            return _unwind(back, src, dst)
-        if best.get(state, (math.inf, 0, 0)) < (cost, ncoll, nsteps):
-            continue
+        cost, ncoll, nsteps, nbytes, _, state = heapq.heappop(heap)
+        if dst in best and cost > best[dst][0] + _tolerance(best[dst][0]):
+            break
+        if best.get(state) != (cost, ncoll, nsteps, nbytes) or state == dst:
+            continue  # a stale entry, or the goal (kept for the tie check above)
         for step in _edges(ctx, state, dst):
-            key = (cost + step.time, ncoll + (step.kind != LOCAL), nsteps + 1)
-            if key < best.get(step.dst, (math.inf, 0, 0)):
+            key = (cost + step.time, ncoll + (step.kind != LOCAL), nsteps + 1, nbytes + step.bytes)
+            if _better(key, best.get(step.dst)):
                 best[step.dst] = key
                 back[step.dst] = step
-                heapq.heappush(heap, (key[0], key[1], key[2], next(counter), step.dst))
-    raise BoxingError(f"no boxing plan from {src} to {dst} for a tensor of shape {ctx.shape}")
+                heapq.heappush(heap, (*key, next(counter), step.dst))
+    if dst not in best:
+        raise BoxingError(f"no boxing plan from {src} to {dst} for a tensor of shape {ctx.shape}")
+    return _unwind(back, src, dst)
+
+
+def _tolerance(cost: float) -> float:
+    return 1e-9 * cost + 1e-15
+
+
+def _better(new: tuple[float, int, int, int], old: tuple[float, int, int, int] | None) -> bool:
+    """Lower time wins; within float noise, fewer collectives, then fewer steps, then fewer bytes."""
+    if old is None:
+        return True
+    if abs(new[0] - old[0]) <= _tolerance(max(new[0], old[0])):
+        return new[1:] < old[1:]
+    return new[0] < old[0]
 
 
 def _unwind(back: dict[Layout, Step], src: Layout, dst: Layout) -> list[Step]:
@@ -342,7 +360,10 @@ def _axis_step(ctx: _Ctx, kind: str, src: Layout, dst: Layout, axis: int) -> Ste
     per_rank = total // pl.size
     detail = src.sbp[axis].op if isinstance(src.sbp[axis], Partial) else ""  # type: ignore[union-attr]
     link = ctx.model.link(pl.type, pl.axis_group_of(pl.flat_ranks[0], axis))
-    return Step(kind, src, dst, axis, total, per_rank, factor * rounds * link.alpha + per_rank * link.beta, detail)
+    # Time uses the exact mean, not the floored per_rank: flooring made reduce_scatter + all_gather look a byte
+    # cheaper than the all_reduce they compose on uneven sizes.
+    time = factor * rounds * link.alpha + total / pl.size * link.beta
+    return Step(kind, src, dst, axis, total, per_rank, time, detail)
 
 
 def _shard_shape(ctx: _Ctx, layout: Layout, rank: int) -> Shape:
