@@ -13,7 +13,8 @@ random tensor).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -21,7 +22,7 @@ import torch
 from . import random as _rng
 from ._layout import Box, shard_box
 from .comm import get_backend
-from .errors import AutogradError, ShapeError, SbpError
+from .errors import AutogradError, SbpError, ShapeError
 from .placement import Placement
 from .sbp import NdSbp, Partial, broadcast, normalize
 from .tensor import Tensor, shards_from_full
@@ -63,9 +64,9 @@ def _build(shape: tuple[int, ...], dtype: torch.dtype, placement: Placement, nd:
         box = shard_box(shape, placement, nd, r)
         device = backend.device_for(placement.type, r)
         coords = placement.coords(r)
-        zero = any(isinstance(s, Partial) and s.op == "sum" and c != 0 for s, c in zip(nd, coords))
-        piece = make(box, device)
-        shards[r] = torch.zeros_like(piece) if zero else piece
+        zero = any(isinstance(s, Partial) and s.op == "sum" and c != 0 for s, c in zip(nd, coords, strict=True))
+        # A zero piece of a partial sum is never drawn: a rank only generates values it keeps.
+        shards[r] = torch.zeros(_box_shape(box), dtype=dtype, device=device) if zero else make(box, device)
     return _finish(Tensor._from_shards(shape, dtype, placement, nd, shards), requires_grad)
 
 
