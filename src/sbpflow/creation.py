@@ -120,7 +120,8 @@ def full(*size: Any, fill_value: Any = None, placement: Placement | None = None,
          dtype: torch.dtype | None = None, requires_grad: bool = False) -> Tensor:
     """``full(2, 3, fill_value=7.0)`` or ``full((2, 3), 7.0)``."""
     if fill_value is None and len(size) == 2 and isinstance(size[0], (tuple, list, torch.Size)):
-        size, fill_value = (size[0],), size[1]
+        fill_value = size[1]
+        size = (size[0],)
     shape = _shape_arg(size)
     if dtype is None:
         dtype = torch.tensor(fill_value).dtype if not isinstance(fill_value, float) else torch.get_default_dtype()
