@@ -6,7 +6,7 @@ Each step kind below is one row of the table in :mod:`sbpflow.boxing.plan`.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -69,7 +69,7 @@ def _box(shape: Shape, layout: Layout, rank: int) -> Box:
 def _overlap(a: Box, b: Box) -> Box:
     """Intersection of two boxes, possibly empty (zero-length dims)."""
     out = []
-    for (a0, a1), (b0, b1) in zip(a, b):
+    for (a0, a1), (b0, b1) in zip(a, b, strict=True):
         lo = max(a0, b0)
         out.append((lo, max(lo, min(a1, b1))))
     return tuple(out)
@@ -156,7 +156,8 @@ def _run_all_to_all(step: Step, shape: Shape, dtype: torch.dtype, shards: Shards
         inputs, recv_shapes = {}, {}
         for r in owned:
             mine = _box(shape, step.src, r)
-            inputs[r] = [shards[r][relative(_overlap(mine, _box(shape, step.dst, g)), mine)].contiguous() for g in group]
+            pieces = [relative(_overlap(mine, _box(shape, step.dst, g)), mine) for g in group]
+            inputs[r] = [shards[r][where].contiguous() for where in pieces]
             want = _box(shape, step.dst, r)
             recv_shapes[r] = [box_shape(_overlap(_box(shape, step.src, g), want)) for g in group]
         moved = _a2a_bytes(shape, step, group, dtype)
