@@ -278,13 +278,14 @@ def _apply_global(opdef: OpDef, args: Sequence[Any], attrs: dict[str, Any]) -> A
 _cost_models: dict[int, boxing.CostModel] = {}  # keeps every model that keyed a decision alive, so ids stay unique
 
 
-def _cost_model_token() -> int:
-    """Decisions depend on the cost model in force: a ``boxing.cost_model(...)`` block must not reuse others'."""
+def _cost_model_token() -> tuple[int, Any]:
+    """Decisions depend on the cost model in force and on the backend's cost factors (gloo's reduce-scatter costs
+    an all-reduce): a ``boxing.cost_model(...)`` block, or another installed backend, must not reuse others'."""
     model = boxing.get_cost_model()
     token = id(model)
     if token not in _cost_models:
         _cost_models[token] = model
-    return token
+    return token, get_backend().cost_factors()
 
 
 def decide(opdef: OpDef, args: Sequence[Any], attrs: dict[str, Any], placement: Placement) -> Decision:

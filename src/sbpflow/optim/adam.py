@@ -46,6 +46,8 @@ class Adam(Optimizer):
             self.state[t]["step"] += 1
         steps = [self.state[batch.tensors[i]]["step"] for i in batch.owner]  # one per shard
         params, grads = batch.params, batch.grads
+        if not params:  # this process holds no shard of them (another pipeline stage); foreach needs one tensor
+            return
         exp_avgs, exp_avg_sqs = batch.state["exp_avg"], batch.state["exp_avg_sq"]
         if group["maximize"]:
             grads = list(torch._foreach_neg(grads))

@@ -42,6 +42,8 @@ class SGD(Optimizer):
         state["momentum_started"] = False
 
     def _update(self, group: dict[str, Any], batch: ShardBatch) -> None:
+        if not batch.params:  # this process holds no shard of them (another pipeline stage); foreach needs one
+            return
         grads = batch.grads
         if group["maximize"]:
             grads = list(torch._foreach_neg(grads))
