@@ -26,6 +26,7 @@ import torch
 from procrun import run_ranks
 
 import sbpflow
+from sbpflow.autograd import coalesce_grad_reductions
 from sbpflow.comm import CommEvent, SimulatedBackend, get_backend, record, set_backend
 from sbpflow.demo.train_gpt import PhaseLog, build, random_batches, train_gpt
 from sbpflow.models.cnn import train_cnn
@@ -45,7 +46,8 @@ ZERO_GRAD_PARAM, ZERO_GRAD_ATOL = "attn.k.bias", 4e-5
 SINGLE_RTOL, SINGLE_ATOL = 1e-4, 1e-5
 N_PARAMS = 4 + 16 * CONFIG.n_layer  # wte, wpe, ln_f (2) + per block: 2 LayerNorms, q, k, v, c_proj, c_fc, proj
 
-GPT_SPECS = {2: ["dp=2", "tp=2"], 4: ["dp=2,tp=2", "dp=4", "pp=2", "dp=2,pp=2"]}
+COALESCED = "dp=2 coalesced"  # dp=2 under coalesce_grad_reductions: one flat gradient all-reduce
+GPT_SPECS = {2: ["dp=2", "tp=2", COALESCED], 4: ["dp=2,tp=2", "dp=4", "pp=2", "dp=2,pp=2"]}
 TIMEOUT = 150.0
 
 Training = tuple[list[float], dict[str, np.ndarray]]
@@ -87,8 +89,10 @@ def training_job(world: int) -> dict[str, Any]:
     out: dict[str, Any] = {"rank": sbpflow.rank(), "world": sbpflow.world_size(), "gpt": {}, "steps": {},
                            "cost factors": get_backend().cost_factors()}
     for spec in GPT_SPECS[world]:
-        out["gpt"][spec] = train_gpt(spec, GPT_STEPS, config=CONFIG, batch_size=BATCH)
-        out["steps"][spec] = step_events(spec)
+        with coalesce_grad_reductions(spec == COALESCED):
+            strategy = spec.removesuffix(" coalesced")
+            out["gpt"][spec] = train_gpt(strategy, GPT_STEPS, config=CONFIG, batch_size=BATCH)
+            out["steps"][spec] = step_events(strategy)
     out["cnn"] = train_cnn(sbpflow.placement("cpu", list(range(world))), CNN_STEPS)
     out["cnn steps"] = cnn_step_events(world)
     return out
@@ -214,6 +218,17 @@ def test_data_parallel_step_all_reduces_each_gradient_once_on_every_process(run:
         assert all(kinds == {"all_reduce": 1} for where, kinds in counts.items() if where != "backward"), rank
         backward = [ranks for where, _, ranks in result["steps"][spec] if where == "backward"]
         assert set(backward) == {tuple(range(world))}, rank
+
+
+def test_coalesced_data_parallel_step_all_reduces_every_gradient_at_once(run: Any) -> None:
+    world, per_rank, _ = run
+    if COALESCED not in GPT_SPECS[world]:
+        pytest.skip("runs in the 2-process job")
+    for rank, result in enumerate(per_rank):
+        _assert_same(result["gpt"][COALESCED], result["gpt"]["dp=2"], RTOL, ATOL, f"coalesced, process {rank}")
+        counts = _counts(result["steps"][COALESCED])
+        assert _phase(counts, "backward") == {"all_reduce": 1}, rank
+        assert _counts(result["steps"]["dp=2"]).keys() == counts.keys(), rank  # only backward changed
 
 
 def test_tensor_parallel_step_all_reduces_each_partial_sum_once_where_the_layernorm_needs_it(run: Any) -> None:
