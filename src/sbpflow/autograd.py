@@ -335,17 +335,18 @@ def _coalesced(pairs: list[tuple[Tensor, Tensor]], F: Any) -> list[tuple[Tensor,
                 and all(s in (broadcast, partial_sum) for s in grad.sbp)):
             buckets.setdefault((leaf.placement, grad.dtype, grad.sbp), []).append(i)
     out = list(pairs)
+    tensor_cls: Any = _tensor_class()
     for (placement, dtype, _), members in buckets.items():
         if len(members) < 2:
             continue
         grads = [pairs[i][1] for i in members]
         shards = {r: torch.cat([g.local_tensors()[r].reshape(-1) for g in grads]) for r in grads[0].local_tensors()}
         numels = [g.numel() for g in grads]
-        flat = _tensor_class()._from_shards((sum(numels),), dtype, placement, grads[0].sbp, shards)  # logical (N,)
+        flat = tensor_cls._from_shards((sum(numels),), dtype, placement, grads[0].sbp, shards)  # logical (N,)
         reduced = F.to_global(flat, placement, pairs[members[0]][0].sbp).local_tensors()
         pieces = {r: torch.split(t, numels) for r, t in reduced.items()}
         for k, i in enumerate(members):
             leaf = pairs[i][0]
             local = {r: ps[k].view(leaf.shape) for r, ps in pieces.items()}  # B: local shape = logical shape
-            out[i] = (leaf, _tensor_class()._from_shards(leaf.shape, dtype, placement, leaf.sbp, local))
+            out[i] = (leaf, tensor_cls._from_shards(leaf.shape, dtype, placement, leaf.sbp, local))
     return out

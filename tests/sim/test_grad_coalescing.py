@@ -24,6 +24,16 @@ from sbpflow.models.gpt import GPTConfig
 B, P = S.broadcast, S.partial_sum
 
 
+def _grad(t: Any) -> np.ndarray:
+    assert t.grad is not None
+    return np.asarray(t.grad.numpy())
+
+
+def _sbp(t: Any) -> Any:
+    assert t.grad is not None
+    return t.grad.sbp
+
+
 def _mlp_grads(placement: Any, coalesce: bool, batch: int = 7) -> tuple[dict[str, np.ndarray], dict[str, int], Any]:
     """A 2-layer MLP with broadcast weights on split data; its gradients, backward collectives and grad SBPs."""
     nd = placement.ndim
@@ -37,8 +47,8 @@ def _mlp_grads(placement: Any, coalesce: bool, batch: int = 7) -> tuple[dict[str
     loss = ((((x @ params["w1"]) + params["b1"]).relu() @ params["w2"]) ** 2).sum()
     with record() as log, coalesce_grad_reductions(coalesce):
         loss.backward()
-    grads = {k: p.grad.numpy() for k, p in params.items()}
-    return grads, log.counts(), {k: p.grad.sbp for k, p in params.items()}
+    grads = {k: _grad(p) for k, p in params.items()}
+    return grads, log.counts(), {k: _sbp(p) for k, p in params.items()}
 
 
 @pytest.mark.parametrize("name", ["2", "3", "2x2"])
@@ -59,7 +69,7 @@ def test_local_tensors_are_untouched() -> None:
     with record() as log, coalesce_grad_reductions():
         (w * 2).sum().backward()
     assert log.counts() == {}
-    np.testing.assert_array_equal(w.grad.numpy(), [2.0, 2.0, 2.0])
+    np.testing.assert_array_equal(_grad(w), [2.0, 2.0, 2.0])
 
 
 def _mixed_leaves(coalesce: bool) -> tuple[dict[str, np.ndarray], Counter[tuple[str, tuple[int, ...]]], Any]:
@@ -78,8 +88,8 @@ def _mixed_leaves(coalesce: bool) -> tuple[dict[str, np.ndarray], Counter[tuple[
             + (x2.to(torch.float64) * leaves["d64"]).sum().float())
     with record() as log, coalesce_grad_reductions(coalesce):
         loss.backward()
-    return ({k: t.grad.numpy() for k, t in leaves.items()}, Counter((e.kind, e.ranks) for e in log.events),
-            {k: t.grad.sbp for k, t in leaves.items()})
+    return ({k: _grad(t) for k, t in leaves.items()}, Counter((e.kind, e.ranks) for e in log.events),
+            {k: _sbp(t) for k, t in leaves.items()})
 
 
 def test_groups_by_placement_and_dtype_and_leaves_others_alone() -> None:
@@ -102,8 +112,8 @@ def test_gradients_accumulate_into_existing_grads() -> None:
     for _ in range(2):
         with coalesce_grad_reductions():
             ((x * a).sum() + (x * b).sum()).backward()
-    np.testing.assert_array_equal(a.grad.numpy(), [20.0, 20.0])
-    np.testing.assert_array_equal(b.grad.numpy(), [20.0] * 3)
+    np.testing.assert_array_equal(_grad(a), [20.0, 20.0])
+    np.testing.assert_array_equal(_grad(b), [20.0] * 3)
 
 
 def test_gpt_data_parallel_step_reduces_every_gradient_in_one_all_reduce() -> None:
@@ -117,7 +127,7 @@ def test_gpt_data_parallel_step_reduces_every_gradient_in_one_all_reduce() -> No
         with record() as log, coalesce_grad_reductions(coalesce):
             loss.backward()
         counts.append(log.counts())
-        grads.append({n: p.grad.numpy() for n, p in trainer.model.named_parameters()})
+        grads.append({n: _grad(p) for n, p in trainer.model.named_parameters()})
     n_params = len(grads[0])
     assert counts == [{"all_reduce": n_params}, {"all_reduce": 1}]
     for name, want in grads[0].items():
