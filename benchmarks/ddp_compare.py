@@ -1,0 +1,480 @@
+"""Data-parallel training on 2 processes: sbpflow against torch DistributedDataParallel, side by side.
+
+Run: ``.venv/bin/python benchmarks/ddp_compare.py`` (spawns its own 2 processes
+with ``sbpflow launch``; writes the "ddp" section of docs/benchmarks.md).
+
+Both contenders live in the same 2 processes, over the same gloo transport
+(sbpflow's torch.distributed backend; DDP on the default process group), with
+the same weights, data, loss and AdamW. Timed rounds alternate between them;
+each round's time is the slower process's, and the table reports medians.
+
+Two models: an MLP (width 1024, 3 hidden layers, global batch 64, MSE) and the
+demo's GPT (3 blocks, width 128, 4 heads, 64 tokens, global batch 16, gradient
+clipping 1.0, dropout off). sbpflow lays them out data parallel: parameters
+B, inputs S(0), so backward all-reduces each parameter gradient.
+
+Bytes communicated, one definition for both: the payload bytes each process
+hands to all-reduce per step (the size of the tensors reduced). sbpflow's come
+from ``sbpflow.comm.record()`` (its events count ring traffic summed over the
+group's ranks, ``2 (p - 1)`` times the payload); DDP's from a comm hook around
+``allreduce_hook`` that adds up the sizes of the gradient buckets it reduces.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as TF
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import sbpflow
+from sbpflow import nn, optim
+from sbpflow import sbp as S
+from sbpflow.autograd import coalesce_grad_reductions
+from sbpflow.comm import get_backend, record
+from sbpflow.demo.train_gpt import build
+from sbpflow.models.gpt import GPTConfig
+
+HERE = Path(__file__).resolve().parent
+WORLD = 2
+MLP_WIDTH, MLP_LAYERS, MLP_BATCH = 1024, 3, 64
+GPT_CONFIG = GPTConfig(vocab_size=96, block_size=64, n_layer=3, n_head=4, n_embd=128, dropout=0.0)
+GPT_BATCH, GPT_LR = 16, 3e-3
+SBP, SBP_COALESCED = "sbpflow", "sbpflow coalesced"  # the default; under coalesce_grad_reductions
+
+
+@dataclass
+class Contender:
+    """One training step, its model's parameters by name (logical values) and its last loss."""
+
+    step: Callable[..., float]  # step(phases=None) -> the loss over the whole batch
+    params: Callable[[], dict[str, np.ndarray]]
+    phases: dict[str, list[float]] = field(default_factory=dict)  # phase -> seconds, filled by profiled steps
+
+
+# ----------------------------------------------------------------------------- the MLP
+
+
+def mlp_data() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(MLP_BATCH, MLP_WIDTH, generator=g), torch.randn(MLP_BATCH, MLP_WIDTH, generator=g)
+
+
+def sbpflow_mlp(coalesce: bool) -> tuple[Contender, Any]:
+    """Parameters B on ranks [0, 1], the batch S(0): each process computes on its 32 rows."""
+    place = sbpflow.placement("cpu", list(range(WORLD)))
+    sbpflow.manual_seed(0)
+    mods: list[nn.Module] = []
+    for _ in range(MLP_LAYERS):
+        mods += [nn.Linear(MLP_WIDTH, MLP_WIDTH), nn.ReLU()]
+    model = nn.Sequential(*mods, nn.Linear(MLP_WIDTH, MLP_WIDTH)).to_global(place, S.broadcast)
+    x_full, y_full = mlp_data()
+    x = sbpflow.tensor(x_full, placement=place, sbp=S.split(0))  # logical (64, 1024), local (32, 1024)
+    y = sbpflow.tensor(y_full, placement=place, sbp=S.split(0))
+    opt = optim.AdamW(model.parameters(), lr=1e-3)
+
+    def step(phases: Phases | None = None) -> float:
+        phases = phases or Phases()
+        with phases("forward"):
+            loss = ((model(x) - y) ** 2).mean()
+        opt.zero_grad()
+        with phases("backward"), coalesce_grad_reductions(coalesce):
+            loss.backward()
+        with phases("optimizer"):
+            opt.step()
+        return float(loss.item())
+
+    return Contender(step, lambda: {n: p.numpy() for n, p in model.named_parameters()}), model
+
+
+def torch_mlp(reference: Any) -> tuple[torch.nn.Module, Callable[[torch.nn.Module], Contender]]:
+    """The same MLP in torch, weights copied from sbpflow's; DDP wraps it, each process gets its half batch."""
+    mods: list[torch.nn.Module] = []
+    for _ in range(MLP_LAYERS):
+        mods += [torch.nn.Linear(MLP_WIDTH, MLP_WIDTH), torch.nn.ReLU()]
+    model = torch.nn.Sequential(*mods, torch.nn.Linear(MLP_WIDTH, MLP_WIDTH))
+    _copy_weights(reference, model)
+    rank = dist.get_rank()
+    x_full, y_full = mlp_data()
+    x, y = x_full.chunk(WORLD)[rank], y_full.chunk(WORLD)[rank]  # local (32, 1024)
+
+    def contender(ddp: torch.nn.Module) -> Contender:
+        opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3, foreach=True)
+
+        def step(phases: Phases | None = None) -> float:
+            phases = phases or Phases()
+            with phases("forward"):
+                loss = ((ddp(x) - y) ** 2).mean()
+            opt.zero_grad(set_to_none=True)
+            with phases("backward"):
+                loss.backward()
+            with phases("optimizer"):
+                opt.step()
+            return _global_mean(loss)
+
+        return Contender(step, lambda: _torch_params(ddp))
+
+    return model, contender
+
+
+# ----------------------------------------------------------------------------- the GPT
+
+
+def gpt_data() -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(1)
+    tokens = rng.integers(0, GPT_CONFIG.vocab_size, size=(GPT_BATCH, GPT_CONFIG.block_size + 1))
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def sbpflow_gpt(coalesce: bool) -> tuple[Contender, Any]:
+    """The demo's trainer (AdamW, weight decay on matrices, clipping 1.0) under dp=2."""
+    trainer = build(GPT_CONFIG, f"dp={WORLD}", lr=GPT_LR)
+    ids, targets = trainer.inputs(*gpt_data())
+    model = trainer.model
+
+    def step(phases: Phases | None = None) -> float:
+        phases = phases or Phases()
+        with phases("forward"):
+            _, loss = model(ids, targets)
+        trainer.optimizer.zero_grad()
+        with phases("backward"), coalesce_grad_reductions(coalesce):
+            loss.backward()
+        with phases("optimizer"):
+            sbpflow.nn.utils.clip_grad_norm_(list(model.parameters()), 1.0)
+            trainer.optimizer.step()
+        return float(loss.item())
+
+    return Contender(step, lambda: {n: p.numpy() for n, p in model.named_parameters()}), model
+
+
+class TorchBlock(torch.nn.Module):
+    """The block of sbpflow.models.gpt in torch: pre-LN attention (separate q, k, v) and a GELU MLP."""
+
+    def __init__(self, c: int, n_head: int) -> None:
+        super().__init__()
+        self.n_head = n_head
+        self.ln_1, self.ln_2 = torch.nn.LayerNorm(c), torch.nn.LayerNorm(c)
+        self.attn = torch.nn.ModuleDict({k: torch.nn.Linear(c, c) for k in ("q", "k", "v", "c_proj")})
+        self.mlp = torch.nn.ModuleDict({"c_fc": torch.nn.Linear(c, 4 * c), "c_proj": torch.nn.Linear(4 * c, c)})
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape  # local (B / 2, T, C)
+        h = self.ln_1(x)
+        q, k, v = (self.attn[n](h).reshape(b, t, self.n_head, c // self.n_head).transpose(1, 2) for n in "qkv")
+        y = TF.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B / 2, H, T, hd)
+        x = x + self.attn["c_proj"](y.transpose(1, 2).reshape(b, t, c))
+        return x + self.mlp["c_proj"](TF.gelu(self.mlp["c_fc"](self.ln_2(x))))
+
+
+class TorchGPT(torch.nn.Module):
+    """sbpflow.models.gpt.GPT in torch (tied head, no dropout), with the same parameter names."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.wte = torch.nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.wpe = torch.nn.Embedding(cfg.block_size, cfg.n_embd)
+        self.h = torch.nn.ModuleList([TorchBlock(cfg.n_embd, cfg.n_head) for _ in range(cfg.n_layer)])
+        self.ln_f = torch.nn.LayerNorm(cfg.n_embd)
+
+    def forward(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = self.wte(ids) + self.wpe(torch.arange(ids.shape[1]))  # local (B / 2, T, C)
+        for block in self.h:
+            x = block(x)
+        logits = self.ln_f(x) @ self.wte.weight.T  # local (B / 2, T, V)
+        return TF.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def torch_gpt(reference: Any) -> tuple[torch.nn.Module, Callable[[torch.nn.Module], Contender]]:
+    model = TorchGPT(GPT_CONFIG)
+    _copy_weights(reference, model)
+    rank = dist.get_rank()
+    ids_full, targets_full = gpt_data()
+    ids = torch.from_numpy(ids_full).chunk(WORLD)[rank]  # local (B / 2, T)
+    targets = torch.from_numpy(targets_full).chunk(WORLD)[rank]
+
+    def contender(ddp: torch.nn.Module) -> Contender:
+        params = list(ddp.parameters())
+        groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": 0.1},
+                  {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+        opt = torch.optim.AdamW(groups, lr=GPT_LR, betas=(0.9, 0.95), foreach=True)
+
+        def step(phases: Phases | None = None) -> float:
+            phases = phases or Phases()
+            with phases("forward"):
+                loss = ddp(ids, targets)
+            opt.zero_grad(set_to_none=True)
+            with phases("backward"):
+                loss.backward()
+            with phases("optimizer"):
+                torch.nn.utils.clip_grad_norm_(params, 1.0)
+                opt.step()
+            return _global_mean(loss)
+
+        return Contender(step, lambda: _torch_params(ddp))
+
+    return model, contender
+
+
+# ----------------------------------------------------------------------------- shared pieces
+
+
+def _copy_weights(source: Any, target: torch.nn.Module) -> None:
+    """sbpflow parameters (logical values) into the torch model of the same names."""
+    values = {n: torch.from_numpy(p.numpy()) for n, p in source.named_parameters()}
+    with torch.no_grad():
+        for name, p in target.named_parameters():
+            p.copy_(values[name])
+    assert set(values) == {n for n, _ in target.named_parameters()}
+
+
+def _torch_params(ddp: torch.nn.Module) -> dict[str, np.ndarray]:
+    return {n.removeprefix("module."): p.detach().numpy().copy() for n, p in ddp.named_parameters()}
+
+
+def _global_mean(loss: torch.Tensor) -> float:
+    """The loss over the whole batch (outside timing, for the equality check only)."""
+    t = loss.detach().clone()
+    dist.all_reduce(t)
+    return float(t) / WORLD
+
+
+class Phases:
+    """Wall time per phase of one step; a no-op unless ``active``."""
+
+    def __init__(self, active: bool = False) -> None:
+        self.active = active
+        self.seconds: dict[str, float] = {}
+
+    def __call__(self, name: str) -> Any:
+        phases = self
+
+        class _Timer:
+            def __enter__(self) -> None:
+                self.start = time.perf_counter()
+
+            def __exit__(self, *exc: object) -> None:
+                if phases.active:
+                    phases.seconds[name] = phases.seconds.get(name, 0.0) + time.perf_counter() - self.start
+
+        return _Timer()
+
+
+class BucketBytes:
+    """DDP comm hook state: bytes and calls of the gradient buckets all-reduced."""
+
+    def __init__(self) -> None:
+        self.bytes = 0
+        self.calls = 0
+
+    def hook(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        buffer = bucket.buffer()
+        self.bytes += buffer.numel() * buffer.element_size()
+        self.calls += 1
+        return allreduce_hook(None, bucket)  # type: ignore[arg-type]  # None: the default process group
+
+
+def ddp_bytes(model: torch.nn.Module, make: Callable[[torch.nn.Module], Contender]) -> tuple[int, int]:
+    """Payload bytes and calls DDP all-reduces in one step (second step: the first one rebuilds buckets)."""
+    counter = BucketBytes()
+    ddp = DDP(copy.deepcopy(model))
+    ddp.register_comm_hook(counter, lambda state, bucket: state.hook(bucket))
+    contender = make(ddp)
+    contender.step()
+    counter.bytes = counter.calls = 0
+    contender.step()
+    return counter.bytes, counter.calls
+
+
+def sbpflow_bytes(contender: Contender) -> tuple[int, int, dict[str, int]]:
+    """Payload bytes handed to all-reduce by this process in one step, calls, and all collective counts."""
+    with record() as log:
+        contender.step()
+    payload = sum(e.bytes // (2 * (len(e.ranks) - 1)) for e in log.events if e.kind == "all_reduce")
+    return payload, log.counts().get("all_reduce", 0), log.counts()
+
+
+def timed_block(fn: Callable[[], object], steps: int) -> float:
+    """Seconds per step of ``steps`` steps, as the slower process saw them (both start together)."""
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(steps):
+        fn()
+    elapsed = torch.tensor([(time.perf_counter() - start) / steps], dtype=torch.float64)
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    return float(elapsed)
+
+
+def interleaved(contenders: dict[str, Contender], steps: int, rounds: int) -> dict[str, float]:
+    samples: dict[str, list[float]] = {k: [] for k in contenders}
+    for _ in range(rounds):
+        for name, c in contenders.items():
+            samples[name].append(timed_block(c.step, steps))
+    return {k: statistics.median(v) for k, v in samples.items()}
+
+
+def profile(contenders: dict[str, Contender], steps: int) -> dict[str, dict[str, float]]:
+    """Median seconds per phase (forward, backward, optimizer) of ``steps`` steps, alternating contenders;
+    sbpflow's all-reduce time is measured around its backend's primitive."""
+    backend = get_backend()
+    inner = backend._all_reduce
+    comm = [0.0]
+
+    def timed_all_reduce(*args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            comm[0] += time.perf_counter() - start
+
+    samples: dict[str, dict[str, list[float]]] = {k: {} for k in contenders}
+    backend._all_reduce = timed_all_reduce  # type: ignore[method-assign]
+    try:
+        for _ in range(steps):
+            for name, c in contenders.items():
+                phases = Phases(active=True)
+                comm[0] = 0.0
+                dist.barrier()
+                c.step(phases)  # type: ignore[call-arg]
+                if name != "DDP":
+                    phases.seconds["all-reduce calls (in backward)"] = comm[0]
+                for phase, s in phases.seconds.items():
+                    samples[name].setdefault(phase, []).append(s)
+    finally:
+        del backend._all_reduce
+    return {k: {p: statistics.median(v) for p, v in d.items()} for k, d in samples.items()}
+
+
+# ----------------------------------------------------------------------------- one model, both contenders
+
+
+def compare(name: str, make_sbpflow: Callable[[bool], tuple[Contender, Any]], make_torch: Callable[[Any], Any],
+            steps: int, rounds: int) -> dict[str, Any]:
+    ours, reference = make_sbpflow(False)
+    coalesced, _ = make_sbpflow(True)
+    torch_model, make_ddp = make_torch(reference)
+    payload_ddp, calls_ddp = ddp_bytes(torch_model, make_ddp)
+    theirs = make_ddp(DDP(torch_model))  # the built-in all-reduce (no Python hook) is what gets timed
+    contenders = {SBP: ours, SBP_COALESCED: coalesced, "DDP": theirs}
+
+    # Same start, same data: the first losses agree, and after the warm-up steps so do the parameters.
+    first = {k: c.step() for k, c in contenders.items()}
+    for _ in range(2):
+        for c in contenders.values():
+            c.step()
+    params = {k: c.params() for k, c in contenders.items()}
+    drift = max(float(np.max(np.abs(params[k][n] - p))) for n, p in params["DDP"].items() for k in (SBP, SBP_COALESCED))
+    measured = {k: sbpflow_bytes(contenders[k]) for k in (SBP, SBP_COALESCED)}
+    theirs.step()  # keeps every contender at the same step count
+
+    times = interleaved(contenders, steps, rounds)
+    phases = profile(contenders, steps=5)
+    return {"name": name, "times": times, "first losses": first, "param drift": drift,
+            "bytes": {k: m[0] for k, m in measured.items()} | {"DDP": payload_ddp},
+            "calls": {k: m[1] for k, m in measured.items()} | {"DDP": calls_ddp},
+            "sbpflow counts": {k: m[2] for k, m in measured.items()},
+            "phases": phases, "param bytes": sum(p.nbytes for p in params["DDP"].values())}
+
+
+# ----------------------------------------------------------------------------- the report
+
+
+def report(results: list[dict[str, Any]], rounds: int) -> str:
+    lines = [
+        "## sbpflow vs torch DDP (issue 5)",
+        "",
+        f"`.venv/bin/python benchmarks/ddp_compare.py` on {_machine()}: 2 processes (`sbpflow launch -n 2`), gloo "
+        "on 127.0.0.1, one torch thread per process, eager mode. The contenders run in the same processes with "
+        f"the same weights, data and AdamW; {rounds} interleaved rounds, median step time of the slower process. "
+        f"*{SBP}*: the default, one all-reduce per parameter gradient; *{SBP_COALESCED}*: backward under "
+        "`sbpflow.autograd.coalesce_grad_reductions()`, one flat all-reduce of all gradients at the end of "
+        "backward; *DDP*: `DistributedDataParallel` with its default 25 MB buckets.",
+        "",
+        "Bytes: payload bytes each process hands to all-reduce per step (the size of the reduced tensors; calls "
+        "in parentheses). sbpflow's come from `sbpflow.comm.record()` (which counts ring traffic over all ranks, "
+        "2(p-1) times the payload, divided back here) and include the 4-byte loss; DDP's from a comm hook "
+        "wrapping `allreduce_hook` that sums its buckets' sizes.",
+        "",
+        "| model | contender | ms/step | ratio to DDP | all-reduce bytes (calls) | first loss | max param diff |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        t, b, c, f = r["times"], r["bytes"], r["calls"], r["first losses"]
+        for who in (SBP, SBP_COALESCED, "DDP"):
+            ratio = f"**{t[who] / t['DDP']:.3f}**" if who != "DDP" else "1.000"
+            drift = f"{r['param drift']:.1e}" if who != "DDP" else "(reference)"
+            lines.append(f"| {r['name']} | {who} | {t[who] * 1e3:.2f} | {ratio} | {b[who]:,} ({c[who]}) | "
+                         f"{f[who]:.6f} | {drift} |")
+    lines += ["", "Parameter bytes: " + ", ".join(f"{r['name']} {r['param bytes']:,}" for r in results) + ".",
+              "", "Where a step's time goes (median ms per phase on each process's own clock, so a phase includes "
+              "waiting for the peer; the optimizer phase includes gradient clipping for the GPT):", "",
+              "| model | contender | forward | backward | of which sbpflow all-reduces | optimizer |",
+              "|---|---|---|---|---|---|"]
+    for r in results:
+        for who, ph in r["phases"].items():
+            comm = ph.get("all-reduce calls (in backward)")
+            lines.append(f"| {r['name']} | {who} | {ph['forward'] * 1e3:.2f} | {ph['backward'] * 1e3:.2f} | "
+                         f"{'' if comm is None else f'{comm * 1e3:.2f}'} | {ph['optimizer'] * 1e3:.2f} |")
+    for who in (SBP, SBP_COALESCED):
+        worst = max(r["times"][who] / r["times"]["DDP"] for r in results)
+        lines.append(f"\nWorst ratio, {who}: **{worst:.3f}x** (target: at most 1.10x).")
+    lines.append("")
+    lines += [f"sbpflow collectives of one {r['name']} step per process: {r['sbpflow counts']}" for r in results]
+    return "\n".join(lines)
+
+
+def _machine() -> str:
+    sys.path.insert(0, str(HERE))
+    from _report import machine
+
+    return machine()
+
+
+def worker(args: argparse.Namespace) -> None:
+    torch.set_num_threads(1)  # 2 processes on 2 cores: one thread each
+    sbpflow.distributed.init()
+    results = [
+        compare(f"MLP {MLP_WIDTH}x{MLP_LAYERS}, batch {MLP_BATCH}", sbpflow_mlp, torch_mlp, args.steps, args.rounds),
+        compare(f"GPT {GPT_CONFIG.n_layer}x{GPT_CONFIG.n_embd}, {GPT_CONFIG.block_size} tokens, batch {GPT_BATCH}",
+                sbpflow_gpt, torch_gpt, args.steps, args.rounds),
+    ]
+    if sbpflow.rank() == 0:
+        body = report(results, args.rounds)
+        print(body)
+        if not args.no_write:
+            sys.path.insert(0, str(HERE))
+            from _report import write_section
+
+            write_section("ddp", body)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=15, help="interleaved timing rounds (default 15)")
+    parser.add_argument("--steps", type=int, default=4, help="steps per contender per round (default 4)")
+    parser.add_argument("--no-write", action="store_true", help="print the table only")
+    args = parser.parse_args()
+    if "RANK" in os.environ:
+        worker(args)
+        return 0
+    env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
+    cmd = [sys.executable, "-m", "sbpflow.cli", "launch", "-n", str(WORLD), str(Path(__file__).resolve()),
+           *sys.argv[1:]]
+    return subprocess.run(cmd, env=env, check=False).returncode
+
+
+if __name__ == "__main__":
+    sys.exit(main())
