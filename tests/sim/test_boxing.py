@@ -163,7 +163,7 @@ def expected_events(plan: boxing.Plan) -> list[str]:
     on axis 0, 2 on axis 1); a send_recv that moves no bytes (every piece stays on its rank) makes none."""
     events = []
     for step in plan.steps:
-        if step.kind == "local" or (step.kind == "send_recv" and step.bytes == 0):
+        if step.kind in ("local", "relabel") or (step.kind == "send_recv" and step.bytes == 0):
             continue
         groups = 1 if step.axis is None else len(step.src.placement.axis_groups(step.axis))
         events += [step.kind] * groups

@@ -26,7 +26,7 @@ def execute(plan: Plan, shards: Shards, backend: Backend | None = None) -> Shard
     it then just takes part in the steps that involve it (and in process-group set-up).
     """
     backend = backend or get_backend()
-    if not plan.steps:
+    if plan.is_relabel:
         return shards
     backend.prepare(plan)
     for i, step in enumerate(plan.steps):
@@ -254,8 +254,13 @@ def _run_reduce(step: Step, shape: Shape, dtype: torch.dtype, shards: Shards, ba
     return {r: t.to(backend.device_for(step.dst.placement.type, r)) for r, t in out.items()}
 
 
+def _run_relabel(step: Step, shape: Shape, dtype: torch.dtype, shards: Shards, backend: Backend) -> Shards:
+    return shards
+
+
 _RUNNERS: dict[str, Callable[[Step, Shape, torch.dtype, Shards, Backend], Shards]] = {
     "local": _run_local,
+    "relabel": _run_relabel,
     "all_gather": _run_all_gather,
     "all_reduce": _run_all_reduce,
     "reduce_scatter": _run_reduce_scatter,

@@ -23,6 +23,10 @@ Across placements (the two rank sets may overlap, differ in size or in mesh):
     B on one rank → B           broadcast              |T|                  ⌈log2 p⌉α + |T| β
     P on p ranks → B on one     reduce                 |T|                  ⌈log2 p⌉α + |T| β
 
+On a mesh axis of one rank every SBP names the same shard, so any change there
+is a ``relabel``: no step runs and nothing is recorded (a 1-rank placement costs
+what local tensors cost).
+
 n-D SBPs change one mesh axis at a time. A step on axis ``k`` is valid only if
 no inner axis (``j > k``) splits a tensor dim the step splits or gathers, and,
 for steps that reduce or create partial values, no inner axis is partial with
@@ -109,6 +113,8 @@ def cost_model(model: CostModel) -> Iterator[CostModel]:
 # ----------------------------------------------------------------------------- plans
 
 LOCAL = "local"
+RELABEL = "relabel"  # a mesh axis of one rank: every SBP names the same data, so nothing runs
+MOVES_NOTHING = (LOCAL, RELABEL)
 COLLECTIVES = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all", "broadcast", "reduce", "send_recv")
 
 
@@ -167,7 +173,12 @@ class Plan:
         return sum(s.time for s in self.steps)
 
     def collectives(self) -> list[str]:
-        return [s.kind for s in self.steps if s.kind != LOCAL]
+        return [s.kind for s in self.steps if s.kind not in MOVES_NOTHING]
+
+    @property
+    def is_relabel(self) -> bool:
+        """Whether the plan only renames SBPs on one-rank mesh axes (shards stay as they are)."""
+        return all(s.kind == RELABEL for s in self.steps)
 
     def __str__(self) -> str:
         head = f"boxing {tuple(self.shape)} {str(self.dtype).replace('torch.', '')}: {self.src} -> {self.dst}"
@@ -240,7 +251,7 @@ def _search(ctx: _Ctx, src: Layout, dst: Layout) -> list[Step]:
         if best.get(state) != (cost, ncoll, nsteps, nbytes) or state == dst:
             continue  # a stale entry, or the goal (kept for the tie check above)
         for step in _edges(ctx, state, dst):
-            key = (cost + step.time, ncoll + (step.kind != LOCAL), nsteps + 1, nbytes + step.bytes)
+            key = (cost + step.time, ncoll + _tie_weight(step), nsteps + (step.kind != RELABEL), nbytes + step.bytes)
             if _better(key, best.get(step.dst)):
                 best[step.dst] = key
                 back[step.dst] = step
@@ -248,6 +259,16 @@ def _search(ctx: _Ctx, src: Layout, dst: Layout) -> list[Step]:
     if dst not in best:
         raise BoxingError(f"no boxing plan from {src} to {dst} for a tensor of shape {ctx.shape}")
     return _unwind(back, src, dst)
+
+
+def _tie_weight(step: Step) -> int:
+    """How a step counts among equally fast plans: nothing for local steps, 1 for a collective, 2 for a
+    general send/recv inside one placement (point-to-point patterns lose to the tuned collective they tie)."""
+    if step.kind in MOVES_NOTHING:
+        return 0
+    if step.kind == "send_recv" and step.detail == "general" and step.src.placement == step.dst.placement:
+        return 2
+    return 1
 
 
 def _tolerance(cost: float) -> float:
@@ -297,7 +318,13 @@ def _unpartial(sbp: NdSbp) -> NdSbp:
 def _axis_steps(ctx: _Ctx, state: Layout) -> Iterator[Step]:
     for axis, current in enumerate(state.sbp):
         for target in ctx.candidates:
-            if target == current or not _valid_on_axis(state.sbp, axis, current, target):
+            if target == current:
+                continue
+            if state.placement.hierarchy[axis] == 1:  # one rank holds the whole value under any SBP
+                new = Layout(state.placement, state.sbp[:axis] + (target,) + state.sbp[axis + 1 :])
+                yield Step(RELABEL, state, new, axis, 0, 0, 0.0)
+                continue
+            if not _valid_on_axis(state.sbp, axis, current, target):
                 continue
             kind = _axis_kind(current, target)
             if kind is None:

@@ -317,7 +317,8 @@ def decide(opdef: OpDef, args: Sequence[Any], attrs: dict[str, Any], placement: 
             out_sbps = tuple(tuple(sig.outs[j] for sig in combo) for j in range(len(out_metas)))
             best = (cost, in_sbps, out_sbps, plans)
     assert best is not None
-    return Decision(out_metas, best[1], best[2], best[3], in_metas)
+    plans = tuple(None if p is not None and p.is_relabel else p for p in best[3])  # one-rank axes: no work
+    return Decision(out_metas, best[1], best[2], plans, in_metas)
 
 
 def _boxing_cost(plans: Sequence[boxing.Plan | None], has_partial: bool) -> tuple[Any, ...]:
