@@ -16,7 +16,7 @@ from ..autograd import is_grad_enabled
 from ..comm import get_backend
 from ..errors import SbpError, ShapeError
 from ..placement import Placement
-from ..sbp import NdSbp, Partial, Split, format_nd, normalize
+from ..sbp import NdSbp, Partial, Split, broadcast, format_nd, normalize
 from ..tensor import Tensor
 from .registry import OpDef, _record
 
@@ -72,7 +72,7 @@ def local_to_global(x: Tensor, placement: Placement, sbp: Any) -> Tensor:
         shards[r] = torch.zeros_like(local, device=device) if zero else local.to(device, copy=True)
     out = Tensor._from_shards(tuple(shape), local.dtype, placement, nd, shards)
     if is_grad_enabled() and x.requires_grad:
-        _record(_local_to_global, (x,), {}, (out,))
+        _record(_local_to_global, (x,), {"placement": placement, "sbp": nd}, (out,))
     return out
 
 
@@ -105,11 +105,26 @@ def _logical_shape(placement: Placement, nd: NdSbp, shapes: dict[int, tuple[int,
 
 @_local_to_global.grad
 def _local_to_global_grad(ctx: Any, dy: Tensor) -> Any:
+    """The local tensor's gradient: its share of ``dy``, each logical region counted once.
+
+    A partial axis adds contributions up, so each contributor's gradient is the whole ``dy`` there: box
+    partial axes to B first. One process per rank then takes its own shard. Virtual ranks share one local
+    tensor: the forward made it every split piece (their gradients add up) but only one replica along
+    broadcast and partial axes (coordinate 0 there), so only those shards count.
+    """
     x = ctx.inputs[0]
-    shards = list(dy.local_tensors().values())
+    placement = ctx.attrs["placement"]
+    adjoint = tuple(broadcast if isinstance(s, Partial) else s for s in ctx.attrs["sbp"])
+    if (dy.placement, dy.sbp) != (placement, adjoint):
+        dy = to_global(dy, placement, adjoint)
+    shards = dy.local_tensors()
     if not shards:  # this process owns no rank of the placement: its local tensor fed nothing
         return (Tensor._from_local(torch.zeros_like(x.to_local())),)
-    local = sum(t.to(x.device) for t in shards)
+    keep = list(shards)
+    if len(shards) > 1:
+        keep = [r for r in shards
+                if all(c == 0 for s, c in zip(adjoint, placement.coords(r), strict=True) if not isinstance(s, Split))]
+    local = sum(shards[r].to(x.device) for r in keep)
     return (Tensor._from_local(local),)
 
 
