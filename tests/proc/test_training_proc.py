@@ -126,9 +126,9 @@ def one_torch_thread() -> Any:
     torch.set_num_threads(previous)
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=["2 processes", "4 processes"])
+@pytest.fixture(scope="module")
 def run(request: pytest.FixtureRequest) -> tuple[int, list[dict[str, Any]], dict[str, Any]]:
-    """(world, each process's results, the same job on virtual ranks in this process)."""
+    """(world, each process's results, the same job on virtual ranks in this process); one job per world."""
     world = request.param
     per_rank = run_ranks(training_job, world, args=(world,), timeout=TIMEOUT)
     return world, per_rank, simulated_job(world)
@@ -165,12 +165,14 @@ def _phase(counts: dict[str, dict[str, int]], phase: str) -> dict[str, int]:
     return dict(total)
 
 
+@pytest.mark.parametrize("run", [2, 4], indirect=True, ids=["2 processes", "4 processes"])
 def test_every_process_ran_its_own_rank_with_the_costs_simulated_here(run: Any) -> None:
     world, per_rank, simulated = run
     assert [(r["rank"], r["world"]) for r in per_rank] == [(r, world) for r in range(world)]
     assert all(r["cost factors"] == simulated["cost factors"] for r in per_rank)
 
 
+@pytest.mark.parametrize("run", [2, 4], indirect=True, ids=["2 processes", "4 processes"])
 def test_gpt_training_matches_virtual_ranks_and_one_device(run: Any, single_device: dict[str, Training]) -> None:
     world, per_rank, simulated = run
     for spec in GPT_SPECS[world]:
@@ -181,6 +183,7 @@ def test_gpt_training_matches_virtual_ranks_and_one_device(run: Any, single_devi
     assert single_device["gpt"][0][-1] != single_device["gpt"][0][0]  # it trained
 
 
+@pytest.mark.parametrize("run", [2, 4], indirect=True, ids=["2 processes", "4 processes"])
 def test_cnn_data_parallel_matches_virtual_ranks_and_one_device(run: Any, single_device: dict[str, Training]) -> None:
     _, per_rank, simulated = run
     _assert_same(simulated["cnn"], single_device["cnn"], 1e-4, 1e-6, "ResNet virtual ranks vs one device")
@@ -189,6 +192,7 @@ def test_cnn_data_parallel_matches_virtual_ranks_and_one_device(run: Any, single
         _assert_same(result["cnn"], simulated["cnn"], RTOL, ATOL, f"ResNet, process {rank}")
 
 
+@pytest.mark.parametrize("run", [2, 4], indirect=True, ids=["2 processes", "4 processes"])
 def test_each_process_takes_part_in_the_simulated_collectives_of_its_rank(run: Any) -> None:
     world, per_rank, simulated = run
     for spec in GPT_SPECS[world]:
@@ -205,11 +209,10 @@ def test_each_process_takes_part_in_the_simulated_collectives_of_its_rank(run: A
             assert all(rank in ranks for _, _, ranks in result["steps"][spec])  # it records only its own
 
 
+@pytest.mark.parametrize("run", [2, 4], indirect=True, ids=["2 processes", "4 processes"])
 def test_data_parallel_step_all_reduces_each_gradient_once_on_every_process(run: Any) -> None:
     world, per_rank, _ = run
     spec = f"dp={world}"
-    if spec not in GPT_SPECS[world]:
-        pytest.skip(f"no {spec} case")
     for rank, result in enumerate(per_rank):
         counts = _counts(result["steps"][spec])
         assert _phase(counts, "backward") == {"all_reduce": N_PARAMS}, rank  # DDP: one per parameter gradient
@@ -220,10 +223,9 @@ def test_data_parallel_step_all_reduces_each_gradient_once_on_every_process(run:
         assert set(backward) == {tuple(range(world))}, rank
 
 
+@pytest.mark.parametrize("run", [2], indirect=True, ids=["2 processes"])
 def test_coalesced_data_parallel_step_all_reduces_every_gradient_at_once(run: Any) -> None:
     world, per_rank, _ = run
-    if COALESCED not in GPT_SPECS[world]:
-        pytest.skip("runs in the 2-process job")
     for rank, result in enumerate(per_rank):
         _assert_same(result["gpt"][COALESCED], result["gpt"]["dp=2"], RTOL, ATOL, f"coalesced, process {rank}")
         counts = _counts(result["steps"][COALESCED])
@@ -231,6 +233,7 @@ def test_coalesced_data_parallel_step_all_reduces_every_gradient_at_once(run: An
         assert _counts(result["steps"]["dp=2"]).keys() == counts.keys(), rank  # only backward changed
 
 
+@pytest.mark.parametrize("run", [2, 4], indirect=True, ids=["2 processes", "4 processes"])
 def test_tensor_parallel_step_all_reduces_each_partial_sum_once_where_the_layernorm_needs_it(run: Any) -> None:
     world, per_rank, _ = run
     for spec in (s for s in GPT_SPECS[world] if "tp=2" in s):
@@ -247,10 +250,9 @@ def test_tensor_parallel_step_all_reduces_each_partial_sum_once_where_the_layern
             assert "optimizer" not in counts, (spec, rank)
 
 
+@pytest.mark.parametrize("run", [4], indirect=True, ids=["4 processes"])
 def test_pipeline_processes_send_only_their_stage_boundary(run: Any) -> None:
     world, per_rank, _ = run
-    if "pp=2" not in GPT_SPECS[world]:
-        pytest.skip("no pp=2 case")
     for rank, result in enumerate(per_rank):
         counts = _counts(result["steps"]["pp=2"])
         if rank < 2:  # stage 0 is rank 0, stage 1 rank 1: activations forward, their gradients back
@@ -260,6 +262,7 @@ def test_pipeline_processes_send_only_their_stage_boundary(run: Any) -> None:
             assert _phase(counts, "forward") == {} and _phase(counts, "backward") == {}, rank
 
 
+@pytest.mark.parametrize("run", [2, 4], indirect=True, ids=["2 processes", "4 processes"])
 def test_cnn_step_reduces_statistics_and_gradients_on_every_process(run: Any) -> None:
     _, per_rank, _ = run
     from sbpflow import nn
