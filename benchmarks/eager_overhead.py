@@ -14,15 +14,14 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
+from _report import machine, write_section
 
 import sbpflow
 from sbpflow import nn, optim
 from sbpflow import sbp as S
-
-from _report import machine, write_section
 
 torch.set_num_threads(1)
 
@@ -67,8 +66,8 @@ def op_rows(size: int, inner: int, rounds: int) -> list[str]:
     rows = []
     for name, f in OPS.items():
         t = interleaved({
-            "torch": lambda: f(ta, tb), "local": lambda: f(*local), "1 rank": lambda: f(*one),
-            "2 ranks": lambda: f(*two),
+            "torch": lambda f=f: f(ta, tb), "local": lambda f=f: f(*local), "1 rank": lambda f=f: f(*one),
+            "2 ranks": lambda f=f: f(*two),
         }, inner, rounds)
         rows.append(
             f"| {name} | {size}x{size} | {t['torch'] * 1e6:.1f} | {t['local'] * 1e6:.1f} | {t['1 rank'] * 1e6:.1f} "

@@ -12,8 +12,9 @@ the caller can assert which collectives ran.
 from __future__ import annotations
 
 import random
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -59,35 +60,35 @@ def check(
     """Compares ``fn`` on sbpflow tensors with ``torch_fn`` on torch tensors, forward and backward."""
     values = [torch.as_tensor(np.asarray(v)) if not isinstance(v, torch.Tensor) else v for v in values]
     needs = [grad] * len(values) if isinstance(grad, bool) else list(grad)
-    needs = [n and v.dtype.is_floating_point for n, v in zip(needs, values)]
+    needs = [n and v.dtype.is_floating_point for n, v in zip(needs, values, strict=True)]
     sbps = list(sbps) if sbps is not None else [B] * len(values)
     ours = [
         sbpflow.tensor(v, placement=placement, sbp=s if placement is not None else None, requires_grad=n)
-        for v, s, n in zip(values, sbps, needs)
+        for v, s, n in zip(values, sbps, needs, strict=True)
     ]
-    theirs = [v.clone().requires_grad_(n) for v, n in zip(values, needs)]
+    theirs = [v.clone().requires_grad_(n) for v, n in zip(values, needs, strict=True)]
     with record() as flog:
         out = fn(*ours)
     ref = torch_fn(*theirs)
     outs, refs = _as_tuple(out), _as_tuple(ref)
     assert len(outs) == len(refs), f"{len(outs)} outputs, torch gives {len(refs)}"
-    for o, r in zip(outs, refs):
+    for o, r in zip(outs, refs, strict=True):
         assert tuple(o.shape) == tuple(r.shape), f"shape {tuple(o.shape)} != torch {tuple(r.shape)}"
         assert o.dtype == r.dtype, f"dtype {o.dtype} != torch {r.dtype}"
         np.testing.assert_allclose(_np(o.numpy()), _np(r.detach()), rtol=rtol, atol=atol)
     blog = CommLog()
     grads: list[Any] = []
     if any(needs):
-        float_outs = [(o, r) for o, r in zip(outs, refs) if r.dtype.is_floating_point and r.requires_grad]
+        float_outs = [(o, r) for o, r in zip(outs, refs, strict=True) if r.dtype.is_floating_point and r.requires_grad]
         if float_outs:
             gen = torch.Generator().manual_seed(seed)
             upstream = [torch.randn(r.shape, generator=gen, dtype=r.dtype) for _, r in float_outs]
             with record() as blog:
-                for (o, _), u in zip(float_outs, upstream):
+                for (o, _), u in zip(float_outs, upstream, strict=True):
                     g = sbpflow.tensor(u, placement=placement, sbp=(B,) * placement.ndim if placement else None)
                     o.backward(g, retain_graph=True)
             torch.autograd.backward([r for _, r in float_outs], upstream)
-            for o_in, t_in, n in zip(ours, theirs, needs):
+            for o_in, t_in, n in zip(ours, theirs, needs, strict=True):
                 if not n:
                     grads.append(None)
                     continue

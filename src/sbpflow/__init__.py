@@ -14,20 +14,37 @@ axis; ops pick SBP signatures and the framework inserts the data movement.
 
 from __future__ import annotations
 
-from . import boxing, comm, sbp
+from . import boxing, comm, models, nn, optim, sbp
 from .autograd import enable_grad, is_grad_enabled, no_grad
 from .creation import (
-    arange, full, full_like, ones, ones_like, rand, rand_like, randint, randn, randn_like, tensor, uniform, zeros,
+    arange,
+    full,
+    full_like,
+    ones,
+    ones_like,
+    rand,
+    rand_like,
+    randint,
+    randn,
+    randn_like,
+    tensor,
+    uniform,
+    zeros,
     zeros_like,
 )
-from .errors import (
-    AutogradError, BoxingError, CommError, DTypeError, OpError, PlacementError, SbpError, SbpflowError, ShapeError,
-)
 from .distributed import print0, rank, world_size
+from .errors import (
+    AutogradError,
+    BoxingError,
+    CommError,
+    DTypeError,
+    OpError,
+    PlacementError,
+    SbpError,
+    SbpflowError,
+    ShapeError,
+)
 from .ops import functional
-from . import nn
-from . import optim
-from . import models
 from .placement import Placement, placement
 from .random import manual_seed
 from .tensor import Tensor

@@ -53,7 +53,7 @@ def shard_shape(shape: Shape, placement: Placement, nd_sbp: NdSbp, rank: int) ->
 
 def intersect(a: Box, b: Box) -> Box | None:
     out = []
-    for (a0, a1), (b0, b1) in zip(a, b):
+    for (a0, a1), (b0, b1) in zip(a, b, strict=True):
         lo, hi = max(a0, b0), min(a1, b1)
         if lo >= hi:
             return None
@@ -63,7 +63,7 @@ def intersect(a: Box, b: Box) -> Box | None:
 
 def relative(inner: Box, outer: Box) -> tuple[slice, ...]:
     """Slices that cut ``inner`` out of a tensor holding ``outer``."""
-    return tuple(slice(i0 - o0, i1 - o0) for (i0, i1), (o0, _) in zip(inner, outer))
+    return tuple(slice(i0 - o0, i1 - o0) for (i0, i1), (o0, _) in zip(inner, outer, strict=True))
 
 
 def numel(shape: Shape) -> int:

@@ -84,13 +84,13 @@ def fill(key: int, shape: Shape, box: Box, kind: str, dtype: torch.dtype, device
     ranges = [range(lo // edge, (hi - 1) // edge + 1) for lo, hi in box]
     for tile in itertools.product(*ranges):
         index = 0
-        for t, g in zip(tile, grid):
+        for t, g in zip(tile, grid, strict=True):
             index = index * g + t
         start = [t * edge for t in tile]
-        tshape = tuple(min(edge, n - s) for n, s in zip(shape, start))
+        tshape = tuple(min(edge, n - s) for n, s in zip(shape, start, strict=True))
         values = _tile(key, index, tshape, kind, work)
         src, dst = [], []
-        for (lo, hi), s, n in zip(box, start, tshape):
+        for (lo, hi), s, n in zip(box, start, tshape, strict=True):
             a, b = max(lo, s), min(hi, s + n)
             src.append(slice(a - s, b - s))
             dst.append(slice(a - lo, b - lo))

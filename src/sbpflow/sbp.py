@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Union
+from typing import TYPE_CHECKING, Any
 
 from .errors import SbpError
 
@@ -66,7 +66,7 @@ class Partial:
         return f"P({self.op})"
 
 
-SbpParallel = Union[Split, Broadcast, Partial]
+SbpParallel = Split | Broadcast | Partial
 NdSbp = tuple[SbpParallel, ...]
 SBP_TYPES = (Split, Broadcast, Partial)
 
@@ -100,7 +100,7 @@ def is_sbp(x: Any) -> bool:
     return isinstance(x, SBP_TYPES)
 
 
-def normalize(sbp: Any, placement: "Placement", ndim: int | None = None, what: str = "tensor") -> NdSbp:
+def normalize(sbp: Any, placement: Placement, ndim: int | None = None, what: str = "tensor") -> NdSbp:
     """Turns a single SBP or a sequence into a tuple with one entry per mesh axis.
 
     Strings such as ``"S(0)"`` are parsed. With ``ndim`` given, split dims are

@@ -15,7 +15,8 @@ tensor([[3., 4.]])
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -24,7 +25,7 @@ from . import boxing
 from ._layout import Shape, shard_box
 from .comm import get_backend
 from .distributed import activity
-from .errors import AutogradError, SbpflowError, SbpError
+from .errors import AutogradError, SbpError, SbpflowError
 from .placement import Placement
 from .sbp import NdSbp, broadcast, format_nd, normalize
 
@@ -40,6 +41,21 @@ class Tensor:
         "requires_grad", "grad", "grad_fn", "_out_index", "_retains_grad", "_hooks", "_version", "_boxed",
         "__weakref__",
     )
+    # The slots' types (annotations only: with __slots__ they declare, they do not create, attributes).
+    _shape: tuple[int, ...] | None
+    _dtype: torch.dtype | None
+    _placement: Placement | None
+    _sbp: NdSbp | None
+    _shards: dict[int, torch.Tensor] | None
+    _local: torch.Tensor | None
+    requires_grad: bool
+    grad: Tensor | None
+    grad_fn: Node | None
+    _out_index: int
+    _retains_grad: bool
+    _hooks: list[Callable[[Tensor], Tensor | None]] | None
+    _version: int
+    _boxed: dict[Any, dict[int, torch.Tensor]] | None
 
     def __init__(self) -> None:
         raise TypeError("build tensors with sbpflow.tensor(...), sbpflow.randn(...) and friends")
@@ -47,7 +63,7 @@ class Tensor:
     # -- construction from parts (internal) ----------------------------------------------
 
     @classmethod
-    def _from_local(cls, t: torch.Tensor, requires_grad: bool = False) -> "Tensor":
+    def _from_local(cls, t: torch.Tensor, requires_grad: bool = False) -> Tensor:
         self = object.__new__(cls)
         self._local = t
         self._shards = None
@@ -62,7 +78,7 @@ class Tensor:
     def _from_shards(
         cls, shape: Shape, dtype: torch.dtype, placement: Placement, sbp: NdSbp, shards: dict[int, torch.Tensor],
         requires_grad: bool = False,
-    ) -> "Tensor":
+    ) -> Tensor:
         self = object.__new__(cls)
         self._local = None
         self._shards = shards
@@ -75,16 +91,16 @@ class Tensor:
 
     def _init_autograd(self, requires_grad: bool) -> None:
         self.requires_grad = requires_grad
-        self.grad: Tensor | None = None
-        self.grad_fn: Node | None = None
+        self.grad = None
+        self.grad_fn = None
         self._out_index = 0
         self._retains_grad = False
-        self._hooks: list[Callable[[Tensor], Tensor | None]] | None = None
+        self._hooks = None
         self._version = 0
         # Boxed copies of this tensor, {(layout, version): shards}, so that several consumers needing the
         # same conversion share one collective. Only op outputs enable it (see ops.registry.run): leaves
         # such as parameters are updated in place on their shards by optimizers.
-        self._boxed: dict[Any, dict[int, torch.Tensor]] | None = None
+        self._boxed = None
 
     # -- metadata ------------------------------------------------------------------------
 
@@ -174,7 +190,7 @@ class Tensor:
             raise SbpflowError(f"this process holds no shard of the tensor with {self._describe()}")
         return next(iter(shards.values()))
 
-    def to_global(self, placement: Placement | None = None, sbp: Any = None, *, grad_sbp: Any = None) -> "Tensor":
+    def to_global(self, placement: Placement | None = None, sbp: Any = None, *, grad_sbp: Any = None) -> Tensor:
         """Converts to ``placement`` and ``sbp``; an omitted argument keeps the current value.
 
         On a local tensor, the local tensor becomes this rank's shard (every
@@ -216,7 +232,7 @@ class Tensor:
             raise TypeError("len() of a 0-d tensor")
         return int(self.shape[0])
 
-    def __iter__(self) -> Iterator["Tensor"]:
+    def __iter__(self) -> Iterator[Tensor]:
         for i in range(len(self)):
             yield self[i]
 
@@ -251,19 +267,19 @@ class Tensor:
 
     # -- autograd ------------------------------------------------------------------------
 
-    def backward(self, gradient: "Tensor | None" = None, retain_graph: bool = False) -> None:
+    def backward(self, gradient: Tensor | None = None, retain_graph: bool = False) -> None:
         from .autograd import backward
 
         backward([self], [gradient], retain_graph=retain_graph)
 
-    def detach(self) -> "Tensor":
+    def detach(self) -> Tensor:
         """The same values, cut from the graph (shards are shared, as torch shares storage)."""
         if self._local is not None:
             return Tensor._from_local(self._local.detach())
         shards = {r: t.detach() for r, t in (self._shards or {}).items()}
         return Tensor._from_shards(self.shape, self.dtype, self.placement, self.sbp, shards)
 
-    def requires_grad_(self, flag: bool = True) -> "Tensor":
+    def requires_grad_(self, flag: bool = True) -> Tensor:
         if not self.is_leaf:
             raise AutogradError("requires_grad_() applies to leaf tensors; use .detach().requires_grad_()")
         if flag and not (self.dtype.is_floating_point or self.dtype.is_complex):
@@ -274,7 +290,7 @@ class Tensor:
     def retain_grad(self) -> None:
         self._retains_grad = True
 
-    def register_hook(self, hook: Callable[["Tensor"], "Tensor | None"]) -> Callable[[], None]:
+    def register_hook(self, hook: Callable[[Tensor], Tensor | None]) -> Callable[[], None]:
         """Calls ``hook(grad)`` when this tensor's gradient is computed; a returned tensor replaces it."""
         if self._hooks is None:
             self._hooks = []
@@ -284,7 +300,7 @@ class Tensor:
 
     # -- in-place support ----------------------------------------------------------------
 
-    def _assign(self, value: "Tensor") -> "Tensor":
+    def _assign(self, value: Tensor) -> Tensor:
         """Copies ``value`` (already in this tensor's layout) into this tensor's storage."""
         if self._local is not None:
             self._local.copy_(value.to_local())
@@ -331,7 +347,7 @@ def shards_from_full(
         box = shard_box(shape, placement, nd_sbp, r)
         piece = value[tuple(slice(a, b) for a, b in box)]
         coords = placement.coords(r)
-        zero = any(isinstance(s, Partial) and s.op == "sum" and c != 0 for s, c in zip(nd_sbp, coords))
+        zero = any(isinstance(s, Partial) and s.op == "sum" and c != 0 for s, c in zip(nd_sbp, coords, strict=True))
         device = backend.device_for(placement.type, r)
         out[r] = torch.zeros_like(piece, device=device) if zero else piece.to(device, copy=True)
     return out

@@ -17,7 +17,7 @@ def test_one_gather_serves_every_consumer() -> None:
     with sbpflow.comm.record() as log:
         outs = [x @ w for w in ws]  # gathering the small x beats gathering w: B x S(1) -> S(1), three times
     assert log.counts() == {"all_gather": 1}
-    for o, w in zip(outs, ws):
+    for o, w in zip(outs, ws, strict=True):
         np.testing.assert_allclose(o.numpy(), x.numpy() @ w.numpy(), rtol=1e-5)
 
 

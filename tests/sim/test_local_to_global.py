@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from harness import PLACEMENTS, randn
 
 import sbpflow
+from harness import PLACEMENTS, randn
 from sbpflow import sbp as S
 
 B, PSUM, PMAX = S.broadcast, S.partial_sum, S.partial_max

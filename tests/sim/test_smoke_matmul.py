@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from harness import B, PLACEMENTS, PSUM, check, randn
 
+from harness import PLACEMENTS, PSUM, B, check, randn
 from sbpflow import sbp as S
 
 

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -18,7 +19,8 @@ def broadcast_shapes(*shapes: tuple[int, ...]) -> tuple[int, ...]:
     for d in range(ndim):
         sizes = {s[d - ndim + len(s)] for s in shapes if d - ndim + len(s) >= 0} - {1}
         if len(sizes) > 1:
-            raise ShapeError(f"shapes {[list(s) for s in shapes]} are not broadcastable (dim {d} has sizes {sorted(sizes)})")
+            listed = [list(s) for s in shapes]
+            raise ShapeError(f"shapes {listed} are not broadcastable (dim {d} has sizes {sorted(sizes)})")
         out.append(sizes.pop() if sizes else 1)
     return tuple(out)
 

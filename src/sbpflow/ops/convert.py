@@ -67,7 +67,9 @@ def local_to_global(x: Tensor, placement: Placement, sbp: Any) -> Tensor:
         device = backend.device_for(placement.type, r)
         # A rank's local tensor is its partial contribution; virtual ranks of one process share one local
         # tensor, so there only coordinate 0 contributes it (the logical value is then the local one).
-        partial_elsewhere = any(isinstance(s, Partial) and s.op == "sum" and c != 0 for s, c in zip(nd, coords, strict=True))
+        partial_elsewhere = any(
+            isinstance(s, Partial) and s.op == "sum" and c != 0 for s, c in zip(nd, coords, strict=True)
+        )
         zero = len(owned) > 1 and partial_elsewhere
         shards[r] = torch.zeros_like(local, device=device) if zero else local.to(device, copy=True)
     out = Tensor._from_shards(tuple(shape), local.dtype, placement, nd, shards)

@@ -37,7 +37,8 @@ def _matmul_meta(a: Meta, b: Meta) -> Meta:
     R.check_dtypes_equal("matmul", a, b)
     if a.shape[-1] != b.shape[-2]:
         raise ShapeError(
-            f"matmul needs a's last dim to equal b's second-to-last dim, but got a {list(a.shape)} and b {list(b.shape)}"
+            "matmul needs a's last dim to equal b's second-to-last dim, "
+            f"but got a {list(a.shape)} and b {list(b.shape)}"
         )
     batch = R.broadcast_shapes(a.shape[:-2], b.shape[:-2])
     return Meta(batch + (a.shape[-2], b.shape[-1]), a.dtype)
@@ -155,7 +156,9 @@ def matmul_nd(dy: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 @matmul_nd.grad
 def _matmul_nd_grad(ctx: Any, g: Any) -> Any:
     dy, w = ctx.inputs
-    return linear(g, w) if ctx.needs_input_grad[0] else None, linear_weight_grad(dy, g) if ctx.needs_input_grad[1] else None
+    d_dy = linear(g, w) if ctx.needs_input_grad[0] else None
+    d_w = linear_weight_grad(dy, g) if ctx.needs_input_grad[1] else None
+    return d_dy, d_w
 
 
 def _wgrad_meta(dy: Meta, x: Meta) -> Meta:

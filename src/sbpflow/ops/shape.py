@@ -8,7 +8,8 @@ Partial values pass through every op here (they are all linear).
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
