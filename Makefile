@@ -15,6 +15,8 @@ demo: $(STAMP)
 	$(VENV)/bin/sbpflow demo
 
 test: $(STAMP)
+	$(VENV)/bin/ruff check src tests benchmarks examples
+	$(VENV)/bin/mypy
 	$(PY) -m pytest src tests
 
 lint: $(STAMP)
@@ -25,6 +27,7 @@ typecheck: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/eager_overhead.py
+	$(PY) benchmarks/ddp_compare.py
 
 clean:
 	rm -rf $(VENV) out .pytest_cache .hypothesis

@@ -113,7 +113,7 @@ class Tensor:
         """The logical shape (the whole tensor, not a shard)."""
         if self._local is not None:
             return self._local.shape
-        return torch.Size(self._shape)
+        return torch.Size(self._shape or ())
 
     @property
     def dtype(self) -> torch.dtype:
@@ -234,7 +234,7 @@ class Tensor:
 
     def __iter__(self) -> Iterator[Tensor]:
         for i in range(len(self)):
-            yield self[i]
+            yield self[i]  # type: ignore[index]  # __getitem__ is bound by ops.indexing
 
     def __bool__(self) -> bool:
         return bool(self.item())

@@ -6,7 +6,7 @@ Each step kind below is one row of the table in :mod:`sbpflow.boxing.plan`.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -156,8 +156,8 @@ def _run_all_to_all(step: Step, shape: Shape, dtype: torch.dtype, shards: Shards
         inputs, recv_shapes = {}, {}
         for r in owned:
             mine = _box(shape, step.src, r)
-            pieces = [relative(_overlap(mine, _box(shape, step.dst, g)), mine) for g in group]
-            inputs[r] = [shards[r][where].contiguous() for where in pieces]
+            cuts = [relative(_overlap(mine, _box(shape, step.dst, g)), mine) for g in group]
+            inputs[r] = [shards[r][where].contiguous() for where in cuts]
             want = _box(shape, step.dst, r)
             recv_shapes[r] = [box_shape(_overlap(_box(shape, step.src, g), want)) for g in group]
         moved = _a2a_bytes(shape, step, group, dtype)
@@ -181,6 +181,7 @@ def _a2a_bytes(shape: Shape, step: Step, group: tuple[int, ...], dtype: torch.dt
 
 
 def _run_send_recv(step: Step, shape: Shape, dtype: torch.dtype, shards: Shards, backend: Backend) -> Shards:
+    pieces: Sequence[tuple[int, int, Box]]
     if step.detail == "pairwise":
         pieces = _pairwise_pieces(shape, step)
     else:

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from . import record
+from .record import emit
 
 if TYPE_CHECKING:
     from ..boxing.plan import Plan
@@ -104,13 +104,13 @@ class Backend(ABC):
     ) -> dict[int, list[torch.Tensor]]:
         """Every member gets every member's tensor: ``out[r][j]`` came from ``group[j]``."""
         total = sum(nbytes(s, dtype) for s in shapes)
-        record.emit("all_gather", group, (len(group) - 1) * total)
+        emit("all_gather", group, (len(group) - 1) * total)
         return self._all_gather(group, inputs, shapes, dtype)
 
     def all_reduce(self, group: tuple[int, ...], inputs: dict[int, torch.Tensor], op: str) -> dict[int, torch.Tensor]:
         t = next(iter(inputs.values())) if inputs else None
         size = nbytes(t.shape, t.dtype) if t is not None else 0
-        record.emit("all_reduce", group, 2 * (len(group) - 1) * size)
+        emit("all_reduce", group, 2 * (len(group) - 1) * size)
         return self._all_reduce(group, inputs, op)
 
     def reduce_scatter(
@@ -120,7 +120,7 @@ class Backend(ABC):
         chunks = next(iter(inputs.values())) if inputs else []
         size = sum(nbytes(c.shape, c.dtype) for c in chunks)
         factor = self.cost_factor("reduce_scatter", chunks[0].device.type) if chunks else 1.0
-        record.emit("reduce_scatter", group, int(factor * (len(group) - 1) * size))
+        emit("reduce_scatter", group, int(factor * (len(group) - 1) * size))
         return self._reduce_scatter(group, inputs, op)
 
     def all_to_all(
@@ -132,7 +132,7 @@ class Backend(ABC):
         total_bytes: int,
     ) -> dict[int, list[torch.Tensor]]:
         """``inputs[r][j]`` goes to ``group[j]``; ``out[r][j]`` came from ``group[j]``."""
-        record.emit("all_to_all", group, total_bytes)
+        emit("all_to_all", group, total_bytes)
         return self._all_to_all(group, inputs, recv_shapes, dtype)
 
     def broadcast(
@@ -142,7 +142,7 @@ class Backend(ABC):
         """``root`` (a member) sends its tensor to every member; results lie on ``device_type`` devices."""
         if not self.owned(group):
             return {}
-        record.emit("broadcast", group, (len(group) - 1) * nbytes(shape, dtype))
+        emit("broadcast", group, (len(group) - 1) * nbytes(shape, dtype))
         return self._broadcast(group, root, inputs, shape, dtype, device_type)
 
     def reduce(
@@ -152,7 +152,7 @@ class Backend(ABC):
         """``root`` (a member) gets the reduction of every member's tensor."""
         if not self.owned(group):
             return {}
-        record.emit("reduce", group, (len(group) - 1) * nbytes(shape, dtype))
+        emit("reduce", group, (len(group) - 1) * nbytes(shape, dtype))
         return self._reduce(group, root, inputs, op, shape, dtype)
 
     def send_recv(
@@ -164,7 +164,7 @@ class Backend(ABC):
         moved = [t for t in transfers if t.src != t.dst]
         if moved and any(self.owns(t.src) or self.owns(t.dst) for t in moved):
             ranks = tuple(sorted({t.src for t in moved} | {t.dst for t in moved}))
-            record.emit("send_recv", ranks, sum(nbytes(t.shape, t.dtype) for t in moved))
+            emit("send_recv", ranks, sum(nbytes(t.shape, t.dtype) for t in moved))
         return self._send_recv(transfers, tensors, device_type)
 
     # -- primitives ---------------------------------------------------------------

@@ -126,7 +126,9 @@ def _local_to_global_grad(ctx: Any, dy: Tensor) -> Any:
     if len(shards) > 1:
         keep = [r for r in shards
                 if all(c == 0 for s, c in zip(adjoint, placement.coords(r), strict=True) if not isinstance(s, Split))]
-    local = sum(shards[r].to(x.device) for r in keep)
+    local = shards[keep[0]].to(x.device, copy=True)
+    for r in keep[1:]:
+        local += shards[r].to(x.device)
     return (Tensor._from_local(local),)
 
 

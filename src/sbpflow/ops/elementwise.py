@@ -315,7 +315,7 @@ def _where_grad(ctx: Any, dy: Any) -> Any:
     from .functional import sum_to
 
     c, a, b = ctx.args
-    grads = [None]
+    grads: list[Any] = [None]
     if hasattr(a, "shape"):
         grads.append(sum_to(where(c, dy, 0.0), tuple(a.shape)))
     if hasattr(b, "shape"):

@@ -242,9 +242,9 @@ def var(x: Tensor, dim: Any = None, keepdim: bool = False, correction: int = 1, 
     n = 1
     for d in dims:
         n *= x.shape[d]
-    centered = x - mean(x, dim=dims, keepdim=True)
-    out = mean(centered * centered, dim=dims, keepdim=keepdim)
-    return out * (n / (n - correction)) if n - correction > 0 else out * float("nan")
+    centered = sub(x, mean(x, dim=dims, keepdim=True))
+    out = mean(mul(centered, centered), dim=dims, keepdim=keepdim)
+    return mul(out, n / (n - correction) if n - correction > 0 else float("nan"))
 
 
 def std(x: Tensor, dim: Any = None, keepdim: bool = False, correction: int = 1, unbiased: bool | None = None) -> Tensor:

@@ -204,7 +204,9 @@ _local_cache: dict[Any, tuple[tuple[Meta, ...], ShardCtx | None]] = {}
 
 def _apply_local(opdef: OpDef, args: Sequence[Any], attrs: dict[str, Any]) -> Any:
     # the key is built from torch's own Size and dtype: no Meta objects on the hot path
-    key = (opdef.name, tuple([(a._local.shape, a._local.dtype) if isinstance(a, Tensor) else type(a) for a in args]),
+    key = (opdef.name,  # every tensor argument is local here (apply checked), so _local is set
+           tuple([(a._local.shape, a._local.dtype) if isinstance(a, Tensor) else type(a)  # type: ignore[union-attr]
+                  for a in args]),
            _attrs_key(attrs))
     cached = _local_cache.get(key)
     if cached is None:
@@ -250,7 +252,7 @@ _global_cache: dict[Any, Decision] = {}
 
 def _apply_global(opdef: OpDef, args: Sequence[Any], attrs: dict[str, Any]) -> Any:
     placement = None
-    key_args = []
+    key_args: list[Any] = []
     for a in args:
         if isinstance(a, Tensor):
             if placement is None:

@@ -30,17 +30,18 @@ def _passthrough(ins: int = 1) -> list[Sig]:
 # -- reshape ---------------------------------------------------------------------------------------
 
 
-def infer_shape(shape: Sequence[int], numel_in: int) -> tuple[int, ...]:
-    shape = list(shape)
+def infer_shape(requested: Sequence[int], numel_in: int) -> tuple[int, ...]:
+    shape = tuple(requested)
     if shape.count(-1) > 1:
-        raise ShapeError(f"reshape allows at most one -1, but got {shape}")
+        raise ShapeError(f"reshape allows at most one -1, but got {list(shape)}")
     if -1 in shape:
-        known = numel([n for n in shape if n != -1])
+        known = numel(tuple(n for n in shape if n != -1))
         if known == 0 or numel_in % known:
-            raise ShapeError(f"cannot reshape {numel_in} elements into {shape}")
-        shape[shape.index(-1)] = numel_in // known
+            raise ShapeError(f"cannot reshape {numel_in} elements into {list(shape)}")
+        at = shape.index(-1)
+        shape = shape[:at] + (numel_in // known,) + shape[at + 1 :]
     if numel(shape) != numel_in or any(n < 0 for n in shape):
-        raise ShapeError(f"cannot reshape a tensor of {numel_in} elements into shape {shape}")
+        raise ShapeError(f"cannot reshape a tensor of {numel_in} elements into shape {list(shape)}")
     return tuple(shape)
 
 
