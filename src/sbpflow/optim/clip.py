@@ -2,7 +2,8 @@
 
 Each gradient's ``sum(|g|^p)`` is an sbpflow reduction: over a split gradient
 it comes out ``P(sum)`` (each shard counted once), over a broadcast one it is
-``B`` (not counted once per rank). Those per-parameter scalars are moved to one
+``B`` (not counted once per rank). Those scalars are summed per placement
+(partial sums stay partial, so each placement reduces once), then moved to one
 common placement with ``to_global`` and summed there, so parameters on
 different placements (pipeline stages) add up to the true global norm.
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from typing import Any
 
 from ..autograd import no_grad
 from ..errors import SbpflowError
@@ -50,18 +52,25 @@ def clip_grad_norm_(parameters: Tensor | Iterable[Tensor], max_norm: float, norm
 
 
 def _total_norm(grads: list[Tensor], norm_type: float) -> float:
-    """The ``norm_type``-norm over every element of every gradient, as a Python float."""
-    pieces = [_piece(g, norm_type) for g in grads]
-    globals_ = [t for t in pieces if t.is_global]
-    locals_ = [float(t.item()) for t in pieces if not t.is_global]
-    combined = None
-    if globals_:
-        home = globals_[0].placement
-        moved = [F.to_global(t, home, (broadcast,) * home.ndim) for t in globals_]
+    """The ``norm_type``-norm over every element of every gradient, as a Python float.
+
+    Pieces on one placement are combined first (a partial sum plus a partial sum stays partial), so each
+    placement reduces once, and only one scalar per placement moves to the first placement.
+    """
+    combine = F.maximum if math.isinf(norm_type) else F.add
+    per_placement: dict[Any, Tensor] = {}
+    for g in grads:
+        piece = _piece(g, norm_type)
+        key = piece.placement if piece.is_global else None
+        per_placement[key] = piece if key not in per_placement else combine(per_placement[key], piece)
+    values = [float(per_placement.pop(None).item())] if None in per_placement else []
+    if per_placement:
+        home = next(iter(per_placement))
+        moved = [F.to_global(t, home, (broadcast,) * home.ndim) for t in per_placement.values()]
         combined = moved[0]
         for t in moved[1:]:
-            combined = F.maximum(combined, t) if math.isinf(norm_type) else F.add(combined, t)
-    values = locals_ + ([float(combined.item())] if combined is not None else [])
+            combined = combine(combined, t)
+        values.append(float(combined.item()))
     if math.isinf(norm_type):
         return max(values)
     total = sum(values)
