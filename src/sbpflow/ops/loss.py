@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from ..errors import DTypeError, OpError, ShapeError
-from ..sbp import Partial, Split, broadcast
+from ..sbp import Partial, Split, broadcast, format_nd
 from ..tensor import Tensor
 from . import _rules as R
 from . import elementwise as E
@@ -39,8 +39,8 @@ def _split_on(x: Tensor, dim: int) -> bool:
     return x.is_global and any(isinstance(s, Split) and s.dim == dim for s in x.sbp)
 
 
-def _check_labels(name: str, labels: torch.Tensor, count: int, what: str, ignore_index: int | None = None,
-                  of: str = "classes") -> None:
+def _check_labels(name: str, labels: torch.Tensor, count: int, what: str, ctx: ShardCtx, arg_names: tuple[str, str],
+                  ignore_index: int | None = None, of: str = "classes") -> None:
     """Raises sbpflow's error for the first label outside ``[0, count)`` (``ignore_index`` allowed)."""
     bad = (labels < 0) | (labels >= count)
     if ignore_index is not None:
@@ -48,7 +48,17 @@ def _check_labels(name: str, labels: torch.Tensor, count: int, what: str, ignore
     if bool(bad.any()):
         value = int(labels[bad][0])
         allowed = f" or ignore_index={ignore_index}" if ignore_index is not None else ""
-        raise OpError(f"{name}: {what} {value} is out of range for {count} {of} (expected 0..{count - 1}{allowed})")
+        raise OpError(f"{name}: {what} {value} is out of range for {count} {of} (expected 0..{count - 1}{allowed}); "
+                      f"{_describe_inputs(ctx, arg_names)}")
+
+
+def _describe_inputs(ctx: ShardCtx, names: tuple[str, str]) -> str:
+    """The logical inputs of a shard-aware kernel, for error messages."""
+    parts = []
+    for name, meta, sbp in zip(names, ctx.in_metas, ctx.in_sbps or ((),) * len(names), strict=False):
+        where = f" on {ctx.placement} sbp {format_nd(sbp)}" if ctx.placement is not None else " (local)"
+        parts.append(f"{name} shape {list(meta.shape)} {str(meta.dtype).replace('torch.', '')}{where}")
+    return "; ".join(parts)
 
 
 def _owned(labels: torch.Tensor, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -79,7 +89,7 @@ def _embedding_sigs(ids: Meta, weight: Meta, outs: tuple[Meta, ...], padding_idx
 
 @op("embedding", meta=_embedding_meta, sbp=_embedding_sigs, shard_aware=True)
 def _embedding(ctx: ShardCtx, ids: torch.Tensor, weight: torch.Tensor, padding_idx: int | None) -> torch.Tensor:
-    _check_labels("embedding", ids, ctx.in_metas[1].shape[0], "index", of="weight rows")
+    _check_labels("embedding", ids, ctx.in_metas[1].shape[0], "index", ctx, ("ids", "weight"), of="weight rows")
     lo, hi = ctx.in_boxes[1][0]  # this shard's rows of the logical weight
     own, local = _owned(ids, lo, hi)
     if hi == lo:
@@ -158,7 +168,7 @@ def _pick_sigs(x: Meta, target: Meta, outs: tuple[Meta, ...], **_: Any) -> list[
 
 @op("pick", meta=_pick_meta, sbp=_pick_sigs, shard_aware=True)
 def _pick(ctx: ShardCtx, x: torch.Tensor, target: torch.Tensor, ignore_index: int, name: str) -> torch.Tensor:
-    _check_labels(name, target, ctx.in_metas[0].shape[-1], "target label", ignore_index)
+    _check_labels(name, target, ctx.in_metas[0].shape[-1], "target label", ctx, ("input", "target"), ignore_index)
     lo, hi = ctx.in_boxes[0][-1]
     own, local = _owned(target, lo, hi)
     own &= target != ignore_index  # an ignore_index inside [0, C) is a class id too: never pick it
