@@ -18,16 +18,21 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .errors import AutogradError
-from .sbp import broadcast, partial_sum
+from .sbp import Partial, broadcast, partial_sum
 
 if TYPE_CHECKING:
     from .ops.registry import OpDef
     from .tensor import Tensor
 
 
+DEFAULT_BUCKET_MB = 25.0  # DDP's default bucket_cap_mb
+FIRST_BUCKET_MB = 1.0  # DDP's first bucket: small, so that communication starts early in backward
+
+
 class _Mode(threading.local):
     grad_enabled = True
     coalesce = False  # see coalesce_grad_reductions
+    bucket_bytes = int(DEFAULT_BUCKET_MB * 2**20)
 
 
 _mode = _Mode()
@@ -74,12 +79,21 @@ class enable_grad(no_grad):
 
 
 @contextmanager
-def coalesce_grad_reductions(enabled: bool = True) -> Iterator[None]:
-    """Backward passes inside the block reduce the partial-sum gradients of broadcast leaves together: one flat
-    all-reduce per (placement, dtype, SBP) at the end of backward instead of one per leaf, as DDP's buckets do.
+def coalesce_grad_reductions(enabled: bool = True, bucket_cap_mb: float = DEFAULT_BUCKET_MB) -> Iterator[None]:
+    """Backward passes inside the block reduce the partial-sum gradients of broadcast leaves together, in flat
+    buckets of up to ``bucket_cap_mb`` MiB per (placement, dtype, SBP) instead of one all-reduce per leaf, as
+    DDP does.
+
+    A leaf's gradient joins its bucket as soon as backward has sent it its last contribution, so buckets fill
+    in backward order; as in DDP, the first bucket of each (placement, dtype, SBP) holds up to 1 MiB only, so
+    that communication starts early. A full bucket whose boxing to B is one all-reduce per group is issued
+    asynchronously (``Backend.all_reduce_async``) while backward goes on, the rest at the end of backward, which
+    then waits for all of them. Gradients that reduce otherwise (e.g. partial on several mesh axes) get one flat
+    boxing per (placement, dtype, SBP) at the end of backward.
 
     Values are the same (a sum of concatenated buffers is the concatenation of the sums); what changes is the
-    number of collectives, whose fixed latency dominates with many small gradients.
+    number of collectives, whose fixed latency dominates with many small gradients, and their overlap with
+    backward's compute.
 
     >>> import sbpflow
     >>> p = sbpflow.placement("cpu", [0, 1])
@@ -91,12 +105,14 @@ def coalesce_grad_reductions(enabled: bool = True) -> Iterator[None]:
     >>> log.counts(), w1.grad.numpy().tolist()
     ({'all_reduce': 1}, [4.0, 4.0, 4.0])
     """
-    previous = _mode.coalesce
-    _mode.coalesce = enabled
+    if not bucket_cap_mb > 0:
+        raise AutogradError(f"coalesce_grad_reductions(bucket_cap_mb=...) must be positive, but got {bucket_cap_mb}")
+    previous = _mode.coalesce, _mode.bucket_bytes
+    _mode.coalesce, _mode.bucket_bytes = enabled, max(1, int(bucket_cap_mb * 2**20))
     try:
         yield
     finally:
-        _mode.coalesce = previous
+        _mode.coalesce, _mode.bucket_bytes = previous
 
 
 class Node:
@@ -167,21 +183,27 @@ def backward(roots: Sequence[Tensor], grads: Sequence[Tensor | None], retain_gra
             _check_root(root)
             grad = _root_grad(root, grad)
             _send(root, grad, pending, leaf_grads)
-        for node in _topological(roots):
+        nodes = _topological(roots)
+        bucketer = _Bucketer(nodes, roots, _mode.bucket_bytes) if _mode.coalesce else None
+        for node in nodes:
             outs = [pending.pop((id(node), i), None) for i in range(len(node.out_refs))]
-            if all(g is None for g in outs):
-                continue
-            outs = _run_output_hooks(node, outs)
-            in_grads = _call_backward(node, outs)
-            for t, g in zip(node.inputs, in_grads, strict=True):
-                if g is not None and t.requires_grad:
-                    _send(t, g, pending, leaf_grads)
-            if not retain_graph:
-                node.freed = True
-                node.outputs = ()
+            if not all(g is None for g in outs):
+                outs = _run_output_hooks(node, outs)
+                in_grads = _call_backward(node, outs)
+                for t, g in zip(node.inputs, in_grads, strict=True):
+                    if g is not None and t.requires_grad:
+                        _send(t, g, pending, leaf_grads)
+                if not retain_graph:
+                    node.freed = True
+                    node.outputs = ()
+            if bucketer is not None:
+                bucketer.consumed(node, leaf_grads)
         pairs = list(leaf_grads.values())
-        if _mode.coalesce:
-            pairs = _coalesced(pairs, F)
+        if bucketer is not None:
+            reduced = bucketer.finish()
+            rest = _coalesced([p for p in pairs if id(p[0]) not in reduced], F)
+            by_leaf = {id(leaf): (leaf, grad) for leaf, grad in rest} | reduced
+            pairs = [by_leaf[id(leaf)] for leaf, _ in pairs]
         for leaf, grad in pairs:
             _accumulate_leaf(leaf, grad, F)
 
@@ -323,30 +345,141 @@ def _accumulate_leaf(leaf: Tensor, grad: Tensor, F: Any) -> None:
         leaf.grad = F.add(leaf.grad, grad)
 
 
+def _coalescible(leaf: Tensor, grad: Tensor) -> bool:
+    """A broadcast leaf whose gradient is partial on some mesh axes and broadcast on the others: the reduction
+    is elementwise, so concatenated buffers reduce to the concatenated results."""
+    return (leaf.is_global and grad.placement == leaf.placement and grad.dtype == leaf.dtype
+            and all(s == broadcast for s in leaf.sbp) and partial_sum in grad.sbp
+            and all(s in (broadcast, partial_sum) for s in grad.sbp))
+
+
 def _coalesced(pairs: list[tuple[Tensor, Tensor]], F: Any) -> list[tuple[Tensor, Tensor]]:
     """(leaf, gradient) pairs with the partial-sum gradients of broadcast leaves already reduced, those of one
     (placement, dtype, SBP) through a single flat boxing to B. Order is the backward's, the same on every process."""
     buckets: dict[Any, list[int]] = {}
     for i, (leaf, grad) in enumerate(pairs):
-        # A broadcast leaf whose gradient is partial on some mesh axes and broadcast on the others: the reduction
-        # is elementwise, so concatenated buffers reduce to the concatenated results.
-        if (leaf.is_global and grad.placement == leaf.placement and grad.dtype == leaf.dtype
-                and all(s == broadcast for s in leaf.sbp) and partial_sum in grad.sbp
-                and all(s in (broadcast, partial_sum) for s in grad.sbp)):
+        if _coalescible(leaf, grad):
             buckets.setdefault((leaf.placement, grad.dtype, grad.sbp), []).append(i)
     out = list(pairs)
-    tensor_cls: Any = _tensor_class()
-    for (placement, dtype, _), members in buckets.items():
+    for members in buckets.values():
         if len(members) < 2:
             continue
-        grads = [pairs[i][1] for i in members]
-        shards = {r: torch.cat([g.local_tensors()[r].reshape(-1) for g in grads]) for r in grads[0].local_tensors()}
-        numels = [g.numel() for g in grads]
-        flat = tensor_cls._from_shards((sum(numels),), dtype, placement, grads[0].sbp, shards)  # logical (N,)
-        reduced = F.to_global(flat, placement, pairs[members[0]][0].sbp).local_tensors()
-        pieces = {r: torch.split(t, numels) for r, t in reduced.items()}
-        for k, i in enumerate(members):
-            leaf = pairs[i][0]
-            local = {r: ps[k].view(leaf.shape) for r, ps in pieces.items()}  # B: local shape = logical shape
-            out[i] = (leaf, tensor_cls._from_shards(leaf.shape, dtype, placement, leaf.sbp, local))
+        flat = _flatten([pairs[i][1] for i in members])
+        reduced = F.to_global(flat, flat.placement, pairs[members[0]][0].sbp).local_tensors()
+        for i, grad in zip(members, _unflatten(reduced, [pairs[i][0] for i in members], flat.dtype), strict=True):
+            out[i] = (pairs[i][0], grad)
     return out
+
+
+def _flatten(grads: Sequence[Tensor]) -> Tensor:
+    """Same-layout gradients as one logical (N,) tensor: each rank's shards raveled and concatenated."""
+    first = grads[0]
+    shards = {r: torch.cat([g.local_tensors()[r].reshape(-1) for g in grads]) for r in first.local_tensors()}
+    tensor_cls: Any = _tensor_class()
+    return tensor_cls._from_shards((sum(g.numel() for g in grads),), first.dtype, first.placement,  # type: ignore[no-any-return]
+                                   first.sbp, shards)
+
+
+def _unflatten(reduced: dict[int, torch.Tensor], leaves: Sequence[Tensor], dtype: torch.dtype) -> list[Tensor]:
+    """The leaves' B gradients as views of the reduced flat shards (``_flatten``'s inverse)."""
+    tensor_cls: Any = _tensor_class()
+    numels = [leaf.numel() for leaf in leaves]
+    pieces = {r: torch.split(t, numels) for r, t in reduced.items()}
+    return [tensor_cls._from_shards(leaf.shape, dtype, leaf.placement, leaf.sbp,
+                                    {r: ps[k].view(leaf.shape) for r, ps in pieces.items()})  # B: local = logical
+            for k, leaf in enumerate(leaves)]
+
+
+class _Bucket:
+    """Final gradients of one (placement, dtype, SBP) waiting to be reduced together."""
+
+    __slots__ = ("leaves", "grads", "nbytes")
+
+    def __init__(self) -> None:
+        self.leaves: list[Tensor] = []
+        self.grads: list[Tensor] = []
+        self.nbytes = 0
+
+
+class _Bucketer:
+    """DDP-style overlap for coalesce_grad_reductions: reduces leaf gradients in flat buckets while backward runs.
+
+    Each leaf awaits one contribution per use as an input of a reachable node; once the last node using it has
+    run, its gradient is final and joins the open bucket of its (placement, dtype, SBP). A bucket that reaches
+    the byte cap is issued at once, without waiting; the rest are issued by ``finish``. Every process runs the
+    same backward, so buckets fill, and collectives are issued, in the same order everywhere.
+    """
+
+    def __init__(self, nodes: Sequence[Node], roots: Sequence[Tensor], cap: int) -> None:
+        self.cap = cap
+        self.uses: dict[int, int] = {}  # id(leaf) -> uses by nodes that have not run yet
+        for node in nodes:
+            for t in node.inputs:
+                if t.grad_fn is None and t.requires_grad:
+                    self.uses[id(t)] = self.uses.get(id(t), 0) + 1
+        for root in roots:
+            self.uses.pop(id(root), None)  # a leaf root's gradient is never handed over early: left to the end
+        self.first_cap = min(cap, int(FIRST_BUCKET_MB * 2**20))
+        self.open: dict[Any, _Bucket] = {}
+        self.started: set[Any] = set()  # keys whose first bucket was issued
+        self.issued: list[tuple[_Bucket, Callable[[], dict[int, torch.Tensor]]]] = []
+
+    def consumed(self, node: Node, leaf_grads: dict[int, tuple[Tensor, Tensor]]) -> None:
+        """``node`` has run (or was skipped): its leaf inputs await one contribution fewer."""
+        for t in node.inputs:
+            left = self.uses.get(id(t))
+            if left is None:
+                continue
+            if left > 1:
+                self.uses[id(t)] = left - 1
+                continue
+            del self.uses[id(t)]
+            pair = leaf_grads.get(id(t))
+            if pair is not None and _coalescible(*pair):
+                self._add(*pair)
+
+    def _add(self, leaf: Tensor, grad: Tensor) -> None:
+        key = (grad.placement, grad.dtype, grad.sbp)
+        bucket = self.open.setdefault(key, _Bucket())
+        bucket.leaves.append(leaf)
+        bucket.grads.append(grad)
+        bucket.nbytes += grad.numel() * grad.element_size()
+        if bucket.nbytes >= (self.cap if key in self.started else self.first_cap):
+            del self.open[key]
+            self.started.add(key)
+            self._issue(bucket)
+
+    def _issue(self, bucket: _Bucket) -> None:
+        from .boxing import Layout, execute, plan
+        from .comm import get_backend
+        from .distributed import activity
+
+        flat = _flatten(bucket.grads)
+        dst = Layout(flat.placement, bucket.leaves[0].sbp)
+        steps = plan((flat.numel(),), flat.dtype, Layout(flat.placement, flat.sbp), dst)
+        shards = flat.local_tensors()
+        if len(steps.steps) != 1 or steps.steps[0].kind != "all_reduce":
+            reduced = execute(steps, shards)  # another plan: run it now, in order
+            self.issued.append((bucket, lambda: reduced))
+            return
+        backend = get_backend()
+        backend.prepare(steps)
+        step = steps.steps[0]
+        assert step.axis is not None
+        source = flat.sbp[step.axis]
+        assert isinstance(source, Partial)
+        with activity(lambda: f"coalesced gradient bucket of {len(bucket.leaves)} leaves: {steps.steps[0]}"):
+            handles = [backend.all_reduce_async(group, {r: shards[r] for r in backend.owned(group)}, source.op)
+                       for group in step.src.placement.axis_groups(step.axis) if backend.owned(group)]
+        self.issued.append((bucket, lambda: {r: t for h in handles for r, t in h.wait().items()}))
+
+    def finish(self) -> dict[int, tuple[Tensor, Tensor]]:
+        """Issues the open buckets, waits for every bucket; id(leaf) -> (leaf, its reduced B gradient)."""
+        for bucket in list(self.open.values()):
+            self._issue(bucket)
+        self.open.clear()
+        out: dict[int, tuple[Tensor, Tensor]] = {}
+        for bucket, wait in self.issued:
+            grads = _unflatten(wait(), bucket.leaves, bucket.grads[0].dtype)
+            out.update((id(leaf), (leaf, g)) for leaf, g in zip(bucket.leaves, grads, strict=True))
+        return out

@@ -144,3 +144,111 @@ def test_mode_is_scoped() -> None:
             assert not _mode.coalesce
         assert _mode.coalesce
     assert not _mode.coalesce
+
+
+# ----------------------------------------------------------------------------- buckets issued during backward
+
+SIZES = {"w2": 7 * 3, "b1": 7, "w1": 5 * 7}  # floats; backward makes w2's gradient final first, then b1's, then w1's
+
+
+def _bucketed_mlp(placement: Any, x_sbp: Any, cap_mb: float | None) -> tuple[dict[str, np.ndarray], list[Any], Any]:
+    """The MLP of _mlp_grads with data ``x_sbp``; cap None: the per-leaf mode. Also the events and grad SBPs."""
+    g = torch.Generator().manual_seed(0)
+    x = sbpflow.tensor(torch.randn(7, 5, generator=g), placement=placement, sbp=x_sbp)
+    weights = {"w1": torch.randn(5, 7, generator=g), "b1": torch.randn(7, generator=g),
+               "w2": torch.randn(7, 3, generator=g)}
+    nd = placement.ndim
+    params = {k: sbpflow.tensor(v, placement=placement, sbp=(B,) * nd, requires_grad=True) for k, v in weights.items()}
+    loss = ((((x @ params["w1"]) + params["b1"]).relu() @ params["w2"]) ** 2).sum()
+    with record() as log, coalesce_grad_reductions(cap_mb is not None, bucket_cap_mb=cap_mb or 25.0):
+        loss.backward()
+    return {k: _grad(p) for k, p in params.items()}, log.events, {k: _sbp(p) for k, p in params.items()}
+
+
+def _all_reduce_bytes(n_floats: int, group_size: int) -> int:
+    return 2 * (group_size - 1) * 4 * n_floats
+
+
+@pytest.mark.parametrize("name, x_sbp, group_size, n_groups", [
+    ("2", (S.split(0),), 2, 1), ("3", (S.split(0),), 3, 1),
+    ("2x2", (S.split(0), B), 2, 2),  # gradients (P, B): one all-reduce per axis-0 group
+])
+def test_small_cap_makes_several_buckets_in_backward_order(name: str, x_sbp: Any, group_size: int,
+                                                           n_groups: int) -> None:
+    placement = PLACEMENTS[name]
+    want, per_leaf, _ = _bucketed_mlp(placement, x_sbp, None)
+    cap_mb = 100 / 2**20  # w2 (84 B) alone stays open, w2 + b1 (112 B) fills a bucket; w1 (140 B) is left for the end
+    got, events, sbps = _bucketed_mlp(placement, x_sbp, cap_mb)
+    for k in want:
+        np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+    assert [e.kind for e in per_leaf] == ["all_reduce"] * (3 * n_groups)
+    assert [e.kind for e in events] == ["all_reduce"] * (2 * n_groups)
+    buckets = [SIZES["w2"] + SIZES["b1"], SIZES["w1"]]
+    assert [e.bytes for e in events] == [_all_reduce_bytes(n, group_size) for n in buckets for _ in range(n_groups)]
+    assert sorted({e.ranks for e in events}) == sorted(placement.axis_groups(0))
+    assert all(sbp == (B,) * placement.ndim for sbp in sbps.values())
+
+
+@pytest.mark.parametrize("cap_mb, buckets", [
+    (1e-9, [["w2"], ["b1"], ["w1"]]),  # every gradient fills a bucket by itself
+    (25.0, [["w2", "b1", "w1"]]),  # DDP's default: everything in one bucket, issued at the end
+])
+def test_bucket_count_and_order_follow_the_cap(cap_mb: float, buckets: list[list[str]]) -> None:
+    placement = PLACEMENTS["2"]
+    want, _, _ = _bucketed_mlp(placement, (S.split(0),), None)
+    got, events, _ = _bucketed_mlp(placement, (S.split(0),), cap_mb)
+    for k in want:
+        np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+    assert [(e.kind, e.ranks, e.bytes) for e in events] == [
+        ("all_reduce", (0, 1), _all_reduce_bytes(sum(SIZES[k] for k in b), 2)) for b in buckets]
+
+
+def test_a_full_bucket_is_issued_while_backward_still_runs() -> None:
+    """With a tiny cap, w2's all-reduce is issued before backward reaches w1 (seen from a hook on w1)."""
+    placement = PLACEMENTS["2"]
+    g = torch.Generator().manual_seed(0)
+    x = sbpflow.tensor(torch.randn(5, 4, generator=g), placement=placement, sbp=S.split(0))
+    w1 = sbpflow.tensor(torch.randn(4, 6, generator=g), placement=placement, sbp=B, requires_grad=True)
+    w2 = sbpflow.tensor(torch.randn(6, 2, generator=g), placement=placement, sbp=B, requires_grad=True)
+    seen: list[list[str]] = []
+    logs: list[Any] = []
+    w1.register_hook(lambda grad: seen.append(logs[-1].kinds()))
+    for cap_mb in (1e-9, 25.0):
+        with record() as log, coalesce_grad_reductions(bucket_cap_mb=cap_mb):
+            logs.append(log)
+            ((x @ w1).tanh() @ w2).sum().backward()
+    # tiny cap: w2's bucket was out when w1's gradient arrived; 25 MB: one bucket for both, issued after the last node
+    assert seen == [["all_reduce"], []]
+    assert [log.counts() for log in logs] == [{"all_reduce": 2}, {"all_reduce": 1}]
+
+
+def test_leaf_used_twice_waits_for_its_last_use() -> None:
+    """w feeds two nodes: its bucket takes the sum of both contributions, not the first alone."""
+    placement = PLACEMENTS["2"]
+    x = sbpflow.tensor(torch.arange(10.0).reshape(5, 2), placement=placement, sbp=S.split(0))
+    w = sbpflow.tensor(torch.ones(2), placement=placement, sbp=B, requires_grad=True)
+    v = sbpflow.tensor(torch.ones(2), placement=placement, sbp=B, requires_grad=True)
+    with record() as log, coalesce_grad_reductions(bucket_cap_mb=1e-9):
+        ((x * w).sum() + ((x * w) * v).sum() + (w * w).sum()).backward()
+    np.testing.assert_array_equal(_grad(w), [2 * 20.0 + 2, 2 * 25.0 + 2])
+    np.testing.assert_array_equal(_grad(v), [20.0, 25.0])
+    assert log.counts() == {"all_reduce": 2}
+
+
+def test_first_bucket_is_small_as_in_ddp() -> None:
+    """Default cap (25 MiB): the first bucket is issued once it holds 1 MiB, the rest go together at the end."""
+    placement = PLACEMENTS["2"]
+    n = 160_000  # floats: 640 kB per gradient, so two of them pass 1 MiB
+    x = sbpflow.tensor(torch.ones(2, n), placement=placement, sbp=S.split(0))
+    leaves = [sbpflow.tensor(torch.ones(n), placement=placement, sbp=B, requires_grad=True) for _ in range(4)]
+    with record() as log, coalesce_grad_reductions():
+        sum(((x * w).sum() for w in leaves[1:]), (x * leaves[0]).sum()).backward()
+    assert [e.bytes for e in log.events] == [_all_reduce_bytes(2 * n, 2)] * 2
+    for w in leaves:
+        np.testing.assert_array_equal(_grad(w), np.full(n, 2.0))
+
+
+def test_bucket_cap_must_be_positive() -> None:
+    with pytest.raises(sbpflow.errors.AutogradError, match="bucket_cap_mb"):
+        with coalesce_grad_reductions(bucket_cap_mb=0):
+            pass

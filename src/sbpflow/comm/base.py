@@ -22,7 +22,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -54,6 +54,24 @@ def nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
 
 def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
+
+
+class PendingReduce(Protocol):
+    """An all-reduce issued by :meth:`Backend.all_reduce_async`; ``wait()`` gives its ``{rank: tensor}`` result."""
+
+    def wait(self) -> dict[int, torch.Tensor]: ...
+
+
+class Completed:
+    """A collective that finished when it was issued (the simulated backend, one-member groups)."""
+
+    __slots__ = ("result",)
+
+    def __init__(self, result: dict[int, torch.Tensor]) -> None:
+        self.result = result
+
+    def wait(self) -> dict[int, torch.Tensor]:
+        return self.result
 
 
 class Backend(ABC):
@@ -112,6 +130,17 @@ class Backend(ABC):
         size = nbytes(t.shape, t.dtype) if t is not None else 0
         emit("all_reduce", group, 2 * (len(group) - 1) * size)
         return self._all_reduce(group, inputs, op)
+
+    def all_reduce_async(self, group: tuple[int, ...], inputs: dict[int, torch.Tensor], op: str) -> PendingReduce:
+        """:meth:`all_reduce` that returns at once; the caller may compute meanwhile and ``wait()`` for the result.
+
+        Recorded when issued, as the blocking one. Every process must issue its asynchronous collectives in
+        the same order as its blocking ones (the same program), and may wait for them in any order.
+        """
+        t = next(iter(inputs.values())) if inputs else None
+        size = nbytes(t.shape, t.dtype) if t is not None else 0
+        emit("all_reduce", group, 2 * (len(group) - 1) * size)
+        return self._all_reduce_async(group, inputs, op)
 
     def reduce_scatter(
         self, group: tuple[int, ...], inputs: dict[int, list[torch.Tensor]], op: str
@@ -176,6 +205,10 @@ class Backend(ABC):
     @abstractmethod
     def _all_reduce(self, group, inputs, op):  # type: ignore[no-untyped-def]
         ...
+
+    def _all_reduce_async(self, group, inputs, op):  # type: ignore[no-untyped-def]
+        """A backend without asynchronous collectives reduces at once."""
+        return Completed(self._all_reduce(group, inputs, op))
 
     @abstractmethod
     def _reduce_scatter(self, group, inputs, op):  # type: ignore[no-untyped-def]

@@ -52,9 +52,9 @@ import torch
 import torch.distributed as dist
 
 from .._layout import numel
-from ..distributed import Config, current_activity
+from ..distributed import Config, activity, current_activity
 from ..errors import CommError, PlacementError
-from .base import Backend, Shape, Transfer
+from .base import Backend, Completed, Shape, Transfer
 
 if TYPE_CHECKING:
     from ..boxing.plan import Plan
@@ -244,6 +244,17 @@ class TorchDistBackend(Backend):
         self._call("all_reduce", group, lambda: dist.all_reduce(buffer, op=reduce_op, group=pg))
         return {self.rank: buffer.to(mine.dtype).view(mine.shape)}
 
+    def _all_reduce_async(self, group, inputs, op):  # type: ignore[no-untyped-def]
+        mine = inputs[self.rank]
+        if len(group) == 1:
+            return Completed({self.rank: mine.clone()})
+        self._check_same("all_reduce", group, (tuple(mine.shape), str(mine.dtype), op))
+        buffer, reduce_op = _reducible(mine.contiguous().clone(), op)
+        pg = self._group(group, mine.device)
+        work = self._call("all_reduce (async)", group,
+                          lambda: dist.all_reduce(buffer, op=reduce_op, group=pg, async_op=True))
+        return _PendingAllReduce(self, group, work, buffer, mine, current_activity())
+
     def _reduce_scatter(self, group, inputs, op):  # type: ignore[no-untyped-def]
         pieces = inputs[self.rank]
         me = group.index(self.rank)
@@ -365,6 +376,26 @@ class TorchDistBackend(Backend):
                    lambda: dist.all_gather_object(everyone, (self.rank, offer)))
         shapes = dict(everyone)
         return {r: shapes[r] for r in placement.flat_ranks}
+
+
+class _PendingAllReduce:
+    """An all-reduce in flight on torch.distributed's threads; ``wait()`` blocks up to the backend's timeout."""
+
+    __slots__ = ("backend", "group", "work", "buffer", "like", "issued_in", "result")
+
+    def __init__(self, backend: TorchDistBackend, group: Group, work: Any, buffer: torch.Tensor, like: torch.Tensor,
+                 issued_in: str) -> None:
+        self.backend, self.group, self.work, self.buffer, self.like = backend, group, work, buffer, like
+        self.issued_in = issued_in  # what was running when it was issued: errors surface later, in wait()
+        self.result: dict[int, torch.Tensor] | None = None
+
+    def wait(self) -> dict[int, torch.Tensor]:
+        if self.result is None:
+            backend = self.backend
+            with activity(f"waiting for an all_reduce issued in {self.issued_in}"):
+                backend._call("all_reduce (async)", self.group, lambda: self.work.wait(backend.timeout))
+            self.result = {backend.rank: self.buffer.to(self.like.dtype).view(self.like.shape)}
+        return self.result
 
 
 # ----------------------------------------------------------------------------- helpers
