@@ -29,6 +29,7 @@ The environment is read once, into :class:`Config`; library code never writes
 
 from __future__ import annotations
 
+import atexit
 import os
 import sys
 import threading
@@ -144,6 +145,9 @@ def init(cfg: Config | None = None) -> Backend:
 
             backend: Backend = TorchDistBackend(cfg)
             _install_excepthook(cfg)
+            # Leave the process group before the interpreter tears down: gloo's threads still joinable at
+            # exit make the C++ runtime abort ("terminate called without an active exception", SIGABRT).
+            atexit.register(shutdown)
         else:
             backend = comm.SimulatedBackend()
         _state.backend = backend
