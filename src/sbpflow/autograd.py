@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -170,6 +170,18 @@ class BackwardCtx:
         self.outputs = node.outputs
         self.attrs = node.attrs
         self.needs_input_grad = node.needs
+
+
+def zero_grads(params: Iterable[Tensor], set_to_none: bool = True) -> None:
+    """Clears the gradients of ``params``: ``None`` by default, else zeros in each gradient's own layout."""
+    for p in params:
+        if p.grad is None:
+            continue
+        if set_to_none:
+            p.grad = None
+        else:
+            with no_grad():
+                p.grad.zero_()  # type: ignore[attr-defined]  # bound by sbpflow.ops.methods
 
 
 def backward(roots: Sequence[Tensor], grads: Sequence[Tensor | None], retain_graph: bool = False) -> None:

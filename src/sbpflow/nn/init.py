@@ -113,7 +113,17 @@ def xavier_normal_(tensor: Tensor, gain: float = 1.0) -> Tensor:
     return normal_(tensor, 0.0, gain * math.sqrt(2.0 / (fan_in + fan_out)))
 
 
+def default_linear_(weight: Tensor, bias: Tensor | None) -> None:
+    """torch's default for Linear and Conv layers: kaiming-uniform (a=sqrt(5)) weight, bias on +-1/sqrt(fan_in)."""
+    kaiming_uniform_(weight, a=math.sqrt(5))
+    if bias is not None:
+        fan_in, _ = _calculate_fan_in_and_fan_out(weight)
+        bound = 1 / math.sqrt(fan_in) if fan_in > 0 else 0.0
+        uniform_(bias, -bound, bound)
+
+
 __all__ = [
+    "default_linear_",
     "calculate_gain", "constant_", "kaiming_uniform_", "normal_", "ones_", "uniform_", "xavier_normal_",
     "xavier_uniform_", "zeros_",
 ]

@@ -14,7 +14,6 @@ initialises them as torch does, from sbpflow's placement-independent stream.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -43,10 +42,7 @@ class Linear(Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        init.kaiming_uniform_(self.weight, a=math.sqrt(5))
-        if self.bias is not None:
-            bound = 1 / math.sqrt(self.in_features) if self.in_features > 0 else 0.0
-            init.uniform_(self.bias, -bound, bound)
+        init.default_linear_(self.weight, self.bias)
 
     def forward(self, x: Tensor) -> Tensor:
         return F.linear(x, self.weight, self.bias)

@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from ..autograd import no_grad
+from ..autograd import no_grad, zero_grads
 from ..errors import AutogradError, SbpError, SbpflowError, ShapeError
 from ..placement import Placement
 from ..sbp import NdSbp, broadcast, normalize
@@ -298,14 +298,7 @@ class Module:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clears every parameter's gradient (``None`` by default, else zeros in the grad's layout)."""
-        for p in self.parameters():
-            if p.grad is None:
-                continue
-            if set_to_none:
-                p.grad = None
-            else:
-                with no_grad():
-                    p.grad.zero_()  # type: ignore[attr-defined]  # bound by sbpflow.ops.methods
+        zero_grads(self.parameters(), set_to_none)
 
     # -- layout ----------------------------------------------------------------------------------
 

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from ..autograd import enable_grad, no_grad
+from ..autograd import enable_grad, no_grad, zero_grads
 from ..creation import zeros
 from ..errors import SbpError, SbpflowError
 from ..sbp import NdSbp, Partial, format_nd
@@ -123,15 +123,8 @@ class Optimizer:
     # -- gradients -------------------------------------------------------------------------------
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if set_to_none:
-                    p.grad = None
-                else:
-                    with no_grad():
-                        p.grad.zero_()  # type: ignore[attr-defined]  # bound by sbpflow.ops.methods
+        """Clears the gradients of every parameter of every group."""
+        zero_grads((p for group in self.param_groups for p in group["params"]), set_to_none)
 
     # -- step ------------------------------------------------------------------------------------
 
