@@ -121,5 +121,17 @@ def random_sbp(shape: Sequence[int], placement: sbpflow.Placement, rng: random.R
     return tuple(rng.choice(options) for _ in range(placement.ndim))
 
 
+def assert_own_memory(x: sbpflow.Tensor) -> None:
+    """An in-place update on one rank's shard must not change another rank's."""
+    local = x.local_tensors()
+    for r, t in local.items():
+        if t.numel() == 0:
+            continue
+        before = {q: u.clone() for q, u in local.items() if q != r}
+        t.add_(1)
+        assert all(torch.equal(local[q], u) for q, u in before.items()), f"rank {r}'s shard is shared"
+        t.sub_(1)
+
+
 def randn(*shape: int, seed: int = 0, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=dtype)

@@ -118,12 +118,7 @@ def simulated_job(world: int) -> dict[str, Any]:
         set_backend(previous)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread() -> Any:
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

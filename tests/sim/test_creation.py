@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import sbpflow
+from harness import assert_own_memory
 from sbpflow import PlacementError, SbpError, ShapeError
 from sbpflow import random as sbp_random
 from sbpflow import sbp as S
@@ -23,18 +24,6 @@ MESH23 = sbpflow.placement("cpu", [[0, 1, 2], [3, 4, 5]])
 
 def shards(x: sbpflow.Tensor) -> list[torch.Tensor]:
     return [t for _, t in sorted(x.local_tensors().items())]
-
-
-def assert_own_memory(x: sbpflow.Tensor) -> None:
-    """An in-place update on one rank's shard must not change another rank's."""
-    local = x.local_tensors()
-    for r, t in local.items():
-        if t.numel() == 0:
-            continue
-        before = {q: u.clone() for q, u in local.items() if q != r}
-        t.add_(1)
-        assert all(torch.equal(local[q], u) for q, u in before.items()), f"rank {r}'s shard is shared"
-        t.sub_(1)
 
 
 # -- from data ----------------------------------------------------------------------------------

@@ -13,7 +13,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-import torch
 
 import sbpflow
 from sbpflow.demo.train_gpt import PhaseLog, build, random_batches, train_gpt
@@ -32,13 +31,7 @@ GRAD_ATOL = 1e-7
 N_PARAMS = 4 + 16 * CONFIG.n_layer  # wte, wpe, ln_f (2) + per block: 2 LayerNorms, q, k, v, c_proj, c_fc, proj
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_torch_thread() -> Any:
-    """Tiny kernels on a shared machine: extra torch threads only contend (4x slower here)."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

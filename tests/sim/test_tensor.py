@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import sbpflow
+from harness import assert_own_memory
 from sbpflow import SbpError, SbpflowError
 from sbpflow import sbp as S
 from sbpflow.comm import record
@@ -16,18 +17,6 @@ P1 = sbpflow.placement("cpu", [0])
 P2 = sbpflow.placement("cpu", [0, 1])
 P3 = sbpflow.placement("cpu", [0, 1, 2])
 MESH = sbpflow.placement("cpu", [[0, 1], [2, 3]])
-
-
-def assert_own_memory(x: sbpflow.Tensor) -> None:
-    """An in-place update on one rank's shard must not change another rank's."""
-    local = x.local_tensors()
-    for r, t in local.items():
-        if t.numel() == 0:
-            continue
-        before = {q: u.clone() for q, u in local.items() if q != r}
-        t.add_(1)
-        assert all(torch.equal(local[q], u) for q, u in before.items()), f"rank {r}'s shard is shared"
-        t.sub_(1)
 
 
 def test_metadata_is_logical() -> None:
