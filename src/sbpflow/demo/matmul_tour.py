@@ -59,32 +59,28 @@ def _plan_text(x: sbpflow.Tensor, placement: sbpflow.Placement, sbp: Any) -> str
     return str(sbpflow.boxing.plan(tuple(x.shape), x.dtype, layout(x.placement, x.sbp), layout(placement, nd)))
 
 
-def data_parallel(print_fn: PrintFn = print) -> dict[str, Any]:
-    """x split by rows, w broadcast: every rank multiplies its rows; the output stays S(0) and nothing moves."""
+def _one_placement(label: str, x_sbp: Any, w_sbp: Any, print_fn: PrintFn) -> dict[str, Any]:
+    """x @ w on ranks [0, 1] with the given layouts, checked against one device."""
     x_ref, w_ref, _ = _reference()
     placement = sbpflow.placement("cpu", [0, 1])
     sbpflow.manual_seed(SEED)
-    x = sbpflow.randn(4, 5, placement=placement, sbp=S.split(dim=0))  # logical (4, 5), local (2, 5)
-    w = sbpflow.randn(5, 8, placement=placement, sbp=S.broadcast)  # logical and local (5, 8)
+    x = sbpflow.randn(4, 5, placement=placement, sbp=x_sbp)  # logical (4, 5)
+    w = sbpflow.randn(5, 8, placement=placement, sbp=w_sbp)  # logical (5, 8)
     with sbpflow.comm.record() as log:
-        out = sbpflow.functional.matmul(x, w)  # logical (4, 8), local (2, 8)
-    _check("data parallel", out, x_ref @ w_ref)
+        out = sbpflow.functional.matmul(x, w)  # logical (4, 8)
+    _check(label.split(" (")[0], out, x_ref @ w_ref)
     gather = _plan_text(out, placement, S.broadcast)
-    return _summary("data parallel (x S(0), w B)", out, log, print_fn, ["to see it whole, .numpy() runs:\n" + gather])
+    return _summary(label, out, log, print_fn, ["to see it whole, .numpy() runs:\n" + gather])
+
+
+def data_parallel(print_fn: PrintFn = print) -> dict[str, Any]:
+    """x split by rows, w broadcast: every rank multiplies its rows; the output stays S(0) and nothing moves."""
+    return _one_placement("data parallel (x S(0), w B)", S.split(dim=0), S.broadcast, print_fn)
 
 
 def model_parallel(print_fn: PrintFn = print) -> dict[str, Any]:
     """x broadcast, w split by columns: every rank computes some output columns; the output is S(1)."""
-    x_ref, w_ref, _ = _reference()
-    placement = sbpflow.placement("cpu", [0, 1])
-    sbpflow.manual_seed(SEED)
-    x = sbpflow.randn(4, 5, placement=placement, sbp=S.broadcast)  # logical and local (4, 5)
-    w = sbpflow.randn(5, 8, placement=placement, sbp=S.split(dim=1))  # logical (5, 8), local (5, 4)
-    with sbpflow.comm.record() as log:
-        out = sbpflow.functional.matmul(x, w)  # logical (4, 8), local (4, 4)
-    _check("model parallel", out, x_ref @ w_ref)
-    gather = _plan_text(out, placement, S.broadcast)
-    return _summary("model parallel (x B, w S(1))", out, log, print_fn, ["to see it whole, .numpy() runs:\n" + gather])
+    return _one_placement("model parallel (x B, w S(1))", S.broadcast, S.split(dim=1), print_fn)
 
 
 def pipeline(print_fn: PrintFn = print) -> dict[str, Any]:

@@ -12,7 +12,7 @@ from ..errors import SbpError
 from ..placement import Placement
 from ..sbp import broadcast
 from ..tensor import Tensor
-from .module import Parameter
+from .module import Module, Parameter
 
 
 def layout_for(name: str, placement: Placement | None, sbp: Any, layer: str) -> dict[str, Any]:
@@ -39,6 +39,16 @@ def empty_param(shape: tuple[int, ...], name: str, placement: Placement | None, 
     """A zero parameter of logical ``shape`` in the requested layout, ready for an ``nn.init`` initialiser."""
     kwargs = layout_for(name, placement, sbp, layer)
     return Parameter(zeros(*shape, dtype=dtype, **kwargs))
+
+
+def weight_and_bias(module: Module, weight_shape: tuple[int, ...], bias: bool, placement: Placement | None,
+                    sbp: Any, layer: str, dtype: torch.dtype | None = None) -> None:
+    """Registers ``weight`` (of ``weight_shape``) and, if asked, ``bias`` (one per output row) on ``module``."""
+    module.weight = empty_param(weight_shape, "weight", placement, sbp, layer, dtype)
+    if bias:
+        module.bias = empty_param((weight_shape[0],), "bias", placement, sbp, layer, dtype)
+    else:
+        module.register_parameter("bias", None)
 
 
 def empty_buffer(shape: tuple[int, ...], name: str, placement: Placement | None, layer: str,

@@ -11,7 +11,7 @@ from ..ops import functional as F
 from ..placement import Placement
 from ..tensor import Tensor
 from . import init
-from ._build import empty_param
+from ._build import weight_and_bias
 from .module import Module
 
 
@@ -38,11 +38,7 @@ class Conv2d(Module):
         self.kernel_size, self.stride, self.dilation = _pair(kernel_size), _pair(stride), _pair(dilation)
         self.padding = padding if isinstance(padding, str) else _pair(padding)
         shape = (out_channels, in_channels // groups) + self.kernel_size
-        self.weight = empty_param(shape, "weight", placement, sbp, "Conv2d", dtype)
-        if bias:
-            self.bias = empty_param((out_channels,), "bias", placement, sbp, "Conv2d", dtype)
-        else:
-            self.register_parameter("bias", None)
+        weight_and_bias(self, shape, bias, placement, sbp, "Conv2d", dtype)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:

@@ -23,7 +23,7 @@ from ..ops import functional as F
 from ..placement import Placement
 from ..tensor import Tensor
 from . import init
-from ._build import empty_param
+from ._build import empty_param, weight_and_bias
 from .module import Module
 
 
@@ -34,11 +34,7 @@ class Linear(Module):
                  sbp: Any = None, dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
-        self.weight = empty_param((out_features, in_features), "weight", placement, sbp, "Linear", dtype)
-        if bias:
-            self.bias = empty_param((out_features,), "bias", placement, sbp, "Linear", dtype)
-        else:
-            self.register_parameter("bias", None)
+        weight_and_bias(self, (out_features, in_features), bias, placement, sbp, "Linear", dtype)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
