@@ -1,0 +1,183 @@
+"""The physical plan: what the compiler hands to an executor. Pure data.
+
+A :class:`PhysicalPlan` is one SPMD/MPMD program: a list of :class:`PNode` in a
+valid sequential order, each run by the ranks in ``node.ranks`` on their local
+shards. ``plan.for_rank(r)`` is rank ``r``'s own program (MPMD: pipeline stages
+hold different nodes). A process runs the nodes that involve a rank it owns,
+on the shards of all its owned ranks at once (one rank per process under
+torch.distributed; every rank on the simulated backend).
+
+Values are :class:`Buf` s: one logical tensor in one layout (placement + SBP).
+Each has a :class:`Register` descriptor: ``register_num`` slots of
+``bytes_per_rank`` each, read by ``consumers``.
+
+Node kinds (``PNode.kind``) and what an executor does with them::
+
+    kind        inputs -> outputs   action (per owned rank r of node.ranks)
+    input       ()     -> (b,)      the step's feed ``feeds[node.name]`` (already in b's layout)
+    variable    ()     -> (b,)      the variable ``variables[node.name]``'s current shards (no copy)
+    unpack      (a,)   -> (b,)      micro-batch k: local chunk k of a's shard along dim 0 (m chunks)
+    repeat      (a,)   -> (b,)      the same value for every micro-batch
+    compute     (...)  -> (...)     REGISTRY[op].kernel(*args, **attrs) on local shards
+    boxing      (a,)   -> (b,)      boxing.execute(node.boxing, shards): one planner step, a collective
+                                    on node.stream's process group, or a local slice/pad/zero
+    accumulate  (a,)   -> (b,)      sum of a over the m micro-batches (a gradient)
+    pack        (a,)   -> (b,)      the m micro-batch values combined: mean (0-d losses) or cat on dim 0
+    assign      (a,)   -> ()        on success of the whole step: copy a into variables[node.name]
+    output      (a,)   -> ()        the step's result ``outputs[node.name]``
+
+Phases. ``pre`` nodes run once before the micro-batches, ``micro`` nodes once
+per micro-batch (``plan.micro_batches`` times), ``post`` nodes once after. The
+in-order executor runs pre, then micro k = 0..m-1, then post, each in list order;
+an actor runtime may run anything whose inputs are ready, but collectives on
+one ``stream`` keep list order (so every member of a group issues them alike).
+
+``control`` lists nodes (same phase, same micro-batch) that must act before
+this one although no data flows: resource order, activation recomputation.
+
+Args. ``PNode.args`` is the op's positional argument template: ``("t", i)``
+is input buffer ``i`` of the node, ``("c", v)`` a constant scalar.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .._layout import shard_shape
+from ..boxing import Layout, Plan
+from ..sbp import format_nd
+
+KINDS = ("input", "variable", "unpack", "repeat", "compute", "boxing", "accumulate", "pack", "assign", "output")
+PHASES = ("pre", "micro", "post")
+COMPUTE_STREAM = "compute"
+
+
+@dataclass(frozen=True)
+class Buf:
+    """One logical tensor in one layout."""
+
+    id: int
+    shape: tuple[int, ...]  # logical (global) shape
+    dtype: torch.dtype
+    layout: Layout
+
+    def local_shape(self, rank: int) -> tuple[int, ...]:
+        return shard_shape(self.shape, self.layout.placement, self.layout.sbp, rank)
+
+    def nbytes(self, rank: int) -> int:
+        n = 1
+        for d in self.local_shape(rank):
+            n *= d
+        return n * _itemsize(self.dtype)
+
+    def __str__(self) -> str:
+        dtype = str(self.dtype).replace("torch.", "")
+        return f"%{self.id}: {list(self.shape)} {dtype} {self.layout.placement} {format_nd(self.layout.sbp)}"
+
+
+@dataclass(frozen=True)
+class Register:
+    """Where a buffer's values live between producer and consumers: ``register_num`` slots."""
+
+    buf: int
+    register_num: int
+    bytes_per_rank: tuple[tuple[int, int], ...]  # (rank, bytes of one slot on that rank)
+    consumers: tuple[int, ...]  # node ids reading it
+
+    def bytes_on(self, rank: int) -> int:
+        return dict(self.bytes_per_rank).get(rank, 0)
+
+
+@dataclass(frozen=True)
+class PNode:
+    """One node of the physical plan; see the module docstring for ``kind``."""
+
+    id: int
+    kind: str
+    name: str  # op name, variable/input/output name, or a boxing label
+    inputs: tuple[int, ...]  # Buf ids
+    outputs: tuple[int, ...]  # Buf ids
+    ranks: tuple[int, ...]  # ranks taking part (placement ranks; src and dst ranks for boxing)
+    phase: str = "micro"
+    stream: str = COMPUTE_STREAM  # "compute" or "comm:<group key>"
+    op: str | None = None  # registry op name (compute)
+    args: tuple[tuple[str, Any], ...] = ()  # positional template: ("t", input index) or ("c", constant)
+    attrs: tuple[tuple[str, Any], ...] = ()  # static keyword attributes of the op
+    boxing: Plan | None = None  # a one-step plan (boxing)
+    in_sbps: tuple[Any, ...] = ()  # chosen n-D SBPs of the tensor inputs (compute; for shard-aware kernels)
+    out_sbps: tuple[Any, ...] = ()
+    control: tuple[int, ...] = ()  # node ids that must act first (no data flows)
+    logical: int | None = None  # the logical node it came from, for messages
+    mode: str = ""  # pack: "mean" or "cat"
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"PNode kind must be one of {KINDS}, but got {self.kind!r}")
+        if self.phase not in PHASES:
+            raise ValueError(f"PNode phase must be one of {PHASES}, but got {self.phase!r}")
+
+    @property
+    def is_comm(self) -> bool:
+        return self.stream != COMPUTE_STREAM
+
+    def label(self) -> str:
+        return f"#{self.id} {self.kind} {self.name}"
+
+
+@dataclass
+class PhysicalPlan:
+    """All ranks' programs, from one logical pass; see the module docstring."""
+
+    nodes: list[PNode]
+    bufs: dict[int, Buf]
+    registers: dict[int, Register]
+    micro_batches: int = 1
+    peak_bytes: dict[int, int] = field(default_factory=dict)  # predicted per rank (memory plan)
+    world: tuple[int, ...] = ()  # every rank the plan involves
+
+    def node(self, nid: int) -> PNode:
+        return self._by_id()[nid]
+
+    def _by_id(self) -> dict[int, PNode]:
+        cache = getattr(self, "_index", None)
+        if cache is None or len(cache) != len(self.nodes):
+            cache = {n.id: n for n in self.nodes}
+            self._index = cache
+        return cache
+
+    def producers(self) -> dict[int, int]:
+        """Buf id -> the node that writes it."""
+        return {b: n.id for n in self.nodes for b in n.outputs}
+
+    def for_rank(self, rank: int) -> list[PNode]:
+        """Rank ``rank``'s program: its nodes, in plan order."""
+        return [n for n in self.nodes if rank in n.ranks]
+
+    def phase(self, phase: str) -> Iterator[PNode]:
+        return (n for n in self.nodes if n.phase == phase)
+
+    def collectives(self, rank: int) -> list[PNode]:
+        return [n for n in self.for_rank(rank) if n.kind == "boxing" and n.is_comm]
+
+    def to_json(self) -> str:
+        return json.dumps({
+            "micro_batches": self.micro_batches,
+            "peak_bytes": {str(r): b for r, b in sorted(self.peak_bytes.items())},
+            "bufs": [{"id": b.id, "shape": list(b.shape), "dtype": str(b.dtype).replace("torch.", ""),
+                      "placement": str(b.layout.placement), "sbp": format_nd(b.layout.sbp)}
+                     for b in self.bufs.values()],
+            "nodes": [{"id": n.id, "kind": n.kind, "name": n.name, "inputs": list(n.inputs),
+                       "outputs": list(n.outputs), "ranks": list(n.ranks), "phase": n.phase, "stream": n.stream,
+                       "control": list(n.control),
+                       "register_num": [self.registers[b].register_num for b in n.outputs if b in self.registers]}
+                      for n in self.nodes],
+        }, indent=1)
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
