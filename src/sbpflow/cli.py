@@ -12,9 +12,12 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_demo(sub)
     _add_launch(sub)
+    _add_trace(sub)
     args = parser.parse_args(argv)
     if args.command == "launch":
         return launch(args)
+    if args.command == "trace":
+        return trace_merge(args)
     if args.command == "demo":
         from .demo.train_gpt import run_from_args
 
@@ -43,6 +46,25 @@ def _add_launch(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     p.add_argument("--master-port", type=int, default=None, help="rendezvous port (default: a free one)")
     p.add_argument("script", help="the Python script to run")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
+
+
+def _add_trace(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("trace", help="timelines of the actor runtime (SBPFLOW_TRACE files)",
+                       description="Joins the per-rank timelines that SBPFLOW_TRACE=path.json writes into one "
+                                   "Chrome-trace/Perfetto file (open it at ui.perfetto.dev or chrome://tracing).")
+    actions = p.add_subparsers(dest="action", required=True)
+    merge = actions.add_parser("merge", help="join several ranks' trace files into one")
+    merge.add_argument("files", nargs="+", help="trace files (one per rank)")
+    merge.add_argument("-o", "--output", required=True, help="the merged trace file to write")
+
+
+def trace_merge(args: argparse.Namespace) -> int:
+    """``sbpflow trace merge a.json b.json -o out.json``: one timeline with a process lane group per rank."""
+    from .runtime.trace import merge
+
+    spans = merge(args.files, args.output)
+    print(f"sbpflow trace: {spans} spans from {len(args.files)} files -> {args.output}")
+    return 0
 
 
 def torchrun_argv(args: argparse.Namespace) -> list[str]:

@@ -75,3 +75,21 @@ def emit(kind: str, ranks: tuple[int, ...], nbytes: int, note: str = "") -> None
         event = CommEvent(kind, tuple(ranks), int(nbytes), note)
         for log in logs:
             log.events.append(event)
+
+
+def current_logs() -> tuple[CommLog, ...]:
+    """The logs recording in this thread, for a worker thread to record into (:func:`recording_into`)."""
+    return tuple(_active())
+
+
+@contextmanager
+def recording_into(logs: tuple[CommLog, ...]) -> Iterator[None]:
+    """Records this thread's collectives into ``logs`` too: the actor runtime's worker threads issue
+    collectives on behalf of a caller whose ``record()`` block must see them."""
+    active = _active()
+    added = [log for log in logs if all(log is not a for a in active)]  # by identity: logs compare by content
+    active.extend(added)
+    try:
+        yield
+    finally:
+        del active[len(active) - len(added):]

@@ -1,0 +1,318 @@
+"""The actor runtime: worker threads drive the actors of :mod:`.actors` through a physical plan.
+
+``ActorRuntime(plan).run(feeds, variables)`` has :func:`~sbpflow.runtime.inorder.run_plan`'s
+signature and results; the numbers are identical because every act goes through the same
+:func:`~sbpflow.runtime.inorder.act`. What differs is the order: an actor acts as soon as its
+registers allow (issue 9), so communication overlaps compute and back-pressure bounds memory.
+
+>>> import torch, sbpflow
+>>> from sbpflow import sbp as S
+>>> from sbpflow.runtime.builder import PlanBuilder
+>>> p = sbpflow.placement("cpu", [0, 1])
+>>> b = PlanBuilder()
+>>> b.output("y", b.boxing(b.compute("relu", b.input("x", (4,), p, (S.split(0),))), (S.broadcast,)))
+>>> with ActorRuntime(b.build()) as rt:
+...     out = rt.run({"x": {0: torch.tensor([-1.0, 2.0]), 1: torch.tensor([3.0, -4.0])}}, {})
+>>> out["y"][1].tolist()
+[0.0, 2.0, 3.0, 0.0]
+
+Threads. One worker per (device type, stream): ``compute`` runs ready actors earliest plan position
+first (so producers run ahead until their registers are full: the schedule comes from register
+counts); each ``comm:<key>`` thread runs its actors in plan order (pre, then micro-batch 0..m-1,
+then post), so every member of a group issues its collectives in one order (no deadlock on gloo
+or NCCL). The threads live until :meth:`ActorRuntime.close`; each :meth:`run` is a new generation.
+
+Errors. The first exception in any actor stops the step and is raised in the caller's thread,
+naming the actor and its op; variables are only written (``commit``) after a step succeeded.
+A comm error keeps its type (``CommError``): its message names the actor it ran in.
+
+Watchdog. When no act starts or ends for ``timeout`` seconds (``SBPFLOW_TIMEOUT``), the runtime
+raises :class:`DeadlockError` listing every waiting actor, what it waits for (which register,
+from which actor, for which micro-batch) and the last act of each thread.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ..comm import Backend, get_backend
+from ..comm.record import CommLog, current_logs, recording_into
+from ..distributed import activity, config
+from ..errors import CommError, SbpflowError
+from ..graph.physical import PhysicalPlan
+from . import trace as _trace
+from .actors import Actor, Board, Stats, lane_for
+from .inorder import ExecutionError, Shards, StepState, act, commit
+from .workers import CommWorker, ComputeWorker, Worker
+
+
+class DeadlockError(ExecutionError):
+    """No actor acted for ``SBPFLOW_TIMEOUT`` seconds; the message lists what every waiting actor waits for."""
+
+
+class ActorRuntime:
+    """Runs a :class:`PhysicalPlan` on actors; see the module docstring."""
+
+    def __init__(self, plan: PhysicalPlan, backend: Backend | None = None, trace: str | None = None,
+                 timeout: float | None = None) -> None:
+        self.plan = plan
+        self.backend = backend or get_backend()
+        self.timeout = timeout if timeout is not None else config().timeout
+        self._prepare_groups()
+        self._lock = threading.Lock()
+        self._done = threading.Condition(self._lock)
+        self.board = Board(plan, self.backend, lambda node: lane_for(node, plan))
+        self._workers: dict[str, Worker] = self._make_workers()
+        self._trace = self._make_trace(trace)
+        self._gen = 0  # a run's generation: results of acts from an abandoned run are dropped
+        self._active = False
+        self._closed = False
+        self._error: BaseException | None = None
+        self._state: StepState | None = None
+        self._logs: tuple[CommLog, ...] = ()  # the caller's comm.record() logs: worker threads record into them
+        self._progress = time.monotonic()  # when an act last started or ended (the watchdog's clock)
+        for worker in self._workers.values():
+            worker.start(self._loop)
+
+    # -- set-up ------------------------------------------------------------------------------------
+
+    def _prepare_groups(self) -> None:
+        """Creates process groups for every boxing node, in plan order, on every process, before any thread
+        runs: group creation is collective over the whole job, also for processes outside the group."""
+        for node in self.plan.nodes:
+            if node.kind == "boxing" and node.boxing is not None and not node.boxing.is_relabel:
+                self.backend.prepare(node.boxing)
+
+    def _make_workers(self) -> dict[str, Worker]:
+        lanes = sorted({a.lane for a in self.board.actors})
+        workers: dict[str, Worker] = {}
+        for lane in lanes:
+            actors = [a for a in self.board.actors if a.lane == lane]
+            cls = CommWorker if "/comm:" in lane else ComputeWorker
+            workers[lane] = cls(lane, self._lock, actors, self.plan.micro_batches, self._device(lane))
+        return workers
+
+    def _device(self, lane: str) -> Any:
+        if not lane.startswith("cuda/") or not self.board.owned_ranks:
+            return None
+        return self.backend.device_for("cuda", self.board.owned_ranks[0])
+
+    def _make_trace(self, path: str | None) -> _trace.TraceWriter | None:
+        path = path or os.environ.get("SBPFLOW_TRACE") or None
+        if path is None:
+            return None
+        rank, processes = getattr(self.backend, "rank", 0), getattr(self.backend, "world_size", 1)
+        return _trace.TraceWriter(_trace.trace_path(path, rank, processes), pid=rank)
+
+    # -- public ------------------------------------------------------------------------------------
+
+    @property
+    def stats(self) -> Stats:
+        """The last run's counters: acts, peak live bytes per rank, peak live slots per register."""
+        return self.board.stats
+
+    def run(self, feeds: dict[str, Shards], variables: dict[str, Shards]) -> dict[str, Shards]:
+        """Runs one step; same arguments and result as :func:`~sbpflow.runtime.inorder.run_plan`."""
+        if self._closed:
+            raise ExecutionError("this ActorRuntime was closed; make a new one to run the plan again")
+        self._wait_idle()
+        state = StepState(self.plan, feeds, variables)
+        start = time.perf_counter()
+        with self._lock:
+            self._begin(state)
+        try:
+            self._wait_done()
+        finally:
+            if self._trace is not None:
+                self._trace.flush()
+        self.board.stats.seconds = time.perf_counter() - start
+        for worker in self._workers.values():
+            worker.synchronize()
+        commit(state)
+        return state.outputs
+
+    def close(self) -> None:
+        """Stops the worker threads (bounded wait) and closes the timeline file."""
+        with self._lock:
+            self._closed = True
+            self._active = False
+            for worker in self._workers.values():
+                worker.cond.notify_all()
+        for worker in self._workers.values():
+            worker.join(timeout=min(self.timeout, 5.0))
+        if self._trace is not None:
+            self._trace.close()
+
+    def __enter__(self) -> ActorRuntime:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- one run (the caller's thread) ------------------------------------------------------------
+
+    def _begin(self, state: StepState) -> None:
+        self._gen += 1
+        self._state = state
+        self._logs = current_logs()
+        self._error = None
+        self._active = True
+        self._progress = time.monotonic()
+        self.board.reset()
+        for worker in self._workers.values():
+            worker.reset()
+        for actor in self.board.actors:
+            self._wake(actor)
+
+    def _wait_done(self) -> None:
+        with self._lock:
+            while not self.board.all_done and self._error is None:
+                left = self._progress + self.timeout - time.monotonic()
+                if left <= 0:
+                    report = self._stall_report()
+                    self._stop()
+                    print(report, file=sys.stderr, flush=True)
+                    raise DeadlockError(report)
+                self._done.wait(left)
+            error = self._error
+            self._stop()
+        if error is not None:
+            raise error
+
+    def _stop(self) -> None:
+        self._active = False
+        self._gen += 1
+
+    def _wait_idle(self) -> None:
+        """Waits (bounded) for acts of an abandoned run that are still on their threads."""
+        deadline = time.monotonic() + self.timeout
+        with self._lock:
+            while any(w.running is not None for w in self._workers.values()):
+                if time.monotonic() > deadline:
+                    busy = [f"{w.lane}: {w.running[0].label()}" for w in self._workers.values() if w.running]
+                    raise ExecutionError(f"acts of a failed step still run after {self.timeout:g} s: {busy}")
+                self._done.wait(0.05)
+
+    # -- worker threads -----------------------------------------------------------------------------
+
+    def _loop(self, worker: Worker) -> None:
+        while True:
+            with self._lock:
+                job = self._next(worker)
+                if job is None:
+                    return
+                actor, step, inputs, read, state, gen = job
+            self._act_one(worker, actor, step, inputs, read, state, gen)
+
+    def _next(self, worker: Worker) -> tuple[Actor, int, list[Any], list[Any], StepState, int] | None:
+        while not self._closed:
+            actor = worker.pick(self.board) if self._active else None
+            if actor is not None:
+                step = actor.step
+                inputs = self.board.take(actor)
+                worker.running = (actor, step, time.monotonic())
+                self._progress = time.monotonic()
+                assert self._state is not None
+                return actor, step, inputs, self.board.input_slots(actor), self._state, self._gen
+            worker.cond.wait()
+        return None
+
+    def _act_one(self, worker: Worker, actor: Actor, step: int, inputs: list[Any], read: list[Any],
+                 state: StepState, gen: int) -> None:
+        start = time.time()
+        try:
+            values, event = worker.execute(lambda: self._perform(actor, step, inputs, state), read)
+        except BaseException as e:  # noqa: BLE001 - any failure stops the step; the caller re-raises it
+            with self._lock:
+                worker.running = None
+                if gen == self._gen and self._error is None:
+                    self._error = e
+                self._done.notify_all()
+            return
+        end = time.time()
+        with self._lock:
+            worker.running = None
+            if gen != self._gen:
+                self._done.notify_all()  # _wait_idle may be waiting for this act
+                return
+            woken = self.board.finish(actor, values, event)
+            worker.last = (actor, step, time.monotonic())
+            self._progress = time.monotonic()
+            if self._trace is not None:
+                nbytes = sum(sum(r.bytes_by_rank.values()) for r in actor.outputs) if actor.emits(step) else 0
+                self._trace.span(worker.lane, actor.node.label(), actor.node.op or actor.node.kind, micro=step,
+                                 start=start, end=end, nbytes=nbytes)
+            for other in woken:
+                self._wake(other)
+            if self.board.all_done:
+                self._done.notify_all()
+
+    def _wake(self, actor: Actor) -> None:
+        self._workers[actor.lane].wake(actor, self.board)
+
+    # -- one act ----------------------------------------------------------------------------------
+
+    def _perform(self, actor: Actor, step: int, inputs: list[Any], state: StepState) -> list[Any]:
+        if not self._logs:
+            return _named(actor, step, lambda: self._act(actor, step, inputs, state))
+        with recording_into(self._logs):
+            return _named(actor, step, lambda: self._act(actor, step, inputs, state))
+
+    def _act(self, actor: Actor, step: int, inputs: list[Any], state: StepState) -> list[Any]:
+        kind = actor.node.kind
+        if kind == "accumulate":
+            actor.partial = _add_into(actor.partial, inputs[0])
+            return [actor.partial] if actor.emits(step) else []
+        if kind == "pack":
+            actor.partial = [*(actor.partial or []), inputs[0]]
+            return act(actor.node, [actor.partial], state, step, self.backend) if actor.emits(step) else []
+        return act(actor.node, inputs, state, step, self.backend)
+
+    # -- the watchdog's report ------------------------------------------------------------------------
+
+    def _stall_report(self) -> str:
+        now = time.monotonic()
+        ranks = self.board.owned_ranks
+        waiting = [a for a in self.board.actors if not a.done]
+        lines = [f"sbpflow actor runtime: no actor acted for {self.timeout:g} s (SBPFLOW_TIMEOUT) on ranks {ranks}; "
+                 f"{len(waiting)} of {len(self.board.actors)} actors have not finished:"]
+        for a in waiting:
+            lines.append(f"  actor {a.label()} on {a.lane}, micro-batch {a.step}: " + self._waits_for(a))
+        lines.append("last act on each thread:")
+        for worker in self._workers.values():
+            lines.append(f"  {worker.lane}: {worker.describe_last(now)}")
+        return "\n".join(lines)
+
+    def _waits_for(self, actor: Actor) -> str:
+        worker = self._workers[actor.lane]
+        if worker.running is not None and worker.running[0] is actor:
+            return f"acting for {time.monotonic() - worker.running[2]:.1f} s"
+        phrases = self.board.waits(actor) + worker.turn(actor)
+        return "waits for " + "; ".join(phrases) if phrases else "ready, waiting for its thread"
+
+
+def _named(actor: Actor, step: int, fn: Callable[[], list[Any]]) -> list[Any]:
+    """Runs an act under its name: comm errors say which actor they ran in; others are re-raised naming it."""
+    try:
+        with activity(lambda: f"actor {actor.node.label()} (micro-batch {step})"):
+            return fn()
+    except (CommError, ExecutionError):
+        raise  # CommError keeps its type (peer-failure handling reads it); both already name the actor
+    except Exception as e:
+        kind = "" if isinstance(e, SbpflowError) else " (a kernel's own error)"
+        raise ExecutionError(f"actor {actor.label()} failed on micro-batch {step}{kind}: "
+                             f"{type(e).__name__}: {e}") from e
+
+
+def _add_into(total: Shards | None, value: Shards) -> Shards:
+    """Accumulates one micro-batch: a copy of the first value, then in-place sums (as run_plan's accumulate)."""
+    if total is None:
+        return {r: t.clone() for r, t in value.items()}
+    for r, t in value.items():
+        total[r] += t
+    return total

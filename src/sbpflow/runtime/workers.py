@@ -1,0 +1,152 @@
+"""The actor runtime's worker threads: one per (device type, stream), each with its own pick rule.
+
+* :class:`ComputeWorker` keeps a heap of ready actors and acts the earliest plan position first
+  (then the earliest micro-batch): producers run ahead until their registers are full, so the
+  schedule is what the register counts allow, and ties go to the compiled order.
+* :class:`CommWorker` acts its actors in one fixed sequence, the plan's order restricted to its
+  stream (pre, micro-batch 0..m-1, post), waiting for the head to be ready. Every member of a
+  process group derives the same sequence, so collectives meet in the same order on every rank.
+
+Every method but the thread's own loop runs under the runtime's lock.
+"""
+
+from __future__ import annotations
+
+import heapq
+import threading
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from .actors import Actor, Board
+
+
+class Worker:
+    """A thread, its condition variable, and what it did last (for the watchdog)."""
+
+    def __init__(self, lane: str, lock: threading.Lock, actors: list[Actor], micro_batches: int,
+                 device: Any = None) -> None:
+        self.lane = lane
+        self.cond = threading.Condition(lock)
+        self.actors = actors
+        self.micro_batches = micro_batches
+        self.running: tuple[Actor, int, float] | None = None  # (actor, step, start) while acting
+        self.last: tuple[Actor, int, float] | None = None  # (actor, step, end) of the last act this run
+        self.cuda = _cuda_lane(device)
+        self._thread: threading.Thread | None = None
+
+    def start(self, loop: Callable[[Worker], None]) -> None:
+        self._thread = threading.Thread(target=loop, args=(self,), name=f"sbpflow {self.lane}", daemon=True)
+        self._thread.start()
+
+    def join(self, timeout: float) -> None:
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def reset(self) -> None:
+        self.last = None
+
+    def pick(self, board: Board) -> Actor | None:
+        raise NotImplementedError
+
+    def wake(self, actor: Actor, board: Board) -> None:
+        raise NotImplementedError
+
+    def turn(self, actor: Actor) -> list[str]:
+        """Why ``actor`` is not this thread's next act although it may be ready (a comm stream's order)."""
+        return []
+
+    def execute(self, fn: Callable[[], list[Any]], read: Iterable[Any]) -> tuple[list[Any], Any]:
+        """Runs one act; on CUDA on this thread's stream, returning the event after it."""
+        if self.cuda is not None:
+            result, event = self.cuda.run(fn, read)
+            return result, event
+        return fn(), None
+
+    def synchronize(self) -> None:
+        if self.cuda is not None:
+            self.cuda.synchronize()
+
+    def describe_last(self, now: float) -> str:
+        if self.running is not None:
+            actor, step, start = self.running
+            return f"acting now: {actor.label()} micro-batch {step}, for {now - start:.1f} s"
+        if self.last is None:
+            return "no act in this run"
+        actor, step, end = self.last
+        return f"{actor.label()} micro-batch {step}, ended {now - end:.1f} s ago"
+
+
+class ComputeWorker(Worker):
+    """Acts whichever actor is ready, earliest plan position first."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._heap: list[tuple[int, int, int, Actor]] = []
+        self._pushed = 0
+
+    def reset(self) -> None:
+        super().reset()
+        self._heap.clear()
+
+    def pick(self, board: Board) -> Actor | None:
+        if not self._heap:
+            return None
+        return heapq.heappop(self._heap)[3]
+
+    def wake(self, actor: Actor, board: Board) -> None:
+        if board.ready(actor):
+            actor.busy = True  # queued: ready() says no until it has acted
+            self._pushed += 1
+            heapq.heappush(self._heap, (actor.position, actor.step, self._pushed, actor))
+            self.cond.notify()
+
+
+class CommWorker(Worker):
+    """Acts its actors in the plan's order for its stream, one after the other."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.sequence = _stream_order(self.actors, self.micro_batches)
+        self._next = 0
+
+    def reset(self) -> None:
+        super().reset()
+        self._next = 0
+
+    def pick(self, board: Board) -> Actor | None:
+        if self._next >= len(self.sequence):
+            return None
+        actor, step = self.sequence[self._next]
+        if actor.step != step or not board.ready(actor):
+            return None
+        self._next += 1
+        return actor
+
+    def wake(self, actor: Actor, board: Board) -> None:
+        if self._next < len(self.sequence) and self.sequence[self._next][0] is actor:
+            self.cond.notify()
+
+    def turn(self, actor: Actor) -> list[str]:
+        if self._next >= len(self.sequence):
+            return []
+        head, step = self.sequence[self._next]
+        if head is actor:
+            return []
+        return [f"its turn on {self.lane}, after actor {head.label()} micro-batch {step}"]
+
+
+def _stream_order(actors: list[Actor], micro_batches: int) -> list[tuple[Actor, int]]:
+    """(actor, step) in the in-order executor's order: pre actors, micro-batches 0..m-1, post actors."""
+    ordered = sorted(actors, key=lambda a: a.position)
+    order = [(a, k) for a in ordered if a.node.phase == "pre" for k in range(a.steps)]
+    order += [(a, k) for k in range(micro_batches) for a in ordered if a.node.phase == "micro" and k < a.steps]
+    order += [(a, k) for a in ordered if a.node.phase == "post" for k in range(a.steps)]
+    return order
+
+
+def _cuda_lane(device: Any) -> Any:
+    if device is None:
+        return None
+    from ._cuda import CudaLane
+
+    return CudaLane(device)
