@@ -41,12 +41,12 @@ def runtime(plan: PhysicalPlan, backend: SimulatedBackend, **kwargs: Any) -> Act
 # -- a small training step: micro-batches, repeat/unpack/accumulate/pack, collectives, an assign ---------
 
 
-def train_plan(m: int, register_num: int | dict[int, int] = 1) -> PhysicalPlan:
-    """y = relu(x @ w) on S(0) data, loss = sum(y) per micro-batch (mean over micro-batches),
-    g = sum_k x_k^T y_k all-reduced, w -= 0.1 g; y gathered to B."""
+def train_plan(m: int, register_num: int | dict[int, int] = 1, placement: sbpflow.Placement = P2) -> PhysicalPlan:
+    """y = relu(x @ w) on S(0) data (4 rows per rank), loss = sum(y) per micro-batch (mean over micro-batches),
+    g = sum_k x_k^T y_k all-reduced, w -= 0.1 g; y gathered to B. Also run on real processes (tests/proc)."""
     b = PlanBuilder(micro_batches=m)
-    xk = b.unpack(b.input("x", (8, 3), P2, (S.split(0),)))
-    w = b.variable("w", (3, 4), P2, (B,))
+    xk = b.unpack(b.input("x", (4 * placement.size, 3), placement, (S.split(0),)))
+    w = b.variable("w", (3, 4), placement, (B,))
     y = b.compute("relu", b.compute("matmul", xk, b.repeat(w)))
     loss = b.boxing(b.compute("sum", y, out_sbp=(PSUM,)), (B,))
     grad = b.compute("matmul", b.compute("permute", xk, dims=(1, 0), out_sbp=(S.split(1),)), y, out_sbp=(PSUM,))
@@ -57,13 +57,15 @@ def train_plan(m: int, register_num: int | dict[int, int] = 1) -> PhysicalPlan:
     return b.build(register_num)
 
 
-def train_inputs() -> tuple[torch.Tensor, torch.Tensor]:
+def train_inputs(ranks: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(7)
-    return torch.randn(8, 3, generator=gen), torch.randn(3, 4, generator=gen)
+    return torch.randn(4 * ranks, 3, generator=gen), torch.randn(3, 4, generator=gen)
 
 
-def feeds_and_vars(x: torch.Tensor, w: torch.Tensor) -> tuple[dict[str, Any], dict[str, Any]]:
-    return {"x": {0: x[:4].clone(), 1: x[4:].clone()}}, {"w": {0: w.clone(), 1: w.clone()}}
+def feeds_and_vars(x: torch.Tensor, w: torch.Tensor, ranks: tuple[int, ...] = (0, 1)) -> tuple[dict[str, Any],
+                                                                                               dict[str, Any]]:
+    """Each listed rank's shards: 4 rows of x each (S(0)), a copy of w (B)."""
+    return {"x": {r: x[4 * r:4 * r + 4].clone() for r in ranks}}, {"w": {r: w.clone() for r in ranks}}
 
 
 def torch_step(x: torch.Tensor, w: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

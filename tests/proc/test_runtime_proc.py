@@ -1,0 +1,70 @@
+"""The actor runtime on real processes (gloo): the same numbers as on virtual ranks; a failing actor ends the job.
+
+Each process owns one rank, so it runs only its own actors and feeds only its own shards; the plans are
+the simulated tests' (tests/sim/test_runtime.py), built identically on every process.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from procrun import run_ranks, spawn
+
+import sbpflow
+from sbpflow.comm import SimulatedBackend
+from sbpflow.runtime import ActorRuntime
+from sim.test_runtime import feeds_and_vars, train_inputs, train_plan
+
+STEPS = 2
+
+
+def train_steps(m: int, ranks: int, bad_rank: int | None = None) -> dict[str, Any]:
+    """``STEPS`` steps of the simulated tests' training plan on this process's rank; ``bad_rank`` gets a
+    batch of the wrong width, so its matmul actor raises on the first micro-batch."""
+    rank = sbpflow.rank()
+    placement = sbpflow.placement("cpu", list(range(ranks)))
+    x, w = train_inputs(ranks)
+    if rank == bad_rank:
+        x = torch.randn(x.shape[0], 5)
+    feeds, variables = feeds_and_vars(x, w, (rank,))
+    losses = []
+    with ActorRuntime(train_plan(m, placement=placement), timeout=20) as rt:
+        for _ in range(STEPS):
+            out = rt.run(feeds, variables)
+            losses.append(out["loss"][rank].item())
+    return {"losses": losses, "y": out["y"][rank], "w": variables["w"][rank]}
+
+
+def simulated(m: int, ranks: int) -> dict[str, Any]:
+    placement = sbpflow.placement("cpu", list(range(ranks)))
+    x, w = train_inputs(ranks)
+    feeds, variables = feeds_and_vars(x, w, tuple(range(ranks)))
+    losses = []
+    with ActorRuntime(train_plan(m, placement=placement), SimulatedBackend(), timeout=20) as rt:
+        for _ in range(STEPS):
+            out = rt.run(feeds, variables)
+            losses.append(out["loss"][0].item())
+    return {"losses": losses, "y": out["y"][0], "w": variables["w"][0]}
+
+
+def test_two_processes_compute_what_virtual_ranks_compute() -> None:
+    expected = simulated(4, 2)
+    per_rank = run_ranks(train_steps, 2, args=(4, 2), timeout=120)
+    for got in per_rank:
+        assert got["losses"] == expected["losses"]
+        torch.testing.assert_close(got["y"], expected["y"], rtol=0, atol=0)
+        torch.testing.assert_close(got["w"], expected["w"], rtol=0, atol=0)
+
+
+def test_an_actor_raising_on_rank_1_ends_a_3_process_job_naming_it() -> None:
+    job = spawn(train_steps, 3, args=(4, 3, 1), timeout=90)
+    assert not job.timed_out, job.report()
+    assert job.elapsed < 30, job.report()
+    assert all(o.returncode not in (0, None) for o in job.ranks), job.report()
+    error = job.ranks[1].error or ""
+    assert error.startswith("ExecutionError: actor #") and "compute matmul (op matmul) failed on micro-batch 0" \
+        in error, job.report()
+    for survivor in (0, 2):
+        assert (job.ranks[survivor].error or "").startswith("CommError: "), job.report()
+        assert "while running actor #" in (job.ranks[survivor].error or ""), job.report()
