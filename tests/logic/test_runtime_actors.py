@@ -1,0 +1,156 @@
+"""The actor runtime's dependency state (runtime.actors, runtime.workers), driven by hand: no threads, no kernels.
+
+Each test plays the messages one at a time and checks who may act: the register rules of issue 9
+(ready inputs and a free output slot), MPMD ownership, and the fixed order of a communication stream.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable
+
+import pytest
+
+import sbpflow
+from sbpflow import sbp as S
+from sbpflow.comm import SimulatedBackend
+from sbpflow.comm.base import Backend
+from sbpflow.graph.physical import PhysicalPlan
+from sbpflow.runtime import ExecutionError
+from sbpflow.runtime.actors import Actor, Board, lane_for
+from sbpflow.runtime.builder import PlanBuilder
+from sbpflow.runtime.workers import CommWorker
+
+P2 = sbpflow.placement("cpu", [0, 1])
+
+
+class OwnsOnly(SimulatedBackend):
+    """A process that owns some ranks only (as one process per rank under torch.distributed)."""
+
+    def __init__(self, ranks: Iterable[int]) -> None:
+        self.ranks = set(ranks)
+
+    def owns(self, rank: int) -> bool:
+        return rank in self.ranks
+
+
+def board(plan: PhysicalPlan, backend: Backend | None = None) -> Board:
+    b = Board(plan, backend or SimulatedBackend(), lambda node: lane_for(node, plan))
+    b.reset()
+    return b
+
+
+def by_kind(b: Board, kind: str, op: str | None = None) -> Actor:
+    return next(a for a in b.actors if a.node.kind == kind and (op is None or a.node.op == op))
+
+
+def act(b: Board, actor: Actor) -> None:
+    """One step of ``actor`` with a stand-in value per output (no kernel runs)."""
+    assert b.ready(actor), f"{actor.label()} is not ready"
+    b.take(actor)
+    written = [{0: ("value of", actor.node.id)}] * len(actor.outputs) if actor.emits(actor.step) else []
+    b.finish(actor, written, None)
+
+
+def chain(m: int, register_num: int) -> PhysicalPlan:
+    b = PlanBuilder(micro_batches=m)
+    u = b.unpack(b.input("x", (8, 2), P2, (S.split(0),)))
+    b.output("y", b.pack(b.compute("neg", b.compute("relu", u))))
+    return b.build(register_num)
+
+
+def test_a_full_register_stops_its_producer_until_every_reader_frees_a_slot() -> None:
+    b = board(chain(4, 1))
+    source, unpack, relu = by_kind(b, "input"), by_kind(b, "unpack"), by_kind(b, "compute", "relu")
+    act(b, source)
+    act(b, unpack)  # micro-batch 0 fills unpack's only slot
+    assert not b.ready(unpack)
+    assert b.waits(unpack) == [f"a free slot of its register %{unpack.outputs[0].buf} (1 of 1 held; not yet "
+                               f"freed by {relu.node.label()})"]
+    act(b, relu)  # reads and frees it
+    assert b.ready(unpack) and unpack.step == 1
+
+
+def test_k_slots_let_the_producer_run_k_micro_batches_ahead() -> None:
+    b = board(chain(4, 3))
+    source, unpack = by_kind(b, "input"), by_kind(b, "unpack")
+    act(b, source)
+    for _ in range(3):
+        act(b, unpack)
+    assert not b.ready(unpack) and b.stats.peak_slots[unpack.outputs[0].buf] == 3
+    # the input's single slot is read on every micro-batch: it stays live until the 4th read
+    assert source.outputs[0].live == 1
+
+
+def test_pack_frees_each_input_at_once_and_writes_on_the_last_micro_batch() -> None:
+    b = board(chain(2, 1))
+    source, unpack, relu, neg, pack = (by_kind(b, "input"), by_kind(b, "unpack"), by_kind(b, "compute", "relu"),
+                                       by_kind(b, "compute", "neg"), by_kind(b, "pack"))
+    output = by_kind(b, "output")
+    act(b, source)
+    for _ in range(2):
+        act(b, unpack)
+        act(b, relu)
+        act(b, neg)
+        assert not b.ready(output)
+        act(b, pack)
+    assert b.ready(output)
+    act(b, output)
+    assert b.all_done and set(b.live_bytes.values()) == {0}
+
+
+def test_a_post_actor_reading_every_micro_batch_is_refused_naming_both() -> None:
+    b = PlanBuilder(micro_batches=2)
+    u = b.unpack(b.input("x", (4, 2), P2, (S.split(0),)))
+    r = b.compute("relu", u)
+    b.compute("neg", r, phase="post")
+    with pytest.raises(ExecutionError, match=r"actor #3 compute neg \(op neg\) \(post phase\) reads a value that "
+                                             r"#2 compute relu \(op relu\) writes on each of the 2 micro-batches"):
+        board(b.build())
+
+
+def test_a_process_runs_only_the_actors_of_its_ranks() -> None:
+    """MPMD: two pipeline stages on ranks 0 and 1; rank 1's process holds stage 1 and the send/recv node,
+    whose input (written on rank 0) reads as no shards."""
+    stage0, stage1 = sbpflow.placement("cpu", [0]), sbpflow.placement("cpu", [1])
+    b = PlanBuilder()
+    h = b.compute("relu", b.input("x", (4, 2), stage0, (S.broadcast,)))
+    moved = b.boxing(h, (S.broadcast,), placement=stage1)
+    b.output("y", b.compute("neg", moved))
+    plan = b.build()
+    mine = board(plan, OwnsOnly({1}))
+    assert [a.node.kind for a in mine.actors] == ["boxing", "compute", "output"]
+    send_recv = mine.actors[0]
+    assert send_recv.lane == "cpu/comm:0,1" and send_recv.inputs[0].producer is None
+    assert mine.ready(send_recv) and mine.take(send_recv) == [{}]
+    assert mine.owned_ranks == [1]
+    theirs = board(plan, OwnsOnly({0}))
+    assert [a.node.kind for a in theirs.actors] == ["input", "compute", "boxing"]
+
+
+def test_a_comm_stream_acts_in_plan_order_pre_micro_then_post() -> None:
+    b = PlanBuilder(micro_batches=3)
+    w = b.boxing(b.variable("w", (4,), P2, (S.split(0),)), (S.broadcast,), phase="pre")  # all-gather, once
+    x = b.unpack(b.input("x", (12, 4), P2, (S.split(0),)))
+    y = b.boxing(b.compute("mul", x, b.repeat(w)), (S.broadcast,))  # all-gather per micro-batch
+    g = b.accumulate(b.compute("sum", x, dim=(0,), out_sbp=(S.partial_sum,)))
+    b.output("g", b.boxing(g, (S.broadcast,)))  # all-reduce, after the micro-batches
+    b.output("y", b.pack(y))
+    plan = b.build()
+    bd = board(plan)
+    comm = [a for a in bd.actors if a.lane == "cpu/comm:0,1"]
+    worker = CommWorker("cpu/comm:0,1", threading.Lock(), comm, 3)
+    order = [(a.node.phase, k) for a, k in worker.sequence]
+    assert order == [("pre", 0), ("micro", 0), ("micro", 1), ("micro", 2), ("post", 0)]
+
+
+def test_a_collective_planned_on_the_compute_stream_runs_on_a_comm_thread() -> None:
+    b = PlanBuilder()
+    b.output("y", b.boxing(b.input("x", (4,), P2, (S.split(0),)), (S.broadcast,), stream="compute"))
+    plan = b.build()
+    boxing = next(n for n in plan.nodes if n.kind == "boxing")
+    assert boxing.stream == "compute" and lane_for(boxing, plan) == "cpu/comm:0,1"
+    local = PlanBuilder()
+    local.output("y", local.boxing(local.input("x", (4,), P2, (S.broadcast,)), (S.split(0),)))
+    slice_plan = local.build()
+    assert lane_for(next(n for n in slice_plan.nodes if n.kind == "boxing"), slice_plan) == "cpu/compute"
