@@ -38,6 +38,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from ..comm import Backend, get_backend
@@ -49,6 +50,28 @@ from . import trace as _trace
 from .actors import Actor, Board, Stats, lane_for
 from .inorder import ExecutionError, Shards, StepState, act, commit
 from .workers import CommWorker, ComputeWorker, Worker
+
+
+@dataclass
+class _Job:
+    """One act taken by a worker: the actor's step, its input values and slots, the run it belongs to."""
+
+    actor: Actor
+    step: int
+    inputs: list[Any]
+    read: list[Any]  # the input slots (CUDA events)
+    state: StepState
+    gen: int
+
+
+@dataclass
+class _Finished:
+    job: _Job
+    values: list[Any]
+    event: Any
+    start: float  # wall clock, for the timeline
+    end: float
+    error: BaseException | None
 
 
 class DeadlockError(ExecutionError):
@@ -201,56 +224,68 @@ class ActorRuntime:
     # -- worker threads -----------------------------------------------------------------------------
 
     def _loop(self, worker: Worker) -> None:
+        """Takes a job and acts, outside the lock; ends one act and takes the next in one locked section."""
+        finished: _Finished | None = None
         while True:
             with self._lock:
+                if finished is not None:
+                    self._end(worker, finished)
                 job = self._next(worker)
-                if job is None:
-                    return
-                actor, step, inputs, read, state, gen = job
-            self._act_one(worker, actor, step, inputs, read, state, gen)
+            if job is None:
+                return
+            finished = self._act_one(worker, job)
 
-    def _next(self, worker: Worker) -> tuple[Actor, int, list[Any], list[Any], StepState, int] | None:
+    def _next(self, worker: Worker) -> _Job | None:
         while not self._closed:
             actor = worker.pick(self.board) if self._active else None
             if actor is not None:
                 step = actor.step
                 inputs = self.board.take(actor)
-                worker.running = (actor, step, time.monotonic())
-                self._progress = time.monotonic()
+                now = time.monotonic()
+                worker.running = (actor, step, now)
+                self._progress = now
                 assert self._state is not None
-                return actor, step, inputs, self.board.input_slots(actor), self._state, self._gen
+                return _Job(actor, step, inputs, self.board.input_slots(actor), self._state, self._gen)
             worker.cond.wait()
         return None
 
-    def _act_one(self, worker: Worker, actor: Actor, step: int, inputs: list[Any], read: list[Any],
-                 state: StepState, gen: int) -> None:
+    def _act_one(self, worker: Worker, job: _Job) -> _Finished:
         start = time.time()
         try:
-            values, event = worker.execute(lambda: self._perform(actor, step, inputs, state), read)
+            values, event = worker.execute(lambda: self._perform(job.actor, job.step, job.inputs, job.state),
+                                           job.read)
         except BaseException as e:  # noqa: BLE001 - any failure stops the step; the caller re-raises it
-            with self._lock:
-                worker.running = None
-                if gen == self._gen and self._error is None:
-                    self._error = e
-                self._done.notify_all()
+            return _Finished(job, [], None, start, time.time(), e)
+        return _Finished(job, values, event, start, time.time(), None)
+
+    def _end(self, worker: Worker, done: _Finished) -> None:
+        """Under the lock: the act's messages (ready to consumers, free to producers), or the step's failure."""
+        job = done.job
+        worker.running = None
+        if job.gen != self._gen:
+            self._done.notify_all()  # an act of an abandoned run: _wait_idle may be waiting for it
             return
-        end = time.time()
-        with self._lock:
-            worker.running = None
-            if gen != self._gen:
-                self._done.notify_all()  # _wait_idle may be waiting for this act
-                return
-            woken = self.board.finish(actor, values, event)
-            worker.last = (actor, step, time.monotonic())
-            self._progress = time.monotonic()
-            if self._trace is not None:
-                nbytes = sum(sum(r.bytes_by_rank.values()) for r in actor.outputs) if actor.emits(step) else 0
-                self._trace.span(worker.lane, actor.node.label(), actor.node.op or actor.node.kind, micro=step,
-                                 start=start, end=end, nbytes=nbytes)
-            for other in woken:
-                self._wake(other)
-            if self.board.all_done:
-                self._done.notify_all()
+        if done.error is not None:
+            if self._error is None:
+                self._error = done.error
+            self._done.notify_all()
+            return
+        woken = self.board.finish(job.actor, done.values, done.event)
+        worker.last = (job.actor, job.step, time.monotonic())
+        self._progress = worker.last[2]
+        if self._trace is not None:
+            self._trace_span(worker, done)
+        for other in woken:
+            self._wake(other)
+        if self.board.all_done:
+            self._done.notify_all()
+
+    def _trace_span(self, worker: Worker, done: _Finished) -> None:
+        assert self._trace is not None
+        actor, step = done.job.actor, done.job.step
+        nbytes = sum(sum(r.bytes_by_rank.values()) for r in actor.outputs) if actor.emits(step) else 0
+        self._trace.span(worker.lane, actor.node.label(), actor.node.op or actor.node.kind, micro=step,
+                         start=done.start, end=done.end, nbytes=nbytes)
 
     def _wake(self, actor: Actor) -> None:
         self._workers[actor.lane].wake(actor, self.board)

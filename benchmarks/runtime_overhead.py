@@ -1,0 +1,140 @@
+"""Overhead of the actor runtime: µs per act, and a step on the runtime against the in-order executor.
+
+Plans are hand-built (sbpflow.runtime.builder) on 2 virtual ranks, with tiny tensors so that what is
+timed is the executors, not the kernels:
+
+1. a chain of N elementwise ops (one compute thread, no communication);
+2. the same chain with an all-reduce every 8 ops (acts hop between the compute and a comm thread);
+3. a micro-batched step: m = 4, unpack/repeat/accumulate/pack around a matmul chain with collectives.
+
+Each row: the step time of ``run_plan`` and of ``ActorRuntime.run``, µs per act of each, and what
+the runtime adds per act (its bookkeeping, locks and thread hand-offs). Timings alternate
+between the contenders in rounds and report medians, so background load hits all alike.
+
+Run: ``.venv/bin/python benchmarks/runtime_overhead.py`` (prints); ``--write`` also writes the
+"runtime_overhead" section of docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from _report import machine, write_section
+
+import sbpflow
+from sbpflow import sbp as S
+from sbpflow.comm import SimulatedBackend
+from sbpflow.graph.physical import PhysicalPlan
+from sbpflow.runtime import ActorRuntime, run_plan
+from sbpflow.runtime.builder import PlanBuilder
+
+torch.set_num_threads(1)
+P2 = sbpflow.placement("cpu", [0, 1])
+
+
+def chain(n: int, comm_every: int = 0) -> PhysicalPlan:
+    """input -> n ops (relu/neg alternating; an all-reduce after every ``comm_every`` ops) -> output."""
+    b = PlanBuilder()
+    x = b.input("x", (16, 16), P2, (S.split(0),))
+    for i in range(n):
+        x = b.compute("relu" if i % 2 else "neg", x)
+        if comm_every and (i + 1) % comm_every == 0:
+            x = b.boxing(b.compute("sum", x, dim=(0,), out_sbp=(S.partial_sum,)), (S.broadcast,))
+            x = b.compute("mul", b.compute("unsqueeze", x, dim=0), b.input(f"ones{i}", (16, 16), P2, (S.split(0),)))
+    b.output("y", x)
+    return b.build()
+
+
+def micro_step(layers: int, m: int = 4) -> PhysicalPlan:
+    """A training-shaped step: per micro-batch a matmul chain, a loss all-reduce and a gradient all-reduce."""
+    b = PlanBuilder(micro_batches=m)
+    x = b.unpack(b.input("x", (64, 16), P2, (S.split(0),)))
+    w = b.variable("w", (16, 16), P2, (S.broadcast,))
+    wk = b.repeat(w)
+    h = x
+    for _ in range(layers):
+        h = b.compute("relu", b.compute("matmul", h, wk))
+    loss = b.boxing(b.compute("sum", h, out_sbp=(S.partial_sum,)), (S.broadcast,))
+    grad = b.compute("matmul", b.compute("permute", x, dims=(1, 0), out_sbp=(S.split(1),)), h,
+                     out_sbp=(S.partial_sum,))
+    b.output("w_grad", b.accumulate(b.boxing(grad, (S.broadcast,))))
+    b.output("loss", b.pack(loss, "mean"))
+    return b.build()
+
+
+def feeds_for(plan: PhysicalPlan) -> tuple[dict[str, Any], dict[str, Any]]:
+    feeds: dict[str, Any] = {}
+    variables: dict[str, Any] = {}
+    for node in plan.nodes:
+        if node.kind in ("input", "variable"):
+            buf = plan.bufs[node.outputs[0]]
+            target = feeds if node.kind == "input" else variables
+            target[node.name] = {r: torch.randn(buf.local_shape(r)) for r in (0, 1)}
+    return feeds, variables
+
+
+def interleaved(contenders: dict[str, Callable[[], object]], inner: int, rounds: int) -> dict[str, float]:
+    samples: dict[str, list[float]] = {k: [] for k in contenders}
+    for fn in contenders.values():
+        fn()
+    for _ in range(rounds):
+        for name, fn in contenders.items():
+            start = time.perf_counter()
+            for _ in range(inner):
+                fn()
+            samples[name].append((time.perf_counter() - start) / inner)
+    return {k: statistics.median(v) for k, v in samples.items()}
+
+
+def row(name: str, plan: PhysicalPlan, inner: int, rounds: int) -> str:
+    backend = SimulatedBackend()
+    feeds, variables = feeds_for(plan)
+    with ActorRuntime(plan, backend) as rt:
+        rt.run(feeds, variables)
+        acts = rt.stats.acts
+        times = interleaved({
+            "in-order": lambda: run_plan(plan, feeds, variables, backend),
+            "actors": lambda: rt.run(feeds, variables),
+        }, inner, rounds)
+    us = {k: v * 1e6 for k, v in times.items()}
+    extra = (us["actors"] - us["in-order"]) / acts
+    return (f"| {name} | {acts} | {us['in-order']:.0f} | {us['actors']:.0f} | {us['actors'] / us['in-order']:.2f}x "
+            f"| {us['in-order'] / acts:.1f} | {us['actors'] / acts:.1f} | {extra:.1f} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--write", action="store_true", help="write the section of docs/benchmarks.md")
+    parser.add_argument("--rounds", type=int, default=7)
+    args = parser.parse_args()
+    cases = [
+        ("chain of 200 ops, no comm", chain(200), 10),
+        ("chain of 200 ops, all-reduce every 8", chain(200, comm_every=8), 5),
+        ("micro-batched step (m=4, 8 layers)", micro_step(8), 10),
+    ]
+    header = ["| plan | acts | in-order step (µs) | actor runtime step (µs) | runtime / in-order | in-order µs/act "
+              "| runtime µs/act | runtime overhead µs/act |", "|---|---|---|---|---|---|---|---|"]
+    rows = [row(name, plan, inner, args.rounds) for name, plan, inner in cases]
+    body = "\n".join([
+        "## Actor runtime overhead (issue 9)",
+        "",
+        f"`.venv/bin/python benchmarks/runtime_overhead.py --write` on {machine()}, 2 virtual ranks, 16x16 float "
+        "shards (executor cost, not kernel cost); medians of interleaved rounds. An act is one node on one "
+        "micro-batch over all of this process's ranks; µs/act = step / acts (kernels included), the overhead "
+        "column is (runtime step - in-order step) / acts.",
+        "",
+        *header,
+        *rows,
+    ])
+    print(body)
+    if args.write:
+        write_section("runtime_overhead", body)
+
+
+if __name__ == "__main__":
+    main()
