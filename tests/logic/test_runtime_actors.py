@@ -1,4 +1,4 @@
-"""The actor runtime's dependency state (runtime.actors, runtime.workers), driven by hand: no threads, no kernels.
+"""The actor runtime's dependency state (runtime.board, runtime.workers), driven by hand: no threads, no kernels.
 
 Each test plays the messages one at a time and checks who may act: the register rules of issue 9
 (ready inputs and a free output slot), MPMD ownership, and the fixed order of a communication stream.
@@ -17,7 +17,7 @@ from sbpflow.comm import SimulatedBackend
 from sbpflow.comm.base import Backend
 from sbpflow.graph.physical import PhysicalPlan
 from sbpflow.runtime import ExecutionError
-from sbpflow.runtime.actors import Actor, Board, lane_for
+from sbpflow.runtime.board import Actor, Board, lane_for
 from sbpflow.runtime.builder import PlanBuilder
 from sbpflow.runtime.workers import CommWorker
 

@@ -1,13 +1,13 @@
 """Executors of a physical plan (:mod:`sbpflow.graph.physical`).
 
 * :func:`run_plan` (:mod:`.inorder`): node by node in list order, the reference;
-* :class:`ActorRuntime` (:mod:`.engine`, :mod:`.actors`, :mod:`.workers`): every node an actor,
+* :class:`ActorRuntime` (:mod:`.actors`, :mod:`.board`, :mod:`.workers`): every node an actor,
   registers and ready/free messages, one thread per stream, a watchdog and a timeline (:mod:`.trace`).
 """
 
 from __future__ import annotations
 
-from .engine import ActorRuntime, DeadlockError
+from .actors import ActorRuntime, DeadlockError
 from .inorder import ExecutionError, run_plan
 
 __all__ = ["ActorRuntime", "DeadlockError", "ExecutionError", "run_plan"]

@@ -1,337 +1,353 @@
-"""Actors and registers: the dependency state of one step, with no threads in it.
+"""The actor runtime: worker threads drive the actors of :mod:`.board` through a physical plan.
 
-Every node of the physical plan that this process runs becomes an :class:`Actor`. Every output
-buffer becomes a :class:`RegisterState` of ``register_num`` slots. The rules (issue 9, section 1):
+``ActorRuntime(plan).run(feeds, variables)`` has :func:`~sbpflow.runtime.inorder.run_plan`'s
+signature and results; the numbers are identical because every act goes through the same
+:func:`~sbpflow.runtime.inorder.act`. What differs is the order: an actor acts as soon as its
+registers allow (issue 9), so communication overlaps compute and back-pressure bounds memory.
 
-* an actor acts (step k) when each input has a ready slot and each output has a free slot;
-* after acting it sends "ready" to every consumer (the slot goes into their input queues) and
-  "free" back to each producer (a slot is writable again once all of its readers freed it).
+>>> import torch, sbpflow
+>>> from sbpflow import sbp as S
+>>> from sbpflow.runtime.builder import PlanBuilder
+>>> p = sbpflow.placement("cpu", [0, 1])
+>>> b = PlanBuilder()
+>>> b.output("y", b.boxing(b.compute("relu", b.input("x", (4,), p, (S.split(0),))), (S.broadcast,)))
+>>> with ActorRuntime(b.build()) as rt:
+...     out = rt.run({"x": {0: torch.tensor([-1.0, 2.0]), 1: torch.tensor([3.0, -4.0])}}, {})
+>>> out["y"][1].tolist()
+[0.0, 2.0, 3.0, 0.0]
 
-Back-pressure comes from that alone: a producer stops when its consumers have not freed its slots.
+Threads. One worker per (device type, stream): ``compute`` runs ready actors earliest plan position
+first (so producers run ahead until their registers are full: the schedule comes from register
+counts); each ``comm:<key>`` thread runs its actors in plan order (pre, then micro-batch 0..m-1,
+then post), so every member of a group issues its collectives in one order (no deadlock on gloo
+or NCCL). The threads live until :meth:`ActorRuntime.close`; each :meth:`run` is a new generation.
 
-Steps. An actor of the ``micro`` phase acts once per micro-batch (m steps), ``pre``/``post`` actors
-once. ``accumulate`` and ``pack`` take their m inputs one step at a time (so each input slot is
-freed at once) and write their single output on the last step; they hold that output slot from
-the first step, which is what the memory count charges them. A value written once and read by an
-actor that acts m times (``repeat``, or any micro actor reading a ``pre`` buffer) stays in its slot
-until the m-th read. ``control`` edges are slots with no value and no bound: ordering only.
+Errors. The first exception in any actor stops the step and is raised in the caller's thread,
+naming the actor and its op; variables are only written (``commit``) after a step succeeded.
+A comm error keeps its type (``CommError``): its message names the actor it ran in.
 
-A buffer whose producer this process does not run (the source side of a cross-placement boxing
-node, on a process that owns only destination ranks) reads as ``{}``: no shards here.
-
-:class:`Board` is the whole state; :mod:`.engine` drives it from worker threads under one lock.
+Watchdog. When no act starts or ends for ``timeout`` seconds (``SBPFLOW_TIMEOUT``), the runtime
+raises :class:`DeadlockError` listing every waiting actor, what it waits for (which register,
+from which actor, for which micro-batch) and the last act of each thread.
 """
 
 from __future__ import annotations
 
-from collections import deque
-from dataclasses import dataclass, field
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
-from ..comm import Backend
-from ..graph.physical import COMPUTE_STREAM, PhysicalPlan, PNode
-from .inorder import ExecutionError
-
-GATHERING = ("accumulate", "pack")  # kinds that take m micro-batch inputs and write one output
-
-
-@dataclass(eq=False)
-class Slot:
-    """A written register slot: the value, its micro-batch, and the reads still to come."""
-
-    value: Any
-    micro: int
-    reads_left: int
-    register: RegisterState | None  # None: a control token (no memory, no bound)
-    event: Any = None  # CUDA: the event recorded after the write (engine._cuda)
-
-
-@dataclass(eq=False)
-class RegisterState:
-    """One buffer's register: ``capacity`` slots, ``free`` of them writable now."""
-
-    buf: int
-    capacity: int
-    bytes_by_rank: dict[int, int]  # one slot's bytes on each owned rank
-    producer: Actor
-    readers: list[InEdge] = field(default_factory=list)
-    free: int = 0
-
-    @property
-    def live(self) -> int:
-        return self.capacity - self.free
-
-
-@dataclass(eq=False)
-class InEdge:
-    """One input (or control dependency) of an actor: the queue of slots its producer sent it."""
-
-    consumer: Actor
-    buf: int | None  # None: a control edge
-    producer: Actor | None  # None: written by a node this process does not run (reads as {})
-    reads_per_slot: int  # m for a once-written value read by an m-step actor, else 1
-    orphan: bool = False  # no node of the plan writes it (a corrupt plan): it never becomes ready
-    queue: deque[Slot] = field(default_factory=deque)
-    reads: int = 0  # reads of the head slot so far
-
-    @property
-    def waits(self) -> bool:
-        return self.orphan or (self.producer is not None and not self.queue)
-
-    def describe(self) -> str:
-        if self.orphan:
-            return f"register %{self.buf}, which no node of the plan writes"
-        what = f"register %{self.buf}" if self.buf is not None else "a control token"
-        source = self.producer.node.label() if self.producer is not None else "no actor of this process"
-        return f"{what} from actor {source}"
-
-
-@dataclass(eq=False)
-class Actor:
-    """A node of the plan as this process runs it."""
-
-    node: PNode
-    position: int  # index in the plan's list: the compute thread's priority (earlier first)
-    steps: int  # acts per run: m for micro actors and for accumulate/pack, else 1
-    lane: str  # the worker thread that runs it: "<device type>/<stream>"
-    inputs: list[InEdge] = field(default_factory=list)
-    controls: list[InEdge] = field(default_factory=list)
-    outputs: list[RegisterState] = field(default_factory=list)
-    control_out: list[InEdge] = field(default_factory=list)
-    step: int = 0  # the next step to act
-    busy: bool = False  # acting now, or queued on its thread
-    partial: Any = None  # accumulate: the running sum; pack: the values so far
-
-    @property
-    def gathers(self) -> bool:
-        return self.node.kind in GATHERING
-
-    @property
-    def done(self) -> bool:
-        return self.step >= self.steps
-
-    def emits(self, step: int) -> bool:
-        return not self.gathers or step == self.steps - 1
-
-    def acquires(self, step: int) -> bool:
-        return not self.gathers or step == 0
-
-    def label(self) -> str:
-        op = f" (op {self.node.op})" if self.node.op else ""
-        return f"{self.node.label()}{op}"
+from ..comm import Backend, get_backend
+from ..comm.record import CommLog, current_logs, recording_into
+from ..distributed import activity, config
+from ..errors import CommError, SbpflowError
+from ..graph.physical import PhysicalPlan
+from . import trace as _trace
+from .board import Actor, Board, Stats, lane_for
+from .inorder import ExecutionError, Shards, StepState, act, commit
+from .workers import CommWorker, ComputeWorker, Worker
 
 
 @dataclass
-class Stats:
-    """What the last run did: acts, peak live bytes per rank and peak live slots per register."""
+class _Job:
+    """One act taken by a worker: the actor's step, its input values and slots, the run it belongs to."""
 
-    acts: int = 0
-    peak_bytes: dict[int, int] = field(default_factory=dict)
-    peak_slots: dict[int, int] = field(default_factory=dict)  # buf id -> most slots live at once
-    register_num: dict[int, int] = field(default_factory=dict)  # buf id -> capacity
-    seconds: float = 0.0
+    actor: Actor
+    step: int
+    inputs: list[Any]
+    read: list[Any]  # the input slots (CUDA events)
+    state: StepState
+    gen: int
 
 
-class Board:
-    """The actors of one process and their registers; every method runs under the engine's lock."""
+@dataclass
+class _Finished:
+    job: _Job
+    values: list[Any]
+    event: Any
+    start: float  # wall clock, for the timeline
+    end: float
+    error: BaseException | None
 
-    def __init__(self, plan: PhysicalPlan, backend: Backend, lane_of: Any) -> None:
+
+class DeadlockError(ExecutionError):
+    """No actor acted for ``SBPFLOW_TIMEOUT`` seconds; the message lists what every waiting actor waits for."""
+
+
+class ActorRuntime:
+    """Runs a :class:`PhysicalPlan` on actors; see the module docstring."""
+
+    def __init__(self, plan: PhysicalPlan, backend: Backend | None = None, trace: str | None = None,
+                 timeout: float | None = None) -> None:
         self.plan = plan
-        m = plan.micro_batches
-        self.actors: list[Actor] = []
-        by_node: dict[int, Actor] = {}
-        for position, node in enumerate(plan.nodes):
-            owned = backend.owned(node.ranks)
-            if not owned:
-                continue
-            steps = m if node.phase == "micro" or node.kind in GATHERING else 1
-            actor = Actor(node, position, steps, lane_of(node))
-            self.actors.append(actor)
-            by_node[node.id] = actor
-        self.owned_ranks = sorted({r for a in self.actors for r in backend.owned(a.node.ranks)})
-        self.registers: dict[int, RegisterState] = {}
-        for actor in self.actors:
-            self._add_registers(actor, backend)
-        producers = plan.producers()
-        for actor in self.actors:
-            self._wire(actor, producers, by_node)
-        self.live_bytes = dict.fromkeys(self.owned_ranks, 0)
-        self.stats = Stats()
-        self.finished = 0
+        self.backend = backend or get_backend()
+        self.timeout = timeout if timeout is not None else config().timeout
+        self._prepare_groups()
+        self._lock = threading.Lock()
+        self._done = threading.Condition(self._lock)
+        self.board = Board(plan, self.backend, lambda node: lane_for(node, plan))
+        self._workers: dict[str, Worker] = self._make_workers()
+        self._trace = self._make_trace(trace)
+        self._gen = 0  # a run's generation: results of acts from an abandoned run are dropped
+        self._active = False
+        self._closed = False
+        self._error: BaseException | None = None
+        self._state: StepState | None = None
+        self._logs: tuple[CommLog, ...] = ()  # the caller's comm.record() logs: worker threads record into them
+        self._progress = time.monotonic()  # when an act last started or ended (the watchdog's clock)
+        for worker in self._workers.values():
+            worker.start(self._loop)
 
-    # -- construction -------------------------------------------------------------------------------
+    # -- set-up ------------------------------------------------------------------------------------
 
-    def _add_registers(self, actor: Actor, backend: Backend) -> None:
-        for b in actor.node.outputs:
-            desc = self.plan.registers.get(b)
-            capacity = desc.register_num if desc is not None else 1
-            if capacity < 1:
-                raise ExecutionError(f"{actor.node.label()}: register %{b} has register_num {capacity}, "
-                                     "but a register needs at least 1 slot")
-            owned = backend.owned(self.plan.bufs[b].layout.placement.flat_ranks)
-            sizes = {r: desc.bytes_on(r) if desc is not None else self.plan.bufs[b].nbytes(r) for r in owned}
-            reg = RegisterState(b, capacity, sizes, actor)
-            self.registers[b] = reg
-            actor.outputs.append(reg)
+    def _prepare_groups(self) -> None:
+        """Creates process groups for every boxing node, in plan order, on every process, before any thread
+        runs: group creation is collective over the whole job, also for processes outside the group."""
+        for node in self.plan.nodes:
+            if node.kind == "boxing" and node.boxing is not None and not node.boxing.is_relabel:
+                self.backend.prepare(node.boxing)
 
-    def _wire(self, actor: Actor, producers: dict[int, int], by_node: dict[int, Actor]) -> None:
-        for b in actor.node.inputs:
-            if b not in producers:
-                # a buffer nobody writes: a corrupt plan; the watchdog reports the wait rather than a crash here
-                actor.inputs.append(InEdge(actor, b, None, 1, orphan=True))
-                continue
-            source = by_node.get(producers[b])
-            edge = InEdge(actor, b, source, self._reads_per_slot(source, actor))
-            actor.inputs.append(edge)
-            if source is not None:
-                self.registers[b].readers.append(edge)
-        for nid in actor.node.control:
-            source = by_node.get(nid)
-            if source is None:
-                continue  # ordering against a node of another process: its own runtime orders it
-            edge = InEdge(actor, None, source, self._reads_per_slot(source, actor))
-            actor.controls.append(edge)
-            source.control_out.append(edge)
+    def _make_workers(self) -> dict[str, Worker]:
+        lanes = sorted({a.lane for a in self.board.actors})
+        workers: dict[str, Worker] = {}
+        for lane in lanes:
+            actors = [a for a in self.board.actors if a.lane == lane]
+            cls = CommWorker if "/comm:" in lane else ComputeWorker
+            workers[lane] = cls(lane, self._lock, actors, self.plan.micro_batches, self._device(lane))
+        return workers
 
-    def _reads_per_slot(self, source: Actor | None, consumer: Actor) -> int:
-        if source is None:
-            return 1
-        writes = 1 if source.gathers else source.steps
-        if writes == consumer.steps:
-            return 1
-        if writes == 1:
-            return consumer.steps  # written once, read on every micro-batch
-        raise ExecutionError(
-            f"actor {consumer.label()} ({consumer.node.phase} phase) reads a value that {source.label()} writes on "
-            f"each of the {writes} micro-batches; only accumulate and pack nodes may combine micro-batches")
+    def _device(self, lane: str) -> Any:
+        if not lane.startswith("cuda/") or not self.board.owned_ranks:
+            return None
+        return self.backend.device_for("cuda", self.board.owned_ranks[0])
 
-    # -- one run ---------------------------------------------------------------------------------
+    def _make_trace(self, path: str | None) -> _trace.TraceWriter | None:
+        path = path or os.environ.get("SBPFLOW_TRACE") or None
+        if path is None:
+            return None
+        rank, processes = getattr(self.backend, "rank", 0), getattr(self.backend, "world_size", 1)
+        return _trace.TraceWriter(_trace.trace_path(path, rank, processes), pid=rank)
 
-    def reset(self) -> None:
-        """Empties every queue and frees every slot, for a new run."""
-        for actor in self.actors:
-            actor.step, actor.busy, actor.partial = 0, False, None
-            for edge in actor.inputs + actor.controls:
-                edge.queue.clear()
-                edge.reads = 0
-        for reg in self.registers.values():
-            reg.free = reg.capacity
-        self.live_bytes = dict.fromkeys(self.owned_ranks, 0)
-        self.stats = Stats(register_num={b: r.capacity for b, r in self.registers.items()})
-        self.finished = sum(1 for a in self.actors if a.steps == 0)
+    # -- public ------------------------------------------------------------------------------------
 
     @property
-    def all_done(self) -> bool:
-        return self.finished == len(self.actors)
+    def stats(self) -> Stats:
+        """The last run's counters: acts, peak live bytes per rank, peak live slots per register."""
+        return self.board.stats
 
-    def ready(self, actor: Actor) -> bool:
-        """Whether ``actor`` can act its next step now (see the module docstring)."""
-        if actor.busy or actor.done:
-            return False
-        for edge in actor.inputs:
-            if edge.waits:
-                return False
-        for edge in actor.controls:
-            if edge.waits:
-                return False
-        if actor.acquires(actor.step):
-            return all(reg.free > 0 for reg in actor.outputs)
-        return True
+    def run(self, feeds: dict[str, Shards], variables: dict[str, Shards]) -> dict[str, Shards]:
+        """Runs one step; same arguments and result as :func:`~sbpflow.runtime.inorder.run_plan`."""
+        if self._closed:
+            raise ExecutionError("this ActorRuntime was closed; make a new one to run the plan again")
+        self._wait_idle()
+        state = StepState(self.plan, feeds, variables)
+        start = time.perf_counter()
+        with self._lock:
+            self._begin(state)
+        try:
+            self._wait_done()
+        finally:
+            if self._trace is not None:
+                self._trace.flush()
+        self.board.stats.seconds = time.perf_counter() - start
+        for worker in self._workers.values():
+            worker.synchronize()
+        commit(state)
+        return state.outputs
 
-    def take(self, actor: Actor) -> list[Any]:
-        """Starts ``actor``'s next step: claims its output slots; returns its input values."""
-        actor.busy = True
-        if actor.acquires(actor.step):
-            for reg in actor.outputs:
-                self._claim(reg)
-        return [edge.queue[0].value if edge.producer is not None else {} for edge in actor.inputs]
+    def close(self) -> None:
+        """Stops the worker threads (bounded wait) and closes the timeline file."""
+        with self._lock:
+            self._closed = True
+            self._active = False
+            for worker in self._workers.values():
+                worker.cond.notify_all()
+        for worker in self._workers.values():
+            worker.join(timeout=min(self.timeout, 5.0))
+        if self._trace is not None:
+            self._trace.close()
 
-    def input_slots(self, actor: Actor) -> list[Slot]:
-        return [edge.queue[0] for edge in actor.inputs if edge.producer is not None]
+    def __enter__(self) -> ActorRuntime:
+        return self
 
-    def finish(self, actor: Actor, values: list[Any], event: Any = None) -> set[Actor]:
-        """Ends ``actor``'s step: writes its outputs, frees its inputs. Returns the actors that may be ready now."""
-        step = actor.step
-        woken: set[Actor] = {actor}
-        if actor.emits(step):
-            for reg, value in zip(actor.outputs, values, strict=True):
-                woken |= self._write(reg, value, 0 if actor.gathers else step, event)
-        for edge in actor.control_out:
-            edge.queue.append(Slot(None, step, 1, None))
-            woken.add(edge.consumer)
-        for edge in actor.inputs + actor.controls:
-            woken |= self._release(edge)
-        actor.step += 1
-        actor.busy = False
-        self.stats.acts += 1
-        if actor.done:
-            self.finished += 1
-        return woken
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
-    # -- registers ---------------------------------------------------------------------------------
+    # -- one run (the caller's thread) ------------------------------------------------------------
 
-    def _claim(self, reg: RegisterState) -> None:
-        reg.free -= 1
-        self.stats.peak_slots[reg.buf] = max(self.stats.peak_slots.get(reg.buf, 0), reg.live)
-        for r, n in reg.bytes_by_rank.items():
-            self.live_bytes[r] += n
-            if self.live_bytes[r] > self.stats.peak_bytes.get(r, -1):
-                self.stats.peak_bytes[r] = self.live_bytes[r]
+    def _begin(self, state: StepState) -> None:
+        self._gen += 1
+        self._state = state
+        self._logs = current_logs()
+        self._error = None
+        self._active = True
+        self._progress = time.monotonic()
+        self.board.reset()
+        for worker in self._workers.values():
+            worker.reset()
+        for actor in self.board.actors:
+            self._wake(actor)
 
-    def _write(self, reg: RegisterState, value: Any, micro: int, event: Any) -> set[Actor]:
-        if not reg.readers:
-            self._free(reg)  # nobody here reads it: the slot is free again at once
-            return {reg.producer}
-        slot = Slot(value, micro, len(reg.readers), reg, event)
-        for edge in reg.readers:
-            edge.queue.append(slot)
-        return {edge.consumer for edge in reg.readers}
+    def _wait_done(self) -> None:
+        with self._lock:
+            while not self.board.all_done and self._error is None:
+                left = self._progress + self.timeout - time.monotonic()
+                if left <= 0:
+                    report = self._stall_report()
+                    self._stop()
+                    print(report, file=sys.stderr, flush=True)
+                    raise DeadlockError(report)
+                self._done.wait(left)
+            error = self._error
+            self._stop()
+        if error is not None:
+            raise error
 
-    def _release(self, edge: InEdge) -> set[Actor]:
-        if edge.producer is None:
-            return set()
-        edge.reads += 1
-        if edge.reads < edge.reads_per_slot:
-            return set()
-        edge.reads = 0
-        slot = edge.queue.popleft()
-        slot.reads_left -= 1
-        if slot.reads_left == 0 and slot.register is not None:
-            self._free(slot.register)
-            return {slot.register.producer}
-        return set()
+    def _stop(self) -> None:
+        self._active = False
+        self._gen += 1
 
-    def _free(self, reg: RegisterState) -> None:
-        reg.free += 1
-        for r, n in reg.bytes_by_rank.items():
-            self.live_bytes[r] -= n
+    def _wait_idle(self) -> None:
+        """Waits (bounded) for acts of an abandoned run that are still on their threads."""
+        deadline = time.monotonic() + self.timeout
+        with self._lock:
+            while any(w.running is not None for w in self._workers.values()):
+                if time.monotonic() > deadline:
+                    busy = [f"{w.lane}: {w.running[0].label()}" for w in self._workers.values() if w.running]
+                    raise ExecutionError(f"acts of a failed step still run after {self.timeout:g} s: {busy}")
+                self._done.wait(0.05)
 
-    # -- what is stuck -----------------------------------------------------------------------------
+    # -- worker threads -----------------------------------------------------------------------------
 
-    def waits(self, actor: Actor) -> list[str]:
-        """What ``actor``'s next step waits for, one phrase per missing message."""
-        micro = actor.step
-        phrases = [f"{edge.describe()} for micro-batch {micro}" for edge in actor.inputs + actor.controls
-                   if edge.waits]
-        if actor.acquires(actor.step):
-            for reg in actor.outputs:
-                if reg.free == 0:
-                    holders = sorted({e.consumer.node.label() for e in reg.readers if e.queue})
-                    phrases.append(f"a free slot of its register %{reg.buf} ({reg.capacity} of {reg.capacity} held; "
-                                   f"not yet freed by {', '.join(holders) or 'anyone'})")
-        return phrases
+    def _loop(self, worker: Worker) -> None:
+        """Takes a job and acts, outside the lock; ends one act and takes the next in one locked section."""
+        finished: _Finished | None = None
+        while True:
+            with self._lock:
+                if finished is not None:
+                    self._end(worker, finished)
+                job = self._next(worker)
+            if job is None:
+                return
+            finished = self._act_one(worker, job)
+
+    def _next(self, worker: Worker) -> _Job | None:
+        while not self._closed:
+            actor = worker.pick(self.board) if self._active else None
+            if actor is not None:
+                step = actor.step
+                inputs = self.board.take(actor)
+                now = time.monotonic()
+                worker.running = (actor, step, now)
+                self._progress = now
+                assert self._state is not None
+                return _Job(actor, step, inputs, self.board.input_slots(actor), self._state, self._gen)
+            worker.cond.wait()
+        return None
+
+    def _act_one(self, worker: Worker, job: _Job) -> _Finished:
+        start = time.time()
+        try:
+            values, event = worker.execute(lambda: self._perform(job.actor, job.step, job.inputs, job.state),
+                                           job.read)
+        except BaseException as e:  # noqa: BLE001 - any failure stops the step; the caller re-raises it
+            return _Finished(job, [], None, start, time.time(), e)
+        return _Finished(job, values, event, start, time.time(), None)
+
+    def _end(self, worker: Worker, done: _Finished) -> None:
+        """Under the lock: the act's messages (ready to consumers, free to producers), or the step's failure."""
+        job = done.job
+        worker.running = None
+        if job.gen != self._gen:
+            self._done.notify_all()  # an act of an abandoned run: _wait_idle may be waiting for it
+            return
+        if done.error is not None:
+            if self._error is None:
+                self._error = done.error
+            self._done.notify_all()
+            return
+        woken = self.board.finish(job.actor, done.values, done.event)
+        worker.last = (job.actor, job.step, time.monotonic())
+        self._progress = worker.last[2]
+        if self._trace is not None:
+            self._trace_span(worker, done)
+        for other in woken:
+            self._wake(other)
+        if self.board.all_done:
+            self._done.notify_all()
+
+    def _trace_span(self, worker: Worker, done: _Finished) -> None:
+        assert self._trace is not None
+        actor, step = done.job.actor, done.job.step
+        nbytes = sum(sum(r.bytes_by_rank.values()) for r in actor.outputs) if actor.emits(step) else 0
+        self._trace.span(worker.lane, actor.node.label(), actor.node.op or actor.node.kind, micro=step,
+                         start=done.start, end=done.end, nbytes=nbytes)
+
+    def _wake(self, actor: Actor) -> None:
+        self._workers[actor.lane].wake(actor, self.board)
+
+    # -- one act ----------------------------------------------------------------------------------
+
+    def _perform(self, actor: Actor, step: int, inputs: list[Any], state: StepState) -> list[Any]:
+        if not self._logs:
+            return _named(actor, step, lambda: self._act(actor, step, inputs, state))
+        with recording_into(self._logs):
+            return _named(actor, step, lambda: self._act(actor, step, inputs, state))
+
+    def _act(self, actor: Actor, step: int, inputs: list[Any], state: StepState) -> list[Any]:
+        kind = actor.node.kind
+        if kind == "accumulate":
+            actor.partial = _add_into(actor.partial, inputs[0])
+            return [actor.partial] if actor.emits(step) else []
+        if kind == "pack":
+            actor.partial = [*(actor.partial or []), inputs[0]]
+            return act(actor.node, [actor.partial], state, step, self.backend) if actor.emits(step) else []
+        return act(actor.node, inputs, state, step, self.backend)
+
+    # -- the watchdog's report ------------------------------------------------------------------------
+
+    def _stall_report(self) -> str:
+        now = time.monotonic()
+        ranks = self.board.owned_ranks
+        waiting = [a for a in self.board.actors if not a.done]
+        lines = [f"sbpflow actor runtime: no actor acted for {self.timeout:g} s (SBPFLOW_TIMEOUT) on ranks {ranks}; "
+                 f"{len(waiting)} of {len(self.board.actors)} actors have not finished:"]
+        for a in waiting:
+            lines.append(f"  actor {a.label()} on {a.lane}, micro-batch {a.step}: " + self._waits_for(a))
+        lines.append("last act on each thread:")
+        for worker in self._workers.values():
+            lines.append(f"  {worker.lane}: {worker.describe_last(now)}")
+        return "\n".join(lines)
+
+    def _waits_for(self, actor: Actor) -> str:
+        worker = self._workers[actor.lane]
+        if worker.running is not None and worker.running[0] is actor:
+            return f"acting for {time.monotonic() - worker.running[2]:.1f} s"
+        phrases = self.board.waits(actor) + worker.turn(actor)
+        return "waits for " + "; ".join(phrases) if phrases else "ready, waiting for its thread"
 
 
-def lane_for(node: PNode, plan: PhysicalPlan) -> str:
-    """The worker thread of a node: its device type and stream.
+def _named(actor: Actor, step: int, fn: Callable[[], list[Any]]) -> list[Any]:
+    """Runs an act under its name: comm errors say which actor they ran in; others are re-raised naming it."""
+    try:
+        with activity(lambda: f"actor {actor.node.label()} (micro-batch {step})"):
+            return fn()
+    except (CommError, ExecutionError):
+        raise  # CommError keeps its type (peer-failure handling reads it); both already name the actor
+    except Exception as e:
+        kind = "" if isinstance(e, SbpflowError) else " (a kernel's own error)"
+        raise ExecutionError(f"actor {actor.label()} failed on micro-batch {step}{kind}: "
+                             f"{type(e).__name__}: {e}") from e
 
-    A boxing node that runs a collective goes to a communication stream even if the plan put it on
-    "compute": on one process the compute thread's order depends on timing, and every member of a
-    group must issue its collectives in one order (issue 6's verifier checks the stream order).
-    """
-    bufs = [plan.bufs[b] for b in node.outputs + node.inputs]
-    device = bufs[0].layout.placement.type if bufs else "cpu"
-    stream = node.stream
-    if stream == COMPUTE_STREAM and node.kind == "boxing" and node.boxing is not None and node.boxing.collectives():
-        stream = "comm:" + ",".join(map(str, node.ranks))
-    return f"{device}/{stream}"
+
+def _add_into(total: Shards | None, value: Shards) -> Shards:
+    """Accumulates one micro-batch: a copy of the first value, then in-place sums (as run_plan's accumulate)."""
+    if total is None:
+        return {r: t.clone() for r, t in value.items()}
+    for r, t in value.items():
+        total[r] += t
+    return total

@@ -17,7 +17,7 @@ import threading
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from .actors import Actor, Board
+from .board import Actor, Board
 
 
 class Worker:

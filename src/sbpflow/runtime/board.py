@@ -1,0 +1,337 @@
+"""Actors and registers: the dependency state of one step, with no threads in it (ActorRuntime drives it).
+
+Every node of the physical plan that this process runs becomes an :class:`Actor`. Every output
+buffer becomes a :class:`RegisterState` of ``register_num`` slots. The rules (issue 9, section 1):
+
+* an actor acts (step k) when each input has a ready slot and each output has a free slot;
+* after acting it sends "ready" to every consumer (the slot goes into their input queues) and
+  "free" back to each producer (a slot is writable again once all of its readers freed it).
+
+Back-pressure comes from that alone: a producer stops when its consumers have not freed its slots.
+
+Steps. An actor of the ``micro`` phase acts once per micro-batch (m steps), ``pre``/``post`` actors
+once. ``accumulate`` and ``pack`` take their m inputs one step at a time (so each input slot is
+freed at once) and write their single output on the last step; they hold that output slot from
+the first step, which is what the memory count charges them. A value written once and read by an
+actor that acts m times (``repeat``, or any micro actor reading a ``pre`` buffer) stays in its slot
+until the m-th read. ``control`` edges are slots with no value and no bound: ordering only.
+
+A buffer whose producer this process does not run (the source side of a cross-placement boxing
+node, on a process that owns only destination ranks) reads as ``{}``: no shards here.
+
+:class:`Board` is the whole state; :mod:`.actors` (ActorRuntime) drives it from worker threads under one lock.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..comm import Backend
+from ..graph.physical import COMPUTE_STREAM, PhysicalPlan, PNode
+from .inorder import ExecutionError
+
+GATHERING = ("accumulate", "pack")  # kinds that take m micro-batch inputs and write one output
+
+
+@dataclass(eq=False)
+class Slot:
+    """A written register slot: the value, its micro-batch, and the reads still to come."""
+
+    value: Any
+    micro: int
+    reads_left: int
+    register: RegisterState | None  # None: a control token (no memory, no bound)
+    event: Any = None  # CUDA: the event recorded after the write (runtime._cuda)
+
+
+@dataclass(eq=False)
+class RegisterState:
+    """One buffer's register: ``capacity`` slots, ``free`` of them writable now."""
+
+    buf: int
+    capacity: int
+    bytes_by_rank: dict[int, int]  # one slot's bytes on each owned rank
+    producer: Actor
+    readers: list[InEdge] = field(default_factory=list)
+    free: int = 0
+
+    @property
+    def live(self) -> int:
+        return self.capacity - self.free
+
+
+@dataclass(eq=False)
+class InEdge:
+    """One input (or control dependency) of an actor: the queue of slots its producer sent it."""
+
+    consumer: Actor
+    buf: int | None  # None: a control edge
+    producer: Actor | None  # None: written by a node this process does not run (reads as {})
+    reads_per_slot: int  # m for a once-written value read by an m-step actor, else 1
+    orphan: bool = False  # no node of the plan writes it (a corrupt plan): it never becomes ready
+    queue: deque[Slot] = field(default_factory=deque)
+    reads: int = 0  # reads of the head slot so far
+
+    @property
+    def waits(self) -> bool:
+        return self.orphan or (self.producer is not None and not self.queue)
+
+    def describe(self) -> str:
+        if self.orphan:
+            return f"register %{self.buf}, which no node of the plan writes"
+        what = f"register %{self.buf}" if self.buf is not None else "a control token"
+        source = self.producer.node.label() if self.producer is not None else "no actor of this process"
+        return f"{what} from actor {source}"
+
+
+@dataclass(eq=False)
+class Actor:
+    """A node of the plan as this process runs it."""
+
+    node: PNode
+    position: int  # index in the plan's list: the compute thread's priority (earlier first)
+    steps: int  # acts per run: m for micro actors and for accumulate/pack, else 1
+    lane: str  # the worker thread that runs it: "<device type>/<stream>"
+    inputs: list[InEdge] = field(default_factory=list)
+    controls: list[InEdge] = field(default_factory=list)
+    outputs: list[RegisterState] = field(default_factory=list)
+    control_out: list[InEdge] = field(default_factory=list)
+    step: int = 0  # the next step to act
+    busy: bool = False  # acting now, or queued on its thread
+    partial: Any = None  # accumulate: the running sum; pack: the values so far
+
+    @property
+    def gathers(self) -> bool:
+        return self.node.kind in GATHERING
+
+    @property
+    def done(self) -> bool:
+        return self.step >= self.steps
+
+    def emits(self, step: int) -> bool:
+        return not self.gathers or step == self.steps - 1
+
+    def acquires(self, step: int) -> bool:
+        return not self.gathers or step == 0
+
+    def label(self) -> str:
+        op = f" (op {self.node.op})" if self.node.op else ""
+        return f"{self.node.label()}{op}"
+
+
+@dataclass
+class Stats:
+    """What the last run did: acts, peak live bytes per rank and peak live slots per register."""
+
+    acts: int = 0
+    peak_bytes: dict[int, int] = field(default_factory=dict)
+    peak_slots: dict[int, int] = field(default_factory=dict)  # buf id -> most slots live at once
+    register_num: dict[int, int] = field(default_factory=dict)  # buf id -> capacity
+    seconds: float = 0.0
+
+
+class Board:
+    """The actors of one process and their registers; every method runs under the runtime's lock."""
+
+    def __init__(self, plan: PhysicalPlan, backend: Backend, lane_of: Any) -> None:
+        self.plan = plan
+        m = plan.micro_batches
+        self.actors: list[Actor] = []
+        by_node: dict[int, Actor] = {}
+        for position, node in enumerate(plan.nodes):
+            owned = backend.owned(node.ranks)
+            if not owned:
+                continue
+            steps = m if node.phase == "micro" or node.kind in GATHERING else 1
+            actor = Actor(node, position, steps, lane_of(node))
+            self.actors.append(actor)
+            by_node[node.id] = actor
+        self.owned_ranks = sorted({r for a in self.actors for r in backend.owned(a.node.ranks)})
+        self.registers: dict[int, RegisterState] = {}
+        for actor in self.actors:
+            self._add_registers(actor, backend)
+        producers = plan.producers()
+        for actor in self.actors:
+            self._wire(actor, producers, by_node)
+        self.live_bytes = dict.fromkeys(self.owned_ranks, 0)
+        self.stats = Stats()
+        self.finished = 0
+
+    # -- construction -------------------------------------------------------------------------------
+
+    def _add_registers(self, actor: Actor, backend: Backend) -> None:
+        for b in actor.node.outputs:
+            desc = self.plan.registers.get(b)
+            capacity = desc.register_num if desc is not None else 1
+            if capacity < 1:
+                raise ExecutionError(f"{actor.node.label()}: register %{b} has register_num {capacity}, "
+                                     "but a register needs at least 1 slot")
+            owned = backend.owned(self.plan.bufs[b].layout.placement.flat_ranks)
+            sizes = {r: desc.bytes_on(r) if desc is not None else self.plan.bufs[b].nbytes(r) for r in owned}
+            reg = RegisterState(b, capacity, sizes, actor)
+            self.registers[b] = reg
+            actor.outputs.append(reg)
+
+    def _wire(self, actor: Actor, producers: dict[int, int], by_node: dict[int, Actor]) -> None:
+        for b in actor.node.inputs:
+            if b not in producers:
+                # a buffer nobody writes: a corrupt plan; the watchdog reports the wait rather than a crash here
+                actor.inputs.append(InEdge(actor, b, None, 1, orphan=True))
+                continue
+            source = by_node.get(producers[b])
+            edge = InEdge(actor, b, source, self._reads_per_slot(source, actor))
+            actor.inputs.append(edge)
+            if source is not None:
+                self.registers[b].readers.append(edge)
+        for nid in actor.node.control:
+            source = by_node.get(nid)
+            if source is None:
+                continue  # ordering against a node of another process: its own runtime orders it
+            edge = InEdge(actor, None, source, self._reads_per_slot(source, actor))
+            actor.controls.append(edge)
+            source.control_out.append(edge)
+
+    def _reads_per_slot(self, source: Actor | None, consumer: Actor) -> int:
+        if source is None:
+            return 1
+        writes = 1 if source.gathers else source.steps
+        if writes == consumer.steps:
+            return 1
+        if writes == 1:
+            return consumer.steps  # written once, read on every micro-batch
+        raise ExecutionError(
+            f"actor {consumer.label()} ({consumer.node.phase} phase) reads a value that {source.label()} writes on "
+            f"each of the {writes} micro-batches; only accumulate and pack nodes may combine micro-batches")
+
+    # -- one run ---------------------------------------------------------------------------------
+
+    def reset(self) -> None:
+        """Empties every queue and frees every slot, for a new run."""
+        for actor in self.actors:
+            actor.step, actor.busy, actor.partial = 0, False, None
+            for edge in actor.inputs + actor.controls:
+                edge.queue.clear()
+                edge.reads = 0
+        for reg in self.registers.values():
+            reg.free = reg.capacity
+        self.live_bytes = dict.fromkeys(self.owned_ranks, 0)
+        self.stats = Stats(register_num={b: r.capacity for b, r in self.registers.items()})
+        self.finished = sum(1 for a in self.actors if a.steps == 0)
+
+    @property
+    def all_done(self) -> bool:
+        return self.finished == len(self.actors)
+
+    def ready(self, actor: Actor) -> bool:
+        """Whether ``actor`` can act its next step now (see the module docstring)."""
+        if actor.busy or actor.done:
+            return False
+        for edge in actor.inputs:
+            if edge.waits:
+                return False
+        for edge in actor.controls:
+            if edge.waits:
+                return False
+        if actor.acquires(actor.step):
+            return all(reg.free > 0 for reg in actor.outputs)
+        return True
+
+    def take(self, actor: Actor) -> list[Any]:
+        """Starts ``actor``'s next step: claims its output slots; returns its input values."""
+        actor.busy = True
+        if actor.acquires(actor.step):
+            for reg in actor.outputs:
+                self._claim(reg)
+        return [edge.queue[0].value if edge.producer is not None else {} for edge in actor.inputs]
+
+    def input_slots(self, actor: Actor) -> list[Slot]:
+        return [edge.queue[0] for edge in actor.inputs if edge.producer is not None]
+
+    def finish(self, actor: Actor, values: list[Any], event: Any = None) -> set[Actor]:
+        """Ends ``actor``'s step: writes its outputs, frees its inputs. Returns the actors that may be ready now."""
+        step = actor.step
+        woken: set[Actor] = {actor}
+        if actor.emits(step):
+            for reg, value in zip(actor.outputs, values, strict=True):
+                woken |= self._write(reg, value, 0 if actor.gathers else step, event)
+        for edge in actor.control_out:
+            edge.queue.append(Slot(None, step, 1, None))
+            woken.add(edge.consumer)
+        for edge in actor.inputs + actor.controls:
+            woken |= self._release(edge)
+        actor.step += 1
+        actor.busy = False
+        self.stats.acts += 1
+        if actor.done:
+            self.finished += 1
+        return woken
+
+    # -- registers ---------------------------------------------------------------------------------
+
+    def _claim(self, reg: RegisterState) -> None:
+        reg.free -= 1
+        self.stats.peak_slots[reg.buf] = max(self.stats.peak_slots.get(reg.buf, 0), reg.live)
+        for r, n in reg.bytes_by_rank.items():
+            self.live_bytes[r] += n
+            if self.live_bytes[r] > self.stats.peak_bytes.get(r, -1):
+                self.stats.peak_bytes[r] = self.live_bytes[r]
+
+    def _write(self, reg: RegisterState, value: Any, micro: int, event: Any) -> set[Actor]:
+        if not reg.readers:
+            self._free(reg)  # nobody here reads it: the slot is free again at once
+            return {reg.producer}
+        slot = Slot(value, micro, len(reg.readers), reg, event)
+        for edge in reg.readers:
+            edge.queue.append(slot)
+        return {edge.consumer for edge in reg.readers}
+
+    def _release(self, edge: InEdge) -> set[Actor]:
+        if edge.producer is None:
+            return set()
+        edge.reads += 1
+        if edge.reads < edge.reads_per_slot:
+            return set()
+        edge.reads = 0
+        slot = edge.queue.popleft()
+        slot.reads_left -= 1
+        if slot.reads_left == 0 and slot.register is not None:
+            self._free(slot.register)
+            return {slot.register.producer}
+        return set()
+
+    def _free(self, reg: RegisterState) -> None:
+        reg.free += 1
+        for r, n in reg.bytes_by_rank.items():
+            self.live_bytes[r] -= n
+
+    # -- what is stuck -----------------------------------------------------------------------------
+
+    def waits(self, actor: Actor) -> list[str]:
+        """What ``actor``'s next step waits for, one phrase per missing message."""
+        micro = actor.step
+        phrases = [f"{edge.describe()} for micro-batch {micro}" for edge in actor.inputs + actor.controls
+                   if edge.waits]
+        if actor.acquires(actor.step):
+            for reg in actor.outputs:
+                if reg.free == 0:
+                    holders = sorted({e.consumer.node.label() for e in reg.readers if e.queue})
+                    phrases.append(f"a free slot of its register %{reg.buf} ({reg.capacity} of {reg.capacity} held; "
+                                   f"not yet freed by {', '.join(holders) or 'anyone'})")
+        return phrases
+
+
+def lane_for(node: PNode, plan: PhysicalPlan) -> str:
+    """The worker thread of a node: its device type and stream.
+
+    A boxing node that runs a collective goes to a communication stream even if the plan put it on
+    "compute": on one process the compute thread's order depends on timing, and every member of a
+    group must issue its collectives in one order (issue 6's verifier checks the stream order).
+    """
+    bufs = [plan.bufs[b] for b in node.outputs + node.inputs]
+    device = bufs[0].layout.placement.type if bufs else "cpu"
+    stream = node.stream
+    if stream == COMPUTE_STREAM and node.kind == "boxing" and node.boxing is not None and node.boxing.collectives():
+        stream = "comm:" + ",".join(map(str, node.ranks))
+    return f"{device}/{stream}"
