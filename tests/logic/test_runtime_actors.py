@@ -17,7 +17,7 @@ from sbpflow.comm import SimulatedBackend
 from sbpflow.comm.base import Backend
 from sbpflow.graph.physical import PhysicalPlan
 from sbpflow.runtime import ExecutionError
-from sbpflow.runtime.board import Actor, Board, lane_for
+from sbpflow.runtime.board import Actor, Board, dry_run, lane_for
 from sbpflow.runtime.builder import PlanBuilder
 from sbpflow.runtime.workers import CommWorker
 
@@ -154,3 +154,16 @@ def test_a_collective_planned_on_the_compute_stream_runs_on_a_comm_thread() -> N
     local.output("y", local.boxing(local.input("x", (4,), P2, (S.broadcast,)), (S.split(0),)))
     slice_plan = local.build()
     assert lane_for(next(n for n in slice_plan.nodes if n.kind == "boxing"), slice_plan) == "cpu/compute"
+
+
+def test_the_dry_run_counts_a_step_and_refuses_a_plan_that_cannot_finish() -> None:
+    plan = chain(4, 1)
+    stats = dry_run(plan, SimulatedBackend())
+    assert stats.acts == 1 + 4 * 4 + 1 and set(stats.peak_slots.values()) == {1}
+    relu = next(n for n in plan.nodes if n.op == "relu")
+    neg = next(n for n in plan.nodes if n.op == "neg")
+    plan.nodes[relu.id] = type(relu)(**{**relu.__dict__, "control": (neg.id,)})  # relu waits for its own reader
+    with pytest.raises(ExecutionError, match="cannot finish a step; waiting actors:") as info:
+        dry_run(plan, SimulatedBackend())
+    assert f"\n  #{relu.id} compute relu (op relu): a control token from actor #{neg.id} compute neg for " \
+           "micro-batch 0\n" in str(info.value)

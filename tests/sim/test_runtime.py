@@ -21,6 +21,7 @@ from sbpflow.cli import main as cli_main
 from sbpflow.comm import SimulatedBackend, record
 from sbpflow.graph.physical import PhysicalPlan
 from sbpflow.runtime import ActorRuntime, DeadlockError, ExecutionError, run_plan
+from sbpflow.runtime.board import dry_run
 from sbpflow.runtime.builder import Const, PlanBuilder
 from sbpflow.runtime.trace import load
 
@@ -160,6 +161,8 @@ def test_a_chain_holds_at_most_register_num_values_in_flight(backend: SimulatedB
     assert stats.peak_bytes == {0: expected, 1: expected}
     bound = sum(reg.register_num * reg.bytes_on(0) for reg in plan.registers.values())
     assert stats.peak_bytes[0] <= bound
+    # one compute thread: the run is the dry run's schedule, so the memory plan predicts it exactly
+    assert dry_run(plan, backend).peak_bytes == stats.peak_bytes
 
 
 # -- failure: the step stops, the error names the actor, variables keep their values -----------------------
@@ -263,10 +266,11 @@ def test_the_seed_resource_example_fits_its_budget_only_with_control_edges(backe
         with runtime(plan, backend) as rt:
             out = rt.run(feeds, {"w": {0: w, 1: w}})
             peaks[ordered] = rt.stats.peak_bytes[0]
+        assert dry_run(plan, backend).peak_bytes[0] == peaks[ordered]
         torch.testing.assert_close(out["o1"][0] + out["o1"][1], a1 @ w)
         torch.testing.assert_close(out["o2"][0] + out["o2"][1], a2.sum())
-    # naive: O1 acts while w, M1 and M2 are live; ordered: the peak is M2's move (its input still live),
-    # then O2 frees M2 before O1 writes
+    # w is resident for the whole step. Naive: O1 acts while M1 and M2 are live; ordered: the peak is
+    # M2's move (its input still live), then O2 frees M2 before O1 writes
     assert peaks[False] == 2048 + 256 + 2048 + 2048 > budget
     assert peaks[True] == 2048 + 1024 + 256 + 2048 <= budget
 

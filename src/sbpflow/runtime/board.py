@@ -16,6 +16,11 @@ the first step, which is what the memory count charges them. A value written onc
 actor that acts m times (``repeat``, or any micro actor reading a ``pre`` buffer) stays in its slot
 until the m-th read. ``control`` edges are slots with no value and no bound: ordering only.
 
+Memory. A slot's bytes count from the moment its producer claims it (before the act, so an act's inputs
+and outputs are live together) until its last reader frees it; variables count for the whole step,
+since their shards live on between steps. :func:`dry_run` plays a step without threads or kernels:
+the same accounting, for the compiler's memory plan.
+
 A buffer whose producer this process does not run (the source side of a cross-placement boxing
 node, on a process that owns only destination ranks) reads as ``{}``: no shards here.
 
@@ -24,6 +29,7 @@ node, on a process that owns only destination ranks) reads as ``{}``: no shards 
 
 from __future__ import annotations
 
+import heapq
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -52,10 +58,11 @@ class RegisterState:
 
     buf: int
     capacity: int
-    bytes_by_rank: dict[int, int]  # one slot's bytes on each owned rank
+    bytes_by_rank: dict[int, int]  # one slot's bytes on each owned rank; {} for a variable (counted as resident)
     producer: Actor
     readers: list[InEdge] = field(default_factory=list)
     free: int = 0
+    resident: dict[int, int] = field(default_factory=dict)  # a variable's bytes: live for the whole step
 
     @property
     def live(self) -> int:
@@ -155,7 +162,8 @@ class Board:
         producers = plan.producers()
         for actor in self.actors:
             self._wire(actor, producers, by_node)
-        self.live_bytes = dict.fromkeys(self.owned_ranks, 0)
+        self.resident = self._resident_bytes()
+        self.live_bytes = dict(self.resident)
         self.stats = Stats()
         self.finished = 0
 
@@ -170,9 +178,19 @@ class Board:
                                      "but a register needs at least 1 slot")
             owned = backend.owned(self.plan.bufs[b].layout.placement.flat_ranks)
             sizes = {r: desc.bytes_on(r) if desc is not None else self.plan.bufs[b].nbytes(r) for r in owned}
-            reg = RegisterState(b, capacity, sizes, actor)
+            reg = RegisterState(b, capacity, {} if actor.node.kind == "variable" else sizes, actor)
+            reg.resident = sizes if actor.node.kind == "variable" else {}
             self.registers[b] = reg
             actor.outputs.append(reg)
+
+    def _resident_bytes(self) -> dict[int, int]:
+        """Variables live across steps: their bytes count from the start of a step to its end, whatever
+        their register does (its slot only lends the variable's shards to readers, no copy)."""
+        total = dict.fromkeys(self.owned_ranks, 0)
+        for reg in self.registers.values():
+            for r, n in reg.resident.items():
+                total[r] += n
+        return total
 
     def _wire(self, actor: Actor, producers: dict[int, int], by_node: dict[int, Actor]) -> None:
         for b in actor.node.inputs:
@@ -216,8 +234,9 @@ class Board:
                 edge.reads = 0
         for reg in self.registers.values():
             reg.free = reg.capacity
-        self.live_bytes = dict.fromkeys(self.owned_ranks, 0)
-        self.stats = Stats(register_num={b: r.capacity for b, r in self.registers.items()})
+        self.live_bytes = dict(self.resident)
+        self.stats = Stats(peak_bytes=dict(self.resident),
+                           register_num={b: r.capacity for b, r in self.registers.items()})
         self.finished = sum(1 for a in self.actors if a.steps == 0)
 
     @property
@@ -335,3 +354,57 @@ def lane_for(node: PNode, plan: PhysicalPlan) -> str:
     if stream == COMPUTE_STREAM and node.kind == "boxing" and node.boxing is not None and node.boxing.collectives():
         stream = "comm:" + ",".join(map(str, node.ranks))
     return f"{device}/{stream}"
+
+
+def stream_order(actors: list[Actor], micro_batches: int) -> list[tuple[Actor, int]]:
+    """(actor, step) in the in-order executor's order: pre actors, micro-batches 0..m-1, post actors."""
+    ordered = sorted(actors, key=lambda a: a.position)
+    order = [(a, k) for a in ordered if a.node.phase == "pre" for k in range(a.steps)]
+    order += [(a, k) for k in range(micro_batches) for a in ordered if a.node.phase == "micro" and k < a.steps]
+    order += [(a, k) for a in ordered if a.node.phase == "post" for k in range(a.steps)]
+    return order
+
+
+def dry_run(plan: PhysicalPlan, backend: Backend) -> Stats:
+    """Plays one step's messages on one thread, with no kernels: the acts and register counts of a run.
+
+    Every thread's pick rule is kept (compute: earliest plan position first; a comm stream: its fixed
+    order) and the threads are merged by plan position, so this is the runtime's schedule when
+    communication takes no time. Its ``peak_bytes`` is what the runtime reports for such a run, which
+    makes it the memory plan a compiler can predict with (the same accounting, not a second model).
+    """
+    board = Board(plan, backend, lambda node: lane_for(node, plan))
+    board.reset()
+    lanes = sorted({a.lane for a in board.actors if "/comm:" in a.lane})
+    sequences = {lane: stream_order([a for a in board.actors if a.lane == lane], plan.micro_batches)
+                 for lane in lanes}
+    heads = dict.fromkeys(lanes, 0)
+    ready: list[tuple[int, int, int, Actor]] = []
+
+    def offer(actor: Actor) -> None:
+        if "/comm:" in actor.lane:
+            seq, i = sequences[actor.lane], heads[actor.lane]
+            if i >= len(seq) or seq[i][0] is not actor:
+                return
+        if board.ready(actor):
+            actor.busy = True
+            heapq.heappush(ready, (actor.position, actor.step, id(actor), actor))
+
+    for actor in board.actors:
+        offer(actor)
+    while ready:
+        actor = heapq.heappop(ready)[3]
+        actor.busy = False
+        board.take(actor)
+        woken = board.finish(actor, [None] * len(actor.outputs) if actor.emits(actor.step) else [])
+        if "/comm:" in actor.lane:
+            heads[actor.lane] += 1
+            seq, i = sequences[actor.lane], heads[actor.lane]
+            woken |= {seq[i][0]} if i < len(seq) else set()
+        for other in woken:
+            offer(other)
+    if not board.all_done:
+        stuck = [f"{a.label()}: {'; '.join(board.waits(a)) or 'its turn on ' + a.lane}"
+                 for a in board.actors if not a.done]
+        raise ExecutionError("the plan cannot finish a step; waiting actors:\n  " + "\n  ".join(stuck))
+    return board.stats

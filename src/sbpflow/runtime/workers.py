@@ -17,7 +17,7 @@ import threading
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from .board import Actor, Board
+from .board import Actor, Board, stream_order
 
 
 class Worker:
@@ -106,7 +106,7 @@ class CommWorker(Worker):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.sequence = _stream_order(self.actors, self.micro_batches)
+        self.sequence = stream_order(self.actors, self.micro_batches)
         self._next = 0
 
     def reset(self) -> None:
@@ -133,15 +133,6 @@ class CommWorker(Worker):
         if head is actor:
             return []
         return [f"its turn on {self.lane}, after actor {head.label()} micro-batch {step}"]
-
-
-def _stream_order(actors: list[Actor], micro_batches: int) -> list[tuple[Actor, int]]:
-    """(actor, step) in the in-order executor's order: pre actors, micro-batches 0..m-1, post actors."""
-    ordered = sorted(actors, key=lambda a: a.position)
-    order = [(a, k) for a in ordered if a.node.phase == "pre" for k in range(a.steps)]
-    order += [(a, k) for k in range(micro_batches) for a in ordered if a.node.phase == "micro" and k < a.steps]
-    order += [(a, k) for a in ordered if a.node.phase == "post" for k in range(a.steps)]
-    return order
 
 
 def _cuda_lane(device: Any) -> Any:
