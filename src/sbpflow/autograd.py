@@ -253,6 +253,10 @@ def _ones_broadcast(root: Tensor) -> Tensor:
 
     if root._local is not None:
         return Tensor._from_local(torch.ones_like(root._local))
+    if root._lazy is not None:
+        from .graph.trace import ones_root
+
+        return ones_root(root)
     shape = tuple(root.shape)
     shards = {r: torch.ones(shape, dtype=root.dtype, device=t.device) for r, t in (root._shards or {}).items()}
     return Tensor._from_shards(shape, root.dtype, root.placement, (broadcast,) * root.placement.ndim, shards)

@@ -51,7 +51,22 @@ def initial_seed() -> int:
 def next_key() -> int:
     """The key of the next random call; every process draws the same sequence."""
     _stream.counter += 1
-    return _mix(_stream.seed, _stream.counter)
+    key = _mix(_stream.seed, _stream.counter)
+    from .graph import trace
+
+    return trace.next_random_key(key) if trace.ACTIVE else key
+
+
+def mix_key(seed: int, counter: int) -> int:
+    """The key of draw number ``counter`` (1-based) after ``manual_seed(seed)``."""
+    return _mix(seed, counter)
+
+
+def advance(n: int) -> tuple[int, int]:
+    """Skips ``n`` draws (a compiled step drew them); returns ``(seed, counter before)``."""
+    before = _stream.counter
+    _stream.counter += n
+    return _stream.seed, before
 
 
 def _mix(a: int, b: int) -> int:

@@ -39,7 +39,7 @@ class Tensor:
     __slots__ = (
         "_shape", "_dtype", "_placement", "_sbp", "_shards", "_local",
         "requires_grad", "grad", "grad_fn", "_out_index", "_retains_grad", "_hooks", "_version", "_boxed",
-        "__weakref__",
+        "_lazy", "__weakref__",
     )
     # The slots' types (annotations only: with __slots__ they declare, they do not create, attributes).
     _shape: tuple[int, ...] | None
@@ -56,6 +56,7 @@ class Tensor:
     _hooks: list[Callable[[Tensor], Tensor | None]] | None
     _version: int
     _boxed: dict[Any, dict[int, torch.Tensor]] | None
+    _lazy: Any  # the graph value a tensor stands for while nn.Graph traces (metadata only, no shards)
 
     def __init__(self) -> None:
         raise TypeError("build tensors with sbpflow.tensor(...), sbpflow.randn(...) and friends")
@@ -101,6 +102,7 @@ class Tensor:
         # same conversion share one collective. Only op outputs enable it (see ops.registry.run): leaves
         # such as parameters are updated in place on their shards by optimizers.
         self._boxed = None
+        self._lazy = None
 
     # -- metadata ------------------------------------------------------------------------
 
@@ -172,12 +174,16 @@ class Tensor:
 
     def local_tensors(self) -> dict[int, torch.Tensor]:
         """``{rank: shard}`` for every rank this process owns."""
+        if self._lazy is not None:
+            self._lazy.refuse_data("local_tensors()")
         if self._local is not None:
             return {0: self._local}
         return dict(self._shards or {})
 
     def to_local(self) -> torch.Tensor:
         """This process's shard (or the tensor itself, for a local tensor)."""
+        if self._lazy is not None:
+            self._lazy.refuse_data("to_local()")
         if self._local is not None:
             return self._local
         shards = self._shards or {}
@@ -251,6 +257,8 @@ class Tensor:
     __hash__ = object.__hash__
 
     def __repr__(self) -> str:
+        if self._lazy is not None:
+            return f"LazyTensor({self._lazy.name()}, {self._describe()})"
         value = logical_value(self)
         body = repr(value)[len("tensor(") : -1] if repr(value).startswith("tensor(") else repr(value)
         extra = []
@@ -276,6 +284,8 @@ class Tensor:
         """The same values, cut from the graph (shards are shared, as torch shares storage)."""
         if self._local is not None:
             return Tensor._from_local(self._local.detach())
+        if self._lazy is not None:
+            return self._lazy.tensor()
         shards = {r: t.detach() for r, t in (self._shards or {}).items()}
         return Tensor._from_shards(self.shape, self.dtype, self.placement, self.sbp, shards)
 
@@ -302,6 +312,10 @@ class Tensor:
 
     def _assign(self, value: Tensor) -> Tensor:
         """Copies ``value`` (already in this tensor's layout) into this tensor's storage."""
+        if self._lazy is not None or value._lazy is not None:
+            from .graph.trace import assign_lazy
+
+            return assign_lazy(self, value)
         if self._local is not None:
             self._local.copy_(value.to_local())
         else:
@@ -320,6 +334,8 @@ def logical_value(t: Tensor) -> torch.Tensor:
     """
     if t._local is not None:
         return t._local
+    if t._lazy is not None:
+        t._lazy.refuse_data("reading its value (item, numpy, tolist, bool, print)")
     placement = get_backend().everywhere(t.placement)
     target = boxing.Layout(placement, (broadcast,) * placement.ndim)
     plan = boxing.plan(tuple(t.shape), t.dtype, _layout(t), target)

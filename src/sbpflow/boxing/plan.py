@@ -94,6 +94,18 @@ class CostModel:
 
 
 _cost_model = [CostModel()]
+_target_factors: list[tuple[tuple[tuple[str, str], float], ...]] = []
+
+
+@contextmanager
+def target_factors(factors: tuple[tuple[tuple[str, str], float], ...]) -> Iterator[None]:
+    """Plans inside the block cost collectives as the *target* backend composes them (``cost_factors``),
+    whatever backend runs here: a compiled plan depends on the cluster it targets, not on the executor."""
+    _target_factors.append(tuple(factors))
+    try:
+        yield
+    finally:
+        _target_factors.pop()
 
 
 def get_cost_model() -> CostModel:
@@ -198,7 +210,7 @@ def plan(
     the composition really moves (``Backend.cost_factors``; e.g. gloo's
     reduce-scatter is an all-reduce, twice the bytes).
     """
-    factors = get_backend().cost_factors()
+    factors = _target_factors[-1] if _target_factors else get_backend().cost_factors()
     return _plan_cached(tuple(shape), dtype, src, dst, model or get_cost_model(), factors)
 
 
@@ -210,6 +222,31 @@ def _plan_cached(shape: Shape, dtype: torch.dtype, src: Layout, dst: Layout, mod
     ctx = _Ctx(shape, _itemsize(dtype), model, _candidates(shape, src, dst), dict(factors))
     steps = _search(ctx, src, dst)
     return Plan(shape, dtype, src, dst, tuple(steps))
+
+
+def transition_time(shape: Shape, dtype: torch.dtype, src: Layout, dst: Layout, model: CostModel) -> float:
+    """The modelled time of boxing ``src -> dst``, fast: a change on one mesh axis that the table does in one
+    valid step costs that step (what the search finds in all but contrived cases); anything else is planned.
+    Used by whole-graph SBP selection, which prices many thousands of pairs."""
+    if src == dst:
+        return 0.0
+    factors = _target_factors[-1] if _target_factors else get_backend().cost_factors()
+    if src.placement == dst.placement:
+        mesh = src.placement.hierarchy
+        # one-rank axes are relabelled for free: compare only the others
+        mid = Layout(src.placement, tuple(b if mesh[i] == 1 else a for i, (a, b) in enumerate(zip(src.sbp, dst.sbp,
+                                                                                                strict=True))))
+        differ = [axis for axis, (a, b) in enumerate(zip(mid.sbp, dst.sbp, strict=True)) if a != b]
+        if not differ:
+            return 0.0
+        if len(differ) == 1:
+            axis = differ[0]
+            a, b = mid.sbp[axis], dst.sbp[axis]
+            kind = _axis_kind(a, b)
+            if kind is not None and _valid_on_axis(mid.sbp, axis, a, b):
+                ctx = _Ctx(tuple(shape), _itemsize(dtype), model, (), dict(factors))
+                return _axis_step(ctx, kind, mid, dst, axis).time
+    return _plan_cached(tuple(shape), dtype, src, dst, model, factors).time
 
 
 @lru_cache(maxsize=64)

@@ -65,6 +65,11 @@ Group = tuple[int, ...]
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
+# gloo has no reduce-scatter: it is an all-reduce, twice the bytes (NCCL has it). Compiled plans cost collectives
+# with these factors whatever backend executes them, so a plan made on virtual ranks is the cluster's plan.
+TARGET_COST_FACTORS: tuple[tuple[tuple[str, str], float], ...] = ((("cpu", "reduce_scatter"), 2.0),)
+
+
 class TorchDistBackend(Backend):
     """Owns global rank ``config.rank``; joins the default (gloo) process group on construction."""
 
@@ -122,7 +127,7 @@ class TorchDistBackend(Backend):
         return Placement(placement.type, list(range(self.world_size)))
 
     def cost_factors(self) -> tuple[tuple[tuple[str, str], float], ...]:
-        return ((("cpu", "reduce_scatter"), 2.0),)
+        return TARGET_COST_FACTORS
 
     # -- process groups -------------------------------------------------------------------
 

@@ -14,10 +14,12 @@ from .container import ModuleDict, ModuleList, Sequential
 from .conv import AdaptiveAvgPool2d, AvgPool2d, Conv2d, MaxPool2d
 from .layers import GELU, Dropout, Embedding, Flatten, Identity, Linear, ReLU, SiLU, Tanh
 from .loss import CrossEntropyLoss, MSELoss
+from .graph import Graph, GraphConfig
 from .module import Module, Parameter
 from .normalization import BatchNorm1d, BatchNorm2d, LayerNorm, RMSNorm
 
 __all__ = [
+    "Graph", "GraphConfig",
     "GELU", "AdaptiveAvgPool2d", "AvgPool2d", "BatchNorm1d", "BatchNorm2d", "Conv2d", "CrossEntropyLoss", "Dropout",
     "Embedding", "Flatten", "Identity", "LayerNorm", "Linear", "MSELoss", "MaxPool2d", "Module", "ModuleDict",
     "ModuleList", "Parameter", "RMSNorm", "ReLU", "Sequential", "SiLU", "Tanh", "functional", "init", "parallel",

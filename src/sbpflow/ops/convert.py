@@ -15,6 +15,7 @@ from .._layout import shard_shape
 from ..autograd import is_grad_enabled
 from ..comm import get_backend
 from ..errors import SbpError, ShapeError
+from ..graph import trace as _trace
 from ..placement import Placement
 from ..sbp import NdSbp, Partial, Split, broadcast, format_nd, normalize
 from ..tensor import Tensor
@@ -33,9 +34,12 @@ def to_global(x: Tensor, placement: Placement, sbp: Any) -> Tensor:
     dst = boxing.Layout(placement, nd)
     if src == dst:
         return x
-    plan = boxing.plan(tuple(x.shape), x.dtype, src, dst)
-    shards = boxing.execute(plan, x._shards or {})
-    out = Tensor._from_shards(tuple(x.shape), x.dtype, placement, nd, shards)
+    if _trace.ACTIVE:
+        out = _trace.record_to_global(x, placement, nd)
+    else:
+        plan = boxing.plan(tuple(x.shape), x.dtype, src, dst)
+        shards = boxing.execute(plan, x._shards or {})
+        out = Tensor._from_shards(tuple(x.shape), x.dtype, placement, nd, shards)
     if is_grad_enabled() and x.requires_grad:
         _record(_to_global, (x,), {}, (out,))
     return out

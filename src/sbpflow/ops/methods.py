@@ -84,7 +84,7 @@ Tensor.mT = property(lambda self: F.transpose(self, -1, -2))  # type: ignore[att
 
 def _fast_ok(self: Tensor, name: str, args: tuple[Any, ...]) -> bool:
     """Whether torch's own in-place kernel can run shard by shard (same layout, shape and dtype everywhere)."""
-    if not hasattr(torch.Tensor, name):
+    if not hasattr(torch.Tensor, name) or self._lazy is not None:
         return False
     if self._local is None and any(isinstance(s, Partial) for s in self.sbp):
         return False

@@ -35,6 +35,7 @@ from ..autograd import Node, is_grad_enabled
 from ..comm import get_backend
 from ..distributed import activity
 from ..errors import OpError, SbpflowError
+from ..graph import trace as _trace
 from ..placement import Placement
 from ..sbp import SBP_TYPES, Broadcast, NdSbp, Partial, SbpParallel, Split, format_nd
 from ..tensor import Tensor
@@ -251,6 +252,8 @@ _global_cache: dict[Any, Decision] = {}
 
 
 def _apply_global(opdef: OpDef, args: Sequence[Any], attrs: dict[str, Any]) -> Any:
+    if _trace.ACTIVE:  # nn.Graph is tracing build(): record a node, run nothing
+        return _trace.record_op(opdef, args, attrs)
     placement = None
     key_args: list[Any] = []
     for a in args:

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from ..errors import SbpflowError
 from .optimizer import Optimizer, ShardBatch
 
 
@@ -69,6 +70,33 @@ class Adam(Optimizer):
         torch._foreach_div_(denom, bias_correction2_sqrt)
         torch._foreach_add_(denom, eps)
         torch._foreach_addcdiv_(params, exp_avgs, denom, step_size)
+
+
+    def step_feeds(self, prefix: str, group: dict[str, Any]) -> list[tuple[str, float]]:
+        first = next((p for p in group["params"] if p in self.state), None)
+        step = self.state[first].get("step", 0.0) if first is not None else 0.0
+        return super().step_feeds(prefix, group) + [(f"{prefix}.step", float(step) + 1)]
+
+    def after_compiled_step(self) -> None:
+        for group in self.param_groups:
+            for p in group["params"]:
+                self.state[p]["step"] = self.state[p].get("step", 0.0) + 1
+
+    def _trace_update(self, group: dict[str, Any], prefix: str, p: Any, grad: Any) -> None:
+        from ..graph.trace import StepScalar
+        from ..ops.optimizer import adam_update
+
+        if group["amsgrad"]:
+            raise SbpflowError(f"{type(self).__name__}(amsgrad=True) has no compiled update yet; use eager steps")
+        state = self.state[p]
+        beta1, beta2 = group["betas"]
+        new_p, m, v = adam_update(p.detach(), grad, state["exp_avg"], state["exp_avg_sq"],
+                                  StepScalar(group["lr"], f"{prefix}.lr"), StepScalar(1.0, f"{prefix}.step"),
+                                  beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
+                                  decoupled=self.decoupled, maximize=group["maximize"])
+        p._assign(new_p)
+        state["exp_avg"]._assign(m)
+        state["exp_avg_sq"]._assign(v)
 
 
 class AdamW(Adam):

@@ -40,6 +40,8 @@ def clip_grad_norm_(parameters: Tensor | Iterable[Tensor], max_norm: float, norm
     if not grads:
         return 0.0
     norm_type = float(norm_type)
+    if any(g._lazy is not None for g in grads):  # inside a compiled step: no Python float exists
+        return _clip_traced(grads, max_norm, norm_type)
     with no_grad():
         total = _total_norm(grads, norm_type)
         if error_if_nonfinite and not math.isfinite(total):
@@ -49,6 +51,37 @@ def clip_grad_norm_(parameters: Tensor | Iterable[Tensor], max_norm: float, norm
             for g in grads:
                 g.mul_(coef)  # type: ignore[attr-defined]  # bound by sbpflow.ops.methods
     return total
+
+
+def _clip_traced(grads: list[Tensor], max_norm: float, norm_type: float) -> Any:
+    """The compiled form: the norm stays a (broadcast, 0-d) tensor and every gradient is scaled by
+    ``min(1, max_norm / (norm + 1e-6))``, computed on the first placement and moved to each other one."""
+    with no_grad():
+        combined, home = _combined_pieces(grads, norm_type)
+        total = combined if math.isinf(norm_type) or norm_type == 1.0 else F.pow(combined, 1.0 / norm_type)
+        coef = F.clamp(F.div(F.full_like(total, max_norm), F.add(total, 1e-6)), max=1.0)
+        on: dict[Any, Tensor] = {home: coef}
+        for g in grads:
+            if g.placement not in on:
+                on[g.placement] = F.to_global(coef, g.placement, (broadcast,) * g.placement.ndim)
+            g.mul_(on[g.placement])  # type: ignore[attr-defined]  # bound by sbpflow.ops.methods
+    return total
+
+
+def _combined_pieces(grads: list[Tensor], norm_type: float) -> tuple[Tensor, Any]:
+    """Every gradient's ``sum(|g|^p)`` (or max), combined per placement, then on the first placement (B)."""
+    combine = F.maximum if math.isinf(norm_type) else F.add
+    per_placement: dict[Any, Tensor] = {}
+    for g in grads:
+        piece = _piece(g, norm_type)
+        key = piece.placement
+        per_placement[key] = piece if key not in per_placement else combine(per_placement[key], piece)
+    home = next(iter(per_placement))
+    moved = [F.to_global(t, home, (broadcast,) * home.ndim) for t in per_placement.values()]
+    combined = moved[0]
+    for t in moved[1:]:
+        combined = combine(combined, t)
+    return combined, home
 
 
 def _total_norm(grads: list[Tensor], norm_type: float) -> float:

@@ -188,6 +188,49 @@ class Optimizer:
             if name not in state:
                 state[name] = _zeros_like_view(view)
 
+    # -- compiled steps (nn.Graph) ------------------------------------------------------------------
+
+    def init_state(self) -> None:
+        """Creates every parameter's state tensors now (zeros in the state layout), as a first step would."""
+        for group in self.param_groups:
+            names = self._state_names(group)
+            for p in group["params"]:
+                self._init_state(p, p, self.state[p], names)
+
+    def trace_step(self, feed_prefix: str) -> list[tuple[str, float]]:
+        """Traces this optimizer's update of every parameter with a (lazy) gradient into the graph being built.
+
+        Parameters and state tensors are the graph's variables: each update op's results are written back
+        with ``_assign``. Per-step numbers (lr, step counts) are fed each step: returns ``(feed name, value)``
+        pairs the graph refreshes before every run by :meth:`step_feeds`.
+        """
+        feeds = []
+        with no_grad():
+            for gi, group in enumerate(self.param_groups):
+                params = [p for p in group["params"] if p.grad is not None]
+                if not params:
+                    continue
+                _check_shared_step([self.state[p] for p in params], type(self).__name__)
+                for p in params:
+                    _check_not_partial(p, type(self).__name__)
+                    grad = p.grad
+                    assert grad is not None
+                    if (grad.placement, grad.sbp) != (p.placement, p.sbp):
+                        grad = grad.to_global(p.placement, p.sbp)
+                    self._trace_update(group, f"{feed_prefix}.{gi}", p, grad)
+                feeds += self.step_feeds(f"{feed_prefix}.{gi}", group)
+        return feeds
+
+    def step_feeds(self, prefix: str, group: dict[str, Any]) -> list[tuple[str, float]]:
+        """The per-step scalars of one group for its next compiled step."""
+        return [(f"{prefix}.lr", float(group["lr"]))]
+
+    def after_compiled_step(self) -> None:
+        """Advances host-side scalar state (step counts) once a compiled step has succeeded."""
+
+    def _trace_update(self, group: dict[str, Any], prefix: str, p: Tensor, grad: Tensor) -> None:
+        raise SbpflowError(f"{type(self).__name__} has no compiled (nn.Graph) update")
+
     # -- what subclasses define ------------------------------------------------------------------
 
     def _state_names(self, group: dict[str, Any]) -> list[str]:
@@ -249,6 +292,13 @@ def _check_param(p: Any, who: str) -> None:
         raise SbpflowError(f"{who} optimizes sbpflow Tensors, but got {type(p).__name__}")
     if not p.is_leaf:
         raise SbpflowError(f"{who} can only optimize leaf tensors, but got one with grad_fn ({p._describe()})")
+
+
+def _check_shared_step(states: list[ParamState], who: str) -> None:
+    steps = {s.get("step") for s in states}
+    if len(steps) > 1:
+        raise SbpflowError(f"{who}: a compiled step needs the parameters of a group to share their step count, "
+                           f"but they are at steps {sorted(x for x in steps if x is not None)}")
 
 
 def _check_not_partial(p: Tensor, who: str) -> None:

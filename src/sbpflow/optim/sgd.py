@@ -70,3 +70,35 @@ class SGD(Optimizer):
         if group["nesterov"]:
             return list(torch._foreach_add(grads, bufs, alpha=momentum))
         return bufs
+
+    # -- compiled steps -----------------------------------------------------------------------------
+
+    def step_feeds(self, prefix: str, group: dict[str, Any]) -> list[tuple[str, float]]:
+        feeds = super().step_feeds(prefix, group)
+        if group["momentum"] != 0:
+            started = all(self.state[p].get("momentum_started", True) for p in group["params"] if p in self.state)
+            feeds.append((f"{prefix}.started", 1.0 if started else 0.0))
+        return feeds
+
+    def after_compiled_step(self) -> None:
+        for group in self.param_groups:
+            if group["momentum"] != 0:
+                for p in group["params"]:
+                    self.state[p]["momentum_started"] = True
+
+    def _trace_update(self, group: dict[str, Any], prefix: str, p: Any, grad: Any) -> None:
+        from ..graph.trace import StepScalar
+        from ..ops.optimizer import sgd_momentum_update, sgd_update
+
+        lr = StepScalar(group["lr"], f"{prefix}.lr")
+        if group["momentum"] == 0:
+            p._assign(sgd_update(p.detach(), grad, lr, weight_decay=group["weight_decay"],
+                                 maximize=group["maximize"]))
+            return
+        buf = self.state[p]["momentum_buffer"]
+        new_p, new_buf = sgd_momentum_update(
+            p.detach(), grad, buf, lr, StepScalar(0.0, f"{prefix}.started"), momentum=group["momentum"],
+            dampening=group["dampening"], weight_decay=group["weight_decay"], nesterov=group["nesterov"],
+            maximize=group["maximize"])
+        p._assign(new_p)
+        buf._assign(new_buf)

@@ -25,8 +25,10 @@ from ..distributed import activity
 from ..errors import SbpflowError
 from ..graph.physical import PhysicalPlan, PNode
 from ..ops.registry import REGISTRY, Meta, ShardCtx
+from ..random import mix_key
 
 Shards = dict[int, torch.Tensor]
+RANDOM_FEED = "__random__"  # feeds[RANDOM_FEED] = (seed, counter at step start, keys drawn per micro-batch)
 
 
 class ExecutionError(SbpflowError):
@@ -59,7 +61,7 @@ def act(node: PNode, inputs: Sequence[Any], state: StepState, micro: int, backen
     if kind == "repeat":
         return [inputs[0]]
     if kind == "compute":
-        return _compute(node, inputs, state.plan, owned)
+        return _compute(node, inputs, state, micro, owned)
     if kind == "boxing":
         assert node.boxing is not None
         return [boxing.execute(node.boxing, inputs[0], backend)]
@@ -82,12 +84,24 @@ def _check_feed(node: PNode, state: StepState) -> Shards:
     return state.feeds[node.name]
 
 
-def _compute(node: PNode, inputs: Sequence[Any], plan: PhysicalPlan, owned: list[int]) -> list[Any]:
+def _scalar(how: str, v: Any, state: StepState, micro: int) -> Any:
+    """A non-tensor argument: a constant, a per-step feed (``"s"``), or the step's random key (``"k"``)."""
+    if how == "s":
+        return state.feeds[v]
+    if how == "k":  # the same key eager mode would draw: counter base + micro-batch * keys per micro-batch + v
+        seed, base, per_micro = state.feeds[RANDOM_FEED]
+        return mix_key(seed, base + micro * per_micro + v + 1)
+    return v
+
+
+def _compute(node: PNode, inputs: Sequence[Any], state: StepState, micro: int, owned: list[int]) -> list[Any]:
+    plan = state.plan
     opdef = REGISTRY[node.op or node.name]
     attrs = dict(node.attrs)
     results: dict[int, Any] = {}
+    scalars = [_scalar(how, v, state, micro) for how, v in node.args]
     for r in owned:
-        values = [inputs[v][r] if how == "t" else v for how, v in node.args]
+        values = [inputs[v][r] if how == "t" else s for (how, v), s in zip(node.args, scalars, strict=True)]
         if opdef.shard_aware:
             results[r] = opdef.kernel(_shard_ctx(node, plan, r), *values, **attrs)
         else:

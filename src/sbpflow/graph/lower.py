@@ -1,0 +1,244 @@
+"""Lowering: the logical graph with chosen SBPs -> one physical plan for every rank.
+
+Every logical op becomes a compute node on its placement's ranks. Where a
+consumer needs a layout its producer does not give, the boxing planner's steps
+become nodes of their own (a collective on a communication stream, or a local
+slice/pad on the compute stream). A value boxed to one layout is boxed once and
+shared by every consumer in that phase (common subexpressions of boxing).
+
+Micro-batches: a step input is cut by an ``unpack`` node, a variable read by
+every micro-batch goes through ``repeat``, gradients are summed by
+``accumulate`` and results joined by ``pack``. With one micro-batch they are
+left out.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .. import boxing
+from ..boxing import Layout
+from ..boxing.plan import MOVES_NOTHING
+from ..placement import Placement
+from .ir import LNode, LogicalGraph
+from .physical import COMPUTE_STREAM, Buf, PhysicalPlan, PNode, Register
+
+
+def stream_of(step: boxing.Step) -> str:
+    """The communication stream (one per process group family) of a boxing step; local steps compute."""
+    if step.kind in MOVES_NOTHING:
+        return COMPUTE_STREAM
+    if step.src.placement == step.dst.placement:
+        return f"comm:{step.src.placement}:axis{step.axis}"
+    return f"comm:{step.src.placement}->{step.dst.placement}"
+
+
+class _Lowerer:
+    def __init__(self, g: LogicalGraph, model: boxing.CostModel, factors: tuple[Any, ...]) -> None:
+        self.g = g
+        self.model = model
+        self.factors = factors
+        self.m = g.micro_batches
+        self.nodes: list[PNode] = []
+        self.bufs: dict[int, Buf] = {}
+        self.at: dict[tuple[int, str], int] = {}  # (value id, phase) -> buf id holding it in that phase
+        self.boxed: dict[tuple[int, Layout], int] = {}  # (buf id, layout) -> boxed buf id (CSE)
+        self.made_in: dict[int, str] = {}  # buf id -> phase of its producer
+
+    # -- buffers and nodes ---------------------------------------------------------------------------
+
+    def new_buf(self, shape: tuple[int, ...], dtype: Any, layout: Layout) -> int:
+        b = Buf(len(self.bufs), shape, dtype, layout)
+        self.bufs[b.id] = b
+        return b.id
+
+    def emit(self, kind: str, name: str, inputs: tuple[int, ...], outputs: tuple[int, ...],
+             ranks: tuple[int, ...], phase: str, **extra: Any) -> PNode:
+        node = PNode(len(self.nodes), kind, name, inputs, outputs, ranks, phase, **extra)
+        self.nodes.append(node)
+        for b in outputs:
+            self.made_in[b] = phase
+        return node
+
+    def value_buf(self, vid: int, layout: Layout) -> int:
+        v = self.g.values[vid]
+        return self.new_buf(v.shape, v.dtype, layout)
+
+    # -- reading a value in a phase and layout ------------------------------------------------------
+
+    def read(self, vid: int, phase: str, layout: Layout, label: str) -> int:
+        buf = self.at_phase(vid, phase)
+        return self.box(buf, layout, phase, label)
+
+    def at_phase(self, vid: int, phase: str) -> int:
+        key = (vid, phase)
+        if key in self.at:
+            return self.at[key]
+        pre = self.at.get((vid, "pre"))
+        if pre is None or phase != "micro" or self.m == 1:
+            if pre is not None:
+                return pre
+            raise AssertionError(f"value %{vid} is read in phase {phase} but never defined there")
+        producer = self.g.nodes[self.g.values[vid].producer]
+        src = self.bufs[pre]
+        out = self.new_buf(src.shape if producer.kind != "input" else src.shape, src.dtype, src.layout)
+        kind = "unpack" if producer.kind == "input" else "repeat"
+        self.emit(kind, producer.name, (pre,), (out,), src.layout.placement.flat_ranks, "micro")
+        self.at[key] = out
+        return out
+
+    def box(self, buf: int, layout: Layout, phase: str, label: str) -> int:
+        src = self.bufs[buf]
+        if src.layout == layout:
+            return buf
+        key = (buf, layout)
+        if key in self.boxed:
+            return self.boxed[key]
+        with boxing.target_factors(self.factors):
+            plan = boxing.plan(src.shape, src.dtype, src.layout, layout, self.model)
+        current = buf
+        for i, step in enumerate(plan.steps):
+            out = self.new_buf(src.shape, src.dtype, step.dst)
+            one = boxing.Plan(src.shape, src.dtype, step.src, step.dst, (step,))
+            ranks = _union(step.src.placement, step.dst.placement)
+            self.emit("boxing", f"{step.kind} for {label} ({i + 1}/{len(plan.steps)})", (current,), (out,), ranks,
+                      phase, stream=stream_of(step), boxing=one)
+            current = out
+        self.boxed[key] = current
+        return current
+
+    # -- logical nodes ------------------------------------------------------------------------------
+
+    def lower(self) -> PhysicalPlan:
+        for n in self.g.nodes:
+            getattr(self, f"_{n.kind}")(n)
+        plan = PhysicalPlan(self.nodes, self.bufs, {}, self.m)
+        plan.registers = registers(plan)
+        plan.world = tuple(sorted({r for n in self.nodes for r in n.ranks}))
+        plan.peak_bytes = predict_peak(plan)
+        return plan
+
+    def _source(self, n: LNode, kind: str) -> None:
+        v = self.g.values[n.outputs[0]]
+        out = self.value_buf(v.id, Layout(v.placement, v.sbp))
+        self.emit(kind, n.name, (), (out,), v.placement.flat_ranks, "pre", logical=n.id)
+        self.at[(v.id, "pre")] = out
+
+    def _input(self, n: LNode) -> None:
+        self._source(n, "input")
+
+    def _variable(self, n: LNode) -> None:
+        self._source(n, "variable")
+
+    def _constant(self, n: LNode) -> None:
+        self._source(n, "variable")  # constants are read-only variables the graph captured
+
+    def _op(self, n: LNode) -> None:
+        ins = tuple(self.read(vid, n.phase, Layout(self.g.values[vid].placement, sbp), f"{n.name} input {i}")
+                    for i, (vid, sbp) in enumerate(zip(n.inputs, n.in_sbps, strict=True)))
+        outs = []
+        for vid in n.outputs:
+            v = self.g.values[vid]
+            outs.append(self.value_buf(vid, Layout(v.placement, v.sbp)))
+            self.at[(vid, n.phase)] = outs[-1]
+        placement = self.g.values[n.outputs[0]].placement if n.outputs else self.g.values[n.inputs[0]].placement
+        self.emit("compute", n.name, ins, tuple(outs), placement.flat_ranks, n.phase, op=n.name, args=n.args,
+                  attrs=n.attrs, in_sbps=n.in_sbps, out_sbps=tuple(self.g.values[v].sbp for v in n.outputs),
+                  logical=n.id)
+
+    def _to_global(self, n: LNode) -> None:
+        v = self.g.values[n.outputs[0]]
+        self.at[(v.id, n.phase)] = self.read(n.inputs[0], n.phase, Layout(v.placement, v.sbp), "to_global")
+
+    def _micro_to_post(self, n: LNode, kind: str) -> None:
+        src = self.at_phase(n.inputs[0], "micro")
+        if self.m == 1:
+            self.at[(n.outputs[0], "post")] = src
+            return
+        b = self.bufs[src]
+        shape = b.shape
+        if n.name == "cat":
+            shape = (b.shape[0] * self.m, *b.shape[1:])
+        out = self.new_buf(shape, b.dtype, b.layout)
+        self.emit(kind, n.name, (src,), (out,), b.layout.placement.flat_ranks, "post", mode=n.name, logical=n.id)
+        self.at[(n.outputs[0], "post")] = out
+
+    def _sink(self, n: LNode, kind: str) -> None:
+        v = self.g.values[n.inputs[0]]
+        buf = self.read(v.id, n.phase, Layout(v.placement, n.in_sbps[0]), f"{kind} {n.name}")
+        self.emit(kind, n.name, (buf,), (), v.placement.flat_ranks, n.phase, logical=n.id)
+
+    def _assign(self, n: LNode) -> None:
+        self._sink(n, "assign")
+
+    def _output(self, n: LNode) -> None:
+        self._sink(n, "output")
+
+    def _accumulate(self, n: LNode) -> None:
+        self._micro_to_post(n, "accumulate")
+
+    def _pack(self, n: LNode) -> None:
+        self._micro_to_post(n, "pack")
+
+
+def _union(a: Placement, b: Placement) -> tuple[int, ...]:
+    if a == b:
+        return a.flat_ranks
+    return tuple(sorted(set(a.flat_ranks) | set(b.flat_ranks)))
+
+
+def lower(g: LogicalGraph, model: boxing.CostModel, factors: tuple[Any, ...]) -> PhysicalPlan:
+    """The physical plan of ``g`` (whose values carry their chosen SBPs)."""
+    return _Lowerer(g, model, factors).lower()
+
+
+# ----------------------------------------------------------------------------- registers and memory
+
+
+def registers(plan: PhysicalPlan) -> dict[int, Register]:
+    """One register per buffer (register_num 1): its bytes on each rank and its consumers."""
+    consumers: dict[int, list[int]] = {b: [] for b in plan.bufs}
+    for n in plan.nodes:
+        for b in n.inputs:
+            consumers[b].append(n.id)
+    out = {}
+    for b, buf in plan.bufs.items():
+        placement = buf.layout.placement
+        out[b] = Register(b, 1, tuple((r, buf.nbytes(r)) for r in placement.flat_ranks), tuple(consumers[b]))
+    return out
+
+
+def predict_peak(plan: PhysicalPlan) -> dict[int, int]:
+    """Peak bytes per rank of the in-order execution: variables plus the live buffers at the worst node.
+
+    A buffer lives from its producer to its last consumer (in execution order: pre, one micro-batch, post;
+    buffers read after the micro-batches, such as accumulated gradients, live across them). Variables and
+    aliases (unpack, repeat, identity boxing) are counted where they first appear.
+    """
+    order = list(plan.phase("pre")) + list(plan.phase("micro")) + list(plan.phase("post"))
+    position = {n.id: i for i, n in enumerate(order)}
+    last: dict[int, int] = {}
+    for n in order:
+        for b in n.inputs:
+            last[b] = max(last.get(b, -1), position[n.id])
+    live: dict[int, int] = {}
+    peak: dict[int, int] = {}
+    for i, n in enumerate(order):
+        for b in n.outputs:
+            for r, nbytes in plan.registers[b].bytes_per_rank:
+                live[r] = live.get(r, 0) + nbytes
+        for r, nbytes in live.items():
+            peak[r] = max(peak.get(r, 0), nbytes)
+        for b in n.inputs:
+            if last.get(b) == i and plan.node(_producer(plan, b)).kind not in ("variable",):
+                for r, nbytes in plan.registers[b].bytes_per_rank:
+                    live[r] -= nbytes
+    return peak
+
+
+def _producer(plan: PhysicalPlan, buf: int) -> int:
+    producers = getattr(plan, "_producers", None)
+    if producers is None:
+        producers = plan.producers()
+        plan._producers = producers  # type: ignore[attr-defined]
+    return producers[buf]

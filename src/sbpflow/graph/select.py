@@ -1,0 +1,323 @@
+"""SBP selection for the whole graph: an integer program over every op's signature (HiGHS via scipy).
+
+Each op node ``v`` picks one n-D signature ``k`` from its candidates (``x[v,k]`` binary, one per node).
+Fixed nodes (inputs, variables, constants, explicit ``to_global``) have their layout. For each edge
+from a value to a consumer's input, the producer's output SBP ``s`` and the consumer's required SBP
+``t`` cost the boxing planner's α-β time ``C[s,t]``: edge variables ``e[s,t] >= 0`` whose marginals are
+the producer's and the consumer's choices (with one-hot choices the coupling is exact, so ``e`` can be
+continuous). Ops cost their local compute (bytes moved through memory, plus FLOPs for matmuls), so a
+replicated signature pays for doing everything everywhere. The objective is the step's estimated time.
+
+The eager, greedy choice (made while tracing, op by op in program order) is the baseline: its cost is
+evaluated in the same model, and the solver's result is kept only when it is not worse.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .. import boxing
+from .._layout import shard_shape
+from ..boxing import Layout
+from ..boxing.plan import transition_time
+from ..ops.registry import REGISTRY, Meta, Scalar, Sig, _sig_fits
+from ..sbp import NdSbp, Partial
+from .ir import LNode, LogicalGraph
+
+MEM_SECONDS_PER_BYTE = 1 / 20e9  # local compute: bytes through memory (a CPU core's stream bandwidth)
+SECONDS_PER_FLOP = 1 / 50e9  # matmul throughput
+MATMUL_OPS = ("matmul", "linear", "bmm")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    ins: tuple[NdSbp, ...]
+    outs: tuple[NdSbp, ...]
+
+
+@dataclass
+class Selection:
+    """The outcome: the objective of the greedy baseline and of the chosen assignment, and solve time."""
+
+    greedy_cost: float
+    chosen_cost: float
+    method: str
+    solve_s: float
+    variables: int = 0
+
+
+def candidates(g: LogicalGraph, n: LNode, traced: Candidate) -> list[Candidate]:
+    """Every n-D signature of op node ``n`` (products of its 1-D signatures over the mesh axes).
+
+    On a mesh axis of one rank every signature names the same shards, so the traced one is kept there.
+    """
+    opdef = REGISTRY[n.name]
+    placement = g.values[n.outputs[0]].placement if n.outputs else g.values[n.inputs[0]].placement
+    metas = _arg_metas(g, n)
+    out_metas = tuple(Meta(g.values[v].shape, g.values[v].dtype) for v in n.outputs)
+    extra = {"mesh": placement.hierarchy} if opdef.mesh_aware else {}
+    in_metas = [m for m in metas if isinstance(m, Meta)]
+    sigs = [s for s in opdef.sbp(*metas, outs=out_metas, **extra, **dict(n.attrs))
+            if _sig_fits(s, in_metas, out_metas)]  # type: ignore[arg-type]
+    per_axis = []
+    for axis, size in enumerate(placement.hierarchy):
+        if size == 1:
+            per_axis.append([Sig(tuple(s[axis] for s in traced.ins), tuple(s[axis] for s in traced.outs))])
+        else:
+            per_axis.append(sigs)
+    out = []
+    for combo in itertools.product(*per_axis):
+        ins = tuple(tuple(sig.ins[i] for sig in combo) for i in range(len(n.inputs)))
+        outs = tuple(tuple(sig.outs[j] for sig in combo) for j in range(len(n.outputs)))
+        out.append(Candidate(ins, outs))
+    return [c for c in dict.fromkeys(out) if not _rare_partial(c)]
+
+
+def _rare_partial(c: Candidate) -> bool:
+    """Partial max/min results only pay off where the traced (eager) choice made them: pruned otherwise."""
+    return any(isinstance(s, Partial) and s.op != "sum" for sbp in c.ins + c.outs for s in sbp)
+
+
+def _arg_metas(g: LogicalGraph, n: LNode) -> list[Any]:
+    metas: list[Any] = []
+    for how, v in n.args:
+        if how == "t":
+            val = g.values[n.inputs[v]]
+            metas.append(Meta(val.shape, val.dtype))
+        elif how == "k":
+            metas.append(Scalar(int))
+        elif how == "s":
+            metas.append(Scalar(float))
+        else:
+            metas.append(Scalar(type(v)))
+    return metas
+
+
+# ----------------------------------------------------------------------------- costs
+
+
+class _Costs:
+    def __init__(self, g: LogicalGraph, model: boxing.CostModel, factors: tuple[Any, ...]) -> None:
+        self.g, self.model, self.factors = g, model, factors
+        self._boxing: dict[Any, float] = {}
+
+    def boxing(self, vid: int, src: NdSbp, dst: NdSbp) -> float:
+        if src == dst:
+            return 0.0
+        v = self.g.values[vid]
+        key = (v.shape, v.dtype, v.placement, src, dst)
+        cost = self._boxing.get(key)
+        if cost is None:
+            with boxing.target_factors(self.factors):
+                seconds = transition_time(v.shape, v.dtype, Layout(v.placement, src), Layout(v.placement, dst),
+                                          self.model)
+            # a tiny tie-break, as the planner's: of equal times, moving nothing wins
+            cost = self._boxing[key] = seconds + 1e-9
+        return cost
+
+    def compute(self, n: LNode, c: Candidate) -> float:
+        nbytes = 0
+        local_in = []
+        for vid, sbp in zip(n.inputs, c.ins, strict=True):
+            shape = self._local(vid, sbp)
+            local_in.append(shape)
+            nbytes += _numel(shape) * _itemsize(self.g.values[vid])
+        out_numel = 0
+        for vid, sbp in zip(n.outputs, c.outs, strict=True):
+            shape = self._local(vid, sbp)
+            out_numel += _numel(shape)
+            nbytes += _numel(shape) * _itemsize(self.g.values[vid])
+        seconds = nbytes * MEM_SECONDS_PER_BYTE
+        if n.name in MATMUL_OPS and local_in and local_in[0]:
+            seconds += 2 * out_numel * local_in[0][-1] * SECONDS_PER_FLOP
+        return seconds
+
+    def _local(self, vid: int, sbp: NdSbp) -> tuple[int, ...]:
+        v = self.g.values[vid]
+        return shard_shape(v.shape, v.placement, sbp, v.placement.flat_ranks[0])
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _itemsize(v: Any) -> int:
+    return int(v.nbytes // max(1, _numel(v.shape))) if _numel(v.shape) else 4
+
+
+# ----------------------------------------------------------------------------- the program
+
+
+class _Problem:
+    """Choices per node and the edges between them, in terms of output/required SBPs."""
+
+    def __init__(self, g: LogicalGraph, costs: _Costs) -> None:
+        self.g, self.costs = g, costs
+        self.alias: dict[int, int] = {}  # value id -> the value whose SBP it shares (accumulate/pack outputs)
+        self.choices: dict[int, list[Candidate]] = {}  # op node id -> candidates
+        self.greedy: dict[int, int] = {}  # op node id -> index of the traced (greedy) candidate
+        for n in g.nodes:
+            if n.kind == "op":
+                traced = Candidate(tuple(n.in_sbps), tuple(g.values[v].sbp for v in n.outputs))
+                cands = candidates(g, n, traced)
+                if traced not in cands:
+                    cands.append(traced)
+                self.choices[n.id] = cands
+                self.greedy[n.id] = cands.index(traced)
+            elif n.kind in ("accumulate", "pack"):
+                self.alias[n.outputs[0]] = self.root(n.inputs[0])
+
+    def root(self, vid: int) -> int:
+        while vid in self.alias:
+            vid = self.alias[vid]
+        return vid
+
+    def out_options(self, vid: int) -> list[tuple[NdSbp, list[tuple[int, int]]]]:
+        """The SBPs value ``vid`` may have, each with the (node, candidate) choices that give it."""
+        vid = self.root(vid)
+        v = self.g.values[vid]
+        producer = self.g.nodes[v.producer]
+        if producer.kind != "op":
+            return [(v.sbp, [])]
+        by_sbp: dict[NdSbp, list[tuple[int, int]]] = {}
+        for k, c in enumerate(self.choices[producer.id]):
+            by_sbp.setdefault(c.outs[v.index], []).append((producer.id, k))
+        return list(by_sbp.items())
+
+    def in_options(self, n: LNode, i: int) -> list[tuple[NdSbp, list[tuple[int, int]]]]:
+        if n.kind != "op":
+            return [(n.in_sbps[i] if n.in_sbps else self.g.values[n.outputs[0]].sbp, [])]
+        by_sbp: dict[NdSbp, list[tuple[int, int]]] = {}
+        for k, c in enumerate(self.choices[n.id]):
+            by_sbp.setdefault(c.ins[i], []).append((n.id, k))
+        return list(by_sbp.items())
+
+    def edges(self) -> list[tuple[int, LNode, int]]:
+        """(value id, consumer, input index) for every read that may need boxing."""
+        out = []
+        for n in self.g.nodes:
+            if n.kind in ("op", "to_global", "assign", "output"):
+                out += [(vid, n, i) for i, vid in enumerate(n.inputs)]
+        return out
+
+    def cost_of(self, choice: dict[int, int]) -> float:
+        total = sum(self.costs.compute(self.g.nodes[nid], self.choices[nid][k]) for nid, k in choice.items())
+        for vid, n, i in self.edges():
+            src = self._sbp_out(vid, choice)
+            dst = self.choices[n.id][choice[n.id]].ins[i] if n.kind == "op" else self.in_options(n, i)[0][0]
+            total += self.costs.boxing(self.root(vid), src, dst)
+        return total
+
+    def _sbp_out(self, vid: int, choice: dict[int, int]) -> NdSbp:
+        vid = self.root(vid)
+        v = self.g.values[vid]
+        producer = self.g.nodes[v.producer]
+        if producer.kind != "op":
+            return v.sbp
+        return self.choices[producer.id][choice[producer.id]].outs[v.index]
+
+
+def _solve_ilp(p: _Problem, time_limit: float) -> tuple[dict[int, int] | None, int]:
+    from scipy.optimize import Bounds, LinearConstraint, milp
+    from scipy.sparse import coo_matrix
+
+    index: dict[tuple[int, int], int] = {}
+    cost: list[float] = []
+    for nid, cands in p.choices.items():
+        for k, c in enumerate(cands):
+            index[(nid, k)] = len(cost)
+            cost.append(p.costs.compute(p.g.nodes[nid], c))
+    n_choice = len(cost)
+    rows: list[int] = []
+    cols: list[int] = []
+    vals: list[float] = []
+    lo: list[float] = []
+    hi: list[float] = []
+
+    def row(entries: list[tuple[int, float]], lower: float, upper: float) -> None:
+        r = len(lo)
+        for col, val in entries:
+            rows.append(r)
+            cols.append(col)
+            vals.append(val)
+        lo.append(lower)
+        hi.append(upper)
+
+    for nid, cands in p.choices.items():
+        row([(index[(nid, k)], 1.0) for k in range(len(cands))], 1.0, 1.0)
+    for vid, n, i in p.edges():
+        outs = p.out_options(vid)
+        ins = p.in_options(n, i)
+        if len(outs) == 1 and len(ins) == 1:
+            continue  # both ends fixed: a constant cost
+        if len(ins) == 1 or len(outs) == 1:  # one end fixed: the cost is linear in the other's choice
+            _fold_linear(p, vid, outs, ins, cost, index)
+            continue
+        edge = {}
+        for (s, _), (t, _) in itertools.product(outs, ins):
+            edge[(s, t)] = len(cost)
+            cost.append(p.costs.boxing(p.root(vid), s, t))
+        for s, chooser in outs:
+            row([(edge[(s, t)], 1.0) for t, _ in ins] + [(index[c], -1.0) for c in chooser], 0.0, 0.0)
+        for t, chooser in ins:
+            row([(edge[(s, t)], 1.0) for s, _ in outs] + [(index[c], -1.0) for c in chooser], 0.0, 0.0)
+    n_var = len(cost)
+    integrality = np.zeros(n_var)
+    integrality[:n_choice] = 1
+    matrix = coo_matrix((vals, (rows, cols)), shape=(len(lo), n_var))
+    result = milp(np.array(cost), integrality=integrality, bounds=Bounds(0, 1),
+                  constraints=LinearConstraint(matrix, np.array(lo), np.array(hi)),
+                  options={"time_limit": time_limit, "disp": False})
+    if result.x is None:
+        return None, n_var
+    chosen = {}
+    for nid, cands in p.choices.items():
+        chosen[nid] = max(range(len(cands)), key=lambda k: result.x[index[(nid, k)]])
+    return chosen, n_var
+
+
+def _fold_linear(p: _Problem, vid: int, outs: list[Any], ins: list[Any], cost: list[float],
+                 index: dict[tuple[int, int], int]) -> None:
+    """An edge with one fixed end adds the boxing cost to each choice of the other end."""
+    for (s, out_choosers), (t, in_choosers) in itertools.product(outs, ins):
+        c = p.costs.boxing(p.root(vid), s, t)
+        for chooser in out_choosers or in_choosers:
+            cost[index[chooser]] += c
+
+
+def select(g: LogicalGraph, model: boxing.CostModel, factors: tuple[Any, ...], method: str = "ilp",
+           time_limit: float = 30.0) -> Selection:
+    """Chooses every op's signature; rewrites ``n.in_sbps`` and the output values' SBPs in place."""
+    start = time.perf_counter()
+    p = _Problem(g, _Costs(g, model, factors))
+    greedy_cost = p.cost_of(p.greedy)
+    chosen, method_used, n_var = p.greedy, "greedy", 0
+    if method == "ilp" and p.choices:
+        solved, n_var = _solve_ilp(p, time_limit)
+        if solved is not None and p.cost_of(solved) < greedy_cost - 1e-12:
+            chosen, method_used = solved, "ilp"
+        else:
+            method_used = "ilp (greedy was as good)"
+    _apply(g, p, chosen)
+    return Selection(greedy_cost, p.cost_of(chosen), method_used, time.perf_counter() - start, n_var)
+
+
+def _apply(g: LogicalGraph, p: _Problem, chosen: dict[int, int]) -> None:
+    for nid, k in chosen.items():
+        c = p.choices[nid][k]
+        n = g.nodes[nid]
+        n.in_sbps = c.ins
+        for vid, sbp in zip(n.outputs, c.outs, strict=True):
+            g.values[vid].sbp = sbp
+    for n in g.nodes:  # accumulate/pack results share their input's SBP
+        if n.kind in ("accumulate", "pack"):
+            g.values[n.outputs[0]].sbp = g.values[n.inputs[0]].sbp

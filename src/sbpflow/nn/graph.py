@@ -1,0 +1,413 @@
+"""``sbpflow.nn.Graph``: a whole training (or inference) step compiled once, then run as a physical plan.
+
+>>> import sbpflow
+>>> from sbpflow import nn, sbp
+>>> p = sbpflow.placement("cpu", [0, 1])
+>>> model = nn.Linear(4, 2, placement=p, sbp=sbp.broadcast)
+>>> opt = sbpflow.optim.SGD(model.parameters(), lr=0.1)
+>>> class Step(nn.Graph):
+...     def __init__(self):
+...         super().__init__()
+...         self.model = model
+...         self.add_optimizer(opt)
+...     def build(self, x):
+...         loss = self.model(x).square().mean()
+...         loss.backward()
+...         return loss
+>>> x = sbpflow.ones(8, 4, placement=p, sbp=sbp.split(0))
+>>> loss = Step()(x)      # traces, compiles, runs
+>>> loss.shape
+torch.Size([])
+
+The first call for a given input metadata (shape, dtype, placement, SBP) traces ``build()`` on lazy
+tensors, selects SBPs for the whole graph, lowers it to a physical plan and verifies it; later calls
+only run the plan. Parameters, buffers and optimizer state are the graph's variables: the very tensors
+that ``model.state_dict()`` and the optimizer hold, updated in place after each successful step, so
+eager and compiled steps can alternate on one model.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .. import random as sbp_random
+from ..autograd import enable_grad
+from ..errors import SbpflowError
+from ..graph.compile import CompileReport, compile_graph
+from ..graph.ir import LogicalGraph
+from ..graph.physical import PhysicalPlan
+from ..graph.trace import ACTIVE, TraceError, Tracer, user_line
+from ..runtime.inorder import RANDOM_FEED, run_plan
+from ..sbp import format_nd
+from ..tensor import Tensor
+from .module import Module
+
+
+class GraphConfig:
+    """Compile options of one :class:`Graph`."""
+
+    def __init__(self) -> None:
+        self.micro_batches = 1
+        self.executor = "inorder"  # "actors" (the actor runtime) or "inorder" (the reference executor)
+        self.sbp_selection = "ilp"  # "ilp" (global) or "greedy" (eager's per-op choice)
+
+    def set_gradient_accumulation_steps(self, steps: int) -> None:
+        """Splits dim 0 of every input into ``steps`` micro-batches; gradients accumulate over them."""
+        if not isinstance(steps, int) or steps < 1:
+            raise SbpflowError(f"set_gradient_accumulation_steps needs an int >= 1, but got {steps!r}")
+        self.micro_batches = steps
+
+    def set_executor(self, name: str) -> None:
+        if name not in ("actors", "inorder"):
+            raise SbpflowError(f"Graph executor must be 'actors' or 'inorder', but got {name!r}")
+        self.executor = name
+
+    def set_sbp_selection(self, name: str) -> None:
+        if name not in ("ilp", "greedy"):
+            raise SbpflowError(f"SBP selection must be 'ilp' or 'greedy', but got {name!r}")
+        self.sbp_selection = name
+
+
+@dataclass
+class _OptimizerEntry:
+    optimizer: Any
+    lr_scheduler: Any = None
+    clip_grad_max_norm: float | None = None
+    clip_grad_norm_type: float = 2.0
+
+
+@dataclass
+class Compiled:
+    """One compiled step: the plan and how to feed and read it."""
+
+    logical: LogicalGraph
+    plan: PhysicalPlan
+    report: CompileReport
+    inputs: list[str]
+    outputs: list[tuple[str, Any]]  # (name, Buf of the packed result)
+    output_tree: Any  # how outputs nest (None: one tensor; tuple length otherwise)
+    variables: dict[str, Tensor]
+    constants: dict[str, dict[int, torch.Tensor]]
+    feeds: list[Callable[[], list[tuple[str, float]]]]
+    random_keys: int
+    executor: Any = None
+    steps: int = field(default=0)
+
+
+class Graph:
+    """Subclass, assign modules as attributes, call :meth:`add_optimizer`, define :meth:`build`."""
+
+    def __init__(self) -> None:
+        object.__setattr__(self, "config", GraphConfig())
+        object.__setattr__(self, "_modules", {})
+        object.__setattr__(self, "_optimizers", [])
+        object.__setattr__(self, "_cache", {})
+        object.__setattr__(self, "_last", None)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if "_modules" not in self.__dict__:
+            raise SbpflowError(f"{type(self).__name__}: call super().__init__() before assigning attributes")
+        if isinstance(value, Module):
+            self._modules[name] = value
+        object.__setattr__(self, name, value)
+
+    def add_optimizer(self, optimizer: Any, *, lr_sch: Any = None, clip_grad_max_norm: float | None = None,
+                      clip_grad_norm_type: float = 2.0) -> None:
+        """Adds ``optimizer`` (and its LR schedule, stepped after every compiled step) to the step."""
+        self._optimizers.append(_OptimizerEntry(optimizer, lr_sch, clip_grad_max_norm, clip_grad_norm_type))
+
+    def build(self, *args: Any) -> Any:
+        raise NotImplementedError(f"{type(self).__name__} defines no build()")
+
+    # -- calling ----------------------------------------------------------------------------------
+
+    def __call__(self, *args: Any) -> Any:
+        key = _input_key(args)
+        compiled = self._cache.get(key)
+        if compiled is None:
+            if self._cache:
+                warnings.warn(f"{type(self).__name__}: compiling again for new input metadata {_key_text(key)}",
+                              GraphRecompileWarning, stacklevel=2)
+            compiled = self._compile(args)
+            self._cache[key] = compiled
+        object.__setattr__(self, "_last", compiled)
+        return self._run(compiled, args)
+
+    # -- compile ---------------------------------------------------------------------------------
+
+    def _compile(self, args: Sequence[Any]) -> Compiled:
+        start = time.perf_counter()
+        m = self.config.micro_batches
+        for entry in self._optimizers:
+            entry.optimizer.init_state()
+        tracer = Tracer(m, target_factors(args))
+        variables = self._variables()
+        saved = {name: (t._shards, t.grad, t._version) for name, t in variables.items()}
+        ACTIVE.append(tracer)
+        try:
+            for name, t in variables.items():
+                tracer.add_variable(name, t)
+                t._shards = None
+                t.grad = None
+            lazy_args, inputs = _trace_inputs(tracer, args, m)
+            with enable_grad():
+                result = self.build(*lazy_args)
+            outputs, tree = _flatten_outputs(result)
+            feeds = self._trace_post(tracer, outputs)
+            _emit_assigns(tracer)
+        finally:
+            ACTIVE.pop()
+            for name, t in variables.items():
+                t._shards, t.grad, t._version = saved[name]
+                t._lazy = None
+        trace_s = time.perf_counter() - start
+        plan, logical, report = compile_graph(tracer.graph, self.config.sbp_selection)
+        report.times = {"trace": trace_s, **report.times}
+        out_bufs = [(n.name, plan.bufs[n.inputs[0]]) for n in plan.nodes if n.kind == "output"]
+        constants = {f"const{vid}": shards for vid, shards in tracer.constants.items()}
+        return Compiled(logical, plan, report, inputs, out_bufs, tree, variables, constants, feeds,
+                        tracer.random_keys)
+
+    def _variables(self) -> dict[str, Tensor]:
+        out: dict[str, Tensor] = {}
+        seen: set[int] = set()
+        for prefix, module in self._modules.items():
+            for name, t in list(module.named_parameters()) + list(module.named_buffers()):
+                if id(t) not in seen and t.is_global:
+                    seen.add(id(t))
+                    out[f"{prefix}.{name}"] = t
+        for k, entry in enumerate(self._optimizers):
+            opt = entry.optimizer
+            index = {id(p): i for i, p in enumerate(opt._all_params())}
+            for p, state in opt.state.items():
+                for sname, value in state.items():
+                    if isinstance(value, Tensor) and id(value) not in seen:
+                        seen.add(id(value))
+                        out[f"optim{k}.{index[id(p)]}.{sname}"] = value
+        return out
+
+    def _trace_post(self, tracer: Tracer, outputs: list[Tensor]) -> list[Callable[[], list[tuple[str, float]]]]:
+        """Outputs, gradient accumulation, clipping and optimizer updates (once per step, on the whole batch)."""
+        for i, out in enumerate(outputs):
+            if out._lazy is None:
+                raise TraceError(f"build() must return tensors computed from its inputs, but output {i} is "
+                                 f"{out._describe()}")
+            _micro_to_post(tracer, out, "mean" if out.ndim == 0 else "cat", f"output{i}", output=True)
+        tracer.phase = "post"
+        feeds: list[Callable[[], list[tuple[str, float]]]] = []
+        for k, entry in enumerate(self._optimizers):
+            params = [p for g in entry.optimizer.param_groups for p in g["params"] if p.grad is not None]
+            for p in params:
+                assert p.grad is not None
+                p.grad = _micro_to_post(tracer, p.grad, "sum", "grad")
+            if entry.clip_grad_max_norm is not None:
+                from ..optim.clip import clip_grad_norm_
+
+                clip_grad_norm_(params, entry.clip_grad_max_norm, entry.clip_grad_norm_type)
+            entry.optimizer.trace_step(f"optim{k}")
+            feeds.append(_feed_fn(entry.optimizer, f"optim{k}"))
+        return feeds
+
+    # -- run -------------------------------------------------------------------------------------
+
+    def _run(self, compiled: Compiled, args: Sequence[Any]) -> Any:
+        feeds = _input_feeds(compiled, args)
+        for fn in compiled.feeds:
+            feeds.update(fn())
+        seed, base = sbp_random.advance(compiled.random_keys * compiled.plan.micro_batches)
+        feeds[RANDOM_FEED] = (seed, base, compiled.random_keys)
+        variables = {name: t._shards or {} for name, t in compiled.variables.items()}
+        variables.update(compiled.constants)
+        outputs = self._executor(compiled).run(feeds, variables) if self.config.executor == "actors" else \
+            run_plan(compiled.plan, feeds, variables)
+        for t in compiled.variables.values():
+            t._version += 1
+        for entry in self._optimizers:
+            entry.optimizer.after_compiled_step()
+            if entry.lr_scheduler is not None:
+                entry.lr_scheduler.step()
+        compiled.steps += 1
+        return _wrap_outputs(compiled, outputs)
+
+    def _executor(self, compiled: Compiled) -> Any:
+        if compiled.executor is None:
+            from ..runtime import actors
+
+            compiled.executor = actors.ActorRuntime(compiled.plan)
+        return compiled.executor
+
+    # -- seeing the plan -------------------------------------------------------------------------
+
+    def _compiled(self) -> Compiled:
+        if self._last is None:
+            raise SbpflowError(f"{type(self).__name__} has not been compiled yet: call it once first")
+        return self._last
+
+    @property
+    def plan(self) -> PhysicalPlan:
+        return self._compiled().plan
+
+    @property
+    def logical(self) -> LogicalGraph:
+        return self._compiled().logical
+
+    def explain(self, rank: int | None = None) -> str:
+        """Each op's signature, every boxing node with bytes and time, and per-step totals (also printed)."""
+        from ..graph.explain import explain
+
+        text = explain(self._compiled().logical, self._compiled().plan, self._compiled().report, rank)
+        print(text)
+        return text
+
+    def save_dot(self, path: str, rank: int | None = None) -> list[str]:
+        """Writes the logical graph and one rank's physical graph as Graphviz files (SVG too if dot exists)."""
+        from ..graph.explain import save_dot
+
+        return save_dot(self._compiled().logical, self._compiled().plan, path, rank)
+
+    def __repr__(self) -> str:
+        if self._last is None:
+            return f"{type(self).__name__}(not compiled)"
+        return f"{type(self).__name__}(\n{self._last.logical.format()}\n)"
+
+
+class GraphRecompileWarning(UserWarning):
+    """A graph met new input metadata and compiled again."""
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _input_key(args: Sequence[Any]) -> tuple[Any, ...]:
+    key = []
+    for a in args:
+        if isinstance(a, Tensor):
+            if not a.is_global:
+                raise SbpflowError(f"nn.Graph inputs are global tensors, but got {a._describe()}; "
+                                   "convert it with .to_global(placement, sbp)")
+            key.append((tuple(a.shape), a.dtype, a.placement, a.sbp))
+        else:
+            key.append(("py", a))
+    return tuple(key)
+
+
+def _key_text(key: tuple[Any, ...]) -> str:
+    return ", ".join(f"{list(k[0])} {k[2]} {format_nd(k[3])}" if k[0] != "py" else repr(k[1]) for k in key)
+
+
+def target_factors(args: Sequence[Any]) -> tuple[Any, ...]:
+    """The target cluster's collective cost factors: gloo composes reduce-scatter on CPU (see
+    :class:`sbpflow.comm.torch_dist.TorchDistBackend`), so CPU targets cost it so whatever runs the plan."""
+    from ..comm.torch_dist import TARGET_COST_FACTORS
+
+    return TARGET_COST_FACTORS
+
+
+def _trace_inputs(tracer: Tracer, args: Sequence[Any], m: int) -> tuple[list[Any], list[str]]:
+    lazy: list[Any] = []
+    names = []
+    for i, a in enumerate(args):
+        if not isinstance(a, Tensor):
+            lazy.append(a)
+            continue
+        shape = tuple(a.shape)
+        if m > 1:
+            _check_micro_split(a, m, i)
+            shape = (shape[0] // m, *shape[1:])
+        name = f"input{i}"
+        names.append(name)
+        lazy.append(tracer.add_input(name, shape, a.dtype, a.placement, a.sbp))
+    return lazy, names
+
+
+def _check_micro_split(a: Tensor, m: int, i: int) -> None:
+    from .._layout import shard_shape
+
+    if a.ndim == 0:
+        raise SbpflowError(f"gradient accumulation over {m} micro-batches splits dim 0 of every input, but input "
+                           f"{i} is 0-d ({a._describe()})")
+    for r in a.placement.flat_ranks:
+        local = shard_shape(tuple(a.shape), a.placement, a.sbp, r)
+        if local[0] % m:
+            raise SbpflowError(
+                f"gradient accumulation over {m} micro-batches cuts every rank's shard of input {i} along dim 0, "
+                f"but rank {r} holds {local[0]} rows of the input with {a._describe()}; use a batch whose "
+                f"per-rank rows divide by {m}")
+
+
+def _micro_to_post(tracer: Tracer, t: Tensor, how: str, name: str, output: bool = False) -> Tensor:
+    from ..graph.ir import LNode
+
+    assert t._lazy is not None
+    v = t._lazy.value
+    shape = v.shape if how != "cat" else (v.shape[0] * tracer.graph.micro_batches, *v.shape[1:])
+    out = tracer.new_value(shape, v.dtype, v.placement, v.sbp)
+    kind = "accumulate" if how == "sum" else "pack"
+    saved = tracer.phase
+    tracer.phase = "post"
+    tracer.add_node(LNode(0, kind, how, (v.id,), (out.id,), fixed=True))
+    if output:
+        tracer.add_node(LNode(0, "output", name, (out.id,), in_sbps=(v.sbp,), fixed=True))
+    tracer.phase = saved
+    return tracer.tensor_of(out)
+
+
+def _emit_assigns(tracer: Tracer) -> None:
+    from ..graph.ir import LNode
+
+    for name, (t, initial) in tracer.variables.items():
+        assert t._lazy is not None
+        v = t._lazy.value
+        if v.id == initial:
+            continue
+        phase = tracer.graph.nodes[v.producer].phase if v.producer >= 0 else "post"
+        if phase == "micro" and tracer.graph.micro_batches > 1:
+            raise TraceError(
+                f"{user_line()}: build() updates {name} ({t._describe()}) in the forward pass (such as BatchNorm "
+                "running statistics), which gradient accumulation cannot compile yet: it would need the value of "
+                "the previous micro-batch; use micro_batches=1 or eval-mode statistics")
+        tracer.phase = phase
+        tracer.add_node(LNode(0, "assign", name, (v.id,), in_sbps=(t.sbp,), fixed=True))
+
+
+def _flatten_outputs(result: Any) -> tuple[list[Tensor], Any]:
+    if isinstance(result, Tensor):
+        return [result], None
+    if isinstance(result, (tuple, list)) and all(isinstance(r, Tensor) for r in result):
+        return list(result), len(result)
+    if result is None:
+        return [], 0
+    raise SbpflowError(f"build() must return a tensor, a tuple of tensors or None, but returned {type(result)}")
+
+
+def _feed_fn(optimizer: Any, prefix: str) -> Callable[[], list[tuple[str, float]]]:
+    def feeds() -> list[tuple[str, float]]:
+        return [f for gi, g in enumerate(optimizer.param_groups) for f in optimizer.step_feeds(f"{prefix}.{gi}", g)]
+
+    return feeds
+
+
+def _input_feeds(compiled: Compiled, args: Sequence[Any]) -> dict[str, Any]:
+    feeds: dict[str, Any] = {}
+    tensors = [a for a in args if isinstance(a, Tensor)]
+    for name, t in zip(compiled.inputs, tensors, strict=True):
+        feeds[name] = t._shards or {}
+    return feeds
+
+
+def _wrap_outputs(compiled: Compiled, outputs: dict[str, dict[int, torch.Tensor]]) -> Any:
+    results = []
+    for name, buf in compiled.outputs:
+        results.append(Tensor._from_shards(buf.shape, buf.dtype, buf.layout.placement, buf.layout.sbp,
+                                           outputs.get(name, {})))
+    if compiled.output_tree is None:
+        return results[0]
+    if compiled.output_tree == 0:
+        return None
+    return tuple(results)
