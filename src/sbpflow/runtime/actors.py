@@ -37,7 +37,6 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -246,14 +245,16 @@ class ActorRuntime:
                 self._progress = now
                 assert self._state is not None
                 return _Job(actor, step, inputs, self.board.input_slots(actor), self._state, self._gen)
-            worker.cond.wait()
+            worker.wait()
         return None
 
     def _act_one(self, worker: Worker, job: _Job) -> _Finished:
         start = time.time()
         try:
-            values, event = worker.execute(lambda: self._perform(job.actor, job.step, job.inputs, job.state),
-                                           job.read)
+            if worker.cuda is None:
+                values, event = self._perform(job), None
+            else:
+                values, event = worker.cuda.run(lambda: self._perform(job), job.read)
         except BaseException as e:  # noqa: BLE001 - any failure stops the step; the caller re-raises it
             return _Finished(job, [], None, start, time.time(), e)
         return _Finished(job, values, event, start, time.time(), None)
@@ -292,11 +293,18 @@ class ActorRuntime:
 
     # -- one act ----------------------------------------------------------------------------------
 
-    def _perform(self, actor: Actor, step: int, inputs: list[Any], state: StepState) -> list[Any]:
-        if not self._logs:
-            return _named(actor, step, lambda: self._act(actor, step, inputs, state))
-        with recording_into(self._logs):
-            return _named(actor, step, lambda: self._act(actor, step, inputs, state))
+    def _perform(self, job: _Job) -> list[Any]:
+        """One act under its name: comm errors say which actor they ran in; other errors are re-raised naming it."""
+        try:
+            with activity(_ActName(job)):
+                if not self._logs:
+                    return self._act(job.actor, job.step, job.inputs, job.state)
+                with recording_into(self._logs):
+                    return self._act(job.actor, job.step, job.inputs, job.state)
+        except (CommError, ExecutionError):
+            raise  # CommError keeps its type (peer-failure handling reads it); both already name the actor
+        except Exception as e:
+            raise _named_error(job.actor, job.step, e) from e
 
     def _act(self, actor: Actor, step: int, inputs: list[Any], state: StepState) -> list[Any]:
         kind = actor.node.kind
@@ -331,17 +339,21 @@ class ActorRuntime:
         return "waits for " + "; ".join(phrases) if phrases else "ready, waiting for its thread"
 
 
-def _named(actor: Actor, step: int, fn: Callable[[], list[Any]]) -> list[Any]:
-    """Runs an act under its name: comm errors say which actor they ran in; others are re-raised naming it."""
-    try:
-        with activity(lambda: f"actor {actor.node.label()} (micro-batch {step})"):
-            return fn()
-    except (CommError, ExecutionError):
-        raise  # CommError keeps its type (peer-failure handling reads it); both already name the actor
-    except Exception as e:
-        kind = "" if isinstance(e, SbpflowError) else " (a kernel's own error)"
-        raise ExecutionError(f"actor {actor.label()} failed on micro-batch {step}{kind}: "
-                             f"{type(e).__name__}: {e}") from e
+class _ActName:
+    """What a comm error says this thread was running; formatted only when an error needs it."""
+
+    __slots__ = ("job",)
+
+    def __init__(self, job: _Job) -> None:
+        self.job = job
+
+    def __call__(self) -> str:
+        return f"actor {self.job.actor.node.label()} (micro-batch {self.job.step})"
+
+
+def _named_error(actor: Actor, step: int, error: Exception) -> ExecutionError:
+    kind = "" if isinstance(error, SbpflowError) else " (a kernel's own error)"
+    return ExecutionError(f"actor {actor.label()} failed on micro-batch {step}{kind}: {type(error).__name__}: {error}")
 
 
 def _add_into(total: Shards | None, value: Shards) -> Shards:

@@ -108,10 +108,10 @@ class Actor:
     step: int = 0  # the next step to act
     busy: bool = False  # acting now, or queued on its thread
     partial: Any = None  # accumulate: the running sum; pack: the values so far
+    gathers: bool = field(init=False)  # accumulate or pack: m reads, one write (checked on every act)
 
-    @property
-    def gathers(self) -> bool:
-        return self.node.kind in GATHERING
+    def __post_init__(self) -> None:
+        self.gathers = self.node.kind in GATHERING
 
     @property
     def done(self) -> bool:
@@ -248,10 +248,10 @@ class Board:
         if actor.busy or actor.done:
             return False
         for edge in actor.inputs:
-            if edge.waits:
+            if edge.orphan or (edge.producer is not None and not edge.queue):
                 return False
         for edge in actor.controls:
-            if edge.waits:
+            if not edge.queue:
                 return False
         if actor.acquires(actor.step):
             return all(reg.free > 0 for reg in actor.outputs)

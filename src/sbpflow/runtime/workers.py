@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import heapq
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from typing import Any
 
 from .board import Actor, Board, stream_order
@@ -32,6 +32,7 @@ class Worker:
         self.running: tuple[Actor, int, float] | None = None  # (actor, step, start) while acting
         self.last: tuple[Actor, int, float] | None = None  # (actor, step, end) of the last act this run
         self.cuda = _cuda_lane(device)
+        self.waiting = False  # in cond.wait(): only then does a wake-up need a notify (notify is not free)
         self._thread: threading.Thread | None = None
 
     def start(self, loop: Callable[[Worker], None]) -> None:
@@ -45,6 +46,15 @@ class Worker:
     def reset(self) -> None:
         self.last = None
 
+    def wait(self) -> None:
+        self.waiting = True
+        self.cond.wait()
+        self.waiting = False
+
+    def notify(self) -> None:
+        if self.waiting:
+            self.cond.notify()
+
     def pick(self, board: Board) -> Actor | None:
         raise NotImplementedError
 
@@ -54,13 +64,6 @@ class Worker:
     def turn(self, actor: Actor) -> list[str]:
         """Why ``actor`` is not this thread's next act although it may be ready (a comm stream's order)."""
         return []
-
-    def execute(self, fn: Callable[[], list[Any]], read: Iterable[Any]) -> tuple[list[Any], Any]:
-        """Runs one act; on CUDA on this thread's stream, returning the event after it."""
-        if self.cuda is not None:
-            result, event = self.cuda.run(fn, read)
-            return result, event
-        return fn(), None
 
     def synchronize(self) -> None:
         if self.cuda is not None:
@@ -98,7 +101,7 @@ class ComputeWorker(Worker):
             actor.busy = True  # queued: ready() says no until it has acted
             self._pushed += 1
             heapq.heappush(self._heap, (actor.position, actor.step, self._pushed, actor))
-            self.cond.notify()
+            self.notify()
 
 
 class CommWorker(Worker):
@@ -124,7 +127,7 @@ class CommWorker(Worker):
 
     def wake(self, actor: Actor, board: Board) -> None:
         if self._next < len(self.sequence) and self.sequence[self._next][0] is actor:
-            self.cond.notify()
+            self.notify()
 
     def turn(self, actor: Actor) -> list[str]:
         if self._next >= len(self.sequence):
