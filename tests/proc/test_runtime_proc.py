@@ -6,14 +6,17 @@ the simulated tests' (tests/sim/test_runtime.py), built identically on every pro
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import torch
 from procrun import run_ranks, spawn
 
 import sbpflow
+from sbpflow.cli import main as cli_main
 from sbpflow.comm import SimulatedBackend
 from sbpflow.runtime import ActorRuntime
+from sbpflow.runtime.trace import load
 from sim.test_runtime import feeds_and_vars, train_inputs, train_plan
 
 STEPS = 2
@@ -33,7 +36,8 @@ def train_steps(m: int, ranks: int, bad_rank: int | None = None) -> dict[str, An
         for _ in range(STEPS):
             out = rt.run(feeds, variables)
             losses.append(out["loss"][rank].item())
-    return {"losses": losses, "y": out["y"][rank], "w": variables["w"][rank]}
+        acts = rt.stats.acts
+    return {"losses": losses, "y": out["y"][rank], "w": variables["w"][rank], "acts": acts}
 
 
 def simulated(m: int, ranks: int) -> dict[str, Any]:
@@ -48,13 +52,23 @@ def simulated(m: int, ranks: int) -> dict[str, Any]:
     return {"losses": losses, "y": out["y"][0], "w": variables["w"][0]}
 
 
-def test_two_processes_compute_what_virtual_ranks_compute() -> None:
+def test_two_processes_compute_what_virtual_ranks_compute(tmp_path: Path) -> None:
     expected = simulated(4, 2)
-    per_rank = run_ranks(train_steps, 2, args=(4, 2), timeout=120)
+    trace = tmp_path / "step.json"
+    per_rank = run_ranks(train_steps, 2, args=(4, 2), env={"SBPFLOW_TRACE": str(trace)}, timeout=120)
     for got in per_rank:
         assert got["losses"] == expected["losses"]
         torch.testing.assert_close(got["y"], expected["y"], rtol=0, atol=0)
         torch.testing.assert_close(got["w"], expected["w"], rtol=0, atol=0)
+    # SBPFLOW_TRACE: a timeline per rank, joined by `sbpflow trace merge`
+    files = [tmp_path / f"step.rank{r}.json" for r in (0, 1)]
+    merged = tmp_path / "merged.json"
+    assert cli_main(["trace", "merge", *map(str, files), "-o", str(merged)]) == 0
+    events = load(merged)
+    lanes = {(e["pid"], e["args"]["name"]) for e in events if e["name"] == "thread_name"}
+    assert lanes == {(r, lane) for r in (0, 1) for lane in ("cpu/compute", "cpu/comm:0,1")}
+    per_rank_spans = [sum(1 for e in events if e["ph"] == "X" and e["pid"] == r) for r in (0, 1)]
+    assert per_rank_spans[0] == per_rank_spans[1] == STEPS * sum(got["acts"] for got in per_rank[:1])
 
 
 def test_an_actor_raising_on_rank_1_ends_a_3_process_job_naming_it() -> None:
