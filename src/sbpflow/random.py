@@ -62,6 +62,15 @@ def mix_key(seed: int, counter: int) -> int:
     return _mix(seed, counter)
 
 
+def counter() -> int:
+    """Draws made since the last ``manual_seed`` (tracing a graph puts it back: a trace draws nothing)."""
+    return _stream.counter
+
+
+def set_counter(value: int) -> None:
+    _stream.counter = value
+
+
 def advance(n: int) -> tuple[int, int]:
     """Skips ``n`` draws (a compiled step drew them); returns ``(seed, counter before)``."""
     before = _stream.counter

@@ -149,6 +149,7 @@ class Graph:
         tracer = Tracer(m, target_factors(args))
         variables = self._variables()
         saved = {name: (t._shards, t.grad, t._version) for name, t in variables.items()}
+        draws = sbp_random.counter()
         ACTIVE.append(tracer)
         try:
             for name, t in variables.items():
@@ -163,6 +164,7 @@ class Graph:
             _emit_assigns(tracer)
         finally:
             ACTIVE.pop()
+            sbp_random.set_counter(draws)
             for name, t in variables.items():
                 t._shards, t.grad, t._version = saved[name]
                 t._lazy = None
