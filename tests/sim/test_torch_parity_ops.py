@@ -18,53 +18,13 @@ import torch
 import sbpflow
 import sbpflow.ops.functional as F
 from harness import PLACEMENTS, PSUM, B, check, randn, random_sbp
+from partials import pieces
 from sbpflow import sbp as S
 from sbpflow.comm import record
-from sbpflow.tensor import Tensor
 
 PNAMES = ["1", "2", "3", "2x2"]
 PMAX, PMIN = S.Partial("max"), S.Partial("min")
 
-
-def pieces(value: torch.Tensor, pname: str, sbp: tuple[Any, ...], seed: int = 0,
-           requires_grad: bool = False) -> Tensor:
-    """A global tensor of logical ``value`` whose partial mesh axes hold random pieces.
-
-    P(sum): zero-sum noise along the axis; P(max)/P(min): every rank but a random one per element
-    holds a smaller/larger value. Other axes (S, B) are laid out as usual.
-    """
-    p = PLACEMENTS[pname]
-    base = sbpflow.tensor(value, placement=p, sbp=sbp)
-    gen = torch.Generator().manual_seed(seed)
-    shards = {r: t.clone() for r, t in base.local_tensors().items()}
-    for axis, s in enumerate(sbp):
-        if isinstance(s, S.Partial) and p.hierarchy[axis] > 1:
-            _perturb(shards, p, axis, s.op, gen)
-    return Tensor._from_shards(tuple(value.shape), value.dtype, p, base.sbp, shards, requires_grad=requires_grad)
-
-
-def _perturb(shards: dict[int, torch.Tensor], p: sbpflow.Placement, axis: int, op: str,
-             gen: torch.Generator) -> None:
-    size = p.hierarchy[axis]
-    for group in p.axis_groups(axis):
-        shape = shards[group[0]].shape
-        if op == "sum":
-            noise = torch.randn((size, *shape), generator=gen).to(shards[group[0]].dtype) * 3
-            noise -= noise.mean(0, keepdim=True) if noise.dtype.is_floating_point else 0
-            if not noise.dtype.is_floating_point:
-                noise[-1] -= noise.sum(0)
-        else:
-            winner = torch.randint(0, size, shape, generator=gen)
-            if shards[group[0]].dtype == torch.bool:  # a losing piece is False under max, True under min
-                for k, r in enumerate(group):
-                    lose = winner != k
-                    shards[r] = torch.where(lose, torch.tensor(op == "min"), shards[r])
-                continue
-            gap = torch.rand((size, *shape), generator=gen) + 0.5
-            noise = torch.where(winner == torch.arange(size).reshape(-1, *[1] * len(shape)), 0.0, gap)
-            noise = -noise if op == "max" else noise
-        for k, r in enumerate(group):
-            shards[r] = shards[r] + noise[k].to(shards[r].dtype)
 
 
 def test_pieces_builder_hides_the_value_in_every_piece() -> None:
