@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 
 import sbpflow
@@ -55,3 +56,28 @@ def _perturb(shards: dict[int, torch.Tensor], p: sbpflow.Placement, axis: int, o
             noise = -noise if op == "max" else noise
         for k, r in enumerate(group):
             shards[r] = shards[r] + noise[k].to(shards[r].dtype)
+
+
+def check_pieces(fn: Any, torch_fn: Any, values: list[torch.Tensor], pname: str, sbps: list[tuple[Any, ...]],
+                 seed: int = 0, rtol: float = 1e-5, atol: float = 1e-5) -> tuple[Any, Any]:
+    """Like ``harness.check`` with partial inputs from random pieces: forward values, then the gradients of the
+    floating-point inputs (through a random upstream gradient) against torch's. Returns (output, forward log)."""
+    from sbpflow.comm import record
+
+    ours = [pieces(v, pname, s, seed=seed + i, requires_grad=v.dtype.is_floating_point)
+            for i, (v, s) in enumerate(zip(values, sbps, strict=True))]
+    theirs = [v.clone().requires_grad_(v.dtype.is_floating_point) for v in values]
+    with record() as log:
+        out = fn(*ours)
+    ref = torch_fn(*theirs)
+    np.testing.assert_allclose(out.numpy(), ref.detach().numpy(), rtol=rtol, atol=atol)
+    if ref.requires_grad:
+        upstream = torch.randn(ref.shape, generator=torch.Generator().manual_seed(seed), dtype=ref.dtype)
+        rank_sbp = (S.broadcast,) * PLACEMENTS[pname].ndim
+        out.backward(sbpflow.tensor(upstream, placement=PLACEMENTS[pname], sbp=rank_sbp))
+        ref.backward(upstream)
+        for o, t in zip(ours, theirs, strict=True):
+            if t.requires_grad:
+                assert o.grad is not None and o.grad.sbp == o.sbp, "leaf gradient missing or in another layout"
+                np.testing.assert_allclose(o.grad.numpy(), t.grad.numpy(), rtol=rtol, atol=atol)
+    return out, log

@@ -299,11 +299,15 @@ class Tensor:
         if not isinstance(value, Tensor):
             raise SbpflowError(f"x.data = ... needs an sbpflow Tensor, but got {type(value).__name__}; "
                                f"target {self._describe()}")
-        for name in _STORAGE_SLOTS:
-            object.__setattr__(self, name, getattr(value, name))
+        self._take_storage(value)
         self._version += 1
         if self._boxed is not None:
             self._boxed = {}
+
+    def _take_storage(self, src: Tensor) -> None:
+        """Holds ``src``'s layout and shards (the same storage), keeping this tensor's identity and autograd state."""
+        for name in ("_shape", "_dtype", "_placement", "_sbp", "_shards", "_local"):
+            object.__setattr__(self, name, getattr(src, name))
 
     def requires_grad_(self, flag: bool = True) -> Tensor:
         if not self.is_leaf:
@@ -336,9 +340,6 @@ class Tensor:
                 t.copy_(src[r])
         self._version += 1
         return self
-
-
-_STORAGE_SLOTS = ("_shape", "_dtype", "_placement", "_sbp", "_shards", "_local")  # what ``.data = v`` replaces
 
 
 def logical_value(t: Tensor) -> torch.Tensor:

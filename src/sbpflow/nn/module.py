@@ -56,7 +56,7 @@ class Parameter(Tensor):
                 "build it with sbpflow.tensor(...)"
             )
         self: Parameter = object.__new__(cls)
-        _copy_storage(self, data.detach())
+        self._take_storage(data.detach())
         self._init_autograd(False)
         if requires_grad:
             self.requires_grad_(True)
@@ -71,15 +71,6 @@ class Parameter(Tensor):
     __str__ = __repr__
 
 
-_STORAGE_SLOTS = ("_shape", "_dtype", "_placement", "_sbp", "_shards", "_local")
-
-
-def _copy_storage(dst: Tensor, src: Tensor) -> None:
-    """Makes ``dst`` hold ``src``'s layout and shards (same storage), keeping ``dst``'s identity."""
-    for name in _STORAGE_SLOTS:
-        object.__setattr__(dst, name, getattr(src, name))
-
-
 def relayout_(t: Tensor, placement: Placement, sbp: Any) -> Tensor:
     """Re-lays out leaf ``t`` in place to ``(placement, sbp)``, keeping its logical value and identity.
 
@@ -91,7 +82,7 @@ def relayout_(t: Tensor, placement: Placement, sbp: Any) -> Tensor:
     with no_grad():
         moved = _moved(t, placement, nd)
         grad = _moved(t.grad, placement, nd) if t.grad is not None else None
-    _copy_storage(t, moved)
+    t._take_storage(moved)
     t.grad = grad
     t._version += 1
     return t
