@@ -47,8 +47,8 @@ from .errors import (
 )
 from .ops import functional
 
-# the tensor functions at the top level, as torch.* and oneflow.* have them (losses, norms, convs: nn.functional);
-# sum, max, abs ... shadow the builtins inside this module only, as in torch
+# the tensor functions at the top level, where torch.* and oneflow.* have them with the same arguments (losses,
+# embedding, batch_norm: nn.functional); sum, max, abs ... shadow the builtins inside this module only, as in torch
 from .ops.functional import (
     abs,
     add,
@@ -66,9 +66,11 @@ from .ops.functional import (
     clamp,
     clip,
     clone,
+    conv2d,
     cos,
     cumsum,
     div,
+    dropout,
     eq,
     erf,
     exp,
@@ -81,6 +83,7 @@ from .ops.functional import (
     index_select,
     isfinite,
     isnan,
+    layer_norm,
     le,
     log,
     log_softmax,
@@ -92,6 +95,7 @@ from .ops.functional import (
     masked_select,
     matmul,
     max,
+    max_pool2d,
     maximum,
     mean,
     min,
@@ -105,6 +109,7 @@ from .ops.functional import (
     pow,
     relu,
     reshape,
+    rms_norm,
     round,
     rsqrt,
     sigmoid,
@@ -125,6 +130,7 @@ from .ops.functional import (
     to_global,
     topk,
     transpose,
+    unflatten,
     unsqueeze,
     var,
     where,
@@ -164,10 +170,10 @@ __all__ = [
     "uniform", "zeros", "zeros_like", "print0", "rank", "world_size",
     # tensor functions
     "abs", "add", "all", "amax", "amin", "any", "argmax", "argmin", "bmm", "cast", "cat", "ceil", "chunk", "clamp",
-    "clip", "clone", "cos", "cumsum", "div", "eq", "erf", "exp", "flatten", "floor", "gather", "ge", "gelu", "gt",
-    "index_select", "isfinite", "isnan", "le", "log", "log_softmax", "logical_and", "logical_not", "logical_or", "lt",
-    "masked_fill", "masked_select", "matmul", "max", "maximum", "mean", "min", "minimum", "mm", "mul", "narrow", "ne",
-    "neg", "permute", "pow", "relu", "reshape", "round", "rsqrt", "sigmoid", "sign", "silu", "sin", "softmax",
-    "split", "sqrt", "square", "squeeze", "stack", "std", "sub", "sum", "t", "tanh", "to_global", "topk", "transpose",
-    "unsqueeze", "var", "where",
+    "clip", "clone", "conv2d", "cos", "cumsum", "div", "dropout", "eq", "erf", "exp", "flatten", "floor", "gather",
+    "ge", "gelu", "gt", "index_select", "isfinite", "isnan", "layer_norm", "le", "log", "log_softmax", "logical_and",
+    "logical_not", "logical_or", "lt", "masked_fill", "masked_select", "matmul", "max", "max_pool2d", "maximum",
+    "mean", "min", "minimum", "mm", "mul", "narrow", "ne", "neg", "permute", "pow", "relu", "reshape", "rms_norm",
+    "round", "rsqrt", "sigmoid", "sign", "silu", "sin", "softmax", "split", "sqrt", "square", "squeeze", "stack",
+    "std", "sub", "sum", "t", "tanh", "to_global", "topk", "transpose", "unflatten", "unsqueeze", "var", "where",
 ]

@@ -327,6 +327,8 @@ TOP_LEVEL = [  # (name, args builder) checked against torch.<name>
     ("masked_fill", lambda a, b: (a, b > 0, 1.5)), ("clone", lambda a, b: (a,)), ("maximum", lambda a, b: (a, b)),
     ("sum", lambda a, b: (a,)), ("transpose", lambda a, b: (a, 0, 1)), ("erf", lambda a, b: (a,)),
     ("any", lambda a, b: (a > 1,)), ("masked_select", lambda a, b: (a, b > 0)), ("log_softmax", lambda a, b: (a, 0)),
+    ("layer_norm", lambda a, b: (a, (6,))), ("rms_norm", lambda a, b: (a, (6,))),
+    ("unflatten", lambda a, b: (a, 1, (2, 3))),
 ]
 
 
