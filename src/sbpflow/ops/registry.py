@@ -154,6 +154,8 @@ def op(name: str, *, meta: Callable[..., Any], sbp: Callable[..., Any], shard_aw
     def register(kernel: Callable[..., Any]) -> OpDef:
         if name in REGISTRY:
             raise OpError(f"op {name!r} is registered twice")
+        if data_dependent and shard_aware:  # a ShardCtx holds output boxes, which need the sizes up front
+            raise OpError(f"op {name!r} cannot be both data_dependent and shard_aware: output boxes need sizes")
         definition = OpDef(name, kernel, meta, sbp, shard_aware, save_outputs, differentiable, mesh_aware,
                            data_dependent)
         REGISTRY[name] = definition
