@@ -16,6 +16,7 @@ from sbpflow import sbp as S
 from sbpflow.comm import record
 from sbpflow.ops import REGISTRY, OpDef, Sig
 from sbpflow.ops.registry import DYNAMIC, Meta
+from sbpflow.runtime.builder import PlanBuilder
 from sbpflow.tensor import Tensor
 
 PNAMES = ["1", "2", "3", "2x2"]
@@ -61,6 +62,11 @@ def test_mask_indexing_is_marked_data_dependent_and_refused_by_tracing() -> None
     with pytest.raises(sbpflow.OpError, match="'masked_select' has a data-dependent output shape.*graph mode"):
         masked.check_traceable()
     REGISTRY["matmul"].check_traceable()  # a metadata-shaped op passes
+    b = PlanBuilder()
+    x = b.input("x", (4, 3), PLACEMENTS["2"], (B,))
+    mask = b.input("mask", (4,), PLACEMENTS["2"], (B,))
+    with pytest.raises(sbpflow.OpError, match="data-dependent output shape"):
+        b.compute("masked_select", x, mask)
 
 
 def test_a_rule_that_splits_a_data_dependent_dim_is_refused() -> None:
