@@ -3,6 +3,8 @@ detach_/.data, module hooks, torch.autocast, and the top-level functions that On
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 import torch
@@ -358,3 +360,37 @@ def test_every_top_level_name_is_exported_and_torch_has_it() -> None:
     # sbpflow's own (placement, explain, to_global ...) and OneFlow's (cast, to_global) are not torch's
     assert not_in_torch <= {"placement", "explain", "to_global", "cast", "print0", "rank", "world_size", "uniform",
                             "gelu", "silu", "manual_seed", "tensor"}, not_in_torch
+
+
+class _TwoOut(nn.Module):
+    def forward(self, a, b):  # type: ignore[no-untyped-def]
+        return a * b, a + 1.0
+
+
+class _TorchTwoOut(torch.nn.Module):
+    def forward(self, a, b):  # type: ignore[no-untyped-def]
+        return a * b, a + 1.0
+
+
+def test_full_backward_hook_with_two_inputs_and_a_tuple_output() -> None:
+    p = PLACEMENTS["2x2"]
+    a, b = randn(4, 3), randn(4, 3, seed=1)
+    seen: list[Any] = []
+    expected: list[Any] = []
+    ours, theirs = _TwoOut(), _TorchTwoOut()
+    pre = ours.register_forward_pre_hook(lambda m, args: None)
+    ours.register_full_backward_hook(lambda m, gi, go: seen.append([g.numpy() for g in gi + go]))
+    theirs.register_full_backward_hook(lambda m, gi, go: expected.append([g.numpy() for g in gi + go]))
+    ga = sbpflow.tensor(a, placement=p, sbp=(S.split(0), B), requires_grad=True)
+    gb = sbpflow.tensor(b, placement=p, sbp=(B, S.split(1)), requires_grad=True)
+    x, y = ours(ga, gb)
+    (x * y).sum().backward()
+    ta, tb = a.clone().requires_grad_(), b.clone().requires_grad_()
+    tx, ty = theirs(ta, tb)
+    (tx * ty).sum().backward()
+    assert len(seen) == len(expected) == 1 and len(seen[0]) == 4
+    for got, want in zip(seen[0], expected[0], strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(ga.grad.numpy(), ta.grad.numpy(), rtol=1e-5, atol=1e-6)
+    assert isinstance(pre, nn.hooks.RemovableHandle)
+    pre.remove()
