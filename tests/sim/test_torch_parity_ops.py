@@ -126,6 +126,17 @@ def test_masked_fill_with_a_0d_tensor_value_and_bad_masks() -> None:
         gx.masked_fill(sbpflow.tensor(torch.ones(2, 4, 3, dtype=torch.bool), placement=p, sbp=B), 1.0)
 
 
+def test_masked_fill_in_place_like_attention_code() -> None:
+    p = PLACEMENTS["2x2"]
+    scores = randn(4, 4)
+    causal = torch.ones(4, 4, dtype=torch.bool).triu(1)
+    x = sbpflow.tensor(scores, placement=p, sbp=(S.split(0), S.split(1)))
+    with sbpflow.no_grad():
+        assert x.masked_fill_(sbpflow.tensor(causal, placement=p, sbp=(B, B)), float("-inf")) is x
+    assert x.sbp == (S.split(0), S.split(1))
+    np.testing.assert_array_equal(x.numpy(), scores.masked_fill(causal, float("-inf")).numpy())
+
+
 # -- argmax / argmin, all / any ----------------------------------------------------------------------------
 
 

@@ -165,5 +165,5 @@ bind_methods({
 bind_methods({
     "clone": F.clone, "contiguous": F.contiguous, "sin": F.sin, "cos": F.cos, "erf": F.erf, "isnan": F.isnan,
     "isfinite": F.isfinite, "masked_fill": F.masked_fill, "argmax": F.argmax, "argmin": F.argmin, "all": F.all,
-    "any": F.any, "cumsum": F.cumsum, "topk": F.topk,
+    "any": F.any, "cumsum": F.cumsum, "topk": F.topk, "masked_fill_": _inplace("masked_fill_", F.masked_fill),
 })
