@@ -41,3 +41,7 @@ class AutogradError(SbpflowError, RuntimeError):
 
 class CommError(SbpflowError, RuntimeError):
     """A communication failure: a timeout, a mismatch between ranks, a dead peer."""
+
+
+class AutocastWarning(UserWarning):
+    """A torch.autocast block is active around sbpflow ops, which it does not change (see ops.registry)."""

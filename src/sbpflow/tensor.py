@@ -289,6 +289,36 @@ class Tensor:
         shards = {r: t.detach() for r, t in (self._shards or {}).items()}
         return Tensor._from_shards(self.shape, self.dtype, self.placement, self.sbp, shards)
 
+    def detach_(self) -> Tensor:
+        """Cuts this tensor from the graph in place: it becomes a leaf that needs no gradient (as torch)."""
+        self.grad_fn = None
+        self._out_index = 0
+        self.requires_grad = False
+        return self
+
+    @property
+    def data(self) -> Tensor:
+        """The same values and storage, cut from the graph (``detach()``), as ``torch.Tensor.data``."""
+        return self.detach()
+
+    @data.setter
+    def data(self, value: Tensor) -> None:
+        """Makes this tensor hold ``value``'s storage, shape, dtype and layout, keeping its identity and autograd
+        state (``p.data = new`` in optimizer code). The version bumps, so a graph that saved the old value
+        raises instead of using the new one, and boxed copies of the old value are dropped."""
+        if not isinstance(value, Tensor):
+            raise SbpflowError(f"x.data = ... needs an sbpflow Tensor, but got {type(value).__name__}; "
+                               f"target {self._describe()}")
+        self._take_storage(value)
+        self._version += 1
+        if self._boxed is not None:
+            self._boxed = {}
+
+    def _take_storage(self, src: Tensor) -> None:
+        """Holds ``src``'s layout and shards (the same storage), keeping this tensor's identity and autograd state."""
+        for name in ("_shape", "_dtype", "_placement", "_sbp", "_shards", "_local"):
+            object.__setattr__(self, name, getattr(src, name))
+
     def requires_grad_(self, flag: bool = True) -> Tensor:
         if not self.is_leaf:
             raise AutogradError("requires_grad_() applies to leaf tensors; use .detach().requires_grad_()")

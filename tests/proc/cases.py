@@ -124,6 +124,14 @@ def ops_job(world: int) -> dict[str, Any]:
         s_b = s.to_global(sbp=B)
     out["sum then B"] = _outcome(s_b, log)
 
+    rows = sbpflow.tensor(base_value((5,)) > 0, placement=p, sbp=B)
+    with record() as log:
+        picked = a[rows]  # S(1) stays: a data-dependent length that each process reads off its own shard
+    out["mask rows"] = _outcome(picked, log) | {"sbp": str(picked.sbp)}
+    with record() as log:
+        top = sbpflow.tensor(base_value((5, 7)), placement=p, sbp=S0).topk(3).values
+    out["topk S0"] = _outcome(top, log)
+
     out["mlp backward"] = _mlp_backward(p)
     return out
 

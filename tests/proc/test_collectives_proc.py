@@ -107,7 +107,7 @@ def test_boxing_collectives_per_process(run: Any) -> None:
 def test_ops_match_simulated(run: Any) -> None:
     world, per_rank, ref = run
     for result in per_rank:
-        for name in ("matmul S1 x S0", "elementwise S0", "sum over split dim", "sum then B"):
+        for name in ("matmul S1 x S0", "elementwise S0", "sum over split dim", "sum then B", "mask rows", "topk S0"):
             np.testing.assert_allclose(result["ops"][name]["value"], ref["ops"][name]["value"], rtol=RTOL,
                                        err_msg=name)
     a, b = base_value((5, 7)), base_value((7, 3)) * 2
@@ -122,6 +122,7 @@ def test_ops_collectives_and_sbp(run: Any) -> None:
         assert ops["elementwise S0"]["counts"] == {}
         assert ops["sum over split dim"]["counts"] == {} and "Partial" in ops["sum over split dim"]["sbp"]
         assert ops["sum then B"]["counts"] == {AR: 1}
+        assert ops["mask rows"]["counts"] == {} and ops["topk S0"]["counts"] == {}
 
 
 def test_mlp_backward_is_one_all_reduce_per_weight(run: Any) -> None:

@@ -181,6 +181,10 @@ def record_op(opdef: Any, args: Sequence[Any], attrs: dict[str, Any]) -> Any:
     from ..ops.registry import decide
 
     tracer = ACTIVE[-1]
+    try:
+        opdef.check_traceable()
+    except SbpflowError as e:
+        raise TraceError(f"{user_line()}: {e}") from None
     tensors = [a for a in args if isinstance(a, Tensor)]
     placement = tensors[0].placement
     for t in tensors[1:]:

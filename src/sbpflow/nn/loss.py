@@ -16,15 +16,21 @@ def _check_reduction(reduction: str, name: str) -> str:
 
 
 class CrossEntropyLoss(Module):
-    """Softmax cross entropy of logits (N, C) or (N, C, ...) against class indices."""
+    """Softmax cross entropy of logits (N, C) or (N, C, ...) against class indices or class probabilities.
 
-    def __init__(self, ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0) -> None:
+    ``weight`` (one entry per class) is a buffer, so ``to_global`` lays it out with the model.
+    """
+
+    def __init__(self, weight: Tensor | None = None, ignore_index: int = -100, reduction: str = "mean",
+                 label_smoothing: float = 0.0) -> None:
         super().__init__()
         self.ignore_index, self.label_smoothing = ignore_index, label_smoothing
         self.reduction = _check_reduction(reduction, "CrossEntropyLoss")
+        self.register_buffer("weight", weight)
 
     def forward(self, logits: Tensor, target: Tensor) -> Tensor:
-        return F.cross_entropy(logits, target, self.ignore_index, self.reduction, self.label_smoothing)
+        return F.cross_entropy(logits, target, weight=self.weight, ignore_index=self.ignore_index,
+                               reduction=self.reduction, label_smoothing=self.label_smoothing)
 
     def extra_repr(self) -> str:
         return f"reduction={self.reduction!r}"

@@ -25,11 +25,12 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from ..autograd import no_grad, zero_grads
+from ..autograd import is_grad_enabled, no_grad, zero_grads
 from ..errors import AutogradError, SbpError, SbpflowError, ShapeError
 from ..placement import Placement
 from ..sbp import NdSbp, broadcast, normalize
 from ..tensor import Tensor, logical_value, shards_from_full
+from . import hooks
 
 
 class Parameter(Tensor):
@@ -55,7 +56,7 @@ class Parameter(Tensor):
                 "build it with sbpflow.tensor(...)"
             )
         self: Parameter = object.__new__(cls)
-        _copy_storage(self, data.detach())
+        self._take_storage(data.detach())
         self._init_autograd(False)
         if requires_grad:
             self.requires_grad_(True)
@@ -70,15 +71,6 @@ class Parameter(Tensor):
     __str__ = __repr__
 
 
-_STORAGE_SLOTS = ("_shape", "_dtype", "_placement", "_sbp", "_shards", "_local")
-
-
-def _copy_storage(dst: Tensor, src: Tensor) -> None:
-    """Makes ``dst`` hold ``src``'s layout and shards (same storage), keeping ``dst``'s identity."""
-    for name in _STORAGE_SLOTS:
-        object.__setattr__(dst, name, getattr(src, name))
-
-
 def relayout_(t: Tensor, placement: Placement, sbp: Any) -> Tensor:
     """Re-lays out leaf ``t`` in place to ``(placement, sbp)``, keeping its logical value and identity.
 
@@ -90,7 +82,7 @@ def relayout_(t: Tensor, placement: Placement, sbp: Any) -> Tensor:
     with no_grad():
         moved = _moved(t, placement, nd)
         grad = _moved(t.grad, placement, nd) if t.grad is not None else None
-    _copy_storage(t, moved)
+    t._take_storage(moved)
     t.grad = grad
     t._version += 1
     return t
@@ -134,23 +126,53 @@ class Module:
         object.__setattr__(self, "_buffers", OrderedDict())
         object.__setattr__(self, "_non_persistent", set())
         object.__setattr__(self, "_modules", OrderedDict())
-        object.__setattr__(self, "_pre_hooks", [])
+        object.__setattr__(self, "_pre_hooks", {})  # hook id -> hook, in call order (see nn.hooks)
+        object.__setattr__(self, "_forward_hooks", {})  # hook id -> (hook, with_kwargs)
+        object.__setattr__(self, "_backward_hooks", {})
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         raise NotImplementedError(f"{type(self).__name__} defines no forward()")
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        for hook in self._pre_hooks:
+        """Pre-hooks, forward, forward hooks; with full backward hooks, the inputs and the output pass through
+        identity nodes that hand the boundary's gradients to the hooks (as torch orders them)."""
+        for hook in list(self._pre_hooks.values()):
             out = hook(self, args)
             if out is not None:
                 args = out if isinstance(out, tuple) else (out,)
-        return self.forward(*args, **kwargs)
+        boundary = None
+        if self._backward_hooks and is_grad_enabled():
+            boundary, args = hooks.wrap_inputs(self, args, list(self._backward_hooks.values()))
+        output = self.forward(*args, **kwargs)
+        for hook, with_kwargs in list(self._forward_hooks.values()):
+            result = hook(self, args, kwargs, output) if with_kwargs else hook(self, args, output)
+            output = output if result is None else result
+        return output if boundary is None else hooks.wrap_outputs(boundary, output)
 
-    def register_forward_pre_hook(self, hook: Callable[[Module, tuple[Any, ...]], Any]) -> Callable[[], None]:
+    def register_forward_pre_hook(self, hook: Callable[[Module, tuple[Any, ...]], Any], *,
+                                  prepend: bool = False) -> hooks.RemovableHandle:
         """Runs ``hook(module, args)`` before forward; a returned value (tuple or one input) replaces ``args``."""
-        self._pre_hooks.append(hook)
-        hooks = self._pre_hooks
-        return lambda: hooks.remove(hook)
+        return hooks.add_hook(self._pre_hooks, hook, prepend)
+
+    def register_forward_hook(self, hook: Callable[..., Any], *, prepend: bool = False,
+                              with_kwargs: bool = False) -> hooks.RemovableHandle:
+        """Runs ``hook(module, args, output)`` after forward (``hook(module, args, kwargs, output)`` with
+        ``with_kwargs``); a returned value replaces the output. ``handle.remove()`` unregisters it.
+
+        >>> import sbpflow
+        >>> lin = sbpflow.nn.Linear(2, 3)
+        >>> handle = lin.register_forward_hook(lambda m, args, out: out.relu())
+        >>> bool((lin(sbpflow.randn(4, 2)) >= 0).all())
+        True
+        >>> handle.remove()
+        """
+        return hooks.add_hook(self._forward_hooks, (hook, with_kwargs), prepend)
+
+    def register_full_backward_hook(self, hook: Callable[..., Any], *, prepend: bool = False) -> hooks.RemovableHandle:
+        """Runs ``hook(module, grad_input, grad_output)`` when backward has the gradients of the module's
+        positional inputs (None for those that need none) and of its outputs; a returned tuple replaces
+        ``grad_input``. Gradients keep their layouts: under a split batch they are split too."""
+        return hooks.add_hook(self._backward_hooks, hook, prepend)
 
     # -- registration ----------------------------------------------------------------------------
 

@@ -350,3 +350,90 @@ def _floor_grad(ctx: Any, dy: Any) -> Any:
 
 ceil.grad(_floor_grad)
 round_.grad(_floor_grad)
+
+
+# -- identity, trigonometric, erf, tests for nan/inf ------------------------------------------
+
+
+@op("clone", meta=R.same_meta, sbp=_unary_sigs(monotone=True, linear=True))
+def clone(x: torch.Tensor) -> torch.Tensor:
+    """A copy in fresh memory: the identity, so every partial passes through it."""
+    return x.clone(memory_format=torch.contiguous_format)
+
+
+@op("contiguous", meta=R.same_meta, sbp=_unary_sigs(monotone=True, linear=True))
+def contiguous(x: torch.Tensor) -> torch.Tensor:
+    """A row-major copy; ``Tensor.contiguous`` calls it only when some shard is not row-major (as torch)."""
+    return x.contiguous()
+
+
+@clone.grad
+def _clone_grad(ctx: Any, dy: Any) -> Any:
+    return (dy,)
+
+
+contiguous.grad(_clone_grad)
+
+# sin and cos are neither linear nor monotone: a split passes, partial values are reduced first
+sin = _unary("sin", torch.sin, meta=R.float_meta)
+cos = _unary("cos", torch.cos, meta=R.float_meta)
+# erf is increasing and defined everywhere (erf(-inf) = -1), so P(max)/P(min) pieces pass through it
+erf = _unary("erf", torch.erf, meta=R.float_meta, monotone=True)
+
+
+@sin.grad
+def _sin_grad(ctx: Any, dy: Any) -> Any:
+    return (dy * cos(ctx.inputs[0]),)
+
+
+@cos.grad
+def _cos_grad(ctx: Any, dy: Any) -> Any:
+    return (-dy * sin(ctx.inputs[0]),)
+
+
+@erf.grad
+def _erf_grad(ctx: Any, dy: Any) -> Any:
+    x = ctx.inputs[0]
+    return (dy * exp(-(x * x)) * (2.0 / math.sqrt(math.pi)),)
+
+
+def _bool_like(x: Meta) -> Meta:
+    return Meta(x.shape, torch.bool)
+
+
+# A partial's pieces say nothing about whether the reduced value is nan or finite: no partial rules.
+isnan = op("isnan", meta=_bool_like, sbp=_unary_sigs(), differentiable=False)(torch.isnan)
+isfinite = op("isfinite", meta=_bool_like, sbp=_unary_sigs(), differentiable=False)(torch.isfinite)
+
+
+# -- masked_fill ------------------------------------------------------------------------------
+
+
+def _masked_fill_meta(x: Meta, mask: Meta, value: Any) -> Meta:
+    if mask.dtype != torch.bool:
+        raise R.DTypeError(f"masked_fill needs a bool mask, but got {str(mask.dtype).replace('torch.', '')}")
+    shape = R.broadcast_shapes(x.shape, mask.shape)
+    if shape != x.shape:
+        raise R.ShapeError(f"masked_fill needs a mask that broadcasts to the input's shape {list(x.shape)}, but got "
+                           f"mask shape {list(mask.shape)}")
+    return x
+
+
+def _masked_fill_sigs(x: Meta, mask: Meta, outs: tuple[Meta, ...], value: Any) -> list:  # type: ignore[type-arg]
+    """Every piece of a partial gets ``value`` where the mask is set: max/min of equal values is that value, and
+    a sum of zeros is zero, so P(max)/P(min) pass always and P(sum) only when filling with 0."""
+    partial = [(PMAX, B, PMAX), (PMIN, B, PMIN)]
+    if value == 0:
+        partial.append((PSUM, B, PSUM))
+    return R.elementwise_sigs((x, mask), outs[0], partial)
+
+
+@op("masked_fill", meta=_masked_fill_meta, sbp=_masked_fill_sigs)
+def masked_fill(x: torch.Tensor, mask: torch.Tensor, value: Any) -> torch.Tensor:
+    """``x`` with ``value`` where ``mask`` is set; ``value`` is a static attribute (the P(sum) rule reads it)."""
+    return x.masked_fill(mask, value)
+
+
+@masked_fill.grad
+def _masked_fill_grad(ctx: Any, dy: Any) -> Any:
+    return masked_fill(dy, ctx.inputs[1], value=0.0), None

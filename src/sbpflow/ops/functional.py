@@ -99,6 +99,34 @@ neg, exp, log, sqrt, rsqrt, tanh, sigmoid, relu, silu = (
 )
 abs = E.abs_
 sign, floor, ceil, round = E.sign, E.floor, E.ceil, E.round_
+sin, cos, erf, isnan, isfinite = E.sin, E.cos, E.erf, E.isnan, E.isfinite
+
+
+def clone(x: Tensor) -> Tensor:
+    """A copy in fresh memory with the same placement and SBP (partials stay partial), as ``torch.clone``."""
+    return E.clone(x)
+
+
+def contiguous(x: Tensor) -> Tensor:
+    """``x`` itself when every shard is row-major (as torch returns ``self``), else a row-major copy."""
+    if builtins.all(t.is_contiguous() for t in x.local_tensors().values()):
+        return x
+    return E.contiguous(x)
+
+
+def masked_fill(x: Tensor, mask: Tensor, value: Any) -> Tensor:
+    """``x`` with ``value`` (a scalar or a 0-d tensor) where the bool ``mask`` (broadcast to ``x``) is set.
+
+    >>> import sbpflow
+    >>> x = sbpflow.tensor([1.0, 2.0, 3.0])
+    >>> masked_fill(x, x > 1.5, float("-inf")).tolist()
+    [1.0, -inf, -inf]
+    """
+    if _is_t(value):
+        if value.ndim != 0:
+            raise ShapeError(f"masked_fill takes a 0-d tensor value, but got {value._describe()}")
+        return E.where(mask, cast(value, x.dtype), x)
+    return E.masked_fill(x, mask, value=value)
 
 
 def gelu(x: Tensor, approximate: str = "none") -> Tensor:
@@ -194,7 +222,8 @@ def amin(x: Tensor, dim: Any = None, keepdim: bool = False) -> Tensor:
 
 
 class MaxMin(tuple):  # type: ignore[type-arg]
-    """``(values, indices)`` of :func:`max` / :func:`min` over a dim, like ``torch.return_types.max``."""
+    """``(values, indices)`` of :func:`max` / :func:`min` over a dim and of :func:`topk`, like
+    ``torch.return_types.max``."""
 
     __slots__ = ()
 
@@ -232,6 +261,41 @@ def min(x: Tensor, dim: Any = None, keepdim: bool = False) -> Any:
     if dim is None:
         return RD.amin(x)
     return MaxMin(*RD.min_dim(x, dim=dim, keepdim=keepdim))
+
+
+def argmax(x: Tensor, dim: int | None = None, keepdim: bool = False) -> Tensor:
+    """Index of the largest value along ``dim`` (of the flattened tensor when ``dim`` is None), first on ties."""
+    return RD.argmax(x, dim=None if dim is None else R.normalize_dim(dim, x.ndim), keepdim=keepdim)
+
+
+def argmin(x: Tensor, dim: int | None = None, keepdim: bool = False) -> Tensor:
+    """Index of the smallest value along ``dim`` (of the flattened tensor when ``dim`` is None), first on ties."""
+    return RD.argmin(x, dim=None if dim is None else R.normalize_dim(dim, x.ndim), keepdim=keepdim)
+
+
+def all(x: Tensor, dim: Any = None, keepdim: bool = False) -> Tensor:
+    """Whether every element (along ``dim``) is nonzero; a split reduced dim gives P(min) over bools."""
+    return RD.all_(x, dim=_dims(dim), keepdim=keepdim)
+
+
+def any(x: Tensor, dim: Any = None, keepdim: bool = False) -> Tensor:
+    """Whether some element (along ``dim``) is nonzero; a split reduced dim gives P(max) over bools."""
+    return RD.any_(x, dim=_dims(dim), keepdim=keepdim)
+
+
+def cumsum(x: Tensor, dim: int, dtype: torch.dtype | None = None) -> Tensor:
+    """Running sums along ``dim``, as ``torch.cumsum`` (integers accumulate in int64)."""
+    return RD.cumsum(x, dim=R.normalize_dim(dim, x.ndim), dtype=dtype)
+
+
+def topk(x: Tensor, k: int, dim: int = -1, largest: bool = True, sorted: bool = True) -> MaxMin:
+    """``(values, indices)`` of the ``k`` largest (or smallest) entries along ``dim``, as ``torch.topk``.
+
+    >>> import sbpflow
+    >>> topk(sbpflow.tensor([3.0, 1.0, 4.0, 1.5]), 2).indices.tolist()
+    [2, 0]
+    """
+    return MaxMin(*RD.topk(x, k=k, dim=R.normalize_dim(dim, x.ndim), largest=largest, sorted=sorted))
 
 
 def var(x: Tensor, dim: Any = None, keepdim: bool = False, correction: int = 1, unbiased: bool | None = None) -> Tensor:

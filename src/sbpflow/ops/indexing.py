@@ -14,6 +14,10 @@ SBP rules, with ``dim`` the dim an op indexes or joins along:
                      B, index S(k)     S(k)
                      S(dim), index B   P(sum)
     cat              all S(k), k != dim  S(k)
+    x[mask]          B, mask B         B          the output's length is the mask's count: data, not
+                     S(k), mask B      S(k-m+1)   metadata (a data-dependent op); k >= m, the mask's ndim,
+                                                  so every rank selects the same rows
+
 
 Selections are linear and pick elements without mixing them, so every partial
 (sum, max, min) passes through them; their gradients scatter into zeros, so
@@ -36,9 +40,9 @@ from ..sbp import Partial, Split, broadcast, format_nd
 from ..tensor import Tensor
 from . import _rules as R
 from . import shape as SH
-from .registry import Meta, ShardCtx, Sig, op
+from .registry import DYNAMIC, Meta, ShardCtx, Sig, op
 
-__all__ = ["narrow", "slice_", "getitem", "index_select", "gather", "cat", "stack", "split", "chunk"]
+__all__ = ["narrow", "slice_", "getitem", "index_select", "gather", "cat", "stack", "split", "chunk", "masked_select"]
 
 B = broadcast
 PSUM = Partial("sum")
@@ -242,7 +246,11 @@ def getitem(x: Tensor, key: Any) -> Tensor:
     >>> x[1:, ::2].tolist(), x[..., -1].tolist(), x[None, 0].shape
     ([[4, 6], [8, 10]], [3, 7, 11], torch.Size([1, 4]))
     """
+    if isinstance(key, Tensor) and key.dtype == torch.bool:
+        return _mask_rows(x, key)
     key = key if isinstance(key, tuple) else (key,)
+    if any(isinstance(k, Tensor) and k.dtype == torch.bool for k in key):
+        raise OpError(f"x[...] takes a bool mask only alone (x[mask]), but got key {key!r}; input {x._describe()}")
     if sum(1 for k in key if isinstance(k, Tensor)) > 1:
         raise OpError(f"x[...] takes at most one tensor index, but got key {key!r}; input {x._describe()}")
     out, d = x, 0  # d: the dim of `out` the next key entry indexes
@@ -259,6 +267,83 @@ def getitem(x: Tensor, key: Any) -> Tensor:
             out = _index_tensor(out, d, k)
             d += 0 if k.ndim == 0 else 1
     return out
+
+
+# -- x[mask]: boolean-mask selection, a data-dependent op -------------------------------------------
+
+
+def _masked_select_meta(x: Meta, mask: Meta) -> Meta:
+    if mask.dtype != torch.bool:
+        raise DTypeError(f"x[mask] needs a bool mask, but got {str(mask.dtype).replace('torch.', '')}")
+    if mask.ndim == 0 or x.shape[: mask.ndim] != mask.shape:
+        raise ShapeError(f"x[mask] needs a mask of at least 1 dim whose shape {list(mask.shape)} is the leading part "
+                         f"of the input's shape {list(x.shape)}")
+    return Meta((DYNAMIC,) + x.shape[mask.ndim :], x.dtype)  # (count of set mask entries, *trailing dims)
+
+
+def _masked_select_sigs(x: Meta, mask: Meta, outs: tuple[Meta, ...]) -> list[Sig]:
+    """A broadcast mask selects the same entries on every rank: partials and splits of trailing dims pass."""
+    m = mask.ndim
+    sigs = [Sig((B, B), (B,))] + [Sig((p, B), (p,)) for p in _PARTIALS]
+    return sigs + [Sig((Split(k), B), (Split(k - m + 1),)) for k in range(m, x.ndim)]
+
+
+@op("masked_select", meta=_masked_select_meta, sbp=_masked_select_sigs, data_dependent=True)
+def _masked_select(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return x[mask]  # advanced indexing copies: a fresh tensor
+
+
+@_masked_select.grad
+def _masked_select_grad(ctx: Any, dy: Any) -> Any:
+    return masked_select_backward(dy, ctx.inputs[1]), None
+
+
+def _masked_select_backward_meta(dy: Meta, mask: Meta) -> Meta:
+    return Meta(mask.shape + dy.shape[1:], dy.dtype)
+
+
+def _masked_select_backward_sigs(dy: Meta, mask: Meta, outs: tuple[Meta, ...]) -> list[Sig]:
+    m = mask.ndim
+    sigs = [Sig((B, B), (B,)), Sig((PSUM, B), (PSUM,))]
+    return sigs + [Sig((Split(k), B), (Split(k + m - 1),)) for k in range(1, dy.ndim)]
+
+
+@op("masked_select_backward", meta=_masked_select_backward_meta, sbp=_masked_select_backward_sigs,
+    differentiable=False)
+def masked_select_backward(dy: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Zeros of the input's shape with the rows of ``dy`` where ``mask`` is set: the gradient of ``x[mask]``."""
+    out = dy.new_zeros(tuple(mask.shape) + tuple(dy.shape[1:]))  # local
+    out[mask] = dy
+    return out
+
+
+def _mask_rows(x: Tensor, mask: Tensor) -> Tensor:
+    """``x[mask]``: the rows of ``x`` (over the mask's dims) where ``mask`` is set, in row-major order."""
+    if mask.ndim == 0 or tuple(x.shape[: mask.ndim]) != tuple(mask.shape):
+        raise ShapeError(f"x[mask] needs a mask whose shape is the leading part of the input's shape (as torch), but "
+                         f"got mask {mask._describe()}; input {x._describe()}")
+    return _masked_select(x, mask)
+
+
+def masked_select(x: Tensor, mask: Tensor) -> Tensor:
+    """The entries of ``x`` where the bool ``mask`` (broadcast with ``x``) is set, as a 1-D tensor.
+
+    Its length depends on the mask's values, so it is a data-dependent op: eager only, and its
+    output is never split (B, or a partial of a partial input).
+
+    >>> import sbpflow
+    >>> x = sbpflow.tensor([[1.0, -2.0], [-3.0, 4.0]])
+    >>> masked_select(x, x > 0).tolist(), x[x < 0].tolist()
+    ([1.0, 4.0], [-2.0, -3.0])
+    """
+    shape = R.broadcast_shapes(tuple(x.shape), tuple(mask.shape))
+    if tuple(x.shape) != shape:
+        x = SH.expand(x, shape=shape)
+    if tuple(mask.shape) != shape:
+        mask = SH.expand(mask, shape=shape)
+    if not shape:
+        x, mask = SH.unsqueeze(x, dim=0), SH.unsqueeze(mask, dim=0)
+    return _mask_rows(x, mask)
 
 
 # -- index_select ----------------------------------------------------------------------------------
@@ -572,4 +657,5 @@ Tensor.index_select = index_select  # type: ignore[attr-defined]
 Tensor.gather = gather  # type: ignore[attr-defined]
 Tensor.split = split  # type: ignore[attr-defined]
 Tensor.chunk = chunk  # type: ignore[attr-defined]
+Tensor.masked_select = masked_select  # type: ignore[attr-defined]
 Tensor.__getitem__ = getitem  # type: ignore[attr-defined,misc]

@@ -258,23 +258,53 @@ def _check_reduction(name: str, reduction: str) -> None:
         raise OpError(f"{name}: reduction must be 'none', 'mean' or 'sum', but got {reduction!r}")
 
 
-def nll_loss(logp: Tensor, target: Tensor, ignore_index: int = -100, reduction: str = "mean") -> Tensor:
-    """``torch.nn.functional.nll_loss`` over class indices; the class dim may be split (``P(sum)`` picks)."""
+def _check_weight(name: str, weight: Tensor | None, logits: Tensor) -> None:
+    classes = logits.shape[0 if logits.ndim == 1 else 1] if logits.ndim else 0
+    if weight is not None and tuple(weight.shape) != (classes,):
+        raise ShapeError(f"{name}: weight needs one entry per class, shape [{classes}] for input {logits._describe()}, "
+                         f"but got weight {weight._describe()}")
+
+
+def _target_weights(x: Tensor, t: Tensor, weight: Tensor | None, ignore_index: int) -> Tensor:
+    """Each sample's weight: ``weight[target]``, or 1; 0 where the target is ``ignore_index``.
+
+    Picked from the weight broadcast over the samples, so a class-split weight is picked where it
+    lives (``P(sum)``), like the logits; summed, it is what a weighted mean divides by, as in torch.
+    """
+    if weight is None:
+        return E.cast(E.ne(t, ignore_index), dtype=x.dtype)
+    spread = SH.expand(E.cast(weight, dtype=x.dtype), shape=tuple(x.shape))  # logical (N, d..., C)
+    return _pick(spread, t, ignore_index=ignore_index, name="weight")
+
+
+def nll_loss(logp: Tensor, target: Tensor, weight: Tensor | None = None, ignore_index: int = -100,
+             reduction: str = "mean") -> Tensor:
+    """``torch.nn.functional.nll_loss`` over class indices; the class dim may be split (``P(sum)`` picks).
+
+    ``weight`` (one entry per class) scales each sample's loss by its target's weight; the mean then
+    divides by the sum of those weights, as torch does.
+    """
     _check_reduction("nll_loss", reduction)
+    _check_weight("nll_loss", weight, logp)
     x, t = _classes_last("nll_loss", logp, target)
-    valid = E.cast(E.ne(t, ignore_index), dtype=x.dtype)
+    valid = _target_weights(x, t, weight, ignore_index)
     losses = E.neg(_pick(x, t, ignore_index=ignore_index, name="nll_loss"))
+    if weight is not None:
+        losses = E.mul(losses, valid)
     return _reduce("nll_loss", losses, valid, reduction, logp.ndim == 1)
 
 
-def cross_entropy(logits: Tensor, target: Tensor, ignore_index: int = -100, reduction: str = "mean",
-                  label_smoothing: float = 0.0) -> Tensor:
+def cross_entropy(logits: Tensor, target: Tensor, weight: Tensor | None = None, ignore_index: int = -100,
+                  reduction: str = "mean", label_smoothing: float = 0.0) -> Tensor:
     """``torch.nn.functional.cross_entropy`` (class dim 1 for inputs of 2 or more dims), with class-index
     targets or, as in torch, floating-point class probabilities of the input's shape.
 
     With the class dim split (the vocab-parallel loss) the log-softmax takes its max and
     log-sum-exp through partials and the rank owning each target class picks its logit, so the
     forward pass all-reduces only (N, 1) statistics and never gathers the logits.
+
+    ``weight`` (one entry per class, split like the classes or not) scales each class's terms; with
+    class-index targets the mean divides by the summed weights of the targets, as in torch.
 
     >>> import sbpflow
     >>> p = sbpflow.placement("cpu", [0, 1])
@@ -285,22 +315,28 @@ def cross_entropy(logits: Tensor, target: Tensor, ignore_index: int = -100, redu
     _check_reduction("cross_entropy", reduction)
     if not 0.0 <= label_smoothing <= 1.0:
         raise OpError(f"cross_entropy: label_smoothing must be in [0, 1], but got {label_smoothing}")
+    _check_weight("cross_entropy", weight, logits)
     if target.dtype.is_floating_point:
-        return _soft_cross_entropy(logits, target, reduction, label_smoothing)
+        return _soft_cross_entropy(logits, target, weight, reduction, label_smoothing)
     x, t = _classes_last("cross_entropy", logits, target)
     last = x.ndim - 1
     logp = _log_softmax(x, last, force_partial=_split_on(x, last))  # logical (N, d..., C)
-    valid = E.cast(E.ne(t, ignore_index), dtype=x.dtype)
+    valid = _target_weights(x, t, weight, ignore_index)
     losses = E.neg(_pick(logp, t, ignore_index=ignore_index, name="cross_entropy"))
+    if weight is not None:
+        losses = E.mul(losses, valid)
     if label_smoothing > 0.0:
         classes = x.shape[-1]
-        smooth = E.mul(E.neg(RD.sum_(logp, dim=last)), valid)  # P(sum) when classes are split
+        weighted = logp if weight is None else E.mul(logp, E.cast(weight, dtype=x.dtype))
+        present = E.cast(E.ne(t, ignore_index), dtype=x.dtype)
+        smooth = E.mul(E.neg(RD.sum_(weighted, dim=last)), present)  # P(sum) when classes are split
         losses = E.add(E.mul(losses, 1.0 - label_smoothing), E.mul(smooth, label_smoothing / classes))
     return _reduce("cross_entropy", losses, valid, reduction, logits.ndim == 1)
 
 
-def _soft_cross_entropy(logits: Tensor, target: Tensor, reduction: str, label_smoothing: float) -> Tensor:
-    """-sum(p * log_softmax(x)) over the class dim; mean divides by the number of samples (all count)."""
+def _soft_cross_entropy(logits: Tensor, target: Tensor, weight: Tensor | None, reduction: str,
+                        label_smoothing: float) -> Tensor:
+    """-sum(w * p * log_softmax(x)) over the class dim; mean divides by the number of samples (all count)."""
     if tuple(target.shape) != tuple(logits.shape):
         raise ShapeError(
             f"cross_entropy: class-probability targets need the input's shape {list(logits.shape)}, but got "
@@ -311,6 +347,11 @@ def _soft_cross_entropy(logits: Tensor, target: Tensor, reduction: str, label_sm
     if label_smoothing > 0.0:
         target = E.add(E.mul(target, 1.0 - label_smoothing), label_smoothing / classes)
     logp = _log_softmax(logits, dim, force_partial=_split_on(logits, dim))
+    if weight is not None:  # weight is (C,): give it trailing unit dims to meet the class dim of (N, C, d...)
+        w = E.cast(weight, dtype=logp.dtype)
+        for _ in range(logits.ndim - dim - 1):
+            w = SH.unsqueeze(w, dim=w.ndim)
+        target = E.mul(target, w)
     losses = E.neg(RD.sum_(E.mul(logp, target), dim=dim))  # P(sum) when classes are split
     if reduction == "none":
         return losses

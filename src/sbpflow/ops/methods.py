@@ -158,3 +158,12 @@ bind_methods({
     "neg_": _inplace("neg_", F.neg), "sqrt_": _inplace("sqrt_", F.sqrt), "exp_": _inplace("exp_", F.exp),
     "maximum_": _inplace("maximum_", F.maximum),
 })
+
+
+# -- PyTorch parity: the methods torch users reach for (issue 13) ------------------------------------
+
+bind_methods({
+    "clone": F.clone, "contiguous": F.contiguous, "sin": F.sin, "cos": F.cos, "erf": F.erf, "isnan": F.isnan,
+    "isfinite": F.isfinite, "masked_fill": F.masked_fill, "argmax": F.argmax, "argmin": F.argmin, "all": F.all,
+    "any": F.any, "cumsum": F.cumsum, "topk": F.topk, "masked_fill_": _inplace("masked_fill_", F.masked_fill),
+})

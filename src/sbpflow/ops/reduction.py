@@ -206,3 +206,143 @@ def index_scatter(ctx: ShardCtx, g: torch.Tensor, idx: torch.Tensor, shape: tupl
     if not keepdim:
         g, idx = g.unsqueeze(dim), idx.unsqueeze(dim)
     return torch.zeros(local_shape, dtype=g.dtype, device=g.device).scatter(dim, idx, g)
+
+
+# -- argmax / argmin ------------------------------------------------------------------------------
+#
+# Like max/min over a dim, an index is a position along the whole logical dim, so the reduced dim is
+# never split (a split input is boxed along it first); with no dim the index is into the flattened
+# tensor, which only a broadcast input can give.
+
+
+def _arg_meta(x: Meta, dim: int | None = None, keepdim: bool = False) -> Meta:
+    if dim is None:
+        if 0 in x.shape:
+            raise R.ShapeError(f"argmax/argmin need a non-empty tensor, but got shape {list(x.shape)}")
+        return Meta((1,) * x.ndim if keepdim else (), torch.int64)
+    return _minmax_dim_meta(x, dim, keepdim)[1]
+
+
+def _arg_sigs(x: Meta, outs: tuple[Meta, ...], dim: int | None = None, keepdim: bool = False) -> list[Sig]:
+    if dim is None:
+        return [Sig((broadcast,), (broadcast,))]
+    return [Sig(s.ins, s.outs[1:]) for s in _minmax_dim_sigs(x, outs + outs, dim, keepdim)]
+
+
+def _arg_kernel(fn: Any):  # type: ignore[no-untyped-def]
+    def kernel(x: torch.Tensor, dim: int | None = None, keepdim: bool = False) -> torch.Tensor:
+        return fn(x, dim=dim, keepdim=keepdim)
+
+    return kernel
+
+
+argmax = op("argmax", meta=_arg_meta, sbp=_arg_sigs, differentiable=False)(_arg_kernel(torch.argmax))
+argmin = op("argmin", meta=_arg_meta, sbp=_arg_sigs, differentiable=False)(_arg_kernel(torch.argmin))
+
+
+# -- all / any ------------------------------------------------------------------------------------
+#
+# all() of a split dim is the AND of every shard's all(), which is P(min) over bools (an empty shard
+# gives True, min's identity); any() is the OR, P(max). A bool partial of the same kind passes too:
+# the AND of ANDs is an AND. Other dtypes are tested for nonzero first, which no partial survives.
+
+
+def _logical_meta(x: Meta, dim: Any = None, keepdim: bool = False) -> Meta:
+    return Meta(_reduced_shape(x, R.normalize_dims(dim, x.ndim), keepdim), torch.bool)
+
+
+def _logical_sigs(kind: str):  # type: ignore[no-untyped-def]
+    def sigs(x: Meta, outs: tuple[Meta, ...], dim: Any = None, keepdim: bool = False) -> list[Sig]:
+        out = _reduce_sigs(kind)(x, outs, dim=dim, keepdim=keepdim)
+        return out if x.dtype == torch.bool else [s for s in out if not isinstance(s.ins[0], Partial)]
+
+    return sigs
+
+
+def _logical_kernel(fn: Any):  # type: ignore[no-untyped-def]
+    def kernel(x: torch.Tensor, dim: Any = None, keepdim: bool = False) -> torch.Tensor:
+        dims = R.normalize_dims(dim, x.dim())
+        if dim is None and not keepdim:
+            return fn(x)
+        out = x.bool() if x.dtype != torch.bool else x
+        for d in reversed(dims):  # torch.all takes one dim at a time
+            out = fn(out, dim=d, keepdim=keepdim) if keepdim else fn(out, dim=d)
+        return out
+
+    return kernel
+
+
+all_ = op("all", meta=_logical_meta, sbp=_logical_sigs("min"), differentiable=False)(_logical_kernel(torch.all))
+any_ = op("any", meta=_logical_meta, sbp=_logical_sigs("max"), differentiable=False)(_logical_kernel(torch.any))
+
+
+# -- cumsum ---------------------------------------------------------------------------------------
+#
+# A running sum is linear (P(sum) passes) and runs along one dim: any other dim may stay split; a
+# split of the summed dim itself would need every earlier shard's total, so it is boxed first.
+
+
+def _cumsum_meta(x: Meta, dim: int, dtype: torch.dtype | None = None, reverse: bool = False) -> Meta:
+    R.normalize_dim(dim, x.ndim)
+    integral = not (x.dtype.is_floating_point or x.dtype.is_complex)
+    return Meta(x.shape, dtype or (torch.int64 if integral else x.dtype))
+
+
+def _cumsum_sigs(x: Meta, outs: tuple[Meta, ...], dim: int, **_: Any) -> list[Sig]:
+    d = R.normalize_dim(dim, x.ndim)
+    sigs = [Sig((broadcast,), (broadcast,)), Sig((Partial("sum"),), (Partial("sum"),))]
+    return sigs + [Sig((Split(k),), (Split(k),)) for k in range(x.ndim) if k != d]
+
+
+@op("cumsum", meta=_cumsum_meta, sbp=_cumsum_sigs)
+def cumsum(x: torch.Tensor, dim: int, dtype: torch.dtype | None = None, reverse: bool = False) -> torch.Tensor:
+    """Running sums along ``dim``; ``reverse`` sums from the end (the gradient of a forward running sum)."""
+    if not reverse:
+        return torch.cumsum(x, dim=dim, dtype=dtype)
+    return torch.cumsum(x.flip(dim), dim=dim, dtype=dtype).flip(dim)
+
+
+@cumsum.grad
+def _cumsum_grad(ctx: Any, dy: Any) -> Any:
+    from .functional import cast
+
+    g = cumsum(dy, dim=ctx.attrs["dim"], reverse=not ctx.attrs.get("reverse", False))
+    return (cast(g, ctx.inputs[0].dtype),)
+
+
+# -- topk -----------------------------------------------------------------------------------------
+
+
+def _topk_meta(x: Meta, k: int, dim: int, largest: bool = True, sorted: bool = True) -> tuple[Meta, Meta]:
+    d = R.normalize_dim(dim, x.ndim)
+    size = x.shape[d] if x.ndim else 1
+    if not 0 <= k <= size:
+        raise R.ShapeError(f"topk needs 0 <= k <= {size} (the size of dim {dim}), but got k {k} for shape "
+                           f"{list(x.shape)}")
+    shape = x.shape[:d] + (k,) + x.shape[d + 1 :] if x.ndim else ()
+    return Meta(shape, x.dtype), Meta(shape, torch.int64)
+
+
+def _topk_sigs(x: Meta, outs: tuple[Meta, ...], k: int, dim: int, **_: Any) -> list[Sig]:
+    """The k largest of a dim need the whole dim (indices are logical positions); other dims stay split."""
+    d = R.normalize_dim(dim, x.ndim)
+    sigs = [Sig((broadcast,), (broadcast, broadcast))]
+    return sigs + [Sig((Split(j),), (Split(j), Split(j))) for j in range(x.ndim) if j != d]
+
+
+@op("topk", meta=_topk_meta, sbp=_topk_sigs, save_outputs=True)
+def topk(x: torch.Tensor, k: int, dim: int, largest: bool = True,
+         sorted: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    values, indices = torch.topk(x, k, dim=dim, largest=largest, sorted=sorted)
+    return values, indices
+
+
+@topk.grad
+def _topk_grad(ctx: Any, dvalues: Any, dindices: Any) -> Any:
+    from .indexing import gather_backward
+
+    x = ctx.inputs[0]
+    if x.ndim == 0:
+        return (dvalues,)
+    dim = R.normalize_dim(ctx.attrs["dim"], x.ndim)
+    return (gather_backward(dvalues, ctx.outputs[1], dim=dim, shape=tuple(x.shape)),)

@@ -8,6 +8,13 @@ An op declares
 * the kernel (the decorated function) on local torch tensors;
 * ``@op.grad``: its gradient, written in sbpflow ops.
 
+A ``data_dependent`` op (boolean-mask indexing) has an output size that only
+its input *values* decide: its meta gives :data:`DYNAMIC` for that size, its
+signatures never split that dim (ranks would hold pieces of sizes nobody
+planned), and eager dispatch reads the size off the kernel's result. Graph
+mode needs every shape from metadata alone, so tracing such an op fails with
+:meth:`OpDef.check_traceable`'s error.
+
 Positional arguments are tensors or *dynamic* scalars (their type is part of
 the dispatch cache key, their value is not); keyword arguments are static
 attributes and are part of the key.
@@ -23,7 +30,9 @@ attributes and are part of the key.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Sequence
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,11 +43,13 @@ from .._layout import Box, shard_box
 from ..autograd import Node, is_grad_enabled
 from ..comm import get_backend
 from ..distributed import activity
-from ..errors import OpError, SbpflowError
+from ..errors import AutocastWarning, OpError, SbpflowError
 from ..graph import trace as _trace
-from ..placement import Placement
+from ..placement import DEVICE_TYPES, Placement
 from ..sbp import SBP_TYPES, Broadcast, NdSbp, Partial, SbpParallel, Split, format_nd
 from ..tensor import Tensor
+
+DYNAMIC = -1  # an output size that only the data gives (see data_dependent ops in the module docstring)
 
 
 @dataclass(frozen=True)
@@ -51,6 +62,11 @@ class Meta:
     @property
     def ndim(self) -> int:
         return len(self.shape)
+
+    @property
+    def is_static(self) -> bool:
+        """Whether every size is known from metadata (no :data:`DYNAMIC` size)."""
+        return DYNAMIC not in self.shape
 
 
 @dataclass(frozen=True)
@@ -89,7 +105,8 @@ class OpDef:
     """A registered op; calling it dispatches (see :func:`apply`)."""
 
     def __init__(self, name: str, kernel: Callable[..., Any], meta: Callable[..., Any], sbp: Callable[..., Any],
-                 shard_aware: bool, save_outputs: bool, differentiable: bool, mesh_aware: bool) -> None:
+                 shard_aware: bool, save_outputs: bool, differentiable: bool, mesh_aware: bool,
+                 data_dependent: bool = False) -> None:
         self.name = name
         self.kernel = kernel
         self.meta = meta
@@ -98,6 +115,7 @@ class OpDef:
         self.save_outputs = save_outputs
         self.differentiable = differentiable
         self.mesh_aware = mesh_aware
+        self.data_dependent = data_dependent
         self.backward_fn: Callable[..., Any] | None = None
         self.activity = f"op {name!r}"  # what comm errors name while this op boxes its inputs
 
@@ -109,25 +127,38 @@ class OpDef:
     def __call__(self, *args: Any, **attrs: Any) -> Any:
         return apply(self, args, attrs)
 
+    def check_traceable(self) -> None:
+        """Raises unless the op's output shapes follow from input metadata alone (what graph tracing needs)."""
+        if self.data_dependent:
+            raise OpError(
+                f"op {self.name!r} has a data-dependent output shape: its size is known only once the input values "
+                "are, so graph mode cannot trace it; run it eagerly, or keep shapes fixed (masked_fill or where "
+                "instead of boolean-mask indexing)"
+            )
+
     def __repr__(self) -> str:
         return f"<sbpflow op {self.name}>"
 
 
 def op(name: str, *, meta: Callable[..., Any], sbp: Callable[..., Any], shard_aware: bool = False,
        save_outputs: bool = False, differentiable: bool = True,
-       mesh_aware: bool = False) -> Callable[[Callable[..., Any]], OpDef]:
+       mesh_aware: bool = False, data_dependent: bool = False) -> Callable[[Callable[..., Any]], OpDef]:
     """Registers the decorated kernel as op ``name``.
 
     ``shard_aware`` kernels get a :class:`ShardCtx` first; ``mesh_aware`` SBP
     rules get ``mesh=`` (the placement's hierarchy) for rules that hold only
     for some mesh sizes, such as a reshape of an unevenly split dim;
-    ``save_outputs`` keeps the outputs for the gradient.
+    ``save_outputs`` keeps the outputs for the gradient; ``data_dependent`` ops
+    have output sizes that depend on input values (see the module docstring).
     """
 
     def register(kernel: Callable[..., Any]) -> OpDef:
         if name in REGISTRY:
             raise OpError(f"op {name!r} is registered twice")
-        definition = OpDef(name, kernel, meta, sbp, shard_aware, save_outputs, differentiable, mesh_aware)
+        if data_dependent and shard_aware:  # a ShardCtx holds output boxes, which need the sizes up front
+            raise OpError(f"op {name!r} cannot be both data_dependent and shard_aware: output boxes need sizes")
+        definition = OpDef(name, kernel, meta, sbp, shard_aware, save_outputs, differentiable, mesh_aware,
+                           data_dependent)
         REGISTRY[name] = definition
         return definition
 
@@ -155,10 +186,42 @@ def apply(opdef: OpDef, args: Sequence[Any], attrs: dict[str, Any]) -> Any:
             needs_grad = needs_grad or a.requires_grad
     if is_global is None:
         raise OpError(f"op {opdef.name!r} needs at least one tensor argument")
-    outputs = _apply_global(opdef, args, attrs) if is_global else _apply_local(opdef, args, attrs)
+    if _autocast_active():
+        _warn_autocast()
+        with _autocast_off():  # else torch would cast inside some kernels (matmul), off the dtypes the meta promised
+            outputs = _apply_global(opdef, args, attrs) if is_global else _apply_local(opdef, args, attrs)
+    else:
+        outputs = _apply_global(opdef, args, attrs) if is_global else _apply_local(opdef, args, attrs)
     if needs_grad and opdef.differentiable and is_grad_enabled():
         _record(opdef, args, attrs, outputs if isinstance(outputs, tuple) else (outputs,))
     return outputs
+
+
+_autocast_active = torch._C._is_any_autocast_enabled  # one C call per op: cheap enough for every dispatch
+
+# Shown once per process (the "once" action keys on the message alone), unless the user's filters say otherwise:
+# appended, so that filters set before or after import (pytest's "error", warnings.simplefilter) come first.
+warnings.filterwarnings("once", category=AutocastWarning, append=True)
+
+
+@contextmanager
+def _autocast_off() -> Iterator[None]:
+    """Turns off every active torch.autocast (cpu, cuda) for one op's kernels."""
+    with ExitStack() as stack:
+        for device in DEVICE_TYPES:
+            if torch.is_autocast_enabled(device):
+                stack.enter_context(torch.autocast(device_type=device, enabled=False))
+        yield
+
+
+def _warn_autocast() -> None:
+    """torch.autocast only rewrites torch's own dispatch: sbpflow ops keep their dtypes, so say so instead of letting
+    users believe they train in mixed precision. One message for every op, so that "once" means once."""
+    warnings.warn(
+        "torch.autocast is active, but it has no effect on sbpflow ops: they run in their inputs' dtypes. "
+        "sbpflow.autocast will bring mixed precision (issue 9); until then, cast explicitly (x.half(), x.bfloat16())",
+        AutocastWarning, stacklevel=3,
+    )
 
 
 def _record(opdef: OpDef, args: Sequence[Any], attrs: dict[str, Any], outs: tuple[Tensor, ...]) -> None:
@@ -303,6 +366,8 @@ def decide(opdef: OpDef, args: Sequence[Any], attrs: dict[str, Any], placement: 
     sigs = [s for s in opdef.sbp(*metas, outs=out_metas, **extra, **attrs) if _sig_fits(s, tensors, out_metas)]
     if not sigs:
         raise OpError(f"op {opdef.name!r} has no SBP signature for {_describe_args(args)}")
+    if opdef.data_dependent:
+        _check_dynamic_not_split(opdef, sigs, out_metas)
     current = tuple(t.sbp for t in tensors)
     exact = _exact_match(sigs, current, placement.ndim)
     if exact is not None:
@@ -360,6 +425,15 @@ def _sig_fits(sig: Sig, tensors: Sequence[Tensor], outs: Sequence[Meta]) -> bool
     return len(sig.ins) == len(tensors) and len(sig.outs) == len(outs)
 
 
+def _check_dynamic_not_split(opdef: OpDef, sigs: Sequence[Sig], outs: Sequence[Meta]) -> None:
+    """A data-dependent size may differ between shards, which no split layout describes: a rule bug if listed."""
+    for sig in sigs:
+        for s, m in zip(sig.outs, outs, strict=True):
+            if isinstance(s, Split) and m.shape[s.dim] == DYNAMIC:
+                raise OpError(f"op {opdef.name!r} lists signature {sig} that splits output dim {s.dim}, whose size "
+                              "depends on the data; data-dependent dims may only be B or P")
+
+
 def _exact_match(sigs: Sequence[Sig], current: tuple[NdSbp, ...], ndim: int) -> tuple[Any, Any] | None:
     chosen = []
     for axis in range(ndim):
@@ -392,7 +466,23 @@ def run(opdef: OpDef, decision: Decision, args: Sequence[Any], attrs: dict[str, 
             results[r] = opdef.kernel(_shard_ctx(r, placement, decision, args), *values, **attrs)
         else:
             results[r] = opdef.kernel(*values, **attrs)
+    if opdef.data_dependent:
+        decision = _resolved(opdef, decision, results)
     return _wrap(decision, placement, results)
+
+
+def _resolved(opdef: OpDef, decision: Decision, results: dict[int, Any]) -> Decision:
+    """The decision with each DYNAMIC output size read off a shard (never split, so a shard holds it whole)."""
+    if not results:
+        raise OpError(f"op {opdef.name!r} has a data-dependent output size, but this process holds no shard of "
+                      "its placement to read it from")
+    first = next(iter(results.values()))
+    shards = first if isinstance(first, tuple) else (first,)
+    metas = tuple(
+        Meta(tuple(t.shape[d] if n == DYNAMIC else n for d, n in enumerate(m.shape)), m.dtype)
+        for m, t in zip(decision.out_metas, shards, strict=True)
+    )
+    return Decision(metas, decision.in_sbps, decision.out_sbps, decision.plans, decision.in_metas)
 
 
 def _boxed(t: Tensor, plan: boxing.Plan) -> dict[int, torch.Tensor]:

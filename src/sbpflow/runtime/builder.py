@@ -117,6 +117,7 @@ class PlanBuilder:
         ins = tuple(o for o in operands if not isinstance(o, Const))
         metas = [Scalar(type(o.value)) if isinstance(o, Const) else Meta(self.bufs[o].shape, self.bufs[o].dtype)
                  for o in operands]
+        REGISTRY[op].check_traceable()  # a plan's buffers need every shape before anything runs
         meta = REGISTRY[op].meta(*metas, **attrs)
         first = self.bufs[ins[0]]
         out = self.buf(meta.shape, meta.dtype, first.layout.placement, out_sbp or first.layout.sbp)
