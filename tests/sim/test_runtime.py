@@ -207,8 +207,8 @@ def test_a_plan_missing_a_message_is_reported_by_the_watchdog(backend: Simulated
         rt.run({"x": {0: torch.ones(8, 4), 1: torch.ones(8, 4)}}, {})
     message = str(info.value)
     assert "no actor acted for 0.5 s (SBPFLOW_TIMEOUT)" in message
-    assert (f"actor #{relu.id} compute relu (op relu) on cpu/compute, micro-batch 0: waits for register %{u}, "
-            "which no node of the plan writes") in message, message
+    assert (f"actor #{relu.id} compute relu (op relu) on cpu/compute, micro-batch 0: waits for register %{u} "
+            "(no node of the plan writes it) for micro-batch 0") in message, message
     assert "last act on each thread:\n  cpu/compute: #0 input x micro-batch 0, ended" in message, message
 
 

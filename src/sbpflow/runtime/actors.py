@@ -50,6 +50,8 @@ from .board import Actor, Board, Stats, lane_for
 from .inorder import ExecutionError, Shards, StepState, act, commit
 from .workers import CommWorker, ComputeWorker, Worker
 
+REPORT_ACTORS = 200  # the watchdog lists at most this many waiting actors, in plan order
+
 
 @dataclass
 class _Job:
@@ -192,17 +194,20 @@ class ActorRuntime:
             self._wake(actor)
 
     def _wait_done(self) -> None:
+        """Waits for the step's end, a failure, or the watchdog; whatever ends the wait ends the step
+        (a KeyboardInterrupt too: the threads then take nothing more of this run)."""
         with self._lock:
-            while not self.board.all_done and self._error is None:
-                left = self._progress + self.timeout - time.monotonic()
-                if left <= 0:
-                    report = self._stall_report()
-                    self._stop()
-                    print(report, file=sys.stderr, flush=True)
-                    raise DeadlockError(report)
-                self._done.wait(left)
-            error = self._error
-            self._stop()
+            try:
+                while not self.board.all_done and self._error is None:
+                    left = self._progress + self.timeout - time.monotonic()
+                    if left <= 0:
+                        report = self._stall_report()
+                        print(report, file=sys.stderr, flush=True)
+                        raise DeadlockError(report)
+                    self._done.wait(left)
+                error = self._error
+            finally:
+                self._stop()
         if error is not None:
             raise error
 
@@ -324,8 +329,10 @@ class ActorRuntime:
         waiting = [a for a in self.board.actors if not a.done]
         lines = [f"sbpflow actor runtime: no actor acted for {self.timeout:g} s (SBPFLOW_TIMEOUT) on ranks {ranks}; "
                  f"{len(waiting)} of {len(self.board.actors)} actors have not finished:"]
-        for a in waiting:
+        for a in waiting[:REPORT_ACTORS]:
             lines.append(f"  actor {a.label()} on {a.lane}, micro-batch {a.step}: " + self._waits_for(a))
+        if len(waiting) > REPORT_ACTORS:
+            lines.append(f"  ... and {len(waiting) - REPORT_ACTORS} more not listed")
         lines.append("last act on each thread:")
         for worker in self._workers.values():
             lines.append(f"  {worker.lane}: {worker.describe_last(now)}")

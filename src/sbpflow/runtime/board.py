@@ -87,7 +87,7 @@ class InEdge:
 
     def describe(self) -> str:
         if self.orphan:
-            return f"register %{self.buf}, which no node of the plan writes"
+            return f"register %{self.buf} (no node of the plan writes it)"
         what = f"register %{self.buf}" if self.buf is not None else "a control token"
         source = self.producer.node.label() if self.producer is not None else "no actor of this process"
         return f"{what} from actor {source}"
