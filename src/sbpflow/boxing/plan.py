@@ -239,14 +239,26 @@ def transition_time(shape: Shape, dtype: torch.dtype, src: Layout, dst: Layout, 
         differ = [axis for axis, (a, b) in enumerate(zip(mid.sbp, dst.sbp, strict=True)) if a != b]
         if not differ:
             return 0.0
-        if len(differ) == 1:
-            axis = differ[0]
-            a, b = mid.sbp[axis], dst.sbp[axis]
-            kind = _axis_kind(a, b)
-            if kind is not None and _valid_on_axis(mid.sbp, axis, a, b):
-                ctx = _Ctx(tuple(shape), _itemsize(dtype), model, (), dict(factors))
-                return _axis_step(ctx, kind, mid, dst, axis).time
+        ctx = _Ctx(tuple(shape), _itemsize(dtype), model, (), dict(factors))
+        chains = [t for t in (_chain_time(ctx, mid, dst, differ), _chain_time(ctx, mid, dst, differ[::-1]))
+                  if t is not None]
+        if chains:
+            return min(chains)
     return _plan_cached(tuple(shape), dtype, src, dst, model, factors).time
+
+
+def _chain_time(ctx: _Ctx, src: Layout, dst: Layout, axes: list[int]) -> float | None:
+    """The time of changing ``axes`` one after another by direct table steps, or None if one is invalid."""
+    current, total = src, 0.0
+    for axis in axes:
+        a, b = current.sbp[axis], dst.sbp[axis]
+        kind = _axis_kind(a, b)
+        if kind is None or not _valid_on_axis(current.sbp, axis, a, b):
+            return None
+        nxt = Layout(current.placement, current.sbp[:axis] + (b,) + current.sbp[axis + 1 :])
+        total += _axis_step(ctx, kind, current, nxt, axis).time
+        current = nxt
+    return total
 
 
 @lru_cache(maxsize=64)

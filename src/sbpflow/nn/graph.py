@@ -54,7 +54,7 @@ class GraphConfig:
 
     def __init__(self) -> None:
         self.micro_batches = 1
-        self.executor = "inorder"  # "actors" (the actor runtime) or "inorder" (the reference executor)
+        self.executor = "actors"  # "actors" (the actor runtime) or "inorder" (the reference executor)
         self.sbp_selection = "ilp"  # "ilp" (global) or "greedy" (eager's per-op choice)
 
     def set_gradient_accumulation_steps(self, steps: int) -> None:
