@@ -126,6 +126,26 @@ def test_threads_live_across_steps_and_steps_chain(backend: SimulatedBackend) ->
     assert torch.equal(variables["w"][0], ref_vars["w"][0])
 
 
+def test_a_runtime_dropped_without_close_ends_its_threads(backend: SimulatedBackend,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    import gc
+    import time
+
+    from sbpflow.runtime import actors
+
+    monkeypatch.setattr(actors, "IDLE_CHECK", 0.05)
+    before = threading.active_count()
+    rt = runtime(train_plan(2), backend)
+    rt.run(*feeds_and_vars(*train_inputs()))
+    assert threading.active_count() == before + 2  # the compute thread and one comm stream
+    del rt
+    gc.collect()
+    deadline = time.monotonic() + 5
+    while threading.active_count() > before and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert threading.active_count() == before
+
+
 # -- back-pressure: register counts bound what is in flight ----------------------------------------------
 
 

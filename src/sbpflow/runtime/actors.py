@@ -37,6 +37,7 @@ import os
 import sys
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,6 +51,7 @@ from .board import Actor, Board, Stats, lane_for
 from .inorder import ExecutionError, Shards, StepState, act, commit
 from .workers import CommWorker, ComputeWorker, Worker
 
+IDLE_CHECK = 1.0  # seconds an idle worker waits before checking that its runtime is still in use
 REPORT_ACTORS = 200  # the watchdog lists at most this many waiting actors, in plan order
 
 
@@ -101,7 +103,9 @@ class ActorRuntime:
         self._logs: tuple[CommLog, ...] = ()  # the caller's comm.record() logs: worker threads record into them
         self._progress = time.monotonic()  # when an act last started or ended (the watchdog's clock)
         for worker in self._workers.values():
-            worker.start(self._loop)
+            worker.start(_thread_main, weakref.ref(self))
+        if self._trace is not None:
+            weakref.finalize(self, self._trace.close)  # a runtime dropped without close() still closes its file
 
     # -- set-up ------------------------------------------------------------------------------------
 
@@ -166,7 +170,7 @@ class ActorRuntime:
             self._closed = True
             self._active = False
             for worker in self._workers.values():
-                worker.cond.notify_all()
+                worker.notify()
         for worker in self._workers.values():
             worker.join(timeout=min(self.timeout, 5.0))
         if self._trace is not None:
@@ -227,31 +231,32 @@ class ActorRuntime:
 
     # -- worker threads -----------------------------------------------------------------------------
 
-    def _loop(self, worker: Worker) -> None:
-        """Takes a job and acts, outside the lock; ends one act and takes the next in one locked section."""
+    def _serve(self, worker: Worker) -> bool:
+        """A worker's loop: takes a job and acts outside the lock; ends one act and takes the next in one locked
+        section. Returns when it has nothing to do: True to wait for more, False once closed."""
         finished: _Finished | None = None
         while True:
             with self._lock:
                 if finished is not None:
                     self._end(worker, finished)
+                    finished = None
                 job = self._next(worker)
             if job is None:
-                return
+                return not self._closed
             finished = self._act_one(worker, job)
 
     def _next(self, worker: Worker) -> _Job | None:
-        while not self._closed:
-            actor = worker.pick(self.board) if self._active else None
-            if actor is not None:
-                step = actor.step
-                inputs = self.board.take(actor)
-                now = time.monotonic()
-                worker.running = (actor, step, now)
-                self._progress = now
-                assert self._state is not None
-                return _Job(actor, step, inputs, self.board.input_slots(actor), self._state, self._gen)
-            worker.wait()
-        return None
+        """The worker's next act, or None if it has none now (it then waits in :func:`_thread_main`)."""
+        actor = worker.pick(self.board) if self._active and not self._closed else None
+        if actor is None:
+            return None
+        step = actor.step
+        inputs = self.board.take(actor)
+        now = time.monotonic()
+        worker.running = (actor, step, now)
+        self._progress = now
+        assert self._state is not None
+        return _Job(actor, step, inputs, self.board.input_slots(actor), self._state, self._gen)
 
     def _act_one(self, worker: Worker, job: _Job) -> _Finished:
         start = time.time()
@@ -344,6 +349,19 @@ class ActorRuntime:
             return f"acting for {time.monotonic() - worker.running[2]:.1f} s"
         phrases = self.board.waits(actor) + worker.turn(actor)
         return "waits for " + "; ".join(phrases) if phrases else "ready, waiting for its thread"
+
+
+def _thread_main(ref: weakref.ref[ActorRuntime], worker: Worker) -> None:
+    """A worker thread holds its runtime only while it acts; it waits holding nothing but a weak reference, so
+    a runtime nobody uses any more (a Graph that recompiled for new shapes) is collected and its threads end,
+    even without ``close()``. A wake-up sent between ``_serve`` and the wait is kept by the worker's signal."""
+    while True:
+        runtime = ref()
+        if runtime is None or not runtime._serve(worker):
+            return
+        del runtime
+        with worker.cond:
+            worker.wait(IDLE_CHECK)
 
 
 class _ActName:

@@ -33,10 +33,11 @@ class Worker:
         self.last: tuple[Actor, int, float] | None = None  # (actor, step, end) of the last act this run
         self.cuda = _cuda_lane(device)
         self.waiting = False  # in cond.wait(): only then does a wake-up need a notify (notify is not free)
+        self.signal = False  # a wake-up came while the thread was not waiting: its next wait returns at once
         self._thread: threading.Thread | None = None
 
-    def start(self, loop: Callable[[Worker], None]) -> None:
-        self._thread = threading.Thread(target=loop, args=(self,), name=f"sbpflow {self.lane}", daemon=True)
+    def start(self, main: Callable[[Any, Worker], None], runtime: Any) -> None:
+        self._thread = threading.Thread(target=main, args=(runtime, self), name=f"sbpflow {self.lane}", daemon=True)
         self._thread.start()
 
     def join(self, timeout: float) -> None:
@@ -46,12 +47,17 @@ class Worker:
     def reset(self) -> None:
         self.last = None
 
-    def wait(self) -> None:
-        self.waiting = True
-        self.cond.wait()
-        self.waiting = False
+    def wait(self, timeout: float) -> None:
+        """Waits (lock held) for a wake-up, at most ``timeout`` seconds; returns at once if one came meanwhile."""
+        if not self.signal:
+            self.waiting = True
+            self.cond.wait(timeout)
+            self.waiting = False
+        self.signal = False
 
     def notify(self) -> None:
+        """Wakes the thread (lock held): something may be ready for it, or the runtime closed."""
+        self.signal = True
         if self.waiting:
             self.cond.notify()
 
