@@ -70,8 +70,8 @@ def _batch(step: int, batch: int, image: int, classes: int) -> tuple[torch.Tenso
 
 
 def train_cnn(placement: Placement | None, steps: int, *, batch: int = 8, image: int = 8, channels: int = 4,
-              classes: int = 5, lr: float = 0.05, momentum: float = 0.9, seed: int = 0) -> tuple[list[float],
-                                                                                                  dict[str, Any]]:
+              classes: int = 5, lr: float = 0.05, momentum: float = 0.9, seed: int = 0,
+              graph: bool = False) -> tuple[list[float], dict[str, Any]]:
     """Trains :class:`ResNet` for ``steps`` SGD-momentum steps; returns (losses, parameters as NumPy arrays).
 
     With ``placement=None`` everything is local (single device). With a
@@ -87,9 +87,13 @@ def train_cnn(placement: Placement | None, steps: int, *, batch: int = 8, image:
     opt = sbpflow.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
     loss_fn = nn.CrossEntropyLoss()
     losses = []
+    compiled = _TrainStep(model, opt, loss_fn) if graph else None
     for step in range(steps):
         images, labels = _batch(step, batch, image, classes)
         x, y = _place(images, placement), _place(labels, placement)
+        if compiled is not None:
+            losses.append(float(compiled(x, y).item()))
+            continue
         opt.zero_grad()
         loss = loss_fn(model(x), y)
         loss.backward()
@@ -97,6 +101,21 @@ def train_cnn(placement: Placement | None, steps: int, *, batch: int = 8, image:
         losses.append(float(loss.item()))
     state = {name: t.numpy() for name, t in model.state_dict().items()}
     return losses, state
+
+
+class _TrainStep(nn.Graph):
+    """The same step compiled with nn.Graph (running statistics are variables updated by the plan)."""
+
+    def __init__(self, model: ResNet, opt: Any, loss_fn: Any) -> None:
+        super().__init__()
+        self.model = model
+        self.loss_fn = loss_fn
+        self.add_optimizer(opt)
+
+    def build(self, x: Tensor, y: Tensor) -> Tensor:
+        loss = self.loss_fn(self.model(x), y)
+        loss.backward()
+        return loss
 
 
 def _place(value: torch.Tensor, placement: Placement | None) -> Tensor:
