@@ -344,6 +344,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                                                                        "(default 160)")
     parser.add_argument("--out", default="out", help="folder for the loss curve PNG (default out/)")
     parser.add_argument("--no-tour", action="store_true", help="skip the matmul tour that runs before training")
+    parser.add_argument("--graph", action="store_true", help="compile the training step with nn.Graph and run it on "
+                                                             "the actor runtime (prints the plan, writes a timeline)")
+    parser.add_argument("--micro-batches", type=int, default=1, help="gradient accumulation steps in graph mode "
+                                                                      "(default 1)")
     return parser
 
 
@@ -394,15 +398,24 @@ def _run(args: argparse.Namespace, degrees: dict[str, int], print_fn: Callable[[
     config = GPTConfig(vocab_size=len(data.chars), block_size=args.block_size, n_layer=args.n_layer, n_head=4,
                        n_embd=args.n_embd, dropout=0.0)
     try:
-        trainer = build(config, dict(degrees), seed=args.seed, lr=args.lr)
+        trainer = build(config, dict(degrees), seed=args.seed, lr=args.lr, graph=args.graph,
+                        micro_batches=args.micro_batches)
     except sbpflow.SbpflowError as e:  # e.g. more pipeline stages than blocks
         raise SystemExit(f"sbpflow demo: {e}") from None
     assert trainer.strategy is not None
     print_fn(trainer.strategy.describe())
+    if trainer.graph is not None:
+        os.makedirs(args.out, exist_ok=True)
+        trainer.graph.config.trace_path = os.path.join(args.out, "timeline.json")
     warmup = min(max(1, args.steps // 10), args.steps - 1)
     schedule = optim.lr_scheduler.WarmupCosine(trainer.optimizer, warmup_steps=warmup, total_steps=args.steps)
     losses, comm_table = _train(trainer, data, args, schedule, print_fn)
-    print_fn("\n== collectives of one training step (bytes summed over ranks)\n" + comm_table)
+    if trainer.graph is not None:
+        comm_table = _plan_summary(trainer.graph)
+        print_fn("\n== the compiled step (nn.Graph on the actor runtime)\n" + comm_table)
+        print_fn(f"timeline: {trainer.graph.config.trace_path} (open it at ui.perfetto.dev)")
+    else:
+        print_fn("\n== collectives of one training step (bytes summed over ranks)\n" + comm_table)
     png = plot_losses(losses, os.path.join(args.out, "gpt_loss.png"), trainer.strategy)
     print_fn(f"\nloss {losses[0]:.3f} -> {losses[-1]:.3f}; curve saved to {png}")
     sample = _sample(trainer, data, args)
@@ -418,6 +431,18 @@ DESCRIPTION = (
     "every collective. Prints the strategy, the collectives of one step, a progress bar, then saves the loss curve "
     "as a PNG and prints a sample."
 )
+
+
+def _plan_summary(graph: Any) -> str:
+    """The compiled plan's summary: node counts, selection, per-step collectives, bytes, memory, compile time."""
+    from sbpflow.graph.explain import explain
+
+    compiled = graph._compiled()
+    text = explain(compiled.logical, compiled.plan, compiled.report)
+    lines = text.splitlines()
+    keep = [ln for ln in lines if ln.startswith(("compiled step", "sbp selection", "per step", "          ",
+                                                  "compile time"))]
+    return "\n".join(keep)
 
 
 def _matmul_tour(print_fn: Callable[[str], None]) -> None:

@@ -56,6 +56,7 @@ class GraphConfig:
         self.micro_batches = 1
         self.executor = "actors"  # "actors" (the actor runtime) or "inorder" (the reference executor)
         self.sbp_selection = "ilp"  # "ilp" (global) or "greedy" (eager's per-op choice)
+        self.trace_path: str | None = None  # the actor runtime's timeline file (else SBPFLOW_TRACE, else none)
 
     def set_gradient_accumulation_steps(self, steps: int) -> None:
         """Splits dim 0 of every input into ``steps`` micro-batches; gradients accumulate over them."""
@@ -241,7 +242,7 @@ class Graph:
         if compiled.executor is None:
             from ..runtime import actors
 
-            compiled.executor = actors.ActorRuntime(compiled.plan)
+            compiled.executor = actors.ActorRuntime(compiled.plan, trace=self.config.trace_path)
         return compiled.executor
 
     # -- seeing the plan -------------------------------------------------------------------------
