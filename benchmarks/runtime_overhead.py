@@ -5,7 +5,8 @@ timed is the executors, not the kernels:
 
 1. a chain of N elementwise ops (one compute thread, no communication);
 2. the same chain with an all-reduce every 8 ops (acts hop between the compute and a comm thread);
-3. a micro-batched step: m = 4, unpack/repeat/accumulate/pack around a matmul chain with collectives.
+3. a micro-batched step: m = 4, unpack/repeat/accumulate/pack around a matmul chain with collectives;
+4. a compiled GPT training step (nn.Graph, AdamW) on dp2 and dp2 x tp2, executor "inorder" vs "actors".
 
 Each row: the step time of ``run_plan`` and of ``ActorRuntime.run``, µs per act of each, and what
 the runtime adds per act (its bookkeeping, locks and thread hand-offs). Timings alternate
@@ -101,10 +102,52 @@ def row(name: str, plan: PhysicalPlan, inner: int, rounds: int) -> str:
             "in-order": lambda: run_plan(plan, feeds, variables, backend),
             "actors": lambda: rt.run(feeds, variables),
         }, inner, rounds)
-    us = {k: v * 1e6 for k, v in times.items()}
-    extra = (us["actors"] - us["in-order"]) / acts
-    return (f"| {name} | {acts} | {us['in-order']:.0f} | {us['actors']:.0f} | {us['actors'] / us['in-order']:.2f}x "
-            f"| {us['in-order'] / acts:.1f} | {us['actors'] / acts:.1f} | {extra:.1f} |")
+    return table_row(name, acts, times)
+
+
+def table_row(name: str, acts: int, seconds: dict[str, float]) -> str:
+    io, rt = seconds["in-order"] * 1e6, seconds["actors"] * 1e6
+    return (f"| {name} | {acts} | {io:.0f} | {rt:.0f} | {rt / io:.2f}x | {io / acts:.1f} | {rt / acts:.1f} "
+            f"| {(rt - io) / acts:.1f} |")
+
+
+def gpt_row(strategy: dict[str, int], m: int, rounds: int) -> str:
+    """The same compiled GPT step (two models, same weights) on each executor; the step includes nn.Graph's
+    own per-call work, as a user sees it."""
+    import numpy as np
+
+    from sbpflow import nn
+    from sbpflow.models.gpt import GPT, GPTConfig, parallelize
+
+    def make(executor: str) -> tuple[Callable[[], object], Any]:
+        sbpflow.manual_seed(0)
+        model = GPT(GPTConfig(vocab_size=64, block_size=32, n_layer=2, n_head=4, n_embd=64))
+        layout = parallelize(model, **strategy)
+        opt = sbpflow.optim.AdamW(model.parameters(), lr=1e-3)
+
+        class Step(nn.Graph):
+            def __init__(self) -> None:
+                super().__init__()
+                self.model = model
+                self.add_optimizer(opt)
+                self.config.set_gradient_accumulation_steps(m)
+                self.config.set_executor(executor)
+
+            def build(self, ids: Any, targets: Any) -> Any:
+                _, loss = self.model(ids, targets)
+                loss.backward()
+                return loss
+
+        graph, rng = Step(), np.random.default_rng(0)
+        ids, targets = layout.shard_inputs(rng.integers(0, 64, (8, 32)), rng.integers(0, 64, (8, 32)))
+        return (lambda: graph(ids, targets)), graph
+
+    run_io, _ = make("inorder")
+    run_rt, graph = make("actors")
+    times = interleaved({"in-order": run_io, "actors": run_rt}, 3, rounds)
+    acts = graph._last.executor.stats.acts
+    name = "GPT step, " + " x ".join(f"{k[:2]}{v}" for k, v in strategy.items()) + f", m={m} (nn.Graph)"
+    return table_row(name, acts, times)
 
 
 def main() -> None:
@@ -120,6 +163,8 @@ def main() -> None:
     header = ["| plan | acts | in-order step (µs) | actor runtime step (µs) | runtime / in-order | in-order µs/act "
               "| runtime µs/act | runtime overhead µs/act |", "|---|---|---|---|---|---|---|---|"]
     rows = [row(name, plan, inner, args.rounds) for name, plan, inner in cases]
+    rows += [gpt_row(strategy, m, args.rounds) for strategy, m in (({"data": 2}, 1), ({"data": 2}, 4),
+                                                                   ({"data": 2, "tensor": 2}, 1))]
     body = "\n".join([
         "## Actor runtime overhead (issue 9)",
         "",

@@ -35,7 +35,7 @@ class OwnsOnly(SimulatedBackend):
 
 
 def board(plan: PhysicalPlan, backend: Backend | None = None) -> Board:
-    b = Board(plan, backend or SimulatedBackend(), lambda node: lane_for(node, plan))
+    b = Board(plan, backend or SimulatedBackend())
     b.reset()
     return b
 
@@ -119,13 +119,17 @@ def test_a_process_runs_only_the_actors_of_its_ranks() -> None:
     b.output("y", b.compute("neg", moved))
     plan = b.build()
     mine = board(plan, OwnsOnly({1}))
-    assert [a.node.kind for a in mine.actors] == ["boxing", "compute", "output"]
+    assert [(a.node.kind, a.lane) for a in mine.actors] == [
+        ("boxing", "cpu/comm:0,1"), ("compute", "cpu:1/compute"), ("output", "cpu:1/compute")]
     send_recv = mine.actors[0]
     assert send_recv.lane == "cpu/comm:0,1" and send_recv.inputs[0].producer is None
     assert mine.ready(send_recv) and mine.take(send_recv) == [{}]
     assert mine.owned_ranks == [1]
     theirs = board(plan, OwnsOnly({0}))
     assert [a.node.kind for a in theirs.actors] == ["input", "compute", "boxing"]
+    # one process owning both ranks (virtual ranks): each stage gets a compute thread of its own
+    both = board(plan)
+    assert sorted({a.lane for a in both.actors}) == ["cpu/comm:0,1", "cpu:0/compute", "cpu:1/compute"]
 
 
 def test_a_comm_stream_acts_in_plan_order_pre_micro_then_post() -> None:
@@ -149,11 +153,11 @@ def test_a_collective_planned_on_the_compute_stream_runs_on_a_comm_thread() -> N
     b.output("y", b.boxing(b.input("x", (4,), P2, (S.split(0),)), (S.broadcast,), stream="compute"))
     plan = b.build()
     boxing = next(n for n in plan.nodes if n.kind == "boxing")
-    assert boxing.stream == "compute" and lane_for(boxing, plan) == "cpu/comm:0,1"
+    assert boxing.stream == "compute" and lane_for(boxing, plan, [0, 1]) == "cpu/comm:0,1"
     local = PlanBuilder()
     local.output("y", local.boxing(local.input("x", (4,), P2, (S.broadcast,)), (S.split(0),)))
     slice_plan = local.build()
-    assert lane_for(next(n for n in slice_plan.nodes if n.kind == "boxing"), slice_plan) == "cpu/compute"
+    assert lane_for(next(n for n in slice_plan.nodes if n.kind == "boxing"), slice_plan, [0, 1]) == "cpu:0,1/compute"
 
 
 def test_the_dry_run_counts_a_step_and_refuses_a_plan_that_cannot_finish() -> None:

@@ -66,7 +66,7 @@ def test_two_processes_compute_what_virtual_ranks_compute(tmp_path: Path) -> Non
     assert cli_main(["trace", "merge", *map(str, files), "-o", str(merged)]) == 0
     events = load(merged)
     lanes = {(e["pid"], e["args"]["name"]) for e in events if e["name"] == "thread_name"}
-    assert lanes == {(r, lane) for r in (0, 1) for lane in ("cpu/compute", "cpu/comm:0,1")}
+    assert lanes == {(r, lane) for r in (0, 1) for lane in (f"cpu:{r}/compute", "cpu/comm:0,1")}
     per_rank_spans = [sum(1 for e in events if e["ph"] == "X" and e["pid"] == r) for r in (0, 1)]
     assert per_rank_spans[0] == per_rank_spans[1] == STEPS * sum(got["acts"] for got in per_rank[:1])
 
@@ -101,7 +101,7 @@ def test_a_plan_missing_a_message_on_one_rank_is_a_report_on_every_rank_not_a_ha
     assert all(o.returncode not in (0, None) for o in job.ranks), job.report()
     stuck = job.ranks[1]
     assert (stuck.error or "").startswith("DeadlockError: sbpflow actor runtime: no actor acted for 3 s"), job.report()
-    assert "compute matmul (op matmul) on cpu/compute, micro-batch 0: waits for register %" in stuck.stderr
+    assert "compute matmul (op matmul) on cpu:1/compute, micro-batch 0: waits for register %" in stuck.stderr
     assert "(no node of the plan writes it) for micro-batch 0" in stuck.stderr, job.report()
     # rank 0 waited in the loss all-reduce for rank 1: its own watchdog or the transport says so, naming the actor
     waiting = job.ranks[0].error or ""

@@ -227,9 +227,9 @@ def test_a_plan_missing_a_message_is_reported_by_the_watchdog(backend: Simulated
         rt.run({"x": {0: torch.ones(8, 4), 1: torch.ones(8, 4)}}, {})
     message = str(info.value)
     assert "no actor acted for 0.5 s (SBPFLOW_TIMEOUT)" in message
-    assert (f"actor #{relu.id} compute relu (op relu) on cpu/compute, micro-batch 0: waits for register %{u} "
+    assert (f"actor #{relu.id} compute relu (op relu) on cpu:0,1/compute, micro-batch 0: waits for register %{u} "
             "(no node of the plan writes it) for micro-batch 0") in message, message
-    assert "last act on each thread:\n  cpu/compute: #0 input x micro-batch 0, ended" in message, message
+    assert "cpu:0,1/compute: #0 input x micro-batch 0, ended" in message, message
 
 
 def test_a_control_cycle_is_reported_with_both_actors(backend: SimulatedBackend) -> None:
@@ -245,9 +245,9 @@ def test_a_control_cycle_is_reported_with_both_actors(backend: SimulatedBackend)
     with runtime(plan, backend, timeout=0.3) as rt, pytest.raises(DeadlockError) as info:
         rt.run({"x": {0: torch.ones(2, 2), 1: torch.ones(2, 2)}}, {})
     message = str(info.value)
-    assert f"actor #{relu.id} compute relu (op relu) on cpu/compute, micro-batch 0: waits for a control token " \
+    assert f"actor #{relu.id} compute relu (op relu) on cpu:0,1/compute, micro-batch 0: waits for a control token " \
            f"from actor #{neg.id} compute neg for micro-batch 0" in message, message
-    assert f"actor #{neg.id} compute neg (op neg) on cpu/compute, micro-batch 0: waits for register " \
+    assert f"actor #{neg.id} compute neg (op neg) on cpu:0,1/compute, micro-batch 0: waits for register " \
            f"%{relu.outputs[0]} from actor #{relu.id} compute relu for micro-batch 0" in message, message
 
 
@@ -307,7 +307,7 @@ def test_trace_has_a_lane_per_thread_and_a_span_per_act(backend: SimulatedBacken
         acts = rt.stats.acts
     events = json.loads(path.read_text())  # closed: strict JSON
     lanes = {e["args"]["name"] for e in events if e["name"] == "thread_name"}
-    assert lanes == {"cpu/compute", "cpu/comm:0,1"}
+    assert lanes == {"cpu:0,1/compute", "cpu/comm:0,1"}
     spans = [e for e in events if e["ph"] == "X"]
     assert len(spans) == 2 * acts
     matmul = next(e for e in spans if e["cat"] == "matmul")

@@ -47,7 +47,7 @@ from ..distributed import activity, config
 from ..errors import CommError, SbpflowError
 from ..graph.physical import PhysicalPlan
 from . import trace as _trace
-from .board import Actor, Board, Stats, lane_for
+from .board import Actor, Board, Stats
 from .inorder import ExecutionError, Shards, StepState, act, commit
 from .workers import CommWorker, ComputeWorker, Worker
 
@@ -92,7 +92,7 @@ class ActorRuntime:
         self._prepare_groups()
         self._lock = threading.Lock()
         self._done = threading.Condition(self._lock)
-        self.board = Board(plan, self.backend, lambda node: lane_for(node, plan))
+        self.board = Board(plan, self.backend)
         self._workers: dict[str, Worker] = self._make_workers()
         self._trace = self._make_trace(trace)
         self._gen = 0  # a run's generation: results of acts from an abandoned run are dropped
@@ -126,9 +126,13 @@ class ActorRuntime:
         return workers
 
     def _device(self, lane: str) -> Any:
-        if not lane.startswith("cuda/") or not self.board.owned_ranks:
+        """The CUDA device of a lane's stream: its first rank's (a multi-GPU lane of virtual ranks uses one
+        stream on that device; under torch.distributed a process has one device)."""
+        if not lane.startswith("cuda") or not self.board.owned_ranks:
             return None
-        return self.backend.device_for("cuda", self.board.owned_ranks[0])
+        head = lane.split("/")[0]
+        ranks = [int(r) for r in head.split(":")[1].split(",")] if ":" in head else self.board.owned_ranks
+        return self.backend.device_for("cuda", ranks[0])
 
     def _make_trace(self, path: str | None) -> _trace.TraceWriter | None:
         path = path or os.environ.get("SBPFLOW_TRACE") or None

@@ -142,7 +142,7 @@ class Stats:
 class Board:
     """The actors of one process and their registers; every method runs under the runtime's lock."""
 
-    def __init__(self, plan: PhysicalPlan, backend: Backend, lane_of: Any) -> None:
+    def __init__(self, plan: PhysicalPlan, backend: Backend) -> None:
         self.plan = plan
         m = plan.micro_batches
         self.actors: list[Actor] = []
@@ -152,7 +152,7 @@ class Board:
             if not owned:
                 continue
             steps = m if node.phase == "micro" or node.kind in GATHERING else 1
-            actor = Actor(node, position, steps, lane_of(node))
+            actor = Actor(node, position, steps, lane_for(node, plan, owned))
             self.actors.append(actor)
             by_node[node.id] = actor
         self.owned_ranks = sorted({r for a in self.actors for r in backend.owned(a.node.ranks)})
@@ -341,8 +341,12 @@ class Board:
         return phrases
 
 
-def lane_for(node: PNode, plan: PhysicalPlan) -> str:
-    """The worker thread of a node: its device type and stream.
+def lane_for(node: PNode, plan: PhysicalPlan, owned: list[int]) -> str:
+    """The worker thread of a node: ``<device type>:<owned ranks>/compute`` or ``<device type>/comm:<key>``.
+
+    Compute lanes are per set of ranks this process runs the node on: one per process under
+    torch.distributed (it owns one rank), one per placement on virtual ranks, so that pipeline stages
+    on different placements act concurrently there as they would on their own devices.
 
     A boxing node that runs a collective goes to a communication stream even if the plan put it on
     "compute": on one process the compute thread's order depends on timing, and every member of a
@@ -353,6 +357,8 @@ def lane_for(node: PNode, plan: PhysicalPlan) -> str:
     stream = node.stream
     if stream == COMPUTE_STREAM and node.kind == "boxing" and node.boxing is not None and node.boxing.collectives():
         stream = "comm:" + ",".join(map(str, node.ranks))
+    if stream == COMPUTE_STREAM:
+        return f"{device}:{','.join(map(str, owned))}/{stream}"
     return f"{device}/{stream}"
 
 
@@ -373,7 +379,7 @@ def dry_run(plan: PhysicalPlan, backend: Backend) -> Stats:
     communication takes no time. Its ``peak_bytes`` is what the runtime reports for such a run, which
     makes it the memory plan a compiler can predict with (the same accounting, not a second model).
     """
-    board = Board(plan, backend, lambda node: lane_for(node, plan))
+    board = Board(plan, backend)
     board.reset()
     lanes = sorted({a.lane for a in board.actors if "/comm:" in a.lane})
     sequences = {lane: stream_order([a for a in board.actors if a.lane == lane], plan.micro_batches)
