@@ -33,6 +33,7 @@ from .ir import LNode, LogicalGraph
 MEM_SECONDS_PER_BYTE = 1 / 20e9  # local compute: bytes through memory (a CPU core's stream bandwidth)
 SECONDS_PER_FLOP = 1 / 50e9  # matmul throughput
 MATMUL_OPS = ("matmul", "linear", "bmm")
+NODE_LIMIT = 5000  # branch-and-bound nodes; the greedy baseline stands if no better solution is proven by then
 
 
 @dataclass(frozen=True)
@@ -276,7 +277,9 @@ def _solve_ilp(p: _Problem, time_limit: float) -> tuple[dict[int, int] | None, i
     matrix = coo_matrix((vals, (rows, cols)), shape=(len(lo), n_var))
     result = milp(np.array(cost), integrality=integrality, bounds=Bounds(0, 1),
                   constraints=LinearConstraint(matrix, np.array(lo), np.array(hi)),
-                  options={"time_limit": time_limit, "disp": False})
+                  # a node limit, not a time limit: the result must not depend on how busy the machine is, since
+                  # every process compiles its own copy of the plan and all must agree
+                  options={"node_limit": NODE_LIMIT, "time_limit": time_limit, "disp": False})
     if result.x is None:
         return None, n_var
     chosen = {}
@@ -295,7 +298,7 @@ def _fold_linear(p: _Problem, vid: int, outs: list[Any], ins: list[Any], cost: l
 
 
 def select(g: LogicalGraph, model: boxing.CostModel, factors: tuple[Any, ...], method: str = "ilp",
-           time_limit: float = 30.0) -> Selection:
+           time_limit: float = 600.0) -> Selection:
     """Chooses every op's signature; rewrites ``n.in_sbps`` and the output values' SBPs in place."""
     start = time.perf_counter()
     p = _Problem(g, _Costs(g, model, factors))
