@@ -62,7 +62,7 @@ class _Job:
     actor: Actor
     step: int
     inputs: list[Any]
-    read: list[Any]  # the input slots (CUDA events)
+    read: list[Any]  # the input slots, for their CUDA events (empty on CPU)
     state: StepState
     gen: int
 
@@ -260,18 +260,20 @@ class ActorRuntime:
         worker.running = (actor, step, now)
         self._progress = now
         assert self._state is not None
-        return _Job(actor, step, inputs, self.board.input_slots(actor), self._state, self._gen)
+        read = self.board.input_slots(actor) if worker.cuda is not None else []
+        return _Job(actor, step, inputs, read, self._state, self._gen)
 
     def _act_one(self, worker: Worker, job: _Job) -> _Finished:
-        start = time.time()
+        clock = time.time if self._trace is not None else _no_clock  # wall-clock times only for the timeline
+        start = clock()
         try:
             if worker.cuda is None:
                 values, event = self._perform(job), None
             else:
                 values, event = worker.cuda.run(lambda: self._perform(job), job.read)
         except BaseException as e:  # noqa: BLE001 - any failure stops the step; the caller re-raises it
-            return _Finished(job, [], None, start, time.time(), e)
-        return _Finished(job, values, event, start, time.time(), None)
+            return _Finished(job, [], None, start, clock(), e)
+        return _Finished(job, values, event, start, clock(), None)
 
     def _end(self, worker: Worker, done: _Finished) -> None:
         """Under the lock: the act's messages (ready to consumers, free to producers), or the step's failure."""
@@ -353,6 +355,10 @@ class ActorRuntime:
             return f"acting for {time.monotonic() - worker.running[2]:.1f} s"
         phrases = self.board.waits(actor) + worker.turn(actor)
         return "waits for " + "; ".join(phrases) if phrases else "ready, waiting for its thread"
+
+
+def _no_clock() -> float:
+    return 0.0
 
 
 def _thread_main(ref: weakref.ref[ActorRuntime], worker: Worker) -> None:
