@@ -1,4 +1,4 @@
-"""The ``sbpflow`` command: demo | launch | plan | trace | bench."""
+"""The ``sbpflow`` command: demo | launch | graph | trace (and the subcommands added beside them)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,10 @@ def main(argv: list[str] | None = None) -> int:
     _add_demo(sub)
     _add_launch(sub)
     _add_trace(sub)
+    _add_graph(sub)
     args = parser.parse_args(argv)
+    if args.command == "graph":
+        return show_graphs(args)
     if args.command == "launch":
         return launch(args)
     if args.command == "trace":
@@ -23,6 +26,35 @@ def main(argv: list[str] | None = None) -> int:
 
         run_from_args(args)
         return 0
+    return 0
+
+
+def _add_graph(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("graph", help="run a script and show every nn.Graph it compiles (plan, boxing, DOT files)",
+                       description="Runs SCRIPT; each nn.Graph it compiles prints its explain() text and writes the "
+                                   "logical and one rank's physical graph as DOT (and SVG with Graphviz) into --out.")
+    p.add_argument("--out", default="out", help="folder for the DOT/SVG files (default out/)")
+    p.add_argument("--rank", type=int, default=None, help="whose physical graph to draw (default the first rank)")
+    p.add_argument("script", help="the Python script to run")
+    p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
+
+
+def show_graphs(args: argparse.Namespace) -> int:
+    """``sbpflow graph script.py``: the script runs as ``__main__``; compiled graphs describe themselves."""
+    import os
+    import runpy
+
+    from .nn import graph
+
+    os.makedirs(args.out, exist_ok=True)
+    graph.SHOW.append((args.out, args.rank))
+    saved = sys.argv
+    sys.argv = [args.script, *args.script_args]
+    try:
+        runpy.run_path(args.script, run_name="__main__")
+    finally:
+        sys.argv = saved
+        graph.SHOW.pop()
     return 0
 
 

@@ -47,12 +47,9 @@ def eliminate_dead_code(g: LogicalGraph) -> int:
         for v in n.outputs:
             g.values[v].producer = n.id
     g.nodes = kept
-    g.values = {vid: v for vid, v in g.values.items() if v.producer in renumber.values() and vid in _defined(g)}
+    defined = {v for n in kept for v in n.outputs}
+    g.values = {vid: v for vid, v in g.values.items() if vid in defined}
     return before - len(kept)
-
-
-def _defined(g: LogicalGraph) -> set[int]:
-    return {v for n in g.nodes for v in n.outputs}
 
 
 def compile_graph(g: LogicalGraph, method: str = "ilp", model: boxing.CostModel | None = None,

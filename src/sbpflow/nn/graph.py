@@ -49,6 +49,9 @@ from ..tensor import Tensor
 from .module import Module
 
 
+SHOW: list[tuple[str, int | None]] = []  # set by `sbpflow graph`: (folder, rank) to describe every compile in
+
+
 class GraphConfig:
     """Compile options of one :class:`Graph`."""
 
@@ -137,6 +140,9 @@ class Graph:
                               GraphRecompileWarning, stacklevel=2)
             compiled = self._compile(args)
             self._cache[key] = compiled
+            object.__setattr__(self, "_last", compiled)
+            if SHOW:
+                self._show(*SHOW[-1])
         object.__setattr__(self, "_last", compiled)
         return self._run(compiled, args)
 
@@ -273,6 +279,15 @@ class Graph:
         from ..graph.explain import save_dot
 
         return save_dot(self._compiled().logical, self._compiled().plan, path, rank)
+
+    def _show(self, folder: str, rank: int | None) -> None:
+        import os
+
+        name = f"{type(self).__name__}{len(self._cache)}"
+        print(f"== {name}\n{self._last.logical.format()}\n")
+        self.explain(rank)
+        files = self.save_dot(os.path.join(folder, name), rank)
+        print("wrote " + ", ".join(files))
 
     def __repr__(self) -> str:
         if self._last is None:
