@@ -1,0 +1,138 @@
+"""Compiled steps (nn.Graph) against torch eager on one rank, and compile time per pass (issue 8).
+
+    .venv/bin/python benchmarks/graph_compare.py            # prints
+    .venv/bin/python benchmarks/graph_compare.py --write    # and writes the "graph" section of docs/benchmarks.md
+
+One torch thread; contenders run interleaved, medians of rounds. The GPT is the issue's (4 layers, width 256,
+sequence 128, batch 8, AdamW, clipping 1.0, no dropout); torch runs the same model (benchmarks/ddp_compare.py's
+TorchGPT) from the same weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from datetime import date
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from _report import machine, write_section  # noqa: E402
+from ddp_compare import TorchGPT, _copy_weights  # noqa: E402
+
+from sbpflow.demo.train_gpt import build  # noqa: E402
+from sbpflow.models.gpt import GPTConfig  # noqa: E402
+
+GPT = GPTConfig(vocab_size=256, block_size=128, n_layer=4, n_head=4, n_embd=256, dropout=0.0)
+BATCH = 8
+
+
+def _data(cfg: GPTConfig, batch: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(1)
+    tokens = rng.integers(0, cfg.vocab_size, size=(batch, cfg.block_size + 1))
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def sbpflow_step(graph: bool, executor: str = "actors") -> Callable[[], float]:
+    trainer = build(GPT, "dp=1", graph=graph, executor=executor)
+    ids, targets = _data(GPT, BATCH)
+    trainer.step(ids, targets)  # compile, fill caches and optimizer state
+    return lambda: trainer.step(ids, targets)
+
+
+def torch_step() -> Callable[[], float]:
+    reference = build(GPT, "dp=1").model
+    model = TorchGPT(GPT)
+    _copy_weights(reference, model)
+    params = list(model.parameters())
+    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": 0.1},
+              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+    opt = torch.optim.AdamW(groups, lr=1e-3, betas=(0.9, 0.95), foreach=True)
+    ids, targets = (torch.from_numpy(a) for a in _data(GPT, BATCH))
+
+    def step() -> float:
+        loss = model(ids, targets)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        return float(loss)
+
+    step()
+    return step
+
+
+def interleaved(contenders: dict[str, Callable[[], float]], rounds: int) -> dict[str, float]:
+    times: dict[str, list[float]] = {k: [] for k in contenders}
+    for _ in range(rounds):
+        for name, fn in contenders.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def compile_rows(layers: list[int]) -> list[str]:
+    rows = []
+    for n_layer in layers:
+        cfg = GPTConfig(vocab_size=100, block_size=32, n_layer=n_layer, n_head=4, n_embd=64, dropout=0.0)
+        for spec in ("dp=2", "dp=2,tp=2"):
+            trainer = build(cfg, spec, graph=True, executor="inorder")
+            ids, targets = _data(cfg, 8)
+            start = time.perf_counter()
+            trainer.step(ids, targets)
+            report = trainer.graph._compiled().report
+            total = sum(report.times.values())
+            passes = " | ".join(f"{report.times[k]:.2f}" for k in ("trace", "sbp selection", "lowering", "verify"))
+            sel = report.selection
+            rows.append(f"| {n_layer} | {spec} | {report.logical_nodes} | {report.physical_nodes} | {passes} | "
+                        f"{total:.2f} | {sel.variables} | {sel.chosen_cost / sel.greedy_cost:.3f} |")
+            del start
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--write", action="store_true", help="write the section into docs/benchmarks.md")
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--layers", default="2,4,12,24", help="GPT depths for the compile-time table")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    contenders = {"torch eager": torch_step(), "sbpflow eager (1 rank)": sbpflow_step(False),
+                  "sbpflow graph, actor runtime": sbpflow_step(True, "actors"),
+                  "sbpflow graph, in-order executor": sbpflow_step(True, "inorder")}
+    medians = interleaved(contenders, args.rounds)
+    base = medians["torch eager"]
+    lines = [
+        "## Compiled steps (nn.Graph, issue 8)",
+        "",
+        f"`.venv/bin/python benchmarks/graph_compare.py --write` on {machine()}, one torch thread, {date.today()}; "
+        f"medians of {args.rounds} interleaved rounds. The machine was shared with other jobs while measuring.",
+        "",
+        f"GPT step on one rank ({GPT.n_layer} layers, width {GPT.n_embd}, sequence {GPT.block_size}, batch {BATCH}, "
+        "AdamW, clipping):",
+        "",
+        "| contender | ms/step | vs torch eager |",
+        "|---|---|---|",
+    ]
+    lines += [f"| {k} | {v * 1e3:.1f} | {v / base:.3f} |" for k, v in medians.items()]
+    lines += ["", "Compile time per pass in seconds (GPT width 64, sequence 32, AdamW and clipping in the graph; "
+              "ILP variables and the selected plan's estimated cost relative to the greedy baseline):", "",
+              "| layers | strategy | logical nodes | physical nodes | trace | sbp selection | lowering | verify | "
+              "total | ILP variables | cost vs greedy |",
+              "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines += compile_rows([int(x) for x in args.layers.split(",")])
+    text = "\n".join(lines)
+    print(text)
+    if args.write:
+        write_section("graph", text)
+
+
+if __name__ == "__main__":
+    main()
