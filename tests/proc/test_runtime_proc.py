@@ -18,6 +18,7 @@ from sbpflow.comm import SimulatedBackend
 from sbpflow.runtime import ActorRuntime
 from sbpflow.runtime.trace import load
 from sim.test_runtime import feeds_and_vars, train_inputs, train_plan
+from sim.test_runtime_route import moe_data, moe_plan, moe_shards, torch_moe
 
 STEPS = 2
 
@@ -106,3 +107,21 @@ def test_a_plan_missing_a_message_on_one_rank_is_a_report_on_every_rank_not_a_ha
     # rank 0 waited in the loss all-reduce for rank 1: its own watchdog or the transport says so, naming the actor
     waiting = job.ranks[0].error or ""
     assert waiting.startswith(("DeadlockError: ", "CommError: ")) and "boxing all_reduce" in waiting, job.report()
+
+
+def moe_on_ranks() -> dict[str, torch.Tensor]:
+    """The simulated tests' top-1 MoE plan; this process holds one expert and its share of the tokens."""
+    rank = sbpflow.rank()
+    feeds, variables = moe_shards(moe_data(), (rank,))
+    with ActorRuntime(moe_plan(), timeout=20) as rt:
+        out = rt.run(feeds, variables)
+    return {name: shards[rank] for name, shards in out.items()}
+
+
+def test_moe_routing_by_data_dependent_all_to_all_on_two_processes_matches_one_device() -> None:
+    expected = torch_moe(moe_data())
+    per_rank = run_ranks(moe_on_ranks, 2, timeout=120)
+    for name in ("y", "dx", "dw"):
+        torch.testing.assert_close(torch.cat([got[name] for got in per_rank]), expected[name])
+    for got in per_rank:
+        torch.testing.assert_close(got["dwg"], expected["dwg"])

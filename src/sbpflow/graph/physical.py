@@ -25,6 +25,11 @@ Node kinds (``PNode.kind``) and what an executor does with them::
     pack        (a,)   -> (b,)      the m micro-batch values combined: mean (0-d losses) or cat on dim 0
     assign      (a,)   -> ()        on success of the whole step: copy a into variables[node.name]
     output      (a,)   -> ()        the step's result ``outputs[node.name]``
+    route       (x, i) -> (y, r)    dynamic routing (runtime.route), over node.ranks as one group:
+                                    "dispatch": row j of x goes to member i[j] by an all-to-all whose
+                                    split sizes depend on the data; y: rows received (a bound shape),
+                                    r: the routing record. "combine" (y, r) -> (x,): the way back, in
+                                    x's order. "redispatch" (x, r) -> (y,): dispatch by a known record
 
 Phases. ``pre`` nodes run once before the micro-batches, ``micro`` nodes once
 per micro-batch (``plan.micro_batches`` times), ``post`` nodes once after. The
@@ -52,7 +57,8 @@ from .._layout import shard_shape
 from ..boxing import Layout, Plan
 from ..sbp import format_nd
 
-KINDS = ("input", "variable", "unpack", "repeat", "compute", "boxing", "accumulate", "pack", "assign", "output")
+KINDS = ("input", "variable", "unpack", "repeat", "compute", "boxing", "accumulate", "pack", "assign", "output",
+         "route")
 PHASES = ("pre", "micro", "post")
 COMPUTE_STREAM = "compute"
 
@@ -113,7 +119,7 @@ class PNode:
     out_sbps: tuple[Any, ...] = ()
     control: tuple[int, ...] = ()  # node ids that must act first (no data flows)
     logical: int | None = None  # the logical node it came from, for messages
-    mode: str = ""  # pack: "mean" or "cat"
+    mode: str = ""  # pack: "mean" or "cat"; route: "dispatch", "combine" or "redispatch"
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:

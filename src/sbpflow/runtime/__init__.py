@@ -2,7 +2,9 @@
 
 * :func:`run_plan` (:mod:`.inorder`): node by node in list order, the reference;
 * :class:`ActorRuntime` (:mod:`.actors`, :mod:`.board`, :mod:`.workers`): every node an actor,
-  registers and ready/free messages, one thread per stream, a watchdog and a timeline (:mod:`.trace`).
+  registers and ready/free messages, one thread per stream, a watchdog and a timeline (:mod:`.trace`);
+* :mod:`.route`: dynamic routing (``route`` nodes: rows to group members chosen at run time);
+* :mod:`.builder`: hand-built plans for tests and benchmarks.
 """
 
 from __future__ import annotations

@@ -46,6 +46,7 @@ from ..comm.record import CommLog, current_logs, recording_into
 from ..distributed import activity, config
 from ..errors import CommError, SbpflowError
 from ..graph.physical import PhysicalPlan
+from . import route
 from . import trace as _trace
 from .board import Actor, Board, Stats
 from .inorder import ExecutionError, Shards, StepState, act, commit
@@ -115,6 +116,8 @@ class ActorRuntime:
         for node in self.plan.nodes:
             if node.kind == "boxing" and node.boxing is not None and not node.boxing.is_relabel:
                 self.backend.prepare(node.boxing)
+            elif node.kind == "route":
+                self.backend.prepare(route.group_plan(self.plan.bufs[node.outputs[0]]))
 
     def _make_workers(self) -> dict[str, Worker]:
         lanes = sorted({a.lane for a in self.board.actors})
@@ -330,6 +333,8 @@ class ActorRuntime:
         if kind == "pack":
             actor.partial = [*(actor.partial or []), inputs[0]]
             return act(actor.node, [actor.partial], state, step, self.backend) if actor.emits(step) else []
+        if kind == "route":
+            return route.act(actor.node, inputs, self.backend)
         return act(actor.node, inputs, state, step, self.backend)
 
     # -- the watchdog's report ------------------------------------------------------------------------

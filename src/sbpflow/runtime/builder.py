@@ -111,20 +111,65 @@ class PlanBuilder:
     # -- compute and boxing ----------------------------------------------------------------------
 
     def compute(self, op: str, *operands: int | Const, phase: str | None = None, out_sbp: NdSbp | None = None,
-                control: tuple[int, ...] = (), **attrs: Any) -> int:
+                control: tuple[int, ...] = (), out_shape: tuple[int, ...] | None = None, **attrs: Any) -> int:
         """``REGISTRY[op]`` on ``operands`` (buffer ids or :class:`Const`); the output keeps the first input's
-        layout unless ``out_sbp`` is given (the test states the signature; no SBP inference here)."""
+        layout unless ``out_sbp`` is given (the test states the signature; no SBP inference here).
+        ``out_shape`` replaces meta inference where logical shapes do not apply (rows routed at run time)."""
+        outs = self.compute_n(op, *operands, phase=phase, out_sbps=(out_sbp,) if out_sbp else None, control=control,
+                              out_shapes=(out_shape,) if out_shape else None, **attrs)
+        if len(outs) != 1:
+            raise ValueError(f"op {op!r} has {len(outs)} outputs: use compute_n")
+        return outs[0]
+
+    def compute_n(self, op: str, *operands: int | Const, phase: str | None = None,
+                  out_sbps: tuple[NdSbp, ...] | None = None, control: tuple[int, ...] = (),
+                  out_shapes: tuple[tuple[int, ...], ...] | None = None, **attrs: Any) -> tuple[int, ...]:
+        """:meth:`compute` for ops with several outputs (``max_dim``: values and indices)."""
         ins = tuple(o for o in operands if not isinstance(o, Const))
+        first = self.bufs[ins[0]]
+        if out_shapes is None:
+            inferred = self._infer(op, operands, attrs)
+        else:  # no logical meta: the first input's dtype
+            inferred = tuple(Meta(shape, first.dtype) for shape in out_shapes)
+        sbps = out_sbps or (first.layout.sbp,) * len(inferred)
+        outs = tuple(self.buf(meta.shape, meta.dtype, first.layout.placement, sbp)
+                     for meta, sbp in zip(inferred, sbps, strict=True))
+        args = tuple(("c", o.value) if isinstance(o, Const) else ("t", ins.index(o)) for o in operands)
+        self.node("compute", op, ins, outs, phase=phase or self._phase(ins), op=op, args=args,
+                  attrs=tuple(sorted(attrs.items())), control=control,
+                  in_sbps=tuple(self.bufs[b].layout.sbp for b in ins),
+                  out_sbps=tuple(self.bufs[b].layout.sbp for b in outs))
+        return outs
+
+    def _infer(self, op: str, operands: tuple[int | Const, ...], attrs: dict[str, Any]) -> tuple[Meta, ...]:
         metas = [Scalar(type(o.value)) if isinstance(o, Const) else Meta(self.bufs[o].shape, self.bufs[o].dtype)
                  for o in operands]
-        REGISTRY[op].check_traceable()  # a plan's buffers need every shape before anything runs
-        meta = REGISTRY[op].meta(*metas, **attrs)
-        first = self.bufs[ins[0]]
-        out = self.buf(meta.shape, meta.dtype, first.layout.placement, out_sbp or first.layout.sbp)
-        args = tuple(("c", o.value) if isinstance(o, Const) else ("t", ins.index(o)) for o in operands)
-        self.node("compute", op, ins, (out,), phase=phase or self._phase(ins), op=op, args=args,
-                  attrs=tuple(sorted(attrs.items())), control=control,
-                  in_sbps=tuple(self.bufs[b].layout.sbp for b in ins), out_sbps=(self.bufs[out].layout.sbp,))
+        inferred = REGISTRY[op].meta(*metas, **attrs)
+        return tuple(inferred) if isinstance(inferred, (tuple, list)) else (inferred,)
+
+    # -- dynamic routing (runtime.route) ---------------------------------------------------------
+
+    def route_dispatch(self, x: int, dest: int) -> tuple[int, int]:
+        """Rows of ``x`` to the group members ``dest`` names; returns (received rows, routing record).
+
+        The received rows' buffer has the bound shape: every row of the group could land on one rank."""
+        b = self.bufs[x]
+        group = b.layout.placement.flat_ranks
+        rows = self.buf((len(group) * b.shape[0], *b.shape[1:]), b.dtype, b.layout.placement, b.layout.sbp)
+        local_rows = b.shape[0] // len(group)
+        record = self.buf((len(group) * (2 * len(group) + local_rows),), torch.int64, b.layout.placement,
+                          b.layout.sbp)
+        self.node("route", f"dispatch %{x} by %{dest}", (x, dest), (rows, record), mode="dispatch",
+                  phase=self._phase((x, dest)), stream=_route_stream(group))
+        return rows, record
+
+    def route_back(self, y: int, record: int, like: int, mode: str = "combine") -> int:
+        """``combine`` (rows back to their source, in ``like``'s order and shape) or ``redispatch``."""
+        b = self.bufs[like]
+        out = self.buf(b.shape, self.bufs[y].dtype, b.layout.placement, b.layout.sbp)
+        group = b.layout.placement.flat_ranks
+        self.node("route", f"{mode} %{y} by %{record}", (y, record), (out,), mode=mode,
+                  phase=self._phase((y, record)), stream=_route_stream(group))
         return out
 
     def boxing(self, src: int, sbp: NdSbp, placement: Placement | None = None, phase: str | None = None,
@@ -177,6 +222,10 @@ def _stream(step: boxing.Step, ranks: tuple[int, ...]) -> str:
     if step.kind in MOVES_NOTHING:
         return COMPUTE_STREAM
     return "comm:" + ",".join(map(str, ranks))
+
+
+def _route_stream(group: tuple[int, ...]) -> str:
+    return "comm:" + ",".join(map(str, group))
 
 
 def _slot_bytes(buf: Buf) -> tuple[tuple[int, int], ...]:
