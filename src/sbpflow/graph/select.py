@@ -57,7 +57,24 @@ def candidates(g: LogicalGraph, n: LNode, traced: Candidate) -> list[Candidate]:
     """Every n-D signature of op node ``n`` (products of its 1-D signatures over the mesh axes).
 
     On a mesh axis of one rank every signature names the same shards, so the traced one is kept there.
+    Repeated layers ask the same question many times: answers are cached by the op's metadata.
     """
+    key = (n.name, tuple(_arg_metas(g, n)), tuple((g.values[v].shape, g.values[v].dtype) for v in n.outputs),
+           n.attrs, _placement_of(g, n), traced)
+    found = _CANDIDATES.get(key)
+    if found is None:
+        found = _CANDIDATES[key] = _candidates(g, n, traced)
+    return list(found)
+
+
+_CANDIDATES: dict[Any, list[Candidate]] = {}
+
+
+def _placement_of(g: LogicalGraph, n: LNode) -> Any:
+    return g.values[n.outputs[0]].placement if n.outputs else g.values[n.inputs[0]].placement
+
+
+def _candidates(g: LogicalGraph, n: LNode, traced: Candidate) -> list[Candidate]:
     opdef = REGISTRY[n.name]
     placement = g.values[n.outputs[0]].placement if n.outputs else g.values[n.inputs[0]].placement
     metas = _arg_metas(g, n)
@@ -107,6 +124,7 @@ class _Costs:
     def __init__(self, g: LogicalGraph, model: boxing.CostModel, factors: tuple[Any, ...]) -> None:
         self.g, self.model, self.factors = g, model, factors
         self._boxing: dict[Any, float] = {}
+        self._compute: dict[Any, float] = {}
 
     def boxing(self, vid: int, src: NdSbp, dst: NdSbp) -> float:
         if src == dst:
@@ -123,6 +141,14 @@ class _Costs:
         return cost
 
     def compute(self, n: LNode, c: Candidate) -> float:
+        key = (n.name, tuple(self.g.values[v].shape for v in n.inputs + n.outputs),
+               tuple(self.g.values[v].dtype for v in n.inputs + n.outputs), _placement_of(self.g, n), c)
+        seconds = self._compute.get(key)
+        if seconds is None:
+            seconds = self._compute[key] = self._compute_uncached(n, c)
+        return seconds
+
+    def _compute_uncached(self, n: LNode, c: Candidate) -> float:
         nbytes = 0
         local_in = []
         for vid, sbp in zip(n.inputs, c.ins, strict=True):
@@ -303,15 +329,16 @@ def select(g: LogicalGraph, model: boxing.CostModel, factors: tuple[Any, ...], m
     start = time.perf_counter()
     p = _Problem(g, _Costs(g, model, factors))
     greedy_cost = p.cost_of(p.greedy)
-    chosen, method_used, n_var = p.greedy, "greedy", 0
+    chosen, chosen_cost, method_used, n_var = p.greedy, greedy_cost, "greedy", 0
     if method == "ilp" and p.choices:
         solved, n_var = _solve_ilp(p, time_limit)
-        if solved is not None and p.cost_of(solved) < greedy_cost - 1e-12:
-            chosen, method_used = solved, "ilp"
+        solved_cost = p.cost_of(solved) if solved is not None else greedy_cost
+        if solved is not None and solved_cost < greedy_cost - 1e-12:
+            chosen, chosen_cost, method_used = solved, solved_cost, "ilp"
         else:
             method_used = "ilp (greedy was as good)"
     _apply(g, p, chosen)
-    return Selection(greedy_cost, p.cost_of(chosen), method_used, time.perf_counter() - start, n_var)
+    return Selection(greedy_cost, chosen_cost, method_used, time.perf_counter() - start, n_var)
 
 
 def _apply(g: LogicalGraph, p: _Problem, chosen: dict[int, int]) -> None:
