@@ -16,11 +16,17 @@ registers allow (issue 9), so communication overlaps compute and back-pressure b
 >>> out["y"][1].tolist()
 [0.0, 2.0, 3.0, 0.0]
 
-Threads. One worker per (device type, stream): ``compute`` runs ready actors earliest plan position
-first (so producers run ahead until their registers are full: the schedule comes from register
-counts); each ``comm:<key>`` thread runs its actors in plan order (pre, then micro-batch 0..m-1,
-then post), so every member of a group issues its collectives in one order (no deadlock on gloo
-or NCCL). The threads live until :meth:`ActorRuntime.close`; each :meth:`run` is a new generation.
+Threads. One worker per (device, stream) (:func:`~sbpflow.runtime.board.lane_for`): a compute thread
+per device (per set of ranks a node runs on: a process's one rank under torch.distributed, each
+placement on virtual ranks) acts ready actors earliest plan position first, so producers run ahead
+until their registers are full: the schedule comes from register counts. Each ``comm:<key>`` thread
+acts its actors in plan order (pre, micro-batch 0..m-1, post), so every member of a group issues its
+collectives in one order (no deadlock on gloo or NCCL). On CUDA each thread has its own stream and
+registers carry events (:mod:`._cuda`). The threads live across runs (each :meth:`run` is a new
+generation) until :meth:`ActorRuntime.close`, or until the runtime is dropped.
+
+Memory. :attr:`ActorRuntime.stats` gives the last run's acts, peak live bytes per rank and peak live
+slots per register; :func:`~sbpflow.runtime.board.dry_run` predicts them without running anything.
 
 Errors. The first exception in any actor stops the step and is raised in the caller's thread,
 naming the actor and its op; variables are only written (``commit``) after a step succeeded.
