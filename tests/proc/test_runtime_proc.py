@@ -13,10 +13,12 @@ import torch
 from procrun import run_ranks, spawn
 
 import sbpflow
+from sbpflow import sbp as S
 from sbpflow.cli import main as cli_main
 from sbpflow.comm import SimulatedBackend
 from sbpflow.runtime import ActorRuntime
-from sbpflow.runtime.trace import load
+from sbpflow.runtime.builder import PlanBuilder
+from sbpflow.runtime.trace import load, trace_path
 from sim.test_runtime import feeds_and_vars, train_inputs, train_plan
 from sim.test_runtime_route import moe_data, moe_plan, moe_shards, torch_moe
 
@@ -125,3 +127,33 @@ def test_moe_routing_by_data_dependent_all_to_all_on_two_processes_matches_one_d
         torch.testing.assert_close(torch.cat([got[name] for got in per_rank]), expected[name])
     for got in per_rank:
         torch.testing.assert_close(got["dwg"], expected["dwg"])
+
+
+def overlap_on_ranks(trace: str) -> float:
+    """A gradient-sized all-reduce next to an independent chain of matmuls; returns the milliseconds of this
+    rank's timeline during which the all-reduce (comm thread) and a matmul (compute thread) both ran."""
+    rank = sbpflow.rank()
+    p = sbpflow.placement("cpu", [0, 1])
+    b = PlanBuilder()
+    grad = b.boxing(b.input("grad", (1024, 1024), p, (S.partial_sum,)), (S.broadcast,))  # 4 MiB all-reduce
+    h = b.input("h", (256, 256), p, (S.broadcast,))
+    for _ in range(30):
+        h = b.compute("matmul", h, h)
+    b.output("grad", grad)
+    b.output("h", h)
+    feeds = {"grad": {rank: torch.ones(1024, 1024)}, "h": {rank: torch.eye(256)}}
+    with ActorRuntime(b.build(), trace=trace, timeout=20) as rt:
+        for _ in range(2):
+            out = rt.run(feeds, {})
+    assert torch.equal(out["grad"][rank], torch.full((1024, 1024), 2.0))
+    events = load(trace_path(trace, rank, 2))
+    lanes = {e["tid"]: e["args"]["name"] for e in events if e["name"] == "thread_name"}
+    spans = [(lanes[e["tid"]], e["ts"], e["ts"] + e["dur"]) for e in events if e["ph"] == "X"]
+    comm = [(a, z) for lane, a, z in spans if "/comm:" in lane]
+    compute = [(a, z) for lane, a, z in spans if lane.endswith("/compute")]
+    return sum(max(0.0, min(z, d) - max(a, c)) for a, z in comm for c, d in compute) / 1e3
+
+
+def test_the_timeline_shows_communication_overlapping_compute(tmp_path: Path) -> None:
+    per_rank = run_ranks(overlap_on_ranks, 2, args=(str(tmp_path / "overlap.json"),), timeout=120)
+    assert all(ms > 0 for ms in per_rank), per_rank
