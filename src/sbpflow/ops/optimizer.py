@@ -53,19 +53,39 @@ def sgd_momentum_update(p: torch.Tensor, g: torch.Tensor, buf: torch.Tensor, lr:
     return p.add(step, alpha=-lr), new_buf
 
 
-@op("adam_update", meta=lambda *m, **a: _same_metas(*m, n_out=3), sbp=_elementwise_sigs, differentiable=False)
-def adam_update(p: torch.Tensor, g: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, lr: float,
-                step: float, *, beta1: float, beta2: float, eps: float, weight_decay: float = 0.0,
-                decoupled: bool = False, maximize: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Adam (AdamW with ``decoupled``), the same operation sequence as :class:`sbpflow.optim.Adam`."""
-    g = -g if maximize else g
+def _multi_metas(*metas: Any, **_: Any) -> tuple[Meta, ...]:
+    tensors = [m for m in metas if isinstance(m, Meta)]
+    k = len(tensors) // 4
+    return tuple(tensors[:k]) * 3  # new parameters, first and second moments, shaped like the parameters
+
+
+def _multi_sigs(*metas: Any, outs: Any, **_: Any) -> list[Sig]:
+    n_in = sum(isinstance(m, Meta) for m in metas)
+    ndim = min(len(m.shape) for m in outs)
+    return [Sig((s,) * n_in, (s,) * len(outs)) for s in [broadcast] + [split(d) for d in range(ndim)]]
+
+
+@op("adam_update_multi", meta=_multi_metas, sbp=_multi_sigs, differentiable=False)
+def adam_update_multi(*args: Any, beta1: float, beta2: float, eps: float, weight_decay: float = 0.0,
+                      decoupled: bool = False, maximize: bool = False) -> tuple[torch.Tensor, ...]:
+    """:func:`adam_update` over k parameters at once with foreach kernels: ``(p..., g..., m..., v..., lr, step)``
+    -> ``(p'..., m'..., v'...)``. The moments' fresh outputs are updated in place (they are new tensors), the
+    inputs never: the variables are written only when the whole step has succeeded."""
+    *tensors, lr, step = args
+    k = len(tensors) // 4
+    ps, gs, ms, vs = (list(tensors[i * k:(i + 1) * k]) for i in range(4))
+    if maximize:
+        gs = list(torch._foreach_neg(gs))
     if weight_decay != 0:
         if decoupled:
-            p = p * (1 - lr * weight_decay)
+            ps = list(torch._foreach_mul(ps, 1 - lr * weight_decay))
         else:
-            g = g.add(p, alpha=weight_decay)
-    m = torch.lerp(exp_avg, g, 1 - beta1)
-    v = (exp_avg_sq * beta2).addcmul(g, g, value=1 - beta2)
-    step_size = -(lr / (1 - beta1**step))
-    denom = (v.sqrt() / ((1 - beta2**step) ** 0.5)).add(eps)
-    return p.addcdiv(m, denom, value=step_size), m, v
+            gs = list(torch._foreach_add(gs, ps, alpha=weight_decay))
+    m = list(torch._foreach_lerp(ms, gs, 1 - beta1))
+    v = list(torch._foreach_mul(vs, beta2))
+    torch._foreach_addcmul_(v, gs, gs, 1 - beta2)
+    denom = list(torch._foreach_sqrt(v))
+    torch._foreach_div_(denom, (1 - beta2**step) ** 0.5)
+    torch._foreach_add_(denom, eps)
+    new_p = list(torch._foreach_addcdiv(ps, m, denom, -(lr / (1 - beta1**step))))
+    return tuple(new_p + m + v)

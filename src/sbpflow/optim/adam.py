@@ -82,21 +82,30 @@ class Adam(Optimizer):
             for p in group["params"]:
                 self.state[p]["step"] = self.state[p].get("step", 0.0) + 1
 
-    def _trace_update(self, group: dict[str, Any], prefix: str, p: Any, grad: Any) -> None:
+    def _trace_group(self, group: dict[str, Any], prefix: str, params: list[Any], grads: list[Any]) -> None:
+        """One fused (foreach) update op per run of parameters sharing placement, SBP and dtype."""
         from ..graph.trace import StepScalar
-        from ..ops.optimizer import adam_update
+        from ..ops.optimizer import adam_update_multi
 
         if group["amsgrad"]:
             raise SbpflowError(f"{type(self).__name__}(amsgrad=True) has no compiled update yet; use eager steps")
-        state = self.state[p]
         beta1, beta2 = group["betas"]
-        new_p, m, v = adam_update(p.detach(), grad, state["exp_avg"], state["exp_avg_sq"],
-                                  StepScalar(group["lr"], f"{prefix}.lr"), StepScalar(1.0, f"{prefix}.step"),
-                                  beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
-                                  decoupled=self.decoupled, maximize=group["maximize"])
-        p._assign(new_p)
-        state["exp_avg"]._assign(m)
-        state["exp_avg_sq"]._assign(v)
+        runs: dict[Any, list[int]] = {}
+        for i, p in enumerate(params):
+            runs.setdefault((p.placement, p.sbp, p.dtype), []).append(i)
+        for members in runs.values():
+            ps = [params[i] for i in members]
+            states = [self.state[p] for p in ps]
+            outs = adam_update_multi(
+                *[p.detach() for p in ps], *[grads[i] for i in members], *[s["exp_avg"] for s in states],
+                *[s["exp_avg_sq"] for s in states], StepScalar(group["lr"], f"{prefix}.lr"),
+                StepScalar(1.0, f"{prefix}.step"), beta1=beta1, beta2=beta2, eps=group["eps"],
+                weight_decay=group["weight_decay"], decoupled=self.decoupled, maximize=group["maximize"])
+            k = len(ps)
+            for j, (p, state) in enumerate(zip(ps, states, strict=True)):
+                p._assign(outs[j])
+                state["exp_avg"]._assign(outs[k + j])
+                state["exp_avg_sq"]._assign(outs[2 * k + j])
 
 
 class AdamW(Adam):

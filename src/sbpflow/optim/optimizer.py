@@ -211,15 +211,22 @@ class Optimizer:
                 if not params:
                     continue
                 _check_shared_step([self.state[p] for p in params], type(self).__name__)
+                grads = []
                 for p in params:
                     _check_not_partial(p, type(self).__name__)
                     grad = p.grad
                     assert grad is not None
                     if (grad.placement, grad.sbp) != (p.placement, p.sbp):
                         grad = grad.to_global(p.placement, p.sbp)
-                    self._trace_update(group, f"{feed_prefix}.{gi}", p, grad)
+                    grads.append(grad)
+                self._trace_group(group, f"{feed_prefix}.{gi}", params, grads)
                 feeds += self.step_feeds(f"{feed_prefix}.{gi}", group)
         return feeds
+
+    def _trace_group(self, group: dict[str, Any], prefix: str, params: list[Tensor], grads: list[Tensor]) -> None:
+        """Traces one group's update; by default one update op per parameter (see :meth:`_trace_update`)."""
+        for p, grad in zip(params, grads, strict=True):
+            self._trace_update(group, prefix, p, grad)
 
     def step_feeds(self, prefix: str, group: dict[str, Any]) -> list[tuple[str, float]]:
         """The per-step scalars of one group for its next compiled step."""
