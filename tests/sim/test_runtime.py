@@ -318,6 +318,33 @@ def test_trace_has_a_lane_per_thread_and_a_span_per_act(backend: SimulatedBacken
     assert {e["pid"] for e in both} == {0, 1} and sum(e["ph"] == "X" for e in both) == 4 * acts
 
 
+# -- synthetic time: pipeline stages on their own virtual devices overlap ----------------------------------
+
+
+def test_synthetic_time_overlaps_pipeline_stages_on_their_own_threads(backend: SimulatedBackend,
+                                                                      tmp_path: Path) -> None:
+    """Two stages (ranks 0 and 1), 4 micro-batches, every compute act 30 ms of sleep: stage 1 works on
+    micro-batch k while stage 0 works on k + 1, as on two devices."""
+    stage0, stage1 = sbpflow.placement("cpu", [0]), sbpflow.placement("cpu", [1])
+    b = PlanBuilder(micro_batches=4)
+    h = b.compute("neg", b.compute("relu", b.unpack(b.input("x", (8, 4), stage0, (B,)))))
+    h = b.compute("neg", b.compute("relu", b.boxing(h, (B,), placement=stage1)))
+    b.output("y", b.pack(h))
+    plan = b.build()
+    path = tmp_path / "pipe.json"
+    sleep = {"compute": 0.03}
+    with runtime(plan, backend, trace=str(path), synthetic=lambda node: sleep.get(node.kind, 0.0)) as rt:
+        out = rt.run({"x": {0: torch.ones(8, 4)}}, {})
+    assert out == {}  # nothing ran: placeholders only
+    events = load(path)
+    lanes = {e["tid"]: e["args"]["name"] for e in events if e["name"] == "thread_name"}
+    spans = {lane: [(e["ts"], e["ts"] + e["dur"]) for e in events if e["ph"] == "X" and lanes[e["tid"]] == lane
+                    and e["cat"] in ("relu", "neg")] for lane in ("cpu:0/compute", "cpu:1/compute")}
+    assert [len(v) for v in spans.values()] == [8, 8]
+    overlapping = sum(1 for a, z in spans["cpu:0/compute"] for c, d in spans["cpu:1/compute"] if min(z, d) > max(a, c))
+    assert overlapping >= 2  # stage 1 on micro-batches 0..2 while stage 0 is on 1..3
+
+
 @pytest.fixture(autouse=True)
 def _no_thread_leak() -> Iterator[None]:
     before = threading.active_count()

@@ -25,6 +25,10 @@ collectives in one order (no deadlock on gloo or NCCL). On CUDA each thread has 
 registers carry events (:mod:`._cuda`). The threads live across runs (each :meth:`run` is a new
 generation) until :meth:`ActorRuntime.close`, or until the runtime is dropped.
 
+Synthetic time. With ``synthetic=lambda node: seconds``, every act sleeps instead of running (placeholder
+values, nothing written back): the schedule that register counts produce, timed as if each act took
+that long, on as many virtual devices as the plan has, whatever the machine's cores.
+
 Memory. :attr:`ActorRuntime.stats` gives the last run's acts, peak live bytes per rank and peak live
 slots per register; :func:`~sbpflow.runtime.board.dry_run` predicts them without running anything.
 
@@ -44,6 +48,7 @@ import sys
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,7 +56,7 @@ from ..comm import Backend, get_backend
 from ..comm.record import CommLog, current_logs, recording_into
 from ..distributed import activity, config
 from ..errors import CommError, SbpflowError
-from ..graph.physical import PhysicalPlan
+from ..graph.physical import PhysicalPlan, PNode
 from . import route
 from . import trace as _trace
 from .board import Actor, Board, Stats
@@ -92,10 +97,11 @@ class ActorRuntime:
     """Runs a :class:`PhysicalPlan` on actors; see the module docstring."""
 
     def __init__(self, plan: PhysicalPlan, backend: Backend | None = None, trace: str | None = None,
-                 timeout: float | None = None) -> None:
+                 timeout: float | None = None, synthetic: Callable[[PNode], float] | None = None) -> None:
         self.plan = plan
         self.backend = backend or get_backend()
         self.timeout = timeout if timeout is not None else config().timeout
+        self.synthetic = synthetic  # synthetic time: seconds each act sleeps instead of running (see _act)
         self._prepare_groups()
         self._lock = threading.Lock()
         self._done = threading.Condition(self._lock)
@@ -332,6 +338,8 @@ class ActorRuntime:
             raise _named_error(job.actor, job.step, e) from e
 
     def _act(self, actor: Actor, step: int, inputs: list[Any], state: StepState) -> list[Any]:
+        if self.synthetic is not None:
+            return self._sleep(actor, step)
         kind = actor.node.kind
         if kind == "accumulate":
             actor.partial = _add_into(actor.partial, inputs[0])
@@ -342,6 +350,13 @@ class ActorRuntime:
         if kind == "route":
             return route.act(actor.node, inputs, self.backend)
         return act(actor.node, inputs, state, step, self.backend)
+
+    def _sleep(self, actor: Actor, step: int) -> list[Any]:
+        """Synthetic time: the act sleeps for its given duration and writes placeholders (no kernel, no
+        collective, no outputs or assigns). Sleeping threads overlap like devices, so a schedule's timeline
+        and bubble can be measured on a machine with fewer cores than stages (issue 10)."""
+        time.sleep(self.synthetic(actor.node) if self.synthetic is not None else 0.0)
+        return [None] * len(actor.outputs) if actor.emits(step) else []
 
     # -- the watchdog's report ------------------------------------------------------------------------
 
