@@ -27,10 +27,10 @@ from typing import Any
 
 
 class TraceWriter:
-    """Collects spans in memory; :meth:`flush` appends them to ``path``."""
+    """Collects spans in memory; :meth:`flush` appends them to ``path`` (see :func:`claim` for a path in use)."""
 
     def __init__(self, path: str | Path, pid: int) -> None:
-        self.path = Path(path)
+        self.path = Path(claim(str(path)))
         self.pid = pid
         self._lanes: dict[str, int] = {}
         self._pending: list[dict[str, Any]] = []
@@ -79,6 +79,8 @@ class TraceWriter:
             if self._started and not self._closed:
                 with self.path.open("a") as f:
                     f.write("\n]\n")
+            if not self._closed:
+                release(str(self.path))
             self._closed = True
 
 
@@ -119,3 +121,31 @@ def trace_path(base: str, rank: int, processes: int) -> str:
         return base
     p = Path(base)
     return str(p.with_name(f"{p.stem}.rank{rank}{p.suffix or '.json'}"))
+
+
+_claimed: set[str] = set()
+_claim_lock = threading.Lock()
+
+
+def claim(path: str) -> str:
+    """``path``, or ``<stem>.<n><suffix>`` while an open writer of this process uses it: several graphs (a
+    training and an evaluation step) under one ``SBPFLOW_TRACE`` each keep a file of their own.
+
+    >>> first, second = claim("/tmp/sbpflow-claim.json"), claim("/tmp/sbpflow-claim.json")
+    >>> Path(second).name
+    'sbpflow-claim.2.json'
+    >>> release(first); release(second)
+    """
+    with _claim_lock:
+        p, n, candidate = Path(path), 1, path
+        while candidate in _claimed:
+            n += 1
+            candidate = str(p.with_name(f"{p.stem}.{n}{p.suffix}"))
+        _claimed.add(candidate)
+        return candidate
+
+
+def release(path: str) -> None:
+    """Frees a claimed path (its writer closed)."""
+    with _claim_lock:
+        _claimed.discard(path)
