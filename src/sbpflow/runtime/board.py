@@ -378,6 +378,17 @@ def dry_run(plan: PhysicalPlan, backend: Backend) -> Stats:
     order) and the threads are merged by plan position, so this is the runtime's schedule when
     communication takes no time. Its ``peak_bytes`` is what the runtime reports for such a run, which
     makes it the memory plan a compiler can predict with (the same accounting, not a second model).
+
+    >>> import sbpflow
+    >>> from sbpflow import sbp
+    >>> from sbpflow.comm import SimulatedBackend
+    >>> from sbpflow.runtime.builder import PlanBuilder
+    >>> b = PlanBuilder(micro_batches=2)
+    >>> p = sbpflow.placement("cpu", [0, 1])
+    >>> b.output("y", b.pack(b.compute("relu", b.unpack(b.input("x", (8, 4), p, (sbp.split(0),))))))
+    >>> stats = dry_run(b.build(), SimulatedBackend())
+    >>> stats.acts, stats.peak_bytes   # the input or pack's output (64 B/rank), with two 32 B micro values
+    (8, {0: 128, 1: 128})
     """
     board = Board(plan, backend)
     board.reset()

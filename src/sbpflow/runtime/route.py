@@ -18,6 +18,14 @@ of r's rows (n): enough to replay or invert the exchange, so a backward pass rou
 through the forward's record (the gradient of dispatch is combine, of combine redispatch).
 
 Shapes are data-dependent: a register holding y is charged its buffer's bound shape.
+
+>>> from sbpflow.comm import SimulatedBackend
+>>> x = {0: torch.tensor([[1.0], [2.0]]), 1: torch.tensor([[3.0], [4.0]])}
+>>> y, record = dispatch((0, 1), x, {0: torch.tensor([1, 0]), 1: torch.tensor([1, 1])}, SimulatedBackend())
+>>> y[0].flatten().tolist(), y[1].flatten().tolist()   # rank 0 gets row 2; rank 1 rows 1, 3, 4
+([2.0], [1.0, 3.0, 4.0])
+>>> combine((0, 1), y, record, SimulatedBackend())[0].flatten().tolist()
+[1.0, 2.0]
 """
 
 from __future__ import annotations
