@@ -366,6 +366,6 @@ def test_cli_graph_shows_a_scripts_graph(tmp_path: Any, capsys: Any) -> None:
     script = Path(__file__).parents[2] / "examples" / "graph_mlp.py"
     assert main(["graph", "--out", str(tmp_path), str(script)]) == 0
     out = capsys.readouterr().out
-    assert "adam_update(" in out and "per step: collectives" in out and "step 4: loss" in out
+    assert "adam_update_multi(" in out and "per step: collectives" in out and "step 4: loss" in out
     assert (tmp_path / "TrainStep1.logical.dot").read_text().startswith("digraph logical")
     assert "hexagon" in (tmp_path / "TrainStep1.rank0.dot").read_text()  # communication nodes drawn apart
