@@ -51,14 +51,14 @@ def explain(g: LogicalGraph, plan: PhysicalPlan, report: Any, rank: int | None =
     lines.append(f"boxing nodes of rank {rank}:")
     per_link: Counter[str] = Counter()
     comm_time = 0.0
-    for n in plan.for_rank(rank):
-        if n.kind != "boxing" or n.boxing is None:
+    for pn in plan.for_rank(rank):
+        if pn.kind != "boxing" or pn.boxing is None:
             continue
-        step = n.boxing.steps[0]
-        times = m if n.phase == "micro" else 1
-        per_link[_link(n)] += step.bytes_per_rank * times
+        step = pn.boxing.steps[0]
+        times = m if pn.phase == "micro" else 1
+        per_link[_link(pn)] += step.bytes_per_rank * times
         comm_time += step.time * times
-        lines.append(f"  #{n.id:<5} {n.name:<48} {step.bytes_per_rank:>10} B/rank {step.time * 1e6:9.1f} us"
+        lines.append(f"  #{pn.id:<5} {pn.name:<48} {step.bytes_per_rank:>10} B/rank {step.time * 1e6:9.1f} us"
                      f"{'  x' + str(m) if times > 1 else ''}")
     lines.append("")
     counts = collective_counts(plan, rank)

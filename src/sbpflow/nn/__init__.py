@@ -12,9 +12,9 @@ from __future__ import annotations
 from . import functional, init, parallel, utils
 from .container import ModuleDict, ModuleList, Sequential
 from .conv import AdaptiveAvgPool2d, AvgPool2d, Conv2d, MaxPool2d
+from .graph import Graph, GraphConfig
 from .layers import GELU, Dropout, Embedding, Flatten, Identity, Linear, ReLU, SiLU, Tanh
 from .loss import CrossEntropyLoss, MSELoss
-from .graph import Graph, GraphConfig
 from .module import Module, Parameter
 from .normalization import BatchNorm1d, BatchNorm2d, LayerNorm, RMSNorm
 

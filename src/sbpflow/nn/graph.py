@@ -48,7 +48,6 @@ from ..sbp import format_nd
 from ..tensor import Tensor
 from .module import Module
 
-
 SHOW: list[tuple[str, int | None]] = []  # set by `sbpflow graph`: (folder, rank) to describe every compile in
 
 
@@ -106,6 +105,12 @@ class Compiled:
 
 class Graph:
     """Subclass, assign modules as attributes, call :meth:`add_optimizer`, define :meth:`build`."""
+
+    config: GraphConfig
+    _modules: dict[str, Module]
+    _optimizers: list[_OptimizerEntry]
+    _cache: dict[tuple[Any, ...], Compiled]
+    _last: Compiled | None
 
     def __init__(self) -> None:
         object.__setattr__(self, "config", GraphConfig())
@@ -284,7 +289,7 @@ class Graph:
         import os
 
         name = f"{type(self).__name__}{len(self._cache)}"
-        print(f"== {name}\n{self._last.logical.format()}\n")
+        print(f"== {name}\n{self._compiled().logical.format()}\n")
         self.explain(rank)
         files = self.save_dot(os.path.join(folder, name), rank)
         print("wrote " + ", ".join(files))
@@ -303,7 +308,7 @@ class GraphRecompileWarning(UserWarning):
 
 
 def _input_key(args: Sequence[Any]) -> tuple[Any, ...]:
-    key = []
+    key: list[Any] = []
     for a in args:
         if isinstance(a, Tensor):
             if not a.is_global:

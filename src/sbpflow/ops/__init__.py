@@ -5,4 +5,4 @@ from __future__ import annotations
 from . import functional, methods, optimizer
 from .registry import REGISTRY, Meta, OpDef, ShardCtx, Sig, op
 
-__all__ = ["REGISTRY", "Meta", "OpDef", "ShardCtx", "Sig", "op", "functional", "methods"]
+__all__ = ["REGISTRY", "Meta", "OpDef", "ShardCtx", "Sig", "op", "functional", "methods", "optimizer"]
