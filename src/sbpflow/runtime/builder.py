@@ -125,6 +125,7 @@ class PlanBuilder:
                   out_sbps: tuple[NdSbp, ...] | None = None, control: tuple[int, ...] = (),
                   out_shapes: tuple[tuple[int, ...], ...] | None = None, **attrs: Any) -> tuple[int, ...]:
         """:meth:`compute` for ops with several outputs (``max_dim``: values and indices)."""
+        REGISTRY[op].check_traceable()  # a plan holds shapes known before data: data-dependent ops cannot be nodes
         ins = tuple(o for o in operands if not isinstance(o, Const))
         first = self.bufs[ins[0]]
         if out_shapes is None:
