@@ -157,3 +157,20 @@ def overlap_on_ranks(trace: str) -> float:
 def test_the_timeline_shows_communication_overlapping_compute(tmp_path: Path) -> None:
     per_rank = run_ranks(overlap_on_ranks, 2, args=(str(tmp_path / "overlap.json"),), timeout=120)
     assert all(ms > 0 for ms in per_rank), per_rank
+
+
+def build_different_plans() -> None:
+    """Rank 1 compiles its plan for 2 micro-batches, rank 0 for 4: their unpack nodes differ."""
+    placement = sbpflow.placement("cpu", [0, 1])
+    ActorRuntime(train_plan(4 if sbpflow.rank() == 0 else 2, placement=placement), timeout=20).close()
+
+
+def test_processes_with_different_plans_get_an_error_naming_the_node_not_a_gloo_abort() -> None:
+    job = spawn(build_different_plans, 2, timeout=60)
+    assert not job.timed_out and all(o.returncode == 1 for o in job.ranks), job.report()
+    for outcome in job.ranks:
+        error = outcome.error or ""
+        assert error.startswith("ExecutionError: the processes compiled different physical plans"), job.report()
+        assert "first differ at node 1 of 20:\n  rank 0: #1 unpack unpack 0" in error, error
+        assert "[%0: [8, 3] float32 cpu:[0, 1] (S(0)), %1: [2, 3] float32" in error, error  # 8 / 4 rows
+        assert "[%0: [8, 3] float32 cpu:[0, 1] (S(0)), %1: [4, 3] float32" in error, error  # 8 / 2 rows

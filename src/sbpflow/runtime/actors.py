@@ -59,6 +59,7 @@ from ..errors import CommError, SbpflowError
 from ..graph.physical import PhysicalPlan, PNode
 from . import route
 from . import trace as _trace
+from ._agree import check_same_plan
 from .board import Actor, Board, Stats
 from .inorder import ExecutionError, Shards, StepState, act, commit
 from .workers import CommWorker, ComputeWorker, Worker
@@ -102,6 +103,7 @@ class ActorRuntime:
         self.backend = backend or get_backend()
         self.timeout = timeout if timeout is not None else config().timeout
         self.synthetic = synthetic  # synthetic time: seconds each act sleeps instead of running (see _act)
+        check_same_plan(plan, self.backend)
         self._prepare_groups()
         self._lock = threading.Lock()
         self._done = threading.Condition(self._lock)

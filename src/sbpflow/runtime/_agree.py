@@ -1,0 +1,53 @@
+"""Processes must run one plan: a check before the first act, so a disagreement is an error, not a gloo abort.
+
+Every process compiles its own copy of the physical plan. If two copies differ (a solver that breaks
+ties differently under load, a shape that differs on one rank), their collectives no longer match and
+gloo aborts the process ("Received data size doesn't match expected size") or NCCL hangs. An
+:class:`~sbpflow.runtime.ActorRuntime` on torch.distributed therefore compares a digest of the plan
+across all processes once, when it is built (one ``all_gather_object`` of a hash); only on a mismatch
+does it exchange the plans' node lists, to name the first node that differs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+from ..comm import Backend, SimulatedBackend
+from ..graph.physical import PhysicalPlan, PNode
+from .inorder import ExecutionError
+
+
+def check_same_plan(plan: PhysicalPlan, backend: Backend) -> None:
+    """Raises ExecutionError naming the first node on which the processes' plans differ (collective over all
+    processes; a no-op on virtual ranks, where one process holds the plan)."""
+    import torch.distributed as dist
+
+    if isinstance(backend, SimulatedBackend) or not dist.is_available() or not dist.is_initialized():
+        return
+    lines = [describe(plan, node) for node in plan.nodes]
+    digest = hashlib.sha1("\n".join(lines).encode()).hexdigest()
+    digests: list[object] = [None] * dist.get_world_size()
+    dist.all_gather_object(digests, digest)
+    if len(set(digests)) == 1:
+        return
+    sides: list[object] = [None] * dist.get_world_size()
+    dist.all_gather_object(sides, lines)
+    raise ExecutionError(first_difference([list(s) for s in sides if isinstance(s, list)]))
+
+
+def describe(plan: PhysicalPlan, node: PNode) -> str:
+    """What must agree across processes about one node: its kind, op, ranks, stream and buffers' layouts."""
+    bufs = ", ".join(str(plan.bufs[b]) for b in node.inputs + node.outputs)
+    return f"{node.label()} op={node.op} ranks={list(node.ranks)} {node.phase} {node.stream} [{bufs}]"
+
+
+def first_difference(sides: list[list[str]]) -> str:
+    """The message for processes whose node lists differ: the first index where they do, each rank's side."""
+    length = max(len(s) for s in sides)
+    for i in range(length):
+        seen = [s[i] if i < len(s) else "(no node)" for s in sides]
+        if len(set(seen)) > 1:
+            lines = [f"  rank {r}: {line}" for r, line in enumerate(seen)]
+            return ("the processes compiled different physical plans, so their collectives would not match; "
+                    f"the plans first differ at node {i} of {length}:\n" + "\n".join(lines))
+    return "the processes compiled different physical plans (different numbers of nodes)"
