@@ -87,28 +87,28 @@ def test_an_actor_raising_on_rank_1_ends_a_3_process_job_naming_it() -> None:
         assert "while running actor #" in (job.ranks[survivor].error or ""), job.report()
 
 
-def stall_on_rank(bad: int) -> None:
-    """Rank ``bad`` runs a plan missing its unpack node: its matmul never gets micro-batch 0 of x."""
+def stall(_: int) -> None:
+    """Every process runs the same plan missing its unpack node: no matmul ever gets micro-batch 0 of x.
+    (A plan corrupted on one rank only is refused before it runs: see the different-plans test.)"""
     rank = sbpflow.rank()
     x, w = train_inputs(2)
     plan = train_plan(2, placement=sbpflow.placement("cpu", [0, 1]))
-    if rank == bad:
-        plan.nodes = [n for n in plan.nodes if n.kind != "unpack"]
+    plan.nodes = [n for n in plan.nodes if n.kind != "unpack"]
     with ActorRuntime(plan) as rt:  # the watchdog's timeout: SBPFLOW_TIMEOUT
         rt.run(*feeds_and_vars(x, w, (rank,)))
 
 
-def test_a_plan_missing_a_message_on_one_rank_is_a_report_on_every_rank_not_a_hang() -> None:
-    job = spawn(stall_on_rank, 2, args=(1,), env={"SBPFLOW_TIMEOUT": "3"}, timeout=60)
+def test_a_plan_missing_a_message_is_a_watchdog_report_on_every_rank_not_a_hang() -> None:
+    job = spawn(stall, 2, args=(0,), env={"SBPFLOW_TIMEOUT": "3"}, timeout=60)
     assert not job.timed_out and job.elapsed < 30, job.report()
-    assert all(o.returncode not in (0, None) for o in job.ranks), job.report()
-    stuck = job.ranks[1]
-    assert (stuck.error or "").startswith("DeadlockError: sbpflow actor runtime: no actor acted for 3 s"), job.report()
-    assert "compute matmul (op matmul) on cpu:1/compute, micro-batch 0: waits for register %" in stuck.stderr
-    assert "(no node of the plan writes it) for micro-batch 0" in stuck.stderr, job.report()
-    # rank 0 waited in the loss all-reduce for rank 1: its own watchdog or the transport says so, naming the actor
-    waiting = job.ranks[0].error or ""
-    assert waiting.startswith(("DeadlockError: ", "CommError: ")) and "boxing all_reduce" in waiting, job.report()
+    for outcome in job.ranks:
+        assert outcome.returncode == 1, job.report()
+        assert (outcome.error or "").startswith("DeadlockError: sbpflow actor runtime: no actor acted for 3 s"), \
+            job.report()
+        report = outcome.stderr  # printed by every rank before it raises
+        assert f"compute matmul (op matmul) on cpu:{outcome.rank}/compute, micro-batch 0: waits for register %" \
+            in report, job.report()
+        assert "(no node of the plan writes it) for micro-batch 0" in report, job.report()
 
 
 def moe_on_ranks() -> dict[str, torch.Tensor]:
