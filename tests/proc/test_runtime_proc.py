@@ -160,9 +160,11 @@ def test_the_timeline_shows_communication_overlapping_compute(tmp_path: Path) ->
 
 
 def build_different_plans() -> None:
-    """Rank 1 compiles its plan for 2 micro-batches, rank 0 for 4: their unpack nodes differ."""
-    placement = sbpflow.placement("cpu", [0, 1])
-    ActorRuntime(train_plan(4 if sbpflow.rank() == 0 else 2, placement=placement), timeout=20).close()
+    """Rank 1 gathers a tensor of 5 columns where rank 0 gathers 4: their first collective differs."""
+    p = sbpflow.placement("cpu", [0, 1])
+    b = PlanBuilder()
+    b.output("y", b.boxing(b.input("x", (8, 4 + sbpflow.rank()), p, (S.split(0),)), (S.broadcast,)))
+    ActorRuntime(b.build(), timeout=20).close()
 
 
 def test_processes_with_different_plans_get_an_error_naming_the_node_not_a_gloo_abort() -> None:
@@ -171,6 +173,7 @@ def test_processes_with_different_plans_get_an_error_naming_the_node_not_a_gloo_
     for outcome in job.ranks:
         error = outcome.error or ""
         assert error.startswith("ExecutionError: the processes compiled different physical plans"), job.report()
-        assert "first differ at node 1 of 20:\n  rank 0: #1 unpack unpack 0" in error, error
-        assert "[%0: [8, 3] float32 cpu:[0, 1] (S(0)), %1: [2, 3] float32" in error, error  # 8 / 4 rows
-        assert "[%0: [8, 3] float32 cpu:[0, 1] (S(0)), %1: [4, 3] float32" in error, error  # 8 / 2 rows
+        assert "first differ at entry 1 of 2 (micro-batches, then communication nodes):\n  rank 0: #1 boxing " \
+               "all_gather" in error, error
+        assert "[%0: [8, 4] float32 cpu:[0, 1] (S(0)), %1: [8, 4] float32 cpu:[0, 1] (B)]\n  rank 1: #1 boxing" in error
+        assert error.endswith("[%0: [8, 5] float32 cpu:[0, 1] (S(0)), %1: [8, 5] float32 cpu:[0, 1] (B)]"), error
