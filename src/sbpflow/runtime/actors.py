@@ -34,7 +34,8 @@ slots per register; :func:`~sbpflow.runtime.board.dry_run` predicts them without
 
 Errors. The first exception in any actor stops the step and is raised in the caller's thread,
 naming the actor and its op; variables are only written (``commit``) after a step succeeded.
-A comm error keeps its type (``CommError``): its message names the actor it ran in.
+A comm error keeps its type (``CommError``): its message names the actor it ran in. On
+torch.distributed the processes first check that they hold the same plan (:mod:`._agree`).
 
 Watchdog. When no act starts or ends for ``timeout`` seconds (``SBPFLOW_TIMEOUT``), the runtime
 raises :class:`DeadlockError` listing every waiting actor, what it waits for (which register,
