@@ -36,6 +36,11 @@ class CudaLane:
             event.record(self.stream)
         return result, event
 
+    def follow_caller(self) -> None:
+        """Start of a run (in the caller's thread): this stream waits for the caller's stream, which wrote the
+        feeds and last updated the variables."""
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+
     def synchronize(self) -> None:
         """The host waits for this stream (end of a run: outputs are read on the default stream)."""
         self.stream.synchronize()

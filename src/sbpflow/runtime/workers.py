@@ -45,7 +45,10 @@ class Worker:
             self._thread.join(timeout)
 
     def reset(self) -> None:
+        """A new run (called in the caller's thread)."""
         self.last = None
+        if self.cuda is not None:
+            self.cuda.follow_caller()
 
     def wait(self, timeout: float) -> None:
         """Waits (lock held) for a wake-up, at most ``timeout`` seconds; returns at once if one came meanwhile."""
