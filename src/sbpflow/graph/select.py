@@ -347,7 +347,7 @@ def select(g: LogicalGraph, model: boxing.CostModel, factors: tuple[Any, ...], m
     if method == "ilp" and current:
         method_used = "ilp (greedy was as good)"
         for free in sweeps:
-            p = first if free == sweeps[0] and p_is_fresh(first, current) else _Problem(g, costs, current, free)
+            p = first if free == sweeps[0] and _built_around(first, current) else _Problem(g, costs, current, free)
             solved, size = _solve_ilp(p, time_limit)
             n_var = max(n_var, size)
             if solved is None:
@@ -360,7 +360,7 @@ def select(g: LogicalGraph, model: boxing.CostModel, factors: tuple[Any, ...], m
     return Selection(greedy_cost, best_cost, method_used, time.perf_counter() - start, n_var)
 
 
-def p_is_fresh(p: _Problem, current: dict[int, Candidate]) -> bool:
+def _built_around(p: _Problem, current: dict[int, Candidate]) -> bool:
     """Whether ``p`` was built around ``current`` (so it can be solved without rebuilding)."""
     return all(p.choices[nid][k] == current[nid] for nid, k in p.current.items())
 
