@@ -34,11 +34,13 @@ from .creation import (
 )
 from .distributed import print0, rank, world_size
 from .errors import (
+    ArgumentError,
     AutocastWarning,
     AutogradError,
     BoxingError,
     CommError,
     DTypeError,
+    IndexOutOfRangeError,
     OpError,
     PlacementError,
     SbpError,
@@ -163,7 +165,8 @@ def explain(x: Tensor, placement: Placement | None = None, sbp: object = None) -
 
 
 __all__ = [
-    "AutocastWarning", "AutogradError", "BoxingError", "CommError", "DTypeError", "OpError", "Placement",
+    "ArgumentError", "AutocastWarning", "AutogradError", "BoxingError", "CommError", "DTypeError",
+    "IndexOutOfRangeError", "OpError", "Placement",
     "PlacementError", "SbpError", "SbpflowError", "ShapeError", "Tensor", "arange", "boxing", "comm", "enable_grad",
     "explain", "full", "full_like", "functional", "is_grad_enabled", "manual_seed", "models", "nn", "no_grad", "ones",
     "ones_like", "optim", "placement", "rand", "rand_like", "randint", "randn", "randn_like", "sbp", "tensor",

@@ -24,6 +24,7 @@ import threading
 import torch
 
 from ._layout import Box, Shape, box_shape
+from .errors import ArgumentError
 
 TILE_ELEMS = 1 << 16
 _MASK64 = (1 << 64) - 1
@@ -39,9 +40,18 @@ _stream = _Stream()
 
 def manual_seed(seed: int) -> None:
     """Restarts sbpflow's random stream (and torch's) at ``seed``."""
-    _stream.seed = int(seed)
+    seed = _check_seed(seed)
+    _stream.seed = seed
     _stream.counter = 0
-    torch.manual_seed(int(seed))
+    torch.manual_seed(seed)
+
+
+def _check_seed(seed: object) -> int:
+    """Seeds are ints (NumPy and torch integer scalars included); ``"abc"`` or ``1.5`` would silently mean something
+    else after ``int()``, or fail inside it with a message that does not name the seed."""
+    if isinstance(seed, bool) or not hasattr(seed, "__index__"):
+        raise ArgumentError(f"manual_seed needs an int seed, but got {seed!r} of type {type(seed).__name__}")
+    return int(seed.__index__())
 
 
 def initial_seed() -> int:

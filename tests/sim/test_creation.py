@@ -255,7 +255,7 @@ def test_other_bad_arguments() -> None:
         sbpflow.zeros(3, placement=[0, 1], sbp=B)  # type: ignore[arg-type]
     with pytest.raises(ShapeError, match=r"non-negative ints, but got \[2, -1\]"):
         sbpflow.zeros(2, -1)
-    with pytest.raises(SbpError, match="randn needs a floating-point dtype, but got torch.int64"):
+    with pytest.raises(sbpflow.DTypeError, match="randn needs a floating-point dtype, but got torch.int64"):
         sbpflow.randn(3, dtype=torch.int64)
     with pytest.raises(sbpflow.AutogradError, match="only floating-point tensors can require gradients"):
         sbpflow.tensor([1, 2], placement=P2, sbp=B, requires_grad=True)

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from ..errors import DTypeError, ShapeError
+from ..errors import DTypeError, IndexOutOfRangeError, ShapeError
 from ..sbp import Partial, SbpParallel, Split, broadcast
 from .registry import Meta, Scalar, Sig
 
@@ -93,7 +93,8 @@ def check_dtypes_equal(op: str, *ms: Meta) -> None:
 def normalize_dim(dim: int, ndim: int, what: str = "dim") -> int:
     lo, hi = (-ndim, ndim - 1) if ndim else (-1, 0)
     if not lo <= dim <= hi:
-        raise ShapeError(f"{what} {dim} is out of range for a tensor with {ndim} dim(s) (expected {lo}..{hi})")
+        raise IndexOutOfRangeError(
+            f"{what} {dim} is out of range for a tensor with {ndim} dim(s) (expected {lo}..{hi})")
     return dim % ndim if ndim else 0
 
 

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from .._layout import Box, box_shape
-from ..errors import DTypeError, OpError, ShapeError
+from ..errors import DTypeError, IndexOutOfRangeError, OpError, ShapeError
 from ..sbp import Partial, Split, broadcast, format_nd
 from ..tensor import Tensor
 from . import _rules as R
@@ -68,7 +68,7 @@ def _check_index_range(name: str, ctx: ShardCtx, index: torch.Tensor, dim: int) 
     bad = (index < 0) | (index >= size)
     if bool(bad.any()):
         value = int(index[bad].reshape(-1)[0])
-        raise ShapeError(
+        raise IndexOutOfRangeError(
             f"op {name!r}: index {value} is out of range for dim {dim} of size {size} "
             f"(expected 0..{size - 1}); {_describe_shard(ctx)}"
         )
@@ -175,7 +175,7 @@ def _norm_dim(name: str, x: Tensor, dim: int, extra: int = 0) -> int:
     try:
         return R.normalize_dim(dim, x.ndim + extra)
     except ShapeError as e:
-        raise ShapeError(f"{name}: {e}; input {x._describe()}") from None
+        raise type(e)(f"{name}: {e}; input {x._describe()}") from None
 
 
 def narrow(x: Tensor, dim: int, start: int, length: int) -> Tensor:
@@ -203,7 +203,7 @@ def _expand_ellipsis(x: Tensor, key: tuple[Any, ...]) -> list[Any]:
         raise OpError(f"x[...] allows at most one Ellipsis, but got key {key!r}; input {x._describe()}")
     used = sum(1 for k in key if k is not None and k is not Ellipsis)
     if used > x.ndim:
-        raise ShapeError(f"x[...] got {used} indices for a tensor of {x.ndim} dim(s); input {x._describe()}")
+        raise IndexOutOfRangeError(f"x[...] got {used} indices for a tensor of {x.ndim} dim(s); input {x._describe()}")
     out: list[Any] = []
     for k in key:
         out.extend([slice(None)] * (x.ndim - used) if k is Ellipsis else [k])
@@ -213,7 +213,7 @@ def _expand_ellipsis(x: Tensor, key: tuple[Any, ...]) -> list[Any]:
 def _index_int(x: Tensor, d: int, i: int) -> Tensor:
     n = x.shape[d]
     if not -n <= i < n:
-        raise ShapeError(f"x[...]: index {i} is out of range for dim {d} of size {n}; input {x._describe()}")
+        raise IndexOutOfRangeError(f"x[...]: index {i} is out of range for dim {d} of size {n}; input {x._describe()}")
     i %= n
     return SH.squeeze(slice_(x, dim=d, start=i, stop=i + 1, step=1), dim=d)
 
