@@ -216,8 +216,9 @@ def _random(kind: str, size: Sequence[Any], placement: Placement | None, sbp: An
         full_box = tuple((0, n) for n in shape)
         value = _rng.fill(key, shape, full_box, kind, dtype, dev or torch.device("cpu"), low, high)
         return _finish(Tensor._from_local(value), requires_grad)
+    tiles: dict[int, torch.Tensor] = {}  # shared by this process's ranks (read only: fill copies out of it)
     return _build(shape, dtype, placement, nd,
-                  lambda box, dev: _rng.fill(key, shape, box, kind, dtype, dev, low, high), requires_grad)
+                  lambda box, dev: _rng.fill(key, shape, box, kind, dtype, dev, low, high, tiles), requires_grad)
 
 
 def randn(*size: Any, placement: Placement | None = None, sbp: Any = None, dtype: torch.dtype | None = None,
