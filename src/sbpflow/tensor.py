@@ -199,8 +199,16 @@ class Tensor:
     def to_global(self, placement: Placement | None = None, sbp: Any = None, *, grad_sbp: Any = None) -> Tensor:
         """Converts to ``placement`` and ``sbp``; an omitted argument keeps the current value.
 
-        On a local tensor, the local tensor becomes this rank's shard (every
-        virtual rank of this process contributes the same value).
+        On a local tensor, the local tensor becomes this rank's shard: every rank
+        contributes its local tensor and the SBP says what the contributions mean
+        (split axes concatenate, ``B`` keeps the replica, ``P(sum)`` adds them up).
+        Every virtual rank of this process contributes the same local tensor, so
+        the numbers match one process per rank each passing that tensor:
+
+        >>> import sbpflow
+        >>> p = sbpflow.placement("cpu", [0, 1])
+        >>> sbpflow.tensor([1.0, 1.0]).to_global(p, sbpflow.sbp.partial_sum).tolist()
+        [2.0, 2.0]
         """
         from .ops import functional as F
 

@@ -133,7 +133,18 @@ def ops_job(world: int) -> dict[str, Any]:
     out["topk S0"] = _outcome(top, log)
 
     out["mlp backward"] = _mlp_backward(p)
+    out["local to P(sum)"] = _local_to_partial_sum(p)
     return out
+
+
+def _local_to_partial_sum(p: sbpflow.Placement) -> dict[str, Any]:
+    """Every rank passes the same local [1, 1] onto P(sum): the logical value adds every rank's contribution
+    (world x [1, 1]) on virtual ranks and on processes alike; the local gradient of sum() is world x 1."""
+    local = sbpflow.tensor([1.0, 1.0], requires_grad=True)
+    y = local.to_global(p, P)
+    y.sum().backward()
+    assert local.grad is not None
+    return {"value": y.numpy(), "grad": local.grad.numpy()}
 
 
 def _mlp_backward(p: sbpflow.Placement) -> dict[str, Any]:

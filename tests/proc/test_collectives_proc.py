@@ -114,6 +114,19 @@ def test_ops_match_simulated(run: Any) -> None:
     np.testing.assert_allclose(per_rank[0]["ops"]["matmul S1 x S0"]["value"], (a @ b).numpy(), rtol=RTOL, atol=1e-6)
 
 
+def test_local_tensor_onto_partial_sum_is_the_same_in_both_modes(run: Any) -> None:
+    """Each rank contributes its local [1, 1], so the value is world x [1, 1] in both modes. A local gradient
+    belongs to its process: each process's own tensor gets 1 per element, and the one local tensor that all
+    virtual ranks share gets the sum of those, world."""
+    world, per_rank, ref = run
+    virtual = ref["ops"]["local to P(sum)"]
+    assert virtual["value"].tolist() == virtual["grad"].tolist() == [float(world)] * 2
+    for result in per_rank:
+        assert result["ops"]["local to P(sum)"]["value"].tolist() == [float(world)] * 2
+        assert result["ops"]["local to P(sum)"]["grad"].tolist() == [1.0, 1.0]
+    assert sum(r["ops"]["local to P(sum)"]["grad"] for r in per_rank).tolist() == virtual["grad"].tolist()
+
+
 def test_ops_collectives_and_sbp(run: Any) -> None:
     _, per_rank, _ = run
     for result in per_rank:
