@@ -39,7 +39,7 @@ class Tensor:
     __slots__ = (
         "_shape", "_dtype", "_placement", "_sbp", "_shards", "_local",
         "requires_grad", "grad", "grad_fn", "_out_index", "_retains_grad", "_hooks", "_version", "_boxed",
-        "_lazy", "__weakref__",
+        "_lazy", "_view_of", "__weakref__",
     )
     # The slots' types (annotations only: with __slots__ they declare, they do not create, attributes).
     _shape: tuple[int, ...] | None
@@ -57,6 +57,7 @@ class Tensor:
     _version: int
     _boxed: dict[Any, dict[int, torch.Tensor]] | None
     _lazy: Any  # the graph value a tensor stands for while nn.Graph traces (metadata only, no shards)
+    _view_of: Any  # an ops.views.Link when this tensor is a view of another (x[1:], x.view(12) ...), else None
 
     def __init__(self) -> None:
         raise TypeError("build tensors with sbpflow.tensor(...), sbpflow.randn(...) and friends")
@@ -103,6 +104,7 @@ class Tensor:
         # such as parameters are updated in place on their shards by optimizers.
         self._boxed = None
         self._lazy = None
+        self._view_of = None
 
     # -- metadata ------------------------------------------------------------------------
 
@@ -355,13 +357,23 @@ class Tensor:
 
             return assign_lazy(self, value)
         if self._local is not None:
-            self._local.copy_(value.to_local())
+            _copy_into(self._local, value.to_local())
         else:
             src = value._shards or {}
             for r, t in (self._shards or {}).items():
-                t.copy_(src[r])
+                _copy_into(t, src[r])
         self._version += 1
         return self
+
+
+def _copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)``, where ``src`` may be a torch view of ``dst`` (a reshape kernel can return one, and a
+    write through a view copies it back): the same elements are skipped, overlapping ones copied via a clone."""
+    if src.untyped_storage().data_ptr() == dst.untyped_storage().data_ptr():
+        if src.data_ptr() == dst.data_ptr() and src.stride() == dst.stride() and src.shape == dst.shape:
+            return
+        src = src.clone()
+    dst.copy_(src)
 
 
 def logical_value(t: Tensor) -> torch.Tensor:
