@@ -246,6 +246,14 @@ def primitives_job() -> dict[str, Any]:
         values = {r: ((torch.arange(6).reshape(2, 3) * (r + 2)) % 5).to(dtype) for r in group}
         compare(name, backend.all_reduce(group, {me: values[me]}, op), sim.all_reduce(group, values, op))
 
+    # 16-bit sums are accumulated in fp32: 256 + 1 + 1 + 1 is 256 added up in bf16, 259 -> 260 in fp32
+    sixteen = {r: torch.full((3,), 256.0 if r == 0 else 1.0, dtype=torch.bfloat16) for r in group}
+    compare("all_reduce bfloat16 sum in fp32", backend.all_reduce(group, {me: sixteen[me]}, "sum"),
+            sim.all_reduce(group, sixteen, "sum"))
+    halves = {r: [torch.full((3,), 2048.0 if r == 0 else 1.0, dtype=torch.float16)] * world for r in group}
+    compare("reduce_scatter float16 sum in fp32", backend.reduce_scatter(group, {me: halves[me]}, "sum"),
+            sim.reduce_scatter(group, halves, "sum"))
+
     pieces = {r: [base_value((j + 1, 3)) * (r + 1) for j in range(world)] for r in group}
     compare("reduce_scatter max", backend.reduce_scatter(group, {me: pieces[me]}, "max"),
             sim.reduce_scatter(group, pieces, "max"))

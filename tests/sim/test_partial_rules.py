@@ -143,3 +143,14 @@ def test_max_of_nothing_raises_like_torch() -> None:
     with pytest.raises(RuntimeError):
         torch.zeros(0).max()
     assert F.amax(sbpflow.zeros(0, 3, placement=P2, sbp=S.split(0)), dim=1).shape == torch.Size([0])
+
+
+@pytest.mark.parametrize("dtype, big", [(torch.bfloat16, 256.0), (torch.float16, 2048.0)])
+def test_16_bit_partial_sums_are_reduced_in_fp32(dtype: torch.dtype, big: float) -> None:
+    """Summed in 16 bits, big + 1 + 1 + 1 stays big at every step; in fp32 it is big + 3, rounded once."""
+    p4 = sbpflow.placement("cpu", [0, 1, 2, 3])
+    shards = {r: torch.full((2,), big if r == 0 else 1.0, dtype=dtype) for r in range(4)}
+    x = Tensor._from_shards((2,), dtype, p4, (PSUM,), shards)
+    want = torch.tensor([big + 3.0] * 2).to(dtype)
+    assert F.to_global(x, p4, (S.broadcast,)).tolist() == want.tolist() != [big] * 2
+    assert F.to_global(x, p4, (S.split(0),)).tolist() == want.tolist()  # reduce-scatter

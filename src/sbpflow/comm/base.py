@@ -231,9 +231,16 @@ class Backend(ABC):
         ...
 
 
+# 16-bit floats whose sums every backend accumulates in fp32 and casts back: the simulated backend must give
+# the numbers a real one gives, and summing bf16 pieces in bf16 loses digits at every addition.
+WIDENED_SUMS = (torch.bfloat16, torch.float16)
+
+
 def reduce_tensors(tensors: Sequence[torch.Tensor], op: str) -> torch.Tensor:
-    """Elementwise reduction of same-shaped tensors, in a fixed order (deterministic)."""
-    out = tensors[0].clone()
+    """Elementwise reduction of same-shaped tensors, in a fixed order (deterministic); 16-bit sums in fp32."""
+    dtype = tensors[0].dtype
+    widen = op == "sum" and dtype in WIDENED_SUMS
+    out = tensors[0].float() if widen else tensors[0].clone()
     for t in tensors[1:]:
         if op == "sum":
             out.add_(t)
@@ -241,4 +248,4 @@ def reduce_tensors(tensors: Sequence[torch.Tensor], op: str) -> torch.Tensor:
             torch.maximum(out, t, out=out)
         else:
             torch.minimum(out, t, out=out)
-    return out
+    return out.to(dtype) if widen else out

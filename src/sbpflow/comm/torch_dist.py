@@ -54,7 +54,7 @@ import torch.distributed as dist
 from .._layout import numel
 from ..distributed import Config, activity, current_activity
 from ..errors import CommError, PlacementError
-from .base import Backend, Completed, Shape, Transfer
+from .base import WIDENED_SUMS, Backend, Completed, Shape, Transfer
 
 if TYPE_CHECKING:
     from ..boxing.plan import Plan
@@ -244,7 +244,7 @@ class TorchDistBackend(Backend):
         if len(group) == 1:
             return {self.rank: mine.clone()}
         self._check_same("all_reduce", group, (tuple(mine.shape), str(mine.dtype), op))
-        buffer, reduce_op = _reducible(mine.contiguous().clone(), op)
+        buffer, reduce_op = _reduction_buffer(mine.contiguous().clone(), op)
         pg = self._group(group, mine.device)
         self._call("all_reduce", group, lambda: dist.all_reduce(buffer, op=reduce_op, group=pg))
         return {self.rank: buffer.to(mine.dtype).view(mine.shape)}
@@ -254,7 +254,7 @@ class TorchDistBackend(Backend):
         if len(group) == 1:
             return Completed({self.rank: mine.clone()})
         self._check_same("all_reduce", group, (tuple(mine.shape), str(mine.dtype), op))
-        buffer, reduce_op = _reducible(mine.contiguous().clone(), op)
+        buffer, reduce_op = _reduction_buffer(mine.contiguous().clone(), op)
         pg = self._group(group, mine.device)
         work = self._call("all_reduce (async)", group,
                           lambda: dist.all_reduce(buffer, op=reduce_op, group=pg, async_op=True))
@@ -272,7 +272,7 @@ class TorchDistBackend(Backend):
         if device.type == "cuda":
             return {self.rank: self._reduce_scatter_nccl(group, pieces, op, pg)}
         # gloo: one all-reduce of every piece, each member keeps its own (see the module docstring)
-        buffer, reduce_op = _reducible(torch.cat([p.reshape(-1) for p in pieces]), op)
+        buffer, reduce_op = _reduction_buffer(torch.cat([p.reshape(-1) for p in pieces]), op)
         self._call("reduce_scatter (as all_reduce)", group, lambda: dist.all_reduce(buffer, op=reduce_op, group=pg))
         start = sum(numel(s) for s in shapes[:me])
         mine = buffer[start : start + numel(shapes[me])]
@@ -284,7 +284,7 @@ class TorchDistBackend(Backend):
         me = group.index(self.rank)
         # torch sends chunk i of the input to group member i (by global rank order)
         ordered = [pieces[group.index(g)] for g in order]
-        buffer, reduce_op = _reducible(torch.cat([_padded(p, biggest) for p in ordered]), op)
+        buffer, reduce_op = _reduction_buffer(torch.cat([_padded(p, biggest) for p in ordered]), op)
         out = torch.empty(biggest, dtype=buffer.dtype, device=buffer.device)
         self._call("reduce_scatter", group,
                    lambda: dist.reduce_scatter_tensor(out, buffer, op=reduce_op, group=pg))
@@ -329,7 +329,7 @@ class TorchDistBackend(Backend):
         if len(group) == 1:
             return {self.rank: mine.clone()}
         self._check_same("reduce", group, (tuple(shape), str(dtype), root, op))
-        buffer, reduce_op = _reducible(mine.contiguous().clone(), op)
+        buffer, reduce_op = _reduction_buffer(mine.contiguous().clone(), op)
         pg = self._group(group, mine.device)
         self._call("reduce", group, lambda: dist.reduce(buffer, dst=root, op=reduce_op, group=pg))
         return {root: buffer.to(dtype).view(shape)} if self.rank == root else {}
@@ -436,6 +436,14 @@ def _reducible(t: torch.Tensor, op: str) -> tuple[torch.Tensor, Any]:
     if t.dtype == torch.bool:
         return t.to(torch.uint8), _OPS["max" if op == "sum" else op]
     return t, _OPS[op]
+
+
+def _reduction_buffer(t: torch.Tensor, op: str) -> tuple[torch.Tensor, Any]:
+    """Like :func:`_reducible`, but a sum of bf16/fp16 runs in fp32 (cast back by the caller), as NCCL users expect:
+    adding many 16-bit partial sums in 16 bits loses digits at every hop of the ring."""
+    if op == "sum" and t.dtype in WIDENED_SUMS:
+        return t.float(), _OPS[op]
+    return _reducible(t, op)
 
 
 def _recv_buffer(t: Transfer, device: torch.device) -> torch.Tensor:
