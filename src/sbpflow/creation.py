@@ -121,6 +121,7 @@ def tensor(data: Any, *, placement: Placement | None = None, sbp: Any = None, dt
         local = Tensor._from_local(value.clone() if isinstance(data, torch.Tensor) else value)
         return _finish(_to_device(local, dev), requires_grad)
     shards = shards_from_full(value, placement, nd)
+    get_backend().check_replicas(placement, nd, shards, f"sbpflow.tensor of shape {list(value.shape)}")
     return _finish(Tensor._from_shards(tuple(value.shape), value.dtype, placement, nd, shards), requires_grad)
 
 

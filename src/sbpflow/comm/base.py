@@ -22,7 +22,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -110,6 +110,15 @@ class Backend(ABC):
         One process owns every rank here, so all ranks offer the same shape.
         """
         return {r: tuple(shape) for r in placement.flat_ranks}
+
+    def check_replicas(  # noqa: B027 - optional hook, a no-op unless a backend has processes to compare
+        self, placement: Placement, nd_sbp: Any, shards: dict[int, torch.Tensor], what: str
+    ) -> None:
+        """Under ``SBPFLOW_DEBUG``, checks that ranks holding replicas of one value along a B axis hold equal ones.
+
+        Called where per-process data becomes a global tensor (``to_global`` of a local tensor, ``tensor(...,
+        placement=)``). One process here builds every replica from one value, so they cannot differ.
+        """
 
     def everywhere(self, placement: Placement) -> Placement:
         """A placement on which every process owns a rank: where ``.numpy()`` gathers a value to."""

@@ -45,6 +45,7 @@ collectives as CommError before any NCCL call is issued.
 from __future__ import annotations
 
 import datetime
+import hashlib
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -54,6 +55,7 @@ import torch.distributed as dist
 from .._layout import numel
 from ..distributed import Config, activity, current_activity
 from ..errors import CommError, PlacementError
+from ..sbp import Broadcast
 from .base import WIDENED_SUMS, Backend, Completed, Shape, Transfer
 
 if TYPE_CHECKING:
@@ -372,6 +374,30 @@ class TorchDistBackend(Backend):
 
     # -- local_to_global --------------------------------------------------------------------
 
+    def check_replicas(self, placement: Placement, nd_sbp: Any, shards: dict[int, torch.Tensor], what: str) -> None:
+        """SBPFLOW_DEBUG: every process states a digest of its shard; ranks that are replicas of one another along
+        a B axis (every other mesh coordinate equal) must agree, or a CommError names them and the digests."""
+        if not self.config.debug or not any(isinstance(s, Broadcast) for s in nd_sbp):
+            return
+        mine = shards.get(self.rank)
+        digest = None if mine is None else _digest(mine)
+        everyone: list[Any] = [None] * self.world_size
+        self._call(f"debug check of {what}", tuple(range(self.world_size)),
+                   lambda: dist.all_gather_object(everyone, (self.rank, digest)))
+        digests = dict(everyone)
+        for axis, s in enumerate(nd_sbp):
+            if not isinstance(s, Broadcast):
+                continue
+            for group in placement.axis_groups(axis):
+                if len({digests[r] for r in group}) > 1:
+                    sides = "\n".join(f"  rank {r}: {digests[r]}" for r in group)
+                    raise CommError(
+                        f"{what}: ranks {list(group)} hold replicas of one value along mesh axis {axis} (sbp "
+                        f"{', '.join(map(str, nd_sbp))} on {placement}), but their values differ (SBPFLOW_DEBUG "
+                        f"check, seen on rank {self.rank}); every process must pass the same value for a B "
+                        f"tensor:\n{sides}"
+                    )
+
     def local_shapes(self, placement: Placement, shape: Shape) -> dict[int, Shape]:
         """Each process states its shard's shape (every process calls this, members or not)."""
         self._check_ranks(placement.flat_ranks)
@@ -449,6 +475,12 @@ def _reduction_buffer(t: torch.Tensor, op: str) -> tuple[torch.Tensor, Any]:
 def _recv_buffer(t: Transfer, device: torch.device) -> torch.Tensor:
     dtype = torch.uint8 if t.dtype == torch.bool else t.dtype
     return torch.empty(t.shape, dtype=dtype, device=device)
+
+
+def _digest(t: torch.Tensor) -> str:
+    """Shape, dtype and a hash of the bytes: equal exactly when two shards hold the same values."""
+    raw = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    return f"{list(t.shape)} {str(t.dtype).replace('torch.', '')} sha1 {hashlib.sha1(raw).hexdigest()[:12]}"
 
 
 def _fingerprint(side: tuple[Any, ...]) -> str:

@@ -72,6 +72,7 @@ def local_to_global(x: Tensor, placement: Placement, sbp: Any) -> Tensor:
     shape = _logical_shape(placement, nd, backend.local_shapes(placement, tuple(local.shape)))
     owned = backend.owned(placement.flat_ranks)
     shards = {r: local.to(backend.device_for(placement.type, r), copy=True) for r in owned}
+    backend.check_replicas(placement, nd, shards, "to_global of a local tensor")
     out = Tensor._from_shards(tuple(shape), local.dtype, placement, nd, shards)
     if is_grad_enabled() and x.requires_grad:
         _record(_local_to_global, (x,), {"placement": placement, "sbp": nd}, (out,))
