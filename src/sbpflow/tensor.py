@@ -201,6 +201,9 @@ class Tensor:
     def to_global(self, placement: Placement | None = None, sbp: Any = None, *, grad_sbp: Any = None) -> Tensor:
         """Converts to ``placement`` and ``sbp``; an omitted argument keeps the current value.
 
+        ``grad_sbp`` (global tensors) is the SBP, on this tensor's placement, that this tensor's gradient gets
+        in backward (by default its own): ``partial_sum`` defers the gradient's reduction to its consumer.
+
         On a local tensor, the local tensor becomes this rank's shard: every rank
         contributes its local tensor and the SBP says what the contributions mean
         (split axes concatenate, ``B`` keeps the replica, ``P(sum)`` adds them up).
@@ -217,6 +220,9 @@ class Tensor:
         if self._local is not None:
             if placement is None or sbp is None:
                 raise SbpError("to_global() of a local tensor needs both placement= and sbp=")
+            if grad_sbp is not None:
+                raise SbpError(f"to_global(grad_sbp=...) sets the SBP of a global tensor's gradient, but the input is "
+                               f"a {self._describe()}: its gradient is local")
             return F.local_to_global(self, placement, sbp)
         placement = self.placement if placement is None else placement
         if not isinstance(placement, Placement):
@@ -227,7 +233,7 @@ class Tensor:
                 f"to_global() onto {placement} ({placement.ndim} mesh axes) needs sbp=, since the tensor's sbp "
                 f"{format_nd(self.sbp)} has {len(self.sbp)} entries"
             )
-        return F.to_global(self, placement, nd)
+        return F.to_global(self, placement, nd, grad_sbp)
 
     def numpy(self) -> np.ndarray:
         """The logical value as a NumPy array (on every process)."""

@@ -27,12 +27,18 @@ _local_to_global = OpDef("local_to_global", kernel=lambda *a: None, meta=lambda 
                          shard_aware=False, save_outputs=False, differentiable=True, mesh_aware=False)
 
 
-def to_global(x: Tensor, placement: Placement, sbp: Any) -> Tensor:
-    """Boxes global ``x`` to ``(placement, sbp)`` with the cheapest plan."""
+def to_global(x: Tensor, placement: Placement, sbp: Any, grad_sbp: Any = None) -> Tensor:
+    """Boxes global ``x`` to ``(placement, sbp)`` with the cheapest plan.
+
+    ``grad_sbp`` is the SBP (on ``x``'s placement) that the gradient of ``x`` gets in backward; by default
+    ``x``'s own. ``P(sum)`` there, for example, leaves the reduction of the gradient to whoever needs it.
+    """
     nd = normalize(sbp, placement, x.ndim, what=f"tensor with {x._describe()}")
+    grad_nd = None if grad_sbp is None else normalize(grad_sbp, x.placement, x.ndim,
+                                                      what=f"grad_sbp of tensor with {x._describe()}")
     src = boxing.Layout(x.placement, x.sbp)
     dst = boxing.Layout(placement, nd)
-    if src == dst:
+    if src == dst and (grad_nd is None or grad_nd == x.sbp or not x.requires_grad):
         return x
     if _trace.ACTIVE:
         out = _trace.record_to_global(x, placement, nd)
@@ -41,14 +47,15 @@ def to_global(x: Tensor, placement: Placement, sbp: Any) -> Tensor:
         shards = boxing.execute(plan, x._shards or {})
         out = Tensor._from_shards(tuple(x.shape), x.dtype, placement, nd, shards)
     if is_grad_enabled() and x.requires_grad:
-        _record(_to_global, (x,), {}, (out,))
+        _record(_to_global, (x,), {"grad_sbp": grad_nd}, (out,))
     return out
 
 
 @_to_global.grad
 def _to_global_grad(ctx: Any, dy: Tensor) -> Any:
     x = ctx.inputs[0]
-    return (to_global(dy, x.placement, x.sbp),)
+    grad_sbp = ctx.attrs.get("grad_sbp")
+    return (to_global(dy, x.placement, x.sbp if grad_sbp is None else grad_sbp),)
 
 
 def local_to_global(x: Tensor, placement: Placement, sbp: Any) -> Tensor:

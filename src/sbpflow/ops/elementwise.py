@@ -278,7 +278,7 @@ def _sub_grad(ctx: Any, dy: Any) -> Any:
 @mul.grad
 def _mul_grad(ctx: Any, dy: Any) -> Any:
     a, b = ctx.args
-    return _per_tensor(ctx, dy * b, dy * a)
+    return _per_tensor(ctx, dy * b, dy * a if hasattr(b, "shape") else None)  # a scalar b needs no gradient
 
 
 @div.grad
