@@ -154,3 +154,13 @@ def test_16_bit_partial_sums_are_reduced_in_fp32(dtype: torch.dtype, big: float)
     want = torch.tensor([big + 3.0] * 2).to(dtype)
     assert F.to_global(x, p4, (S.broadcast,)).tolist() == want.tolist() != [big] * 2
     assert F.to_global(x, p4, (S.split(0),)).tolist() == want.tolist()  # reduce-scatter
+
+
+@pytest.mark.parametrize("other", [float("inf"), "tensor"])
+def test_partial_max_plus_infinity(other: object) -> None:
+    """A losing piece of -inf (an empty shard) plus +inf is NaN; the logical max plus inf is inf."""
+    x = sbpflow.tensor([[1.0], [2.0]], placement=P2, sbp=S.split(1))  # rank 1 holds no column: its piece is -inf
+    m = x.amax(1)
+    b = float("inf") if other != "tensor" else sbpflow.tensor([float("inf")] * 2, placement=P2, sbp=S.broadcast)
+    assert (m + b).tolist() == [float("inf")] * 2
+    assert (m - (-1 * b if other == "tensor" else -b)).tolist() == [float("inf")] * 2  # type: ignore[operator]

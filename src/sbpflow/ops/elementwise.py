@@ -5,7 +5,8 @@ partial values pass through ops that are linear in them (add, sub, neg, and mul
 or div by a broadcast factor); ``P(max)``/``P(min)`` pass through monotone
 non-decreasing unary ops defined on every value a piece can hold (±inf of an
 empty shard included), and ``neg`` swaps them. ``log``/``sqrt`` take only
-``P(min)`` and ``cast`` decides by its dtypes (see their notes).
+``P(min)`` and ``cast`` decides by its dtypes (see their notes). Adding a B
+value to a ``P(max)`` does not pass (an infinite B meets a -inf piece).
 """
 
 from __future__ import annotations
@@ -183,19 +184,16 @@ def _binary_sigs(kind: str):  # type: ignore[no-untyped-def]
     def sigs(*args: Any, outs: tuple[Meta, ...], **_: Any) -> list:  # type: ignore[type-arg]
         n = _n_tensors(args)
         partial: list[tuple[Any, ...]] = []
-        if n == 2:
-            if kind == "add":
-                partial += [(PSUM, PSUM, PSUM), (PMAX, B, PMAX), (PMIN, B, PMIN), (B, PMAX, PMAX), (B, PMIN, PMIN)]
-            elif kind == "sub":
-                partial += [(PSUM, PSUM, PSUM), (PMAX, B, PMAX), (PMIN, B, PMIN), (B, PMAX, PMIN), (B, PMIN, PMAX)]
-            elif kind == "mul":
-                partial += [(PSUM, B, PSUM), (B, PSUM, PSUM)]
-            elif kind == "div":
-                partial += [(PSUM, B, PSUM)]
+        # No P(max)/P(min) + B: max(a, c) + b = max(a + b, c + b) fails for an infinite b, as a losing piece may be
+        # -inf (an empty shard's) and -inf + inf is NaN, which then wins the max.
+        if n == 2 and kind in ("add", "sub"):
+            partial.append((PSUM, PSUM, PSUM))
+        elif n == 2 and kind == "mul":
+            partial += [(PSUM, B, PSUM), (B, PSUM, PSUM)]
+        elif n == 2 and kind == "div":
+            partial.append((PSUM, B, PSUM))
         elif n == 1 and kind in ("mul", "div"):
-            partial += [(PSUM, PSUM)]
-        elif n == 1 and kind in ("add", "sub"):
-            partial += [(PMAX, PMAX), (PMIN, PMIN)]
+            partial.append((PSUM, PSUM))
         return R.elementwise_sigs(args, outs[0], partial)
 
     return sigs
