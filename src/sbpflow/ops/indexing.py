@@ -468,6 +468,9 @@ def setitem(x: Tensor, key: Any, value: Any) -> None:
     if is_grad_enabled() and wants_grad:
         raise AutogradError(f"x[...] = value writes in place while gradients are recorded (target {x._describe()}); "
                             "wrap it in sbpflow.no_grad() or build the result out of place (sbpflow.where, cat)")
+    if x._lazy is not None:  # tracing holds no shards to write into
+        raise OpError(f"x[...] = value (also an in-place write into x[...]) is not traced by nn.Graph yet (target "
+                      f"{x._describe()}); build the value out of place with sbpflow.where or cat")
     region, shape = _region(x, key)
     counts = tuple(len(range(*r)) for r in region)
     _write_region(x, region, _value_per_rank(x, value, counts, shape))
