@@ -388,6 +388,10 @@ def logical_value(t: Tensor) -> torch.Tensor:
     Every process gets it, also one that owns no rank of the placement: the
     value is then boxed onto a placement that covers every process.
     """
+    if t._view_of is not None:  # a view whose base was written since it was taken shows the base's new values
+        from .ops.views import refresh
+
+        refresh(t)
     if t._local is not None:
         return t._local
     if t._lazy is not None:

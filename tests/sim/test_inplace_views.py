@@ -276,3 +276,47 @@ def test_in_place_writes_through_views_trace_like_eager() -> None:
     with sbpflow.no_grad():
         eager = step(x).numpy()
     torch.testing.assert_close(torch.as_tensor(Step()(x).numpy()), torch.as_tensor(eager))
+
+
+# -- a view follows writes into its base (torch's views share storage) -------------------------------------------
+
+BASE_WRITES: dict[str, tuple[Callable[[Any], Any], Callable[[Any], None]]] = {
+    # (take the view, then write into the base or a sibling view)
+    "x[1] after x.fill_": (lambda x: x[1], lambda x: x.fill_(2)),
+    "x.t() after x[0] = 5": (lambda x: x.t(), lambda x: x.__setitem__(0, 5.0)),
+    "x.view(12)[3:] after x *= 3": (lambda x: x.view(12)[3:], lambda x: x.mul_(3)),
+    "x[:, 1] after sibling x[:, 1:3].zero_()": (lambda x: x[:, 1], lambda x: x[:, 1:3].zero_()),
+    "x.split(2)[1] after x.add_(1)": (lambda x: x.split(2)[1], lambda x: x.add_(1)),
+    "x.t().reshape(12) (a copy) after x.fill_": (lambda x: x.t().reshape(12), lambda x: x.fill_(2)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BASE_WRITES))
+@pytest.mark.parametrize(("pname", "sbp"), LAYOUTS[::2], ids=IDS[::2])
+def test_a_view_shows_later_writes_into_its_base(name: str, pname: str | None, sbp: Any) -> None:
+    take, write = BASE_WRITES[name]
+    value = randn(3, 4)
+    ours, theirs = _make(value, pname, sbp), value.clone()
+    ours_view, theirs_view = take(ours), take(theirs)
+    with sbpflow.no_grad():
+        write(ours)
+    write(theirs)
+    torch.testing.assert_close(torch.as_tensor(ours_view.numpy()), theirs_view)  # read directly
+    torch.testing.assert_close(torch.as_tensor((ours_view * 1).numpy()), theirs_view * 1)  # read by an op
+    with sbpflow.no_grad():
+        ours_view.add_(10)  # a write into the refreshed view must not bring back its old values
+    theirs_view.add_(10)
+    torch.testing.assert_close(torch.as_tensor(ours.numpy()), theirs)
+
+
+def test_a_view_of_a_parameter_follows_the_optimizer_step() -> None:
+    """``opt.step()`` writes parameters in place, as torch's does: a view taken before shows the new values."""
+    p2 = PLACEMENTS["2"]
+    w = sbpflow.tensor(randn(3, 4), placement=p2, sbp=S.split(0), requires_grad=True)
+    w_t = w.t()
+    opt = sbpflow.optim.SGD([w], lr=0.5)
+    (w * 2).sum().backward()
+    version = w._version
+    opt.step()
+    assert w._version > version
+    torch.testing.assert_close(torch.as_tensor(w_t.numpy()), torch.as_tensor(w.numpy()).t())

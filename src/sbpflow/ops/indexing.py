@@ -462,7 +462,7 @@ def setitem(x: Tensor, key: Any, value: Any) -> None:
     """
     from ..autograd import is_grad_enabled
     from ..errors import AutogradError
-    from .views import write_back
+    from .views import refresh, write_back
 
     wants_grad = x.requires_grad or (isinstance(value, (Tensor, torch.Tensor)) and value.requires_grad)
     if is_grad_enabled() and wants_grad:
@@ -471,6 +471,7 @@ def setitem(x: Tensor, key: Any, value: Any) -> None:
     if x._lazy is not None:  # tracing holds no shards to write into
         raise OpError(f"x[...] = value (also an in-place write into x[...]) is not traced by nn.Graph yet (target "
                       f"{x._describe()}); build the value out of place with sbpflow.where or cat")
+    refresh(x)  # a view whose base was written since: its other elements must be current before write_back
     region, shape = _region(x, key)
     counts = tuple(len(range(*r)) for r in region)
     _write_region(x, region, _value_per_rank(x, value, counts, shape))

@@ -22,7 +22,7 @@ from ..tensor import Tensor
 from . import _rules as R
 from . import functional as F
 from .registry import OpDef
-from .views import Writer, mark_view, not_writable, permuted, reshaped, write_back
+from .views import Writer, mark_view, not_writable, permuted, refresh, reshaped, write_back
 
 
 def bind_methods(table: dict[str, Callable[..., Any]]) -> None:
@@ -115,6 +115,8 @@ def _inplace(name: str, fn: Callable[..., Tensor], any_dtype: bool = False, show
                 f"{shown} modifies a tensor in place while gradients are recorded ({self._describe()}); "
                 "wrap it in sbpflow.no_grad() or use the out-of-place form"
             )
+        if self._view_of is not None:
+            refresh(self)
         if _fast_ok(self, name, args):
             for r, shard in self.local_tensors().items():
                 values = [a.local_tensors()[r] if isinstance(a, Tensor) else a for a in args]

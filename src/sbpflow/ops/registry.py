@@ -48,6 +48,7 @@ from ..graph import trace as _trace
 from ..placement import DEVICE_TYPES, Placement
 from ..sbp import SBP_TYPES, Broadcast, NdSbp, Partial, SbpParallel, Split, format_nd
 from ..tensor import Tensor
+from .views import refresh
 
 DYNAMIC = -1  # an output size that only the data gives (see data_dependent ops in the module docstring)
 
@@ -185,6 +186,8 @@ def apply(opdef: OpDef, args: Sequence[Any], attrs: dict[str, Any]) -> Any:
                     "convert the local ones with .to_global(placement, sbp)"
                 )
             needs_grad = needs_grad or a.requires_grad
+            if a._view_of is not None:  # a view whose base was written since reads the base's new values
+                refresh(a)
         elif isinstance(a, torch.Tensor):
             has_torch = True
     if has_torch:

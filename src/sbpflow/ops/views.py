@@ -7,8 +7,9 @@ the base. Every in-place op (``fill_``, ``+=``, ``x[...] = v``) ends with :func:
 writer, and the base's own writer after it, up to the tensor that owns the data.
 
 Whether a view op gave a view or a copy (torch's ``reshape`` copies a transposed tensor) is decided as torch
-decides it, from strides, on a data-free probe replayed at write time. Not covered: a view taken *before*
-its base is written in place keeps its old values (torch would show the new ones).
+decides it, from strides, on a data-free probe replayed at write time. The other direction holds too: a
+view whose base was written since it was taken is refreshed from the base (the view op replayed) before it
+is read by an op, ``numpy()`` and friends, or written in place.
 
 >>> import sbpflow
 >>> x = sbpflow.zeros(2, 3)
@@ -16,6 +17,10 @@ its base is written in place keeps its old values (torch would show the new ones
 >>> _ = x.view(6)[1:3].add_(1)
 >>> x.tolist()
 [[7.0, 1.0, 1.0], [7.0, 0.0, 0.0]]
+>>> row = x[1]
+>>> _ = x.fill_(2)
+>>> row.tolist()
+[2.0, 2.0, 2.0]
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ Writer = Callable[[Tensor, Tensor], None]  # (base, new value of the view): writ
 class Link:
     """How a view came from its base: enough to write back, and to replay the op on a stride-only probe."""
 
-    __slots__ = ("base", "write", "op", "args", "kwargs", "item", "parent")
+    __slots__ = ("base", "write", "op", "args", "kwargs", "item", "parent", "version")
 
     def __init__(self, base: Tensor, write: Writer, op: str, args: tuple[Any, ...], kwargs: dict[str, Any],
                  item: int | None) -> None:
@@ -46,6 +51,7 @@ class Link:
         self.base: Callable[[], Tensor | None] = weakref.ref(base) if base._view_of is None else (lambda: base)
         self.parent: Tensor | tuple[int, ...] = base if base._view_of is not None else tuple(base.shape)
         self.write, self.op, self.args, self.kwargs, self.item = write, op, args, kwargs, item
+        self.version = base._version  # the base's version this view's values reflect
 
 
 def mark_view(out: Tensor, base: Tensor, write: Writer, op: str, *args: Any, item: int | None = None,
@@ -90,6 +96,29 @@ def write_back(t: Tensor) -> None:
     if is_view:
         with no_grad():
             link.write(base, t)
+        link.version = base._version
+
+
+def refresh(t: Tensor) -> None:
+    """Brings view ``t`` up to date with its base, if the base was written since (not through ``t``).
+
+    torch's views share storage, so ``v = x[0]; x.fill_(1)`` changes ``v`` too. Here ``v`` holds its own
+    shards, so a read of ``v`` (dispatch, ``numpy()``, an in-place op) first replays the view op on the base.
+    Cheap when nothing changed: one version comparison per base up the chain.
+    """
+    link: Link | None = t._view_of
+    base = None if link is None else link.base()
+    if link is None or base is None:
+        return
+    refresh(base)
+    if base._version == link.version:
+        return
+    link.version = base._version
+    if probe(t)._base is None:  # torch's op made a copy (reshape of a transposed tensor): it does not follow
+        return
+    with no_grad():
+        value = getattr(base, link.op)(*link.args, **link.kwargs)
+    t._assign(value if link.item is None else value[link.item])
 
 
 def assign_into(base: Tensor, value: Tensor) -> None:
