@@ -134,7 +134,25 @@ def ops_job(world: int) -> dict[str, Any]:
 
     out["mlp backward"] = _mlp_backward(p)
     out["local to P(sum)"] = _local_to_partial_sum(p)
+    out["in-place writes"] = _in_place_writes(p)
     return out
+
+
+def _in_place_writes(p: sbpflow.Placement) -> dict[str, Any]:
+    """x[...] = v, writes through views and -= on split and partial tensors: each rank writes its own shard."""
+    def program(x: Any, y: Any) -> None:
+        x[1, 1:4] = 7.0
+        x[:, 0].fill_(-1.0)
+        x.view(-1)[::4].add_(100.0)
+        y -= 0.5 * y
+
+    theirs_x, theirs_y = base_value((5, 7)), base_value((5, 7))
+    x = sbpflow.tensor(theirs_x, placement=p, sbp=S1)
+    y = sbpflow.tensor(theirs_y, placement=p, sbp=P)
+    with sbpflow.no_grad():
+        program(x, y)
+    program(theirs_x, theirs_y)
+    return {"x": x.numpy(), "y": y.numpy(), "torch x": theirs_x.numpy(), "torch y": theirs_y.numpy()}
 
 
 def _local_to_partial_sum(p: sbpflow.Placement) -> dict[str, Any]:

@@ -114,6 +114,13 @@ def test_ops_match_simulated(run: Any) -> None:
     np.testing.assert_allclose(per_rank[0]["ops"]["matmul S1 x S0"]["value"], (a @ b).numpy(), rtol=RTOL, atol=1e-6)
 
 
+def test_in_place_writes_match_torch_on_processes(run: Any) -> None:
+    _, per_rank, ref = run
+    for got in [ref["ops"]["in-place writes"]] + [r["ops"]["in-place writes"] for r in per_rank]:
+        np.testing.assert_allclose(got["x"], got["torch x"], rtol=RTOL)
+        np.testing.assert_allclose(got["y"], got["torch y"], rtol=RTOL)
+
+
 def test_16_bit_sums_are_accumulated_in_fp32(run: Any) -> None:
     world, per_rank, _ = run
     ones = [1.0] * (world - 1)
