@@ -210,6 +210,9 @@ SETITEMS: dict[str, Callable[[Any], None]] = {
     "x[..., -1] = t(3)": lambda x: x.__setitem__((Ellipsis, -1), torch.tensor([7.0, 8.0, 9.0])),
     "x[1:, 1:] = t(2, 3)": lambda x: x.__setitem__((slice(1, None), slice(1, None)), torch.arange(6.0).reshape(2, 3)),
     "x[5:] = 1 (empty)": lambda x: x.__setitem__(slice(5, None), 1.0),
+    "x[x < 0] = 0": lambda x: x.__setitem__(x < 0, 0.0),
+    "x[x > 0.5] = t(-1) (0-d)": lambda x: x.__setitem__(x > 0.5, torch.tensor(-1.0)),
+    "x[:, 1][x[:, 1] < 0] = 9 (a view)": lambda x: x[:, 1].__setitem__(x[:, 1] < 0, 9.0),
 }
 
 
@@ -239,6 +242,8 @@ def test_setitem_errors_name_the_target() -> None:
         x[:, :2] = torch.ones(3)
     with pytest.raises(OpError, match=r"basic indexing"):
         x[sbpflow.tensor([0], placement=PLACEMENTS["2"], sbp=B)] = 1
+    with pytest.raises(OpError, match=r"x\[mask\] = value takes a bool mask of x's shape \[3, 4\] and a scalar"):
+        x[x[0] > 0] = 1
     with pytest.raises(OpError, match=r"global like the target"):
         x[0] = sbpflow.ones(4)
     w = sbpflow.zeros(3, placement=PLACEMENTS["2"], sbp=S.split(0), requires_grad=True)

@@ -450,8 +450,17 @@ def _zero_piece(x: Tensor, rank: int) -> bool:
     return any(s == PSUM and c != 0 for s, c in zip(x.sbp, coords, strict=True))
 
 
+def _set_masked(x: Tensor, mask: Tensor, value: Any) -> None:
+    """``x[mask] = value`` for a bool mask of x's shape and a scalar value: torch's idiom ``x[x < 0] = 0``."""
+    scalar = isinstance(value, (bool, int, float)) or (isinstance(value, (Tensor, torch.Tensor)) and value.ndim == 0)
+    if tuple(mask.shape) != tuple(x.shape) or not scalar:
+        raise OpError(f"x[mask] = value takes a bool mask of x's shape {list(x.shape)} and a scalar value, but got "
+                      f"mask {mask._describe()} and value {value!r}; target {x._describe()}")
+    x.masked_fill_(mask, value)  # type: ignore[attr-defined]  # bound by ops.methods: in place, version, views
+
+
 def setitem(x: Tensor, key: Any, value: Any) -> None:
-    """``x[key] = value`` in place, as torch does for basic indexing (ints, slices, None, ...).
+    """``x[key] = value`` in place, as torch does for basic indexing (ints, slices, None, ...) and a bool mask.
 
     >>> import sbpflow, torch
     >>> x = sbpflow.zeros(2, 4, placement=sbpflow.placement("cpu", [0, 1]), sbp=sbpflow.sbp.split(1))
@@ -468,6 +477,9 @@ def setitem(x: Tensor, key: Any, value: Any) -> None:
     if is_grad_enabled() and wants_grad:
         raise AutogradError(f"x[...] = value writes in place while gradients are recorded (target {x._describe()}); "
                             "wrap it in sbpflow.no_grad() or build the result out of place (sbpflow.where, cat)")
+    if isinstance(key, Tensor) and key.dtype == torch.bool:
+        _set_masked(x, key, value)
+        return
     if x._lazy is not None:  # tracing holds no shards to write into
         raise OpError(f"x[...] = value (also an in-place write into x[...]) is not traced by nn.Graph yet (target "
                       f"{x._describe()}); build the value out of place with sbpflow.where or cat")
