@@ -325,3 +325,29 @@ def test_a_view_of_a_parameter_follows_the_optimizer_step() -> None:
     opt.step()
     assert w._version > version
     torch.testing.assert_close(torch.as_tensor(w_t.numpy()), torch.as_tensor(w.numpy()).t())
+
+
+TOP_LEVEL_VIEWS: dict[str, tuple[Callable[..., Any], Callable[..., Any]]] = {
+    "reshape": (lambda x: sbpflow.reshape(x, (12,))[2:5], lambda x: torch.reshape(x, (12,))[2:5]),
+    "transpose": (lambda x: sbpflow.transpose(x, 0, 1)[1], lambda x: torch.transpose(x, 0, 1)[1]),
+    "permute": (lambda x: sbpflow.permute(x, (1, 0))[0], lambda x: torch.permute(x, (1, 0))[0]),
+    "t": (lambda x: sbpflow.t(x)[3], lambda x: torch.t(x)[3]),
+    "narrow": (lambda x: sbpflow.narrow(x, 1, 1, 2), lambda x: torch.narrow(x, 1, 1, 2)),
+    "split": (lambda x: sbpflow.split(x, 2)[1], lambda x: torch.split(x, 2)[1]),
+    "chunk": (lambda x: sbpflow.chunk(x, 2, 1)[1], lambda x: torch.chunk(x, 2, 1)[1]),
+    "unsqueeze/squeeze": (lambda x: sbpflow.squeeze(sbpflow.unsqueeze(x, 0), 0)[2],
+                          lambda x: torch.squeeze(torch.unsqueeze(x, 0), 0)[2]),
+    "flatten/unflatten": (lambda x: sbpflow.unflatten(sbpflow.flatten(x), 0, (2, 6))[1],
+                          lambda x: torch.unflatten(torch.flatten(x), 0, (2, 6))[1]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(TOP_LEVEL_VIEWS))
+def test_top_level_view_functions_are_views_as_in_torch(name: str) -> None:
+    ours_fn, torch_fn = TOP_LEVEL_VIEWS[name]
+    value = randn(3, 4)
+    ours = sbpflow.tensor(value, placement=PLACEMENTS["2x2"], sbp=(S.split(0), S.split(1)))
+    theirs = value.clone()
+    ours_fn(ours).fill_(5.0)
+    torch_fn(theirs).fill_(5.0)
+    torch.testing.assert_close(torch.as_tensor(ours.numpy()), theirs)

@@ -174,3 +174,25 @@ def setitem_writer(key: Any) -> Writer:
         setitem(base, key, view)
 
     return write
+
+
+# -- top-level view functions ------------------------------------------------------------------------------------
+#
+# ``sbpflow.reshape(x, ...)`` is a view as ``torch.reshape`` is, so it is ``x.reshape(...)``, which records the
+# view. The functional module's own reshape, transpose ... stay plain ops: internal code (gradients, composites)
+# never writes into their outputs and should not pay for the bookkeeping.
+
+
+def _view_function(name: str) -> Callable[..., Any]:
+    def fn(x: Tensor, *args: Any, **kwargs: Any) -> Any:
+        return getattr(x, name)(*args, **kwargs)
+
+    fn.__name__ = fn.__qualname__ = name
+    fn.__doc__ = (f"``torch.{name}``: ``x.{name}(...)``, a view of ``x`` (in-place writes into the result reach "
+                  f"``x``; see :mod:`sbpflow.ops.views`).")
+    return fn
+
+
+reshape, transpose, permute, t = (_view_function(n) for n in ("reshape", "transpose", "permute", "t"))
+squeeze, unsqueeze, flatten, unflatten = (_view_function(n) for n in ("squeeze", "unsqueeze", "flatten", "unflatten"))
+narrow, split, chunk = (_view_function(n) for n in ("narrow", "split", "chunk"))
