@@ -22,7 +22,7 @@ import torch
 from . import random as _rng
 from ._layout import Box, shard_box
 from .comm import get_backend
-from .errors import AutogradError, SbpError, ShapeError
+from .errors import ArgumentError, AutogradError, DTypeError, SbpError, ShapeError
 from .placement import Placement
 from .sbp import NdSbp, Partial, broadcast, normalize
 from .tensor import Tensor, shards_from_full
@@ -47,6 +47,35 @@ def _check_layout(placement: Any, sbp: Any, ndim: int, what: str) -> NdSbp | Non
     if sbp is None:
         sbp = (broadcast,) * placement.ndim
     return normalize(sbp, placement, ndim, what=what)
+
+
+def _dtype_arg(dtype: Any, what: str) -> torch.dtype | None:
+    """``dtype=`` must be a torch dtype: a string such as ``"float16"`` is refused here, by name, rather than
+    failing deep inside with an AttributeError."""
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    raise DTypeError(f"{what}: dtype= needs a torch.dtype such as torch.float16, but got {dtype!r} "
+                     f"of type {type(dtype).__name__}")
+
+
+def _device_arg(device: Any, placement: Any, what: str) -> torch.device | None:
+    """``device=`` as torch takes it, for local tensors; a global tensor's device type is its placement's."""
+    if device is None:
+        return None
+    if placement is not None:
+        raise ArgumentError(f"{what}: device= is for local tensors; a global tensor lives on its placement "
+                            f"({placement}), so pass placement=sbpflow.placement({device!r}, ranks) instead")
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ArgumentError(f"{what}: device= needs a device such as 'cpu' or 'cuda:0', but got {device!r} ({e})"
+                            ) from None
+
+
+def _to_device(t: Tensor, device: torch.device | None) -> Tensor:
+    if device is None or t._local is None or t._local.device == device:
+        return t
+    return Tensor._from_local(t._local.to(device))
 
 
 def _finish(t: Tensor, requires_grad: bool) -> Tensor:
@@ -78,18 +107,21 @@ def _box_shape(box: Box) -> tuple[int, ...]:
 
 
 def tensor(data: Any, *, placement: Placement | None = None, sbp: Any = None, dtype: torch.dtype | None = None,
-           requires_grad: bool = False) -> Tensor:
+           requires_grad: bool = False, device: Any = None) -> Tensor:
     """A tensor holding ``data`` (list, NumPy array, torch tensor or sbpflow tensor) as its logical value.
 
     >>> import sbpflow
     >>> sbpflow.tensor([1.0, 2.0]).numpy().tolist()
     [1.0, 2.0]
     """
-    value = _to_torch(data, dtype)
+    dev = _device_arg(device, placement, "sbpflow.tensor")
+    value = _to_torch(data, _dtype_arg(dtype, "sbpflow.tensor"))
     nd = _check_layout(placement, sbp, value.dim(), f"sbpflow.tensor of shape {list(value.shape)}")
     if nd is None or placement is None:
-        return _finish(Tensor._from_local(value.clone() if isinstance(data, torch.Tensor) else value), requires_grad)
+        local = Tensor._from_local(value.clone() if isinstance(data, torch.Tensor) else value)
+        return _finish(_to_device(local, dev), requires_grad)
     shards = shards_from_full(value, placement, nd)
+    get_backend().check_replicas(placement, nd, shards, f"sbpflow.tensor of shape {list(value.shape)}")
     return _finish(Tensor._from_shards(tuple(value.shape), value.dtype, placement, nd, shards), requires_grad)
 
 
@@ -117,42 +149,48 @@ def _short(data: Any) -> str:
 
 
 def full(*size: Any, fill_value: Any = None, placement: Placement | None = None, sbp: Any = None,
-         dtype: torch.dtype | None = None, requires_grad: bool = False) -> Tensor:
+         dtype: torch.dtype | None = None, requires_grad: bool = False, device: Any = None) -> Tensor:
     """``full(2, 3, fill_value=7.0)`` or ``full((2, 3), 7.0)``."""
     if fill_value is None and len(size) == 2 and isinstance(size[0], (tuple, list, torch.Size)):
         fill_value = size[1]
         size = (size[0],)
     shape = _shape_arg(size)
+    dev = _device_arg(device, placement, f"full({list(shape)})")
+    dtype = _dtype_arg(dtype, f"full({list(shape)})")
     if dtype is None:
         dtype = torch.tensor(fill_value).dtype if not isinstance(fill_value, float) else torch.get_default_dtype()
     nd = _check_layout(placement, sbp, len(shape), f"full({list(shape)})")
     if nd is None or placement is None:
-        return _finish(Tensor._from_local(torch.full(shape, fill_value, dtype=dtype)), requires_grad)
+        return _finish(Tensor._from_local(torch.full(shape, fill_value, dtype=dtype, device=dev)), requires_grad)
     return _build(shape, dtype, placement, nd,
                   lambda box, dev: torch.full(_box_shape(box), fill_value, dtype=dtype, device=dev), requires_grad)
 
 
 def zeros(*size: Any, placement: Placement | None = None, sbp: Any = None, dtype: torch.dtype | None = None,
-          requires_grad: bool = False) -> Tensor:
+          requires_grad: bool = False, device: Any = None) -> Tensor:
     return full(_shape_arg(size), 0.0 if dtype is None else 0, placement=placement, sbp=sbp,
-                dtype=dtype or torch.get_default_dtype(), requires_grad=requires_grad)
+                dtype=_dtype_arg(dtype, "zeros") or torch.get_default_dtype(), requires_grad=requires_grad,
+                device=device)
 
 
 def ones(*size: Any, placement: Placement | None = None, sbp: Any = None, dtype: torch.dtype | None = None,
-         requires_grad: bool = False) -> Tensor:
+         requires_grad: bool = False, device: Any = None) -> Tensor:
     return full(_shape_arg(size), 1.0 if dtype is None else 1, placement=placement, sbp=sbp,
-                dtype=dtype or torch.get_default_dtype(), requires_grad=requires_grad)
+                dtype=_dtype_arg(dtype, "ones") or torch.get_default_dtype(), requires_grad=requires_grad,
+                device=device)
 
 
 def arange(start: Any, end: Any = None, step: Any = 1, *, placement: Placement | None = None, sbp: Any = None,
-           dtype: torch.dtype | None = None, requires_grad: bool = False) -> Tensor:
+           dtype: torch.dtype | None = None, requires_grad: bool = False, device: Any = None) -> Tensor:
+    dev = _device_arg(device, placement, "arange")
+    dtype = _dtype_arg(dtype, "arange")
     if end is None:
         start, end = 0, start
     ref = torch.arange(start, end, step, dtype=dtype, device="meta")
     n, dtype = ref.shape[0], ref.dtype
     nd = _check_layout(placement, sbp, 1, f"arange({start}, {end}, {step})")
     if nd is None or placement is None:
-        return _finish(Tensor._from_local(torch.arange(start, end, step, dtype=dtype)), requires_grad)
+        return _finish(Tensor._from_local(torch.arange(start, end, step, dtype=dtype, device=dev)), requires_grad)
 
     def make(box: Box, dev: torch.device) -> torch.Tensor:
         lo, hi = box[0]
@@ -166,36 +204,39 @@ def arange(start: Any, end: Any = None, step: Any = 1, *, placement: Placement |
 
 
 def _random(kind: str, size: Sequence[Any], placement: Placement | None, sbp: Any, dtype: torch.dtype | None,
-            requires_grad: bool, low: float = 0.0, high: float = 1.0) -> Tensor:
+            requires_grad: bool, low: float = 0.0, high: float = 1.0, device: Any = None) -> Tensor:
+    name = "randn" if kind == "normal" else "rand"
     shape = _shape_arg(size)
-    dtype = dtype or torch.get_default_dtype()
+    dev = _device_arg(device, placement, name)
+    dtype = _dtype_arg(dtype, name) or torch.get_default_dtype()
     if not dtype.is_floating_point:
-        raise SbpError(f"{'randn' if kind == 'normal' else 'rand'} needs a floating-point dtype, but got {dtype}")
+        raise DTypeError(f"{name} needs a floating-point dtype, but got {dtype}")
     key = _rng.next_key()
     nd = _check_layout(placement, sbp, len(shape), f"random tensor of shape {list(shape)}")
     if nd is None or placement is None:
         full_box = tuple((0, n) for n in shape)
-        value = _rng.fill(key, shape, full_box, kind, dtype, torch.device("cpu"), low, high)
+        value = _rng.fill(key, shape, full_box, kind, dtype, dev or torch.device("cpu"), low, high)
         return _finish(Tensor._from_local(value), requires_grad)
+    tiles: dict[int, torch.Tensor] = {}  # shared by this process's ranks (read only: fill copies out of it)
     return _build(shape, dtype, placement, nd,
-                  lambda box, dev: _rng.fill(key, shape, box, kind, dtype, dev, low, high), requires_grad)
+                  lambda box, dev: _rng.fill(key, shape, box, kind, dtype, dev, low, high, tiles), requires_grad)
 
 
 def randn(*size: Any, placement: Placement | None = None, sbp: Any = None, dtype: torch.dtype | None = None,
-          requires_grad: bool = False) -> Tensor:
+          requires_grad: bool = False, device: Any = None) -> Tensor:
     """Standard normal values; the logical value depends on the seed and call order only."""
-    return _random("normal", size, placement, sbp, dtype, requires_grad)
+    return _random("normal", size, placement, sbp, dtype, requires_grad, device=device)
 
 
 def rand(*size: Any, placement: Placement | None = None, sbp: Any = None, dtype: torch.dtype | None = None,
-         requires_grad: bool = False) -> Tensor:
+         requires_grad: bool = False, device: Any = None) -> Tensor:
     """Uniform values on [0, 1); the logical value depends on the seed and call order only."""
-    return _random("uniform", size, placement, sbp, dtype, requires_grad)
+    return _random("uniform", size, placement, sbp, dtype, requires_grad, device=device)
 
 
 def uniform(*size: Any, low: float = 0.0, high: float = 1.0, placement: Placement | None = None, sbp: Any = None,
-            dtype: torch.dtype | None = None, requires_grad: bool = False) -> Tensor:
-    return _random("uniform", size, placement, sbp, dtype, requires_grad, low, high)
+            dtype: torch.dtype | None = None, requires_grad: bool = False, device: Any = None) -> Tensor:
+    return _random("uniform", size, placement, sbp, dtype, requires_grad, low, high, device=device)
 
 
 def randint(low: int, high: int, size: Sequence[int], *, placement: Placement | None = None, sbp: Any = None,

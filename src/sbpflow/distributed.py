@@ -19,7 +19,9 @@ Faults end a job instead of hanging it:
   (see :func:`activity`);
 * ``SBPFLOW_DEBUG=1`` makes every group compare what its members are about to
   issue (kind, shapes, dtype, group) before each collective, and reports the
-  first mismatch with both sides;
+  first mismatch with both sides; it also checks that the replicas of a B
+  tensor built from per-process data (``to_global`` of a local tensor,
+  ``tensor(..., placement=)``) are equal on every rank;
 * an uncaught exception in a launched process prints which rank failed and
   exits it at once, so its peers see closed connections instead of waiting.
 

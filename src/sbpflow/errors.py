@@ -23,6 +23,14 @@ class ShapeError(SbpflowError, ValueError):
     """Shapes that an op cannot accept."""
 
 
+class IndexOutOfRangeError(ShapeError, IndexError):
+    """An index past the end of a dim; also an ``IndexError``, which torch users catch for this."""
+
+
+class ArgumentError(SbpflowError, ValueError):
+    """An argument value a function cannot accept (a seed, a learning rate, a device), with torch's ValueError."""
+
+
 class DTypeError(SbpflowError, TypeError):
     """Dtypes that an op cannot accept."""
 

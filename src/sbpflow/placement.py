@@ -59,6 +59,11 @@ class Placement:
     ranks: Any  # nested tuples of int, one level per mesh axis
     hierarchy: tuple[int, ...] = field(init=False, compare=False)
     flat_ranks: tuple[int, ...] = field(init=False, compare=False, repr=False)
+    # Derived once, so that per-rank lookups stay O(1) on meshes of many thousand virtual ranks: the position of
+    # each rank in flat_ranks (coords used tuple.index, O(ranks), which made creating a tensor quadratic) and the
+    # hash (a placement keys the shard_box and dispatch caches; hashing the nested rank tuples is O(ranks)).
+    _index: dict[int, int] = field(init=False, compare=False, repr=False)
+    _hash: int = field(init=False, compare=False, repr=False)
 
     def __init__(self, type: str, ranks: Sequence[Any] | int | range) -> None:
         if type not in DEVICE_TYPES:
@@ -79,8 +84,9 @@ class Placement:
         negative = [r for r in flat if r < 0]
         if negative:
             raise PlacementError(f"placement ranks must be non-negative, but {ranks!r} contains {negative[0]}")
-        if len(set(flat)) != len(flat):
-            dup = next(r for r in flat if flat.count(r) > 1)
+        index = {r: i for i, r in enumerate(flat)}
+        if len(index) != len(flat):
+            dup = next(r for i, r in enumerate(flat) if index[r] != i)
             raise PlacementError(f"placement ranks must be distinct, but rank {dup} appears twice in {ranks!r}")
         if type == "cuda":
             _check_cuda_available(ranks)
@@ -88,6 +94,15 @@ class Placement:
         object.__setattr__(self, "ranks", nested)
         object.__setattr__(self, "hierarchy", shape)
         object.__setattr__(self, "flat_ranks", flat)
+        object.__setattr__(self, "_index", index)
+        object.__setattr__(self, "_hash", hash((type, nested)))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # rebuilt on unpickling: the cached hash of a str is only valid in the process that computed it
+        return (Placement, (self.type, self.ranks))
 
     @property
     def ndim(self) -> int:
@@ -100,8 +115,10 @@ class Placement:
         return len(self.flat_ranks)
 
     def coords(self, rank: int) -> tuple[int, ...]:
-        """Mesh coordinates of a global rank of this placement."""
-        index = self.flat_ranks.index(rank)
+        """Mesh coordinates of a global rank of this placement (O(1): a dict lookup and a few divisions)."""
+        index = self._index.get(rank)
+        if index is None:
+            raise PlacementError(f"rank {rank} is not in placement {self}")
         out = []
         for n in reversed(self.hierarchy):
             out.append(index % n)

@@ -24,6 +24,7 @@ import threading
 import torch
 
 from ._layout import Box, Shape, box_shape
+from .errors import ArgumentError
 
 TILE_ELEMS = 1 << 16
 _MASK64 = (1 << 64) - 1
@@ -39,9 +40,18 @@ _stream = _Stream()
 
 def manual_seed(seed: int) -> None:
     """Restarts sbpflow's random stream (and torch's) at ``seed``."""
-    _stream.seed = int(seed)
+    seed = _check_seed(seed)
+    _stream.seed = seed
     _stream.counter = 0
-    torch.manual_seed(int(seed))
+    torch.manual_seed(seed)
+
+
+def _check_seed(seed: object) -> int:
+    """Seeds are ints (NumPy and torch integer scalars included); ``"abc"`` or ``1.5`` would silently mean something
+    else after ``int()``, or fail inside it with a message that does not name the seed."""
+    if isinstance(seed, bool) or not hasattr(seed, "__index__"):
+        raise ArgumentError(f"manual_seed needs an int seed, but got {seed!r} of type {type(seed).__name__}")
+    return int(seed.__index__())
 
 
 def initial_seed() -> int:
@@ -91,11 +101,16 @@ def tile_edge(ndim: int) -> int:
     return max(1, math.ceil(TILE_ELEMS ** (1.0 / ndim))) if ndim else 1
 
 
+TILE_CACHE_SIZE = 64  # tiles kept between the ranks of one creation call (at most 64 x 256 KiB)
+
+
 def fill(key: int, shape: Shape, box: Box, kind: str, dtype: torch.dtype, device: torch.device,
-         low: float = 0.0, high: float = 1.0) -> torch.Tensor:
+         low: float = 0.0, high: float = 1.0, cache: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
     """The part ``box`` of the logical random tensor of ``shape`` drawn with ``key``.
 
-    ``kind`` is ``"normal"`` (standard normal) or ``"uniform"`` (on [low, high)).
+    ``kind`` is ``"normal"`` (standard normal) or ``"uniform"`` (on [low, high)). ``cache``, shared by the
+    ranks one process builds for one call, keeps recent tiles: with thousands of virtual ranks holding a row
+    or two each, a tile meets hundreds of consecutive shards and would otherwise be drawn once per shard.
     """
     work = torch.float64 if dtype == torch.float64 else torch.float32
     out = torch.empty(box_shape(box), dtype=work)
@@ -112,7 +127,7 @@ def fill(key: int, shape: Shape, box: Box, kind: str, dtype: torch.dtype, device
             index = index * g + t
         start = [t * edge for t in tile]
         tshape = tuple(min(edge, n - s) for n, s in zip(shape, start, strict=True))
-        values = _tile(key, index, tshape, kind, work)
+        values = _cached_tile(cache, key, index, tshape, kind, work)
         src, dst = [], []
         for (lo, hi), s, n in zip(box, start, tshape, strict=True):
             a, b = max(lo, s), min(hi, s + n)
@@ -120,6 +135,18 @@ def fill(key: int, shape: Shape, box: Box, kind: str, dtype: torch.dtype, device
             dst.append(slice(a - lo, b - lo))
         out[tuple(dst)] = values[tuple(src)]
     return _finish(out, kind, low, high, dtype, device)
+
+
+def _cached_tile(cache: dict[int, torch.Tensor] | None, key: int, index: int, shape: Shape, kind: str,
+                 dtype: torch.dtype) -> torch.Tensor:
+    if cache is None:
+        return _tile(key, index, shape, kind, dtype)
+    values = cache.get(index)
+    if values is None:
+        if len(cache) >= TILE_CACHE_SIZE:
+            cache.clear()
+        values = cache[index] = _tile(key, index, shape, kind, dtype)
+    return values
 
 
 def _tile(key: int, index: int, shape: Shape, kind: str, dtype: torch.dtype) -> torch.Tensor:

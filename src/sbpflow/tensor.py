@@ -39,7 +39,7 @@ class Tensor:
     __slots__ = (
         "_shape", "_dtype", "_placement", "_sbp", "_shards", "_local",
         "requires_grad", "grad", "grad_fn", "_out_index", "_retains_grad", "_hooks", "_version", "_boxed",
-        "_lazy", "__weakref__",
+        "_lazy", "_view_of", "__weakref__",
     )
     # The slots' types (annotations only: with __slots__ they declare, they do not create, attributes).
     _shape: tuple[int, ...] | None
@@ -57,6 +57,7 @@ class Tensor:
     _version: int
     _boxed: dict[Any, dict[int, torch.Tensor]] | None
     _lazy: Any  # the graph value a tensor stands for while nn.Graph traces (metadata only, no shards)
+    _view_of: Any  # an ops.views.Link when this tensor is a view of another (x[1:], x.view(12) ...), else None
 
     def __init__(self) -> None:
         raise TypeError("build tensors with sbpflow.tensor(...), sbpflow.randn(...) and friends")
@@ -103,6 +104,7 @@ class Tensor:
         # such as parameters are updated in place on their shards by optimizers.
         self._boxed = None
         self._lazy = None
+        self._view_of = None
 
     # -- metadata ------------------------------------------------------------------------
 
@@ -199,14 +201,28 @@ class Tensor:
     def to_global(self, placement: Placement | None = None, sbp: Any = None, *, grad_sbp: Any = None) -> Tensor:
         """Converts to ``placement`` and ``sbp``; an omitted argument keeps the current value.
 
-        On a local tensor, the local tensor becomes this rank's shard (every
-        virtual rank of this process contributes the same value).
+        ``grad_sbp`` (global tensors) is the SBP, on this tensor's placement, that this tensor's gradient gets
+        in backward (by default its own): ``partial_sum`` defers the gradient's reduction to its consumer.
+
+        On a local tensor, the local tensor becomes this rank's shard: every rank
+        contributes its local tensor and the SBP says what the contributions mean
+        (split axes concatenate, ``B`` keeps the replica, ``P(sum)`` adds them up).
+        Every virtual rank of this process contributes the same local tensor, so
+        the numbers match one process per rank each passing that tensor:
+
+        >>> import sbpflow
+        >>> p = sbpflow.placement("cpu", [0, 1])
+        >>> sbpflow.tensor([1.0, 1.0]).to_global(p, sbpflow.sbp.partial_sum).tolist()
+        [2.0, 2.0]
         """
         from .ops import functional as F
 
         if self._local is not None:
             if placement is None or sbp is None:
                 raise SbpError("to_global() of a local tensor needs both placement= and sbp=")
+            if grad_sbp is not None:
+                raise SbpError(f"to_global(grad_sbp=...) sets the SBP of a global tensor's gradient, but the input is "
+                               f"a {self._describe()}: its gradient is local")
             return F.local_to_global(self, placement, sbp)
         placement = self.placement if placement is None else placement
         if not isinstance(placement, Placement):
@@ -217,7 +233,7 @@ class Tensor:
                 f"to_global() onto {placement} ({placement.ndim} mesh axes) needs sbp=, since the tensor's sbp "
                 f"{format_nd(self.sbp)} has {len(self.sbp)} entries"
             )
-        return F.to_global(self, placement, nd)
+        return F.to_global(self, placement, nd, grad_sbp)
 
     def numpy(self) -> np.ndarray:
         """The logical value as a NumPy array (on every process)."""
@@ -347,13 +363,23 @@ class Tensor:
 
             return assign_lazy(self, value)
         if self._local is not None:
-            self._local.copy_(value.to_local())
+            _copy_into(self._local, value.to_local())
         else:
             src = value._shards or {}
             for r, t in (self._shards or {}).items():
-                t.copy_(src[r])
+                _copy_into(t, src[r])
         self._version += 1
         return self
+
+
+def _copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)``, where ``src`` may be a torch view of ``dst`` (a reshape kernel can return one, and a
+    write through a view copies it back): the same elements are skipped, overlapping ones copied via a clone."""
+    if src.untyped_storage().data_ptr() == dst.untyped_storage().data_ptr():
+        if src.data_ptr() == dst.data_ptr() and src.stride() == dst.stride() and src.shape == dst.shape:
+            return
+        src = src.clone()
+    dst.copy_(src)
 
 
 def logical_value(t: Tensor) -> torch.Tensor:
@@ -362,6 +388,10 @@ def logical_value(t: Tensor) -> torch.Tensor:
     Every process gets it, also one that owns no rank of the placement: the
     value is then boxed onto a placement that covers every process.
     """
+    if t._view_of is not None:  # a view whose base was written since it was taken shows the base's new values
+        from .ops.views import refresh
+
+        refresh(t)
     if t._local is not None:
         return t._local
     if t._lazy is not None:

@@ -118,3 +118,37 @@ def test_axis_groups_fix_every_other_coordinate() -> None:
     assert p.axis_groups(1) == [(0, 1, 2), (3, 4, 5)]
     assert p.axis_group_of(4, 0) == (1, 4)
     assert p.axis_group_of(4, 1) == (3, 4, 5)
+
+
+# -- linear in ranks (issue 13, part 5): per-rank lookups must not scan the rank list ------------------------
+
+
+class _NoScan(tuple):  # type: ignore[type-arg]
+    """A rank tuple that fails if anything searches it: coords must use the placement's index."""
+
+    def index(self, *args: object) -> int:  # type: ignore[override]
+        raise AssertionError("flat_ranks.index scans every rank: O(ranks) per lookup")
+
+
+def test_coords_use_a_dict_index_not_a_scan() -> None:
+    p = sbpflow.placement("cpu", [[4, 5, 6], [7, 8, 9]])
+    object.__setattr__(p, "flat_ranks", _NoScan(p.flat_ranks))
+    assert [p.coords(r) for r in (4, 6, 8)] == [(0, 0), (0, 2), (1, 1)]
+    assert p.axis_groups(0) == [(4, 7), (5, 8), (6, 9)] and p.axis_groups(1) == [(4, 5, 6), (7, 8, 9)]
+    with pytest.raises(PlacementError, match="rank 3 is not in placement"):
+        p.coords(3)
+
+
+def test_hash_is_computed_once() -> None:
+    p = sbpflow.placement("cpu", list(range(1000)))
+    expected = hash(p)
+    object.__setattr__(p, "ranks", None)  # hashing again must not read the ranks
+    assert hash(p) == expected == hash(sbpflow.placement("cpu", list(range(1000))))
+
+
+def test_pickle_rebuilds_the_cached_fields() -> None:
+    import pickle
+
+    p = sbpflow.placement("cpu", [[0, 1], [2, 3]])
+    q = pickle.loads(pickle.dumps(p))
+    assert q == p and hash(q) == hash(p) and q.coords(3) == (1, 1) and {p: 1}[q] == 1

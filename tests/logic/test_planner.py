@@ -295,3 +295,58 @@ def test_plans_do_not_depend_on_the_hash_seed() -> None:
         outputs.append(run.stdout)
     assert outputs[0] == outputs[1]
     assert outputs[0].count("boxing (5, 7)") == 25 * 25 + 25 * 5
+
+
+# -- general transfers find the boxes a destination needs without scanning every source box (issue 13, part 5) --
+
+
+Piece = tuple[int, int, tuple[tuple[int, int], ...]]  # (src rank, dst rank, logical box)
+
+
+def _scanned_pieces(shape: tuple[int, ...], src: Layout, dst: Layout) -> list[Piece]:
+    """The reference: every destination checks every distinct source box."""
+    from sbpflow._layout import intersect, shard_box
+
+    holders: dict[tuple[tuple[int, int], ...], list[int]] = {}
+    for r in src.placement.flat_ranks:
+        holders.setdefault(shard_box(shape, src.placement, src.sbp, r), []).append(r)
+    out = []
+    for i, d in enumerate(dst.placement.flat_ranks):
+        want = shard_box(shape, dst.placement, dst.sbp, d)
+        for box, replicas in holders.items():
+            common = intersect(want, box)
+            if common is not None:
+                out.append((d if d in replicas else replicas[i % len(replicas)], d, common))
+    return out
+
+
+GRID_CASES = [
+    ((7, 5), sbpflow.placement("cpu", [0, 1, 2]), (S0,), sbpflow.placement("cpu", [3, 4]), (S1,)),
+    ((7, 5), MESH, (S0, S1), sbpflow.placement("cpu", [[3, 2], [1, 0]]), (S1, S0)),
+    ((3, 5), sbpflow.placement("cpu", list(range(6))), (S0,), P4, (S1,)),  # empty boxes (6 ranks, 3 rows)
+    ((7, 5), MESH, (S0, S0), P4, (B,)),
+    ((9,), sbpflow.placement("cpu", [[0, 1, 2], [3, 4, 5]]), (B, S0), sbpflow.placement("cpu", [5, 6]), (S0,)),
+    ((), P4, (B,), sbpflow.placement("cpu", [4, 5]), (B,)),
+]
+
+
+@pytest.mark.parametrize("case", GRID_CASES, ids=range(len(GRID_CASES)))
+def test_transfer_pieces_match_a_full_scan(case: tuple[object, ...]) -> None:
+    from sbpflow.boxing.plan import transfer_pieces
+
+    shape, src_p, src_sbp, dst_p, dst_sbp = case
+    src, dst = Layout(src_p, src_sbp), Layout(dst_p, dst_sbp)  # type: ignore[arg-type]
+    assert list(transfer_pieces(shape, src, dst)) == _scanned_pieces(shape, src, dst)  # type: ignore[arg-type]
+
+
+def test_transfer_pieces_are_linear_in_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """1024 ranks to 1024 others, rows split: each destination meets 1 or 2 source boxes, not all 1024."""
+    plan_module = importlib.import_module("sbpflow.boxing.plan")  # the package's `plan` is the function
+    calls = []
+    real = plan_module.intersect
+    monkeypatch.setattr(plan_module, "intersect", lambda a, b: calls.append(1) or real(a, b))
+    src = Layout(sbpflow.placement("cpu", list(range(1024))), (S0,))
+    dst = Layout(sbpflow.placement("cpu", list(range(1024, 2048))), (S0,))
+    plan_module.transfer_pieces.cache_clear()  # an earlier call must not answer from the cache
+    pieces = plan_module.transfer_pieces((3000, 2), src, dst)
+    assert len(pieces) >= 1024 and 1024 <= len(calls) <= 3 * 1024

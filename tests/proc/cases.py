@@ -133,7 +133,36 @@ def ops_job(world: int) -> dict[str, Any]:
     out["topk S0"] = _outcome(top, log)
 
     out["mlp backward"] = _mlp_backward(p)
+    out["local to P(sum)"] = _local_to_partial_sum(p)
+    out["in-place writes"] = _in_place_writes(p)
     return out
+
+
+def _in_place_writes(p: sbpflow.Placement) -> dict[str, Any]:
+    """x[...] = v, writes through views and -= on split and partial tensors: each rank writes its own shard."""
+    def program(x: Any, y: Any) -> None:
+        x[1, 1:4] = 7.0
+        x[:, 0].fill_(-1.0)
+        x.view(-1)[::4].add_(100.0)
+        y -= 0.5 * y
+
+    theirs_x, theirs_y = base_value((5, 7)), base_value((5, 7))
+    x = sbpflow.tensor(theirs_x, placement=p, sbp=S1)
+    y = sbpflow.tensor(theirs_y, placement=p, sbp=P)
+    with sbpflow.no_grad():
+        program(x, y)
+    program(theirs_x, theirs_y)
+    return {"x": x.numpy(), "y": y.numpy(), "torch x": theirs_x.numpy(), "torch y": theirs_y.numpy()}
+
+
+def _local_to_partial_sum(p: sbpflow.Placement) -> dict[str, Any]:
+    """Every rank passes the same local [1, 1] onto P(sum): the logical value adds every rank's contribution
+    (world x [1, 1]) on virtual ranks and on processes alike; the local gradient of sum() is world x 1."""
+    local = sbpflow.tensor([1.0, 1.0], requires_grad=True)
+    y = local.to_global(p, P)
+    y.sum().backward()
+    assert local.grad is not None
+    return {"value": y.numpy(), "grad": local.grad.numpy()}
 
 
 def _mlp_backward(p: sbpflow.Placement) -> dict[str, Any]:
@@ -234,6 +263,14 @@ def primitives_job() -> dict[str, Any]:
                             ("all_reduce bfloat16 sum", torch.bfloat16, "sum")]:
         values = {r: ((torch.arange(6).reshape(2, 3) * (r + 2)) % 5).to(dtype) for r in group}
         compare(name, backend.all_reduce(group, {me: values[me]}, op), sim.all_reduce(group, values, op))
+
+    # 16-bit sums are accumulated in fp32: 256 + 1 + 1 + 1 is 256 added up in bf16, 259 -> 260 in fp32
+    sixteen = {r: torch.full((3,), 256.0 if r == 0 else 1.0, dtype=torch.bfloat16) for r in group}
+    compare("all_reduce bfloat16 sum in fp32", backend.all_reduce(group, {me: sixteen[me]}, "sum"),
+            sim.all_reduce(group, sixteen, "sum"))
+    halves = {r: [torch.full((3,), 2048.0 if r == 0 else 1.0, dtype=torch.float16)] * world for r in group}
+    compare("reduce_scatter float16 sum in fp32", backend.reduce_scatter(group, {me: halves[me]}, "sum"),
+            sim.reduce_scatter(group, halves, "sum"))
 
     pieces = {r: [base_value((j + 1, 3)) * (r + 1) for j in range(world)] for r in group}
     compare("reduce_scatter max", backend.reduce_scatter(group, {me: pieces[me]}, "max"),

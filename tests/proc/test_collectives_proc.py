@@ -114,6 +114,36 @@ def test_ops_match_simulated(run: Any) -> None:
     np.testing.assert_allclose(per_rank[0]["ops"]["matmul S1 x S0"]["value"], (a @ b).numpy(), rtol=RTOL, atol=1e-6)
 
 
+def test_in_place_writes_match_torch_on_processes(run: Any) -> None:
+    _, per_rank, ref = run
+    for got in [ref["ops"]["in-place writes"]] + [r["ops"]["in-place writes"] for r in per_rank]:
+        np.testing.assert_allclose(got["x"], got["torch x"], rtol=RTOL)
+        np.testing.assert_allclose(got["y"], got["torch y"], rtol=RTOL)
+
+
+def test_16_bit_sums_are_accumulated_in_fp32(run: Any) -> None:
+    world, per_rank, _ = run
+    ones = [1.0] * (world - 1)
+    bf16 = float(torch.tensor([256.0, *ones]).sum().bfloat16())  # 4 ranks: 259 -> 260 (256 summed in bf16)
+    fp16 = float(torch.tensor([2048.0, *ones]).sum().half())  # 4 ranks: 2051 -> 2052 (2048 summed in fp16)
+    for result in per_rank:
+        assert result["primitives"]["all_reduce bfloat16 sum in fp32"][0].tolist() == [bf16] * 3
+        assert result["primitives"]["reduce_scatter float16 sum in fp32"][0].tolist() == [fp16] * 3
+
+
+def test_local_tensor_onto_partial_sum_is_the_same_in_both_modes(run: Any) -> None:
+    """Each rank contributes its local [1, 1], so the value is world x [1, 1] in both modes. A local gradient
+    belongs to its process: each process's own tensor gets 1 per element, and the one local tensor that all
+    virtual ranks share gets the sum of those, world."""
+    world, per_rank, ref = run
+    virtual = ref["ops"]["local to P(sum)"]
+    assert virtual["value"].tolist() == virtual["grad"].tolist() == [float(world)] * 2
+    for result in per_rank:
+        assert result["ops"]["local to P(sum)"]["value"].tolist() == [float(world)] * 2
+        assert result["ops"]["local to P(sum)"]["grad"].tolist() == [1.0, 1.0]
+    assert sum(r["ops"]["local to P(sum)"]["grad"] for r in per_rank).tolist() == virtual["grad"].tolist()
+
+
 def test_ops_collectives_and_sbp(run: Any) -> None:
     _, per_rank, _ = run
     for result in per_rank:

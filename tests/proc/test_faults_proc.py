@@ -116,3 +116,38 @@ def test_debug_mode_passes_a_correct_program() -> None:
     assert not job.failed, job.report()
     (a0, s0), (a1, s1) = (o.result for o in job.ranks)
     assert (a0 == a1).all() and s0 == s1
+
+
+# -- (d) SBPFLOW_DEBUG: replicas of a B tensor that differ across ranks --------------------------------
+
+
+def diverging_replicas() -> dict[str, Any]:
+    p = sbpflow.placement("cpu", list(range(sbpflow.world_size())))
+    same = sbpflow.tensor([1.0, 2.0]).to_global(p, S.broadcast)  # equal everywhere: passes
+    out: dict[str, Any] = {"same": same.numpy().tolist()}
+    for name, build in [("to_global", lambda: sbpflow.tensor([float(sbpflow.rank())]).to_global(p, S.broadcast)),
+                        ("tensor", lambda: sbpflow.tensor([float(sbpflow.rank())], placement=p, sbp=S.broadcast))]:
+        try:
+            build()
+            out[name] = None
+        except sbpflow.CommError as e:
+            out[name] = str(e)
+    return out
+
+
+def test_debug_mode_reports_b_replicas_that_differ() -> None:
+    job = spawn(diverging_replicas, 2, env={"SBPFLOW_DEBUG": "1", "SBPFLOW_TIMEOUT": "30"}, timeout=60)
+    assert not job.timed_out and not job.failed, job.report()
+    for o in job.ranks:
+        assert o.result["same"] == [1.0, 2.0]
+        for name, what in [("to_global", "to_global of a local tensor"), ("tensor", "sbpflow.tensor of shape [1]")]:
+            message = o.result[name]
+            assert message is not None, (name, job.report())
+            assert f"{what}: ranks [0, 1] hold replicas of one value along mesh axis 0" in message, message
+            assert "rank 0: [1] float32 sha1" in message and "rank 1: [1] float32 sha1" in message, message
+
+
+def test_without_debug_the_replica_check_costs_nothing() -> None:
+    job = spawn(diverging_replicas, 2, timeout=60)
+    assert not job.failed, job.report()
+    assert all(o.result["to_global"] is None and o.result["tensor"] is None for o in job.ranks)

@@ -255,7 +255,20 @@ def test_other_bad_arguments() -> None:
         sbpflow.zeros(3, placement=[0, 1], sbp=B)  # type: ignore[arg-type]
     with pytest.raises(ShapeError, match=r"non-negative ints, but got \[2, -1\]"):
         sbpflow.zeros(2, -1)
-    with pytest.raises(SbpError, match="randn needs a floating-point dtype, but got torch.int64"):
+    with pytest.raises(sbpflow.DTypeError, match="randn needs a floating-point dtype, but got torch.int64"):
         sbpflow.randn(3, dtype=torch.int64)
     with pytest.raises(sbpflow.AutogradError, match="only floating-point tensors can require gradients"):
         sbpflow.tensor([1, 2], placement=P2, sbp=B, requires_grad=True)
+
+
+def test_a_tile_met_by_many_small_shards_is_drawn_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """256 ranks holding one row each of a (256, 4) tensor share one 256 x 4 tile: one draw, not 256 (part 5)."""
+    calls: list[int] = []
+    draw = sbp_random._tile
+    monkeypatch.setattr(sbp_random, "_tile", lambda key, index, *a: calls.append(index) or draw(key, index, *a))
+    p = sbpflow.placement("cpu", list(range(256)))
+    sbpflow.manual_seed(3)
+    x = sbpflow.randn(256, 4, placement=p, sbp=S.split(0))
+    assert calls == [0]
+    sbpflow.manual_seed(3)
+    assert (x.numpy() == sbpflow.randn(256, 4).numpy()).all()  # the same values as one device

@@ -1,4 +1,7 @@
-"""A local tensor turned global on virtual ranks: every rank contributes it; gradients are its derivative."""
+"""A local tensor turned global on virtual ranks: every rank contributes it; gradients are its derivative.
+
+The same rule holds on processes: tests/proc/test_collectives_proc.py checks P(sum) there.
+"""
 
 from __future__ import annotations
 
@@ -14,13 +17,23 @@ B, PSUM, PMAX = S.broadcast, S.partial_sum, S.partial_max
 
 
 def _logical(local: torch.Tensor, placement: sbpflow.Placement, nd: tuple) -> torch.Tensor:
-    """What every virtual rank contributing ``local`` means: split axes tile copies, others keep one."""
+    """What every virtual rank contributing ``local`` means: split axes tile copies, P(sum) adds them up,
+    B and P(max) keep one."""
     out = local
     for axis in reversed(range(placement.ndim)):
         s = nd[axis]
         if isinstance(s, S.Split):
             out = torch.cat([out] * placement.hierarchy[axis], dim=s.dim)
+        elif s == PSUM:
+            out = out * placement.hierarchy[axis]
     return out
+
+
+def test_partial_sum_adds_every_virtual_ranks_contribution() -> None:
+    """The issue-13 case: [1, 1] onto P(sum) over 2 ranks is [2, 2], as on 2 processes."""
+    y = sbpflow.tensor([1.0, 1.0]).to_global(PLACEMENTS["2"], PSUM)
+    assert y.tolist() == [2.0, 2.0]
+    assert [t.tolist() for t in y.local_tensors().values()] == [[1.0, 1.0], [1.0, 1.0]]
 
 
 CASES = [

@@ -91,10 +91,10 @@ def test_to_global_of_a_local_tensor_takes_it_as_every_ranks_shard() -> None:
     assert tuple(x.shape) == (6, 2)  # three virtual ranks, each contributing the same (2, 2) shard
     np.testing.assert_array_equal(x.numpy(), np.tile(local.numpy(), (3, 1)))
     assert_own_memory(x)
-    for sbp in [B, S.partial_sum, S.partial_max]:
+    for sbp, times in [(B, 1), (S.partial_sum, 3), (S.partial_max, 1)]:  # P(sum) adds the three contributions
         y = local.to_global(placement=P3, sbp=sbp)
         assert tuple(y.shape) == (2, 2)
-        np.testing.assert_array_equal(y.numpy(), local.numpy())
+        np.testing.assert_array_equal(y.numpy(), times * local.numpy())
         assert_own_memory(y)
     m = local.to_global(placement=MESH, sbp=(S.split(1), S.split(0)))
     assert tuple(m.shape) == (4, 4)

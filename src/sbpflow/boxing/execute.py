@@ -214,14 +214,17 @@ def _assemble(
 ) -> Shards:  # type: ignore[no-untyped-def]
     out: Shards = {}
     dst_pl = step.dst.placement
+    by_dst: dict[int, list[tuple[int, Box]]] = {}  # grouped once: a scan per destination is quadratic in ranks
+    for i, (_, dst, box) in enumerate(pieces):
+        by_dst.setdefault(dst, []).append((i, box))
     for d in backend.owned(dst_pl.flat_ranks):
         device = backend.device_for(dst_pl.type, d)
         want = _box(shape, step.dst, d)
         if step.detail == "pairwise":
             src_r = step.src.placement.rank_at(dst_pl.coords(d))
-            out[d] = _pairwise_result(pieces, received, src_r, d).to(device)
+            out[d] = _pairwise_result(pieces, by_dst.get(d, []), received, src_r).to(device)
             continue
-        mine = [(i, box) for i, (_, dst, box) in enumerate(pieces) if dst == d]
+        mine = by_dst.get(d, [])
         if len(mine) == 1 and mine[0][1] == want:
             out[d] = received[mine[0][0]].to(device)
             continue
@@ -232,11 +235,12 @@ def _assemble(
     return out
 
 
-def _pairwise_result(pieces, received, src_rank: int, dst_rank: int) -> torch.Tensor:  # type: ignore[no-untyped-def]
-    for i, (src, dst, _) in enumerate(pieces):
-        if src == src_rank and dst == dst_rank:
+def _pairwise_result(pieces, mine, received, src_rank: int) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    """The piece from ``src_rank`` among ``mine``, the (index, box) pairs sent to this destination."""
+    for i, _ in mine:
+        if pieces[i][0] == src_rank:
             return received[i]
-    raise KeyError((src_rank, dst_rank))
+    raise KeyError(src_rank)
 
 
 def _run_broadcast(step: Step, shape: Shape, dtype: torch.dtype, shards: Shards, backend: Backend) -> Shards:

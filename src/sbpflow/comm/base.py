@@ -22,7 +22,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -110,6 +110,15 @@ class Backend(ABC):
         One process owns every rank here, so all ranks offer the same shape.
         """
         return {r: tuple(shape) for r in placement.flat_ranks}
+
+    def check_replicas(  # noqa: B027 - optional hook, a no-op unless a backend has processes to compare
+        self, placement: Placement, nd_sbp: Any, shards: dict[int, torch.Tensor], what: str
+    ) -> None:
+        """Under ``SBPFLOW_DEBUG``, checks that ranks holding replicas of one value along a B axis hold equal ones.
+
+        Called where per-process data becomes a global tensor (``to_global`` of a local tensor, ``tensor(...,
+        placement=)``). One process here builds every replica from one value, so they cannot differ.
+        """
 
     def everywhere(self, placement: Placement) -> Placement:
         """A placement on which every process owns a rank: where ``.numpy()`` gathers a value to."""
@@ -231,9 +240,16 @@ class Backend(ABC):
         ...
 
 
+# 16-bit floats whose sums every backend accumulates in fp32 and casts back: the simulated backend must give
+# the numbers a real one gives, and summing bf16 pieces in bf16 loses digits at every addition.
+WIDENED_SUMS = (torch.bfloat16, torch.float16)
+
+
 def reduce_tensors(tensors: Sequence[torch.Tensor], op: str) -> torch.Tensor:
-    """Elementwise reduction of same-shaped tensors, in a fixed order (deterministic)."""
-    out = tensors[0].clone()
+    """Elementwise reduction of same-shaped tensors, in a fixed order (deterministic); 16-bit sums in fp32."""
+    dtype = tensors[0].dtype
+    widen = op == "sum" and dtype in WIDENED_SUMS
+    out = tensors[0].float() if widen else tensors[0].clone()
     for t in tensors[1:]:
         if op == "sum":
             out.add_(t)
@@ -241,4 +257,4 @@ def reduce_tensors(tensors: Sequence[torch.Tensor], op: str) -> torch.Tensor:
             torch.maximum(out, t, out=out)
         else:
             torch.minimum(out, t, out=out)
-    return out
+    return out.to(dtype) if widen else out

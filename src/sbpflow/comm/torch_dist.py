@@ -45,6 +45,7 @@ collectives as CommError before any NCCL call is issued.
 from __future__ import annotations
 
 import datetime
+import hashlib
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -54,7 +55,8 @@ import torch.distributed as dist
 from .._layout import numel
 from ..distributed import Config, activity, current_activity
 from ..errors import CommError, PlacementError
-from .base import Backend, Completed, Shape, Transfer
+from ..sbp import Broadcast
+from .base import WIDENED_SUMS, Backend, Completed, Shape, Transfer
 
 if TYPE_CHECKING:
     from ..boxing.plan import Plan
@@ -244,7 +246,7 @@ class TorchDistBackend(Backend):
         if len(group) == 1:
             return {self.rank: mine.clone()}
         self._check_same("all_reduce", group, (tuple(mine.shape), str(mine.dtype), op))
-        buffer, reduce_op = _reducible(mine.contiguous().clone(), op)
+        buffer, reduce_op = _reduction_buffer(mine.contiguous().clone(), op)
         pg = self._group(group, mine.device)
         self._call("all_reduce", group, lambda: dist.all_reduce(buffer, op=reduce_op, group=pg))
         return {self.rank: buffer.to(mine.dtype).view(mine.shape)}
@@ -254,7 +256,7 @@ class TorchDistBackend(Backend):
         if len(group) == 1:
             return Completed({self.rank: mine.clone()})
         self._check_same("all_reduce", group, (tuple(mine.shape), str(mine.dtype), op))
-        buffer, reduce_op = _reducible(mine.contiguous().clone(), op)
+        buffer, reduce_op = _reduction_buffer(mine.contiguous().clone(), op)
         pg = self._group(group, mine.device)
         work = self._call("all_reduce (async)", group,
                           lambda: dist.all_reduce(buffer, op=reduce_op, group=pg, async_op=True))
@@ -272,7 +274,7 @@ class TorchDistBackend(Backend):
         if device.type == "cuda":
             return {self.rank: self._reduce_scatter_nccl(group, pieces, op, pg)}
         # gloo: one all-reduce of every piece, each member keeps its own (see the module docstring)
-        buffer, reduce_op = _reducible(torch.cat([p.reshape(-1) for p in pieces]), op)
+        buffer, reduce_op = _reduction_buffer(torch.cat([p.reshape(-1) for p in pieces]), op)
         self._call("reduce_scatter (as all_reduce)", group, lambda: dist.all_reduce(buffer, op=reduce_op, group=pg))
         start = sum(numel(s) for s in shapes[:me])
         mine = buffer[start : start + numel(shapes[me])]
@@ -284,7 +286,7 @@ class TorchDistBackend(Backend):
         me = group.index(self.rank)
         # torch sends chunk i of the input to group member i (by global rank order)
         ordered = [pieces[group.index(g)] for g in order]
-        buffer, reduce_op = _reducible(torch.cat([_padded(p, biggest) for p in ordered]), op)
+        buffer, reduce_op = _reduction_buffer(torch.cat([_padded(p, biggest) for p in ordered]), op)
         out = torch.empty(biggest, dtype=buffer.dtype, device=buffer.device)
         self._call("reduce_scatter", group,
                    lambda: dist.reduce_scatter_tensor(out, buffer, op=reduce_op, group=pg))
@@ -329,7 +331,7 @@ class TorchDistBackend(Backend):
         if len(group) == 1:
             return {self.rank: mine.clone()}
         self._check_same("reduce", group, (tuple(shape), str(dtype), root, op))
-        buffer, reduce_op = _reducible(mine.contiguous().clone(), op)
+        buffer, reduce_op = _reduction_buffer(mine.contiguous().clone(), op)
         pg = self._group(group, mine.device)
         self._call("reduce", group, lambda: dist.reduce(buffer, dst=root, op=reduce_op, group=pg))
         return {root: buffer.to(dtype).view(shape)} if self.rank == root else {}
@@ -371,6 +373,30 @@ class TorchDistBackend(Backend):
                 work.wait(self.timeout)
 
     # -- local_to_global --------------------------------------------------------------------
+
+    def check_replicas(self, placement: Placement, nd_sbp: Any, shards: dict[int, torch.Tensor], what: str) -> None:
+        """SBPFLOW_DEBUG: every process states a digest of its shard; ranks that are replicas of one another along
+        a B axis (every other mesh coordinate equal) must agree, or a CommError names them and the digests."""
+        if not self.config.debug or not any(isinstance(s, Broadcast) for s in nd_sbp):
+            return
+        mine = shards.get(self.rank)
+        digest = None if mine is None else _digest(mine)
+        everyone: list[Any] = [None] * self.world_size
+        self._call(f"debug check of {what}", tuple(range(self.world_size)),
+                   lambda: dist.all_gather_object(everyone, (self.rank, digest)))
+        digests = dict(everyone)
+        for axis, s in enumerate(nd_sbp):
+            if not isinstance(s, Broadcast):
+                continue
+            for group in placement.axis_groups(axis):
+                if len({digests[r] for r in group}) > 1:
+                    sides = "\n".join(f"  rank {r}: {digests[r]}" for r in group)
+                    raise CommError(
+                        f"{what}: ranks {list(group)} hold replicas of one value along mesh axis {axis} (sbp "
+                        f"{', '.join(map(str, nd_sbp))} on {placement}), but their values differ (SBPFLOW_DEBUG "
+                        f"check, seen on rank {self.rank}); every process must pass the same value for a B "
+                        f"tensor:\n{sides}"
+                    )
 
     def local_shapes(self, placement: Placement, shape: Shape) -> dict[int, Shape]:
         """Each process states its shard's shape (every process calls this, members or not)."""
@@ -438,9 +464,23 @@ def _reducible(t: torch.Tensor, op: str) -> tuple[torch.Tensor, Any]:
     return t, _OPS[op]
 
 
+def _reduction_buffer(t: torch.Tensor, op: str) -> tuple[torch.Tensor, Any]:
+    """Like :func:`_reducible`, but a sum of bf16/fp16 runs in fp32 (cast back by the caller), as NCCL users expect:
+    adding many 16-bit partial sums in 16 bits loses digits at every hop of the ring."""
+    if op == "sum" and t.dtype in WIDENED_SUMS:
+        return t.float(), _OPS[op]
+    return _reducible(t, op)
+
+
 def _recv_buffer(t: Transfer, device: torch.device) -> torch.Tensor:
     dtype = torch.uint8 if t.dtype == torch.bool else t.dtype
     return torch.empty(t.shape, dtype=dtype, device=device)
+
+
+def _digest(t: torch.Tensor) -> str:
+    """Shape, dtype and a hash of the bytes: equal exactly when two shards hold the same values."""
+    raw = t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    return f"{list(t.shape)} {str(t.dtype).replace('torch.', '')} sha1 {hashlib.sha1(raw).hexdigest()[:12]}"
 
 
 def _fingerprint(side: tuple[Any, ...]) -> str:

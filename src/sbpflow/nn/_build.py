@@ -38,7 +38,15 @@ def empty_param(shape: tuple[int, ...], name: str, placement: Placement | None, 
                 dtype: torch.dtype | None = None) -> Parameter:
     """A zero parameter of logical ``shape`` in the requested layout, ready for an ``nn.init`` initialiser."""
     kwargs = layout_for(name, placement, sbp, layer)
-    return Parameter(zeros(*shape, dtype=dtype, **kwargs))
+    try:
+        return Parameter(zeros(*shape, dtype=dtype, **kwargs))
+    except SbpError as e:
+        # One SBP for every parameter is the common case, so say which parameter it does not fit (often the
+        # 1-D bias under a split(1) meant for the weight) and how to give each its own.
+        raise SbpError(
+            f"{layer}: parameter {name!r} of shape {list(shape)} cannot take sbp {kwargs['sbp']} on {placement} "
+            f"({e}); pass one SBP per parameter, e.g. sbp={{'weight': ..., 'bias': sbpflow.sbp.broadcast}}"
+        ) from None
 
 
 def weight_and_bias(module: Module, weight_shape: tuple[int, ...], bias: bool, placement: Placement | None,

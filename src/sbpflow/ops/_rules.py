@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from ..errors import DTypeError, ShapeError
+from ..errors import DTypeError, IndexOutOfRangeError, ShapeError
 from ..sbp import Partial, SbpParallel, Split, broadcast
 from .registry import Meta, Scalar, Sig
 
@@ -84,6 +84,35 @@ def elementwise_sigs(args: Sequence[Any], out: Meta, partial: Sequence[tuple[Any
     return sigs
 
 
+def cast_is_linear(src: torch.dtype, dst: torch.dtype) -> bool:
+    """A cast commutes with a sum only from a float to a wider float: each piece is then exact in the target.
+
+    Casting each piece of a P(sum) to a narrower float, an int or bool rounds every piece on its own:
+    ``long()`` of pieces 0.6 and 0.6 gives 0, where the logical 1.2 gives 1.
+    """
+    return src.is_floating_point and dst.is_floating_point and torch.finfo(dst).bits > torch.finfo(src).bits and (
+        torch.finfo(dst).eps <= torch.finfo(src).eps)
+
+
+def cast_keeps_order(src: torch.dtype, dst: torch.dtype) -> bool:
+    """Whether the cast is non-decreasing on every value a P(max)/P(min) piece can hold (±inf of empty shards too).
+
+    Float to float rounds monotonically and keeps ±inf; an int to a type holding its whole range is exact; bool
+    (False < True) maps to 0 < 1. Casting to bool is not monotone (-1 -> True), float to int is undefined for
+    ±inf and NaN, and a narrower int wraps around.
+    """
+    if dst == torch.bool:
+        return src == torch.bool
+    if src == torch.bool or src.is_complex or dst.is_complex:
+        return src == torch.bool and not dst.is_complex
+    if src.is_floating_point:
+        return dst.is_floating_point
+    if dst.is_floating_point:
+        return True
+    lo, hi = torch.iinfo(src), torch.iinfo(dst)
+    return hi.min <= lo.min and lo.max <= hi.max
+
+
 def check_dtypes_equal(op: str, *ms: Meta) -> None:
     dtypes = {m.dtype for m in ms}
     if len(dtypes) > 1:
@@ -93,7 +122,8 @@ def check_dtypes_equal(op: str, *ms: Meta) -> None:
 def normalize_dim(dim: int, ndim: int, what: str = "dim") -> int:
     lo, hi = (-ndim, ndim - 1) if ndim else (-1, 0)
     if not lo <= dim <= hi:
-        raise ShapeError(f"{what} {dim} is out of range for a tensor with {ndim} dim(s) (expected {lo}..{hi})")
+        raise IndexOutOfRangeError(
+            f"{what} {dim} is out of range for a tensor with {ndim} dim(s) (expected {lo}..{hi})")
     return dim % ndim if ndim else 0
 
 

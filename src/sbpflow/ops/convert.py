@@ -27,12 +27,18 @@ _local_to_global = OpDef("local_to_global", kernel=lambda *a: None, meta=lambda 
                          shard_aware=False, save_outputs=False, differentiable=True, mesh_aware=False)
 
 
-def to_global(x: Tensor, placement: Placement, sbp: Any) -> Tensor:
-    """Boxes global ``x`` to ``(placement, sbp)`` with the cheapest plan."""
+def to_global(x: Tensor, placement: Placement, sbp: Any, grad_sbp: Any = None) -> Tensor:
+    """Boxes global ``x`` to ``(placement, sbp)`` with the cheapest plan.
+
+    ``grad_sbp`` is the SBP (on ``x``'s placement) that the gradient of ``x`` gets in backward; by default
+    ``x``'s own. ``P(sum)`` there, for example, leaves the reduction of the gradient to whoever needs it.
+    """
     nd = normalize(sbp, placement, x.ndim, what=f"tensor with {x._describe()}")
+    grad_nd = None if grad_sbp is None else normalize(grad_sbp, x.placement, x.ndim,
+                                                      what=f"grad_sbp of tensor with {x._describe()}")
     src = boxing.Layout(x.placement, x.sbp)
     dst = boxing.Layout(placement, nd)
-    if src == dst:
+    if src == dst and (grad_nd is None or grad_nd == x.sbp or not x.requires_grad):
         return x
     if _trace.ACTIVE:
         out = _trace.record_to_global(x, placement, nd)
@@ -41,18 +47,25 @@ def to_global(x: Tensor, placement: Placement, sbp: Any) -> Tensor:
         shards = boxing.execute(plan, x._shards or {})
         out = Tensor._from_shards(tuple(x.shape), x.dtype, placement, nd, shards)
     if is_grad_enabled() and x.requires_grad:
-        _record(_to_global, (x,), {}, (out,))
+        _record(_to_global, (x,), {"grad_sbp": grad_nd}, (out,))
     return out
 
 
 @_to_global.grad
 def _to_global_grad(ctx: Any, dy: Tensor) -> Any:
     x = ctx.inputs[0]
-    return (to_global(dy, x.placement, x.sbp),)
+    grad_sbp = ctx.attrs.get("grad_sbp")
+    return (to_global(dy, x.placement, x.sbp if grad_sbp is None else grad_sbp),)
 
 
 def local_to_global(x: Tensor, placement: Placement, sbp: Any) -> Tensor:
-    """Takes the local tensor as this rank's shard: every owned (virtual) rank contributes it.
+    """Takes the local tensor as the shard of every rank of ``placement`` that this process owns.
+
+    One rule in both modes: **each rank contributes its local tensor, and the SBP says what the
+    contributions mean**. Split axes concatenate them, a broadcast axis takes the (common) replica, and a
+    partial axis reduces them: ``P(sum)`` adds every rank's tensor. Virtual ranks of one process all
+    contribute the one local tensor, so onto ``P(sum)`` over 2 virtual ranks ``[1, 1]`` becomes ``[2, 2]``,
+    exactly as 2 processes each passing ``[1, 1]`` do.
 
     With one process per rank the shards may differ in length along split dims
     (as ``torch.tensor_split`` cuts them); the logical shape comes from every
@@ -64,18 +77,9 @@ def local_to_global(x: Tensor, placement: Placement, sbp: Any) -> Tensor:
     nd = normalize(sbp, placement, local.dim(), what=f"local tensor of shape {list(local.shape)}")
     backend = get_backend()
     shape = _logical_shape(placement, nd, backend.local_shapes(placement, tuple(local.shape)))
-    shards = {}
     owned = backend.owned(placement.flat_ranks)
-    for r in owned:
-        coords = placement.coords(r)
-        device = backend.device_for(placement.type, r)
-        # A rank's local tensor is its partial contribution; virtual ranks of one process share one local
-        # tensor, so there only coordinate 0 contributes it (the logical value is then the local one).
-        partial_elsewhere = any(
-            isinstance(s, Partial) and s.op == "sum" and c != 0 for s, c in zip(nd, coords, strict=True)
-        )
-        zero = len(owned) > 1 and partial_elsewhere
-        shards[r] = torch.zeros_like(local, device=device) if zero else local.to(device, copy=True)
+    shards = {r: local.to(backend.device_for(placement.type, r), copy=True) for r in owned}
+    backend.check_replicas(placement, nd, shards, "to_global of a local tensor")
     out = Tensor._from_shards(tuple(shape), local.dtype, placement, nd, shards)
     if is_grad_enabled() and x.requires_grad:
         _record(_local_to_global, (x,), {"placement": placement, "sbp": nd}, (out,))
@@ -111,16 +115,17 @@ def _logical_shape(placement: Placement, nd: NdSbp, shapes: dict[int, tuple[int,
 
 @_local_to_global.grad
 def _local_to_global_grad(ctx: Any, dy: Tensor) -> Any:
-    """The local tensor's gradient: its share of ``dy``, each logical region counted once.
+    """The local tensor's gradient: the sum of what each of its contributions received.
 
     A partial axis adds contributions up, so each contributor's gradient is the whole ``dy`` there: box
     partial axes to B first. One process per rank then takes its own shard. Virtual ranks share one local
-    tensor: the forward made it every split piece (their gradients add up) but only one replica along
-    broadcast and partial axes (coordinate 0 there), so only those shards count.
+    tensor, which the forward made every rank's contribution: along split and ``P(sum)`` axes each copy
+    counts (their gradients add up); along broadcast and ``P(max)``/``P(min)`` axes the copies are one value
+    (a replica, or the max of equal pieces), so only coordinate 0 there counts.
     """
     x = ctx.inputs[0]
-    placement = ctx.attrs["placement"]
-    adjoint = tuple(broadcast if isinstance(s, Partial) else s for s in ctx.attrs["sbp"])
+    placement, nd = ctx.attrs["placement"], ctx.attrs["sbp"]
+    adjoint = tuple(broadcast if isinstance(s, Partial) else s for s in nd)
     if (dy.placement, dy.sbp) != (placement, adjoint):
         dy = to_global(dy, placement, adjoint)
     shards = dy.local_tensors()
@@ -128,8 +133,8 @@ def _local_to_global_grad(ctx: Any, dy: Tensor) -> Any:
         return (Tensor._from_local(torch.zeros_like(x.to_local())),)
     keep = list(shards)
     if len(shards) > 1:
-        keep = [r for r in shards
-                if all(c == 0 for s, c in zip(adjoint, placement.coords(r), strict=True) if not isinstance(s, Split))]
+        once = [axis for axis, s in enumerate(nd) if not isinstance(s, Split) and s != Partial("sum")]
+        keep = [r for r in shards if all(placement.coords(r)[axis] == 0 for axis in once)]
     local = shards[keep[0]].to(x.device, copy=True)
     for r in keep[1:]:
         local += shards[r].to(x.device)

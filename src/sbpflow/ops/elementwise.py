@@ -3,7 +3,10 @@
 SBP rules: any output dim may be split (inputs broadcast along it stay B);
 partial values pass through ops that are linear in them (add, sub, neg, and mul
 or div by a broadcast factor); ``P(max)``/``P(min)`` pass through monotone
-non-decreasing unary ops, and ``neg`` swaps them.
+non-decreasing unary ops defined on every value a piece can hold (±inf of an
+empty shard included), and ``neg`` swaps them. ``log``/``sqrt`` take only
+``P(min)`` and ``cast`` decides by its dtypes (see their notes). Adding a B
+value to a ``P(max)`` does not pass (an infinite B meets a -inf piece).
 """
 
 from __future__ import annotations
@@ -29,13 +32,18 @@ def _n_tensors(args: tuple[Any, ...]) -> int:
 # -- unary ------------------------------------------------------------------------------------
 
 
-def _unary_sigs(monotone: bool = False, linear: bool = False, flips: bool = False):  # type: ignore[no-untyped-def]
+def _unary_sigs(monotone: bool | str = False, linear: bool = False, flips: bool = False):  # type: ignore[no-untyped-def]
+    """``monotone``: True lets P(max) and P(min) through; "min" only P(min), for functions whose domain is
+    bounded below (every P(min) piece is at least the logical value; a P(max) piece may be anything lower)."""
+
     def sigs(x: Meta, *rest: Any, outs: tuple[Meta, ...], **_: Any) -> list:  # type: ignore[type-arg]
         partial: list[tuple[Any, ...]] = []
         if linear:
             partial.append((PSUM, PSUM))
-        if monotone:
+        if monotone is True:
             partial += [(PMAX, PMAX), (PMIN, PMIN)]
+        elif monotone == "min":
+            partial.append((PMIN, PMIN))
         if flips:
             partial += [(PMAX, PMIN), (PMIN, PMAX)]
         return R.elementwise_sigs((x,), outs[0], partial)
@@ -43,15 +51,18 @@ def _unary_sigs(monotone: bool = False, linear: bool = False, flips: bool = Fals
     return sigs
 
 
-def _unary(name: str, fn: Any, *, meta: Any = R.same_meta, monotone: bool = False, linear: bool = False,
+def _unary(name: str, fn: Any, *, meta: Any = R.same_meta, monotone: bool | str = False, linear: bool = False,
            flips: bool = False, save_outputs: bool = False) -> Any:
     return op(name, meta=meta, sbp=_unary_sigs(monotone, linear, flips), save_outputs=save_outputs)(fn)
 
 
 neg = _unary("neg", torch.neg, linear=True, flips=True)
 exp = _unary("exp", torch.exp, meta=R.float_meta, monotone=True, save_outputs=True)
-log = _unary("log", torch.log, meta=R.float_meta, monotone=True)
-sqrt = _unary("sqrt", torch.sqrt, meta=R.float_meta, monotone=True, save_outputs=True)
+# log and sqrt are monotone but undefined below 0: a losing P(max) piece may be negative, or -inf from an empty
+# shard, and its NaN would win the max. Every P(min) piece is >= the logical value, so if that is in the domain
+# all pieces are (and if it is not, torch's own answer is NaN or -inf too): only P(min) passes.
+log = _unary("log", torch.log, meta=R.float_meta, monotone="min")
+sqrt = _unary("sqrt", torch.sqrt, meta=R.float_meta, monotone="min", save_outputs=True)
 rsqrt = _unary("rsqrt", torch.rsqrt, meta=R.float_meta, save_outputs=True)
 abs_ = _unary("abs", torch.abs)
 tanh = _unary("tanh", torch.tanh, meta=R.float_meta, monotone=True, save_outputs=True)
@@ -66,8 +77,18 @@ def gelu(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
     return TF.gelu(x, approximate=approximate)
 
 
-@op("cast", meta=lambda x, dtype: Meta(x.shape, dtype), sbp=_unary_sigs(monotone=True, linear=True))
+def _cast_sigs(x: Meta, outs: tuple[Meta, ...], dtype: torch.dtype) -> list[Any]:
+    partial: list[tuple[Any, ...]] = []
+    if R.cast_is_linear(x.dtype, dtype):
+        partial.append((PSUM, PSUM))
+    if R.cast_keeps_order(x.dtype, dtype):
+        partial += [(PMAX, PMAX), (PMIN, PMIN)]
+    return R.elementwise_sigs((x,), outs[0], partial)
+
+
+@op("cast", meta=lambda x, dtype: Meta(x.shape, dtype), sbp=_cast_sigs)
 def cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x.to(dtype)``; partial inputs pass only where the cast commutes with their reduction (see above)."""
     return x.to(dtype)
 
 
@@ -163,19 +184,16 @@ def _binary_sigs(kind: str):  # type: ignore[no-untyped-def]
     def sigs(*args: Any, outs: tuple[Meta, ...], **_: Any) -> list:  # type: ignore[type-arg]
         n = _n_tensors(args)
         partial: list[tuple[Any, ...]] = []
-        if n == 2:
-            if kind == "add":
-                partial += [(PSUM, PSUM, PSUM), (PMAX, B, PMAX), (PMIN, B, PMIN), (B, PMAX, PMAX), (B, PMIN, PMIN)]
-            elif kind == "sub":
-                partial += [(PSUM, PSUM, PSUM), (PMAX, B, PMAX), (PMIN, B, PMIN), (B, PMAX, PMIN), (B, PMIN, PMAX)]
-            elif kind == "mul":
-                partial += [(PSUM, B, PSUM), (B, PSUM, PSUM)]
-            elif kind == "div":
-                partial += [(PSUM, B, PSUM)]
+        # No P(max)/P(min) + B: max(a, c) + b = max(a + b, c + b) fails for an infinite b, as a losing piece may be
+        # -inf (an empty shard's) and -inf + inf is NaN, which then wins the max.
+        if n == 2 and kind in ("add", "sub"):
+            partial.append((PSUM, PSUM, PSUM))
+        elif n == 2 and kind == "mul":
+            partial += [(PSUM, B, PSUM), (B, PSUM, PSUM)]
+        elif n == 2 and kind == "div":
+            partial.append((PSUM, B, PSUM))
         elif n == 1 and kind in ("mul", "div"):
-            partial += [(PSUM, PSUM)]
-        elif n == 1 and kind in ("add", "sub"):
-            partial += [(PMAX, PMAX), (PMIN, PMIN)]
+            partial.append((PSUM, PSUM))
         return R.elementwise_sigs(args, outs[0], partial)
 
     return sigs
@@ -258,7 +276,7 @@ def _sub_grad(ctx: Any, dy: Any) -> Any:
 @mul.grad
 def _mul_grad(ctx: Any, dy: Any) -> Any:
     a, b = ctx.args
-    return _per_tensor(ctx, dy * b, dy * a)
+    return _per_tensor(ctx, dy * b, dy * a if hasattr(b, "shape") else None)  # a scalar b needs no gradient
 
 
 @div.grad

@@ -33,7 +33,8 @@ Scalar = int | float | bool
 
 
 def _is_t(x: Any) -> bool:
-    return isinstance(x, Tensor)
+    """A tensor operand: sbpflow's, or a plain torch tensor (dispatch makes it a broadcast global value)."""
+    return isinstance(x, (Tensor, torch.Tensor))
 
 
 # -- elementwise -----------------------------------------------------------------------------------

@@ -1,9 +1,11 @@
 """Tensor methods and Python operators, bound onto :class:`sbpflow.Tensor`.
 
 Op families bind their own extra methods with :func:`bind_methods`.
-In-place forms (``add_``, ``mul_`` ...) compute out of place, box the result to
-the tensor's own layout and copy it in; when every operand already shares that
-layout (and nothing is partial) they run torch's in-place kernel per shard.
+In-place forms (``add_``, ``mul_`` ..., and ``+=``, ``-=``, ``*=``, ``/=``) compute
+out of place, box the result to the tensor's own layout and copy it in; when
+every operand already shares that layout (and nothing is partial) they run
+torch's in-place kernel per shard. View methods (``view``, ``t``, ``x[1:]`` ...)
+mark their output so that in-place writes into it reach the input (``ops.views``).
 """
 
 from __future__ import annotations
@@ -17,8 +19,10 @@ from ..autograd import is_grad_enabled
 from ..errors import AutogradError, DTypeError, OpError, ShapeError
 from ..sbp import Partial
 from ..tensor import Tensor
+from . import _rules as R
 from . import functional as F
 from .registry import OpDef
+from .views import Writer, mark_view, not_writable, permuted, refresh, reshaped, write_back
 
 
 def bind_methods(table: dict[str, Callable[..., Any]]) -> None:
@@ -56,10 +60,8 @@ bind_methods({
     "minimum": F.minimum, "eq": F.eq, "ne": F.ne, "lt": F.lt, "le": F.le, "gt": F.gt, "ge": F.ge,
     "matmul": F.matmul, "max": F.max, "min": F.min, "sum": F.sum, "mean": F.mean, "amax": F.amax, "amin": F.amin,
     "var": F.var,
-    "std": F.std, "reshape": F.reshape, "view": F.view, "transpose": F.transpose, "permute": F.permute,
-    "unsqueeze": F.unsqueeze, "squeeze": F.squeeze, "expand": F.expand, "expand_as": F.expand_as,
-    "flatten": F.flatten, "unflatten": F.unflatten, "floor": F.floor, "sign": F.sign,
-    "t": F.t, "float": lambda self: F.cast(self, torch.float32), "double": lambda self: F.cast(self, torch.float64),
+    "std": F.std, "floor": F.floor, "sign": F.sign,  # view methods (reshape, t ...): see "views" below
+    "float": lambda self: F.cast(self, torch.float32), "double": lambda self: F.cast(self, torch.float64),
     "long": lambda self: F.cast(self, torch.int64), "int": lambda self: F.cast(self, torch.int32),
     "bool": lambda self: F.cast(self, torch.bool), "half": lambda self: F.cast(self, torch.float16),
     "bfloat16": lambda self: F.cast(self, torch.bfloat16), "type_as": lambda self, o: F.cast(self, o.dtype),
@@ -75,8 +77,6 @@ def _to(self: Tensor, *args: Any, **kwargs: Any) -> Tensor:
 
 
 Tensor.to = _to  # type: ignore[attr-defined]
-Tensor.T = property(lambda self: F.permute(self, tuple(reversed(range(self.ndim)))))  # type: ignore[attr-defined]
-Tensor.mT = property(lambda self: F.transpose(self, -1, -2))  # type: ignore[attr-defined]
 
 
 # -- in place --------------------------------------------------------------------------------------
@@ -88,6 +88,8 @@ def _fast_ok(self: Tensor, name: str, args: tuple[Any, ...]) -> bool:
         return False
     if self._local is None and any(isinstance(s, Partial) for s in self.sbp):
         return False
+    if name == "div_" and not self.dtype.is_floating_point:
+        return False  # true division gives floats; the checked slow path says why they cannot be stored
     for a in args:
         if isinstance(a, Tensor):
             if (a._local is None) != (self._local is None) or a.shape != self.shape or a.dtype != self.dtype:
@@ -99,28 +101,37 @@ def _fast_ok(self: Tensor, name: str, args: tuple[Any, ...]) -> bool:
     return True
 
 
-def _inplace(name: str, fn: Callable[..., Tensor], any_dtype: bool = False) -> Callable[..., Tensor]:
-    """An in-place method ``name``: ``fn`` computes the new value; ``any_dtype`` lets it cast freely (copy_, fill_)."""
+def _inplace(name: str, fn: Callable[..., Tensor], any_dtype: bool = False, shown: str = "") -> Callable[..., Tensor]:
+    """An in-place method ``name``: ``fn`` computes the new value; ``any_dtype`` lets it cast freely (copy_, fill_).
+
+    ``shown`` is how errors name it (``-=`` for ``__isub__``). A view (``x[:, 0]``, ``x.view(12)``) passes the
+    new value on to its base afterwards, so the write lands where torch's would (see ``ops.views``).
+    """
+    shown = shown or f"{name}()"
 
     def method(self: Tensor, *args: Any, **kwargs: Any) -> Tensor:
         if is_grad_enabled() and (self.requires_grad or any(isinstance(a, Tensor) and a.requires_grad for a in args)):
             raise AutogradError(
-                f"{name}() modifies a tensor in place while gradients are recorded ({self._describe()}); "
+                f"{shown} modifies a tensor in place while gradients are recorded ({self._describe()}); "
                 "wrap it in sbpflow.no_grad() or use the out-of-place form"
             )
+        if self._view_of is not None:
+            refresh(self)
         if _fast_ok(self, name, args):
             for r, shard in self.local_tensors().items():
                 values = [a.local_tensors()[r] if isinstance(a, Tensor) else a for a in args]
                 getattr(shard, name)(*values, **kwargs)
             self._version += 1
-            return self
-        result = fn(self, *args, **kwargs)
-        _check_inplace_result(name, self, result, any_dtype)
-        if self.is_global and (result.placement != self.placement or result.sbp != self.sbp):
-            result = F.to_global(result, self.placement, self.sbp)
-        if result.dtype != self.dtype:
-            result = F.cast(result, self.dtype)
-        return self._assign(result)
+        else:
+            result = fn(self, *args, **kwargs)
+            _check_inplace_result(shown, self, result, any_dtype)
+            if self.is_global and (result.placement != self.placement or result.sbp != self.sbp):
+                result = F.to_global(result, self.placement, self.sbp)
+            if result.dtype != self.dtype:
+                result = F.cast(result, self.dtype)
+            self._assign(result)
+        write_back(self)
+        return self
 
     method.__name__ = name
     return method
@@ -129,16 +140,16 @@ def _inplace(name: str, fn: Callable[..., Tensor], any_dtype: bool = False) -> C
 def _check_inplace_result(name: str, self: Tensor, result: Tensor, any_dtype: bool) -> None:
     if result.shape != self.shape:
         raise ShapeError(
-            f"{name}() cannot write a result of shape {list(result.shape)} into a tensor with {self._describe()}; "
+            f"{name} cannot write a result of shape {list(result.shape)} into a tensor with {self._describe()}; "
             "the other operands must broadcast to the target's shape"
         )
     if not any_dtype and not torch.can_cast(result.dtype, self.dtype):
         raise DTypeError(
-            f"{name}() computes a {str(result.dtype).replace('torch.', '')} result, which cannot be stored in place "
+            f"{name} computes a {str(result.dtype).replace('torch.', '')} result, which cannot be stored in place "
             f"into a tensor with {self._describe()}; use the out-of-place form"
         )
     if (result._local is None) != (self._local is None):
-        raise OpError(f"{name}() got local and global tensors together: target {self._describe()}, "
+        raise OpError(f"{name} got local and global tensors together: target {self._describe()}, "
                       f"result {result._describe()}")
 
 
@@ -157,6 +168,9 @@ bind_methods({
     "zero_": _inplace("zero_", lambda self: F.zeros_like(self), any_dtype=True),
     "neg_": _inplace("neg_", F.neg), "sqrt_": _inplace("sqrt_", F.sqrt), "exp_": _inplace("exp_", F.exp),
     "maximum_": _inplace("maximum_", F.maximum),
+    # x += y is in place in torch (a parameter update under no_grad must change the parameter itself)
+    "__iadd__": _inplace("add_", F.add, shown="+="), "__isub__": _inplace("sub_", F.sub, shown="-="),
+    "__imul__": _inplace("mul_", F.mul, shown="*="), "__itruediv__": _inplace("div_", F.div, shown="/="),
 })
 
 
@@ -167,3 +181,45 @@ bind_methods({
     "isfinite": F.isfinite, "masked_fill": F.masked_fill, "argmax": F.argmax, "argmin": F.argmin, "all": F.all,
     "any": F.any, "cumsum": F.cumsum, "topk": F.topk, "masked_fill_": _inplace("masked_fill_", F.masked_fill),
 })
+
+
+# -- views -----------------------------------------------------------------------------------------
+
+
+def _viewing(name: str, fn: Callable[..., Tensor], write: Writer) -> Callable[..., Tensor]:
+    """The view method ``name`` (torch's name): ``fn`` computes it, ``write`` carries in-place writes back."""
+
+    def method(self: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        return mark_view(fn(self, *args, **kwargs), self, write, name, *args, **kwargs)
+
+    method.__name__ = name
+    return method
+
+
+def _transpose(self: Tensor, dim0: int, dim1: int) -> Tensor:
+    dims = list(range(self.ndim))
+    d0, d1 = R.normalize_dim(dim0, self.ndim), R.normalize_dim(dim1, self.ndim)
+    dims[d0], dims[d1] = dims[d1], dims[d0]
+    return mark_view(F.transpose(self, dim0, dim1), self, permuted(tuple(dims)), "transpose", dim0, dim1)
+
+
+def _permute(self: Tensor, *dims: Any) -> Tensor:
+    if len(dims) == 1 and isinstance(dims[0], (tuple, list)):
+        dims = tuple(dims[0])
+    order = tuple(R.normalize_dim(d, self.ndim) for d in dims)
+    return mark_view(F.permute(self, order), self, permuted(order), "permute", order)
+
+
+def _expand_as(self: Tensor, other: Tensor) -> Tensor:
+    return mark_view(F.expand_as(self, other), self, not_writable("expand_as"), "expand", tuple(other.shape))
+
+
+bind_methods({
+    "reshape": _viewing("reshape", F.reshape, reshaped), "view": _viewing("view", F.view, reshaped),
+    "flatten": _viewing("flatten", F.flatten, reshaped), "unflatten": _viewing("unflatten", F.unflatten, reshaped),
+    "squeeze": _viewing("squeeze", F.squeeze, reshaped), "unsqueeze": _viewing("unsqueeze", F.unsqueeze, reshaped),
+    "transpose": _transpose, "permute": _permute, "t": lambda self: _transpose(self, 0, 1) if self.ndim == 2 else self,
+    "expand": _viewing("expand", F.expand, not_writable("expand")), "expand_as": _expand_as,
+})
+Tensor.T = property(lambda self: _permute(self, tuple(reversed(range(self.ndim)))))  # type: ignore[attr-defined]
+Tensor.mT = property(lambda self: _transpose(self, -1, -2))  # type: ignore[attr-defined]

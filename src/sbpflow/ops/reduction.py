@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from ..errors import IndexOutOfRangeError
 from ..sbp import Partial, Split, broadcast
 from . import _rules as R
 from .registry import Meta, ShardCtx, Sig, op
@@ -28,8 +29,20 @@ def _reduce_meta(x: Meta, dim: Any = None, keepdim: bool = False, dtype: torch.d
     return Meta(_reduced_shape(x, dims, keepdim), out_dtype)
 
 
-def _keep_dtype_meta(x: Meta, dim: Any = None, keepdim: bool = False) -> Meta:
-    return Meta(_reduced_shape(x, R.normalize_dims(dim, x.ndim), keepdim), x.dtype)
+def _minmax_meta(x: Meta, dim: Any = None, keepdim: bool = False) -> Meta:
+    """amax/amin keep the dtype; like torch, they refuse to reduce nothing (max has no identity to return).
+
+    Only the logical shape counts: an empty *shard* of a non-empty tensor gives the reduction's identity.
+    """
+    dims = R.normalize_dims(dim, x.ndim)
+    if dim is None and 0 in x.shape:
+        raise R.ShapeError(f"max/min of a tensor with no elements (shape {list(x.shape)}) is undefined; "
+                           "give dim= to reduce a non-empty dim")
+    empty = [d for d in dims if x.shape[d] == 0]
+    if empty:
+        raise IndexOutOfRangeError(f"max/min over dim {empty[0]} needs a non-empty dim, but the input has shape "
+                                   f"{list(x.shape)}")
+    return Meta(_reduced_shape(x, dims, keepdim), x.dtype)
 
 
 def _mean_meta(x: Meta, dim: Any = None, keepdim: bool = False, dtype: torch.dtype | None = None) -> Meta:
@@ -46,7 +59,8 @@ def _out_dim(d: int, dims: tuple[int, ...], keepdim: bool) -> int:
 def _reduce_sigs(kind: str):  # type: ignore[no-untyped-def]
     """kind: "sum" (P(sum) passes through, split reduced dims give P(sum)), "max", "min"."""
 
-    def sigs(x: Meta, outs: tuple[Meta, ...], dim: Any = None, keepdim: bool = False, **_: Any) -> list[Sig]:
+    def sigs(x: Meta, outs: tuple[Meta, ...], dim: Any = None, keepdim: bool = False, dtype: Any = None,
+             **_: Any) -> list[Sig]:
         dims = R.normalize_dims(dim, x.ndim)
         out = [Sig((broadcast,), (broadcast,))]
         for d in range(x.ndim):
@@ -54,7 +68,10 @@ def _reduce_sigs(kind: str):  # type: ignore[no-untyped-def]
                 out.append(Sig((Split(d),), (Partial(kind),)))
             else:
                 out.append(Sig((Split(d),), (Split(_out_dim(d, dims, keepdim)),)))
-        out.append(Sig((Partial(kind),), (Partial(kind),)))
+        # sum(dtype=...) casts each element first: on the pieces of a P(sum) that is exact only for a cast that
+        # commutes with the sum (see elementwise.cast); split pieces are whole elements, so they need no check
+        if dtype is None or dtype == x.dtype or R.cast_is_linear(x.dtype, dtype):
+            out.append(Sig((Partial(kind),), (Partial(kind),)))
         return out
 
     return sigs
@@ -92,8 +109,8 @@ def _minmax(fn: Any):  # type: ignore[no-untyped-def]
     return kernel
 
 
-amax = op("amax", meta=_keep_dtype_meta, sbp=_reduce_sigs("max"), save_outputs=True)(_minmax(torch.amax))
-amin = op("amin", meta=_keep_dtype_meta, sbp=_reduce_sigs("min"), save_outputs=True)(_minmax(torch.amin))
+amax = op("amax", meta=_minmax_meta, sbp=_reduce_sigs("max"), save_outputs=True)(_minmax(torch.amax))
+amin = op("amin", meta=_minmax_meta, sbp=_reduce_sigs("min"), save_outputs=True)(_minmax(torch.amin))
 
 
 def _expand_back(ctx: Any, g: Any) -> Any:
@@ -143,7 +160,8 @@ amin.grad(_minmax_grad)
 
 def _minmax_dim_meta(x: Meta, dim: int, keepdim: bool = False) -> tuple[Meta, Meta]:
     if x.ndim and x.shape[R.normalize_dim(dim, x.ndim)] == 0:
-        raise R.ShapeError(f"max/min over dim {dim} needs a non-empty dim, but the input has shape {list(x.shape)}")
+        raise IndexOutOfRangeError(
+            f"max/min over dim {dim} needs a non-empty dim, but the input has shape {list(x.shape)}")
     shape = _reduced_shape(x, (R.normalize_dim(dim, x.ndim),), keepdim)
     return Meta(shape, x.dtype), Meta(shape, torch.int64)
 

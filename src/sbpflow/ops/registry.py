@@ -48,6 +48,7 @@ from ..graph import trace as _trace
 from ..placement import DEVICE_TYPES, Placement
 from ..sbp import SBP_TYPES, Broadcast, NdSbp, Partial, SbpParallel, Split, format_nd
 from ..tensor import Tensor
+from .views import refresh
 
 DYNAMIC = -1  # an output size that only the data gives (see data_dependent ops in the module docstring)
 
@@ -173,6 +174,7 @@ def apply(opdef: OpDef, args: Sequence[Any], attrs: dict[str, Any]) -> Any:
     # one pass over the args: local or global (never both), and whether any needs a gradient
     is_global: bool | None = None
     needs_grad = False
+    has_torch = False
     for a in args:
         if isinstance(a, Tensor):
             here = a._local is None
@@ -184,6 +186,13 @@ def apply(opdef: OpDef, args: Sequence[Any], attrs: dict[str, Any]) -> Any:
                     "convert the local ones with .to_global(placement, sbp)"
                 )
             needs_grad = needs_grad or a.requires_grad
+            if a._view_of is not None:  # a view whose base was written since reads the base's new values
+                refresh(a)
+        elif isinstance(a, torch.Tensor):
+            has_torch = True
+    if has_torch:
+        args = _adopt_torch_tensors(opdef, args, bool(is_global))
+        is_global = bool(is_global)
     if is_global is None:
         raise OpError(f"op {opdef.name!r} needs at least one tensor argument")
     if _autocast_active():
@@ -222,6 +231,32 @@ def _warn_autocast() -> None:
         "sbpflow.autocast will bring mixed precision (issue 9); until then, cast explicitly (x.half(), x.bfloat16())",
         AutocastWarning, stacklevel=3,
     )
+
+
+def _adopt_torch_tensors(opdef: OpDef, args: Sequence[Any], is_global: bool) -> tuple[Any, ...]:
+    """Plain torch tensors become sbpflow tensors holding their value as the *logical* value.
+
+    Beside global tensors a torch tensor is broadcast (B) on their placement, as torch broadcasting treats a
+    second operand: ``x + torch.tensor([10., 20.])`` then gets torch's shape check and torch's numbers. Applied
+    per shard instead, it would meet each rank's slice of ``x`` and silently add to the wrong columns. With one
+    process per rank every process must pass the same value, as it must for a Python scalar.
+    """
+    from ..creation import tensor as make_tensor
+
+    placement = next((a._placement for a in args if isinstance(a, Tensor)), None) if is_global else None
+    out: list[Any] = []
+    for i, a in enumerate(args):
+        if isinstance(a, torch.Tensor) and not isinstance(a, Tensor):
+            if a.requires_grad:
+                raise OpError(
+                    f"op {opdef.name!r}: arg {i} is a torch tensor that requires grad ({list(a.shape)} "
+                    f"{str(a.dtype).replace('torch.', '')}); its gradient would be lost, so build it with "
+                    "sbpflow.tensor(..., requires_grad=True) instead"
+                )
+            out.append(make_tensor(a, placement=placement) if placement is not None else Tensor._from_local(a))
+        else:
+            out.append(a)
+    return tuple(out)
 
 
 def _record(opdef: OpDef, args: Sequence[Any], attrs: dict[str, Any], outs: tuple[Tensor, ...]) -> None:

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from ..errors import SbpflowError
+from ..errors import ArgumentError, SbpflowError
 from .optimizer import Optimizer, ShardBatch
 
 
@@ -28,10 +28,10 @@ class Adam(Optimizer):
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, amsgrad: bool = False, maximize: bool = False) -> None:
         if lr < 0 or eps < 0 or weight_decay < 0:
-            raise ValueError(f"{type(self).__name__} needs lr, eps and weight_decay >= 0, but got {lr}, {eps}, "
+            raise ArgumentError(f"{type(self).__name__} needs lr, eps and weight_decay >= 0, but got {lr}, {eps}, "
                              f"{weight_decay}")
         if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
-            raise ValueError(f"{type(self).__name__} needs betas in [0, 1), but got {betas}")
+            raise ArgumentError(f"{type(self).__name__} needs betas in [0, 1), but got {betas}")
         super().__init__(params, {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay,
                                   "amsgrad": amsgrad, "maximize": maximize})
 

@@ -148,6 +148,8 @@ class Optimizer:
         for p, (view, _) in zip(params, views, strict=True):
             if view is not p:  # sharded state: the updated slice goes back into the parameter
                 p._assign(view.to_global(p.placement, p.sbp))
+            else:  # updated on its shards by the foreach kernels: say so, as torch's step does
+                p._version += 1
 
     def _update_view(self, p: Tensor) -> tuple[Tensor, Tensor]:
         """``(parameter, gradient)`` in the state layout: ``p`` itself unless :meth:`state_sbp` differs."""

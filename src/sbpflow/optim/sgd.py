@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from ..errors import ArgumentError
 from .optimizer import Optimizer, ShardBatch
 
 
@@ -29,9 +30,10 @@ class SGD(Optimizer):
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, momentum: float = 0.0, dampening: float = 0.0,
                  weight_decay: float = 0.0, nesterov: bool = False, maximize: bool = False) -> None:
         if lr < 0 or momentum < 0 or weight_decay < 0:
-            raise ValueError(f"SGD needs lr, momentum and weight_decay >= 0, but got {lr}, {momentum}, {weight_decay}")
+            raise ArgumentError(
+                f"SGD needs lr, momentum and weight_decay >= 0, but got {lr}, {momentum}, {weight_decay}")
         if nesterov and (momentum <= 0 or dampening != 0):
-            raise ValueError("SGD with nesterov=True needs momentum > 0 and dampening = 0")
+            raise ArgumentError("SGD with nesterov=True needs momentum > 0 and dampening = 0")
         super().__init__(params, {"lr": lr, "momentum": momentum, "dampening": dampening,
                                   "weight_decay": weight_decay, "nesterov": nesterov, "maximize": maximize})
 
