@@ -93,12 +93,18 @@ def _cast(src: torch.dtype, dst: torch.dtype, keeps: tuple[str, ...], wrong: str
                   known_wrong=wrong, wrong_in=wrong_in, data=(0,))
 
 
-def _tt(name: str, keeps: tuple[str, ...]) -> OpCase:
-    return OpCase(f"{name}-tt", name, lambda g: (_r(g, 3, 4), _r(g, 3, 4)), {}, keeps, elementwise=True)
+def _tt(name: str, keeps: tuple[str, ...], small: bool = False) -> OpCase:
+    """Two tensors; ``small``: integer values, so that comparisons meet equal pieces too."""
+    def args(g: torch.Generator) -> Args:
+        return tuple((_r(g, 3, 4) * 2).round() if small else _r(g, 3, 4) for _ in range(2))
+
+    return OpCase(f"{name}-tt", name, args, {}, keeps, elementwise=True)
 
 
 def _ts(name: str, keeps: tuple[str, ...], scalar: float = 2.5) -> OpCase:
-    return OpCase(f"{name}-ts", name, lambda g: (_r(g, 3, 4), scalar), {}, keeps, elementwise=True)
+    """A tensor and a scalar; the rule sees only the scalar's type, so each op gets a negative one too."""
+    suffix = "-ts" if scalar > 0 else "-ts-neg"
+    return OpCase(f"{name}{suffix}", name, lambda g: (_r(g, 3, 4), scalar), {}, keeps, elementwise=True)
 
 
 def _partials(*inputs: str) -> tuple[str, ...]:
@@ -139,19 +145,17 @@ def _elementwise_cases() -> list[OpCase]:
         _tt("div", ("P(sum) B -> P(sum)",)),
         _tt("maximum", ()),
         _tt("pow", ()),
-        _ts("add", monotone),
-        _ts("sub", monotone),
-        _ts("mul", (SUM,)),
-        _ts("div", (SUM,)),
-        _ts("rsub", ()),
-        _ts("rdiv", ()),
+        *[_ts("add", monotone, k) for k in (2.5, -2.5)],
+        *[_ts("sub", monotone, k) for k in (2.5, -2.5)],
+        *[_ts("mul", (SUM,), k) for k in (2.5, -2.5)],
+        *[_ts("div", (SUM,), k) for k in (2.5, -2.5)],
+        *[_ts(name, (), k) for name in ("rsub", "rdiv", "rpow") for k in (2.5, -2.5)],
         OpCase("relu_backward", "relu_backward", lambda g: (_r(g, 3, 4), torch.relu(_r(g, 3, 4))), {},
                ("P(sum) B -> P(sum)",), elementwise=True),
         OpCase("where", "where", lambda g: (_r(g, 3, 4) > 0, _r(g, 3, 4), _r(g, 3, 4)), {}, (), elementwise=True),
         _tt("minimum", ()),
-        _ts("rpow", ()),
         OpCase("gelu_backward", "gelu_backward", lambda g: (_r(g, 3, 4), _r(g, 3, 4)), {}, (), elementwise=True),
-        *[_tt(n, ()) for n in ("eq", "ne", "lt", "le", "gt", "ge")],
+        *[_tt(n, (), small=True) for n in ("eq", "ne", "lt", "le", "gt", "ge")],
         *[OpCase(n, n, lambda g: (_r(g, 3, 4) > 0, _r(g, 3, 4) > 0), {}, (), elementwise=True, data=(0, 1))
           for n in ("logical_and", "logical_or")],
         OpCase("logical_not", "logical_not", lambda g: (_r(g, 3, 4) > 0,), {}, (), elementwise=True, data=(0,)),
@@ -210,9 +214,16 @@ def _conv_cases() -> list[OpCase]:
         OpCase("avg_pool2d", "avg_pool2d", pool_args, _AVGPOOL, (SUM,)),
         OpCase("avg_pool2d_backward", "avg_pool2d_backward", lambda g: (_r(g, 2, 3, 3, 3),),
                dict(_AVGPOOL, input_shape=(2, 3, 6, 6)), (SUM,)),
+        # overlapping windows: an input gets the sum of several windows' gradients
+        OpCase("max_pool2d_backward-overlap", "max_pool2d_backward", lambda g: (_r(g, 2, 3, 5, 5), _r(g, 2, 3, 6, 6)),
+               dict(_MAXPOOL, stride=(1, 1)), ("P(sum) B -> P(sum)",)),
+        OpCase("avg_pool2d_backward-overlap", "avg_pool2d_backward", lambda g: (_r(g, 2, 3, 5, 5),),
+               dict(_AVGPOOL, stride=(1, 1), input_shape=(2, 3, 6, 6)), (SUM,)),
         OpCase("adaptive_avg_pool2d", "adaptive_avg_pool2d", pool_args, {"output_size": (2, 2)}, (SUM,)),
         OpCase("adaptive_avg_pool2d_backward", "adaptive_avg_pool2d_backward", lambda g: (_r(g, 2, 3, 2, 2),),
                {"input_shape": (2, 3, 6, 6)}, (SUM,)),
+        OpCase("adaptive_avg_pool2d_backward-overlap", "adaptive_avg_pool2d_backward", lambda g: (_r(g, 2, 3, 2, 2),),
+               {"input_shape": (2, 3, 5, 5)}, (SUM,)),  # 5 -> 2: windows [0, 3) and [2, 5) share a row
     ]
 
 

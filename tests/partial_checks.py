@@ -17,6 +17,7 @@ from typing import Any
 import hypothesis.extra.numpy as hnp
 import numpy as np
 import torch
+from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 import sbpflow
@@ -28,6 +29,10 @@ from sbpflow.sbp import Broadcast, Partial, Split
 from sbpflow.tensor import Tensor
 
 Draw = Callable[[st.SearchStrategy[Any]], Any]
+
+# seeded, and no shrinking: a failure shows its (unshrunk) pieces, and known-wrong cases stay fast
+PROPERTY_SETTINGS = settings(max_examples=30, deadline=None, derandomize=True, phases=[Phase.explicit, Phase.generate],
+                             suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 
 def case_values(case: OpCase, seed: int = 0) -> tuple[Any, ...]:
@@ -79,6 +84,17 @@ def check_kernel_properties(case: OpCase, draw: Draw) -> None:
 
 def _tensor_positions(args: Sequence[Any]) -> list[int]:
     return [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+
+
+def run_kernel_properties(case: OpCase) -> None:
+    """:func:`check_kernel_properties` under hypothesis, outside pytest (the mutation check)."""
+
+    @PROPERTY_SETTINGS
+    @given(data=st.data())
+    def properties(data: st.DataObject) -> None:
+        check_kernel_properties(case, data.draw)
+
+    properties()
 
 
 def _check_property(case: OpCase, s: Sig, args: tuple[Any, ...], draw: Draw) -> None:
@@ -198,7 +214,8 @@ def _pieces(shape: torch.Size, dtype: torch.dtype, elementwise: bool) -> st.Sear
         info_f = torch.finfo(dtype)
         inf = float("inf")
         edges = st.sampled_from([0.0, -0.0, inf, -inf, info_f.max, -info_f.max, info_f.tiny, -info_f.tiny, 0.5, -1.0])
-        elements = st.one_of(st.floats(-1e3, 1e3), edges) if elementwise else st.integers(-32, 32).map(lambda k: k / 4)
+        quarters = st.integers(-32, 32).map(lambda k: k / 4)  # exact sums, and pieces equal to other inputs
+        elements = st.one_of(st.floats(-1e3, 1e3), quarters, edges) if elementwise else quarters
         np_dtype = np.float64
     return hnp.arrays(np_dtype, tuple(shape), elements=elements).map(lambda a: torch.from_numpy(a).to(dtype))
 

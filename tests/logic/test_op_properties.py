@@ -6,16 +6,12 @@ A wrong declaration, such as ``abs`` declared linear, fails here on its own: no 
 from __future__ import annotations
 
 import pytest
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 from opcases import CASES, OpCase, marked
-from partial_checks import check_kernel_properties, check_table
+from partial_checks import PROPERTY_SETTINGS, check_kernel_properties, check_table
 from sbpflow.ops.registry import REGISTRY
-
-# seeded, and no shrinking: a failure shows its (unshrunk) pieces, and known-wrong cases stay fast
-PROPERTY_SETTINGS = settings(max_examples=30, deadline=None, derandomize=True, phases=[Phase.explicit, Phase.generate],
-                             suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 
 @pytest.mark.parametrize("case", marked(CASES, "property"), ids=str)
