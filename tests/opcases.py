@@ -37,19 +37,32 @@ class OpCase:
     elementwise: bool = False  # output element i depends on input element i only: ±inf and the dtype's range apply
     rtol: float | None = None  # property tolerance; default from the partial input's dtype
     known_wrong: str = ""  # a declaration proven wrong, to be fixed in the rules (strict xfail until then)
-    wrong_in: tuple[str, ...] = ("table", "property", "mesh")  # the checks that show it (others pass)
+    wrong_in: tuple[str, ...] = ("table", "property", "mesh")  # the checks that show it ("mesh": on every mesh)
     data: tuple[int, ...] | None = None  # tensor inputs that may be partial (default: floating-point ones)
 
     def __str__(self) -> str:
         return self.id
 
 
+def shows(case: OpCase, check: str) -> bool:
+    """Whether ``check`` ("table", "property", "mesh 2", ...) fails on the case's known-wrong rule."""
+    return bool(case.known_wrong) and (check in case.wrong_in or check.split()[0] in case.wrong_in)
+
+
 def marked(cases: list[OpCase], check: str) -> list[Any]:
     """``cases`` as pytest params, the known-wrong ones a strict xfail for the ``check`` that shows it."""
     import pytest
 
-    return [pytest.param(c, marks=pytest.mark.xfail(strict=True, reason=c.known_wrong))
-            if c.known_wrong and check in c.wrong_in else c for c in cases]
+    return [pytest.param(c, marks=pytest.mark.xfail(strict=True, reason=c.known_wrong)) if shows(c, check) else c
+            for c in cases]
+
+
+def marked_on_meshes(cases: list[OpCase], placements: list[str]) -> list[Any]:
+    """``(case, placement)`` pytest params, strict xfails where the known-wrong rule shows on that mesh."""
+    import pytest
+
+    return [pytest.param(c, p, id=f"{c.id}-{p}", marks=pytest.mark.xfail(strict=True, reason=c.known_wrong))
+            if shows(c, f"mesh {p}") else pytest.param(c, p, id=f"{c.id}-{p}") for c in cases for p in placements]
 
 
 def sig(text: str) -> Sig:
@@ -195,18 +208,23 @@ def _matrix_cases() -> list[OpCase]:
 
 def _conv_cases() -> list[OpCase]:
     def conv_args(g: torch.Generator) -> Args:
-        return (_r(g, 2, 4, 5, 5), _r(g, 3, 4, 3, 3), _r(g, 3))
+        return (_r(g, *x_shape), _r(g, *w_shape), _r(g, 3))
 
     def pool_args(g: torch.Generator) -> Args:
         return (_r(g, 2, 3, 6, 6),)
 
-    x_shape, w_shape = (2, 4, 5, 5), (3, 4, 3, 3)
+    x_shape, w_shape, y_shape = (2, 4, 4, 4), (3, 4, 3, 3), (2, 3, 4, 4)  # (N, C, H, W), (O, C, kh, kw), (N, O, H, W)
+    conv_keeps = ("P(sum) B P(sum) -> P(sum)", "B P(sum) P(sum) -> P(sum)", "S(1) S(1) P(sum) -> P(sum)")
     return [
-        OpCase("conv2d", "conv2d", conv_args, _CONV,
-               ("P(sum) B P(sum) -> P(sum)", "B P(sum) P(sum) -> P(sum)", "S(1) S(1) P(sum) -> P(sum)")),
-        OpCase("conv2d_input_grad", "conv2d_input_grad", lambda g: (_r(g, 2, 3, 5, 5), _r(g, *w_shape)),
+        OpCase("conv2d", "conv2d", conv_args, _CONV, conv_keeps),
+        # 2 input channels split over 3 ranks: one rank holds none (an empty shard)
+        OpCase("conv2d-empty-shard", "conv2d", lambda g: (_r(g, 1, 2, 4, 4), _r(g, 3, 2, 3, 3), _r(g, 3)), _CONV,
+               conv_keeps, known_wrong="conv2d's kernel gives a (N, 0, H, W) piece for an empty input-channel shard "
+               "under S(1) x S(1) -> P(sum) (torch conv2d of 0 channels): found by the random-pieces mesh test",
+               wrong_in=("mesh 3", "mesh 2x2")),
+        OpCase("conv2d_input_grad", "conv2d_input_grad", lambda g: (_r(g, *y_shape), _r(g, *w_shape)),
                dict(_CONV, input_shape=x_shape), ("P(sum) B -> P(sum)", "B P(sum) -> P(sum)")),
-        OpCase("conv2d_weight_grad", "conv2d_weight_grad", lambda g: (_r(g, 2, 3, 5, 5), _r(g, *x_shape)),
+        OpCase("conv2d_weight_grad", "conv2d_weight_grad", lambda g: (_r(g, *y_shape), _r(g, *x_shape)),
                dict(_CONV, weight_shape=w_shape), ("P(sum) B -> P(sum)", "B P(sum) -> P(sum)")),
         OpCase("max_pool2d", "max_pool2d", pool_args, _MAXPOOL, (MAX,)),
         OpCase("max_pool2d_backward", "max_pool2d_backward", lambda g: (_r(g, 2, 3, 3, 3), _r(g, 2, 3, 6, 6)),
@@ -253,7 +271,7 @@ def _indexing_cases() -> list[OpCase]:
 
 def _model_cases() -> list[OpCase]:
     def qkv(g: torch.Generator) -> Args:
-        return tuple(_r(g, 1, 2, 4, 3) for _ in range(3))
+        return tuple(_r(g, 1, 2, 3, 2) for _ in range(3))  # (batch, heads, tokens, head dim)
 
     sdpa_attrs = {"is_causal": False, "scale": None}
     norm = {"normalized_ndim": 1, "eps": 1e-5}
@@ -271,7 +289,7 @@ def _model_cases() -> list[OpCase]:
         OpCase("unpick", "unpick", lambda g: (_r(g, 3), _ints(g, 5, 3)),
                {"num_classes": 5, "ignore_index": -100, "class_split": False}, ("P(sum) B -> P(sum)",)),
         OpCase("sdpa", "scaled_dot_product_attention", qkv, sdpa_attrs, ("B B P(sum) -> P(sum)",)),
-        OpCase("sdpa_backward", "sdpa_backward", lambda g: (_r(g, 1, 2, 4, 3),) + qkv(g), sdpa_attrs,
+        OpCase("sdpa_backward", "sdpa_backward", lambda g: (_r(g, 1, 2, 3, 2),) + qkv(g), sdpa_attrs,
                ("P(sum) B B B -> P(sum) P(sum) P(sum)", "B B B P(sum) -> P(sum) P(sum) B")),
     ]
 

@@ -17,7 +17,7 @@ from sbpflow.ops.registry import REGISTRY
 @pytest.mark.parametrize("case", marked(CASES, "property"), ids=str)
 @PROPERTY_SETTINGS
 @given(data=st.data())
-def test_declared_properties_hold_on_the_kernel(case: OpCase, data: st.DataObject) -> None:
+def test_declared_properties_hold_on_the_kernel(case: OpCase, data: st.DataObject, one_torch_thread: None) -> None:
     check_kernel_properties(case, data.draw)
 
 

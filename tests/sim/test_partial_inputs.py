@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import pytest
 
-from opcases import CASES, OpCase, marked
+from opcases import CASES, OpCase, marked_on_meshes
 from partial_checks import check_partial_inputs
 
 
-@pytest.mark.parametrize("placement", ["2", "3", "2x2"])
-@pytest.mark.parametrize("case", marked(CASES, "mesh"), ids=str)
+@pytest.mark.parametrize(("case", "placement"), marked_on_meshes(CASES, ["2", "3", "2x2"]))
 def test_partial_inputs_give_the_single_device_value(case: OpCase, placement: str, one_torch_thread: None) -> None:
     check_partial_inputs(case, placement)
