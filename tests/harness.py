@@ -112,28 +112,30 @@ def check(
 
 
 def global_tensor(value: Any, placement: sbpflow.Placement | None, sbp: Any, *, seed: int = 0,
-                  requires_grad: bool = False) -> sbpflow.Tensor:
+                  requires_grad: bool = False, empty_share: float = 0.25) -> sbpflow.Tensor:
     """``sbpflow.tensor(value, placement, sbp)``, with every partial axis held as random pieces (seeded)."""
     t = sbpflow.tensor(value, placement=placement, sbp=sbp if placement is not None else None)
     if placement is not None and any(isinstance(s, Partial) for s in t.sbp):
-        t._shards = partial_shards(torch.as_tensor(value), placement, t.sbp, seed=seed)
+        t._shards = partial_shards(torch.as_tensor(value), placement, t.sbp, seed=seed, empty_share=empty_share)
     return t.requires_grad_(requires_grad) if requires_grad else t
 
 
 def partial_shards(value: torch.Tensor, placement: sbpflow.Placement, nd_sbp: tuple[Any, ...],
-                   seed: int = 0) -> dict[int, torch.Tensor]:
+                   seed: int = 0, empty_share: float = 0.25) -> dict[int, torch.Tensor]:
     """``{rank: shard}`` of ``value`` where each partial mesh axis holds random pieces.
 
     Pieces are drawn axis by axis (mesh axis 0 first, then each piece again along axis 1), so the
     value is the reduction along the last partial axis, then the previous one. Split axes cut every
-    piece like the value. Seeded, so a failure reproduces.
+    piece like the value. Seeded, so a failure reproduces. ``empty_share``: the share of losing
+    ``P(max)``/``P(min)`` elements that hold ±inf, as from an empty shard (0: finite pieces only).
     """
     gen = torch.Generator().manual_seed(seed)
     pieces: dict[tuple[int, ...], torch.Tensor] = {(): value}
     for axis, s in enumerate(nd_sbp):
         grown: dict[tuple[int, ...], torch.Tensor] = {}
         for key, v in pieces.items():
-            parts = split_into_pieces(v, s.op, placement.hierarchy[axis], gen) if isinstance(s, Partial) else [v]
+            n = placement.hierarchy[axis]
+            parts = split_into_pieces(v, s.op, n, gen, empty_share) if isinstance(s, Partial) else [v]
             grown.update({key + (c,): piece for c, piece in enumerate(parts)})
         pieces = grown
     out = {}
@@ -145,7 +147,8 @@ def partial_shards(value: torch.Tensor, placement: sbpflow.Placement, nd_sbp: tu
     return out
 
 
-def split_into_pieces(value: torch.Tensor, op: str, n: int, gen: torch.Generator) -> list[torch.Tensor]:
+def split_into_pieces(value: torch.Tensor, op: str, n: int, gen: torch.Generator,
+                      empty_share: float = 0.25) -> list[torch.Tensor]:
     """``n`` random tensors whose reduction by ``op`` ("sum", "max", "min") is ``value``, none equal to it alone."""
     if n == 1:
         return [value.clone()]
@@ -154,7 +157,7 @@ def split_into_pieces(value: torch.Tensor, op: str, n: int, gen: torch.Generator
     sign = 1 if op == "max" else -1
     # per element one rank holds the value; the others hold something below it (above, for min)
     winner = torch.randint(0, n, value.shape, generator=gen)
-    return [torch.where(winner == i, value, _loser(value, sign, gen)) for i in range(n)]
+    return [torch.where(winner == i, value, _loser(value, sign, gen, empty_share)) for i in range(n)]
 
 
 def _sum_pieces(value: torch.Tensor, n: int, gen: torch.Generator) -> list[torch.Tensor]:
@@ -173,7 +176,7 @@ def _sum_pieces(value: torch.Tensor, n: int, gen: torch.Generator) -> list[torch
     return noise + [last]
 
 
-def _loser(value: torch.Tensor, sign: int, gen: torch.Generator) -> torch.Tensor:
+def _loser(value: torch.Tensor, sign: int, gen: torch.Generator, empty_share: float) -> torch.Tensor:
     """A piece at or below ``value`` (``sign=1``) or at or above it (``sign=-1``): never the winner's."""
     if value.dtype == torch.bool:
         coin = torch.rand(value.shape, generator=gen) < 0.5
@@ -182,7 +185,7 @@ def _loser(value: torch.Tensor, sign: int, gen: torch.Generator) -> torch.Tensor
         wide = value.double()
         scale = 1 + torch.where(wide.isfinite(), wide.abs(), 0)
         gap = torch.rand(value.shape, generator=gen, dtype=torch.float64) * scale
-        empty = torch.rand(value.shape, generator=gen) < 0.25  # as from an empty shard: the reduction's identity
+        empty = torch.rand(value.shape, generator=gen) < empty_share  # as from an empty shard: the identity
         loser = torch.where(empty, -sign * float("inf"), wide - sign * (gap + 0.5))
         return loser.to(value.dtype)
     info = torch.iinfo(value.dtype)

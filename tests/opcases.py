@@ -137,8 +137,9 @@ def _elementwise_cases() -> list[OpCase]:
     return [
         _unary("neg", (SUM,) + FLIPS),
         *[_unary(n, monotone) for n in ("exp", "tanh", "sigmoid", "relu", "floor", "ceil", "round")],
-        _unary("log", (), wrong=SECTION1.format("log of P(max) is NaN where a losing piece is <= 0 or -inf")),
-        _unary("sqrt", (), wrong=SECTION1.format("sqrt of P(max) is NaN where a losing piece is < 0")),
+        # P(min) holds: where the smallest piece is out of the domain, so is the value
+        _unary("log", (MIN,), wrong=SECTION1.format("log of P(max) is NaN where a losing piece is <= 0 or -inf")),
+        _unary("sqrt", (MIN,), wrong=SECTION1.format("sqrt of P(max) is NaN where a losing piece is < 0")),
         *[_unary(n) for n in ("abs", "rsqrt", "silu", "sign", "gelu")],
         _cast(torch.float32, torch.float64, ALL3),
         _cast(torch.float32, torch.float16, monotone, SECTION1.format("a narrowing cast of P(sum) is not linear")),
@@ -199,6 +200,9 @@ def _matrix_cases() -> list[OpCase]:
     return [
         OpCase("matmul", "matmul", lambda g: (_r(g, 3, 4), _r(g, 4, 5)), {}, both),
         OpCase("linear", "linear", lambda g: (_r(g, 3, 4), _r(g, 5, 4), _r(g, 5)), {},
+               ("P(sum) B P(sum) -> P(sum)", "S(1) S(1) P(sum) -> P(sum)")),
+        # 2 input features split over 3 ranks: one rank holds none (an empty shard)
+        OpCase("linear-empty-shard", "linear", lambda g: (_r(g, 3, 2), _r(g, 5, 2), _r(g, 5)), {},
                ("P(sum) B P(sum) -> P(sum)", "S(1) S(1) P(sum) -> P(sum)")),
         OpCase("linear-nobias", "linear", lambda g: (_r(g, 3, 4), _r(g, 5, 4)), {}, ("P(sum) B -> P(sum)",)),
         OpCase("matmul_nd", "matmul_nd", lambda g: (_r(g, 2, 3, 5), _r(g, 5, 4)), {}, both),

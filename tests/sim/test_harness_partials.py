@@ -70,3 +70,13 @@ def test_empty_shards() -> None:
     t = global_tensor(value, PLACEMENTS["2x2"], (S.split(0), S.partial_max), seed=1)
     assert min(s.numel() for s in t.local_tensors().values()) == 0
     np.testing.assert_array_equal(t.numpy(), value.numpy())
+
+
+@pytest.mark.parametrize("op", ["max", "min"])
+def test_finite_pieces_on_request(op: str) -> None:
+    """``empty_share=0``: losing pieces are finite, so a rule failing only on finite losers shows too."""
+    value = _value(torch.float32, (40,))
+    shards = partial_shards(value, PLACEMENTS["3"], (S.Partial(op),), seed=2, empty_share=0.0)
+    assert all(bool(p.isfinite().all()) for p in shards.values())
+    assert torch.equal(torch.stack(list(shards.values())).amax(0) if op == "max"
+                       else torch.stack(list(shards.values())).amin(0), value)
