@@ -69,6 +69,12 @@ _HOLDS: dict[str, tuple[str, ...]] = {
     "rms_norm": ("B P(sum) -> P(sum)",),  # linear in the weight
     "rms_norm_backward": ("P(sum) B B -> P(sum) P(sum)",),  # linear in dy
     # linear in dy; the bias does not enter the gradients at all
+    "any": ("P(sum) -> P(sum)",),  # a P(sum) of bools reduces as OR, any()'s own partial
+    "masked_select_backward": _PASSES_MAX_MIN,
+    # an update is monotone in the parameter (for weight decay below 1 / lr)
+    "sgd_update": _PASSES_MAX_MIN,
+    "sgd_momentum_update": ("P(max) B B -> P(max) P(max)", "P(min) B B -> P(min) P(min)"),
+    "adam_update_multi": ("P(max) B B B -> P(max) P(max) P(max)", "P(min) B B B -> P(min) P(min) P(min)"),
     "layer_norm_backward": ("P(sum) B B B -> P(sum) P(sum) P(sum)",) + tuple(
         f"B B B {a} -> {b} {b} {b}" for a, b in [("P(max)", "P(max)"), ("P(min)", "P(min)"), ("P(max)", "P(min)"),
                                                   ("P(min)", "P(max)")]),

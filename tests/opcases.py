@@ -173,6 +173,13 @@ def _elementwise_cases() -> list[OpCase]:
         *[OpCase(n, n, lambda g: (_r(g, 3, 4) > 0, _r(g, 3, 4) > 0), {}, (), elementwise=True, data=(0, 1))
           for n in ("logical_and", "logical_or")],
         OpCase("logical_not", "logical_not", lambda g: (_r(g, 3, 4) > 0,), {}, (), elementwise=True, data=(0,)),
+        *[_unary(n, ALL3) for n in ("clone", "contiguous")],
+        *[_unary(n) for n in ("sin", "cos", "isnan", "isfinite")],
+        _unary("erf", monotone),
+        OpCase("masked_fill", "masked_fill", lambda g: (_r(g, 3, 4), _r(g, 3, 4) > 0), {"value": 1.5}, _partials(
+            "_", "B")[1:], elementwise=True),
+        OpCase("masked_fill-0", "masked_fill", lambda g: (_r(g, 3, 4), _r(g, 3, 4) > 0), {"value": 0.0},
+               _partials("_", "B"), elementwise=True),
     ]
 
 
@@ -190,6 +197,13 @@ def _reduction_cases() -> list[OpCase]:
                {"shape": (4, 6), "dim": 1, "keepdim": False}, ("P(sum) B -> P(sum)",)),
         OpCase("max_dim", "max_dim", x, {"dim": 1}),
         OpCase("min_dim", "min_dim", x, {"dim": 0}),
+        OpCase("argmax", "argmax", x, {"dim": 1}),
+        OpCase("argmin", "argmin", x, {"dim": 0}),
+        OpCase("topk", "topk", x, {"k": 2, "dim": 1}),
+        OpCase("cumsum", "cumsum", x, {"dim": 1}, (SUM,)),
+        OpCase("all", "all", lambda g: (_r(g, 4, 6) > -1,), {"dim": (1,)}, (MIN,), data=(0,)),
+        OpCase("any", "any", lambda g: (_r(g, 4, 6) > 1,), {"dim": (1,)}, (MAX,), data=(0,)),
+        OpCase("all-float", "all", x, {"dim": (1,)}),  # nonzero of each piece is not nonzero of the value
         OpCase("softmax", "softmax", x, {"dim": 1}),
         OpCase("log_softmax", "log_softmax", x, {"dim": 1}),
     ]
@@ -249,6 +263,9 @@ def _conv_cases() -> list[OpCase]:
     ]
 
 
+_MASK = torch.tensor([[True, False, True, True], [False, False, False, False], [True, True, False, True]])
+
+
 def _indexing_cases() -> list[OpCase]:
     def rows(g: torch.Generator) -> Args:
         return (_r(g, 6, 4),)
@@ -264,6 +281,9 @@ def _indexing_cases() -> list[OpCase]:
         OpCase("gather", "gather", lambda g: (_r(g, 4, 5), _ints(g, 5, 4, 3)), {"dim": 1}, _partials("_", "B")),
         OpCase("gather_backward", "gather_backward", lambda g: (_r(g, 4, 3), _ints(g, 5, 4, 3)),
                {"dim": 1, "shape": (4, 5)}, ("P(sum) B -> P(sum)",)),
+        OpCase("masked_select", "masked_select", lambda g: (_r(g, 3, 4), _MASK), {}, _partials("_", "B")),
+        OpCase("masked_select_backward", "masked_select_backward", lambda g: (_r(g, int(_MASK.sum())), _MASK), {},
+               ("P(sum) B -> P(sum)",)),
         OpCase("cat", "cat", lambda g: (_r(g, 2, 3), _r(g, 3, 3)), {"dim": 0}, _partials("_", "_")),
         OpCase("reshape", "reshape", lambda g: (_r(g, 4, 6),), {"shape": (6, 4)}, _partials("_")),
         OpCase("permute", "permute", lambda g: (_r(g, 4, 6),), {"dims": (1, 0)}, _partials("_")),
@@ -298,8 +318,25 @@ def _model_cases() -> list[OpCase]:
     ]
 
 
+def _optimizer_cases() -> list[OpCase]:
+    """Updates are elementwise in (parameter, gradient, state); no partial signature."""
+    def tensors(g: torch.Generator, n: int) -> Args:
+        return tuple(_r(g, 3, 4) for _ in range(n))
+
+    adam = {"beta1": 0.9, "beta2": 0.999, "eps": 1e-8}
+    return [
+        OpCase("sgd_update", "sgd_update", lambda g: tensors(g, 2) + (0.1,), {"weight_decay": 0.0}, elementwise=True),
+        OpCase("sgd_update-maximize", "sgd_update", lambda g: tensors(g, 2) + (0.1,), {"maximize": True},
+               elementwise=True),
+        OpCase("sgd_momentum_update", "sgd_momentum_update", lambda g: tensors(g, 3) + (0.1, 1.0), {"momentum": 0.9},
+               elementwise=True),
+        OpCase("adam_update_multi", "adam_update_multi", lambda g: tensors(g, 3) + (_r(g, 3, 4).abs(), 0.1, 3), adam,
+               elementwise=True),
+    ]
+
+
 CASES: list[OpCase] = _elementwise_cases() + _reduction_cases() + _matrix_cases() + _conv_cases() + \
-    _indexing_cases() + _model_cases()
+    _indexing_cases() + _model_cases() + _optimizer_cases()
 BY_ID = {c.id: c for c in CASES}
 assert len(BY_ID) == len(CASES), "case ids must be unique"
 

@@ -201,7 +201,7 @@ def _show(x: torch.Tensor) -> str:
 
 
 def _pieces(shape: torch.Size, dtype: torch.dtype, elementwise: bool) -> st.SearchStrategy[torch.Tensor]:
-    """One rank's piece: ±inf, ±0 and the dtype's extremes for elementwise ops; small exact values otherwise."""
+    """One rank's piece: ±inf, NaN, ±0 and the dtype's extremes for elementwise ops; small exact values otherwise."""
     if not elementwise:
         return st.tuples(st.integers(0, 2**31), st.sampled_from([0.0, 0.5, 0.9])).map(
             lambda drawn: _seeded_piece(shape, dtype, *drawn))
@@ -215,7 +215,8 @@ def _pieces(shape: torch.Size, dtype: torch.dtype, elementwise: bool) -> st.Sear
     else:
         info_f = torch.finfo(dtype)
         inf = float("inf")
-        edges = st.sampled_from([0.0, -0.0, inf, -inf, info_f.max, -info_f.max, info_f.tiny, -info_f.tiny, 0.5, -1.0])
+        edges = st.sampled_from([0.0, -0.0, inf, -inf, float("nan"), info_f.max, -info_f.max, info_f.tiny,
+                                 -info_f.tiny, 0.5, -1.0])
         quarters = st.integers(-32, 32).map(lambda k: k / 4)  # exact sums, and pieces equal to other inputs
         elements = st.one_of(st.floats(-1e3, 1e3), quarters, edges)
         np_dtype = np.float64
