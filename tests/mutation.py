@@ -43,14 +43,15 @@ _BOOL_ALGEBRA = tuple(f"{a} -> {k}" for k in ("P(sum)", "P(max)", "P(min)")  # a
 # Added properties that hold for every input (reviewed by hand; no numeric check fails either): declarations
 # the op could make to save a collective, not lies. A flip adding anything else must be caught.
 _HOLDS: dict[str, tuple[str, ...]] = {
-    "sign": _MONOTONE,
     "rsub": _ANTITONE,
     "maximum": _PASSES_MAX_MIN + ("B P(max) -> P(max)", "B P(min) -> P(min)"),
     "minimum": _PASSES_MAX_MIN + ("B P(max) -> P(max)", "B P(min) -> P(min)"),
-    "lt": ("P(max) B -> P(min)", "P(min) B -> P(max)", "B P(max) -> P(max)", "B P(min) -> P(min)"),
-    "le": ("P(max) B -> P(min)", "P(min) B -> P(max)", "B P(max) -> P(max)", "B P(min) -> P(min)"),
-    "gt": ("P(max) B -> P(max)", "P(min) B -> P(min)", "B P(max) -> P(min)", "B P(min) -> P(max)"),
-    "ge": ("P(max) B -> P(max)", "P(min) B -> P(min)", "B P(max) -> P(min)", "B P(min) -> P(max)"),
+    # a comparison with a NaN piece is False where the NaN value's is too only for the min of the pieces
+    "lt": ("P(max) B -> P(min)", "B P(min) -> P(min)"),
+    "le": ("P(max) B -> P(min)", "B P(min) -> P(min)"),
+    "gt": ("P(min) B -> P(min)", "B P(max) -> P(min)"),
+    "ge": ("P(min) B -> P(min)", "B P(max) -> P(min)"),
+    "isnan": ("P(max) -> P(max)", "P(min) -> P(max)"),  # max and min propagate NaN
     "logical_and": _BOOL_ALGEBRA,
     "logical_or": _BOOL_ALGEBRA,
     "logical_not": _ANTITONE,

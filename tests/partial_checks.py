@@ -105,6 +105,8 @@ def _check_property(case: OpCase, s: Sig, args: tuple[Any, ...], draw: Draw) -> 
         if isinstance(spec, Partial):
             a = args[pos]
             p0, p1 = (draw(_pieces(a.shape, a.dtype, case.elementwise)) for _ in range(2))
+            if case.elementwise and a.dtype.is_floating_point:  # pieces that cancel: x + -x, and inf + -inf
+                p1 = torch.where(draw(hnp.arrays(np.bool_, tuple(a.shape)).map(torch.from_numpy)), -p0, p1)
             pieces[0][pos], pieces[1][pos] = p0, p1
             logical[pos] = _reduce(spec.op, [p0, p1])
             for held, x in zip(drawn, (p0, p1, logical[pos]), strict=True):
