@@ -7,6 +7,12 @@ that every leaf gradient has its leaf's layout, and returns the comm log so
 the caller can assert which collectives ran.
 
     out, log = check(lambda a, b: a @ b, lambda a, b: a @ b, [x, w], P2, [S(0), B])
+
+Partial inputs are built from random per-rank pieces (:func:`partial_shards`):
+each piece is wrong on its own and only their reduction is the value, so a
+wrong partial rule (``abs`` declared linear, ``log`` of ``P(max)``) gives
+wrong numbers here instead of passing on "whole value on rank 0, zeros
+elsewhere".
 """
 
 from __future__ import annotations
@@ -21,7 +27,9 @@ import torch
 
 import sbpflow
 from sbpflow import sbp as S
-from sbpflow.comm import CommLog, record
+from sbpflow._layout import shard_box
+from sbpflow.comm import CommLog, get_backend, record
+from sbpflow.sbp import Partial
 
 PLACEMENTS = {
     "1": sbpflow.placement("cpu", [0]),
@@ -63,8 +71,8 @@ def check(
     needs = [n and v.dtype.is_floating_point for n, v in zip(needs, values, strict=True)]
     sbps = list(sbps) if sbps is not None else [B] * len(values)
     ours = [
-        sbpflow.tensor(v, placement=placement, sbp=s if placement is not None else None, requires_grad=n)
-        for v, s, n in zip(values, sbps, needs, strict=True)
+        global_tensor(v, placement, s, seed=seed + 1000 * i, requires_grad=n)
+        for i, (v, s, n) in enumerate(zip(values, sbps, needs, strict=True))
     ]
     theirs = [v.clone().requires_grad_(n) for v, n in zip(values, needs, strict=True)]
     with record() as flog:
@@ -101,6 +109,89 @@ def check(
                 np.testing.assert_allclose(_np(o_in.grad.numpy()), _np(expected), rtol=rtol, atol=atol)
                 grads.append(o_in.grad)
     return Result(out, flog, blog, grads)
+
+
+def global_tensor(value: Any, placement: sbpflow.Placement | None, sbp: Any, *, seed: int = 0,
+                  requires_grad: bool = False, empty_share: float = 0.25) -> sbpflow.Tensor:
+    """``sbpflow.tensor(value, placement, sbp)``, with every partial axis held as random pieces (seeded)."""
+    t = sbpflow.tensor(value, placement=placement, sbp=sbp if placement is not None else None)
+    if placement is not None and any(isinstance(s, Partial) for s in t.sbp):
+        t._shards = partial_shards(torch.as_tensor(value), placement, t.sbp, seed=seed, empty_share=empty_share)
+    return t.requires_grad_(requires_grad) if requires_grad else t
+
+
+def partial_shards(value: torch.Tensor, placement: sbpflow.Placement, nd_sbp: tuple[Any, ...],
+                   seed: int = 0, empty_share: float = 0.25) -> dict[int, torch.Tensor]:
+    """``{rank: shard}`` of ``value`` where each partial mesh axis holds random pieces.
+
+    Pieces are drawn axis by axis (mesh axis 0 first, then each piece again along axis 1), so the
+    value is the reduction along the last partial axis, then the previous one. Split axes cut every
+    piece like the value. Seeded, so a failure reproduces. ``empty_share``: the share of losing
+    ``P(max)``/``P(min)`` elements that hold ±inf, as from an empty shard (0: finite pieces only).
+    """
+    gen = torch.Generator().manual_seed(seed)
+    pieces: dict[tuple[int, ...], torch.Tensor] = {(): value}
+    for axis, s in enumerate(nd_sbp):
+        grown: dict[tuple[int, ...], torch.Tensor] = {}
+        for key, v in pieces.items():
+            n = placement.hierarchy[axis]
+            parts = split_into_pieces(v, s.op, n, gen, empty_share) if isinstance(s, Partial) else [v]
+            grown.update({key + (c,): piece for c, piece in enumerate(parts)})
+        pieces = grown
+    out = {}
+    for r in get_backend().owned(placement.flat_ranks):
+        coords = placement.coords(r)
+        key = tuple(c if isinstance(s, Partial) else 0 for s, c in zip(nd_sbp, coords, strict=True))
+        box = shard_box(tuple(value.shape), placement, nd_sbp, r)
+        out[r] = pieces[key][tuple(slice(a, b) for a, b in box)].clone()
+    return out
+
+
+def split_into_pieces(value: torch.Tensor, op: str, n: int, gen: torch.Generator,
+                      empty_share: float = 0.25) -> list[torch.Tensor]:
+    """``n`` random tensors whose reduction by ``op`` ("sum", "max", "min") is ``value``, none equal to it alone."""
+    if n == 1:
+        return [value.clone()]
+    if op == "sum":
+        return _sum_pieces(value, n, gen)
+    sign = 1 if op == "max" else -1
+    # per element one rank holds the value; the others hold something below it (above, for min)
+    winner = torch.randint(0, n, value.shape, generator=gen)
+    return [torch.where(winner == i, value, _loser(value, sign, gen, empty_share)) for i in range(n)]
+
+
+def _sum_pieces(value: torch.Tensor, n: int, gen: torch.Generator) -> list[torch.Tensor]:
+    """Noise pieces of the value's own magnitude, and a last piece completing the sum."""
+    if value.dtype == torch.bool or value.dtype.is_complex:
+        return [value.clone()] + [torch.zeros_like(value) for _ in range(n - 1)]
+    if value.dtype.is_floating_point:
+        wide = value.double()
+        scale = 1 + torch.where(wide.isfinite(), wide.abs(), 0)
+        noise = [(torch.randn(value.shape, generator=gen, dtype=torch.float64) * scale).to(value.dtype)
+                 for _ in range(n - 1)]
+        last = (wide - sum((x.double() for x in noise), torch.zeros_like(wide))).to(value.dtype)
+    else:
+        noise = [torch.randint(-100, 101, value.shape, generator=gen).to(value.dtype) for _ in range(n - 1)]
+        last = value - sum(noise, torch.zeros_like(value))
+    return noise + [last]
+
+
+def _loser(value: torch.Tensor, sign: int, gen: torch.Generator, empty_share: float) -> torch.Tensor:
+    """A piece at or below ``value`` (``sign=1``) or at or above it (``sign=-1``): never the winner's."""
+    if value.dtype == torch.bool:
+        coin = torch.rand(value.shape, generator=gen) < 0.5
+        return value & coin if sign == 1 else value | coin
+    if value.dtype.is_floating_point:
+        wide = value.double()
+        scale = 1 + torch.where(wide.isfinite(), wide.abs(), 0)
+        gap = torch.rand(value.shape, generator=gen, dtype=torch.float64) * scale
+        empty = torch.rand(value.shape, generator=gen) < empty_share  # as from an empty shard: the identity
+        loser = torch.where(empty, -sign * float("inf"), wide - sign * (gap + 0.5))
+        return loser.to(value.dtype)
+    info = torch.iinfo(value.dtype)
+    gap = torch.randint(1, 100, value.shape, generator=gen)
+    wide = value.long() - sign * gap
+    return wide.clamp(info.min, info.max).to(value.dtype)
 
 
 def _np(x: Any) -> np.ndarray:

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 import sbpflow
 import sbpflow.ops.functional as F
-from harness import PLACEMENTS, PSUM, B, check, randn, random_sbp
+from harness import PLACEMENTS, PSUM, B, check, global_tensor, randn, random_sbp
 from sbpflow import sbp as S
 from sbpflow.comm import record
 
@@ -278,7 +278,7 @@ def test_inplace_on_local_tensor_and_partial_target() -> None:
     x.mul_(2.0).add_(1.0)
     np.testing.assert_allclose(x.numpy(), (a * 2 + 1).numpy(), rtol=1e-6)
     p = PLACEMENTS["2"]
-    y = sbpflow.tensor(a, placement=p, sbp=PSUM)
+    y = global_tensor(a, p, PSUM)
     y.add_(1.0)  # a partial target: adding 1 to each piece would add it twice
     assert y.sbp == (PSUM,)
     np.testing.assert_allclose(y.numpy(), (a + 1).numpy(), rtol=1e-6)

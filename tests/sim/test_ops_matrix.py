@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 import sbpflow
 import sbpflow.ops.functional as F
-from harness import PLACEMENTS, PSUM, B, check, randn, random_sbp
+from harness import PLACEMENTS, PSUM, B, check, global_tensor, randn, random_sbp
 from sbpflow import sbp as S
 from sbpflow.comm import record
 
@@ -42,7 +42,7 @@ def test_matmul_signatures_need_no_forward_comm(pname: str, sa: object, sb: obje
 def test_matmul_partial_times_broadcast_stays_partial(pname: str, partial_side: int) -> None:
     p = PLACEMENTS[pname]
     a, b = randn(5, 4), randn(4, 3, seed=1)
-    ps = sbpflow.tensor(a if partial_side == 0 else b, placement=p, sbp=PSUM)
+    ps = global_tensor(a if partial_side == 0 else b, p, PSUM)
     bs = sbpflow.tensor(b if partial_side == 0 else a, placement=p, sbp=B)
     with record() as log:
         out = ps @ bs if partial_side == 0 else bs @ ps

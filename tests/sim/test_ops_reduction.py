@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 import sbpflow
 import sbpflow.ops.functional as F
-from harness import PLACEMENTS, PSUM, B, check, randn, random_sbp
+from harness import PLACEMENTS, PSUM, B, check, global_tensor, randn, random_sbp
 from sbpflow import sbp as S
 from sbpflow.comm import record
 
@@ -85,7 +85,7 @@ def test_keepdim_maps_split_dims_of_the_output() -> None:
 def test_partial_sum_input_sums_without_comm_and_partial_max_amax() -> None:
     p = PLACEMENTS["3"]
     a = randn(4, 5)
-    x = sbpflow.tensor(a, placement=p, sbp=PSUM)
+    x = global_tensor(a, p, PSUM)
     m = F.amax(sbpflow.tensor(a, placement=p, sbp=S.split(1)), dim=1)  # P(max)
     with record() as log:
         s = x.sum(dim=0)

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 import sbpflow
 import sbpflow.ops.functional as F
-from harness import PLACEMENTS, PSUM, B, check, randn, random_sbp
+from harness import PLACEMENTS, PSUM, B, check, global_tensor, randn, random_sbp
 from sbpflow import sbp as S
 from sbpflow.comm import record
 
@@ -101,7 +101,7 @@ def test_merging_an_unevenly_split_dim_boxes_first() -> None:
 def test_partial_sum_passes_through_shape_ops(fn) -> None:  # type: ignore[no-untyped-def]
     p = PLACEMENTS["2"]
     a = randn(4, 3)
-    x = sbpflow.tensor(a, placement=p, sbp=PSUM)
+    x = global_tensor(a, p, PSUM)
     with record() as log:
         y = fn(x)
     assert log.counts() == {} and y.sbp == (PSUM,)

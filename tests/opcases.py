@@ -1,0 +1,349 @@
+"""One concrete call per op for the partial-value tests: values, attributes, and the partial rules it must keep.
+
+An op declares its algebraic properties inside its SBP signatures: ``P(sum) -> P(sum)`` says it is
+linear in that input, ``P(max) -> P(max)`` monotone non-decreasing, ``P(max) -> P(min)`` non-increasing.
+``keeps`` lists, for each case, the signatures with a partial input the op must declare: the contract
+the tests hold it to, written here rather than read from the rules, so that a declaration removed from the
+rules (a new all-reduce) fails too. Three checks use a case (``tests/partial_checks.py``):
+
+* the declared partial signatures equal ``keeps``;
+* every declared partial-to-partial property holds on the kernel itself (hypothesis, ``tests/logic``);
+* on 1-D and 2-D meshes, random per-rank pieces give the single-device value with no collective.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from sbpflow.ops.registry import Sig
+from sbpflow.sbp import parse
+
+Args = tuple[Any, ...]
+
+
+@dataclass(frozen=True)
+class OpCase:
+    """A call ``REGISTRY[op](*args(gen), **attrs)`` and the partial signatures it keeps."""
+
+    id: str
+    op: str
+    args: Callable[[torch.Generator], Args]  # positional: tensors (logical values) and dynamic scalars
+    attrs: dict[str, Any] = field(default_factory=dict)
+    keeps: tuple[str, ...] = ()  # "P(sum) B -> P(sum)": one SBP per tensor input, then one per output
+    elementwise: bool = False  # output element i depends on input element i only: ±inf and the dtype's range apply
+    rtol: float | None = None  # property tolerance; default from the partial input's dtype
+    known_wrong: str = ""  # a declaration proven wrong, to be fixed in the rules (strict xfail until then)
+    wrong_in: tuple[str, ...] = ("table", "property", "mesh")  # the checks that show it ("mesh": on every mesh)
+    data: tuple[int, ...] | None = None  # tensor inputs that may be partial (default: floating-point ones)
+
+    def __str__(self) -> str:
+        return self.id
+
+
+def shows(case: OpCase, check: str) -> bool:
+    """Whether ``check`` ("table", "property", "mesh 2", ...) fails on the case's known-wrong rule."""
+    return bool(case.known_wrong) and (check in case.wrong_in or check.split()[0] in case.wrong_in)
+
+
+def marked(cases: list[OpCase], check: str) -> list[Any]:
+    """``cases`` as pytest params, the known-wrong ones a strict xfail for the ``check`` that shows it."""
+    import pytest
+
+    return [pytest.param(c, marks=pytest.mark.xfail(strict=True, reason=c.known_wrong)) if shows(c, check) else c
+            for c in cases]
+
+
+def marked_on_meshes(cases: list[OpCase], placements: list[str]) -> list[Any]:
+    """``(case, placement)`` pytest params, strict xfails where the known-wrong rule shows on that mesh."""
+    import pytest
+
+    return [pytest.param(c, p, id=f"{c.id}-{p}", marks=pytest.mark.xfail(strict=True, reason=c.known_wrong))
+            if shows(c, f"mesh {p}") else pytest.param(c, p, id=f"{c.id}-{p}") for c in cases for p in placements]
+
+
+def sig(text: str) -> Sig:
+    """``"P(sum) B -> P(sum)"`` as a :class:`Sig`."""
+    ins, outs = text.split("->")
+    return Sig(tuple(parse(s) for s in ins.split()), tuple(parse(s) for s in outs.split()))
+
+
+def sig_text(s: Sig) -> str:
+    return " ".join(map(str, s.ins)) + " -> " + " ".join(map(str, s.outs))
+
+
+def _r(g: torch.Generator, *shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.randn(*shape, generator=g, dtype=torch.float64).to(dtype)
+
+
+def _ints(g: torch.Generator, high: int, *shape: int) -> torch.Tensor:
+    return torch.randint(0, high, shape, generator=g)
+
+
+SUM, MAX, MIN = "P(sum) -> P(sum)", "P(max) -> P(max)", "P(min) -> P(min)"
+FLIPS = ("P(max) -> P(min)", "P(min) -> P(max)")
+ALL3 = (SUM, MAX, MIN)
+SECTION1 = "issue 13 section 1: {} (fixed on the rules branch; then remove this marker)"
+
+
+def _unary(name: str, keeps: tuple[str, ...] = (), *, wrong: str = "", **attrs: Any) -> OpCase:
+    return OpCase(name, name, lambda g: (_r(g, 3, 4),), attrs, keeps, elementwise=True, known_wrong=wrong)
+
+
+def _cast(src: torch.dtype, dst: torch.dtype, keeps: tuple[str, ...], wrong: str = "",
+          wrong_in: tuple[str, ...] = ("table", "property", "mesh")) -> OpCase:
+    def args(g: torch.Generator) -> Args:
+        x = _r(g, 3, 4) * 4
+        x[0] = 0  # a zero is where a cast to bool sees the pieces, not the value
+        # integers beyond float32's 24 bits: where a cast of each piece rounds
+        return (x.to(src) if src.is_floating_point else (x * 2**30).round().to(src) + 1,)
+
+    short = {torch.float32: "f32", torch.float64: "f64", torch.float16: "f16", torch.int64: "i64", torch.bool: "bool"}
+    return OpCase(f"cast-{short[src]}-{short[dst]}", "cast", args, {"dtype": dst}, keeps, elementwise=True,
+                  known_wrong=wrong, wrong_in=wrong_in, data=(0,))
+
+
+def _tt(name: str, keeps: tuple[str, ...], small: bool = False) -> OpCase:
+    """Two tensors; ``small``: integer values, so that comparisons meet equal pieces too."""
+    def args(g: torch.Generator) -> Args:
+        return tuple((_r(g, 3, 4) * 2).round() if small else _r(g, 3, 4) for _ in range(2))
+
+    return OpCase(f"{name}-tt", name, args, {}, keeps, elementwise=True)
+
+
+def _ts(name: str, keeps: tuple[str, ...], scalar: float = 2.5) -> OpCase:
+    """A tensor and a scalar; the rule sees only the scalar's type, so each op gets a negative one too."""
+    suffix = "-ts" if scalar > 0 else "-ts-neg"
+    return OpCase(f"{name}{suffix}", name, lambda g: (_r(g, 3, 4), scalar), {}, keeps, elementwise=True)
+
+
+def _partials(*inputs: str) -> tuple[str, ...]:
+    """The three partial kinds through one input (others B): ``_partials("_", "B")``."""
+    return tuple(" ".join(kind if s == "_" else s for s in inputs) + f" -> {kind}"
+                 for kind in ("P(sum)", "P(max)", "P(min)"))
+
+
+_CONV = {"stride": (1, 1), "padding": (1, 1), "dilation": (1, 1), "groups": 1}
+_POOL = {"kernel_size": (2, 2), "stride": (2, 2), "padding": (0, 0)}
+_MAXPOOL = dict(_POOL, dilation=(1, 1), ceil_mode=False)
+_AVGPOOL = dict(_POOL, ceil_mode=False, count_include_pad=True)
+
+
+def _elementwise_cases() -> list[OpCase]:
+    monotone = (MAX, MIN)
+    return [
+        _unary("neg", (SUM,) + FLIPS),
+        *[_unary(n, monotone) for n in ("exp", "tanh", "sigmoid", "relu", "floor", "ceil", "round")],
+        # P(min) holds: where the smallest piece is out of the domain, so is the value
+        _unary("log", (MIN,), wrong=SECTION1.format("log of P(max) is NaN where a losing piece is <= 0 or -inf")),
+        _unary("sqrt", (MIN,), wrong=SECTION1.format("sqrt of P(max) is NaN where a losing piece is < 0")),
+        *[_unary(n) for n in ("abs", "rsqrt", "silu", "sign", "gelu")],
+        _cast(torch.float32, torch.float64, ALL3),
+        _cast(torch.float32, torch.float16, monotone, SECTION1.format("a narrowing cast of P(sum) is not linear")),
+        _cast(torch.float32, torch.int64, (), SECTION1.format("a cast to int64 is neither linear nor monotone")),
+        _cast(torch.float32, torch.bool, (), SECTION1.format("a cast to bool is neither linear nor monotone")),
+        # rounding a piece is within the mesh test's tolerance; the kernel property sees it
+        _cast(torch.int64, torch.float32, monotone, SECTION1.format("int64 -> float32 of P(sum) rounds each piece"),
+              ("table", "property")),
+        OpCase("clamp", "clamp", lambda g: (_r(g, 3, 4), -0.5, 0.5), {}, monotone, elementwise=True),
+        OpCase("clamp-lo", "clamp", lambda g: (_r(g, 3, 4), -0.5, None), {}, monotone, elementwise=True),
+        OpCase("dropout", "dropout", lambda g: (_r(g, 3, 4), 7), {"p": 0.5}, (SUM,), elementwise=True),
+        _tt("add", ("P(sum) P(sum) -> P(sum)", "P(max) B -> P(max)", "P(min) B -> P(min)", "B P(max) -> P(max)",
+                    "B P(min) -> P(min)")),
+        _tt("sub", ("P(sum) P(sum) -> P(sum)", "P(max) B -> P(max)", "P(min) B -> P(min)", "B P(max) -> P(min)",
+                    "B P(min) -> P(max)")),
+        _tt("mul", ("P(sum) B -> P(sum)", "B P(sum) -> P(sum)")),
+        _tt("div", ("P(sum) B -> P(sum)",)),
+        _tt("maximum", ()),
+        _tt("pow", ()),
+        *[_ts("add", monotone, k) for k in (2.5, -2.5)],
+        *[_ts("sub", monotone, k) for k in (2.5, -2.5)],
+        *[_ts("mul", (SUM,), k) for k in (2.5, -2.5)],
+        *[_ts("div", (SUM,), k) for k in (2.5, -2.5)],
+        *[_ts(name, (), k) for name in ("rsub", "rdiv", "rpow") for k in (2.5, -2.5)],
+        OpCase("relu_backward", "relu_backward", lambda g: (_r(g, 3, 4), torch.relu(_r(g, 3, 4))), {},
+               ("P(sum) B -> P(sum)",), elementwise=True),
+        OpCase("where", "where", lambda g: (_r(g, 3, 4) > 0, _r(g, 3, 4), _r(g, 3, 4)), {}, (), elementwise=True),
+        _tt("minimum", ()),
+        OpCase("gelu_backward", "gelu_backward", lambda g: (_r(g, 3, 4), _r(g, 3, 4)), {}, (), elementwise=True),
+        *[_tt(n, (), small=True) for n in ("eq", "ne", "lt", "le", "gt", "ge")],
+        *[OpCase(n, n, lambda g: (_r(g, 3, 4) > 0, _r(g, 3, 4) > 0), {}, (), elementwise=True, data=(0, 1))
+          for n in ("logical_and", "logical_or")],
+        OpCase("logical_not", "logical_not", lambda g: (_r(g, 3, 4) > 0,), {}, (), elementwise=True, data=(0,)),
+        *[_unary(n, ALL3) for n in ("clone", "contiguous")],
+        *[_unary(n) for n in ("sin", "cos", "isnan", "isfinite")],
+        _unary("erf", monotone),
+        OpCase("masked_fill", "masked_fill", lambda g: (_r(g, 3, 4), _r(g, 3, 4) > 0), {"value": 1.5}, _partials(
+            "_", "B")[1:], elementwise=True),
+        OpCase("masked_fill-0", "masked_fill", lambda g: (_r(g, 3, 4), _r(g, 3, 4) > 0), {"value": 0.0},
+               _partials("_", "B"), elementwise=True),
+    ]
+
+
+def _reduction_cases() -> list[OpCase]:
+    def x(g: torch.Generator) -> Args:
+        return (_r(g, 4, 6),)
+
+    return [
+        OpCase("sum", "sum", x, {"dim": (1,)}, (SUM,)),
+        OpCase("sum-all", "sum", x, {}, (SUM,)),
+        OpCase("mean", "mean", x, {"dim": (1,)}, (SUM,)),
+        OpCase("amax", "amax", x, {"dim": (1,)}, (MAX,)),
+        OpCase("amin", "amin", x, {"dim": (0,), "keepdim": True}, (MIN,)),
+        OpCase("index_scatter", "index_scatter", lambda g: (_r(g, 4), _ints(g, 6, 4)),
+               {"shape": (4, 6), "dim": 1, "keepdim": False}, ("P(sum) B -> P(sum)",)),
+        OpCase("max_dim", "max_dim", x, {"dim": 1}),
+        OpCase("min_dim", "min_dim", x, {"dim": 0}),
+        OpCase("argmax", "argmax", x, {"dim": 1}),
+        OpCase("argmin", "argmin", x, {"dim": 0}),
+        OpCase("topk", "topk", x, {"k": 2, "dim": 1}),
+        OpCase("cumsum", "cumsum", x, {"dim": 1}, (SUM,)),
+        OpCase("all", "all", lambda g: (_r(g, 4, 6) > -1,), {"dim": (1,)}, (MIN,), data=(0,)),
+        OpCase("any", "any", lambda g: (_r(g, 4, 6) > 1,), {"dim": (1,)}, (MAX,), data=(0,)),
+        OpCase("all-float", "all", x, {"dim": (1,)}),  # nonzero of each piece is not nonzero of the value
+        OpCase("softmax", "softmax", x, {"dim": 1}),
+        OpCase("log_softmax", "log_softmax", x, {"dim": 1}),
+    ]
+
+
+def _matrix_cases() -> list[OpCase]:
+    both = ("P(sum) B -> P(sum)", "B P(sum) -> P(sum)")
+    return [
+        OpCase("matmul", "matmul", lambda g: (_r(g, 3, 4), _r(g, 4, 5)), {}, both),
+        OpCase("linear", "linear", lambda g: (_r(g, 3, 4), _r(g, 5, 4), _r(g, 5)), {},
+               ("P(sum) B P(sum) -> P(sum)", "S(1) S(1) P(sum) -> P(sum)")),
+        # 2 input features split over 3 ranks: one rank holds none (an empty shard)
+        OpCase("linear-empty-shard", "linear", lambda g: (_r(g, 3, 2), _r(g, 5, 2), _r(g, 5)), {},
+               ("P(sum) B P(sum) -> P(sum)", "S(1) S(1) P(sum) -> P(sum)")),
+        OpCase("linear-nobias", "linear", lambda g: (_r(g, 3, 4), _r(g, 5, 4)), {}, ("P(sum) B -> P(sum)",)),
+        OpCase("matmul_nd", "matmul_nd", lambda g: (_r(g, 2, 3, 5), _r(g, 5, 4)), {}, both),
+        OpCase("linear_weight_grad", "linear_weight_grad", lambda g: (_r(g, 2, 3, 5), _r(g, 2, 3, 4)), {}, both),
+    ]
+
+
+def _conv_cases() -> list[OpCase]:
+    def conv_args(g: torch.Generator) -> Args:
+        return (_r(g, *x_shape), _r(g, *w_shape), _r(g, 3))
+
+    def pool_args(g: torch.Generator) -> Args:
+        return (_r(g, 2, 3, 6, 6),)
+
+    x_shape, w_shape, y_shape = (2, 4, 4, 4), (3, 4, 3, 3), (2, 3, 4, 4)  # (N, C, H, W), (O, C, kh, kw), (N, O, H, W)
+    conv_keeps = ("P(sum) B P(sum) -> P(sum)", "B P(sum) P(sum) -> P(sum)", "S(1) S(1) P(sum) -> P(sum)")
+    return [
+        OpCase("conv2d", "conv2d", conv_args, _CONV, conv_keeps),
+        # 2 input channels split over 3 ranks: one rank holds none (an empty shard)
+        OpCase("conv2d-empty-shard", "conv2d", lambda g: (_r(g, 1, 2, 4, 4), _r(g, 3, 2, 3, 3), _r(g, 3)), _CONV,
+               conv_keeps, known_wrong="conv2d's kernel gives a (N, 0, H, W) piece for an empty input-channel shard "
+               "under S(1) x S(1) -> P(sum) (torch conv2d of 0 channels): found by the random-pieces mesh test",
+               wrong_in=("mesh 3", "mesh 2x2")),
+        OpCase("conv2d_input_grad", "conv2d_input_grad", lambda g: (_r(g, *y_shape), _r(g, *w_shape)),
+               dict(_CONV, input_shape=x_shape), ("P(sum) B -> P(sum)", "B P(sum) -> P(sum)")),
+        OpCase("conv2d_weight_grad", "conv2d_weight_grad", lambda g: (_r(g, *y_shape), _r(g, *x_shape)),
+               dict(_CONV, weight_shape=w_shape), ("P(sum) B -> P(sum)", "B P(sum) -> P(sum)")),
+        OpCase("max_pool2d", "max_pool2d", pool_args, _MAXPOOL, (MAX,)),
+        OpCase("max_pool2d_backward", "max_pool2d_backward", lambda g: (_r(g, 2, 3, 3, 3), _r(g, 2, 3, 6, 6)),
+               _MAXPOOL, ("P(sum) B -> P(sum)",)),
+        OpCase("avg_pool2d", "avg_pool2d", pool_args, _AVGPOOL, (SUM,)),
+        OpCase("avg_pool2d_backward", "avg_pool2d_backward", lambda g: (_r(g, 2, 3, 3, 3),),
+               dict(_AVGPOOL, input_shape=(2, 3, 6, 6)), (SUM,)),
+        # overlapping windows: an input gets the sum of several windows' gradients
+        OpCase("max_pool2d_backward-overlap", "max_pool2d_backward", lambda g: (_r(g, 2, 3, 5, 5), _r(g, 2, 3, 6, 6)),
+               dict(_MAXPOOL, stride=(1, 1)), ("P(sum) B -> P(sum)",)),
+        OpCase("avg_pool2d_backward-overlap", "avg_pool2d_backward", lambda g: (_r(g, 2, 3, 5, 5),),
+               dict(_AVGPOOL, stride=(1, 1), input_shape=(2, 3, 6, 6)), (SUM,)),
+        OpCase("adaptive_avg_pool2d", "adaptive_avg_pool2d", pool_args, {"output_size": (2, 2)}, (SUM,)),
+        OpCase("adaptive_avg_pool2d_backward", "adaptive_avg_pool2d_backward", lambda g: (_r(g, 2, 3, 2, 2),),
+               {"input_shape": (2, 3, 6, 6)}, (SUM,)),
+        OpCase("adaptive_avg_pool2d_backward-overlap", "adaptive_avg_pool2d_backward", lambda g: (_r(g, 2, 3, 2, 2),),
+               {"input_shape": (2, 3, 5, 5)}, (SUM,)),  # 5 -> 2: windows [0, 3) and [2, 5) share a row
+    ]
+
+
+_MASK = torch.tensor([[True, False, True, True], [False, False, False, False], [True, True, False, True]])
+
+
+def _indexing_cases() -> list[OpCase]:
+    def rows(g: torch.Generator) -> Args:
+        return (_r(g, 6, 4),)
+
+    slice_attrs = {"dim": 0, "start": 1, "stop": 5, "step": 2}
+    return [
+        OpCase("slice", "slice", rows, slice_attrs, _partials("_")),
+        OpCase("slice_backward", "slice_backward", lambda g: (_r(g, 2, 4),), dict(slice_attrs, size=6), (SUM,)),
+        OpCase("index_select", "index_select", lambda g: (_r(g, 5, 4), torch.tensor([3, 0, 3])), {"dim": 0},
+               _partials("_", "B")),
+        OpCase("index_select_backward", "index_select_backward", lambda g: (_r(g, 3, 4), torch.tensor([3, 0, 3])),
+               {"dim": 0, "size": 5}, ("P(sum) B -> P(sum)",)),
+        OpCase("gather", "gather", lambda g: (_r(g, 4, 5), _ints(g, 5, 4, 3)), {"dim": 1}, _partials("_", "B")),
+        OpCase("gather_backward", "gather_backward", lambda g: (_r(g, 4, 3), _ints(g, 5, 4, 3)),
+               {"dim": 1, "shape": (4, 5)}, ("P(sum) B -> P(sum)",)),
+        OpCase("masked_select", "masked_select", lambda g: (_r(g, 3, 4), _MASK), {}, _partials("_", "B")),
+        OpCase("masked_select_backward", "masked_select_backward", lambda g: (_r(g, int(_MASK.sum())), _MASK), {},
+               ("P(sum) B -> P(sum)",)),
+        OpCase("cat", "cat", lambda g: (_r(g, 2, 3), _r(g, 3, 3)), {"dim": 0}, _partials("_", "_")),
+        OpCase("reshape", "reshape", lambda g: (_r(g, 4, 6),), {"shape": (6, 4)}, _partials("_")),
+        OpCase("permute", "permute", lambda g: (_r(g, 4, 6),), {"dims": (1, 0)}, _partials("_")),
+        OpCase("unsqueeze", "unsqueeze", lambda g: (_r(g, 4, 6),), {"dim": 1}, _partials("_")),
+        OpCase("squeeze", "squeeze", lambda g: (_r(g, 4, 1, 3),), {"dim": 1}, _partials("_")),
+        OpCase("expand", "expand", lambda g: (_r(g, 4, 1),), {"shape": (4, 3)}, _partials("_")),
+    ]
+
+
+def _model_cases() -> list[OpCase]:
+    def qkv(g: torch.Generator) -> Args:
+        return tuple(_r(g, 1, 2, 3, 2) for _ in range(3))  # (batch, heads, tokens, head dim)
+
+    sdpa_attrs = {"is_causal": False, "scale": None}
+    norm = {"normalized_ndim": 1, "eps": 1e-5}
+    return [
+        OpCase("layer_norm", "layer_norm", lambda g: (_r(g, 3, 4), _r(g, 4), _r(g, 4)), norm),
+        OpCase("rms_norm", "rms_norm", lambda g: (_r(g, 3, 4), _r(g, 4)), norm),
+        OpCase("layer_norm_backward", "layer_norm_backward", lambda g: (_r(g, 3, 4), _r(g, 3, 4), _r(g, 4), _r(g, 4)),
+               norm),
+        OpCase("rms_norm_backward", "rms_norm_backward", lambda g: (_r(g, 3, 4), _r(g, 3, 4), _r(g, 4)), norm),
+        OpCase("embedding", "embedding", lambda g: (_ints(g, 5, 2, 3), _r(g, 5, 4)), {"padding_idx": None}),
+        OpCase("embedding_backward", "embedding_backward", lambda g: (_r(g, 2, 3, 4), _ints(g, 5, 2, 3)),
+               {"num_rows": 5, "padding_idx": None, "rows_split": False}, ("P(sum) B -> P(sum)",)),
+        OpCase("pick", "pick", lambda g: (_r(g, 3, 5), _ints(g, 5, 3)), {"ignore_index": -100, "name": "nll"},
+               ("P(sum) B -> P(sum)",)),
+        OpCase("unpick", "unpick", lambda g: (_r(g, 3), _ints(g, 5, 3)),
+               {"num_classes": 5, "ignore_index": -100, "class_split": False}, ("P(sum) B -> P(sum)",)),
+        OpCase("sdpa", "scaled_dot_product_attention", qkv, sdpa_attrs, ("B B P(sum) -> P(sum)",)),
+        OpCase("sdpa_backward", "sdpa_backward", lambda g: (_r(g, 1, 2, 3, 2),) + qkv(g), sdpa_attrs,
+               ("P(sum) B B B -> P(sum) P(sum) P(sum)", "B B B P(sum) -> P(sum) P(sum) B")),
+    ]
+
+
+def _optimizer_cases() -> list[OpCase]:
+    """Updates are elementwise in (parameter, gradient, state); no partial signature."""
+    def tensors(g: torch.Generator, n: int) -> Args:
+        return tuple(_r(g, 3, 4) for _ in range(n))
+
+    adam = {"beta1": 0.9, "beta2": 0.999, "eps": 1e-8}
+    return [
+        OpCase("sgd_update", "sgd_update", lambda g: tensors(g, 2) + (0.1,), {"weight_decay": 0.0}, elementwise=True),
+        OpCase("sgd_update-maximize", "sgd_update", lambda g: tensors(g, 2) + (0.1,), {"maximize": True},
+               elementwise=True),
+        OpCase("sgd_momentum_update", "sgd_momentum_update", lambda g: tensors(g, 3) + (0.1, 1.0), {"momentum": 0.9},
+               elementwise=True),
+        OpCase("adam_update_multi", "adam_update_multi", lambda g: tensors(g, 3) + (_r(g, 3, 4).abs(), 0.1, 3), adam,
+               elementwise=True),
+    ]
+
+
+CASES: list[OpCase] = _elementwise_cases() + _reduction_cases() + _matrix_cases() + _conv_cases() + \
+    _indexing_cases() + _model_cases() + _optimizer_cases()
+BY_ID = {c.id: c for c in CASES}
+assert len(BY_ID) == len(CASES), "case ids must be unique"
+
+
+def data_positions(case: OpCase, args: Args) -> list[int]:
+    """Positions (among the tensor inputs) that may be partial: ``case.data``, or the floating-point ones."""
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    if case.data is not None:
+        return list(case.data)
+    return [k for k, a in enumerate(tensors) if a.dtype.is_floating_point]
