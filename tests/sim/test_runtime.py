@@ -137,7 +137,7 @@ def test_a_runtime_dropped_without_close_ends_its_threads(backend: SimulatedBack
     before = threading.active_count()
     rt = runtime(train_plan(2), backend)
     rt.run(*feeds_and_vars(*train_inputs()))
-    assert threading.active_count() == before + 2  # the compute thread and one comm stream
+    assert threading.active_count() == before + 1  # one comm stream (the caller acts for the compute lane)
     del rt
     gc.collect()
     deadline = time.monotonic() + 5

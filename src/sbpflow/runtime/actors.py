@@ -22,8 +22,9 @@ placement on virtual ranks) acts ready actors earliest plan position first, so p
 until their registers are full: the schedule comes from register counts. Each ``comm:<key>`` thread
 acts its actors in plan order (pre, micro-batch 0..m-1, post), so every member of a group issues its
 collectives in one order (no deadlock on gloo or NCCL). On CUDA each thread has its own stream and
-registers carry events (:mod:`._cuda`). The threads live across runs (each :meth:`run` is a new
-generation) until :meth:`ActorRuntime.close`, or until the runtime is dropped.
+registers carry events (:mod:`._cuda`). The caller's thread itself acts for the first compute lane
+during :meth:`run` (a step that only computes never changes thread); the other threads live across
+runs (each run is a new generation) until :meth:`ActorRuntime.close`, or until the runtime is dropped.
 
 Synthetic time. With ``synthetic=lambda node: seconds``, every act sleeps instead of running (placeholder
 values, nothing written back): the schedule that register counts produce, timed as if each act took
@@ -118,8 +119,13 @@ class ActorRuntime:
         self._state: StepState | None = None
         self._logs: tuple[CommLog, ...] = ()  # the caller's comm.record() logs: worker threads record into them
         self._progress = time.monotonic()  # when an act last started or ended (the watchdog's clock)
+        # the caller's thread acts for one compute lane itself: a step that only computes never changes thread,
+        # and a run ends without a hand-off back to the caller (each costs up to a GIL switch interval)
+        compute = [w for lane, w in sorted(self._workers.items()) if "/comm:" not in lane]
+        self._inline: Worker | None = compute[0] if compute else None
         for worker in self._workers.values():
-            worker.start(_thread_main, weakref.ref(self))
+            if worker is not self._inline:
+                worker.start(_thread_main, weakref.ref(self))
         if self._trace is not None:
             weakref.finalize(self, self._trace.close)  # a runtime dropped without close() still closes its file
 
@@ -220,22 +226,48 @@ class ActorRuntime:
             self._wake(actor)
 
     def _wait_done(self) -> None:
-        """Waits for the step's end, a failure, or the watchdog; whatever ends the wait ends the step
-        (a KeyboardInterrupt too: the threads then take nothing more of this run)."""
-        with self._lock:
-            try:
-                while not self.board.all_done and self._error is None:
-                    left = self._progress + self.timeout - time.monotonic()
-                    if left <= 0:
-                        report = self._stall_report()
-                        print(report, file=sys.stderr, flush=True)
-                        raise DeadlockError(report)
-                    self._done.wait(left)
-                error = self._error
-            finally:
+        """Acts for the caller's lane and waits for the step's end, a failure, or the watchdog; whatever ends
+        the wait ends the step (a KeyboardInterrupt too: the threads then take nothing more of this run)."""
+        worker = self._inline
+        finished: _Finished | None = None
+        try:
+            while True:
+                with self._lock:
+                    if finished is not None and worker is not None:
+                        self._end(worker, finished)
+                        finished = None
+                    if self.board.all_done or self._error is not None:
+                        error = self._error
+                        break
+                    job = self._next(worker) if worker is not None else None
+                    if job is None:
+                        self._idle_wait(worker)
+                        continue
+                assert worker is not None  # a job came from it
+                finished = self._act_one(worker, job)
+        finally:
+            with self._lock:
                 self._stop()
         if error is not None:
             raise error
+
+    def _idle_wait(self, worker: Worker | None) -> None:
+        """Under the lock: nothing to act here now; wait for a message, or raise the watchdog's report."""
+        left = self._progress + self.timeout - time.monotonic()
+        if left <= 0:
+            report = self._stall_report()
+            print(report, file=sys.stderr, flush=True)
+            raise DeadlockError(report)
+        if worker is not None:
+            worker.wait(left)
+        else:
+            self._done.wait(left)
+
+    def _notify_done(self) -> None:
+        """Under the lock: the step ended or failed; wakes the caller wherever it waits."""
+        self._done.notify_all()
+        if self._inline is not None:
+            self._inline.notify()
 
     def _stop(self) -> None:
         self._active = False
@@ -303,7 +335,7 @@ class ActorRuntime:
         if done.error is not None:
             if self._error is None:
                 self._error = done.error
-            self._done.notify_all()
+            self._notify_done()
             return
         woken = self.board.finish(job.actor, done.values, done.event)
         worker.last = (job.actor, job.step, time.monotonic())
@@ -313,7 +345,7 @@ class ActorRuntime:
         for other in woken:
             self._wake(other)
         if self.board.all_done:
-            self._done.notify_all()
+            self._notify_done()
 
     def _trace_span(self, worker: Worker, done: _Finished) -> None:
         assert self._trace is not None
