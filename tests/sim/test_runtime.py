@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -87,6 +88,8 @@ def test_training_step_equals_in_order_executor_and_torch(backend: SimulatedBack
     feeds, variables = feeds_and_vars(x, w)
     with runtime(plan, backend) as rt:
         got = rt.run(feeds, variables)
+        # virtual ranks: one thread acts for every lane, earliest plan position first: the dry run's schedule
+        assert rt.stats.peak_bytes == dry_run(plan, backend).peak_bytes
     for name in ("loss", "y"):
         for r in (0, 1):
             assert torch.equal(got[name][r], expected[name][r]), name
@@ -129,13 +132,12 @@ def test_threads_live_across_steps_and_steps_chain(backend: SimulatedBackend) ->
 def test_a_runtime_dropped_without_close_ends_its_threads(backend: SimulatedBackend,
                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     import gc
-    import time
 
     from sbpflow.runtime import actors
 
     monkeypatch.setattr(actors, "IDLE_CHECK", 0.05)
     before = threading.active_count()
-    rt = runtime(train_plan(2), backend)
+    rt = runtime(train_plan(2), backend, threads=True)
     rt.run(*feeds_and_vars(*train_inputs()))
     assert threading.active_count() == before + 1  # one comm stream (the caller acts for the compute lane)
     del rt
@@ -223,7 +225,7 @@ def test_a_plan_missing_a_message_is_reported_by_the_watchdog(backend: Simulated
     # corrupt it: drop the unpack node, so nothing ever writes register %u
     plan.nodes = [n for n in plan.nodes if n.kind != "unpack"]
     relu = next(n for n in plan.nodes if u in n.inputs)
-    with runtime(plan, backend, timeout=0.5) as rt, pytest.raises(DeadlockError) as info:
+    with runtime(plan, backend, timeout=0.5, threads=True) as rt, pytest.raises(DeadlockError) as info:
         rt.run({"x": {0: torch.ones(8, 4), 1: torch.ones(8, 4)}}, {})
     message = str(info.value)
     assert "no actor acted for 0.5 s (SBPFLOW_TIMEOUT)" in message
@@ -242,9 +244,12 @@ def test_a_control_cycle_is_reported_with_both_actors(backend: SimulatedBackend)
     neg = next(n for n in plan.nodes if n.op == "neg")
     # corrupt it: relu must wait for neg, which reads relu's output
     plan.nodes[relu.id] = type(relu)(**{**relu.__dict__, "control": (neg.id,)})
-    with runtime(plan, backend, timeout=0.3) as rt, pytest.raises(DeadlockError) as info:
+    start = time.monotonic()
+    with runtime(plan, backend) as rt, pytest.raises(DeadlockError) as info:  # one thread: reported at once
         rt.run({"x": {0: torch.ones(2, 2), 1: torch.ones(2, 2)}}, {})
+    assert time.monotonic() - start < TIMEOUT / 2
     message = str(info.value)
+    assert message.startswith("sbpflow actor runtime: no actor can act (one thread acts for every actor here")
     assert f"actor #{relu.id} compute relu (op relu) on cpu:0,1/compute, micro-batch 0: waits for a control token " \
            f"from actor #{neg.id} compute neg for micro-batch 0" in message, message
     assert f"actor #{neg.id} compute neg (op neg) on cpu:0,1/compute, micro-batch 0: waits for register " \

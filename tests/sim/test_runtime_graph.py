@@ -58,4 +58,6 @@ def test_compiled_gpt_steps_on_actors_equal_the_in_order_executor(one_torch_thre
         np.testing.assert_array_equal(got, expected)
     stats = compiled.executor.stats
     assert all(stats.peak_slots[b] <= n for b, n in stats.register_num.items() if b in stats.peak_slots)
-    assert stats.acts == dry_run(compiled.plan, SimulatedBackend()).acts
+    predicted = dry_run(compiled.plan, SimulatedBackend())
+    assert (stats.acts, stats.peak_bytes, stats.peak_slots) == (predicted.acts, predicted.peak_bytes,
+                                                                  predicted.peak_slots)

@@ -54,7 +54,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ..comm import Backend, get_backend
+from ..comm import Backend, SimulatedBackend, get_backend
 from ..comm.record import CommLog, current_logs, recording_into
 from ..distributed import activity, config
 from ..errors import CommError, SbpflowError
@@ -100,7 +100,8 @@ class ActorRuntime:
     """Runs a :class:`PhysicalPlan` on actors; see the module docstring."""
 
     def __init__(self, plan: PhysicalPlan, backend: Backend | None = None, trace: str | None = None,
-                 timeout: float | None = None, synthetic: Callable[[PNode], float] | None = None) -> None:
+                 timeout: float | None = None, synthetic: Callable[[PNode], float] | None = None,
+                 threads: bool | None = None) -> None:
         self.plan = plan
         self.backend = backend or get_backend()
         self.timeout = timeout if timeout is not None else config().timeout
@@ -119,12 +120,9 @@ class ActorRuntime:
         self._state: StepState | None = None
         self._logs: tuple[CommLog, ...] = ()  # the caller's comm.record() logs: worker threads record into them
         self._progress = time.monotonic()  # when an act last started or ended (the watchdog's clock)
-        # the caller's thread acts for one compute lane itself: a step that only computes never changes thread,
-        # and a run ends without a hand-off back to the caller (each costs up to a GIL switch interval)
-        compute = [w for lane, w in sorted(self._workers.items()) if "/comm:" not in lane]
-        self._inline: Worker | None = compute[0] if compute else None
+        self._callers = self._caller_lanes(threads)
         for worker in self._workers.values():
-            if worker is not self._inline:
+            if worker not in self._callers:
                 worker.start(_thread_main, weakref.ref(self))
         if self._trace is not None:
             weakref.finalize(self, self._trace.close)  # a runtime dropped without close() still closes its file
@@ -148,6 +146,23 @@ class ActorRuntime:
             cls = CommWorker if "/comm:" in lane else ComputeWorker
             workers[lane] = cls(lane, self._lock, actors, self.plan.micro_batches, self._device(lane))
         return workers
+
+    def _caller_lanes(self, threads: bool | None) -> list[Worker]:
+        """The lanes the caller's thread acts for during :meth:`run`; the others get threads of their own.
+
+        With threads, the caller takes the first compute lane: a step that only computes never changes
+        thread, and a run ends without a hand-off back (each costs up to a GIL switch interval). Without
+        (the default on virtual ranks, where a collective is a local copy that cannot wait for a peer),
+        the caller acts for every lane, earliest plan position first: deterministic, and the schedule
+        :func:`~sbpflow.runtime.board.dry_run` predicts. Synthetic time needs threads (stages overlap).
+        """
+        if threads is None:
+            threads = self.synthetic is not None or not isinstance(self.backend, SimulatedBackend)
+        self.threaded = threads
+        if not threads:
+            return list(self._workers.values())
+        compute = [w for lane, w in sorted(self._workers.items()) if "/comm:" not in lane]
+        return compute[:1]
 
     def _device(self, lane: str) -> Any:
         """The CUDA device of a lane's stream: its first rank's (a multi-GPU lane of virtual ranks uses one
@@ -226,48 +241,61 @@ class ActorRuntime:
             self._wake(actor)
 
     def _wait_done(self) -> None:
-        """Acts for the caller's lane and waits for the step's end, a failure, or the watchdog; whatever ends
+        """Acts for the caller's lanes and waits for the step's end, a failure, or the watchdog; whatever ends
         the wait ends the step (a KeyboardInterrupt too: the threads then take nothing more of this run)."""
-        worker = self._inline
-        finished: _Finished | None = None
+        finished: tuple[Worker, _Finished] | None = None
         try:
             while True:
                 with self._lock:
-                    if finished is not None and worker is not None:
-                        self._end(worker, finished)
+                    if finished is not None:
+                        self._end(*finished)
                         finished = None
                     if self.board.all_done or self._error is not None:
                         error = self._error
                         break
+                    worker = self._earliest()
                     job = self._next(worker) if worker is not None else None
                     if job is None:
-                        self._idle_wait(worker)
+                        self._idle_wait()
                         continue
-                assert worker is not None  # a job came from it
-                finished = self._act_one(worker, job)
+                assert worker is not None  # the job came from it
+                finished = (worker, self._act_one(worker, job))
         finally:
             with self._lock:
                 self._stop()
         if error is not None:
             raise error
 
-    def _idle_wait(self, worker: Worker | None) -> None:
-        """Under the lock: nothing to act here now; wait for a message, or raise the watchdog's report."""
+    def _earliest(self) -> Worker | None:
+        """The caller's lane whose next act comes first in the plan (the only lane, when there is one)."""
+        if len(self._callers) == 1:
+            return self._callers[0]
+        best: tuple[tuple[int, int], Worker] | None = None
+        for worker in self._callers:
+            head = worker.peek(self.board)
+            if head is not None and (best is None or head < best[0]):
+                best = (head, worker)
+        return best[1] if best is not None else None
+
+    def _idle_wait(self) -> None:
+        """Under the lock: nothing to act here now; wait for a message, or raise the watchdog's report.
+
+        When the caller acts for every lane, nothing else can send a message: the report comes at once."""
         left = self._progress + self.timeout - time.monotonic()
-        if left <= 0:
+        if left <= 0 or not self.threaded:
             report = self._stall_report()
             print(report, file=sys.stderr, flush=True)
             raise DeadlockError(report)
-        if worker is not None:
-            worker.wait(left)
+        if self._callers:
+            self._callers[0].wait(left)
         else:
             self._done.wait(left)
 
     def _notify_done(self) -> None:
         """Under the lock: the step ended or failed; wakes the caller wherever it waits."""
         self._done.notify_all()
-        if self._inline is not None:
-            self._inline.notify()
+        for worker in self._callers:
+            worker.notify()
 
     def _stop(self) -> None:
         self._active = False
@@ -399,7 +427,9 @@ class ActorRuntime:
         now = time.monotonic()
         ranks = self.board.owned_ranks
         waiting = [a for a in self.board.actors if not a.done]
-        lines = [f"sbpflow actor runtime: no actor acted for {self.timeout:g} s (SBPFLOW_TIMEOUT) on ranks {ranks}; "
+        why = (f"no actor acted for {self.timeout:g} s (SBPFLOW_TIMEOUT)" if self.threaded else
+               "no actor can act (one thread acts for every actor here, so none can ever be freed)")
+        lines = [f"sbpflow actor runtime: {why} on ranks {ranks}; "
                  f"{len(waiting)} of {len(self.board.actors)} actors have not finished:"]
         for a in waiting[:REPORT_ACTORS]:
             lines.append(f"  actor {a.label()} on {a.lane}, micro-batch {a.step}: " + self._waits_for(a))

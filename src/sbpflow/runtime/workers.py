@@ -67,6 +67,11 @@ class Worker:
     def pick(self, board: Board) -> Actor | None:
         raise NotImplementedError
 
+    def peek(self, board: Board) -> tuple[int, int] | None:
+        """The (plan position, step) that :meth:`pick` would return now, if any: one thread acting for several
+        lanes takes the earliest (:class:`~sbpflow.runtime.actors.ActorRuntime` on virtual ranks)."""
+        raise NotImplementedError
+
     def wake(self, actor: Actor, board: Board) -> None:
         raise NotImplementedError
 
@@ -105,6 +110,9 @@ class ComputeWorker(Worker):
             return None
         return heapq.heappop(self._heap)[3]
 
+    def peek(self, board: Board) -> tuple[int, int] | None:
+        return (self._heap[0][0], self._heap[0][1]) if self._heap else None
+
     def wake(self, actor: Actor, board: Board) -> None:
         if board.ready(actor):
             actor.busy = True  # queued: ready() says no until it has acted
@@ -133,6 +141,12 @@ class CommWorker(Worker):
             return None
         self._next += 1
         return actor
+
+    def peek(self, board: Board) -> tuple[int, int] | None:
+        if self._next >= len(self.sequence):
+            return None
+        actor, step = self.sequence[self._next]
+        return (actor.position, step) if actor.step == step and board.ready(actor) else None
 
     def wake(self, actor: Actor, board: Board) -> None:
         if self._next < len(self.sequence) and self.sequence[self._next][0] is actor:
