@@ -16,22 +16,19 @@ registers allow (issue 9), so communication overlaps compute and back-pressure b
 >>> out["y"][1].tolist()
 [0.0, 2.0, 3.0, 0.0]
 
-Threads. One worker per (device, stream) (:func:`~sbpflow.runtime.board.lane_for`): a compute thread
-per device (per set of ranks a node runs on: a process's one rank under torch.distributed, each
-placement on virtual ranks) acts ready actors earliest plan position first, so producers run ahead
-until their registers are full: the schedule comes from register counts. Each ``comm:<key>`` thread
-acts its actors in plan order (pre, micro-batch 0..m-1, post), so every member of a group issues its
-collectives in one order (no deadlock on gloo or NCCL). On CUDA each thread has its own stream and
-registers carry events (:mod:`._cuda`). The caller's thread itself acts for the first compute lane
-during :meth:`run` (a step that only computes never changes thread); the other threads live across
-runs (each run is a new generation) until :meth:`ActorRuntime.close`, or until the runtime is dropped.
-
-Synthetic time. With ``synthetic=lambda node: seconds``, every act sleeps instead of running (placeholder
-values, nothing written back): the schedule that register counts produce, timed as if each act took
-that long, on as many virtual devices as the plan has, whatever the machine's cores.
-
-Memory. :attr:`ActorRuntime.stats` gives the last run's acts, peak live bytes per rank and peak live
-slots per register; :func:`~sbpflow.runtime.board.dry_run` predicts them without running anything.
+Threads. Actors are grouped in lanes, one per (device, stream) (:func:`~sbpflow.runtime.board.lane_for`):
+a compute lane per device (per set of ranks a node runs on: a process's one rank under
+torch.distributed, each placement on virtual ranks) acts ready actors earliest plan position first,
+so producers run ahead until their registers are full: the schedule comes from register counts.
+Each ``comm:<key>`` lane acts its actors in plan order (pre, micro-batch 0..m-1, post), so every
+member of a group issues its collectives in one order (no deadlock on gloo or NCCL). Under
+torch.distributed (and in synthetic time) every lane has a thread, so communication overlaps compute;
+the caller's thread acts for the first compute lane. On virtual ranks, where a collective is a local
+copy that never waits for a peer, the caller's thread acts for every lane, earliest plan position
+first: deterministic, and exactly :func:`~sbpflow.runtime.board.dry_run`'s schedule (``threads=True``
+forces threads). On CUDA each thread has its own stream and registers carry events (:mod:`._cuda`).
+Threads live across runs (each run is a new generation) until :meth:`ActorRuntime.close`, or until
+the runtime is dropped.
 
 Errors. The first exception in any actor stops the step and is raised in the caller's thread,
 naming the actor and its op; variables are only written (``commit``) after a step succeeded.
