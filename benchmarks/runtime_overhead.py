@@ -9,8 +9,10 @@ timed is the executors, not the kernels:
 4. a compiled GPT training step (nn.Graph, AdamW) on dp2 and dp2 x tp2, executor "inorder" vs "actors".
 
 Each row: the step time of ``run_plan`` and of ``ActorRuntime.run``, µs per act of each, and what
-the runtime adds per act (its bookkeeping, locks and thread hand-offs). Timings alternate
-between the contenders in rounds and report medians, so background load hits all alike.
+the runtime adds per act (its register bookkeeping; on virtual ranks the caller's thread acts for
+every lane, so there are no thread hand-offs here: those cost on real processes, where they buy
+overlap). Timings alternate between the contenders in rounds and report medians, so background load
+hits all alike.
 
 Run: ``.venv/bin/python benchmarks/runtime_overhead.py`` (prints); ``--write`` also writes the
 "runtime_overhead" section of docs/benchmarks.md.
