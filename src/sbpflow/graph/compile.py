@@ -7,6 +7,7 @@ since compile time is where users of graph compilers suffer first.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,8 +54,10 @@ def eliminate_dead_code(g: LogicalGraph) -> int:
 
 
 def compile_graph(g: LogicalGraph, method: str = "ilp", model: boxing.CostModel | None = None,
-                  factors: tuple[Any, ...] | None = None) -> tuple[PhysicalPlan, LogicalGraph, CompileReport]:
-    """Runs every pass on ``g`` (modified in place) and returns the verified physical plan."""
+                  factors: tuple[Any, ...] | None = None,
+                  agree: Callable[[Any], Any] | None = None) -> tuple[PhysicalPlan, LogicalGraph, CompileReport]:
+    """Runs every pass on ``g`` (modified in place) and returns the verified physical plan; ``agree`` (see
+    :func:`select`) lets processes adopt one shared SBP choice."""
     from ..comm.torch_dist import TARGET_COST_FACTORS
 
     model = model or boxing.get_cost_model()
@@ -64,7 +67,7 @@ def compile_graph(g: LogicalGraph, method: str = "ilp", model: boxing.CostModel 
     report.removed_nodes = eliminate_dead_code(g)
     report.times["dead code"] = time.perf_counter() - start
     start = time.perf_counter()
-    report.selection = select(g, model, factors, method)
+    report.selection = select(g, model, factors, method, agree=agree)
     report.times["sbp selection"] = time.perf_counter() - start
     start = time.perf_counter()
     plan = lower(g, model, factors)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -325,14 +325,15 @@ def _fold_linear(p: _Problem, vid: int, outs: list[Any], ins: list[Any], cost: l
 
 
 def select(g: LogicalGraph, model: boxing.CostModel, factors: tuple[Any, ...], method: str = "ilp",
-           time_limit: float = 600.0) -> Selection:
+           time_limit: float = 600.0, agree: Callable[[Any], Any] | None = None) -> Selection:
     """Chooses every op's signature; rewrites ``n.in_sbps`` and the output values' SBPs in place.
 
     On 1-D meshes one integer program covers every signature. On n-D meshes the full product of per-axis
     choices squares (or cubes) the program, so the search sweeps the mesh axes instead: each sweep solves
     one axis exactly with the others held, twice over the axes (data and tensor axes barely interact).
     Each accepted step lowers the estimated time, starting from the greedy choice, so the result is never
-    worse than greedy.
+    worse than greedy. ``agree`` makes every process adopt one process's choice (a solver may break ties
+    differently under load, and processes must run one plan).
     """
     start = time.perf_counter()
     costs = _Costs(g, model, factors)
@@ -356,6 +357,8 @@ def select(g: LogicalGraph, model: boxing.CostModel, factors: tuple[Any, ...], m
             if cost < best_cost - 1e-12:
                 current = {nid: p.choices[nid][k] for nid, k in solved.items()}
                 best_cost, method_used = cost, "ilp" if len(sweeps) == 1 else "ilp per mesh axis"
+    if agree is not None:
+        current = agree(current)
     _apply(g, current)
     return Selection(greedy_cost, best_cost, method_used, time.perf_counter() - start, n_var)
 

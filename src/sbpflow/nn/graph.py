@@ -181,7 +181,7 @@ class Graph:
                 t._shards, t.grad, t._version = saved[name]
                 t._lazy = None
         trace_s = time.perf_counter() - start
-        plan, logical, report = compile_graph(tracer.graph, self.config.sbp_selection)
+        plan, logical, report = compile_graph(tracer.graph, self.config.sbp_selection, agree=_rank0_choice)
         report.times = {"trace": trace_s, **report.times}
         out_bufs = [(n.name, plan.bufs[n.inputs[0]]) for n in plan.nodes if n.kind == "output"]
         constants = {f"const{vid}": shards for vid, shards in tracer.constants.items()}
@@ -330,6 +330,22 @@ def target_factors(args: Sequence[Any]) -> tuple[Any, ...]:
     from ..comm.torch_dist import TARGET_COST_FACTORS
 
     return TARGET_COST_FACTORS
+
+
+def _rank0_choice(choice: Any) -> Any:
+    """Every process adopts process 0's SBP choice (one broadcast at compile time): processes compile their plans
+    independently and must run one plan, even where the solver breaks a tie differently on a busy machine."""
+    from ..comm import get_backend
+
+    if get_backend().name != "torch.distributed":
+        return choice
+    import torch.distributed as dist
+
+    if dist.get_world_size() == 1:
+        return choice
+    box = [choice if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def _trace_inputs(tracer: Tracer, args: Sequence[Any], m: int) -> tuple[list[Any], list[str]]:

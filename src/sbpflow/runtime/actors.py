@@ -56,11 +56,10 @@ from ..comm.record import CommLog, current_logs, recording_into
 from ..distributed import activity, config
 from ..errors import CommError, SbpflowError
 from ..graph.physical import PhysicalPlan, PNode
-from . import route
 from . import trace as _trace
 from ._agree import check_same_plan
 from .board import Actor, Board, Stats
-from .inorder import ExecutionError, Shards, StepState, act, commit
+from .inorder import ExecutionError, Shards, StepState, act, commit, prepare_groups
 from .workers import CommWorker, ComputeWorker, Worker
 
 IDLE_CHECK = 1.0  # seconds an idle worker waits before checking that its runtime is still in use
@@ -127,13 +126,8 @@ class ActorRuntime:
     # -- set-up ------------------------------------------------------------------------------------
 
     def _prepare_groups(self) -> None:
-        """Creates process groups for every boxing node, in plan order, on every process, before any thread
-        runs: group creation is collective over the whole job, also for processes outside the group."""
-        for node in self.plan.nodes:
-            if node.kind == "boxing" and node.boxing is not None and not node.boxing.is_relabel:
-                self.backend.prepare(node.boxing)
-            elif node.kind == "route":
-                self.backend.prepare(route.group_plan(self.plan.bufs[node.outputs[0]]))
+        """Process groups for every communication node, on every process, before any thread runs."""
+        prepare_groups(self.plan, self.backend)
 
     def _make_workers(self) -> dict[str, Worker]:
         lanes = sorted({a.lane for a in self.board.actors})
@@ -407,8 +401,6 @@ class ActorRuntime:
         if kind == "pack":
             actor.partial = [*(actor.partial or []), inputs[0]]
             return act(actor.node, [actor.partial], state, step, self.backend) if actor.emits(step) else []
-        if kind == "route":
-            return route.act(actor.node, inputs, self.backend)
         return act(actor.node, inputs, state, step, self.backend)
 
     def _sleep(self, actor: Actor, step: int) -> list[Any]:

@@ -69,6 +69,10 @@ def act(node: PNode, inputs: Sequence[Any], state: StepState, micro: int, backen
         return [_accumulate(inputs[0])]
     if kind == "pack":
         return [_pack(node, inputs[0])]
+    if kind == "route":
+        from . import route
+
+        return route.act(node, list(inputs), backend)
     if kind == "assign":
         state.assigns[node.name] = inputs[0]
         return []
@@ -147,10 +151,23 @@ def commit(state: StepState) -> None:
                 target[r].copy_(t)
 
 
+def prepare_groups(plan: PhysicalPlan, backend: Backend) -> None:
+    """Creates the process groups of every communication node, in plan order, on every process: group creation
+    is collective over the whole job, also for processes outside the group (torch.distributed)."""
+    from . import route
+
+    for node in plan.nodes:
+        if node.kind == "boxing" and node.boxing is not None and not node.boxing.is_relabel:
+            backend.prepare(node.boxing)
+        elif node.kind == "route":
+            backend.prepare(route.group_plan(plan.bufs[node.outputs[0]]))
+
+
 def run_plan(plan: PhysicalPlan, feeds: dict[str, Shards], variables: dict[str, Shards],
              backend: Backend | None = None) -> dict[str, Shards]:
     """Runs one step of ``plan`` in list order: pre, then micro-batches 0..m-1, then post."""
     backend = backend or get_backend()
+    prepare_groups(plan, backend)  # cheap once done: backends cache their groups
     state = StepState(plan, feeds, variables)
     values: dict[int, Any] = {}  # buf id -> shards (micro bufs: this micro-batch's)
     gathered: dict[int, list[Any]] = {}  # micro buf id -> the m micro-batch values (accumulate, pack inputs)
@@ -162,8 +179,8 @@ def run_plan(plan: PhysicalPlan, feeds: dict[str, Shards], variables: dict[str, 
                     continue
                 if node.kind in ("accumulate", "pack"):
                     inputs: list[Any] = [gathered.get(node.inputs[0], [])]
-                else:
-                    inputs = [values[b] for b in node.inputs]
+                else:  # a buffer made by another process's node holds no shard here
+                    inputs = [values.get(b, {}) for b in node.inputs]
                 outs = _act_named(node, inputs, state, k, backend)
                 for b, v in zip(node.outputs, outs, strict=True):
                     values[b] = v
