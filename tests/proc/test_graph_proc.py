@@ -23,7 +23,8 @@ from sbpflow.models.gpt import GPTConfig
 CONFIG = GPTConfig(vocab_size=100, block_size=16, n_layer=2, n_head=4, n_embd=64, dropout=0.1)
 STEPS = 3
 BATCH = 8
-SPECS = {2: [("dp=2", 1), ("tp=2", 1), ("dp=2", 4)], 4: [("dp=2,tp=2", 1), ("pp=2", 1), ("dp=2,pp=2", 2)]}
+SPECS = {2: [("dp=2", 1), ("tp=2", 1), ("dp=2", 4), ("pp=2", 2)], 4: [("dp=2,tp=2", 1), ("pp=2", 1), ("dp=2,pp=2", 2)]}
+INORDER = ("pp=2", 2)  # also run on the in-order executor: processes run only their own stage's nodes
 RTOL, ATOL = 1e-5, 4e-5  # gloo sums in its own order; AdamW turns that noise on about-zero gradients into lr steps
 TIMEOUT = 240.0
 
@@ -44,6 +45,9 @@ def graph_job(world: int) -> dict[str, Any]:
         out["train"][(spec, m)] = train_gpt(spec, STEPS, config=CONFIG, batch_size=BATCH, graph=True,
                                             micro_batches=m)
         out["plan"][(spec, m)] = _plan_of(spec, m)
+    if INORDER in SPECS[world]:
+        out["inorder"] = train_gpt(INORDER[0], STEPS, config=CONFIG, batch_size=BATCH, graph=True,
+                                   micro_batches=INORDER[1], executor="inorder")
     return out
 
 
@@ -58,6 +62,9 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 def test_same_numbers_as_virtual_ranks(run: Any) -> None:
     world, per_rank, simulated = run
+    for out in per_rank:  # the in-order executor: each process runs only its own stage's nodes, same numbers
+        if "inorder" in out:
+            assert out["inorder"][0] == out["train"][INORDER][0]
     for key, (losses, params) in simulated["train"].items():
         for out in per_rank:
             got_losses, got_params = out["train"][key]
