@@ -369,3 +369,13 @@ def test_cli_graph_shows_a_scripts_graph(tmp_path: Any, capsys: Any) -> None:
     assert "adam_update_multi(" in out and "per step: collectives" in out and "step 4: loss" in out
     assert (tmp_path / "TrainStep1.logical.dot").read_text().startswith("digraph logical")
     assert "hexagon" in (tmp_path / "TrainStep1.rank0.dot").read_text()  # communication nodes drawn apart
+
+
+def test_runtime_peak_memory_equals_the_compiled_prediction() -> None:
+    sbpflow.manual_seed(0)
+    model = Mlp(P2)
+    step = Step(model, OPTIMIZERS["adamw"](model.parameters()), m=2)
+    step(*_data(0))
+    predicted = step.plan.peak_bytes
+    assert set(predicted) == {0, 1} and all(b > 0 for b in predicted.values())
+    assert step._compiled().executor.stats.peak_bytes == predicted

@@ -115,7 +115,6 @@ class _Lowerer:
         plan = PhysicalPlan(self.nodes, self.bufs, {}, self.m)
         plan.registers = registers(plan)
         plan.world = tuple(sorted({r for n in self.nodes for r in n.ranks}))
-        plan.peak_bytes = predict_peak(plan)
         return plan
 
     def _source(self, n: LNode, kind: str) -> None:
@@ -192,7 +191,7 @@ def lower(g: LogicalGraph, model: boxing.CostModel, factors: tuple[Any, ...]) ->
     return _Lowerer(g, model, factors).lower()
 
 
-# ----------------------------------------------------------------------------- registers and memory
+# ----------------------------------------------------------------------------- registers
 
 
 def registers(plan: PhysicalPlan) -> dict[int, Register]:
@@ -206,39 +205,3 @@ def registers(plan: PhysicalPlan) -> dict[int, Register]:
         placement = buf.layout.placement
         out[b] = Register(b, 1, tuple((r, buf.nbytes(r)) for r in placement.flat_ranks), tuple(consumers[b]))
     return out
-
-
-def predict_peak(plan: PhysicalPlan) -> dict[int, int]:
-    """Peak bytes per rank of the in-order execution: variables plus the live buffers at the worst node.
-
-    A buffer lives from its producer to its last consumer (in execution order: pre, one micro-batch, post;
-    buffers read after the micro-batches, such as accumulated gradients, live across them). Variables and
-    aliases (unpack, repeat, identity boxing) are counted where they first appear.
-    """
-    order = list(plan.phase("pre")) + list(plan.phase("micro")) + list(plan.phase("post"))
-    position = {n.id: i for i, n in enumerate(order)}
-    last: dict[int, int] = {}
-    for n in order:
-        for b in n.inputs:
-            last[b] = max(last.get(b, -1), position[n.id])
-    live: dict[int, int] = {}
-    peak: dict[int, int] = {}
-    for i, n in enumerate(order):
-        for b in n.outputs:
-            for r, nbytes in plan.registers[b].bytes_per_rank:
-                live[r] = live.get(r, 0) + nbytes
-        for r, nbytes in live.items():
-            peak[r] = max(peak.get(r, 0), nbytes)
-        for b in n.inputs:
-            if last.get(b) == i and plan.node(_producer(plan, b)).kind not in ("variable",):
-                for r, nbytes in plan.registers[b].bytes_per_rank:
-                    live[r] -= nbytes
-    return peak
-
-
-def _producer(plan: PhysicalPlan, buf: int) -> int:
-    producers = getattr(plan, "_producers", None)
-    if producers is None:
-        producers = plan.producers()
-        plan._producers = producers  # type: ignore[attr-defined]
-    return producers[buf]

@@ -182,6 +182,7 @@ class Graph:
                 t._lazy = None
         trace_s = time.perf_counter() - start
         plan, logical, report = compile_graph(tracer.graph, self.config.sbp_selection, agree=_rank0_choice)
+        plan.peak_bytes = _memory_plan(plan)
         report.times = {"trace": trace_s, **report.times}
         out_bufs = [(n.name, plan.bufs[n.inputs[0]]) for n in plan.nodes if n.kind == "output"]
         constants = {f"const{vid}": shards for vid, shards in tracer.constants.items()}
@@ -330,6 +331,15 @@ def target_factors(args: Sequence[Any]) -> tuple[Any, ...]:
     from ..comm.torch_dist import TARGET_COST_FACTORS
 
     return TARGET_COST_FACTORS
+
+
+def _memory_plan(plan: PhysicalPlan) -> dict[int, int]:
+    """Predicted peak bytes of every rank: the register protocol played without kernels (every rank, whatever
+    this process owns), the same accounting the actor runtime reports after a real step."""
+    from ..comm.simulated import SimulatedBackend
+    from ..runtime.board import dry_run
+
+    return dry_run(plan, SimulatedBackend()).peak_bytes
 
 
 def _rank0_choice(choice: Any) -> Any:
