@@ -100,7 +100,9 @@ def search(spec: TransformerSpec, cluster: Cluster, batch: int, fixed: Fixed = F
     start = time.perf_counter()
     plans = candidate_plans(spec, cluster, batch, fixed)
     if not plans:
-        raise PlanError(f"no plan of {spec} on {cluster.devices} devices agrees with {fixed} for batch {batch}")
+        raise PlanError(f"a plan needs tp dividing heads, vocab and the devices (searched within a node), pp dividing "
+                        f"devices / tp and at most the layers, and the batch split into dp · micro-batch; no plan of "
+                        f"{spec} on {cluster.devices} devices agrees with {fixed} for batch {batch}")
     bounded = sorted(((lower_bound(c), i, c) for i, c in enumerate(plan_costs(spec, cluster, p, batch)
                                                                      for p in plans)), key=lambda x: x[:2])
     good: list[Prediction] = []
