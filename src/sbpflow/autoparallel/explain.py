@@ -12,6 +12,32 @@ from .transformer import TransformerSpec
 GB = 1e9
 
 
+def seconds(value: float) -> str:
+    """A duration in the unit that keeps it readable: ``2.500 s``, ``12.0 ms``, ``40.0 us``.
+
+    >>> seconds(2.5), seconds(0.012), seconds(-4e-5)
+    ('2.500 s', '12.00 ms', '-40.0 us')
+    """
+    size = abs(value)
+    if size >= 1:
+        return f"{value:.3f} s"
+    if size >= 1e-3:
+        return f"{value * 1e3:.2f} ms"
+    return f"{value * 1e6:.1f} us"
+
+
+def size(nbytes: float) -> str:
+    """``69.0 GB``, ``12.5 MB``, ``3.0 KB``."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if abs(nbytes) >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes:.0f} B"
+
+
+def flops(rate: float) -> str:
+    return f"{rate / 1e12:.1f} TFLOP/s" if rate >= 1e12 else f"{rate / 1e9:.1f} GFLOP/s"
+
+
 def why_lost(loser: Prediction, best: Prediction) -> str:
     """One line: a plan that does not fit says by how much; a slower one names the components that grew most.
 
@@ -19,22 +45,22 @@ def why_lost(loser: Prediction, best: Prediction) -> str:
     drain cost 1.2 s more than in the chosen plan.
     """
     if not loser.fits:
-        return (f"needs {loser.memory_per_device / GB:.1f} GB per device, {loser.usable_memory / GB:.1f} GB usable "
+        return (f"needs {size(loser.memory_per_device)} per device, {size(loser.usable_memory)} usable "
                 f"({_largest_memory(loser)})")
     slower = loser.step_time - best.step_time
     deltas = sorted(((loser.breakdown[k] - best.breakdown[k], k) for k in TIME_KEYS), reverse=True)
-    grew = ", ".join(f"{k} {d:+.2f} s" for d, k in deltas[:2] if d > 0)
-    return f"{slower:+.2f} s ({slower / best.step_time:+.1%}): {grew or 'no component grew'}"
+    grew = ", ".join(f"{k} +{seconds(d)}" for d, k in deltas[:2] if d > 0)
+    return f"+{seconds(slower)} ({slower / best.step_time:+.1%}): {grew or 'no component grew'}"
 
 
 def _largest_memory(prediction: Prediction) -> str:
-    name, size = max(prediction.memory.items(), key=lambda kv: kv[1])
-    return f"{name} {size / GB:.1f} GB"
+    name, nbytes = max(prediction.memory.items(), key=lambda kv: kv[1])
+    return f"{name} {size(nbytes)}"
 
 
 def plan_line(p: Prediction) -> str:
-    return (f"{p.plan}  stages {_cuts(p.stage_layers)}  {p.step_time:.2f} s  {p.tflops_per_device:.1f} TFLOP/s  "
-            f"{p.memory_per_device / GB:.1f} GB")
+    return (f"{p.plan}  stages {_cuts(p.stage_layers)}  {seconds(p.step_time)}  {flops(p.tflops_per_device * 1e12)}  "
+            f"{size(p.memory_per_device)}")
 
 
 def _cuts(stage_layers: tuple[int, ...]) -> str:
@@ -49,7 +75,7 @@ def explain(spec: TransformerSpec, cluster: Cluster, best: Prediction, result: S
     if result is not None:
         lines += _runners_up(result)
         lines.append(f"searched {result.candidates} plans, costed {result.costed} exactly (the rest bounded out) "
-                     f"in {result.seconds:.2f} s")
+                     f"in {seconds(result.seconds)}")
     lines += _assumptions(cluster)
     return "\n".join(lines)
 
@@ -57,28 +83,36 @@ def explain(spec: TransformerSpec, cluster: Cluster, best: Prediction, result: S
 def _header(spec: TransformerSpec, cluster: Cluster, best: Prediction) -> str:
     nodes = -(-cluster.devices // cluster.gpus_per_node)
     return (f"model: {spec.layers} layers, hidden {spec.hidden}, {spec.heads} heads, seq {spec.seq}, "
-            f"vocab {spec.vocab} ({spec.params / 1e9:.1f}B parameters), batch {best.batch}\n"
+            f"vocab {spec.vocab} ({_count(spec.params)} parameters), batch {best.batch}\n"
             f"cluster: {cluster.devices} x {cluster.profile.name}, {cluster.gpus_per_node} per node ({nodes} nodes)")
+
+
+def _count(n: float) -> str:
+    """``174.6B``, ``1.3M``."""
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.1f}{unit}"
+    return str(int(n))
 
 
 def _chosen(p: Prediction) -> list[str]:
     micro_batches = p.batch // (p.plan.dp * p.plan.micro_batch)
     lines = [f"plan: {p.plan}, {micro_batches} micro-batches, stages {_cuts(p.stage_layers)} blocks",
-             f"  step {p.step_time:.3f} s   {p.tflops_per_device:.1f} TFLOP/s per device (Megatron's count)   "
+             f"  step {seconds(p.step_time)}   {flops(p.tflops_per_device * 1e12)} per device (Megatron's count)   "
              f"MFU {p.mfu:.1%}",
              "  time by component (the slowest stage, times the micro-batches; bubble: the other stages' fill "
              "and drain):"]
     for key in TIME_KEYS:
-        lines.append(f"    {key:<10} {p.breakdown[key]:9.3f} s  {p.breakdown[key] / p.step_time:6.1%}")
+        lines.append(f"    {key:<10} {seconds(p.breakdown[key]):>11}  {p.breakdown[key] / p.step_time:6.1%}")
     return lines
 
 
 def _memory(p: Prediction) -> list[str]:
     verdict = "fits" if p.fits else "DOES NOT FIT"
-    lines = [f"  memory on the fullest device: {p.memory_per_device / GB:.1f} GB of {p.usable_memory / GB:.1f} GB "
+    lines = [f"  memory on the fullest device: {size(p.memory_per_device)} of {size(p.usable_memory)} "
              f"usable ({verdict})"]
-    for key, size in p.memory.items():
-        lines.append(f"    {key:<12} {size / GB:8.2f} GB")
+    for key, nbytes in p.memory.items():
+        lines.append(f"    {key:<12} {size(nbytes):>9}")
     return lines
 
 
@@ -98,13 +132,13 @@ def _assumptions(cluster: Cluster) -> list[str]:
     intra, inter = prof.intra_bandwidth * prof.eta_intra, prof.inter_bandwidth * prof.eta_inter
     return [
         f"what this rests on ({prof.source}):",
-        f"  GEMMs at {prof.peak_flops / 1e12:.0f} TFLOP/s peak x eta {prof.eta_matmul:.2f}; other kernels at "
-        f"{prof.mem_bandwidth / GB:.0f} GB/s x eta {prof.eta_memory:.2f}; {prof.launch_s * 1e6:.0f} us per kernel",
-        f"  collectives alpha-beta: intra-node {prof.intra_alpha * 1e6:.0f} us + {intra / GB:.0f} GB/s, inter-node "
-        f"{prof.inter_alpha * 1e6:.0f} us + {inter / GB:.0f} GB/s per device; ring algorithms",
+        f"  GEMMs at {flops(prof.peak_flops)} peak x eta {prof.eta_matmul:.2f}; other kernels at "
+        f"{size(prof.mem_bandwidth)}/s x eta {prof.eta_memory:.2f}; {seconds(prof.launch_s)} per kernel",
+        f"  collectives alpha-beta: intra-node {seconds(prof.intra_alpha)} + {size(intra)}/s, inter-node "
+        f"{seconds(prof.inter_alpha)} + {size(inter)}/s per device; ring algorithms",
         "  1F1B schedule; tensor parallel without sequence parallelism; gradient sync not overlapped; "
         "mixed-precision Adam (16 bytes/parameter before ZeRO)",
-        f"  {prof.reserved_bytes / GB:.0f} GB per device reserved (context, fragmentation)",
+        f"  {size(prof.reserved_bytes)} per device reserved (context, fragmentation)",
     ]
 
 
