@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -62,7 +63,7 @@ def measure_matmul(sizes: tuple[int, ...], repeats: int) -> dict[int, float]:
     out = {}
     for n in sizes:
         a, b = torch.randn(n, n), torch.randn(n, n)
-        out[n] = 2.0 * n**3 / _best_time(lambda a=a, b=b: torch.mm(a, b), repeats)
+        out[n] = 2.0 * n**3 / _best_time(partial(torch.mm, a, b), repeats)
     return out
 
 
@@ -113,7 +114,7 @@ def _all_reduce_worker(rank: int, world: int, port: int, sizes: tuple[int, ...],
         for nbytes in sizes:
             t = torch.zeros(max(nbytes // 4, 1))
             dist.barrier()
-            times[nbytes] = _best_time(lambda t=t: dist.all_reduce(t), repeats)
+            times[nbytes] = _best_time(partial(dist.all_reduce, t), repeats)
         if rank == 0:
             Path(out).write_text(json.dumps(times))
     finally:
