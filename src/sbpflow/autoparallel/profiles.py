@@ -89,6 +89,20 @@ PROFILES: dict[str, DeviceProfile] = {
 }
 
 
+def _framework_cpu() -> DeviceProfile:
+    """A CPU host as the rest of sbpflow already prices it: the boxing planner's default ``cpu`` links and SBP
+    selection's compute rates (one profile for eager dispatch, graph selection and planning)."""
+    from ..graph.select import MEM_SECONDS_PER_BYTE, SECONDS_PER_FLOP
+
+    links = dict(CostModel().links)
+    intra, inter = links[("cpu", "intra")], links[("cpu", "inter")]
+    return DeviceProfile(name="cpu", device_type="cpu", peak_flops=1 / SECONDS_PER_FLOP,
+                         mem_bandwidth=1 / MEM_SECONDS_PER_BYTE, memory_bytes=16 * GB, intra_bandwidth=1 / intra.beta,
+                         inter_bandwidth=1 / inter.beta, intra_alpha=intra.alpha, inter_alpha=inter.alpha,
+                         eta_matmul=1.0, eta_memory=1.0, eta_intra=1.0, eta_inter=1.0, launch_s=20e-6,
+                         reserved_bytes=0.0, source="sbpflow's default CPU costs (boxing.plan, graph.select)")
+
+
 def get_profile(name_or_path: str | DeviceProfile) -> DeviceProfile:
     """A built-in profile by name (``a100-80gb``), or one that ``sbpflow calibrate`` wrote (a JSON path)."""
     if isinstance(name_or_path, DeviceProfile):
@@ -96,10 +110,12 @@ def get_profile(name_or_path: str | DeviceProfile) -> DeviceProfile:
     key = name_or_path.lower()
     if key in PROFILES:
         return PROFILES[key]
+    if key == "cpu":
+        return _framework_cpu()
     path = Path(name_or_path)
     if path.suffix == ".json" or path.exists():
         return load_profile(path)
-    raise SbpflowError(f"a device is a built-in profile ({', '.join(PROFILES)}) or a profile file written by "
+    raise SbpflowError(f"a device is a built-in profile ({', '.join(PROFILES)}, cpu) or a profile file written by "
                        f"`sbpflow calibrate`, but got {name_or_path!r}")
 
 

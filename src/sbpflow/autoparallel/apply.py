@@ -1,0 +1,79 @@
+"""``sbpflow.auto_parallel``: plan a GPT for the devices at hand and lay it out by that plan.
+
+The plan comes from the same search as ``sbpflow plan``, restricted to what the model's
+:func:`~sbpflow.models.gpt.parallelize` realises: tensor, pipeline and data degrees and uneven stage cuts.
+sbpflow's GPT keeps whole optimizer state on every replica and stores all activations, so ZeRO stays 0 and
+recompute "none". The micro-batch count is the plan's; give it to ``nn.Graph`` with
+``config.set_gradient_accumulation_steps(plan.micro_batches)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from ..errors import PlanError
+from .explain import explain
+from .predict import Cluster, Prediction
+from .profiles import DeviceProfile, get_profile
+from .search import Fixed, SearchResult, search
+from .transformer import TransformerSpec
+
+if TYPE_CHECKING:
+    from ..models.gpt import Strategy
+
+
+@dataclass
+class AutoPlan:
+    """The search's outcome and the strategy it was applied as."""
+
+    spec: TransformerSpec
+    cluster: Cluster
+    result: SearchResult
+    strategy: Strategy
+
+    @property
+    def prediction(self) -> Prediction:
+        return self.result.best
+
+    @property
+    def micro_batches(self) -> int:
+        plan = self.prediction.plan
+        return self.prediction.batch // (plan.dp * plan.micro_batch)
+
+    def explain(self) -> str:
+        return explain(self.spec, self.cluster, self.prediction, self.result)
+
+
+def gpt_spec(model: object) -> TransformerSpec:
+    """The planner's description of an ``sbpflow.models.gpt.GPT``."""
+    from ..models.gpt import GPT
+
+    if not isinstance(model, GPT):
+        raise PlanError(f"auto_parallel plans sbpflow.models.gpt.GPT models, but got {type(model).__name__}")
+    c = model.config
+    return TransformerSpec(layers=c.n_layer, hidden=c.n_embd, heads=c.n_head, seq=c.block_size, vocab=c.vocab_size)
+
+
+def auto_parallel(model: object, devices: int, batch: int, device: str = "cpu",
+                  profile: str | DeviceProfile = "cpu", gpus_per_node: int | None = None) -> AutoPlan:
+    """Searches the fastest plan of ``model`` on ``devices`` ranks for a global ``batch`` and applies it.
+
+    >>> import sbpflow
+    >>> from sbpflow.models.gpt import GPT, GPTConfig
+    >>> sbpflow.manual_seed(0)
+    >>> model = GPT(GPTConfig(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=16))
+    >>> auto = sbpflow.auto_parallel(model, devices=2, batch=4)
+    >>> auto.strategy.world_size, model.strategy is auto.strategy
+    (2, True)
+    """
+    from ..models.gpt import parallelize
+
+    spec = gpt_spec(model)
+    found = get_profile(profile)
+    cluster = Cluster(devices, found, gpus_per_node or devices)
+    result = search(spec, cluster, batch, Fixed(zero=0, recompute="none"))
+    plan = result.best.plan
+    strategy = parallelize(model, data=plan.dp, tensor=plan.tp, pipeline=plan.pp,  # type: ignore[arg-type]
+                           device=device, stage_layers=result.best.stage_layers)
+    return AutoPlan(spec, cluster, result, strategy)

@@ -1,0 +1,74 @@
+"""``sbpflow.auto_parallel`` on virtual ranks: the plan it finds is laid out on the model, trains like one
+device, and follows the memory limit (a device too small for the weights forces model parallelism)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+import sbpflow
+from sbpflow.autoparallel import get_profile
+from sbpflow.errors import PlanError, SbpflowError
+from sbpflow.models.gpt import GPT, GPTConfig, parallelize
+from sbpflow.sbp import Split
+
+CONFIG = GPTConfig(vocab_size=64, block_size=16, n_layer=4, n_head=4, n_embd=64)
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def _loss(model: GPT, ids: np.ndarray, targets: np.ndarray) -> float:
+    if model.strategy is None:
+        _, loss = model(sbpflow.tensor(ids), sbpflow.tensor(targets))
+    else:
+        _, loss = model(*model.strategy.shard_inputs(ids, targets))
+        if model.strategy.pipeline > 1:
+            loss = loss.to_global(placement=model.strategy.everywhere, sbp=sbpflow.sbp.broadcast)
+    return float(loss.numpy())
+
+
+def _model() -> GPT:
+    sbpflow.manual_seed(0)
+    return GPT(CONFIG)
+
+
+def test_applied_plan_matches_the_search_and_one_device():
+    rng = np.random.default_rng(0)
+    ids, targets = rng.integers(0, 64, (8, 16)), rng.integers(0, 64, (8, 16))
+    want = _loss(_model(), ids, targets)
+    model = _model()
+    auto = sbpflow.auto_parallel(model, devices=4, batch=8)
+    plan = auto.prediction.plan
+    assert (auto.strategy.data, auto.strategy.tensor, auto.strategy.pipeline) == (plan.dp, plan.tp, plan.pp)
+    assert model.strategy is auto.strategy and plan.zero == 0 and plan.recompute == "none"
+    assert auto.micro_batches * plan.dp * plan.micro_batch == 8
+    assert str(plan) in auto.explain()
+    assert _loss(model, ids, targets) == pytest.approx(want, rel=1e-5)
+
+
+def test_small_devices_force_model_parallelism():
+    """4 blocks of 64-wide layers hold about 0.2M parameters, 3.4 MB with Adam: a 2 MB device cannot hold them
+    whole, so the plan splits the weights (tensor or pipeline parallel) instead of replicating them."""
+    tiny = replace(get_profile("cpu"), memory_bytes=2e6)
+    model = _model()
+    auto = sbpflow.auto_parallel(model, devices=4, batch=8, profile=tiny)
+    plan = auto.prediction.plan
+    assert plan.tp * plan.pp > 1 and auto.prediction.fits
+    placed_apart = [p for p in model.parameters()
+                    if any(isinstance(s, Split) for s in p.sbp) or p.placement != auto.strategy.stages[0]]
+    assert placed_apart
+
+
+def test_uneven_stage_cuts_are_applied():
+    model = _model()
+    strategy = parallelize(model, pipeline=2, stage_layers=(1, 3))
+    assert strategy.block_stage == (0, 1, 1, 1)
+    with pytest.raises(SbpflowError, match="stage_layers"):
+        parallelize(_model(), pipeline=2, stage_layers=(2, 3))
+
+
+def test_only_gpts_are_planned():
+    with pytest.raises(PlanError, match="GPT"):
+        sbpflow.auto_parallel(sbpflow.nn.Linear(4, 4), devices=2, batch=4)
