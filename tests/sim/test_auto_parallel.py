@@ -63,10 +63,10 @@ def test_small_devices_force_model_parallelism():
 
 def test_uneven_stage_cuts_are_applied():
     model = _model()
-    strategy = parallelize(model, pipeline=2, stage_layers=(1, 3))
-    assert strategy.block_stage == (0, 1, 1, 1)
-    with pytest.raises(SbpflowError, match="stage_layers"):
-        parallelize(_model(), pipeline=2, stage_layers=(2, 3))
+    strategy = parallelize(model, pipeline=(1, 3))
+    assert strategy.pipeline == 2 and strategy.block_stage == (0, 1, 1, 1)
+    with pytest.raises(SbpflowError, match="blocks per stage"):
+        parallelize(_model(), pipeline=(2, 3))
 
 
 def test_only_gpts_are_planned():

@@ -74,6 +74,6 @@ def auto_parallel(model: object, devices: int, batch: int, device: str = "cpu",
     cluster = Cluster(devices, found, gpus_per_node or devices)
     result = search(spec, cluster, batch, Fixed(zero=0, recompute="none"))
     plan = result.best.plan
-    strategy = parallelize(model, data=plan.dp, tensor=plan.tp, pipeline=plan.pp,  # type: ignore[arg-type]
-                           device=device, stage_layers=result.best.stage_layers)
+    strategy = parallelize(model, data=plan.dp, tensor=plan.tp,  # type: ignore[arg-type]
+                           pipeline=result.best.stage_layers, device=device)
     return AutoPlan(spec, cluster, result, strategy)
