@@ -117,6 +117,9 @@ def test_fixed_flags_restrict_the_search():
         assert p.plan.tp == 2 and p.plan.recompute == "selective"
     with pytest.raises(PlanError, match="agrees with"):
         search(SMALL, cluster, 64, Fixed(tp=3))
+    one = search(SMALL, cluster, 64, Fixed(micro_batches=1))
+    for p in [one.best, *one.runners_up]:
+        assert p.plan.dp * p.plan.micro_batch == 64
 
 
 def test_invalid_plans_are_refused():

@@ -43,7 +43,9 @@ def test_applied_plan_matches_the_search_and_one_device():
     plan = auto.prediction.plan
     assert (auto.strategy.data, auto.strategy.tensor, auto.strategy.pipeline) == (plan.dp, plan.tp, plan.pp)
     assert model.strategy is auto.strategy and plan.zero == 0 and plan.recompute == "none"
-    assert auto.micro_batches * plan.dp * plan.micro_batch == 8
+    assert auto.micro_batches == 1 and plan.dp * plan.micro_batch == 8  # eager: one micro-batch per step
+    graph_plan = sbpflow.auto_parallel(_model(), devices=4, batch=8, micro_batches=None)
+    assert graph_plan.micro_batches * graph_plan.prediction.plan.dp * graph_plan.prediction.plan.micro_batch == 8
     assert str(plan) in auto.explain()
     assert _loss(model, ids, targets) == pytest.approx(want, rel=1e-5)
 

@@ -3,8 +3,9 @@
 The plan comes from the same search as ``sbpflow plan``, restricted to what the model's
 :func:`~sbpflow.models.gpt.parallelize` realises: tensor, pipeline and data degrees and uneven stage cuts.
 sbpflow's GPT keeps whole optimizer state on every replica and stores all activations, so ZeRO stays 0 and
-recompute "none". The micro-batch count is the plan's; give it to ``nn.Graph`` with
-``config.set_gradient_accumulation_steps(plan.micro_batches)``.
+recompute "none". Eager training runs a step as one micro-batch (stages do not overlap), which is the
+default; ``micro_batches=None`` lets the search choose, for ``nn.Graph`` with
+``config.set_gradient_accumulation_steps(auto.micro_batches)``.
 """
 
 from __future__ import annotations
@@ -56,7 +57,8 @@ def gpt_spec(model: object) -> TransformerSpec:
 
 
 def auto_parallel(model: object, devices: int, batch: int, device: str = "cpu",
-                  profile: str | DeviceProfile = "cpu", gpus_per_node: int | None = None) -> AutoPlan:
+                  profile: str | DeviceProfile = "cpu", gpus_per_node: int | None = None,
+                  micro_batches: int | None = 1) -> AutoPlan:
     """Searches the fastest plan of ``model`` on ``devices`` ranks for a global ``batch`` and applies it.
 
     >>> import sbpflow
@@ -72,7 +74,7 @@ def auto_parallel(model: object, devices: int, batch: int, device: str = "cpu",
     spec = gpt_spec(model)
     found = get_profile(profile)
     cluster = Cluster(devices, found, gpus_per_node or devices)
-    result = search(spec, cluster, batch, Fixed(zero=0, recompute="none"))
+    result = search(spec, cluster, batch, Fixed(zero=0, recompute="none", micro_batches=micro_batches))
     plan = result.best.plan
     strategy = parallelize(model, data=plan.dp, tensor=plan.tp,  # type: ignore[arg-type]
                            pipeline=result.best.stage_layers, device=device)

@@ -31,6 +31,7 @@ class Fixed:
     micro_batch: int | None = None
     zero: int | None = None
     recompute: str | None = None
+    micro_batches: int | None = None  # micro-batches per step (1: no pipelining of micro-batches, as eager runs)
 
 
 @dataclass
@@ -64,8 +65,11 @@ def candidate_plans(spec: TransformerSpec, cluster: Cluster, batch: int, fixed: 
 
 def _knobs(tp: int, pp: int, dp: int, batch: int, fixed: Fixed) -> list[ParallelPlan]:
     plans = []
-    for micro_batch in _choices(fixed.micro_batch, MICRO_BATCHES):
-        if batch % (dp * micro_batch):
+    sizes = MICRO_BATCHES if fixed.micro_batches is None else (batch // (dp * fixed.micro_batches),)
+    for micro_batch in _choices(fixed.micro_batch, sizes):
+        if micro_batch < 1 or batch % (dp * micro_batch):
+            continue
+        if fixed.micro_batches is not None and batch != dp * micro_batch * fixed.micro_batches:
             continue
         for zero in _choices(fixed.zero, (0, 1, 2, 3) if dp > 1 else (0,)):
             for recompute in _choices(fixed.recompute, RECOMPUTE):
