@@ -144,16 +144,31 @@ def _add_calibrate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
     p.add_argument("--name", default="local-cpu", help="the profile's name")
     p.add_argument("--processes", type=int, default=2, help="gloo processes for the α-β fit (default 2)")
     p.add_argument("--quick", action="store_true", help="smaller sizes and fewer repeats (seconds, noisier)")
+    p.add_argument("--from-trace", nargs="+", metavar="TRACE", default=None,
+                   help="instead of measuring: refit α-β and memory efficiency of --profile from a run's timeline "
+                        "files (SBPFLOW_TRACE), and show the prediction error before and after")
+    p.add_argument("--profile", default="cpu", help="the profile --from-trace starts from (a name or a file)")
 
 
 def calibrate_command(args: argparse.Namespace) -> int:
     """``sbpflow calibrate``: measure, print what was measured, write the profile."""
     from .autoparallel.calibrate import calibrate, describe
-    from .autoparallel.profiles import save_profile
+    from .autoparallel.from_trace import calibrate_from_trace
+    from .autoparallel.profiles import get_profile, save_profile
+    from .errors import SbpflowError
 
-    profile, measurements = calibrate(args.name, processes=args.processes, quick=args.quick)
-    save_profile(profile, args.output)
-    print(describe(measurements))
+    if args.from_trace:
+        try:
+            result = calibrate_from_trace(get_profile(args.profile), args.from_trace)
+        except SbpflowError as e:
+            print(f"sbpflow calibrate: {e}", file=sys.stderr)
+            return 2
+        save_profile(result.after, args.output)
+        print(result.describe())
+    else:
+        profile, measurements = calibrate(args.name, processes=args.processes, quick=args.quick)
+        save_profile(profile, args.output)
+        print(describe(measurements))
     print(f"sbpflow calibrate: wrote {args.output}")
     return 0
 
