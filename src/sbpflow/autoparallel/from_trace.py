@@ -147,8 +147,9 @@ class TraceCalibration:
         for kind, (old, new, count) in self.errors.items():
             lines.append(f"{kind:<12} {count:6d} {old:13.1%} {new:12.1%}")
         a, b = self.before, self.after
+        old_bw, new_bw = a.intra_bandwidth * a.eta_intra / 1e9, b.intra_bandwidth * b.eta_intra / 1e9
         lines.append(f"alpha {a.intra_alpha * 1e6:.1f} -> {b.intra_alpha * 1e6:.1f} us; bandwidth "
-                     f"{a.intra_bandwidth * a.eta_intra / 1e9:.2f} -> {b.intra_bandwidth * b.eta_intra / 1e9:.2f} GB/s; "
+                     f"{old_bw:.2f} -> {new_bw:.2f} GB/s; "
                      f"eta_memory {a.eta_memory:.2f} -> {b.eta_memory:.2f}; launch {a.launch_s * 1e6:.1f} -> "
                      f"{b.launch_s * 1e6:.1f} us")
         return "\n".join(lines)
