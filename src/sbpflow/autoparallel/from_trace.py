@@ -57,15 +57,15 @@ def samples(paths: list[str]) -> list[Sample]:
 def _file_samples(path: str) -> list[Sample]:
     try:
         events = json.loads(_closed(Path(path).read_text()))
-    except (OSError, json.JSONDecodeError) as e:
-        raise SbpflowError(f"a trace is the Chrome-trace JSON the actor runtime writes, but {path}: {e}") from e
-    lanes = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
-             if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    except (OSError, json.JSONDecodeError) as error:
+        raise SbpflowError(f"a trace is the Chrome-trace JSON the actor runtime writes, but {path}: {error}") from error
+    lanes = {(ev["pid"], ev["tid"]): ev["args"]["name"] for ev in events
+             if ev.get("ph") == "M" and ev.get("name") == "thread_name"}
     out = []
-    for e in events:
-        if e.get("ph") != "X" or e.get("dur", 0) <= 0:
+    for ev in events:
+        if ev.get("ph") != "X" or ev.get("dur", 0) <= 0:
             continue
-        sample = _sample(e, lanes.get((e["pid"], e["tid"]), ""))
+        sample = _sample(ev, lanes.get((ev["pid"], ev["tid"]), ""))
         if sample is not None:
             out.append(sample)
     return out
