@@ -57,8 +57,8 @@ def samples(paths: list[str]) -> list[Sample]:
 def _file_samples(path: str) -> list[Sample]:
     try:
         events = json.loads(_closed(Path(path).read_text()))
-    except (OSError, json.JSONDecodeError) as error:
-        raise SbpflowError(f"a trace is the Chrome-trace JSON the actor runtime writes, but {path}: {error}") from error
+    except (OSError, json.JSONDecodeError) as problem:
+        raise SbpflowError(f"a trace is the Chrome-trace JSON the actor runtime writes, but {path}: {problem}") from problem
     lanes = {(ev["pid"], ev["tid"]): ev["args"]["name"] for ev in events
              if ev.get("ph") == "M" and ev.get("name") == "thread_name"}
     out = []
