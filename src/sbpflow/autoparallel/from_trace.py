@@ -58,7 +58,8 @@ def _file_samples(path: str) -> list[Sample]:
     try:
         events = json.loads(_closed(Path(path).read_text()))
     except (OSError, json.JSONDecodeError) as problem:
-        raise SbpflowError(f"a trace is the Chrome-trace JSON the actor runtime writes, but {path}: {problem}") from problem
+        raise SbpflowError(f"a trace is the Chrome-trace JSON the actor runtime writes, but {path}: "
+                           f"{problem}") from problem
     lanes = {(ev["pid"], ev["tid"]): ev["args"]["name"] for ev in events
              if ev.get("ph") == "M" and ev.get("name") == "thread_name"}
     out = []
