@@ -74,3 +74,30 @@ def test_uneven_stage_cuts_are_applied():
 def test_only_gpts_are_planned():
     with pytest.raises(PlanError, match="GPT"):
         sbpflow.auto_parallel(sbpflow.nn.Linear(4, 4), devices=2, batch=4)
+
+
+def test_graph_with_auto_parallel_trains_like_one_device():
+    """nn.Graph plans its GPT at the first call (micro-batches included) and then trains as one device does."""
+    from sbpflow.demo.train_gpt import TrainStep, scalar
+
+    rng = np.random.default_rng(1)
+    batches = [(rng.integers(0, 64, (8, 16)), rng.integers(0, 64, (8, 16))) for _ in range(2)]
+    want = []
+    reference = _model()
+    opt = sbpflow.optim.AdamW(reference.parameters(), lr=1e-2)
+    for ids, targets in batches:
+        opt.zero_grad()
+        _, loss = reference(sbpflow.tensor(ids), sbpflow.tensor(targets))
+        loss.backward()
+        opt.step()
+        want.append(float(loss.numpy()))
+    model = _model()
+    step = TrainStep(model, sbpflow.optim.AdamW(model.parameters(), lr=1e-2), clip=None)
+    tiny = replace(get_profile("cpu"), memory_bytes=2e6)  # forces a model-parallel plan (see above)
+    step.config.enable_auto_parallel(devices=4, profile=tiny)
+    got = [scalar(step(ids, targets), model.strategy) for ids, targets in batches]
+    plan = step.auto_plan.prediction.plan
+    assert plan.tp * plan.pp > 1 and step.config.micro_batches == step.auto_plan.micro_batches
+    np.testing.assert_allclose(got, want, rtol=1e-4)
+    with pytest.raises(SbpflowError, match="devices"):
+        step.config.enable_auto_parallel(devices=0)

@@ -11,7 +11,7 @@ default; ``micro_batches=None`` lets the search choose, for ``nn.Graph`` with
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ..errors import PlanError
 from .explain import explain
@@ -79,3 +79,28 @@ def auto_parallel(model: object, devices: int, batch: int, device: str = "cpu",
     strategy = parallelize(model, data=plan.dp, tensor=plan.tp,  # type: ignore[arg-type]
                            pipeline=result.best.stage_layers, device=device)
     return AutoPlan(spec, cluster, result, strategy)
+
+
+def plan_graph_inputs(graph: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """``nn.Graph`` with ``config.enable_auto_parallel``: plans its GPT at the first call, then lays each call's
+    logical ids (and targets) out as the plan's inputs."""
+    model = _graph_gpt(graph)
+    if model.strategy is None:
+        devices, profile = graph.config.auto_parallel
+        auto = auto_parallel(model, devices, batch=int(args[0].shape[0]), profile=profile, micro_batches=None)
+        graph.config.set_gradient_accumulation_steps(auto.micro_batches)
+        object.__setattr__(graph, "auto_plan", auto)
+    if not 1 <= len(args) <= 2:
+        raise PlanError(f"an auto-parallel GPT step takes ids (and targets), but got {len(args)} arguments")
+    ids, targets = model.strategy.shard_inputs(*args)  # type: ignore[union-attr]
+    return (ids,) if targets is None else (ids, targets)
+
+
+def _graph_gpt(graph: Any) -> Any:
+    from ..models.gpt import GPT
+
+    found = [m for m in graph._modules.values() if isinstance(m, GPT)]
+    if len(found) != 1:
+        raise PlanError(f"enable_auto_parallel plans the one sbpflow.models.gpt.GPT a graph holds, but "
+                        f"{type(graph).__name__} holds {len(found)}")
+    return found[0]
