@@ -71,7 +71,7 @@ def _cuts(stage_layers: tuple[int, ...]) -> str:
 
 def explain(spec: TransformerSpec, cluster: Cluster, best: Prediction, result: SearchResult | None = None) -> str:
     """The human-readable report (``result`` None: a fully given plan, predicted without a search)."""
-    lines = [_header(spec, cluster, best), *_chosen(best), *_memory(best)]
+    lines = [_header(spec, cluster, best), *_chosen(best), *_memory(best), *_block_lines(spec, cluster, best)]
     if result is not None:
         lines += _runners_up(result)
         lines.append(f"searched {result.candidates} plans, costed {result.costed} exactly (the rest bounded out) "
@@ -114,6 +114,17 @@ def _memory(p: Prediction) -> list[str]:
     for key, nbytes in p.memory.items():
         lines.append(f"    {key:<12} {size(nbytes):>9}")
     return lines
+
+
+def _block_lines(spec: TransformerSpec, cluster: Cluster, p: Prediction) -> list[str]:
+    """The SBPs that selection picks inside every block on the tensor-parallel group (one ILP for all blocks)."""
+    if p.plan.tp == 1:
+        return []
+    from .block_sbp import solve_block
+
+    block = solve_block(spec, p.plan.micro_batch, p.plan.tp, cluster.profile)
+    return [f"  inside each block (SBP ILP on the tp{p.plan.tp} group, one solve for all {spec.layers} blocks, "
+            f"{seconds(block.solve_s)}):", f"    {block}"]
 
 
 def _runners_up(result: SearchResult) -> list[str]:
