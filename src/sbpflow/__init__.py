@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from . import boxing, comm, models, nn, optim, sbp
 from .autograd import enable_grad, is_grad_enabled, no_grad
+from .autoparallel.apply import auto_parallel
 from .creation import (
     arange,
     full,
@@ -167,6 +168,7 @@ def explain(x: Tensor, placement: Placement | None = None, sbp: object = None) -
 
 
 __all__ = [
+    "auto_parallel",
     "ArgumentError", "AutocastWarning", "AutogradError", "BoxingError", "CommError", "DTypeError",
     "IndexOutOfRangeError", "OpError", "Placement",
     "PlacementError", "SbpError", "SbpflowError", "ShapeError", "Tensor", "arange", "boxing", "comm", "enable_grad",

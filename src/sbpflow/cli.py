@@ -1,4 +1,4 @@
-"""The ``sbpflow`` command: demo | launch | graph | trace (and the subcommands added beside them)."""
+"""The ``sbpflow`` command: demo | launch | graph | trace | plan | calibrate."""
 
 from __future__ import annotations
 
@@ -14,9 +14,15 @@ def main(argv: list[str] | None = None) -> int:
     _add_launch(sub)
     _add_trace(sub)
     _add_graph(sub)
+    _add_plan(sub)
+    _add_calibrate(sub)
     args = parser.parse_args(argv)
     if args.command == "graph":
         return show_graphs(args)
+    if args.command == "plan":
+        return plan_command(args)
+    if args.command == "calibrate":
+        return calibrate_command(args)
     if args.command == "launch":
         return launch(args)
     if args.command == "trace":
@@ -88,6 +94,83 @@ def _add_trace(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     merge = actions.add_parser("merge", help="join several ranks' trace files into one")
     merge.add_argument("files", nargs="+", help="trace files (one per rank)")
     merge.add_argument("-o", "--output", required=True, help="the merged trace file to write")
+
+
+def _add_plan(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("plan", help="predict or search a tensor x pipeline x data plan for a GPT, without hardware",
+                       description="Predicts the step time, TFLOP/s and memory of a GPT's 3-D parallel plan on a "
+                                   "cluster described by a device profile. Flags that are given fix that part of "
+                                   "the plan; the rest is searched. With --tp, --pp, --dp and --micro-batch all "
+                                   "given it predicts that plan (ZeRO 0 and full recompute unless given).")
+    for flag, what in (("layers", "transformer blocks"), ("hidden", "hidden size"), ("heads", "attention heads"),
+                       ("seq", "sequence length"), ("vocab", "vocabulary size"), ("batch", "global batch (sequences)"),
+                       ("devices", "number of devices")):
+        p.add_argument(f"--{flag}", type=int, required=True, help=what)
+    p.add_argument("--device", default="a100-80gb", help="a100-40gb | a100-80gb | h100-80gb | a profile file "
+                                                         "written by `sbpflow calibrate` (default a100-80gb)")
+    p.add_argument("--gpus-per-node", type=int, default=None, help="devices per node (default: the profile's, 8)")
+    for flag, what in (("tp", "tensor-parallel degree"), ("pp", "pipeline stages"), ("dp", "data-parallel degree"),
+                       ("micro-batch", "sequences per micro-batch"), ("zero", "ZeRO stage 0-3")):
+        p.add_argument(f"--{flag}", type=int, default=None, help=f"{what} (searched if not given)")
+    p.add_argument("--recompute", choices=("none", "selective", "full"), default=None,
+                   help="activation recomputation (searched if not given)")
+    p.add_argument("--top", type=int, default=5, help="plans to report: the best and its runners-up (default 5)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the explanation")
+
+
+def plan_command(args: argparse.Namespace) -> int:
+    """``sbpflow plan``: explain (or ``--json``) the best plan, or the one the flags fix completely."""
+    import json
+
+    from .autoparallel.explain import explain, to_json
+    from .autoparallel.planning import plan_from_args
+    from .errors import SbpflowError
+
+    try:
+        spec, cluster, best, result = plan_from_args(args)
+    except SbpflowError as e:
+        print(f"sbpflow plan: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(to_json(spec, cluster, best, result), indent=2) if args.json
+          else explain(spec, cluster, best, result))
+    return 0
+
+
+def _add_calibrate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("calibrate", help="measure this machine into a device profile for `sbpflow plan`",
+                       description="Measures matmul and elementwise throughput, memcpy bandwidth and the α-β of "
+                                   "gloo collectives between local processes, and writes a profile file.")
+    p.add_argument("-o", "--output", default="sbpflow-profile.json", help="profile file to write")
+    p.add_argument("--name", default="local-cpu", help="the profile's name")
+    p.add_argument("--processes", type=int, default=2, help="gloo processes for the α-β fit (default 2)")
+    p.add_argument("--quick", action="store_true", help="smaller sizes and fewer repeats (seconds, noisier)")
+    p.add_argument("--from-trace", nargs="+", metavar="TRACE", default=None,
+                   help="instead of measuring: refit α-β and memory efficiency of --profile from a run's timeline "
+                        "files (SBPFLOW_TRACE), and show the prediction error before and after")
+    p.add_argument("--profile", default="cpu", help="the profile --from-trace starts from (a name or a file)")
+
+
+def calibrate_command(args: argparse.Namespace) -> int:
+    """``sbpflow calibrate``: measure, print what was measured, write the profile."""
+    from .autoparallel.calibrate import calibrate, describe
+    from .autoparallel.from_trace import calibrate_from_trace
+    from .autoparallel.profiles import get_profile, save_profile
+    from .errors import SbpflowError
+
+    if args.from_trace:
+        try:
+            result = calibrate_from_trace(get_profile(args.profile), args.from_trace)
+        except SbpflowError as e:
+            print(f"sbpflow calibrate: {e}", file=sys.stderr)
+            return 2
+        save_profile(result.after, args.output)
+        print(result.describe())
+    else:
+        profile, measurements = calibrate(args.name, processes=args.processes, quick=args.quick)
+        save_profile(profile, args.output)
+        print(describe(measurements))
+    print(f"sbpflow calibrate: wrote {args.output}")
+    return 0
 
 
 def trace_merge(args: argparse.Namespace) -> int:

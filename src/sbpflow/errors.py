@@ -53,3 +53,7 @@ class CommError(SbpflowError, RuntimeError):
 
 class AutocastWarning(UserWarning):
     """A torch.autocast block is active around sbpflow ops, which it does not change (see ops.registry)."""
+
+
+class PlanError(SbpflowError, ValueError):
+    """A parallel plan that cannot exist for the model and cluster (degrees that do not divide, no plan fits)."""

@@ -300,7 +300,8 @@ def split_blocks(n_layer: int, pipeline: int) -> tuple[int, ...]:
     return tuple(s for s, n in enumerate(sizes) for _ in range(n))
 
 
-def parallelize(model: GPT, data: int = 1, tensor: int = 1, pipeline: int = 1, device: str = "cpu") -> Strategy:
+def parallelize(model: GPT, data: int = 1, tensor: int = 1, pipeline: int | tuple[int, ...] = 1,
+                device: str = "cpu") -> Strategy:
     """Places ``model``'s parameters for data x tensor x pipeline parallelism; returns the :class:`Strategy`.
 
     Stage ``s`` holds its blocks (the embeddings on stage 0, the final
@@ -308,6 +309,8 @@ def parallelize(model: GPT, data: int = 1, tensor: int = 1, pipeline: int = 1, d
     parameter is B on the data axis and laid out Megatron-style on the tensor
     axis (:data:`BLOCK_PLAN`). Parameters keep their identity and logical
     values. The model's forward then moves activations between stages.
+    ``pipeline`` is a number of stages (blocks spread as evenly as possible) or
+    the blocks of each stage, such as ``(1, 3)`` (the planner's cuts may be uneven).
 
     >>> import sbpflow
     >>> sbpflow.manual_seed(0)
@@ -317,9 +320,14 @@ def parallelize(model: GPT, data: int = 1, tensor: int = 1, pipeline: int = 1, d
     >>> stage, sbpflow.sbp.format_nd(sbp)
     (1, '(B, S(1))')
     """
+    if isinstance(pipeline, tuple):
+        block_stage = _blocks_from_sizes(pipeline, model.config.n_layer)
+        pipeline = len(pipeline)
+    else:
+        block_stage = None
     _check_degrees(model.config, data, tensor, pipeline)
-    strategy = Strategy(data, tensor, pipeline, device, stage_placements(data, tensor, pipeline, device),
-                        split_blocks(model.config.n_layer, pipeline))
+    block_stage = block_stage or split_blocks(model.config.n_layer, pipeline)
+    strategy = Strategy(data, tensor, pipeline, device, stage_placements(data, tensor, pipeline, device), block_stage)
     # A size-1 axis keeps B everywhere (inputs included): a split or partial value there is the whole
     # value anyway, and B spares no-op collectives on one-rank groups.
     megatron = tensor > 1
@@ -335,6 +343,13 @@ def parallelize(model: GPT, data: int = 1, tensor: int = 1, pipeline: int = 1, d
         strategy.params[name] = (strategy.stages.index(param.placement), param.sbp, tuple(param.shape))
     model.strategy = strategy
     return strategy
+
+
+def _blocks_from_sizes(sizes: tuple[int, ...], n_layer: int) -> tuple[int, ...]:
+    if not sizes or sum(sizes) != n_layer or min(sizes) < 1 or not all(isinstance(n, int) for n in sizes):
+        raise SbpflowError(f"pipeline as blocks per stage must give every stage at least one block, {n_layer} in "
+                           f"all, but got {sizes}")
+    return tuple(s for s, n in enumerate(sizes) for _ in range(n))
 
 
 def _check_degrees(config: GPTConfig, data: int, tensor: int, pipeline: int) -> None:

@@ -59,6 +59,7 @@ class GraphConfig:
         self.executor = "actors"  # "actors" (the actor runtime) or "inorder" (the reference executor)
         self.sbp_selection = "ilp"  # "ilp" (global) or "greedy" (eager's per-op choice)
         self.trace_path: str | None = None  # the actor runtime's timeline file (else SBPFLOW_TRACE, else none)
+        self.auto_parallel: tuple[int, Any] | None = None  # (devices, profile): plan the model at the first call
 
     def set_gradient_accumulation_steps(self, steps: int) -> None:
         """Splits dim 0 of every input into ``steps`` micro-batches; gradients accumulate over them."""
@@ -70,6 +71,14 @@ class GraphConfig:
         if name not in ("actors", "inorder"):
             raise SbpflowError(f"Graph executor must be 'actors' or 'inorder', but got {name!r}")
         self.executor = name
+
+    def enable_auto_parallel(self, devices: int, profile: Any = "cpu") -> None:
+        """At the first call, plan the graph's GPT for ``devices`` ranks and the call's batch
+        (``sbpflow.auto_parallel``), lay it out, and take the plan's micro-batch count; calls then pass logical
+        (B, T) ids and targets, which the plan lays out. ``profile``: a device profile name, file or object."""
+        if not isinstance(devices, int) or devices < 1:
+            raise SbpflowError(f"enable_auto_parallel needs devices >= 1, but got {devices!r}")
+        self.auto_parallel = (devices, profile)
 
     def set_sbp_selection(self, name: str) -> None:
         if name not in ("ilp", "greedy"):
@@ -137,6 +146,10 @@ class Graph:
     # -- calling ----------------------------------------------------------------------------------
 
     def __call__(self, *args: Any) -> Any:
+        if self.config.auto_parallel is not None:
+            from ..autoparallel.apply import plan_graph_inputs
+
+            args = plan_graph_inputs(self, args)
         key = _input_key(args)
         compiled = self._cache.get(key)
         if compiled is None:

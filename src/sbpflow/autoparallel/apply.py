@@ -1,0 +1,106 @@
+"""``sbpflow.auto_parallel``: plan a GPT for the devices at hand and lay it out by that plan.
+
+The plan comes from the same search as ``sbpflow plan``, restricted to what the model's
+:func:`~sbpflow.models.gpt.parallelize` realises: tensor, pipeline and data degrees and uneven stage cuts.
+sbpflow's GPT keeps whole optimizer state on every replica and stores all activations, so ZeRO stays 0 and
+recompute "none". Eager training runs a step as one micro-batch (stages do not overlap), which is the
+default; ``micro_batches=None`` lets the search choose, for ``nn.Graph`` with
+``config.set_gradient_accumulation_steps(auto.micro_batches)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from ..errors import PlanError
+from .explain import explain
+from .predict import Cluster, Prediction
+from .profiles import DeviceProfile, get_profile
+from .search import Fixed, SearchResult, search
+from .transformer import TransformerSpec
+
+if TYPE_CHECKING:
+    from ..models.gpt import Strategy
+
+
+@dataclass
+class AutoPlan:
+    """The search's outcome and the strategy it was applied as."""
+
+    spec: TransformerSpec
+    cluster: Cluster
+    result: SearchResult
+    strategy: Strategy
+
+    @property
+    def prediction(self) -> Prediction:
+        return self.result.best
+
+    @property
+    def micro_batches(self) -> int:
+        plan = self.prediction.plan
+        return self.prediction.batch // (plan.dp * plan.micro_batch)
+
+    def explain(self) -> str:
+        return explain(self.spec, self.cluster, self.prediction, self.result)
+
+
+def gpt_spec(model: object) -> TransformerSpec:
+    """The planner's description of an ``sbpflow.models.gpt.GPT``."""
+    from ..models.gpt import GPT
+
+    if not isinstance(model, GPT):
+        raise PlanError(f"auto_parallel plans sbpflow.models.gpt.GPT models, but got {type(model).__name__}")
+    c = model.config
+    return TransformerSpec(layers=c.n_layer, hidden=c.n_embd, heads=c.n_head, seq=c.block_size, vocab=c.vocab_size)
+
+
+def auto_parallel(model: object, devices: int, batch: int, device: str = "cpu",
+                  profile: str | DeviceProfile = "cpu", gpus_per_node: int | None = None,
+                  micro_batches: int | None = 1) -> AutoPlan:
+    """Searches the fastest plan of ``model`` on ``devices`` ranks for a global ``batch`` and applies it.
+
+    >>> import sbpflow
+    >>> from sbpflow.models.gpt import GPT, GPTConfig
+    >>> sbpflow.manual_seed(0)
+    >>> model = GPT(GPTConfig(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=16))
+    >>> auto = sbpflow.auto_parallel(model, devices=2, batch=4)
+    >>> auto.strategy.world_size, model.strategy is auto.strategy
+    (2, True)
+    """
+    from ..models.gpt import parallelize
+
+    spec = gpt_spec(model)
+    found = get_profile(profile)
+    cluster = Cluster(devices, found, gpus_per_node or devices)
+    result = search(spec, cluster, batch, Fixed(zero=0, recompute="none", micro_batches=micro_batches))
+    plan = result.best.plan
+    strategy = parallelize(model, data=plan.dp, tensor=plan.tp,  # type: ignore[arg-type]
+                           pipeline=result.best.stage_layers, device=device)
+    return AutoPlan(spec, cluster, result, strategy)
+
+
+def plan_graph_inputs(graph: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """``nn.Graph`` with ``config.enable_auto_parallel``: plans its GPT at the first call, then lays each call's
+    logical ids (and targets) out as the plan's inputs."""
+    model = _graph_gpt(graph)
+    if model.strategy is None:
+        devices, profile = graph.config.auto_parallel
+        auto = auto_parallel(model, devices, batch=int(args[0].shape[0]), profile=profile, micro_batches=None)
+        graph.config.set_gradient_accumulation_steps(auto.micro_batches)
+        object.__setattr__(graph, "auto_plan", auto)
+    if not 1 <= len(args) <= 2:
+        raise PlanError(f"an auto-parallel GPT step takes ids (and targets), but got {len(args)} arguments")
+    ids, targets = model.strategy.shard_inputs(*args)  # type: ignore[union-attr]
+    return (ids,) if targets is None else (ids, targets)
+
+
+def _graph_gpt(graph: Any) -> Any:
+    from ..models.gpt import GPT
+
+    found = [m for m in graph._modules.values() if isinstance(m, GPT)]
+    if len(found) != 1:
+        raise PlanError(f"enable_auto_parallel plans the one sbpflow.models.gpt.GPT a graph holds, but "
+                        f"{type(graph).__name__} holds {len(found)}")
+    return found[0]

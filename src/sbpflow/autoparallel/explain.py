@@ -1,0 +1,213 @@
+"""What ``sbpflow plan`` prints: the chosen plan, its time and memory by component, the runners-up and why
+they lost, and the assumptions every number rests on. The same content as one JSON object for ``--json``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .predict import TIME_KEYS, Cluster, Prediction
+from .search import SearchResult
+from .transformer import TransformerSpec
+
+GB = 1e9
+
+
+def seconds(value: float) -> str:
+    """A duration in the unit that keeps it readable: ``2.500 s``, ``12.0 ms``, ``40.0 us``.
+
+    >>> seconds(2.5), seconds(0.012), seconds(-4e-5)
+    ('2.500 s', '12.00 ms', '-40.0 us')
+    """
+    size = abs(value)
+    if size >= 1:
+        return f"{value:.3f} s"
+    if size >= 1e-3:
+        return f"{value * 1e3:.2f} ms"
+    return f"{value * 1e6:.1f} us"
+
+
+def size(nbytes: float) -> str:
+    """``69.0 GB``, ``12.5 MB``, ``3.0 KB``."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if abs(nbytes) >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes:.0f} B"
+
+
+def flops(rate: float) -> str:
+    return f"{rate / 1e12:.1f} TFLOP/s" if rate >= 1e12 else f"{rate / 1e9:.1f} GFLOP/s"
+
+
+def why_lost(loser: Prediction, best: Prediction) -> str:
+    """One line: a plan that does not fit says by how much; a slower one names the components that grew most.
+
+    The components are compared as totals over the step, so ``bubble +1.2 s`` means the pipeline's fill and
+    drain cost 1.2 s more than in the chosen plan.
+    """
+    if not loser.fits:
+        return (f"needs {size(loser.memory_per_device)} per device, {size(loser.usable_memory)} usable "
+                f"({_largest_memory(loser)})")
+    slower = loser.step_time - best.step_time
+    deltas = sorted(((loser.breakdown[k] - best.breakdown[k], k) for k in TIME_KEYS), reverse=True)
+    grew = ", ".join(f"{k} +{seconds(d)}" for d, k in deltas[:2] if d > 0)
+    return f"+{seconds(slower)} ({slower / best.step_time:+.1%}): {grew or 'no component grew'}"
+
+
+def _largest_memory(prediction: Prediction) -> str:
+    name, nbytes = max(prediction.memory.items(), key=lambda kv: kv[1])
+    return f"{name} {size(nbytes)}"
+
+
+def plan_line(p: Prediction) -> str:
+    return (f"{p.plan}  stages {_cuts(p.stage_layers)}  {seconds(p.step_time)}  {flops(p.tflops_per_device * 1e12)}  "
+            f"{size(p.memory_per_device)}")
+
+
+def _cuts(stage_layers: tuple[int, ...]) -> str:
+    if len(set(stage_layers)) == 1:
+        return f"{len(stage_layers)}x{stage_layers[0]}"
+    return "[" + ",".join(map(str, stage_layers)) + "]"
+
+
+def explain(spec: TransformerSpec, cluster: Cluster, best: Prediction, result: SearchResult | None = None) -> str:
+    """The human-readable report (``result`` None: a fully given plan, predicted without a search)."""
+    lines = [_header(spec, cluster, best), *_chosen(best), *_memory(best), *_block_lines(spec, cluster, best)]
+    if result is not None:
+        lines += _runners_up(result)
+        lines.append(f"searched {result.candidates} plans, costed {result.costed} exactly (the rest bounded out) "
+                     f"in {seconds(result.seconds)}")
+    lines += _assumptions(cluster)
+    return "\n".join(lines)
+
+
+def _header(spec: TransformerSpec, cluster: Cluster, best: Prediction) -> str:
+    nodes = -(-cluster.devices // cluster.gpus_per_node)
+    return (f"model: {spec.layers} layers, hidden {spec.hidden}, {spec.heads} heads, seq {spec.seq}, "
+            f"vocab {spec.vocab} ({_count(spec.params)} parameters), batch {best.batch}\n"
+            f"cluster: {cluster.devices} x {cluster.profile.name}, {cluster.gpus_per_node} per node ({nodes} nodes)")
+
+
+def _count(n: float) -> str:
+    """``174.6B``, ``1.3M``."""
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.1f}{unit}"
+    return str(int(n))
+
+
+def _chosen(p: Prediction) -> list[str]:
+    micro_batches = p.batch // (p.plan.dp * p.plan.micro_batch)
+    lines = [f"plan: {p.plan}, {micro_batches} micro-batches, stages {_cuts(p.stage_layers)} blocks",
+             f"  step {seconds(p.step_time)}   {flops(p.tflops_per_device * 1e12)} per device (Megatron's count)   "
+             f"MFU {p.mfu:.1%}",
+             "  time by component (the slowest stage, times the micro-batches; bubble: the other stages' fill "
+             "and drain):"]
+    for key in TIME_KEYS:
+        lines.append(f"    {key:<10} {seconds(p.breakdown[key]):>11}  {p.breakdown[key] / p.step_time:6.1%}")
+    return lines
+
+
+def _memory(p: Prediction) -> list[str]:
+    verdict = "fits" if p.fits else "DOES NOT FIT"
+    lines = [f"  memory on the fullest device: {size(p.memory_per_device)} of {size(p.usable_memory)} "
+             f"usable ({verdict})"]
+    for key, nbytes in p.memory.items():
+        lines.append(f"    {key:<12} {size(nbytes):>9}")
+    return lines
+
+
+def _block_lines(spec: TransformerSpec, cluster: Cluster, p: Prediction) -> list[str]:
+    """The SBPs that selection picks inside every block on the tensor-parallel group (one ILP for all blocks)."""
+    if p.plan.tp == 1:
+        return []
+    from .block_sbp import solve_block
+
+    block = solve_block(spec, p.plan.micro_batch, p.plan.tp, cluster.profile)
+    return [f"  inside each block (SBP ILP on the tp{p.plan.tp} group, one solve for all {spec.layers} blocks, "
+            f"{seconds(block.solve_s)}):", f"    {block}"]
+
+
+def _runners_up(result: SearchResult) -> list[str]:
+    lines = ["runners-up (why they lost):"]
+    for p in result.runners_up:
+        lines.append(f"  {plan_line(p)}\n      {why_lost(p, result.best)}")
+    if result.too_big:
+        lines.append("faster, but not in memory:")
+        for p in result.too_big:
+            lines.append(f"  {plan_line(p)}\n      {why_lost(p, result.best)}")
+    return lines
+
+
+def _assumptions(cluster: Cluster) -> list[str]:
+    prof = cluster.profile
+    intra, inter = prof.intra_bandwidth * prof.eta_intra, prof.inter_bandwidth * prof.eta_inter
+    return [
+        f"what this rests on ({prof.source}):",
+        f"  GEMMs at {flops(prof.peak_flops)} peak x eta {prof.eta_matmul:.2f}; other kernels at "
+        f"{size(prof.mem_bandwidth)}/s x eta {prof.eta_memory:.2f}; {seconds(prof.launch_s)} per kernel",
+        f"  collectives alpha-beta: intra-node {seconds(prof.intra_alpha)} + {size(intra)}/s, inter-node "
+        f"{seconds(prof.inter_alpha)} + {size(inter)}/s per device; ring algorithms",
+        "  1F1B schedule; tensor parallel without sequence parallelism; gradient sync not overlapped; "
+        "mixed-precision Adam (16 bytes/parameter before ZeRO)",
+        f"  {size(prof.reserved_bytes)} per device reserved (context, fragmentation)",
+    ]
+
+
+def to_json(spec: TransformerSpec, cluster: Cluster, best: Prediction, result: SearchResult | None = None
+            ) -> dict[str, Any]:
+    """The ``--json`` object (its schema: ``PLAN_SCHEMA``)."""
+    out = _prediction_json(best)
+    out.update(
+        model={"layers": spec.layers, "hidden": spec.hidden, "heads": spec.heads, "seq": spec.seq,
+               "vocab": spec.vocab, "parameters": spec.params},
+        cluster={"devices": cluster.devices, "device": cluster.profile.name,
+                 "gpus_per_node": cluster.gpus_per_node},
+        batch=best.batch,
+        runners_up=[dict(_prediction_json(p), why=why_lost(p, best)) for p in (result.runners_up if result else [])],
+        search=None if result is None else {"candidates": result.candidates, "costed": result.costed,
+                                            "seconds": result.seconds},
+    )
+    return out
+
+
+def _prediction_json(p: Prediction) -> dict[str, Any]:
+    return {
+        "tp": p.plan.tp, "pp": p.plan.pp, "dp": p.plan.dp, "micro_batch": p.plan.micro_batch,
+        "zero": p.plan.zero, "recompute": p.plan.recompute, "stage_layers": list(p.stage_layers),
+        "step_time_s": p.step_time, "tflops_per_device": p.tflops_per_device, "mfu": p.mfu,
+        "memory_per_device_gb": p.memory_per_device / GB, "fits": p.fits,
+        "memory_gb": {k: v / GB for k, v in p.memory.items()},
+        "breakdown": dict(p.breakdown),
+    }
+
+
+_NUMBER = {"type": "number", "minimum": 0}
+_PLAN_FIELDS = {
+    "tp": {"type": "integer", "minimum": 1}, "pp": {"type": "integer", "minimum": 1},
+    "dp": {"type": "integer", "minimum": 1}, "micro_batch": {"type": "integer", "minimum": 1},
+    "zero": {"enum": [0, 1, 2, 3]}, "recompute": {"enum": ["none", "selective", "full"]},
+    "stage_layers": {"type": "array", "items": {"type": "integer", "minimum": 1}, "minItems": 1},
+    "step_time_s": {"type": "number", "exclusiveMinimum": 0}, "tflops_per_device": _NUMBER,
+    "mfu": {"type": "number", "minimum": 0, "maximum": 1}, "memory_per_device_gb": _NUMBER,
+    "fits": {"type": "boolean"},
+    "memory_gb": {"type": "object", "required": ["weights", "gradients", "optimizer", "activations"],
+                  "additionalProperties": _NUMBER},
+    "breakdown": {"type": "object", "required": list(TIME_KEYS), "additionalProperties": False,
+                  "properties": {k: _NUMBER for k in TIME_KEYS}},
+}
+
+PLAN_SCHEMA: dict[str, Any] = {
+    "$schema": "https://json-schema.org/draft/2020-12/schema",
+    "title": "sbpflow plan --json",
+    "type": "object",
+    "required": [*_PLAN_FIELDS, "model", "cluster", "batch", "runners_up", "search"],
+    "properties": {
+        **_PLAN_FIELDS,
+        "model": {"type": "object", "required": ["layers", "hidden", "heads", "seq", "vocab", "parameters"]},
+        "cluster": {"type": "object", "required": ["devices", "device", "gpus_per_node"]},
+        "batch": {"type": "integer", "minimum": 1},
+        "runners_up": {"type": "array", "items": {"type": "object", "required": [*_PLAN_FIELDS, "why"],
+                                                   "properties": {**_PLAN_FIELDS, "why": {"type": "string"}}}},
+        "search": {"oneOf": [{"type": "null"}, {"type": "object", "required": ["candidates", "costed", "seconds"]}]},
+    },
+}

@@ -1,0 +1,304 @@
+"""The step time and memory of one 3-D parallel plan (tensor × pipeline × data) of a transformer.
+
+Ranks are laid out as Megatron and ``models.gpt.stage_placements`` do: tensor-parallel ranks innermost, then
+data-parallel replicas, then pipeline stages, so rank = (stage · dp + replica) · tp + shard. A group whose
+ranks span nodes pays the inter-node link (the boxing :class:`~sbpflow.boxing.plan.CostModel`).
+
+Per micro-batch, stage ``i`` costs ``t_i`` = its blocks' forward and backward (+ recomputation) + their
+tensor-parallel all-reduces (2 in forward, 2 in backward, 2 more when full recompute reruns the forward)
++ its point-to-point sends (activations forward, gradients backward; across nodes each tensor-parallel rank
+sends 1/t and the receivers all-gather over NVLink: Narayanan et al. 2021 §4.1's scatter/gather)
++ ZeRO-2/3's per-micro-batch traffic. Under 1F1B with ``m`` micro-batches the pipeline takes
+
+    Σ t_i + (m - 1) · max t_i                   (Alpa, Zheng et al. OSDI'22, eq. 2)
+
+i.e. ``m`` times the slowest stage plus the bubble ``Σ t_i - max t_i`` ((p-1)/m of the work for equal
+stages). Then each stage synchronises its gradients across replicas (not overlapped, as in Megatron-LM 2021)
+and steps its optimizer; the slowest of those ends the step.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from functools import cached_property
+
+from ..boxing.plan import CostModel
+from ..errors import PlanError
+from .cost import collective_time, model_state_bytes
+from .profiles import DeviceProfile
+from .transformer import (
+    ACT_BYTES,
+    RECOMPUTE,
+    TransformerSpec,
+    embedding_cost,
+    head_activation_bytes,
+    head_cost,
+    layer_activation_bytes,
+    layer_cost,
+)
+
+ADAM_BYTES_PER_PARAM = 2 + 3 * 2 * 4 + 2  # read the fp16 gradient; read+write fp32 master, m, v; write fp16 weight
+TIME_KEYS = ("compute", "recompute", "tp_comm", "pp_comm", "dp_comm", "bubble", "optimizer")
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """``devices`` accelerators of one profile, ``gpus_per_node`` to a node."""
+
+    devices: int
+    profile: DeviceProfile
+    gpus_per_node: int
+
+    @cached_property
+    def cost_model(self) -> CostModel:
+        return self.profile.cost_model(self.gpus_per_node)
+
+
+@dataclass(frozen=True)
+class ParallelPlan:
+    """The degrees and knobs of one plan: ``tp · pp · dp`` devices, ``batch / (dp · micro_batch)`` micro-batches."""
+
+    tp: int
+    pp: int
+    dp: int
+    micro_batch: int
+    zero: int = 0
+    recompute: str = "full"
+
+    def __str__(self) -> str:
+        return (f"tp{self.tp} pp{self.pp} dp{self.dp} micro-batch {self.micro_batch} zero{self.zero} "
+                f"recompute={self.recompute}")
+
+
+@dataclass(frozen=True)
+class StageCost:
+    """One stage's seconds per micro-batch, by component."""
+
+    layers: int
+    compute: float
+    recompute: float
+    tp_comm: float
+    pp_comm: float
+    dp_comm: float  # ZeRO-2/3 traffic repeated every micro-batch
+
+    @property
+    def total(self) -> float:
+        return self.compute + self.recompute + self.tp_comm + self.pp_comm + self.dp_comm
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """What a plan is predicted to cost: step seconds by component, bytes per device by component."""
+
+    plan: ParallelPlan
+    batch: int
+    stage_layers: tuple[int, ...]
+    step_time: float
+    breakdown: dict[str, float]  # seconds, summing to step_time
+    memory: dict[str, float]  # bytes on the fullest device
+    usable_memory: float
+    tflops_per_device: float  # Megatron's count (recompute included) / time / devices
+    mfu: float  # useful FLOPs (no recompute) / time / (devices · peak)
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def memory_per_device(self) -> float:
+        return sum(self.memory.values())
+
+    @property
+    def fits(self) -> bool:
+        return self.memory_per_device <= self.usable_memory
+
+
+# ----------------------------------------------------------------------------- per-plan costs
+
+
+@dataclass(frozen=True)
+class PlanCosts:
+    """Everything about one plan that does not depend on where the stage cuts fall."""
+
+    spec: TransformerSpec
+    cluster: Cluster
+    plan: ParallelPlan
+    micro_batches: int
+    layer_compute: float  # forward + backward of one block
+    layer_recompute: float
+    layer_tp: float
+    layer_zero: float  # ZeRO-2/3 per micro-batch, one block
+    p2p: float  # one activation (or gradient) send between neighbouring stages
+    embedding: float
+    head: float
+
+    def stage_cost(self, stage: int, layers: int) -> StageCost:
+        first, last = stage == 0, stage == self.plan.pp - 1
+        sends = (not last) + (not first)
+        extra = (self.embedding if first else 0.0) + (self.head if last else 0.0)
+        return StageCost(layers, layers * self.layer_compute + extra, layers * self.layer_recompute,
+                         layers * self.layer_tp, sends * self.p2p, layers * self.layer_zero)
+
+    def stage_params(self, stage: int, layers: int) -> float:
+        """Parameters one rank of the stage holds (tied embedding: a copy on the first and the last stage)."""
+        spec, tp = self.spec, self.plan.tp
+        params = layers * spec.layer_params / tp
+        if stage == 0:
+            params += spec.vocab * spec.hidden / tp + spec.seq * spec.hidden
+        if stage == self.plan.pp - 1:
+            params += 2 * spec.hidden + (spec.vocab * spec.hidden / tp if self.plan.pp > 1 else 0)
+        return params
+
+    def stage_memory(self, stage: int, layers: int) -> dict[str, float]:
+        """Bytes on one rank of ``stage``: model state under ZeRO, plus activations of the micro-batches in
+        flight (1F1B: stage ``i`` of ``p`` holds ``min(p - i, m)``, Narayanan et al. 2021 §2.2.1)."""
+        plan, spec = self.plan, self.spec
+        memory = model_state_bytes(self.stage_params(stage, layers), plan.dp, plan.zero)
+        in_flight = min(plan.pp - stage, self.micro_batches)
+        kept = layer_activation_bytes(spec, plan.micro_batch, plan.tp, plan.recompute)
+        working = layer_activation_bytes(spec, plan.micro_batch, plan.tp, "none") - kept  # one block, rebuilt
+        if plan.zero == 3:
+            working += 2 * ACT_BYTES * spec.layer_params / plan.tp  # one block's gathered weights and gradients
+        head = head_activation_bytes(spec, plan.micro_batch, plan.tp) if stage == plan.pp - 1 else 0.0
+        memory["activations"] = in_flight * layers * kept + working + head
+        return memory
+
+    def sync_time(self, stage: int, layers: int) -> tuple[float, float]:
+        """(gradient synchronisation, optimizer step) seconds of one stage at the end of the step."""
+        plan, cluster = self.plan, self.cluster
+        grad_bytes = 2 * self.stage_params(stage, layers)
+        dp_group = dp_ranks(plan)
+        if plan.zero == 0:
+            sync = _coll("all_reduce", dp_group, grad_bytes, cluster)
+        elif plan.zero == 1:  # reduce-scatter gradients, all-gather updated weights
+            sync = _coll("reduce_scatter", dp_group, grad_bytes, cluster) + _coll("all_gather", dp_group,
+                                                                                 grad_bytes, cluster)
+        elif plan.zero == 2:  # gradients were reduce-scattered per micro-batch
+            sync = _coll("all_gather", dp_group, grad_bytes, cluster)
+        else:  # ZeRO-3 gathers weights when it needs them
+            sync = 0.0
+        owned = self.stage_params(stage, layers) / (plan.dp if plan.zero >= 1 else 1)
+        return sync, owned * ADAM_BYTES_PER_PARAM / cluster.profile.memory_throughput
+
+
+def plan_costs(spec: TransformerSpec, cluster: Cluster, plan: ParallelPlan, batch: int) -> PlanCosts:
+    """The per-block and per-send costs of ``plan`` (checks that it is a plan of this model and cluster)."""
+    check_plan(spec, cluster, plan, batch)
+    profile = cluster.profile
+    layer = layer_cost(spec, plan.micro_batch, plan.tp, profile)
+    act = ACT_BYTES * plan.micro_batch * spec.seq * spec.hidden  # one block's input or output
+    tp_group = tuple(range(plan.tp))
+    all_reduce = _coll("all_reduce", tp_group, act, cluster)
+    recompute = {"none": 0.0, "selective": layer.selective, "full": layer.forward}[plan.recompute]
+    reruns = 2 if plan.recompute == "full" else 0
+    return PlanCosts(
+        spec=spec, cluster=cluster, plan=plan, micro_batches=batch // (plan.dp * plan.micro_batch),
+        layer_compute=layer.forward + layer.backward, layer_recompute=recompute,
+        layer_tp=(4 + reruns) * all_reduce, layer_zero=_zero_per_micro_batch(spec, cluster, plan),
+        p2p=_p2p_time(plan, act, cluster),
+        embedding=embedding_cost(spec, plan.micro_batch, profile),
+        head=head_cost(spec, plan.micro_batch, plan.tp, profile),
+    )
+
+
+def check_plan(spec: TransformerSpec, cluster: Cluster, plan: ParallelPlan, batch: int) -> None:
+    """A plan is valid when its degrees multiply to the device count, tensor parallelism keeps whole heads,
+    every stage gets a block, and the batch splits evenly into replicas and micro-batches."""
+    if plan.tp * plan.pp * plan.dp != cluster.devices:
+        raise PlanError(f"tp · pp · dp must equal the {cluster.devices} devices, but {plan} has "
+                        f"{plan.tp * plan.pp * plan.dp}")
+    if spec.heads % plan.tp or spec.vocab % plan.tp:
+        raise PlanError(f"tp must divide heads ({spec.heads}) and vocab ({spec.vocab}), but got tp={plan.tp}")
+    if plan.pp > spec.layers:
+        raise PlanError(f"every pipeline stage needs a block, but pp={plan.pp} > layers={spec.layers}")
+    if plan.micro_batch < 1 or batch % (plan.dp * plan.micro_batch):
+        raise PlanError(f"the batch ({batch}) must split into dp={plan.dp} replicas of micro-batches of "
+                        f"{plan.micro_batch}")
+    if plan.recompute not in RECOMPUTE:
+        raise PlanError(f"recompute must be one of {RECOMPUTE}, but got {plan.recompute!r}")
+    if plan.zero not in (0, 1, 2, 3):
+        raise PlanError(f"ZeRO stage must be 0, 1, 2 or 3, but got {plan.zero!r}")
+
+
+def dp_ranks(plan: ParallelPlan) -> tuple[int, ...]:
+    """Stage 0's replicas of tensor shard 0: every tp-th rank."""
+    return tuple(replica * plan.tp for replica in range(plan.dp))
+
+
+def _coll(kind: str, ranks: tuple[int, ...], nbytes: float, cluster: Cluster) -> float:
+    return collective_time(kind, ranks, nbytes, cluster.cost_model, cluster.profile.device_type)
+
+
+def _p2p_time(plan: ParallelPlan, nbytes: float, cluster: Cluster) -> float:
+    """One send between neighbouring stages. Across nodes with tp > 1, each of the t ranks sends 1/t over its
+    own NIC and the receivers all-gather the pieces over the node's links (Narayanan et al. 2021 §4.1)."""
+    if plan.pp == 1:
+        return 0.0
+    pair = (0, plan.dp * plan.tp)
+    inter = cluster.cost_model.link(cluster.profile.device_type, pair) != cluster.cost_model.link(
+        cluster.profile.device_type, (0,))
+    if inter and plan.tp > 1:
+        return _coll("send_recv", pair, nbytes / plan.tp, cluster) + _coll(
+            "all_gather", tuple(range(plan.tp)), nbytes, cluster)
+    return _coll("send_recv", pair, nbytes, cluster)
+
+
+def _zero_per_micro_batch(spec: TransformerSpec, cluster: Cluster, plan: ParallelPlan) -> float:
+    """ZeRO-2 reduce-scatters each micro-batch's gradients (they are never whole on a rank); ZeRO-3 also
+    all-gathers the weights before forward and before backward. Per block, per micro-batch."""
+    nbytes = 2 * spec.layer_params / plan.tp
+    group = dp_ranks(plan)
+    if plan.zero == 2:
+        return _coll("reduce_scatter", group, nbytes, cluster)
+    if plan.zero == 3:
+        return _coll("reduce_scatter", group, nbytes, cluster) + 2 * _coll("all_gather", group, nbytes, cluster)
+    return 0.0
+
+
+# ----------------------------------------------------------------------------- from costs and cuts to a prediction
+
+
+def predict_with_cuts(costs: PlanCosts, stage_layers: tuple[int, ...], batch: int) -> Prediction:
+    """The step time and memory of ``costs``' plan with ``stage_layers`` blocks on each stage."""
+    plan, m = costs.plan, costs.micro_batches
+    stages = [costs.stage_cost(i, k) for i, k in enumerate(stage_layers)]
+    bottleneck = max(range(len(stages)), key=lambda i: stages[i].total)
+    slow = stages[bottleneck]
+    syncs = [costs.sync_time(i, k) for i, k in enumerate(stage_layers)]
+    last = max(range(len(syncs)), key=lambda i: sum(syncs[i]))
+    breakdown = {
+        "compute": m * slow.compute, "recompute": m * slow.recompute, "tp_comm": m * slow.tp_comm,
+        "pp_comm": m * slow.pp_comm, "dp_comm": m * slow.dp_comm + syncs[last][0],
+        "bubble": sum(s.total for s in stages) - slow.total, "optimizer": syncs[last][1],
+    }
+    memories = [costs.stage_memory(i, k) for i, k in enumerate(stage_layers)]
+    memory = max(memories, key=lambda mem: sum(mem.values()))
+    step = sum(breakdown.values())
+    devices = costs.cluster.devices
+    return Prediction(
+        plan=plan, batch=batch, stage_layers=tuple(stage_layers), step_time=step, breakdown=breakdown,
+        memory=memory, usable_memory=costs.cluster.profile.usable_memory,
+        tflops_per_device=costs.spec.model_flops(batch) / step / devices / 1e12,
+        mfu=costs.spec.useful_flops(batch) / step / devices / costs.cluster.profile.peak_flops,
+    )
+
+
+def even_cuts(layers: int, stages: int) -> tuple[int, ...]:
+    """As even as possible, earlier stages taking the extra blocks (``models.gpt.split_blocks``).
+
+    >>> even_cuts(10, 4)
+    (3, 3, 2, 2)
+    """
+    base, extra = divmod(layers, stages)
+    return tuple(base + (i < extra) for i in range(stages))
+
+
+def lower_bound(costs: PlanCosts) -> float:
+    """A step time no placement of the cuts can beat: Σ t_i does not depend on the cuts, max t_i is at least
+    their mean and at least any stage's fixed part plus one block, and some stage holds ⌈l/p⌉ blocks to sync."""
+    plan, layers = costs.plan, costs.spec.layers
+    fixed = [costs.stage_cost(i, 0).total for i in range(plan.pp)]
+    per_layer = costs.layer_compute + costs.layer_recompute + costs.layer_tp + costs.layer_zero
+    total = sum(fixed) + layers * per_layer
+    slowest = max(total / plan.pp, max(fixed) + per_layer)
+    most = math.ceil(layers / plan.pp)
+    sync = min(sum(costs.sync_time(i, most)) for i in {0, min(1, plan.pp - 1), plan.pp - 1})  # the kinds of stage
+    return total + (costs.micro_batches - 1) * slowest + sync

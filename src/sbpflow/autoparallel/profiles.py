@@ -1,0 +1,145 @@
+"""Device profiles: what one accelerator and its links can do, from public specs or measured here.
+
+A profile is pure data. Peaks come from vendor datasheets; the efficiencies ``η`` say what fraction of a
+peak real kernels sustain, and are the numbers ``sbpflow calibrate`` (or a user's own measurements) replace.
+
+Public specs used (dense, no sparsity; per GPU; one direction of a link):
+
+    profile     bf16 peak      HBM          memory   NVLink (per direction)   inter-node NIC per GPU
+    a100-40gb   312 TFLOP/s    1555 GB/s    40 GB    300 GB/s (NVLink 3)      25 GB/s (HDR 200 Gb/s)
+    a100-80gb   312 TFLOP/s    2039 GB/s    80 GB    300 GB/s (NVLink 3)      25 GB/s (HDR 200 Gb/s)
+    h100-80gb   989 TFLOP/s    3350 GB/s    80 GB    450 GB/s (NVLink 4)      50 GB/s (NDR 400 Gb/s)
+
+The efficiencies are assumptions, not specs: about 60% of peak for the GEMMs of a transformer layer
+(cuBLAS reaches 70-80% on large square GEMMs; attention's per-head GEMMs and the epilogues reach less),
+80% of HBM bandwidth for elementwise kernels, and 75% of NVLink / 80% of the NIC for NCCL's ring
+collectives (nccl-tests' bus bandwidth on DGX A100). ``sbpflow plan --explain`` prints them next to every
+prediction so that what a prediction rests on is visible.
+
+>>> PROFILES["a100-80gb"].matmul_flops / 1e12
+187.2
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
+
+from ..boxing.plan import CostModel, LinkCost
+from ..errors import SbpflowError
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    """One device type of a cluster: compute, memory and the two link kinds, with their efficiencies."""
+
+    name: str
+    device_type: str  # "cuda" or "cpu": the boxing cost model's device type
+    peak_flops: float  # dense half-precision FLOP/s (fp32 when calibrated on a CPU)
+    mem_bandwidth: float  # bytes/s of device memory
+    memory_bytes: float  # capacity of one device
+    intra_bandwidth: float  # bytes/s one direction, within a node
+    inter_bandwidth: float  # bytes/s one direction per device, across nodes
+    intra_alpha: float = 5e-6  # seconds of latency per collective round within a node
+    inter_alpha: float = 10e-6  # ... across nodes
+    eta_matmul: float = 0.6  # sustained fraction of peak_flops for GEMMs
+    eta_memory: float = 0.8  # sustained fraction of mem_bandwidth for elementwise kernels
+    eta_intra: float = 0.75  # sustained fraction of intra_bandwidth for collectives
+    eta_inter: float = 0.8  # sustained fraction of inter_bandwidth
+    launch_s: float = 5e-6  # the floor of any kernel: launch and tail
+    gpus_per_node: int = 8
+    reserved_bytes: float = 3 * GB  # CUDA context, allocator fragmentation, workspaces
+    source: str = "public specs"
+
+    @property
+    def matmul_flops(self) -> float:
+        """Sustained GEMM FLOP/s."""
+        return self.peak_flops * self.eta_matmul
+
+    @property
+    def memory_throughput(self) -> float:
+        """Sustained bytes/s of elementwise kernels."""
+        return self.mem_bandwidth * self.eta_memory
+
+    @property
+    def usable_memory(self) -> float:
+        return self.memory_bytes - self.reserved_bytes
+
+    def cost_model(self, ranks_per_node: int | None = None) -> CostModel:
+        """The boxing planner's α-β model for this profile (β includes the link efficiency)."""
+        intra = LinkCost(self.intra_alpha, 1 / (self.intra_bandwidth * self.eta_intra))
+        inter = LinkCost(self.inter_alpha, 1 / (self.inter_bandwidth * self.eta_inter))
+        links = ((self.device_type, "intra"), intra), ((self.device_type, "inter"), inter)
+        return CostModel(links=tuple(sorted(links)), ranks_per_node=ranks_per_node or self.gpus_per_node)
+
+
+def _datasheet(name: str, peak_tflops: float, hbm_gbs: float, memory_gb: float, nvlink_gbs: float,
+               nic_gbs: float) -> DeviceProfile:
+    return DeviceProfile(name=name, device_type="cuda", peak_flops=peak_tflops * 1e12, mem_bandwidth=hbm_gbs * GB,
+                         memory_bytes=memory_gb * GB, intra_bandwidth=nvlink_gbs * GB, inter_bandwidth=nic_gbs * GB)
+
+
+PROFILES: dict[str, DeviceProfile] = {
+    "a100-40gb": _datasheet("a100-40gb", 312, 1555, 40, 300, 25),
+    "a100-80gb": _datasheet("a100-80gb", 312, 2039, 80, 300, 25),
+    "h100-80gb": _datasheet("h100-80gb", 989, 3350, 80, 450, 50),
+}
+
+
+def _framework_cpu() -> DeviceProfile:
+    """A CPU host as the rest of sbpflow already prices it: the boxing planner's default ``cpu`` links and SBP
+    selection's compute rates (one profile for eager dispatch, graph selection and planning)."""
+    from ..graph.select import MEM_SECONDS_PER_BYTE, SECONDS_PER_FLOP
+
+    links = dict(CostModel().links)
+    intra, inter = links[("cpu", "intra")], links[("cpu", "inter")]
+    return DeviceProfile(name="cpu", device_type="cpu", peak_flops=1 / SECONDS_PER_FLOP,
+                         mem_bandwidth=1 / MEM_SECONDS_PER_BYTE, memory_bytes=16 * GB, intra_bandwidth=1 / intra.beta,
+                         inter_bandwidth=1 / inter.beta, intra_alpha=intra.alpha, inter_alpha=inter.alpha,
+                         eta_matmul=1.0, eta_memory=1.0, eta_intra=1.0, eta_inter=1.0, launch_s=20e-6,
+                         reserved_bytes=0.0, source="sbpflow's default CPU costs (boxing.plan, graph.select)")
+
+
+def get_profile(name_or_path: str | DeviceProfile) -> DeviceProfile:
+    """A built-in profile by name (``a100-80gb``), or one that ``sbpflow calibrate`` wrote (a JSON path)."""
+    if isinstance(name_or_path, DeviceProfile):
+        return name_or_path
+    key = name_or_path.lower()
+    if key in PROFILES:
+        return PROFILES[key]
+    if key == "cpu":
+        return _framework_cpu()
+    path = Path(name_or_path)
+    if path.suffix == ".json" or path.exists():
+        return load_profile(path)
+    raise SbpflowError(f"a device is a built-in profile ({', '.join(PROFILES)}, cpu) or a profile file written by "
+                       f"`sbpflow calibrate`, but got {name_or_path!r}")
+
+
+def save_profile(profile: DeviceProfile, path: str | Path) -> None:
+    Path(path).write_text(json.dumps(asdict(profile), indent=2) + "\n")
+
+
+def load_profile(path: str | Path) -> DeviceProfile:
+    """Reads a profile file; unknown keys are an error (a typo would silently keep a default)."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise SbpflowError(f"a profile file is JSON written by `sbpflow calibrate`, but {path} could not be read: "
+                           f"{e}") from e
+    known = {f.name for f in fields(DeviceProfile)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise SbpflowError(f"profile {path} has keys that DeviceProfile does not know: {unknown}")
+    return DeviceProfile(**data)
+
+
+def with_efficiency(profile: DeviceProfile, **etas: float) -> DeviceProfile:
+    """A copy with some ``eta_*`` replaced (what calibration against a timeline updates)."""
+    unknown = sorted(name for name in etas if not name.startswith("eta_") or not hasattr(profile, name))
+    if unknown:
+        raise SbpflowError(f"only a profile's eta_* efficiencies can be updated, but got {unknown}")
+    return replace(profile, **etas)  # type: ignore[arg-type]

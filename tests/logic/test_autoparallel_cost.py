@@ -1,0 +1,119 @@
+"""The cost model's formulas against hand-computed cases: FLOPs, roofline, ring collectives, ZeRO memory,
+activations under recompute, and the α-β times agreeing with the boxing planner's own."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+
+import sbpflow
+from sbpflow.autoparallel import (
+    PROFILES,
+    DeviceProfile,
+    collective_time,
+    get_profile,
+    matmul_flops,
+    model_state_bytes,
+    roofline,
+    save_profile,
+)
+from sbpflow.autoparallel.profiles import with_efficiency
+from sbpflow.autoparallel.transformer import TransformerSpec, layer_activation_bytes
+from sbpflow.boxing.plan import Layout, plan, target_factors
+from sbpflow.errors import SbpflowError
+from sbpflow.sbp import broadcast, partial_sum, split
+
+# A round-number device: 100 TFLOP/s at η 0.5, 1 TB/s at η 0.5, 10 us launch floor, links 100 / 10 GB/s.
+TOY = DeviceProfile(name="toy", device_type="cpu", peak_flops=100e12, mem_bandwidth=1e12, memory_bytes=16e9,
+                    intra_bandwidth=100e9, inter_bandwidth=10e9, intra_alpha=1e-5, inter_alpha=1e-4,
+                    eta_matmul=0.5, eta_memory=0.5, eta_intra=1.0, eta_inter=1.0, launch_s=1e-5, gpus_per_node=4,
+                    reserved_bytes=0.0)
+
+
+def test_matmul_flops_by_hand():
+    # (128 x 64) @ (64 x 256): 128 * 256 outputs, each 64 multiplies and 64 adds
+    assert matmul_flops(128, 256, 64) == 128 * 256 * 64 * 2 == 4_194_304
+    assert matmul_flops(4, 4, 4, batch=3) == 3 * 128
+
+
+def test_roofline_compute_bound_and_memory_bound():
+    # 1e12 FLOPs at 50 TFLOP/s sustained = 20 ms; its 1 GB at 0.5 TB/s = 2 ms: compute bound
+    assert roofline(1e12, 1e9, TOY) == pytest.approx(20e-3 + 1e-5)
+    # an elementwise kernel over 5 GB: 10 ms of memory traffic, FLOPs ignored
+    assert roofline(1e15, 5e9, TOY, matmul=False) == pytest.approx(10e-3 + 1e-5)
+    # a tiny kernel costs its launch floor
+    assert roofline(0.0, 0.0, TOY) == pytest.approx(1e-5)
+
+
+def test_ring_all_reduce_by_hand():
+    model = TOY.cost_model()
+    n = 64e6  # 64 MB over 4 ranks of one node: 2*3 rounds of 10 us, 2*3/4 * 64 MB at 100 GB/s
+    assert collective_time("all_reduce", range(4), n, model, "cpu") == pytest.approx(6 * 1e-5 + 1.5 * n / 100e9)
+    # 8 ranks over two nodes of 4: the inter-node link prices every round
+    assert collective_time("all_reduce", range(8), n, model, "cpu") == pytest.approx(14 * 1e-4 + 1.75 * n / 10e9)
+    assert collective_time("all_gather", range(4), n, model, "cpu") == pytest.approx(3 * 1e-5 + 0.75 * n / 100e9)
+    assert collective_time("send_recv", (0, 4), n, model, "cpu") == pytest.approx(1e-4 + n / 10e9)
+    assert collective_time("all_reduce", (3,), n, model, "cpu") == 0.0
+
+
+def test_collective_times_agree_with_the_boxing_planner():
+    """The analytic formulas and the boxing planner price the same transitions the same (one α-β model)."""
+    model = TOY.cost_model()
+    placement = sbpflow.placement("cpu", [0, 1, 2, 3])
+    shape, dtype = (1024, 512), torch.float16
+    nbytes = 1024 * 512 * 2
+    cases = [(partial_sum, broadcast, "all_reduce"), (split(0), broadcast, "all_gather"),
+             (partial_sum, split(0), "reduce_scatter")]
+    with target_factors(()):
+        for src, dst, kind in cases:
+            boxed = plan(shape, dtype, Layout(placement, (src,)), Layout(placement, (dst,)), model)
+            assert boxed.collectives() == [kind]
+            assert collective_time(kind, range(4), nbytes, model, "cpu") == pytest.approx(boxed.time)
+
+
+def test_zero_memory_matches_the_paper():
+    """ZeRO (Rajbhandari et al. 2020), Figure 1: a 7.5B model on 64 GPUs with Adam in mixed precision."""
+    gb = {stage: sum(model_state_bytes(7.5e9, 64, stage).values()) / 1e9 for stage in range(4)}
+    assert gb[0] == pytest.approx(120.0)
+    assert gb[1] == pytest.approx(30 + 12 * 7.5 / 64)  # 31.4
+    assert gb[2] == pytest.approx(15 + 14 * 7.5 / 64)  # the paper rounds to 16.6
+    assert gb[3] == pytest.approx(1.875)
+    with pytest.raises(SbpflowError, match="ZeRO stage"):
+        model_state_bytes(1e9, 8, 4)
+
+
+def test_activations_under_recompute_by_hand():
+    """Korthikanti et al.: 34 sbh + 5 a s² b without parallelism; selective keeps 34 sbh; full keeps 2 sbh."""
+    spec = TransformerSpec(layers=2, hidden=64, heads=4, seq=32, vocab=100)
+    sbh = 32 * 2 * 64
+    assert layer_activation_bytes(spec, 2, 1, "none") == 34 * sbh + 5 * 4 * 32 * 32 * 2
+    assert layer_activation_bytes(spec, 2, 1, "selective") == 34 * sbh
+    assert layer_activation_bytes(spec, 2, 4, "selective") == (10 + 6) * sbh
+    assert layer_activation_bytes(spec, 2, 4, "full") == 2 * sbh
+    with pytest.raises(SbpflowError, match="recompute"):
+        layer_activation_bytes(spec, 2, 1, "some")
+
+
+def test_megatron_flops_and_gpt3_parameters():
+    gpt3 = TransformerSpec(layers=96, hidden=12288, heads=96, seq=2048, vocab=51200)
+    assert gpt3.params / 1e9 == pytest.approx(174.6, abs=0.1)  # "175B"
+    by_hand = 96 * 1536 * 2048 * 96 * 12288**2 * (1 + 2048 / (6 * 12288) + 51200 / (16 * 96 * 12288))
+    assert gpt3.model_flops(1536) == pytest.approx(by_hand)
+    assert gpt3.useful_flops(1536) < gpt3.model_flops(1536) < 4 / 3 * gpt3.useful_flops(1536)
+
+
+def test_profiles_public_specs_and_files(tmp_path):
+    assert PROFILES["h100-80gb"].peak_flops == 989e12 and PROFILES["a100-40gb"].memory_bytes == 40e9
+    path = tmp_path / "p.json"
+    save_profile(with_efficiency(TOY, eta_matmul=0.7), path)
+    assert get_profile(str(path)) == replace(TOY, eta_matmul=0.7)
+    path.write_text(json.dumps({**json.loads(path.read_text()), "eta_matmull": 0.5}))
+    with pytest.raises(SbpflowError, match="eta_matmull"):
+        get_profile(str(path))
+    with pytest.raises(SbpflowError, match="built-in profile"):
+        get_profile("v100")
+    with pytest.raises(SbpflowError, match="eta_"):
+        with_efficiency(TOY, peak_flops=1.0)
