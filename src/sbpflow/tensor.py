@@ -178,6 +178,8 @@ class Tensor:
         """``{rank: shard}`` for every rank this process owns."""
         if self._lazy is not None:
             self._lazy.refuse_data("local_tensors()")
+        if self._view_of is not None:
+            _refresh_view(self)
         if self._local is not None:
             return {0: self._local}
         return dict(self._shards or {})
@@ -186,6 +188,8 @@ class Tensor:
         """This process's shard (or the tensor itself, for a local tensor)."""
         if self._lazy is not None:
             self._lazy.refuse_data("to_local()")
+        if self._view_of is not None:
+            _refresh_view(self)
         if self._local is not None:
             return self._local
         shards = self._shards or {}
@@ -388,10 +392,8 @@ def logical_value(t: Tensor) -> torch.Tensor:
     Every process gets it, also one that owns no rank of the placement: the
     value is then boxed onto a placement that covers every process.
     """
-    if t._view_of is not None:  # a view whose base was written since it was taken shows the base's new values
-        from .ops.views import refresh
-
-        refresh(t)
+    if t._view_of is not None:
+        _refresh_view(t)
     if t._local is not None:
         return t._local
     if t._lazy is not None:
@@ -404,6 +406,13 @@ def logical_value(t: Tensor) -> torch.Tensor:
     if not shards:
         raise SbpflowError(f"this process holds no shard of the tensor with {t._describe()}")
     return shards[min(shards)]
+
+
+def _refresh_view(t: Tensor) -> None:
+    """A view whose base was written since it was taken shows the base's new values (see ops.views)."""
+    from .ops.views import refresh
+
+    refresh(t)
 
 
 def _layout(t: Tensor) -> boxing.Layout:
