@@ -304,6 +304,8 @@ def _call_backward(node: Node, outs: list[Tensor | None]) -> Sequence[Tensor | N
             )
     if node.op.backward_fn is None:
         raise AutogradError(f"op {node.op.name!r} has no gradient")
+    if node.op.diff_outputs is not None:
+        outs = outs[:node.op.diff_outputs]  # the other outputs are saved statistics: no gradient
     filled = [g if g is not None else _zeros_for(node, i) for i, g in enumerate(outs)]
     grads = node.op.backward_fn(BackwardCtx(node), *filled)
     if not isinstance(grads, (tuple, list)):

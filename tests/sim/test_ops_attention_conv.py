@@ -261,3 +261,21 @@ def test_pool_errors() -> None:
         F.avg_pool2d(_g(randn(1, 1, 2, 2), S.split(1)), 3)
     with pytest.raises(sbpflow.ShapeError, match=r"output_size as a positive int"):
         F.adaptive_avg_pool2d(_g(randn(1, 1, 2, 2)), 0)
+
+
+@pytest.mark.parametrize("sbps", [[B, B, B], [S.split(2), B, B], [S.split(0)] * 3])
+def test_sdpa_backward_runs_no_second_forward(monkeypatch: pytest.MonkeyPatch, sbps: list) -> None:  # type: ignore[type-arg]
+    """Backward is torch's flash backward from the saved logsumexp: no attention forward runs in it (issue 14)."""
+    from sbpflow.ops import attention as A
+
+    def no_recompute(*args: object, **kwargs: object) -> None:
+        raise AssertionError("attention recomputed in backward")
+
+    forwards = []
+    kernel = A._sdpa.kernel
+    monkeypatch.setattr(A._sdpa, "kernel", lambda *a, **k: forwards.append(1) or kernel(*a, **k))
+    monkeypatch.setattr(A, "_local_sdpa", no_recompute)
+    check(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+          lambda q, k, v: TF.scaled_dot_product_attention(q, k, v, is_causal=True), _qkv(tq=6, tk=6),
+          PLACEMENTS["2"], sbps)
+    assert len(forwards) == 2  # one per rank, in forward only

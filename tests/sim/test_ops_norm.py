@@ -324,3 +324,21 @@ def test_dropout_identity_cases_and_errors() -> None:
     assert float(np.abs(F.dropout(x, 1.0).numpy()).sum()) == 0.0
     with pytest.raises(OpError, match="dropout: p must be in"):
         F.dropout(x, 1.5)
+
+
+@pytest.mark.parametrize("name", ["layer_norm", "rms_norm"])
+@pytest.mark.parametrize("affine", [True, False])
+def test_norm_backward_uses_saved_statistics(monkeypatch: pytest.MonkeyPatch, name: str, affine: bool) -> None:
+    """Backward calls the forward kernel no second time: it works from the saved mean/rstd (issue 14)."""
+    from sbpflow.ops import normalization as N
+
+    fused = N._layer_norm_fused if name == "layer_norm" else N._rms_norm_fused
+    calls = []
+    kernel = fused.kernel
+    monkeypatch.setattr(fused, "kernel", lambda *a, **k: calls.append(1) or kernel(*a, **k))
+    params = [randn(5, seed=1), randn(5, seed=2)][: 2 if name == "layer_norm" else 1] if affine else []
+    ours, theirs = getattr(F, name), getattr(TF, name)
+    r = check(lambda x, *ps: ours(x, (5,), *ps), lambda x, *ps: theirs(x, (5,), *ps),
+              [randn(4, 3, 5, seed=0)] + params, PLACEMENTS["2"], [S.split(0)] + [B] * len(params))
+    assert len(calls) == 2  # the forward on each of the two ranks, never again in backward
+    assert r.backward_log.counts() == ({"all_reduce": len(params)} if affine else {})

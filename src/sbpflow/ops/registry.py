@@ -107,7 +107,7 @@ class OpDef:
 
     def __init__(self, name: str, kernel: Callable[..., Any], meta: Callable[..., Any], sbp: Callable[..., Any],
                  shard_aware: bool, save_outputs: bool, differentiable: bool, mesh_aware: bool,
-                 data_dependent: bool = False) -> None:
+                 data_dependent: bool = False, diff_outputs: int | None = None) -> None:
         self.name = name
         self.kernel = kernel
         self.meta = meta
@@ -117,6 +117,7 @@ class OpDef:
         self.differentiable = differentiable
         self.mesh_aware = mesh_aware
         self.data_dependent = data_dependent
+        self.diff_outputs = diff_outputs  # outputs that get gradients (the first n); None: all of them
         self.backward_fn: Callable[..., Any] | None = None
         self.activity = f"op {name!r}"  # what comm errors name while this op boxes its inputs
 
@@ -142,15 +143,18 @@ class OpDef:
 
 
 def op(name: str, *, meta: Callable[..., Any], sbp: Callable[..., Any], shard_aware: bool = False,
-       save_outputs: bool = False, differentiable: bool = True,
-       mesh_aware: bool = False, data_dependent: bool = False) -> Callable[[Callable[..., Any]], OpDef]:
+       save_outputs: bool = False, differentiable: bool = True, mesh_aware: bool = False,
+       data_dependent: bool = False, diff_outputs: int | None = None) -> Callable[[Callable[..., Any]], OpDef]:
     """Registers the decorated kernel as op ``name``.
 
     ``shard_aware`` kernels get a :class:`ShardCtx` first; ``mesh_aware`` SBP
     rules get ``mesh=`` (the placement's hierarchy) for rules that hold only
     for some mesh sizes, such as a reshape of an unevenly split dim;
     ``save_outputs`` keeps the outputs for the gradient; ``data_dependent`` ops
-    have output sizes that depend on input values (see the module docstring).
+    have output sizes that depend on input values (see the module docstring);
+    ``diff_outputs=n`` makes only the first ``n`` outputs differentiable, the
+    rest being saved statistics for the gradient (attention's logsumexp, a
+    norm's mean and rstd) that get no gradient and no zeros filled in for one.
     """
 
     def register(kernel: Callable[..., Any]) -> OpDef:
@@ -159,7 +163,7 @@ def op(name: str, *, meta: Callable[..., Any], sbp: Callable[..., Any], shard_aw
         if data_dependent and shard_aware:  # a ShardCtx holds output boxes, which need the sizes up front
             raise OpError(f"op {name!r} cannot be both data_dependent and shard_aware: output boxes need sizes")
         definition = OpDef(name, kernel, meta, sbp, shard_aware, save_outputs, differentiable, mesh_aware,
-                           data_dependent)
+                           data_dependent, diff_outputs)
         REGISTRY[name] = definition
         return definition
 
@@ -261,7 +265,7 @@ def _adopt_torch_tensors(opdef: OpDef, args: Sequence[Any], is_global: bool) -> 
 
 def _record(opdef: OpDef, args: Sequence[Any], attrs: dict[str, Any], outs: tuple[Tensor, ...]) -> None:
     node = Node(opdef, args, outs, attrs, opdef.save_outputs)
-    for i, o in enumerate(outs):
+    for i, o in enumerate(outs if opdef.diff_outputs is None else outs[:opdef.diff_outputs]):
         if o.dtype.is_floating_point or o.dtype.is_complex:
             o.requires_grad = True
             o.grad_fn = node
