@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as TF
+from _torch_gpt import TorchGPT, adamw, copy_weights
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -108,7 +108,7 @@ def torch_mlp(reference: Any) -> tuple[torch.nn.Module, Callable[[torch.nn.Modul
     for _ in range(MLP_LAYERS):
         mods += [torch.nn.Linear(MLP_WIDTH, MLP_WIDTH), torch.nn.ReLU()]
     model = torch.nn.Sequential(*mods, torch.nn.Linear(MLP_WIDTH, MLP_WIDTH))
-    _copy_weights(reference, model)
+    copy_weights(reference, model)
     rank = dist.get_rank()
     x_full, y_full = mlp_data()
     x, y = x_full.chunk(WORLD)[rank], y_full.chunk(WORLD)[rank]  # local (32, 1024)
@@ -162,46 +162,9 @@ def sbpflow_gpt(coalesce: bool) -> tuple[Contender, Any]:
     return Contender(step, lambda: {n: p.numpy() for n, p in model.named_parameters()}), model
 
 
-class TorchBlock(torch.nn.Module):
-    """The block of sbpflow.models.gpt in torch: pre-LN attention (separate q, k, v) and a GELU MLP."""
-
-    def __init__(self, c: int, n_head: int) -> None:
-        super().__init__()
-        self.n_head = n_head
-        self.ln_1, self.ln_2 = torch.nn.LayerNorm(c), torch.nn.LayerNorm(c)
-        self.attn = torch.nn.ModuleDict({k: torch.nn.Linear(c, c) for k in ("q", "k", "v", "c_proj")})
-        self.mlp = torch.nn.ModuleDict({"c_fc": torch.nn.Linear(c, 4 * c), "c_proj": torch.nn.Linear(4 * c, c)})
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, c = x.shape  # local (B / 2, T, C)
-        h = self.ln_1(x)
-        q, k, v = (self.attn[n](h).reshape(b, t, self.n_head, c // self.n_head).transpose(1, 2) for n in "qkv")
-        y = TF.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B / 2, H, T, hd)
-        x = x + self.attn["c_proj"](y.transpose(1, 2).reshape(b, t, c))
-        return x + self.mlp["c_proj"](TF.gelu(self.mlp["c_fc"](self.ln_2(x))))
-
-
-class TorchGPT(torch.nn.Module):
-    """sbpflow.models.gpt.GPT in torch (tied head, no dropout), with the same parameter names."""
-
-    def __init__(self, cfg: GPTConfig) -> None:
-        super().__init__()
-        self.wte = torch.nn.Embedding(cfg.vocab_size, cfg.n_embd)
-        self.wpe = torch.nn.Embedding(cfg.block_size, cfg.n_embd)
-        self.h = torch.nn.ModuleList([TorchBlock(cfg.n_embd, cfg.n_head) for _ in range(cfg.n_layer)])
-        self.ln_f = torch.nn.LayerNorm(cfg.n_embd)
-
-    def forward(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        x = self.wte(ids) + self.wpe(torch.arange(ids.shape[1]))  # local (B / 2, T, C)
-        for block in self.h:
-            x = block(x)
-        logits = self.ln_f(x) @ self.wte.weight.T  # local (B / 2, T, V)
-        return TF.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
-
-
 def torch_gpt(reference: Any) -> tuple[torch.nn.Module, Callable[[torch.nn.Module], Contender]]:
     model = TorchGPT(GPT_CONFIG)
-    _copy_weights(reference, model)
+    copy_weights(reference, model)
     rank = dist.get_rank()
     ids_full, targets_full = gpt_data()
     ids = torch.from_numpy(ids_full).chunk(WORLD)[rank]  # local (B / 2, T)
@@ -209,9 +172,7 @@ def torch_gpt(reference: Any) -> tuple[torch.nn.Module, Callable[[torch.nn.Modul
 
     def contender(ddp: torch.nn.Module) -> Contender:
         params = list(ddp.parameters())
-        groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": 0.1},
-                  {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
-        opt = torch.optim.AdamW(groups, lr=GPT_LR, betas=(0.9, 0.95), foreach=True)
+        opt = adamw(params, GPT_LR)
 
         def step(phases: Phases | None = None) -> float:
             phases = phases or Phases()
@@ -231,15 +192,6 @@ def torch_gpt(reference: Any) -> tuple[torch.nn.Module, Callable[[torch.nn.Modul
 
 
 # ----------------------------------------------------------------------------- shared pieces
-
-
-def _copy_weights(source: Any, target: torch.nn.Module) -> None:
-    """sbpflow parameters (logical values) into the torch model of the same names."""
-    values = {n: torch.from_numpy(p.numpy()) for n, p in source.named_parameters()}
-    with torch.no_grad():
-        for name, p in target.named_parameters():
-            p.copy_(values[name])
-    assert set(values) == {n for n, _ in target.named_parameters()}
 
 
 def _torch_params(ddp: torch.nn.Module) -> dict[str, np.ndarray]:
