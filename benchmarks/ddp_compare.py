@@ -1,7 +1,7 @@
 """Data-parallel training on 2 processes: sbpflow against torch DistributedDataParallel, side by side.
 
 Run: ``.venv/bin/python benchmarks/ddp_compare.py`` (spawns its own 2 processes
-with ``sbpflow launch``; writes the "ddp" section of docs/benchmarks.md).
+with ``sbpflow launch``; prints, and ``--write`` replaces the "ddp" section of docs/benchmarks.md).
 
 Both contenders live in the same 2 processes, over the same gloo transport
 (sbpflow's torch.distributed backend; DDP on the default process group), with
@@ -11,7 +11,7 @@ each round's time is the slower process's, and the table reports medians.
 Two models: an MLP (width 1024, 3 hidden layers, global batch 64, MSE) and the
 demo's GPT (3 blocks, width 128, 4 heads, 64 tokens, global batch 16, gradient
 clipping 1.0, dropout off). sbpflow lays them out data parallel: parameters
-B, inputs S(0), so backward all-reduces each parameter gradient.
+B, inputs S(0), so backward all-reduces the parameter gradients (in buckets by default).
 
 Bytes communicated, one definition for both: the payload bytes each process
 hands to all-reduce per step (the size of the tensors reduced). sbpflow's come
@@ -55,7 +55,7 @@ WORLD = 2
 MLP_WIDTH, MLP_LAYERS, MLP_BATCH = 1024, 3, 64
 GPT_CONFIG = GPTConfig(vocab_size=96, block_size=64, n_layer=3, n_head=4, n_embd=128, dropout=0.0)
 GPT_BATCH, GPT_LR = 16, 3e-3
-SBP, SBP_COALESCED = "sbpflow", "sbpflow coalesced"  # the default; under coalesce_grad_reductions
+SBP, SBP_PER_LEAF = "sbpflow", "sbpflow per-leaf"  # the default (buckets); under coalesce_grad_reductions(False)
 
 
 @dataclass
@@ -324,12 +324,12 @@ def profile(contenders: dict[str, Contender], steps: int) -> dict[str, dict[str,
 
 def compare(name: str, make_sbpflow: Callable[[bool], tuple[Contender, Any]], make_torch: Callable[[Any], Any],
             steps: int, rounds: int) -> dict[str, Any]:
-    ours, reference = make_sbpflow(False)
-    coalesced, _ = make_sbpflow(True)
+    ours, reference = make_sbpflow(True)
+    per_leaf, _ = make_sbpflow(False)
     torch_model, make_ddp = make_torch(reference)
     payload_ddp, calls_ddp = ddp_bytes(torch_model, make_ddp)
     theirs = make_ddp(DDP(torch_model))  # the built-in all-reduce (no Python hook) is what gets timed
-    contenders = {SBP: ours, SBP_COALESCED: coalesced, "DDP": theirs}
+    contenders = {SBP: ours, SBP_PER_LEAF: per_leaf, "DDP": theirs}
 
     # Same start, same data: the first losses agree, and after the warm-up steps so do the parameters.
     first = {k: c.step() for k, c in contenders.items()}
@@ -337,8 +337,8 @@ def compare(name: str, make_sbpflow: Callable[[bool], tuple[Contender, Any]], ma
         for c in contenders.values():
             c.step()
     params = {k: c.params() for k, c in contenders.items()}
-    drift = max(float(np.max(np.abs(params[k][n] - p))) for n, p in params["DDP"].items() for k in (SBP, SBP_COALESCED))
-    measured = {k: sbpflow_bytes(contenders[k]) for k in (SBP, SBP_COALESCED)}
+    drift = max(float(np.max(np.abs(params[k][n] - p))) for n, p in params["DDP"].items() for k in (SBP, SBP_PER_LEAF))
+    measured = {k: sbpflow_bytes(contenders[k]) for k in (SBP, SBP_PER_LEAF)}
     theirs.step()  # keeps every contender at the same step count
 
     times = interleaved(contenders, steps, rounds)
@@ -355,14 +355,15 @@ def compare(name: str, make_sbpflow: Callable[[bool], tuple[Contender, Any]], ma
 
 def report(results: list[dict[str, Any]], rounds: int) -> str:
     lines = [
-        "## sbpflow vs torch DDP (issue 5)",
+        "## sbpflow vs torch DDP (issues 5, 14)",
         "",
-        f"`.venv/bin/python benchmarks/ddp_compare.py` on {_machine()}: 2 processes (`sbpflow launch -n 2`), gloo "
+        f"`.venv/bin/python benchmarks/ddp_compare.py --write` on {_machine()}: 2 processes (`sbpflow launch -n 2`), "
+        "gloo "
         "on 127.0.0.1, one torch thread per process, eager mode. The contenders run in the same processes with "
         f"the same weights, data and AdamW; {rounds} interleaved rounds, median step time of the slower process. "
-        f"*{SBP}*: the default, one all-reduce per parameter gradient; *{SBP_COALESCED}*: backward under "
-        "`sbpflow.autograd.coalesce_grad_reductions()`, flat all-reduces of DDP-sized buckets (1 MiB first, then "
-        "25 MiB) issued asynchronously during backward as their gradients become final; "
+        f"*{SBP}*: the default, flat all-reduces of DDP-sized buckets (1 MiB first, then 25 MiB) issued "
+        f"asynchronously during backward as their gradients become final; *{SBP_PER_LEAF}*: the opt-out, "
+        "backward under `sbpflow.autograd.coalesce_grad_reductions(False)`, one all-reduce per parameter gradient; "
         "*DDP*: `DistributedDataParallel` with its default 25 MB buckets.",
         "",
         "Bytes: payload bytes each process hands to all-reduce per step (the size of the reduced tensors; calls "
@@ -375,7 +376,7 @@ def report(results: list[dict[str, Any]], rounds: int) -> str:
     ]
     for r in results:
         t, b, c, f = r["times"], r["bytes"], r["calls"], r["first losses"]
-        for who in (SBP, SBP_COALESCED, "DDP"):
+        for who in (SBP, SBP_PER_LEAF, "DDP"):
             ratio = f"**{t[who] / t['DDP']:.3f}**" if who != "DDP" else "1.000"
             drift = f"{r['param drift']:.1e}" if who != "DDP" else "(reference)"
             lines.append(f"| {r['name']} | {who} | {t[who] * 1e3:.2f} | {ratio} | {b[who]:,} ({c[who]}) | "
@@ -390,7 +391,7 @@ def report(results: list[dict[str, Any]], rounds: int) -> str:
             comm = ph.get("all-reduce calls (in backward)")
             lines.append(f"| {r['name']} | {who} | {ph['forward'] * 1e3:.2f} | {ph['backward'] * 1e3:.2f} | "
                          f"{'' if comm is None else f'{comm * 1e3:.2f}'} | {ph['optimizer'] * 1e3:.2f} |")
-    for who in (SBP, SBP_COALESCED):
+    for who in (SBP, SBP_PER_LEAF):
         worst = max(r["times"][who] / r["times"]["DDP"] for r in results)
         lines.append(f"\nWorst ratio, {who}: **{worst:.3f}x** (target: at most 1.10x).")
     lines.append("")
@@ -402,7 +403,7 @@ def _machine() -> str:
     sys.path.insert(0, str(HERE))
     from _report import machine
 
-    return machine()
+    return machine(threads=1, processes=WORLD)
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -416,7 +417,7 @@ def worker(args: argparse.Namespace) -> None:
     if sbpflow.rank() == 0:
         body = report(results, args.rounds)
         print(body)
-        if not args.no_write:
+        if args.write:
             sys.path.insert(0, str(HERE))
             from _report import write_section
 
@@ -427,7 +428,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=15, help="interleaved timing rounds (default 15)")
     parser.add_argument("--steps", type=int, default=4, help="steps per contender per round (default 4)")
-    parser.add_argument("--no-write", action="store_true", help="print the table only")
+    parser.add_argument("--write", action="store_true", help="replace the ddp section of docs/benchmarks.md "
+                        "(otherwise only print)")
     args = parser.parse_args()
     if "RANK" in os.environ:
         worker(args)

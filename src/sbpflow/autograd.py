@@ -3,8 +3,10 @@
 Every op's gradient is written in sbpflow ops, so backward gets SBP inference
 and boxing like forward: a partial gradient stays partial between ops and is
 reduced only where a consumer, or a leaf's own SBP, needs otherwise. A leaf's
-``.grad`` always has the leaf's placement and SBP, so a broadcast weight under
-split data gets one all-reduce per backward (the DDP behaviour).
+``.grad`` always has the leaf's placement and SBP. By default the partial
+gradients of broadcast leaves (weights under split data) are reduced as DDP
+does: flat buckets, issued asynchronously while backward runs, one all-reduce
+each; ``coalesce_grad_reductions(False)`` opts out (one reduction per leaf).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ FIRST_BUCKET_MB = 1.0  # DDP's first bucket: small, so that communication starts
 
 class _Mode(threading.local):
     grad_enabled = True
-    coalesce = False  # see coalesce_grad_reductions
+    coalesce = True  # see coalesce_grad_reductions: DDP-style buckets by default
     bucket_bytes = int(DEFAULT_BUCKET_MB * 2**20)
 
 
@@ -82,7 +84,8 @@ class enable_grad(no_grad):
 def coalesce_grad_reductions(enabled: bool = True, bucket_cap_mb: float = DEFAULT_BUCKET_MB) -> Iterator[None]:
     """Backward passes inside the block reduce the partial-sum gradients of broadcast leaves together, in flat
     buckets of up to ``bucket_cap_mb`` MiB per (placement, dtype, SBP) instead of one all-reduce per leaf, as
-    DDP does.
+    DDP does. This is the default; ``coalesce_grad_reductions(False)`` opts out for the block (each leaf's
+    gradient then boxes to the leaf's layout on its own, at the end of backward).
 
     A leaf's gradient joins its bucket as soon as backward has sent it its last contribution, so buckets fill
     in backward order; as in DDP, the first bucket of each (placement, dtype, SBP) holds up to 1 MiB only, so

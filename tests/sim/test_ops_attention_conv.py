@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as TF
 
 import sbpflow
-from harness import PLACEMENTS, PSUM, B, check, randn, random_sbp
+from harness import PLACEMENTS, PSUM, B, all_reduce_payloads, check, randn, random_sbp
 from sbpflow import sbp as S
 from sbpflow.ops import functional as F
 
@@ -70,7 +70,9 @@ def test_sdpa_query_row_split_shifts_the_causal_mask(pname: str) -> None:
               [S.split(2), B, B])
     assert r.out.sbp == (S.split(2),)
     assert r.forward_log.counts() == {}
-    assert _all_reduces(r.backward_log.counts()) == 2  # dk and dv sum over the query rows
+    # dk and dv sum over the query rows: partial gradients of B leaves, reduced in one bucket
+    assert all_reduce_payloads(r.backward_log) == [2 * 4 * values[1].numel()]
+    assert r.backward_log.counts() == {"all_reduce": 1}
 
 
 def test_sdpa_partial_v_stays_partial() -> None:
@@ -159,12 +161,13 @@ def _conv_loss(lib: object):  # type: ignore[no-untyped-def]
 
 @pytest.mark.parametrize("pname", ["2", "3"])
 @pytest.mark.parametrize("bias", [True, False])
-def test_conv2d_batch_split_all_reduces_each_weight_grad_once(pname: str, bias: bool) -> None:
+def test_conv2d_batch_split_reduces_weight_grads_in_one_bucket(pname: str, bias: bool) -> None:
     p = PLACEMENTS[pname]
     values = [randn(5, 3, 6, 6), randn(4, 3, 3, 3, seed=1)] + ([randn(4, seed=2)] if bias else [])
     r = check(_conv_loss(F), _conv_loss(torch), values, p, [S.split(0)] + [B] * (len(values) - 1))
     assert r.forward_log.counts() == {}  # the loss stays a partial sum
-    assert _all_reduces(r.backward_log.counts()) == len(values) - 1
+    assert r.backward_log.counts() == {"all_reduce": 1}  # weight (and bias) share one flat bucket, as in DDP
+    assert all_reduce_payloads(r.backward_log) == [4 * sum(v.numel() for v in values[1:])]
 
 
 def test_conv2d_batch_split_on_a_mesh_needs_no_forward_comm() -> None:
