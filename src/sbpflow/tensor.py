@@ -55,7 +55,7 @@ class Tensor:
     _retains_grad: bool
     _hooks: list[Callable[[Tensor], Tensor | None]] | None
     _version: int
-    _boxed: dict[Any, dict[int, torch.Tensor]] | None
+    _boxed: dict[Any, tuple[tuple[int, ...], dict[int, torch.Tensor]]] | None
     _lazy: Any  # the graph value a tensor stands for while nn.Graph traces (metadata only, no shards)
     _view_of: Any  # an ops.views.Link when this tensor is a view of another (x[1:], x.view(12) ...), else None
 
@@ -99,9 +99,9 @@ class Tensor:
         self._retains_grad = False
         self._hooks = None
         self._version = 0
-        # Boxed copies of this tensor, {(layout, version): shards}, so that several consumers needing the
-        # same conversion share one collective. Only op outputs enable it (see ops.registry.run): leaves
-        # such as parameters are updated in place on their shards by optimizers.
+        # Boxed copies of this tensor, {(layout, version): (source shard versions, shards)}, so that several
+        # consumers needing the same conversion share one collective (op outputs, see ops.registry.run), and
+        # a parameter is not sliced again every step (leaves keep local conversions only, see _boxed).
         self._boxed = None
         self._lazy = None
         self._view_of = None
@@ -334,6 +334,8 @@ class Tensor:
         """Holds ``src``'s layout and shards (the same storage), keeping this tensor's identity and autograd state."""
         for name in ("_shape", "_dtype", "_placement", "_sbp", "_shards", "_local"):
             object.__setattr__(self, name, getattr(src, name))
+        if self._boxed is not None:  # copies of the old shards (a leaf's cached slices too) are stale now
+            self._boxed = {}
 
     def requires_grad_(self, flag: bool = True) -> Tensor:
         if not self.is_leaf:

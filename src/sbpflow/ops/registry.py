@@ -528,16 +528,32 @@ def _boxed(t: Tensor, plan: boxing.Plan) -> dict[int, torch.Tensor]:
     """``t``'s shards converted by ``plan``, reusing a conversion another consumer of ``t`` already ran.
 
     Without this, a tensor read by several ops in one layout (x feeding q, k and v projections) would be
-    gathered once per consumer. Keyed by ``t._version``, so an in-place update invalidates the copy.
+    gathered once per consumer, and a B parameter read by S(0) data sliced again on every step. An entry
+    holds the source shards' torch version counters: any in-place update of a shard (an sbpflow in-place op,
+    an optimizer's foreach kernel on the shards, a user's ``copy_``) invalidates it, as does ``t._version``.
+
+    Op outputs cache every conversion. Leaves (parameters) cache only conversions with no collective: a
+    process decides alone whether its copy is still valid, and a collective skipped on one process alone
+    would leave its peers waiting.
     """
-    if t._boxed is None:
-        return boxing.execute(plan, t._shards or {})
+    source = t._shards or {}
+    cache = t._boxed
+    if cache is None:
+        if not _local_only(plan):
+            return boxing.execute(plan, source)
+        cache = t._boxed = {}
     key = (plan.dst, t._version)
-    shards = t._boxed.get(key)
-    if shards is None:
-        shards = boxing.execute(plan, t._shards or {})
-        t._boxed[key] = shards
+    versions = tuple([s._version for s in source.values()])
+    entry = cache.get(key)
+    if entry is not None and entry[0] == versions:
+        return entry[1]
+    shards = boxing.execute(plan, source)
+    cache[key] = (versions, shards)
     return shards
+
+
+def _local_only(plan: boxing.Plan) -> bool:
+    return all(step.kind in ("local", "relabel") for step in plan.steps)
 
 
 def _shard_ctx(rank: int, placement: Placement, decision: Decision, args: Sequence[Any]) -> ShardCtx:
