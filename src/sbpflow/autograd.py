@@ -126,26 +126,24 @@ class Node:
 
     def __init__(self, op: OpDef, inputs: Sequence[Any], outputs: Sequence[Tensor], attrs: dict[str, Any],
                  save_outputs: bool) -> None:
+        tensor_cls: Any = _TENSOR or _tensor_class()
         self.op = op
         self.args = tuple(inputs)  # tensors and scalars, in call order
-        self.inputs = tuple(a for a in inputs if _is_tensor(a))
-        self.versions = tuple(t._version for t in self.inputs)
-        self.outputs = tuple(o.detach() for o in outputs) if save_outputs else ()
-        self.out_refs = tuple(weakref.ref(o) for o in outputs)
+        tensors: tuple[Tensor, ...] = tuple([a for a in inputs if isinstance(a, tensor_cls)])
+        self.inputs = tensors
+        self.versions = tuple([t._version for t in tensors])
+        self.outputs = tuple([o.detach() for o in outputs]) if save_outputs else ()
+        self.out_refs = tuple([weakref.ref(o) for o in outputs])
         # with several outputs, one may be dropped before backward (max's indices): keep what its zeros need
         self.out_meta = (tuple((tuple(o.shape), o.dtype, o._placement, o._sbp) for o in outputs)
                          if len(outputs) > 1 else ())
         self.attrs = attrs
-        self.needs = tuple(t.requires_grad for t in self.inputs)
+        self.needs = tuple([t.requires_grad for t in tensors])
         self.freed = False
 
     @property
     def name(self) -> str:
         return f"{self.op.name}_backward"
-
-
-def _is_tensor(x: Any) -> bool:
-    return isinstance(x, _tensor_class())
 
 
 def _tensor_class() -> type:
@@ -199,7 +197,8 @@ def backward(roots: Sequence[Tensor], grads: Sequence[Tensor | None], retain_gra
             grad = _root_grad(root, grad)
             _send(root, grad, pending, leaf_grads)
         nodes = _topological(roots)
-        bucketer = _Bucketer(nodes, roots, _mode.bucket_bytes) if _mode.coalesce else None
+        coalesce = _mode.coalesce and any(r._local is None for r in roots)  # local graphs have nothing to reduce
+        bucketer = _Bucketer(nodes, roots, _mode.bucket_bytes) if coalesce else None
         for node in nodes:
             outs = [pending.pop((id(node), i), None) for i in range(len(node.out_refs))]
             if not all(g is None for g in outs):

@@ -73,7 +73,11 @@ class Tensor:
         self._sbp = None
         self._shape = None
         self._dtype = None
-        self._init_autograd(requires_grad)
+        # _init_autograd inlined: every op result passes here
+        self.requires_grad = requires_grad
+        self.grad = self.grad_fn = self._hooks = self._boxed = self._lazy = self._view_of = None
+        self._out_index = self._version = 0
+        self._retains_grad = False
         return self
 
     @classmethod
@@ -88,7 +92,11 @@ class Tensor:
         self._sbp = sbp
         self._shape = tuple(shape)
         self._dtype = dtype
-        self._init_autograd(requires_grad)
+        # _init_autograd inlined: every op result passes here
+        self.requires_grad = requires_grad
+        self.grad = self.grad_fn = self._hooks = self._boxed = self._lazy = self._view_of = None
+        self._out_index = self._version = 0
+        self._retains_grad = False
         return self
 
     def _init_autograd(self, requires_grad: bool) -> None:
@@ -299,11 +307,12 @@ class Tensor:
     def detach(self) -> Tensor:
         """The same values, cut from the graph (shards are shared, as torch shares storage)."""
         if self._local is not None:
-            return Tensor._from_local(self._local.detach())
+            return Tensor._from_local(_detached(self._local))
         if self._lazy is not None:
             return self._lazy.tensor()
-        shards = {r: t.detach() for r, t in (self._shards or {}).items()}
-        return Tensor._from_shards(self.shape, self.dtype, self.placement, self.sbp, shards)
+        shards = {r: _detached(t) for r, t in (self._shards or {}).items()}
+        return Tensor._from_shards(self._shape or (), self._dtype, self._placement, self._sbp,  # type: ignore[arg-type]
+                                   shards)
 
     def detach_(self) -> Tensor:
         """Cuts this tensor from the graph in place: it becomes a leaf that needs no gradient (as torch)."""
@@ -382,6 +391,12 @@ def _copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
             return
         src = src.clone()
     dst.copy_(src)
+
+
+def _detached(t: torch.Tensor) -> torch.Tensor:
+    """``t`` without torch autograd history; itself when it has none (shards of sbpflow results never do), which
+    spares autograd's saved outputs a torch call per shard."""
+    return t.detach() if t.requires_grad or t.grad_fn is not None else t
 
 
 def logical_value(t: Tensor) -> torch.Tensor:

@@ -266,7 +266,8 @@ def _adopt_torch_tensors(opdef: OpDef, args: Sequence[Any], is_global: bool) -> 
 def _record(opdef: OpDef, args: Sequence[Any], attrs: dict[str, Any], outs: tuple[Tensor, ...]) -> None:
     node = Node(opdef, args, outs, attrs, opdef.save_outputs)
     for i, o in enumerate(outs if opdef.diff_outputs is None else outs[:opdef.diff_outputs]):
-        if o.dtype.is_floating_point or o.dtype.is_complex:
+        dtype = o._dtype if o._local is None else o._local.dtype
+        if dtype.is_floating_point or dtype.is_complex:  # type: ignore[union-attr]
             o.requires_grad = True
             o.grad_fn = node
             o._out_index = i
@@ -347,6 +348,8 @@ class Decision:
     out_sbps: tuple[NdSbp, ...]
     plans: tuple[boxing.Plan | None, ...]  # per tensor input; None when it is already in place
     in_metas: tuple[Meta, ...] = ()  # per tensor input, for shard-aware kernels
+    positions: tuple[int, ...] = ()  # where the tensor inputs sit among the args (fixed by the cache key)
+    boxes: bool = False  # whether any input needs boxing
 
 
 # (op name, placement, (shape, dtype, sbp) or scalar type per arg, attrs) -> Decision
@@ -376,7 +379,7 @@ def _apply_global(opdef: OpDef, args: Sequence[Any], attrs: dict[str, Any]) -> A
     if decision is None:
         decision = decide(opdef, args, attrs, placement)
         _global_cache[key] = decision
-    if any(p is not None for p in decision.plans):
+    if decision.boxes:
         with activity(opdef.activity):  # named in comm errors raised while its inputs are boxed
             return run(opdef, decision, args, attrs, placement)
     return run(opdef, decision, args, attrs, placement)
@@ -408,10 +411,11 @@ def decide(opdef: OpDef, args: Sequence[Any], attrs: dict[str, Any], placement: 
     if opdef.data_dependent:
         _check_dynamic_not_split(opdef, sigs, out_metas)
     current = tuple(t.sbp for t in tensors)
+    positions = tuple(i for i, a in enumerate(args) if isinstance(a, Tensor))
     exact = _exact_match(sigs, current, placement.ndim)
     if exact is not None:
         in_sbps, out_sbps = exact
-        return Decision(out_metas, in_sbps, out_sbps, (None,) * len(tensors), in_metas)
+        return Decision(out_metas, in_sbps, out_sbps, (None,) * len(tensors), in_metas, positions)
     has_partial = any(isinstance(s, Partial) for sbp in current for s in sbp)
     best: tuple[Any, ...] | None = None
     for combo in itertools.product(sigs, repeat=placement.ndim):
@@ -427,7 +431,7 @@ def decide(opdef: OpDef, args: Sequence[Any], attrs: dict[str, Any], placement: 
             best = (cost, in_sbps, out_sbps, plans)
     assert best is not None
     plans = tuple(None if p is not None and p.is_relabel else p for p in best[3])  # one-rank axes: no work
-    return Decision(out_metas, best[1], best[2], plans, in_metas)
+    return Decision(out_metas, best[1], best[2], plans, in_metas, positions, any(p is not None for p in plans))
 
 
 def _boxing_cost(plans: Sequence[boxing.Plan | None], has_partial: bool) -> tuple[Any, ...]:
@@ -488,23 +492,22 @@ def _exact_match(sigs: Sequence[Sig], current: tuple[NdSbp, ...], ndim: int) -> 
 
 def run(opdef: OpDef, decision: Decision, args: Sequence[Any], attrs: dict[str, Any], placement: Placement) -> Any:
     """Boxes the inputs as decided and runs the kernel on every owned shard."""
-    positions: list[int] = []  # where the tensor args sit among args
-    shard_maps: list[dict[int, torch.Tensor]] = []
-    for pos, a in enumerate(args):
-        if isinstance(a, Tensor):
-            plan = decision.plans[len(positions)]
-            shards = a._shards or {}
-            shard_maps.append(_boxed(a, plan) if plan is not None else shards)
-            positions.append(pos)
+    positions = decision.positions
+    if decision.boxes:
+        shard_maps = [args[pos]._shards if plan is None else _boxed(args[pos], plan)
+                      for pos, plan in zip(positions, decision.plans, strict=True)]
+    else:
+        shard_maps = [args[pos]._shards for pos in positions]
     values = list(args)
     results: dict[int, Any] = {}
-    for r in get_backend().owned(placement.flat_ranks):
+    kernel = opdef.kernel
+    for r in get_backend().owned_ranks(placement):
         for pos, shards in zip(positions, shard_maps, strict=True):
-            values[pos] = shards[r]
+            values[pos] = shards[r]  # type: ignore[index]  # global tensors always hold a shard dict
         if opdef.shard_aware:
-            results[r] = opdef.kernel(_shard_ctx(r, placement, decision, args), *values, **attrs)
+            results[r] = kernel(_shard_ctx(r, placement, decision, args), *values, **attrs)
         else:
-            results[r] = opdef.kernel(*values, **attrs)
+            results[r] = kernel(*values, **attrs)
     if opdef.data_dependent:
         decision = _resolved(opdef, decision, results)
     return _wrap(decision, placement, results)
@@ -521,7 +524,8 @@ def _resolved(opdef: OpDef, decision: Decision, results: dict[int, Any]) -> Deci
         Meta(tuple(t.shape[d] if n == DYNAMIC else n for d, n in enumerate(m.shape)), m.dtype)
         for m, t in zip(decision.out_metas, shards, strict=True)
     )
-    return Decision(metas, decision.in_sbps, decision.out_sbps, decision.plans, decision.in_metas)
+    return Decision(metas, decision.in_sbps, decision.out_sbps, decision.plans, decision.in_metas, decision.positions,
+                    decision.boxes)
 
 
 def _boxed(t: Tensor, plan: boxing.Plan) -> dict[int, torch.Tensor]:
