@@ -489,7 +489,9 @@ class _Bucketer:
         source = flat.sbp[step.axis]
         assert isinstance(source, Partial)
         with activity(lambda: f"coalesced gradient bucket of {len(bucket.leaves)} leaves: {steps.steps[0]}"):
-            handles = [backend.all_reduce_async(group, {r: shards[r] for r in backend.owned(group)}, source.op)
+            # the flat shards were built for this reduction alone: donated, reduced without another copy
+            handles = [backend.all_reduce_async(group, {r: shards[r] for r in backend.owned(group)}, source.op,
+                                                donate=True)
                        for group in step.src.placement.axis_groups(step.axis) if backend.owned(group)]
         self.issued.append((bucket, lambda: {r: t for h in handles for r, t in h.wait().items()}))
 
