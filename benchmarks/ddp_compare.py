@@ -146,6 +146,7 @@ def sbpflow_gpt(coalesce: bool) -> tuple[Contender, Any]:
     trainer = build(GPT_CONFIG, f"dp={WORLD}", lr=GPT_LR)
     ids, targets = trainer.inputs(*gpt_data())
     model = trainer.model
+    params = list(model.parameters())  # listed once, as the torch contender does
 
     def step(phases: Phases | None = None) -> float:
         phases = phases or Phases()
@@ -155,7 +156,7 @@ def sbpflow_gpt(coalesce: bool) -> tuple[Contender, Any]:
         with phases("backward"), coalesce_grad_reductions(coalesce):
             loss.backward()
         with phases("optimizer"):
-            sbpflow.nn.utils.clip_grad_norm_(list(model.parameters()), 1.0)
+            sbpflow.nn.utils.clip_grad_norm_(params, 1.0)
             trainer.optimizer.step()
         return float(loss.item())
 
