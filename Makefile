@@ -29,6 +29,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/eager_overhead.py --write
 	$(PY) benchmarks/gpt_step.py --write
 	$(PY) benchmarks/ddp_compare.py --write
+	$(PY) benchmarks/ops_2proc.py --write
 
 clean:
 	rm -rf $(VENV) out .pytest_cache .hypothesis

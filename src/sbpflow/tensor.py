@@ -151,10 +151,11 @@ class Tensor:
 
     @property
     def ndim(self) -> int:
-        return len(self.shape)
+        # read on many hot paths (functional wrappers, gradients): no torch.Size built for it
+        return self._local.dim() if self._local is not None else len(self._shape or ())
 
     def dim(self) -> int:
-        return len(self.shape)
+        return self.ndim
 
     def size(self, dim: int | None = None) -> Any:
         return self.shape if dim is None else self.shape[dim]
