@@ -368,9 +368,10 @@ def _accumulate_leaf(leaf: Tensor, grad: Tensor, F: Any) -> None:
 def _coalescible(leaf: Tensor, grad: Tensor) -> bool:
     """A broadcast leaf whose gradient is partial on some mesh axes and broadcast on the others: the reduction
     is elementwise, so concatenated buffers reduce to the concatenated results."""
-    return (leaf.is_global and grad.placement == leaf.placement and grad.dtype == leaf.dtype
-            and all(s == broadcast for s in leaf.sbp) and partial_sum in grad.sbp
-            and all(s in (broadcast, partial_sum) for s in grad.sbp))
+    if leaf._placement is None or grad._sbp is None or partial_sum not in grad._sbp:  # asked per leaf, per backward
+        return False
+    return (grad._placement == leaf._placement and grad._dtype == leaf._dtype
+            and all(s == broadcast for s in leaf._sbp or ()) and all(s in (broadcast, partial_sum) for s in grad._sbp))
 
 
 def _coalesced(pairs: list[tuple[Tensor, Tensor]], F: Any) -> list[tuple[Tensor, Tensor]]:

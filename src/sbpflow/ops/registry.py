@@ -33,7 +33,7 @@ import itertools
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -350,6 +350,8 @@ class Decision:
     in_metas: tuple[Meta, ...] = ()  # per tensor input, for shard-aware kernels
     positions: tuple[int, ...] = ()  # where the tensor inputs sit among the args (fixed by the cache key)
     boxes: bool = False  # whether any input needs boxing
+    # rank -> ShardCtx for shard-aware kernels: a function of (decision, placement, rank) alone, built once
+    shard_ctxs: dict[int, ShardCtx] = field(default_factory=dict, compare=False, repr=False)
 
 
 # (op name, placement, (shape, dtype, sbp) or scalar type per arg, attrs) -> Decision
@@ -374,9 +376,11 @@ def _apply_global(opdef: OpDef, args: Sequence[Any], attrs: dict[str, Any]) -> A
         else:
             key_args.append(type(a))
     assert placement is not None  # apply() saw a global tensor
-    key = (opdef.name, placement, tuple(key_args), _attrs_key(attrs), _cost_model_token())
+    key = (opdef.name, placement, tuple(key_args), _attrs_key(attrs), id(boxing.get_cost_model()),
+           get_backend().cost_factors())
     decision = _global_cache.get(key)
     if decision is None:
+        _keep_cost_model_alive()
         decision = decide(opdef, args, attrs, placement)
         _global_cache[key] = decision
     if decision.boxes:
@@ -388,14 +392,12 @@ def _apply_global(opdef: OpDef, args: Sequence[Any], attrs: dict[str, Any]) -> A
 _cost_models: dict[int, boxing.CostModel] = {}  # keeps every model that keyed a decision alive, so ids stay unique
 
 
-def _cost_model_token() -> tuple[int, Any]:
-    """Decisions depend on the cost model in force and on the backend's cost factors (gloo's reduce-scatter costs
-    an all-reduce): a ``boxing.cost_model(...)`` block, or another installed backend, must not reuse others'."""
+def _keep_cost_model_alive() -> None:
+    """Decisions are keyed by the cost model in force (its id) and the backend's cost factors (gloo's
+    reduce-scatter costs an all-reduce): a ``boxing.cost_model(...)`` block, or another installed backend,
+    must not reuse others'. A model that keys a decision is kept alive, so that its id is never reused."""
     model = boxing.get_cost_model()
-    token = id(model)
-    if token not in _cost_models:
-        _cost_models[token] = model
-    return token, get_backend().cost_factors()
+    _cost_models.setdefault(id(model), model)
 
 
 def decide(opdef: OpDef, args: Sequence[Any], attrs: dict[str, Any], placement: Placement) -> Decision:
@@ -561,6 +563,13 @@ def _local_only(plan: boxing.Plan) -> bool:
 
 
 def _shard_ctx(rank: int, placement: Placement, decision: Decision, args: Sequence[Any]) -> ShardCtx:
+    ctx = decision.shard_ctxs.get(rank)
+    if ctx is None:
+        ctx = decision.shard_ctxs[rank] = _new_shard_ctx(rank, placement, decision)
+    return ctx
+
+
+def _new_shard_ctx(rank: int, placement: Placement, decision: Decision) -> ShardCtx:
     in_metas, out_metas = decision.in_metas, decision.out_metas
     return ShardCtx(
         rank, placement,
