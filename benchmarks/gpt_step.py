@@ -114,7 +114,7 @@ def count_ops(step: Callable[[], object]) -> collections.Counter[str]:
 
 
 def measure(name: str, cfg: GPTConfig, batch: int, rounds: int,
-            show_counts: bool) -> tuple[str, dict[str, float], dict[str, float]]:
+            show_counts: bool) -> tuple[str, dict[str, float], dict[str, float], str]:
     local, model = sbpflow_step(cfg, batch, None)
     one_rank, _ = sbpflow_step(cfg, batch, "dp=1")
     contenders: dict[str, Callable[[], object]] = {
@@ -122,14 +122,16 @@ def measure(name: str, cfg: GPTConfig, batch: int, rounds: int,
     first = {k: float(fn().item()) for k, fn in contenders.items()}  # type: ignore[attr-defined]
     for fn in contenders.values():  # warm the dispatch caches
         fn()
+    counts = count_ops(local)
+    top = ", ".join(f"{op} {n}" for op, n in counts.most_common(6))
+    dispatches = f"{name}: {sum(counts.values())} sbpflow dispatches per step ({top}, ...)"
     if show_counts:
-        counts = count_ops(local)
         print(f"{name}: {sum(counts.values())} sbpflow dispatches per step: {dict(counts.most_common())}")
     inner = 3 if cfg.n_embd >= 256 else 10
     t, cpu = interleaved(contenders, inner, rounds)
     rows = [f"| {name} | {who} | {s * 1e3:.2f} | {s / t['torch']:.3f} | {cpu[who] * 1e3:.2f} | "
             f"{cpu[who] / cpu['torch']:.3f} | {first[who]:.5f} |" for who, s in t.items()]
-    return "\n".join(rows), t, cpu
+    return "\n".join(rows), t, cpu, dispatches
 
 
 def main() -> None:
@@ -138,10 +140,11 @@ def main() -> None:
     parser.add_argument("--count", action="store_true", help="print the ops one sbpflow step dispatches")
     add_write_flag(parser)
     args = parser.parse_args()
-    rows, ratios, cpu_ratios = [], {}, {}
+    rows, ratios, cpu_ratios, dispatches = [], {}, {}, []
     for name, (cfg, batch) in SIZES.items():
-        table, t, cpu = measure(name, cfg, batch, args.rounds, args.count)
+        table, t, cpu, ops = measure(name, cfg, batch, args.rounds, args.count)
         rows.append(table)
+        dispatches.append(f"* {ops}")
         ratios[name] = max(t["sbpflow local"], t["sbpflow 1 rank"]) / t["torch"]
         cpu_ratios[name] = max(cpu["sbpflow local"], cpu["sbpflow 1 rank"]) / cpu["torch"]
     big, tiny = list(SIZES)
@@ -161,6 +164,11 @@ def main() -> None:
         "",
         f"Worst ratio, {big}: **{ratios[big]:.3f}x** wall, **{cpu_ratios[big]:.3f}x** CPU (target: at most "
         f"1.05x); {tiny}: **{ratios[tiny]:.3f}x** wall, **{cpu_ratios[tiny]:.3f}x** CPU.",
+        "",
+        "Ops dispatched per training step (forward, backward and clipping; the optimizer runs foreach kernels "
+        "on shards):",
+        "",
+        *dispatches,
     ])
     print(body)
     if args.write:
