@@ -344,8 +344,8 @@ class Tensor:
         """Holds ``src``'s layout and shards (the same storage), keeping this tensor's identity and autograd state."""
         for name in ("_shape", "_dtype", "_placement", "_sbp", "_shards", "_local"):
             object.__setattr__(self, name, getattr(src, name))
-        if self._boxed is not None:  # copies of the old shards (a leaf's cached slices too) are stale now
-            self._boxed = {}
+        if getattr(self, "_boxed", None) is not None:  # copies of the old shards (a leaf's slices too) are stale
+            self._boxed = {}  # (a Parameter takes its storage before its autograd fields exist)
 
     def requires_grad_(self, flag: bool = True) -> Tensor:
         if not self.is_leaf:
