@@ -197,7 +197,8 @@ def backward(roots: Sequence[Tensor], grads: Sequence[Tensor | None], retain_gra
             grad = _root_grad(root, grad)
             _send(root, grad, pending, leaf_grads)
         nodes = _topological(roots)
-        coalesce = _mode.coalesce and any(r._local is None for r in roots)  # local graphs have nothing to reduce
+        # local graphs have nothing to reduce; a traced one (nn.Graph) has no shards yet: its plan reduces
+        coalesce = _mode.coalesce and any(r._local is None and r._lazy is None for r in roots)
         bucketer = _Bucketer(nodes, roots, _mode.bucket_bytes) if coalesce else None
         for node in nodes:
             outs = [pending.pop((id(node), i), None) for i in range(len(node.out_refs))]
