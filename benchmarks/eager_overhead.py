@@ -144,7 +144,7 @@ def main() -> None:
     body = "\n".join([
         "## Eager overhead (issue 4)",
         "",
-        f"`make bench` or `.venv/bin/python benchmarks/eager_overhead.py` on {machine()}, one torch thread. "
+        f"`make bench` or `.venv/bin/python benchmarks/eager_overhead.py --write` on {machine()}. "
         "Medians of interleaved rounds.",
         "",
         "Per-op time in microseconds (2 ranks: both virtual ranks' kernels run in this process).",
