@@ -86,17 +86,6 @@ class Backend(ABC):
     def owned(self, ranks: Iterable[int]) -> list[int]:
         return [r for r in ranks if self.owns(r)]
 
-    def owned_ranks(self, placement: Placement) -> list[int]:
-        """``owned(placement.flat_ranks)``, remembered per placement: dispatch asks it for every op it runs."""
-        cache: dict[Placement, list[int]] | None = getattr(self, "_owned_by_placement", None)
-        if cache is None:
-            cache = {}
-            self._owned_by_placement = cache
-        ranks = cache.get(placement)
-        if ranks is None:
-            ranks = cache[placement] = self.owned(placement.flat_ranks)
-        return ranks
-
     @abstractmethod
     def device_for(self, device_type: str, rank: int) -> torch.device:
         """The torch device that holds rank ``rank``'s shards for a placement type."""

@@ -503,7 +503,7 @@ def run(opdef: OpDef, decision: Decision, args: Sequence[Any], attrs: dict[str, 
     values = list(args)
     results: dict[int, Any] = {}
     kernel = opdef.kernel
-    for r in get_backend().owned_ranks(placement):
+    for r in get_backend().owned(placement.flat_ranks):
         for pos, shards in zip(positions, shard_maps, strict=True):
             values[pos] = shards[r]  # type: ignore[index]  # global tensors always hold a shard dict
         if opdef.shard_aware:
