@@ -66,7 +66,9 @@ _HOLDS: dict[str, tuple[str, ...]] = {
     "embedding": ("B P(sum) -> P(sum)", "B P(max) -> P(max)", "B P(min) -> P(min)"),  # rows of the weight
     "linear": ("B P(sum) -> P(sum)", "B B P(max) -> P(max)", "B B P(min) -> P(min)"),  # in w; in the bias
     "conv2d": ("B B P(max) -> P(max)", "B B P(min) -> P(min)"),  # monotone in the bias
-    "layer_norm": ("B B P(max) -> P(max) B B", "B B P(min) -> P(min) B B"),  # mean and rstd: not the bias's
+    # monotone in the bias; mean and rstd do not depend on it, so they are B, and also P(max)/P(min) of equal pieces
+    "layer_norm": ("B B P(max) -> P(max) B B", "B B P(min) -> P(min) B B", "B B P(max) -> P(max) P(max) P(max)",
+                   "B B P(min) -> P(min) P(min) P(min)"),
     "rms_norm": ("B P(sum) -> P(sum) B",),  # linear in the weight; rstd does not depend on it
     "rms_norm_backward": ("P(sum) B B B -> P(sum) P(sum)",),  # linear in dy
     # linear in dy; the bias does not enter the gradients at all
