@@ -26,8 +26,10 @@ typecheck: $(STAMP)
 	$(VENV)/bin/mypy
 
 bench: $(STAMP)
-	$(PY) benchmarks/eager_overhead.py
-	$(PY) benchmarks/ddp_compare.py
+	$(PY) benchmarks/eager_overhead.py --write
+	$(PY) benchmarks/gpt_step.py --write
+	$(PY) benchmarks/ddp_compare.py --write
+	$(PY) benchmarks/ops_2proc.py --write
 
 clean:
 	rm -rf $(VENV) out .pytest_cache .hypothesis

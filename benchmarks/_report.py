@@ -1,7 +1,14 @@
-"""Writes a benchmark's section into docs/benchmarks.md between markers, keeping the other sections."""
+"""What every benchmark shares: the machine line of its figures, and writing its section of docs/benchmarks.md.
+
+Scripts print their tables; only ``--write`` replaces their section in docs/benchmarks.md (between markers,
+keeping the other sections), so stale figures are replaced rather than appended.
+"""
 
 from __future__ import annotations
 
+import argparse
+import datetime
+import os
 import platform
 import re
 from pathlib import Path
@@ -12,10 +19,25 @@ DOC = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
 HEADER = "# Benchmarks\n\nEach section is written by its script; rerun the command it names to refresh it.\n"
 
 
-def machine() -> str:
-    import os
+def machine(threads: int = 1, processes: int = 1) -> str:
+    """Cores, threads, torch version, date and load: what a reader needs to weigh the figures.
 
-    return f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}"
+    The load average at the start says whether other work shared the machine (its figures are then noisier,
+    though interleaved medians hit every contender alike).
+    """
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    cores = os.cpu_count() or 0
+    shared = f", shared with other jobs (load average {load:.1f} at start)" if load > 0.5 * cores else ""
+    when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    procs = f"{processes} processes x " if processes > 1 else ""
+    return (f"{platform.processor() or platform.machine()}, {cores} cores{shared}, {procs}{threads} torch "
+            f"thread{'s' if threads > 1 else ''}, torch {torch.__version__}, {when}")
+
+
+def add_write_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--write", action="store_true",
+                        help=f"replace this script's section of {DOC.relative_to(DOC.parent.parent)} "
+                             "(otherwise only print)")
 
 
 def write_section(name: str, body: str) -> None:

@@ -1,7 +1,7 @@
 """Data-parallel training on 2 processes: sbpflow against torch DistributedDataParallel, side by side.
 
 Run: ``.venv/bin/python benchmarks/ddp_compare.py`` (spawns its own 2 processes
-with ``sbpflow launch``; writes the "ddp" section of docs/benchmarks.md).
+with ``sbpflow launch``; prints, and ``--write`` replaces the "ddp" section of docs/benchmarks.md).
 
 Both contenders live in the same 2 processes, over the same gloo transport
 (sbpflow's torch.distributed backend; DDP on the default process group), with
@@ -11,7 +11,7 @@ each round's time is the slower process's, and the table reports medians.
 Two models: an MLP (width 1024, 3 hidden layers, global batch 64, MSE) and the
 demo's GPT (3 blocks, width 128, 4 heads, 64 tokens, global batch 16, gradient
 clipping 1.0, dropout off). sbpflow lays them out data parallel: parameters
-B, inputs S(0), so backward all-reduces each parameter gradient.
+B, inputs S(0), so backward all-reduces the parameter gradients (in buckets by default).
 
 Bytes communicated, one definition for both: the payload bytes each process
 hands to all-reduce per step (the size of the tensors reduced). sbpflow's come
@@ -38,7 +38,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as TF
+from _torch_gpt import TorchGPT, adamw, copy_weights
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -55,7 +55,7 @@ WORLD = 2
 MLP_WIDTH, MLP_LAYERS, MLP_BATCH = 1024, 3, 64
 GPT_CONFIG = GPTConfig(vocab_size=96, block_size=64, n_layer=3, n_head=4, n_embd=128, dropout=0.0)
 GPT_BATCH, GPT_LR = 16, 3e-3
-SBP, SBP_COALESCED = "sbpflow", "sbpflow coalesced"  # the default; under coalesce_grad_reductions
+SBP, SBP_PER_LEAF = "sbpflow", "sbpflow per-leaf"  # the default (buckets); under coalesce_grad_reductions(False)
 
 
 @dataclass
@@ -108,7 +108,7 @@ def torch_mlp(reference: Any) -> tuple[torch.nn.Module, Callable[[torch.nn.Modul
     for _ in range(MLP_LAYERS):
         mods += [torch.nn.Linear(MLP_WIDTH, MLP_WIDTH), torch.nn.ReLU()]
     model = torch.nn.Sequential(*mods, torch.nn.Linear(MLP_WIDTH, MLP_WIDTH))
-    _copy_weights(reference, model)
+    copy_weights(reference, model)
     rank = dist.get_rank()
     x_full, y_full = mlp_data()
     x, y = x_full.chunk(WORLD)[rank], y_full.chunk(WORLD)[rank]  # local (32, 1024)
@@ -146,6 +146,7 @@ def sbpflow_gpt(coalesce: bool) -> tuple[Contender, Any]:
     trainer = build(GPT_CONFIG, f"dp={WORLD}", lr=GPT_LR)
     ids, targets = trainer.inputs(*gpt_data())
     model = trainer.model
+    params = list(model.parameters())  # listed once, as the torch contender does
 
     def step(phases: Phases | None = None) -> float:
         phases = phases or Phases()
@@ -155,53 +156,16 @@ def sbpflow_gpt(coalesce: bool) -> tuple[Contender, Any]:
         with phases("backward"), coalesce_grad_reductions(coalesce):
             loss.backward()
         with phases("optimizer"):
-            sbpflow.nn.utils.clip_grad_norm_(list(model.parameters()), 1.0)
+            sbpflow.nn.utils.clip_grad_norm_(params, 1.0)
             trainer.optimizer.step()
         return float(loss.item())
 
     return Contender(step, lambda: {n: p.numpy() for n, p in model.named_parameters()}), model
 
 
-class TorchBlock(torch.nn.Module):
-    """The block of sbpflow.models.gpt in torch: pre-LN attention (separate q, k, v) and a GELU MLP."""
-
-    def __init__(self, c: int, n_head: int) -> None:
-        super().__init__()
-        self.n_head = n_head
-        self.ln_1, self.ln_2 = torch.nn.LayerNorm(c), torch.nn.LayerNorm(c)
-        self.attn = torch.nn.ModuleDict({k: torch.nn.Linear(c, c) for k in ("q", "k", "v", "c_proj")})
-        self.mlp = torch.nn.ModuleDict({"c_fc": torch.nn.Linear(c, 4 * c), "c_proj": torch.nn.Linear(4 * c, c)})
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, c = x.shape  # local (B / 2, T, C)
-        h = self.ln_1(x)
-        q, k, v = (self.attn[n](h).reshape(b, t, self.n_head, c // self.n_head).transpose(1, 2) for n in "qkv")
-        y = TF.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B / 2, H, T, hd)
-        x = x + self.attn["c_proj"](y.transpose(1, 2).reshape(b, t, c))
-        return x + self.mlp["c_proj"](TF.gelu(self.mlp["c_fc"](self.ln_2(x))))
-
-
-class TorchGPT(torch.nn.Module):
-    """sbpflow.models.gpt.GPT in torch (tied head, no dropout), with the same parameter names."""
-
-    def __init__(self, cfg: GPTConfig) -> None:
-        super().__init__()
-        self.wte = torch.nn.Embedding(cfg.vocab_size, cfg.n_embd)
-        self.wpe = torch.nn.Embedding(cfg.block_size, cfg.n_embd)
-        self.h = torch.nn.ModuleList([TorchBlock(cfg.n_embd, cfg.n_head) for _ in range(cfg.n_layer)])
-        self.ln_f = torch.nn.LayerNorm(cfg.n_embd)
-
-    def forward(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        x = self.wte(ids) + self.wpe(torch.arange(ids.shape[1]))  # local (B / 2, T, C)
-        for block in self.h:
-            x = block(x)
-        logits = self.ln_f(x) @ self.wte.weight.T  # local (B / 2, T, V)
-        return TF.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
-
-
 def torch_gpt(reference: Any) -> tuple[torch.nn.Module, Callable[[torch.nn.Module], Contender]]:
     model = TorchGPT(GPT_CONFIG)
-    _copy_weights(reference, model)
+    copy_weights(reference, model)
     rank = dist.get_rank()
     ids_full, targets_full = gpt_data()
     ids = torch.from_numpy(ids_full).chunk(WORLD)[rank]  # local (B / 2, T)
@@ -209,9 +173,7 @@ def torch_gpt(reference: Any) -> tuple[torch.nn.Module, Callable[[torch.nn.Modul
 
     def contender(ddp: torch.nn.Module) -> Contender:
         params = list(ddp.parameters())
-        groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": 0.1},
-                  {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
-        opt = torch.optim.AdamW(groups, lr=GPT_LR, betas=(0.9, 0.95), foreach=True)
+        opt = adamw(params, GPT_LR)
 
         def step(phases: Phases | None = None) -> float:
             phases = phases or Phases()
@@ -231,15 +193,6 @@ def torch_gpt(reference: Any) -> tuple[torch.nn.Module, Callable[[torch.nn.Modul
 
 
 # ----------------------------------------------------------------------------- shared pieces
-
-
-def _copy_weights(source: Any, target: torch.nn.Module) -> None:
-    """sbpflow parameters (logical values) into the torch model of the same names."""
-    values = {n: torch.from_numpy(p.numpy()) for n, p in source.named_parameters()}
-    with torch.no_grad():
-        for name, p in target.named_parameters():
-            p.copy_(values[name])
-    assert set(values) == {n for n, _ in target.named_parameters()}
 
 
 def _torch_params(ddp: torch.nn.Module) -> dict[str, np.ndarray]:
@@ -372,12 +325,12 @@ def profile(contenders: dict[str, Contender], steps: int) -> dict[str, dict[str,
 
 def compare(name: str, make_sbpflow: Callable[[bool], tuple[Contender, Any]], make_torch: Callable[[Any], Any],
             steps: int, rounds: int) -> dict[str, Any]:
-    ours, reference = make_sbpflow(False)
-    coalesced, _ = make_sbpflow(True)
+    ours, reference = make_sbpflow(True)
+    per_leaf, _ = make_sbpflow(False)
     torch_model, make_ddp = make_torch(reference)
     payload_ddp, calls_ddp = ddp_bytes(torch_model, make_ddp)
     theirs = make_ddp(DDP(torch_model))  # the built-in all-reduce (no Python hook) is what gets timed
-    contenders = {SBP: ours, SBP_COALESCED: coalesced, "DDP": theirs}
+    contenders = {SBP: ours, SBP_PER_LEAF: per_leaf, "DDP": theirs}
 
     # Same start, same data: the first losses agree, and after the warm-up steps so do the parameters.
     first = {k: c.step() for k, c in contenders.items()}
@@ -385,8 +338,8 @@ def compare(name: str, make_sbpflow: Callable[[bool], tuple[Contender, Any]], ma
         for c in contenders.values():
             c.step()
     params = {k: c.params() for k, c in contenders.items()}
-    drift = max(float(np.max(np.abs(params[k][n] - p))) for n, p in params["DDP"].items() for k in (SBP, SBP_COALESCED))
-    measured = {k: sbpflow_bytes(contenders[k]) for k in (SBP, SBP_COALESCED)}
+    drift = max(float(np.max(np.abs(params[k][n] - p))) for n, p in params["DDP"].items() for k in (SBP, SBP_PER_LEAF))
+    measured = {k: sbpflow_bytes(contenders[k]) for k in (SBP, SBP_PER_LEAF)}
     theirs.step()  # keeps every contender at the same step count
 
     times = interleaved(contenders, steps, rounds)
@@ -403,14 +356,15 @@ def compare(name: str, make_sbpflow: Callable[[bool], tuple[Contender, Any]], ma
 
 def report(results: list[dict[str, Any]], rounds: int) -> str:
     lines = [
-        "## sbpflow vs torch DDP (issue 5)",
+        "## sbpflow vs torch DDP (issues 5, 14)",
         "",
-        f"`.venv/bin/python benchmarks/ddp_compare.py` on {_machine()}: 2 processes (`sbpflow launch -n 2`), gloo "
+        f"`.venv/bin/python benchmarks/ddp_compare.py --write` on {_machine()}: 2 processes (`sbpflow launch -n 2`), "
+        "gloo "
         "on 127.0.0.1, one torch thread per process, eager mode. The contenders run in the same processes with "
         f"the same weights, data and AdamW; {rounds} interleaved rounds, median step time of the slower process. "
-        f"*{SBP}*: the default, one all-reduce per parameter gradient; *{SBP_COALESCED}*: backward under "
-        "`sbpflow.autograd.coalesce_grad_reductions()`, flat all-reduces of DDP-sized buckets (1 MiB first, then "
-        "25 MiB) issued asynchronously during backward as their gradients become final; "
+        f"*{SBP}*: the default, flat all-reduces of DDP-sized buckets (1 MiB first, then 25 MiB) issued "
+        f"asynchronously during backward as their gradients become final; *{SBP_PER_LEAF}*: the opt-out, "
+        "backward under `sbpflow.autograd.coalesce_grad_reductions(False)`, one all-reduce per parameter gradient; "
         "*DDP*: `DistributedDataParallel` with its default 25 MB buckets.",
         "",
         "Bytes: payload bytes each process hands to all-reduce per step (the size of the reduced tensors; calls "
@@ -423,7 +377,7 @@ def report(results: list[dict[str, Any]], rounds: int) -> str:
     ]
     for r in results:
         t, b, c, f = r["times"], r["bytes"], r["calls"], r["first losses"]
-        for who in (SBP, SBP_COALESCED, "DDP"):
+        for who in (SBP, SBP_PER_LEAF, "DDP"):
             ratio = f"**{t[who] / t['DDP']:.3f}**" if who != "DDP" else "1.000"
             drift = f"{r['param drift']:.1e}" if who != "DDP" else "(reference)"
             lines.append(f"| {r['name']} | {who} | {t[who] * 1e3:.2f} | {ratio} | {b[who]:,} ({c[who]}) | "
@@ -438,7 +392,7 @@ def report(results: list[dict[str, Any]], rounds: int) -> str:
             comm = ph.get("all-reduce calls (in backward)")
             lines.append(f"| {r['name']} | {who} | {ph['forward'] * 1e3:.2f} | {ph['backward'] * 1e3:.2f} | "
                          f"{'' if comm is None else f'{comm * 1e3:.2f}'} | {ph['optimizer'] * 1e3:.2f} |")
-    for who in (SBP, SBP_COALESCED):
+    for who in (SBP, SBP_PER_LEAF):
         worst = max(r["times"][who] / r["times"]["DDP"] for r in results)
         lines.append(f"\nWorst ratio, {who}: **{worst:.3f}x** (target: at most 1.10x).")
     lines.append("")
@@ -450,7 +404,7 @@ def _machine() -> str:
     sys.path.insert(0, str(HERE))
     from _report import machine
 
-    return machine()
+    return machine(threads=1, processes=WORLD)
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -464,7 +418,7 @@ def worker(args: argparse.Namespace) -> None:
     if sbpflow.rank() == 0:
         body = report(results, args.rounds)
         print(body)
-        if not args.no_write:
+        if args.write:
             sys.path.insert(0, str(HERE))
             from _report import write_section
 
@@ -475,7 +429,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=15, help="interleaved timing rounds (default 15)")
     parser.add_argument("--steps", type=int, default=4, help="steps per contender per round (default 4)")
-    parser.add_argument("--no-write", action="store_true", help="print the table only")
+    parser.add_argument("--write", action="store_true", help="replace the ddp section of docs/benchmarks.md "
+                        "(otherwise only print)")
     args = parser.parse_args()
     if "RANK" in os.environ:
         worker(args)

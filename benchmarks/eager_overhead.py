@@ -4,7 +4,8 @@
    tensors, on a 1-rank placement and on 2 virtual ranks (batch split).
 2. A training step of an MLP (width 1024, batch 64, 3 hidden layers, AdamW).
 
-Run: ``.venv/bin/python benchmarks/eager_overhead.py`` (writes docs/benchmarks.md).
+Run: ``.venv/bin/python benchmarks/eager_overhead.py`` (prints; ``--write`` replaces its section of
+docs/benchmarks.md).
 Timings interleave the contenders and report medians, so background load hits
 all of them alike.
 """
@@ -17,7 +18,7 @@ import time
 from collections.abc import Callable
 
 import torch
-from _report import machine, write_section
+from _report import add_write_flag, machine, write_section
 
 import sbpflow
 from sbpflow import nn, optim
@@ -136,13 +137,14 @@ def mlp_rows(rounds: int) -> tuple[list[str], float]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--rounds", type=int, default=7)
+    add_write_flag(parser)
     args = parser.parse_args()
     rows = op_rows(64, inner=200, rounds=args.rounds) + op_rows(512, inner=20, rounds=args.rounds)
     mlp, worst = mlp_rows(args.rounds)
     body = "\n".join([
         "## Eager overhead (issue 4)",
         "",
-        f"`make bench` or `.venv/bin/python benchmarks/eager_overhead.py` on {machine()}, one torch thread. "
+        f"`make bench` or `.venv/bin/python benchmarks/eager_overhead.py --write` on {machine()}. "
         "Medians of interleaved rounds.",
         "",
         "Per-op time in microseconds (2 ranks: both virtual ranks' kernels run in this process).",
@@ -159,8 +161,9 @@ def main() -> None:
         "",
         f"Worst single-rank ratio: **{worst:.3f}x** (target: at most 1.15x).",
     ])
-    write_section("eager_overhead", body)
     print(body)
+    if args.write:
+        write_section("eager_overhead", body)
 
 
 if __name__ == "__main__":

@@ -224,5 +224,13 @@ def assert_own_memory(x: sbpflow.Tensor) -> None:
         t.sub_(1)
 
 
+def all_reduce_payloads(log: CommLog) -> list[int]:
+    """Bytes of the tensor each all-reduce call reduced, in call order: the bucket plan of a backward.
+
+    The log counts ring traffic over the group's ranks, ``2 (p - 1)`` times the payload.
+    """
+    return [e.bytes // (2 * (len(e.ranks) - 1)) for e in log.events if e.kind == "all_reduce"]
+
+
 def randn(*shape: int, seed: int = 0, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=dtype)

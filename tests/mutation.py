@@ -66,9 +66,11 @@ _HOLDS: dict[str, tuple[str, ...]] = {
     "embedding": ("B P(sum) -> P(sum)", "B P(max) -> P(max)", "B P(min) -> P(min)"),  # rows of the weight
     "linear": ("B P(sum) -> P(sum)", "B B P(max) -> P(max)", "B B P(min) -> P(min)"),  # in w; in the bias
     "conv2d": ("B B P(max) -> P(max)", "B B P(min) -> P(min)"),  # monotone in the bias
-    "layer_norm": ("B B P(max) -> P(max)", "B B P(min) -> P(min)"),
-    "rms_norm": ("B P(sum) -> P(sum)",),  # linear in the weight
-    "rms_norm_backward": ("P(sum) B B -> P(sum) P(sum)",),  # linear in dy
+    # monotone in the bias; mean and rstd do not depend on it, so they are B, and also P(max)/P(min) of equal pieces
+    "layer_norm": ("B B P(max) -> P(max) B B", "B B P(min) -> P(min) B B", "B B P(max) -> P(max) P(max) P(max)",
+                   "B B P(min) -> P(min) P(min) P(min)"),
+    "rms_norm": ("B P(sum) -> P(sum) B",),  # linear in the weight; rstd does not depend on it
+    "rms_norm_backward": ("P(sum) B B B -> P(sum) P(sum)",),  # linear in dy
     # linear in dy; the bias does not enter the gradients at all
     "any": ("P(sum) -> P(sum)",),  # a P(sum) of bools reduces as OR, any()'s own partial
     "masked_select_backward": _PASSES_MAX_MIN,
@@ -76,8 +78,8 @@ _HOLDS: dict[str, tuple[str, ...]] = {
     "sgd_update": _PASSES_MAX_MIN,
     "sgd_momentum_update": ("P(max) B B -> P(max) P(max)", "P(min) B B -> P(min) P(min)"),
     "adam_update_multi": ("P(max) B B B -> P(max) P(max) P(max)", "P(min) B B B -> P(min) P(min) P(min)"),
-    "layer_norm_backward": ("P(sum) B B B -> P(sum) P(sum) P(sum)",) + tuple(
-        f"B B B {a} -> {b} {b} {b}" for a, b in [("P(max)", "P(max)"), ("P(min)", "P(min)"), ("P(max)", "P(min)"),
+    "layer_norm_backward": ("P(sum) B B B B B -> P(sum) P(sum) P(sum)",) + tuple(
+        f"B B B B B {a} -> {b} {b} {b}" for a, b in [("P(max)", "P(max)"), ("P(min)", "P(min)"), ("P(max)", "P(min)"),
                                                   ("P(min)", "P(max)")]),
 }
 TRUE_PROPERTIES: set[tuple[str, str]] = {(op, sig_text(sig(s))) for op, sigs in _HOLDS.items() for s in sigs}

@@ -304,9 +304,12 @@ def _model_cases() -> list[OpCase]:
     return [
         OpCase("layer_norm", "layer_norm", lambda g: (_r(g, 3, 4), _r(g, 4), _r(g, 4)), norm),
         OpCase("rms_norm", "rms_norm", lambda g: (_r(g, 3, 4), _r(g, 4)), norm),
-        OpCase("layer_norm_backward", "layer_norm_backward", lambda g: (_r(g, 3, 4), _r(g, 3, 4), _r(g, 4), _r(g, 4)),
-               norm),
-        OpCase("rms_norm_backward", "rms_norm_backward", lambda g: (_r(g, 3, 4), _r(g, 3, 4), _r(g, 4)), norm),
+        # (dy, x, saved statistics (3, 1)..., params): the forward's mean and rstd are inputs of the backward
+        OpCase("layer_norm_backward", "layer_norm_backward",
+               lambda g: (_r(g, 3, 4), _r(g, 3, 4), _r(g, 3, 1), _r(g, 3, 1).abs() + 0.5, _r(g, 4), _r(g, 4)),
+               norm | {"n_stats": 2}),
+        OpCase("rms_norm_backward", "rms_norm_backward",
+               lambda g: (_r(g, 3, 4), _r(g, 3, 4), _r(g, 3, 1).abs() + 0.5, _r(g, 4)), norm | {"n_stats": 1}),
         OpCase("embedding", "embedding", lambda g: (_ints(g, 5, 2, 3), _r(g, 5, 4)), {"padding_idx": None}),
         OpCase("embedding_backward", "embedding_backward", lambda g: (_r(g, 2, 3, 4), _ints(g, 5, 2, 3)),
                {"num_rows": 5, "padding_idx": None, "rows_split": False}, ("P(sum) B -> P(sum)",)),
@@ -314,9 +317,12 @@ def _model_cases() -> list[OpCase]:
                ("P(sum) B -> P(sum)",)),
         OpCase("unpick", "unpick", lambda g: (_r(g, 3), _ints(g, 5, 3)),
                {"num_classes": 5, "ignore_index": -100, "class_split": False}, ("P(sum) B -> P(sum)",)),
-        OpCase("sdpa", "scaled_dot_product_attention", qkv, sdpa_attrs, ("B B P(sum) -> P(sum)",)),
-        OpCase("sdpa_backward", "sdpa_backward", lambda g: (_r(g, 1, 2, 3, 2),) + qkv(g), sdpa_attrs,
-               ("P(sum) B B B -> P(sum) P(sum) P(sum)", "B B B P(sum) -> P(sum) P(sum) B")),
+        # outputs (out, logsumexp): the logsumexp does not depend on v
+        OpCase("sdpa", "scaled_dot_product_attention", qkv, sdpa_attrs, ("B B P(sum) -> P(sum) B",)),
+        # inputs (dy, q, k, v, out, logsumexp): linear in dy, and in (v, out) together
+        OpCase("sdpa_backward", "sdpa_backward", lambda g: (_r(g, 1, 2, 3, 2),) + qkv(g) + (_r(g, 1, 2, 3, 2),
+                                                                                           _r(g, 1, 2, 3)),
+               sdpa_attrs, ("P(sum) B B B B B -> P(sum) P(sum) P(sum)", "B B B P(sum) P(sum) B -> P(sum) P(sum) B")),
     ]
 
 

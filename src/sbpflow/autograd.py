@@ -3,8 +3,10 @@
 Every op's gradient is written in sbpflow ops, so backward gets SBP inference
 and boxing like forward: a partial gradient stays partial between ops and is
 reduced only where a consumer, or a leaf's own SBP, needs otherwise. A leaf's
-``.grad`` always has the leaf's placement and SBP, so a broadcast weight under
-split data gets one all-reduce per backward (the DDP behaviour).
+``.grad`` always has the leaf's placement and SBP. By default the partial
+gradients of broadcast leaves (weights under split data) are reduced as DDP
+does: flat buckets, issued asynchronously while backward runs, one all-reduce
+each; ``coalesce_grad_reductions(False)`` opts out (one reduction per leaf).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ FIRST_BUCKET_MB = 1.0  # DDP's first bucket: small, so that communication starts
 
 class _Mode(threading.local):
     grad_enabled = True
-    coalesce = False  # see coalesce_grad_reductions
+    coalesce = True  # see coalesce_grad_reductions: DDP-style buckets by default
     bucket_bytes = int(DEFAULT_BUCKET_MB * 2**20)
 
 
@@ -82,7 +84,8 @@ class enable_grad(no_grad):
 def coalesce_grad_reductions(enabled: bool = True, bucket_cap_mb: float = DEFAULT_BUCKET_MB) -> Iterator[None]:
     """Backward passes inside the block reduce the partial-sum gradients of broadcast leaves together, in flat
     buckets of up to ``bucket_cap_mb`` MiB per (placement, dtype, SBP) instead of one all-reduce per leaf, as
-    DDP does.
+    DDP does. This is the default; ``coalesce_grad_reductions(False)`` opts out for the block (each leaf's
+    gradient then boxes to the leaf's layout on its own, at the end of backward).
 
     A leaf's gradient joins its bucket as soon as backward has sent it its last contribution, so buckets fill
     in backward order; as in DDP, the first bucket of each (placement, dtype, SBP) holds up to 1 MiB only, so
@@ -123,26 +126,24 @@ class Node:
 
     def __init__(self, op: OpDef, inputs: Sequence[Any], outputs: Sequence[Tensor], attrs: dict[str, Any],
                  save_outputs: bool) -> None:
+        tensor_cls: Any = _TENSOR or _tensor_class()
         self.op = op
         self.args = tuple(inputs)  # tensors and scalars, in call order
-        self.inputs = tuple(a for a in inputs if _is_tensor(a))
-        self.versions = tuple(t._version for t in self.inputs)
-        self.outputs = tuple(o.detach() for o in outputs) if save_outputs else ()
-        self.out_refs = tuple(weakref.ref(o) for o in outputs)
+        tensors: tuple[Tensor, ...] = tuple([a for a in inputs if isinstance(a, tensor_cls)])
+        self.inputs = tensors
+        self.versions = tuple([t._version for t in tensors])
+        self.outputs = tuple([o.detach() for o in outputs]) if save_outputs else ()
+        self.out_refs = tuple([weakref.ref(o) for o in outputs])
         # with several outputs, one may be dropped before backward (max's indices): keep what its zeros need
         self.out_meta = (tuple((tuple(o.shape), o.dtype, o._placement, o._sbp) for o in outputs)
                          if len(outputs) > 1 else ())
         self.attrs = attrs
-        self.needs = tuple(t.requires_grad for t in self.inputs)
+        self.needs = tuple([t.requires_grad for t in tensors])
         self.freed = False
 
     @property
     def name(self) -> str:
         return f"{self.op.name}_backward"
-
-
-def _is_tensor(x: Any) -> bool:
-    return isinstance(x, _tensor_class())
 
 
 def _tensor_class() -> type:
@@ -196,7 +197,9 @@ def backward(roots: Sequence[Tensor], grads: Sequence[Tensor | None], retain_gra
             grad = _root_grad(root, grad)
             _send(root, grad, pending, leaf_grads)
         nodes = _topological(roots)
-        bucketer = _Bucketer(nodes, roots, _mode.bucket_bytes) if _mode.coalesce else None
+        # local graphs have nothing to reduce; a traced one (nn.Graph) has no shards yet: its plan reduces
+        coalesce = _mode.coalesce and any(r._local is None and r._lazy is None for r in roots)
+        bucketer = _Bucketer(nodes, roots, _mode.bucket_bytes) if coalesce else None
         for node in nodes:
             outs = [pending.pop((id(node), i), None) for i in range(len(node.out_refs))]
             if not all(g is None for g in outs):
@@ -304,6 +307,8 @@ def _call_backward(node: Node, outs: list[Tensor | None]) -> Sequence[Tensor | N
             )
     if node.op.backward_fn is None:
         raise AutogradError(f"op {node.op.name!r} has no gradient")
+    if node.op.diff_outputs is not None:
+        outs = outs[:node.op.diff_outputs]  # the other outputs are saved statistics: no gradient
     filled = [g if g is not None else _zeros_for(node, i) for i, g in enumerate(outs)]
     grads = node.op.backward_fn(BackwardCtx(node), *filled)
     if not isinstance(grads, (tuple, list)):
@@ -364,9 +369,10 @@ def _accumulate_leaf(leaf: Tensor, grad: Tensor, F: Any) -> None:
 def _coalescible(leaf: Tensor, grad: Tensor) -> bool:
     """A broadcast leaf whose gradient is partial on some mesh axes and broadcast on the others: the reduction
     is elementwise, so concatenated buffers reduce to the concatenated results."""
-    return (leaf.is_global and grad.placement == leaf.placement and grad.dtype == leaf.dtype
-            and all(s == broadcast for s in leaf.sbp) and partial_sum in grad.sbp
-            and all(s in (broadcast, partial_sum) for s in grad.sbp))
+    if leaf._placement is None or grad._sbp is None or partial_sum not in grad._sbp:  # asked per leaf, per backward
+        return False
+    return (grad._placement == leaf._placement and grad._dtype == leaf._dtype
+            and all(s == broadcast for s in leaf._sbp or ()) and all(s in (broadcast, partial_sum) for s in grad._sbp))
 
 
 def _coalesced(pairs: list[tuple[Tensor, Tensor]], F: Any) -> list[tuple[Tensor, Tensor]]:
@@ -485,7 +491,9 @@ class _Bucketer:
         source = flat.sbp[step.axis]
         assert isinstance(source, Partial)
         with activity(lambda: f"coalesced gradient bucket of {len(bucket.leaves)} leaves: {steps.steps[0]}"):
-            handles = [backend.all_reduce_async(group, {r: shards[r] for r in backend.owned(group)}, source.op)
+            # the flat shards were built for this reduction alone: donated, reduced without another copy
+            handles = [backend.all_reduce_async(group, {r: shards[r] for r in backend.owned(group)}, source.op,
+                                                donate=True)
                        for group in step.src.placement.axis_groups(step.axis) if backend.owned(group)]
         self.issued.append((bucket, lambda: {r: t for h in handles for r, t in h.wait().items()}))
 

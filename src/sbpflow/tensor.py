@@ -55,7 +55,7 @@ class Tensor:
     _retains_grad: bool
     _hooks: list[Callable[[Tensor], Tensor | None]] | None
     _version: int
-    _boxed: dict[Any, dict[int, torch.Tensor]] | None
+    _boxed: dict[Any, tuple[tuple[int, ...], dict[int, torch.Tensor]]] | None
     _lazy: Any  # the graph value a tensor stands for while nn.Graph traces (metadata only, no shards)
     _view_of: Any  # an ops.views.Link when this tensor is a view of another (x[1:], x.view(12) ...), else None
 
@@ -73,7 +73,11 @@ class Tensor:
         self._sbp = None
         self._shape = None
         self._dtype = None
-        self._init_autograd(requires_grad)
+        # _init_autograd inlined: every op result passes here
+        self.requires_grad = requires_grad
+        self.grad = self.grad_fn = self._hooks = self._boxed = self._lazy = self._view_of = None
+        self._out_index = self._version = 0
+        self._retains_grad = False
         return self
 
     @classmethod
@@ -88,7 +92,11 @@ class Tensor:
         self._sbp = sbp
         self._shape = tuple(shape)
         self._dtype = dtype
-        self._init_autograd(requires_grad)
+        # _init_autograd inlined: every op result passes here
+        self.requires_grad = requires_grad
+        self.grad = self.grad_fn = self._hooks = self._boxed = self._lazy = self._view_of = None
+        self._out_index = self._version = 0
+        self._retains_grad = False
         return self
 
     def _init_autograd(self, requires_grad: bool) -> None:
@@ -99,9 +107,9 @@ class Tensor:
         self._retains_grad = False
         self._hooks = None
         self._version = 0
-        # Boxed copies of this tensor, {(layout, version): shards}, so that several consumers needing the
-        # same conversion share one collective. Only op outputs enable it (see ops.registry.run): leaves
-        # such as parameters are updated in place on their shards by optimizers.
+        # Boxed copies of this tensor, {(layout, version): (source shard versions, shards)}, so that several
+        # consumers needing the same conversion share one collective (op outputs, see ops.registry.run), and
+        # a parameter is not sliced again every step (leaves keep local conversions only, see _boxed).
         self._boxed = None
         self._lazy = None
         self._view_of = None
@@ -143,10 +151,11 @@ class Tensor:
 
     @property
     def ndim(self) -> int:
-        return len(self.shape)
+        # read on many hot paths (functional wrappers, gradients): no torch.Size built for it
+        return self._local.dim() if self._local is not None else len(self._shape or ())
 
     def dim(self) -> int:
-        return len(self.shape)
+        return self.ndim
 
     def size(self, dim: int | None = None) -> Any:
         return self.shape if dim is None else self.shape[dim]
@@ -303,11 +312,12 @@ class Tensor:
     def detach(self) -> Tensor:
         """The same values, cut from the graph (shards are shared, as torch shares storage)."""
         if self._local is not None:
-            return Tensor._from_local(self._local.detach())
+            return Tensor._from_local(_detached(self._local))
         if self._lazy is not None:
             return self._lazy.tensor()
-        shards = {r: t.detach() for r, t in (self._shards or {}).items()}
-        return Tensor._from_shards(self.shape, self.dtype, self.placement, self.sbp, shards)
+        shards = {r: _detached(t) for r, t in (self._shards or {}).items()}
+        return Tensor._from_shards(self._shape or (), self._dtype, self._placement, self._sbp,  # type: ignore[arg-type]
+                                   shards)
 
     def detach_(self) -> Tensor:
         """Cuts this tensor from the graph in place: it becomes a leaf that needs no gradient (as torch)."""
@@ -338,6 +348,8 @@ class Tensor:
         """Holds ``src``'s layout and shards (the same storage), keeping this tensor's identity and autograd state."""
         for name in ("_shape", "_dtype", "_placement", "_sbp", "_shards", "_local"):
             object.__setattr__(self, name, getattr(src, name))
+        if getattr(self, "_boxed", None) is not None:  # copies of the old shards (a leaf's slices too) are stale
+            self._boxed = {}  # (a Parameter takes its storage before its autograd fields exist)
 
     def requires_grad_(self, flag: bool = True) -> Tensor:
         if not self.is_leaf:
@@ -384,6 +396,12 @@ def _copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
             return
         src = src.clone()
     dst.copy_(src)
+
+
+def _detached(t: torch.Tensor) -> torch.Tensor:
+    """``t`` without torch autograd history; itself when it has none (shards of sbpflow results never do), which
+    spares autograd's saved outputs a torch call per shard."""
+    return t.detach() if t.requires_grad or t.grad_fn is not None else t
 
 
 def logical_value(t: Tensor) -> torch.Tensor:

@@ -46,8 +46,8 @@ ZERO_GRAD_PARAM, ZERO_GRAD_ATOL = "attn.k.bias", 4e-5
 SINGLE_RTOL, SINGLE_ATOL = 1e-4, 1e-5
 N_PARAMS = 4 + 16 * CONFIG.n_layer  # wte, wpe, ln_f (2) + per block: 2 LayerNorms, q, k, v, c_proj, c_fc, proj
 
-COALESCED = "dp=2 coalesced"  # dp=2 under coalesce_grad_reductions: one flat gradient all-reduce
-GPT_SPECS = {2: ["dp=2", "tp=2", COALESCED], 4: ["dp=2,tp=2", "dp=4", "pp=2", "dp=2,pp=2"]}
+PER_LEAF = "dp=2 per-leaf"  # dp=2 under coalesce_grad_reductions(False): one all-reduce per gradient
+GPT_SPECS = {2: ["dp=2", "tp=2", PER_LEAF], 4: ["dp=2,tp=2", "dp=4", "pp=2", "dp=2,pp=2"]}
 TIMEOUT = 150.0
 
 Training = tuple[list[float], dict[str, np.ndarray]]
@@ -89,8 +89,8 @@ def training_job(world: int) -> dict[str, Any]:
     out: dict[str, Any] = {"rank": sbpflow.rank(), "world": sbpflow.world_size(), "gpt": {}, "steps": {},
                            "cost factors": get_backend().cost_factors()}
     for spec in GPT_SPECS[world]:
-        with coalesce_grad_reductions(spec == COALESCED):
-            strategy = spec.removesuffix(" coalesced")
+        with coalesce_grad_reductions(spec != PER_LEAF):
+            strategy = spec.removesuffix(" per-leaf")
             out["gpt"][spec] = train_gpt(strategy, GPT_STEPS, config=CONFIG, batch_size=BATCH)
             out["steps"][spec] = step_events(strategy)
     out["cnn"] = train_cnn(sbpflow.placement("cpu", list(range(world))), CNN_STEPS)
@@ -205,12 +205,12 @@ def test_each_process_takes_part_in_the_simulated_collectives_of_its_rank(run: A
 
 
 @pytest.mark.parametrize("run", [2, 4], indirect=True, ids=["2 processes", "4 processes"])
-def test_data_parallel_step_all_reduces_each_gradient_once_on_every_process(run: Any) -> None:
+def test_data_parallel_step_reduces_all_gradients_in_one_bucket_on_every_process(run: Any) -> None:
     world, per_rank, _ = run
     spec = f"dp={world}"
     for rank, result in enumerate(per_rank):
         counts = _counts(result["steps"][spec])
-        assert _phase(counts, "backward") == {"all_reduce": N_PARAMS}, rank  # DDP: one per parameter gradient
+        assert _phase(counts, "backward") == {"all_reduce": 1}, rank  # the model fits DDP's first bucket (1 MiB)
         assert "clip_grad_norm" not in counts and "optimizer" not in counts, rank  # gradients are B by then
         # the rest is the loss's mean over the batch shards
         assert all(kinds == {"all_reduce": 1} for where, kinds in counts.items() if where != "backward"), rank
@@ -219,12 +219,12 @@ def test_data_parallel_step_all_reduces_each_gradient_once_on_every_process(run:
 
 
 @pytest.mark.parametrize("run", [2], indirect=True, ids=["2 processes"])
-def test_coalesced_data_parallel_step_all_reduces_every_gradient_at_once(run: Any) -> None:
+def test_per_leaf_opt_out_all_reduces_each_gradient_once_with_the_same_result(run: Any) -> None:
     world, per_rank, _ = run
     for rank, result in enumerate(per_rank):
-        _assert_same(result["gpt"][COALESCED], result["gpt"]["dp=2"], RTOL, ATOL, f"coalesced, process {rank}")
-        counts = _counts(result["steps"][COALESCED])
-        assert _phase(counts, "backward") == {"all_reduce": 1}, rank
+        _assert_same(result["gpt"][PER_LEAF], result["gpt"]["dp=2"], RTOL, ATOL, f"per-leaf, process {rank}")
+        counts = _counts(result["steps"][PER_LEAF])
+        assert _phase(counts, "backward") == {"all_reduce": N_PARAMS}, rank
         assert _counts(result["steps"]["dp=2"]).keys() == counts.keys(), rank  # only backward changed
 
 
@@ -265,13 +265,12 @@ def test_cnn_step_reduces_statistics_and_gradients_on_every_process(run: Any) ->
 
     model = ResNet(channels=4, num_classes=5)
     batch_norms = sum(isinstance(m, nn.BatchNorm2d) for m in model.modules())
-    n_params = len(list(model.parameters()))
     for rank, result in enumerate(per_rank):
         forward, backward = result["cnn steps"]
         kinds = Counter(e.kind for e in forward)
         assert "all_gather" not in kinds, rank
         # mean and variance of every BatchNorm, plus the loss's sample count
         assert kinds["all_reduce"] + kinds["reduce_scatter"] == 2 * batch_norms + 1, rank
-        # one per parameter gradient (DDP), and BatchNorm's backward sums dy and dy * x_hat over the batch
-        assert Counter(e.kind for e in backward)["all_reduce"] == n_params + 2 * batch_norms, rank
+        # one bucket of parameter gradients (DDP), and BatchNorm's backward sums dy and dy * x_hat over the batch
+        assert Counter(e.kind for e in backward)["all_reduce"] == 1 + 2 * batch_norms, rank
         assert "all_gather" not in Counter(e.kind for e in backward), rank

@@ -272,3 +272,18 @@ def test_a_tile_met_by_many_small_shards_is_drawn_once(monkeypatch: pytest.Monke
     assert calls == [0]
     sbpflow.manual_seed(3)
     assert (x.numpy() == sbpflow.randn(256, 4).numpy()).all()  # the same values as one device
+
+
+@pytest.mark.parametrize("args", [(5,), (0, 7, 2), (7, 0, -3), (3, 3), (0, 10, 3), (-5, 5, 4), (2.5,), (0, 1, 0.25)])
+def test_arange_counts_like_torch(args: tuple) -> None:  # type: ignore[type-arg]
+    """Integer bounds are counted without torch's meta device (issue 14): same values and dtype as torch."""
+    ours, theirs = sbpflow.arange(*args), torch.arange(*args)
+    assert ours.dtype == theirs.dtype
+    np.testing.assert_array_equal(ours.numpy(), theirs.numpy())
+
+
+def test_arange_with_an_inconsistent_step_raises_like_torch() -> None:
+    with pytest.raises(RuntimeError):
+        torch.arange(5, 0, 1)
+    with pytest.raises(RuntimeError):
+        sbpflow.arange(5, 0, 1)

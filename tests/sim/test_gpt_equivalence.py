@@ -15,6 +15,9 @@ import numpy as np
 import pytest
 
 import sbpflow
+from harness import all_reduce_payloads
+from sbpflow.autograd import coalesce_grad_reductions
+from sbpflow.comm import CommLog
 from sbpflow.demo.train_gpt import PhaseLog, build, random_batches, train_gpt
 from sbpflow.models.gpt import GPT, GPTConfig, parallelize, parse_strategy, split_blocks, stage_placements
 from sbpflow.sbp import broadcast, split
@@ -29,6 +32,9 @@ RTOL = 1e-4
 ATOL = 1e-5
 GRAD_ATOL = 1e-7
 N_PARAMS = 4 + 16 * CONFIG.n_layer  # wte, wpe, ln_f (2) + per block: 2 LayerNorms, q, k, v, c_proj, c_fc, proj
+C = CONFIG.n_embd
+N_NUMEL = (CONFIG.vocab_size + CONFIG.block_size) * C + 2 * C + CONFIG.n_layer * (4 * C + 4 * (C * C + C)
+                                                                               + 2 * 4 * C * C + 5 * C)
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -133,14 +139,21 @@ def test_bad_strategies_raise_sbpflow_errors() -> None:
 # -- the collectives of one step ------------------------------------------------------------------
 
 
-def _one_step_log(spec: str) -> dict[str, dict[str, int]]:
-    """Collective counts of the second training step by where they ran ("forward ln_f", "backward" ...)."""
+def _one_step_phases(spec: str, coalesce: bool = True) -> PhaseLog:
+    """The collectives of the second training step, each tagged with where it ran ("forward ln_f", "backward"
+    ...); ``coalesce=False`` opts out of bucketed gradient reductions."""
     trainer = build(CONFIG, spec)
     batches = random_batches(CONFIG.vocab_size, 2, 8, 16)
     trainer.step(*next(batches))
     phases = PhaseLog(trainer.model)
-    with phases.recording():
+    with phases.recording(), coalesce_grad_reductions(coalesce):
         trainer.step(*next(batches), phases)
+    return phases
+
+
+def _one_step_log(spec: str, coalesce: bool = True) -> dict[str, dict[str, int]]:
+    """Collective counts of the second training step by where they ran ("forward ln_f", "backward" ...)."""
+    phases = _one_step_phases(spec, coalesce)
     out: dict[str, dict[str, int]] = {}
     for i, event in enumerate(phases.log.events):
         where = out.setdefault(phases.where.get(i, "other"), {})
@@ -157,11 +170,19 @@ def _phase(counts: dict[str, dict[str, int]], phase: str) -> dict[str, int]:
     return total
 
 
-def test_data_parallel_step_all_reduces_each_gradient_once() -> None:
+def test_data_parallel_step_reduces_gradients_in_ddp_buckets() -> None:
+    phases = _one_step_phases("dp=4")
+    backward = CommLog([e for i, e in enumerate(phases.log.events) if phases.where.get(i) == "backward"])
+    # every gradient once, all in one bucket: the model's 420 KiB fit DDP's first bucket (1 MiB)
+    assert all_reduce_payloads(backward) == [4 * N_NUMEL]
     counts = _one_step_log("dp=4")
-    assert _phase(counts, "backward") == {"all_reduce": N_PARAMS}  # DDP: one per parameter gradient
     assert "clip_grad_norm" not in counts and "optimizer" not in counts  # gradients are B by then
     assert all(kinds == {"all_reduce": 1} for where, kinds in counts.items() if where != "backward")  # the loss
+
+
+def test_data_parallel_step_opting_out_of_buckets_all_reduces_each_gradient_once() -> None:
+    counts = _one_step_log("dp=4", coalesce=False)
+    assert _phase(counts, "backward") == {"all_reduce": N_PARAMS}  # one per parameter gradient
 
 
 def test_tensor_parallel_step_reduces_each_partial_sum_once_where_the_layernorm_needs_it() -> None:

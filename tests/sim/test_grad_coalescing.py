@@ -134,16 +134,35 @@ def test_gpt_data_parallel_step_reduces_every_gradient_in_one_all_reduce() -> No
         np.testing.assert_array_equal(grads[1][name], want, err_msg=name)
 
 
-def test_mode_is_scoped() -> None:
+def test_mode_is_on_by_default_and_scoped() -> None:
     from sbpflow.autograd import _mode
 
-    assert not _mode.coalesce
-    with coalesce_grad_reductions():
-        assert _mode.coalesce
-        with coalesce_grad_reductions(False):
-            assert not _mode.coalesce
-        assert _mode.coalesce
-    assert not _mode.coalesce
+    assert _mode.coalesce  # DDP-style buckets are the default (issue 14)
+    with coalesce_grad_reductions(False):  # the opt-out
+        assert not _mode.coalesce
+        with coalesce_grad_reductions():
+            assert _mode.coalesce
+        assert not _mode.coalesce
+    assert _mode.coalesce
+
+
+def test_default_backward_reduces_in_buckets_and_the_opt_out_per_leaf() -> None:
+    placement = PLACEMENTS["2"]
+    g = torch.Generator().manual_seed(0)
+    x = sbpflow.tensor(torch.randn(6, 5, generator=g), placement=placement, sbp=S.split(0))
+    counts = []
+    for opt_out in (False, True):
+        w1, w2 = (sbpflow.tensor(torch.randn(5, 5, generator=g), placement=placement, sbp=B, requires_grad=True)
+                  for _ in range(2))
+        loss = ((x @ w1).relu() @ w2).sum()
+        with record() as log:
+            if opt_out:
+                with coalesce_grad_reductions(False):
+                    loss.backward()
+            else:
+                loss.backward()
+        counts.append(log.counts())
+    assert counts == [{"all_reduce": 1}, {"all_reduce": 2}]
 
 
 # ----------------------------------------------------------------------------- buckets issued during backward

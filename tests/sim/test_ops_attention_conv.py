@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as TF
 
 import sbpflow
-from harness import PLACEMENTS, PSUM, B, check, randn, random_sbp
+from harness import PLACEMENTS, PSUM, B, all_reduce_payloads, check, randn, random_sbp
 from sbpflow import sbp as S
 from sbpflow.ops import functional as F
 
@@ -70,7 +70,9 @@ def test_sdpa_query_row_split_shifts_the_causal_mask(pname: str) -> None:
               [S.split(2), B, B])
     assert r.out.sbp == (S.split(2),)
     assert r.forward_log.counts() == {}
-    assert _all_reduces(r.backward_log.counts()) == 2  # dk and dv sum over the query rows
+    # dk and dv sum over the query rows: partial gradients of B leaves, reduced in one bucket
+    assert all_reduce_payloads(r.backward_log) == [2 * 4 * values[1].numel()]
+    assert r.backward_log.counts() == {"all_reduce": 1}
 
 
 def test_sdpa_partial_v_stays_partial() -> None:
@@ -159,12 +161,13 @@ def _conv_loss(lib: object):  # type: ignore[no-untyped-def]
 
 @pytest.mark.parametrize("pname", ["2", "3"])
 @pytest.mark.parametrize("bias", [True, False])
-def test_conv2d_batch_split_all_reduces_each_weight_grad_once(pname: str, bias: bool) -> None:
+def test_conv2d_batch_split_reduces_weight_grads_in_one_bucket(pname: str, bias: bool) -> None:
     p = PLACEMENTS[pname]
     values = [randn(5, 3, 6, 6), randn(4, 3, 3, 3, seed=1)] + ([randn(4, seed=2)] if bias else [])
     r = check(_conv_loss(F), _conv_loss(torch), values, p, [S.split(0)] + [B] * (len(values) - 1))
     assert r.forward_log.counts() == {}  # the loss stays a partial sum
-    assert _all_reduces(r.backward_log.counts()) == len(values) - 1
+    assert r.backward_log.counts() == {"all_reduce": 1}  # weight (and bias) share one flat bucket, as in DDP
+    assert all_reduce_payloads(r.backward_log) == [4 * sum(v.numel() for v in values[1:])]
 
 
 def test_conv2d_batch_split_on_a_mesh_needs_no_forward_comm() -> None:
@@ -261,3 +264,21 @@ def test_pool_errors() -> None:
         F.avg_pool2d(_g(randn(1, 1, 2, 2), S.split(1)), 3)
     with pytest.raises(sbpflow.ShapeError, match=r"output_size as a positive int"):
         F.adaptive_avg_pool2d(_g(randn(1, 1, 2, 2)), 0)
+
+
+@pytest.mark.parametrize("sbps", [[B, B, B], [S.split(2), B, B], [S.split(0)] * 3])
+def test_sdpa_backward_runs_no_second_forward(monkeypatch: pytest.MonkeyPatch, sbps: list) -> None:  # type: ignore[type-arg]
+    """Backward is torch's flash backward from the saved logsumexp: no attention forward runs in it (issue 14)."""
+    from sbpflow.ops import attention as A
+
+    def no_recompute(*args: object, **kwargs: object) -> None:
+        raise AssertionError("attention recomputed in backward")
+
+    forwards = []
+    kernel = A._sdpa.kernel
+    monkeypatch.setattr(A._sdpa, "kernel", lambda *a, **k: forwards.append(1) or kernel(*a, **k))
+    monkeypatch.setattr(A, "_local_sdpa", no_recompute)
+    check(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+          lambda q, k, v: TF.scaled_dot_product_attention(q, k, v, is_causal=True), _qkv(tq=6, tk=6),
+          PLACEMENTS["2"], sbps)
+    assert len(forwards) == 2  # one per rank, in forward only

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 import sbpflow
 import sbpflow.ops.functional as F
-from harness import PLACEMENTS, PSUM, B, check, global_tensor, randn, random_sbp
+from harness import PLACEMENTS, PSUM, B, all_reduce_payloads, check, global_tensor, randn, random_sbp
 from sbpflow import sbp as S
 from sbpflow.comm import record
 
@@ -137,7 +137,7 @@ def test_linear_parallel_layouts(pname: str, layout: str, out_sbp: object) -> No
     assert r.out.sbp == _nd(p, out_sbp) or layout == "row"
 
 
-def test_linear_data_parallel_weight_and_bias_grads_are_one_all_reduce_each() -> None:
+def test_linear_data_parallel_weight_and_bias_grads_share_one_bucket() -> None:
     p = PLACEMENTS["3"]
     def loss(fn):  # type: ignore[no-untyped-def]
         return lambda x, w, b: fn(x, w, b).relu().sum()
@@ -145,7 +145,8 @@ def test_linear_data_parallel_weight_and_bias_grads_are_one_all_reduce_each() ->
     r = check(loss(F.linear), loss(torch.nn.functional.linear), [randn(7, 5), randn(6, 5, seed=1), randn(6, seed=2)],
               p, [S.split(0), B, B], grad=[False, True, True])
     assert r.out.sbp == (PSUM,)
-    assert r.backward_log.counts() == {"all_reduce": 2}
+    assert all_reduce_payloads(r.backward_log) == [4 * (6 * 5 + 6)]  # weight and bias: one flat bucket, as DDP
+    assert r.backward_log.counts() == {"all_reduce": 1}
 
 
 def test_linear_without_bias_and_row_parallel_output_partial() -> None:

@@ -274,3 +274,29 @@ def test_clip_grad_norm_local_and_empty() -> None:
     w.grad = sbpflow.tensor([3.0, 4.0])
     assert nn.utils.clip_grad_norm_(w, 1.0) == pytest.approx(5.0)
     np.testing.assert_allclose(w.grad.numpy(), [0.6, 0.8], rtol=1e-5)
+
+
+def test_clip_grad_norm_dispatches_per_layout_not_per_parameter(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Twelve gradients in two layouts on one placement: foreach norms per layout, one all-reduce (issue 14)."""
+    from sbpflow.ops import registry
+
+    p2 = PLACEMENTS["2"]
+    ours, theirs = [], []
+    for i in range(12):
+        value, grad = randn(4, 3, seed=i), randn(4, 3, seed=50 + i)
+        p = nn.Parameter(sbpflow.tensor(value, placement=p2, sbp=S.split(0) if i % 2 else B))
+        p.grad = sbpflow.tensor(grad, placement=p2, sbp=p.sbp)
+        q = torch.nn.Parameter(value.clone())
+        q.grad = grad.clone()
+        ours.append(p)
+        theirs.append(q)
+    dispatched = []
+    inner = registry.apply
+    monkeypatch.setattr(registry, "apply", lambda op, args, attrs: dispatched.append(op.name) or inner(op, args, attrs))
+    with record() as log:
+        total = nn.utils.clip_grad_norm_(ours, 0.5)
+    assert total == pytest.approx(float(torch.nn.utils.clip_grad_norm_(theirs, 0.5)), rel=1e-5)
+    for p, q in zip(ours, theirs, strict=True):
+        np.testing.assert_allclose(p.grad.numpy(), q.grad.numpy(), rtol=1e-5, atol=1e-7)  # type: ignore[union-attr]
+    assert dispatched == ["add"]  # the P(sum) piece of the split gradients plus the B piece of the others
+    assert log.counts() == {"all_reduce": 1}

@@ -140,15 +140,20 @@ class Backend(ABC):
         emit("all_reduce", group, 2 * (len(group) - 1) * size)
         return self._all_reduce(group, inputs, op)
 
-    def all_reduce_async(self, group: tuple[int, ...], inputs: dict[int, torch.Tensor], op: str) -> PendingReduce:
+    def all_reduce_async(self, group: tuple[int, ...], inputs: dict[int, torch.Tensor], op: str,
+                         donate: bool = False) -> PendingReduce:
         """:meth:`all_reduce` that returns at once; the caller may compute meanwhile and ``wait()`` for the result.
 
         Recorded when issued, as the blocking one. Every process must issue its asynchronous collectives in
         the same order as its blocking ones (the same program), and may wait for them in any order.
+        ``donate=True`` hands the (contiguous) inputs over: a backend may reduce in them instead of in a copy,
+        as gradient buckets allow (a bucket's flat buffer is built for the reduction and read by no one else).
         """
         t = next(iter(inputs.values())) if inputs else None
         size = nbytes(t.shape, t.dtype) if t is not None else 0
         emit("all_reduce", group, 2 * (len(group) - 1) * size)
+        if donate:
+            return self._all_reduce_async(group, inputs, op, donate=True)
         return self._all_reduce_async(group, inputs, op)
 
     def reduce_scatter(
@@ -215,7 +220,7 @@ class Backend(ABC):
     def _all_reduce(self, group, inputs, op):  # type: ignore[no-untyped-def]
         ...
 
-    def _all_reduce_async(self, group, inputs, op):  # type: ignore[no-untyped-def]
+    def _all_reduce_async(self, group, inputs, op, donate=False):  # type: ignore[no-untyped-def]
         """A backend without asynchronous collectives reduces at once."""
         return Completed(self._all_reduce(group, inputs, op))
 

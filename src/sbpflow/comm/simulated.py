@@ -31,7 +31,7 @@ class SimulatedBackend(Backend):
         total = reduce_tensors([inputs[g] for g in group], op)
         return {r: total.to(inputs[r].device, copy=True) for r in group}
 
-    def _all_reduce_async(self, group, inputs, op):  # type: ignore[no-untyped-def]
+    def _all_reduce_async(self, group, inputs, op, donate=False):  # type: ignore[no-untyped-def]
         # every rank is here: the reduction completes when issued, with the blocking one's values
         return Completed(self._all_reduce(group, inputs, op))
 

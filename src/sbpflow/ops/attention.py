@@ -9,9 +9,11 @@ SBP rules (q, k, v of shape (B, H, T, D), logical; ``mask`` broadcastable to (B,
     B        B        B        B
 
 The mask follows the split of the dim it shares with the output, else stays B.
-The backward op recomputes attention on each shard with torch autograd (one
-kernel, no saved probabilities), and maps the same splits; with queries split,
-dk and dv are partial sums over the query rows.
+The forward also returns the logsumexp of each query row (``diff_outputs=1``:
+a saved statistic, no gradient), so that the backward op calls torch's own
+flash backward kernel on each shard instead of running attention a second time.
+It maps the same splits; with queries split, dk and dv are partial sums over
+the query rows.
 """
 
 from __future__ import annotations
@@ -66,73 +68,125 @@ def _mask_sbp(mask: tuple[Meta, ...], d: int, ndim: int, size: int) -> tuple[Sbp
 
 
 def _sdpa_sigs(q: Meta, k: Meta, v: Meta, *mask: Meta, outs: tuple[Meta, ...], **_: Any) -> list[Sig]:
+    """Outputs (out, logsumexp): the logsumexp (..., Tq) depends on q and k only, so it splits like the rows."""
     mb = (B,) if mask else ()
-    sigs = [Sig((B, B, B) + mb, (B,)), Sig((B, B, PSUM) + mb, (PSUM,))]
+    sigs = [Sig((B, B, B) + mb, (B, B)), Sig((B, B, PSUM) + mb, (PSUM, B))]
     for d in range(q.ndim - 2):
         s = Split(d)
-        sigs.append(Sig((s, s, s) + _mask_sbp(mask, d, q.ndim, q.shape[d]), (s,)))
+        sigs.append(Sig((s, s, s) + _mask_sbp(mask, d, q.ndim, q.shape[d]), (s, s)))
     rows = Split(q.ndim - 2)
-    sigs.append(Sig((rows, B, B) + _mask_sbp(mask, q.ndim - 2, q.ndim, q.shape[-2]), (rows,)))
+    sigs.append(Sig((rows, B, B) + _mask_sbp(mask, q.ndim - 2, q.ndim, q.shape[-2]), (rows, rows)))
     return sigs
 
 
-def _local_sdpa(ctx: ShardCtx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tuple[torch.Tensor, ...],
-                is_causal: bool, scale: float | None) -> torch.Tensor:
-    """torch's sdpa on one shard; a causal mask on a query-row shard is built at the shard's offset."""
-    lo, hi = ctx.in_boxes[0][-2]
+def _sdpa_meta_with_lse(q: Meta, k: Meta, v: Meta, *mask: Meta, is_causal: bool,
+                        scale: float | None) -> tuple[Meta, Meta]:
+    out = _sdpa_meta(q, k, v, *mask, is_causal=is_causal, scale=scale)
+    lse_dtype = q.dtype if q.dtype == torch.float64 else torch.float32  # torch's flash kernel keeps fp32 stats
+    return out, Meta(q.shape[:-1], lse_dtype)
+
+
+_FLASH_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+
+def _flash_ok(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Whether torch's CPU flash kernel (forward and backward, with a saved logsumexp) applies to this shard;
+    it divides by zero on empty shards (a batch of one split over three ranks)."""
+    return q.device.type == "cpu" and q.dim() == 4 and q.dtype in _FLASH_DTYPES and q.numel() > 0 and k.numel() > 0
+
+
+def _shard_mask(ctx: ShardCtx, q: torch.Tensor, k: torch.Tensor, mask: tuple[torch.Tensor, ...], is_causal: bool,
+                q_index: int) -> tuple[torch.Tensor | None, bool]:
+    """(attn_mask, is_causal) for this shard: a causal mask on a query-row shard is built at the shard's offset."""
+    lo, hi = ctx.in_boxes[q_index][-2]
     attn_mask = mask[0] if mask else None
-    if is_causal and (lo, hi) != (0, ctx.in_metas[0].shape[-2]):
+    if is_causal and (lo, hi) != (0, ctx.in_metas[q_index].shape[-2]):
         # torch's is_causal keeps key j for query i when j <= i (top-left aligned); i is logical here
         rows = torch.arange(lo, hi, device=q.device)[:, None]
         attn_mask = rows >= torch.arange(k.shape[-2], device=q.device)[None, :]
         is_causal = False
+    return attn_mask, is_causal
+
+
+def _additive(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """The flash kernel takes additive masks of q's dtype only: a bool mask (True keeps) becomes 0 / -inf."""
+    if mask is None or mask.dtype != torch.bool:
+        return mask
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+
+
+def _local_sdpa(ctx: ShardCtx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tuple[torch.Tensor, ...],
+                is_causal: bool, scale: float | None) -> torch.Tensor:
+    """torch's sdpa on one shard, differentiable by torch autograd (the fallback backward recomputes it)."""
+    attn_mask, is_causal = _shard_mask(ctx, q, k, mask, is_causal, q_index=0)
     return TF.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale)
 
 
-@op("scaled_dot_product_attention", meta=_sdpa_meta, sbp=_sdpa_sigs, shard_aware=True)
+@op("scaled_dot_product_attention", meta=_sdpa_meta_with_lse, sbp=_sdpa_sigs, shard_aware=True, save_outputs=True,
+    diff_outputs=1)
 def _sdpa(ctx: ShardCtx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *mask: torch.Tensor, is_causal: bool,
-          scale: float | None) -> torch.Tensor:
-    return _local_sdpa(ctx, q, k, v, mask, is_causal, scale)
+          scale: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, logsumexp) per shard. The logsumexp is what torch's flash backward needs to rebuild the
+    probabilities without a second forward; where that kernel does not apply it is left unfilled."""
+    if not _flash_ok(q, k):
+        out = _local_sdpa(ctx, q, k, v, mask, is_causal, scale)
+        return out, torch.empty(q.shape[:-1], dtype=ctx.out_metas[1].dtype, device=q.device)
+    attn_mask, is_causal = _shard_mask(ctx, q, k, mask, is_causal, q_index=0)
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, 0.0, is_causal, attn_mask=_additive(attn_mask, q.dtype), scale=scale)
+    return out, lse
 
 
 @_sdpa.grad
 def _sdpa_grad(ctx: Any, dy: Any) -> Any:
-    dq, dk, dv = sdpa_backward(dy, *ctx.inputs, **ctx.attrs)
-    return (dq, dk, dv) + (None,) * (len(ctx.inputs) - 3)
+    q, k, v, *mask = ctx.inputs
+    out, lse = ctx.outputs
+    dq, dk, dv = sdpa_backward(dy, q, k, v, out, lse, *mask, **ctx.attrs)
+    return (dq, dk, dv) + (None,) * len(mask)
 
 
-def _sdpa_backward_meta(dy: Meta, q: Meta, k: Meta, v: Meta, *mask: Meta, **_: Any) -> tuple[Meta, Meta, Meta]:
+def _sdpa_backward_meta(dy: Meta, q: Meta, k: Meta, v: Meta, out: Meta, lse: Meta, *mask: Meta,
+                        **_: Any) -> tuple[Meta, Meta, Meta]:
     return q, k, v
 
 
-def _sdpa_backward_sigs(dy: Meta, q: Meta, k: Meta, v: Meta, *mask: Meta, outs: tuple[Meta, ...],
-                        **_: Any) -> list[Sig]:
+def _sdpa_backward_sigs(dy: Meta, q: Meta, k: Meta, v: Meta, out: Meta, lse: Meta, *mask: Meta,
+                        outs: tuple[Meta, ...], **_: Any) -> list[Sig]:
+    """Inputs (dy, q, k, v, out, lse, mask?). Linear in dy; dq and dk are linear in (v, out) together (the
+    kernel's row term is rowsum(dy * out)), and dv does not depend on v."""
     mb = (B,) if mask else ()
     sigs = [
-        Sig((B, B, B, B) + mb, (B, B, B)),
-        Sig((PSUM, B, B, B) + mb, (PSUM, PSUM, PSUM)),  # linear in dy
-        Sig((B, B, B, PSUM) + mb, (PSUM, PSUM, B)),  # dq, dk linear in v; dv does not depend on v
+        Sig((B, B, B, B, B, B) + mb, (B, B, B)),
+        Sig((PSUM, B, B, B, B, B) + mb, (PSUM, PSUM, PSUM)),
+        Sig((B, B, B, PSUM, PSUM, B) + mb, (PSUM, PSUM, B)),
     ]
     for d in range(q.ndim - 2):
         s = Split(d)
-        sigs.append(Sig((s, s, s, s) + _mask_sbp(mask, d, q.ndim, q.shape[d]), (s, s, s)))
+        sigs.append(Sig((s,) * 6 + _mask_sbp(mask, d, q.ndim, q.shape[d]), (s, s, s)))
     rows = Split(q.ndim - 2)
     row_mask = _mask_sbp(mask, q.ndim - 2, q.ndim, q.shape[-2])
-    sigs.append(Sig((rows, rows, B, B) + row_mask, (rows, PSUM, PSUM)))  # dk, dv sum over query rows
+    sigs.append(Sig((rows, rows, B, B, rows, rows) + row_mask, (rows, PSUM, PSUM)))  # dk, dv sum over query rows
     return sigs
 
 
 @op("sdpa_backward", meta=_sdpa_backward_meta, sbp=_sdpa_backward_sigs, shard_aware=True, differentiable=False)
 def sdpa_backward(ctx: ShardCtx, dy: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                  *mask: torch.Tensor, is_causal: bool, scale: float | None) -> tuple[torch.Tensor, ...]:
-    """(dq, dk, dv) of attention, recomputed on the shard with torch autograd (torch's own backward kernels)."""
+                  out: torch.Tensor, lse: torch.Tensor, *mask: torch.Tensor, is_causal: bool,
+                  scale: float | None) -> tuple[torch.Tensor, ...]:
+    """(dq, dk, dv) of attention on the shard: torch's flash backward from the saved out and logsumexp (no
+    second forward), else a recomputation under torch autograd."""
+    if _flash_ok(q, k):
+        attn_mask, causal = _shard_mask(ctx, q, k, mask, is_causal, q_index=1)
+        grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dy, q, k, v, out, lse, 0.0, causal, attn_mask=_additive(attn_mask, q.dtype), scale=scale)
+        return tuple(grads)
     # the forward kernel reads q's box from in_boxes[0]: shift past dy so it sees q's
     fwd = ShardCtx(ctx.rank, ctx.placement, ctx.in_boxes[1:], ctx.out_boxes, ctx.in_metas[1:], ctx.out_metas,
                    ctx.in_sbps[1:], ctx.out_sbps)
     with torch.enable_grad():
         lq, lk, lv = leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-        out = _local_sdpa(fwd, lq, lk, lv, mask, is_causal, scale)
-        grads = torch.autograd.grad(out, leaves, dy, allow_unused=True)
+        y = _local_sdpa(fwd, lq, lk, lv, mask, is_causal, scale)
+        grads = torch.autograd.grad(y, leaves, dy, allow_unused=True)
     return tuple(g if g is not None else torch.zeros_like(t) for g, t in zip(grads, leaves, strict=True))
 
 
@@ -160,4 +214,5 @@ def scaled_dot_product_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Ten
         raise OpError("scaled_dot_product_attention takes attn_mask or is_causal=True, not both (as torch); "
                       f"q {q._describe()}, attn_mask {attn_mask._describe()}")
     mask = (attn_mask,) if attn_mask is not None else ()
-    return _sdpa(q, k, v, *mask, is_causal=bool(is_causal), scale=None if scale is None else float(scale))
+    out, _ = _sdpa(q, k, v, *mask, is_causal=bool(is_causal), scale=None if scale is None else float(scale))
+    return out  # type: ignore[no-any-return]

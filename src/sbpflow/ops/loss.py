@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as TF
 
 from ..errors import DTypeError, OpError, ShapeError
 from ..sbp import Partial, Split, broadcast, format_nd
@@ -89,8 +90,13 @@ def _embedding_sigs(ids: Meta, weight: Meta, outs: tuple[Meta, ...], padding_idx
 
 @op("embedding", meta=_embedding_meta, sbp=_embedding_sigs, shard_aware=True)
 def _embedding(ctx: ShardCtx, ids: torch.Tensor, weight: torch.Tensor, padding_idx: int | None) -> torch.Tensor:
-    _check_labels("embedding", ids, ctx.in_metas[1].shape[0], "index", ctx, ("ids", "weight"), of="weight rows")
     lo, hi = ctx.in_boxes[1][0]  # this shard's rows of the logical weight
+    if (lo, hi) == (0, ctx.in_metas[1].shape[0]):  # all rows here: torch's lookup checks the range itself
+        try:
+            return TF.embedding(ids, weight)
+        except IndexError:
+            pass  # raise sbpflow's own error, naming the first bad index
+    _check_labels("embedding", ids, ctx.in_metas[1].shape[0], "index", ctx, ("ids", "weight"), of="weight rows")
     own, local = _owned(ids, lo, hi)
     if hi == lo:
         return weight.new_zeros(tuple(ids.shape) + (weight.shape[1],))
@@ -117,6 +123,9 @@ def _embedding_grad_sigs(dy: Meta, ids: Meta, outs: tuple[Meta, ...], rows_split
 def _embedding_backward(ctx: ShardCtx, dy: torch.Tensor, ids: torch.Tensor, num_rows: int, padding_idx: int | None,
                         rows_split: bool) -> torch.Tensor:
     lo, hi = ctx.out_boxes[0][0]
+    if (lo, hi) == (0, num_rows):  # every row here: torch's own kernel, no masking
+        return torch.ops.aten.embedding_dense_backward(dy, ids, num_rows, -1 if padding_idx is None else padding_idx,
+                                                       False)
     keep = (ids >= lo) & (ids < hi)
     if padding_idx is not None:
         keep &= ids != padding_idx

@@ -21,7 +21,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch.nn.functional as TF
 
 from .. import boxing
 from .. import random as sbp_random
@@ -198,64 +197,99 @@ def _norm_meta(x: Meta, *params: Any, normalized_ndim: int, eps: float) -> Meta:
     return x
 
 
+def _stats_meta(x: Meta, normalized_ndim: int) -> Meta:
+    """A per-row statistic as torch's native kernels keep it: logical (..., 1, ..., 1), fp32 for half inputs."""
+    dtype = x.dtype if x.dtype in (torch.float32, torch.float64) else torch.float32
+    return Meta(x.shape[:x.ndim - normalized_ndim] + (1,) * normalized_ndim, dtype)
+
+
+def _layer_norm_meta(x: Meta, *params: Any, normalized_ndim: int, eps: float) -> tuple[Meta, Meta, Meta]:
+    """(y, mean, rstd): the statistics are saved for the native backward kernel."""
+    y = _norm_meta(x, *params, normalized_ndim=normalized_ndim, eps=eps)
+    return y, _stats_meta(x, normalized_ndim), _stats_meta(x, normalized_ndim)
+
+
+def _rms_norm_meta(x: Meta, *params: Any, normalized_ndim: int, eps: float) -> tuple[Meta, Meta]:
+    """(y, rstd): the statistic is saved for the native backward kernel."""
+    return _norm_meta(x, *params, normalized_ndim=normalized_ndim, eps=eps), _stats_meta(x, normalized_ndim)
+
+
 def _norm_sigs(x: Meta, *params: Any, outs: tuple[Meta, ...], normalized_ndim: int, **_: Any) -> list[Sig]:
-    """Split on a batch dim (params stay B), or all B."""
+    """Split on a batch dim (params stay B; the statistics split alike), or all B."""
     rest = (B,) * len(R.metas(params))
-    sigs = [Sig((B,) + rest, (B,))]
-    sigs += [Sig((Split(d),) + rest, (Split(d),)) for d in range(x.ndim - normalized_ndim)]
+    n_out = len(outs)
+    sigs = [Sig((B,) + rest, (B,) * n_out)]
+    sigs += [Sig((Split(d),) + rest, (Split(d),) * n_out) for d in range(x.ndim - normalized_ndim)]
     return sigs
 
 
-def _norm_backward_meta(dy: Meta, x: Meta, *params: Any, normalized_ndim: int, eps: float) -> tuple[Meta, ...]:
-    return (x,) + tuple(R.metas(params))
+def _norm_backward_meta(dy: Meta, x: Meta, *rest: Any, normalized_ndim: int, eps: float,
+                        n_stats: int) -> tuple[Meta, ...]:
+    return (x,) + tuple(R.metas(rest[n_stats:]))
 
 
-def _norm_backward_sigs(dy: Meta, x: Meta, *params: Any, outs: tuple[Meta, ...], normalized_ndim: int,
-                        **_: Any) -> list[Sig]:
-    """dx follows a batch split; weight and bias grads sum over the local rows, so they come out P(sum)."""
-    n = len(R.metas(params))
-    sigs = [Sig((B, B) + (B,) * n, (B,) * (1 + n))]
+def _norm_backward_sigs(dy: Meta, x: Meta, *rest: Any, outs: tuple[Meta, ...], normalized_ndim: int,
+                        n_stats: int, **_: Any) -> list[Sig]:
+    """Inputs (dy, x, statistics..., params...). dx follows a batch split (the statistics with it); weight and
+    bias grads sum over the local rows, so they come out P(sum)."""
+    n = len(R.metas(rest[n_stats:]))
+    sigs = [Sig((B, B) + (B,) * (n_stats + n), (B,) * (1 + n))]
     for d in range(x.ndim - normalized_ndim):
-        sigs.append(Sig((Split(d), Split(d)) + (B,) * n, (Split(d),) + (PSUM,) * n))
+        s = Split(d)
+        sigs.append(Sig((s, s) + (s,) * n_stats + (B,) * n, (s,) + (PSUM,) * n))
     return sigs
 
 
-def _layer_norm_kernel(x: torch.Tensor, w: Any, b: Any, normalized_ndim: int, eps: float) -> torch.Tensor:
-    return TF.layer_norm(x, tuple(x.shape[x.dim() - normalized_ndim:]), w, b, eps)
+def _normalized_shape(x: torch.Tensor, normalized_ndim: int) -> list[int]:
+    return list(x.shape[x.dim() - normalized_ndim:])
 
 
-def _rms_norm_kernel(x: torch.Tensor, w: Any, normalized_ndim: int, eps: float) -> torch.Tensor:
-    return TF.rms_norm(x, tuple(x.shape[x.dim() - normalized_ndim:]), w, eps)
+@op("layer_norm", meta=_layer_norm_meta, sbp=_norm_sigs, save_outputs=True, diff_outputs=1)
+def _layer_norm_fused(x: torch.Tensor, w: Any, b: Any, normalized_ndim: int, eps: float) -> Any:
+    return torch.native_layer_norm(x, _normalized_shape(x, normalized_ndim), w, b, eps)
 
 
-def _vjp_kernel(forward: Any) -> Any:
-    """A backward kernel that differentiates the local forward kernel on the shard (rows are independent)."""
-
-    def kernel(dy: torch.Tensor, x: torch.Tensor, *params: Any, normalized_ndim: int, eps: float) -> Any:
-        tensors = [p for p in params if p is not None]
-        with torch.enable_grad():
-            leaves = [t.detach().requires_grad_(True) for t in [x] + tensors]
-            it = iter(leaves[1:])
-            args = [next(it) if p is not None else None for p in params]
-            y = forward(leaves[0], *args, normalized_ndim=normalized_ndim, eps=eps)
-            grads = torch.autograd.grad(y, leaves, dy, allow_unused=True)
-        grads = tuple(torch.zeros_like(t) if g is None else g for g, t in zip(grads, leaves, strict=True))
-        return grads if len(grads) > 1 else grads[0]
-
-    return kernel
+@op("rms_norm", meta=_rms_norm_meta, sbp=_norm_sigs, save_outputs=True, diff_outputs=1)
+def _rms_norm_fused(x: torch.Tensor, w: Any, normalized_ndim: int, eps: float) -> Any:
+    return torch.ops.aten._fused_rms_norm(x, _normalized_shape(x, normalized_ndim), w, eps)
 
 
-_layer_norm_fused = op("layer_norm", meta=_norm_meta, sbp=_norm_sigs)(_layer_norm_kernel)
-_rms_norm_fused = op("rms_norm", meta=_norm_meta, sbp=_norm_sigs)(_rms_norm_kernel)
-_layer_norm_backward = op("layer_norm_backward", meta=_norm_backward_meta, sbp=_norm_backward_sigs,
-                          differentiable=False)(_vjp_kernel(_layer_norm_kernel))
-_rms_norm_backward = op("rms_norm_backward", meta=_norm_backward_meta, sbp=_norm_backward_sigs,
-                        differentiable=False)(_vjp_kernel(_rms_norm_kernel))
+def _present(t: Any) -> bool:
+    return t is not None
+
+
+@op("layer_norm_backward", meta=_norm_backward_meta, sbp=_norm_backward_sigs, differentiable=False)
+def _layer_norm_backward(dy: torch.Tensor, x: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor, w: Any, b: Any,
+                         normalized_ndim: int, eps: float, n_stats: int) -> Any:
+    """torch's native backward from the saved mean and rstd: no second forward."""
+    mask = [True, _present(w), _present(b)]
+    dx, dw, db = torch.ops.aten.native_layer_norm_backward(dy, x, _normalized_shape(x, normalized_ndim), mean, rstd,
+                                                           w, b, mask)
+    grads = (dx,) + tuple(g for g in (dw, db) if g is not None)
+    return grads if len(grads) > 1 else dx
+
+
+@op("rms_norm_backward", meta=_norm_backward_meta, sbp=_norm_backward_sigs, differentiable=False)
+def _rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, rstd: torch.Tensor, w: Any, normalized_ndim: int,
+                       eps: float, n_stats: int) -> Any:
+    """The gradient from the saved rstd, no second forward (torch has no CPU kernel for
+    ``_fused_rms_norm_backward``): with x^ = x rstd and g = dy w, dx = rstd (g - x^ mean(g x^)), dw = sum dy x^."""
+    dims = tuple(range(x.dim() - normalized_ndim, x.dim()))  # the normalized dims, local = logical
+    x_hat = x * rstd
+    g = dy * w if w is not None else dy
+    dx = (rstd * (g - x_hat * (g * x_hat).mean(dims, keepdim=True))).to(x.dtype)
+    if w is None:
+        return dx
+    rows = tuple(range(x.dim() - normalized_ndim))
+    dw = (dy * x_hat).sum(rows) if rows else dy * x_hat
+    return dx, dw.to(w.dtype)
 
 
 def _fused_norm_grad(backward_op: OpDef) -> Any:
     def grad(ctx: Any, dy: Any) -> Any:
-        out = backward_op(dy, *ctx.args, **ctx.attrs)
+        x, *params = ctx.args
+        stats = ctx.outputs[1:]
+        out = backward_op(dy, x, *stats, *params, n_stats=len(stats), **ctx.attrs)
         return out if isinstance(out, tuple) else (out,)
 
     return grad
@@ -296,7 +330,7 @@ def layer_norm(x: Tensor, normalized_shape: Any, weight: Tensor | None = None, b
     shape = _check_normalized("layer_norm", x, normalized_shape, {"weight": weight, "bias": bias})
     dims = _norm_dims(x, len(shape))
     if not _split_axes(x, dims) or _has_partial(x):
-        return _layer_norm_fused(x, weight, bias, normalized_ndim=len(shape), eps=float(eps))
+        return _layer_norm_fused(x, weight, bias, normalized_ndim=len(shape), eps=float(eps))[0]  # type: ignore[no-any-return]
     mean = _reduce_partials(RD.mean(x, dim=dims, keepdim=True))  # P(sum) -> B, logical (..., 1)
     centered = E.sub(x, mean)
     var = _reduce_partials(RD.mean(E.mul(centered, centered), dim=dims, keepdim=True))
@@ -314,7 +348,7 @@ def rms_norm(x: Tensor, normalized_shape: Any, weight: Tensor | None = None, eps
     eps = float(torch.finfo(x.dtype).eps if eps is None else eps)
     dims = _norm_dims(x, len(shape))
     if not _split_axes(x, dims) or _has_partial(x):
-        return _rms_norm_fused(x, weight, normalized_ndim=len(shape), eps=eps)
+        return _rms_norm_fused(x, weight, normalized_ndim=len(shape), eps=eps)[0]  # type: ignore[no-any-return]
     mean_square = _reduce_partials(RD.mean(E.mul(x, x), dim=dims, keepdim=True))  # P(sum) -> B, logical (..., 1)
     out = E.mul(x, E.rsqrt(E.add(mean_square, eps)))
     return E.mul(out, weight) if weight is not None else out

@@ -33,7 +33,7 @@ import itertools
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -107,7 +107,7 @@ class OpDef:
 
     def __init__(self, name: str, kernel: Callable[..., Any], meta: Callable[..., Any], sbp: Callable[..., Any],
                  shard_aware: bool, save_outputs: bool, differentiable: bool, mesh_aware: bool,
-                 data_dependent: bool = False) -> None:
+                 data_dependent: bool = False, diff_outputs: int | None = None) -> None:
         self.name = name
         self.kernel = kernel
         self.meta = meta
@@ -117,6 +117,7 @@ class OpDef:
         self.differentiable = differentiable
         self.mesh_aware = mesh_aware
         self.data_dependent = data_dependent
+        self.diff_outputs = diff_outputs  # outputs that get gradients (the first n); None: all of them
         self.backward_fn: Callable[..., Any] | None = None
         self.activity = f"op {name!r}"  # what comm errors name while this op boxes its inputs
 
@@ -142,15 +143,18 @@ class OpDef:
 
 
 def op(name: str, *, meta: Callable[..., Any], sbp: Callable[..., Any], shard_aware: bool = False,
-       save_outputs: bool = False, differentiable: bool = True,
-       mesh_aware: bool = False, data_dependent: bool = False) -> Callable[[Callable[..., Any]], OpDef]:
+       save_outputs: bool = False, differentiable: bool = True, mesh_aware: bool = False,
+       data_dependent: bool = False, diff_outputs: int | None = None) -> Callable[[Callable[..., Any]], OpDef]:
     """Registers the decorated kernel as op ``name``.
 
     ``shard_aware`` kernels get a :class:`ShardCtx` first; ``mesh_aware`` SBP
     rules get ``mesh=`` (the placement's hierarchy) for rules that hold only
     for some mesh sizes, such as a reshape of an unevenly split dim;
     ``save_outputs`` keeps the outputs for the gradient; ``data_dependent`` ops
-    have output sizes that depend on input values (see the module docstring).
+    have output sizes that depend on input values (see the module docstring);
+    ``diff_outputs=n`` makes only the first ``n`` outputs differentiable, the
+    rest being saved statistics for the gradient (attention's logsumexp, a
+    norm's mean and rstd) that get no gradient and no zeros filled in for one.
     """
 
     def register(kernel: Callable[..., Any]) -> OpDef:
@@ -159,7 +163,7 @@ def op(name: str, *, meta: Callable[..., Any], sbp: Callable[..., Any], shard_aw
         if data_dependent and shard_aware:  # a ShardCtx holds output boxes, which need the sizes up front
             raise OpError(f"op {name!r} cannot be both data_dependent and shard_aware: output boxes need sizes")
         definition = OpDef(name, kernel, meta, sbp, shard_aware, save_outputs, differentiable, mesh_aware,
-                           data_dependent)
+                           data_dependent, diff_outputs)
         REGISTRY[name] = definition
         return definition
 
@@ -261,8 +265,9 @@ def _adopt_torch_tensors(opdef: OpDef, args: Sequence[Any], is_global: bool) -> 
 
 def _record(opdef: OpDef, args: Sequence[Any], attrs: dict[str, Any], outs: tuple[Tensor, ...]) -> None:
     node = Node(opdef, args, outs, attrs, opdef.save_outputs)
-    for i, o in enumerate(outs):
-        if o.dtype.is_floating_point or o.dtype.is_complex:
+    for i, o in enumerate(outs if opdef.diff_outputs is None else outs[:opdef.diff_outputs]):
+        dtype = o._dtype if o._local is None else o._local.dtype
+        if dtype.is_floating_point or dtype.is_complex:  # type: ignore[union-attr]
             o.requires_grad = True
             o.grad_fn = node
             o._out_index = i
@@ -343,6 +348,10 @@ class Decision:
     out_sbps: tuple[NdSbp, ...]
     plans: tuple[boxing.Plan | None, ...]  # per tensor input; None when it is already in place
     in_metas: tuple[Meta, ...] = ()  # per tensor input, for shard-aware kernels
+    positions: tuple[int, ...] = ()  # where the tensor inputs sit among the args (fixed by the cache key)
+    boxes: bool = False  # whether any input needs boxing
+    # rank -> ShardCtx for shard-aware kernels: a function of (decision, placement, rank) alone, built once
+    shard_ctxs: dict[int, ShardCtx] = field(default_factory=dict, compare=False, repr=False)
 
 
 # (op name, placement, (shape, dtype, sbp) or scalar type per arg, attrs) -> Decision
@@ -367,12 +376,14 @@ def _apply_global(opdef: OpDef, args: Sequence[Any], attrs: dict[str, Any]) -> A
         else:
             key_args.append(type(a))
     assert placement is not None  # apply() saw a global tensor
-    key = (opdef.name, placement, tuple(key_args), _attrs_key(attrs), _cost_model_token())
+    key = (opdef.name, placement, tuple(key_args), _attrs_key(attrs), id(boxing.get_cost_model()),
+           get_backend().cost_factors())
     decision = _global_cache.get(key)
     if decision is None:
+        _keep_cost_model_alive()
         decision = decide(opdef, args, attrs, placement)
         _global_cache[key] = decision
-    if any(p is not None for p in decision.plans):
+    if decision.boxes:
         with activity(opdef.activity):  # named in comm errors raised while its inputs are boxed
             return run(opdef, decision, args, attrs, placement)
     return run(opdef, decision, args, attrs, placement)
@@ -381,14 +392,12 @@ def _apply_global(opdef: OpDef, args: Sequence[Any], attrs: dict[str, Any]) -> A
 _cost_models: dict[int, boxing.CostModel] = {}  # keeps every model that keyed a decision alive, so ids stay unique
 
 
-def _cost_model_token() -> tuple[int, Any]:
-    """Decisions depend on the cost model in force and on the backend's cost factors (gloo's reduce-scatter costs
-    an all-reduce): a ``boxing.cost_model(...)`` block, or another installed backend, must not reuse others'."""
+def _keep_cost_model_alive() -> None:
+    """Decisions are keyed by the cost model in force (its id) and the backend's cost factors (gloo's
+    reduce-scatter costs an all-reduce): a ``boxing.cost_model(...)`` block, or another installed backend,
+    must not reuse others'. A model that keys a decision is kept alive, so that its id is never reused."""
     model = boxing.get_cost_model()
-    token = id(model)
-    if token not in _cost_models:
-        _cost_models[token] = model
-    return token, get_backend().cost_factors()
+    _cost_models.setdefault(id(model), model)
 
 
 def decide(opdef: OpDef, args: Sequence[Any], attrs: dict[str, Any], placement: Placement) -> Decision:
@@ -404,10 +413,11 @@ def decide(opdef: OpDef, args: Sequence[Any], attrs: dict[str, Any], placement: 
     if opdef.data_dependent:
         _check_dynamic_not_split(opdef, sigs, out_metas)
     current = tuple(t.sbp for t in tensors)
+    positions = tuple(i for i, a in enumerate(args) if isinstance(a, Tensor))
     exact = _exact_match(sigs, current, placement.ndim)
     if exact is not None:
         in_sbps, out_sbps = exact
-        return Decision(out_metas, in_sbps, out_sbps, (None,) * len(tensors), in_metas)
+        return Decision(out_metas, in_sbps, out_sbps, (None,) * len(tensors), in_metas, positions)
     has_partial = any(isinstance(s, Partial) for sbp in current for s in sbp)
     best: tuple[Any, ...] | None = None
     for combo in itertools.product(sigs, repeat=placement.ndim):
@@ -423,7 +433,7 @@ def decide(opdef: OpDef, args: Sequence[Any], attrs: dict[str, Any], placement: 
             best = (cost, in_sbps, out_sbps, plans)
     assert best is not None
     plans = tuple(None if p is not None and p.is_relabel else p for p in best[3])  # one-rank axes: no work
-    return Decision(out_metas, best[1], best[2], plans, in_metas)
+    return Decision(out_metas, best[1], best[2], plans, in_metas, positions, any(p is not None for p in plans))
 
 
 def _boxing_cost(plans: Sequence[boxing.Plan | None], has_partial: bool) -> tuple[Any, ...]:
@@ -484,23 +494,22 @@ def _exact_match(sigs: Sequence[Sig], current: tuple[NdSbp, ...], ndim: int) -> 
 
 def run(opdef: OpDef, decision: Decision, args: Sequence[Any], attrs: dict[str, Any], placement: Placement) -> Any:
     """Boxes the inputs as decided and runs the kernel on every owned shard."""
-    positions: list[int] = []  # where the tensor args sit among args
-    shard_maps: list[dict[int, torch.Tensor]] = []
-    for pos, a in enumerate(args):
-        if isinstance(a, Tensor):
-            plan = decision.plans[len(positions)]
-            shards = a._shards or {}
-            shard_maps.append(_boxed(a, plan) if plan is not None else shards)
-            positions.append(pos)
+    positions = decision.positions
+    if decision.boxes:
+        shard_maps = [args[pos]._shards if plan is None else _boxed(args[pos], plan)
+                      for pos, plan in zip(positions, decision.plans, strict=True)]
+    else:
+        shard_maps = [args[pos]._shards for pos in positions]
     values = list(args)
     results: dict[int, Any] = {}
+    kernel = opdef.kernel
     for r in get_backend().owned(placement.flat_ranks):
         for pos, shards in zip(positions, shard_maps, strict=True):
-            values[pos] = shards[r]
+            values[pos] = shards[r]  # type: ignore[index]  # global tensors always hold a shard dict
         if opdef.shard_aware:
-            results[r] = opdef.kernel(_shard_ctx(r, placement, decision, args), *values, **attrs)
+            results[r] = kernel(_shard_ctx(r, placement, decision, args), *values, **attrs)
         else:
-            results[r] = opdef.kernel(*values, **attrs)
+            results[r] = kernel(*values, **attrs)
     if opdef.data_dependent:
         decision = _resolved(opdef, decision, results)
     return _wrap(decision, placement, results)
@@ -517,26 +526,50 @@ def _resolved(opdef: OpDef, decision: Decision, results: dict[int, Any]) -> Deci
         Meta(tuple(t.shape[d] if n == DYNAMIC else n for d, n in enumerate(m.shape)), m.dtype)
         for m, t in zip(decision.out_metas, shards, strict=True)
     )
-    return Decision(metas, decision.in_sbps, decision.out_sbps, decision.plans, decision.in_metas)
+    return Decision(metas, decision.in_sbps, decision.out_sbps, decision.plans, decision.in_metas, decision.positions,
+                    decision.boxes)
 
 
 def _boxed(t: Tensor, plan: boxing.Plan) -> dict[int, torch.Tensor]:
     """``t``'s shards converted by ``plan``, reusing a conversion another consumer of ``t`` already ran.
 
     Without this, a tensor read by several ops in one layout (x feeding q, k and v projections) would be
-    gathered once per consumer. Keyed by ``t._version``, so an in-place update invalidates the copy.
+    gathered once per consumer, and a B parameter read by S(0) data sliced again on every step. An entry
+    holds the source shards' torch version counters: any in-place update of a shard (an sbpflow in-place op,
+    an optimizer's foreach kernel on the shards, a user's ``copy_``) invalidates it, as does ``t._version``.
+
+    Op outputs cache every conversion. Leaves (parameters) cache only conversions with no collective: a
+    process decides alone whether its copy is still valid, and a collective skipped on one process alone
+    would leave its peers waiting.
     """
-    if t._boxed is None:
-        return boxing.execute(plan, t._shards or {})
+    source = t._shards or {}
+    cache = t._boxed
+    if cache is None:
+        if not _local_only(plan):
+            return boxing.execute(plan, source)
+        cache = t._boxed = {}
     key = (plan.dst, t._version)
-    shards = t._boxed.get(key)
-    if shards is None:
-        shards = boxing.execute(plan, t._shards or {})
-        t._boxed[key] = shards
+    versions = tuple([s._version for s in source.values()])
+    entry = cache.get(key)
+    if entry is not None and entry[0] == versions:
+        return entry[1]
+    shards = boxing.execute(plan, source)
+    cache[key] = (versions, shards)
     return shards
 
 
+def _local_only(plan: boxing.Plan) -> bool:
+    return all(step.kind in ("local", "relabel") for step in plan.steps)
+
+
 def _shard_ctx(rank: int, placement: Placement, decision: Decision, args: Sequence[Any]) -> ShardCtx:
+    ctx = decision.shard_ctxs.get(rank)
+    if ctx is None:
+        ctx = decision.shard_ctxs[rank] = _new_shard_ctx(rank, placement, decision)
+    return ctx
+
+
+def _new_shard_ctx(rank: int, placement: Placement, decision: Decision) -> ShardCtx:
     in_metas, out_metas = decision.in_metas, decision.out_metas
     return ShardCtx(
         rank, placement,

@@ -1,8 +1,9 @@
 """Gradient clipping by global norm, correct under any mix of layouts and placements.
 
-Each gradient's ``sum(|g|^p)`` is an sbpflow reduction: over a split gradient
-it comes out ``P(sum)`` (each shard counted once), over a broadcast one it is
-``B`` (not counted once per rank). Those scalars are summed per placement
+Gradients of one (placement, SBP, dtype) get their ``sum(|g|^p)`` together,
+from torch's foreach norms over their shards: over split mesh axes the scalar
+is ``P(sum)`` (each shard counted once), over broadcast ones it is ``B`` (not
+counted once per rank). Those scalars are summed per placement
 (partial sums stay partial, so each placement reduces once), then moved to one
 common placement with ``to_global`` and summed there, so parameters on
 different placements (pipeline stages) add up to the true global norm.
@@ -10,7 +11,7 @@ different placements (pipeline stages) add up to the true global norm.
 >>> import sbpflow
 >>> w = sbpflow.nn.Parameter(sbpflow.ones(4, placement=sbpflow.placement("cpu", [0, 1]), sbp=sbpflow.sbp.split(0)))
 >>> (w * 3.0).sum().backward()
->>> sbpflow.nn.utils.clip_grad_norm_([w], max_norm=1.0)
+>>> round(sbpflow.nn.utils.clip_grad_norm_([w], max_norm=1.0), 5)  # float32 norms, as torch's
 6.0
 >>> round(float(w.grad.numpy().sum()), 4)
 2.0
@@ -22,10 +23,12 @@ import math
 from collections.abc import Iterable
 from typing import Any
 
+import torch
+
 from ..autograd import no_grad
 from ..errors import SbpflowError
 from ..ops import functional as F
-from ..sbp import broadcast
+from ..sbp import Partial, Split, broadcast
 from ..tensor import Tensor
 
 
@@ -48,8 +51,7 @@ def clip_grad_norm_(parameters: Tensor | Iterable[Tensor], max_norm: float, norm
             raise SbpflowError(f"clip_grad_norm_: the total {norm_type}-norm of the gradients is {total}")
         coef = max_norm / (total + 1e-6)
         if coef < 1.0:
-            for g in grads:
-                g.mul_(coef)  # type: ignore[attr-defined]  # bound by sbpflow.ops.methods
+            _scale_(grads, coef)
     return total
 
 
@@ -84,18 +86,39 @@ def _combined_pieces(grads: list[Tensor], norm_type: float) -> tuple[Tensor, Any
     return combined, home
 
 
+def _scale_(grads: list[Tensor], coef: float) -> None:
+    """Multiplies every gradient in place by ``coef``: one foreach kernel over all their shards.
+
+    An elementwise scale needs no layout logic (any SBP scales shard by shard, partial sums included), so it
+    skips dispatch; the version bump invalidates boxed copies, as an in-place op would.
+    """
+    shards = [t for g in grads for t in g.local_tensors().values()]
+    if shards:
+        torch._foreach_mul_(shards, coef)
+    for g in grads:
+        g._version += 1
+
+
+def _group_key(g: Tensor) -> tuple[Any, ...]:
+    return (g.placement, g.sbp, g.dtype) if g.is_global else (None, None, g.dtype)
+
+
 def _total_norm(grads: list[Tensor], norm_type: float) -> float:
     """The ``norm_type``-norm over every element of every gradient, as a Python float.
 
-    Pieces on one placement are combined first (a partial sum plus a partial sum stays partial), so each
-    placement reduces once, and only one scalar per placement moves to the first placement.
+    Gradients of one (placement, SBP, dtype) give one piece through foreach norms over their shards; pieces on
+    one placement are combined first (a partial sum plus a partial sum stays partial), so each placement
+    reduces once, and only one scalar per placement moves to the first placement.
     """
     combine = F.maximum if math.isinf(norm_type) else F.add
-    per_placement: dict[Any, Tensor] = {}
+    groups: dict[tuple[Any, ...], list[Tensor]] = {}
     for g in grads:
-        piece = _piece(g, norm_type)
-        key = piece.placement if piece.is_global else None
-        per_placement[key] = piece if key not in per_placement else combine(per_placement[key], piece)
+        groups.setdefault(_group_key(g), []).append(g)
+    per_placement: dict[Any, Tensor] = {}
+    for (placement, sbp, _), members in groups.items():
+        for piece in _pieces(members, sbp, norm_type):
+            key = placement
+            per_placement[key] = piece if key not in per_placement else combine(per_placement[key], piece)
     values = [float(per_placement.pop(None).item())] if None in per_placement else []
     if per_placement:
         home = next(iter(per_placement))
@@ -108,6 +131,38 @@ def _total_norm(grads: list[Tensor], norm_type: float) -> float:
         return max(values)
     total = sum(values)
     return total ** (1.0 / norm_type) if norm_type != 1.0 else total
+
+
+def _pieces(members: list[Tensor], sbp: Any, norm_type: float) -> list[Tensor]:
+    """The contribution of same-layout gradients: one foreach piece, or one piece each where partial."""
+    if sbp is not None and any(isinstance(s, Partial) for s in sbp):
+        return [_piece(g, norm_type) for g in members]  # |g|^p of a partial value needs the reduced value first
+    return [_foreach_piece(members, sbp, norm_type)]
+
+
+def _foreach_piece(members: list[Tensor], sbp: Any, norm_type: float) -> Tensor:
+    """``sum |g|^p`` (or ``max |g|``) over split/broadcast gradients of one layout, on their shards directly.
+
+    Each rank's value covers its own boxes, so the scalar is ``P(sum)`` (``P(max)``) over split mesh axes and
+    ``B`` over broadcast ones: the same SBP an sbpflow reduction would give, without one dispatch per gradient.
+    """
+    first = members[0]
+    ranks = list(first.local_tensors())
+    values = {r: _shard_value([g.local_tensors()[r] for g in members], norm_type) for r in ranks}
+    if not first.is_global:
+        return Tensor._from_local(values[0])
+    reduced = Partial("max") if math.isinf(norm_type) else Partial("sum")
+    scalar_sbp = tuple(reduced if isinstance(s, Split) else s for s in sbp)
+    dtype = next(iter(values.values())).dtype if values else first.dtype
+    return Tensor._from_shards((), dtype, first.placement, scalar_sbp, values)
+
+
+def _shard_value(shards: list[torch.Tensor], norm_type: float) -> torch.Tensor:
+    """One rank's ``sum |g|^p`` (``max |g|``) over its shards: torch's foreach norms, then their p-th powers."""
+    norms = torch.stack(torch._foreach_norm(shards, norm_type))
+    if math.isinf(norm_type):
+        return norms.max()
+    return norms.pow(norm_type).sum()
 
 
 def _piece(g: Tensor, norm_type: float) -> Tensor:
