@@ -7,6 +7,7 @@ layouts on uneven shapes (5, 7), 2-D meshes and partial values included.
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Any
 
@@ -16,8 +17,9 @@ import torch
 
 import sbpflow
 from sbpflow import sbp as S
-from sbpflow.checkpoint import read_index
+from sbpflow.checkpoint import _save, read_index
 from sbpflow.comm import record
+from sbpflow.errors import CheckpointError
 
 P1 = sbpflow.placement("cpu", [0])
 P2 = sbpflow.placement("cpu", [0, 1])
@@ -164,3 +166,159 @@ def _step(model: sbpflow.nn.Module, opt: Any) -> float:
     loss.backward()
     opt.step()
     return float(loss.item())
+
+
+# ----------------------------------------------------------------------------- errors and integrity
+
+
+def _saved(tmp_path: Any) -> str:
+    path = str(tmp_path / "c")
+    sbpflow.save({"w": sbpflow.tensor(VALUE, placement=P2, sbp=S.split(1)), "step": 1}, path)
+    return path
+
+
+def _text(path: str) -> str:
+    with open(path) as f:
+        return f.read()
+
+
+def test_truncated_corrupt_and_missing_files_are_clear_errors(tmp_path: Any) -> None:
+    path = _saved(tmp_path)
+    shard = os.path.join(path, "rank-00001.safetensors")
+    with open(shard, "rb") as f:
+        data = f.read()
+    fresh = {"w": sbpflow.zeros(5, 7), "step": 0}
+    with open(shard, "wb") as f:
+        f.write(data[:-9])
+    with pytest.raises(CheckpointError, match=r"rank-00001.safetensors is truncated: \d+ bytes, but the index"):
+        sbpflow.load(fresh, path)
+    flipped = bytearray(data)
+    flipped[-3] ^= 0xFF
+    with open(shard, "wb") as f:
+        f.write(bytes(flipped))
+    with pytest.raises(CheckpointError, match="is corrupt: its SHA-256 differs"):
+        sbpflow.load(fresh, path)
+    sbpflow.load(fresh, path, verify=False)  # length only: the flipped byte goes unnoticed, as asked
+    os.remove(shard)
+    with pytest.raises(CheckpointError, match="rank-00001.safetensors is missing"):
+        sbpflow.load(fresh, path)
+    with open(os.path.join(path, "index.json"), "w") as f:
+        f.write("{not json")
+    with pytest.raises(CheckpointError, match="index.json is damaged or not an sbpflow index"):
+        sbpflow.load(fresh, path)
+
+
+def test_a_state_that_does_not_fit_the_checkpoint_names_the_entry(tmp_path: Any) -> None:
+    path = _saved(tmp_path)
+    wrong_shape = {"w": sbpflow.zeros(7, 5, placement=P2, sbp=S.split(0)), "step": 0}
+    with pytest.raises(CheckpointError, match=r"'w' has shape \[7, 5\] float32 on cpu:\[0, 1\] sbp \(S\(0\)\) in the "
+                                              r"state to fill, but the checkpoint holds 'w' saved with shape \[5, 7\] "
+                                              r"float32 on cpu:\[0, 1\] sbp \(S\(1\)\)"):
+        sbpflow.load(wrong_shape, path)
+    with pytest.raises(CheckpointError, match=r"no entry 'bias' \(for local shape \[3\] float32\); it holds 'w', "):
+        sbpflow.load({"bias": sbpflow.zeros(3)}, path)
+    with pytest.raises(CheckpointError, match=r"'step' is a torch tensor of shape \[\] int64 in the state to fill, "
+                                              "but the checkpoint holds the scalar 1"):
+        sbpflow.load({"step": torch.tensor(0)}, path)
+    with pytest.raises(CheckpointError, match="no checkpoint at .*nowhere: it does not exist"):
+        sbpflow.load({}, str(tmp_path / "nowhere"))
+
+
+def test_states_that_cannot_be_saved_say_why(tmp_path: Any) -> None:
+    with pytest.raises(CheckpointError, match=r"'opt/extra' is a ndarray"):
+        sbpflow.save({"opt": {"extra": np.zeros(2)}}, str(tmp_path / "c"))
+    with pytest.raises(CheckpointError, match="are both named '0'"):
+        sbpflow.save({0: 1, "0": 2}, str(tmp_path / "c"))
+    with pytest.raises(CheckpointError, match="must be a dict or a list at its root"):
+        sbpflow.save(sbpflow.zeros(2), str(tmp_path / "c"))
+    os.makedirs(tmp_path / "notes")
+    (tmp_path / "notes" / "todo.txt").write_text("keep me")
+    with pytest.raises(CheckpointError, match="refuses to replace .*notes: it is a directory that is not empty"):
+        sbpflow.save({"step": 1}, str(tmp_path / "notes"))
+    with pytest.raises(CheckpointError, match="format=...\\) is one of \\('sbpflow', 'torch'\\), but got 'dcp'"):
+        sbpflow.save({"step": 1}, str(tmp_path / "c"), format="dcp")
+
+
+def test_a_save_that_fails_mid_write_leaves_the_last_checkpoint(tmp_path: Any, monkeypatch: Any) -> None:
+    path = _saved(tmp_path)
+    before = _text(os.path.join(path, "index.json"))
+
+    def fail_half_way(f: Any, data: bytes) -> None:
+        f.write(data[: len(data) // 2])
+        raise OSError("disk full (simulated)")
+
+    monkeypatch.setattr(_save, "write_chunks", fail_half_way)
+    with pytest.raises(OSError, match="disk full"):
+        sbpflow.save({"w": sbpflow.tensor(VALUE * 2, placement=P2, sbp=S.split(1)), "step": 2}, path)
+    monkeypatch.undo()
+    assert os.path.isdir(path + ".partial")  # the unfinished save, never renamed into place
+    assert _text(os.path.join(path, "index.json")) == before
+    fresh = {"w": sbpflow.zeros(5, 7), "step": 0}
+    sbpflow.load(fresh, path)
+    assert fresh["step"] == 1
+    np.testing.assert_array_equal(fresh["w"].numpy(), VALUE)
+    sbpflow.save({"w": sbpflow.tensor(VALUE * 2, placement=P2, sbp=S.split(1)), "step": 2}, path)
+    assert not os.path.exists(path + ".partial") and not os.path.exists(path + ".old")
+    sbpflow.load(fresh, path)
+    assert fresh["step"] == 2
+
+
+def test_an_interrupted_swap_points_to_the_previous_checkpoint(tmp_path: Any) -> None:
+    path = _saved(tmp_path)
+    os.rename(path, path + ".old")  # a crash between the two renames of commit()
+    with pytest.raises(CheckpointError, match=r"previous checkpoint is complete at .*c\.old"):
+        sbpflow.load({"step": 0}, path)
+
+
+def test_index_records_layout_lengths_and_hashes(tmp_path: Any) -> None:
+    path = _saved(tmp_path)
+    body = json.loads(_text(os.path.join(path, "index.json")))
+    entry = body["entries"]["w"]
+    assert entry["shape"] == [5, 7] and entry["dtype"] == "float32" and entry["sbp"] == ["S(1)"]
+    assert entry["placement"] == {"type": "cpu", "ranks": [0, 1]}
+    assert entry["boxes"] == [{"box": [[0, 5], [0, 4]], "file": "rank-00000.safetensors"},
+                              {"box": [[0, 5], [4, 7]], "file": "rank-00001.safetensors"}]
+    for name, file in body["files"].items():
+        assert os.path.getsize(os.path.join(path, name)) == file["bytes"]
+    assert body["entries"]["step"] == {"kind": "scalar", "path": ["step"], "value": 1}
+
+
+# ----------------------------------------------------------------------------- torch files
+
+
+def test_torch_format_is_one_consolidated_file(tmp_path: Any) -> None:
+    w = sbpflow.tensor(VALUE, placement=P22, sbp=[S.split(0), S.split(1)])
+    path = str(tmp_path / "model.pt")
+    sbpflow.save({"model": {"w": w}, "step": 3, "betas": (0.9, 0.95)}, path, format="torch")
+    plain = torch.load(path, weights_only=True)
+    assert plain["step"] == 3 and plain["betas"] == (0.9, 0.95)
+    np.testing.assert_array_equal(plain["model"]["w"].numpy(), VALUE)
+    fresh = {"model": {"w": sbpflow.zeros(5, 7, placement=P3, sbp=S.split(0))}, "step": 0, "betas": (0.0, 0.0)}
+    sbpflow.load(fresh, path)
+    np.testing.assert_array_equal(fresh["model"]["w"].numpy(), VALUE)
+    assert fresh["step"] == 3 and fresh["betas"] == (0.9, 0.95)
+
+
+def test_load_reads_a_plain_torch_state_dict(tmp_path: Any) -> None:
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+    torch.save(ref.state_dict(), tmp_path / "ref.pt")
+    from sbpflow.nn.parallel import ColwiseParallel, RowwiseParallel, apply_plan
+
+    ours = sbpflow.nn.Sequential(sbpflow.nn.Linear(6, 8), sbpflow.nn.ReLU(), sbpflow.nn.Linear(8, 3))
+    apply_plan(ours, {"0": ColwiseParallel(), "2": RowwiseParallel()}, P2)
+    st = ours.state_dict()
+    report = sbpflow.load(st, str(tmp_path / "ref.pt"))
+    ours.load_state_dict(st)
+    x = np.linspace(-1, 1, 12, dtype=np.float32).reshape(2, 6)
+    got = ours(sbpflow.tensor(x, placement=P2, sbp=S.broadcast)).numpy()
+    np.testing.assert_allclose(got, ref(torch.from_numpy(x)).detach().numpy(), rtol=1e-5, atol=1e-6)
+    assert report.tensors == 4
+    with pytest.raises(CheckpointError, match=r"'0.weight' has shape \[8, 6\] float32 .* but the torch file holds "
+                                              r"shape \[3, 8\]"):
+        sbpflow.load({"0.weight": sbpflow.zeros(8, 6, placement=P2, sbp=S.split(0)),}, _renamed(tmp_path, ref))
+
+
+def _renamed(tmp_path: Any, ref: torch.nn.Module) -> str:
+    torch.save({"0.weight": ref.state_dict()["2.weight"]}, tmp_path / "wrong.pt")
+    return str(tmp_path / "wrong.pt")
