@@ -127,7 +127,9 @@ def _reduced_shards(t: Tensor, name: str) -> dict[int, torch.Tensor]:
 
 def write_safetensors(path: str, tensors: dict[str, torch.Tensor]) -> FileRecord:
     """One safetensors file of CPU copies of ``tensors``, fsynced; returns its length and SHA-256."""
-    data = safetensors_bytes(_separate(tensors), metadata={"format": "pt", "writer": "sbpflow"})
+    # one metadata key: safetensors writes a metadata map in hash order, so two keys would make equal
+    # checkpoints differ byte for byte from one process to the next
+    data = safetensors_bytes(_separate(tensors), metadata={"format": "pt"})
     write_durably(path, data)
     return FileRecord(len(data), hashlib.sha256(data).hexdigest())
 

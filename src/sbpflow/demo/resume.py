@@ -22,7 +22,9 @@ a count of batches drawn: a resumed run skips that many (cheap, and exact).
 
 from __future__ import annotations
 
+import argparse
 import os
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -87,3 +89,37 @@ def latest_checkpoint(path: str) -> str:
 
 def checkpoint_path(folder: str, step: int) -> str:
     return os.path.join(folder, f"step-{step:06d}")
+
+
+# ---------------------------------------------------------------- the demo's --resume and --checkpoint-every
+
+
+def resume_from_args(args: argparse.Namespace, trainer: Trainer, schedule: Any, batches: Iterator[Any],
+                     print_fn: Callable[[str], None]) -> int:
+    """``--resume DIR``: fills the run and moves ``batches`` to the checkpoint's position; the first step to train."""
+    if args.resume is None:
+        return 0
+    try:
+        path = latest_checkpoint(args.resume)
+        step = resume_training(path, trainer, schedule)
+    except sbpflow.SbpflowError as e:
+        raise SystemExit(f"sbpflow demo: --resume {args.resume}: {e}") from None
+    if step >= args.steps:
+        raise SystemExit(f"sbpflow demo: the checkpoint {path} is at step {step}, and --steps is {args.steps}: "
+                         "nothing is left to train (raise --steps)")
+    for _ in range(step):
+        next(batches)
+    print_fn(f"resumed from {path} at step {step}")
+    return step
+
+
+def checkpoint_from_args(args: argparse.Namespace, trainer: Trainer, schedule: Any, step: int,
+                         print_fn: Callable[[str], None]) -> None:
+    """``--checkpoint-every N``: saves after every N-th step (and the last one)."""
+    every = args.checkpoint_every
+    if every <= 0 or (step % every and step != args.steps):
+        return
+    path = checkpoint_path(os.path.join(args.out, "checkpoints"), step)
+    report = save_training(path, trainer, schedule, step)
+    print_fn(f"checkpoint: {path} ({len(report.files)} files, {report.bytes_written:,} bytes, "
+             f"{report.seconds * 1e3:.0f} ms)")
