@@ -15,7 +15,7 @@ checkpoint's table of contents and its integrity record::
 
 A box is ``[start, stop)`` per logical dim. The boxes of a tensor are disjoint
 and cover it: replicated data (a broadcast axis, or a partial axis once
-reduced) is written once, by the first rank in mesh order that holds it.
+reduced) is written once, by one of the ranks that hold it (the least loaded).
 Inside a file, a box is stored under the entry's name.
 """
 
@@ -144,28 +144,36 @@ def written_sbp(nd_sbp: NdSbp) -> NdSbp:
     return tuple(Broadcast() if isinstance(s, Partial) else s for s in nd_sbp)
 
 
-def writer_boxes(shape: Shape, placement: Placement, nd_sbp: NdSbp) -> list[tuple[Box, int]]:
+def writer_boxes(shape: Shape, placement: Placement, nd_sbp: NdSbp, itemsize: int,
+                 loads: dict[int, int]) -> list[tuple[Box, int]]:
     """``(box, writer rank)`` for every distinct non-empty box of a tensor in the (non-partial) layout ``nd_sbp``.
 
     Ranks that hold the same box (broadcast axes) hold the same values, so only
-    the first of them in mesh order writes it: each element is written once.
+    one of them writes it: each element is written once. The writer is the
+    holder with the fewest bytes to write so far (``loads``, updated here; the
+    first in mesh order on a tie), so replicas share the writing, as every
+    process computes the same assignment from the same state.
     """
-    out: dict[Box, int] = {}
+    holders: dict[Box, list[int]] = {}
     for rank in placement.flat_ranks:
         box = shard_box(shape, placement, nd_sbp, rank)
-        if box not in out and numel(box_shape(box)) > 0:
-            out[box] = rank
-    return list(out.items())
+        if numel(box_shape(box)) > 0:
+            holders.setdefault(box, []).append(rank)
+    out = []
+    for box, ranks in holders.items():
+        writer = min(ranks, key=lambda r: loads.get(r, 0))  # min keeps the first of equals
+        loads[writer] = loads.get(writer, 0) + numel(box_shape(box)) * itemsize
+        out.append((box, writer))
+    return out
 
 
 def tensor_entry(path: Path, shape: Shape, dtype: torch.dtype, placement: Placement | None,
-                 nd_sbp: NdSbp | None) -> TensorEntry:
-    """The index entry of a tensor; a local tensor is one box written by rank 0."""
-    if placement is None or nd_sbp is None:
-        boxes: tuple[BoxRecord, ...] = (BoxRecord(tuple((0, n) for n in shape), rank_file(0)),)
-        return TensorEntry(path, shape, dtype_name(dtype), None, None, boxes)
-    written = writer_boxes(shape, placement, written_sbp(nd_sbp))
+                 nd_sbp: NdSbp | None, written: list[tuple[Box, int]]) -> TensorEntry:
+    """The index entry of a tensor whose boxes ``written`` (box, writer rank) come from :func:`writer_boxes`;
+    a local tensor has no placement, and one box written by rank 0."""
     boxes = tuple(BoxRecord(box, rank_file(rank)) for box, rank in written)
+    if placement is None or nd_sbp is None:
+        return TensorEntry(path, shape, dtype_name(dtype), None, None, boxes)
     ranks = json.loads(json.dumps(placement.ranks))  # nested tuples -> nested lists
     return TensorEntry(path, shape, dtype_name(dtype), {"type": placement.type, "ranks": ranks},
                        tuple(str(s) for s in nd_sbp), boxes)

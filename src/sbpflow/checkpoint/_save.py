@@ -4,7 +4,9 @@ The steps, on every process (the same program runs everywhere):
 
 1. the lead process (the owner of global rank 0) makes a fresh ``PATH.partial``
    directory; barrier;
-2. partial tensors are reduced to broadcast (a collective), then every process
+2. partial tensors are reduced to broadcast (a collective); each distinct box
+   gets one writer among the ranks that hold it, the least loaded so far, so
+   replicas share the work; every process
    writes one safetensors file per owned rank that has boxes to write
    (``rank-0000r.safetensors``), fsyncs it, and records its length and SHA-256
    in a per-process manifest; barrier;
@@ -89,20 +91,25 @@ def _collect(items: list[Leaf], backend: Backend) -> tuple[Index, dict[int, dict
     """The index entries (the same on every process) and ``{rank: {name: box}}`` for the ranks this process writes."""
     index = Index({}, {})
     per_rank: dict[int, dict[str, torch.Tensor]] = {}
+    loads: dict[int, int] = {}  # bytes each rank writes so far: replicas share the writing
     for leaf in items:
         value = leaf.value
         if not leaf.is_tensor:
             index.entries[leaf.name] = ScalarEntry(leaf.path, value)
             continue
         if isinstance(value, Tensor) and value.is_global:
-            entry = tensor_entry(leaf.path, tuple(value.shape), value.dtype, value.placement, value.sbp)
+            shape = tuple(value.shape)
+            written = writer_boxes(shape, value.placement, written_sbp(value.sbp), value.element_size(), loads)
             shards = _reduced_shards(value, leaf.name)
-            for _box, writer in writer_boxes(tuple(value.shape), value.placement, written_sbp(value.sbp)):
+            for _box, writer in written:
                 if writer in shards:
                     per_rank.setdefault(writer, {})[leaf.name] = shards[writer]
+            entry = tensor_entry(leaf.path, shape, value.dtype, value.placement, value.sbp, written)
         else:
             local = value.to_local() if isinstance(value, Tensor) else value
-            entry = tensor_entry(leaf.path, tuple(local.shape), local.dtype, None, None)
+            full = tuple((0, n) for n in local.shape)
+            entry = tensor_entry(leaf.path, tuple(local.shape), local.dtype, None, None, [(full, 0)])
+            loads[0] = loads.get(0, 0) + local.numel() * local.element_size()
             if backend.owns(0):  # local tensors are taken as the same on every process: rank 0 writes them
                 per_rank.setdefault(0, {})[leaf.name] = local
         index.entries[leaf.name] = entry
