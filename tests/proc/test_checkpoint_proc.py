@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from procrun import run_ranks, spawn
+from procrun import PYTHON, REPO, run_command, run_ranks, spawn
 
 import sbpflow
 from sbpflow.checkpoint import _save, read_index
@@ -138,3 +138,23 @@ def test_a_writer_killed_mid_save_leaves_the_last_checkpoint(tmp_path: Path) -> 
     fresh = build(CONFIG, "single", seed=0)
     for name, p in fresh.model.named_parameters():
         np.testing.assert_array_equal(state["model"][name].numpy(), p.numpy(), err_msg=name)
+
+
+DEMO = ["--n-layer", "1", "--n-embd", "32", "--batch-size", "8", "--block-size", "16", "--no-tour",
+        "--sample-length", "8", "--steps", "6", "--checkpoint-every", "3"]
+
+
+def _demo(*args: str) -> str:
+    result = run_command([PYTHON, "-m", "sbpflow.demo", *DEMO, *args], env={"PYTHONPATH": str(REPO / "src")},
+                         timeout=TIMEOUT)
+    assert result.returncode == 0, result.report()
+    return result.stdout
+
+
+def test_the_demo_resumes_in_a_new_process_bit_for_bit(tmp_path: Path) -> None:
+    full, resumed = tmp_path / "full", tmp_path / "resumed"
+    _demo("--out", str(full))
+    out = _demo("--out", str(resumed), "--resume", str(full / "checkpoints" / "step-000003"))
+    assert "resumed from " in out and "at step 3" in out
+    last = "checkpoints/step-000006/index.json"
+    assert (resumed / last).read_text() == (full / last).read_text()  # same bytes, hashes and scalars
