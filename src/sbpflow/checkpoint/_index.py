@@ -93,10 +93,12 @@ class Index:
     files: dict[str, FileRecord]
 
     def to_json(self) -> str:
-        body = {"format": FORMAT, "version": VERSION,
-                "files": {name: {"bytes": f.nbytes, "sha256": f.sha256} for name, f in sorted(self.files.items())},
-                "entries": {name: _entry_json(e) for name, e in self.entries.items()}}
-        return json.dumps(body, indent=1)
+        """One line per file and per entry: readable, and written by json's C encoder (``indent`` is pure Python,
+        a tenth of a second for a GPT's few hundred entries)."""
+        files = {name: {"bytes": f.nbytes, "sha256": f.sha256} for name, f in sorted(self.files.items())}
+        entries = {name: _entry_json(e) for name, e in self.entries.items()}
+        return (f'{{"format": {json.dumps(FORMAT)}, "version": {VERSION},\n'
+                f'"files": {{\n{_lines(files)}\n}},\n"entries": {{\n{_lines(entries)}\n}}}}\n')
 
     @classmethod
     def from_json(cls, text: str, where: str) -> Index:
@@ -109,6 +111,10 @@ class Index:
             raise CheckpointError(f"the checkpoint index {where} is damaged or not an sbpflow index: "
                                   f"{type(e).__name__}: {e}") from None
         return cls(entries, files)
+
+
+def _lines(mapping: dict[str, Any]) -> str:
+    return ",\n".join(f"{json.dumps(k)}: {json.dumps(v)}" for k, v in mapping.items())
 
 
 def _check_header(body: Any, where: str) -> None:
