@@ -18,6 +18,7 @@ import torch
 import sbpflow
 from sbpflow import sbp as S
 from sbpflow.checkpoint import _save, read_index
+from sbpflow.checkpoint._fill import target_shards
 from sbpflow.comm import record
 from sbpflow.errors import CheckpointError
 
@@ -316,6 +317,15 @@ def test_load_reads_a_plain_torch_state_dict(tmp_path: Any) -> None:
     got = ours(sbpflow.tensor(x, placement=P2, sbp=S.broadcast)).numpy()
     np.testing.assert_allclose(got, ref(torch.from_numpy(x)).detach().numpy(), rtol=1e-5, atol=1e-6)
     assert report.tensors == 4
+    from safetensors.torch import save_file
+
+    save_file({**ref.state_dict(), "scale": torch.tensor(1.5)}, str(tmp_path / "ref.safetensors"))
+    st = {name: sbpflow.zeros_like(t) for name, t in ours.state_dict().items()}
+    held = sum(s.data.numel() * 4 for t in st.values() for s in target_shards(t))  # the row-parallel bias: twice
+    st["scale"] = torch.tensor(0.0)
+    report = sbpflow.load(st, str(tmp_path / "ref.safetensors"))  # Hugging Face style weights, read by slices
+    assert st["scale"].item() == 1.5 and report.bytes_read == 4 + held
+    np.testing.assert_array_equal(st["0.weight"].numpy(), ref.state_dict()["0.weight"].numpy())
     with pytest.raises(CheckpointError, match=r"'0.weight' has shape \[8, 6\] float32 .* but the torch file holds "
                                               r"shape \[3, 8\]"):
         sbpflow.load({"0.weight": sbpflow.zeros(8, 6, placement=P2, sbp=S.split(0)),}, _renamed(tmp_path, ref))

@@ -4,18 +4,19 @@ Writing gathers each tensor's logical value (every process takes part) and
 the lead process saves the nested state, with torch tensors in place of
 sbpflow ones, so that ``torch.load`` reads it with no sbpflow installed.
 Reading accepts any ``torch.save`` file of nested dicts and lists (a plain
-``model.state_dict()`` included): each process maps the file (``mmap``) and
-copies only the parts its shards hold.
+``model.state_dict()`` included) and flat ``.safetensors`` files: each process
+maps the file (``mmap``) or slices it, and copies only the parts its shards hold.
 """
 
 from __future__ import annotations
 
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
+from safetensors import SafetensorError, safe_open
 
 from ..comm import get_backend
 from ..errors import CheckpointError
@@ -85,9 +86,14 @@ def load_torch(state: Any, path: str) -> LoadReport:
 
 
 def _read(path: str) -> Any:
-    """The file's object; mapped rather than read where torch's zip format allows, so untouched parts stay on disk."""
+    """The file's object; mapped rather than read where torch's zip format allows, so untouched parts stay on disk.
+
+    A ``.safetensors`` file (Hugging Face weights, say) is a flat dict whose values read just the slices asked for.
+    """
     if not os.path.isfile(path):
         raise CheckpointError(f"no checkpoint at {path}: it does not exist")
+    if path.endswith(".safetensors"):
+        return _SafetensorsFile(path)
     try:
         return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except RuntimeError:  # the legacy (non-zip) format cannot be mapped
@@ -114,13 +120,60 @@ def _lookup(saved: Any, leaf: Leaf, where: str) -> Any:
 
 
 def _source(leaf: Leaf, value: Any) -> Source:
-    if not isinstance(value, torch.Tensor):
+    if isinstance(value, torch.Tensor):
+        shape, what = tuple(value.shape), f"{list(value.shape)} {str(value.dtype).replace('torch.', '')}"
+    elif hasattr(value, "get_shape"):  # a safetensors slice: reads only what is indexed
+        shape, what = tuple(value.get_shape()), f"{value.get_shape()} {value.get_dtype()}"
+    else:
         raise CheckpointError(f"{leaf.name!r} is {describe(leaf.value)} in the state to fill, but the torch file "
                               f"holds a {type(value).__name__}")
-    if tuple(value.shape) != tuple(leaf.value.shape):
+    if shape != tuple(leaf.value.shape):
         raise CheckpointError(f"{leaf.name!r} has {describe(leaf.value)} in the state to fill, but the torch file "
-                              f"holds shape {list(value.shape)} {str(value.dtype).replace('torch.', '')}")
-    return Source(tuple((0, n) for n in value.shape), lambda slices: value[slices])
+                              f"holds shape {what}")
+    return Source(tuple((0, n) for n in shape), lambda slices: value[slices])
+
+
+class _SafetensorsFile(Mapping):  # type: ignore[type-arg]
+    """A flat safetensors file as a read-only mapping from names to lazily read slices."""
+
+    def __init__(self, path: str) -> None:
+        try:
+            with safe_open(path, framework="pt") as f:
+                self._names = list(f.keys())
+        except SafetensorError as e:
+            raise CheckpointError(f"{path} is not a readable safetensors file: {e}") from None
+        self._path = path
+
+    def __getitem__(self, name: str) -> Any:
+        if name not in self._names:
+            raise KeyError(name)
+        with safe_open(self._path, framework="pt") as f:
+            return _Slice(f.get_slice(name), self._path, name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+
+class _Slice:
+    """One tensor of a safetensors file: its shape now, the parts asked for when indexed."""
+
+    def __init__(self, meta: Any, path: str, name: str) -> None:
+        self._shape, self._dtype, self._path, self._name = meta.get_shape(), meta.get_dtype(), path, name
+
+    def get_shape(self) -> list[int]:
+        return list(self._shape)
+
+    def get_dtype(self) -> str:
+        return str(self._dtype)
+
+    def __getitem__(self, slices: Any) -> torch.Tensor:
+        with safe_open(self._path, framework="pt") as f:
+            if not self._shape:
+                return f.get_tensor(self._name)
+            return f.get_slice(self._name)[slices]
 
 
 def _scalar(leaf: Leaf, value: Any) -> Any:
