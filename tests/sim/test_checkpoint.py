@@ -334,3 +334,16 @@ def test_load_reads_a_plain_torch_state_dict(tmp_path: Any) -> None:
 def _renamed(tmp_path: Any, ref: torch.nn.Module) -> str:
     torch.save({"0.weight": ref.state_dict()["2.weight"]}, tmp_path / "wrong.pt")
     return str(tmp_path / "wrong.pt")
+
+
+def test_a_failed_load_changes_nothing(tmp_path: Any) -> None:
+    path = str(tmp_path / "c")
+    sbpflow.save({"a": sbpflow.tensor(VALUE, placement=P2, sbp=S.split(0)), "b": torch.ones(3), "step": 4}, path)
+    a, b = sbpflow.zeros(5, 7, placement=P2, sbp=S.split(0)), torch.zeros(3)
+    with pytest.raises(CheckpointError, match=r"'b' has a torch tensor of shape \[4\]"):
+        sbpflow.load({"a": a, "b": torch.zeros(4), "step": 0}, path)  # the shapes are checked first
+    os.remove(os.path.join(path, "rank-00001.safetensors"))  # holds a's last rows; b (local) is in rank 0's file
+    state = {"b": b, "a": a, "step": 0}
+    with pytest.raises(CheckpointError, match="rank-00001.safetensors is missing"):
+        sbpflow.load(state, path)  # every file is checked before b is filled
+    assert not a.numpy().any() and not b.any() and state["step"] == 0

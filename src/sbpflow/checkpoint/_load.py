@@ -18,9 +18,10 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
+from .._layout import intersect
 from ..errors import CheckpointError
 from ..tensor import Tensor
-from ._fill import Source, fill
+from ._fill import Source, fill, target_shards
 from ._index import INDEX_FILE, Entry, FileRecord, Index, ScalarEntry, TensorEntry
 from ._tree import Leaf, Path, leaves, path_name, replace_scalars
 
@@ -62,19 +63,32 @@ def load_sharded(state: Any, path: str, verify: bool = True) -> LoadReport:
     index = read_index(final)
     items = leaves(state)
     report = LoadReport(final)
+    entries = [_entry_for(index, leaf) for leaf in items]  # every entry checked before anything is filled
+    tensors = [(leaf, entry) for leaf, entry in zip(items, entries, strict=True) if isinstance(entry, TensorEntry)]
     with ExitStack() as stack:
         files = _Files(final, index, verify, report, stack)
-        for leaf in items:
-            entry = _entry_for(index, leaf)
-            if leaf.is_tensor:
-                assert isinstance(entry, TensorEntry)
-                report.bytes_read += fill(leaf.value, leaf.name, [files.source(entry, b) for b in entry.boxes])
-                report.tensors += 1
-    scalars = {leaf.path: index.entries[leaf.name] for leaf in items if not leaf.is_tensor}
+        for file, name in _needed_files(tensors).items():  # and every file this process reads
+            files.open(file, name)
+        for leaf, entry in tensors:
+            report.bytes_read += fill(leaf.value, leaf.name, [files.source(entry, b) for b in entry.boxes])
+            report.tensors += 1
+    scalars = {leaf.path: entry for leaf, entry in zip(items, entries, strict=True) if not leaf.is_tensor}
     replace_scalars(state, lambda p: _scalar_value(scalars, p))
     report.scalars = len(scalars)
     report.seconds = time.perf_counter() - start
     return report
+
+
+def _needed_files(tensors: list[tuple[Leaf, TensorEntry]]) -> dict[str, str]:
+    """``{file: an entry read from it}`` for the files holding a box that meets a shard this process fills
+    (the zero pieces of partial targets read nothing)."""
+    needed: dict[str, str] = {}
+    for leaf, entry in tensors:
+        shards = [s for s in target_shards(leaf.value) if not s.zero]
+        for box in entry.boxes:
+            if any(intersect(s.box, box.box) for s in shards):
+                needed.setdefault(box.file, leaf.name)
+    return dict(sorted(needed.items()))
 
 
 def _scalar_value(scalars: dict[Path, Entry], path: Path) -> Any:
@@ -90,7 +104,7 @@ def _entry_for(index: Index, leaf: Leaf) -> Entry:
         raise CheckpointError(f"the checkpoint has no entry {leaf.name!r} (for {describe(leaf.value)}); it holds "
                               f"{_some_names(index)}")
     if leaf.is_tensor != isinstance(entry, TensorEntry):
-        saved = "a tensor" if isinstance(entry, TensorEntry) else f"the scalar {entry.value!r}"  # type: ignore[union-attr]
+        saved = "a tensor" if isinstance(entry, TensorEntry) else f"the scalar {entry.value!r}"
         raise CheckpointError(f"{leaf.name!r} is {describe(leaf.value)} in the state to fill, but the checkpoint "
                               f"holds {saved}")
     if isinstance(entry, TensorEntry) and tuple(leaf.value.shape) != entry.shape:
@@ -124,7 +138,7 @@ class _Files:
         name = path_name(entry.path)
 
         def read(slices: tuple[slice, ...]) -> torch.Tensor:
-            handle = self._open(box.file, name)
+            handle = self.open(box.file, name)
             try:
                 return handle.get_slice(name)[slices] if slices else handle.get_tensor(name)
             except SafetensorError as e:
@@ -133,7 +147,8 @@ class _Files:
 
         return Source(box.box, read)
 
-    def _open(self, file: str, wanted: str) -> Any:
+    def open(self, file: str, wanted: str) -> Any:
+        """The open file, checked against the index on first use; ``wanted`` names the entry, for errors."""
         if file in self.handles:
             return self.handles[file]
         record = self.index.files.get(file)
