@@ -30,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -163,8 +164,8 @@ def report(results: list[dict[str, Any]], rounds: int) -> str:
         "## Checkpoints: sbpflow vs torch DCP (issue 11)",
         "",
         f"`.venv/bin/python benchmarks/checkpoint_compare.py --write` on {_machine()}, "
-        f"{datetime.date.today().isoformat()}: 2 processes (`sbpflow launch -n 2`), gloo on 127.0.0.1, one torch "
-        f"thread per process, files on the local disk (page cache warm). State: GPT {CONFIG.n_layer}x"
+        f"{datetime.date.today().isoformat()}: 2 processes (`sbpflow launch -n 2`), gloo on 127.0.0.1, files on "
+        f"the local disk (page cache warm). State: GPT {CONFIG.n_layer}x"
         f"{CONFIG.n_embd} (vocabulary {CONFIG.vocab_size}, {CONFIG.block_size} positions) with its AdamW state after "
         f"one step; DCP gets the same shards as DTensors. {rounds} interleaved rounds, median time of the slower "
         "process. Bytes: the whole checkpoint directory on disk.",
@@ -198,6 +199,8 @@ def _machine() -> str:
 
 def worker(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)  # 2 processes on 2 cores: one thread each
+    # DCP warns on every save over an existing checkpoint, even when told to overwrite
+    warnings.filterwarnings("ignore", message="Detected an existing checkpoint")
     sbpflow.distributed.init()
     root = tempfile.mkdtemp(prefix="sbpflow-ckpt-bench-", dir=args.dir) if sbpflow.rank() == 0 else ""
     shared = [root]
