@@ -28,6 +28,7 @@ typecheck: $(STAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/eager_overhead.py
 	$(PY) benchmarks/ddp_compare.py
+	$(PY) benchmarks/checkpoint_compare.py --write
 
 clean:
 	rm -rf $(VENV) out .pytest_cache .hypothesis
