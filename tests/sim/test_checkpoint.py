@@ -347,3 +347,34 @@ def test_a_failed_load_changes_nothing(tmp_path: Any) -> None:
     with pytest.raises(CheckpointError, match="rank-00001.safetensors is missing"):
         sbpflow.load(state, path)  # every file is checked before b is filled
     assert not a.numpy().any() and not b.any() and state["step"] == 0
+
+
+class _ShardedStateAdamW(sbpflow.optim.AdamW):
+    """AdamW whose state is split on dim 0 while the parameters are replicated (ZeRO-1's layout)."""
+
+    def state_sbp(self, param: sbpflow.Tensor) -> Any:
+        return (S.split(0),)
+
+
+def test_sharded_optimizer_state_loads_into_a_replicated_one(tmp_path: Any) -> None:
+    from sbpflow.nn.parallel import Replicate, apply_plan
+
+    def model_and_opt(kind: type, seed: int) -> tuple[sbpflow.nn.Module, Any]:
+        sbpflow.manual_seed(seed)
+        model = apply_plan(sbpflow.nn.Linear(6, 5), {"": Replicate()}, P2)
+        return model, kind(model.parameters(), lr=0.1)
+
+    model, opt = model_and_opt(_ShardedStateAdamW, 0)
+    fresh_state = opt.state_dict()["state"][0]["exp_avg"]
+    assert fresh_state.sbp == (S.split(0),)  # a fresh optimizer's state in its own (sharded) layout
+    _step(model, opt)
+    sbpflow.save({"model": model.state_dict(), "optim": opt.state_dict()}, str(tmp_path / "c"))
+    plain_model, plain = model_and_opt(sbpflow.optim.AdamW, 3)
+    st = {"model": plain_model.state_dict(), "optim": plain.state_dict()}
+    sbpflow.load(st, str(tmp_path / "c"))
+    plain_model.load_state_dict(st["model"])
+    plain.load_state_dict(st["optim"])
+    for a, b in zip(model.parameters(), plain_model.parameters(), strict=True):
+        assert plain.state[b]["exp_avg"].sbp == (S.broadcast,)
+        np.testing.assert_array_equal(opt.state[a]["exp_avg_sq"].numpy(), plain.state[b]["exp_avg_sq"].numpy())
+    assert _step(model, opt) == pytest.approx(_step(plain_model, plain), rel=1e-6)
