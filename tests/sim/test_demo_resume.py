@@ -53,3 +53,12 @@ def test_resume_errors_end_the_demo_with_a_message(full_run: tuple[Path, list[fl
         main(["--out", str(tmp_path), *TINY, "--n-layer", "2", "--resume", str(out / "checkpoints" / "step-000003")])
     with pytest.raises(SystemExit, match="neither a checkpoint nor a folder of step-N checkpoints"):
         main(["--out", str(tmp_path), *TINY, "--resume", str(tmp_path)])
+
+
+def test_compiled_steps_resume_bit_for_bit_too(tmp_path: Path) -> None:
+    full, resumed = tmp_path / "full", tmp_path / "resumed"
+    losses = main(["--out", str(full), *TINY, "--graph"], print_fn=lambda _: None)["losses"]
+    again = main(["--out", str(resumed), *TINY, "--graph", "--resume", str(full / "checkpoints" / "step-000003")],
+                 print_fn=lambda _: None)["losses"]
+    assert again == losses[3:]
+    assert _files(resumed / "checkpoints" / "step-000006") == _files(full / "checkpoints" / "step-000006")
