@@ -30,6 +30,8 @@ bench: $(STAMP)
 	$(PY) benchmarks/gpt_step.py --write
 	$(PY) benchmarks/ddp_compare.py --write
 	$(PY) benchmarks/ops_2proc.py --write
+	$(PY) benchmarks/checkpoint_compare.py --write
+	$(PY) benchmarks/graph_compare.py --write
 
 clean:
 	rm -rf $(VENV) out .pytest_cache .hypothesis

@@ -14,9 +14,10 @@ axis; ops pick SBP signatures and the framework inserts the data movement.
 
 from __future__ import annotations
 
-from . import boxing, comm, models, nn, optim, sbp
+from . import boxing, checkpoint, comm, models, nn, optim, sbp
 from .autograd import enable_grad, is_grad_enabled, no_grad
 from .autoparallel.apply import auto_parallel
+from .checkpoint import load, save
 from .creation import (
     arange,
     full,
@@ -39,6 +40,7 @@ from .errors import (
     AutocastWarning,
     AutogradError,
     BoxingError,
+    CheckpointError,
     CommError,
     DTypeError,
     IndexOutOfRangeError,
@@ -169,12 +171,13 @@ def explain(x: Tensor, placement: Placement | None = None, sbp: object = None) -
 
 __all__ = [
     "auto_parallel",
-    "ArgumentError", "AutocastWarning", "AutogradError", "BoxingError", "CommError", "DTypeError",
+    "ArgumentError", "AutocastWarning", "AutogradError", "BoxingError", "CheckpointError", "CommError", "DTypeError",
     "IndexOutOfRangeError", "OpError", "Placement",
     "PlacementError", "SbpError", "SbpflowError", "ShapeError", "Tensor", "arange", "boxing", "comm", "enable_grad",
     "explain", "full", "full_like", "functional", "is_grad_enabled", "manual_seed", "models", "nn", "no_grad", "ones",
     "ones_like", "optim", "placement", "rand", "rand_like", "randint", "randn", "randn_like", "sbp", "tensor",
     "uniform", "zeros", "zeros_like", "print0", "rank", "world_size",
+    "checkpoint", "load", "save",
     # tensor functions
     "abs", "add", "all", "amax", "amin", "any", "argmax", "argmin", "bmm", "cast", "cat", "ceil", "chunk", "clamp",
     "clip", "clone", "conv2d", "cos", "cumsum", "div", "dropout", "eq", "erf", "exp", "flatten", "floor", "gather",

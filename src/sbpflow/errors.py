@@ -51,6 +51,10 @@ class CommError(SbpflowError, RuntimeError):
     """A communication failure: a timeout, a mismatch between ranks, a dead peer."""
 
 
+class CheckpointError(SbpflowError, RuntimeError):
+    """A checkpoint that cannot be written or read: missing, corrupt, or not matching the state to fill."""
+
+
 class AutocastWarning(UserWarning):
     """A torch.autocast block is active around sbpflow ops, which it does not change (see ops.registry)."""
 

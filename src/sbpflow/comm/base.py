@@ -120,6 +120,9 @@ class Backend(ABC):
         placement=)``). One process here builds every replica from one value, so they cannot differ.
         """
 
+    def barrier(self) -> None:  # noqa: B027 - one process has nothing to wait for
+        """Returns once every process of the job has called it (file writers use it to agree a save is done)."""
+
     def everywhere(self, placement: Placement) -> Placement:
         """A placement on which every process owns a rank: where ``.numpy()`` gathers a value to."""
         return placement

@@ -131,6 +131,11 @@ class TorchDistBackend(Backend):
     def cost_factors(self) -> tuple[tuple[tuple[str, str], float], ...]:
         return TARGET_COST_FACTORS
 
+    def barrier(self) -> None:
+        """Waits (at most SBPFLOW_TIMEOUT) until every process of the job reaches the same barrier."""
+        self._call("barrier", tuple(range(self.world_size)), lambda: dist.monitored_barrier(timeout=self.timeout)
+                   if self.world_size > 1 else None)
+
     # -- process groups -------------------------------------------------------------------
 
     def prepare(self, plan: Plan) -> None:

@@ -348,6 +348,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                                                              "the actor runtime (prints the plan, writes a timeline)")
     parser.add_argument("--micro-batches", type=int, default=1, help="gradient accumulation steps in graph mode "
                                                                       "(default 1)")
+    parser.add_argument("--checkpoint-every", type=int, default=0, metavar="N",
+                        help="save a sharded checkpoint every N steps, to OUT/checkpoints/step-NNNNNN (default: never)")
+    parser.add_argument("--resume", default=None, metavar="DIR",
+                        help="continue from a checkpoint (or the newest one in a folder of them), under this run's "
+                             "own --devices and --strategy: bit-exact under the same ones")
     return parser
 
 
@@ -456,14 +461,17 @@ def _matmul_tour(print_fn: Callable[[str], None]) -> None:
 
 def _train(trainer: Trainer, data: CharData, args: argparse.Namespace, schedule: Any,
            print_fn: Callable[[str], None]) -> tuple[list[float], str]:
+    from .resume import checkpoint_from_args, resume_from_args
+
     batches = data.batches(args.batch_size, args.block_size, args.seed + 1)
+    first = resume_from_args(args, trainer, schedule, batches, print_fn)  # 0 without --resume
     bar = ProgressBar(args.steps)
     losses: list[float] = []
     table = ""
     start = time.perf_counter()
-    for step in range(args.steps):
+    for step in range(first, args.steps):
         ids, targets = next(batches)
-        if step == 1:  # the second step: the first one also fills dispatch caches and optimizer state
+        if step == first + 1:  # the second step: the first one also fills dispatch caches and optimizer state
             phases = PhaseLog(trainer.model)
             with phases.recording():
                 losses.append(trainer.step(ids, targets, phases))
@@ -471,7 +479,8 @@ def _train(trainer: Trainer, data: CharData, args: argparse.Namespace, schedule:
         else:
             losses.append(trainer.step(ids, targets))
         schedule.step()
-        tokens = (step + 1) * ids.size
+        checkpoint_from_args(args, trainer, schedule, step + 1, print_fn)
+        tokens = (step + 1 - first) * ids.size
         bar.update(step + 1, losses[-1], tokens / max(time.perf_counter() - start, 1e-9))
     bar.close()
     return losses, table

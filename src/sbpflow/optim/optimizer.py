@@ -193,11 +193,22 @@ class Optimizer:
     # -- compiled steps (nn.Graph) ------------------------------------------------------------------
 
     def init_state(self) -> None:
-        """Creates every parameter's state tensors now (zeros in the state layout), as a first step would."""
+        """Creates every parameter's state tensors now (zeros in the state layout), as a first step would.
+
+        :meth:`state_dict` calls it, so that a fresh optimizer's state dict lists
+        the tensors a checkpoint fills (``sbpflow.load``), in their layout.
+        """
         for group in self.param_groups:
             names = self._state_names(group)
             for p in group["params"]:
-                self._init_state(p, p, self.state[p], names)
+                self._init_state(p, self._state_layout(p), self.state[p], names)
+
+    def _state_layout(self, p: Tensor) -> Tensor:
+        """A tensor in ``p``'s state layout (``p`` itself unless :meth:`state_sbp` differs) to shape new state on."""
+        target = self.state_sbp(p)
+        if not p.is_global or target is None or target == p.sbp:
+            return p
+        return zeros(tuple(p.shape), placement=p.placement, sbp=target, dtype=p.dtype)
 
     def trace_step(self, feed_prefix: str) -> list[tuple[str, float]]:
         """Traces this optimizer's update of every parameter with a (lazy) gradient into the graph being built.
@@ -255,7 +266,12 @@ class Optimizer:
     # -- state dict ------------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        """``{"state": {index: {...}}, "param_groups": [...]}``, parameters numbered in group order (as torch)."""
+        """``{"state": {index: {...}}, "param_groups": [...]}``, parameters numbered in group order (as torch).
+
+        Every parameter is listed, a fresh optimizer's too (zeros, see :meth:`init_state`); the state tensors are
+        the optimizer's own (shared storage), so ``sbpflow.load`` into them restores the optimizer in place.
+        """
+        self.init_state()
         index = {id(p): i for i, p in enumerate(self._all_params())}
         state = {index[id(p)]: dict(s) for p, s in self.state.items() if id(p) in index and s}
         groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [index[id(p)] for p in g["params"]]}
