@@ -220,8 +220,8 @@ def _pieces(shape: torch.Size, dtype: torch.dtype, elementwise: bool) -> st.Sear
 
 
 def _float_pieces(shape: torch.Size, dtype: torch.dtype) -> st.SearchStrategy[torch.Tensor]:
-    """Dense noise over six decades (values no dtype holds exactly, so every piece rounds), with drawn
-    elements replaced by edge values: ±inf, NaN, ±0, the dtype's extremes and subnormals, small quarters."""
+    """Edge values per element (±inf, NaN, ±0, the dtype's extremes and subnormals, small quarters, floats), or
+    dense noise over six decades (values no dtype holds exactly, so every piece rounds) with edges mixed in."""
     info = torch.finfo(dtype)
     edges = st.sampled_from([0.0, -0.0, float("inf"), -float("inf"), float("nan"), info.max, -info.max, info.tiny,
                              -info.tiny, 0.5, -1.0])
@@ -229,7 +229,9 @@ def _float_pieces(shape: torch.Size, dtype: torch.dtype) -> st.SearchStrategy[to
     dense = st.integers(0, 2**31).map(lambda seed: _noise(tuple(shape), seed))
     picked = hnp.arrays(np.float64, tuple(shape), elements=st.one_of(quarters, edges)).map(torch.from_numpy)
     where = hnp.arrays(np.bool_, tuple(shape)).map(torch.from_numpy)
-    return st.tuples(where, picked, dense).map(lambda t: torch.where(t[0], t[1], t[2]).to(dtype))
+    mixed = st.tuples(where, picked, dense).map(lambda t: torch.where(t[0], t[1], t[2]))
+    per_element = hnp.arrays(np.float64, tuple(shape), elements=st.one_of(st.floats(-1e3, 1e3), quarters, edges))
+    return st.one_of(per_element.map(torch.from_numpy), mixed).map(lambda t: t.to(dtype))
 
 
 def _noise(shape: tuple[int, ...], seed: int) -> torch.Tensor:
