@@ -215,14 +215,29 @@ def _pieces(shape: torch.Size, dtype: torch.dtype, elementwise: bool) -> st.Sear
         elements = st.one_of(st.integers(-100, 100), st.sampled_from([info.min, info.max, 0, -1, 1]))
         np_dtype = np.int64
     else:
-        info_f = torch.finfo(dtype)
-        inf = float("inf")
-        edges = st.sampled_from([0.0, -0.0, inf, -inf, float("nan"), info_f.max, -info_f.max, info_f.tiny,
-                                 -info_f.tiny, 0.5, -1.0])
-        quarters = st.integers(-32, 32).map(lambda k: k / 4)  # exact sums, and pieces equal to other inputs
-        elements = st.one_of(st.floats(-1e3, 1e3), quarters, edges)
-        np_dtype = np.float64
+        return _float_pieces(shape, dtype)
     return hnp.arrays(np_dtype, tuple(shape), elements=elements).map(lambda a: torch.from_numpy(a).to(dtype))
+
+
+def _float_pieces(shape: torch.Size, dtype: torch.dtype) -> st.SearchStrategy[torch.Tensor]:
+    """Edge values per element (±inf, NaN, ±0, the dtype's extremes and subnormals, small quarters, floats), or
+    dense noise over six decades (values no dtype holds exactly, so every piece rounds) with edges mixed in."""
+    info = torch.finfo(dtype)
+    edges = st.sampled_from([0.0, -0.0, float("inf"), -float("inf"), float("nan"), info.max, -info.max, info.tiny,
+                             -info.tiny, 0.5, -1.0])
+    quarters = st.integers(-32, 32).map(lambda k: k / 4)  # exact sums, and pieces equal to other inputs
+    dense = st.integers(0, 2**31).map(lambda seed: _noise(tuple(shape), seed))
+    picked = hnp.arrays(np.float64, tuple(shape), elements=st.one_of(quarters, edges)).map(torch.from_numpy)
+    where = hnp.arrays(np.bool_, tuple(shape)).map(torch.from_numpy)
+    mixed = st.tuples(where, picked, dense).map(lambda t: torch.where(t[0], t[1], t[2]))
+    per_element = hnp.arrays(np.float64, tuple(shape), elements=st.one_of(st.floats(-1e3, 1e3), quarters, edges))
+    return st.one_of(per_element.map(torch.from_numpy), mixed).map(lambda t: t.to(dtype))
+
+
+def _noise(shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    scale = 10 ** (torch.rand(shape, generator=gen, dtype=torch.float64) * 6 - 3)  # 1e-3 .. 1e3
+    return torch.randn(shape, generator=gen, dtype=torch.float64) * scale
 
 
 def _seeded_piece(shape: torch.Size, dtype: torch.dtype, seed: int, zeros: float) -> torch.Tensor:
