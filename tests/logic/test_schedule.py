@@ -1,0 +1,85 @@
+"""Pipeline schedules as action lists: their shapes, the checks before running, the dry run and its bubble."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from sbpflow.graph.schedule import Action, ScheduleError, bubble, bubble_theory, check, grid, make
+
+
+def _compute(schedule, stage):  # type: ignore[no-untyped-def]
+    return [str(a) for a in schedule.actions[stage] if a.kind in ("F", "B")]
+
+
+def test_one_f_one_b_lists_warm_up_then_alternate() -> None:
+    s = make("1f1b", stages=4, micro_batches=6)
+    assert _compute(s, 0) == ["F0", "F1", "F2", "F3", "B0", "F4", "B1", "F5", "B2", "B3", "B4", "B5"]
+    assert _compute(s, 3) == ["F0", "B0", "F1", "B1", "F2", "B2", "F3", "B3", "F4", "B4", "F5", "B5"]
+    assert s.bounds == (4, 3, 2, 1)
+
+
+def test_gpipe_lists_all_forwards_then_all_backwards() -> None:
+    s = make("gpipe", stages=2, micro_batches=3)
+    assert _compute(s, 1) == ["F0", "F1", "F2", "B0", "B1", "B2"]
+    assert s.bounds == (3, 3)
+
+
+def test_messages_surround_compute() -> None:
+    s = make("1f1b", stages=3, micro_batches=2)
+    middle = [str(a) for a in s.actions[1]][:4]
+    assert middle == ["recv_F0<-0", "F0", "send_F0->2", "recv_F1<-0"]
+    assert Action("send_B", 1, 0) in s.actions[1]
+
+
+def test_dry_run_grid_of_one_f_one_b() -> None:
+    s = make("1f1b", stages=2, micro_batches=3)
+    assert grid(s, check(s)).splitlines() == [
+        "step     0   1   2   3   4   5   6   7",
+        "stage 0  F0  F1  .   B0  F2  B1  .   B2",
+        "stage 1  .   F0  B0  F1  B1  F2  B2  .",
+    ]
+
+
+@pytest.mark.parametrize("name", ["1f1b", "gpipe"])
+@pytest.mark.parametrize(("p", "m"), [(2, 4), (4, 4), (4, 8), (8, 16), (4, 2)])
+def test_dry_run_bubble_equals_theory(name: str, p: int, m: int) -> None:
+    """With unit F and B the idle share is exactly (p - 1) / (m + p - 1)."""
+    assert bubble(check(make(name, p, m))) == pytest.approx(bubble_theory(p, m))
+
+
+def test_one_f_one_b_never_holds_more_than_its_bound() -> None:
+    """The dry run refuses an F beyond the bound, so a finished 1F1B run respects p - s; one slot fewer stalls."""
+    s = make("1f1b", stages=4, micro_batches=8)
+    check(s)
+    tight = dataclasses.replace(s, bounds=(3, 3, 2, 1))
+    with pytest.raises(ScheduleError, match=r"stage 0: waits at F3 \(its activation registers hold 3"):
+        check(tight)
+
+
+def test_a_missing_send_is_reported_with_the_grid() -> None:
+    s = make("1f1b", stages=2, micro_batches=2)
+    lost = tuple(a for a in s.actions[1] if str(a) != "send_B1->0")
+    broken = dataclasses.replace(s, actions=(s.actions[0], lost))
+    with pytest.raises(ScheduleError) as info:
+        check(broken)
+    text = str(info.value)
+    assert "stage 0: waits at recv_B1<-1" in text
+    assert "stage 1  .   F0  B0  F1  B1" in text
+
+
+def test_counts_and_order_are_checked() -> None:
+    s = make("gpipe", stages=2, micro_batches=2)
+    twice = dataclasses.replace(s, actions=(s.actions[0] + (Action("F", 1),), s.actions[1]))
+    with pytest.raises(ScheduleError, match=r"stage 0 must run F once for each of the 2 micro-batches, but its "
+                                            r"list has F for micro-batches \[0, 1, 1\]"):
+        check(twice)
+    swapped = (Action("B", 0), Action("F", 0), Action("F", 1), Action("B", 1))
+    with pytest.raises(ScheduleError, match="stage 1 runs B0 before F0"):
+        check(dataclasses.replace(s, actions=(s.actions[0], swapped)))
+
+
+def test_unknown_schedule_is_refused() -> None:
+    with pytest.raises(ScheduleError, match="pipeline schedule must be one of"):
+        make("round_robin", 2, 4)
