@@ -86,13 +86,15 @@ class TrainStep(nn.Graph):
     """The GPT's training step, compiled: forward, backward, clipping and AdamW in one plan."""
 
     def __init__(self, model: GPT, optimizer: Any, clip: float | None, micro_batches: int = 1,
-                 executor: str | None = None) -> None:
+                 executor: str | None = None, schedule: str | None = None) -> None:
         super().__init__()
         self.model = model
         self.add_optimizer(optimizer, clip_grad_max_norm=clip)
         self.config.set_gradient_accumulation_steps(micro_batches)
         if executor is not None:
             self.config.set_executor(executor)
+        if schedule is not None:
+            self.config.set_pipeline_schedule(schedule)
 
     def build(self, ids: Tensor, targets: Tensor) -> Tensor:
         _, loss = self.model(ids, targets)
@@ -103,7 +105,7 @@ class TrainStep(nn.Graph):
 
 def build(config: GPTConfig, strategy: str | dict[str, int] | None, *, seed: int = 0, lr: float = 1e-3,
           weight_decay: float = 0.1, clip: float | None = 1.0, device: str = "cpu", graph: bool = False,
-          micro_batches: int = 1, executor: str | None = None) -> Trainer:
+          micro_batches: int = 1, executor: str | None = None, schedule: str | None = None) -> Trainer:
     """Builds the GPT from ``seed``, places it under ``strategy`` (None or "single": no placement), adds AdamW.
 
     Weight decay applies to matrices (weights and embeddings), not to biases and LayerNorm scales, as in nanoGPT.
@@ -118,7 +120,7 @@ def build(config: GPTConfig, strategy: str | dict[str, int] | None, *, seed: int
         {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
     ]
     opt = optim.AdamW(groups, lr=lr, betas=(0.9, 0.95))
-    step = TrainStep(model, opt, clip, micro_batches, executor) if graph else None
+    step = TrainStep(model, opt, clip, micro_batches, executor, schedule) if graph else None
     return Trainer(model, placed, opt, clip, step)
 
 
@@ -145,7 +147,7 @@ def random_batches(vocab_size: int, steps: int, batch_size: int, seq_len: int,
 def train_gpt(strategy: str | dict[str, int] | None, steps: int, *, config: GPTConfig | None = None,
               batch_size: int = 8, seq_len: int = 16, lr: float = 1e-3, seed: int = 0,
               clip: float | None = 1.0, graph: bool = False, micro_batches: int = 1,
-              executor: str | None = None) -> tuple[list[float], dict[str, np.ndarray]]:
+              executor: str | None = None, schedule: str | None = None) -> tuple[list[float], dict[str, np.ndarray]]:
     """Trains a GPT for ``steps`` AdamW steps on random tokens; returns the losses and the final parameters.
 
     ``strategy`` is None / "single" (one device, local tensors) or a spec such
@@ -154,7 +156,7 @@ def train_gpt(strategy: str | dict[str, int] | None, steps: int, *, config: GPTC
     """
     config = config or GPTConfig(vocab_size=100, block_size=seq_len, n_layer=2, n_head=4, n_embd=64, dropout=0.1)
     trainer = build(config, strategy, seed=seed, lr=lr, clip=clip, graph=graph, micro_batches=micro_batches,
-                    executor=executor)
+                    executor=executor, schedule=schedule)
     losses = [trainer.step(ids, targets) for ids, targets in random_batches(
         config.vocab_size, steps, batch_size, seq_len, seed=seed + 1)]
     return losses, parameter_values(trainer)

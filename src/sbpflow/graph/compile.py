@@ -15,6 +15,7 @@ from .. import boxing
 from .ir import LogicalGraph
 from .lower import lower
 from .physical import PhysicalPlan
+from .pipeline import plan_pipeline
 from .select import Selection, select
 from .verify import verify
 
@@ -55,9 +56,11 @@ def eliminate_dead_code(g: LogicalGraph) -> int:
 
 def compile_graph(g: LogicalGraph, method: str = "ilp", model: boxing.CostModel | None = None,
                   factors: tuple[Any, ...] | None = None,
-                  agree: Callable[[Any], Any] | None = None) -> tuple[PhysicalPlan, LogicalGraph, CompileReport]:
+                  agree: Callable[[Any], Any] | None = None,
+                  schedule: str = "1f1b") -> tuple[PhysicalPlan, LogicalGraph, CompileReport]:
     """Runs every pass on ``g`` (modified in place) and returns the verified physical plan; ``agree`` (see
-    :func:`select`) lets processes adopt one shared SBP choice."""
+    :func:`select`) lets processes adopt one shared SBP choice; ``schedule`` is the pipeline schedule when the
+    plan has several stages (``graph.pipeline``)."""
     from ..comm.torch_dist import TARGET_COST_FACTORS
 
     model = model or boxing.get_cost_model()
@@ -73,7 +76,16 @@ def compile_graph(g: LogicalGraph, method: str = "ilp", model: boxing.CostModel 
     plan = lower(g, model, factors)
     report.times["lowering"] = time.perf_counter() - start
     start = time.perf_counter()
+    plan_pipeline(plan, seed_buffers(plan, g), schedule)
+    report.times["pipeline"] = time.perf_counter() - start
+    start = time.perf_counter()
     verify(plan)
     report.times["verify"] = time.perf_counter() - start
     report.physical_nodes = len(plan.nodes)
     return plan, g, report
+
+
+def seed_buffers(plan: PhysicalPlan, g: LogicalGraph) -> list[int]:
+    """The physical buffers of the loss's implicit gradients (constants named after their value)."""
+    names = {f"const{vid}" for vid in g.grad_seeds}
+    return [b for n in plan.nodes if n.kind == "variable" and n.name in names for b in n.outputs]

@@ -70,7 +70,18 @@ def explain(g: LogicalGraph, plan: PhysicalPlan, report: Any, rank: int | None =
     peaks = ", ".join(f"rank {r}: {b / 2**20:.2f} MiB" for r, b in sorted(plan.peak_bytes.items()))
     lines.append(f"          peak memory {peaks}")
     lines.append("compile time: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in report.times.items()))
+    if plan.pipeline is not None:
+        lines += ["", _pipeline_text(plan)]
     return "\n".join(lines)
+
+
+def _pipeline_text(plan: PhysicalPlan) -> str:
+    """The pipeline schedule: activation bounds per stage and the rank x step grid of its dry run."""
+    pipe = plan.pipeline
+    sched = pipe.schedule
+    bounds = ", ".join(f"stage {s}: {b}" for s, b in enumerate(sched.bounds))
+    return (f"pipeline: {len(pipe.stages)} stages, schedule {sched.name}, {sched.micro_batches} micro-batches; "
+            f"activation registers (micro-batches) {bounds}\n" + pipe.grid())
 
 
 def _dot_logical(g: LogicalGraph) -> str:

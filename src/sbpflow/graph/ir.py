@@ -95,6 +95,7 @@ class LogicalGraph:
     nodes: list[LNode] = field(default_factory=list)
     values: dict[int, Value] = field(default_factory=dict)
     micro_batches: int = 1
+    grad_seeds: list[int] = field(default_factory=list)  # value ids of implicit loss gradients: the backward starts
 
     def value(self, vid: int) -> Value:
         return self.values[vid]

@@ -39,6 +39,9 @@ one ``stream`` keep list order (so every member of a group issues them alike).
 
 ``control`` lists nodes (same phase, same micro-batch) that must act before
 this one although no data flows: resource order, activation recomputation.
+``control_lead`` (one per control edge, default 0) shifts the micro-batch: step
+k waits for the source's step k + lead (a pipeline schedule's order, see
+``graph.pipeline``).
 
 Args. ``PNode.args`` is the op's positional argument template: ``("t", i)``
 is input buffer ``i`` of the node, ``("c", v)`` a constant scalar.
@@ -118,6 +121,7 @@ class PNode:
     in_sbps: tuple[Any, ...] = ()  # chosen n-D SBPs of the tensor inputs (compute; for shard-aware kernels)
     out_sbps: tuple[Any, ...] = ()
     control: tuple[int, ...] = ()  # node ids that must act first (no data flows)
+    control_lead: tuple[int, ...] = ()  # per control edge: step k waits for the source's step k + lead (default 0)
     logical: int | None = None  # the logical node it came from, for messages
     mode: str = ""  # pack: "mean" or "cat"; route: "dispatch", "combine" or "redispatch"
 
@@ -145,6 +149,7 @@ class PhysicalPlan:
     micro_batches: int = 1
     peak_bytes: dict[int, int] = field(default_factory=dict)  # predicted per rank (memory plan)
     world: tuple[int, ...] = ()  # every rank the plan involves
+    pipeline: Any = None  # graph.pipeline.Pipeline: stages, schedule and priorities (None: one stage)
 
     def node(self, nid: int) -> PNode:
         return self._by_id()[nid]

@@ -263,6 +263,7 @@ def ones_root(root: Tensor) -> Tensor:
     tracer.constants[v.id] = {r: torch.full(shape, 1.0 / m, dtype=root.dtype)
                               for r in get_backend().owned(root.placement.flat_ranks)}
     tracer.add_node(LNode(0, "constant", f"const{v.id}", outputs=(v.id,), fixed=True))
+    tracer.graph.grad_seeds.append(v.id)  # where the backward starts (graph.pipeline tells F from B by it)
     return tracer.tensor_of(v)
 
 

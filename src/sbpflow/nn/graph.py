@@ -60,12 +60,22 @@ class GraphConfig:
         self.sbp_selection = "ilp"  # "ilp" (global) or "greedy" (eager's per-op choice)
         self.trace_path: str | None = None  # the actor runtime's timeline file (else SBPFLOW_TRACE, else none)
         self.auto_parallel: tuple[int, Any] | None = None  # (devices, profile): plan the model at the first call
+        self.pipeline_schedule = "1f1b"  # how stages on several placements take turns (graph.pipeline)
 
     def set_gradient_accumulation_steps(self, steps: int) -> None:
         """Splits dim 0 of every input into ``steps`` micro-batches; gradients accumulate over them."""
         if not isinstance(steps, int) or steps < 1:
             raise SbpflowError(f"set_gradient_accumulation_steps needs an int >= 1, but got {steps!r}")
         self.micro_batches = steps
+
+    def set_pipeline_schedule(self, name: str) -> None:
+        """``"1f1b"`` (default: stage s holds p - s micro-batches of activations) or ``"gpipe"`` (every forward,
+        then every backward: m). Applies when the model's modules sit on several placements (stages)."""
+        from ..graph.schedule import SCHEDULES
+
+        if name not in SCHEDULES:
+            raise SbpflowError(f"pipeline schedule must be one of {SCHEDULES}, but got {name!r}")
+        self.pipeline_schedule = name
 
     def set_executor(self, name: str) -> None:
         if name not in ("actors", "inorder"):
@@ -194,7 +204,8 @@ class Graph:
                 t._shards, t.grad, t._version = saved[name]
                 t._lazy = None
         trace_s = time.perf_counter() - start
-        plan, logical, report = compile_graph(tracer.graph, self.config.sbp_selection, agree=_rank0_choice)
+        plan, logical, report = compile_graph(tracer.graph, self.config.sbp_selection, agree=_rank0_choice,
+                                              schedule=self.config.pipeline_schedule)
         plan.peak_bytes = _memory_plan(plan)
         report.times = {"trace": trace_s, **report.times}
         out_bufs = [(n.name, plan.bufs[n.inputs[0]]) for n in plan.nodes if n.kind == "output"]

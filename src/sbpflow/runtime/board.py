@@ -77,6 +77,7 @@ class InEdge:
     buf: int | None  # None: a control edge
     producer: Actor | None  # None: written by a node this process does not run (reads as {})
     reads_per_slot: int  # m for a once-written value read by an m-step actor, else 1
+    lead: int = 0  # a control edge: step k waits for the source's step k + lead (pipeline schedules)
     orphan: bool = False  # no node of the plan writes it (a corrupt plan): it never becomes ready
     queue: deque[Slot] = field(default_factory=deque)
     reads: int = 0  # reads of the head slot so far
@@ -108,6 +109,7 @@ class Actor:
     step: int = 0  # the next step to act
     busy: bool = False  # acting now, or queued on its thread
     partial: Any = None  # accumulate: the running sum; pack: the values so far
+    keys: tuple[int, ...] | None = None  # per step: its pipeline schedule priority (plan.pipeline), lower first
     gathers: bool = field(init=False)  # accumulate or pack: m reads, one write (checked on every act)
 
     def __post_init__(self) -> None:
@@ -126,6 +128,10 @@ class Actor:
     def label(self) -> str:
         op = f" (op {self.node.op})" if self.node.op else ""
         return f"{self.node.label()}{op}"
+
+    def priority(self, step: int) -> tuple[int, int, int]:
+        """The compute thread's order: the schedule's action index (if any), then plan position, then step."""
+        return (self.keys[step] if self.keys is not None else 0, self.position, step)
 
 
 @dataclass
@@ -162,6 +168,8 @@ class Board:
         producers = plan.producers()
         for actor in self.actors:
             self._wire(actor, producers, by_node)
+        if plan.pipeline is not None:
+            self._set_keys(producers)
         self.resident = self._resident_bytes()
         self.live_bytes = dict(self.resident)
         self.stats = Stats()
@@ -183,6 +191,14 @@ class Board:
             self.registers[b] = reg
             actor.outputs.append(reg)
 
+    def _set_keys(self, producers: dict[int, int]) -> None:
+        """Each step's pipeline priority; accumulate/pack take the priority of the node feeding them."""
+        pipe = self.plan.pipeline
+        for actor in self.actors:
+            node = actor.node
+            feeder = producers.get(node.inputs[0]) if actor.gathers and node.inputs else None
+            actor.keys = tuple(pipe.key(node, k, feeder) for k in range(actor.steps))
+
     def _resident_bytes(self) -> dict[int, int]:
         """Variables live across steps: their bytes count from the start of a step to its end, whatever
         their register does (its slot only lends the variable's shards to readers, no copy)."""
@@ -203,11 +219,12 @@ class Board:
             actor.inputs.append(edge)
             if source is not None:
                 self.registers[b].readers.append(edge)
-        for nid in actor.node.control:
+        leads = actor.node.control_lead or (0,) * len(actor.node.control)
+        for nid, lead in zip(actor.node.control, leads, strict=True):
             source = by_node.get(nid)
             if source is None:
                 continue  # ordering against a node of another process: its own runtime orders it
-            edge = InEdge(actor, None, source, self._reads_per_slot(source, actor))
+            edge = InEdge(actor, None, source, self._reads_per_slot(source, actor), lead=lead)
             actor.controls.append(edge)
             source.control_out.append(edge)
 
@@ -251,7 +268,7 @@ class Board:
             if edge.orphan or (edge.producer is not None and not edge.queue):
                 return False
         for edge in actor.controls:
-            if not edge.queue:
+            if len(edge.queue) < min(edge.lead + 1, actor.steps - actor.step):
                 return False
         if actor.acquires(actor.step):
             return all(reg.free > 0 for reg in actor.outputs)
@@ -363,12 +380,22 @@ def lane_for(node: PNode, plan: PhysicalPlan, owned: list[int]) -> str:
 
 
 def stream_order(actors: list[Actor], micro_batches: int) -> list[tuple[Actor, int]]:
-    """(actor, step) in the in-order executor's order: pre actors, micro-batches 0..m-1, post actors."""
+    """(actor, step) in the in-order executor's order: pre actors, micro-batches 0..m-1, post actors.
+
+    Under a pipeline schedule (actors with ``keys``) the micro-batch steps follow the schedule's action
+    order instead (1F1B: F of micro-batch 2 before B of micro-batch 0), the same on every member."""
     ordered = sorted(actors, key=lambda a: a.position)
     order = [(a, k) for a in ordered if a.node.phase == "pre" for k in range(a.steps)]
-    order += [(a, k) for k in range(micro_batches) for a in ordered if a.node.phase == "micro" and k < a.steps]
+    micro = [(a, k) for k in range(micro_batches) for a in ordered if a.node.phase == "micro" and k < a.steps]
+    order += sorted(micro, key=_stream_key)
     order += [(a, k) for a in ordered if a.node.phase == "post" for k in range(a.steps)]
     return order
+
+
+def _stream_key(actor_step: tuple[Actor, int]) -> tuple[int, int]:
+    """A micro-batch step's place on a stream: its schedule priority (else its micro-batch), then plan position."""
+    actor, step = actor_step
+    return (actor.keys[step] if actor.keys is not None else step, actor.position)
 
 
 def dry_run(plan: PhysicalPlan, backend: Backend) -> Stats:
@@ -396,7 +423,7 @@ def dry_run(plan: PhysicalPlan, backend: Backend) -> Stats:
     sequences = {lane: stream_order([a for a in board.actors if a.lane == lane], plan.micro_batches)
                  for lane in lanes}
     heads = dict.fromkeys(lanes, 0)
-    ready: list[tuple[int, int, int, Actor]] = []
+    ready: list[tuple[int, int, int, int, Actor]] = []
 
     def offer(actor: Actor) -> None:
         if "/comm:" in actor.lane:
@@ -405,12 +432,12 @@ def dry_run(plan: PhysicalPlan, backend: Backend) -> Stats:
                 return
         if board.ready(actor):
             actor.busy = True
-            heapq.heappush(ready, (actor.position, actor.step, id(actor), actor))
+            heapq.heappush(ready, (*actor.priority(actor.step), id(actor), actor))
 
     for actor in board.actors:
         offer(actor)
     while ready:
-        actor = heapq.heappop(ready)[3]
+        actor = heapq.heappop(ready)[-1]
         actor.busy = False
         board.take(actor)
         woken = board.finish(actor, [None] * len(actor.outputs) if actor.emits(actor.step) else [])

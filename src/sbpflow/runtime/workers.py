@@ -1,8 +1,9 @@
 """The actor runtime's worker threads: one per (device type, stream), each with its own pick rule.
 
 * :class:`ComputeWorker` keeps a heap of ready actors and acts the earliest plan position first
-  (then the earliest micro-batch): producers run ahead until their registers are full, so the
-  schedule is what the register counts allow, and ties go to the compiled order.
+  (then the earliest micro-batch; under a pipeline schedule, the earliest action of its stage's
+  list first): producers run ahead until their registers are full, so the schedule is what the
+  register counts allow, and ties go to the compiled order.
 * :class:`CommWorker` acts its actors in one fixed sequence, the plan's order restricted to its
   stream (pre, micro-batch 0..m-1, post), waiting for the head to be ready. Every member of a
   process group derives the same sequence, so collectives meet in the same order on every rank.
@@ -98,7 +99,7 @@ class ComputeWorker(Worker):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._heap: list[tuple[int, int, int, Actor]] = []
+        self._heap: list[tuple[int, int, int, int, Actor]] = []
         self._pushed = 0
 
     def reset(self) -> None:
@@ -108,7 +109,7 @@ class ComputeWorker(Worker):
     def pick(self, board: Board) -> Actor | None:
         if not self._heap:
             return None
-        return heapq.heappop(self._heap)[3]
+        return heapq.heappop(self._heap)[-1]
 
     def peek(self, board: Board) -> tuple[int, int] | None:
         return (self._heap[0][0], self._heap[0][1]) if self._heap else None
@@ -117,7 +118,7 @@ class ComputeWorker(Worker):
         if board.ready(actor):
             actor.busy = True  # queued: ready() says no until it has acted
             self._pushed += 1
-            heapq.heappush(self._heap, (actor.position, actor.step, self._pushed, actor))
+            heapq.heappush(self._heap, (*actor.priority(actor.step), self._pushed, actor))
             self.notify()
 
 

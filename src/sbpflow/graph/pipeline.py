@@ -1,0 +1,225 @@
+"""The pipeline pass: stages, forward/backward parts, and the register counts that make a schedule.
+
+Input: a lowered :class:`PhysicalPlan` whose compute nodes sit on several disjoint placements, and the
+buffers where the backward starts (the implicit gradient of the loss). Output: the same plan with
+``register_num`` set per buffer, a few control edges, and ``plan.pipeline`` (a :class:`Pipeline`) that the
+runtime reads for its priorities. As in OneFlow, the schedule is not a hand-written loop: it comes from
+how many micro-batches each register may hold.
+
+* **Stages**: one per placement, in order of first use by a ``micro`` compute node.
+* **Parts**: a ``micro`` node is B (backward) if it reads, transitively, the loss's implicit gradient;
+  every other ``micro`` node is F. A cross-stage boxing node belongs to its source stage (a send).
+* **Held** buffers of stage ``s``: written by F and read by B on ``s`` (received ones too). Those that
+  depend on a micro-batch's data are its **activations**; the others are per-micro-batch views of
+  weights (``repeat``, a tied weight sent to the last stage), which need the same slots but no memory.
+* **Register counts** (everything else keeps 1, which is "backward buffers 1")::
+
+      schedule   held buffers of stage s    cross-stage buffer from stage a to b
+      1f1b       p - s                      |b - a|  (it is in flight that many stages)
+      gpipe      m                          |b - a|
+
+  With p - s slots, stage s can run ahead p - s forwards and then only one forward per finished
+  backward: 1F1B, without a loop saying so. GPipe's m slots would still let the last stage start B 0
+  before F m-1 when F m-1 is late, so one control edge orders the last stage's backward after its
+  m-th forward (a control edge with a lead of m - 1 micro-batches).
+* **Priorities**: each actor step gets its action's index in its stage's list (:mod:`.schedule`); compute
+  threads pick the lowest ready index, communication streams issue in that order (every member alike).
+
+>>> from sbpflow.graph.schedule import make
+>>> make("1f1b", 4, 8).bounds
+(4, 3, 2, 1)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from .physical import PhysicalPlan, PNode, Register
+from .schedule import Schedule, bubble_theory, check, grid, make
+
+GATHERING = ("accumulate", "pack")
+LAST = 1 << 30  # the priority of post-phase steps: after every micro-batch
+
+
+class PipelineWarning(UserWarning):
+    """A pipeline whose micro-batches cannot keep its stages busy."""
+
+
+@dataclass
+class Pipeline:
+    """What the pass found and decided, for the runtime, ``explain()`` and tests."""
+
+    schedule: Schedule
+    stages: tuple[tuple[int, ...], ...]  # ranks of each stage
+    stage_of: dict[int, int]  # node id -> stage (a cross-stage boxing node: its source stage)
+    part_of: dict[int, str]  # micro node id -> "F" or "B"
+    held: dict[int, tuple[int, ...]]  # stage -> buffers held from F to B (activations and weight views)
+    activations: dict[int, tuple[int, ...]]  # stage -> the held buffers that depend on micro-batch data
+    cells: list[list[str]] = field(default_factory=list)  # the schedule's dry run (unit steps)
+    _order: list[dict[tuple[str, int], int]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self._order = [self.schedule.compute_order(s) for s in range(len(self.stages))]
+
+    def key(self, node: PNode, step: int, feeder: int | None = None) -> int:
+        """Priority of ``node``'s ``step``: its action's index in its stage's list (lower acts first)."""
+        if node.phase == "pre":
+            return -1
+        nid = feeder if feeder is not None else node.id
+        part = self.part_of.get(nid)
+        if part is None:
+            return LAST
+        return self._order[self.stage_of[nid]][(part, step)]
+
+    def grid(self) -> str:
+        """The schedule as a rank x step grid (unit steps; '.' is idle)."""
+        return grid(self.schedule, self.cells, self.stages)
+
+
+def plan_pipeline(plan: PhysicalPlan, seeds: Iterable[int], schedule: str = "1f1b") -> Pipeline | None:
+    """Sets ``plan``'s registers and ``plan.pipeline`` for ``schedule``; None when the plan has one stage."""
+    stages = find_stages(plan)
+    if len(stages) < 2:
+        return None
+    p, m = len(stages), plan.micro_batches
+    if m < p:
+        _warn_few_micro_batches(p, m)
+    sched = make(schedule, p, m)
+    cells = check(sched)
+    stage_of = _stage_of(plan, stages)
+    part_of = _parts(plan, set(seeds))
+    held = _held(plan, stage_of, part_of)
+    data = _data_dependent(plan)
+    activations = {s: tuple(b for b in bufs if b in data) for s, bufs in held.items()}
+    pipe = Pipeline(sched, stages, stage_of, part_of, held, activations, cells)
+    plan.registers = _registers(plan, pipe)
+    if schedule == "gpipe" and m > 1:
+        plan.nodes = _gpipe_controls(plan, pipe)
+        plan._index = {}  # nodes were replaced: plan.node() rebuilds its index
+    plan.pipeline = pipe
+    return pipe
+
+
+# ----------------------------------------------------------------------------- stages and parts
+
+
+def find_stages(plan: PhysicalPlan) -> tuple[tuple[int, ...], ...]:
+    """Rank sets of the ``micro`` compute nodes, in order of first use; () unless they are disjoint."""
+    seen: list[tuple[int, ...]] = []
+    for n in plan.nodes:
+        if n.phase == "micro" and n.kind == "compute" and n.ranks not in seen:
+            seen.append(n.ranks)
+    flat = [r for ranks in seen for r in ranks]
+    if len(flat) != len(set(flat)):
+        return ()  # placements that share ranks: one program, not a pipeline
+    return tuple(seen)
+
+
+def _stage_of(plan: PhysicalPlan, stages: tuple[tuple[int, ...], ...]) -> dict[int, int]:
+    """Each node's stage by its first buffer's ranks (a boxing node's input: the sending stage)."""
+    index = {r: s for s, ranks in enumerate(stages) for r in ranks}
+    out = {}
+    for n in plan.nodes:
+        bufs = n.inputs + n.outputs
+        ranks = plan.bufs[bufs[0]].layout.placement.flat_ranks if bufs else n.ranks
+        if ranks and ranks[0] in index:
+            out[n.id] = index[ranks[0]]
+    return out
+
+
+def _parts(plan: PhysicalPlan, seeds: set[int]) -> dict[int, str]:
+    """F or B for every micro node: B reads the implicit gradient of the loss, transitively."""
+    backward = set(seeds)
+    parts = {}
+    for n in plan.nodes:
+        if n.phase != "micro":
+            continue
+        is_b = any(b in backward for b in n.inputs)
+        parts[n.id] = "B" if is_b else "F"
+        if is_b:
+            backward.update(n.outputs)
+    return parts
+
+
+def _data_dependent(plan: PhysicalPlan) -> set[int]:
+    """Buffers computed from a micro-batch's data (an ``unpack`` output), transitively."""
+    data: set[int] = set()
+    for n in plan.nodes:
+        if n.kind == "unpack" or any(b in data for b in n.inputs):
+            data.update(n.outputs)
+    return data
+
+
+def _held(plan: PhysicalPlan, stage_of: dict[int, int], part_of: dict[int, str]) -> dict[int, tuple[int, ...]]:
+    """Per stage, the F-written buffers that a B node of that stage reads."""
+    producer = plan.producers()
+    out: dict[int, list[int]] = {}
+    for b, reg in plan.registers.items():
+        writer = producer.get(b)
+        if writer is None or part_of.get(writer) != "F":
+            continue
+        for reader in reg.consumers:
+            if part_of.get(reader) == "B":
+                out.setdefault(stage_of[reader], []).append(b)
+                break
+    return {s: tuple(bufs) for s, bufs in sorted(out.items())}
+
+
+# ----------------------------------------------------------------------------- registers and controls
+
+
+def _registers(plan: PhysicalPlan, pipe: Pipeline) -> dict[int, Register]:
+    counts = {b: pipe.schedule.bounds[s] for s, bufs in pipe.held.items() for b in bufs}
+    for n in plan.nodes:
+        if n.kind != "boxing" or n.phase != "micro":
+            continue
+        distance = abs(_stage_of_buf(plan, pipe, n.outputs[0]) - _stage_of_buf(plan, pipe, n.inputs[0]))
+        for b in n.outputs:
+            counts[b] = max(counts.get(b, 1), distance)
+    return {b: dataclasses.replace(reg, register_num=counts.get(b, 1)) for b, reg in plan.registers.items()}
+
+
+def _stage_of_buf(plan: PhysicalPlan, pipe: Pipeline, buf: int) -> int:
+    first = plan.bufs[buf].layout.placement.flat_ranks[0]
+    return next(s for s, ranks in enumerate(pipe.stages) if first in ranks)
+
+
+def _gpipe_controls(plan: PhysicalPlan, pipe: Pipeline) -> list[PNode]:
+    """The last stage's first backward nodes wait for its last forward node of micro-batch m - 1 (a lead of
+    m - 1 micro-batches on a control edge): its backward may start only after every forward."""
+    last = len(pipe.stages) - 1
+    position = {n.id: i for i, n in enumerate(plan.nodes)}
+    on_last = [n for n in plan.nodes if pipe.stage_of.get(n.id) == last and n.phase == "micro"]
+    backward = [n for n in on_last if pipe.part_of[n.id] == "B"]
+    if not backward:
+        return plan.nodes
+    first_b = position[backward[0].id]
+    forwards = [n for n in on_last if pipe.part_of[n.id] == "F" and n.kind == "compute" and position[n.id] < first_b]
+    if not forwards:
+        return plan.nodes
+    tail = forwards[-1].id
+    b_outputs = {b for n in backward for b in n.outputs}
+    roots = {n.id for n in backward if not b_outputs.intersection(n.inputs)}
+    lead = plan.micro_batches - 1
+    return [dataclasses.replace(n, control=(*n.control, tail), control_lead=(*_leads(n), lead))
+            if n.id in roots else n for n in plan.nodes]
+
+
+def _leads(n: PNode) -> tuple[int, ...]:
+    return n.control_lead or (0,) * len(n.control)
+
+
+def _warn_few_micro_batches(p: int, m: int) -> None:
+    warnings.warn(
+        f"pipeline of {p} stages with only {m} micro-batch(es): at most {m} stage(s) work at any time, and each "
+        f"stage idles {bubble_theory(p, m):.0%} of the step ((p-1)/(m+p-1)). Set "
+        f"config.set_gradient_accumulation_steps(m) with m >= {p} (the number of stages), ideally m >= {4 * p}",
+        PipelineWarning, stacklevel=4)
+
+
+def activation_peaks(pipe: Pipeline, peak_slots: dict[int, int]) -> dict[int, int]:
+    """Per stage, the most micro-batches of activations held at once, from a run's register counters."""
+    return {s: max((peak_slots.get(b, 0) for b in bufs), default=0) for s, bufs in pipe.activations.items()}

@@ -1,0 +1,142 @@
+"""Pipeline schedules in graph mode, on virtual ranks: one device's numbers, and each schedule's memory bound.
+
+Every schedule, on pp2 and pp4 with 4 and 8 micro-batches and on pp2 x dp2 x tp2, trains a GPT (dropout 0,
+AdamW) to one device's full-batch losses and parameters. The runtime's register counters then show how many
+micro-batches of activations each stage held at once: p - s under 1F1B, m under GPipe.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import numpy as np
+import pytest
+
+from sbpflow.demo.train_gpt import Trainer, build, parameter_values, random_batches, train_gpt
+from sbpflow.errors import SbpflowError
+from sbpflow.graph.pipeline import PipelineWarning, activation_peaks
+from sbpflow.graph.schedule import make
+from sbpflow.models.gpt import GPTConfig
+from sbpflow.runtime.board import stream_order
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+CONFIG = GPTConfig(vocab_size=64, block_size=8, n_layer=4, n_head=2, n_embd=32, dropout=0.0)
+STEPS = 2
+BATCH = 16  # divisible by every micro-batch count times the data degree
+
+
+_TRAINED: dict[tuple[Any, ...], tuple[list[float], dict[str, Any], Trainer]] = {}
+
+
+def _train(spec: str | None, m: int = 1, schedule: str | None = None) -> tuple[list[float], dict[str, Any], Trainer]:
+    """Trains once per arguments in this module (the 3-D compile is the slow part; tests only read the result)."""
+    key = (spec, m, schedule)
+    if key not in _TRAINED:
+        _TRAINED[key] = _train_now(spec, m, schedule)
+    return _TRAINED[key]
+
+
+def _train_now(spec: str | None, m: int, schedule: str | None) -> tuple[list[float], dict[str, Any], Trainer]:
+    trainer = build(CONFIG, spec, graph=spec is not None, micro_batches=m, schedule=schedule)
+    losses = [trainer.step(ids, targets)
+              for ids, targets in random_batches(CONFIG.vocab_size, STEPS, BATCH, CONFIG.block_size, seed=1)]
+    return losses, parameter_values(trainer), trainer
+
+
+@pytest.fixture(scope="module")
+def one_device() -> tuple[list[float], dict[str, Any]]:
+    losses, params, _ = _train(None)
+    return losses, params
+
+
+def _assert_close(got: tuple[list[float], dict[str, Any]], want: tuple[list[float], dict[str, Any]]) -> None:
+    """rtol 1e-5; AdamW turns rounding on about-zero gradients into up to lr-sized steps, hence atol 2e-5."""
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
+    for name, value in want[1].items():
+        np.testing.assert_allclose(got[1][name], value, rtol=1e-5, atol=2e-5, err_msg=name)
+
+
+CASES = [(schedule, spec, m) for schedule in ("1f1b", "gpipe") for spec in ("pp=2", "pp=4") for m in (4, 8)]
+CASES += [(schedule, "dp=2,tp=2,pp=2", 4) for schedule in ("1f1b", "gpipe")]
+
+
+@pytest.mark.parametrize(("schedule", "spec", "m"), CASES, ids=[f"{s}-{p}-m{m}" for s, p, m in CASES])
+def test_schedule_matches_one_device_and_holds_its_bound(schedule: str, spec: str, m: int, one_device: Any) -> None:
+    losses, params, trainer = _train(spec, m, schedule)
+    _assert_close((losses, params), one_device)
+    compiled = trainer.graph._compiled()
+    pipe = compiled.plan.pipeline
+    p = len(pipe.stages)
+    expected = {s: m if schedule == "gpipe" else p - s for s in range(p)}
+    assert pipe.schedule.bounds == tuple(expected.values())
+    assert activation_peaks(pipe, compiled.executor.stats.peak_slots) == expected
+
+
+def test_register_counts_follow_the_schedule() -> None:
+    """1F1B: activations p - s, cross-stage buffers their stage distance (the tied embedding goes 0 -> 3),
+    everything else 1."""
+    _, _, trainer = _train("pp=4", 4, "1f1b")  # the run of the equivalence test
+    plan = trainer.graph.plan
+    pipe = plan.pipeline
+    counts = {b: r.register_num for b, r in plan.registers.items()}
+    for s, bufs in pipe.activations.items():
+        assert bufs and all(counts[b] == max(4 - s, 1) for b in bufs if b not in _cross_stage(plan))
+    distances = {abs(_stage(pipe, plan, n.outputs[0]) - _stage(pipe, plan, n.inputs[0]))
+                 for n in plan.nodes if n.kind == "boxing" and n.phase == "micro"}
+    assert 3 in distances
+    held = {b for bufs in pipe.held.values() for b in bufs} | _cross_stage(plan)
+    assert {counts[b] for b in counts if b not in held} == {1}
+
+
+def _cross_stage(plan: Any) -> set[int]:
+    pipe = plan.pipeline
+    return {b for n in plan.nodes if n.kind == "boxing" and n.phase == "micro"
+            and _stage(pipe, plan, n.outputs[0]) != _stage(pipe, plan, n.inputs[0]) for b in n.outputs}
+
+
+def _stage(pipe: Any, plan: Any, buf: int) -> int:
+    first = plan.bufs[buf].layout.placement.flat_ranks[0]
+    return next(s for s, ranks in enumerate(pipe.stages) if first in ranks)
+
+
+def test_communication_streams_issue_in_the_schedules_order() -> None:
+    """On a stage's tensor-parallel stream, 1F1B's warm-up forwards come before backward 0."""
+    _, _, trainer = _train("dp=2,tp=2,pp=2", 4, "1f1b")
+    executor = trainer.graph._compiled().executor
+    pipe = trainer.graph.plan.pipeline
+    lanes = [w for lane, w in executor._workers.items() if "axis1" in lane and "cpu:[[0, 1], [2, 3]]" in lane]
+    assert lanes
+    seq = [(pipe.part_of[a.node.id], k) for a, k in stream_order(lanes[0].actors, 4) if a.node.phase == "micro"]
+    micro_order = list(dict.fromkeys(seq))
+    assert micro_order == [("F", 0), ("F", 1), ("B", 0), ("F", 2), ("B", 1), ("F", 3), ("B", 2), ("B", 3)]
+
+
+def test_explain_prints_the_schedule_grid(capsys: Any) -> None:
+    _, _, trainer = _train("pp=2", 4, "1f1b")
+    text = trainer.graph.explain()
+    assert "pipeline: 2 stages, schedule 1f1b, 4 micro-batches; activation registers (micro-batches) " \
+           "stage 0: 2, stage 1: 1" in text
+    assert "stage 0 [0]  F0  F1  .   B0  F2  B1  F3  B2  .   B3" in text
+    assert "stage 1 [1]  .   F0  B0  F1  B1  F2  B2  F3  B3" in text
+
+
+def test_fewer_micro_batches_than_stages_warns_and_explains() -> None:
+    with pytest.warns(PipelineWarning, match=r"pipeline of 4 stages with only 2 micro-batch\(es\).*idles 60%"):
+        got = train_gpt("pp=4", 1, config=CONFIG, batch_size=BATCH, seq_len=8, graph=True, micro_batches=2)
+    assert np.isfinite(got[0][0])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", PipelineWarning)
+        train_gpt("pp=2", 1, config=CONFIG, batch_size=BATCH, seq_len=8, graph=True, micro_batches=2)
+
+
+def test_unknown_schedule_name_is_refused() -> None:
+    with pytest.raises(SbpflowError, match="pipeline schedule must be one of"):
+        build(CONFIG, "pp=2", graph=True, micro_batches=4, schedule="zigzag")
+
+
+def test_one_stage_plans_have_no_pipeline() -> None:
+    _, _, trainer = _train("dp=2", 4)
+    assert trainer.graph.plan.pipeline is None
+    assert make("1f1b", 1, 4).bounds == (1,)
