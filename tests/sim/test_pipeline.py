@@ -140,3 +140,27 @@ def test_one_stage_plans_have_no_pipeline() -> None:
     _, _, trainer = _train("dp=2", 4)
     assert trainer.graph.plan.pipeline is None
     assert make("1f1b", 1, 4).bounds == (1,)
+
+
+def test_demo_prints_the_schedule_grid(tmp_path: Any) -> None:
+    from sbpflow.demo.train_gpt import main
+
+    lines: list[str] = []
+    main(["--graph", "--strategy", "pp=2,dp=2", "--micro-batches", "4", "--steps", "2", "--n-layer", "2",
+          "--n-embd", "16", "--sample-length", "4", "--no-tour", "--out", str(tmp_path)], print_fn=lines.append)
+    text = "\n".join(lines)
+    assert "pipeline: 2 stages, schedule 1f1b, 4 micro-batches" in text
+    assert "stage 1 [2, 3]  .   F0  B0  F1  B1  F2  B2  F3  B3" in text
+    assert (tmp_path / "timeline.json").exists()
+
+
+def test_balanced_synthetic_durations_give_each_stage_its_forward_and_backward_time() -> None:
+    from sbpflow.graph.pipeline import balanced_durations
+
+    plan = _train("pp=4", 4, "1f1b")[2].graph.plan
+    durations = balanced_durations(plan, 0.01, 0.02)
+    pipe = plan.pipeline
+    for s in range(4):
+        for part, total in (("F", 0.01), ("B", 0.02)):
+            got = sum(d for nid, d in durations.items() if pipe.stage_of[nid] == s and pipe.part_of[nid] == part)
+            assert got == pytest.approx(total)

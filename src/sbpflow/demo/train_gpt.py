@@ -355,6 +355,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--resume", default=None, metavar="DIR",
                         help="continue from a checkpoint (or the newest one in a folder of them), under this run's "
                              "own --devices and --strategy: bit-exact under the same ones")
+    parser.add_argument("--pipeline-schedule", choices=["1f1b", "gpipe"], default=None,
+                        help="how pipeline stages take turns in graph mode (default 1f1b); the grid is printed")
     return parser
 
 
@@ -406,7 +408,7 @@ def _run(args: argparse.Namespace, degrees: dict[str, int], print_fn: Callable[[
                        n_embd=args.n_embd, dropout=0.0)
     try:
         trainer = build(config, dict(degrees), seed=args.seed, lr=args.lr, graph=args.graph,
-                        micro_batches=args.micro_batches)
+                        micro_batches=args.micro_batches, schedule=args.pipeline_schedule)
     except sbpflow.SbpflowError as e:  # e.g. more pipeline stages than blocks
         raise SystemExit(f"sbpflow demo: {e}") from None
     assert trainer.strategy is not None
@@ -442,13 +444,15 @@ DESCRIPTION = (
 
 def _plan_summary(graph: Any) -> str:
     """The compiled plan's summary: node counts, selection, per-step collectives, bytes, memory, compile time."""
-    from sbpflow.graph.explain import explain
+    from sbpflow.graph.explain import explain, pipeline_text
 
     compiled = graph._compiled()
     text = explain(compiled.logical, compiled.plan, compiled.report)
     lines = text.splitlines()
     keep = [ln for ln in lines if ln.startswith(("compiled step", "sbp selection", "per step", "          ",
                                                   "compile time"))]
+    if compiled.plan.pipeline is not None:
+        keep += ["", pipeline_text(compiled.plan)]
     return "\n".join(keep)
 
 

@@ -71,11 +71,11 @@ def explain(g: LogicalGraph, plan: PhysicalPlan, report: Any, rank: int | None =
     lines.append(f"          peak memory {peaks}")
     lines.append("compile time: " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in report.times.items()))
     if plan.pipeline is not None:
-        lines += ["", _pipeline_text(plan)]
+        lines += ["", pipeline_text(plan)]
     return "\n".join(lines)
 
 
-def _pipeline_text(plan: PhysicalPlan) -> str:
+def pipeline_text(plan: PhysicalPlan) -> str:
     """The pipeline schedule: activation bounds per stage and the rank x step grid of its dry run."""
     pipe = plan.pipeline
     sched = pipe.schedule

@@ -223,3 +223,21 @@ def _warn_few_micro_batches(p: int, m: int) -> None:
 def activation_peaks(pipe: Pipeline, peak_slots: dict[int, int]) -> dict[int, int]:
     """Per stage, the most micro-batches of activations held at once, from a run's register counters."""
     return {s: max((peak_slots.get(b, 0) for b in bufs), default=0) for s, bufs in pipe.activations.items()}
+
+
+def balanced_durations(plan: PhysicalPlan, forward_s: float, backward_s: float) -> dict[int, float]:
+    """Synthetic-time durations (node id -> seconds) where every stage's forward takes ``forward_s`` and its
+    backward ``backward_s``, spread evenly over its compute nodes; everything else takes no time.
+
+    Balanced stages with no communication time are what the bubble formula (p - 1) / (m + p - 1) assumes,
+    so a synthetic run with these durations measures the schedule, not the model's stage imbalance.
+    Use as ``ActorRuntime(plan, synthetic=lambda node: durations.get(node.id, 0.0))``."""
+    pipe = plan.pipeline
+    if pipe is None:
+        raise ValueError("balanced_durations needs a plan with pipeline stages (plan.pipeline is None)")
+    nodes: dict[tuple[int, str], list[int]] = {}
+    for n in plan.nodes:
+        if n.kind == "compute" and n.id in pipe.part_of:
+            nodes.setdefault((pipe.stage_of[n.id], pipe.part_of[n.id]), []).append(n.id)
+    total = {"F": forward_s, "B": backward_s}
+    return {nid: total[part] / len(ids) for (_, part), ids in nodes.items() for nid in ids}

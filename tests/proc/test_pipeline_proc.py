@@ -1,0 +1,73 @@
+"""Pipeline schedules on 4 gloo processes (one stage or a stage's share per process): one device's numbers,
+and on every process the activation bound of its stage, read from its own runtime's register counters."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from procrun import run_ranks
+
+import sbpflow
+from sbpflow.demo.train_gpt import build, parameter_values, random_batches
+from sbpflow.graph.pipeline import activation_peaks
+from sbpflow.models.gpt import GPTConfig
+
+CONFIG = GPTConfig(vocab_size=64, block_size=8, n_layer=4, n_head=2, n_embd=32, dropout=0.0)
+STEPS = 2
+BATCH = 16
+CASES = [("pp=4", 4, "1f1b"), ("pp=2", 4, "gpipe"), ("dp=2,pp=2", 4, "1f1b")]
+RTOL, ATOL = 1e-5, 4e-5  # gloo sums in its own order; AdamW turns that noise on about-zero gradients into lr steps
+TIMEOUT = 300.0
+
+
+def _train(spec: str | None, m: int = 1, schedule: str | None = None) -> tuple[list[float], dict[str, Any], Any]:
+    trainer = build(CONFIG, spec, graph=spec is not None, micro_batches=m, schedule=schedule)
+    losses = [trainer.step(ids, targets)
+              for ids, targets in random_batches(CONFIG.vocab_size, STEPS, BATCH, CONFIG.block_size, seed=1)]
+    return losses, parameter_values(trainer), trainer
+
+
+def pipeline_job() -> dict[str, Any]:
+    """Every case on this process: its losses and parameters, and the activation peaks of its own stage."""
+    torch.set_num_threads(1)
+    rank = sbpflow.rank()
+    out: dict[str, Any] = {"rank": rank, "train": {}, "peaks": {}, "bounds": {}}
+    for case in CASES:
+        losses, params, trainer = _train(*case)
+        compiled = trainer.graph._compiled()
+        pipe = compiled.plan.pipeline
+        stage = next(s for s, ranks in enumerate(pipe.stages) if rank in ranks)
+        out["train"][case] = (losses, params)
+        out["peaks"][case] = activation_peaks(pipe, compiled.executor.stats.peak_slots)[stage]
+        out["bounds"][case] = pipe.schedule.bounds[stage]
+    return out
+
+
+@pytest.fixture(scope="module")
+def per_rank() -> list[dict[str, Any]]:
+    return run_ranks(pipeline_job, 4, timeout=TIMEOUT)
+
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def test_schedules_match_one_device(per_rank: list[dict[str, Any]]) -> None:
+    want_losses, want_params, _ = _train(None)
+    for out in per_rank:
+        for case, (losses, params) in out["train"].items():
+            np.testing.assert_allclose(losses, want_losses, rtol=RTOL, err_msg=f"{case} rank {out['rank']}")
+            for name, value in want_params.items():
+                np.testing.assert_allclose(params[name], value, rtol=RTOL, atol=ATOL,
+                                           err_msg=f"{case} {name} rank {out['rank']}")
+
+
+def test_each_process_holds_its_stages_bound(per_rank: list[dict[str, Any]]) -> None:
+    """1F1B: stage s of p holds p - s micro-batches of activations; GPipe: m."""
+    expected = {("pp=4", 4, "1f1b"): [4, 3, 2, 1], ("pp=2", 4, "gpipe"): [4, 4, 4, 4],
+                ("dp=2,pp=2", 4, "1f1b"): [2, 2, 1, 1]}
+    for case, by_rank in expected.items():
+        assert [out["bounds"][case] for out in per_rank] == by_rank, case
+        assert [out["peaks"][case] for out in per_rank] == by_rank, case
