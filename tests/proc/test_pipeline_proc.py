@@ -39,10 +39,11 @@ def pipeline_job() -> dict[str, Any]:
         losses, params, trainer = _train(*case)
         compiled = trainer.graph._compiled()
         pipe = compiled.plan.pipeline
-        stage = next(s for s, ranks in enumerate(pipe.stages) if rank in ranks)
+        stage = next((s for s, ranks in enumerate(pipe.stages) if rank in ranks), None)  # None: rank not used
         out["train"][case] = (losses, params)
-        out["peaks"][case] = activation_peaks(pipe, compiled.executor.stats.peak_slots)[stage]
-        out["bounds"][case] = pipe.schedule.bounds[stage]
+        if stage is not None:
+            out["peaks"][case] = activation_peaks(pipe, compiled.executor.stats.peak_slots)[stage]
+            out["bounds"][case] = pipe.schedule.bounds[stage]
     return out
 
 
@@ -65,9 +66,9 @@ def test_schedules_match_one_device(per_rank: list[dict[str, Any]]) -> None:
 
 
 def test_each_process_holds_its_stages_bound(per_rank: list[dict[str, Any]]) -> None:
-    """1F1B: stage s of p holds p - s micro-batches of activations; GPipe: m."""
-    expected = {("pp=4", 4, "1f1b"): [4, 3, 2, 1], ("pp=2", 4, "gpipe"): [4, 4, 4, 4],
+    """1F1B: stage s of p holds p - s micro-batches of activations; GPipe: m (pp=2 leaves ranks 2 and 3 idle)."""
+    expected = {("pp=4", 4, "1f1b"): [4, 3, 2, 1], ("pp=2", 4, "gpipe"): [4, 4, None, None],
                 ("dp=2,pp=2", 4, "1f1b"): [2, 2, 1, 1]}
     for case, by_rank in expected.items():
-        assert [out["bounds"][case] for out in per_rank] == by_rank, case
-        assert [out["peaks"][case] for out in per_rank] == by_rank, case
+        assert [out["bounds"].get(case) for out in per_rank] == by_rank, case
+        assert [out["peaks"].get(case) for out in per_rank] == by_rank, case
