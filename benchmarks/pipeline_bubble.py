@@ -1,0 +1,170 @@
+"""The pipeline bubble measured on the actor runtime's timeline, against (p - 1) / (m + p - 1).
+
+A GPT with one block per stage is compiled under ``pp=p`` with ``m`` micro-batches and each schedule; the
+plan then runs in synthetic time (``ActorRuntime(synthetic=...)``): every stage's forward sleeps F seconds
+and its backward 2F, spread over its compute nodes (``graph.pipeline.balanced_durations``), everything
+else takes no time. Sleeping threads overlap like devices, so p stages run concurrently on 2 cores. The
+bubble of a stage is the share of the step (first act to last act of any stage) that its compute thread
+spends outside those sleeps; the table gives the mean over stages.
+
+    PYTHONPATH=src python benchmarks/pipeline_bubble.py [--forward-ms 40] [--write] [--png docs/img/x.png]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import warnings
+from typing import Any
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from _report import machine, write_section  # noqa: E402
+
+from sbpflow.demo.train_gpt import build, random_batches  # noqa: E402
+from sbpflow.graph.pipeline import PipelineWarning, balanced_durations  # noqa: E402
+from sbpflow.graph.schedule import bubble_theory  # noqa: E402
+from sbpflow.models.gpt import GPTConfig  # noqa: E402
+from sbpflow.runtime import trace as runtime_trace  # noqa: E402
+from sbpflow.runtime.actors import ActorRuntime  # noqa: E402
+
+SECTION = "pipeline-bubble"
+
+
+def compile_plan(p: int, m: int, schedule: str) -> Any:
+    """The compiled training step of a small GPT (one block per stage), without running it."""
+    config = GPTConfig(vocab_size=32, block_size=8, n_layer=p, n_head=2, n_embd=16, dropout=0.0)
+    trainer = build(config, f"pp={p}", graph=True, micro_batches=m, schedule=schedule)
+    trainer.graph.config.set_sbp_selection("greedy")
+    ids, targets = next(random_batches(config.vocab_size, 1, m, config.block_size))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", PipelineWarning)
+        return trainer.graph._compile(trainer.inputs(ids, targets)).plan
+
+
+def run_synthetic(plan: Any, forward_s: float, path: str) -> list[dict[str, Any]]:
+    """One step in synthetic time with its timeline written to ``path``; returns the timeline's events."""
+    durations = balanced_durations(plan, forward_s, 2 * forward_s)
+    with ActorRuntime(plan, trace=path, synthetic=lambda node: durations.get(node.id, 0.0)) as runtime:
+        runtime.run({}, {})
+    return [dict(e, sleeps=durations.get(_node_id(e), 0.0)) for e in runtime_trace.load(path)]
+
+
+def _node_id(event: dict[str, Any]) -> int:
+    name = event.get("name", "")
+    return int(name.split()[0][1:]) if name.startswith("#") else -1
+
+
+def stage_spans(plan: Any, events: list[dict[str, Any]]) -> list[list[tuple[float, float, str]]]:
+    """Per stage, the (start, end, label) of its sleeping compute acts, in seconds."""
+    pipe = plan.pipeline
+    spans: list[list[tuple[float, float, str]]] = [[] for _ in pipe.stages]
+    for e in events:
+        if e.get("ph") != "X" or e["sleeps"] <= 0:
+            continue
+        nid = _node_id(e)
+        label = f"{pipe.part_of[nid]}{e['args']['micro_batch']}"
+        spans[pipe.stage_of[nid]].append((e["ts"] / 1e6, (e["ts"] + e["dur"]) / 1e6, label))
+    return spans
+
+
+def measured_bubble(spans: list[list[tuple[float, float, str]]]) -> float:
+    start = min(s for stage in spans for s, _, _ in stage)
+    end = max(e for stage in spans for _, e, _ in stage)
+    busy = [sum(e - s for s, e, _ in stage) for stage in spans]
+    return float(np.mean([1.0 - b / (end - start) for b in busy]))
+
+
+def gantt(spans: list[list[tuple[float, float, str]]], title: str, path: str) -> None:
+    """A Gantt chart of the stages' forward (light) and backward (dark) acts, merged per micro-batch."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    origin = min(s for stage in spans for s, _, _ in stage)
+    fig, ax = plt.subplots(figsize=(10, 0.5 + 0.45 * len(spans)))
+    for row, stage in enumerate(spans):
+        for s, e, label in _merge(stage):
+            color = "#9ecae1" if label.startswith("F") else "#3182bd"
+            ax.barh(row, e - s, left=s - origin, color=color, edgecolor="white")
+            ax.text((s + e) / 2 - origin, row, label, ha="center", va="center", fontsize=7)
+    ax.set_yticks(range(len(spans)), [f"stage {s}" for s in range(len(spans))])
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds")
+    ax.set_title(title)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _merge(stage: list[tuple[float, float, str]]) -> list[tuple[float, float, str]]:
+    """Consecutive acts of one F or B (same label) as one bar."""
+    out: list[tuple[float, float, str]] = []
+    for s, e, label in sorted(stage):
+        if out and out[-1][2] == label:
+            out[-1] = (out[-1][0], e, label)
+        else:
+            out.append((s, e, label))
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--forward-ms", type=float, default=40.0, help="each stage's forward time (backward: 2x)")
+    parser.add_argument("--stages", type=int, nargs="+", default=[2, 4, 8])
+    parser.add_argument("--micro-batches", type=int, nargs="+", default=[4, 8, 16])
+    parser.add_argument("--schedules", nargs="+", default=["1f1b", "gpipe"])
+    parser.add_argument("--png", default="docs/img/pipeline_1f1b_p4_m8.png", help="Gantt chart of 1f1b, p=4, m=8")
+    parser.add_argument("--write", action="store_true", help="write the table into docs/benchmarks.md")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    rows = []
+    folder = tempfile.mkdtemp()
+    for schedule in args.schedules:
+        for p in args.stages:
+            for m in args.micro_batches:
+                plan = compile_plan(p, m, schedule)
+                events = run_synthetic(plan, args.forward_ms / 1e3, os.path.join(folder, f"{schedule}{p}{m}.json"))
+                spans = stage_spans(plan, events)
+                got, want = measured_bubble(spans), bubble_theory(p, m)
+                rows.append((schedule, p, m, got, want))
+                print(f"{schedule:<6} p={p} m={m:<3} bubble {got:6.1%}  theory {want:6.1%}  "
+                      f"({(got - want) * 100:+.1f} points)", flush=True)
+                if args.png and (schedule, p, m) == ("1f1b", 4, 8):
+                    gantt(spans, "1F1B, 4 stages, 8 micro-batches (synthetic time, B = 2F)", args.png)
+                    print(f"wrote {args.png}")
+    body = _table(rows, args.forward_ms, args.png)
+    print(body)
+    if args.write:
+        write_section(SECTION, body)
+
+
+def _table(rows: list[tuple[str, int, int, float, float]], forward_ms: float, png: str | None) -> str:
+    lines = [
+        "## Pipeline bubble (synthetic time)",
+        "",
+        f"`PYTHONPATH=src python benchmarks/pipeline_bubble.py --write` on {machine()}. A GPT with one block per",
+        f"stage, compiled under `pp=p`; each stage's forward sleeps {forward_ms:g} ms and its backward twice that,",
+        "spread over its compute nodes; everything else takes no time (`ActorRuntime(synthetic=...)`). The bubble",
+        "is the mean over stages of the idle share of the step, read from the runtime's timeline; theory is",
+        "(p - 1) / (m + p - 1). The schedule comes from register counts (1F1B: p - s activation slots on stage s).",
+        "",
+        "| schedule | p | m | measured | theory | difference |",
+        "|---|---|---|---|---|---|",
+    ]
+    for schedule, p, m, got, want in rows:
+        lines.append(f"| {schedule} | {p} | {m} | {got:.1%} | {want:.1%} | {(got - want) * 100:+.1f} points |")
+    if png:
+        lines += ["", f"![1F1B, 4 stages, 8 micro-batches]({os.path.relpath(png, 'docs')})"]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
