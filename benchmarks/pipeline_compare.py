@@ -1,0 +1,246 @@
+"""Pipeline parallelism on 2 and 4 gloo processes: sbpflow's compiled 1F1B against torch.distributed.pipelining.
+
+Run: ``PYTHONPATH=src python benchmarks/pipeline_compare.py [--write]`` (spawns 2, then 4 processes with
+``sbpflow launch``; ``--write`` fills the "pipeline-compare" section of docs/benchmarks.md).
+
+The same GPT (4 blocks, width 128, 64 tokens, global batch 16, 8 micro-batches, dropout off, AdamW, gradient
+clipping 1.0) is split by blocks into p = world stages, one per process. sbpflow: ``nn.Graph`` with
+``pipeline_schedule`` 1f1b (registers make the schedule; the actor runtime runs it). torch:
+``PipelineStage`` with ``Schedule1F1B`` and ``ScheduleGPipe``; the head is tied to the embedding as in
+sbpflow's model, so its gradient is summed between the first and last stage (Megatron's way), and the
+clipping norm is summed over stages. Timed rounds alternate between the contenders; each round's time is
+the slowest process's, and the table reports medians. The first steps' losses are compared too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as TF
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from ddp_compare import TorchBlock  # noqa: E402
+
+import sbpflow  # noqa: E402
+from sbpflow.demo.train_gpt import build  # noqa: E402
+from sbpflow.graph.pipeline import activation_peaks  # noqa: E402
+from sbpflow.models.gpt import GPTConfig  # noqa: E402
+
+CONFIG = GPTConfig(vocab_size=96, block_size=64, n_layer=4, n_head=4, n_embd=128, dropout=0.0)
+BATCH, MICRO, LR, CLIP = 16, 8, 3e-3, 1.0
+SECTION = "pipeline-compare"
+
+
+def data() -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(1)
+    tokens = rng.integers(0, CONFIG.vocab_size, size=(BATCH, CONFIG.block_size + 1))
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+# ----------------------------------------------------------------------------- sbpflow
+
+
+def sbpflow_step(p: int) -> tuple[Callable[[], float], Any]:
+    """The demo's trainer under pp=p with 8 micro-batches, compiled; returns its step and trainer."""
+    trainer = build(CONFIG, f"pp={p}", lr=LR, clip=CLIP, graph=True, micro_batches=MICRO, schedule="1f1b")
+    ids, targets = data()
+    return (lambda: trainer.step(ids, targets)), trainer
+
+
+# ----------------------------------------------------------------------------- torch
+
+
+class TorchStage(torch.nn.Module):
+    """One pipeline stage of sbpflow's GPT in torch: embeddings on the first, ln_f and the tied head on the last."""
+
+    def __init__(self, reference: Any, blocks: list[int], first: bool, last: bool) -> None:
+        super().__init__()
+        c = CONFIG.n_embd
+        self.first, self.last = first, last
+        self.wte = torch.nn.Embedding(CONFIG.vocab_size, c) if first or last else None
+        self.wpe = torch.nn.Embedding(CONFIG.block_size, c) if first else None
+        self.h = torch.nn.ModuleList([TorchBlock(c, CONFIG.n_head) for _ in blocks])
+        self.ln_f = torch.nn.LayerNorm(c) if last else None
+        self._load(reference, blocks)
+
+    def _load(self, reference: Any, blocks: list[int]) -> None:
+        values = {n: torch.from_numpy(v) for n, v in reference.items()}
+        renamed = {f"h.{i}.": f"h.{j}." for i, j in zip(blocks, range(len(blocks)), strict=True)}
+        with torch.no_grad():
+            for name, param in self.named_parameters():
+                source = name
+                for mine, theirs in renamed.items():
+                    if name.startswith(theirs):
+                        source = mine + name[len(theirs):]
+                param.copy_(values[source])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.first:
+            assert self.wte is not None and self.wpe is not None
+            x = self.wte(x) + self.wpe(torch.arange(x.shape[1]))  # local (B / m, T, C)
+        for block in self.h:
+            x = block(x)
+        if self.last:
+            assert self.ln_f is not None and self.wte is not None
+            x = self.ln_f(x) @ self.wte.weight.T  # (B / m, T, V)
+        return x
+
+
+def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return TF.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+def torch_step(p: int, schedule_cls: Any, reference: dict[str, np.ndarray],
+               block_stage: tuple[int, ...]) -> Callable[[], float]:
+    rank = dist.get_rank()
+    blocks = [i for i, s in enumerate(block_stage) if s == rank]
+    stage_module = TorchStage(reference, blocks, rank == 0, rank == p - 1)
+    stage = PipelineStage(stage_module, rank, p, torch.device("cpu"))
+    schedule = schedule_cls(stage, MICRO, loss_fn=_loss)
+    params = list(stage_module.parameters())
+    groups = [{"params": [q for q in params if q.ndim >= 2], "weight_decay": 0.1},
+              {"params": [q for q in params if q.ndim < 2], "weight_decay": 0.0}]
+    opt = torch.optim.AdamW(groups, lr=LR, betas=(0.9, 0.95), foreach=True)
+    tied = dist.new_group([0, p - 1])
+    ids, targets = (torch.from_numpy(a) for a in data())
+
+    def step() -> float:
+        opt.zero_grad(set_to_none=True)
+        losses: list[torch.Tensor] = []
+        if rank == 0:
+            schedule.step(ids)
+        elif rank == p - 1:
+            schedule.step(target=targets, losses=losses)
+        else:
+            schedule.step()
+        _sum_tied_grad(stage_module, tied, rank, p)
+        _clip(params, stage_module, rank, p)
+        opt.step()
+        return float(torch.stack(losses).mean()) if losses else float("nan")
+
+    return step
+
+
+def _sum_tied_grad(module: TorchStage, group: Any, rank: int, p: int) -> None:
+    """The embedding and the head share one weight: both stages' gradients summed, on both."""
+    if rank in (0, p - 1) and module.wte is not None:
+        grad = module.wte.weight.grad
+        assert grad is not None
+        dist.all_reduce(grad, group=group)
+
+
+def _clip(params: list[torch.Tensor], module: TorchStage, rank: int, p: int) -> None:
+    """Global-norm clipping over every stage, the tied weight counted once (on the first stage)."""
+    skip = module.wte.weight if rank == p - 1 and rank != 0 and module.wte is not None else None
+    sq = sum(float(q.grad.pow(2).sum()) for q in params if q.grad is not None and q is not skip)
+    total = torch.tensor([sq], dtype=torch.float64)
+    dist.all_reduce(total)
+    scale = CLIP / (float(total.sqrt()) + 1e-6)
+    if scale < 1.0:
+        for q in params:
+            if q.grad is not None:
+                q.grad.mul_(scale)
+
+
+# ----------------------------------------------------------------------------- timing
+
+
+def timed(fn: Callable[[], object], steps: int) -> float:
+    """Seconds per step over ``steps`` steps, as the slowest process saw them."""
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(steps):
+        fn()
+    elapsed = torch.tensor([(time.perf_counter() - start) / steps], dtype=torch.float64)
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    return float(elapsed)
+
+
+def worker(args: argparse.Namespace) -> None:
+    torch.set_num_threads(1)
+    sbpflow.distributed.init()
+    p = dist.get_world_size()
+    sbp_step, trainer = sbpflow_step(p)
+    reference = {n: t.detach().to_global(placement=trainer.strategy.everywhere,
+                                         sbp=sbpflow.sbp.broadcast).numpy()
+                 for n, t in trainer.model.named_parameters()}
+    block_stage = trainer.strategy.block_stage
+    contenders = {"sbpflow 1f1b (graph)": sbp_step,
+                  "torch Schedule1F1B": torch_step(p, Schedule1F1B, reference, block_stage),
+                  "torch ScheduleGPipe": torch_step(p, ScheduleGPipe, reference, block_stage)}
+    first = {name: [fn() for _ in range(2)] for name, fn in contenders.items()}  # warm-up; losses compared
+    samples: dict[str, list[float]] = {name: [] for name in contenders}
+    for _ in range(args.rounds):
+        for name, fn in contenders.items():
+            samples[name].append(timed(fn, args.steps))
+    medians = {name: statistics.median(v) for name, v in samples.items()}
+    compiled = trainer.graph._compiled()
+    peaks = activation_peaks(compiled.plan.pipeline, compiled.executor.stats.peak_slots)
+    mine = peaks.get(dist.get_rank(), 0)
+    gathered: list[Any] = [None] * p
+    dist.all_gather_object(gathered, (first, mine, compiled.executor.stats.peak_bytes))
+    if dist.get_rank() == 0:
+        print(report(p, medians, gathered, args.rounds, args.steps), flush=True)
+
+
+def report(p: int, medians: dict[str, float], gathered: list[Any], rounds: int, steps: int) -> str:
+    base = medians["torch Schedule1F1B"]
+    lines = [f"### pp={p} on {p} gloo processes, {MICRO} micro-batches", "",
+             "| contender | step (ms, median) | vs torch Schedule1F1B |", "|---|---|---|"]
+    for name, t in medians.items():
+        lines.append(f"| {name} | {t * 1e3:.1f} | {t / base:.2f}x |")
+    last = gathered[p - 1][0]
+    losses = ", ".join(f"{name}: {' '.join(f'{v:.5f}' for v in vals)}" for name, vals in last.items())
+    peaks = ", ".join(f"stage {s}: {g[1]}" for s, g in enumerate(gathered))
+    mib = ", ".join(f"stage {s}: {sum(g[2].values()) / 2**20:.1f} MiB" for s, g in enumerate(gathered))
+    lines += ["", f"First two losses (last stage): {losses}.",
+              f"sbpflow activations held (micro-batches, from the runtime's register counters): {peaks} "
+              f"(1F1B bound p - s); peak live bytes of its registers, variables included: {mib}.",
+              f"{rounds} rounds of {steps} steps per contender, interleaved."]
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--write", action="store_true", help="write the tables into docs/benchmarks.md")
+    args = parser.parse_args()
+    if "RANK" in os.environ:
+        worker(args)
+        return 0
+    env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
+    tables = []
+    for world in args.worlds:
+        cmd = [sys.executable, "-m", "sbpflow.cli", "launch", "-n", str(world), str(Path(__file__).resolve()),
+               "--rounds", str(args.rounds), "--steps", str(args.steps)]
+        out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout
+        print(out, flush=True)
+        tables.append(out[out.index("### "):].strip() if "### " in out else out.strip())
+    if args.write:
+        from _report import machine, write_section
+
+        head = ["## Pipeline parallelism vs torch.distributed.pipelining", "",
+                f"`PYTHONPATH=src python benchmarks/pipeline_compare.py --write` on {machine()}. "
+                + " ".join(__doc__.split("\n\n")[2].split()), ""]
+        write_section(SECTION, "\n".join(head) + "\n" + "\n\n".join(tables))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
