@@ -171,3 +171,32 @@ def test_the_dry_run_counts_a_step_and_refuses_a_plan_that_cannot_finish() -> No
         dry_run(plan, SimulatedBackend())
     assert f"\n  #{relu.id} compute relu (op relu): a control token from actor #{neg.id} compute neg for " \
            "micro-batch 0\n" in str(info.value)
+
+
+def _with_lead(plan: PhysicalPlan, lead: int) -> PhysicalPlan:
+    """neg (the reader) waits, on each micro-batch k, for relu's micro-batch k + lead (a control edge)."""
+    relu = next(n for n in plan.nodes if n.op == "relu")
+    neg = next(n for n in plan.nodes if n.op == "neg")
+    plan.nodes[neg.id] = type(neg)(**{**neg.__dict__, "control": (relu.id,), "control_lead": (lead,)})
+    return plan
+
+
+def test_a_control_lead_holds_the_reader_until_the_producer_is_lead_micro_batches_ahead() -> None:
+    """GPipe's control edge: with lead 3 of 4 micro-batches, neg's first step waits for relu's fourth."""
+    b = board(_with_lead(chain(4, 4), 3))
+    source, unpack = by_kind(b, "input"), by_kind(b, "unpack")
+    relu, neg = by_kind(b, "compute", "relu"), by_kind(b, "compute", "neg")
+    act(b, source)
+    for k in range(4):
+        act(b, unpack)
+        act(b, relu)
+        assert b.ready(neg) == (k == 3)
+    for _ in range(4):  # the last micro-batches need no more tokens than the producer has left
+        act(b, neg)
+    assert b.stats.peak_slots[relu.outputs[0].buf] == 4
+
+
+def test_a_lead_needs_that_many_slots_or_the_step_cannot_finish() -> None:
+    dry_run(_with_lead(chain(4, 3), 2), SimulatedBackend())
+    with pytest.raises(ExecutionError, match="cannot finish a step"):
+        dry_run(_with_lead(chain(4, 3), 3), SimulatedBackend())
