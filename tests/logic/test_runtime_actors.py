@@ -200,3 +200,12 @@ def test_a_lead_needs_that_many_slots_or_the_step_cannot_finish() -> None:
     dry_run(_with_lead(chain(4, 3), 2), SimulatedBackend())
     with pytest.raises(ExecutionError, match="cannot finish a step"):
         dry_run(_with_lead(chain(4, 3), 3), SimulatedBackend())
+
+
+def test_a_waiting_lead_edge_says_which_micro_batch_it_waits_for() -> None:
+    b = board(_with_lead(chain(4, 4), 3))
+    relu, neg = by_kind(b, "compute", "relu"), by_kind(b, "compute", "neg")
+    for actor in (by_kind(b, "input"), by_kind(b, "unpack"), relu):
+        act(b, actor)
+    assert b.waits(neg) == [f"a control token (lead 3: the source's micro-batch 3) from actor {relu.node.label()} "
+                            "for micro-batch 0"]

@@ -84,12 +84,25 @@ class InEdge:
 
     @property
     def waits(self) -> bool:
-        return self.orphan or (self.producer is not None and not self.queue)
+        if self.orphan:
+            return True
+        if self.producer is None:
+            return False
+        return len(self.queue) < self.tokens_needed()
+
+    def tokens_needed(self) -> int:
+        """Slots (or control tokens) the consumer's next step needs here: 1, or 1 + lead on a lead control edge
+        (fewer near the end, when the source has no more steps to give)."""
+        if self.lead == 0:
+            return 1
+        return min(self.lead + 1, self.consumer.steps - self.consumer.step)
 
     def describe(self) -> str:
         if self.orphan:
             return f"register %{self.buf} (no node of the plan writes it)"
         what = f"register %{self.buf}" if self.buf is not None else "a control token"
+        if self.lead:
+            what += f" (lead {self.lead}: the source's micro-batch {self.consumer.step + self.lead})"
         source = self.producer.node.label() if self.producer is not None else "no actor of this process"
         return f"{what} from actor {source}"
 
@@ -268,7 +281,7 @@ class Board:
             if edge.orphan or (edge.producer is not None and not edge.queue):
                 return False
         for edge in actor.controls:
-            if len(edge.queue) < min(edge.lead + 1, actor.steps - actor.step):
+            if len(edge.queue) < edge.tokens_needed():
                 return False
         if actor.acquires(actor.step):
             return all(reg.free > 0 for reg in actor.outputs)
