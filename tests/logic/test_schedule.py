@@ -83,3 +83,23 @@ def test_counts_and_order_are_checked() -> None:
 def test_unknown_schedule_is_refused() -> None:
     with pytest.raises(ScheduleError, match="pipeline schedule must be one of"):
         make("round_robin", 2, 4)
+
+
+@pytest.mark.parametrize(("p", "m"), [(2, 4), (4, 4), (4, 8), (8, 16), (4, 2)])
+def test_zero_bubble_runs_f_b_w_within_one_f_one_b_peak(p: int, m: int) -> None:
+    """Every micro-batch's F, B and W once, in that order; at most min(p, m) held (1F1B's stage-0 peak); with
+    F = B = W its idle share lies between ZB-H1's (p - 1) / (3m + p - 1) and 1F1B's (p - 1) / (m + p - 1)."""
+    s = make("zero_bubble", p, m)
+    assert s.splits_backward and s.bounds == (min(p, m),) * p
+    cells = check(s)
+    assert sum(1 for row in cells for c in row if c.startswith("W")) == p * m
+    assert (p - 1) / (3 * m + p - 1) - 1e-9 <= bubble(cells) < bubble_theory(p, m)
+
+
+def test_w_before_its_b_is_refused() -> None:
+    s = make("zero_bubble", 2, 2)
+    last = list(s.actions[1])
+    w0 = last.index(Action("W", 0))
+    last.insert(0, last.pop(w0))
+    with pytest.raises(ScheduleError, match="stage 1 runs W0 before B0"):
+        check(dataclasses.replace(s, actions=(s.actions[0], tuple(last))))

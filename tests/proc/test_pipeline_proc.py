@@ -18,7 +18,7 @@ from sbpflow.models.gpt import GPTConfig
 CONFIG = GPTConfig(vocab_size=64, block_size=8, n_layer=4, n_head=2, n_embd=32, dropout=0.0)
 STEPS = 2
 BATCH = 16
-CASES = [("pp=4", 4, "1f1b"), ("pp=2", 4, "gpipe"), ("dp=2,pp=2", 4, "1f1b")]
+CASES = [("pp=4", 4, "1f1b"), ("pp=2", 4, "gpipe"), ("dp=2,pp=2", 4, "1f1b"), ("pp=4", 4, "zero_bubble")]
 RTOL, ATOL = 1e-5, 4e-5  # gloo sums in its own order; AdamW turns that noise on about-zero gradients into lr steps
 TIMEOUT = 300.0
 
@@ -66,9 +66,10 @@ def test_schedules_match_one_device(per_rank: list[dict[str, Any]]) -> None:
 
 
 def test_each_process_holds_its_stages_bound(per_rank: list[dict[str, Any]]) -> None:
-    """1F1B: stage s of p holds p - s micro-batches of activations; GPipe: m (pp=2 leaves ranks 2 and 3 idle)."""
+    """1F1B: stage s of p holds p - s micro-batches of activations; GPipe: m (pp=2 leaves ranks 2 and 3 idle);
+    zero bubble: p on every stage."""
     expected = {("pp=4", 4, "1f1b"): [4, 3, 2, 1], ("pp=2", 4, "gpipe"): [4, 4, None, None],
-                ("dp=2,pp=2", 4, "1f1b"): [2, 2, 1, 1]}
+                ("dp=2,pp=2", 4, "1f1b"): [2, 2, 1, 1], ("pp=4", 4, "zero_bubble"): [4, 4, 4, 4]}
     for case, by_rank in expected.items():
         assert [out["bounds"].get(case) for out in per_rank] == by_rank, case
         assert [out["peaks"].get(case) for out in per_rank] == by_rank, case

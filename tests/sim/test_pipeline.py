@@ -59,7 +59,9 @@ def _assert_close(got: tuple[list[float], dict[str, Any]], want: tuple[list[floa
 
 
 CASES = [(schedule, spec, m) for schedule in ("1f1b", "gpipe") for spec in ("pp=2", "pp=4") for m in (4, 8)]
-CASES += [(schedule, "dp=2,tp=2,pp=2", 4) for schedule in ("1f1b", "gpipe")]
+CASES += [(schedule, "dp=2,tp=2,pp=2", 4) for schedule in ("1f1b", "gpipe", "zero_bubble")]
+CASES += [("zero_bubble", "pp=2", 4), ("zero_bubble", "pp=4", 8)]
+BOUND = {"1f1b": lambda p, m, s: p - s, "gpipe": lambda p, m, s: m, "zero_bubble": lambda p, m, s: min(p, m)}
 
 
 @pytest.mark.parametrize(("schedule", "spec", "m"), CASES, ids=[f"{s}-{p}-m{m}" for s, p, m in CASES])
@@ -69,9 +71,24 @@ def test_schedule_matches_one_device_and_holds_its_bound(schedule: str, spec: st
     compiled = trainer.graph._compiled()
     pipe = compiled.plan.pipeline
     p = len(pipe.stages)
-    expected = {s: m if schedule == "gpipe" else p - s for s in range(p)}
+    expected = {s: BOUND[schedule](p, m, s) for s in range(p)}
     assert pipe.schedule.bounds == tuple(expected.values())
     assert activation_peaks(pipe, compiled.executor.stats.peak_slots) == expected
+
+
+def test_zero_bubble_splits_weight_gradients_from_the_backward() -> None:
+    """W: the weight-gradient nodes (linear_weight_grad, embedding_backward); B: the input-gradient chain the
+    previous stage waits for, which the first stage does not have (all its backward is W)."""
+    _, _, trainer = _train("pp=4", 8, "zero_bubble")
+    plan = trainer.graph.plan
+    pipe = plan.pipeline
+    ops = {(pipe.part_of[n.id], n.op) for n in plan.nodes if n.id in pipe.part_of and n.kind == "compute"}
+    assert ("W", "linear_weight_grad") in ops and ("W", "embedding_backward") in ops and ("B", "matmul_nd") in ops
+    # one weight gradient stays in B: the tied head's, which goes back to the embedding's stage (a send)
+    in_b = [n for n in plan.nodes if n.op == "linear_weight_grad" and pipe.part_of.get(n.id) == "B"]
+    assert len(in_b) == 1 and pipe.stage_of[in_b[0].id] == 3
+    assert not any(pipe.stage_of[n] == 0 and part == "B" for n, part in pipe.part_of.items())
+    assert any(pipe.stage_of[n] == 1 and part == "B" for n, part in pipe.part_of.items())
 
 
 def test_register_counts_follow_the_schedule() -> None:

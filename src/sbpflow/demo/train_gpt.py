@@ -355,7 +355,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--resume", default=None, metavar="DIR",
                         help="continue from a checkpoint (or the newest one in a folder of them), under this run's "
                              "own --devices and --strategy: bit-exact under the same ones")
-    parser.add_argument("--pipeline-schedule", choices=["1f1b", "gpipe"], default=None,
+    parser.add_argument("--pipeline-schedule", choices=["1f1b", "gpipe", "zero_bubble"], default=None,
                         help="how pipeline stages take turns in graph mode (default 1f1b); the grid is printed")
     return parser
 

@@ -9,6 +9,9 @@ how many micro-batches each register may hold.
 * **Stages**: one per placement, in order of first use by a ``micro`` compute node.
 * **Parts**: a ``micro`` node is B (backward) if it reads, transitively, the loss's implicit gradient;
   every other ``micro`` node is F. A cross-stage boxing node belongs to its source stage (a send).
+  Under ``zero_bubble`` a B node whose outputs only feed W nodes or the gradient accumulation is W
+  (weight gradients: ``linear_weight_grad``, bias sums, ``embedding_backward``), found backwards
+  through the graph; the rest of B is the input-gradient chain the previous stage waits for.
 * **Held** buffers of stage ``s``: written by F and read by B on ``s`` (received ones too). Those that
   depend on a micro-batch's data are its **activations**; the others are per-micro-batch views of
   weights (``repeat``, a tied weight sent to the last stage), which need the same slots but no memory.
@@ -72,6 +75,8 @@ class Pipeline:
         part = self.part_of.get(nid)
         if part is None:
             return LAST
+        if part == "W" and not self.schedule.splits_backward:
+            part = "B"
         return self._order[self.stage_of[nid]][(part, step)]
 
     def grid(self) -> str:
@@ -91,6 +96,8 @@ def plan_pipeline(plan: PhysicalPlan, seeds: Iterable[int], schedule: str = "1f1
     cells = check(sched)
     stage_of = _stage_of(plan, stages)
     part_of = _parts(plan, set(seeds))
+    if sched.splits_backward:
+        part_of.update(dict.fromkeys(_weight_gradients(plan, part_of, stage_of), "W"))
     held = _held(plan, stage_of, part_of)
     data = _data_dependent(plan)
     activations = {s: tuple(b for b in bufs if b in data) for s, bufs in held.items()}
@@ -153,6 +160,27 @@ def _data_dependent(plan: PhysicalPlan) -> set[int]:
     return data
 
 
+def _weight_gradients(plan: PhysicalPlan, part_of: dict[int, str], stage_of: dict[int, int]) -> set[int]:
+    """B nodes whose every output is read only by W nodes or accumulate/pack (the weight gradients)."""
+    consumers: dict[int, list[PNode]] = {}
+    for n in plan.nodes:
+        for b in n.inputs:
+            consumers.setdefault(b, []).append(n)
+    weight: set[int] = set()
+    for n in reversed(plan.nodes):
+        if part_of.get(n.id) != "B" or not n.outputs or _crosses_stages(plan, n, stage_of):
+            continue
+        readers = [c for b in n.outputs for c in consumers.get(b, [])]
+        if readers and all(c.id in weight or c.kind in GATHERING for c in readers):
+            weight.add(n.id)
+    return weight
+
+
+def _crosses_stages(plan: PhysicalPlan, n: PNode, stage_of: dict[int, int]) -> bool:
+    ranks = {r for b in n.inputs + n.outputs for r in plan.bufs[b].layout.placement.flat_ranks}
+    return n.kind == "boxing" and not ranks <= set(plan.bufs[n.inputs[0]].layout.placement.flat_ranks)
+
+
 def _held(plan: PhysicalPlan, stage_of: dict[int, int], part_of: dict[int, str]) -> dict[int, tuple[int, ...]]:
     """Per stage, the F-written buffers that a B node of that stage reads."""
     producer = plan.producers()
@@ -162,7 +190,7 @@ def _held(plan: PhysicalPlan, stage_of: dict[int, int], part_of: dict[int, str])
         if writer is None or part_of.get(writer) != "F":
             continue
         for reader in reg.consumers:
-            if part_of.get(reader) == "B":
+            if part_of.get(reader) in ("B", "W"):
                 out.setdefault(stage_of[reader], []).append(b)
                 break
     return {s: tuple(bufs) for s, bufs in sorted(out.items())}
@@ -225,9 +253,12 @@ def activation_peaks(pipe: Pipeline, peak_slots: dict[int, int]) -> dict[int, in
     return {s: max((peak_slots.get(b, 0) for b in bufs), default=0) for s, bufs in pipe.activations.items()}
 
 
-def balanced_durations(plan: PhysicalPlan, forward_s: float, backward_s: float) -> dict[int, float]:
+def balanced_durations(plan: PhysicalPlan, forward_s: float, backward_s: float,
+                       weight_s: float = 0.0) -> dict[int, float]:
     """Synthetic-time durations (node id -> seconds) where every stage's forward takes ``forward_s`` and its
-    backward ``backward_s``, spread evenly over its compute nodes; everything else takes no time.
+    backward ``backward_s``, spread evenly over its compute nodes; everything else takes no time. Under
+    ``zero_bubble`` W nodes take ``weight_s`` (a stage with no B nodes, the first one, whose input gradient
+    nobody needs, gives its W nodes both times, so stages stay equal).
 
     Balanced stages with no communication time are what the bubble formula (p - 1) / (m + p - 1) assumes,
     so a synthetic run with these durations measures the schedule, not the model's stage imbalance.
@@ -239,5 +270,10 @@ def balanced_durations(plan: PhysicalPlan, forward_s: float, backward_s: float) 
     for n in plan.nodes:
         if n.kind == "compute" and n.id in pipe.part_of:
             nodes.setdefault((pipe.stage_of[n.id], pipe.part_of[n.id]), []).append(n.id)
-    total = {"F": forward_s, "B": backward_s}
+    total = {"F": forward_s, "B": backward_s, "W": weight_s}
+    for stage in range(len(pipe.stages)):
+        if (stage, "W") in nodes and (stage, "B") not in nodes:
+            total_w = backward_s + weight_s
+            nodes[(stage, "W*")] = nodes.pop((stage, "W"))
+            total["W*"] = total_w
     return {nid: total[part] / len(ids) for (_, part), ids in nodes.items() for nid in ids}

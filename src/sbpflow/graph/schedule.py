@@ -3,7 +3,8 @@
 A schedule says, for each of the ``p`` stages, the order of its actions over ``m`` micro-batches::
 
     F k        forward of micro-batch k on this stage
-    B k        backward of micro-batch k (input and weight gradients; ZB-H1 would split out W)
+    B k        backward of micro-batch k (input and weight gradients; under zero_bubble input gradients only)
+    W k        zero_bubble: the weight gradients of micro-batch k, split from B at graph level
     send/recv  the activation (after F, to stage s+1) or its gradient (after B, to stage s-1)
 
 Every rank of a stage runs its stage's list (a stage may itself be a data x tensor mesh).
@@ -11,6 +12,8 @@ Every rank of a stage runs its stage's list (a stage may itself be a data x tens
     schedule    stage s does                                              activations held on s
     gpipe       F 0..m-1, then B 0..m-1                                   m
     1f1b        F 0..w-1 (w = min(p-s-1, m)), then F/B pairs, then Bs     p - s
+    zero_bubble each unit step: B if its gradient came, else F if a slot     p (ZB-H1: 1F1B's peak,
+                is free, else a pending W (W fills the bubbles)            on every stage)
 
 :func:`check` runs before a plan is used: every stage has each F and B once, F k before B k, and a
 dry run of all stages in unit steps (each F or B takes one step; a message sent at step t can be
@@ -28,12 +31,12 @@ stage 1  .   F0  B0  F1  B1  F2  B2  .
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ..errors import SbpflowError
 
-SCHEDULES = ("1f1b", "gpipe")
-COMPUTE = ("F", "B")
+SCHEDULES = ("1f1b", "gpipe", "zero_bubble")
+COMPUTE = ("F", "B", "W")
 
 
 class ScheduleError(SbpflowError, RuntimeError):
@@ -68,6 +71,11 @@ class Schedule:
     def stages(self) -> int:
         return len(self.actions)
 
+    @property
+    def splits_backward(self) -> bool:
+        """Whether B is input gradients only and W the weight gradients (zero_bubble)."""
+        return any(a.kind == "W" for a in self.actions[0])
+
     def compute_order(self, stage: int) -> dict[tuple[str, int], int]:
         """(F or B, micro-batch) -> its index among the stage's compute actions: the runtime's priority."""
         order = [(a.kind, a.micro) for a in self.actions[stage] if a.kind in COMPUTE]
@@ -85,12 +93,14 @@ def make(name: str, stages: int, micro_batches: int) -> Schedule:
         raise ScheduleError(f"a schedule needs stages >= 1 and micro_batches >= 1, but got {stages} and "
                             f"{micro_batches}")
     p, m = stages, micro_batches
-    lists = []
-    for s in range(p):
-        order = _gpipe_order(m) if name == "gpipe" else _one_f_one_b_order(p, m, s)
-        lists.append(tuple(with_messages(order, s, p)))
-    bounds = tuple(m if name == "gpipe" else min(p - s, m) for s in range(p))
-    return Schedule(name, m, tuple(lists), bounds)
+    if name == "zero_bubble":
+        bounds = (min(p, m),) * p
+        orders = _zero_bubble_orders(p, m, bounds[0])
+    else:
+        bounds = tuple(m if name == "gpipe" else min(p - s, m) for s in range(p))
+        orders = [_gpipe_order(m) if name == "gpipe" else _one_f_one_b_order(p, m, s) for s in range(p)]
+    lists = tuple(tuple(with_messages(order, s, p)) for s, order in enumerate(orders))
+    return Schedule(name, m, lists, bounds)
 
 
 def _gpipe_order(m: int) -> list[tuple[str, int]]:
@@ -105,6 +115,57 @@ def _one_f_one_b_order(p: int, m: int, s: int) -> list[tuple[str, int]]:
         order += [("F", warm + k), ("B", k)]
     order += [("B", k) for k in range(m - warm, m)]
     return order
+
+
+def _zero_bubble_orders(p: int, m: int, bound: int) -> list[list[tuple[str, int]]]:
+    """ZB-H1 by list scheduling in unit steps: a stage runs B when its gradient has come (the critical path),
+    else F when a micro-batch has arrived and fewer than ``bound`` are held (held until W), else its oldest
+    pending W, which fills what would be 1F1B's bubble."""
+    stages = [_ZbStage() for _ in range(p)]
+    while any(len(st.order) < 3 * m for st in stages):
+        picks = [_zero_bubble_pick(stages, s, m, bound) for s in range(p)]  # all decide on the last step's state
+        for st, action in zip(stages, picks, strict=True):
+            if action is not None:
+                st.apply(action)
+    return [st.order for st in stages]
+
+
+@dataclass
+class _ZbStage:
+    """One stage's progress while :func:`_zero_bubble_orders` builds its list."""
+
+    order: list[tuple[str, int]] = field(default_factory=list)
+    next_f: int = 0
+    next_b: int = 0
+    held: int = 0  # micro-batches forwarded whose W has not run
+    pending_w: list[int] = field(default_factory=list)
+    forwarded: set[int] = field(default_factory=set)
+    backwarded: set[int] = field(default_factory=set)
+
+    def apply(self, action: tuple[str, int]) -> None:
+        kind, k = action
+        self.order.append(action)
+        if kind == "F":
+            self.next_f, self.held = self.next_f + 1, self.held + 1
+            self.forwarded.add(k)
+        elif kind == "B":
+            self.next_b += 1
+            self.pending_w.append(k)
+            self.backwarded.add(k)
+        else:
+            self.pending_w.pop(0)
+            self.held -= 1
+
+
+def _zero_bubble_pick(stages: list[_ZbStage], s: int, m: int, bound: int) -> tuple[str, int] | None:
+    me, last = stages[s], s == len(stages) - 1
+    k = me.next_b
+    if k < m and k in (me.forwarded if last else stages[s + 1].backwarded):
+        return ("B", k)
+    k = me.next_f
+    if k < m and me.held < bound and (s == 0 or k in stages[s - 1].forwarded):
+        return ("F", k)
+    return ("W", me.pending_w[0]) if me.pending_w else None
 
 
 def with_messages(order: Sequence[tuple[str, int]], stage: int, stages: int) -> list[Action]:
@@ -130,13 +191,13 @@ def with_messages(order: Sequence[tuple[str, int]], stage: int, stages: int) -> 
 def check(schedule: Schedule) -> list[list[str]]:
     """Validates ``schedule`` and returns its dry run: per stage, the compute action at each unit step."""
     for s, actions in enumerate(schedule.actions):
-        _check_counts(s, actions, schedule.micro_batches)
+        _check_counts(s, actions, schedule.micro_batches, schedule.splits_backward)
         _check_order(s, actions)
     return simulate(schedule)
 
 
-def _check_counts(stage: int, actions: Sequence[Action], m: int) -> None:
-    for kind in COMPUTE:
+def _check_counts(stage: int, actions: Sequence[Action], m: int, split: bool) -> None:
+    for kind in COMPUTE if split else ("F", "B"):
         micros = sorted(a.micro for a in actions if a.kind == kind)
         if micros != list(range(m)):
             raise ScheduleError(f"stage {stage} must run {kind} once for each of the {m} micro-batches, "
@@ -146,9 +207,10 @@ def _check_counts(stage: int, actions: Sequence[Action], m: int) -> None:
 def _check_order(stage: int, actions: Sequence[Action]) -> None:
     seen: set[tuple[str, int]] = set()
     for a in actions:
-        if a.kind == "B" and ("F", a.micro) not in seen:
-            raise ScheduleError(f"stage {stage} runs B{a.micro} before F{a.micro}: a backward needs its forward's "
-                                "activations")
+        before = {"B": "F", "W": "B"}.get(a.kind)
+        if before is not None and (before, a.micro) not in seen:
+            raise ScheduleError(f"stage {stage} runs {a.kind}{a.micro} before {before}{a.micro}: F, then B, then W "
+                                "for each micro-batch")
         seen.add((a.kind, a.micro))
 
 
@@ -192,7 +254,8 @@ def _play_step(schedule: Schedule, s: int, heads: list[int], held: list[int],
         else:
             if computed or (a.kind == "F" and held[s] >= schedule.bounds[s]):
                 break
-            held[s] += 1 if a.kind == "F" else -1
+            frees = "W" if schedule.splits_backward else "B"
+            held[s] += 1 if a.kind == "F" else -1 if a.kind == frees else 0
             cell, computed = str(a), True
         heads[s] += 1
         moved = True

@@ -69,8 +69,9 @@ class GraphConfig:
         self.micro_batches = steps
 
     def set_pipeline_schedule(self, name: str) -> None:
-        """``"1f1b"`` (default: stage s holds p - s micro-batches of activations) or ``"gpipe"`` (every forward,
-        then every backward: m). Applies when the model's modules sit on several placements (stages)."""
+        """``"1f1b"`` (default: stage s holds p - s micro-batches of activations), ``"gpipe"`` (every forward,
+        then every backward: m) or ``"zero_bubble"`` (ZB-H1 style: weight gradients split from the backward
+        fill the bubble; p on every stage). Applies when the model's modules sit on several placements."""
         from ..graph.schedule import SCHEDULES
 
         if name not in SCHEDULES:
