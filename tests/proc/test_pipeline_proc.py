@@ -72,4 +72,8 @@ def test_each_process_holds_its_stages_bound(per_rank: list[dict[str, Any]]) -> 
                 ("dp=2,pp=2", 4, "1f1b"): [2, 2, 1, 1], ("pp=4", 4, "zero_bubble"): [4, 4, 4, 4]}
     for case, by_rank in expected.items():
         assert [out["bounds"].get(case) for out in per_rank] == by_rank, case
-        assert [out["peaks"].get(case) for out in per_rank] == by_rank, case
+        peaks = [out["peaks"].get(case) for out in per_rank]
+        if case[2] == "zero_bubble":  # a W may run early when the next F is late: at most the bound
+            assert all(got <= bound for got, bound in zip(peaks, by_rank, strict=True)), (case, peaks)
+        else:
+            assert peaks == by_rank, case

@@ -13,12 +13,13 @@ from typing import Any
 import numpy as np
 import pytest
 
+from sbpflow.comm import get_backend
 from sbpflow.demo.train_gpt import Trainer, build, parameter_values, random_batches, train_gpt
 from sbpflow.errors import SbpflowError
 from sbpflow.graph.pipeline import PipelineWarning, activation_peaks
 from sbpflow.graph.schedule import make
 from sbpflow.models.gpt import GPTConfig
-from sbpflow.runtime.board import stream_order
+from sbpflow.runtime.board import dry_run, stream_order
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -73,7 +74,14 @@ def test_schedule_matches_one_device_and_holds_its_bound(schedule: str, spec: st
     p = len(pipe.stages)
     expected = {s: BOUND[schedule](p, m, s) for s in range(p)}
     assert pipe.schedule.bounds == tuple(expected.values())
-    assert activation_peaks(pipe, compiled.executor.stats.peak_slots) == expected
+    peaks = activation_peaks(pipe, compiled.executor.stats.peak_slots)
+    if schedule != "zero_bubble":
+        assert peaks == expected
+        return
+    # zero bubble: a W may run early when its stage's next F has not arrived (timing), so a run holds at most
+    # the bound; the runtime's own schedule with instant communication (dry_run) reaches it
+    assert all(peaks[s] <= expected[s] for s in expected)
+    assert activation_peaks(pipe, dry_run(compiled.plan, get_backend()).peak_slots) == expected
 
 
 def test_zero_bubble_splits_weight_gradients_from_the_backward() -> None:
