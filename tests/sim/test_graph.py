@@ -185,6 +185,7 @@ def single_device() -> tuple[list[float], dict[str, np.ndarray]]:
     return train_gpt(None, STEPS, config=GPT_CONFIG, batch_size=8)
 
 
+@pytest.mark.filterwarnings("ignore::sbpflow.graph.pipeline.PipelineWarning")  # pp with 1 micro-batch, on purpose
 @pytest.mark.parametrize("spec", ["dp=4", "tp=2", "pp=2", "dp=2,tp=2", "dp=2,tp=2,pp=2"])
 def test_gpt_graph_matches_eager_and_one_device(spec: str, single_device: Any) -> None:
     """Dropout included: the compiled step draws the masks eager mode draws."""

@@ -261,7 +261,7 @@ class ActorRuntime:
         """The caller's lane whose next act comes first in the plan (the only lane, when there is one)."""
         if len(self._callers) == 1:
             return self._callers[0]
-        best: tuple[tuple[int, int], Worker] | None = None
+        best: tuple[tuple[int, int, int], Worker] | None = None
         for worker in self._callers:
             head = worker.peek(self.board)
             if head is not None and (best is None or head < best[0]):

@@ -68,9 +68,10 @@ class Worker:
     def pick(self, board: Board) -> Actor | None:
         raise NotImplementedError
 
-    def peek(self, board: Board) -> tuple[int, int] | None:
-        """The (plan position, step) that :meth:`pick` would return now, if any: one thread acting for several
-        lanes takes the earliest (:class:`~sbpflow.runtime.actors.ActorRuntime` on virtual ranks)."""
+    def peek(self, board: Board) -> tuple[int, int, int] | None:
+        """The priority (:meth:`Actor.priority`: schedule key, plan position, step) of what :meth:`pick` would
+        return now, if any: one thread acting for several lanes takes the earliest
+        (:class:`~sbpflow.runtime.actors.ActorRuntime` on virtual ranks), as :func:`dry_run` does."""
         raise NotImplementedError
 
     def wake(self, actor: Actor, board: Board) -> None:
@@ -111,8 +112,8 @@ class ComputeWorker(Worker):
             return None
         return heapq.heappop(self._heap)[-1]
 
-    def peek(self, board: Board) -> tuple[int, int] | None:
-        return (self._heap[0][0], self._heap[0][1]) if self._heap else None
+    def peek(self, board: Board) -> tuple[int, int, int] | None:
+        return (self._heap[0][0], self._heap[0][1], self._heap[0][2]) if self._heap else None
 
     def wake(self, actor: Actor, board: Board) -> None:
         if board.ready(actor):
@@ -143,11 +144,11 @@ class CommWorker(Worker):
         self._next += 1
         return actor
 
-    def peek(self, board: Board) -> tuple[int, int] | None:
+    def peek(self, board: Board) -> tuple[int, int, int] | None:
         if self._next >= len(self.sequence):
             return None
         actor, step = self.sequence[self._next]
-        return (actor.position, step) if actor.step == step and board.ready(actor) else None
+        return actor.priority(step) if actor.step == step and board.ready(actor) else None
 
     def wake(self, actor: Actor, board: Board) -> None:
         if self._next < len(self.sequence) and self.sequence[self._next][0] is actor:
