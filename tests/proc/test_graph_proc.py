@@ -57,7 +57,8 @@ def run(request: pytest.FixtureRequest) -> tuple[int, list[dict[str, Any]], dict
     return world, run_ranks(graph_job, world, args=(world,), timeout=TIMEOUT), graph_job(world)
 
 
-pytestmark = pytest.mark.usefixtures("one_torch_thread")
+pytestmark = [pytest.mark.usefixtures("one_torch_thread"),
+              pytest.mark.filterwarnings("ignore::sbpflow.graph.pipeline.PipelineWarning")]  # pp=2 with m=1 on purpose
 
 
 def test_same_numbers_as_virtual_ranks(run: Any) -> None:
