@@ -76,6 +76,7 @@ def test_only_gpts_are_planned():
         sbpflow.auto_parallel(sbpflow.nn.Linear(4, 4), devices=2, batch=4)
 
 
+@pytest.mark.filterwarnings("ignore::sbpflow.graph.pipeline.PipelineWarning")  # its plan may pick pp with m=1
 def test_graph_with_auto_parallel_trains_like_one_device():
     """nn.Graph plans its GPT at the first call (micro-batches included) and then trains as one device does."""
     from sbpflow.demo.train_gpt import TrainStep, scalar
