@@ -3,7 +3,9 @@
 Every op's gradient is written in sbpflow ops, so backward gets SBP inference
 and boxing like forward: a partial gradient stays partial between ops and is
 reduced only where a consumer, or a leaf's own SBP, needs otherwise. A leaf's
-``.grad`` always has the leaf's placement and SBP. By default the partial
+``.grad`` has the leaf's placement and SBP, unless the leaf names another
+gradient SBP in ``_grad_sbp`` (ZeRO-2 sets ``S`` there, so the partial gradient
+is reduce-scattered straight into the optimizer's shard). By default the partial
 gradients of broadcast leaves (weights under split data) are reduced as DDP
 does: flat buckets, issued asynchronously while backward runs, one all-reduce
 each; ``coalesce_grad_reductions(False)`` opts out (one reduction per leaf).
@@ -348,7 +350,10 @@ def _topological(roots: Sequence[Tensor]) -> list[Node]:
             continue
         seen.add(id(node))
         stack.append((node, True))
-        for t in node.inputs:
+        # Inputs pushed last-first, so the first input's subgraph is explored first and its nodes run last: a
+        # node's later inputs (weights, and ZeRO-3's gathers of them) get their backward right after it, and
+        # free what they hold, instead of waiting for the whole activation chain of the first input.
+        for t in reversed(node.inputs):
             if t.grad_fn is not None and id(t.grad_fn) not in seen:
                 stack.append((t.grad_fn, False))
     return order[::-1]
@@ -356,8 +361,9 @@ def _topological(roots: Sequence[Tensor]) -> list[Node]:
 
 def _accumulate_leaf(leaf: Tensor, grad: Tensor, F: Any) -> None:
     if leaf.is_global:
-        if grad.placement != leaf.placement or grad.sbp != leaf.sbp:
-            grad = F.to_global(grad, leaf.placement, leaf.sbp)
+        target = leaf._grad_sbp or leaf.sbp
+        if grad.placement != leaf.placement or grad.sbp != target:
+            grad = F.to_global(grad, leaf.placement, target)
     if grad.dtype != leaf.dtype:
         grad = F.cast(grad, leaf.dtype)
     if leaf.grad is None:
@@ -369,7 +375,7 @@ def _accumulate_leaf(leaf: Tensor, grad: Tensor, F: Any) -> None:
 def _coalescible(leaf: Tensor, grad: Tensor) -> bool:
     """A broadcast leaf whose gradient is partial on some mesh axes and broadcast on the others: the reduction
     is elementwise, so concatenated buffers reduce to the concatenated results."""
-    if leaf._placement is None or grad._sbp is None or partial_sum not in grad._sbp:  # asked per leaf, per backward
+    if leaf._placement is None or leaf._grad_sbp is not None or grad._sbp is None or partial_sum not in grad._sbp:  # asked per leaf, per backward
         return False
     return (grad._placement == leaf._placement and grad._dtype == leaf._dtype
             and all(s == broadcast for s in leaf._sbp or ()) and all(s in (broadcast, partial_sum) for s in grad._sbp))

@@ -92,6 +92,7 @@ class Optimizer:
     def __init__(self, params: Iterable[Any], defaults: dict[str, Any]) -> None:
         self.defaults = defaults
         self.state = _StateByParam()
+        self._zero: Any = None  # a ZeroPlan once sbpflow.optim.zero() has sharded this optimizer
         self.param_groups: list[dict[str, Any]] = []
         groups = list(params)
         if not groups:
@@ -117,7 +118,10 @@ class Optimizer:
     # -- the layout hook -------------------------------------------------------------------------
 
     def state_sbp(self, param: Tensor) -> NdSbp | None:
-        """The SBP of ``param``'s state tensors (its own SBP; ``None`` for a local parameter). Override for ZeRO."""
+        """The SBP of ``param``'s state tensors (its own SBP; ``None`` for a local parameter; ZeRO's shard after
+        :func:`sbpflow.optim.zero`). Override for other layouts."""
+        if self._zero is not None:
+            return self._zero.state_sbp(param)  # type: ignore[no-any-return]
         return param.sbp if param.is_global else None
 
     # -- gradients -------------------------------------------------------------------------------
