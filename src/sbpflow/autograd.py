@@ -191,38 +191,64 @@ def backward(roots: Sequence[Tensor], grads: Sequence[Tensor | None], retain_gra
     """Accumulates d(roots)/d(leaf) into every reachable leaf's ``.grad``."""
     from .ops import functional as F
 
+    with _set_grad(False):
+        for leaf, grad in _leaf_gradients(roots, grads, retain_graph, _mode.coalesce):
+            _accumulate_leaf(leaf, grad, F)
+
+
+def grad(roots: Sequence[Tensor], grads: Sequence[Tensor | None], inputs: Sequence[Tensor]) -> list[Tensor | None]:
+    """d(roots)/d(inputs) for leaf ``inputs``, returned as computed (any SBP, partial included) instead of
+    accumulated into ``.grad``; ``None`` for an input the roots do not depend on. Other leaves are left alone.
+
+    Activation checkpointing uses it to hand a recomputed segment's gradients to the outer backward, which then
+    reduces and accumulates them as if the segment had never been recomputed.
+
+    >>> import sbpflow
+    >>> x = sbpflow.ones(3, requires_grad=True)
+    >>> [g.tolist() for g in grad([(x * x).sum()], [None], [x])]
+    [[2.0, 2.0, 2.0]]
+    """
+    with _set_grad(False):
+        by_leaf = {id(leaf): g for leaf, g in _leaf_gradients(roots, grads, False, coalesce=False)}
+    return [by_leaf.get(id(t)) for t in inputs]
+
+
+def _leaf_gradients(roots: Sequence[Tensor], grads: Sequence[Tensor | None], retain_graph: bool,
+                    coalesce: bool) -> list[tuple[Tensor, Tensor]]:
+    """Runs backward from ``roots``; returns each reached leaf with its summed gradient (reduced in buckets when
+    ``coalesce``)."""
+    from .ops import functional as F
+
     pending: dict[tuple[int, int], Tensor] = {}  # (id(node), output index) -> gradient so far
     leaf_grads: dict[int, tuple[Tensor, Tensor]] = {}
-    with _set_grad(False):
-        for root, grad in zip(roots, grads, strict=True):
-            _check_root(root)
-            grad = _root_grad(root, grad)
-            _send(root, grad, pending, leaf_grads)
-        nodes = _topological(roots)
-        # local graphs have nothing to reduce; a traced one (nn.Graph) has no shards yet: its plan reduces
-        coalesce = _mode.coalesce and any(r._local is None and r._lazy is None for r in roots)
-        bucketer = _Bucketer(nodes, roots, _mode.bucket_bytes) if coalesce else None
-        for node in nodes:
-            outs = [pending.pop((id(node), i), None) for i in range(len(node.out_refs))]
-            if not all(g is None for g in outs):
-                outs = _run_output_hooks(node, outs)
-                in_grads = _call_backward(node, outs)
-                for t, g in zip(node.inputs, in_grads, strict=True):
-                    if g is not None and t.requires_grad:
-                        _send(t, g, pending, leaf_grads)
-                if not retain_graph:
-                    node.freed = True
-                    node.outputs = ()
-            if bucketer is not None:
-                bucketer.consumed(node, leaf_grads)
-        pairs = list(leaf_grads.values())
+    for root, grad in zip(roots, grads, strict=True):
+        _check_root(root)
+        grad = _root_grad(root, grad)
+        _send(root, grad, pending, leaf_grads)
+    nodes = _topological(roots)
+    # local graphs have nothing to reduce; a traced one (nn.Graph) has no shards yet: its plan reduces
+    coalesce = coalesce and any(r._local is None and r._lazy is None for r in roots)
+    bucketer = _Bucketer(nodes, roots, _mode.bucket_bytes) if coalesce else None
+    for node in nodes:
+        outs = [pending.pop((id(node), i), None) for i in range(len(node.out_refs))]
+        if not all(g is None for g in outs):
+            outs = _run_output_hooks(node, outs)
+            in_grads = _call_backward(node, outs)
+            for t, g in zip(node.inputs, in_grads, strict=True):
+                if g is not None and t.requires_grad:
+                    _send(t, g, pending, leaf_grads)
+            if not retain_graph:
+                node.freed = True
+                node.outputs = ()
         if bucketer is not None:
-            reduced = bucketer.finish()
-            rest = _coalesced([p for p in pairs if id(p[0]) not in reduced], F)
-            by_leaf = {id(leaf): (leaf, grad) for leaf, grad in rest} | reduced
-            pairs = [by_leaf[id(leaf)] for leaf, _ in pairs]
-        for leaf, grad in pairs:
-            _accumulate_leaf(leaf, grad, F)
+            bucketer.consumed(node, leaf_grads)
+    pairs = list(leaf_grads.values())
+    if bucketer is not None:
+        reduced = bucketer.finish()
+        rest = _coalesced([p for p in pairs if id(p[0]) not in reduced], F)
+        by_leaf = {id(leaf): (leaf, grad) for leaf, grad in rest} | reduced
+        pairs = [by_leaf[id(leaf)] for leaf, _ in pairs]
+    return pairs
 
 
 def _check_root(root: Tensor) -> None:

@@ -20,6 +20,8 @@ from __future__ import annotations
 import itertools
 import math
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -79,6 +81,23 @@ def counter() -> int:
 
 def set_counter(value: int) -> None:
     _stream.counter = value
+
+
+def get_state() -> tuple[int, int]:
+    """``(seed, counter)``: where the stream stands, for :func:`replay` (activation checkpointing)."""
+    return _stream.seed, _stream.counter
+
+
+@contextmanager
+def replay(state: tuple[int, int]) -> Iterator[None]:
+    """Draws inside the block repeat those made from ``state`` (the same keys, so the same dropout masks);
+    the stream is put back afterwards, as if the block drew nothing."""
+    saved = get_state()
+    _stream.seed, _stream.counter = state
+    try:
+        yield
+    finally:
+        _stream.seed, _stream.counter = saved
 
 
 def advance(n: int) -> tuple[int, int]:
