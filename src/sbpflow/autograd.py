@@ -217,8 +217,15 @@ def _leaf_gradients(roots: Sequence[Tensor], grads: Sequence[Tensor | None], ret
                     coalesce: bool) -> list[tuple[Tensor, Tensor]]:
     """Runs backward from ``roots``; returns each reached leaf with its summed gradient (reduced in buckets when
     ``coalesce``)."""
+    from . import amp
     from .ops import functional as F
 
+    with amp.suspended():  # gradients follow the dtypes forward chose, as in torch
+        return _run_nodes(roots, grads, retain_graph, coalesce, F)
+
+
+def _run_nodes(roots: Sequence[Tensor], grads: Sequence[Tensor | None], retain_graph: bool, coalesce: bool,
+               F: Any) -> list[tuple[Tensor, Tensor]]:
     pending: dict[tuple[int, int], Tensor] = {}  # (id(node), output index) -> gradient so far
     leaf_grads: dict[int, tuple[Tensor, Tensor]] = {}
     for root, grad in zip(roots, grads, strict=True):
