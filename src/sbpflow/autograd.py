@@ -396,7 +396,7 @@ def _accumulate_leaf(leaf: Tensor, grad: Tensor, F: Any) -> None:
     if leaf.is_global:
         target = leaf._grad_sbp or leaf.sbp
         if grad.placement != leaf.placement or grad.sbp != target:
-            grad = F.to_global(grad, leaf.placement, target)
+            grad = _reduce_grad(grad, leaf.placement, target, F)
     if grad.dtype != leaf.dtype:
         grad = F.cast(grad, leaf.dtype)
     if leaf.grad is None:
@@ -405,11 +405,25 @@ def _accumulate_leaf(leaf: Tensor, grad: Tensor, F: Any) -> None:
         leaf.grad = F.add(leaf.grad, grad)
 
 
+def _reduce_grad(grad: Tensor, placement: Any, sbp: Any, F: Any) -> Tensor:
+    """Boxes a leaf's gradient to its layout; a partial fp32 one travels in amp.gradient_communication's dtype."""
+    from . import amp
+
+    low = amp.grad_comm_dtype()
+    if low is None or grad.dtype != torch.float32 or not any(isinstance(s, Partial) for s in grad.sbp):
+        return F.to_global(grad, placement, sbp)  # type: ignore[no-any-return]
+    return F.cast(F.to_global(F.cast(grad, low), placement, sbp), grad.dtype)  # type: ignore[no-any-return]
+
+
 def _coalescible(leaf: Tensor, grad: Tensor) -> bool:
     """A broadcast leaf whose gradient is partial on some mesh axes and broadcast on the others: the reduction
     is elementwise, so concatenated buffers reduce to the concatenated results."""
-    if leaf._placement is None or leaf._grad_sbp is not None or grad._sbp is None or partial_sum not in grad._sbp:  # asked per leaf, per backward
-        return False
+    from . import amp
+
+    if leaf._placement is None or leaf._grad_sbp is not None or grad._sbp is None or partial_sum not in grad._sbp:
+        return False  # asked per leaf, per backward: cheap checks first
+    if amp.grad_comm_dtype() is not None:
+        return False  # reduced one by one in the narrow dtype (_reduce_grad)
     return (grad._placement == leaf._placement and grad._dtype == leaf._dtype
             and all(s == broadcast for s in leaf._sbp or ()) and all(s in (broadcast, partial_sum) for s in grad._sbp))
 

@@ -136,3 +136,56 @@ def test_errors() -> None:
     scaler.unscale_(opt)
     with pytest.raises(SbpflowError, match="already called"):
         scaler.unscale_(opt)
+
+
+class _Step(nn.Graph):
+    def __init__(self, model: Mlp, opt: Any) -> None:
+        super().__init__()
+        self.model = model
+        self.add_optimizer(opt)
+
+    def build(self, x: Any, y: Any) -> Any:
+        loss = self.model(x, y)
+        loss.backward()
+        return loss
+
+
+def _compiled_run(amp: bool, grad_comm: Any = None, rows: int = 64) -> tuple[float, list[np.ndarray], Any]:
+    torch.manual_seed(2)
+    ref = TorchMlp()
+    model = Mlp()
+    model.load_state_dict({k: v.detach().clone() for k, v in ref.state_dict().items()})
+    model.to_global(PLACEMENTS["2"], B)
+    step = _Step(model, sbpflow.optim.SGD(model.parameters(), lr=0.1))
+    step.config.set_sbp_selection("greedy")  # eager's choices: DDP's gradient all-reduces (the ILP may gather x)
+    if amp:
+        step.config.enable_amp(torch.bfloat16, grad_comm_dtype=grad_comm)
+    x, y = torch.randn(rows, D), torch.randint(0, V, (rows,))
+    xs = sbpflow.tensor(x, placement=PLACEMENTS["2"], sbp=S.split(0))
+    ys = sbpflow.tensor(y, placement=PLACEMENTS["2"], sbp=S.split(0))
+    loss = step(xs, ys).item()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+        ref_loss = ref(x, y)
+    ref_loss.backward()
+    with torch.no_grad():
+        for q in ref.parameters():
+            q -= 0.1 * q.grad
+    _close(np.array(loss), np.array(ref_loss.item()), torch.bfloat16, "loss")
+    for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        _close(p.numpy(), q.detach().numpy(), torch.bfloat16, name)
+    return loss, [p.numpy() for p in model.parameters()], step
+
+
+def _gradient_reduce_bytes(step: Any) -> int:
+    return sum(s.bytes_per_rank for n in step.plan.collectives(0) for s in n.boxing.steps
+               if s.kind in ("all_reduce", "reduce_scatter") and n.phase == "micro")
+
+
+def test_graph_enable_amp_agrees_with_torch_autocast_and_halves_gradient_bytes() -> None:
+    loss, _, step = _compiled_run(True)
+    casts = [n for n in step.logical.nodes if n.name == "cast"]
+    assert casts and any(step.logical.value(n.outputs[0]).dtype == torch.bfloat16 for n in casts)
+    _, _, half = _compiled_run(True, grad_comm=torch.bfloat16)
+    full_bytes, half_bytes = _gradient_reduce_bytes(step), _gradient_reduce_bytes(half)
+    loss_bytes = 4  # the loss mean's fp32 scalar all-reduce: not a gradient, stays fp32
+    assert full_bytes > 1000 and (half_bytes - loss_bytes) * 2 == full_bytes - loss_bytes

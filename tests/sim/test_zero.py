@@ -148,3 +148,33 @@ def test_errors() -> None:
         optim.zero(optim.SGD([w], lr=0.1), 3)
     with pytest.raises(SbpflowError, match="names no mesh axis"):
         optim.zero(optim.SGD([w], lr=0.1), 1, axis=1)
+
+
+def _train_graph(spec: str, stage: int, steps: int = STEPS) -> tuple[list[float], dict[str, Any], Any]:
+    trainer = build(CONFIG, spec, seed=0, graph=True)
+    trainer.graph.config.enable_zero(stage)
+    losses = [trainer.step(ids, targets) for ids, targets in random_batches(CONFIG.vocab_size, steps, 8, 16,
+                                                                              seed=1)]
+    return losses, parameter_values(trainer), trainer
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_graph_zero_equals_plain_data_parallel(stage: int, plain_dp: Any) -> None:
+    """config.enable_zero(stage): the SBPs are constraints of the traced step; the compiled plan then holds the
+    reduce-scatters (stage 2 and 3) and all-gathers (after the update for 1 and 2, before use for 3)."""
+    losses, params, trainer = _train_graph("dp=2", stage)
+    np.testing.assert_allclose(losses, plain_dp[0], rtol=1e-5)
+    for name, value in plain_dp[1].items():
+        np.testing.assert_allclose(params[name], value, rtol=1e-5, atol=ATOL, err_msg=name)
+    plan, logical = trainer.graph.plan, trainer.graph.logical
+    sharded = len(trainer.optimizer._zero.sharded)
+    updates = [n for n in logical.nodes if n.name == "adam_update"]
+    assert sum(n.in_sbps[0] == (S.split(0), B) for n in updates) == sharded  # each update on its S(0) slice
+    gathers = [n for n in plan.collectives(0) if n.boxing.steps[0].kind == "all_gather"
+               and n.phase == ("post" if stage < 3 else "micro")]
+    assert len(gathers) >= sharded  # updated slices back into B (1, 2), or gathered before use (3)
+    accumulated = [logical.value(n.outputs[0]).sbp for n in logical.of_kind("accumulate")]
+    split_grads = sum(sbp == (S.split(0), B) for sbp in accumulated)
+    assert split_grads == (sharded if stage >= 2 else 0)  # stage 2 and 3: gradients S(0) where they are summed
+    state = trainer.optimizer.state[trainer.model.h[0].mlp.c_fc.weight]
+    assert state["exp_avg"].sbp == (S.split(0), B)

@@ -60,6 +60,25 @@ class GraphConfig:
         self.sbp_selection = "ilp"  # "ilp" (global) or "greedy" (eager's per-op choice)
         self.trace_path: str | None = None  # the actor runtime's timeline file (else SBPFLOW_TRACE, else none)
         self.auto_parallel: tuple[int, Any] | None = None  # (devices, profile): plan the model at the first call
+        self.zero_stage = 0  # ZeRO stage of the optimizers (enable_zero); 0: plain data parallel
+        self.zero_options: dict[str, Any] = {}
+        self.amp_dtype: torch.dtype | None = None  # the autocast dtype of build() (enable_amp); None: off
+        self.grad_comm_dtype: torch.dtype | None = None  # the dtype gradients are reduced in; None: their own
+
+    def enable_zero(self, stage: int = 1, **options: Any) -> None:
+        """Shards optimizer state (1), gradients (2) and parameters (3) on the data axis, as
+        :func:`sbpflow.optim.zero` (``options``: ``axis``, ``min_shard_numel``, ``units``); the traced step then
+        carries those SBPs as constraints (reduce-scatters and all-gathers instead of all-reduces)."""
+        if stage not in (0, 1, 2, 3):
+            raise SbpflowError(f"enable_zero(stage=...) must be 0, 1, 2 or 3, but got {stage!r}")
+        self.zero_stage, self.zero_options = stage, options
+
+    def enable_amp(self, dtype: torch.dtype = torch.bfloat16, *, grad_comm_dtype: torch.dtype | None = None) -> None:
+        """Traces build() under ``sbpflow.autocast(dtype)`` (casts become graph ops; master weights stay fp32);
+        ``grad_comm_dtype=torch.bfloat16`` also reduces gradients in bf16 (half the bytes in the plan)."""
+        if dtype not in (torch.bfloat16, torch.float16):
+            raise SbpflowError(f"enable_amp(dtype=...) takes torch.bfloat16 or torch.float16, but got {dtype}")
+        self.amp_dtype, self.grad_comm_dtype = dtype, grad_comm_dtype
 
     def set_gradient_accumulation_steps(self, steps: int) -> None:
         """Splits dim 0 of every input into ``steps`` micro-batches; gradients accumulate over them."""
@@ -169,6 +188,7 @@ class Graph:
     def _compile(self, args: Sequence[Any]) -> Compiled:
         start = time.perf_counter()
         m = self.config.micro_batches
+        self._apply_zero()
         for entry in self._optimizers:
             entry.optimizer.init_state()
         tracer = Tracer(m, target_factors(args))
@@ -182,7 +202,7 @@ class Graph:
                 t._shards = None
                 t.grad = None
             lazy_args, inputs = _trace_inputs(tracer, args, m)
-            with enable_grad():
+            with enable_grad(), self._amp():
                 result = self.build(*lazy_args)
             outputs, tree = _flatten_outputs(result)
             feeds = self._trace_post(tracer, outputs)
@@ -219,6 +239,32 @@ class Graph:
                         seen.add(id(value))
                         out[f"optim{k}.{index[id(p)]}.{sname}"] = value
         return out
+
+    def _apply_zero(self) -> None:
+        """Turns the optimizers into ZeRO ones once (a recompile finds them already sharded)."""
+        from ..optim.zero import zero
+
+        stage = self.config.zero_stage
+        if not stage:
+            return
+        modules = list(self._modules.values())
+        if stage == 3 and len(modules) != 1:
+            raise SbpflowError(f"enable_zero(3) gathers the parameters of the graph's module, so the graph needs "
+                               f"exactly one module attribute, but it has {len(modules)}")
+        for entry in self._optimizers:
+            if entry.optimizer._zero is None:
+                zero(entry.optimizer, stage, model=modules[0] if modules else None, **self.config.zero_options)
+
+    def _amp(self) -> Any:
+        from contextlib import ExitStack
+
+        from .. import amp
+
+        stack = ExitStack()
+        if self.config.amp_dtype is not None:
+            stack.enter_context(amp.autocast(self.config.amp_dtype))
+        stack.enter_context(amp.gradient_communication(self.config.grad_comm_dtype))
+        return stack
 
     def _trace_post(self, tracer: Tracer, outputs: list[Tensor]) -> list[Callable[[], list[tuple[str, float]]]]:
         """Outputs, gradient accumulation, clipping and optimizer updates (once per step, on the whole batch)."""

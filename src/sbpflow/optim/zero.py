@@ -248,12 +248,15 @@ class _Unit:
     def _before_forward(self, module: Module, args: tuple[Any, ...]) -> None:
         for slot in self.slots:
             gathered = slot.param.to_global(slot.param.placement, slot.gathered_sbp)  # S -> B: all-gather
-            self.plan.gathered_bytes += _first_shard_bytes(gathered)
+            if gathered._lazy is None:  # nn.Graph traces: the compiled plan owns the memory
+                self.plan.gathered_bytes += _first_shard_bytes(gathered)
             object.__setattr__(slot.module, slot.name, gathered)  # shadows the parameter during forward
         self.plan.peak_gathered_bytes = max(self.plan.peak_gathered_bytes, self.plan.gathered_bytes)
 
     def _after_forward(self, module: Module, args: tuple[Any, ...], output: Any) -> None:
         gathered = [slot.module.__dict__.pop(slot.name) for slot in self.slots]
+        if any(g._lazy is not None for g in gathered):
+            return  # traced by nn.Graph: the gathers are graph ops, their buffers the runtime's registers
         for g in gathered:
             self.plan.gathered_bytes -= _first_shard_bytes(g)
         if not is_grad_enabled() or not any(g.requires_grad for g in gathered):
