@@ -44,6 +44,7 @@ class _Lowerer:
         self.at: dict[tuple[int, str], int] = {}  # (value id, phase) -> buf id holding it in that phase
         self.boxed: dict[tuple[int, Layout], int] = {}  # (buf id, layout) -> boxed buf id (CSE)
         self.made_in: dict[int, str] = {}  # buf id -> phase of its producer
+        self.producer: dict[int, int] = {}  # buf id -> node id
 
     # -- buffers and nodes ---------------------------------------------------------------------------
 
@@ -58,6 +59,7 @@ class _Lowerer:
         self.nodes.append(node)
         for b in outputs:
             self.made_in[b] = phase
+            self.producer[b] = node.id
         return node
 
     def value_buf(self, vid: int, layout: Layout) -> int:
@@ -143,7 +145,12 @@ class _Lowerer:
         placement = self.g.values[n.outputs[0]].placement if n.outputs else self.g.values[n.inputs[0]].placement
         self.emit("compute", n.name, ins, tuple(outs), placement.flat_ranks, n.phase, op=n.name, args=n.args,
                   attrs=n.attrs, in_sbps=n.in_sbps, out_sbps=tuple(self.g.values[v].sbp for v in n.outputs),
-                  logical=n.id)
+                  logical=n.id, control=self._control(n))
+
+    def _control(self, n: LNode) -> tuple[int, ...]:
+        """The producers of ``n``'s control values in its phase: a recomputed forward op waits for the gradient
+        that reaches its checkpointed segment, or the runtime would recompute as soon as the inputs exist."""
+        return tuple(sorted({self.producer[self.at_phase(vid, n.phase)] for vid in n.control}))
 
     def _to_global(self, n: LNode) -> None:
         v = self.g.values[n.outputs[0]]

@@ -30,7 +30,8 @@ from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -105,6 +106,42 @@ class GraphConfig:
         self.sbp_selection = name
 
 
+class ModuleConfig:
+    """Per-module compile options, as ``module.config`` of a module a Graph holds (set before the first call).
+
+    ``activation_checkpointing``: the module's forward is traced as a checkpointed segment: its ops are cloned
+    into backward (recomputed there, same random keys) behind a control edge on the segment's incoming
+    gradient, so the plan keeps only the module's inputs between forward and backward.
+    """
+
+    def __init__(self) -> None:
+        self.activation_checkpointing = False
+
+
+def _attach_module_configs(module: Module) -> None:
+    """Gives every submodule without a ``config`` attribute of its own a :class:`ModuleConfig`."""
+    for m in module.modules():
+        if "config" not in m.__dict__:
+            object.__setattr__(m, "config", ModuleConfig())
+
+
+@contextmanager
+def _checkpointed_modules(modules: Sequence[Module]) -> Iterator[None]:
+    """While tracing, the forward of every module asking for activation checkpointing runs as a segment."""
+    from ..utils.checkpoint import checkpoint
+
+    marked = [m for root in modules for m in root.modules()
+              if isinstance(m.__dict__.get("config"), ModuleConfig) and m.config.activation_checkpointing]
+    for m in marked:
+        forward = m.forward
+        object.__setattr__(m, "forward", lambda *a, _f=forward, **k: checkpoint(_f, *a, **k))
+    try:
+        yield
+    finally:
+        for m in marked:
+            m.__dict__.pop("forward", None)
+
+
 @dataclass
 class _OptimizerEntry:
     optimizer: Any
@@ -152,6 +189,7 @@ class Graph:
             raise SbpflowError(f"{type(self).__name__}: call super().__init__() before assigning attributes")
         if isinstance(value, Module):
             self._modules[name] = value
+            _attach_module_configs(value)
         object.__setattr__(self, name, value)
 
     def add_optimizer(self, optimizer: Any, *, lr_sch: Any = None, clip_grad_max_norm: float | None = None,
@@ -202,7 +240,7 @@ class Graph:
                 t._shards = None
                 t.grad = None
             lazy_args, inputs = _trace_inputs(tracer, args, m)
-            with enable_grad(), self._amp():
+            with enable_grad(), self._amp(), _checkpointed_modules(list(self._modules.values())):
                 result = self.build(*lazy_args)
             outputs, tree = _flatten_outputs(result)
             feeds = self._trace_post(tracer, outputs)

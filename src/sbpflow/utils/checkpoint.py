@@ -32,6 +32,7 @@ from typing import Any
 from .. import random
 from ..autograd import enable_grad, grad, is_grad_enabled
 from ..errors import AutogradError
+from ..graph import trace
 from ..nn.module import Module
 from ..ops.registry import OpDef, _record
 from ..tensor import Tensor
@@ -68,8 +69,12 @@ def checkpoint(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
 def _checkpoint_grad(ctx: Any, *grads: Tensor) -> tuple[Tensor | None, ...]:
     attrs = ctx.attrs
     detached = _detach_args(attrs["args"])
+    tracer = trace.tracing()
+    first = len(tracer.graph.nodes) if tracer is not None else 0
     with random.replay(attrs["rng"]), enable_grad():
         out = attrs["fn"](*detached, **attrs["kwargs"])
+    if tracer is not None:  # nn.Graph: the recomputed forward is a clone in backward, delayed by a control edge
+        _delay(tracer, first, grads)
     outs = [o for o in _output_tensors(out, attrs["fn"]) if o.requires_grad]
     if len(outs) != len(grads):
         raise AutogradError(f"checkpoint: the recomputed segment returned {len(outs)} differentiable outputs, but "
@@ -77,6 +82,14 @@ def _checkpoint_grad(ctx: Any, *grads: Tensor) -> tuple[Tensor | None, ...]:
                             "changes between forward and backward")
     targets = [a for a in detached if isinstance(a, Tensor) and a.requires_grad] + list(attrs["leaves"])
     return tuple(grad(outs, list(grads), targets))
+
+
+def _delay(tracer: Any, first: int, grads: tuple[Tensor, ...]) -> None:
+    """Makes the ops traced since node ``first`` wait for the segment's incoming gradients."""
+    control = tuple(g._lazy.value.id for g in grads if g is not None and g._lazy is not None)
+    for node in tracer.graph.nodes[first:]:
+        if node.kind == "op":
+            node.control = control
 
 
 def _detach_args(args: tuple[Any, ...]) -> tuple[Any, ...]:
