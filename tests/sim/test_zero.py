@@ -173,6 +173,9 @@ def test_graph_zero_equals_plain_data_parallel(stage: int, plain_dp: Any) -> Non
     gathers = [n for n in plan.collectives(0) if n.boxing.steps[0].kind == "all_gather"
                and n.phase == ("post" if stage < 3 else "micro")]
     assert len(gathers) >= sharded  # updated slices back into B (1, 2), or gathered before use (3)
+    if stage == 3:  # gathered again in backward, each behind a control edge on the unit's incoming gradient
+        again = [n for n in gathers if n.control]
+        assert len(again) >= 2 * trainer.model.config.n_layer and len(gathers) >= sharded + len(again)
     accumulated = [logical.value(n.outputs[0]).sbp for n in logical.of_kind("accumulate")]
     split_grads = sum(sbp == (S.split(0), B) for sbp in accumulated)
     assert split_grads == (sharded if stage >= 2 else 0)  # stage 2 and 3: gradients S(0) where they are summed

@@ -89,12 +89,14 @@ class _Lowerer:
         self.at[key] = out
         return out
 
-    def box(self, buf: int, layout: Layout, phase: str, label: str) -> int:
+    def box(self, buf: int, layout: Layout, phase: str, label: str, control: tuple[int, ...] = ()) -> int:
+        """``buf`` in ``layout``: boxed once per layout and phase (shared), unless ``control`` asks for a fresh
+        copy that waits for those nodes (ZeRO-3's gather again in backward)."""
         src = self.bufs[buf]
         if src.layout == layout:
             return buf
         key = (buf, layout)
-        if key in self.boxed:
+        if key in self.boxed and not control:
             return self.boxed[key]
         with boxing.target_factors(self.factors):
             plan = boxing.plan(src.shape, src.dtype, src.layout, layout, self.model)
@@ -104,9 +106,10 @@ class _Lowerer:
             one = boxing.Plan(src.shape, src.dtype, step.src, step.dst, (step,))
             ranks = _union(step.src.placement, step.dst.placement)
             self.emit("boxing", f"{step.kind} for {label} ({i + 1}/{len(plan.steps)})", (current,), (out,), ranks,
-                      phase, stream=stream_of(step), boxing=one)
+                      phase, stream=stream_of(step), boxing=one, control=control if i == 0 else ())
             current = out
-        self.boxed[key] = current
+        if not control:
+            self.boxed[key] = current
         return current
 
     # -- logical nodes ------------------------------------------------------------------------------
@@ -154,6 +157,11 @@ class _Lowerer:
 
     def _to_global(self, n: LNode) -> None:
         v = self.g.values[n.outputs[0]]
+        if n.control:  # a conversion repeated later on purpose: its own boxing nodes, after the control nodes
+            src = self.at_phase(n.inputs[0], n.phase)
+            out = self.box(src, Layout(v.placement, v.sbp), n.phase, "to_global again", self._control(n))
+            self.at[(v.id, n.phase)] = out
+            return
         self.at[(v.id, n.phase)] = self.read(n.inputs[0], n.phase, Layout(v.placement, v.sbp), "to_global")
 
     def _micro_to_post(self, n: LNode, kind: str) -> None:

@@ -256,7 +256,8 @@ class _Unit:
     def _after_forward(self, module: Module, args: tuple[Any, ...], output: Any) -> None:
         gathered = [slot.module.__dict__.pop(slot.name) for slot in self.slots]
         if any(g._lazy is not None for g in gathered):
-            return  # traced by nn.Graph: the gathers are graph ops, their buffers the runtime's registers
+            self._after_traced_forward(gathered, output)
+            return
         for g in gathered:
             self.plan.gathered_bytes -= _first_shard_bytes(g)
         if not is_grad_enabled() or not any(g.requires_grad for g in gathered):
@@ -265,7 +266,7 @@ class _Unit:
         for copy in copies:
             copy.free()
             copy.tensor.register_hook(copy.after_grad)
-        def refill_all() -> None:
+        def refill_all(grad: Tensor) -> None:
             for copy in copies:
                 copy.refill()
 
@@ -275,17 +276,41 @@ class _Unit:
                 out.register_hook(regather)
 
 
+    def _after_traced_forward(self, gathered: list[Tensor], output: Any) -> None:
+        """nn.Graph: when backward reaches the unit's output, the traced gathers are recorded again, behind a
+        control edge on that gradient, and the gathered tensors autograd saved are rebound to the new values;
+        so the forward copies die after their last forward use, as the eager storage is freed."""
+        if not is_grad_enabled() or not any(g.requires_grad for g in gathered):
+            return
+
+        def regather(grad: Tensor) -> None:
+            from ..graph import trace
+
+            tracer = trace.tracing()
+            assert tracer is not None and grad._lazy is not None
+            for slot, g in zip(self.slots, gathered, strict=True):
+                with no_grad():
+                    fresh = slot.param.detach().to_global(slot.param.placement, slot.gathered_sbp)
+                tracer.graph.nodes[-1].control = (grad._lazy.value.id,)  # the to_global just recorded
+                g._lazy = fresh._lazy
+
+        hook = _Once(regather)
+        for out in _tensors(output):
+            if out.requires_grad:
+                out.register_hook(hook)
+
+
 class _Once:
     """A gradient hook that runs its action the first time any of the tensors it is registered on gets one."""
 
-    def __init__(self, action: Callable[[], None]) -> None:
+    def __init__(self, action: Callable[[Tensor], None]) -> None:
         self.action = action
         self.done = False
 
     def __call__(self, grad: Tensor) -> None:
         if not self.done:
             self.done = True
-            self.action()
+            self.action(grad)
 
 
 class _GatheredCopy:
