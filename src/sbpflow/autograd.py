@@ -412,7 +412,10 @@ def _reduce_grad(grad: Tensor, placement: Any, sbp: Any, F: Any) -> Tensor:
     low = amp.grad_comm_dtype()
     if low is None or grad.dtype != torch.float32 or not any(isinstance(s, Partial) for s in grad.sbp):
         return F.to_global(grad, placement, sbp)  # type: ignore[no-any-return]
-    return F.cast(F.to_global(F.cast(grad, low), placement, sbp), grad.dtype)  # type: ignore[no-any-return]
+    from .ops.elementwise import comm_cast
+
+    narrow = comm_cast(grad, dtype=low)  # each rank rounds its partial piece: the reduction runs narrow
+    return F.cast(F.to_global(narrow, placement, sbp), grad.dtype)  # type: ignore[no-any-return]
 
 
 def _coalescible(leaf: Tensor, grad: Tensor) -> bool:

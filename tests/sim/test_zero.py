@@ -168,8 +168,9 @@ def test_graph_zero_equals_plain_data_parallel(stage: int, plain_dp: Any) -> Non
         np.testing.assert_allclose(params[name], value, rtol=1e-5, atol=ATOL, err_msg=name)
     plan, logical = trainer.graph.plan, trainer.graph.logical
     sharded = len(trainer.optimizer._zero.sharded)
-    updates = [n for n in logical.nodes if n.name == "adam_update"]
-    assert sum(n.in_sbps[0] == (S.split(0), B) for n in updates) == sharded  # each update on its S(0) slice
+    updates = [n for n in logical.nodes if n.name.startswith("adam_update")]  # fused: params, grads, m, v
+    updated = [sbp for n in updates for sbp in n.in_sbps[:len(n.inputs) // 4]]
+    assert sum(sbp == (S.split(0), B) for sbp in updated) == sharded  # each update on its S(0) slice
     gathers = [n for n in plan.collectives(0) if n.boxing.steps[0].kind == "all_gather"
                and n.phase == ("post" if stage < 3 else "micro")]
     assert len(gathers) >= sharded  # updated slices back into B (1, 2), or gathered before use (3)
