@@ -168,7 +168,8 @@ def main() -> int:
         f"{CONFIG.vocab_size} (Ψ = {psi:,}), global batch {BATCH}, AdamW, clipping 1.0, {args.steps} steps (median "
         "of the last ones). Each block and then the root is a unit (sbpflow's default units; `fully_shard` on each "
         "block and on the model). 16Ψ/N = "
-        f"{16 * psi / WORLD / 2**20:.2f} MiB per rank. Largest loss difference between the two: {diff:.1e}.\n\n"
+        f"{16 * psi / WORLD / 2**20:.2f} MiB per rank. Largest loss difference between the two: {diff:.1e}. The "
+        "machine is shared with other jobs: times are comparable within one run only.\n\n"
         + table(results)
     )
     print(section)
