@@ -182,3 +182,20 @@ def test_graph_zero_equals_plain_data_parallel(stage: int, plain_dp: Any) -> Non
     assert split_grads == (sharded if stage >= 2 else 0)  # stage 2 and 3: gradients S(0) where they are summed
     state = trainer.optimizer.state[trainer.model.h[0].mlp.c_fc.weight]
     assert state["exp_avg"].sbp == (S.split(0), B)
+
+
+def test_stage3_with_checkpointed_blocks_equals_plain_data_parallel(plain_dp: Any) -> None:
+    """A checkpointed unit keeps no gathered copy for backward: its recomputation reads the shards again."""
+    from sbpflow.utils import checkpoint_module
+
+    trainer = build(CONFIG, "dp=2", seed=0)
+    optim.zero(trainer.optimizer, 3, model=trainer.model)
+    for block in trainer.model.h:
+        checkpoint_module(block)
+    losses = [trainer.step(ids, targets) for ids, targets in random_batches(CONFIG.vocab_size, STEPS, 8, 16,
+                                                                              seed=1)]
+    np.testing.assert_allclose(losses, plain_dp[0], rtol=1e-5)
+    params = parameter_values(trainer)
+    for name, value in plain_dp[1].items():
+        np.testing.assert_allclose(params[name], value, rtol=1e-5, atol=ATOL, err_msg=name)
+    assert trainer.optimizer._zero.gathered_bytes == 0

@@ -260,8 +260,8 @@ class _Unit:
             return
         for g in gathered:
             self.plan.gathered_bytes -= _first_shard_bytes(g)
-        if not is_grad_enabled() or not any(g.requires_grad for g in gathered):
-            return  # no backward will read them: dropping the references frees them
+        if not is_grad_enabled() or not any(g.requires_grad for g in gathered) or _checkpointed(output):
+            return  # no backward will read them (a checkpointed unit recomputes from the shards): dropped, freed
         copies = [_GatheredCopy(slot, g, self.plan) for slot, g in zip(self.slots, gathered, strict=True)]
         for copy in copies:
             copy.free()
@@ -346,6 +346,13 @@ class _GatheredCopy:
         if self.tensor.local_tensors() and next(iter(self.tensor.local_tensors().values())).untyped_storage().nbytes():
             self.plan.gathered_bytes -= _first_shard_bytes(self.tensor)
             self.free()
+
+
+def _checkpointed(output: Any) -> bool:
+    """Whether every differentiable output comes straight from an activation-checkpoint node, whose backward
+    recomputes the unit's forward (reading the parameters afresh) instead of using the gathered copies."""
+    outs = [o for o in _tensors(output) if o.requires_grad]
+    return bool(outs) and all(o.grad_fn is not None and o.grad_fn.op.name == "checkpoint" for o in outs)
 
 
 def _first_shard_bytes(t: Tensor) -> int:
