@@ -198,7 +198,8 @@ def backward(roots: Sequence[Tensor], grads: Sequence[Tensor | None], retain_gra
 
 def grad(roots: Sequence[Tensor], grads: Sequence[Tensor | None], inputs: Sequence[Tensor]) -> list[Tensor | None]:
     """d(roots)/d(inputs) for leaf ``inputs``, returned as computed (any SBP, partial included) instead of
-    accumulated into ``.grad``; ``None`` for an input the roots do not depend on. Other leaves are left alone.
+    accumulated into ``.grad``; ``None`` for an input the roots do not depend on. Other leaves are left alone,
+    and leaf hooks do not run: they run once, where the gradient is finally accumulated.
 
     Activation checkpointing uses it to hand a recomputed segment's gradients to the outer backward, which then
     reduces and accumulates them as if the segment had never been recomputed.
@@ -209,29 +210,29 @@ def grad(roots: Sequence[Tensor], grads: Sequence[Tensor | None], inputs: Sequen
     [[2.0, 2.0, 2.0]]
     """
     with _set_grad(False):
-        by_leaf = {id(leaf): g for leaf, g in _leaf_gradients(roots, grads, False, coalesce=False)}
+        by_leaf = {id(leaf): g for leaf, g in _leaf_gradients(roots, grads, False, coalesce=False, leaf_hooks=False)}
     return [by_leaf.get(id(t)) for t in inputs]
 
 
 def _leaf_gradients(roots: Sequence[Tensor], grads: Sequence[Tensor | None], retain_graph: bool,
-                    coalesce: bool) -> list[tuple[Tensor, Tensor]]:
+                    coalesce: bool, leaf_hooks: bool = True) -> list[tuple[Tensor, Tensor]]:
     """Runs backward from ``roots``; returns each reached leaf with its summed gradient (reduced in buckets when
     ``coalesce``)."""
     from . import amp
     from .ops import functional as F
 
     with amp.suspended():  # gradients follow the dtypes forward chose, as in torch
-        return _run_nodes(roots, grads, retain_graph, coalesce, F)
+        return _run_nodes(roots, grads, retain_graph, coalesce, F, leaf_hooks)
 
 
 def _run_nodes(roots: Sequence[Tensor], grads: Sequence[Tensor | None], retain_graph: bool, coalesce: bool,
-               F: Any) -> list[tuple[Tensor, Tensor]]:
+               F: Any, leaf_hooks: bool) -> list[tuple[Tensor, Tensor]]:
     pending: dict[tuple[int, int], Tensor] = {}  # (id(node), output index) -> gradient so far
     leaf_grads: dict[int, tuple[Tensor, Tensor]] = {}
     for root, grad in zip(roots, grads, strict=True):
         _check_root(root)
         grad = _root_grad(root, grad)
-        _send(root, grad, pending, leaf_grads)
+        _send(root, grad, pending, leaf_grads, leaf_hooks)
     nodes = _topological(roots)
     # local graphs have nothing to reduce; a traced one (nn.Graph) has no shards yet: its plan reduces
     coalesce = coalesce and any(r._local is None and r._lazy is None for r in roots)
@@ -243,7 +244,7 @@ def _run_nodes(roots: Sequence[Tensor], grads: Sequence[Tensor | None], retain_g
             in_grads = _call_backward(node, outs)
             for t, g in zip(node.inputs, in_grads, strict=True):
                 if g is not None and t.requires_grad:
-                    _send(t, g, pending, leaf_grads)
+                    _send(t, g, pending, leaf_grads, leaf_hooks)
             if not retain_graph:
                 node.freed = True
                 node.outputs = ()
@@ -300,9 +301,10 @@ def _ones_broadcast(root: Tensor) -> Tensor:
     return Tensor._from_shards(shape, root.dtype, root.placement, (broadcast,) * root.placement.ndim, shards)
 
 
-def _send(t: Tensor, grad: Tensor, pending: dict, leaf_grads: dict) -> None:  # type: ignore[type-arg]
+def _send(t: Tensor, grad: Tensor, pending: dict, leaf_grads: dict,  # type: ignore[type-arg]
+          leaf_hooks: bool = True) -> None:
     if t.grad_fn is None:
-        if t._hooks:
+        if t._hooks and leaf_hooks:
             for hook in t._hooks:
                 out = hook(grad)
                 grad = grad if out is None else out

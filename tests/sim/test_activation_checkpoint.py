@@ -155,3 +155,10 @@ def test_graph_checkpointing_on_the_actor_runtime_equals_in_order() -> None:
     want = _graph_run("dp=2", True, executor="inorder")
     got = _graph_run("dp=2", True)
     assert got[0] == want[0]
+
+
+def test_parameter_hooks_run_once_per_backward() -> None:
+    w = nn.Parameter(sbpflow.ones(3))
+    w.register_hook(lambda g: g * 10.0)
+    checkpoint(lambda t: (t * w).sum(), sbpflow.ones(3, requires_grad=True)).backward()
+    assert w.grad.tolist() == [10.0, 10.0, 10.0]  # scaled once, not by the recomputation's backward too
