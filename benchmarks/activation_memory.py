@@ -90,8 +90,8 @@ def main() -> None:
         "block keeps only its input, and backward recomputes one block at a time, so the peak is what forward "
         "held plus one block. The rest (embeddings, final LayerNorm, head and the loss over the 512-word vocabulary) "
         "is not checkpointed. Gradients are unchanged (tests/sim/test_activation_checkpoint.py, rtol 1e-6, dropout "
-        "masks replayed); the time column shows the recomputation's cost (on a shared 2-core machine: rough).\n\n" + body
-        + "\n\nCompiled (nn.Graph, `block.config.activation_checkpointing = True`): the plan's predicted peak, "
+        "masks replayed); the time column shows the recomputation's cost (on a shared 2-core machine: rough)."
+        "\n\n" + body + "\n\nCompiled (nn.Graph, `block.config.activation_checkpointing = True`): the plan's predicted peak, "
         "parameters, optimizer state and gradients included; the blocks' forward ops are cloned into backward "
         "behind control edges. At this size the step's peak is the optimizer update (parameters, AdamW state, "
         "gradients and the update's new values), not the activations, so it does not move; where activations "
