@@ -76,7 +76,7 @@ class Tensor:
         self._dtype = None
         # _init_autograd inlined: every op result passes here
         self.requires_grad = requires_grad
-        self.grad = self.grad_fn = self._hooks = self._boxed = self._lazy = self._view_of = None
+        self.grad = self.grad_fn = self._hooks = self._boxed = self._lazy = self._view_of = self._grad_sbp = None
         self._out_index = self._version = 0
         self._retains_grad = False
         return self
@@ -95,7 +95,7 @@ class Tensor:
         self._dtype = dtype
         # _init_autograd inlined: every op result passes here
         self.requires_grad = requires_grad
-        self.grad = self.grad_fn = self._hooks = self._boxed = self._lazy = self._view_of = None
+        self.grad = self.grad_fn = self._hooks = self._boxed = self._lazy = self._view_of = self._grad_sbp = None
         self._out_index = self._version = 0
         self._retains_grad = False
         return self
