@@ -129,7 +129,7 @@ def test_graph_activation_checkpointing_clones_forward_into_backward(spec: str) 
     # After 3 AdamW steps: as in test_gpt_equivalence, the key bias (zero true gradient) moves by lr-sized steps
     # on rounding noise, which differs with the order of sums the selection picks; hence test_graph's atol.
     for name, value in params.items():
-        np.testing.assert_allclose(ck_params[name], value, rtol=1e-6, atol=1e-5, err_msg=name)
+        np.testing.assert_allclose(ck_params[name], value, rtol=1e-5, atol=1e-5, err_msg=name)
     recomputed = [n for n in graph.logical.nodes if n.control]
     matmuls = sum(n.name in ("linear", "matmul", "matmul_nd") for n in recomputed)
     # q, k, v, attention c_proj and c_fc of every block, once more; the MLP's last projection is not: no gradient

@@ -84,12 +84,12 @@ def _linear_step(stage: int, placement: Any, rows: int = 6) -> tuple[Any, Any, A
 
 
 @pytest.mark.parametrize("stage, want", [
-    (1, ({}, {"all_reduce": 2}, {"all_gather": 2})),
+    (1, ({}, {"all_reduce": 1}, {"all_gather": 2})),  # DDP's one bucket for both gradients
     (2, ({}, {"reduce_scatter": 2}, {"all_gather": 2})),
     (3, ({"all_gather": 2}, {"all_gather": 2, "reduce_scatter": 2}, {})),
 ])
 def test_collectives_per_stage(stage: int, want: Any) -> None:
-    """Stage 1: DDP's all-reduce, then the updated slices gathered; stage 2: reduce-scatter instead; stage 3:
+    """Stage 1: DDP's (bucketed) all-reduce, then the updated slices gathered; stage 2: reduce-scatter instead; stage 3:
     gathered before forward, gathered again in backward, no gather after the step."""
     assert _linear_step(stage, PLACEMENTS["3"]) == want
 
