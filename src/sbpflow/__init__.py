@@ -14,7 +14,8 @@ axis; ops pick SBP signatures and the framework inserts the data movement.
 
 from __future__ import annotations
 
-from . import boxing, checkpoint, comm, models, nn, optim, sbp
+from . import amp, boxing, checkpoint, comm, models, nn, optim, sbp, utils
+from .amp import GradScaler, autocast
 from .autograd import enable_grad, is_grad_enabled, no_grad
 from .autoparallel.apply import auto_parallel
 from .checkpoint import load, save
@@ -177,7 +178,7 @@ __all__ = [
     "explain", "full", "full_like", "functional", "is_grad_enabled", "manual_seed", "models", "nn", "no_grad", "ones",
     "ones_like", "optim", "placement", "rand", "rand_like", "randint", "randn", "randn_like", "sbp", "tensor",
     "uniform", "zeros", "zeros_like", "print0", "rank", "world_size",
-    "checkpoint", "load", "save",
+    "checkpoint", "load", "save", "utils", "amp", "autocast", "GradScaler",
     # tensor functions
     "abs", "add", "all", "amax", "amin", "any", "argmax", "argmin", "bmm", "cast", "cat", "ceil", "chunk", "clamp",
     "clip", "clone", "conv2d", "cos", "cumsum", "div", "dropout", "eq", "erf", "exp", "flatten", "floor", "gather",

@@ -3,7 +3,9 @@
 Every op's gradient is written in sbpflow ops, so backward gets SBP inference
 and boxing like forward: a partial gradient stays partial between ops and is
 reduced only where a consumer, or a leaf's own SBP, needs otherwise. A leaf's
-``.grad`` always has the leaf's placement and SBP. By default the partial
+``.grad`` has the leaf's placement and SBP, unless the leaf names another
+gradient SBP in ``_grad_sbp`` (ZeRO-2 sets ``S`` there, so the partial gradient
+is reduce-scattered straight into the optimizer's shard). By default the partial
 gradients of broadcast leaves (weights under split data) are reduced as DDP
 does: flat buckets, issued asynchronously while backward runs, one all-reduce
 each; ``coalesce_grad_reductions(False)`` opts out (one reduction per leaf).
@@ -189,38 +191,72 @@ def backward(roots: Sequence[Tensor], grads: Sequence[Tensor | None], retain_gra
     """Accumulates d(roots)/d(leaf) into every reachable leaf's ``.grad``."""
     from .ops import functional as F
 
+    with _set_grad(False):
+        for leaf, grad in _leaf_gradients(roots, grads, retain_graph, _mode.coalesce):
+            _accumulate_leaf(leaf, grad, F)
+
+
+def grad(roots: Sequence[Tensor], grads: Sequence[Tensor | None], inputs: Sequence[Tensor]) -> list[Tensor | None]:
+    """d(roots)/d(inputs) for leaf ``inputs``, returned as computed (any SBP, partial included) instead of
+    accumulated into ``.grad``; ``None`` for an input the roots do not depend on. Other leaves are left alone,
+    and leaf hooks do not run: they run once, where the gradient is finally accumulated.
+
+    Activation checkpointing uses it to hand a recomputed segment's gradients to the outer backward, which then
+    reduces and accumulates them as if the segment had never been recomputed.
+
+    >>> import sbpflow
+    >>> x = sbpflow.ones(3, requires_grad=True)
+    >>> [g.tolist() for g in grad([(x * x).sum()], [None], [x])]
+    [[2.0, 2.0, 2.0]]
+    """
+    with _set_grad(False):
+        by_leaf = {id(leaf): g for leaf, g in _leaf_gradients(roots, grads, False, coalesce=False, leaf_hooks=False)}
+    return [by_leaf.get(id(t)) for t in inputs]
+
+
+def _leaf_gradients(roots: Sequence[Tensor], grads: Sequence[Tensor | None], retain_graph: bool,
+                    coalesce: bool, leaf_hooks: bool = True) -> list[tuple[Tensor, Tensor]]:
+    """Runs backward from ``roots``; returns each reached leaf with its summed gradient (reduced in buckets when
+    ``coalesce``)."""
+    from . import amp
+    from .ops import functional as F
+
+    with amp.suspended():  # gradients follow the dtypes forward chose, as in torch
+        return _run_nodes(roots, grads, retain_graph, coalesce, F, leaf_hooks)
+
+
+def _run_nodes(roots: Sequence[Tensor], grads: Sequence[Tensor | None], retain_graph: bool, coalesce: bool,
+               F: Any, leaf_hooks: bool) -> list[tuple[Tensor, Tensor]]:
     pending: dict[tuple[int, int], Tensor] = {}  # (id(node), output index) -> gradient so far
     leaf_grads: dict[int, tuple[Tensor, Tensor]] = {}
-    with _set_grad(False):
-        for root, grad in zip(roots, grads, strict=True):
-            _check_root(root)
-            grad = _root_grad(root, grad)
-            _send(root, grad, pending, leaf_grads)
-        nodes = _topological(roots)
-        # local graphs have nothing to reduce; a traced one (nn.Graph) has no shards yet: its plan reduces
-        coalesce = _mode.coalesce and any(r._local is None and r._lazy is None for r in roots)
-        bucketer = _Bucketer(nodes, roots, _mode.bucket_bytes) if coalesce else None
-        for node in nodes:
-            outs = [pending.pop((id(node), i), None) for i in range(len(node.out_refs))]
-            if not all(g is None for g in outs):
-                outs = _run_output_hooks(node, outs)
-                in_grads = _call_backward(node, outs)
-                for t, g in zip(node.inputs, in_grads, strict=True):
-                    if g is not None and t.requires_grad:
-                        _send(t, g, pending, leaf_grads)
-                if not retain_graph:
-                    node.freed = True
-                    node.outputs = ()
-            if bucketer is not None:
-                bucketer.consumed(node, leaf_grads)
-        pairs = list(leaf_grads.values())
+    for root, grad in zip(roots, grads, strict=True):
+        _check_root(root)
+        grad = _root_grad(root, grad)
+        _send(root, grad, pending, leaf_grads, leaf_hooks)
+    nodes = _topological(roots)
+    # local graphs have nothing to reduce; a traced one (nn.Graph) has no shards yet: its plan reduces
+    coalesce = coalesce and any(r._local is None and r._lazy is None for r in roots)
+    bucketer = _Bucketer(nodes, roots, _mode.bucket_bytes) if coalesce else None
+    for node in nodes:
+        outs = [pending.pop((id(node), i), None) for i in range(len(node.out_refs))]
+        if not all(g is None for g in outs):
+            outs = _run_output_hooks(node, outs)
+            in_grads = _call_backward(node, outs)
+            for t, g in zip(node.inputs, in_grads, strict=True):
+                if g is not None and t.requires_grad:
+                    _send(t, g, pending, leaf_grads, leaf_hooks)
+            if not retain_graph:
+                node.freed = True
+                node.outputs = ()
         if bucketer is not None:
-            reduced = bucketer.finish()
-            rest = _coalesced([p for p in pairs if id(p[0]) not in reduced], F)
-            by_leaf = {id(leaf): (leaf, grad) for leaf, grad in rest} | reduced
-            pairs = [by_leaf[id(leaf)] for leaf, _ in pairs]
-        for leaf, grad in pairs:
-            _accumulate_leaf(leaf, grad, F)
+            bucketer.consumed(node, leaf_grads)
+    pairs = list(leaf_grads.values())
+    if bucketer is not None:
+        reduced = bucketer.finish()
+        rest = _coalesced([p for p in pairs if id(p[0]) not in reduced], F)
+        by_leaf = {id(leaf): (leaf, grad) for leaf, grad in rest} | reduced
+        pairs = [by_leaf[id(leaf)] for leaf, _ in pairs]
+    return pairs
 
 
 def _check_root(root: Tensor) -> None:
@@ -265,9 +301,10 @@ def _ones_broadcast(root: Tensor) -> Tensor:
     return Tensor._from_shards(shape, root.dtype, root.placement, (broadcast,) * root.placement.ndim, shards)
 
 
-def _send(t: Tensor, grad: Tensor, pending: dict, leaf_grads: dict) -> None:  # type: ignore[type-arg]
+def _send(t: Tensor, grad: Tensor, pending: dict, leaf_grads: dict,  # type: ignore[type-arg]
+          leaf_hooks: bool = True) -> None:
     if t.grad_fn is None:
-        if t._hooks:
+        if t._hooks and leaf_hooks:
             for hook in t._hooks:
                 out = hook(grad)
                 grad = grad if out is None else out
@@ -348,7 +385,10 @@ def _topological(roots: Sequence[Tensor]) -> list[Node]:
             continue
         seen.add(id(node))
         stack.append((node, True))
-        for t in node.inputs:
+        # Inputs pushed last-first, so the first input's subgraph is explored first and its nodes run last: a
+        # node's later inputs (weights, and ZeRO-3's gathers of them) get their backward right after it, and
+        # free what they hold, instead of waiting for the whole activation chain of the first input.
+        for t in reversed(node.inputs):
             if t.grad_fn is not None and id(t.grad_fn) not in seen:
                 stack.append((t.grad_fn, False))
     return order[::-1]
@@ -356,8 +396,9 @@ def _topological(roots: Sequence[Tensor]) -> list[Node]:
 
 def _accumulate_leaf(leaf: Tensor, grad: Tensor, F: Any) -> None:
     if leaf.is_global:
-        if grad.placement != leaf.placement or grad.sbp != leaf.sbp:
-            grad = F.to_global(grad, leaf.placement, leaf.sbp)
+        target = leaf._grad_sbp or leaf.sbp
+        if grad.placement != leaf.placement or grad.sbp != target:
+            grad = _reduce_grad(grad, leaf.placement, target, F)
     if grad.dtype != leaf.dtype:
         grad = F.cast(grad, leaf.dtype)
     if leaf.grad is None:
@@ -366,11 +407,28 @@ def _accumulate_leaf(leaf: Tensor, grad: Tensor, F: Any) -> None:
         leaf.grad = F.add(leaf.grad, grad)
 
 
+def _reduce_grad(grad: Tensor, placement: Any, sbp: Any, F: Any) -> Tensor:
+    """Boxes a leaf's gradient to its layout; a partial fp32 one travels in amp.gradient_communication's dtype."""
+    from . import amp
+
+    low = amp.grad_comm_dtype()
+    if low is None or grad.dtype != torch.float32 or not any(isinstance(s, Partial) for s in grad.sbp):
+        return F.to_global(grad, placement, sbp)  # type: ignore[no-any-return]
+    from .ops.elementwise import comm_cast
+
+    narrow = comm_cast(grad, dtype=low)  # each rank rounds its partial piece: the reduction runs narrow
+    return F.cast(F.to_global(narrow, placement, sbp), grad.dtype)  # type: ignore[no-any-return]
+
+
 def _coalescible(leaf: Tensor, grad: Tensor) -> bool:
     """A broadcast leaf whose gradient is partial on some mesh axes and broadcast on the others: the reduction
     is elementwise, so concatenated buffers reduce to the concatenated results."""
-    if leaf._placement is None or grad._sbp is None or partial_sum not in grad._sbp:  # asked per leaf, per backward
-        return False
+    from . import amp
+
+    if leaf._placement is None or leaf._grad_sbp is not None or grad._sbp is None or partial_sum not in grad._sbp:
+        return False  # asked per leaf, per backward: cheap checks first
+    if amp.grad_comm_dtype() is not None:
+        return False  # reduced one by one in the narrow dtype (_reduce_grad)
     return (grad._placement == leaf._placement and grad._dtype == leaf._dtype
             and all(s == broadcast for s in leaf._sbp or ()) and all(s in (broadcast, partial_sum) for s in grad._sbp))
 

@@ -20,6 +20,8 @@ from __future__ import annotations
 import itertools
 import math
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -79,6 +81,37 @@ def counter() -> int:
 
 def set_counter(value: int) -> None:
     _stream.counter = value
+
+
+def get_state() -> tuple[int, int, int]:
+    """``(seed, counter, traced draws)``: where the stream stands, for :func:`replay` (activation checkpointing).
+
+    While nn.Graph traces, a draw is "the n-th of the step" (a RandomKey), so the tracer's count is part of it."""
+    from .graph import trace
+
+    tracer = trace.tracing()
+    return _stream.seed, _stream.counter, tracer.random_keys if tracer is not None else 0
+
+
+def _set_state(state: tuple[int, int, int]) -> None:
+    from .graph import trace
+
+    _stream.seed, _stream.counter = state[0], state[1]
+    tracer = trace.tracing()
+    if tracer is not None:
+        tracer.random_keys = state[2]
+
+
+@contextmanager
+def replay(state: tuple[int, int, int]) -> Iterator[None]:
+    """Draws inside the block repeat those made from ``state`` (the same keys, so the same dropout masks);
+    the stream is put back afterwards, as if the block drew nothing."""
+    saved = get_state()
+    _set_state(state)
+    try:
+        yield
+    finally:
+        _set_state(saved)
 
 
 def advance(n: int) -> tuple[int, int]:

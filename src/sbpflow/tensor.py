@@ -39,7 +39,7 @@ class Tensor:
     __slots__ = (
         "_shape", "_dtype", "_placement", "_sbp", "_shards", "_local",
         "requires_grad", "grad", "grad_fn", "_out_index", "_retains_grad", "_hooks", "_version", "_boxed",
-        "_lazy", "_view_of", "__weakref__",
+        "_lazy", "_view_of", "_grad_sbp", "__weakref__",
     )
     # The slots' types (annotations only: with __slots__ they declare, they do not create, attributes).
     _shape: tuple[int, ...] | None
@@ -58,6 +58,7 @@ class Tensor:
     _boxed: dict[Any, tuple[tuple[int, ...], dict[int, torch.Tensor]]] | None
     _lazy: Any  # the graph value a tensor stands for while nn.Graph traces (metadata only, no shards)
     _view_of: Any  # an ops.views.Link when this tensor is a view of another (x[1:], x.view(12) ...), else None
+    _grad_sbp: NdSbp | None  # a leaf's gradient layout when it differs from its own (ZeRO-2: S on the data axis)
 
     def __init__(self) -> None:
         raise TypeError("build tensors with sbpflow.tensor(...), sbpflow.randn(...) and friends")
@@ -75,7 +76,7 @@ class Tensor:
         self._dtype = None
         # _init_autograd inlined: every op result passes here
         self.requires_grad = requires_grad
-        self.grad = self.grad_fn = self._hooks = self._boxed = self._lazy = self._view_of = None
+        self.grad = self.grad_fn = self._hooks = self._boxed = self._lazy = self._view_of = self._grad_sbp = None
         self._out_index = self._version = 0
         self._retains_grad = False
         return self
@@ -94,7 +95,7 @@ class Tensor:
         self._dtype = dtype
         # _init_autograd inlined: every op result passes here
         self.requires_grad = requires_grad
-        self.grad = self.grad_fn = self._hooks = self._boxed = self._lazy = self._view_of = None
+        self.grad = self.grad_fn = self._hooks = self._boxed = self._lazy = self._view_of = self._grad_sbp = None
         self._out_index = self._version = 0
         self._retains_grad = False
         return self
@@ -113,6 +114,7 @@ class Tensor:
         self._boxed = None
         self._lazy = None
         self._view_of = None
+        self._grad_sbp = None
 
     # -- metadata ------------------------------------------------------------------------
 

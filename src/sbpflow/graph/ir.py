@@ -82,6 +82,7 @@ class LNode:
     phase: str = "micro"
     where: str = ""  # the user's source line that created it
     fixed: bool = False  # its output SBP is a constraint (input, variable, to_global)
+    control: tuple[int, ...] = ()  # value ids that must exist before it runs, though it reads none (recomputation)
 
     def __post_init__(self) -> None:
         if self.kind not in NODE_KINDS:

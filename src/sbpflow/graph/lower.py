@@ -44,6 +44,7 @@ class _Lowerer:
         self.at: dict[tuple[int, str], int] = {}  # (value id, phase) -> buf id holding it in that phase
         self.boxed: dict[tuple[int, Layout], int] = {}  # (buf id, layout) -> boxed buf id (CSE)
         self.made_in: dict[int, str] = {}  # buf id -> phase of its producer
+        self.producer: dict[int, int] = {}  # buf id -> node id
 
     # -- buffers and nodes ---------------------------------------------------------------------------
 
@@ -58,6 +59,7 @@ class _Lowerer:
         self.nodes.append(node)
         for b in outputs:
             self.made_in[b] = phase
+            self.producer[b] = node.id
         return node
 
     def value_buf(self, vid: int, layout: Layout) -> int:
@@ -87,12 +89,14 @@ class _Lowerer:
         self.at[key] = out
         return out
 
-    def box(self, buf: int, layout: Layout, phase: str, label: str) -> int:
+    def box(self, buf: int, layout: Layout, phase: str, label: str, control: tuple[int, ...] = ()) -> int:
+        """``buf`` in ``layout``: boxed once per layout and phase (shared), unless ``control`` asks for a fresh
+        copy that waits for those nodes (ZeRO-3's gather again in backward)."""
         src = self.bufs[buf]
         if src.layout == layout:
             return buf
         key = (buf, layout)
-        if key in self.boxed:
+        if key in self.boxed and not control:
             return self.boxed[key]
         with boxing.target_factors(self.factors):
             plan = boxing.plan(src.shape, src.dtype, src.layout, layout, self.model)
@@ -102,9 +106,10 @@ class _Lowerer:
             one = boxing.Plan(src.shape, src.dtype, step.src, step.dst, (step,))
             ranks = _union(step.src.placement, step.dst.placement)
             self.emit("boxing", f"{step.kind} for {label} ({i + 1}/{len(plan.steps)})", (current,), (out,), ranks,
-                      phase, stream=stream_of(step), boxing=one)
+                      phase, stream=stream_of(step), boxing=one, control=control if i == 0 else ())
             current = out
-        self.boxed[key] = current
+        if not control:
+            self.boxed[key] = current
         return current
 
     # -- logical nodes ------------------------------------------------------------------------------
@@ -143,10 +148,20 @@ class _Lowerer:
         placement = self.g.values[n.outputs[0]].placement if n.outputs else self.g.values[n.inputs[0]].placement
         self.emit("compute", n.name, ins, tuple(outs), placement.flat_ranks, n.phase, op=n.name, args=n.args,
                   attrs=n.attrs, in_sbps=n.in_sbps, out_sbps=tuple(self.g.values[v].sbp for v in n.outputs),
-                  logical=n.id)
+                  logical=n.id, control=self._control(n))
+
+    def _control(self, n: LNode) -> tuple[int, ...]:
+        """The producers of ``n``'s control values in its phase: a recomputed forward op waits for the gradient
+        that reaches its checkpointed segment, or the runtime would recompute as soon as the inputs exist."""
+        return tuple(sorted({self.producer[self.at_phase(vid, n.phase)] for vid in n.control}))
 
     def _to_global(self, n: LNode) -> None:
         v = self.g.values[n.outputs[0]]
+        if n.control:  # a conversion repeated later on purpose: its own boxing nodes, after the control nodes
+            src = self.at_phase(n.inputs[0], n.phase)
+            out = self.box(src, Layout(v.placement, v.sbp), n.phase, "to_global again", self._control(n))
+            self.at[(v.id, n.phase)] = out
+            return
         self.at[(v.id, n.phase)] = self.read(n.inputs[0], n.phase, Layout(v.placement, v.sbp), "to_global")
 
     def _micro_to_post(self, n: LNode, kind: str) -> None:

@@ -30,7 +30,8 @@ from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,6 +62,25 @@ class GraphConfig:
         self.trace_path: str | None = None  # the actor runtime's timeline file (else SBPFLOW_TRACE, else none)
         self.auto_parallel: tuple[int, Any] | None = None  # (devices, profile): plan the model at the first call
         self.pipeline_schedule = "1f1b"  # how stages on several placements take turns (graph.pipeline)
+        self.zero_stage = 0  # ZeRO stage of the optimizers (enable_zero); 0: plain data parallel
+        self.zero_options: dict[str, Any] = {}
+        self.amp_dtype: torch.dtype | None = None  # the autocast dtype of build() (enable_amp); None: off
+        self.grad_comm_dtype: torch.dtype | None = None  # the dtype gradients are reduced in; None: their own
+
+    def enable_zero(self, stage: int = 1, **options: Any) -> None:
+        """Shards optimizer state (1), gradients (2) and parameters (3) on the data axis, as
+        :func:`sbpflow.optim.zero` (``options``: ``axis``, ``min_shard_numel``, ``units``); the traced step then
+        carries those SBPs as constraints (reduce-scatters and all-gathers instead of all-reduces)."""
+        if stage not in (0, 1, 2, 3):
+            raise SbpflowError(f"enable_zero(stage=...) must be 0, 1, 2 or 3, but got {stage!r}")
+        self.zero_stage, self.zero_options = stage, options
+
+    def enable_amp(self, dtype: torch.dtype = torch.bfloat16, *, grad_comm_dtype: torch.dtype | None = None) -> None:
+        """Traces build() under ``sbpflow.autocast(dtype)`` (casts become graph ops; master weights stay fp32);
+        ``grad_comm_dtype=torch.bfloat16`` also reduces gradients in bf16 (half the bytes in the plan)."""
+        if dtype not in (torch.bfloat16, torch.float16):
+            raise SbpflowError(f"enable_amp(dtype=...) takes torch.bfloat16 or torch.float16, but got {dtype}")
+        self.amp_dtype, self.grad_comm_dtype = dtype, grad_comm_dtype
 
     def set_gradient_accumulation_steps(self, steps: int) -> None:
         """Splits dim 0 of every input into ``steps`` micro-batches; gradients accumulate over them."""
@@ -95,6 +115,42 @@ class GraphConfig:
         if name not in ("ilp", "greedy"):
             raise SbpflowError(f"SBP selection must be 'ilp' or 'greedy', but got {name!r}")
         self.sbp_selection = name
+
+
+class ModuleConfig:
+    """Per-module compile options, as ``module.config`` of a module a Graph holds (set before the first call).
+
+    ``activation_checkpointing``: the module's forward is traced as a checkpointed segment: its ops are cloned
+    into backward (recomputed there, same random keys) behind a control edge on the segment's incoming
+    gradient, so the plan keeps only the module's inputs between forward and backward.
+    """
+
+    def __init__(self) -> None:
+        self.activation_checkpointing = False
+
+
+def _attach_module_configs(module: Module) -> None:
+    """Gives every submodule without a ``config`` attribute of its own a :class:`ModuleConfig`."""
+    for m in module.modules():
+        if "config" not in m.__dict__:
+            object.__setattr__(m, "config", ModuleConfig())
+
+
+@contextmanager
+def _checkpointed_modules(modules: Sequence[Module]) -> Iterator[None]:
+    """While tracing, the forward of every module asking for activation checkpointing runs as a segment."""
+    from ..utils.checkpoint import checkpoint
+
+    marked = [m for root in modules for m in root.modules()
+              if isinstance(m.__dict__.get("config"), ModuleConfig) and m.config.activation_checkpointing]
+    for m in marked:
+        forward = m.forward
+        object.__setattr__(m, "forward", lambda *a, _f=forward, **k: checkpoint(_f, *a, **k))
+    try:
+        yield
+    finally:
+        for m in marked:
+            m.__dict__.pop("forward", None)
 
 
 @dataclass
@@ -144,6 +200,7 @@ class Graph:
             raise SbpflowError(f"{type(self).__name__}: call super().__init__() before assigning attributes")
         if isinstance(value, Module):
             self._modules[name] = value
+            _attach_module_configs(value)
         object.__setattr__(self, name, value)
 
     def add_optimizer(self, optimizer: Any, *, lr_sch: Any = None, clip_grad_max_norm: float | None = None,
@@ -180,6 +237,7 @@ class Graph:
     def _compile(self, args: Sequence[Any]) -> Compiled:
         start = time.perf_counter()
         m = self.config.micro_batches
+        self._apply_zero()
         for entry in self._optimizers:
             entry.optimizer.init_state()
         tracer = Tracer(m, target_factors(args))
@@ -193,7 +251,7 @@ class Graph:
                 t._shards = None
                 t.grad = None
             lazy_args, inputs = _trace_inputs(tracer, args, m)
-            with enable_grad():
+            with enable_grad(), self._amp(), _checkpointed_modules(list(self._modules.values())):
                 result = self.build(*lazy_args)
             outputs, tree = _flatten_outputs(result)
             feeds = self._trace_post(tracer, outputs)
@@ -231,6 +289,32 @@ class Graph:
                         seen.add(id(value))
                         out[f"optim{k}.{index[id(p)]}.{sname}"] = value
         return out
+
+    def _apply_zero(self) -> None:
+        """Turns the optimizers into ZeRO ones once (a recompile finds them already sharded)."""
+        from ..optim.zero import zero
+
+        stage = self.config.zero_stage
+        if not stage:
+            return
+        modules = list(self._modules.values())
+        if stage == 3 and len(modules) != 1:
+            raise SbpflowError(f"enable_zero(3) gathers the parameters of the graph's module, so the graph needs "
+                               f"exactly one module attribute, but it has {len(modules)}")
+        for entry in self._optimizers:
+            if entry.optimizer._zero is None:
+                zero(entry.optimizer, stage, model=modules[0] if modules else None, **self.config.zero_options)
+
+    def _amp(self) -> Any:
+        from contextlib import ExitStack
+
+        from .. import amp
+
+        stack = ExitStack()
+        if self.config.amp_dtype is not None:
+            stack.enter_context(amp.autocast(self.config.amp_dtype))
+        stack.enter_context(amp.gradient_communication(self.config.grad_comm_dtype))
+        return stack
 
     def _trace_post(self, tracer: Tracer, outputs: list[Tensor]) -> list[Callable[[], list[tuple[str, float]]]]:
         """Outputs, gradient accumulation, clipping and optimizer updates (once per step, on the whole batch)."""

@@ -92,6 +92,24 @@ def cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return x.to(dtype)
 
 
+def _comm_cast_sigs(x: Meta, outs: tuple[Meta, ...], dtype: torch.dtype) -> list[Any]:
+    return R.elementwise_sigs((x,), outs[0], [(PSUM, PSUM)])
+
+
+@op("comm_cast", meta=lambda x, dtype: Meta(x.shape, dtype), sbp=_comm_cast_sigs)
+def comm_cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``cast`` that passes ``P(sum)`` on purpose: each rank rounds its own piece, so the reduction after it runs
+    in the narrow dtype (bf16 gradient communication, sbpflow.amp.gradient_communication). The sum of rounded
+    pieces differs from the rounded sum by a few ulps of the narrow dtype: an accuracy-for-bandwidth trade the
+    caller opts into, which ``cast`` never makes silently."""
+    return x.to(dtype)
+
+
+@comm_cast.grad
+def _comm_cast_grad(ctx: Any, dy: Any) -> Any:
+    return (comm_cast(dy, dtype=ctx.inputs[0].dtype),)
+
+
 @neg.grad
 def _neg_grad(ctx: Any, dy: Any) -> Any:
     return (-dy,)

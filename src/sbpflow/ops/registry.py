@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from .. import boxing
+from .. import amp, boxing
 from .._layout import Box, shard_box
 from ..autograd import Node, is_grad_enabled
 from ..comm import get_backend
@@ -175,6 +175,8 @@ def op(name: str, *, meta: Callable[..., Any], sbp: Callable[..., Any], shard_aw
 
 def apply(opdef: OpDef, args: Sequence[Any], attrs: dict[str, Any]) -> Any:
     """Runs ``opdef`` on ``args``: meta, signature choice, boxing, kernels, autograd record."""
+    if amp._state.dtype is not None:  # inside sbpflow.autocast: the op's policy casts its inputs first
+        args = amp.cast_inputs(opdef.name, args)
     # one pass over the args: local or global (never both), and whether any needs a gradient
     is_global: bool | None = None
     needs_grad = False
@@ -232,7 +234,7 @@ def _warn_autocast() -> None:
     users believe they train in mixed precision. One message for every op, so that "once" means once."""
     warnings.warn(
         "torch.autocast is active, but it has no effect on sbpflow ops: they run in their inputs' dtypes. "
-        "sbpflow.autocast will bring mixed precision (issue 9); until then, cast explicitly (x.half(), x.bfloat16())",
+        "Use sbpflow.autocast(dtype=torch.bfloat16) for mixed precision, or cast explicitly (x.bfloat16())",
         AutocastWarning, stacklevel=3,
     )
 

@@ -12,5 +12,7 @@ from .adam import Adam, AdamW
 from .clip import clip_grad_norm_, clip_grad_value_
 from .optimizer import Optimizer
 from .sgd import SGD
+from .zero import ZeroPlan, memory_per_rank, zero, zero_sbp
 
-__all__ = ["SGD", "Adam", "AdamW", "Optimizer", "clip_grad_norm_", "clip_grad_value_", "lr_scheduler"]
+__all__ = ["SGD", "Adam", "AdamW", "Optimizer", "clip_grad_norm_", "clip_grad_value_", "lr_scheduler", "ZeroPlan",
+           "memory_per_rank", "zero", "zero_sbp"]

@@ -91,19 +91,20 @@ class Adam(Optimizer):
             raise SbpflowError(f"{type(self).__name__}(amsgrad=True) has no compiled update yet; use eager steps")
         beta1, beta2 = group["betas"]
         runs: dict[Any, list[int]] = {}
-        for i, p in enumerate(params):
-            runs.setdefault((p.placement, p.sbp, p.dtype), []).append(i)
+        views = [self._param_view(p) for p in params]  # ZeRO: the slice of the state layout
+        for i, view in enumerate(views):
+            runs.setdefault((view.placement, view.sbp, view.dtype), []).append(i)
         for members in runs.values():
             ps = [params[i] for i in members]
             states = [self.state[p] for p in ps]
             outs = adam_update_multi(
-                *[p.detach() for p in ps], *[grads[i] for i in members], *[s["exp_avg"] for s in states],
+                *[views[i] for i in members], *[grads[i] for i in members], *[s["exp_avg"] for s in states],
                 *[s["exp_avg_sq"] for s in states], StepScalar(group["lr"], f"{prefix}.lr"),
                 StepScalar(1.0, f"{prefix}.step"), beta1=beta1, beta2=beta2, eps=group["eps"],
                 weight_decay=group["weight_decay"], decoupled=self.decoupled, maximize=group["maximize"])
             k = len(ps)
             for j, (p, state) in enumerate(zip(ps, states, strict=True)):
-                p._assign(outs[j])
+                self._write_back(p, outs[j])
                 state["exp_avg"]._assign(outs[k + j])
                 state["exp_avg_sq"]._assign(outs[2 * k + j])
 

@@ -92,6 +92,7 @@ class Optimizer:
     def __init__(self, params: Iterable[Any], defaults: dict[str, Any]) -> None:
         self.defaults = defaults
         self.state = _StateByParam()
+        self._zero: Any = None  # a ZeroPlan once sbpflow.optim.zero() has sharded this optimizer
         self.param_groups: list[dict[str, Any]] = []
         groups = list(params)
         if not groups:
@@ -117,7 +118,10 @@ class Optimizer:
     # -- the layout hook -------------------------------------------------------------------------
 
     def state_sbp(self, param: Tensor) -> NdSbp | None:
-        """The SBP of ``param``'s state tensors (its own SBP; ``None`` for a local parameter). Override for ZeRO."""
+        """The SBP of ``param``'s state tensors (its own SBP; ``None`` for a local parameter; ZeRO's shard after
+        :func:`sbpflow.optim.zero`). Override for other layouts."""
+        if self._zero is not None:
+            return self._zero.state_sbp(param)  # type: ignore[no-any-return]
         return param.sbp if param.is_global else None
 
     # -- gradients -------------------------------------------------------------------------------
@@ -229,8 +233,9 @@ class Optimizer:
                     _check_not_partial(p, type(self).__name__)
                     grad = p.grad
                     assert grad is not None
-                    if (grad.placement, grad.sbp) != (p.placement, p.sbp):
-                        grad = grad.to_global(p.placement, p.sbp)
+                    target = self.state_sbp(p) or p.sbp  # ZeRO: the gradient in the state layout
+                    if (grad.placement, grad.sbp) != (p.placement, target):
+                        grad = grad.to_global(p.placement, target)
                     grads.append(grad)
                 self._trace_group(group, f"{feed_prefix}.{gi}", params, grads)
                 feeds += self.step_feeds(f"{feed_prefix}.{gi}", group)
@@ -240,6 +245,16 @@ class Optimizer:
         """Traces one group's update; by default one update op per parameter (see :meth:`_trace_update`)."""
         for p, grad in zip(params, grads, strict=True):
             self._trace_update(group, prefix, p, grad)
+
+    def _param_view(self, p: Tensor) -> Tensor:
+        """``p`` (detached) in the state layout: itself, or ZeRO's shard of it (a local slice of a B parameter)."""
+        target = self.state_sbp(p)
+        view = p.detach()
+        return view if target is None or target == p.sbp else view.to_global(p.placement, target)
+
+    def _write_back(self, p: Tensor, updated: Tensor) -> None:
+        """Stores a traced update of :meth:`_param_view` into ``p`` (an all-gather when the state is sharded)."""
+        p._assign(updated if updated.sbp == p.sbp else updated.to_global(p.placement, p.sbp))
 
     def step_feeds(self, prefix: str, group: dict[str, Any]) -> list[tuple[str, float]]:
         """The per-step scalars of one group for its next compiled step."""

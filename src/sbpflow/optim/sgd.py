@@ -94,13 +94,13 @@ class SGD(Optimizer):
 
         lr = StepScalar(group["lr"], f"{prefix}.lr")
         if group["momentum"] == 0:
-            p._assign(sgd_update(p.detach(), grad, lr, weight_decay=group["weight_decay"],
+            self._write_back(p, sgd_update(self._param_view(p), grad, lr, weight_decay=group["weight_decay"],
                                  maximize=group["maximize"]))
             return
         buf = self.state[p]["momentum_buffer"]
         new_p, new_buf = sgd_momentum_update(
-            p.detach(), grad, buf, lr, StepScalar(0.0, f"{prefix}.started"), momentum=group["momentum"],
+            self._param_view(p), grad, buf, lr, StepScalar(0.0, f"{prefix}.started"), momentum=group["momentum"],
             dampening=group["dampening"], weight_decay=group["weight_decay"], nesterov=group["nesterov"],
             maximize=group["maximize"])
-        p._assign(new_p)
+        self._write_back(p, new_p)
         buf._assign(new_buf)

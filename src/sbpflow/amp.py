@@ -1,0 +1,225 @@
+"""Mixed precision: ``sbpflow.autocast`` casts op inputs by a per-op policy; ``GradScaler`` scales fp16 losses.
+
+Inside ``with sbpflow.autocast(dtype=torch.bfloat16):`` every sbpflow op looks
+up its name in two lists before it dispatches:
+
+* :data:`LOWER` (matmuls, linear, convolutions, attention) casts floating
+  inputs to the low dtype: the compute-heavy ops run in bf16/fp16;
+* :data:`FP32` (reductions, softmax, normalizations, exp/log/pow) casts them to
+  fp32, so sums and the loss (log_softmax, then a mean) keep fp32 accuracy;
+* any other op runs in its inputs' dtypes (mixed inputs promote, as in torch).
+
+Casts are ordinary sbpflow ``cast`` ops, recorded by autograd, so a parameter
+stays fp32 (the master weight), its low-precision copy is made per use, and its
+gradient arrives in fp32. As in torch, backward runs with the dtypes forward
+chose, not under the policy. This is the supported way to use mixed precision:
+``torch.autocast`` does not see sbpflow ops (they would keep fp32 under it).
+
+>>> import torch, sbpflow
+>>> w = sbpflow.nn.Parameter(sbpflow.randn(4, 4))
+>>> with sbpflow.autocast(dtype=torch.bfloat16):
+...     y = sbpflow.randn(2, 4) @ w
+...     s = y.sum()
+>>> y.dtype, s.dtype, w.dtype
+(torch.bfloat16, torch.float32, torch.float32)
+>>> s.backward()
+>>> w.grad.dtype
+torch.float32
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from .errors import SbpflowError
+
+LOWER = frozenset({"matmul", "matmul_nd", "linear", "conv2d", "scaled_dot_product_attention"})
+FP32 = frozenset({"sum", "mean", "cumsum", "softmax", "log_softmax", "layer_norm", "rms_norm", "exp", "log",
+                  "pow", "rsqrt"})
+LOW_DTYPES = (torch.bfloat16, torch.float16)
+
+
+class _State(threading.local):
+    dtype: torch.dtype | None = None  # the low dtype while an autocast block is on
+    grad_comm: torch.dtype | None = None  # the dtype gradients are reduced in (gradient_communication)
+
+
+_state = _State()
+
+
+@contextmanager
+def autocast(dtype: torch.dtype = torch.bfloat16, enabled: bool = True) -> Iterator[None]:
+    """Runs the ops of the block under the mixed-precision policy for ``dtype`` (bf16 or fp16); nests, and
+    ``enabled=False`` turns it off inside an outer block. See the module docstring."""
+    if enabled and dtype not in LOW_DTYPES:
+        raise SbpflowError(f"sbpflow.autocast(dtype=...) takes torch.bfloat16 or torch.float16, but got {dtype}")
+    previous = _state.dtype
+    _state.dtype = dtype if enabled else None
+    try:
+        yield
+    finally:
+        _state.dtype = previous
+
+
+def active_dtype() -> torch.dtype | None:
+    """The low dtype of the innermost autocast block, or None outside one (or inside ``enabled=False``)."""
+    return _state.dtype
+
+
+@contextmanager
+def suspended() -> Iterator[None]:
+    """No autocast inside (backward: gradients follow the dtypes forward chose)."""
+    previous = _state.dtype
+    _state.dtype = None
+    try:
+        yield
+    finally:
+        _state.dtype = previous
+
+
+@contextmanager
+def gradient_communication(dtype: torch.dtype | None) -> Iterator[None]:
+    """Backward passes inside the block reduce fp32 gradients in ``dtype`` (bf16 halves the bytes of every
+    gradient all-reduce or reduce-scatter); the reduced gradient is cast back to fp32 for the optimizer.
+    ``None`` keeps the gradients' own dtype. Summing in bf16 rounds more: this trades accuracy for bandwidth.
+
+    >>> import torch, sbpflow
+    >>> p = sbpflow.placement("cpu", [0, 1])
+    >>> w = sbpflow.ones(4, placement=p, sbp=sbpflow.sbp.broadcast, requires_grad=True)
+    >>> x = sbpflow.ones(2, 4, placement=p, sbp=sbpflow.sbp.split(0))
+    >>> with gradient_communication(torch.bfloat16), sbpflow.comm.record() as log:
+    ...     (x * w).sum().backward()
+    >>> [(e.kind, e.bytes) for e in log.events], w.grad.dtype  # ring bytes of 4 bf16 values (fp32: 32)
+    ([('all_reduce', 16)], torch.float32)
+    """
+    if dtype is not None and dtype not in LOW_DTYPES:
+        raise SbpflowError(f"gradient_communication(dtype=...) takes torch.bfloat16, torch.float16 or None, but got "
+                           f"{dtype}")
+    previous = _state.grad_comm
+    _state.grad_comm = dtype
+    try:
+        yield
+    finally:
+        _state.grad_comm = previous
+
+
+def grad_comm_dtype() -> torch.dtype | None:
+    return _state.grad_comm
+
+
+def cast_inputs(op_name: str, args: Sequence[Any]) -> Sequence[Any]:
+    """``args`` with floating tensors cast as the policy says for ``op_name`` (the same args if it says nothing)."""
+    low = _state.dtype
+    assert low is not None
+    target = low if op_name in LOWER else torch.float32 if op_name in FP32 else None
+    if target is None:
+        return args
+    from .ops.functional import cast
+    from .tensor import Tensor
+
+    if not any(isinstance(a, Tensor) and a.dtype.is_floating_point and a.dtype != target for a in args):
+        return args
+    with suspended():  # the casts themselves dispatch as ops
+        return tuple(cast(a, target) if isinstance(a, Tensor) and a.dtype.is_floating_point and a.dtype != target
+                     else a for a in args)
+
+
+class GradScaler:
+    """Dynamic loss scaling for fp16, as ``torch.amp.GradScaler``: multiply the loss by ``scale``, divide the
+    gradients back before the step, skip steps whose gradients hold an inf or NaN and halve the scale then,
+    double it after ``growth_interval`` clean steps.
+
+    >>> import sbpflow
+    >>> w = sbpflow.nn.Parameter(sbpflow.ones(2))
+    >>> opt, scaler = sbpflow.optim.SGD([w], lr=0.5), sbpflow.amp.GradScaler(init_scale=8.0)
+    >>> scaler.scale((w * 2).sum()).backward()
+    >>> w.grad.tolist()
+    [16.0, 16.0]
+    >>> scaler.step(opt); scaler.update()
+    >>> w.tolist(), scaler.get_scale()
+    ([0.0, 0.0], 8.0)
+    """
+
+    def __init__(self, init_scale: float = 2.0**16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
+                 growth_interval: int = 2000, enabled: bool = True) -> None:
+        if not (growth_factor > 1.0 and 0.0 < backoff_factor < 1.0 and growth_interval > 0):
+            raise SbpflowError(f"GradScaler needs growth_factor > 1, 0 < backoff_factor < 1 and growth_interval > 0, "
+                               f"but got {growth_factor}, {backoff_factor}, {growth_interval}")
+        self.enabled = enabled
+        self._scale = float(init_scale)
+        self.growth_factor, self.backoff_factor, self.growth_interval = growth_factor, backoff_factor, growth_interval
+        self._growth_tracker = 0
+        self._found_inf: dict[int, bool] = {}  # id(optimizer) -> whether its unscaled gradients hold inf/NaN
+
+    def get_scale(self) -> float:
+        return self._scale if self.enabled else 1.0
+
+    def scale(self, loss: Any) -> Any:
+        """``loss * scale`` (the loss itself when disabled)."""
+        return loss * self._scale if self.enabled else loss
+
+    def unscale_(self, optimizer: Any) -> None:
+        """Divides ``optimizer``'s gradients by the scale in place and records whether any is not finite.
+
+        Call it before clipping; :meth:`step` calls it if you did not. Once per optimizer per step."""
+        if not self.enabled:
+            return
+        if id(optimizer) in self._found_inf:
+            raise SbpflowError("GradScaler.unscale_() was already called for this optimizer since the last update()")
+        grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        self._found_inf[id(optimizer)] = not _all_finite(grads)
+        inv = 1.0 / self._scale
+        for grad in grads:
+            shards = list(grad.local_tensors().values())
+            if shards:
+                torch._foreach_mul_(shards, inv)
+
+    def step(self, optimizer: Any) -> None:
+        """``optimizer.step()`` unless the unscaled gradients hold an inf or NaN (then the step is skipped)."""
+        if not self.enabled:
+            optimizer.step()
+            return
+        if id(optimizer) not in self._found_inf:
+            self.unscale_(optimizer)
+        if not self._found_inf[id(optimizer)]:
+            optimizer.step()
+
+    def update(self) -> None:
+        """Backs the scale off after an overflow, grows it after ``growth_interval`` clean steps."""
+        if not self.enabled:
+            return
+        if any(self._found_inf.values()):
+            self._scale *= self.backoff_factor
+            self._growth_tracker = 0
+        else:
+            self._growth_tracker += 1
+            if self._growth_tracker == self.growth_interval:
+                self._scale *= self.growth_factor
+                self._growth_tracker = 0
+        self._found_inf.clear()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"scale": self._scale, "growth_factor": self.growth_factor, "backoff_factor": self.backoff_factor,
+                "growth_interval": self.growth_interval, "_growth_tracker": self._growth_tracker}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._scale = float(state["scale"])
+        self.growth_factor, self.backoff_factor = state["growth_factor"], state["backoff_factor"]
+        self.growth_interval, self._growth_tracker = state["growth_interval"], state["_growth_tracker"]
+
+
+def _all_finite(grads: list[Any]) -> bool:
+    """Whether every gradient is finite, the same answer on every process (one sbpflow reduction per gradient)."""
+    from .autograd import no_grad
+    from .ops import functional as F
+
+    ok = True
+    with no_grad():
+        for g in grads:
+            ok = bool(F.isfinite(g).all().item()) and ok
+    return ok

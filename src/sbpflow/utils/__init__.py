@@ -1,0 +1,8 @@
+"""``sbpflow.utils``: activation checkpointing (:func:`checkpoint`, :func:`checkpoint_module`) and its measure
+(:func:`activation_bytes`)."""
+
+from __future__ import annotations
+
+from .checkpoint import activation_bytes, checkpoint, checkpoint_module
+
+__all__ = ["activation_bytes", "checkpoint", "checkpoint_module"]

@@ -1,0 +1,191 @@
+"""sbpflow.autocast and GradScaler against torch.autocast and torch.amp.GradScaler on the same model."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import sbpflow
+from harness import PLACEMENTS, B
+from sbpflow import nn
+from sbpflow import sbp as S
+from sbpflow.amp import FP32, LOWER
+from sbpflow.errors import SbpflowError
+from sbpflow.ops.registry import REGISTRY
+
+D, H, V, N = 32, 64, 10, 16
+# torch.testing's default rtol for bf16 (1.6e-2) and fp16 (1e-3); the absolute slack is that rtol times the
+# largest reference entry, since entries near zero carry the low dtype's absolute rounding of the whole sum.
+RTOL = {torch.bfloat16: 1.6e-2, torch.float16: 1e-3}
+
+
+class TorchMlp(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.ln, self.fc2 = torch.nn.Linear(D, H), torch.nn.LayerNorm(H), torch.nn.Linear(H, V)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = torch.nn.functional.gelu(self.ln(self.fc1(x)))
+        return torch.nn.functional.cross_entropy(self.fc2(h), y)
+
+
+class Mlp(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.ln, self.fc2 = nn.Linear(D, H), nn.LayerNorm(H), nn.Linear(H, V)
+
+    def forward(self, x: Any, y: Any) -> Any:
+        h = nn.functional.gelu(self.ln(self.fc1(x)))
+        return nn.functional.cross_entropy(self.fc2(h), y)
+
+
+def _twins(seed: int = 0) -> tuple[Mlp, TorchMlp, Any, Any, torch.Tensor, torch.Tensor]:
+    torch.manual_seed(seed)
+    ref = TorchMlp()
+    ours = Mlp()
+    ours.load_state_dict({k: v.detach().clone() for k, v in ref.state_dict().items()})
+    ours.to_global(PLACEMENTS["2"], B)
+    x, y = torch.randn(N, D), torch.randint(0, V, (N,))
+    xs = sbpflow.tensor(x, placement=PLACEMENTS["2"], sbp=S.split(0))
+    ys = sbpflow.tensor(y, placement=PLACEMENTS["2"], sbp=S.split(0))
+    return ours, ref, xs, ys, x, y
+
+
+def _close(got: np.ndarray, want: np.ndarray, dtype: torch.dtype, what: str) -> None:
+    rtol = RTOL[dtype]
+    np.testing.assert_allclose(got, want, rtol=rtol, atol=rtol * float(np.abs(want).max()), err_msg=what)
+
+
+def test_bf16_data_parallel_agrees_with_torch_autocast() -> None:
+    ours, ref, xs, ys, x, y = _twins()
+    with sbpflow.autocast(dtype=torch.bfloat16):
+        hidden = ours.fc1(xs)
+        loss = ours(xs, ys)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref_loss = ref(x, y)
+    assert hidden.dtype == torch.bfloat16 and loss.dtype == torch.float32  # matmul low, loss fp32
+    loss.backward()
+    ref_loss.backward()
+    _close(np.array(loss.item()), np.array(ref_loss.item()), torch.bfloat16, "loss")
+    for (name, p), q in zip(ours.named_parameters(), ref.parameters(), strict=True):
+        assert p.dtype == torch.float32 and p.grad.dtype == torch.float32  # master weights and grads stay fp32
+        _close(p.grad.numpy(), q.grad.numpy(), torch.bfloat16, name)
+    fp32_loss = TorchMlp.forward(ref, x, y).item()
+    assert abs(loss.item() - ref_loss.item()) < abs(fp32_loss - ref_loss.item()) + 1e-3  # really low precision
+    assert loss.item() != pytest.approx(fp32_loss, rel=1e-6)
+
+
+def test_policy_lists_name_registered_ops_and_backward_keeps_forward_dtypes() -> None:
+    assert LOWER <= set(REGISTRY) and FP32 <= set(REGISTRY)
+    w = nn.Parameter(sbpflow.randn(4, 4))
+    with sbpflow.autocast(dtype=torch.bfloat16):
+        out = sbpflow.randn(3, 4) @ w
+        out.float().sum().backward()  # backward inside the block: the matmul's gradient stays bf16, cast to fp32
+    assert out.dtype == torch.bfloat16 and w.grad.dtype == torch.float32
+    with sbpflow.autocast(dtype=torch.bfloat16), sbpflow.autocast(enabled=False):
+        assert (sbpflow.randn(3, 4) @ w).dtype == torch.float32
+
+
+def test_fp16_grad_scaler_skips_overflow_steps_like_torch() -> None:
+    ours, ref, xs, ys, x, y = _twins(seed=1)
+    opt = sbpflow.optim.SGD(ours.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    # 2**24 overflows fp16 gradients (max 65504): the first steps are skipped and the scale backs off
+    scaler = sbpflow.GradScaler(init_scale=2.0**24, growth_interval=3)
+    ref_scaler = torch.amp.GradScaler("cpu", init_scale=2.0**24, growth_interval=3)
+    scales, ref_scales = [], []
+    for _ in range(8):
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        with sbpflow.autocast(dtype=torch.float16):
+            loss = ours(xs, ys)
+        with torch.autocast("cpu", dtype=torch.float16):
+            ref_loss = ref(x, y)
+        scaler.scale(loss).backward()
+        ref_scaler.scale(ref_loss).backward()
+        scaler.step(opt)
+        ref_scaler.step(ref_opt)
+        scaler.update()
+        ref_scaler.update()
+        scales.append(scaler.get_scale())
+        ref_scales.append(ref_scaler.get_scale())
+    assert scales == ref_scales
+    assert scales[0] < 2.0**24 and max(scales[3:]) > min(scales)  # backed off, then grew after clean steps
+    for (name, p), q in zip(ours.named_parameters(), ref.parameters(), strict=True):
+        _close(p.numpy(), q.detach().numpy(), torch.float16, name)
+
+
+def test_skipped_step_leaves_parameters_unchanged() -> None:
+    w = nn.Parameter(sbpflow.ones(3, placement=PLACEMENTS["2"], sbp=S.split(0)))
+    opt, scaler = sbpflow.optim.SGD([w], lr=1.0), sbpflow.GradScaler(init_scale=4.0)
+    w.grad = sbpflow.tensor([1.0, float("inf"), 1.0], placement=PLACEMENTS["2"], sbp=S.split(0))
+    scaler.step(opt)
+    scaler.update()
+    assert w.tolist() == [1.0, 1.0, 1.0] and scaler.get_scale() == 2.0
+
+
+def test_errors() -> None:
+    with pytest.raises(SbpflowError, match="takes torch.bfloat16 or torch.float16"):
+        with sbpflow.autocast(dtype=torch.float64):
+            pass
+    scaler = sbpflow.GradScaler()
+    opt = sbpflow.optim.SGD([nn.Parameter(sbpflow.ones(2))], lr=0.1)
+    scaler.unscale_(opt)
+    with pytest.raises(SbpflowError, match="already called"):
+        scaler.unscale_(opt)
+
+
+class _Step(nn.Graph):
+    def __init__(self, model: Mlp, opt: Any) -> None:
+        super().__init__()
+        self.model = model
+        self.add_optimizer(opt)
+
+    def build(self, x: Any, y: Any) -> Any:
+        loss = self.model(x, y)
+        loss.backward()
+        return loss
+
+
+def _compiled_run(amp: bool, grad_comm: Any = None, rows: int = 64) -> tuple[float, list[np.ndarray], Any]:
+    torch.manual_seed(2)
+    ref = TorchMlp()
+    model = Mlp()
+    model.load_state_dict({k: v.detach().clone() for k, v in ref.state_dict().items()})
+    model.to_global(PLACEMENTS["2"], B)
+    step = _Step(model, sbpflow.optim.SGD(model.parameters(), lr=0.1))
+    step.config.set_sbp_selection("greedy")  # eager's choices: DDP's gradient all-reduces (the ILP may gather x)
+    if amp:
+        step.config.enable_amp(torch.bfloat16, grad_comm_dtype=grad_comm)
+    x, y = torch.randn(rows, D), torch.randint(0, V, (rows,))
+    xs = sbpflow.tensor(x, placement=PLACEMENTS["2"], sbp=S.split(0))
+    ys = sbpflow.tensor(y, placement=PLACEMENTS["2"], sbp=S.split(0))
+    loss = step(xs, ys).item()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+        ref_loss = ref(x, y)
+    ref_loss.backward()
+    with torch.no_grad():
+        for q in ref.parameters():
+            q -= 0.1 * q.grad
+    _close(np.array(loss), np.array(ref_loss.item()), torch.bfloat16, "loss")
+    for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        _close(p.numpy(), q.detach().numpy(), torch.bfloat16, name)
+    return loss, [p.numpy() for p in model.parameters()], step
+
+
+def _gradient_reduce_bytes(step: Any) -> int:
+    return sum(s.bytes_per_rank for n in step.plan.collectives(0) for s in n.boxing.steps
+               if s.kind in ("all_reduce", "reduce_scatter") and n.phase == "micro")
+
+
+def test_graph_enable_amp_agrees_with_torch_autocast_and_halves_gradient_bytes() -> None:
+    loss, _, step = _compiled_run(True)
+    casts = [n for n in step.logical.nodes if n.name == "cast"]
+    assert casts and any(step.logical.value(n.outputs[0]).dtype == torch.bfloat16 for n in casts)
+    _, _, half = _compiled_run(True, grad_comm=torch.bfloat16)
+    full_bytes, half_bytes = _gradient_reduce_bytes(step), _gradient_reduce_bytes(half)
+    loss_bytes = 4  # the loss mean's fp32 scalar all-reduce: not a gradient, stays fp32
+    assert full_bytes > 1000 and (half_bytes - loss_bytes) * 2 == full_bytes - loss_bytes

@@ -1,0 +1,201 @@
+"""ZeRO stages 1-3 as SBP: same training as plain data parallel, the layouts, collectives and memory they promise."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+import sbpflow
+from harness import PLACEMENTS, B
+from sbpflow import nn, optim
+from sbpflow import sbp as S
+from sbpflow.comm import record
+from sbpflow.demo.train_gpt import build, parameter_values, random_batches
+from sbpflow.errors import SbpflowError
+from sbpflow.models.gpt import GPTConfig
+
+CONFIG = GPTConfig(vocab_size=100, block_size=16, n_layer=2, n_head=4, n_embd=64, dropout=0.1)
+STEPS = 4
+# As in test_gpt_equivalence: the key bias has a zero true gradient, so AdamW moves it by lr-sized steps on
+# rounding noise, which differs with the order of fp32 sums (reduce-scatter vs all-reduce): an absolute slack of
+# 0.1% of lr x steps for parameters. Losses and every other entry agree to rtol 1e-5.
+ATOL = 1e-5 * STEPS
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def _train(spec: str, stage: int | None, steps: int = STEPS, batch: int = 8) -> tuple[list[float], dict[str, Any], Any]:
+    trainer = build(CONFIG, spec, seed=0)
+    if stage is not None:
+        optim.zero(trainer.optimizer, stage, model=trainer.model)
+    losses = [trainer.step(ids, targets) for ids, targets in random_batches(CONFIG.vocab_size, steps, batch, 16,
+                                                                              seed=1)]
+    return losses, parameter_values(trainer), trainer
+
+
+@pytest.fixture(scope="module")
+def plain_dp() -> tuple[list[float], dict[str, Any], Any]:
+    return _train("dp=2", None)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_gpt_training_equals_plain_data_parallel(stage: int, plain_dp: Any) -> None:
+    losses, params, trainer = _train("dp=2", stage)
+    np.testing.assert_allclose(losses, plain_dp[0], rtol=1e-5)
+    for name, value in plain_dp[1].items():
+        np.testing.assert_allclose(params[name], value, rtol=1e-5, atol=ATOL, err_msg=name)
+    weight = trainer.model.h[0].mlp.c_fc.weight  # (256, 64): sharded; its bias (256,) too; ln_1 (64,) is tiny
+    ln = trainer.model.h[0].ln_1.weight
+    state = trainer.optimizer.state[weight]
+    assert state["exp_avg"].sbp == (S.split(0), B)
+    assert trainer.optimizer.state[ln]["exp_avg"].sbp == (B, B)  # 32 elements a shard: below the minimum
+    assert weight.grad.sbp == ((B, B) if stage == 1 else (S.split(0), B))
+    assert weight.sbp == ((S.split(0), B) if stage == 3 else (B, B))
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_two_d_mesh_shards_only_the_data_axis(stage: int) -> None:
+    want = _train("dp=2,tp=2", None, steps=2)
+    losses, params, trainer = _train("dp=2,tp=2", stage, steps=2)
+    np.testing.assert_allclose(losses, want[0], rtol=1e-5)
+    for name, value in want[1].items():
+        np.testing.assert_allclose(params[name], value, rtol=1e-5, atol=ATOL, err_msg=name)
+    for p in trainer.model.parameters():
+        tensor_axis = trainer.optimizer.state[p]["exp_avg"].sbp[1]
+        assert tensor_axis == p.sbp[1]  # tensor-parallel layout untouched
+    c_fc = trainer.model.h[0].mlp.c_fc.weight  # column parallel: S(0) on the tensor axis, then S(0) on data too
+    assert trainer.optimizer.state[c_fc]["exp_avg"].sbp == (S.split(0), S.split(0))
+
+
+def _linear_step(stage: int, placement: Any, rows: int = 6) -> tuple[Any, Any, Any]:
+    sbpflow.manual_seed(0)
+    lin = nn.Linear(5, 7).to_global(placement, B)  # 7 rows over 2 or 3 ranks: uneven
+    opt = optim.zero(optim.Adam(lin.parameters(), lr=0.1), stage, model=lin, min_shard_numel=1)
+    x = sbpflow.randn(rows, 5, placement=placement, sbp=S.split(0))
+    with record() as fwd:
+        y = lin(x)
+    with record() as bwd:
+        y.square().sum().backward()
+    with record() as step:
+        opt.step()
+    return fwd.counts(), bwd.counts(), step.counts()
+
+
+@pytest.mark.parametrize("stage, want", [
+    (1, ({}, {"all_reduce": 1}, {"all_gather": 2})),  # DDP's one bucket for both gradients
+    (2, ({}, {"reduce_scatter": 2}, {"all_gather": 2})),
+    (3, ({"all_gather": 2}, {"all_gather": 2, "reduce_scatter": 2}, {})),
+])
+def test_collectives_per_stage(stage: int, want: Any) -> None:
+    """Stage 1: DDP's (bucketed) all-reduce, then the updated slices gathered; stage 2: reduce-scatter instead; stage 3:
+    gathered before forward, gathered again in backward, no gather after the step."""
+    assert _linear_step(stage, PLACEMENTS["3"]) == want
+
+
+def test_stage3_gathered_copy_is_freed_between_forward_and_backward() -> None:
+    p2 = PLACEMENTS["2"]
+    sbpflow.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 4)).to_global(p2, B)
+    opt = optim.zero(optim.SGD(model.parameters(), lr=0.1), 3, model=model, min_shard_numel=1)
+    plan = opt._zero
+    x = sbpflow.randn(4, 8, placement=p2, sbp=S.split(0))
+    loss = model(x).sum()
+    assert plan.gathered_bytes == 0  # every unit freed its whole weights when its forward ended
+    largest = max(4 * (m.weight.numel() + m.bias.numel()) for m in model)
+    assert plan.peak_gathered_bytes == largest  # one layer at a time
+    loss.backward()
+    assert plan.gathered_bytes == 0 and plan.peak_gathered_bytes == largest
+    assert all(p.grad.sbp == (S.split(0),) for p in model.parameters())
+
+
+def test_stage3_matches_plain_model_gradients_under_uneven_shards() -> None:
+    p3 = PLACEMENTS["3"]
+    sbpflow.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(5, 7), nn.Linear(7, 3)).to_global(p3, B)
+    sbpflow.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 7), nn.Linear(7, 3)).to_global(p3, B)
+    optim.zero(optim.SGD(model.parameters(), lr=0.1), 3, model=model, min_shard_numel=1)
+    x = sbpflow.randn(5, 5, placement=p3, sbp=S.split(0))
+    ref(x).square().sum().backward()
+    model(x).square().sum().backward()
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        np.testing.assert_allclose(p.grad.numpy(), q.grad.numpy(), rtol=1e-6, atol=1e-7)
+
+
+def test_memory_per_rank_follows_the_formulas() -> None:
+    """fp32 Adam with every parameter sharded: 16Ψ, 8Ψ + 8Ψ/N, 4Ψ + 12Ψ/N, 16Ψ/N bytes (Ψ elements, N = 2)."""
+    p2 = PLACEMENTS["2"]
+    n = 2
+    for stage, (whole, sharded) in {0: (16, 0), 1: (8, 8), 2: (4, 12), 3: (0, 16)}.items():
+        sbpflow.manual_seed(0)
+        model = nn.Sequential(nn.Linear(32, 64), nn.Linear(64, 32)).to_global(p2, B)
+        psi = sum(p.numel() for p in model.parameters())
+        opt = optim.Adam(model.parameters(), lr=0.1)
+        if stage:
+            optim.zero(opt, stage, model=model, min_shard_numel=1)
+        model(sbpflow.randn(4, 32, placement=p2, sbp=S.split(0))).sum().backward()
+        opt.step()
+        assert sum(optim.memory_per_rank(opt).values()) == whole * psi + sharded * psi // n, stage
+
+
+def test_errors() -> None:
+    w = nn.Parameter(sbpflow.zeros(4, placement=PLACEMENTS["2"], sbp=B))
+    with pytest.raises(SbpflowError, match="must be 1, 2 or 3"):
+        optim.zero(optim.SGD([w], lr=0.1), 4)
+    with pytest.raises(SbpflowError, match="needs model="):
+        optim.zero(optim.SGD([w], lr=0.1), 3)
+    with pytest.raises(SbpflowError, match="names no mesh axis"):
+        optim.zero(optim.SGD([w], lr=0.1), 1, axis=1)
+
+
+def _train_graph(spec: str, stage: int, steps: int = STEPS) -> tuple[list[float], dict[str, Any], Any]:
+    trainer = build(CONFIG, spec, seed=0, graph=True)
+    trainer.graph.config.enable_zero(stage)
+    losses = [trainer.step(ids, targets) for ids, targets in random_batches(CONFIG.vocab_size, steps, 8, 16,
+                                                                              seed=1)]
+    return losses, parameter_values(trainer), trainer
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_graph_zero_equals_plain_data_parallel(stage: int, plain_dp: Any) -> None:
+    """config.enable_zero(stage): the SBPs are constraints of the traced step; the compiled plan then holds the
+    reduce-scatters (stage 2 and 3) and all-gathers (after the update for 1 and 2, before use for 3)."""
+    losses, params, trainer = _train_graph("dp=2", stage)
+    np.testing.assert_allclose(losses, plain_dp[0], rtol=1e-5)
+    for name, value in plain_dp[1].items():
+        np.testing.assert_allclose(params[name], value, rtol=1e-5, atol=ATOL, err_msg=name)
+    plan, logical = trainer.graph.plan, trainer.graph.logical
+    sharded = len(trainer.optimizer._zero.sharded)
+    updates = [n for n in logical.nodes if n.name.startswith("adam_update")]  # fused: params, grads, m, v
+    updated = [sbp for n in updates for sbp in n.in_sbps[:len(n.inputs) // 4]]
+    assert sum(sbp == (S.split(0), B) for sbp in updated) == sharded  # each update on its S(0) slice
+    gathers = [n for n in plan.collectives(0) if n.boxing.steps[0].kind == "all_gather"
+               and n.phase == ("post" if stage < 3 else "micro")]
+    assert len(gathers) >= sharded  # updated slices back into B (1, 2), or gathered before use (3)
+    if stage == 3:  # gathered again in backward, each behind a control edge on the unit's incoming gradient
+        again = [n for n in gathers if n.control]
+        assert len(again) >= 2 * trainer.model.config.n_layer and len(gathers) >= sharded + len(again)
+    accumulated = [logical.value(n.outputs[0]).sbp for n in logical.of_kind("accumulate")]
+    split_grads = sum(sbp == (S.split(0), B) for sbp in accumulated)
+    assert split_grads == (sharded if stage >= 2 else 0)  # stage 2 and 3: gradients S(0) where they are summed
+    state = trainer.optimizer.state[trainer.model.h[0].mlp.c_fc.weight]
+    assert state["exp_avg"].sbp == (S.split(0), B)
+
+
+def test_stage3_with_checkpointed_blocks_equals_plain_data_parallel(plain_dp: Any) -> None:
+    """A checkpointed unit keeps no gathered copy for backward: its recomputation reads the shards again."""
+    from sbpflow.utils import checkpoint_module
+
+    trainer = build(CONFIG, "dp=2", seed=0)
+    optim.zero(trainer.optimizer, 3, model=trainer.model)
+    for block in trainer.model.h:
+        checkpoint_module(block)
+    losses = [trainer.step(ids, targets) for ids, targets in random_batches(CONFIG.vocab_size, STEPS, 8, 16,
+                                                                              seed=1)]
+    np.testing.assert_allclose(losses, plain_dp[0], rtol=1e-5)
+    params = parameter_values(trainer)
+    for name, value in plain_dp[1].items():
+        np.testing.assert_allclose(params[name], value, rtol=1e-5, atol=ATOL, err_msg=name)
+    assert trainer.optimizer._zero.gathered_bytes == 0
