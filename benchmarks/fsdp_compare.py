@@ -32,7 +32,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _report import machine, write_section  # noqa: E402
-from ddp_compare import TorchGPT, _copy_weights  # noqa: E402
+from _torch_gpt import TorchGPT, copy_weights  # noqa: E402
 
 from sbpflow import optim  # noqa: E402
 from sbpflow.demo.train_gpt import build  # noqa: E402
@@ -69,7 +69,7 @@ def fsdp_contender() -> tuple[Any, Any]:
 
     reference = build(CONFIG, None, seed=0, lr=LR).model
     model = TorchGPT(CONFIG)
-    _copy_weights(reference, model)
+    copy_weights(reference, model)
     del reference
     mesh = init_device_mesh("cpu", (WORLD,))
     for block in model.h:

@@ -24,7 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 
 from _report import machine, write_section  # noqa: E402
-from ddp_compare import TorchGPT, _copy_weights  # noqa: E402
+from _torch_gpt import TorchGPT, adamw, copy_weights  # noqa: E402
 
 from sbpflow.demo.train_gpt import build  # noqa: E402
 from sbpflow.models.gpt import GPTConfig  # noqa: E402
@@ -49,11 +49,9 @@ def sbpflow_step(graph: bool, executor: str = "actors") -> Callable[[], float]:
 def torch_step() -> Callable[[], float]:
     reference = build(GPT, "dp=1").model
     model = TorchGPT(GPT)
-    _copy_weights(reference, model)
+    copy_weights(reference, model)
     params = list(model.parameters())
-    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": 0.1},
-              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
-    opt = torch.optim.AdamW(groups, lr=1e-3, betas=(0.9, 0.95), foreach=True)
+    opt = adamw(params, lr=1e-3)
     ids, targets = (torch.from_numpy(a) for a in _data(GPT, BATCH))
 
     def step() -> float:

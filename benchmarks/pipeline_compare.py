@@ -33,7 +33,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from ddp_compare import TorchBlock  # noqa: E402
+from _torch_gpt import TorchBlock  # noqa: E402
 
 import sbpflow  # noqa: E402
 from sbpflow.demo.train_gpt import build  # noqa: E402
