@@ -11,7 +11,10 @@ import datetime
 import os
 import platform
 import re
+import subprocess
+import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -50,3 +53,11 @@ def write_section(name: str, body: str) -> None:
         text = text.rstrip() + "\n\n" + block + "\n"
     DOC.parent.mkdir(exist_ok=True)
     DOC.write_text(text)
+
+
+def launch_self(script: str, world: int, args: list[str], **run: Any) -> subprocess.CompletedProcess[str]:
+    """Runs ``script`` again as ``world`` processes (``sbpflow launch``, gloo on loopback, one thread each); the
+    copies see ``RANK`` and act as workers. ``run`` goes to :func:`subprocess.run` (check, timeout, capture)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
+    cmd = [sys.executable, "-m", "sbpflow.cli", "launch", "-n", str(world), str(Path(script).resolve()), *args]
+    return subprocess.run(cmd, env=env, text=True, **run)

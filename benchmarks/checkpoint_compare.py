@@ -26,7 +26,6 @@ import datetime
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -39,6 +38,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from _report import launch_self  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
@@ -245,10 +245,7 @@ def main() -> int:
     if "RANK" in os.environ:
         worker(args)
         return 0
-    env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
-    cmd = [sys.executable, "-m", "sbpflow.cli", "launch", "-n", str(WORLD), str(Path(__file__).resolve()),
-           *sys.argv[1:]]
-    return subprocess.run(cmd, env=env, check=False).returncode
+    return launch_self(__file__, WORLD, sys.argv[1:], check=False).returncode
 
 
 if __name__ == "__main__":

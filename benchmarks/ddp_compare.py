@@ -26,7 +26,6 @@ import argparse
 import copy
 import os
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -38,6 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
+from _report import launch_self  # noqa: E402
 from _torch_gpt import TorchGPT, adamw, copy_weights
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -435,10 +435,7 @@ def main() -> int:
     if "RANK" in os.environ:
         worker(args)
         return 0
-    env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
-    cmd = [sys.executable, "-m", "sbpflow.cli", "launch", "-n", str(WORLD), str(Path(__file__).resolve()),
-           *sys.argv[1:]]
-    return subprocess.run(cmd, env=env, check=False).returncode
+    return launch_self(__file__, WORLD, sys.argv[1:], check=False).returncode
 
 
 if __name__ == "__main__":

@@ -18,7 +18,6 @@ import json
 import os
 import resource
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -31,7 +30,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _report import machine, write_section  # noqa: E402
+from _report import launch_self, machine, write_section  # noqa: E402
 from _torch_gpt import TorchGPT, copy_weights  # noqa: E402
 
 from sbpflow import optim  # noqa: E402
@@ -130,10 +129,8 @@ def worker(contender: str, steps: int, out: str) -> None:
 def launch(contender: str, steps: int) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
-        env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
-        cmd = [sys.executable, "-m", "sbpflow.cli", "launch", "-n", str(WORLD), str(Path(__file__).resolve()),
-               "--worker", contender, "--steps", str(steps), "--out", out]
-        subprocess.run(cmd, env=env, check=True, timeout=600)
+        launch_self(__file__, WORLD, ["--worker", contender, "--steps", str(steps), "--out", out], check=True,
+                    timeout=600)
         return dict(json.loads(Path(out).read_text()))
 
 

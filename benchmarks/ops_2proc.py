@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -24,6 +23,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from _report import launch_self  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
@@ -142,10 +142,7 @@ def main() -> int:
     if "RANK" in os.environ:
         worker(args)
         return 0
-    env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
-    cmd = [sys.executable, "-m", "sbpflow.cli", "launch", "-n", str(WORLD), str(Path(__file__).resolve()),
-           *sys.argv[1:]]
-    return subprocess.run(cmd, env=env, check=False).returncode
+    return launch_self(__file__, WORLD, sys.argv[1:], check=False).returncode
 
 
 if __name__ == "__main__":

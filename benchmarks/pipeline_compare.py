@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -33,6 +32,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+from _report import launch_self  # noqa: E402
 from _torch_gpt import TorchBlock  # noqa: E402
 
 import sbpflow  # noqa: E402
@@ -224,12 +224,10 @@ def main() -> int:
     if "RANK" in os.environ:
         worker(args)
         return 0
-    env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
     tables = []
     for world in args.worlds:
-        cmd = [sys.executable, "-m", "sbpflow.cli", "launch", "-n", str(world), str(Path(__file__).resolve()),
-               "--rounds", str(args.rounds), "--steps", str(args.steps)]
-        out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout
+        out = launch_self(__file__, world, ["--rounds", str(args.rounds), "--steps", str(args.steps)], check=True,
+                          capture_output=True).stdout
         print(out, flush=True)
         tables.append(out[out.index("### "):].strip() if "### " in out else out.strip())
     if args.write:

@@ -23,7 +23,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -37,6 +36,8 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "src"))
+
+from _report import launch_self  # noqa: E402
 
 import sbpflow  # noqa: E402
 from sbpflow import optim  # noqa: E402
@@ -133,10 +134,8 @@ def measure(wanted: dict[str, tuple[int, tuple[int, ...], int]], rounds: int, st
     with tempfile.TemporaryDirectory() as tmp:
         spec_path, out_path = str(Path(tmp) / "plans.json"), str(Path(tmp) / "times.json")
         Path(spec_path).write_text(json.dumps(wanted))
-        env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
-        cmd = [sys.executable, "-m", "sbpflow.cli", "launch", "-n", str(WORLD), str(Path(__file__).resolve()),
-               "--worker", spec_path, out_path, "--rounds", str(rounds), "--steps", str(steps)]
-        subprocess.run(cmd, env=env, check=True)
+        launch_self(__file__, WORLD, ["--worker", spec_path, out_path, "--rounds", str(rounds), "--steps", str(steps)],
+                    check=True)
         return {k: float(v) for k, v in json.loads(Path(out_path).read_text()).items()}
 
 
