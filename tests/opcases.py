@@ -244,9 +244,7 @@ def _conv_cases() -> list[OpCase]:
         OpCase("conv2d", "conv2d", conv_args, _CONV, conv_keeps),
         # 2 input channels split over 3 ranks: one rank holds none (an empty shard)
         OpCase("conv2d-empty-shard", "conv2d", lambda g: (_r(g, 1, 2, 4, 4), _r(g, 3, 2, 3, 3), _r(g, 3)), _CONV,
-               conv_keeps, known_wrong="conv2d's kernel gives a (N, 0, H, W) piece for an empty input-channel shard "
-               "under S(1) x S(1) -> P(sum) (torch conv2d of 0 channels): found by the random-pieces mesh test",
-               wrong_in=("mesh 3", "mesh 2x2")),
+               conv_keeps),
         OpCase("conv2d_input_grad", "conv2d_input_grad", lambda g: (_r(g, *y_shape), _r(g, *w_shape)),
                dict(_CONV, input_shape=x_shape), ("P(sum) B -> P(sum)", "B P(sum) -> P(sum)")),
         OpCase("conv2d_weight_grad", "conv2d_weight_grad", lambda g: (_r(g, *y_shape), _r(g, *x_shape)),

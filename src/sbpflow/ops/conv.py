@@ -91,6 +91,12 @@ def _conv_sigs(x: Meta, w: Meta, *bias: Meta, outs: tuple[Meta, ...], groups: in
 @op("conv2d", meta=_conv_meta, sbp=_conv_sigs)
 def _conv2d(x: torch.Tensor, w: torch.Tensor, *bias: torch.Tensor, stride: Pair, padding: Pair, dilation: Pair,
             groups: int) -> torch.Tensor:
+    if x.shape[1] == 0 and groups == 1:
+        # A rank holding no input channel (S(1) x S(1) -> P(sum), 2 channels over 3 ranks) adds nothing but its
+        # bias piece; torch gives (N, 0, H, W) for 0 channels, so run the kernel on one zero channel instead.
+        n, _, h, wd = x.shape  # local (N, 0, H, W)
+        x = x.new_zeros((n, 1, h, wd))
+        w = w.new_zeros((w.shape[0], 1) + tuple(w.shape[2:]))
     return TF.conv2d(x, w, bias[0] if bias else None, stride, padding, dilation, groups)
 
 
