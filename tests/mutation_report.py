@@ -59,7 +59,8 @@ them: `linear` and `embedding` are linear in the weight, `gelu_backward`, `layer
 
 * `conv2d` under `S(1) x S(1) -> P(sum)` (row parallel) fails when a rank holds no input channel (2
   channels on 3 ranks): its kernel returns a `(N, 0, H, W)` piece. The random-pieces mesh test found it;
-  the case `conv2d-empty-shard` is a strict xfail on the 3-rank and 2x2 meshes until the kernel is fixed.
+  the case `conv2d-empty-shard` was a strict xfail on the 3-rank and 2x2 meshes until the kernel was fixed
+  (such a rank now runs on one zero channel: its piece is the bias piece alone).
 * `log` and `sqrt` are right to pass `P(min)` (where the smallest piece is out of the domain, so is the
   value) and wrong to pass `P(max)`; casts are linear only to a wider float and monotone unless the target
   is an integer or bool (section 1's list, strict xfails here).
