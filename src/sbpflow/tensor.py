@@ -312,14 +312,24 @@ class Tensor:
         backward([self], [gradient], retain_graph=retain_graph)
 
     def detach(self) -> Tensor:
-        """The same values, cut from the graph (shards are shared, as torch shares storage)."""
-        if self._local is not None:
-            return Tensor._from_local(_detached(self._local))
+        """The same values, cut from the graph (shards are shared, as torch shares storage).
+
+        The detached tensor of a view is a view of the same base, as in torch: writes into either reach the
+        base, and each reads the base's later writes.
+        """
         if self._lazy is not None:
             return self._lazy.tensor()
-        shards = {r: _detached(t) for r, t in (self._shards or {}).items()}
-        return Tensor._from_shards(self._shape or (), self._dtype, self._placement, self._sbp,  # type: ignore[arg-type]
-                                   shards)
+        if self._view_of is not None:
+            _refresh_view(self)
+        if self._local is not None:
+            out = Tensor._from_local(_detached(self._local))
+        else:
+            shards = {r: _detached(t) for r, t in (self._shards or {}).items()}
+            out = Tensor._from_shards(self._shape or (), self._dtype, self._placement, self._sbp,  # type: ignore[arg-type]
+                                      shards)
+        if self._view_of is not None:
+            out._view_of = self._view_of.copy()
+        return out
 
     def detach_(self) -> Tensor:
         """Cuts this tensor from the graph in place: it becomes a leaf that needs no gradient (as torch)."""

@@ -353,3 +353,19 @@ def test_top_level_view_functions_are_views_as_in_torch(name: str) -> None:
     ours_fn(ours).fill_(5.0)
     torch_fn(theirs).fill_(5.0)
     torch.testing.assert_close(torch.as_tensor(ours.numpy()), theirs)
+
+
+@pytest.mark.parametrize(("pname", "sbp"), LAYOUTS, ids=IDS)
+def test_detach_of_a_view_is_a_view_of_the_same_base(pname: str | None, sbp: Any) -> None:
+    """``x[:, 1:3].detach()`` shares storage with ``x`` in torch: writes go both ways, as for the view itself."""
+    value = randn(3, 4)
+    ours, theirs = _make(value, pname, sbp), value.clone()
+    mine, its = ours[:, 1:3].detach(), theirs[:, 1:3].detach()
+    with sbpflow.no_grad():
+        mine.mul_(3)
+    its.mul_(3)
+    torch.testing.assert_close(torch.as_tensor(ours.numpy()), theirs)  # the write reached the base
+    ours.add_(1)
+    theirs.add_(1)
+    torch.testing.assert_close(torch.as_tensor(mine.numpy()), its)  # the base's later write shows in the view
+    assert not mine.requires_grad and mine.grad_fn is None

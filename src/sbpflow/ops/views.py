@@ -53,6 +53,13 @@ class Link:
         self.write, self.op, self.args, self.kwargs, self.item = write, op, args, kwargs, item
         self.version = base._version  # the base's version this view's values reflect
 
+    def copy(self) -> Link:
+        """The same link for another tensor holding the same values (``view.detach()``), its version its own."""
+        twin = object.__new__(Link)
+        for name in Link.__slots__:
+            setattr(twin, name, getattr(self, name))
+        return twin
+
 
 def mark_view(out: Tensor, base: Tensor, write: Writer, op: str, *args: Any, item: int | None = None,
               **kwargs: Any) -> Tensor:
