@@ -459,6 +459,53 @@ def _set_masked(x: Tensor, mask: Tensor, value: Any) -> None:
     x.masked_fill_(mask, value)  # type: ignore[attr-defined]  # bound by ops.methods: in place, version, views
 
 
+def _with_region(x: Tensor, region: Region, shape: tuple[int, ...], value: Any) -> Tensor:
+    """``x`` with ``value`` written over ``region``, out of place (how nn.Graph traces ``x[key] = value``): the
+    value, broadcast to the view's shape, is placed into zeros of x's shape by the slicing gradient, then chosen
+    where the region is."""
+    from . import functional as F
+    from .elementwise import cast
+
+    counts = tuple(len(range(*r)) for r in region)  # the region's shape: an int index keeps its dim as 1
+    where = torch.zeros(tuple(x.shape), dtype=torch.bool)
+    where[tuple(slice(*r) for r in region)] = True
+    mask = _broadcast_on(x, where)  # a constant of the graph
+    if isinstance(value, torch.Tensor) and not isinstance(value, Tensor):
+        value = _broadcast_on(x, value)
+    if not isinstance(value, Tensor) or value.ndim == 0 and not value.is_global:
+        return _in_layout_of(x, F.where(mask, value if not isinstance(value, Tensor) else value.item(), x))
+    if tuple(value.shape) != shape:
+        if not _broadcastable(tuple(value.shape), shape):
+            raise ShapeError(f"x[...] = value: a value of shape {list(value.shape)} does not broadcast to the "
+                             f"indexed shape {list(shape)}; target {x._describe()}")
+        value = F.expand(value, *shape)
+    placed = F.reshape(cast(value, dtype=x.dtype), counts)  # logical region shape
+    for d, (start, stop, step) in enumerate(region):
+        if counts[d] != x.shape[d]:
+            placed = slice_backward(placed, dim=d, start=start, stop=stop, step=step, size=x.shape[d])
+    return _in_layout_of(x, F.where(mask, placed, x))
+
+
+def _in_layout_of(x: Tensor, new: Tensor) -> Tensor:
+    from . import functional as F
+
+    if (new.placement, new.sbp) != (x.placement, x.sbp):
+        new = F.to_global(new, x.placement, x.sbp)
+    return new
+
+
+def _broadcast_on(x: Tensor, value: torch.Tensor) -> Tensor:
+    from ..creation import tensor as make_tensor
+
+    return make_tensor(value, placement=x.placement, sbp=(broadcast,) * x.placement.ndim)
+
+
+def _broadcastable(src: tuple[int, ...], dst: tuple[int, ...]) -> bool:
+    if len(src) > len(dst):
+        return False
+    return all(a in (1, b) for a, b in zip(src[::-1], dst[::-1], strict=False))
+
+
 def setitem(x: Tensor, key: Any, value: Any) -> None:
     """``x[key] = value`` in place, as torch does for basic indexing (ints, slices, None, ...) and a bool mask.
 
@@ -480,11 +527,12 @@ def setitem(x: Tensor, key: Any, value: Any) -> None:
     if isinstance(key, Tensor) and key.dtype == torch.bool:
         _set_masked(x, key, value)
         return
-    if x._lazy is not None:  # tracing holds no shards to write into
-        raise OpError(f"x[...] = value (also an in-place write into x[...]) is not traced by nn.Graph yet (target "
-                      f"{x._describe()}); build the value out of place with sbpflow.where or cat")
     refresh(x)  # a view whose base was written since: its other elements must be current before write_back
     region, shape = _region(x, key)
+    if x._lazy is not None:  # tracing holds no shards to write into: the new value becomes an explicit graph op
+        x._assign(_with_region(x, region, shape, value))
+        write_back(x)
+        return
     counts = tuple(len(range(*r)) for r in region)
     _write_region(x, region, _value_per_rank(x, value, counts, shape))
     x._version += 1
