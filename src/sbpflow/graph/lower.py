@@ -10,15 +10,23 @@ Micro-batches: a step input is cut by an ``unpack`` node, a variable read by
 every micro-batch goes through ``repeat``, gradients are summed by
 ``accumulate`` and results joined by ``pack``. With one micro-batch they are
 left out.
+
+In-place updates. An optimizer update whose every output goes only to the
+``assign`` of the variable it was computed from (read as is, no boxing) becomes
+one ``update`` node (:func:`in_place_updates`): the executor then writes the
+variables in place once the step has succeeded, instead of computing new
+tensors and copying them back.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from .. import boxing
 from ..boxing import Layout
 from ..boxing.plan import MOVES_NOTHING
+from ..ops.optimizer import IN_PLACE
 from ..placement import Placement
 from .ir import LNode, LogicalGraph
 from .physical import COMPUTE_STREAM, Buf, PhysicalPlan, PNode, Register
@@ -117,7 +125,7 @@ class _Lowerer:
     def lower(self) -> PhysicalPlan:
         for n in self.g.nodes:
             getattr(self, f"_{n.kind}")(n)
-        plan = PhysicalPlan(self.nodes, self.bufs, {}, self.m)
+        plan = PhysicalPlan(in_place_updates(self.nodes), self.bufs, {}, self.m)
         plan.registers = registers(plan)
         plan.world = tuple(sorted({r for n in self.nodes for r in n.ranks}))
         return plan
@@ -199,6 +207,48 @@ def _union(a: Placement, b: Placement) -> tuple[int, ...]:
     if a == b:
         return a.flat_ranks
     return tuple(sorted(set(a.flat_ranks) | set(b.flat_ranks)))
+
+
+def in_place_updates(nodes: list[PNode]) -> list[PNode]:
+    """Turns each optimizer update that only feeds the assigns of its own variables into an ``update`` node and
+    drops those assigns; node ids are renumbered to list positions (control edges follow)."""
+    readers: dict[int, list[PNode]] = {}
+    for n in nodes:
+        for b in n.inputs:
+            readers.setdefault(b, []).append(n)
+    variable_of = {n.outputs[0]: n.name for n in nodes if n.kind == "variable"}
+    replaced: dict[int, PNode] = {}
+    dropped: set[int] = set()
+    for n in nodes:
+        if n.kind != "compute" or n.op not in IN_PLACE:
+            continue
+        assigns = _own_assigns(n, readers, variable_of)
+        if assigns is not None:
+            replaced[n.id] = dataclasses.replace(n, kind="update", outputs=(), out_sbps=())
+            dropped.update(a.id for a in assigns)
+    if not replaced or any(c in dropped for n in nodes for c in n.control):
+        return nodes
+    kept = [replaced.get(n.id, n) for n in nodes if n.id not in dropped]
+    renumber = {n.id: i for i, n in enumerate(kept)}
+    return [dataclasses.replace(n, id=renumber[n.id], control=tuple(renumber[c] for c in n.control)) for n in kept]
+
+
+def _own_assigns(n: PNode, readers: dict[int, list[PNode]], variable_of: dict[int, str]) -> list[PNode] | None:
+    """The assign nodes that take each output of ``n`` back to the variable its input came from, if that is all
+    its outputs feed and each written variable is a different one; else None."""
+    writes = IN_PLACE[n.op or n.name].writes(len(n.inputs))
+    if len(writes) != len(n.outputs) or len({i for _, i in writes}) != len(writes):
+        return None
+    assigns = []
+    for out, i in writes:
+        users = readers.get(n.outputs[out], [])
+        name = variable_of.get(n.inputs[i])
+        if len(users) != 1 or users[0].kind != "assign" or name is None or users[0].name != name:
+            return None
+        if n.inputs.count(n.inputs[i]) != 1:  # the variable is also another argument: it must stay as it was
+            return None
+        assigns.append(users[0])
+    return assigns
 
 
 def lower(g: LogicalGraph, model: boxing.CostModel, factors: tuple[Any, ...]) -> PhysicalPlan:

@@ -24,6 +24,9 @@ Node kinds (``PNode.kind``) and what an executor does with them::
     accumulate  (a,)   -> (b,)      sum of a over the m micro-batches (a gradient)
     pack        (a,)   -> (b,)      the m micro-batch values combined: mean (0-d losses) or cat on dim 0
     assign      (a,)   -> ()        on success of the whole step: copy a into variables[node.name]
+    update      (...)  -> ()        on success of the whole step: IN_PLACE[op].kernel(*args, **attrs), which
+                                    writes new values into the variables among its inputs (an optimizer
+                                    update with its assigns, done in place: sbpflow.ops.optimizer)
     output      (a,)   -> ()        the step's result ``outputs[node.name]``
     route       (x, i) -> (y, r)    dynamic routing (runtime.route), over node.ranks as one group:
                                     "dispatch": row j of x goes to member i[j] by an all-to-all whose
@@ -61,7 +64,7 @@ from ..boxing import Layout, Plan
 from ..sbp import format_nd
 
 KINDS = ("input", "variable", "unpack", "repeat", "compute", "boxing", "accumulate", "pack", "assign", "output",
-         "route")
+         "route", "update")
 PHASES = ("pre", "micro", "post")
 COMPUTE_STREAM = "compute"
 

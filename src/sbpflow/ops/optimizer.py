@@ -5,15 +5,24 @@ traces these ops, whose outputs are assigned back to the variables after the who
 arithmetic is the same elementwise sequence as the eager rules, so both give the same numbers. Every update
 is elementwise: any split or broadcast signature shared by all operands works, never a partial one.
 The learning rate and step count are per-step scalars (fed each step, not baked into the plan).
+
+In-place forms. Each op has an in-place kernel (:data:`IN_PLACE`) that writes the new values into its own
+parameter and state arguments; the op itself is that kernel run on fresh copies, so both give the same bits.
+Where every output of an update goes straight back to the variable it was computed from, the lowering turns
+the op and its ``assign`` nodes into one ``update`` node (:mod:`sbpflow.graph.lower`): executors run its
+in-place kernel on the variables' storage once the step has succeeded, with no copies and no new buffers.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ..sbp import broadcast, split
+from ..sbp import Partial, broadcast, split
 from .registry import Meta, Sig, op
 
 
@@ -29,14 +38,37 @@ def _elementwise_sigs(*metas: Any, outs: Any, **_: Any) -> list[Sig]:
     return [Sig((s,) * n_in, (s,) * len(outs)) for s in sbps]
 
 
+def sgd_update_(p: torch.Tensor, g: torch.Tensor, lr: float, *, weight_decay: float = 0.0,
+                maximize: bool = False) -> None:
+    """In place: ``p -= lr * (g + wd p)`` (``-g`` when maximizing)."""
+    g = -g if maximize else g
+    if weight_decay != 0:
+        g = g.add(p, alpha=weight_decay)
+    p.add_(g, alpha=-lr)
+
+
 @op("sgd_update", meta=lambda *m, **a: _same_metas(*m, n_out=1), sbp=_elementwise_sigs, differentiable=False)
 def sgd_update(p: torch.Tensor, g: torch.Tensor, lr: float, *, weight_decay: float = 0.0,
                maximize: bool = False) -> torch.Tensor:
     """``p - lr * (g + wd p)`` (``-g`` when maximizing)."""
+    new_p = p.clone()
+    sgd_update_(new_p, g, lr, weight_decay=weight_decay, maximize=maximize)
+    return new_p
+
+
+def sgd_momentum_update_(p: torch.Tensor, g: torch.Tensor, buf: torch.Tensor, lr: float, started: float, *,
+                         momentum: float, dampening: float = 0.0, weight_decay: float = 0.0, nesterov: bool = False,
+                         maximize: bool = False) -> None:
+    """In place on ``p`` and ``buf``: SGD with momentum; the first step's buffer is the gradient itself
+    (``started == 0``), as torch."""
     g = -g if maximize else g
     if weight_decay != 0:
         g = g.add(p, alpha=weight_decay)
-    return p.add(g, alpha=-lr)
+    if not started:
+        buf.copy_(g)
+    else:
+        buf.mul_(momentum).add_(g, alpha=1 - dampening)
+    p.add_(g.add(buf, alpha=momentum) if nesterov else buf, alpha=-lr)
 
 
 @op("sgd_momentum_update", meta=lambda *m, **a: _same_metas(*m, n_out=2), sbp=_elementwise_sigs,
@@ -44,13 +76,11 @@ def sgd_update(p: torch.Tensor, g: torch.Tensor, lr: float, *, weight_decay: flo
 def sgd_momentum_update(p: torch.Tensor, g: torch.Tensor, buf: torch.Tensor, lr: float, started: float, *,
                         momentum: float, dampening: float = 0.0, weight_decay: float = 0.0, nesterov: bool = False,
                         maximize: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """SGD with momentum; the first step's buffer is the gradient itself (``started == 0``), as torch."""
-    g = -g if maximize else g
-    if weight_decay != 0:
-        g = g.add(p, alpha=weight_decay)
-    new_buf = g.clone() if not started else (buf * momentum).add(g, alpha=1 - dampening)
-    step = g.add(new_buf, alpha=momentum) if nesterov else new_buf
-    return p.add(step, alpha=-lr), new_buf
+    """SGD with momentum: the new parameter and momentum buffer."""
+    new_p, new_buf = p.clone(), buf.clone()
+    sgd_momentum_update_(new_p, g, new_buf, lr, started, momentum=momentum, dampening=dampening,
+                         weight_decay=weight_decay, nesterov=nesterov, maximize=maximize)
+    return new_p, new_buf
 
 
 def _multi_metas(*metas: Any, **_: Any) -> tuple[Meta, ...]:
@@ -65,12 +95,10 @@ def _multi_sigs(*metas: Any, outs: Any, **_: Any) -> list[Sig]:
     return [Sig((s,) * n_in, (s,) * len(outs)) for s in [broadcast] + [split(d) for d in range(ndim)]]
 
 
-@op("adam_update_multi", meta=_multi_metas, sbp=_multi_sigs, differentiable=False)
-def adam_update_multi(*args: Any, beta1: float, beta2: float, eps: float, weight_decay: float = 0.0,
-                      decoupled: bool = False, maximize: bool = False) -> tuple[torch.Tensor, ...]:
-    """:func:`adam_update` over k parameters at once with foreach kernels: ``(p..., g..., m..., v..., lr, step)``
-    -> ``(p'..., m'..., v'...)``. The moments' fresh outputs are updated in place (they are new tensors), the
-    inputs never: the variables are written only when the whole step has succeeded."""
+def adam_update_multi_(*args: Any, beta1: float, beta2: float, eps: float, weight_decay: float = 0.0,
+                       decoupled: bool = False, maximize: bool = False) -> None:
+    """In place on the parameters and moments: ``(p..., g..., m..., v..., lr, step)``, k of each, with eager
+    Adam's foreach sequence (:meth:`sbpflow.optim.Adam._update`)."""
     *tensors, lr, step = args
     k = len(tensors) // 4
     ps, gs, ms, vs = (list(tensors[i * k:(i + 1) * k]) for i in range(4))
@@ -78,14 +106,83 @@ def adam_update_multi(*args: Any, beta1: float, beta2: float, eps: float, weight
         gs = list(torch._foreach_neg(gs))
     if weight_decay != 0:
         if decoupled:
-            ps = list(torch._foreach_mul(ps, 1 - lr * weight_decay))
+            torch._foreach_mul_(ps, 1 - lr * weight_decay)
         else:
             gs = list(torch._foreach_add(gs, ps, alpha=weight_decay))
-    m = list(torch._foreach_lerp(ms, gs, 1 - beta1))
-    v = list(torch._foreach_mul(vs, beta2))
-    torch._foreach_addcmul_(v, gs, gs, 1 - beta2)
-    denom = list(torch._foreach_sqrt(v))
+    torch._foreach_lerp_(ms, gs, 1 - beta1)
+    torch._foreach_mul_(vs, beta2)
+    torch._foreach_addcmul_(vs, gs, gs, 1 - beta2)
+    denom = torch._foreach_sqrt(vs)
     torch._foreach_div_(denom, (1 - beta2**step) ** 0.5)
     torch._foreach_add_(denom, eps)
-    new_p = list(torch._foreach_addcdiv(ps, m, denom, -(lr / (1 - beta1**step))))
-    return tuple(new_p + m + v)
+    torch._foreach_addcdiv_(ps, ms, denom, -(lr / (1 - beta1**step)))
+
+
+@op("adam_update_multi", meta=_multi_metas, sbp=_multi_sigs, differentiable=False)
+def adam_update_multi(*args: Any, beta1: float, beta2: float, eps: float, weight_decay: float = 0.0,
+                      decoupled: bool = False, maximize: bool = False) -> tuple[torch.Tensor, ...]:
+    """:func:`adam_update_multi_` over k parameters on fresh copies: ``(p..., g..., m..., v..., lr, step)`` ->
+    ``(p'..., m'..., v'...)``; the inputs are never written."""
+    *tensors, lr, step = args
+    k = len(tensors) // 4
+    ps, gs, ms, vs = (list(tensors[i * k:(i + 1) * k]) for i in range(4))
+    new_p, new_m, new_v = ([t.clone() for t in ts] for ts in (ps, ms, vs))
+    adam_update_multi_(*new_p, *gs, *new_m, *new_v, lr, step, beta1=beta1, beta2=beta2, eps=eps,
+                       weight_decay=weight_decay, decoupled=decoupled, maximize=maximize)
+    return tuple(new_p + new_m + new_v)
+
+
+# -- gradient clipping over many gradients at once (compiled clip_grad_norm_) ---------------------------------
+
+
+def _norm_sigs(*metas: Any, outs: Any, norm_type: float) -> list[Sig]:
+    n_in = sum(isinstance(m, Meta) for m in metas)
+    ndim = min(len(m.shape) for m in metas if isinstance(m, Meta))
+    reduced = Partial("max") if math.isinf(norm_type) else Partial("sum")  # each rank covers its own elements
+    return [Sig((broadcast,) * n_in, (broadcast,))] + [Sig((split(d),) * n_in, (reduced,)) for d in range(ndim)]
+
+
+@op("grad_norm_multi", meta=lambda *m, **a: (Meta((), m[0].dtype),), sbp=_norm_sigs, differentiable=False)
+def grad_norm_multi(*grads: torch.Tensor, norm_type: float) -> torch.Tensor:
+    """``sum |g|^p`` (``max |g|`` for p = inf) over every element of k gradients: torch's foreach norms, then their
+    p-th powers, as eager ``clip_grad_norm_`` (:mod:`sbpflow.optim.clip`)."""
+    norms = torch.stack(torch._foreach_norm(list(grads), norm_type))
+    if math.isinf(norm_type):
+        return norms.max()
+    return norms.pow(norm_type).sum()
+
+
+def _scale_sigs(*metas: Any, outs: Any) -> list[Sig]:
+    k = len(outs)
+    ndim = min(len(m.shape) for m in outs)
+    return [Sig((s,) * k + (broadcast,), (s,) * k) for s in [broadcast] + [split(d) for d in range(ndim)]]
+
+
+@op("scale_multi", meta=lambda *m, **a: tuple(m[:-1]), sbp=_scale_sigs, differentiable=False)
+def scale_multi(*args: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
+    """``(g..., c)`` -> ``(g * c...)``: k gradients times one 0-d factor, one foreach kernel (one gradient: a
+    tensor, as every one-output op)."""
+    *grads, coef = args
+    out = torch._foreach_mul(grads, coef)
+    return out[0] if len(out) == 1 else tuple(out)
+
+
+@dataclass(frozen=True)
+class InPlace:
+    """The in-place form of an update op: its kernel, and which tensor input each output overwrites."""
+
+    kernel: Callable[..., None]
+    writes: Callable[[int], list[tuple[int, int]]]  # tensor inputs -> [(output index, input index)]
+
+
+def _adam_writes(n_in: int) -> list[tuple[int, int]]:
+    k = n_in // 4  # inputs (p, g, m, v) x k; outputs (p', m', v') x k
+    return [(j, j) for j in range(k)] + [(k + j, 2 * k + j) for j in range(k)] + \
+        [(2 * k + j, 3 * k + j) for j in range(k)]
+
+
+IN_PLACE: dict[str, InPlace] = {
+    "sgd_update": InPlace(sgd_update_, lambda n_in: [(0, 0)]),
+    "sgd_momentum_update": InPlace(sgd_momentum_update_, lambda n_in: [(0, 0), (1, 2)]),
+    "adam_update_multi": InPlace(adam_update_multi_, _adam_writes),
+}

@@ -57,27 +57,52 @@ def clip_grad_norm_(parameters: Tensor | Iterable[Tensor], max_norm: float, norm
 
 def _clip_traced(grads: list[Tensor], max_norm: float, norm_type: float) -> Any:
     """The compiled form: the norm stays a (broadcast, 0-d) tensor and every gradient is scaled by
-    ``min(1, max_norm / (norm + 1e-6))``, computed on the first placement and moved to each other one."""
+    ``min(1, max_norm / (norm + 1e-6))``, computed on the first placement and moved to each other one.
+    Gradients of one layout make one norm op and one scale op (foreach kernels), partial ones one op each."""
+    from ..ops.optimizer import scale_multi
+
     with no_grad():
-        combined, home = _combined_pieces(grads, norm_type)
+        groups = _layout_groups(grads)
+        combined, home = _combined_pieces(groups, norm_type)
         total = combined if math.isinf(norm_type) or norm_type == 1.0 else F.pow(combined, 1.0 / norm_type)
         coef = F.clamp(F.div(F.full_like(total, max_norm), F.add(total, 1e-6)), max=1.0)
         on: dict[Any, Tensor] = {home: coef}
-        for g in grads:
-            if g.placement not in on:
-                on[g.placement] = F.to_global(coef, g.placement, (broadcast,) * g.placement.ndim)
-            g.mul_(on[g.placement])  # type: ignore[attr-defined]  # bound by sbpflow.ops.methods
+        for (placement, sbp, _), members in groups.items():
+            if placement not in on:
+                on[placement] = F.to_global(coef, placement, (broadcast,) * placement.ndim)
+            if _is_partial(sbp):
+                for g in members:
+                    g.mul_(on[placement])  # type: ignore[attr-defined]  # bound by sbpflow.ops.methods
+                continue
+            scaled = scale_multi(*members, on[placement])
+            for g, new in zip(members, scaled if isinstance(scaled, tuple) else (scaled,), strict=True):
+                g._assign(new)
     return total
 
 
-def _combined_pieces(grads: list[Tensor], norm_type: float) -> tuple[Tensor, Any]:
-    """Every gradient's ``sum(|g|^p)`` (or max), combined per placement, then on the first placement (B)."""
+def _layout_groups(grads: list[Tensor]) -> dict[tuple[Any, ...], list[Tensor]]:
+    groups: dict[tuple[Any, ...], list[Tensor]] = {}
+    for g in grads:
+        groups.setdefault(_group_key(g), []).append(g)
+    return groups
+
+
+def _is_partial(sbp: Any) -> bool:
+    return sbp is not None and any(isinstance(s, Partial) for s in sbp)
+
+
+def _combined_pieces(groups: dict[tuple[Any, ...], list[Tensor]], norm_type: float) -> tuple[Tensor, Any]:
+    """Every layout group's ``sum(|g|^p)`` (or max), combined per placement, then on the first placement (B)."""
+    from ..ops.optimizer import grad_norm_multi
+
     combine = F.maximum if math.isinf(norm_type) else F.add
     per_placement: dict[Any, Tensor] = {}
-    for g in grads:
-        piece = _piece(g, norm_type)
-        key = piece.placement
-        per_placement[key] = piece if key not in per_placement else combine(per_placement[key], piece)
+    for (placement, sbp, _), members in groups.items():
+        pieces = [_piece(g, norm_type) for g in members] if _is_partial(sbp) else \
+            [grad_norm_multi(*members, norm_type=norm_type)]
+        for piece in pieces:
+            per_placement[placement] = piece if placement not in per_placement else \
+                combine(per_placement[placement], piece)
     home = next(iter(per_placement))
     moved = [F.to_global(t, home, (broadcast,) * home.ndim) for t in per_placement.values()]
     combined = moved[0]

@@ -4,16 +4,20 @@
 
 * ``feeds``: ``{input name: {rank: shard}}`` for the ranks this process owns (the whole batch: ``unpack``
   nodes cut the micro-batches);
-* ``variables``: ``{name: {rank: shard}}``: read by ``variable`` nodes, written by ``assign`` nodes only after
-  every node of the step has run, so a failing step leaves them as they were;
+* ``variables``: ``{name: {rank: shard}}``: read by ``variable`` nodes, written by ``update`` and ``assign``
+  nodes only after every node of the step has run (:func:`commit`), so a failing step leaves them as they were;
 * returns ``{output name: {rank: shard}}``.
 
-Node semantics are in :mod:`sbpflow.graph.physical`; :func:`act` is shared with the actor runtime.
+Node semantics are in :mod:`sbpflow.graph.physical`; :func:`act` is shared with the actor runtime. Both run a
+:class:`Program`: the plan prepared once per process, each node a callable with its kernel, attributes, owned
+ranks and shard contexts bound, so a step pays no per-node lookups. The in-order executor drops every buffer
+after its last reader, so the allocator reuses the memory within the step.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -23,12 +27,14 @@ from .._layout import shard_box
 from ..comm import Backend, get_backend
 from ..distributed import activity
 from ..errors import SbpflowError
-from ..graph.physical import PhysicalPlan, PNode
+from ..graph.physical import PHASES, PhysicalPlan, PNode
+from ..ops.optimizer import IN_PLACE
 from ..ops.registry import REGISTRY, Meta, ShardCtx
 from ..random import mix_key
 
 Shards = dict[int, torch.Tensor]
 RANDOM_FEED = "__random__"  # feeds[RANDOM_FEED] = (seed, counter at step start, keys drawn per micro-batch)
+GATHERING = ("accumulate", "pack")  # kinds that read the m micro-batch values of their input
 
 
 class ExecutionError(SbpflowError):
@@ -43,43 +49,118 @@ class StepState:
         self.feeds = feeds
         self.variables = variables
         self.assigns: dict[str, Shards] = {}
+        self.updates: list[tuple[Callable[..., Any], list[list[Any]], dict[str, Any]]] = []  # in-place, at commit
         self.outputs: dict[str, Shards] = {}
+
+
+Act = Callable[[Sequence[Any], StepState, int], list[Any]]
 
 
 def act(node: PNode, inputs: Sequence[Any], state: StepState, micro: int, backend: Backend) -> list[Any]:
     """Runs ``node`` once (micro-batch ``micro``); ``inputs`` are its input values: shards, or for
     ``accumulate``/``pack`` the list of the m micro-batch shards. Returns its output values."""
-    owned = backend.owned(node.ranks)
+    return program(state.plan, backend).acts[node.id](inputs, state, micro)
+
+
+@dataclass
+class Program:
+    """A plan prepared for one process: per node a callable with everything static bound (kernel, attributes,
+    owned ranks, shard contexts), and the in-order schedule with the buffers to drop after each node."""
+
+    acts: dict[int, Act]
+    phases: list[tuple[str, list[tuple[PNode, Act, tuple[int, ...]]]]]  # (phase, [(node, act, bufs to drop)])
+    after_micro: tuple[int, ...]  # pre buffers last read by micro nodes: dropped after the last micro-batch
+    gathered: frozenset[int]  # micro buffers read by accumulate/pack (kept per micro-batch)
+
+
+def program(plan: PhysicalPlan, backend: Backend) -> Program:
+    """``plan``'s :class:`Program` for ``backend`` (made once per plan and backend, then cached on the plan)."""
+    cached = getattr(plan, "_program", None)
+    if cached is not None and cached[0] is backend and cached[1] == len(plan.nodes):
+        return cached[2]
+    prepared = _prepare(plan, backend)
+    plan._program = (backend, len(plan.nodes), prepared)  # type: ignore[attr-defined]
+    return prepared
+
+
+def _prepare(plan: PhysicalPlan, backend: Backend) -> Program:
+    acts = {n.id: _bind(n, plan, backend) for n in plan.nodes}
+    mine = [n for n in plan.nodes if any(backend.owns(r) for r in n.ranks)]
+    drops, after_micro = _last_reads(plan, mine)
+    phases = [(phase, [(n, acts[n.id], drops.get(n.id, ())) for n in mine if n.phase == phase]) for phase in PHASES]
+    gathered = frozenset(n.inputs[0] for n in plan.nodes if n.kind in GATHERING)
+    return Program(acts, phases, after_micro, gathered)
+
+
+def _last_reads(plan: PhysicalPlan, mine: list[PNode]) -> tuple[dict[int, tuple[int, ...]], tuple[int, ...]]:
+    """Node id -> buffers this process may drop once the node acted (it is their last reader in list order),
+    and the pre buffers read last in the micro phase (kept until the last micro-batch has run)."""
+    made_in = {b: n.phase for n in mine for b in n.outputs}
+    order = sorted(mine, key=lambda n: PHASES.index(n.phase))  # stable: list order within a phase
+    last: dict[int, PNode] = {}
+    for n in order:
+        for b in n.inputs:
+            last[b] = n
+    drops: dict[int, list[int]] = {}
+    after_micro = []
+    for b, n in last.items():
+        if n.phase == "micro" and made_in.get(b) != "micro" and plan.micro_batches > 1:
+            after_micro.append(b)  # read by every micro-batch
+        elif n.kind not in GATHERING:  # a gathering node reads the m values, not the buffer
+            drops.setdefault(n.id, []).append(b)
+    return {k: tuple(v) for k, v in drops.items()}, tuple(after_micro)
+
+
+def _bind(node: PNode, plan: PhysicalPlan, backend: Backend) -> Act:
+    """The node's action with its static parts bound (see :mod:`sbpflow.graph.physical` for each kind)."""
     kind = node.kind
-    if kind == "input":
-        return [_check_feed(node, state)]
-    if kind == "variable":
-        return [state.variables[node.name]]
-    if kind == "unpack":
-        m = state.plan.micro_batches
-        return [{r: t.chunk(m, 0)[micro] if m > 1 else t for r, t in inputs[0].items()}]
-    if kind == "repeat":
-        return [inputs[0]]
     if kind == "compute":
-        return _compute(node, inputs, state, micro, owned)
+        return _bind_compute(node, plan, backend.owned(node.ranks))
+    if kind == "update":
+        return _bind_update(node, backend.owned(node.ranks))
+    if kind == "input":
+        return lambda inputs, state, micro: [_check_feed(node, state)]
+    if kind == "variable":
+        name = node.name
+        return lambda inputs, state, micro: [state.variables[name]]
+    if kind == "unpack":
+        m = plan.micro_batches
+        if m == 1:
+            return lambda inputs, state, micro: [inputs[0]]
+        return lambda inputs, state, micro: [{r: t.chunk(m, 0)[micro] for r, t in inputs[0].items()}]
+    if kind == "repeat":
+        return lambda inputs, state, micro: [inputs[0]]
     if kind == "boxing":
-        assert node.boxing is not None
-        return [boxing.execute(node.boxing, inputs[0], backend)]
+        return _bind_boxing(node, backend)
     if kind == "accumulate":
-        return [_accumulate(inputs[0])]
+        return lambda inputs, state, micro: [_accumulate(inputs[0])]
     if kind == "pack":
-        return [_pack(node, inputs[0])]
+        return lambda inputs, state, micro: [_pack(node, inputs[0])]
     if kind == "route":
         from . import route
 
-        return route.act(node, list(inputs), backend)
+        return lambda inputs, state, micro: route.act(node, list(inputs), backend)
     if kind == "assign":
-        state.assigns[node.name] = inputs[0]
-        return []
+        return lambda inputs, state, micro: _record(state.assigns, node.name, inputs[0])
     if kind == "output":
-        state.outputs[node.name] = inputs[0]
-        return []
+        return lambda inputs, state, micro: _record(state.outputs, node.name, inputs[0])
     raise ExecutionError(f"unknown node kind {kind!r} in {node.label()}")
+
+
+def _record(into: dict[str, Shards], name: str, value: Shards) -> list[Any]:
+    into[name] = value
+    return []
+
+
+def _bind_boxing(node: PNode, backend: Backend) -> Act:
+    assert node.boxing is not None
+    plan_step = node.boxing
+
+    def run(inputs: Sequence[Any], state: StepState, micro: int) -> list[Any]:
+        with activity(lambda: f"{node.label()} (micro-batch {micro})"):  # comm errors name the node
+            return [boxing.execute(plan_step, inputs[0], backend)]
+
+    return run
 
 
 def _check_feed(node: PNode, state: StepState) -> Shards:
@@ -98,21 +179,65 @@ def _scalar(how: str, v: Any, state: StepState, micro: int) -> Any:
     return v
 
 
-def _compute(node: PNode, inputs: Sequence[Any], state: StepState, micro: int, owned: list[int]) -> list[Any]:
-    plan = state.plan
+def _arguments(node: PNode, owned: list[int]) -> Callable[[Sequence[Any], StepState, int], dict[int, list[Any]]]:
+    """The node's positional arguments on each owned rank, from its inputs (``args`` template)."""
+    template = node.args
+    if all(how == "t" for how, _ in template):  # tensors only: no per-step scalars to look up
+        index = [v for _, v in template]
+        return lambda inputs, state, micro: {r: [inputs[i][r] for i in index] for r in owned}
+    dynamic = any(how in ("s", "k") for how, _ in template)
+
+    def arguments(inputs: Sequence[Any], state: StepState, micro: int) -> dict[int, list[Any]]:
+        scalars = [_scalar(how, v, state, micro) for how, v in template] if dynamic else [v for _, v in template]
+        return {r: [inputs[v][r] if how == "t" else s for (how, v), s in zip(template, scalars, strict=True)]
+                for r in owned}
+
+    return arguments
+
+
+def _bind_compute(node: PNode, plan: PhysicalPlan, owned: list[int]) -> Act:
     opdef = REGISTRY[node.op or node.name]
-    attrs = dict(node.attrs)
-    results: dict[int, Any] = {}
-    scalars = [_scalar(how, v, state, micro) for how, v in node.args]
-    for r in owned:
-        values = [inputs[v][r] if how == "t" else s for (how, v), s in zip(node.args, scalars, strict=True)]
-        if opdef.shard_aware:
-            results[r] = opdef.kernel(_shard_ctx(node, plan, r), *values, **attrs)
-        else:
-            results[r] = opdef.kernel(*values, **attrs)
-    if len(node.outputs) == 1:
+    kernel, attrs, n_out = opdef.kernel, dict(node.attrs), len(node.outputs)
+    arguments = _arguments(node, owned)
+    if opdef.shard_aware:
+        contexts = {r: _shard_ctx(node, plan, r) for r in owned}
+
+        def run(inputs: Sequence[Any], state: StepState, micro: int) -> list[Any]:
+            per_rank = arguments(inputs, state, micro)
+            results = {r: kernel(contexts[r], *values, **attrs) for r, values in per_rank.items()}
+            return _split_results(results, n_out)
+    elif len(owned) == 1 and all(how == "t" for how, _ in node.args):  # the common case: one rank, tensors only
+        rank, index = owned[0], [v for _, v in node.args]
+        if n_out == 1:
+            return lambda inputs, state, micro: [{rank: kernel(*[inputs[i][rank] for i in index], **attrs)}]
+
+        def run(inputs: Sequence[Any], state: StepState, micro: int) -> list[Any]:
+            result = kernel(*[inputs[i][rank] for i in index], **attrs)
+            return [{rank: t} for t in result]
+    else:
+        def run(inputs: Sequence[Any], state: StepState, micro: int) -> list[Any]:
+            results = {r: kernel(*values, **attrs) for r, values in arguments(inputs, state, micro).items()}
+            return _split_results(results, n_out)
+
+    return run
+
+
+def _split_results(results: dict[int, Any], n_out: int) -> list[Any]:
+    if n_out == 1:
         return [results]
-    return [{r: res[j] for r, res in results.items()} for j in range(len(node.outputs))]
+    return [{r: res[j] for r, res in results.items()} for j in range(n_out)]
+
+
+def _bind_update(node: PNode, owned: list[int]) -> Act:
+    """An in-place update of variables: its arguments are taken now, the kernel runs in :func:`commit`."""
+    kernel, attrs = IN_PLACE[node.op or node.name].kernel, dict(node.attrs)
+    arguments = _arguments(node, owned)
+
+    def run(inputs: Sequence[Any], state: StepState, micro: int) -> list[Any]:
+        state.updates.append((kernel, list(arguments(inputs, state, micro).values()), attrs))
+        return []
+
+    return run
 
 
 def _shard_ctx(node: PNode, plan: PhysicalPlan, rank: int) -> ShardCtx:
@@ -143,7 +268,11 @@ def _pack(node: PNode, values: Sequence[Shards]) -> Shards:
 
 
 def commit(state: StepState) -> None:
-    """Writes the step's variable updates in place (after every node succeeded)."""
+    """Writes the step's variable updates in place (after every node succeeded): in-place ``update`` kernels
+    first, then the ``assign`` copies."""
+    for kernel, per_rank, attrs in state.updates:
+        for values in per_rank:
+            kernel(*values, **attrs)
     for name, shards in state.assigns.items():
         target = state.variables[name]
         for r, t in shards.items():
@@ -165,37 +294,47 @@ def prepare_groups(plan: PhysicalPlan, backend: Backend) -> None:
 
 def run_plan(plan: PhysicalPlan, feeds: dict[str, Shards], variables: dict[str, Shards],
              backend: Backend | None = None) -> dict[str, Shards]:
-    """Runs one step of ``plan`` in list order: pre, then micro-batches 0..m-1, then post."""
+    """Runs one step of ``plan`` in list order: pre, then micro-batches 0..m-1, then post. A buffer is dropped
+    after its last reader, so the allocator reuses its memory within the step."""
     backend = backend or get_backend()
     prepare_groups(plan, backend)  # cheap once done: backends cache their groups
+    prog = program(plan, backend)
     state = StepState(plan, feeds, variables)
     values: dict[int, Any] = {}  # buf id -> shards (micro bufs: this micro-batch's)
-    gathered: dict[int, list[Any]] = {}  # micro buf id -> the m micro-batch values (accumulate, pack inputs)
-    consumers_of_many = {n.inputs[0] for n in plan.nodes if n.kind in ("accumulate", "pack")}
-    for phase, micros in (("pre", [0]), ("micro", range(plan.micro_batches)), ("post", [0])):
-        for k in micros:
-            for node in plan.phase(phase):
-                if not any(backend.owns(r) for r in node.ranks):
-                    continue
-                if node.kind in ("accumulate", "pack"):
-                    inputs: list[Any] = [gathered.get(node.inputs[0], [])]
-                else:  # a buffer made by another process's node holds no shard here
-                    inputs = [values.get(b, {}) for b in node.inputs]
-                outs = _act_named(node, inputs, state, k, backend)
-                for b, v in zip(node.outputs, outs, strict=True):
-                    values[b] = v
-                    if b in consumers_of_many:
-                        gathered.setdefault(b, []).append(v)
+    gathered: dict[int, list[Any]] = {b: [] for b in prog.gathered}  # the m values of accumulate/pack inputs
+    for phase, steps in prog.phases:
+        for k in range(plan.micro_batches) if phase == "micro" else (0,):
+            _run_steps(steps, values, gathered, state, k)
+        if phase == "micro":
+            for b in prog.after_micro:
+                values.pop(b, None)
     commit(state)
     return state.outputs
 
 
-def _act_named(node: PNode, inputs: Sequence[Any], state: StepState, micro: int, backend: Backend) -> list[Any]:
+def _run_steps(steps: list[tuple[PNode, Act, tuple[int, ...]]], values: dict[int, Any],
+               gathered: dict[int, list[Any]], state: StepState, micro: int) -> None:
+    """One pass over a phase's nodes: the tight loop of the in-order executor."""
+    node = None
     try:
-        with activity(lambda: f"{node.label()} (micro-batch {micro})"):
-            return act(node, inputs, state, micro, backend)
+        for node, run, drop in steps:
+            if node.kind in GATHERING:
+                inputs: list[Any] = [gathered[node.inputs[0]]]
+            else:  # a buffer made by another process's node holds no shard here
+                inputs = [values.get(b, _EMPTY) for b in node.inputs]
+            outs = run(inputs, state, micro)
+            for b, v in zip(node.outputs, outs, strict=True):
+                values[b] = v
+                if b in gathered:
+                    gathered[b].append(v)
+            for b in drop:
+                values.pop(b, None)
     except SbpflowError:
         raise
     except Exception as e:  # a kernel's own error: say which node of the plan ran it
+        assert node is not None
         raise ExecutionError(f"{node.label()} (op {node.op or node.name}, micro-batch {micro}) failed: "
                              f"{type(e).__name__}: {e}") from e
+
+
+_EMPTY: Shards = {}
