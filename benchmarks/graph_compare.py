@@ -4,8 +4,9 @@
     .venv/bin/python benchmarks/graph_compare.py --write    # and writes the "graph" section of docs/benchmarks.md
 
 One torch thread; contenders run interleaved, medians of rounds. The GPT is the issue's (4 layers, width 256,
-sequence 128, batch 8, AdamW, clipping 1.0, no dropout); torch runs the same model (benchmarks/ddp_compare.py's
-TorchGPT) from the same weights.
+sequence 128, batch 8, AdamW, clipping 1.0, no dropout); torch runs the same model (benchmarks/_torch_gpt.py's
+TorchGPT) from the same weights. The MLP is issue 4's (width 1024, 3 hidden layers, batch 64, MSE, AdamW, as in
+benchmarks/eager_overhead.py), on one rank.
 """
 
 from __future__ import annotations
@@ -26,11 +27,15 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _report import machine, write_section  # noqa: E402
 from _torch_gpt import TorchGPT, adamw, copy_weights  # noqa: E402
 
+import sbpflow  # noqa: E402
+from sbpflow import nn, optim  # noqa: E402
+from sbpflow import sbp as S  # noqa: E402
 from sbpflow.demo.train_gpt import build  # noqa: E402
 from sbpflow.models.gpt import GPTConfig  # noqa: E402
 
 GPT = GPTConfig(vocab_size=256, block_size=128, n_layer=4, n_head=4, n_embd=256, dropout=0.0)
 BATCH = 8
+MLP_WIDTH, MLP_LAYERS, MLP_BATCH = 1024, 3, 64
 
 
 def _data(cfg: GPTConfig, batch: int) -> tuple[np.ndarray, np.ndarray]:
@@ -60,7 +65,76 @@ def torch_step() -> Callable[[], float]:
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
-        return float(loss)
+        return float(loss.detach())
+
+    step()
+    return step
+
+
+def _mlp_data() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(MLP_BATCH, MLP_WIDTH, generator=g), torch.randn(MLP_BATCH, MLP_WIDTH, generator=g)
+
+
+def _sbpflow_mlp() -> nn.Module:
+    sbpflow.manual_seed(0)
+    mods: list[nn.Module] = []
+    for _ in range(MLP_LAYERS):
+        mods += [nn.Linear(MLP_WIDTH, MLP_WIDTH), nn.ReLU()]
+    return nn.Sequential(*mods, nn.Linear(MLP_WIDTH, MLP_WIDTH)).to_global(sbpflow.placement("cpu", [0]),
+                                                                            S.broadcast)
+
+
+class _MLPStep(nn.Graph):
+    def __init__(self, model: nn.Module, opt: optim.Optimizer, executor: str) -> None:
+        super().__init__()
+        self.model = model
+        self.add_optimizer(opt)
+        self.config.set_executor(executor)
+
+    def build(self, x: sbpflow.Tensor, y: sbpflow.Tensor) -> sbpflow.Tensor:
+        loss = ((self.model(x) - y) ** 2).mean()
+        loss.backward()
+        return loss
+
+
+def sbpflow_mlp_step(executor: str | None) -> Callable[[], float]:
+    """The MLP on one rank (parameters B on [0]): eager steps (``executor`` None) or a compiled one."""
+    model = _sbpflow_mlp()
+    opt = optim.AdamW(model.parameters(), lr=1e-3)
+    place = sbpflow.placement("cpu", [0])
+    x, y = (sbpflow.tensor(t, placement=place, sbp=S.broadcast) for t in _mlp_data())
+    if executor is not None:
+        graph = _MLPStep(model, opt, executor)
+        graph(x, y)
+        return lambda: float(graph(x, y).item())
+
+    def step() -> float:
+        opt.zero_grad()
+        loss = ((model(x) - y) ** 2).mean()
+        loss.backward()
+        opt.step()
+        return float(loss.item())
+
+    step()
+    return step
+
+
+def torch_mlp_step() -> Callable[[], float]:
+    mods: list[torch.nn.Module] = []
+    for _ in range(MLP_LAYERS):
+        mods += [torch.nn.Linear(MLP_WIDTH, MLP_WIDTH), torch.nn.ReLU()]
+    model = torch.nn.Sequential(*mods, torch.nn.Linear(MLP_WIDTH, MLP_WIDTH))
+    copy_weights(_sbpflow_mlp(), model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)  # sbpflow's AdamW defaults
+    x, y = _mlp_data()
+
+    def step() -> float:
+        loss = ((model(x) - y) ** 2).mean()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        return float(loss.detach())
 
     step()
     return step
@@ -95,6 +169,11 @@ def compile_rows(layers: list[int]) -> list[str]:
     return rows
 
 
+def _rows(medians: dict[str, float]) -> list[str]:
+    base = medians["torch eager"]
+    return [f"| {k} | {v * 1e3:.1f} | {v / base:.3f} |" for k, v in medians.items()]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--write", action="store_true", help="write the section into docs/benchmarks.md")
@@ -102,11 +181,12 @@ def main() -> None:
     parser.add_argument("--layers", default="2,4,12,24", help="GPT depths for the compile-time table")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    contenders = {"torch eager": torch_step(), "sbpflow eager (1 rank)": sbpflow_step(False),
-                  "sbpflow graph, actor runtime": sbpflow_step(True, "actors"),
-                  "sbpflow graph, in-order executor": sbpflow_step(True, "inorder")}
-    medians = interleaved(contenders, args.rounds)
-    base = medians["torch eager"]
+    gpt = interleaved({"torch eager": torch_step(), "sbpflow eager (1 rank)": sbpflow_step(False),
+                       "sbpflow graph, actor runtime": sbpflow_step(True, "actors"),
+                       "sbpflow graph, in-order executor": sbpflow_step(True, "inorder")}, args.rounds)
+    mlp = interleaved({"torch eager": torch_mlp_step(), "sbpflow eager (1 rank)": sbpflow_mlp_step(None),
+                       "sbpflow graph, actor runtime": sbpflow_mlp_step("actors"),
+                       "sbpflow graph, in-order executor": sbpflow_mlp_step("inorder")}, args.rounds * 3)
     lines = [
         "## Compiled steps (nn.Graph, issue 8)",
         "",
@@ -119,7 +199,10 @@ def main() -> None:
         "| contender | ms/step | vs torch eager |",
         "|---|---|---|",
     ]
-    lines += [f"| {k} | {v * 1e3:.1f} | {v / base:.3f} |" for k, v in medians.items()]
+    lines += _rows(gpt)
+    lines += ["", f"MLP step on one rank (width {MLP_WIDTH}, {MLP_LAYERS} hidden layers, batch {MLP_BATCH}, MSE, "
+              f"AdamW; {args.rounds * 3} rounds):", "", "| contender | ms/step | vs torch eager |", "|---|---|---|"]
+    lines += _rows(mlp)
     lines += ["", "Compile time per pass in seconds (GPT width 64, sequence 32, AdamW and clipping in the graph; "
               "ILP variables and the selected plan's estimated cost relative to the greedy baseline):", "",
               "| layers | strategy | logical nodes | physical nodes | trace | sbp selection | lowering | verify | "

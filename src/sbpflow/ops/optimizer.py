@@ -96,9 +96,11 @@ def _multi_sigs(*metas: Any, outs: Any, **_: Any) -> list[Sig]:
 
 
 def adam_update_multi_(*args: Any, beta1: float, beta2: float, eps: float, weight_decay: float = 0.0,
-                       decoupled: bool = False, maximize: bool = False) -> None:
+                       decoupled: bool = False, maximize: bool = False,
+                       workspace: dict[str, Any] | None = None) -> None:
     """In place on the parameters and moments: ``(p..., g..., m..., v..., lr, step)``, k of each, with eager
-    Adam's foreach sequence (:meth:`sbpflow.optim.Adam._update`)."""
+    Adam's foreach sequence (:meth:`sbpflow.optim.Adam._update`). ``workspace``: a dict kept from one call to
+    the next, where the denominators live (allocated once instead of every step)."""
     *tensors, lr, step = args
     k = len(tensors) // 4
     ps, gs, ms, vs = (list(tensors[i * k:(i + 1) * k]) for i in range(4))
@@ -112,10 +114,22 @@ def adam_update_multi_(*args: Any, beta1: float, beta2: float, eps: float, weigh
     torch._foreach_lerp_(ms, gs, 1 - beta1)
     torch._foreach_mul_(vs, beta2)
     torch._foreach_addcmul_(vs, gs, gs, 1 - beta2)
-    denom = torch._foreach_sqrt(vs)
+    denom = _sqrt(vs, workspace)
     torch._foreach_div_(denom, (1 - beta2**step) ** 0.5)
     torch._foreach_add_(denom, eps)
     torch._foreach_addcdiv_(ps, ms, denom, -(lr / (1 - beta1**step)))
+
+
+def _sqrt(vs: list[torch.Tensor], workspace: dict[str, Any] | None) -> list[torch.Tensor]:
+    """``sqrt(v)`` for each v: new tensors, or the workspace's (the same bits: sqrt is correctly rounded)."""
+    if workspace is None:
+        return list(torch._foreach_sqrt(vs))
+    out = workspace.get("denom")
+    if out is None or [t.shape for t in out] != [v.shape for v in vs]:
+        out = workspace["denom"] = [torch.empty_like(v) for v in vs]
+    for v, o in zip(vs, out, strict=True):
+        torch.sqrt(v, out=o)
+    return out
 
 
 @op("adam_update_multi", meta=_multi_metas, sbp=_multi_sigs, differentiable=False)
@@ -169,10 +183,12 @@ def scale_multi(*args: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
 
 @dataclass(frozen=True)
 class InPlace:
-    """The in-place form of an update op: its kernel, and which tensor input each output overwrites."""
+    """The in-place form of an update op: its kernel, which tensor input each output overwrites, and whether the
+    kernel takes a ``workspace`` dict (temporaries kept between steps, one dict per node and rank)."""
 
     kernel: Callable[..., None]
     writes: Callable[[int], list[tuple[int, int]]]  # tensor inputs -> [(output index, input index)]
+    workspace: bool = False
 
 
 def _adam_writes(n_in: int) -> list[tuple[int, int]]:
@@ -184,5 +200,5 @@ def _adam_writes(n_in: int) -> list[tuple[int, int]]:
 IN_PLACE: dict[str, InPlace] = {
     "sgd_update": InPlace(sgd_update_, lambda n_in: [(0, 0)]),
     "sgd_momentum_update": InPlace(sgd_momentum_update_, lambda n_in: [(0, 0), (1, 2)]),
-    "adam_update_multi": InPlace(adam_update_multi_, _adam_writes),
+    "adam_update_multi": InPlace(adam_update_multi_, _adam_writes, workspace=True),
 }

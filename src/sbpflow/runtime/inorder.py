@@ -49,7 +49,7 @@ class StepState:
         self.feeds = feeds
         self.variables = variables
         self.assigns: dict[str, Shards] = {}
-        self.updates: list[tuple[Callable[..., Any], list[list[Any]], dict[str, Any]]] = []  # in-place, at commit
+        self.updates: list[tuple[Callable[..., Any], list[Any], dict[str, Any]]] = []  # (kernel, args, attrs): commit
         self.outputs: dict[str, Shards] = {}
 
 
@@ -229,12 +229,15 @@ def _split_results(results: dict[int, Any], n_out: int) -> list[Any]:
 
 
 def _bind_update(node: PNode, owned: list[int]) -> Act:
-    """An in-place update of variables: its arguments are taken now, the kernel runs in :func:`commit`."""
-    kernel, attrs = IN_PLACE[node.op or node.name].kernel, dict(node.attrs)
+    """An in-place update of variables: its arguments are taken now, the kernel runs in :func:`commit` (with a
+    workspace per owned rank that lives as long as the program, where the kernel takes one)."""
+    form = IN_PLACE[node.op or node.name]
+    attrs = [dict(node.attrs, workspace={}) if form.workspace else dict(node.attrs) for _ in owned]
     arguments = _arguments(node, owned)
 
     def run(inputs: Sequence[Any], state: StepState, micro: int) -> list[Any]:
-        state.updates.append((kernel, list(arguments(inputs, state, micro).values()), attrs))
+        per_rank = arguments(inputs, state, micro)
+        state.updates.extend((form.kernel, values, a) for values, a in zip(per_rank.values(), attrs, strict=True))
         return []
 
     return run
@@ -270,9 +273,8 @@ def _pack(node: PNode, values: Sequence[Shards]) -> Shards:
 def commit(state: StepState) -> None:
     """Writes the step's variable updates in place (after every node succeeded): in-place ``update`` kernels
     first, then the ``assign`` copies."""
-    for kernel, per_rank, attrs in state.updates:
-        for values in per_rank:
-            kernel(*values, **attrs)
+    for kernel, values, attrs in state.updates:
+        kernel(*values, **attrs)
     for name, shards in state.assigns.items():
         target = state.variables[name]
         for r, t in shards.items():
