@@ -12,6 +12,7 @@ benchmarks/eager_overhead.py), on one rank.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -140,14 +141,19 @@ def torch_mlp_step() -> Callable[[], float]:
     return step
 
 
-def interleaved(contenders: dict[str, Callable[[], float]], rounds: int) -> dict[str, float]:
-    times: dict[str, list[float]] = {k: [] for k in contenders}
+def interleaved(contenders: dict[str, Callable[[], float]], rounds: int) -> dict[str, tuple[float, float]]:
+    """Median (wall, CPU) seconds per step of each contender, rounds interleaved. CPU time is this process's
+    (one torch thread; the actor runtime acts in the caller's thread on virtual ranks): on a shared machine it
+    leaves out the time other jobs held the cores."""
+    wall: dict[str, list[float]] = {k: [] for k in contenders}
+    cpu: dict[str, list[float]] = {k: [] for k in contenders}
     for _ in range(rounds):
         for name, fn in contenders.items():
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             fn()
-            times[name].append(time.perf_counter() - start)
-    return {k: statistics.median(v) for k, v in times.items()}
+            wall[name].append(time.perf_counter() - start)
+            cpu[name].append(time.process_time() - start_cpu)
+    return {k: (statistics.median(wall[k]), statistics.median(cpu[k])) for k in contenders}
 
 
 def compile_rows(layers: list[int]) -> list[str]:
@@ -169,9 +175,14 @@ def compile_rows(layers: list[int]) -> list[str]:
     return rows
 
 
-def _rows(medians: dict[str, float]) -> list[str]:
-    base = medians["torch eager"]
-    return [f"| {k} | {v * 1e3:.1f} | {v / base:.3f} |" for k, v in medians.items()]
+HEADER = ["| contender | ms/step (wall) | vs torch eager | CPU ms/step | vs torch eager (CPU) |",
+          "|---|---|---|---|---|"]
+
+
+def _rows(medians: dict[str, tuple[float, float]]) -> list[str]:
+    wall, cpu = medians["torch eager"]
+    return [f"| {k} | {w * 1e3:.1f} | {w / wall:.3f} | {c * 1e3:.1f} | {c / cpu:.3f} |"
+            for k, (w, c) in medians.items()]
 
 
 def main() -> None:
@@ -191,17 +202,18 @@ def main() -> None:
         "## Compiled steps (nn.Graph, issue 8)",
         "",
         f"`.venv/bin/python benchmarks/graph_compare.py --write` on {machine()}, one torch thread, {date.today()}; "
-        f"medians of {args.rounds} interleaved rounds. The machine was shared with other jobs while measuring.",
+        f"medians of {args.rounds} interleaved rounds. The machine was shared with other jobs while measuring "
+        f"(load average {os.getloadavg()[0]:.1f} after the timed steps, on {os.cpu_count()} cores), so wall times "
+        "carry waits for the cores; the CPU columns (this process's CPU time) leave them out.",
         "",
         f"GPT step on one rank ({GPT.n_layer} layers, width {GPT.n_embd}, sequence {GPT.block_size}, batch {BATCH}, "
         "AdamW, clipping):",
         "",
-        "| contender | ms/step | vs torch eager |",
-        "|---|---|---|",
+        *HEADER,
     ]
     lines += _rows(gpt)
     lines += ["", f"MLP step on one rank (width {MLP_WIDTH}, {MLP_LAYERS} hidden layers, batch {MLP_BATCH}, MSE, "
-              f"AdamW; {args.rounds * 3} rounds):", "", "| contender | ms/step | vs torch eager |", "|---|---|---|"]
+              f"AdamW; {args.rounds * 3} rounds):", "", *HEADER]
     lines += _rows(mlp)
     lines += ["", "Compile time per pass in seconds (GPT width 64, sequence 32, AdamW and clipping in the graph; "
               "ILP variables and the selected plan's estimated cost relative to the greedy baseline):", "",
