@@ -12,12 +12,10 @@ benchmarks/eager_overhead.py), on one rank.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
 from collections.abc import Callable
-from datetime import date
 from pathlib import Path
 
 import numpy as np
@@ -201,10 +199,9 @@ def main() -> None:
     lines = [
         "## Compiled steps (nn.Graph, issue 8)",
         "",
-        f"`.venv/bin/python benchmarks/graph_compare.py --write` on {machine()}, one torch thread, {date.today()}; "
-        f"medians of {args.rounds} interleaved rounds. The machine was shared with other jobs while measuring "
-        f"(load average {os.getloadavg()[0]:.1f} after the timed steps, on {os.cpu_count()} cores), so wall times "
-        "carry waits for the cores; the CPU columns (this process's CPU time) leave them out.",
+        f"`.venv/bin/python benchmarks/graph_compare.py --write` on {machine()}; medians of {args.rounds} "
+        "interleaved rounds. Wall times carry the waits for the shared cores; the CPU columns (this process's CPU "
+        "time) leave them out, so on a loaded machine their ratios are the steadier ones.",
         "",
         f"GPT step on one rank ({GPT.n_layer} layers, width {GPT.n_embd}, sequence {GPT.block_size}, batch {BATCH}, "
         "AdamW, clipping):",

@@ -8,6 +8,7 @@ leaves the variables as they were.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
@@ -192,3 +193,21 @@ def test_the_in_order_executor_drops_each_buffer_after_its_last_reader() -> None
     out = run_plan(plan, {"x": {r: x_full[4 * r:4 * r + 4].clone() for r in (0, 1)}},
                    {"w": {r: wv.clone() for r in (0, 1)}}, SimulatedBackend())
     torch.testing.assert_close(out["z"][1], -torch.relu(x_full[4:] * wv))
+
+
+@pytest.mark.parametrize("executor", ["inorder", "actors"])
+def test_a_changed_plan_is_prepared_again(executor: str) -> None:
+    b = PlanBuilder()
+    b.output("y", b.compute("relu", b.input("x", (4,), P2, (S.split(0),))))
+    plan = b.build()
+    feeds = {"x": {0: torch.tensor([-1.0, 2.0]), 1: torch.tensor([3.0, -4.0])}}
+    backend = SimulatedBackend()
+    assert run_plan(plan, feeds, {}, backend)["y"][1].tolist() == [3.0, 0.0]
+    relu = next(n for n in plan.nodes if n.op == "relu")
+    plan.nodes[relu.id] = dataclasses.replace(relu, name="neg", op="neg")
+    if executor == "inorder":
+        out = run_plan(plan, feeds, {}, backend)
+    else:
+        with ActorRuntime(plan, backend, timeout=20.0) as rt:
+            out = rt.run(feeds, {})
+    assert out["y"][1].tolist() == [-3.0, 4.0]

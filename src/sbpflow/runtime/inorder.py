@@ -16,6 +16,7 @@ after its last reader, so the allocator reuses the memory within the step.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -59,7 +60,10 @@ Act = Callable[[Sequence[Any], StepState, int], list[Any]]
 def act(node: PNode, inputs: Sequence[Any], state: StepState, micro: int, backend: Backend) -> list[Any]:
     """Runs ``node`` once (micro-batch ``micro``); ``inputs`` are its input values: shards, or for
     ``accumulate``/``pack`` the list of the m micro-batch shards. Returns its output values."""
-    return program(state.plan, backend).acts[node.id](inputs, state, micro)
+    cached = getattr(state.plan, "_program", None)  # the hot path: one check of this node, not of the whole plan
+    if cached is None or cached[0] is not backend or cached[2].nodes.get(node.id) is not node:
+        cached = (backend, None, program(state.plan, backend))
+    return cached[2].acts[node.id](inputs, state, micro)
 
 
 @dataclass
@@ -67,6 +71,7 @@ class Program:
     """A plan prepared for one process: per node a callable with everything static bound (kernel, attributes,
     owned ranks, shard contexts), and the in-order schedule with the buffers to drop after each node."""
 
+    nodes: dict[int, PNode]  # the nodes it was made from, by id
     acts: dict[int, Act]
     phases: list[tuple[str, list[tuple[PNode, Act, tuple[int, ...]]]]]  # (phase, [(node, act, bufs to drop)])
     after_micro: tuple[int, ...]  # pre buffers last read by micro nodes: dropped after the last micro-batch
@@ -74,12 +79,14 @@ class Program:
 
 
 def program(plan: PhysicalPlan, backend: Backend) -> Program:
-    """``plan``'s :class:`Program` for ``backend`` (made once per plan and backend, then cached on the plan)."""
+    """``plan``'s :class:`Program` for ``backend`` (made once per plan and backend, then cached on the plan; made
+    again if the plan's node list changed)."""
     cached = getattr(plan, "_program", None)
-    if cached is not None and cached[0] is backend and cached[1] == len(plan.nodes):
+    if cached is not None and cached[0] is backend and len(cached[1]) == len(plan.nodes) and \
+            all(map(operator.is_, cached[1], plan.nodes)):
         return cached[2]
     prepared = _prepare(plan, backend)
-    plan._program = (backend, len(plan.nodes), prepared)  # type: ignore[attr-defined]
+    plan._program = (backend, list(plan.nodes), prepared)  # type: ignore[attr-defined]
     return prepared
 
 
@@ -89,7 +96,7 @@ def _prepare(plan: PhysicalPlan, backend: Backend) -> Program:
     drops, after_micro = _last_reads(plan, mine)
     phases = [(phase, [(n, acts[n.id], drops.get(n.id, ())) for n in mine if n.phase == phase]) for phase in PHASES]
     gathered = frozenset(n.inputs[0] for n in plan.nodes if n.kind in GATHERING)
-    return Program(acts, phases, after_micro, gathered)
+    return Program({n.id: n for n in plan.nodes}, acts, phases, after_micro, gathered)
 
 
 def _last_reads(plan: PhysicalPlan, mine: list[PNode]) -> tuple[dict[int, tuple[int, ...]], tuple[int, ...]]:
