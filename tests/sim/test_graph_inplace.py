@@ -19,7 +19,7 @@ import sbpflow
 from sbpflow import nn
 from sbpflow import sbp as S
 from sbpflow.comm import SimulatedBackend
-from sbpflow.graph.lower import in_place_updates, registers
+from sbpflow.graph.lower import in_place_updates, overwrite_inputs, registers
 from sbpflow.graph.physical import PhysicalPlan
 from sbpflow.ops.optimizer import grad_norm_multi, scale_multi
 from sbpflow.runtime import ActorRuntime, ExecutionError, run_plan
@@ -211,3 +211,33 @@ def test_a_changed_plan_is_prepared_again(executor: str) -> None:
         with ActorRuntime(plan, backend, timeout=20.0) as rt:
             out = rt.run(feeds, {})
     assert out["y"][1].tolist() == [-3.0, 4.0]
+
+
+@pytest.mark.parametrize("executor", ["inorder", "actors"])
+def test_an_add_writes_into_a_fresh_input_it_alone_reads(executor: str) -> None:
+    b = PlanBuilder()
+    x, y, z = (b.input(name, (2, 3), P2, (B,)) for name in "xyz")
+    row = b.input("row", (3,), P2, (B,))
+    fresh = b.compute("add", x, y)  # read only by the next add: its memory takes the sum
+    kept = b.compute("add", y, z)  # also an output: must keep its value
+    wide = b.compute("add", x, z)  # read by an add with a broadcast row: same shape as the output, so it is taken
+    b.output("s", b.compute("add", z, fresh))
+    b.output("t", b.compute("add", kept, x))
+    b.output("kept", kept)
+    b.output("u", b.compute("add", row, wide))
+    plan = b.build()
+    nodes = overwrite_inputs(plan.nodes, plan.bufs)
+    by_out = {n.outputs[0]: n for n in nodes if n.kind == "compute"}
+    last = [n for n in nodes if n.kind == "compute"][-3:]
+    assert [n.overwrites for n in last] == [1, None, 1]
+    assert by_out[fresh].overwrites is None  # its inputs are fed, not fresh
+    plan = PhysicalPlan(nodes, plan.bufs, {}, world=plan.world)
+    plan.registers = registers(plan)
+    vals = {k: torch.randn(2, 3) for k in "xyz"} | {"row": torch.randn(3)}
+    feeds = {k: {r: v.clone() for r in (0, 1)} for k, v in vals.items()}
+    out = _run(plan, executor, feeds, {})
+    x_, y_, z_, row_ = vals["x"], vals["y"], vals["z"], vals["row"]
+    assert torch.equal(out["s"][0], z_ + (x_ + y_)) and torch.equal(out["t"][1], (y_ + z_) + x_)
+    assert torch.equal(out["kept"][0], y_ + z_) and torch.equal(out["u"][1], row_ + (x_ + z_))
+    for k, v in vals.items():  # the feeds were never written
+        assert torch.equal(feeds[k][0], v)

@@ -15,7 +15,9 @@ In-place updates. An optimizer update whose every output goes only to the
 ``assign`` of the variable it was computed from (read as is, no boxing) becomes
 one ``update`` node (:func:`in_place_updates`): the executor then writes the
 variables in place once the step has succeeded, instead of computing new
-tensors and copying them back.
+tensors and copying them back. Likewise a node that is the only reader of a
+fresh input of its own shape may write its result there
+(:func:`overwrite_inputs`): a residual ``add`` reuses a gradient's memory.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from typing import Any
 from .. import boxing
 from ..boxing import Layout
 from ..boxing.plan import MOVES_NOTHING
+from ..ops.inplace import FRESH_OUTPUTS, OVERWRITING
 from ..ops.optimizer import IN_PLACE
 from ..placement import Placement
 from .ir import LNode, LogicalGraph
@@ -125,7 +128,7 @@ class _Lowerer:
     def lower(self) -> PhysicalPlan:
         for n in self.g.nodes:
             getattr(self, f"_{n.kind}")(n)
-        plan = PhysicalPlan(in_place_updates(self.nodes), self.bufs, {}, self.m)
+        plan = PhysicalPlan(overwrite_inputs(in_place_updates(self.nodes), self.bufs), self.bufs, {}, self.m)
         plan.registers = registers(plan)
         plan.world = tuple(sorted({r for n in self.nodes for r in n.ranks}))
         return plan
@@ -231,6 +234,35 @@ def in_place_updates(nodes: list[PNode]) -> list[PNode]:
     kept = [replaced.get(n.id, n) for n in nodes if n.id not in dropped]
     renumber = {n.id: i for i, n in enumerate(kept)}
     return [dataclasses.replace(n, id=renumber[n.id], control=tuple(renumber[c] for c in n.control)) for n in kept]
+
+
+def overwrite_inputs(nodes: list[PNode], bufs: dict[int, Buf]) -> list[PNode]:
+    """Sets ``overwrites`` on each compute node of :data:`~sbpflow.ops.inplace.OVERWRITING` (tensor arguments
+    only) that is the only reader of an input made fresh in its phase (:data:`~sbpflow.ops.inplace.FRESH_OUTPUTS`)
+    with its output's shape, dtype and layout; the other input must have that dtype too."""
+    readers: dict[int, list[PNode]] = {}
+    for n in nodes:
+        for b in n.inputs:
+            readers.setdefault(b, []).append(n)
+    producer = {b: n for n in nodes for b in n.outputs}
+    out = []
+    for n in nodes:
+        if n.kind == "compute" and n.op in OVERWRITING and not n.attrs and len(n.outputs) == 1 and \
+                n.args == (("t", 0), ("t", 1)) and len(set(n.inputs)) == 2:
+            target = next((i for i in (1, 0) if _overwritable(n, i, readers, producer, bufs)), None)
+            if target is not None:
+                n = dataclasses.replace(n, overwrites=target)
+        out.append(n)
+    return out
+
+
+def _overwritable(n: PNode, i: int, readers: dict[int, list[PNode]], producer: dict[int, PNode],
+                  bufs: dict[int, Buf]) -> bool:
+    b, out = bufs[n.inputs[i]], bufs[n.outputs[0]]
+    made = producer.get(b.id)
+    return (made is not None and made.kind == "compute" and made.op in FRESH_OUTPUTS and made.phase == n.phase
+            and readers[b.id] == [n] and (b.shape, b.dtype, b.layout) == (out.shape, out.dtype, out.layout)
+            and bufs[n.inputs[1 - i]].dtype == out.dtype)
 
 
 def _own_assigns(n: PNode, readers: dict[int, list[PNode]], variable_of: dict[int, str]) -> list[PNode] | None:

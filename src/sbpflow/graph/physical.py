@@ -46,6 +46,10 @@ this one although no data flows: resource order, activation recomputation.
 k waits for the source's step k + lead (a pipeline schedule's order, see
 ``graph.pipeline``).
 
+Overwrites. A compute node with ``overwrites = i`` is the only reader of its
+input ``i``, a fresh buffer of the same shape, dtype and layout as its output:
+it writes the output there (``ops.inplace.OVERWRITING``) instead of allocating.
+
 Args. ``PNode.args`` is the op's positional argument template: ``("t", i)``
 is input buffer ``i`` of the node, ``("c", v)`` a constant scalar.
 """
@@ -127,6 +131,7 @@ class PNode:
     control_lead: tuple[int, ...] = ()  # per control edge: step k waits for the source's step k + lead (default 0)
     logical: int | None = None  # the logical node it came from, for messages
     mode: str = ""  # pack: "mean" or "cat"; route: "dispatch", "combine" or "redispatch"
+    overwrites: int | None = None  # compute: the input whose storage it writes its output into (ops.inplace)
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:

@@ -29,6 +29,7 @@ from ..comm import Backend, get_backend
 from ..distributed import activity
 from ..errors import SbpflowError
 from ..graph.physical import PHASES, PhysicalPlan, PNode
+from ..ops.inplace import OVERWRITING
 from ..ops.optimizer import IN_PLACE
 from ..ops.registry import REGISTRY, Meta, ShardCtx
 from ..random import mix_key
@@ -206,7 +207,12 @@ def _bind_compute(node: PNode, plan: PhysicalPlan, owned: list[int]) -> Act:
     opdef = REGISTRY[node.op or node.name]
     kernel, attrs, n_out = opdef.kernel, dict(node.attrs), len(node.outputs)
     arguments = _arguments(node, owned)
-    if opdef.shard_aware:
+    if node.overwrites is not None:  # into input i's storage (the node is its only reader: graph.lower)
+        into, i, other = OVERWRITING[node.op or node.name], node.overwrites, 1 - node.overwrites
+
+        def run(inputs: Sequence[Any], state: StepState, micro: int) -> list[Any]:
+            return [{r: into(inputs[i][r], inputs[other][r]) for r in owned}]
+    elif opdef.shard_aware:
         contexts = {r: _shard_ctx(node, plan, r) for r in owned}
 
         def run(inputs: Sequence[Any], state: StepState, micro: int) -> list[Any]:
