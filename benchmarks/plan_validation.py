@@ -1,32 +1,32 @@
 """The planner against measurements: a GPT under every hand plan of issue 4 and the auto plan, 4 gloo processes.
 
-Run: ``.venv/bin/python benchmarks/plan_validation.py [--write]`` (calibrates this machine, then spawns its
-own 4 processes with ``sbpflow launch``; ``--write`` replaces the "plan_validation" section of
-docs/benchmarks.md).
+Run: ``.venv/bin/python benchmarks/plan_validation.py [--rounds R] [--write]`` (spawns its own 4 processes
+with ``sbpflow launch``; ``--write`` replaces the "plan_validation" section of docs/benchmarks.md).
 
-1. ``sbpflow calibrate``'s measurements (quick) give the profile: GEMM and memory throughput, gloo α-β
-   between 4 processes. Two corrections say what this machine is: with more processes than cores, each
-   process gets ``cores / processes`` of the compute; and the per-kernel floor is sbpflow's eager dispatch
-   of a small op (measured here), not a CUDA launch.
-2. The planner predicts each plan's step: dp4, tp2 x dp2, pp2 x dp2, tp4, pp2 x tp2, and its own choice
-   (eager steps are one micro-batch: stages do not overlap), with AdamW and no gradient clipping.
-3. Every process trains each plan in interleaved rounds; a plan's time is the median over rounds of rank 0's
-   wall time per step between barriers.
+What is predicted is what these processes run: eager steps (one micro-batch, AdamW, no clipping) of
+sbpflow's GPT, four processes on a host with fewer cores, shared with other jobs. The host model
+(``sbpflow.autoparallel.host``) prices dispatch floors, torch kernels at each rank's shapes, the sharing of
+cores, and every collective the plan issues, from a profile of primitives that ``calibrate_host`` measures
+(never a plan). So that a loaded machine is the same machine for both, each round first calibrates, then
+times every plan; each round's predictions use that round's profile.
 
-The table gives predicted and measured times, the Spearman rank correlation between them, and the auto plan
-against the best measured hand plan.
+1. The processes calibrate once and the planner picks its plan (``host_search``: every tp x pp x dp and every
+   stage cut); rank 0's choice is everyone's.
+2. Each of ``--rounds`` rounds: calibrate, then every plan runs ``--steps`` steps between barriers (rank 0's
+   wall time per step; each rank's thread CPU time per step), in an order rotated by one plan per round.
+3. The report: per plan the median over rounds of predicted and measured times, the spread of the measured
+   ones, CPU per rank predicted and measured, collectives per rank predicted and recorded; the Spearman rank
+   correlation of the medians and of each round; the auto plan against the best measured hand plan.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import tempfile
 import time
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -37,62 +37,35 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "src"))
 
-from _report import launch_self  # noqa: E402
+from _report import launch_self, machine  # noqa: E402
 
 import sbpflow  # noqa: E402
 from sbpflow import optim  # noqa: E402
-from sbpflow.autoparallel import Cluster, DeviceProfile, Fixed, ParallelPlan, predict, search  # noqa: E402
+from sbpflow.autoparallel import ParallelPlan  # noqa: E402
 from sbpflow.autoparallel.apply import gpt_spec  # noqa: E402
-from sbpflow.autoparallel.calibrate import calibrate  # noqa: E402
+from sbpflow.autoparallel.calibrate_host import calibrate_host  # noqa: E402
+from sbpflow.autoparallel.host import HostProfile, host_plans, host_search, plan_shapes, predict_host  # noqa: E402
 from sbpflow.demo.train_gpt import Trainer  # noqa: E402
 from sbpflow.models.gpt import GPT, GPTConfig, parallelize  # noqa: E402
 
 WORLD = 4
 CONFIG = GPTConfig(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=128)
 BATCH = 16
-HAND = {"dp4": (1, 1, 4), "tp2 x dp2": (2, 1, 2), "pp2 x dp2": (1, 2, 2), "tp4": (4, 1, 1), "pp2 x tp2": (2, 2, 1)}
+HAND = {"dp4": (1, (4,), 4), "tp2 x dp2": (2, (4,), 2), "pp2 x dp2": (1, (2, 2), 2), "tp4": (4, (4,), 1),
+        "pp2 x tp2": (2, (2, 2), 1)}
+SPEC = gpt_spec(GPT(CONFIG))
 
 
-# ----------------------------------------------------------------------------- the parent: profile and predictions
+def profile_from(data: dict[str, Any]) -> HostProfile:
+    """A profile from its JSON form (tuples came back as lists)."""
+    def tup(x: Any) -> Any:
+        return tuple(tup(v) for v in x) if isinstance(x, list) else x
+
+    return HostProfile(**{k: tup(v) for k, v in data.items()})
 
 
-def dispatch_floor(repeats: int = 2000) -> float:
-    """Seconds sbpflow's eager dispatch adds to a tiny op on a one-rank placement (the kernel floor here)."""
-    placement = sbpflow.placement("cpu", [0])
-    x = sbpflow.ones(4, 4, placement=placement, sbp=sbpflow.sbp.broadcast)
-    for _ in range(100):
-        x + x  # noqa: B018  (warm the dispatch cache)
-    start = time.perf_counter()
-    for _ in range(repeats):
-        x + x  # noqa: B018
-    return (time.perf_counter() - start) / repeats
-
-
-def local_profile() -> tuple[DeviceProfile, str]:
-    torch.set_num_threads(1)
-    measured, found = calibrate("here-4-processes", processes=WORLD, quick=True)
-    share = min(1.0, (os.cpu_count() or 1) / WORLD)
-    floor = dispatch_floor()
-    profile = replace(measured, peak_flops=measured.peak_flops * share, mem_bandwidth=measured.mem_bandwidth * share,
-                      launch_s=floor)
-    note = (f"calibrated: GEMM {found.matmul_flops[max(found.matmul_flops)] / 1e9:.1f} GFLOP/s (best "
-            f"{measured.peak_flops / 1e9:.1f}), memcpy {measured.mem_bandwidth / 1e9:.1f} GB/s, gloo alpha "
-            f"{found.alpha * 1e6:.0f} us, {1 / found.beta / 1e9:.2f} GB/s over {WORLD} processes; compute share "
-            f"{share:.2f} per process ({os.cpu_count()} cores); dispatch floor {floor * 1e6:.1f} us per op")
-    return profile, note
-
-
-def plans(profile: DeviceProfile) -> dict[str, tuple[Any, tuple[int, ...]]]:
-    """Each plan's prediction and its stage cuts: the hand plans, then the planner's own choice."""
-    spec = gpt_spec(GPT(CONFIG))
-    cluster = Cluster(WORLD, profile, WORLD)
-    out = {}
-    for name, (tp, pp, dp) in HAND.items():
-        p = predict(spec, cluster, ParallelPlan(tp, pp, dp, BATCH // dp, 0, "none"), BATCH)
-        out[name] = (p, p.stage_layers)
-    best = search(spec, cluster, BATCH, Fixed(zero=0, recompute="none", micro_batches=1)).best
-    out[f"auto ({best.plan.tp}/{best.plan.pp}/{best.plan.dp})"] = (best, best.stage_layers)
-    return out
+def predict_plan(profile: HostProfile, tp: int, cuts: tuple[int, ...], dp: int) -> Any:
+    return predict_host(SPEC, ParallelPlan(tp, len(cuts), dp, BATCH // dp, 0, "none"), cuts, BATCH, profile)
 
 
 # ----------------------------------------------------------------------------- the workers: measurements
@@ -105,38 +78,66 @@ def trainer(tp: int, cuts: tuple[int, ...], dp: int) -> Trainer:
     return Trainer(model, strategy, optim.AdamW(model.parameters(), lr=1e-3), clip=None)
 
 
-def worker(spec_path: str, out_path: str, rounds: int, steps: int) -> None:
+def calibrated() -> dict[str, Any]:
+    shapes = plan_shapes(SPEC, host_plans(SPEC, WORLD, BATCH), BATCH)
+    return {k: v for k, v in calibrate_host(shapes).__dict__.items()}
+
+
+def collectives_per_rank(t: Trainer, ids: np.ndarray, targets: np.ndarray) -> int:
+    """Collectives one step issues that this rank takes part in (recorded)."""
+    with sbpflow.comm.record() as log:
+        t.step(ids, targets)
+    return sum(sbpflow.rank() in e.ranks for e in log.events)
+
+
+def worker(out_path: str, rounds: int, steps: int) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     sbpflow.distributed.init()
-    wanted = json.loads(Path(spec_path).read_text())
+    first = calibrated()
+    auto = host_search(SPEC, profile_from(first), BATCH)[0]
+    wanted = dict(HAND)
+    auto_name = f"auto ({auto.plan.tp}/{auto.plan.pp}/{auto.plan.dp} {list(auto.stage_layers)})"
+    wanted[auto_name] = (auto.plan.tp, auto.stage_layers, auto.plan.dp)
+    chosen: list[Any] = [None] * WORLD
+    dist.all_gather_object(chosen, wanted)  # rank 0's choice is everyone's
+    wanted = chosen[0]
     rng = np.random.default_rng(0)
     ids = rng.integers(0, CONFIG.vocab_size, (BATCH, CONFIG.block_size))
     targets = rng.integers(0, CONFIG.vocab_size, (BATCH, CONFIG.block_size))
     trainers = {name: trainer(tp, tuple(cuts), dp) for name, (tp, cuts, dp) in wanted.items()}
-    for t in trainers.values():
-        t.step(ids, targets)  # warm-up: dispatch caches, gloo pairs
-    times: dict[str, list[float]] = {name: [] for name in trainers}
-    for _ in range(rounds):
-        for name, t in trainers.items():
+    colls = {name: collectives_per_rank(t, ids, targets) for name, t in trainers.items()}  # also the warm-up
+    log: list[dict[str, Any]] = []
+    order = list(trainers)
+    for r in range(rounds):
+        entry: dict[str, Any] = {"profile": calibrated(), "wall": {}, "cpu": {}}
+        for name in order[r % len(order):] + order[:r % len(order)]:  # each round starts one plan later
+            t = trainers[name]
             dist.barrier()
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.thread_time()
             for _ in range(steps):
                 t.step(ids, targets)
+            cpu = (time.thread_time() - cpu) / steps
             dist.barrier()
-            times[name].append((time.perf_counter() - start) / steps)
+            entry["wall"][name] = (time.perf_counter() - start) / steps
+            entry["cpu"][name] = cpu
+        log.append(entry)
+    everyone: list[Any] = [None] * WORLD
+    dist.all_gather_object(everyone, ([e["cpu"] for e in log], colls))
     if sbpflow.rank() == 0:
-        Path(out_path).write_text(json.dumps({name: statistics.median(v) for name, v in times.items()}))
+        result = {"plans": wanted, "auto": auto_name, "rounds": log,
+                  "cpu": [[c[r] for c, _ in everyone] for r in range(rounds)],
+                  "collectives": [c for _, c in everyone]}
+        Path(out_path).write_text(json.dumps(result))
 
 
-def measure(wanted: dict[str, tuple[int, tuple[int, ...], int]], rounds: int, steps: int) -> dict[str, float]:
+def measure(rounds: int, steps: int) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
-        spec_path, out_path = str(Path(tmp) / "plans.json"), str(Path(tmp) / "times.json")
-        Path(spec_path).write_text(json.dumps(wanted))
-        launch_self(__file__, WORLD, ["--worker", spec_path, out_path, "--rounds", str(rounds), "--steps", str(steps)],
+        out_path = str(Path(tmp) / "times.json")
+        launch_self(__file__, WORLD, ["--worker", out_path, "--rounds", str(rounds), "--steps", str(steps)],
                     check=True)
-        return {k: float(v) for k, v in json.loads(Path(out_path).read_text()).items()}
+        return dict(json.loads(Path(out_path).read_text()))
 
 
 # ----------------------------------------------------------------------------- the report
@@ -148,25 +149,64 @@ def spearman(a: list[float], b: list[float]) -> float:
     return float(np.corrcoef(ra, rb)[0, 1])
 
 
-def report(predicted: dict[str, Any], measured: dict[str, float], note: str) -> str:
-    names = list(predicted)
-    lines = ["## Planner against measurements (issue 12)", "",
-             f"`.venv/bin/python benchmarks/plan_validation.py --write`: GPT {CONFIG.n_layer} x {CONFIG.n_embd}, "
-             f"{CONFIG.n_head} heads, {CONFIG.block_size} tokens, vocabulary {CONFIG.vocab_size}, batch {BATCH}, "
-             f"AdamW, eager, {WORLD} gloo processes on {os.cpu_count()} cores. Profile {note}.", "",
-             "| plan | stages | predicted ms | measured ms | measured / predicted |", "|---|---|---|---|---|"]
-    for name in names:
-        p = predicted[name][0]
-        lines.append(f"| {name} | {list(p.stage_layers)} | {p.step_time * 1e3:.1f} | {measured[name] * 1e3:.1f} | "
-                     f"{measured[name] / p.step_time:.2f} |")
-    rho = spearman([predicted[n][0].step_time for n in names], [measured[n] for n in names])
+def ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f}"
+
+
+def report(result: dict[str, Any], started: str) -> str:
+    plans = {name: (tp, tuple(cuts), dp) for name, (tp, cuts, dp) in result["plans"].items()}
+    names, auto = list(plans), result["auto"]
+    rounds = result["rounds"]
+    preds = [{n: predict_plan(profile_from(r["profile"]), *plans[n]) for n in names} for r in rounds]
+    pred = {n: statistics.median(p[n].step_time for p in preds) for n in names}
+    meas = {n: statistics.median(r["wall"][n] for r in rounds) for n in names}
+    cpu_meas = {n: statistics.median(max(rank[n] for rank in rnd) for rnd in result["cpu"]) for n in names}
+    cpu_pred = {n: statistics.median(max(p[n].cpu_per_rank) for p in preds) for n in names}
+    recorded = {n: max(rank[n] for rank in result["collectives"]) for n in names}
+    profiles = [profile_from(r["profile"]) for r in rounds]
+    share = [p.factor(WORLD) for p in profiles]
+    lines = [
+        "## Planner against measurements (issue 12)", "",
+        f"`.venv/bin/python benchmarks/plan_validation.py --write` on {started}. GPT {CONFIG.n_layer} x "
+        f"{CONFIG.n_embd}, {CONFIG.n_head} heads, {CONFIG.block_size} tokens, vocabulary {CONFIG.vocab_size}, "
+        f"batch {BATCH}, AdamW, **eager** steps (one micro-batch; what `sbpflow.auto_parallel` gives by default), "
+        f"{WORLD} gloo processes. {len(rounds)} interleaved rounds: each calibrates the host "
+        "(`calibrate_host`: dispatch floor, torch kernels at each rank's shapes, AdamW, sharing of cores by k "
+        "busy processes, gloo all-reduce a + b n for groups of 2 and 4, send/receive), then times every plan; "
+        "each round's predictions use that round's profile; the plans' order rotates by one each round. Medians "
+        "over rounds; the spread is the measured minimum to maximum.", "",
+        f"Sharing of the cores measured in the rounds (wall s per CPU s, {WORLD} processes busy): "
+        f"{min(share):.2f} to {max(share):.2f}; 1 process busy: "
+        f"{min(p.factor(1) for p in profiles):.2f} to {max(p.factor(1) for p in profiles):.2f} (other jobs "
+        "on the machine). Dispatch floor: "
+        f"{statistics.median(p.dispatch_s for p in profiles) * 1e6:.1f} us per op (owner), "
+        f"{statistics.median(p.foreign_dispatch_s for p in profiles) * 1e6:.1f} us (outside the placement).", "",
+        "| plan | stages | collectives per rank: predicted / recorded | CPU ms per rank: predicted / measured | "
+        "predicted ms | measured ms (spread) | measured / predicted |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for n in names:
+        p = preds[0][n]
+        spread = [r["wall"][n] for r in rounds]
+        lines.append(f"| {n} | {list(plans[n][1])} | {p.collectives} / {recorded[n]} | {ms(cpu_pred[n])} / "
+                     f"{ms(cpu_meas[n])} | {ms(pred[n])} | {ms(meas[n])} ({ms(min(spread))}-{ms(max(spread))}) | "
+                     f"{meas[n] / pred[n]:.2f} |")
+    rho = spearman([pred[n] for n in names], [meas[n] for n in names])
+    per_round = [spearman([p[n].step_time for n in names], [r["wall"][n] for n in names])
+                 for p, r in zip(preds, rounds, strict=True)]
     hand = [n for n in names if n in HAND]
-    best_hand = min(hand, key=lambda n: measured[n])
-    auto = names[-1]
-    lines += ["", f"Spearman rank correlation, predicted vs measured: **{rho:.2f}** over {len(names)} plans.",
-              f"Auto plan {auto}: {measured[auto] * 1e3:.1f} ms measured, "
-              f"{measured[auto] / measured[best_hand] - 1:+.1%} against the best measured hand plan "
-              f"({best_hand}, {measured[best_hand] * 1e3:.1f} ms); target: within +10%."]
+    best = min(hand, key=lambda n: meas[n])
+    gaps = [r["wall"][auto] / min(r["wall"][n] for n in hand) - 1 for r in rounds]
+    breakdown = preds[0][auto].breakdown
+    lines += [
+        "", f"Spearman rank correlation of the medians, predicted vs measured: **{rho:.2f}** over {len(names)} "
+        f"plans; per round: {', '.join(f'{x:.2f}' for x in per_round)}.",
+        f"Auto plan {auto}: {ms(meas[auto])} ms measured, **{meas[auto] / meas[best] - 1:+.1%}** against the best "
+        f"measured hand plan ({best}, {ms(meas[best])} ms); per round against that round's best hand plan: "
+        f"{', '.join(f'{g:+.1%}' for g in gaps)}. Target: within +10%.",
+        "Predicted breakdown of the auto plan (first round, ms): "
+        + ", ".join(f"{k} {ms(v)}" for k, v in breakdown.items()) + ".",
+    ]
     return "\n".join(lines)
 
 
@@ -175,16 +215,13 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=5, help="interleaved timing rounds (default 5)")
     parser.add_argument("--steps", type=int, default=3, help="steps per plan per round (default 3)")
     parser.add_argument("--write", action="store_true", help="replace the plan_validation section")
-    parser.add_argument("--worker", nargs=2, metavar=("PLANS", "OUT"), help=argparse.SUPPRESS)
+    parser.add_argument("--worker", nargs=1, metavar="OUT", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        worker(*args.worker, args.rounds, args.steps)
+        worker(args.worker[0], args.rounds, args.steps)
         return 0
-    profile, note = local_profile()
-    predicted = plans(profile)
-    wanted = {name: (p.plan.tp, cuts, p.plan.dp) for name, (p, cuts) in predicted.items()}
-    measured = measure(wanted, args.rounds, args.steps)
-    body = report(predicted, measured, note)
+    started = machine(processes=WORLD)
+    body = report(measure(args.rounds, args.steps), started)
     print(body)
     if args.write:
         from _report import write_section

@@ -7,7 +7,9 @@ device profiles and their calibration, and a search over 3-D parallel plans of a
 True
 """
 
+from .apply import HostAutoPlan, auto_parallel_host
 from .cost import collective_time, matmul_flops, model_state_bytes, roofline
+from .host import HostPrediction, HostProfile, host_search, predict_host
 from .predict import Cluster, ParallelPlan, Prediction, StageCost, plan_costs, predict_with_cuts
 from .profiles import PROFILES, DeviceProfile, get_profile, load_profile, save_profile
 from .search import Fixed, SearchResult, candidate_plans, predict, search
@@ -15,8 +17,9 @@ from .stages import cut_stages
 from .transformer import TransformerSpec
 
 __all__ = [
-    "PROFILES", "Cluster", "DeviceProfile", "Fixed", "ParallelPlan", "Prediction", "SearchResult", "StageCost",
-    "TransformerSpec", "candidate_plans", "collective_time", "cut_stages", "get_profile", "load_profile",
-    "matmul_flops", "model_state_bytes", "plan_costs", "predict", "predict_with_cuts", "roofline", "save_profile",
+    "PROFILES", "Cluster", "DeviceProfile", "Fixed", "HostAutoPlan", "HostPrediction", "HostProfile", "ParallelPlan",
+    "Prediction", "SearchResult", "StageCost", "TransformerSpec", "auto_parallel_host", "candidate_plans",
+    "collective_time", "cut_stages", "get_profile", "host_search", "load_profile", "matmul_flops",
+    "model_state_bytes", "plan_costs", "predict", "predict_host", "predict_with_cuts", "roofline", "save_profile",
     "search",
 ]

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import PlanError
 from .explain import explain
+from .host import HostPrediction, HostProfile, host_search
 from .predict import Cluster, Prediction
 from .profiles import DeviceProfile, get_profile
 from .search import Fixed, SearchResult, search
@@ -104,3 +105,58 @@ def _graph_gpt(graph: Any) -> Any:
         raise PlanError(f"enable_auto_parallel plans the one sbpflow.models.gpt.GPT a graph holds, but "
                         f"{type(graph).__name__} holds {len(found)}")
     return found[0]
+
+
+@dataclass
+class HostAutoPlan:
+    """The host search's ranking (fastest first) and the strategy the best plan was applied as."""
+
+    spec: TransformerSpec
+    ranking: list[HostPrediction]
+    strategy: Strategy
+
+    @property
+    def prediction(self) -> HostPrediction:
+        return self.ranking[0]
+
+    def explain(self, runners_up: int = 4) -> str:
+        """The chosen plan's predicted step by component, then the next plans and the components they lose on."""
+        best = self.prediction
+        lines = [f"chosen: {_host_name(best)}: {best.step_time * 1e3:.1f} ms per step ("
+                 + ", ".join(f"{k} {v * 1e3:.1f}" for k, v in best.breakdown.items() if v) + " ms)"]
+        for other in self.ranking[1:runners_up + 1]:
+            worse = sorted(((other.breakdown[k] - best.breakdown.get(k, 0.0), k) for k in other.breakdown),
+                           reverse=True)[:2]
+            lines.append(f"  {_host_name(other)}: {other.step_time * 1e3:.1f} ms, loses on "
+                         + ", ".join(f"{k} +{d * 1e3:.1f} ms" for d, k in worse if d > 0))
+        return "\n".join(lines)
+
+
+def _host_name(p: HostPrediction) -> str:
+    return f"tp{p.plan.tp} pp{p.plan.pp} dp{p.plan.dp} stages {list(p.stage_layers)}"
+
+
+def auto_parallel_host(model: object, host: HostProfile, batch: int, device: str = "cpu") -> HostAutoPlan:
+    """Plans ``model``'s eager training on the processes of one host (``host`` from ``calibrate_host``) with the
+    host model, and applies the fastest plan.
+
+    >>> import sbpflow
+    >>> from sbpflow.autoparallel.host import HostProfile
+    >>> from sbpflow.models.gpt import GPT, GPTConfig
+    >>> host = HostProfile(processes=2, cores_factor=((1, 1.0), (2, 2.0)), dispatch_s=4e-5,
+    ...                    foreign_dispatch_s=1e-5, gemm_flops=1e11, elementwise_bw=1e10,
+    ...                    collectives=((2, 5e-4, 1e-9),), p2p=(5e-4, 1e-9))
+    >>> sbpflow.manual_seed(0)
+    >>> model = GPT(GPTConfig(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=16))
+    >>> auto = auto_parallel_host(model, host, batch=4)
+    >>> auto.strategy.world_size, [p.plan.pp for p in auto.ranking][:1]   # two cores: the stages share nothing
+    (2, [2])
+    """
+    from ..models.gpt import parallelize
+
+    spec = gpt_spec(model)
+    ranking = host_search(spec, host, batch)
+    best = ranking[0]
+    strategy = parallelize(model, data=best.plan.dp, tensor=best.plan.tp,  # type: ignore[arg-type]
+                           pipeline=best.stage_layers, device=device)
+    return HostAutoPlan(spec, ranking, strategy)

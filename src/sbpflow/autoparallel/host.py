@@ -1,0 +1,476 @@
+"""Eager training steps of sbpflow's GPT on host processes that share CPU cores (the 4-gloo-process validation).
+
+On an accelerator a step is bounded by kernels and links (``predict.py``). Eager training on CPU processes is
+bounded by other things, and this model prices exactly those, from the plan's metadata and a calibrated
+:class:`HostProfile` (``calibrate_host.py``):
+
+* **dispatch**: every op a step dispatches costs a CPU floor (Python dispatch, SBP inference, autograd
+  bookkeeping). A rank outside an op's placement still dispatches it (SPMD eager: every process runs the whole
+  program), at a lower floor. Counts per block and per step are properties of sbpflow's GPT (:data:`DISPATCH`).
+* **kernels**: GEMM FLOPs at one core's GEMM rate, elementwise bytes at one core's bandwidth, AdamW's bytes.
+* **sharing**: ``k`` processes running at once on fewer cores stretch each CPU second to ``f(k)`` wall seconds
+  (``cores_factor``, measured with ``k`` busy processes while the others wait).
+* **collectives**: the ones the plan issues, counted from its layouts: per block the transitions of the SBP
+  selection's chosen signatures (:func:`block_collectives`; Megatron's two all-reduces forward and two
+  backward), the embedding's and the vocab-parallel loss's, the data-parallel gradient sync (flat buckets as the
+  bucketer fills them; one all-reduce per leaf for leaves split on the tensor axis of a 2-D mesh, which the
+  bucketer does not coalesce), and pipeline sends. Each costs ``a_g + b_g · n`` for its group size ``g``.
+* **schedule**: eager runs pipeline stages one after another (one micro-batch): the step is the sum over
+  stages of their sharing-stretched CPU, plus every collective on the critical path.
+
+    step = Σ_stages f(k_s) · cpu_s + Σ_collectives (a_g + b_g · n)
+    cpu_s = dispatch_own · d + dispatch_foreign · d' + FLOPs / R_gemm + bytes / R_mem
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from ..errors import PlanError, SbpflowError
+from .predict import ParallelPlan
+from .transformer import TransformerSpec
+
+FP32 = 4
+FIRST_BUCKET_BYTES = 1 << 20  # autograd.FIRST_BUCKET_MB
+BUCKET_BYTES = 25 << 20  # autograd.DEFAULT_BUCKET_MB
+
+# Ops sbpflow's GPT dispatches per training step (forward, backward kernels, loss; counted by
+# tests/sim/test_host_model.py on a real step): each block, and the rest (embeddings, final LayerNorm, tied
+# head, cross-entropy).
+DISPATCH_PER_BLOCK = 54
+DISPATCH_FIXED = 35
+# Parameter tensors per block: LayerNorm 1 and 2 (weight, bias), q, k, v, c_proj, c_fc, mlp c_proj (weight,
+# bias). Split on the tensor axis under Megatron's plan: q, k, v, c_fc weights and biases, the two c_proj
+# weights (10); whole: LayerNorms and the c_proj biases (6).
+LEAVES_SPLIT_PER_BLOCK = 10
+LEAVES_WHOLE_PER_BLOCK = 6
+ADAMW_BYTES_PER_PARAM = FP32 * 7  # read p, g, m, v; write p, m, v (fp32 foreach kernels)
+
+
+@dataclass(frozen=True)
+class HostProfile:
+    """What one host gives a job of ``processes`` processes, measured by ``calibrate_host``.
+
+    ``cores_factor``: (active processes, wall seconds per CPU second of each). ``collectives``: (group size,
+    a seconds, b seconds per byte) of one all-reduce of an n-byte tensor, ``a + b·n``; gloo builds
+    reduce-scatter from an all-reduce and an all-gather costs about one. ``p2p``: (a, b) of one send/receive.
+    """
+
+    processes: int
+    cores_factor: tuple[tuple[int, float], ...]
+    dispatch_s: float
+    foreign_dispatch_s: float
+    gemm_flops: float
+    elementwise_bw: float
+    collectives: tuple[tuple[int, float, float], ...]
+    p2p: tuple[float, float]
+    collective_cpu: tuple[tuple[int, float, float], ...] = ()  # (group, a, b): the caller's CPU in a collective
+    kernels: tuple[tuple[tuple[int, ...], float], ...] = ()  # (BlockShape or HeadShape key, CPU s fwd + bwd)
+    optimizer_s_per_param: float = 0.0  # AdamW's step; 0: its bytes at elementwise_bw
+    source: str = "calibrate_host"
+
+    def __post_init__(self) -> None:
+        for name in ("dispatch_s", "foreign_dispatch_s", "gemm_flops", "elementwise_bw"):
+            if not getattr(self, name) > 0:
+                raise SbpflowError(f"HostProfile.{name} must be positive, but got {getattr(self, name)!r}")
+        active = sorted(k for k, _ in self.cores_factor)
+        if not active or active[0] < 1 or active[-1] < self.processes:
+            raise SbpflowError(f"HostProfile.cores_factor needs factors for 1..{self.processes} active processes, "
+                               f"but got them for {active}")
+
+    def factor(self, active: int) -> float:
+        """Wall seconds per CPU second when ``active`` processes run at once (the nearest measured count at or
+        above ``active``)."""
+        table = dict(self.cores_factor)
+        return table[min(k for k in table if k >= active)]
+
+    def kernel_seconds(self, shape: tuple[int, ...], flops: float, nbytes: float) -> float:
+        """CPU seconds of the torch kernels of a block or head of ``shape``, forward and backward: measured at
+        that shape when the profile has it, else GEMM FLOPs and elementwise bytes at the profile's rates."""
+        table = dict(self.kernels)
+        if shape in table:
+            return table[shape]
+        return flops / self.gemm_flops + nbytes / self.elementwise_bw
+
+    def collective(self, kind: str, group: int, nbytes: float, cpu: bool = False) -> float:
+        """Wall seconds of one collective on ``group`` ranks of a logical ``nbytes`` tensor (``cpu``: the CPU
+        seconds the calling thread spends in it; none for a send, whose copies are small)."""
+        if group <= 1 or nbytes <= 0:
+            return 0.0
+        if kind == "send_recv":
+            a, b = (0.0, 0.0) if cpu else self.p2p
+            return a + b * nbytes
+        table = {g: (a, b) for g, a, b in (self.collective_cpu if cpu else self.collectives)}
+        if cpu and not table:
+            return 0.0
+        if group not in table:
+            raise SbpflowError(f"the host profile has all-reduce costs for groups of {sorted(table)}, not {group}")
+        a, b = table[group]
+        return a + b * nbytes
+
+
+@dataclass(frozen=True)
+class Comm:
+    """``count`` collectives of one kind on groups of ``group`` ranks, each of a logical ``nbytes`` tensor."""
+
+    kind: str
+    group: int
+    nbytes: float
+    count: int
+    part: str  # tp_comm, dp_comm, pp_comm, loss_comm
+
+
+@dataclass(frozen=True)
+class BlockShape:
+    """One rank's share of a block: tokens, hidden, local heads of ``head_dim``, local MLP width."""
+
+    tokens: int
+    hidden: int
+    heads: int
+    head_dim: int
+    ffn: int
+    seq: int
+
+    @property
+    def key(self) -> tuple[int, ...]:
+        return (0, self.tokens, self.hidden, self.heads, self.head_dim, self.ffn, self.seq)
+
+    @property
+    def flops(self) -> float:
+        """GEMM FLOPs forward and backward (twice forward): q, k, v, projection, MLP, scores and context."""
+        n, h = self.tokens, self.hidden
+        width = self.heads * self.head_dim
+        forward = 2 * n * h * (4 * width + 2 * self.ffn) + 4 * n * self.seq * width
+        return 3.0 * forward
+
+    @property
+    def nbytes(self) -> float:
+        """Elementwise bytes forward and backward (twice forward), fp32: LayerNorms and residual adds on the
+        whole width, GeLU on the local MLP width, softmax on the local scores."""
+        n, h = self.tokens, self.hidden
+        forward = FP32 * (2 * 2 * n * h + 2 * 3 * n * h + 2 * n * self.ffn
+                          + 3 * (n // self.seq) * self.heads * self.seq * self.seq)
+        return 3.0 * forward
+
+
+@dataclass(frozen=True)
+class HeadShape:
+    """The last stage's output layer on one rank: tokens, hidden, local vocabulary."""
+
+    tokens: int
+    hidden: int
+    vocab: int
+
+    @property
+    def key(self) -> tuple[int, ...]:
+        return (1, self.tokens, self.hidden, self.vocab)
+
+    @property
+    def flops(self) -> float:
+        return 3 * 2.0 * self.tokens * self.hidden * self.vocab
+
+    @property
+    def nbytes(self) -> float:
+        return 3 * 3.0 * FP32 * self.tokens * self.vocab
+
+
+@dataclass(frozen=True)
+class StageWork:
+    """One rank of a stage: its ops, FLOPs and bytes per step, and the collectives it takes part in."""
+
+    dispatch_own: int
+    dispatch_foreign: int
+    layers: int
+    block: BlockShape
+    head: HeadShape | None  # on the last stage
+    optimizer_bytes: float
+    comms: tuple[Comm, ...]
+
+    @property
+    def collective_count(self) -> int:
+        return sum(c.count for c in self.comms)
+
+
+@dataclass(frozen=True)
+class HostPrediction:
+    plan: ParallelPlan
+    stage_layers: tuple[int, ...]
+    step_time: float
+    breakdown: dict[str, float]  # seconds, summing to step_time
+    cpu_per_rank: tuple[float, ...]  # CPU seconds of one rank of each stage, its collectives' included
+    collectives: int  # on the busiest rank
+    stages: tuple[StageWork, ...] = field(repr=False, default=())
+
+
+# ----------------------------------------------------------------------------- the collectives of a block
+
+
+def block_collectives(choices: tuple[tuple[str, str], ...] | None, tp: int) -> list[tuple[str, int]]:
+    """(kind, width in units of h) of the collectives one block issues per micro-batch, forward and backward,
+    for the SBP selection's ``choices`` (``block_sbp.BlockPlan.choices``; None: Megatron's).
+
+    Each edge of the block whose producer's SBP differs from what its consumer takes is one transition forward
+    and its dual backward (all-gather <-> reduce-scatter; an all-reduce's dual is the all-reduce of the
+    column-parallel input's partial gradient, Megatron's f/g pair).
+    """
+    from .block_sbp import CLOSING_EDGE, OPS, _choices
+
+    if tp == 1:
+        return []
+    if choices is None:
+        choices = MEGATRON_CHOICES
+    picked = dict(choices)
+    out: list[tuple[str, int]] = []
+    edges = [(p, c, pos) for c, op in enumerate(OPS) for pos, p in enumerate(op[2])] + [(*CLOSING_EDGE, -1)]
+    for producer, consumer, position in edges:
+        src = _pick(_choices(producer), picked[OPS[producer][0]]).out
+        chosen = _pick(_choices(consumer), picked[OPS[consumer][0]])
+        dst = chosen.out if position < 0 else chosen.ins[position]
+        for kind in _transition_kinds(src, dst):
+            out.append((kind, OPS[producer][3]))
+            out.append((_DUAL.get(kind, kind), OPS[producer][3]))
+    return out
+
+
+MEGATRON_CHOICES = (("x", "B"), ("ln1", "B"), ("qkv", "column"), ("attention", "S(1)"), ("proj", "row"),
+                    ("add1", "B"), ("ln2", "B"), ("fc1", "column"), ("gelu", "S(1)"), ("fc2", "row"), ("add2", "B"))
+_DUAL = {"all_gather": "reduce_scatter", "reduce_scatter": "all_gather"}
+
+
+def _pick(options: tuple, name: str):  # type: ignore[no-untyped-def]
+    for c in options:
+        if c.name == name:
+            return c
+    raise PlanError(f"a block choice names one of {[c.name for c in options]}, but got {name!r}")
+
+
+def _transition_kinds(src: object, dst: object) -> list[str]:
+    """The collectives of one SBP change on a 1-D group, as the boxing table composes them for gloo."""
+    from ..sbp import Broadcast, Partial, Split
+
+    if src == dst or isinstance(dst, Partial):
+        return []
+    if isinstance(src, Partial):
+        return ["all_reduce"] if isinstance(dst, Broadcast) else ["reduce_scatter"]
+    if isinstance(src, Split):
+        return ["all_gather"] if isinstance(dst, Broadcast) else ["all_to_all"]
+    return []  # B -> S: each rank slices its part
+
+
+# ----------------------------------------------------------------------------- one stage's work
+
+
+def stage_work(spec: TransformerSpec, plan: ParallelPlan, stage_layers: tuple[int, ...], stage: int, batch: int,
+               choices: tuple[tuple[str, str], ...] | None = None) -> StageWork:
+    """The work of one rank of ``stage`` in an eager step of ``batch`` sequences (one micro-batch)."""
+    tp, dp, pp = plan.tp, plan.dp, plan.pp
+    if len(stage_layers) != pp or sum(stage_layers) != spec.layers or min(stage_layers) < 1:
+        raise PlanError(f"stage cuts must give each of the {pp} stages at least one of the {spec.layers} blocks, "
+                        f"but got {stage_layers}")
+    if batch % dp:
+        raise PlanError(f"the batch ({batch}) must split into dp={dp} replicas")
+    layers = stage_layers[stage]
+    first, last = stage == 0, stage == pp - 1
+    b, s, h, v, a = batch // dp, spec.seq, spec.hidden, spec.vocab, spec.heads
+    tokens = b * s
+    own = layers * DISPATCH_PER_BLOCK + (DISPATCH_FIXED if first and last else
+                                         _fixed_share(first, last))
+    foreign = DISPATCH_PER_BLOCK * spec.layers + DISPATCH_FIXED - own
+    block = BlockShape(tokens, h, a // tp, h // a, 4 * h // tp, s)
+    head = HeadShape(tokens, h, v // tp) if last else None
+    params = _stage_params(spec, plan, stage, layers)
+    comms = _stage_comms(spec, plan, stage, layers, batch, choices)
+    return StageWork(own, foreign, layers, block, head, params * ADAMW_BYTES_PER_PARAM, tuple(comms))
+
+
+def _fixed_share(first: bool, last: bool) -> int:
+    """The fixed dispatches split between the first stage (embeddings: 8) and the last (the rest)."""
+    embedding = 8
+    return embedding if first else (DISPATCH_FIXED - embedding if last else 0)
+
+
+def _stage_params(spec: TransformerSpec, plan: ParallelPlan, stage: int, layers: int) -> float:
+    """Parameters one rank of ``stage`` updates (the tied embedding on both ends when pp > 1)."""
+    h, tp = spec.hidden, plan.tp
+    params = layers * spec.layer_params / tp
+    if stage == 0:
+        params += spec.vocab * h / tp + spec.seq * h
+    if stage == plan.pp - 1:
+        params += 2 * h + (spec.vocab * h / tp if plan.pp > 1 else 0)
+    return params
+
+
+def _stage_comms(spec: TransformerSpec, plan: ParallelPlan, stage: int, layers: int, batch: int,
+                 choices: tuple[tuple[str, str], ...] | None) -> list[Comm]:
+    tp, dp, pp = plan.tp, plan.dp, plan.pp
+    first, last = stage == 0, stage == pp - 1
+    h, tokens = spec.hidden, batch // dp * spec.seq
+    comms: list[Comm] = []
+    per_block: dict[tuple[str, int], int] = {}
+    for kind, width in block_collectives(choices, tp):
+        per_block[(kind, width)] = per_block.get((kind, width), 0) + 1
+    for (kind, width), n in per_block.items():
+        comms.append(Comm(kind, tp, FP32 * tokens * width * h, n * layers, "tp_comm"))
+    if tp > 1 and first:  # vocab-parallel embedding: its partial output all-reduced
+        comms.append(Comm("all_reduce", tp, FP32 * tokens * h, 1, "tp_comm"))
+    if tp > 1 and last:  # the head's input gradient; the loss's max and sum (forward), its gradient's sum
+        comms.append(Comm("all_reduce", tp, FP32 * tokens * h, 1, "tp_comm"))
+        comms.append(Comm("all_reduce", tp, FP32 * tokens, 3, "loss_comm"))
+    if dp > 1 and last:  # the loss's token count over replicas
+        comms.append(Comm("all_reduce", dp, 2 * FP32, 1, "loss_comm"))
+    if last:  # reading the loss's value: its partial sums over each mesh axis
+        comms += [Comm("all_reduce", g, FP32, 1, "loss_comm") for g in (dp, tp) if g > 1]
+    if pp > 1:  # ... and from the last stage to every process
+        comms.append(Comm("send_recv", 2, FP32, 1, "loss_comm"))
+    comms += _dp_sync(spec, plan, stage, layers)
+    if pp > 1:
+        act = FP32 * tokens * h / tp
+        sends = (not first) + (not last)  # activations in and out, forward; their gradients, backward
+        comms.append(Comm("send_recv", 2, act, 2 * sends, "pp_comm"))
+        if first or last:  # the tied embedding to the head and its gradient back
+            comms.append(Comm("send_recv", 2, FP32 * spec.vocab * h / tp, 2, "pp_comm"))
+    return comms
+
+
+def _dp_sync(spec: TransformerSpec, plan: ParallelPlan, stage: int, layers: int) -> list[Comm]:
+    """Gradient all-reduces over replicas: leaves whole on the tensor axis go in flat buckets (the first closes
+    past 1 MiB, the others past 25 MiB); leaves split on it (2-D meshes) are reduced one by one."""
+    tp, dp, pp = plan.tp, plan.dp, plan.pp
+    if dp == 1:
+        return []
+    h = spec.hidden
+    first, last = stage == 0, stage == pp - 1
+    whole: float = layers * (4 * h + 2 * h)  # LayerNorms, c_proj biases
+    split = layers * (spec.layer_params - 6 * h) / tp
+    n_split = LEAVES_SPLIT_PER_BLOCK * layers if tp > 1 else 0
+    if first:
+        whole += spec.seq * h
+        split += spec.vocab * h / tp
+        n_split += tp > 1
+    if last:
+        whole += 2 * h
+    if tp == 1:
+        whole, split = whole + split, 0.0
+    comms = []
+    if whole:
+        buckets = _buckets(FP32 * whole)
+        comms.append(Comm("all_reduce", dp, FP32 * whole / buckets, buckets, "dp_comm"))
+    if n_split:
+        comms.append(Comm("all_reduce", dp, FP32 * split / n_split, n_split, "dp_comm"))
+    if pp > 1 and first:  # the head's share of the tied embedding's gradient, once it came back
+        comms.append(Comm("all_reduce", dp, FP32 * spec.vocab * h / tp, 1, "dp_comm"))
+    return comms
+
+
+def _buckets(nbytes: float) -> int:
+    """Flat buckets of ``nbytes`` of gradients.
+
+    >>> _buckets(1000), _buckets(2 << 20), _buckets(30 << 20)
+    (1, 2, 3)
+    """
+    if nbytes <= FIRST_BUCKET_BYTES:
+        return 1
+    return 1 + math.ceil((nbytes - FIRST_BUCKET_BYTES) / BUCKET_BYTES)
+
+
+# ----------------------------------------------------------------------------- the step
+
+
+def cpu_seconds(work: StageWork, host: HostProfile) -> float:
+    """CPU seconds of one rank outside collectives: dispatch floors, torch kernels and AdamW."""
+    return (work.dispatch_own * host.dispatch_s + work.dispatch_foreign * host.foreign_dispatch_s
+            + kernel_seconds(work, host))
+
+
+def collective_cpu_seconds(work: StageWork, host: HostProfile) -> float:
+    """CPU seconds the rank's thread spends inside its collectives (copies, reductions, sbpflow's boxing)."""
+    return sum(c.count * host.collective(c.kind, c.group, c.nbytes, cpu=True) for c in work.comms)
+
+
+def kernel_seconds(work: StageWork, host: HostProfile) -> float:
+    """The torch kernels of one rank's blocks, head and AdamW step."""
+    blocks = work.layers * host.kernel_seconds(work.block.key, work.block.flops, work.block.nbytes)
+    head = 0.0 if work.head is None else host.kernel_seconds(work.head.key, work.head.flops, work.head.nbytes)
+    if host.optimizer_s_per_param > 0:
+        optimizer = work.optimizer_bytes / ADAMW_BYTES_PER_PARAM * host.optimizer_s_per_param
+    else:
+        optimizer = work.optimizer_bytes / host.elementwise_bw
+    return blocks + head + optimizer
+
+
+def comm_seconds(work: StageWork, host: HostProfile) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for c in work.comms:
+        out[c.part] = out.get(c.part, 0.0) + c.count * host.collective(c.kind, c.group, c.nbytes)
+    return out
+
+
+def predict_host(spec: TransformerSpec, plan: ParallelPlan, stage_layers: tuple[int, ...], batch: int,
+                 host: HostProfile, choices: tuple[tuple[str, str], ...] | None = None) -> HostPrediction:
+    """The eager step of ``plan`` on ``host``: stages one after another, each stretched by the processes it
+    runs at once; collectives added on the critical path (each stage's own, and the sends between them)."""
+    if plan.tp * plan.pp * plan.dp != host.processes:
+        raise PlanError(f"tp · pp · dp must equal the host's {host.processes} processes, but {plan} has "
+                        f"{plan.tp * plan.pp * plan.dp}")
+    works = tuple(stage_work(spec, plan, stage_layers, s, batch, choices) for s in range(plan.pp))
+    cpus = tuple(cpu_seconds(w, host) for w in works)
+    active = plan.tp * plan.dp if plan.pp > 1 else host.processes
+    factor = host.factor(active)
+    breakdown = {"dispatch": 0.0, "compute": 0.0, "sharing": 0.0, "tp_comm": 0.0, "dp_comm": 0.0, "pp_comm": 0.0,
+                 "loss_comm": 0.0}
+    for w, cpu in zip(works, cpus, strict=True):
+        dispatch = w.dispatch_own * host.dispatch_s
+        if plan.pp == 1:  # one stage: foreign ops are none
+            dispatch += w.dispatch_foreign * host.foreign_dispatch_s
+        breakdown["dispatch"] += dispatch
+        own_cpu = cpu - (0.0 if plan.pp == 1 else w.dispatch_foreign * host.foreign_dispatch_s)
+        breakdown["compute"] += own_cpu - dispatch
+        breakdown["sharing"] += (factor - 1) * own_cpu
+        for part, seconds in comm_seconds(w, host).items():
+            if part == "pp_comm":
+                seconds /= 2  # a send and its receive are one transfer on the critical path
+            breakdown[part] += seconds
+    cpu_per_rank = tuple(c + collective_cpu_seconds(w, host) for w, c in zip(works, cpus, strict=True))
+    return HostPrediction(plan, tuple(stage_layers), sum(breakdown.values()), breakdown, cpu_per_rank,
+                          max(w.collective_count for w in works), works)
+
+
+# ----------------------------------------------------------------------------- the search on a host
+
+
+def host_plans(spec: TransformerSpec, processes: int, batch: int) -> list[tuple[ParallelPlan, tuple[int, ...]]]:
+    """Every plan sbpflow's eager GPT can run on ``processes`` processes: tp dividing heads and vocabulary,
+    dp dividing the batch, and every stage cut (one micro-batch: ZeRO 0, no recompute)."""
+    from .stages import all_cuts
+
+    out = []
+    for tp in range(1, processes + 1):
+        if processes % tp or spec.heads % tp or spec.vocab % tp:
+            continue
+        for pp in range(1, processes // tp + 1):
+            dp = processes // (tp * pp)
+            if tp * pp * dp != processes or pp > spec.layers or batch % dp:
+                continue
+            for cuts in all_cuts(spec.layers, pp):
+                out.append((ParallelPlan(tp, pp, dp, batch // dp, 0, "none"), cuts))
+    return out
+
+
+def plan_shapes(spec: TransformerSpec, plans: list[tuple[ParallelPlan, tuple[int, ...]]],
+                batch: int) -> list[BlockShape | HeadShape]:
+    """The block and head shapes these plans give their ranks (what ``calibrate_host`` times)."""
+    shapes: list[BlockShape | HeadShape] = []
+    for plan, cuts in plans:
+        last = stage_work(spec, plan, cuts, plan.pp - 1, batch)
+        shapes.append(last.block)
+        if last.head is not None:
+            shapes.append(last.head)
+    return list(dict.fromkeys(shapes))
+
+
+def host_search(spec: TransformerSpec, host: HostProfile, batch: int) -> list[HostPrediction]:
+    """Every host plan, fastest first."""
+    return sorted((predict_host(spec, plan, cuts, batch, host) for plan, cuts in host_plans(spec, host.processes,
+                                                                                             batch)),
+                  key=lambda p: p.step_time)
