@@ -128,23 +128,39 @@ def _busy(seconds: float) -> None:
         torch.mm(a, a)
 
 
-def _sharing(dist: Any, world: int, seconds: float = 0.05, repeats: int = 3) -> tuple[tuple[int, float], ...]:
-    """Wall seconds per CPU second with k = 1..world processes busy at once."""
+SEGMENTS = (1e-3, 5e-3, 25e-3)  # seconds of CPU between two synchronisations
+
+
+def _sharing(dist: Any, world: int, budget: float = 0.04) -> tuple[tuple[int, float, float], ...]:
+    """(k, w, factor): wall seconds per CPU second when k processes (1, 2 and all) each compute w CPU seconds
+    and then synchronise (an all-reduce of 4 B among the k), the rest waiting; the bare synchronisation's time
+    (w = 0) is taken off. The slowest of k processes sets each segment's end, so the factor is above k / cores
+    and grows with w as processes drift apart on a machine that other jobs share."""
     rank = dist.get_rank()
-    factors = []
-    for k in range(1, world + 1):
-        samples = []
-        for _ in range(repeats):
+    out = []
+    for k in sorted({1, 2, world}):
+        group = dist.new_group(list(range(k))) if k > 1 else None
+        flag = torch.zeros(1)
+
+        def segment(w: float, group: Any = group, flag: torch.Tensor = flag) -> None:
+            _busy(w)
+            if group is not None:
+                dist.all_reduce(flag, group=group)
+
+        def timed(w: float, n: int, k: int = k, segment: Callable[[float], None] = segment) -> float:
             dist.barrier()
             start = time.perf_counter()
             if rank < k:
-                _busy(seconds)
-            wall = time.perf_counter() - start
-            samples.append(wall / seconds)
-        mine = statistics.median(samples)
-        everyone = _gather(dist, mine)
-        factors.append((k, max(1.0, statistics.median(everyone[:k]))))
-    return tuple(factors)
+                for _ in range(n):
+                    segment(w)
+            return (time.perf_counter() - start) / n
+
+        bare = timed(0.0, 20)
+        for w in SEGMENTS:
+            wall = timed(w, max(2, round(budget / w)))
+            mine = max(1.0, (wall - bare) / w)
+            out.append((k, w, statistics.median(_gather(dist, mine)[:k])))
+    return tuple(out)
 
 
 def _all_reduce_lines(dist: Any, group_size: int, repeats: int = 8) -> tuple[tuple[float, float], tuple[float, float]]:
