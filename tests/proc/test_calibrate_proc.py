@@ -25,3 +25,36 @@ def test_calibrate_writes_a_profile_that_plan_uses(tmp_path) -> None:
                               "96", "--batch", "8", "--devices", "2", "--device", str(path), "--json"], timeout=60)
     assert plan.returncode == 0, plan.report()
     assert json.loads(plan.stdout)["cluster"]["device"] == "local-cpu"
+
+
+def _calibrate_host_job() -> dict:
+    import torch
+
+    import sbpflow
+    from sbpflow.autoparallel import ParallelPlan, TransformerSpec
+    from sbpflow.autoparallel.calibrate_host import calibrate_host
+    from sbpflow.autoparallel.host import plan_shapes, predict_host
+
+    torch.set_num_threads(1)
+    sbpflow.distributed.init()
+    spec = TransformerSpec(layers=2, hidden=32, heads=2, seq=8, vocab=64)
+    plans = [(ParallelPlan(1, 1, 2, 2, 0, "none"), (2,)), (ParallelPlan(2, 1, 1, 4, 0, "none"), (2,))]
+    shapes = plan_shapes(spec, plans, 4)
+    host = calibrate_host(shapes)
+    return {"profile": host, "keys": [s.key for s in shapes],
+            "steps": [predict_host(spec, p, cuts, 4, host).step_time for p, cuts in plans]}
+
+
+def test_calibrate_host_measures_every_primitive_on_two_processes() -> None:
+    from procrun import run_ranks
+
+    results = run_ranks(_calibrate_host_job, 2, timeout=120)
+    host = results[0]["profile"]
+    assert results[1]["profile"] == host  # every process gets rank-agreed numbers
+    assert host.processes == 2
+    assert sorted({k for k, _, _ in host.cores_factor}) == [1, 2] and all(f >= 1 for _, _, f in host.cores_factor)
+    assert [g for g, _, _ in host.collectives] == [2] and [g for g, _, _ in host.collective_cpu] == [2]
+    assert [key for key, _ in host.kernels] == results[0]["keys"]  # the shapes asked for, each timed
+    assert all(s > 0 for _, s in host.kernels) and host.optimizer_s_per_param > 0
+    assert 0 < host.foreign_dispatch_s and 0 < host.dispatch_s
+    assert all(t > 0 for t in results[0]["steps"])
