@@ -165,8 +165,8 @@ def report(result: dict[str, Any], started: str) -> str:
     recorded = {n: max(rank[n] for rank in result["collectives"]) for n in names}
     profiles = [profile_from(r["profile"]) for r in rounds]
 
-    def sharing(k: int, w: float) -> str:
-        values = [p.factor(k, w) for p in profiles]
+    def sharing(k: int) -> str:
+        values = [p.factor(k) for p in profiles]
         return f"{min(values):.1f}-{max(values):.1f}"
 
     lines = [
@@ -176,13 +176,13 @@ def report(result: dict[str, Any], started: str) -> str:
         f"batch {BATCH}, AdamW, **eager** steps (one micro-batch; what `sbpflow.auto_parallel` gives by default), "
         f"{WORLD} gloo processes. {len(rounds)} interleaved rounds: each calibrates the host "
         "(`calibrate_host`: dispatch floor, torch kernels at each rank's shapes, AdamW, sharing of cores by k "
-        "processes computing w CPU seconds between synchronisations, sbpflow's all-reduce a + b n on groups of "
+        "busy processes, the wait of an all-reduce after compute, sbpflow's all-reduce a + b n on groups of "
         "2 and 4, send/receive), then times every plan; each round's predictions use that round's profile; the "
         "plans' order rotates by one each round. Medians over rounds; the spread is the measured minimum to "
         "maximum.", "",
-        f"Sharing measured in the rounds, wall s per CPU s (other jobs on the machine): {WORLD} processes busy, "
-        f"1 ms segments {sharing(WORLD, 1e-3)}, 25 ms segments {sharing(WORLD, 25e-3)}; 2 busy: "
-        f"{sharing(2, 1e-3)} and {sharing(2, 25e-3)}; 1 busy: {sharing(1, 1e-3)} and {sharing(1, 25e-3)}. "
+        f"Sharing measured in the rounds, wall s per CPU s (other jobs on the machine): {WORLD} processes busy "
+        f"{sharing(WORLD)}, 2 busy {sharing(2)}, 1 busy {sharing(1)}; wait of a blocking all-reduce after "
+        f"compute {min(p.sync_s for p in profiles) * 1e3:.2f}-{max(p.sync_s for p in profiles) * 1e3:.2f} ms. "
         "Dispatch floor: "
         f"{statistics.median(p.dispatch_s for p in profiles) * 1e6:.1f} us per op (owner), "
         f"{statistics.median(p.foreign_dispatch_s for p in profiles) * 1e6:.1f} us (outside the placement).", "",

@@ -3,8 +3,6 @@ bytes, the collectives a block's SBP choices issue, buckets, a profile's lookups
 
 from __future__ import annotations
 
-import math
-
 import pytest
 
 from sbpflow.autoparallel import ParallelPlan, TransformerSpec
@@ -30,7 +28,7 @@ TINY = TransformerSpec(layers=2, hidden=8, heads=2, seq=4, vocab=16)
 def toy(processes: int = 2, **kw: object) -> HostProfile:
     """Round numbers: 10 us per op (2 us outside), 1 GFLOP/s, 1 GB/s, sharing 1.5x with 2 busy processes,
     all-reduce 100 us + 1 ns/B wall and 10 us + 0.1 ns/B CPU, sends 50 us + 2 ns/B."""
-    base = dict(processes=processes, cores_factor=((1, 1e-3, 1.0), (2, 1e-3, 1.5), (4, 1e-3, 3.0)), dispatch_s=1e-5,
+    base = dict(processes=processes, cores_factor=((1, 1.0), (2, 1.5), (4, 3.0)), dispatch_s=1e-5,
                 foreign_dispatch_s=2e-6, gemm_flops=1e9, elementwise_bw=1e9,
                 collectives=((2, 1e-4, 1e-9), (4, 2e-4, 2e-9)), collective_cpu=((2, 1e-5, 1e-10), (4, 2e-5, 2e-10)),
                 p2p=(5e-5, 2e-9), optimizer_s_per_param=1e-9)
@@ -76,7 +74,7 @@ def test_profile_lookups():
     assert host.collective("all_reduce", 2, 1000, cpu=True) == pytest.approx(1e-5 + 1e-7)
     assert host.collective("send_recv", 2, 1000) == pytest.approx(5e-5 + 2e-6)
     assert host.collective("all_reduce", 1, 1000) == 0.0
-    assert host.factor(1, 1e-3) == 1.0 and host.factor(2, 1.0) == 1.5 and host.factor(3, 1e-3) == 3.0  # next count
+    assert host.factor(1) == 1.0 and host.factor(2) == 1.5 and host.factor(3) == 3.0  # the next measured count
     # a shape not in the table: FLOPs at the GEMM rate plus bytes at the elementwise rate
     assert host.kernel_seconds((0, 1), 2e9, 1e9) == pytest.approx(3.0)
     assert toy(kernels=(((0, 1), 0.25),)).kernel_seconds((0, 1), 2e9, 1e9) == 0.25
@@ -106,13 +104,10 @@ def test_data_parallel_step_by_hand():
     comm = (1e-4 + 8 * 1e-9) + (1e-4 + 4 * 1e-9) + (1e-4 + 4 * params * 1e-9)
     assert got.step_time == pytest.approx(1.5 * cpu + comm)
     assert got.breakdown["sharing"] == pytest.approx(0.5 * cpu)
-    # sharing that grows with the segment: 1.5 at 1 ms, 3.0 at 100 ms; the loss's two all-reduces (token count,
-    # value) cut the rank's CPU into 3 segments, so f = 1.5 + 1.5 * log(seg / 1 ms) / log(100)
-    drifting = toy(kernels=host.kernels, cores_factor=((1, 1e-3, 1.0), (2, 1e-3, 1.5), (2, 1e-1, 3.0)))
-    seg = cpu / 3
-    f = 1.5 + 1.5 * math.log(seg / 1e-3) / math.log(100)
-    assert predict_host(TINY, ParallelPlan(1, 1, 2, 2, 0, "none"), (2,), 4, drifting).step_time == pytest.approx(
-        f * cpu + comm)
+    # each blocking collective (the loss's two) also waits sync_s
+    waiting = toy(kernels=host.kernels, sync_s=1e-3)
+    assert predict_host(TINY, ParallelPlan(1, 1, 2, 2, 0, "none"), (2,), 4, waiting).step_time == pytest.approx(
+        1.5 * cpu + comm + 2 * 1e-3)
     assert got.breakdown["dispatch"] == pytest.approx(dispatch)
     assert got.collectives == 3
     assert got.cpu_per_rank[0] == pytest.approx(cpu + 3e-5 + 1e-10 * (8 + 4 + 4 * params))

@@ -102,7 +102,7 @@ def test_auto_parallel_host_applies_the_fastest_plan_and_explains_it():
     from sbpflow.autoparallel import HostProfile, auto_parallel_host
 
     # sharing is free and collectives dear: no plan can beat one that communicates least, pp over dp
-    host = HostProfile(processes=4, cores_factor=((1, 1e-3, 1.0), (2, 1e-3, 1.0), (4, 1e-3, 1.0)), dispatch_s=4e-5,
+    host = HostProfile(processes=4, cores_factor=((1, 1.0), (2, 1.0), (4, 1.0)), dispatch_s=4e-5,
                        foreign_dispatch_s=1e-5, gemm_flops=1e11, elementwise_bw=1e10,
                        collectives=((2, 1e-2, 1e-7), (4, 2e-2, 1e-7)), p2p=(1e-4, 1e-9))
     sbpflow.manual_seed(0)

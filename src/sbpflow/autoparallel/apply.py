@@ -143,7 +143,7 @@ def auto_parallel_host(model: object, host: HostProfile, batch: int, device: str
     >>> import sbpflow
     >>> from sbpflow.autoparallel.host import HostProfile
     >>> from sbpflow.models.gpt import GPT, GPTConfig
-    >>> host = HostProfile(processes=2, cores_factor=((1, 1e-3, 1.0), (2, 1e-3, 2.0)), dispatch_s=4e-5,
+    >>> host = HostProfile(processes=2, cores_factor=((1, 1.0), (2, 2.0)), dispatch_s=4e-5,
     ...                    foreign_dispatch_s=1e-5, gemm_flops=1e11, elementwise_bw=1e10,
     ...                    collectives=((2, 5e-4, 1e-9),), p2p=(5e-4, 1e-9))
     >>> sbpflow.manual_seed(0)

@@ -128,39 +128,43 @@ def _busy(seconds: float) -> None:
         torch.mm(a, a)
 
 
-SEGMENTS = (1e-3, 5e-3, 25e-3)  # seconds of CPU between two synchronisations
-
-
-def _sharing(dist: Any, world: int, budget: float = 0.04) -> tuple[tuple[int, float, float], ...]:
-    """(k, w, factor): wall seconds per CPU second when k processes (1, 2 and all) each compute w CPU seconds
-    and then synchronise (an all-reduce of 4 B among the k), the rest waiting; the bare synchronisation's time
-    (w = 0) is taken off. The slowest of k processes sets each segment's end, so the factor is above k / cores
-    and grows with w as processes drift apart on a machine that other jobs share."""
+def _sharing(dist: Any, world: int, seconds: float = 0.05, repeats: int = 3) -> tuple[tuple[int, float], ...]:
+    """(k, wall seconds per CPU second) with k = 1..world processes busy at once, the rest waiting."""
     rank = dist.get_rank()
-    out = []
-    for k in sorted({1, 2, world}):
-        group = dist.new_group(list(range(k))) if k > 1 else None
-        flag = torch.zeros(1)
-
-        def segment(w: float, group: Any = group, flag: torch.Tensor = flag) -> None:
-            _busy(w)
-            if group is not None:
-                dist.all_reduce(flag, group=group)
-
-        def timed(w: float, n: int, k: int = k, segment: Callable[[float], None] = segment) -> float:
+    factors = []
+    for k in range(1, world + 1):
+        samples = []
+        for _ in range(repeats):
             dist.barrier()
             start = time.perf_counter()
             if rank < k:
-                for _ in range(n):
-                    segment(w)
-            return (time.perf_counter() - start) / n
+                _busy(seconds)
+            samples.append((time.perf_counter() - start) / seconds)
+        everyone = _gather(dist, statistics.median(samples))
+        factors.append((k, max(1.0, statistics.median(everyone[:k]))))
+    return tuple(factors)
 
-        bare = timed(0.0, 20)
-        for w in SEGMENTS:
-            wall = timed(w, max(2, round(budget / w)))
-            mine = max(1.0, (wall - bare) / w)
-            out.append((k, w, statistics.median(_gather(dist, mine)[:k])))
-    return tuple(out)
+
+def _sync_cost(dist: Any, work: float = 2e-3, n: int = 10, repeats: int = 3) -> float:
+    """Seconds a blocking all-reduce of 4 B costs after ``work`` CPU seconds, beyond the work and the
+    collective each timed alone: waiting for the process that the cores' sharing left behind."""
+    flag = torch.zeros(1)
+
+    def loop(compute: bool, reduce: bool) -> float:
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(n):
+            if compute:
+                _busy(work)
+            if reduce:
+                dist.all_reduce(flag)
+        return (time.perf_counter() - start) / n
+
+    samples = []
+    for _ in range(repeats):
+        both, alone, bare = loop(True, True), loop(True, False), loop(False, True)
+        samples.append(both - alone - bare)
+    return max(0.0, statistics.median(_gather(dist, statistics.median(samples))))
 
 
 def _all_reduce_lines(dist: Any, group_size: int, repeats: int = 8) -> tuple[tuple[float, float], tuple[float, float]]:
@@ -228,6 +232,7 @@ def calibrate_host(shapes: list[BlockShape | HeadShape] = ()) -> HostProfile:  #
     gemm, elementwise = _rates()
     rates = _gather(dist, (gemm, elementwise, _adamw()))
     sharing = _sharing(dist, world)
+    sync = _sync_cost(dist)
     measured = {g: _all_reduce_lines(dist, g) for g in sorted({2, world})}
     lines = tuple((g, *wall) for g, (wall, _) in measured.items())
     cpu_lines = tuple((g, *cpu) for g, (_, cpu) in measured.items())
@@ -237,7 +242,7 @@ def calibrate_host(shapes: list[BlockShape | HeadShape] = ()) -> HostProfile:  #
     return HostProfile(
         processes=world, cores_factor=sharing, dispatch_s=own, foreign_dispatch_s=foreign,
         gemm_flops=statistics.median(r[0] for r in rates), elementwise_bw=statistics.median(r[1] for r in rates),
-        collectives=lines, collective_cpu=cpu_lines, p2p=p2p, kernels=table,
+        sync_s=sync, collectives=lines, collective_cpu=cpu_lines, p2p=p2p, kernels=table,
         optimizer_s_per_param=statistics.median(r[2] for r in rates),
     )
 

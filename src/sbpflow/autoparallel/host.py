@@ -8,11 +8,11 @@ bounded by other things, and this model prices exactly those, from the plan's me
   bookkeeping). A rank outside an op's placement still dispatches it (SPMD eager: every process runs the whole
   program), at a lower floor. Counts per block and per step are properties of sbpflow's GPT (:data:`DISPATCH`).
 * **kernels**: GEMM FLOPs at one core's GEMM rate, elementwise bytes at one core's bandwidth, AdamW's bytes.
-* **sharing**: ``k`` processes running at once on fewer cores stretch each CPU second to ``f(k, w)`` wall
-  seconds, where ``w`` is the CPU between two synchronisations: the slowest of the ``k`` ends each segment, and
-  on a machine other jobs share they drift apart more over longer segments (``cores_factor``, measured with
-  ``k`` processes computing and synchronising while the others wait). A rank's segments are cut by its
-  blocking collectives (tensor-parallel and the loss's); the gradient sync at the end of backward is one cut.
+* **sharing**: ``k`` processes running at once on fewer cores stretch each CPU second to ``f(k)`` wall seconds
+  (``cores_factor``, measured with ``k`` busy processes while the others wait).
+* **synchronisation**: a blocking collective between stretches of compute also waits for the process the
+  sharing left behind (``sync_s``, measured as an all-reduce after 2 ms of CPU on every process beyond both
+  alone); the tensor-parallel and loss collectives block so, the gradient buckets overlap backward.
 * **collectives**: the ones the plan issues, counted from its layouts: per block the transitions of the SBP
   selection's chosen signatures (:func:`block_collectives`; Megatron's two all-reduces forward and two
   backward), the embedding's and the vocab-parallel loss's, the data-parallel gradient sync (flat buckets as the
@@ -21,7 +21,7 @@ bounded by other things, and this model prices exactly those, from the plan's me
 * **schedule**: eager runs pipeline stages one after another (one micro-batch): the step is the sum over
   stages of their sharing-stretched CPU, plus every collective on the critical path.
 
-    step = Σ_stages f(k_s, cpu_s / segments_s) · cpu_s + Σ_collectives (a_g + b_g · n)
+    step = Σ_stages (f(k_s) · cpu_s + blocking_s · sync) + Σ_collectives (a_g + b_g · n)
     cpu_s = dispatch_own · d + dispatch_foreign · d' + FLOPs / R_gemm + bytes / R_mem
 """
 
@@ -29,8 +29,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-
-import numpy as np
 
 from ..errors import PlanError, SbpflowError
 from .predict import ParallelPlan
@@ -57,14 +55,13 @@ ADAMW_BYTES_PER_PARAM = FP32 * 7  # read p, g, m, v; write p, m, v (fp32 foreach
 class HostProfile:
     """What one host gives a job of ``processes`` processes, measured by ``calibrate_host``.
 
-    ``cores_factor``: (active processes, CPU seconds per segment, wall seconds per CPU second of each).
-    ``collectives``: (group size,
+    ``cores_factor``: (active processes, wall seconds per CPU second of each). ``collectives``: (group size,
     a seconds, b seconds per byte) of one all-reduce of an n-byte tensor, ``a + b·n``; gloo builds
     reduce-scatter from an all-reduce and an all-gather costs about one. ``p2p``: (a, b) of one send/receive.
     """
 
     processes: int
-    cores_factor: tuple[tuple[int, float, float], ...]
+    cores_factor: tuple[tuple[int, float], ...]
     dispatch_s: float
     foreign_dispatch_s: float
     gemm_flops: float
@@ -74,30 +71,23 @@ class HostProfile:
     collective_cpu: tuple[tuple[int, float, float], ...] = ()  # (group, a, b): the caller's CPU in a collective
     kernels: tuple[tuple[tuple[int, ...], float], ...] = ()  # (BlockShape or HeadShape key, CPU s fwd + bwd)
     optimizer_s_per_param: float = 0.0  # AdamW's step; 0: its bytes at elementwise_bw
+    sync_s: float = 0.0  # a blocking collective's wait for the process the sharing left behind
     source: str = "calibrate_host"
 
     def __post_init__(self) -> None:
         for name in ("dispatch_s", "foreign_dispatch_s", "gemm_flops", "elementwise_bw"):
             if not getattr(self, name) > 0:
                 raise SbpflowError(f"HostProfile.{name} must be positive, but got {getattr(self, name)!r}")
-        active = sorted(k for k, _, _ in self.cores_factor)
+        active = sorted(k for k, _ in self.cores_factor)
         if not active or active[0] < 1 or active[-1] < self.processes:
             raise SbpflowError(f"HostProfile.cores_factor needs factors for 1..{self.processes} active processes, "
                                f"but got them for {active}")
 
-    def factor(self, active: int, segment: float) -> float:
+    def factor(self, active: int) -> float:
         """Wall seconds per CPU second when ``active`` processes run at once (the nearest measured count at or
-        above it) in segments of ``segment`` CPU seconds between synchronisations (linear in log ``segment``
-        between measured lengths, the nearest one outside them).
-
-        >>> host = HostProfile(2, ((1, 1e-3, 1.0), (2, 1e-3, 2.0), (2, 1e-1, 4.0)), 1e-5, 1e-6, 1e9, 1e9, (), (0, 0))
-        >>> host.factor(2, 1e-2), host.factor(2, 1.0), host.factor(1, 5.0)
-        (3.0, 4.0, 1.0)
-        """
-        counts = sorted({k for k, _, _ in self.cores_factor if k >= active})
-        points = sorted((w, f) for k, w, f in self.cores_factor if k == counts[0])
-        logs = [math.log(w) for w, _ in points]
-        return float(np.interp(math.log(max(segment, 1e-9)), logs, [f for _, f in points]))
+        above ``active``)."""
+        table = dict(self.cores_factor)
+        return table[min(k for k in table if k >= active)]
 
     def kernel_seconds(self, shape: tuple[int, ...], flops: float, nbytes: float) -> float:
         """CPU seconds of the torch kernels of a block or head of ``shape``, forward and backward: measured at
@@ -413,10 +403,10 @@ def kernel_seconds(work: StageWork, host: HostProfile) -> float:
     return blocks + head + optimizer
 
 
-def segments(work: StageWork) -> int:
-    """Stretches of a rank's CPU between blocking synchronisations: cut by each tensor-parallel and loss
-    collective, and once by the gradient sync and sends at the end (data-parallel buckets overlap backward)."""
-    return 1 + sum(c.count for c in work.comms if c.part in ("tp_comm", "loss_comm"))
+def blocking(work: StageWork) -> int:
+    """Collectives that stop a rank between stretches of compute: tensor-parallel and the loss's (gradient
+    buckets overlap backward; sends end a stage)."""
+    return sum(c.count for c in work.comms if c.part in ("tp_comm", "loss_comm"))
 
 
 def comm_seconds(work: StageWork, host: HostProfile) -> dict[str, float]:
@@ -436,17 +426,18 @@ def predict_host(spec: TransformerSpec, plan: ParallelPlan, stage_layers: tuple[
     works = tuple(stage_work(spec, plan, stage_layers, s, batch, choices) for s in range(plan.pp))
     cpus = tuple(cpu_seconds(w, host) for w in works)
     active = plan.tp * plan.dp if plan.pp > 1 else host.processes
-    breakdown = {"dispatch": 0.0, "compute": 0.0, "sharing": 0.0, "tp_comm": 0.0, "dp_comm": 0.0, "pp_comm": 0.0,
-                 "loss_comm": 0.0}
+    breakdown = {"dispatch": 0.0, "compute": 0.0, "sharing": 0.0, "sync": 0.0, "tp_comm": 0.0, "dp_comm": 0.0,
+                 "pp_comm": 0.0, "loss_comm": 0.0}
     for w, cpu in zip(works, cpus, strict=True):
         dispatch = w.dispatch_own * host.dispatch_s
         if plan.pp == 1:  # one stage: foreign ops are none
             dispatch += w.dispatch_foreign * host.foreign_dispatch_s
         breakdown["dispatch"] += dispatch
         own_cpu = cpu - (0.0 if plan.pp == 1 else w.dispatch_foreign * host.foreign_dispatch_s)
-        factor = host.factor(active, own_cpu / segments(w))
+        factor = host.factor(active)
         breakdown["compute"] += own_cpu - dispatch
         breakdown["sharing"] += (factor - 1) * own_cpu
+        breakdown["sync"] += blocking(w) * host.sync_s
         for part, seconds in comm_seconds(w, host).items():
             if part == "pp_comm":
                 seconds /= 2  # a send and its receive are one transfer on the critical path
