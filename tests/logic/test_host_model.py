@@ -150,3 +150,10 @@ def test_host_search_covers_every_plan_and_cut():
     assert [p.step_time for p in ranked] == sorted(p.step_time for p in ranked) and len(ranked) == 4
     with pytest.raises(PlanError, match="processes"):
         predict_host(TINY, ParallelPlan(1, 1, 2, 4, 0, "none"), (2,), 8, host)
+    # three calibrations: each plan ranks by its median prediction, so one odd snapshot does not decide
+    slow = toy(processes=4, cores_factor=((1, 1.0), (2, 1.5), (4, 30.0)))
+    median = host_search(TINY, [host, slow, host], 8)
+    assert [(p.plan, p.step_time) for p in median] == [(p.plan, p.step_time) for p in ranked]
+    assert host_search(TINY, [slow], 8)[0].plan.pp == 2  # alone, the odd one would pick pipeline stages
+    with pytest.raises(PlanError, match="one process count"):
+        host_search(TINY, [host, toy()], 8)

@@ -28,6 +28,7 @@ bounded by other things, and this model prices exactly those, from the plan's me
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ..errors import PlanError, SbpflowError
@@ -480,8 +481,15 @@ def plan_shapes(spec: TransformerSpec, plans: list[tuple[ParallelPlan, tuple[int
     return list(dict.fromkeys(shapes))
 
 
-def host_search(spec: TransformerSpec, host: HostProfile, batch: int) -> list[HostPrediction]:
-    """Every host plan, fastest first."""
-    return sorted((predict_host(spec, plan, cuts, batch, host) for plan, cuts in host_plans(spec, host.processes,
-                                                                                             batch)),
-                  key=lambda p: p.step_time)
+def host_search(spec: TransformerSpec, host: HostProfile | Sequence[HostProfile], batch: int) -> list[HostPrediction]:
+    """Every host plan, fastest first. Given several calibrations of a host whose load changes (other jobs), a
+    plan's prediction is its median one over them (the middle one; the upper middle for an even count)."""
+    hosts = [host] if isinstance(host, HostProfile) else list(host)
+    if not hosts or any(h.processes != hosts[0].processes for h in hosts):
+        raise PlanError(f"host_search needs one or more profiles of one process count, but got "
+                        f"{[h.processes for h in hosts]}")
+    ranked = []
+    for plan, cuts in host_plans(spec, hosts[0].processes, batch):
+        predictions = sorted((predict_host(spec, plan, cuts, batch, h) for h in hosts), key=lambda p: p.step_time)
+        ranked.append(predictions[len(predictions) // 2])
+    return sorted(ranked, key=lambda p: p.step_time)
