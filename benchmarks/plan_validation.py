@@ -10,8 +10,8 @@ cores, and every collective the plan issues, from a profile of primitives that `
 (never a plan). So that a loaded machine is the same machine for both, each round first calibrates, then
 times every plan; each round's predictions use that round's profile.
 
-1. The processes calibrate three times and the planner picks its plan (``host_search``: every tp x pp x dp and
-   every stage cut, each by its median prediction over the three); rank 0's choice is everyone's.
+1. The processes calibrate five times and the planner picks its plan (``host_search``: every tp x pp x dp and
+   every stage cut, each by its median prediction over the five); rank 0's choice is everyone's.
 2. Each of ``--rounds`` rounds: calibrate, then every plan runs ``--steps`` steps between barriers (rank 0's
    wall time per step; each rank's thread CPU time per step), in an order rotated by one plan per round.
 3. The report: per plan the median over rounds of predicted and measured times, the spread of the measured
@@ -54,6 +54,7 @@ BATCH = 16
 HAND = {"dp4": (1, (4,), 4), "tp2 x dp2": (2, (4,), 2), "pp2 x dp2": (1, (2, 2), 2), "tp4": (4, (4,), 1),
         "pp2 x tp2": (2, (2, 2), 1)}
 SPEC = gpt_spec(GPT(CONFIG))
+CHOICE_CALIBRATIONS = 5  # the auto plan: each candidate's median prediction over this many calibrations
 
 
 def profile_from(data: dict[str, Any]) -> HostProfile:
@@ -95,7 +96,7 @@ def worker(out_path: str, rounds: int, steps: int) -> None:
 
     torch.set_num_threads(1)
     sbpflow.distributed.init()
-    auto = host_search(SPEC, [profile_from(calibrated()) for _ in range(3)], BATCH)[0]
+    auto = host_search(SPEC, [profile_from(calibrated()) for _ in range(CHOICE_CALIBRATIONS)], BATCH)[0]
     wanted = dict(HAND)
     auto_name = f"auto ({auto.plan.tp}/{auto.plan.pp}/{auto.plan.dp} {list(auto.stage_layers)})"
     wanted[auto_name] = (auto.plan.tp, auto.stage_layers, auto.plan.dp)
@@ -206,9 +207,10 @@ def report(result: dict[str, Any], started: str) -> str:
     lines += [
         "", f"Spearman rank correlation of the medians, predicted vs measured: **{rho:.2f}** over {len(names)} "
         f"plans; per round: {', '.join(f'{x:.2f}' for x in per_round)}.",
-        f"Auto plan {auto} (the planner's choice from three calibrations before the rounds, each plan by its "
-        f"median prediction): {ms(meas[auto])} ms measured, **{meas[auto] / meas[best] - 1:+.1%}** against the best "
-        f"measured hand plan ({best}, {ms(meas[best])} ms); per round against that round's best hand plan: "
+        f"Auto plan {auto} (the planner's choice from {CHOICE_CALIBRATIONS} calibrations before the rounds, each "
+        f"plan by its median prediction): {ms(meas[auto])} ms measured, "
+        f"**{meas[auto] / meas[best] - 1:+.1%}** against the best measured hand plan ({best}, {ms(meas[best])} ms); "
+        "per round against that round's best hand plan: "
         f"{', '.join(f'{g:+.1%}' for g in gaps)}. Target: within +10%.",
         *([f"The auto plan is the hand plan {same[0]} (its own trainer, timed separately): the gap between the "
            "two is the measurement's noise."] if (same := [n for n in hand if plans[n] == plans[auto]]) else []),

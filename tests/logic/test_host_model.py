@@ -6,15 +6,14 @@ from __future__ import annotations
 import pytest
 
 from sbpflow.autoparallel import ParallelPlan, TransformerSpec
+from sbpflow.autoparallel.block_sbp import MEGATRON_CHOICES, block_collectives
 from sbpflow.autoparallel.calibrate_host import fit_line
 from sbpflow.autoparallel.host import (
     DISPATCH_FIXED,
     DISPATCH_PER_BLOCK,
-    MEGATRON_CHOICES,
     BlockShape,
     HeadShape,
     HostProfile,
-    block_collectives,
     host_plans,
     host_search,
     predict_host,
@@ -127,6 +126,10 @@ def test_pipeline_step_by_hand():
     sends = 2 * (5e-5 + 2e-9 * 4 * 16 * 8) + 2 * (5e-5 + 2e-9 * 4 * 16 * 8) + (5e-5 + 2e-9 * 4)
     assert got.step_time == pytest.approx(stage0 + stage1 + sends)
     assert got.breakdown["pp_comm"] == pytest.approx(sends)
+    # each of the 5 transfers (activation, tied embedding, their gradients, the loss) is received after compute
+    waiting = toy(kernels=host.kernels, sync_s=1e-3)
+    assert predict_host(TINY, ParallelPlan(1, 2, 1, 4, 0, "none"), (1, 1), 4, waiting).step_time == pytest.approx(
+        stage0 + stage1 + sends + 5e-3)
     # the ops of the other stage are dispatched too, at the outsider's floor
     assert stage_work(TINY, ParallelPlan(1, 2, 1, 4, 0, "none"), (1, 1), 0, 4).dispatch_foreign == own1
 

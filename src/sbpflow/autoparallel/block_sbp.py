@@ -273,3 +273,55 @@ def megatron(plan: BlockPlan) -> bool:
     wanted = {"qkv": "column", "attention": "S(1)", "proj": "row", "fc1": "column", "gelu": "S(1)", "fc2": "row"}
     return all(dict(plan.choices)[op] == c for op, c in wanted.items())
 
+
+# ----------------------------------------------------------------------------- the collectives a choice issues
+
+
+def block_collectives(choices: tuple[tuple[str, str], ...] | None, tp: int) -> list[tuple[str, int]]:
+    """(kind, width in units of h) of the collectives one block issues per micro-batch, forward and backward,
+    for the SBP selection's ``choices`` (``block_sbp.BlockPlan.choices``; None: Megatron's).
+
+    Each edge of the block whose producer's SBP differs from what its consumer takes is one transition forward
+    and its dual backward (all-gather <-> reduce-scatter; an all-reduce's dual is the all-reduce of the
+    column-parallel input's partial gradient, Megatron's f/g pair).
+    """
+    if tp == 1:
+        return []
+    if choices is None:
+        choices = MEGATRON_CHOICES
+    picked = dict(choices)
+    out: list[tuple[str, int]] = []
+    edges = [(p, c, pos) for c, op in enumerate(OPS) for pos, p in enumerate(op[2])] + [(*CLOSING_EDGE, -1)]
+    for producer, consumer, position in edges:
+        src = _pick(_choices(producer), picked[OPS[producer][0]]).out
+        chosen = _pick(_choices(consumer), picked[OPS[consumer][0]])
+        dst = chosen.out if position < 0 else chosen.ins[position]
+        for kind in _transition_kinds(src, dst):
+            out.append((kind, OPS[producer][3]))
+            out.append((_DUAL.get(kind, kind), OPS[producer][3]))
+    return out
+
+
+MEGATRON_CHOICES = (("x", "B"), ("ln1", "B"), ("qkv", "column"), ("attention", "S(1)"), ("proj", "row"),
+                    ("add1", "B"), ("ln2", "B"), ("fc1", "column"), ("gelu", "S(1)"), ("fc2", "row"), ("add2", "B"))
+_DUAL = {"all_gather": "reduce_scatter", "reduce_scatter": "all_gather"}
+
+
+def _pick(options: tuple[Choice, ...], name: str) -> Choice:
+    for c in options:
+        if c.name == name:
+            return c
+    raise PlanError(f"a block choice names one of {[c.name for c in options]}, but got {name!r}")
+
+
+def _transition_kinds(src: SbpParallel, dst: SbpParallel) -> list[str]:
+    """The collectives of one SBP change on a 1-D group, as the boxing table composes them for gloo."""
+    from ..sbp import Split
+
+    if src == dst or isinstance(dst, Partial):
+        return []
+    if isinstance(src, Partial):
+        return ["all_reduce"] if isinstance(dst, Broadcast) else ["reduce_scatter"]
+    if isinstance(src, Split):
+        return ["all_gather"] if isinstance(dst, Broadcast) else ["all_to_all"]
+    return []  # B -> S: each rank slices its part

@@ -12,7 +12,8 @@ bounded by other things, and this model prices exactly those, from the plan's me
   (``cores_factor``, measured with ``k`` busy processes while the others wait).
 * **synchronisation**: a blocking collective between stretches of compute also waits for the process the
   sharing left behind (``sync_s``, measured as an all-reduce after 2 ms of CPU on every process beyond both
-  alone); the tensor-parallel and loss collectives block so, the gradient buckets overlap backward.
+  alone); the tensor-parallel and loss collectives and the receives between stages block so, the gradient
+  buckets overlap backward.
 * **collectives**: the ones the plan issues, counted from its layouts: per block the transitions of the SBP
   selection's chosen signatures (:func:`block_collectives`; Megatron's two all-reduces forward and two
   backward), the embedding's and the vocab-parallel loss's, the data-parallel gradient sync (flat buckets as the
@@ -32,6 +33,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from ..errors import PlanError, SbpflowError
+from .block_sbp import block_collectives
 from .predict import ParallelPlan
 from .transformer import TransformerSpec
 
@@ -208,61 +210,6 @@ class HostPrediction:
     stages: tuple[StageWork, ...] = field(repr=False, default=())
 
 
-# ----------------------------------------------------------------------------- the collectives of a block
-
-
-def block_collectives(choices: tuple[tuple[str, str], ...] | None, tp: int) -> list[tuple[str, int]]:
-    """(kind, width in units of h) of the collectives one block issues per micro-batch, forward and backward,
-    for the SBP selection's ``choices`` (``block_sbp.BlockPlan.choices``; None: Megatron's).
-
-    Each edge of the block whose producer's SBP differs from what its consumer takes is one transition forward
-    and its dual backward (all-gather <-> reduce-scatter; an all-reduce's dual is the all-reduce of the
-    column-parallel input's partial gradient, Megatron's f/g pair).
-    """
-    from .block_sbp import CLOSING_EDGE, OPS, _choices
-
-    if tp == 1:
-        return []
-    if choices is None:
-        choices = MEGATRON_CHOICES
-    picked = dict(choices)
-    out: list[tuple[str, int]] = []
-    edges = [(p, c, pos) for c, op in enumerate(OPS) for pos, p in enumerate(op[2])] + [(*CLOSING_EDGE, -1)]
-    for producer, consumer, position in edges:
-        src = _pick(_choices(producer), picked[OPS[producer][0]]).out
-        chosen = _pick(_choices(consumer), picked[OPS[consumer][0]])
-        dst = chosen.out if position < 0 else chosen.ins[position]
-        for kind in _transition_kinds(src, dst):
-            out.append((kind, OPS[producer][3]))
-            out.append((_DUAL.get(kind, kind), OPS[producer][3]))
-    return out
-
-
-MEGATRON_CHOICES = (("x", "B"), ("ln1", "B"), ("qkv", "column"), ("attention", "S(1)"), ("proj", "row"),
-                    ("add1", "B"), ("ln2", "B"), ("fc1", "column"), ("gelu", "S(1)"), ("fc2", "row"), ("add2", "B"))
-_DUAL = {"all_gather": "reduce_scatter", "reduce_scatter": "all_gather"}
-
-
-def _pick(options: tuple, name: str):  # type: ignore[no-untyped-def]
-    for c in options:
-        if c.name == name:
-            return c
-    raise PlanError(f"a block choice names one of {[c.name for c in options]}, but got {name!r}")
-
-
-def _transition_kinds(src: object, dst: object) -> list[str]:
-    """The collectives of one SBP change on a 1-D group, as the boxing table composes them for gloo."""
-    from ..sbp import Broadcast, Partial, Split
-
-    if src == dst or isinstance(dst, Partial):
-        return []
-    if isinstance(src, Partial):
-        return ["all_reduce"] if isinstance(dst, Broadcast) else ["reduce_scatter"]
-    if isinstance(src, Split):
-        return ["all_gather"] if isinstance(dst, Broadcast) else ["all_to_all"]
-    return []  # B -> S: each rank slices its part
-
-
 # ----------------------------------------------------------------------------- one stage's work
 
 
@@ -404,10 +351,12 @@ def kernel_seconds(work: StageWork, host: HostProfile) -> float:
     return blocks + head + optimizer
 
 
-def blocking(work: StageWork) -> int:
-    """Collectives that stop a rank between stretches of compute: tensor-parallel and the loss's (gradient
-    buckets overlap backward; sends end a stage)."""
-    return sum(c.count for c in work.comms if c.part in ("tp_comm", "loss_comm"))
+def blocking(work: StageWork) -> float:
+    """Collectives that stop a rank between stretches of compute: tensor-parallel and the loss's, and the
+    receiving side of each transfer between stages (half the stage's sends and receives; a transfer is
+    counted on both of its stages). Gradient buckets overlap backward."""
+    tp_and_loss = sum(c.count for c in work.comms if c.part in ("tp_comm", "loss_comm"))
+    return tp_and_loss + sum(c.count for c in work.comms if c.part == "pp_comm") / 2
 
 
 def comm_seconds(work: StageWork, host: HostProfile) -> dict[str, float]:

@@ -25,6 +25,7 @@ from functools import cached_property
 
 from ..boxing.plan import CostModel
 from ..errors import PlanError
+from .block_sbp import MEGATRON_CHOICES, block_collectives
 from .cost import collective_time, model_state_bytes
 from .profiles import DeviceProfile
 from .transformer import (
@@ -185,18 +186,26 @@ def plan_costs(spec: TransformerSpec, cluster: Cluster, plan: ParallelPlan, batc
     profile = cluster.profile
     layer = layer_cost(spec, plan.micro_batch, plan.tp, profile)
     act = ACT_BYTES * plan.micro_batch * spec.seq * spec.hidden  # one block's input or output
-    tp_group = tuple(range(plan.tp))
-    all_reduce = _coll("all_reduce", tp_group, act, cluster)
     recompute = {"none": 0.0, "selective": layer.selective, "full": layer.forward}[plan.recompute]
-    reruns = 2 if plan.recompute == "full" else 0
     return PlanCosts(
         spec=spec, cluster=cluster, plan=plan, micro_batches=batch // (plan.dp * plan.micro_batch),
         layer_compute=layer.forward + layer.backward, layer_recompute=recompute,
-        layer_tp=(4 + reruns) * all_reduce, layer_zero=_zero_per_micro_batch(spec, cluster, plan),
+        layer_tp=block_tp_time(spec, cluster, plan), layer_zero=_zero_per_micro_batch(spec, cluster, plan),
         p2p=_p2p_time(plan, act, cluster),
         embedding=embedding_cost(spec, plan.micro_batch, profile),
         head=head_cost(spec, plan.micro_batch, plan.tp, profile),
     )
+
+
+def block_tp_time(spec: TransformerSpec, cluster: Cluster, plan: ParallelPlan) -> float:
+    """One block's tensor-parallel collectives per micro-batch, from the layouts the plan lays a block out with
+    (Megatron's, as ``models.gpt.parallelize`` does): each transition forward and its dual backward
+    (``block_sbp.block_collectives``), and the forward ones again when full recompute reruns the forward."""
+    kinds = block_collectives(MEGATRON_CHOICES, plan.tp)
+    tokens, group = plan.micro_batch * spec.seq, tuple(range(plan.tp))
+    times = [_coll(kind, group, ACT_BYTES * tokens * width * spec.hidden, cluster) for kind, width in kinds]
+    forward = sum(times[0::2])  # (forward, backward) pairs
+    return sum(times) + (forward if plan.recompute == "full" else 0.0)
 
 
 def check_plan(spec: TransformerSpec, cluster: Cluster, plan: ParallelPlan, batch: int) -> None:
