@@ -64,16 +64,21 @@ class GraphConfig:
         self.pipeline_schedule = "1f1b"  # how stages on several placements take turns (graph.pipeline)
         self.zero_stage = 0  # ZeRO stage of the optimizers (enable_zero); 0: plain data parallel
         self.zero_options: dict[str, Any] = {}
+        self.zero_prefetch = 1  # stage 3: how many units ahead a parameter gather may run (graph.prefetch)
         self.amp_dtype: torch.dtype | None = None  # the autocast dtype of build() (enable_amp); None: off
         self.grad_comm_dtype: torch.dtype | None = None  # the dtype gradients are reduced in; None: their own
 
-    def enable_zero(self, stage: int = 1, **options: Any) -> None:
+    def enable_zero(self, stage: int = 1, *, prefetch: int = 1, **options: Any) -> None:
         """Shards optimizer state (1), gradients (2) and parameters (3) on the data axis, as
         :func:`sbpflow.optim.zero` (``options``: ``axis``, ``min_shard_numel``, ``units``); the traced step then
-        carries those SBPs as constraints (reduce-scatters and all-gathers instead of all-reduces)."""
+        carries those SBPs as constraints (reduce-scatters and all-gathers instead of all-reduces). Stage 3
+        gathers a unit's parameters up to ``prefetch`` units ahead of its use, so at most ``prefetch + 1``
+        units (besides the model itself) hold gathered copies at once (:mod:`sbpflow.graph.prefetch`)."""
         if stage not in (0, 1, 2, 3):
             raise SbpflowError(f"enable_zero(stage=...) must be 0, 1, 2 or 3, but got {stage!r}")
-        self.zero_stage, self.zero_options = stage, options
+        if not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 0:
+            raise SbpflowError(f"enable_zero(prefetch=...) is a number of units >= 0, but got {prefetch!r}")
+        self.zero_stage, self.zero_options, self.zero_prefetch = stage, options, prefetch
 
     def enable_amp(self, dtype: torch.dtype = torch.bfloat16, *, grad_comm_dtype: torch.dtype | None = None) -> None:
         """Traces build() under ``sbpflow.autocast(dtype)`` (casts become graph ops; master weights stay fp32);
@@ -264,7 +269,8 @@ class Graph:
                 t._lazy = None
         trace_s = time.perf_counter() - start
         plan, logical, report = compile_graph(tracer.graph, self.config.sbp_selection, agree=_rank0_choice,
-                                              schedule=self.config.pipeline_schedule)
+                                              schedule=self.config.pipeline_schedule,
+                                              prefetch=self.config.zero_prefetch)
         plan.peak_bytes = _memory_plan(plan)
         report.times = {"trace": trace_s, **report.times}
         out_bufs = [(n.name, plan.bufs[n.inputs[0]]) for n in plan.nodes if n.kind == "output"]
