@@ -139,7 +139,8 @@ def test_zero3_checkpoint_loads_without_zero_and_back(saved_as: tuple[str, int],
     for name, value in optimizer_values(first).items():
         np.testing.assert_array_equal(optimizer_values(fresh)[name], value, err_msg=name)
     weight = fresh.model.h[0].mlp.c_fc.weight
-    assert (weight.is_global and weight.sbp[0] == sbpflow.sbp.split(0)) == (loaded_as[1] == 3)  # the loader's layout, not the saver's
+    sharded = weight.is_global and weight.sbp[0] == sbpflow.sbp.split(0)
+    assert sharded == (loaded_as[1] == 3)  # the loader's layout, not the saver's
     losses = [fresh.step(ids, targets) for ids, targets in batches[3:]]
     rtol = 1e-5 if loaded_as[0] == saved_as[0] else RTOL
     np.testing.assert_allclose(losses, never_losses[3:], rtol=rtol)
