@@ -319,3 +319,65 @@ def _assert_freed_after_use_and_gathered_again(step: Any, forward: int, backward
 def test_graph_stage3_prefetch_is_checked() -> None:
     with pytest.raises(SbpflowError, match="prefetch"):
         _SeqStep(nn.Linear(2, 2), optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)).config.enable_zero(3, prefetch=-1)
+
+
+# -- mixed precision as the ZeRO paper counts it: bf16 parameters and gradients, fp32 master weights ---------
+
+
+def _mixed_step(stage: int, steps: int = 3, master: bool = True) -> tuple[Any, Any, int]:
+    import torch
+
+    p2 = PLACEMENTS["2"]
+    sbpflow.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.Linear(64, 32)).to_global(p2, B)
+    psi = sum(p.numel() for p in model.parameters())
+    opt = optim.Adam(model.parameters(), lr=0.01)
+    if stage:
+        optim.zero(opt, stage, model=model, min_shard_numel=1)
+    if master:
+        sbpflow.amp.master_weights(opt, torch.bfloat16)
+    sbpflow.manual_seed(1)
+    for _ in range(steps):
+        opt.zero_grad()
+        with sbpflow.autocast(dtype=torch.bfloat16):
+            loss = model(sbpflow.randn(4, 32, placement=p2, sbp=S.split(0))).float().square().mean()
+        loss.backward()
+        opt.step()
+    return model, opt, psi
+
+
+def test_master_weights_memory_follows_the_mixed_precision_formulas() -> None:
+    """bf16 parameters and gradients, fp32 master weights and Adam moments (K = 12): 16Ψ, 4Ψ + 12Ψ/N,
+    2Ψ + 14Ψ/N, 16Ψ/N bytes (Ψ elements, N = 2); every stage trains the same bf16 parameters and fp32 masters."""
+    import torch
+
+    n = 2
+    plain, plain_opt, _ = _mixed_step(0)
+    fp32, _, _ = _mixed_step(0, master=False)  # fp32 parameters under autocast: bf16 gradients round more
+    for p, q in zip(plain.parameters(), fp32.parameters(), strict=True):
+        want = q.numpy()
+        np.testing.assert_allclose(plain_opt.state[p]["master"].numpy(), want, rtol=1.6e-2,
+                                   atol=1.6e-2 * float(np.abs(want).max()))
+    for stage, (whole, sharded) in {0: (16, 0), 1: (4, 12), 2: (2, 14), 3: (0, 16)}.items():
+        model, opt, psi = _mixed_step(stage)
+        assert sum(optim.memory_per_rank(opt).values()) == whole * psi + sharded * psi // n, stage
+        for p, q in zip(model.parameters(), plain.parameters(), strict=True):
+            assert p.dtype == torch.bfloat16 and p.grad.dtype == torch.bfloat16
+            assert opt.state[p]["master"].dtype == torch.float32
+            np.testing.assert_array_equal(p.float().numpy(), q.float().numpy())
+            np.testing.assert_allclose(opt.state[p]["master"].numpy(), plain_opt.state[q]["master"].numpy(),
+                                       rtol=1e-5, atol=1e-7)
+
+
+def test_master_weights_refuse_a_compiled_step() -> None:
+    import torch
+
+    p2 = PLACEMENTS["2"]
+    model = nn.Sequential(nn.Linear(4, 4)).to_global(p2, B)
+    opt = sbpflow.amp.master_weights(optim.Adam(model.parameters(), lr=0.1), torch.bfloat16)
+    step = _SeqStep(model, opt)
+    step.config.enable_amp(torch.bfloat16)
+    with pytest.raises(SbpflowError, match="master weights"):
+        step(sbpflow.randn(2, 4, placement=p2, sbp=S.split(0)))
+    with pytest.raises(SbpflowError, match="bfloat16 or torch.float16"):
+        sbpflow.amp.master_weights(opt, torch.float64)

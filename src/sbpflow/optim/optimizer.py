@@ -150,8 +150,8 @@ class Optimizer:
         batch = self._batch(group, params, views)
         self._update(group, batch)
         for p, (view, _) in zip(params, views, strict=True):
-            if view is not p:  # sharded state: the updated slice goes back into the parameter
-                p._assign(view.to_global(p.placement, p.sbp))
+            if view is not p:  # sharded state or a master weight: the updated value goes back into the parameter
+                p._assign(_written_back(view, p))
             else:  # updated on its shards by the foreach kernels: say so, as torch's step does
                 p._version += 1
 
@@ -159,6 +159,9 @@ class Optimizer:
         """``(parameter, gradient)`` in the state layout: ``p`` itself unless :meth:`state_sbp` differs."""
         grad = p.grad
         assert grad is not None
+        master = self._master_of(p)
+        if master is not None:  # amp.master_weights: the fp32 copy is updated, from an fp32 gradient
+            return master, _master_grad(grad, master)
         if not p.is_global:
             return p, grad
         _check_not_partial(p, type(self).__name__)
@@ -171,6 +174,13 @@ class Optimizer:
             raise SbpError(f"{type(self).__name__}.state_sbp must not be partial, but gave {format_nd(target)} "
                            f"for the parameter with {p._describe()}")
         return p.detach().to_global(p.placement, target), grad.to_global(p.placement, target)
+
+    def _master_of(self, p: Tensor) -> Tensor | None:
+        """``p``'s fp32 master weight (state ``"master"``, see :func:`sbpflow.amp.master_weights`), if it has one."""
+        if p not in self.state:
+            return None
+        master = self.state[p].get("master")
+        return master if isinstance(master, Tensor) else None
 
     def _batch(self, group: dict[str, Any], params: list[Tensor], views: list[tuple[Tensor, Tensor]]) -> ShardBatch:
         names = self._state_names(group)
@@ -228,6 +238,9 @@ class Optimizer:
                 if not params:
                     continue
                 _check_shared_step([self.state[p] for p in params], type(self).__name__)
+                if any(self._master_of(p) is not None for p in params):
+                    raise SbpflowError(f"{type(self).__name__} with master weights (sbpflow.amp.master_weights) has "
+                                       "no compiled (nn.Graph) update yet; use eager steps")
                 grads = []
                 for p in params:
                     _check_not_partial(p, type(self).__name__)
@@ -347,6 +360,26 @@ def _check_not_partial(p: Tensor, who: str) -> None:
             f"{who} updates parameters shard by shard, which needs a split or broadcast SBP, but a parameter has "
             f"{p._describe()}; a partial value has no per-shard update (convert it with .to_global(sbp=...) first)"
         )
+
+
+def _master_grad(grad: Tensor, master: Tensor) -> Tensor:
+    """A low-precision gradient in its master weight's layout and dtype."""
+    from ..ops.functional import cast
+
+    if grad.is_global and (grad.placement, grad.sbp) != (master.placement, master.sbp):
+        grad = grad.to_global(master.placement, master.sbp)
+    return cast(grad, master.dtype) if grad.dtype != master.dtype else grad
+
+
+def _written_back(view: Tensor, p: Tensor) -> Tensor:
+    """An updated view (a ZeRO slice, or a master weight) in ``p``'s dtype and layout: cast first, so the
+    all-gather of a sharded update moves ``p``'s own (2-byte) dtype."""
+    from ..ops.functional import cast
+
+    value = cast(view, p.dtype) if view.dtype != p.dtype else view
+    if not p.is_global:
+        return value
+    return value if (value.placement, value.sbp) == (p.placement, p.sbp) else value.to_global(p.placement, p.sbp)
 
 
 def _zeros_like_view(view: Tensor) -> Tensor:
