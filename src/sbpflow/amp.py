@@ -217,6 +217,12 @@ class GradScaler:
                 return full((), fill_value=0.0, placement=placement, sbp=(broadcast,) * placement.ndim)
 
             self._graph = _GraphScale(scalar(), scalar())
+        return self.graph_state()
+
+    def graph_state(self) -> dict[str, Any]:
+        """The graph variables made by :meth:`graph_variables` by name (none before)."""
+        if self._graph is None:
+            return {}
         return {"amp.scale": self._graph.scale, "amp.growth_tracker": self._graph.tracker}
 
     def before_compiled_step(self) -> None:

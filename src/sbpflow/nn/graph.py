@@ -320,10 +320,9 @@ class Graph:
                     seen.add(id(t))
                     out[f"{prefix}.{name}"] = t
         scaler = self.config.loss_scaler
-        if scaler is not None and scaler._graph is not None:
-            for name, t in scaler.graph_variables(scaler._graph.scale.placement).items():
-                seen.add(id(t))
-                out[name] = t
+        for name, t in (scaler.graph_state() if scaler is not None else {}).items():
+            seen.add(id(t))
+            out[name] = t
         for k, entry in enumerate(self._optimizers):
             opt = entry.optimizer
             index = {id(p): i for i, p in enumerate(opt._all_params())}
