@@ -381,3 +381,26 @@ def test_master_weights_refuse_a_compiled_step() -> None:
         step(sbpflow.randn(2, 4, placement=p2, sbp=S.split(0)))
     with pytest.raises(SbpflowError, match="bfloat16 or torch.float16"):
         sbpflow.amp.master_weights(opt, torch.float64)
+
+
+def test_master_weights_checkpoint_keeps_fp32_state(tmp_path: Any) -> None:
+    """A fresh optimizer lists its moments like the fp32 masters (state_dict before any step), and a checkpoint
+    of a ZeRO-1 run loads into a plain one with fp32 masters and moments, exactly."""
+    import torch
+
+    model, opt, _ = _mixed_step(1)
+    sbpflow.save({"model": model.state_dict(), "optim": opt.state_dict()}, str(tmp_path / "c"))
+    fresh, fresh_opt, _ = _mixed_step(0, steps=0)
+    state = {"model": fresh.state_dict(), "optim": fresh_opt.state_dict()}
+    assert all(v.dtype == torch.float32 for s in state["optim"]["state"].values() for v in s.values()
+               if isinstance(v, sbpflow.Tensor))
+    sbpflow.load(state, str(tmp_path / "c"))
+    fresh.load_state_dict(state["model"])
+    fresh_opt.load_state_dict(state["optim"])
+    for p, q in zip(fresh.parameters(), model.parameters(), strict=True):
+        assert p.dtype == torch.bfloat16
+        np.testing.assert_array_equal(p.float().numpy(), q.float().numpy())
+        for key in ("master", "exp_avg", "exp_avg_sq"):
+            assert fresh_opt.state[p][key].dtype == torch.float32
+            np.testing.assert_array_equal(fresh_opt.state[p][key].numpy(), opt.state[q][key].numpy())
+        assert fresh_opt.state[p]["step"] == opt.state[q]["step"] == 3

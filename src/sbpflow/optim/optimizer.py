@@ -219,6 +219,9 @@ class Optimizer:
 
     def _state_layout(self, p: Tensor) -> Tensor:
         """A tensor in ``p``'s state layout (``p`` itself unless :meth:`state_sbp` differs) to shape new state on."""
+        master = self._master_of(p)
+        if master is not None:  # state lives like the fp32 master weight
+            return master
         target = self.state_sbp(p)
         if not p.is_global or target is None or target == p.sbp:
             return p
@@ -320,14 +323,15 @@ class Optimizer:
             for saved_index, p in zip(saved["params"], own["params"], strict=True):
                 entry = state_dict["state"].get(saved_index)
                 if entry:
-                    self.state[p].update({k: self._load_value(k, v, p) for k, v in entry.items()})
+                    dtype = _state_dtype(entry, p)
+                    self.state[p].update({k: self._load_value(k, v, p, dtype) for k, v in entry.items()})
 
-    def _load_value(self, name: str, value: Any, p: Tensor) -> Any:
+    def _load_value(self, name: str, value: Any, p: Tensor, dtype: torch.dtype | None = None) -> Any:
         if name == "step":
             return float(value.item() if hasattr(value, "item") else value)
         if value is None or isinstance(value, (int, float)):
             return value
-        return _in_state_layout(value, p, self.state_sbp(p))
+        return _in_state_layout(value, p, self.state_sbp(p), dtype)
 
     def _all_params(self) -> list[Tensor]:
         return [p for g in self.param_groups for p in g["params"]]
@@ -388,19 +392,26 @@ def _zeros_like_view(view: Tensor) -> Tensor:
     return zeros(tuple(view.shape), placement=view.placement, sbp=view.sbp, dtype=view.dtype)
 
 
-def _in_state_layout(value: Any, p: Tensor, sbp: NdSbp | None) -> Tensor:
-    """A saved state tensor as a new tensor in ``p``'s state layout (its own memory)."""
+def _state_dtype(entry: dict[str, Any], p: Tensor) -> torch.dtype:
+    """The dtype of a parameter's state tensors: its master weight's (fp32 under amp.master_weights), else its own."""
+    master = entry.get("master")
+    return master.dtype if isinstance(master, (Tensor, torch.Tensor)) else p.dtype
+
+
+def _in_state_layout(value: Any, p: Tensor, sbp: NdSbp | None, dtype: torch.dtype | None = None) -> Tensor:
+    """A saved state tensor as a new tensor in ``p``'s state layout (its own memory), in ``dtype`` (``p``'s)."""
+    dtype = dtype or p.dtype
     if isinstance(value, Tensor):
         if value.is_global and p.is_global:
             moved = value.detach().to_global(p.placement, sbp)
-            return Tensor._from_shards(tuple(moved.shape), p.dtype, p.placement, moved.sbp,
-                                       {r: t.to(p.dtype, copy=True) for r, t in moved.local_tensors().items()})
+            return Tensor._from_shards(tuple(moved.shape), dtype, p.placement, moved.sbp,
+                                       {r: t.to(dtype, copy=True) for r, t in moved.local_tensors().items()})
         value = logical_value(value)
-    full = torch.as_tensor(value).detach().to(p.dtype)
+    full = torch.as_tensor(value).detach().to(dtype)
     if tuple(full.shape) != tuple(p.shape):
         raise SbpflowError(f"optimizer state of shape {list(full.shape)} does not fit the parameter with "
                            f"{p._describe()}")
     if not p.is_global:
         return Tensor._from_local(full.clone())
     assert sbp is not None
-    return Tensor._from_shards(tuple(full.shape), p.dtype, p.placement, sbp, shards_from_full(full, p.placement, sbp))
+    return Tensor._from_shards(tuple(full.shape), dtype, p.placement, sbp, shards_from_full(full, p.placement, sbp))
