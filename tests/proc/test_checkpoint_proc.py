@@ -168,24 +168,24 @@ def _zero_or_plain(zero: int, seed: int = 0) -> Trainer:
 
 
 def switch_zero(folder: str, saved_zero: int, loaded_zero: int) -> dict[str, Any]:
-    """Runs on 2 processes: dp2 under ``saved_zero`` trains 3 steps and saves; a fresh dp2 run under
-    ``loaded_zero`` loads it and trains 2 more; a third run never switches (5 steps)."""
+    """Runs on 2 processes: dp2 under ``saved_zero`` trains 2 steps and saves; a fresh dp2 run under
+    ``loaded_zero`` loads it and trains 2 more; a third run never switches (4 steps)."""
     from sbpflow.demo.resume import resume_training
 
-    batches = list(random_batches(CONFIG.vocab_size, 5, 8, 8, seed=1))
+    batches = list(random_batches(CONFIG.vocab_size, 4, 8, 8, seed=1))
     never = _zero_or_plain(saved_zero)
     never_losses = [never.step(ids, targets) for ids, targets in batches]
     first = _zero_or_plain(saved_zero)
-    for ids, targets in batches[:3]:
+    for ids, targets in batches[:2]:
         first.step(ids, targets)
     path = os.path.join(folder, f"zero{saved_zero}")
-    save_training(path, first, None, 3)
+    save_training(path, first, None, 2)
     fresh = _zero_or_plain(loaded_zero, seed=3)
     sbpflow.manual_seed(123)
     start = resume_training(path, fresh, None)
     loaded = values(fresh)
     losses = [fresh.step(ids, targets) for ids, targets in batches[start:]]
-    return {"saved": values(first), "loaded": loaded, "never": never_losses[3:], "losses": losses,
+    return {"saved": values(first), "loaded": loaded, "never": never_losses[2:], "losses": losses,
             "never_values": values(never), "values": values(fresh), "path": path}
 
 
