@@ -343,8 +343,11 @@ def trace_masked_updates(found: Any, updates: list[tuple[Any, Any]]) -> None:
     step), as ``where(found, old, new)``; no Python branch on data."""
     from .ops import functional as F
 
+    on: dict[Any, Any] = {found.placement: found}  # the flag sent once to each placement (pipeline stages)
     for t, old in updates:
-        t._assign(F.where(found, old, t))
+        if t.placement not in on:
+            on[t.placement] = found.to_global(t.placement, _b(t))
+        t._assign(F.where(on[t.placement], old, t))
 
 
 class _GraphScale:

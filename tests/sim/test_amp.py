@@ -295,3 +295,71 @@ def test_graph_loss_scaler_under_zero2_checks_sharded_gradients_in_one_reduction
     scalar_reductions = [n for n in step.plan.collectives(0) if n.phase == "post"
                          and n.boxing.steps[0].kind == "all_reduce" and step.plan.bufs[n.outputs[0]].shape == ()]
     assert len(scalar_reductions) == 1
+
+
+def test_promoted_op_gradients_take_each_input_dtype_like_torch() -> None:
+    """bf16 * fp32 promotes to fp32; backward gives each input its own dtype's gradient, as torch does (an fp32
+    gradient reaching a bf16 matmul's backward would fail there)."""
+    torch.manual_seed(0)
+    a, b, w = torch.randn(4, 8, dtype=torch.bfloat16), torch.randn(4, 8), torch.randn(8, 3, dtype=torch.bfloat16)
+    ours = [sbpflow.tensor(t, placement=PLACEMENTS["2"], sbp=B, requires_grad=True) for t in (a, b, w)]
+    ref = [t.clone().requires_grad_() for t in (a, b, w)]
+    ((ours[0] * ours[1]).to(torch.bfloat16) @ ours[2]).float().sum().backward()
+    ((ref[0] * ref[1]).to(torch.bfloat16) @ ref[2]).float().sum().backward()
+    for got, want in zip(ours, ref, strict=True):
+        assert got.grad.dtype == want.grad.dtype
+        np.testing.assert_allclose(got.grad.float().numpy(), want.grad.float().numpy(), rtol=1.6e-2, atol=1e-2)
+
+
+class _TwoStages(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(D, H).to_global(PLACEMENTS["1"], B)
+        self.fc2 = nn.Linear(H, V).to_global(sbpflow.placement("cpu", [1]), B)
+
+    def forward(self, x: Any) -> Any:
+        h = nn.functional.gelu(self.fc1(x)).to_global(placement=self.fc2.weight.placement, sbp=B)
+        return self.fc2(h).float().square().mean()
+
+
+class _StagesStep(nn.Graph):
+    def __init__(self, model: Any, opt: Any) -> None:
+        super().__init__()
+        self.model = model
+        self.add_optimizer(opt)
+
+    def build(self, x: Any) -> Any:
+        loss = self.model(x)
+        loss.backward()
+        return loss
+
+
+def test_graph_fp16_loss_scaler_on_a_pipeline() -> None:
+    """fp16 with the scaler inside a 2-stage pipeline (2 micro-batches): the scale lives on stage 0, the overflow
+    flag reaches stage 1's updates; a step forced to overflow leaves both stages' parameters and moments alone,
+    and the others equal the same steps without loss scaling (fp16 tolerance)."""
+    torch.manual_seed(5)
+    xs = [torch.randn(N, D) for _ in range(3)]
+    xs[1][0, 0] = 1e6
+    runs = {}
+    for scaled in (True, False):
+        sbpflow.manual_seed(0)
+        model = _TwoStages()
+        opt = sbpflow.optim.Adam(model.parameters(), lr=1e-2)
+        step = _StagesStep(model, opt)
+        step.config.set_gradient_accumulation_steps(2)
+        scaler = sbpflow.GradScaler(init_scale=2.0**10, growth_interval=1)
+        step.config.enable_amp(torch.float16, loss_scaler=scaler if scaled else None)
+        scales, params = [], []
+        for x in (xs if scaled else xs[:1] + xs[2:]):
+            step(sbpflow.tensor(x, placement=PLACEMENTS["1"], sbp=B))
+            scales.append(scaler.get_scale())
+            params.append([p.numpy().copy() for p in model.parameters()])
+        runs[scaled] = (scales, params, [opt.state[p]["step"] for p in model.parameters()])
+        assert step.plan.pipeline is not None and len(step.plan.pipeline.stages) == 2
+    scales, params, steps = runs[True]
+    assert scales == [2.0**11, 2.0**10, 2.0**11] and steps == [2, 2, 2, 2]
+    for p, q in zip(params[1], params[0], strict=True):
+        np.testing.assert_array_equal(p, q)  # the overflowed step changed nothing, on either stage
+    for got, want in zip(params[2], runs[False][1][1], strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-3 * float(np.abs(want).max()))
