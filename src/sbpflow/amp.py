@@ -155,6 +155,7 @@ class GradScaler:
         self.growth_factor, self.backoff_factor, self.growth_interval = growth_factor, backoff_factor, growth_interval
         self._growth_tracker = 0
         self._found_inf: dict[int, bool] = {}  # id(optimizer) -> whether its unscaled gradients hold inf/NaN
+        self._graph: _GraphScale | None = None  # nn.Graph: the scale and tracker as graph variables
 
     def get_scale(self) -> float:
         return self._scale if self.enabled else 1.0
@@ -203,6 +204,89 @@ class GradScaler:
                 self._growth_tracker = 0
         self._found_inf.clear()
 
+    # -- nn.Graph (config.enable_amp(torch.float16)): the same rules as graph ops -------------------------------
+
+    def graph_variables(self, placement: Any) -> dict[str, Any]:
+        """The scale and growth tracker as broadcast 0-d fp32 tensors on ``placement``: variables of a compiled
+        step, which updates them in place; they are made once and refreshed from this scaler before each run."""
+        if self._graph is None or self._graph.scale.placement != placement:
+            from .creation import full
+            from .sbp import broadcast
+
+            def scalar() -> Any:
+                return full((), fill_value=0.0, placement=placement, sbp=(broadcast,) * placement.ndim)
+
+            self._graph = _GraphScale(scalar(), scalar())
+        return self.graph_state()
+
+    def graph_state(self) -> dict[str, Any]:
+        """The graph variables made by :meth:`graph_variables` by name (none before)."""
+        if self._graph is None:
+            return {}
+        return {"amp.scale": self._graph.scale, "amp.growth_tracker": self._graph.tracker}
+
+    def before_compiled_step(self) -> None:
+        """Writes this scaler's scale and tracker into the graph's variables (a loaded state dict takes effect)."""
+        assert self._graph is not None
+        for t, value in ((self._graph.scale, self._scale), (self._graph.tracker, self._growth_tracker)):
+            for shard in (t._shards or {}).values():
+                shard.fill_(float(value))
+
+    def after_compiled_step(self) -> None:
+        """Reads back the scale and tracker the step updated (``get_scale()`` then says what torch's would)."""
+        assert self._graph is not None
+        shards = self._graph.scale._shards or {}
+        if shards:  # a process holding no rank of the scaler's placement keeps its last values
+            self._scale = float(next(iter(shards.values())))
+            self._growth_tracker = int(next(iter((self._graph.tracker._shards or {}).values())))
+
+    def loss_seed(self, seed: Any) -> Any:
+        """Traced: the backward's implicit gradient ``seed`` times the scale (``scale(loss).backward()``)."""
+        assert self._graph is not None
+        scale = self._graph.scale
+        if scale.placement != seed.placement:
+            scale = scale.to_global(seed.placement, (_broadcast(),) * seed.placement.ndim)
+        return seed * scale
+
+    def trace_unscale(self, grads: list[Any]) -> tuple[Any, list[Any]]:
+        """Traced: ``(found, unscaled)``: whether any of ``grads`` is not finite (a 0-d bool: one sum of non-finite
+        counts over every gradient, so at most one reduction across ranks) and the gradients divided by the scale."""
+        import torch as _torch
+
+        from .ops import functional as F
+
+        assert self._graph is not None
+        scale = self._graph.scale
+        inv = 1.0 / scale
+        count: Any = None
+        out = []
+        for g in grads:
+            out.append(g * (inv if inv.placement == g.placement else inv.to_global(g.placement, _b(g))))
+            bad = F.sum(F.cast(F.logical_not(F.isfinite(g)), _torch.float32))
+            if bad.placement != scale.placement:
+                bad = bad.to_global(scale.placement, _b(scale))
+            count = bad if count is None else count + bad
+        if count is None:
+            return scale * 0 > 0, out
+        return count > 0, out
+
+    def trace_update(self, found: Any) -> None:
+        """Traced: :meth:`update` as graph ops on the scale and tracker variables (torch's
+        ``_amp_update_scale_``: back off on ``found``, grow after ``growth_interval`` clean steps if finite)."""
+        from .ops import functional as F
+
+        assert self._graph is not None
+        scale, tracker = self._graph.scale, self._graph.tracker
+        zero = tracker * 0
+        successful = tracker + 1
+        grow = successful >= self.growth_interval
+        grown = scale * self.growth_factor
+        grown = F.where(F.isfinite(grown), grown, scale)
+        new_scale = F.where(found, scale * self.backoff_factor, F.where(grow, grown, scale))
+        new_tracker = F.where(found, zero, F.where(grow, zero, successful))
+        scale._assign(new_scale)
+        tracker._assign(new_tracker)
+
     def state_dict(self) -> dict[str, Any]:
         return {"scale": self._scale, "growth_factor": self.growth_factor, "backoff_factor": self.backoff_factor,
                 "growth_interval": self.growth_interval, "_growth_tracker": self._growth_tracker}
@@ -211,6 +295,77 @@ class GradScaler:
         self._scale = float(state["scale"])
         self.growth_factor, self.backoff_factor = state["growth_factor"], state["backoff_factor"]
         self.growth_interval, self._growth_tracker = state["growth_interval"], state["_growth_tracker"]
+
+
+def master_weights(optimizer: Any, dtype: torch.dtype = torch.bfloat16) -> Any:
+    """Low-precision parameters with fp32 master weights, as the ZeRO paper counts mixed precision; returns
+    ``optimizer``.
+
+    Every fp32 parameter of ``optimizer`` becomes ``dtype`` in place (2 bytes; its gradients then are too, and
+    are reduced in ``dtype``), and the optimizer keeps an fp32 copy as state ``"master"`` in its state layout
+    (so ZeRO shards it with the moments). A step updates the master from the gradient cast to fp32 and writes
+    it back cast to ``dtype``. Per data-parallel rank with Adam: 2Ψ parameters + 2Ψ gradients + 12Ψ state, so
+    ZeRO stage 1 holds 4Ψ + 12Ψ/N and stage 2 2Ψ + 14Ψ/N. Run the forward under :func:`autocast` (``dtype``).
+    Eager steps only (a compiled step refuses it).
+
+    >>> import torch, sbpflow
+    >>> w = sbpflow.nn.Parameter(sbpflow.ones(2))
+    >>> opt = master_weights(sbpflow.optim.SGD([w], lr=1e-3))
+    >>> w.dtype, opt.state[w]["master"].dtype
+    (torch.bfloat16, torch.float32)
+    >>> (w.float() * 1.0).sum().backward(); opt.step()
+    >>> opt.state[w]["master"].tolist(), w.tolist()  # the master moves by 1e-3; bf16 cannot show it
+    ([0.9990000128746033, 0.9990000128746033], [1.0, 1.0])
+    """
+    from .autograd import no_grad
+    from .ops.functional import cast, clone
+
+    if dtype not in LOW_DTYPES:
+        raise SbpflowError(f"master_weights(dtype=...) takes torch.bfloat16 or torch.float16, but got {dtype}")
+    with no_grad():
+        for p in optimizer._all_params():
+            if p.dtype != torch.float32:
+                continue
+            state = optimizer.state[p]
+            if not state:
+                optimizer._init_scalars(state)
+            layout = optimizer._state_layout(p)
+            moved = p.detach() if layout is p else p.detach().to_global(layout.placement, layout.sbp)
+            state["master"] = clone(moved)  # its own storage (a ZeRO slice may be a view of the parameter's)
+            p._take_storage(cast(p.detach(), dtype))
+            p.grad = None
+            p._version += 1
+    return optimizer
+
+
+def trace_masked_updates(found: Any, updates: list[tuple[Any, Any]]) -> None:
+    """Traced: each ``(variable, value before the optimizer)`` keeps its old value where ``found`` (a skipped
+    step), as ``where(found, old, new)``; no Python branch on data."""
+    from .ops import functional as F
+
+    on: dict[Any, Any] = {found.placement: found}  # the flag sent once to each placement (pipeline stages)
+    for t, old in updates:
+        if t.placement not in on:
+            on[t.placement] = found.to_global(t.placement, _b(t))
+        t._assign(F.where(on[t.placement], old, t))
+
+
+class _GraphScale:
+    """The graph variables of a :class:`GradScaler`: scale and growth tracker (0-d fp32, broadcast)."""
+
+    def __init__(self, scale: Any, tracker: Any) -> None:
+        self.scale = scale
+        self.tracker = tracker
+
+
+def _broadcast() -> Any:
+    from .sbp import broadcast
+
+    return broadcast
+
+
+def _b(t: Any) -> tuple[Any, ...]:
+    return (_broadcast(),) * t.placement.ndim
 
 
 def _all_finite(grads: list[Any]) -> bool:

@@ -244,6 +244,8 @@ def _run_nodes(roots: Sequence[Tensor], grads: Sequence[Tensor | None], retain_g
             in_grads = _call_backward(node, outs)
             for t, g in zip(node.inputs, in_grads, strict=True):
                 if g is not None and t.requires_grad:
+                    if g.dtype != t.dtype and g.dtype.is_floating_point and t.dtype.is_floating_point:
+                        g = F.cast(g, t.dtype)  # a promoted op (bf16 + fp32): each input's gradient in its dtype
                     _send(t, g, pending, leaf_grads, leaf_hooks)
             if not retain_graph:
                 node.freed = True

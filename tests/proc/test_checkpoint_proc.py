@@ -158,3 +158,50 @@ def test_the_demo_resumes_in_a_new_process_bit_for_bit(tmp_path: Path) -> None:
     assert "resumed from " in out and "at step 3" in out
     last = "checkpoints/step-000006/index.json"
     assert (resumed / last).read_text() == (full / last).read_text()  # same bytes, hashes and scalars
+
+
+def _zero_or_plain(zero: int, seed: int = 0) -> Trainer:
+    trainer = build(CONFIG, "dp=2", seed=seed, lr=1e-2)
+    if zero:
+        sbpflow.optim.zero(trainer.optimizer, zero, model=trainer.model)
+    return trainer
+
+
+def switch_zero(folder: str, saved_zero: int, loaded_zero: int) -> dict[str, Any]:
+    """Runs on 2 processes: dp2 under ``saved_zero`` trains 2 steps and saves; a fresh dp2 run under
+    ``loaded_zero`` loads it and trains 2 more; a third run never switches (4 steps)."""
+    from sbpflow.demo.resume import resume_training
+
+    batches = list(random_batches(CONFIG.vocab_size, 4, 8, 8, seed=1))
+    never = _zero_or_plain(saved_zero)
+    never_losses = [never.step(ids, targets) for ids, targets in batches]
+    first = _zero_or_plain(saved_zero)
+    for ids, targets in batches[:2]:
+        first.step(ids, targets)
+    path = os.path.join(folder, f"zero{saved_zero}")
+    save_training(path, first, None, 2)
+    fresh = _zero_or_plain(loaded_zero, seed=3)
+    sbpflow.manual_seed(123)
+    start = resume_training(path, fresh, None)
+    loaded = values(fresh)
+    losses = [fresh.step(ids, targets) for ids, targets in batches[start:]]
+    return {"saved": values(first), "loaded": loaded, "never": never_losses[2:], "losses": losses,
+            "never_values": values(never), "values": values(fresh), "path": path}
+
+
+@pytest.mark.parametrize("saved_zero, loaded_zero", [(3, 0)])  # the way back: tests/sim/test_checkpoint_gpt.py
+def test_zero3_checkpoint_loads_without_zero_on_two_processes(saved_zero: int, loaded_zero: int,
+                                                              tmp_path: Path) -> None:
+    """ZeRO-3 saved on 2 processes (parameters and moments S(0)) loads into plain dp2 (B), exactly; training
+    on matches the run that never switched (rtol 1e-5, the ZeRO tolerance); one device loads it too."""
+    per_rank = run_ranks(switch_zero, 2, args=(str(tmp_path), saved_zero, loaded_zero), timeout=TIMEOUT)
+    for got in per_rank:
+        for name, value in got["saved"].items():
+            np.testing.assert_array_equal(got["loaded"][name], value, err_msg=name)
+        np.testing.assert_allclose(got["losses"], got["never"], rtol=1e-5)
+        for name, value in got["never_values"].items():
+            np.testing.assert_allclose(got["values"][name], value, rtol=1e-5, atol=2e-5, err_msg=name)
+    if saved_zero:
+        single = load_under(per_rank[0]["path"], "single")
+        for name, value in per_rank[0]["saved"].items():
+            np.testing.assert_array_equal(single["values"][name], value, err_msg=name)

@@ -55,3 +55,45 @@ def test_zero_stages_on_two_processes_equal_virtual_ranks_and_plain_dp() -> None
                 np.testing.assert_allclose(params[name], value, rtol=1e-5, atol=ATOL, err_msg=f"{stage} {name}")
             assert memory == want_memory  # each process holds exactly virtual rank 0's or 1's bytes (even here)
     assert sum(per_rank[0][3][2].values()) < sum(per_rank[0][0][2].values()) / 1.9
+
+
+class _Step(sbpflow.nn.Graph):
+    def __init__(self, model: Any, opt: Any) -> None:
+        super().__init__()
+        self.model = model
+        self.add_optimizer(opt)
+
+    def build(self, x: Any) -> Any:
+        loss = self.model(x).square().mean()
+        loss.backward()
+        return loss
+
+
+def graph_zero3_job(prefetch: int | None) -> dict[str, Any]:
+    """Four equal Linear layers, dp=2, a compiled step: plain (prefetch None) or ZeRO-3 with that window."""
+    from sbpflow.optim.zero import GATHERED
+
+    torch.set_num_threads(1)
+    p2 = sbpflow.placement("cpu", [0, 1])
+    sbpflow.manual_seed(0)
+    model = sbpflow.nn.Sequential(*[sbpflow.nn.Linear(16, 16) for _ in range(4)]).to_global(p2, sbpflow.sbp.broadcast)
+    step = _Step(model, optim.Adam(model.parameters(), lr=0.01))
+    if prefetch is not None:
+        step.config.enable_zero(3, prefetch=prefetch, min_shard_numel=1)
+    sbpflow.manual_seed(1)
+    losses = [float(step(sbpflow.randn(8, 16, placement=p2, sbp=sbpflow.sbp.split(0))).numpy()) for _ in range(3)]
+    peak = step._compiled().executor.stats.watch_peak.get(GATHERED, {}) if prefetch is not None else {}
+    return {"losses": losses, "params": [p.numpy() for p in model.parameters()], "peak": peak}
+
+
+def test_graph_zero3_prefetch_window_on_two_processes() -> None:
+    """The compiled ZeRO-3 step with prefetch=1 over gloo: plain-DP numbers, and each process's runtime count
+    of gathered parameter bytes stays within two layers (its rank's whole weights and biases)."""
+    plain = graph_zero3_job(None)
+    per_rank = run_ranks(graph_zero3_job, 2, args=(1,), timeout=TIMEOUT)
+    layer_bytes = 4 * (16 * 16 + 16)
+    for rank, got in enumerate(per_rank):
+        np.testing.assert_allclose(got["losses"], plain["losses"], rtol=1e-5)
+        for p, q in zip(got["params"], plain["params"], strict=True):
+            np.testing.assert_allclose(p, q, rtol=1e-5, atol=1e-7)
+        assert list(got["peak"]) == [rank] and 0 < got["peak"][rank] <= 2 * layer_bytes

@@ -136,6 +136,13 @@ def test_errors() -> None:
     scaler.unscale_(opt)
     with pytest.raises(SbpflowError, match="already called"):
         scaler.unscale_(opt)
+    from sbpflow.nn.graph import GraphConfig
+
+    with pytest.raises(SbpflowError, match="loss_scaler"):
+        GraphConfig().enable_amp(torch.float16, loss_scaler=2.0)
+    config = GraphConfig()
+    config.enable_amp(torch.float16)
+    assert isinstance(config.loss_scaler, sbpflow.GradScaler)  # fp16: a scaler by default (bf16: none)
 
 
 class _Step(nn.Graph):
@@ -189,3 +196,170 @@ def test_graph_enable_amp_agrees_with_torch_autocast_and_halves_gradient_bytes()
     full_bytes, half_bytes = _gradient_reduce_bytes(step), _gradient_reduce_bytes(half)
     loss_bytes = 4  # the loss mean's fp32 scalar all-reduce: not a gradient, stays fp32
     assert full_bytes > 1000 and (half_bytes - loss_bytes) * 2 == full_bytes - loss_bytes
+
+
+INIT_SCALE = 2.0**12  # 64x below where this model's fp16 gradients overflow: only the forced steps overflow
+FORCED = (3, 6)
+
+
+def _scaled_graph_run(x_steps: list[torch.Tensor], y: torch.Tensor, graph: bool,
+                      zero: int = 0) -> tuple[list[float], Any, Any]:
+    """Adam steps of the Mlp under fp16 with a dynamic loss scale: compiled (the scaler inside the step) or eager."""
+    torch.manual_seed(3)
+    ref = TorchMlp()
+    model = Mlp()
+    model.load_state_dict({k: v.detach().clone() for k, v in ref.state_dict().items()})
+    model.to_global(PLACEMENTS["2"], B)
+    opt = sbpflow.optim.Adam(model.parameters(), lr=1e-2)
+    scaler = sbpflow.GradScaler(init_scale=INIT_SCALE, growth_interval=2)
+    ys = sbpflow.tensor(y, placement=PLACEMENTS["2"], sbp=S.split(0))
+    step = _Step(model, opt)
+    step.config.set_sbp_selection("greedy")  # eager's layouts, so fp16 sums run in eager's order
+    step.config.enable_amp(torch.float16, loss_scaler=scaler)
+    if zero:
+        step.config.enable_zero(zero, min_shard_numel=1)
+    scales = []
+    for x in x_steps:
+        xs = sbpflow.tensor(x, placement=PLACEMENTS["2"], sbp=S.split(0))
+        if graph:
+            step(xs, ys)
+        else:
+            opt.zero_grad()
+            with sbpflow.autocast(dtype=torch.float16):
+                loss = model(xs, ys)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+        scales.append(scaler.get_scale())
+    return scales, model, (opt, step)
+
+
+def _torch_scaled_run(x_steps: list[torch.Tensor], y: torch.Tensor) -> tuple[list[float], Any, Any]:
+    torch.manual_seed(3)
+    ref = TorchMlp()
+    opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=INIT_SCALE, growth_interval=2)
+    scales = []
+    for x in x_steps:
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = ref(x, y)
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        scales.append(scaler.get_scale())
+    return scales, ref, opt
+
+
+def test_graph_fp16_loss_scaler_follows_torch_grad_scaler() -> None:
+    """enable_amp(float16, loss_scaler=...): the scale sequence and skipped steps of torch.amp.GradScaler (step 6
+    3 and 6 are forced to overflow by an input beyond fp16's range), Adam's step count not advanced on skipped steps,
+    and parameters equal to eager sbpflow with its GradScaler."""
+    torch.manual_seed(4)
+    xs = [torch.randn(N, D) for _ in range(9)]
+    for k in FORCED:
+        xs[k][0, 0] = 1e6  # inf in fp16: the loss and every gradient are NaN at this step
+    y = torch.randint(0, V, (N,))
+    want_scales, ref, ref_opt = _torch_scaled_run(xs, y)
+    scales, model, (opt, step) = _scaled_graph_run(xs, y, graph=True)
+    eager_scales, eager, (eager_opt, _) = _scaled_graph_run(xs, y, graph=False)
+    assert scales == want_scales == eager_scales
+    backed_off = [k for k, (a, b) in enumerate(zip([INIT_SCALE, *scales], scales, strict=False)) if b < a]
+    assert backed_off == list(FORCED) and max(scales) > INIT_SCALE  # backed off on overflow, grew otherwise
+    skipped = len(backed_off)
+    ref_steps = int(ref_opt.state[next(iter(ref.parameters()))]["step"])
+    assert ref_steps == len(xs) - skipped
+    for p in model.parameters():
+        assert opt.state[p]["step"] == ref_steps
+    # Adam's normalised steps on near-zero fp16 gradients amplify torch-vs-sbpflow rounding, so parameters are
+    # compared with eager sbpflow (same kernels, same layouts); the scales and step counts with torch
+    for (name, p), e in zip(model.named_parameters(), eager.parameters(), strict=True):
+        np.testing.assert_allclose(p.numpy(), e.numpy(), rtol=1e-5, atol=1e-6, err_msg=name)
+    found = [n for n in step.logical.nodes if n.kind == "output" and n.name == "amp.found_inf"]
+    assert len(found) == 1 and step.logical.nodes[-1].kind in ("assign", "output")
+    wheres = [n for n in step.logical.nodes if n.name == "where" and n.phase == "post"]
+    assert len(wheres) >= 3 * len(list(model.parameters()))  # each parameter, exp_avg, exp_avg_sq kept on overflow
+
+
+def test_graph_loss_scaler_under_zero2_checks_sharded_gradients_in_one_reduction() -> None:
+    """ZeRO-2's gradients are S(0): the non-finite counts of all of them add up as one partial sum, reduced once."""
+    torch.manual_seed(4)
+    xs = [torch.randn(N, D) for _ in range(4)]
+    xs[2][0, 0] = 1e6
+    y = torch.randint(0, V, (N,))
+    plain, model, _ = _scaled_graph_run(xs, y, graph=True)
+    scales, sharded, (_, step) = _scaled_graph_run(xs, y, graph=True, zero=2)
+    assert scales == plain and scales[2] == scales[1] / 2
+    for (name, p), q in zip(sharded.named_parameters(), model.parameters(), strict=True):
+        np.testing.assert_allclose(p.numpy(), q.numpy(), rtol=1e-5, atol=1e-6, err_msg=name)
+    scalar_reductions = [n for n in step.plan.collectives(0) if n.phase == "post"
+                         and n.boxing.steps[0].kind == "all_reduce" and step.plan.bufs[n.outputs[0]].shape == ()]
+    assert len(scalar_reductions) == 1
+
+
+def test_promoted_op_gradients_take_each_input_dtype_like_torch() -> None:
+    """bf16 * fp32 promotes to fp32; backward gives each input its own dtype's gradient, as torch does (an fp32
+    gradient reaching a bf16 matmul's backward would fail there)."""
+    torch.manual_seed(0)
+    a, b, w = torch.randn(4, 8, dtype=torch.bfloat16), torch.randn(4, 8), torch.randn(8, 3, dtype=torch.bfloat16)
+    ours = [sbpflow.tensor(t, placement=PLACEMENTS["2"], sbp=B, requires_grad=True) for t in (a, b, w)]
+    ref = [t.clone().requires_grad_() for t in (a, b, w)]
+    ((ours[0] * ours[1]).to(torch.bfloat16) @ ours[2]).float().sum().backward()
+    ((ref[0] * ref[1]).to(torch.bfloat16) @ ref[2]).float().sum().backward()
+    for got, want in zip(ours, ref, strict=True):
+        assert got.grad.dtype == want.grad.dtype
+        np.testing.assert_allclose(got.grad.float().numpy(), want.grad.float().numpy(), rtol=1.6e-2, atol=1e-2)
+
+
+class _TwoStages(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(D, H).to_global(PLACEMENTS["1"], B)
+        self.fc2 = nn.Linear(H, V).to_global(sbpflow.placement("cpu", [1]), B)
+
+    def forward(self, x: Any) -> Any:
+        h = nn.functional.gelu(self.fc1(x)).to_global(placement=self.fc2.weight.placement, sbp=B)
+        return self.fc2(h).float().square().mean()
+
+
+class _StagesStep(nn.Graph):
+    def __init__(self, model: Any, opt: Any) -> None:
+        super().__init__()
+        self.model = model
+        self.add_optimizer(opt)
+
+    def build(self, x: Any) -> Any:
+        loss = self.model(x)
+        loss.backward()
+        return loss
+
+
+def test_graph_fp16_loss_scaler_on_a_pipeline() -> None:
+    """fp16 with the scaler inside a 2-stage pipeline (2 micro-batches): the scale lives on stage 0, the overflow
+    flag reaches stage 1's updates; a step forced to overflow leaves both stages' parameters and moments alone,
+    and the others equal the same steps without loss scaling (fp16 tolerance)."""
+    torch.manual_seed(5)
+    xs = [torch.randn(N, D) for _ in range(3)]
+    xs[1][0, 0] = 1e6
+    runs = {}
+    for scaled in (True, False):
+        sbpflow.manual_seed(0)
+        model = _TwoStages()
+        opt = sbpflow.optim.Adam(model.parameters(), lr=1e-2)
+        step = _StagesStep(model, opt)
+        step.config.set_gradient_accumulation_steps(2)
+        scaler = sbpflow.GradScaler(init_scale=2.0**10, growth_interval=1)
+        step.config.enable_amp(torch.float16, loss_scaler=scaler if scaled else None)
+        scales, params = [], []
+        for x in (xs if scaled else xs[:1] + xs[2:]):
+            step(sbpflow.tensor(x, placement=PLACEMENTS["1"], sbp=B))
+            scales.append(scaler.get_scale())
+            params.append([p.numpy().copy() for p in model.parameters()])
+        runs[scaled] = (scales, params, [opt.state[p]["step"] for p in model.parameters()])
+        assert step.plan.pipeline is not None and len(step.plan.pipeline.stages) == 2
+    scales, params, steps = runs[True]
+    assert scales == [2.0**11, 2.0**10, 2.0**11] and steps == [2, 2, 2, 2]
+    for p, q in zip(params[1], params[0], strict=True):
+        np.testing.assert_array_equal(p, q)  # the overflowed step changed nothing, on either stage
+    for got, want in zip(params[2], runs[False][1][1], strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-3, atol=1e-3 * float(np.abs(want).max()))

@@ -104,3 +104,45 @@ def test_resume_is_bit_exact(spec: str, tmp_path: Any) -> None:
         np.testing.assert_array_equal(params[name], value, err_msg=name)
     for name, value in full_optim.items():
         np.testing.assert_array_equal(optim[name], value, err_msg=name)
+
+
+def _trainer(spec: str, zero: int, seed: int = 0) -> Trainer:
+    trainer = build(CONFIG, spec, seed=seed, lr=LR)
+    if zero:
+        sbpflow.optim.zero(trainer.optimizer, zero, model=trainer.model)
+    return trainer
+
+
+@pytest.mark.parametrize("saved_as, loaded_as", [
+    (("dp=2", 3), ("dp=2", 0)),  # ZeRO-3 saved, plain data parallel loads
+    (("dp=2", 3), ("single", 0)),  # ... one device loads
+    (("dp=2", 0), ("dp=2", 3)),  # plain saved, ZeRO-3 loads
+])
+def test_zero3_checkpoint_loads_without_zero_and_back(saved_as: tuple[str, int], loaded_as: tuple[str, int],
+                                                      tmp_path: Any) -> None:
+    """Parameters S(0) at rest (and AdamW moments S(0)) load into B ones and back: the same values, exactly;
+    training on matches the run that never switched (within the ZeRO equivalence tolerance, rtol 1e-5; one
+    device sums in another order: RTOL)."""
+    batches = _batches(5)
+    never = _trainer(*saved_as)
+    never_losses = [never.step(ids, targets) for ids, targets in batches]
+    first = _trainer(*saved_as)
+    for ids, targets in batches[:3]:
+        first.step(ids, targets)
+    path = str(tmp_path / "step-3")
+    save_training(path, first, None, 3)
+    fresh = _trainer(*loaded_as, seed=7)
+    sbpflow.manual_seed(123)
+    assert resume_training(path, fresh, None) == 3
+    for name, value in parameter_values(first).items():
+        np.testing.assert_array_equal(parameter_values(fresh)[name], value, err_msg=name)
+    for name, value in optimizer_values(first).items():
+        np.testing.assert_array_equal(optimizer_values(fresh)[name], value, err_msg=name)
+    weight = fresh.model.h[0].mlp.c_fc.weight
+    sharded = weight.is_global and weight.sbp[0] == sbpflow.sbp.split(0)
+    assert sharded == (loaded_as[1] == 3)  # the loader's layout, not the saver's
+    losses = [fresh.step(ids, targets) for ids, targets in batches[3:]]
+    rtol = 1e-5 if loaded_as[0] == saved_as[0] else RTOL
+    np.testing.assert_allclose(losses, never_losses[3:], rtol=rtol)
+    for name, value in parameter_values(never).items():
+        np.testing.assert_allclose(parameter_values(fresh)[name], value, rtol=rtol, atol=1e-5 * 2, err_msg=name)

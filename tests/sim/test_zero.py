@@ -11,10 +11,12 @@ import sbpflow
 from harness import PLACEMENTS, B
 from sbpflow import nn, optim
 from sbpflow import sbp as S
-from sbpflow.comm import record
+from sbpflow.comm import SimulatedBackend, record
 from sbpflow.demo.train_gpt import build, parameter_values, random_batches
 from sbpflow.errors import SbpflowError
 from sbpflow.models.gpt import GPTConfig
+from sbpflow.optim.zero import GATHERED
+from sbpflow.runtime.board import dry_run
 
 CONFIG = GPTConfig(vocab_size=100, block_size=16, n_layer=2, n_head=4, n_embd=64, dropout=0.1)
 STEPS = 4
@@ -177,11 +179,28 @@ def test_graph_zero_equals_plain_data_parallel(stage: int, plain_dp: Any) -> Non
     if stage == 3:  # gathered again in backward, each behind a control edge on the unit's incoming gradient
         again = [n for n in gathers if n.control]
         assert len(again) >= 2 * trainer.model.config.n_layer and len(gathers) >= sharded + len(again)
+        _assert_gpt_window(trainer)
     accumulated = [logical.value(n.outputs[0]).sbp for n in logical.of_kind("accumulate")]
     split_grads = sum(sbp == (S.split(0), B) for sbp in accumulated)
     assert split_grads == (sharded if stage >= 2 else 0)  # stage 2 and 3: gradients S(0) where they are summed
     state = trainer.optimizer.state[trainer.model.h[0].mlp.c_fc.weight]
     assert state["exp_avg"].sbp == (S.split(0), B)
+
+
+def _assert_gpt_window(trainer: Any) -> None:
+    """The default window (prefetch=1): the model's own gathered parameters (embeddings) plus two blocks."""
+    zero = trainer.optimizer._zero
+    blocks = {id(p) for block in trainer.model.h for p in block.parameters()}
+
+    def gathered_bytes(params: Any) -> int:  # whole, per rank
+        return sum(4 * p.numel() for p in params if id(p) in zero.sharded)
+
+    root = gathered_bytes(p for p in trainer.model.parameters() if id(p) not in blocks)
+    block = gathered_bytes(trainer.model.h[0].parameters())
+    want = root + 2 * block
+    assert dry_run(trainer.graph.plan, SimulatedBackend()).watch_peak[GATHERED] == {0: want, 1: want}
+    runtime = trainer.graph._compiled().executor.stats.watch_peak[GATHERED]
+    assert all(0 < runtime[r] <= want for r in (0, 1))
 
 
 def test_stage3_with_checkpointed_blocks_equals_plain_data_parallel(plain_dp: Any) -> None:
@@ -199,3 +218,189 @@ def test_stage3_with_checkpointed_blocks_equals_plain_data_parallel(plain_dp: An
     for name, value in plain_dp[1].items():
         np.testing.assert_allclose(params[name], value, rtol=1e-5, atol=ATOL, err_msg=name)
     assert trainer.optimizer._zero.gathered_bytes == 0
+
+
+# -- stage 3 in nn.Graph: gathered copies freed after use, gathered again in backward, prefetched in a window --
+
+
+LAYERS, WIDTH = 4, 16
+
+
+class _SeqStep(nn.Graph):
+    def __init__(self, model: Any, opt: Any) -> None:
+        super().__init__()
+        self.model = model
+        self.add_optimizer(opt)
+
+    def build(self, x: Any) -> Any:
+        loss = self.model(x).square().mean()
+        loss.backward()
+        return loss
+
+
+def _seq_graph(window: int | None, steps: int = 3, executor: str = "actors") -> tuple[list[float], list[Any], Any]:
+    """Four equal Linear layers on dp=2, trained by a compiled step: plain (window None) or ZeRO-3."""
+    p2 = PLACEMENTS["2"]
+    sbpflow.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)]).to_global(p2, B)
+    step = _SeqStep(model, optim.Adam(model.parameters(), lr=0.01))
+    step.config.set_executor(executor)
+    if window is not None:
+        step.config.enable_zero(3, prefetch=window, min_shard_numel=1)
+    sbpflow.manual_seed(1)
+    xs = [sbpflow.randn(8, WIDTH, placement=p2, sbp=S.split(0)) for _ in range(steps)]
+    losses = [float(step(x).numpy()) for x in xs]
+    return losses, [p.numpy() for p in model.parameters()], step
+
+
+@pytest.fixture(scope="module")
+def seq_plain() -> tuple[list[float], list[Any], Any]:
+    return _seq_graph(None)
+
+
+def _forward_positions(step: Any) -> list[tuple[list[int], list[int]]]:
+    """Per unit, in forward order: plan positions of its forward gather nodes and of the compute nodes reading
+    the gathered values (the comm stream issues in plan order)."""
+    plan, logical = step.plan, step.logical
+    pos = {n.id: i for i, n in enumerate(plan.nodes)}
+    producer = plan.producers()
+    watched = set(plan.watch[GATHERED])
+    out = []
+    for e in (e for e in logical.gathers if not e.backward):
+        readers = [n for n in plan.nodes if n.kind == "compute" and n.logical is not None
+                   and set(logical.nodes[n.logical].inputs) & set(e.values)]
+        gathers = {producer[b] for n in readers for b in n.inputs if b in watched}
+        out.append((sorted(pos[g] for g in gathers), sorted(pos[n.id] for n in readers)))
+    return out
+
+
+@pytest.mark.parametrize("window", [0, 1, 2])
+def test_graph_stage3_prefetch_window_bounds_gathered_bytes(window: int, seq_plain: Any) -> None:
+    """enable_zero(3, prefetch=w): numbers of plain data parallel; layer k + 1's gather sits before layer k's
+    compute in plan order (w >= 1) or after all of it (w = 0); at most w + 1 layers hold gathered copies, in the
+    memory plan (exactly: it plays plan order) and in the actor runtime's count of a real step (a bound)."""
+    losses, params, step = _seq_graph(window)
+    np.testing.assert_allclose(losses, seq_plain[0], rtol=1e-5)
+    for got, want in zip(params, seq_plain[1], strict=True):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+    layer_bytes = 4 * (WIDTH * WIDTH + WIDTH) // 2  # one layer's weight and bias, whole, per rank
+    runtime_peak = step._compiled().executor.stats.watch_peak[GATHERED]
+    planned_peak = dry_run(step.plan, SimulatedBackend()).watch_peak[GATHERED]
+    want = min(window + 1, LAYERS) * layer_bytes * 2
+    assert planned_peak == {0: want, 1: want}
+    assert all(0 < runtime_peak[r] <= want for r in (0, 1))
+    units = _forward_positions(step)
+    assert len(units) == LAYERS
+    for (_, this_reads), (next_gathers, _) in zip(units, units[1:], strict=False):
+        if window == 0:
+            assert min(next_gathers) > max(this_reads)  # one layer at a time
+        else:
+            assert max(next_gathers) < min(this_reads)  # issued before layer k computes
+    # weights and biases in forward; in backward the weights for input gradients (layer 0 needs none)
+    _assert_freed_after_use_and_gathered_again(step, LAYERS * 2, LAYERS - 1)
+
+
+def _assert_freed_after_use_and_gathered_again(step: Any, forward: int, backward: int) -> None:
+    """Every gathered copy made before the backward starts is read only before it (freed after its forward
+    use); the backward reads copies gathered again after it started."""
+    from sbpflow.graph.compile import seed_buffers
+
+    plan = step.plan
+    pos = {n.id: i for i, n in enumerate(plan.nodes)}
+    producer = plan.producers()
+    start = min(pos[n.id] for n in plan.nodes if set(n.inputs) & set(seed_buffers(plan, step.logical)))
+    made_before = [b for b in plan.watch[GATHERED] if pos[producer[b]] < start]
+    made_after = [b for b in plan.watch[GATHERED] if pos[producer[b]] > start]
+    assert (len(made_before), len(made_after)) == (forward, backward)
+    assert all(pos[c] < start for b in made_before for c in plan.registers[b].consumers)
+    assert all(pos[c] > start for b in made_after for c in plan.registers[b].consumers)
+
+
+def test_graph_stage3_prefetch_is_checked() -> None:
+    with pytest.raises(SbpflowError, match="prefetch"):
+        _SeqStep(nn.Linear(2, 2), optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)).config.enable_zero(3, prefetch=-1)
+
+
+# -- mixed precision as the ZeRO paper counts it: bf16 parameters and gradients, fp32 master weights ---------
+
+
+def _mixed_step(stage: int, steps: int = 3, master: bool = True) -> tuple[Any, Any, int]:
+    import torch
+
+    p2 = PLACEMENTS["2"]
+    sbpflow.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.Linear(64, 32)).to_global(p2, B)
+    psi = sum(p.numel() for p in model.parameters())
+    opt = optim.Adam(model.parameters(), lr=0.01)
+    if stage:
+        optim.zero(opt, stage, model=model, min_shard_numel=1)
+    if master:
+        sbpflow.amp.master_weights(opt, torch.bfloat16)
+    sbpflow.manual_seed(1)
+    for _ in range(steps):
+        opt.zero_grad()
+        with sbpflow.autocast(dtype=torch.bfloat16):
+            loss = model(sbpflow.randn(4, 32, placement=p2, sbp=S.split(0))).float().square().mean()
+        loss.backward()
+        opt.step()
+    return model, opt, psi
+
+
+def test_master_weights_memory_follows_the_mixed_precision_formulas() -> None:
+    """bf16 parameters and gradients, fp32 master weights and Adam moments (K = 12): 16Ψ, 4Ψ + 12Ψ/N,
+    2Ψ + 14Ψ/N, 16Ψ/N bytes (Ψ elements, N = 2); every stage trains the same bf16 parameters and fp32 masters."""
+    import torch
+
+    n = 2
+    plain, plain_opt, _ = _mixed_step(0)
+    fp32, _, _ = _mixed_step(0, master=False)  # fp32 parameters under autocast: bf16 gradients round more
+    for p, q in zip(plain.parameters(), fp32.parameters(), strict=True):
+        want = q.numpy()
+        np.testing.assert_allclose(plain_opt.state[p]["master"].numpy(), want, rtol=1.6e-2,
+                                   atol=1.6e-2 * float(np.abs(want).max()))
+    for stage, (whole, sharded) in {0: (16, 0), 1: (4, 12), 2: (2, 14), 3: (0, 16)}.items():
+        model, opt, psi = _mixed_step(stage)
+        assert sum(optim.memory_per_rank(opt).values()) == whole * psi + sharded * psi // n, stage
+        for p, q in zip(model.parameters(), plain.parameters(), strict=True):
+            assert p.dtype == torch.bfloat16 and p.grad.dtype == torch.bfloat16
+            assert opt.state[p]["master"].dtype == torch.float32
+            np.testing.assert_array_equal(p.float().numpy(), q.float().numpy())
+            np.testing.assert_allclose(opt.state[p]["master"].numpy(), plain_opt.state[q]["master"].numpy(),
+                                       rtol=1e-5, atol=1e-7)
+
+
+def test_master_weights_refuse_a_compiled_step() -> None:
+    import torch
+
+    p2 = PLACEMENTS["2"]
+    model = nn.Sequential(nn.Linear(4, 4)).to_global(p2, B)
+    opt = sbpflow.amp.master_weights(optim.Adam(model.parameters(), lr=0.1), torch.bfloat16)
+    step = _SeqStep(model, opt)
+    step.config.enable_amp(torch.bfloat16)
+    with pytest.raises(SbpflowError, match="master weights"):
+        step(sbpflow.randn(2, 4, placement=p2, sbp=S.split(0)))
+    with pytest.raises(SbpflowError, match="bfloat16 or torch.float16"):
+        sbpflow.amp.master_weights(opt, torch.float64)
+
+
+def test_master_weights_checkpoint_keeps_fp32_state(tmp_path: Any) -> None:
+    """A fresh optimizer lists its moments like the fp32 masters (state_dict before any step), and a checkpoint
+    of a ZeRO-1 run loads into a plain one with fp32 masters and moments, exactly."""
+    import torch
+
+    model, opt, _ = _mixed_step(1)
+    sbpflow.save({"model": model.state_dict(), "optim": opt.state_dict()}, str(tmp_path / "c"))
+    fresh, fresh_opt, _ = _mixed_step(0, steps=0)
+    state = {"model": fresh.state_dict(), "optim": fresh_opt.state_dict()}
+    assert all(v.dtype == torch.float32 for s in state["optim"]["state"].values() for v in s.values()
+               if isinstance(v, sbpflow.Tensor))
+    sbpflow.load(state, str(tmp_path / "c"))
+    fresh.load_state_dict(state["model"])
+    fresh_opt.load_state_dict(state["optim"])
+    for p, q in zip(fresh.parameters(), model.parameters(), strict=True):
+        assert p.dtype == torch.bfloat16
+        np.testing.assert_array_equal(p.float().numpy(), q.float().numpy())
+        for key in ("master", "exp_avg", "exp_avg_sq"):
+            assert fresh_opt.state[p][key].dtype == torch.float32
+            np.testing.assert_array_equal(fresh_opt.state[p][key].numpy(), opt.state[q][key].numpy())
+        assert fresh_opt.state[p]["step"] == opt.state[q]["step"] == 3

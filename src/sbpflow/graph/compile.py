@@ -1,4 +1,5 @@
-"""The compiler's passes, in order: dead code -> SBP selection -> lowering (boxing nodes) -> verification.
+"""The compiler's passes, in order: dead code -> ZeRO-3 prefetch window -> SBP selection -> lowering (boxing
+nodes) -> pipeline -> verification.
 
 Each pass is a function with a clear input and output; :func:`compile_graph` runs them and times each one,
 since compile time is where users of graph compilers suffer first.
@@ -16,6 +17,7 @@ from .ir import LogicalGraph
 from .lower import lower
 from .physical import PhysicalPlan
 from .pipeline import plan_pipeline
+from .prefetch import renumber, window_gathers
 from .select import Selection, select
 from .verify import verify
 
@@ -43,12 +45,7 @@ def eliminate_dead_code(g: LogicalGraph) -> int:
             needed.update(n.inputs)
     before = len(g.nodes)
     kept = [n for n in g.nodes if n.id in live]
-    renumber = {n.id: i for i, n in enumerate(kept)}
-    for n in kept:
-        n.id = renumber[n.id]
-        for v in n.outputs:
-            g.values[v].producer = n.id
-    g.nodes = kept
+    renumber(g, kept)
     defined = {v for n in kept for v in n.outputs}
     g.values = {vid: v for vid, v in g.values.items() if vid in defined}
     return before - len(kept)
@@ -57,10 +54,11 @@ def eliminate_dead_code(g: LogicalGraph) -> int:
 def compile_graph(g: LogicalGraph, method: str = "ilp", model: boxing.CostModel | None = None,
                   factors: tuple[Any, ...] | None = None,
                   agree: Callable[[Any], Any] | None = None,
-                  schedule: str = "1f1b") -> tuple[PhysicalPlan, LogicalGraph, CompileReport]:
+                  schedule: str = "1f1b", prefetch: int = 1) -> tuple[PhysicalPlan, LogicalGraph, CompileReport]:
     """Runs every pass on ``g`` (modified in place) and returns the verified physical plan; ``agree`` (see
     :func:`select`) lets processes adopt one shared SBP choice; ``schedule`` is the pipeline schedule when the
-    plan has several stages (``graph.pipeline``)."""
+    plan has several stages (``graph.pipeline``); ``prefetch`` is the window of ZeRO-3 gathers
+    (``graph.prefetch``; used only when tracing recorded gathers)."""
     from ..comm.torch_dist import TARGET_COST_FACTORS
 
     model = model or boxing.get_cost_model()
@@ -69,6 +67,10 @@ def compile_graph(g: LogicalGraph, method: str = "ilp", model: boxing.CostModel 
     start = time.perf_counter()
     report.removed_nodes = eliminate_dead_code(g)
     report.times["dead code"] = time.perf_counter() - start
+    if g.gathers:
+        start = time.perf_counter()
+        window_gathers(g, prefetch)
+        report.times["prefetch"] = time.perf_counter() - start
     start = time.perf_counter()
     report.selection = select(g, model, factors, method, agree=agree)
     report.times["sbp selection"] = time.perf_counter() - start

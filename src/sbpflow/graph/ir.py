@@ -89,6 +89,21 @@ class LNode:
             raise ValueError(f"LNode kind must be one of {NODE_KINDS}, but got {self.kind!r}")
 
 
+@dataclass(frozen=True)
+class Gather:
+    """One ZeRO-3 unit's parameters gathered whole (``to_global`` S -> B) for one pass over the unit.
+
+    Recorded while tracing, in trace order: each unit's forward gather, then (after the loss) its gather again
+    in backward, whose ``to_global`` nodes carry a control edge on the gradient reaching the unit's output.
+    The prefetch pass (:mod:`.prefetch`) windows them.
+    """
+
+    unit: int  # the unit's index in the ZeRO plan
+    backward: bool  # the gather again in backward (else the forward gather)
+    values: tuple[int, ...]  # the gathered values (outputs of to_global nodes)
+    nested: bool = False  # the unit contains other units: it stays gathered around them, outside any window
+
+
 @dataclass
 class LogicalGraph:
     """Nodes in program order and the values they define."""
@@ -97,6 +112,8 @@ class LogicalGraph:
     values: dict[int, Value] = field(default_factory=dict)
     micro_batches: int = 1
     grad_seeds: list[int] = field(default_factory=list)  # value ids of implicit loss gradients: the backward starts
+    gathers: list[Gather] = field(default_factory=list)  # ZeRO-3 parameter gathers, in trace order
+    watch: dict[str, list[int]] = field(default_factory=dict)  # named value sets whose live bytes the runtime counts
 
     def value(self, vid: int) -> Value:
         return self.values[vid]

@@ -131,7 +131,13 @@ class _Lowerer:
         plan = PhysicalPlan(overwrite_inputs(in_place_updates(self.nodes), self.bufs), self.bufs, {}, self.m)
         plan.registers = registers(plan)
         plan.world = tuple(sorted({r for n in self.nodes for r in n.ranks}))
+        plan.watch = {name: self.bufs_of(vids) for name, vids in self.g.watch.items()}
         return plan
+
+    def bufs_of(self, vids: list[int]) -> tuple[int, ...]:
+        """The buffers holding values ``vids`` in any phase (values dead code removed have none)."""
+        wanted = set(vids)
+        return tuple(sorted({b for (vid, _), b in self.at.items() if vid in wanted}))
 
     def _source(self, n: LNode, kind: str) -> None:
         v = self.g.values[n.outputs[0]]
@@ -170,7 +176,7 @@ class _Lowerer:
         v = self.g.values[n.outputs[0]]
         if n.control:  # a conversion repeated later on purpose: its own boxing nodes, after the control nodes
             src = self.at_phase(n.inputs[0], n.phase)
-            out = self.box(src, Layout(v.placement, v.sbp), n.phase, "to_global again", self._control(n))
+            out = self.box(src, Layout(v.placement, v.sbp), n.phase, "to_global after control", self._control(n))
             self.at[(v.id, n.phase)] = out
             return
         self.at[(v.id, n.phase)] = self.read(n.inputs[0], n.phase, Layout(v.placement, v.sbp), "to_global")

@@ -50,6 +50,9 @@ Overwrites. A compute node with ``overwrites = i`` is the only reader of its
 input ``i``, a fresh buffer of the same shape, dtype and layout as its output:
 it writes the output there (``ops.inplace.OVERWRITING``) instead of allocating.
 
+Watch. ``plan.watch`` names sets of buffers (ZeRO-3's gathered parameters) whose live bytes an executor
+counts apart from the total (``Stats.watch_peak``), so a bound on one kind of memory can be checked.
+
 Args. ``PNode.args`` is the op's positional argument template: ``("t", i)``
 is input buffer ``i`` of the node, ``("c", v)`` a constant scalar.
 """
@@ -158,6 +161,7 @@ class PhysicalPlan:
     peak_bytes: dict[int, int] = field(default_factory=dict)  # predicted per rank (memory plan)
     world: tuple[int, ...] = ()  # every rank the plan involves
     pipeline: Any = None  # graph.pipeline.Pipeline: stages, schedule and priorities (None: one stage)
+    watch: dict[str, tuple[int, ...]] = field(default_factory=dict)  # name -> buffers whose live bytes are counted
 
     def node(self, nid: int) -> PNode:
         return self._by_id()[nid]

@@ -108,6 +108,7 @@ class Tracer:
         self._keep: list[Tensor] = []  # captured tensors, alive so their ids stay unique
         self.variables: dict[str, tuple[Tensor, int]] = {}  # name -> (tensor, initial value id)
         self.random_keys = 0
+        self.loss_seed: Any = None  # loss scaling: maps the backward's implicit gradient to it times the scale
 
     # -- values and nodes ------------------------------------------------------------------------
 
@@ -264,7 +265,8 @@ def ones_root(root: Tensor) -> Tensor:
                               for r in get_backend().owned(root.placement.flat_ranks)}
     tracer.add_node(LNode(0, "constant", f"const{v.id}", outputs=(v.id,), fixed=True))
     tracer.graph.grad_seeds.append(v.id)  # where the backward starts (graph.pipeline tells F from B by it)
-    return tracer.tensor_of(v)
+    seed = tracer.tensor_of(v)
+    return seed if tracer.loss_seed is None else tracer.loss_seed(seed)
 
 
 def next_random_key(value: int) -> int:

@@ -49,6 +49,7 @@ from ..sbp import format_nd
 from ..tensor import Tensor
 from .module import Module
 
+FOUND_INF = "amp.found_inf"  # the hidden output of a loss-scaled step: whether its gradients overflowed
 SHOW: list[tuple[str, int | None]] = []  # set by `sbpflow graph`: (folder, rank) to describe every compile in
 
 
@@ -64,23 +65,45 @@ class GraphConfig:
         self.pipeline_schedule = "1f1b"  # how stages on several placements take turns (graph.pipeline)
         self.zero_stage = 0  # ZeRO stage of the optimizers (enable_zero); 0: plain data parallel
         self.zero_options: dict[str, Any] = {}
+        self.zero_prefetch = 1  # stage 3: how many units ahead a parameter gather may run (graph.prefetch)
         self.amp_dtype: torch.dtype | None = None  # the autocast dtype of build() (enable_amp); None: off
         self.grad_comm_dtype: torch.dtype | None = None  # the dtype gradients are reduced in; None: their own
+        self.loss_scaler: Any = None  # an amp.GradScaler whose rules run inside the step (fp16); None: off
 
-    def enable_zero(self, stage: int = 1, **options: Any) -> None:
+    def enable_zero(self, stage: int = 1, *, prefetch: int = 1, **options: Any) -> None:
         """Shards optimizer state (1), gradients (2) and parameters (3) on the data axis, as
         :func:`sbpflow.optim.zero` (``options``: ``axis``, ``min_shard_numel``, ``units``); the traced step then
-        carries those SBPs as constraints (reduce-scatters and all-gathers instead of all-reduces)."""
+        carries those SBPs as constraints (reduce-scatters and all-gathers instead of all-reduces). Stage 3
+        gathers a unit's parameters up to ``prefetch`` units ahead of its use, so at most ``prefetch + 1``
+        units (besides the model itself) hold gathered copies at once (:mod:`sbpflow.graph.prefetch`)."""
         if stage not in (0, 1, 2, 3):
             raise SbpflowError(f"enable_zero(stage=...) must be 0, 1, 2 or 3, but got {stage!r}")
-        self.zero_stage, self.zero_options = stage, options
+        if not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 0:
+            raise SbpflowError(f"enable_zero(prefetch=...) is a number of units >= 0, but got {prefetch!r}")
+        self.zero_stage, self.zero_options, self.zero_prefetch = stage, options, prefetch
 
-    def enable_amp(self, dtype: torch.dtype = torch.bfloat16, *, grad_comm_dtype: torch.dtype | None = None) -> None:
+    def enable_amp(self, dtype: torch.dtype = torch.bfloat16, *, grad_comm_dtype: torch.dtype | None = None,
+                   loss_scaler: Any = "auto") -> None:
         """Traces build() under ``sbpflow.autocast(dtype)`` (casts become graph ops; master weights stay fp32);
-        ``grad_comm_dtype=torch.bfloat16`` also reduces gradients in bf16 (half the bytes in the plan)."""
+        ``grad_comm_dtype=torch.bfloat16`` also reduces gradients in bf16 (half the bytes in the plan).
+
+        ``loss_scaler``: an :class:`sbpflow.amp.GradScaler` run inside the step (``"auto"``: a default one for
+        fp16, none for bf16; ``None``: none). Its scale multiplies the backward's starting gradient; the step
+        divides the gradients by it, finds any inf/NaN (one reduction), keeps every parameter and optimizer
+        state unchanged on overflow (``where``, no Python branch) and updates the scale, all as graph ops. The
+        host reads the overflow flag after the run only to leave step counts unadvanced, as torch does;
+        ``loss_scaler.get_scale()`` follows the graph's scale."""
+        from ..amp import GradScaler
+
         if dtype not in (torch.bfloat16, torch.float16):
             raise SbpflowError(f"enable_amp(dtype=...) takes torch.bfloat16 or torch.float16, but got {dtype}")
+        if isinstance(loss_scaler, str) and loss_scaler == "auto":
+            loss_scaler = GradScaler() if dtype == torch.float16 else None
+        if loss_scaler is not None and not isinstance(loss_scaler, GradScaler):
+            raise SbpflowError(f"enable_amp(loss_scaler=...) takes an sbpflow.amp.GradScaler, 'auto' or None, but got "
+                               f"{loss_scaler!r}")
         self.amp_dtype, self.grad_comm_dtype = dtype, grad_comm_dtype
+        self.loss_scaler = loss_scaler if loss_scaler is not None and loss_scaler.enabled else None
 
     def set_gradient_accumulation_steps(self, steps: int) -> None:
         """Splits dim 0 of every input into ``steps`` micro-batches; gradients accumulate over them."""
@@ -177,6 +200,7 @@ class Compiled:
     random_keys: int
     executor: Any = None
     steps: int = field(default=0)
+    scaler: Any = None  # the amp.GradScaler traced into the step (its overflow flag is output FOUND_INF)
 
 
 class Graph:
@@ -241,6 +265,7 @@ class Graph:
         for entry in self._optimizers:
             entry.optimizer.init_state()
         tracer = Tracer(m, target_factors(args))
+        scaler = self._scaler_variables()
         variables = self._variables()
         saved = {name: (t._shards, t.grad, t._version) for name, t in variables.items()}
         draws = sbp_random.counter()
@@ -251,10 +276,11 @@ class Graph:
                 t._shards = None
                 t.grad = None
             lazy_args, inputs = _trace_inputs(tracer, args, m)
+            tracer.loss_seed = scaler.loss_seed if scaler is not None else None
             with enable_grad(), self._amp(), _checkpointed_modules(list(self._modules.values())):
                 result = self.build(*lazy_args)
             outputs, tree = _flatten_outputs(result)
-            feeds = self._trace_post(tracer, outputs)
+            feeds = self._trace_post(tracer, outputs, scaler)
             _emit_assigns(tracer)
         finally:
             ACTIVE.pop()
@@ -264,13 +290,26 @@ class Graph:
                 t._lazy = None
         trace_s = time.perf_counter() - start
         plan, logical, report = compile_graph(tracer.graph, self.config.sbp_selection, agree=_rank0_choice,
-                                              schedule=self.config.pipeline_schedule)
+                                              schedule=self.config.pipeline_schedule,
+                                              prefetch=self.config.zero_prefetch)
         plan.peak_bytes = _memory_plan(plan)
         report.times = {"trace": trace_s, **report.times}
-        out_bufs = [(n.name, plan.bufs[n.inputs[0]]) for n in plan.nodes if n.kind == "output"]
+        out_bufs = [(n.name, plan.bufs[n.inputs[0]]) for n in plan.nodes if n.kind == "output" and n.name != FOUND_INF]
         constants = {f"const{vid}": shards for vid, shards in tracer.constants.items()}
         return Compiled(logical, plan, report, inputs, out_bufs, tree, variables, constants, feeds,
-                        tracer.random_keys)
+                        tracer.random_keys, scaler=scaler)
+
+    def _scaler_variables(self) -> Any:
+        """The loss scaler (if any), its scale and tracker made graph variables on the first parameter's placement."""
+        scaler = self.config.loss_scaler
+        if scaler is None:
+            return None
+        params = [p for e in self._optimizers for p in e.optimizer._all_params() if p.is_global]
+        if not params:
+            raise SbpflowError("enable_amp(loss_scaler=...) scales the gradients of the graph's optimizers, but the "
+                               "graph has no optimizer with global parameters (call add_optimizer)")
+        scaler.graph_variables(params[0].placement)
+        return scaler
 
     def _variables(self) -> dict[str, Tensor]:
         out: dict[str, Tensor] = {}
@@ -280,6 +319,10 @@ class Graph:
                 if id(t) not in seen and t.is_global:
                     seen.add(id(t))
                     out[f"{prefix}.{name}"] = t
+        scaler = self.config.loss_scaler
+        for name, t in (scaler.graph_state() if scaler is not None else {}).items():
+            seen.add(id(t))
+            out[name] = t
         for k, entry in enumerate(self._optimizers):
             opt = entry.optimizer
             index = {id(p): i for i, p in enumerate(opt._all_params())}
@@ -316,26 +359,41 @@ class Graph:
         stack.enter_context(amp.gradient_communication(self.config.grad_comm_dtype))
         return stack
 
-    def _trace_post(self, tracer: Tracer, outputs: list[Tensor]) -> list[Callable[[], list[tuple[str, float]]]]:
-        """Outputs, gradient accumulation, clipping and optimizer updates (once per step, on the whole batch)."""
+    def _trace_post(self, tracer: Tracer, outputs: list[Tensor],
+                    scaler: Any = None) -> list[Callable[[], list[tuple[str, float]]]]:
+        """Outputs, gradient accumulation, loss-scale checks, clipping and optimizer updates (once per step, on
+        the whole batch)."""
         for i, out in enumerate(outputs):
             if out._lazy is None:
                 raise TraceError(f"build() must return tensors computed from its inputs, but output {i} is "
                                  f"{out._describe()}")
             _micro_to_post(tracer, out, "mean" if out.ndim == 0 else "cat", f"output{i}", output=True)
         tracer.phase = "post"
-        feeds: list[Callable[[], list[tuple[str, float]]]] = []
-        for k, entry in enumerate(self._optimizers):
+        per_entry = []
+        for entry in self._optimizers:
             params = [p for g in entry.optimizer.param_groups for p in g["params"] if p.grad is not None]
             for p in params:
                 assert p.grad is not None
                 p.grad = _micro_to_post(tracer, p.grad, "sum", "grad")
+            per_entry.append(params)
+        found = _trace_unscale(tracer, scaler, [p for params in per_entry for p in params])
+        before = {name: t._lazy.value.id for name, (t, _) in tracer.variables.items() if t._lazy is not None}
+        feeds: list[Callable[[], list[tuple[str, float]]]] = []
+        for k, (entry, params) in enumerate(zip(self._optimizers, per_entry, strict=True)):
             if entry.clip_grad_max_norm is not None:
                 from ..optim.clip import clip_grad_norm_
 
                 clip_grad_norm_(params, entry.clip_grad_max_norm, entry.clip_grad_norm_type)
             entry.optimizer.trace_step(f"optim{k}")
             feeds.append(_feed_fn(entry.optimizer, f"optim{k}"))
+        if found is not None:
+            from ..amp import trace_masked_updates
+
+            changed = [(t, tracer.tensor_of(tracer.graph.values[before[name]]))
+                       for name, (t, _) in tracer.variables.items()
+                       if t._lazy is not None and name in before and t._lazy.value.id != before[name]]
+            trace_masked_updates(found, changed)
+            scaler.trace_update(found)
         return feeds
 
     # -- run -------------------------------------------------------------------------------------
@@ -346,14 +404,20 @@ class Graph:
             feeds.update(fn())
         seed, base = sbp_random.advance(compiled.random_keys * compiled.plan.micro_batches)
         feeds[RANDOM_FEED] = (seed, base, compiled.random_keys)
+        if compiled.scaler is not None:
+            compiled.scaler.before_compiled_step()
         variables = {name: t._shards or {} for name, t in compiled.variables.items()}
         variables.update(compiled.constants)
         outputs = self._executor(compiled).run(feeds, variables) if self.config.executor == "actors" else \
             run_plan(compiled.plan, feeds, variables)
         for t in compiled.variables.values():
             t._version += 1
+        skipped = compiled.scaler is not None and any(bool(v) for v in outputs.get(FOUND_INF, {}).values())
+        if compiled.scaler is not None:
+            compiled.scaler.after_compiled_step()
         for entry in self._optimizers:
-            entry.optimizer.after_compiled_step()
+            if not skipped:  # an overflowed step left parameters and state alone: step counts stay (as torch)
+                entry.optimizer.after_compiled_step()
             if entry.lr_scheduler is not None:
                 entry.lr_scheduler.step()
         compiled.steps += 1
@@ -514,6 +578,22 @@ def _micro_to_post(tracer: Tracer, t: Tensor, how: str, name: str, output: bool 
         tracer.add_node(LNode(0, "output", name, (out.id,), in_sbps=(v.sbp,), fixed=True))
     tracer.phase = saved
     return tracer.tensor_of(out)
+
+
+def _trace_unscale(tracer: Tracer, scaler: Any, params: list[Tensor]) -> Tensor | None:
+    """Loss scaling: the accumulated gradients divided by the scale; returns the overflow flag (also a hidden
+    output, FOUND_INF), or None without a scaler."""
+    from ..graph.ir import LNode
+
+    if scaler is None:
+        return None
+    grads = [p.grad for p in params if p.grad is not None]
+    found, unscaled = scaler.trace_unscale(grads)
+    for p, g in zip([p for p in params if p.grad is not None], unscaled, strict=True):
+        p.grad = g
+    assert found._lazy is not None
+    tracer.add_node(LNode(0, "output", FOUND_INF, (found._lazy.value.id,), in_sbps=(found.sbp,), fixed=True))
+    return found
 
 
 def _emit_assigns(tracer: Tracer) -> None:

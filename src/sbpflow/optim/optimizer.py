@@ -150,8 +150,8 @@ class Optimizer:
         batch = self._batch(group, params, views)
         self._update(group, batch)
         for p, (view, _) in zip(params, views, strict=True):
-            if view is not p:  # sharded state: the updated slice goes back into the parameter
-                p._assign(view.to_global(p.placement, p.sbp))
+            if view is not p:  # sharded state or a master weight: the updated value goes back into the parameter
+                p._assign(_written_back(view, p))
             else:  # updated on its shards by the foreach kernels: say so, as torch's step does
                 p._version += 1
 
@@ -159,6 +159,9 @@ class Optimizer:
         """``(parameter, gradient)`` in the state layout: ``p`` itself unless :meth:`state_sbp` differs."""
         grad = p.grad
         assert grad is not None
+        master = self._master_of(p)
+        if master is not None:  # amp.master_weights: the fp32 copy is updated, from an fp32 gradient
+            return master, _master_grad(grad, master)
         if not p.is_global:
             return p, grad
         _check_not_partial(p, type(self).__name__)
@@ -171,6 +174,13 @@ class Optimizer:
             raise SbpError(f"{type(self).__name__}.state_sbp must not be partial, but gave {format_nd(target)} "
                            f"for the parameter with {p._describe()}")
         return p.detach().to_global(p.placement, target), grad.to_global(p.placement, target)
+
+    def _master_of(self, p: Tensor) -> Tensor | None:
+        """``p``'s fp32 master weight (state ``"master"``, see :func:`sbpflow.amp.master_weights`), if it has one."""
+        if p not in self.state:
+            return None
+        master = self.state[p].get("master")
+        return master if isinstance(master, Tensor) else None
 
     def _batch(self, group: dict[str, Any], params: list[Tensor], views: list[tuple[Tensor, Tensor]]) -> ShardBatch:
         names = self._state_names(group)
@@ -209,6 +219,9 @@ class Optimizer:
 
     def _state_layout(self, p: Tensor) -> Tensor:
         """A tensor in ``p``'s state layout (``p`` itself unless :meth:`state_sbp` differs) to shape new state on."""
+        master = self._master_of(p)
+        if master is not None:  # state lives like the fp32 master weight
+            return master
         target = self.state_sbp(p)
         if not p.is_global or target is None or target == p.sbp:
             return p
@@ -228,6 +241,9 @@ class Optimizer:
                 if not params:
                     continue
                 _check_shared_step([self.state[p] for p in params], type(self).__name__)
+                if any(self._master_of(p) is not None for p in params):
+                    raise SbpflowError(f"{type(self).__name__} with master weights (sbpflow.amp.master_weights) has "
+                                       "no compiled (nn.Graph) update yet; use eager steps")
                 grads = []
                 for p in params:
                     _check_not_partial(p, type(self).__name__)
@@ -307,14 +323,15 @@ class Optimizer:
             for saved_index, p in zip(saved["params"], own["params"], strict=True):
                 entry = state_dict["state"].get(saved_index)
                 if entry:
-                    self.state[p].update({k: self._load_value(k, v, p) for k, v in entry.items()})
+                    dtype = _state_dtype(entry, p)
+                    self.state[p].update({k: self._load_value(k, v, p, dtype) for k, v in entry.items()})
 
-    def _load_value(self, name: str, value: Any, p: Tensor) -> Any:
+    def _load_value(self, name: str, value: Any, p: Tensor, dtype: torch.dtype | None = None) -> Any:
         if name == "step":
             return float(value.item() if hasattr(value, "item") else value)
         if value is None or isinstance(value, (int, float)):
             return value
-        return _in_state_layout(value, p, self.state_sbp(p))
+        return _in_state_layout(value, p, self.state_sbp(p), dtype)
 
     def _all_params(self) -> list[Tensor]:
         return [p for g in self.param_groups for p in g["params"]]
@@ -349,25 +366,52 @@ def _check_not_partial(p: Tensor, who: str) -> None:
         )
 
 
+def _master_grad(grad: Tensor, master: Tensor) -> Tensor:
+    """A low-precision gradient in its master weight's layout and dtype."""
+    from ..ops.functional import cast
+
+    if grad.is_global and (grad.placement, grad.sbp) != (master.placement, master.sbp):
+        grad = grad.to_global(master.placement, master.sbp)
+    return cast(grad, master.dtype) if grad.dtype != master.dtype else grad
+
+
+def _written_back(view: Tensor, p: Tensor) -> Tensor:
+    """An updated view (a ZeRO slice, or a master weight) in ``p``'s dtype and layout: cast first, so the
+    all-gather of a sharded update moves ``p``'s own (2-byte) dtype."""
+    from ..ops.functional import cast
+
+    value = cast(view, p.dtype) if view.dtype != p.dtype else view
+    if not p.is_global:
+        return value
+    return value if (value.placement, value.sbp) == (p.placement, p.sbp) else value.to_global(p.placement, p.sbp)
+
+
 def _zeros_like_view(view: Tensor) -> Tensor:
     if not view.is_global:
         return zeros(tuple(view.shape), dtype=view.dtype)
     return zeros(tuple(view.shape), placement=view.placement, sbp=view.sbp, dtype=view.dtype)
 
 
-def _in_state_layout(value: Any, p: Tensor, sbp: NdSbp | None) -> Tensor:
-    """A saved state tensor as a new tensor in ``p``'s state layout (its own memory)."""
+def _state_dtype(entry: dict[str, Any], p: Tensor) -> torch.dtype:
+    """The dtype of a parameter's state tensors: its master weight's (fp32 under amp.master_weights), else its own."""
+    master = entry.get("master")
+    return master.dtype if isinstance(master, (Tensor, torch.Tensor)) else p.dtype
+
+
+def _in_state_layout(value: Any, p: Tensor, sbp: NdSbp | None, dtype: torch.dtype | None = None) -> Tensor:
+    """A saved state tensor as a new tensor in ``p``'s state layout (its own memory), in ``dtype`` (``p``'s)."""
+    dtype = dtype or p.dtype
     if isinstance(value, Tensor):
         if value.is_global and p.is_global:
             moved = value.detach().to_global(p.placement, sbp)
-            return Tensor._from_shards(tuple(moved.shape), p.dtype, p.placement, moved.sbp,
-                                       {r: t.to(p.dtype, copy=True) for r, t in moved.local_tensors().items()})
+            return Tensor._from_shards(tuple(moved.shape), dtype, p.placement, moved.sbp,
+                                       {r: t.to(dtype, copy=True) for r, t in moved.local_tensors().items()})
         value = logical_value(value)
-    full = torch.as_tensor(value).detach().to(p.dtype)
+    full = torch.as_tensor(value).detach().to(dtype)
     if tuple(full.shape) != tuple(p.shape):
         raise SbpflowError(f"optimizer state of shape {list(full.shape)} does not fit the parameter with "
                            f"{p._describe()}")
     if not p.is_global:
         return Tensor._from_local(full.clone())
     assert sbp is not None
-    return Tensor._from_shards(tuple(full.shape), p.dtype, p.placement, sbp, shards_from_full(full, p.placement, sbp))
+    return Tensor._from_shards(tuple(full.shape), dtype, p.placement, sbp, shards_from_full(full, p.placement, sbp))

@@ -18,7 +18,10 @@ changes, because a layout is just an SBP and boxing supplies the collectives:
   that gathers again when backward reaches them, and the gathered copy is freed
   once its own gradient has been reduce-scattered (``to_global``'s backward,
   ``P -> S(d)``). At most the units whose forward or backward is running hold a
-  gathered copy: a bounded window.
+  gathered copy: a bounded window. Eager mode gathers just in time (no prefetch:
+  eager ops run one after another anyway); ``nn.Graph`` records the same gathers
+  and its prefetch pass (:mod:`sbpflow.graph.prefetch`) lets the next ``prefetch``
+  units' gathers run ahead while the current unit computes, within that window.
 
 Memory per data-parallel rank (fp32 Adam, Ψ parameters, N ranks; parameter 4,
 gradient 4, state 8 bytes each): plain ``16Ψ``, stage 1 ``8Ψ + 8Ψ/N``,
@@ -61,6 +64,7 @@ from ..tensor import Tensor
 from .optimizer import Optimizer
 
 DEFAULT_MIN_SHARD_NUMEL = 64
+GATHERED = "zero3 gathered parameters"  # the plan.watch set of nn.Graph's stage-3 gathered copies
 
 
 def zero_sbp(p: Tensor, axis: int = 0, min_shard_numel: int = DEFAULT_MIN_SHARD_NUMEL) -> NdSbp:
@@ -204,9 +208,10 @@ def _install_units(model: Module, units: list[Module], plan: ZeroPlan) -> None:
         if unit is not None and id(p) in plan.sharded:
             gathered = p.sbp[:plan.axis] + (broadcast,) + p.sbp[plan.axis + 1:]
             slots[id(unit)].append(_Slot(module, name, p, gathered))
-    for unit in units:
+    for index, unit in enumerate(units):
         if slots[id(unit)]:
-            _Unit(unit, slots[id(unit)], plan).install()
+            nested = any(other is not unit and other in units for other in unit.modules())
+            _Unit(unit, slots[id(unit)], plan, index, nested).install()
 
 
 def _direct_params(model: Module) -> Iterator[tuple[Module, str, Tensor]]:
@@ -236,22 +241,40 @@ def _unit_of_params(model: Module, units: list[Module]) -> dict[int, Module]:
 class _Unit:
     """The hooks of one stage-3 unit. A forward call gathers, the unit's output hook gathers again in backward."""
 
-    def __init__(self, module: Module, slots: list[_Slot], plan: ZeroPlan) -> None:
+    def __init__(self, module: Module, slots: list[_Slot], plan: ZeroPlan, index: int = 0,
+                 nested: bool = False) -> None:
         self.module = module
         self.slots = slots
         self.plan = plan
+        self.index = index  # the unit's place in the list of units (nn.Graph's prefetch pass orders by trace)
+        self.nested = nested  # it contains other units (gathered around them, outside the prefetch window)
 
     def install(self) -> None:
         self.module.register_forward_pre_hook(self._before_forward)
         self.module.register_forward_hook(self._after_forward)
 
     def _before_forward(self, module: Module, args: tuple[Any, ...]) -> None:
+        traced = []
         for slot in self.slots:
             gathered = slot.param.to_global(slot.param.placement, slot.gathered_sbp)  # S -> B: all-gather
             if gathered._lazy is None:  # nn.Graph traces: the compiled plan owns the memory
                 self.plan.gathered_bytes += _first_shard_bytes(gathered)
+            else:
+                traced.append(gathered._lazy.value.id)
             object.__setattr__(slot.module, slot.name, gathered)  # shadows the parameter during forward
         self.plan.peak_gathered_bytes = max(self.plan.peak_gathered_bytes, self.plan.gathered_bytes)
+        if traced:
+            self._record_gather(tuple(traced), backward=False)
+
+    def _record_gather(self, values: tuple[int, ...], backward: bool) -> None:
+        """nn.Graph: the gathered values, for the prefetch pass and the runtime's count of gathered bytes."""
+        from ..graph import trace
+        from ..graph.ir import Gather
+
+        tracer = trace.tracing()
+        assert tracer is not None
+        tracer.graph.gathers.append(Gather(self.index, backward, values, self.nested))
+        tracer.graph.watch.setdefault(GATHERED, []).extend(values)
 
     def _after_forward(self, module: Module, args: tuple[Any, ...], output: Any) -> None:
         gathered = [slot.module.__dict__.pop(slot.name) for slot in self.slots]
@@ -288,11 +311,15 @@ class _Unit:
 
             tracer = trace.tracing()
             assert tracer is not None and grad._lazy is not None
+            values = []
             for slot, g in zip(self.slots, gathered, strict=True):
                 with no_grad():
                     fresh = slot.param.detach().to_global(slot.param.placement, slot.gathered_sbp)
                 tracer.graph.nodes[-1].control = (grad._lazy.value.id,)  # the to_global just recorded
+                assert fresh._lazy is not None
                 g._lazy = fresh._lazy
+                values.append(fresh._lazy.value.id)
+            self._record_gather(tuple(values), backward=True)
 
         hook = _Once(regather)
         for out in _tensors(output):

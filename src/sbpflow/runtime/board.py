@@ -63,6 +63,7 @@ class RegisterState:
     readers: list[InEdge] = field(default_factory=list)
     free: int = 0
     resident: dict[int, int] = field(default_factory=dict)  # a variable's bytes: live for the whole step
+    watch: tuple[str, ...] = ()  # the plan.watch sets this buffer belongs to
 
     @property
     def live(self) -> int:
@@ -149,13 +150,15 @@ class Actor:
 
 @dataclass
 class Stats:
-    """What the last run did: acts, peak live bytes per rank and peak live slots per register."""
+    """What the last run did: acts, peak live bytes per rank (in all, and of each ``plan.watch`` set) and peak
+    live slots per register."""
 
     acts: int = 0
     peak_bytes: dict[int, int] = field(default_factory=dict)
     peak_slots: dict[int, int] = field(default_factory=dict)  # buf id -> most slots live at once
     register_num: dict[int, int] = field(default_factory=dict)  # buf id -> capacity
     seconds: float = 0.0
+    watch_peak: dict[str, dict[int, int]] = field(default_factory=dict)  # plan.watch name -> rank -> peak bytes
 
 
 class Board:
@@ -185,6 +188,7 @@ class Board:
             self._set_keys(producers)
         self.resident = self._resident_bytes()
         self.live_bytes = dict(self.resident)
+        self.watch_live = {name: dict.fromkeys(self.owned_ranks, 0) for name in plan.watch}
         self.stats = Stats()
         self.finished = 0
 
@@ -201,6 +205,7 @@ class Board:
             sizes = {r: desc.bytes_on(r) if desc is not None else self.plan.bufs[b].nbytes(r) for r in owned}
             reg = RegisterState(b, capacity, {} if actor.node.kind == "variable" else sizes, actor)
             reg.resident = sizes if actor.node.kind == "variable" else {}
+            reg.watch = tuple(name for name, bufs in self.plan.watch.items() if b in bufs)
             self.registers[b] = reg
             actor.outputs.append(reg)
 
@@ -265,8 +270,10 @@ class Board:
         for reg in self.registers.values():
             reg.free = reg.capacity
         self.live_bytes = dict(self.resident)
+        self.watch_live = {name: dict.fromkeys(self.owned_ranks, 0) for name in self.plan.watch}
         self.stats = Stats(peak_bytes=dict(self.resident),
-                           register_num={b: r.capacity for b, r in self.registers.items()})
+                           register_num={b: r.capacity for b, r in self.registers.items()},
+                           watch_peak={name: dict.fromkeys(self.owned_ranks, 0) for name in self.plan.watch})
         self.finished = sum(1 for a in self.actors if a.steps == 0)
 
     @property
@@ -326,6 +333,11 @@ class Board:
             self.live_bytes[r] += n
             if self.live_bytes[r] > self.stats.peak_bytes.get(r, -1):
                 self.stats.peak_bytes[r] = self.live_bytes[r]
+            for name in reg.watch:
+                live = self.watch_live[name]
+                live[r] = live.get(r, 0) + n
+                peak = self.stats.watch_peak[name]
+                peak[r] = max(peak.get(r, 0), live[r])
 
     def _write(self, reg: RegisterState, value: Any, micro: int, event: Any) -> set[Actor]:
         if not reg.readers:
@@ -354,6 +366,8 @@ class Board:
         reg.free += 1
         for r, n in reg.bytes_by_rank.items():
             self.live_bytes[r] -= n
+            for name in reg.watch:
+                self.watch_live[name][r] -= n
 
     # -- what is stuck -----------------------------------------------------------------------------
 

@@ -1,0 +1,118 @@
+"""The prefetch pass: ZeRO-3's parameter gathers run ahead of their units by a bounded window.
+
+Input: a logical graph whose ``gathers`` list (recorded by ``sbpflow.optim.zero`` while tracing) names, in
+trace order, each unit's forward gather and its gather again in backward. Without this pass a forward
+gather reads only a variable, so a runtime's communication thread may gather every layer at the start of
+the step: no bound at all. Output: the same graph with control edges that bound it, and the gathers moved
+as early as those edges allow (the plan order, which every communication stream follows).
+
+The gathers of the units that nest no other unit (the blocks) form one sequence ``e_0, e_1, ...``: forward
+in layer order, then backward in reverse. With a window ``w``:
+
+* ``e_i`` waits for every node that reads ``e_(i-w-1)``'s gathered values, so at most ``w + 1`` units hold
+  a gathered copy at once (``w = 1``: layer ``k + 1`` is gathered while layer ``k`` computes);
+* a backward gather ``e_i`` also waits for the gradient that reached the unit ``w`` places earlier in the
+  backward sequence (its own for ``w = 0``): backward prefetches from where backward is, not from forward.
+
+A unit that nests others (the model itself, holding embeddings and the head) keeps its own gathers: it is
+gathered around the blocks, outside the window.
+
+The gates act within one micro-batch: under gradient accumulation the first gathers of micro-batch ``k + 1``
+may overlap the last ones of micro-batch ``k`` (up to twice the window's copies then).
+
+Edges only come from nodes placed before the first reader of the gather they gate, so they cannot close a
+cycle (a gate that reads a later value is left out: that part of the bound is then not enforced).
+"""
+
+from __future__ import annotations
+
+import heapq
+
+from ..errors import SbpflowError
+from .ir import Gather, LNode, LogicalGraph
+
+
+def window_gathers(g: LogicalGraph, window: int) -> None:
+    """Adds the window's control edges to ``g``'s gather nodes and moves each gather as early as they allow."""
+    if window < 0:
+        raise SbpflowError(f"ZeRO-3 prefetch window must be >= 0 layers, but got {window!r}")
+    events = _live_events(g)
+    if not events:
+        return
+    readers = g.consumers()
+    gates = _gates(g, events, window, readers)
+    for event, gate in zip(events, gates, strict=True):
+        for node in _gather_nodes(g, event):
+            node.control = gate
+    _reorder(g, {n.id for e in events for n in _gather_nodes(g, e)})
+
+
+def _live_events(g: LogicalGraph) -> list[Gather]:
+    """The windowed gathers, each reduced to the values dead code kept."""
+    out = []
+    for e in g.gathers:
+        values = tuple(v for v in e.values if v in g.values)
+        if values and not e.nested:
+            out.append(Gather(e.unit, e.backward, values, e.nested))
+    return out
+
+
+def _gather_nodes(g: LogicalGraph, e: Gather) -> list[LNode]:
+    return [g.nodes[g.values[v].producer] for v in e.values]
+
+
+def _need(e: Gather, readers: dict[int, list[int]]) -> int:
+    """Position of the first node reading the event's gathered values."""
+    return min((n for v in e.values for n in readers[v]), default=1 << 60)
+
+
+def _gates(g: LogicalGraph, events: list[Gather], window: int, readers: dict[int, list[int]]) -> list[tuple[int, ...]]:
+    """Each event's control values (see the module docstring)."""
+    original = [tuple(sorted({c for n in _gather_nodes(g, e) for c in n.control})) for e in events]
+    first_backward = next((i for i, e in enumerate(events) if e.backward), len(events))
+    out = []
+    for i, e in enumerate(events):
+        need = _need(e, readers)
+        gate: set[int] = set()
+        if i - window - 1 >= 0:
+            previous = events[i - window - 1]
+            for n in {n for v in previous.values for n in readers[v]}:
+                if n < need and g.nodes[n].outputs:
+                    gate.add(g.nodes[n].outputs[0])
+        if e.backward:
+            gate.update(c for c in original[max(i - window, first_backward)] if g.values[c].producer < need)
+        out.append(tuple(sorted(gate)))
+    return out
+
+
+def _reorder(g: LogicalGraph, early: set[int]) -> None:
+    """A topological order of ``g`` that keeps program order, except that the ``early`` nodes come as soon as
+    their inputs and control values exist; node ids are renumbered to the new positions."""
+    deps = {n.id: {g.values[v].producer for v in (*n.inputs, *n.control)} for n in g.nodes}
+    users: dict[int, list[int]] = {n.id: [] for n in g.nodes}
+    for nid, ds in deps.items():
+        for d in ds:
+            users[d].append(nid)
+    waiting = {nid: len(ds) for nid, ds in deps.items()}
+    ready = [(-1 if nid in early else nid, nid) for nid, k in waiting.items() if k == 0]
+    heapq.heapify(ready)
+    order: list[LNode] = []
+    while ready:
+        nid = heapq.heappop(ready)[1]
+        order.append(g.nodes[nid])
+        for u in users[nid]:
+            waiting[u] -= 1
+            if waiting[u] == 0:
+                heapq.heappush(ready, (-1 if u in early else u, u))
+    if len(order) != len(g.nodes):
+        raise AssertionError("the prefetch pass closed a cycle of control edges")
+    renumber(g, order)
+
+
+def renumber(g: LogicalGraph, nodes: list[LNode]) -> None:
+    """Makes ``nodes`` the graph's program order, ids equal to positions."""
+    for i, n in enumerate(nodes):
+        n.id = i
+        for v in n.outputs:
+            g.values[v].producer = i
+    g.nodes = nodes
