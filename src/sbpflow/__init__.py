@@ -36,6 +36,7 @@ from .creation import (
     zeros_like,
 )
 from .distributed import print0, rank, world_size
+from .meta import meta_init, meta_tensor
 from .errors import (
     ArgumentError,
     AutocastWarning,
@@ -45,6 +46,7 @@ from .errors import (
     CommError,
     DTypeError,
     IndexOutOfRangeError,
+    MetaTensorError,
     OpError,
     PlacementError,
     SbpError,

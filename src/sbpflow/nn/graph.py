@@ -232,6 +232,24 @@ class Graph:
         object.__setattr__(self, "_last", compiled)
         return self._run(compiled, args)
 
+    def compile_only(self, *args: Any) -> Compiled:
+        """Traces and compiles the step for ``args``' metadata (shape, dtype, placement, SBP), running nothing.
+
+        The arguments may be meta tensors (:func:`sbpflow.meta_tensor`), and the graph's modules may be built
+        under :func:`sbpflow.meta_init` (a model of any size, without memory for its weights): tracing reads
+        metadata only. The result is cached as a call's would be: ``explain()``, ``plan`` and ``logical`` show
+        it, and a later call with the same metadata on a model with real weights runs it without compiling.
+        """
+        if self.config.auto_parallel is not None:
+            raise SbpflowError(f"{type(self).__name__}.compile_only: enable_auto_parallel plans the model from "
+                               "the first call's data; compile the planned model instead")
+        key = _input_key(args)
+        compiled = self._cache.get(key)
+        if compiled is None:
+            compiled = self._cache[key] = self._compile(args)
+        object.__setattr__(self, "_last", compiled)
+        return compiled
+
     # -- compile ---------------------------------------------------------------------------------
 
     def _compile(self, args: Sequence[Any]) -> Compiled:
@@ -341,6 +359,7 @@ class Graph:
     # -- run -------------------------------------------------------------------------------------
 
     def _run(self, compiled: Compiled, args: Sequence[Any]) -> Any:
+        _refuse_meta(compiled, args)
         feeds = _input_feeds(compiled, args)
         for fn in compiled.feeds:
             feeds.update(fn())
@@ -549,6 +568,18 @@ def _feed_fn(optimizer: Any, prefix: str) -> Callable[[], list[tuple[str, float]
         return [f for gi, g in enumerate(optimizer.param_groups) for f in optimizer.step_feeds(f"{prefix}.{gi}", g)]
 
     return feeds
+
+
+def _refuse_meta(compiled: Compiled, args: Sequence[Any]) -> None:
+    """A step cannot run on meta tensors (sbpflow.meta_init): the first one, input or variable, is named."""
+    from ..meta import refuse
+
+    for i, a in enumerate(args):
+        if isinstance(a, Tensor) and a.is_meta:
+            refuse(a, f"running the compiled step on input {i}")
+    for name, t in compiled.variables.items():
+        if t.is_meta:
+            refuse(t, f"running the compiled step on variable {name!r}")
 
 
 def _input_feeds(compiled: Compiled, args: Sequence[Any]) -> dict[str, Any]:
