@@ -42,11 +42,13 @@ import bisect
 import heapq
 import itertools
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
+from typing import Any
 from functools import lru_cache
 
+import numpy as np
 import torch
 
 from .._layout import Shape, box_shape, intersect, numel, shard_box
@@ -220,7 +222,7 @@ def _plan_cached(shape: Shape, dtype: torch.dtype, src: Layout, dst: Layout, mod
                  factors: tuple[tuple[tuple[str, str], float], ...] = ()) -> Plan:
     if src == dst:
         return Plan(shape, dtype, src, dst)
-    ctx = _Ctx(shape, _itemsize(dtype), model, _candidates(shape, src, dst), dict(factors))
+    ctx = _Ctx(shape, _itemsize(dtype), model, _candidates(shape, src, dst), dict(factors), factors)
     steps = _search(ctx, src, dst)
     return Plan(shape, dtype, src, dst, tuple(steps))
 
@@ -240,7 +242,7 @@ def transition_time(shape: Shape, dtype: torch.dtype, src: Layout, dst: Layout, 
         differ = [axis for axis, (a, b) in enumerate(zip(mid.sbp, dst.sbp, strict=True)) if a != b]
         if not differ:
             return 0.0
-        ctx = _Ctx(tuple(shape), _itemsize(dtype), model, (), dict(factors))
+        ctx = _Ctx(tuple(shape), _itemsize(dtype), model, (), dict(factors), factors)
         chains = [t for t in (_chain_time(ctx, mid, dst, differ), _chain_time(ctx, mid, dst, differ[::-1]))
                   if t is not None]
         if chains:
@@ -277,6 +279,26 @@ class _Ctx:
     model: CostModel
     candidates: tuple[SbpParallel, ...]
     factors: dict[tuple[str, str], float] = field(default_factory=dict)  # (device type, kind) -> cost multiplier
+    factors_key: tuple[Any, ...] = ()  # the same factors, hashable (for the step memo)
+
+    def key(self, *more: Any) -> tuple[Any, ...]:
+        return (self.shape, self.itemsize, self.model, self.candidates, self.factors_key, *more)
+
+
+# Steps out of a state are a pure function of the context and the state, and searches for one tensor (each of
+# its possible targets, in an op's signature choice) expand the same states again and again: at 64 ranks a state's
+# steps cost milliseconds (every rank's shard), so they are memoised. Cleared when it grows past the limit.
+_STEPS: dict[tuple[Any, ...], tuple[Step, ...]] = {}
+_STEPS_LIMIT = 100_000
+
+
+def _memo(key: tuple[Any, ...], make: Callable[[], Iterator[Step]]) -> tuple[Step, ...]:
+    found = _STEPS.get(key)
+    if found is None:
+        if len(_STEPS) >= _STEPS_LIMIT:
+            _STEPS.clear()
+        found = _STEPS[key] = tuple(make())
+    return found
 
 
 def _candidates(shape: Shape, src: Layout, dst: Layout) -> tuple[SbpParallel, ...]:
@@ -345,12 +367,14 @@ def _unwind(back: dict[Layout, Step], src: Layout, dst: Layout) -> list[Step]:
 
 
 def _edges(ctx: _Ctx, state: Layout, dst: Layout) -> Iterator[Step]:
+    axis_steps = _memo(ctx.key("axis", state), lambda: _axis_steps(ctx, state))
     if state.placement == dst.placement:
-        yield from _axis_steps(ctx, state)
+        yield from axis_steps
         if not _has_partial(state.sbp) and state.sbp != dst.sbp:
-            yield from _general_transfer(ctx, state, Layout(dst.placement, _unpartial(dst.sbp)))
+            target = Layout(dst.placement, _unpartial(dst.sbp))
+            yield from _memo(ctx.key("general", state, target), lambda: _general_transfer(ctx, state, target))
     else:
-        yield from _axis_steps(ctx, state)
+        yield from axis_steps
         yield from _cross_steps(ctx, state, dst)
 
 
@@ -418,19 +442,18 @@ def _axis_step(ctx: _Ctx, kind: str, src: Layout, dst: Layout, axis: int) -> Ste
         return Step(LOCAL, src, dst, axis, 0, 0, 0.0)
     pl = src.placement
     p = pl.hierarchy[axis]
-    src_bytes = [numel(_shard_shape(ctx, src, r)) * ctx.itemsize for r in pl.flat_ranks]
+    src_bytes = _mesh_sum(ctx, src, src, _shard_bytes)  # over every rank
     if kind == "all_gather":
-        total = (p - 1) * sum(src_bytes)
+        total = (p - 1) * src_bytes
         rounds = p - 1
     elif kind == "reduce_scatter":
-        total = (p - 1) * sum(src_bytes) // p
+        total = (p - 1) * src_bytes // p
         rounds = p - 1
     elif kind == "all_reduce":
-        total = 2 * (p - 1) * sum(src_bytes) // p
+        total = 2 * (p - 1) * src_bytes // p
         rounds = 2 * (p - 1)
     else:  # all_to_all: everything but the piece a rank keeps
-        kept = [_kept_bytes(ctx, src, dst, r) for r in pl.flat_ranks]
-        total = sum(src_bytes) - sum(kept)
+        total = src_bytes - _mesh_sum(ctx, src, dst, _kept_bytes)
         rounds = p - 1
     factor = ctx.factors.get((pl.type, kind), 1.0)
     total = int(total * factor)
@@ -441,6 +464,26 @@ def _axis_step(ctx: _Ctx, kind: str, src: Layout, dst: Layout, axis: int) -> Ste
     # cheaper than the all_reduce they compose on uneven sizes.
     time = factor * rounds * link.alpha + total / pl.size * link.beta
     return Step(kind, src, dst, axis, total, per_rank, time, detail)
+
+
+# A sum over the ranks of one placement depends on its mesh shape, not on which ranks it holds (a box is a function
+# of a rank's coordinates): memoised by (shape, itemsize, mesh, SBPs, what), shared by every stage of a pipeline.
+_SUMS: dict[tuple[Any, ...], int] = {}
+
+
+def _mesh_sum(ctx: _Ctx, src: Layout, dst: Layout, per_rank: Callable[[_Ctx, Layout, Layout, int], int]) -> int:
+    """``sum(per_rank(ctx, src, dst, r))`` over the ranks of ``src``'s placement (also ``dst``'s)."""
+    key = (ctx.shape, ctx.itemsize, src.placement.hierarchy, src.sbp, dst.sbp, per_rank.__name__)
+    total = _SUMS.get(key)
+    if total is None:
+        if len(_SUMS) >= _STEPS_LIMIT:
+            _SUMS.clear()
+        total = _SUMS[key] = sum(per_rank(ctx, src, dst, r) for r in src.placement.flat_ranks)
+    return total
+
+
+def _shard_bytes(ctx: _Ctx, src: Layout, dst: Layout, rank: int) -> int:
+    return numel(_shard_shape(ctx, src, rank)) * ctx.itemsize
 
 
 def _shard_shape(ctx: _Ctx, layout: Layout, rank: int) -> Shape:
@@ -499,19 +542,67 @@ def _pairwise_transfer(ctx: _Ctx, src: Layout, dst: Layout) -> Step:
 def _general_transfer(ctx: _Ctx, src: Layout, dst: Layout) -> Iterator[Step]:
     """Every destination fetches the boxes it lacks. The busiest rank, sending or receiving, sets the time:
     a lone source feeding many destinations sends every piece itself (which a broadcast tree avoids)."""
-    pieces = transfer_pieces(ctx.shape, src, dst)
-    traffic: dict[tuple[str, int], int] = {}  # ("in" | "out", rank) -> bytes
-    messages: dict[tuple[str, int], int] = {}
-    for src_rank, dst_rank, box in pieces:
-        if src_rank == dst_rank:
-            continue
-        size = numel(box_shape(box)) * ctx.itemsize
-        for key in (("out", src_rank), ("in", dst_rank)):
-            traffic[key] = traffic.get(key, 0) + size
-            messages[key] = messages.get(key, 0) + 1
-    total = sum(size for (way, _), size in traffic.items() if way == "in")
-    yield _transfer_step(ctx, src, dst, total, max(traffic.values(), default=0), max(messages.values(), default=0),
-                         "general")
+    total, busiest, messages = transfer_stats(ctx.shape, ctx.itemsize, src, dst)
+    yield _transfer_step(ctx, src, dst, total, busiest, messages, "general")
+
+
+# (shape, itemsize, layouts up to a renaming of ranks that keeps their order) -> transfer_stats
+_STATS: dict[tuple[Any, ...], tuple[int, int, int]] = {}
+
+
+def transfer_stats(shape: Shape, itemsize: int, src: Layout, dst: Layout) -> tuple[int, int, int]:
+    """``(bytes received in all, bytes of the busiest rank in or out, messages of the busiest rank)`` of the
+    general send/recv :func:`transfer_pieces` describes, without listing its pieces.
+
+    The numbers only depend on which ranks hold which boxes, so they are memoised up to a shift of every rank
+    (the same transfer between the next two pipeline stages costs nothing more), and computed on arrays: one
+    row per destination rank, one column per distinct source box.
+    """
+    ranks = src.placement.flat_ranks + dst.placement.flat_ranks
+    base = min(ranks)
+    key = (shape, itemsize, src.placement.hierarchy, dst.placement.hierarchy, src.sbp, dst.sbp,
+           tuple(r - base for r in ranks))
+    found = _STATS.get(key)
+    if found is None:
+        if len(_STATS) >= _STEPS_LIMIT:
+            _STATS.clear()
+        found = _STATS[key] = _transfer_stats(shape, itemsize, src, dst)
+    return found
+
+
+def _transfer_stats(shape: Shape, itemsize: int, src: Layout, dst: Layout) -> tuple[int, int, int]:
+    holders: dict[tuple[tuple[int, int], ...], list[int]] = {}
+    for r in src.placement.flat_ranks:
+        holders.setdefault(shard_box(shape, src.placement, src.sbp, r), []).append(r)
+    dst_ranks = np.array(dst.placement.flat_ranks, dtype=np.int64)
+    n_dst, ndim = len(dst_ranks), len(shape)
+    wants = np.array([shard_box(shape, dst.placement, dst.sbp, int(d)) for d in dst_ranks],
+                     dtype=np.int64).reshape(n_dst, ndim, 2)
+    boxes = np.array(list(holders), dtype=np.int64).reshape(len(holders), ndim, 2)
+    extent = (np.minimum(wants[:, None, :, 1], boxes[None, :, :, 1])
+              - np.maximum(wants[:, None, :, 0], boxes[None, :, :, 0]))  # (dst rank, source box, dim)
+    meets = (extent > 0).all(axis=2)  # the pieces: boxes with a non-empty common part (intersect)
+    size = np.where(meets, np.prod(np.maximum(extent, 0), axis=2), 0) * itemsize
+    # who sends each piece: the destination itself if it holds the box, else the replicas in turn (transfer_pieces)
+    source = np.empty(meets.shape, dtype=np.int64)
+    index = np.arange(n_dst)
+    box_of = {}
+    for j, replicas in enumerate(holders.values()):
+        source[:, j] = np.array(replicas, dtype=np.int64)[index % len(replicas)]
+        box_of.update(dict.fromkeys(replicas, j))
+    own = np.array([box_of.get(int(d), -1) for d in dst_ranks], dtype=np.int64)
+    source = np.where(own[:, None] == np.arange(len(holders))[None, :], dst_ranks[:, None], source)
+    moves = meets & (source != dst_ranks[:, None])
+    if not moves.any():
+        return 0, 0, 0
+    traffic_in = np.where(moves, size, 0).sum(axis=1)
+    messages_in = moves.sum(axis=1)
+    senders, inverse = np.unique(source[moves], return_inverse=True)
+    traffic_out = np.zeros(len(senders), dtype=np.int64)
+    np.add.at(traffic_out, inverse, size[moves])
+    messages_out = np.bincount(inverse, minlength=len(senders))
+    busiest = max(int(traffic_in.max()), int(traffic_out.max()))
+    return int(traffic_in.sum()), busiest, max(int(messages_in.max()), int(messages_out.max()))
 
 
 def _transfer_step(ctx: _Ctx, src: Layout, dst: Layout, total: int, per_rank: int, msgs: int, how: str) -> Step:

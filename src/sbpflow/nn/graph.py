@@ -39,6 +39,7 @@ import torch
 
 from .. import random as sbp_random
 from ..autograd import enable_grad
+from ..comm.simulated import SimulatedBackend
 from ..errors import SbpflowError
 from ..graph.compile import CompileReport, compile_graph
 from ..graph.ir import LogicalGraph
@@ -283,8 +284,9 @@ class Graph:
         trace_s = time.perf_counter() - start
         plan, logical, report = compile_graph(tracer.graph, self.config.sbp_selection, agree=_rank0_choice,
                                               schedule=self.config.pipeline_schedule)
+        start = time.perf_counter()
         plan.peak_bytes = _memory_plan(plan)
-        report.times = {"trace": trace_s, **report.times}
+        report.times = {"trace": trace_s, **report.times, "memory plan": time.perf_counter() - start}
         out_bufs = [(n.name, plan.bufs[n.inputs[0]]) for n in plan.nodes if n.kind == "output"]
         constants = {f"const{vid}": shards for vid, shards in tracer.constants.items()}
         return Compiled(logical, plan, report, inputs, out_bufs, tree, variables, constants, feeds,
@@ -463,11 +465,24 @@ def target_factors(args: Sequence[Any]) -> tuple[Any, ...]:
 
 def _memory_plan(plan: PhysicalPlan) -> dict[int, int]:
     """Predicted peak bytes of every rank: the register protocol played without kernels (every rank, whatever
-    this process owns), the same accounting the actor runtime reports after a real step."""
-    from ..comm.simulated import SimulatedBackend
+    this process owns), the same accounting the actor runtime reports after a real step. Ranks of one class
+    (``plan.rank_classes``: the same nodes and bytes) peak alike, so one rank per class is played."""
     from ..runtime.board import dry_run
 
-    return dry_run(plan, SimulatedBackend()).peak_bytes
+    classes = plan.rank_classes()
+    peaks = dry_run(plan, _Representatives(frozenset(classes))).peak_bytes
+    return {r: peaks.get(rep, 0) for rep, members in classes.items() for r in members}
+
+
+class _Representatives(SimulatedBackend):
+    """The simulated backend, owning only the given ranks (for the memory plan's dry run)."""
+
+    def __init__(self, ranks: frozenset[int]) -> None:
+        super().__init__()
+        self.ranks = ranks
+
+    def owns(self, rank: int) -> bool:
+        return rank in self.ranks
 
 
 def _rank0_choice(choice: Any) -> Any:
