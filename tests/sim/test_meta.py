@@ -147,3 +147,20 @@ def test_running_a_meta_graph_is_refused_naming_the_variable() -> None:
     with pytest.raises(MetaTensorError, match=r"input 0 of a meta tensor \(shape \[8, 6\] float32"):
         step(x)
     assert torch.Size([8, 6]) == x.shape
+
+
+@pytest.mark.parametrize("spec, m, batch, vocab", [("dp=2,tp=2,pp=2", 2, 4, 64), ("tp=4,pp=2", 2, 2, 63)])
+def test_memory_plan_by_rank_class_equals_every_rank_played(spec: str, m: int, batch: int, vocab: int) -> None:
+    """The memory plan plays one rank per class (same nodes, same bytes); playing every rank gives the same peaks,
+    with even shards (one class per stage) and uneven ones (a vocabulary of 63 over tp=4: every rank its own)."""
+    from sbpflow.comm.simulated import SimulatedBackend
+    from sbpflow.runtime.board import dry_run
+
+    cfg = GPTConfig(vocab_size=vocab, block_size=6, n_layer=2, n_head=4, n_embd=12, dropout=0.0)
+    trainer = build(cfg, spec, graph=True, micro_batches=m, executor="inorder")
+    ids = np.zeros((batch, 6), dtype=np.int64)
+    plan = trainer.graph._compile(trainer.inputs(ids, ids)).plan
+    classes = plan.rank_classes()
+    assert len(classes) == (2 if vocab == 64 else 8)
+    assert sorted(r for members in classes.values() for r in members) == list(range(8))
+    assert plan.peak_bytes == dry_run(plan, SimulatedBackend()).peak_bytes

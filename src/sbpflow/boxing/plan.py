@@ -442,7 +442,7 @@ def _axis_step(ctx: _Ctx, kind: str, src: Layout, dst: Layout, axis: int) -> Ste
         return Step(LOCAL, src, dst, axis, 0, 0, 0.0)
     pl = src.placement
     p = pl.hierarchy[axis]
-    src_bytes = _mesh_sum(ctx, src, src, _shard_bytes)  # over every rank
+    src_bytes = _mesh_bytes(ctx.shape, ctx.itemsize, pl.hierarchy, src.sbp, None)  # over every rank
     if kind == "all_gather":
         total = (p - 1) * src_bytes
         rounds = p - 1
@@ -453,7 +453,7 @@ def _axis_step(ctx: _Ctx, kind: str, src: Layout, dst: Layout, axis: int) -> Ste
         total = 2 * (p - 1) * src_bytes // p
         rounds = 2 * (p - 1)
     else:  # all_to_all: everything but the piece a rank keeps
-        total = src_bytes - _mesh_sum(ctx, src, dst, _kept_bytes)
+        total = src_bytes - _mesh_bytes(ctx.shape, ctx.itemsize, pl.hierarchy, src.sbp, dst.sbp)
         rounds = p - 1
     factor = ctx.factors.get((pl.type, kind), 1.0)
     total = int(total * factor)
@@ -466,35 +466,41 @@ def _axis_step(ctx: _Ctx, kind: str, src: Layout, dst: Layout, axis: int) -> Ste
     return Step(kind, src, dst, axis, total, per_rank, time, detail)
 
 
-# A sum over the ranks of one placement depends on its mesh shape, not on which ranks it holds (a box is a function
-# of a rank's coordinates): memoised by (shape, itemsize, mesh, SBPs, what), shared by every stage of a pipeline.
-_SUMS: dict[tuple[Any, ...], int] = {}
+@lru_cache(maxsize=8192)
+def mesh_boxes(shape: Shape, mesh: tuple[int, ...], sbp: NdSbp) -> np.ndarray:
+    """Every rank's :func:`~sbpflow._layout.shard_box` at once: ``[flat index, dim, (start, stop)]``.
+
+    A box depends on the rank's mesh coordinates only (row-major flat order), not on which ranks the placement
+    holds, so pipeline stages of one mesh share the array. Read only.
+    """
+    coords = np.indices(mesh).reshape(len(mesh), -1).T  # (flat index, mesh axis)
+    lo = np.zeros((len(coords), len(shape)), dtype=np.int64)
+    hi = np.tile(np.array(shape, dtype=np.int64), (len(coords), 1))
+    for axis, s in enumerate(sbp):
+        if isinstance(s, Split):  # split_range on the box so far, as shard_box nests the axes
+            q, r = np.divmod(hi[:, s.dim] - lo[:, s.dim], mesh[axis])
+            index = coords[:, axis]
+            start = lo[:, s.dim] + index * q + np.minimum(index, r)
+            lo[:, s.dim], hi[:, s.dim] = start, start + q + (index < r)
+    out = np.stack([lo, hi], axis=-1)
+    out.flags.writeable = False
+    return out
 
 
-def _mesh_sum(ctx: _Ctx, src: Layout, dst: Layout, per_rank: Callable[[_Ctx, Layout, Layout, int], int]) -> int:
-    """``sum(per_rank(ctx, src, dst, r))`` over the ranks of ``src``'s placement (also ``dst``'s)."""
-    key = (ctx.shape, ctx.itemsize, src.placement.hierarchy, src.sbp, dst.sbp, per_rank.__name__)
-    total = _SUMS.get(key)
-    if total is None:
-        if len(_SUMS) >= _STEPS_LIMIT:
-            _SUMS.clear()
-        total = _SUMS[key] = sum(per_rank(ctx, src, dst, r) for r in src.placement.flat_ranks)
-    return total
-
-
-def _shard_bytes(ctx: _Ctx, src: Layout, dst: Layout, rank: int) -> int:
-    return numel(_shard_shape(ctx, src, rank)) * ctx.itemsize
+@lru_cache(maxsize=8192)
+def _mesh_bytes(shape: Shape, itemsize: int, mesh: tuple[int, ...], sbp: NdSbp, kept: NdSbp | None) -> int:
+    """Bytes of every rank's shard summed over the mesh; with ``kept``, only the part each rank also holds
+    under that SBP (what an all-to-all leaves in place)."""
+    boxes = mesh_boxes(shape, mesh, sbp)
+    if kept is not None:
+        other = mesh_boxes(shape, mesh, kept)
+        extent = np.minimum(boxes[..., 1], other[..., 1]) - np.maximum(boxes[..., 0], other[..., 0])
+        return int(np.where((extent > 0).all(axis=1), np.prod(np.maximum(extent, 0), axis=1), 0).sum()) * itemsize
+    return int(np.prod(boxes[..., 1] - boxes[..., 0], axis=1).sum()) * itemsize
 
 
 def _shard_shape(ctx: _Ctx, layout: Layout, rank: int) -> Shape:
     return box_shape(shard_box(ctx.shape, layout.placement, layout.sbp, rank))
-
-
-def _kept_bytes(ctx: _Ctx, src: Layout, dst: Layout, rank: int) -> int:
-    a = shard_box(ctx.shape, src.placement, src.sbp, rank)
-    b = shard_box(ctx.shape, dst.placement, dst.sbp, rank)
-    common = intersect(a, b)
-    return 0 if common is None else numel(box_shape(common)) * ctx.itemsize
 
 
 # ----------------------------------------------------------------------------- across placements
@@ -571,14 +577,15 @@ def transfer_stats(shape: Shape, itemsize: int, src: Layout, dst: Layout) -> tup
 
 
 def _transfer_stats(shape: Shape, itemsize: int, src: Layout, dst: Layout) -> tuple[int, int, int]:
-    holders: dict[tuple[tuple[int, int], ...], list[int]] = {}
-    for r in src.placement.flat_ranks:
-        holders.setdefault(shard_box(shape, src.placement, src.sbp, r), []).append(r)
+    src_boxes = mesh_boxes(shape, src.placement.hierarchy, src.sbp)
+    n_src, ndim = src_boxes.shape[0], len(shape)
+    boxes, inverse = np.unique(src_boxes.reshape(n_src, ndim * 2), axis=0, return_inverse=True)
+    boxes = boxes.reshape(len(boxes), ndim, 2)
+    src_ranks = np.array(src.placement.flat_ranks, dtype=np.int64)
+    holders = {j: src_ranks[inverse.reshape(-1) == j].tolist() for j in range(len(boxes))}  # replicas, rank order
     dst_ranks = np.array(dst.placement.flat_ranks, dtype=np.int64)
-    n_dst, ndim = len(dst_ranks), len(shape)
-    wants = np.array([shard_box(shape, dst.placement, dst.sbp, int(d)) for d in dst_ranks],
-                     dtype=np.int64).reshape(n_dst, ndim, 2)
-    boxes = np.array(list(holders), dtype=np.int64).reshape(len(holders), ndim, 2)
+    n_dst = len(dst_ranks)
+    wants = mesh_boxes(shape, dst.placement.hierarchy, dst.sbp)
     extent = (np.minimum(wants[:, None, :, 1], boxes[None, :, :, 1])
               - np.maximum(wants[:, None, :, 0], boxes[None, :, :, 0]))  # (dst rank, source box, dim)
     meets = (extent > 0).all(axis=2)  # the pieces: boxes with a non-empty common part (intersect)

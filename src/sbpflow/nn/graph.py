@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -480,9 +480,17 @@ class _Representatives(SimulatedBackend):
     def __init__(self, ranks: frozenset[int]) -> None:
         super().__init__()
         self.ranks = ranks
+        self._owned: dict[tuple[int, ...], list[int]] = {}  # nodes share few rank tuples (placements, unions)
 
     def owns(self, rank: int) -> bool:
         return rank in self.ranks
+
+    def owned(self, ranks: Iterable[int]) -> list[int]:
+        key = tuple(ranks)
+        found = self._owned.get(key)
+        if found is None:
+            found = self._owned[key] = [r for r in key if r in self.ranks]
+        return list(found)
 
 
 def _rank0_choice(choice: Any) -> Any:
