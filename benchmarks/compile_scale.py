@@ -1,7 +1,7 @@
 """Compile time at scale (issue 8): a GPT-3-175B-shaped training step compiled metadata-only for 1024 ranks.
 
     .venv/bin/python benchmarks/compile_scale.py            # prints
-    .venv/bin/python benchmarks/compile_scale.py --write    # and writes the "compile_scale" section of docs/benchmarks.md
+    .venv/bin/python benchmarks/compile_scale.py --write    # and writes its section of docs/benchmarks.md
 
 The model is built under ``sbpflow.meta_init()`` (96 layers, width 12288, 96 heads, sequence 2048, vocabulary
 51200: 175 billion parameters, 700 GB in fp32, none of it allocated), laid out TP8 x PP16 x DP8 (1024 virtual

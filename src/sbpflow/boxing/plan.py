@@ -45,8 +45,8 @@ import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
-from typing import Any
 from functools import lru_cache
+from typing import Any
 
 import numpy as np
 import torch
