@@ -37,7 +37,8 @@ def _rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
-def compile_once(layers: int, data: int, tensor: int, pipeline: int, micro_batches: int) -> dict[str, Any]:
+def compile_once(layers: int, data: int, tensor: int, pipeline: int, micro_batches: int,
+                 selection: str) -> dict[str, Any]:
     """Builds the meta GPT and compiles its step; returns times per pass, sizes and peak RSS (this process)."""
     import torch
 
@@ -53,6 +54,7 @@ def compile_once(layers: int, data: int, tensor: int, pipeline: int, micro_batch
     strategy = parallelize(model, data=data, tensor=tensor, pipeline=pipeline)
     opt = sbpflow.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95))
     step = TrainStep(model, opt, 1.0, micro_batches=micro_batches, executor="inorder")
+    step.config.set_sbp_selection(selection)
     batch = data * micro_batches  # one sequence per data-parallel rank and micro-batch
     ids = sbpflow.meta_tensor(batch, GPT3["block_size"], dtype=torch.int64, placement=strategy.stages[0],
                               sbp=strategy.input_sbp)
@@ -77,21 +79,30 @@ def compile_once(layers: int, data: int, tensor: int, pipeline: int, micro_batch
     }
 
 
-def run_fresh(layers: int, args: argparse.Namespace) -> dict[str, Any]:
-    """``compile_once`` in a fresh interpreter (its own caches and peak RSS)."""
-    out = subprocess.run([sys.executable, __file__, "--child", str(layers), "--tp", str(args.tp), "--pp",
-                          str(args.pp), "--dp", str(args.dp), "--micro-batches", str(args.micro_batches)],
-                         check=True, capture_output=True, text=True, timeout=args.timeout)
+def run_fresh(layers: int, selection: str, args: argparse.Namespace) -> dict[str, Any]:
+    """``compile_once`` in a fresh interpreter (its own caches and peak RSS); a run past ``--timeout`` is a row
+    that says so."""
+    try:
+        out = subprocess.run([sys.executable, __file__, "--child", str(layers), "--tp", str(args.tp), "--pp",
+                              str(args.pp), "--dp", str(args.dp), "--micro-batches", str(args.micro_batches),
+                              "--selection", selection],
+                             check=True, capture_output=True, text=True, timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        return {"layers": layers, "selection": selection, "timeout": args.timeout}
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def table(rows: list[dict[str, Any]]) -> list[str]:
-    lines = ["| layers | ranks | logical nodes | physical nodes | build | "
+    lines = ["| layers | ranks | selection | logical nodes | physical nodes | build | "
              + " | ".join(PASSES) + " | total (wall) | CPU | peak RSS (before) | rank 0: nodes, collectives |",
-             "|" + "---|" * (10 + len(PASSES))]
+             "|" + "---|" * (11 + len(PASSES))]
     for r in rows:
+        if "timeout" in r:
+            lines.append(f"| {r['layers']} | | {r['selection']} | did not finish within {r['timeout']} s |")
+            continue
         passes = " | ".join(f"{r['times'][k]:.2f}" for k in PASSES)
-        lines.append(f"| {r['layers']} | {r['ranks']} | {r['logical']} | {r['physical']} | {r['build']:.2f} | "
+        lines.append(f"| {r['layers']} | {r['ranks']} | {r['selection']} | {r['logical']} | {r['physical']} | "
+                     f"{r['build']:.2f} | "
                      f"{passes} | {r['wall']:.1f} | {r['cpu']:.1f} | {r['rss_peak']:.0f} MB ({r['rss_before']:.0f}) "
                      f"| {r['rank0_nodes']}, {r['rank0_collectives']} |")
     return lines
@@ -105,14 +116,15 @@ def main() -> None:
     parser.add_argument("--pp", type=int, default=16)
     parser.add_argument("--dp", type=int, default=8)
     parser.add_argument("--micro-batches", type=int, default=16)
-    parser.add_argument("--timeout", type=int, default=1800)
+    parser.add_argument("--selection", default="ilp,greedy", help="SBP selection methods (nn.Graph config)")
+    parser.add_argument("--timeout", type=int, default=900, help="seconds per compile")
     parser.add_argument("--child", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(compile_once(args.child, args.dp, args.tp, args.pp, args.micro_batches)))
+        print(json.dumps(compile_once(args.child, args.dp, args.tp, args.pp, args.micro_batches, args.selection)))
         return
-    rows = [run_fresh(int(n), args) for n in args.layers.split(",")]
-    last = rows[-1]
+    rows = [run_fresh(int(n), sel, args) for n in args.layers.split(",") for sel in args.selection.split(",")]
+    last = next(r for r in reversed(rows) if "timeout" not in r)
     text = "\n".join([
         "## Compile time at scale: GPT-3 175B shape, 1024 virtual ranks (issue 8)",
         "",
@@ -125,8 +137,8 @@ def main() -> None:
         f"({args.tp * args.pp * args.dp} ranks). `nn.Graph.compile_only` compiles its training step (AdamW, "
         f"clipping, {args.micro_batches} micro-batches of one sequence per data-parallel rank) metadata-only: "
         "seconds per pass, total wall and CPU seconds of build plus compile, and the process's peak RSS (with "
-        "the RSS after imports: Python, torch and sbpflow). Selection method: "
-        f"{last['selection']}. The plan predicts a peak of {last['peak_gb']:.1f} GB on the busiest rank "
+        "the RSS after imports: Python, torch and sbpflow); `selection` is the SBP selection method and what it "
+        "settled on. The plan predicts a peak of {last['peak_gb']:.1f} GB on the busiest rank "
         "(fp32 weights, AdamW state, activations).",
         "",
         *table(rows),
