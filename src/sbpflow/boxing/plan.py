@@ -42,7 +42,7 @@ import bisect
 import heapq
 import itertools
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
@@ -279,26 +279,7 @@ class _Ctx:
     model: CostModel
     candidates: tuple[SbpParallel, ...]
     factors: dict[tuple[str, str], float] = field(default_factory=dict)  # (device type, kind) -> cost multiplier
-    factors_key: tuple[Any, ...] = ()  # the same factors, hashable (for the step memo)
-
-    def key(self, *more: Any) -> tuple[Any, ...]:
-        return (self.shape, self.itemsize, self.model, self.candidates, self.factors_key, *more)
-
-
-# Steps out of a state are a pure function of the context and the state, and searches for one tensor (each of
-# its possible targets, in an op's signature choice) expand the same states again and again: at 64 ranks a state's
-# steps cost milliseconds (every rank's shard), so they are memoised. Cleared when it grows past the limit.
-_STEPS: dict[tuple[Any, ...], tuple[Step, ...]] = {}
-_STEPS_LIMIT = 100_000
-
-
-def _memo(key: tuple[Any, ...], make: Callable[[], Iterator[Step]]) -> tuple[Step, ...]:
-    found = _STEPS.get(key)
-    if found is None:
-        if len(_STEPS) >= _STEPS_LIMIT:
-            _STEPS.clear()
-        found = _STEPS[key] = tuple(make())
-    return found
+    factor_items: tuple[tuple[tuple[str, str], float], ...] = ()  # the same, hashable
 
 
 def _candidates(shape: Shape, src: Layout, dst: Layout) -> tuple[SbpParallel, ...]:
@@ -367,15 +348,21 @@ def _unwind(back: dict[Layout, Step], src: Layout, dst: Layout) -> list[Step]:
 
 
 def _edges(ctx: _Ctx, state: Layout, dst: Layout) -> Iterator[Step]:
-    axis_steps = _memo(ctx.key("axis", state), lambda: _axis_steps(ctx, state))
+    yield from _axis_steps_of(ctx.shape, ctx.itemsize, ctx.model, ctx.candidates, ctx.factor_items, state)
     if state.placement == dst.placement:
-        yield from axis_steps
         if not _has_partial(state.sbp) and state.sbp != dst.sbp:
-            target = Layout(dst.placement, _unpartial(dst.sbp))
-            yield from _memo(ctx.key("general", state, target), lambda: _general_transfer(ctx, state, target))
+            yield from _general_transfer(ctx, state, Layout(dst.placement, _unpartial(dst.sbp)))
     else:
-        yield from axis_steps
         yield from _cross_steps(ctx, state, dst)
+
+
+@lru_cache(maxsize=65536)
+def _axis_steps_of(shape: Shape, itemsize: int, model: CostModel, candidates: tuple[SbpParallel, ...],
+                   factor_items: tuple[tuple[tuple[str, str], float], ...], state: Layout) -> tuple[Step, ...]:
+    """The one-axis steps out of ``state``, whatever the goal: searches for many goals (whole-graph SBP
+    selection prices thousands of pairs) meet the same states, so they are cached."""
+    ctx = _Ctx(shape, itemsize, model, candidates, dict(factor_items), factor_items)
+    return tuple(_axis_steps(ctx, state))
 
 
 def _has_partial(sbp: NdSbp) -> bool:
@@ -442,7 +429,7 @@ def _axis_step(ctx: _Ctx, kind: str, src: Layout, dst: Layout, axis: int) -> Ste
         return Step(LOCAL, src, dst, axis, 0, 0, 0.0)
     pl = src.placement
     p = pl.hierarchy[axis]
-    src_bytes = _mesh_bytes(ctx.shape, ctx.itemsize, pl.hierarchy, src.sbp, None)  # over every rank
+    src_bytes = _held_elements(ctx.shape, src) * ctx.itemsize  # summed over the ranks
     if kind == "all_gather":
         total = (p - 1) * src_bytes
         rounds = p - 1
@@ -453,7 +440,7 @@ def _axis_step(ctx: _Ctx, kind: str, src: Layout, dst: Layout, axis: int) -> Ste
         total = 2 * (p - 1) * src_bytes // p
         rounds = 2 * (p - 1)
     else:  # all_to_all: everything but the piece a rank keeps
-        total = src_bytes - _mesh_bytes(ctx.shape, ctx.itemsize, pl.hierarchy, src.sbp, dst.sbp)
+        total = src_bytes - _kept_elements(ctx.shape, src, dst) * ctx.itemsize
         rounds = p - 1
     factor = ctx.factors.get((pl.type, kind), 1.0)
     total = int(total * factor)
@@ -466,41 +453,25 @@ def _axis_step(ctx: _Ctx, kind: str, src: Layout, dst: Layout, axis: int) -> Ste
     return Step(kind, src, dst, axis, total, per_rank, time, detail)
 
 
-@lru_cache(maxsize=8192)
-def mesh_boxes(shape: Shape, mesh: tuple[int, ...], sbp: NdSbp) -> np.ndarray:
-    """Every rank's :func:`~sbpflow._layout.shard_box` at once: ``[flat index, dim, (start, stop)]``.
-
-    A box depends on the rank's mesh coordinates only (row-major flat order), not on which ranks the placement
-    holds, so pipeline stages of one mesh share the array. Read only.
-    """
-    coords = np.indices(mesh).reshape(len(mesh), -1).T  # (flat index, mesh axis)
-    lo = np.zeros((len(coords), len(shape)), dtype=np.int64)
-    hi = np.tile(np.array(shape, dtype=np.int64), (len(coords), 1))
-    for axis, s in enumerate(sbp):
-        if isinstance(s, Split):  # split_range on the box so far, as shard_box nests the axes
-            q, r = np.divmod(hi[:, s.dim] - lo[:, s.dim], mesh[axis])
-            index = coords[:, axis]
-            start = lo[:, s.dim] + index * q + np.minimum(index, r)
-            lo[:, s.dim], hi[:, s.dim] = start, start + q + (index < r)
-    out = np.stack([lo, hi], axis=-1)
-    out.flags.writeable = False
-    return out
-
-
-@lru_cache(maxsize=8192)
-def _mesh_bytes(shape: Shape, itemsize: int, mesh: tuple[int, ...], sbp: NdSbp, kept: NdSbp | None) -> int:
-    """Bytes of every rank's shard summed over the mesh; with ``kept``, only the part each rank also holds
-    under that SBP (what an all-to-all leaves in place)."""
-    boxes = mesh_boxes(shape, mesh, sbp)
-    if kept is not None:
-        other = mesh_boxes(shape, mesh, kept)
-        extent = np.minimum(boxes[..., 1], other[..., 1]) - np.maximum(boxes[..., 0], other[..., 0])
-        return int(np.where((extent > 0).all(axis=1), np.prod(np.maximum(extent, 0), axis=1), 0).sum()) * itemsize
-    return int(np.prod(boxes[..., 1] - boxes[..., 0], axis=1).sum()) * itemsize
-
-
 def _shard_shape(ctx: _Ctx, layout: Layout, rank: int) -> Shape:
     return box_shape(shard_box(ctx.shape, layout.placement, layout.sbp, rank))
+
+
+@lru_cache(maxsize=65536)
+def _held_elements(shape: Shape, layout: Layout) -> int:
+    """Elements all ranks hold together (a search prices many steps out of one state: cached)."""
+    return sum(numel(box_shape(shard_box(shape, layout.placement, layout.sbp, r))) for r in layout.placement.flat_ranks)
+
+
+@lru_cache(maxsize=65536)
+def _kept_elements(shape: Shape, src: Layout, dst: Layout) -> int:
+    """Elements a rank holds under both layouts, summed over the ranks."""
+    total = 0
+    for rank in src.placement.flat_ranks:
+        common = intersect(shard_box(shape, src.placement, src.sbp, rank),
+                           shard_box(shape, dst.placement, dst.sbp, rank))
+        total += 0 if common is None else numel(box_shape(common))
+    return total
 
 
 # ----------------------------------------------------------------------------- across placements
@@ -552,17 +523,19 @@ def _general_transfer(ctx: _Ctx, src: Layout, dst: Layout) -> Iterator[Step]:
     yield _transfer_step(ctx, src, dst, total, busiest, messages, "general")
 
 
-# (shape, itemsize, layouts up to a renaming of ranks that keeps their order) -> transfer_stats
+# (shape, itemsize, layouts up to a shift of every rank) -> transfer_stats; cleared past the limit
 _STATS: dict[tuple[Any, ...], tuple[int, int, int]] = {}
+_STATS_LIMIT = 100_000
 
 
 def transfer_stats(shape: Shape, itemsize: int, src: Layout, dst: Layout) -> tuple[int, int, int]:
     """``(bytes received in all, bytes of the busiest rank in or out, messages of the busiest rank)`` of the
     general send/recv :func:`transfer_pieces` describes, without listing its pieces.
 
-    The numbers only depend on which ranks hold which boxes, so they are memoised up to a shift of every rank
-    (the same transfer between the next two pipeline stages costs nothing more), and computed on arrays: one
-    row per destination rank, one column per distinct source box.
+    At 64 ranks a search meets thousands of these, and listing every piece cost milliseconds each. The numbers
+    only depend on which ranks hold which boxes, so they are memoised up to a shift of every rank (the same
+    transfer between the next two pipeline stages costs nothing more), and computed on arrays: one row per
+    destination rank, one column per distinct source box.
     """
     ranks = src.placement.flat_ranks + dst.placement.flat_ranks
     base = min(ranks)
@@ -570,7 +543,7 @@ def transfer_stats(shape: Shape, itemsize: int, src: Layout, dst: Layout) -> tup
            tuple(r - base for r in ranks))
     found = _STATS.get(key)
     if found is None:
-        if len(_STATS) >= _STEPS_LIMIT:
+        if len(_STATS) >= _STATS_LIMIT:
             _STATS.clear()
         found = _STATS[key] = _transfer_stats(shape, itemsize, src, dst)
     return found
@@ -604,12 +577,33 @@ def _transfer_stats(shape: Shape, itemsize: int, src: Layout, dst: Layout) -> tu
         return 0, 0, 0
     traffic_in = np.where(moves, size, 0).sum(axis=1)
     messages_in = moves.sum(axis=1)
-    senders, inverse = np.unique(source[moves], return_inverse=True)
+    senders, inverse_out = np.unique(source[moves], return_inverse=True)
     traffic_out = np.zeros(len(senders), dtype=np.int64)
-    np.add.at(traffic_out, inverse, size[moves])
-    messages_out = np.bincount(inverse, minlength=len(senders))
+    np.add.at(traffic_out, inverse_out, size[moves])
+    messages_out = np.bincount(inverse_out, minlength=len(senders))
     busiest = max(int(traffic_in.max()), int(traffic_out.max()))
     return int(traffic_in.sum()), busiest, max(int(messages_in.max()), int(messages_out.max()))
+
+
+@lru_cache(maxsize=8192)
+def mesh_boxes(shape: Shape, mesh: tuple[int, ...], sbp: NdSbp) -> np.ndarray:
+    """Every rank's :func:`~sbpflow._layout.shard_box` at once: ``[flat index, dim, (start, stop)]``.
+
+    A box depends on the rank's mesh coordinates only (row-major flat order), not on which ranks the placement
+    holds, so pipeline stages of one mesh share the array. Read only.
+    """
+    coords = np.indices(mesh).reshape(len(mesh), -1).T  # (flat index, mesh axis)
+    lo = np.zeros((len(coords), len(shape)), dtype=np.int64)
+    hi = np.tile(np.array(shape, dtype=np.int64), (len(coords), 1))
+    for axis, s in enumerate(sbp):
+        if isinstance(s, Split):  # split_range on the box so far, as shard_box nests the axes
+            q, r = np.divmod(hi[:, s.dim] - lo[:, s.dim], mesh[axis])
+            index = coords[:, axis]
+            start = lo[:, s.dim] + index * q + np.minimum(index, r)
+            lo[:, s.dim], hi[:, s.dim] = start, start + q + (index < r)
+    out = np.stack([lo, hi], axis=-1)
+    out.flags.writeable = False
+    return out
 
 
 def _transfer_step(ctx: _Ctx, src: Layout, dst: Layout, total: int, per_rank: int, msgs: int, how: str) -> Step:
