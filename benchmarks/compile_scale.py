@@ -95,7 +95,7 @@ def run_fresh(layers: int, selection: str, args: argparse.Namespace) -> dict[str
 def table(rows: list[dict[str, Any]]) -> list[str]:
     lines = ["| layers | ranks | selection | logical nodes | physical nodes | build | "
              + " | ".join(PASSES) + " | total (wall) | CPU | peak RSS (before) | rank 0: nodes, collectives |",
-             "|" + "---|" * (11 + len(PASSES))]
+             "|" + "---|" * (10 + len(PASSES))]
     for r in rows:
         if "timeout" in r:
             lines.append(f"| {r['layers']} | | {r['selection']} | did not finish within {r['timeout']} s |")
@@ -128,8 +128,9 @@ def main() -> None:
     text = "\n".join([
         "## Compile time at scale: GPT-3 175B shape, 1024 virtual ranks (issue 8)",
         "",
-        f"`.venv/bin/python benchmarks/compile_scale.py --write` on {machine()}; one run per depth, each in a fresh "
-        "process.",
+        f"`.venv/bin/python benchmarks/compile_scale.py --write` on {machine()}; one run per depth and method, each "
+        "in a fresh process. On a shared machine the CPU seconds (this process's own) are the figure to weigh; "
+        "wall seconds include waiting for a core.",
         "",
         f"The GPT-3 shape (width {GPT3['n_embd']}, {GPT3['n_head']} heads, sequence {GPT3['block_size']}, "
         f"vocabulary {GPT3['vocab_size']}; {last['params'] / 1e9:.0f} billion parameters at {last['layers']} "
@@ -138,7 +139,7 @@ def main() -> None:
         f"clipping, {args.micro_batches} micro-batches of one sequence per data-parallel rank) metadata-only: "
         "seconds per pass, total wall and CPU seconds of build plus compile, and the process's peak RSS (with "
         "the RSS after imports: Python, torch and sbpflow); `selection` is the SBP selection method and what it "
-        "settled on. The plan predicts a peak of {last['peak_gb']:.1f} GB on the busiest rank "
+        f"settled on. The plan predicts a peak of {last['peak_gb']:.1f} GB on the busiest rank "
         "(fp32 weights, AdamW state, activations).",
         "",
         *table(rows),
