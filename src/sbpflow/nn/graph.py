@@ -286,7 +286,8 @@ class Graph:
                                               schedule=self.config.pipeline_schedule)
         start = time.perf_counter()
         plan.peak_bytes = _memory_plan(plan)
-        report.times = {"trace": trace_s, **report.times, "memory plan": time.perf_counter() - start}
+        report.times["memory plan"] = time.perf_counter() - start
+        report.times = {"trace": trace_s, **report.times}
         out_bufs = [(n.name, plan.bufs[n.inputs[0]]) for n in plan.nodes if n.kind == "output"]
         constants = {f"const{vid}": shards for vid, shards in tracer.constants.items()}
         return Compiled(logical, plan, report, inputs, out_bufs, tree, variables, constants, feeds,
