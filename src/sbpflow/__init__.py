@@ -45,12 +45,14 @@ from .errors import (
     CommError,
     DTypeError,
     IndexOutOfRangeError,
+    MetaTensorError,
     OpError,
     PlacementError,
     SbpError,
     SbpflowError,
     ShapeError,
 )
+from .meta import meta_init, meta_tensor
 from .ops import functional
 
 # the tensor functions at the top level, where torch.* and oneflow.* have them with the same arguments (losses,
@@ -173,12 +175,12 @@ def explain(x: Tensor, placement: Placement | None = None, sbp: object = None) -
 __all__ = [
     "auto_parallel",
     "ArgumentError", "AutocastWarning", "AutogradError", "BoxingError", "CheckpointError", "CommError", "DTypeError",
-    "IndexOutOfRangeError", "OpError", "Placement",
+    "IndexOutOfRangeError", "MetaTensorError", "OpError", "Placement",
     "PlacementError", "SbpError", "SbpflowError", "ShapeError", "Tensor", "arange", "boxing", "comm", "enable_grad",
     "explain", "full", "full_like", "functional", "is_grad_enabled", "manual_seed", "models", "nn", "no_grad", "ones",
     "ones_like", "optim", "placement", "rand", "rand_like", "randint", "randn", "randn_like", "sbp", "tensor",
     "uniform", "zeros", "zeros_like", "print0", "rank", "world_size",
-    "checkpoint", "load", "save", "utils", "amp", "autocast", "GradScaler",
+    "checkpoint", "load", "save", "meta_init", "meta_tensor", "utils", "amp", "autocast", "GradScaler",
     # tensor functions
     "abs", "add", "all", "amax", "amin", "any", "argmax", "argmin", "bmm", "cast", "cat", "ceil", "chunk", "clamp",
     "clip", "clone", "conv2d", "cos", "cumsum", "div", "dropout", "eq", "erf", "exp", "flatten", "floor", "gather",

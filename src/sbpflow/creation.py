@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from . import meta as _meta
 from . import random as _rng
 from ._layout import Box, shard_box
 from .comm import get_backend
@@ -86,7 +87,10 @@ def _finish(t: Tensor, requires_grad: bool) -> Tensor:
 
 def _build(shape: tuple[int, ...], dtype: torch.dtype, placement: Placement, nd: NdSbp,
            make: Callable[[Box, torch.device], torch.Tensor], requires_grad: bool) -> Tensor:
-    """Each owned rank builds its own shard with ``make(box, device)``; partial sums keep it on coordinate 0."""
+    """Each owned rank builds its own shard with ``make(box, device)``; partial sums keep it on coordinate 0.
+    Under ``meta_init()`` no rank builds anything: a meta tensor (layout only)."""
+    if _meta.enabled():
+        return _finish(Tensor._meta(shape, dtype, placement, nd), requires_grad)
     backend = get_backend()
     shards = {}
     for r in backend.owned(placement.flat_ranks):
@@ -117,12 +121,21 @@ def tensor(data: Any, *, placement: Placement | None = None, sbp: Any = None, dt
     dev = _device_arg(device, placement, "sbpflow.tensor")
     value = _to_torch(data, _dtype_arg(dtype, "sbpflow.tensor"))
     nd = _check_layout(placement, sbp, value.dim(), f"sbpflow.tensor of shape {list(value.shape)}")
+    if _meta.enabled():
+        return _finish(_meta_of(tuple(value.shape), value.dtype, placement, nd), requires_grad)
     if nd is None or placement is None:
         local = Tensor._from_local(value.clone() if isinstance(data, torch.Tensor) else value)
         return _finish(_to_device(local, dev), requires_grad)
     shards = shards_from_full(value, placement, nd)
     get_backend().check_replicas(placement, nd, shards, f"sbpflow.tensor of shape {list(value.shape)}")
     return _finish(Tensor._from_shards(tuple(value.shape), value.dtype, placement, nd, shards), requires_grad)
+
+
+def _meta_of(shape: tuple[int, ...], dtype: torch.dtype, placement: Placement | None, nd: NdSbp | None) -> Tensor:
+    """A meta tensor (see :mod:`sbpflow.meta`): local without a placement, else global without shards."""
+    if placement is None or nd is None:
+        return Tensor._from_local(_meta.local(shape, dtype))
+    return Tensor._meta(shape, dtype, placement, nd)
 
 
 def _to_torch(data: Any, dtype: torch.dtype | None) -> torch.Tensor:
@@ -161,6 +174,8 @@ def full(*size: Any, fill_value: Any = None, placement: Placement | None = None,
         dtype = torch.tensor(fill_value).dtype if not isinstance(fill_value, float) else torch.get_default_dtype()
     nd = _check_layout(placement, sbp, len(shape), f"full({list(shape)})")
     if nd is None or placement is None:
+        if _meta.enabled():
+            return _finish(_meta_of(shape, dtype, None, None), requires_grad)
         return _finish(Tensor._from_local(torch.full(shape, fill_value, dtype=dtype, device=dev)), requires_grad)
     return _build(shape, dtype, placement, nd,
                   lambda box, dev: torch.full(_box_shape(box), fill_value, dtype=dtype, device=dev), requires_grad)
@@ -189,6 +204,8 @@ def arange(start: Any, end: Any = None, step: Any = 1, *, placement: Placement |
     n, dtype = _arange_size(start, end, step, dtype)
     nd = _check_layout(placement, sbp, 1, f"arange({start}, {end}, {step})")
     if nd is None or placement is None:
+        if _meta.enabled():
+            return _finish(_meta_of((n,), dtype, None, None), requires_grad)
         return _finish(Tensor._from_local(torch.arange(start, end, step, dtype=dtype, device=dev)), requires_grad)
 
     def make(box: Box, dev: torch.device) -> torch.Tensor:
@@ -224,6 +241,8 @@ def _random(kind: str, size: Sequence[Any], placement: Placement | None, sbp: An
     key = _rng.next_key()
     nd = _check_layout(placement, sbp, len(shape), f"random tensor of shape {list(shape)}")
     if nd is None or placement is None:
+        if _meta.enabled():
+            return _finish(_meta_of(shape, dtype, None, None), requires_grad)
         full_box = tuple((0, n) for n in shape)
         value = _rng.fill(key, shape, full_box, kind, dtype, dev or torch.device("cpu"), low, high)
         return _finish(Tensor._from_local(value), requires_grad)

@@ -61,3 +61,7 @@ class AutocastWarning(UserWarning):
 
 class PlanError(SbpflowError, ValueError):
     """A parallel plan that cannot exist for the model and cluster (degrees that do not divide, no plan fits)."""
+
+
+class MetaTensorError(SbpflowError, RuntimeError):
+    """Data was asked of a meta tensor (built under ``sbpflow.meta_init()``), which holds metadata only."""

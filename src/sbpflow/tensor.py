@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from . import boxing
+from . import meta as _metamod
 from ._layout import Shape, shard_box
 from .comm import get_backend
 from .distributed import activity
@@ -100,6 +101,14 @@ class Tensor:
         self._retains_grad = False
         return self
 
+    @classmethod
+    def _meta(cls, shape: Shape, dtype: torch.dtype, placement: Placement, sbp: NdSbp,
+              requires_grad: bool = False) -> Tensor:
+        """A global meta tensor: layout and no shards (see :mod:`sbpflow.meta`)."""
+        self = cls._from_shards(shape, dtype, placement, sbp, {}, requires_grad)
+        self._shards = None
+        return self
+
     def _init_autograd(self, requires_grad: bool) -> None:
         self.requires_grad = requires_grad
         self.grad = None
@@ -152,6 +161,17 @@ class Tensor:
         return torch.device(self.placement.type)
 
     @property
+    def is_meta(self) -> bool:
+        """Whether this tensor holds metadata only (built under ``sbpflow.meta_init()``; see :mod:`sbpflow.meta`).
+
+        A global meta tensor has no shards (a lazy tensor that ``nn.Graph`` traces has none either, but is not
+        meta: it stands for a value of the step); a local one wraps a torch meta-device tensor.
+        """
+        if self._local is not None:
+            return self._local.is_meta
+        return self._shards is None and self._lazy is None and self._placement is not None
+
+    @property
     def ndim(self) -> int:
         # read on many hot paths (functional wrappers, gradients): no torch.Size built for it
         return self._local.dim() if self._local is not None else len(self._shape or ())
@@ -189,6 +209,8 @@ class Tensor:
         """``{rank: shard}`` for every rank this process owns."""
         if self._lazy is not None:
             self._lazy.refuse_data("local_tensors()")
+        if self.is_meta:
+            _metamod.refuse(self, "local_tensors()")
         if self._view_of is not None:
             _refresh_view(self)
         if self._local is not None:
@@ -199,6 +221,8 @@ class Tensor:
         """This process's shard (or the tensor itself, for a local tensor)."""
         if self._lazy is not None:
             self._lazy.refuse_data("to_local()")
+        if self.is_meta:
+            _metamod.refuse(self, "to_local()")
         if self._view_of is not None:
             _refresh_view(self)
         if self._local is not None:
@@ -290,6 +314,8 @@ class Tensor:
     def __repr__(self) -> str:
         if self._lazy is not None:
             return f"LazyTensor({self._lazy.name()}, {self._describe()})"
+        if self.is_meta:
+            return f"MetaTensor({self._describe()})"
         value = logical_value(self)
         body = repr(value)[len("tensor(") : -1] if repr(value).startswith("tensor(") else repr(value)
         extra = []
@@ -323,8 +349,10 @@ class Tensor:
             _refresh_view(self)
         if self._local is not None:
             out = Tensor._from_local(_detached(self._local))
+        elif self._shards is None:  # a meta tensor stays one
+            out = Tensor._meta(self._shape or (), self._dtype, self._placement, self._sbp)  # type: ignore[arg-type]
         else:
-            shards = {r: _detached(t) for r, t in (self._shards or {}).items()}
+            shards = {r: _detached(t) for r, t in self._shards.items()}
             out = Tensor._from_shards(self._shape or (), self._dtype, self._placement, self._sbp,  # type: ignore[arg-type]
                                       shards)
         if self._view_of is not None:
@@ -390,6 +418,11 @@ class Tensor:
             from .graph.trace import assign_lazy
 
             return assign_lazy(self, value)
+        if self.is_meta:  # metadata only: nothing to write (an initialiser under meta_init)
+            self._version += 1
+            return self
+        if value.is_meta:
+            _metamod.refuse(value, f"writing it into a tensor with data ({self._describe()})")
         if self._local is not None:
             _copy_into(self._local, value.to_local())
         else:
@@ -428,6 +461,8 @@ def logical_value(t: Tensor) -> torch.Tensor:
         return t._local
     if t._lazy is not None:
         t._lazy.refuse_data("reading its value (item, numpy, tolist, bool, print)")
+    if t.is_meta:
+        _metamod.refuse(t, "reading its value (item, numpy, tolist, bool)")
     placement = get_backend().everywhere(t.placement)
     target = boxing.Layout(placement, (broadcast,) * placement.ndim)
     plan = boxing.plan(tuple(t.shape), t.dtype, _layout(t), target)

@@ -46,7 +46,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
+from typing import Any
 
+import numpy as np
 import torch
 
 from .._layout import Shape, box_shape, intersect, numel, shard_box
@@ -220,7 +222,7 @@ def _plan_cached(shape: Shape, dtype: torch.dtype, src: Layout, dst: Layout, mod
                  factors: tuple[tuple[tuple[str, str], float], ...] = ()) -> Plan:
     if src == dst:
         return Plan(shape, dtype, src, dst)
-    ctx = _Ctx(shape, _itemsize(dtype), model, _candidates(shape, src, dst), dict(factors))
+    ctx = _Ctx(shape, _itemsize(dtype), model, _candidates(shape, src, dst), dict(factors), factors)
     steps = _search(ctx, src, dst)
     return Plan(shape, dtype, src, dst, tuple(steps))
 
@@ -240,7 +242,7 @@ def transition_time(shape: Shape, dtype: torch.dtype, src: Layout, dst: Layout, 
         differ = [axis for axis, (a, b) in enumerate(zip(mid.sbp, dst.sbp, strict=True)) if a != b]
         if not differ:
             return 0.0
-        ctx = _Ctx(tuple(shape), _itemsize(dtype), model, (), dict(factors))
+        ctx = _Ctx(tuple(shape), _itemsize(dtype), model, (), dict(factors), factors)
         chains = [t for t in (_chain_time(ctx, mid, dst, differ), _chain_time(ctx, mid, dst, differ[::-1]))
                   if t is not None]
         if chains:
@@ -277,6 +279,7 @@ class _Ctx:
     model: CostModel
     candidates: tuple[SbpParallel, ...]
     factors: dict[tuple[str, str], float] = field(default_factory=dict)  # (device type, kind) -> cost multiplier
+    factor_items: tuple[tuple[tuple[str, str], float], ...] = ()  # the same, hashable
 
 
 def _candidates(shape: Shape, src: Layout, dst: Layout) -> tuple[SbpParallel, ...]:
@@ -345,13 +348,21 @@ def _unwind(back: dict[Layout, Step], src: Layout, dst: Layout) -> list[Step]:
 
 
 def _edges(ctx: _Ctx, state: Layout, dst: Layout) -> Iterator[Step]:
+    yield from _axis_steps_of(ctx.shape, ctx.itemsize, ctx.model, ctx.candidates, ctx.factor_items, state)
     if state.placement == dst.placement:
-        yield from _axis_steps(ctx, state)
         if not _has_partial(state.sbp) and state.sbp != dst.sbp:
             yield from _general_transfer(ctx, state, Layout(dst.placement, _unpartial(dst.sbp)))
     else:
-        yield from _axis_steps(ctx, state)
         yield from _cross_steps(ctx, state, dst)
+
+
+@lru_cache(maxsize=65536)
+def _axis_steps_of(shape: Shape, itemsize: int, model: CostModel, candidates: tuple[SbpParallel, ...],
+                   factor_items: tuple[tuple[tuple[str, str], float], ...], state: Layout) -> tuple[Step, ...]:
+    """The one-axis steps out of ``state``, whatever the goal: searches for many goals (whole-graph SBP
+    selection prices thousands of pairs) meet the same states, so they are cached."""
+    ctx = _Ctx(shape, itemsize, model, candidates, dict(factor_items), factor_items)
+    return tuple(_axis_steps(ctx, state))
 
 
 def _has_partial(sbp: NdSbp) -> bool:
@@ -418,19 +429,18 @@ def _axis_step(ctx: _Ctx, kind: str, src: Layout, dst: Layout, axis: int) -> Ste
         return Step(LOCAL, src, dst, axis, 0, 0, 0.0)
     pl = src.placement
     p = pl.hierarchy[axis]
-    src_bytes = [numel(_shard_shape(ctx, src, r)) * ctx.itemsize for r in pl.flat_ranks]
+    src_bytes = _held_elements(ctx.shape, src) * ctx.itemsize  # summed over the ranks
     if kind == "all_gather":
-        total = (p - 1) * sum(src_bytes)
+        total = (p - 1) * src_bytes
         rounds = p - 1
     elif kind == "reduce_scatter":
-        total = (p - 1) * sum(src_bytes) // p
+        total = (p - 1) * src_bytes // p
         rounds = p - 1
     elif kind == "all_reduce":
-        total = 2 * (p - 1) * sum(src_bytes) // p
+        total = 2 * (p - 1) * src_bytes // p
         rounds = 2 * (p - 1)
     else:  # all_to_all: everything but the piece a rank keeps
-        kept = [_kept_bytes(ctx, src, dst, r) for r in pl.flat_ranks]
-        total = sum(src_bytes) - sum(kept)
+        total = src_bytes - _kept_elements(ctx.shape, src, dst) * ctx.itemsize
         rounds = p - 1
     factor = ctx.factors.get((pl.type, kind), 1.0)
     total = int(total * factor)
@@ -447,11 +457,21 @@ def _shard_shape(ctx: _Ctx, layout: Layout, rank: int) -> Shape:
     return box_shape(shard_box(ctx.shape, layout.placement, layout.sbp, rank))
 
 
-def _kept_bytes(ctx: _Ctx, src: Layout, dst: Layout, rank: int) -> int:
-    a = shard_box(ctx.shape, src.placement, src.sbp, rank)
-    b = shard_box(ctx.shape, dst.placement, dst.sbp, rank)
-    common = intersect(a, b)
-    return 0 if common is None else numel(box_shape(common)) * ctx.itemsize
+@lru_cache(maxsize=65536)
+def _held_elements(shape: Shape, layout: Layout) -> int:
+    """Elements all ranks hold together (a search prices many steps out of one state: cached)."""
+    return sum(numel(box_shape(shard_box(shape, layout.placement, layout.sbp, r))) for r in layout.placement.flat_ranks)
+
+
+@lru_cache(maxsize=65536)
+def _kept_elements(shape: Shape, src: Layout, dst: Layout) -> int:
+    """Elements a rank holds under both layouts, summed over the ranks."""
+    total = 0
+    for rank in src.placement.flat_ranks:
+        common = intersect(shard_box(shape, src.placement, src.sbp, rank),
+                           shard_box(shape, dst.placement, dst.sbp, rank))
+        total += 0 if common is None else numel(box_shape(common))
+    return total
 
 
 # ----------------------------------------------------------------------------- across placements
@@ -499,19 +519,91 @@ def _pairwise_transfer(ctx: _Ctx, src: Layout, dst: Layout) -> Step:
 def _general_transfer(ctx: _Ctx, src: Layout, dst: Layout) -> Iterator[Step]:
     """Every destination fetches the boxes it lacks. The busiest rank, sending or receiving, sets the time:
     a lone source feeding many destinations sends every piece itself (which a broadcast tree avoids)."""
-    pieces = transfer_pieces(ctx.shape, src, dst)
-    traffic: dict[tuple[str, int], int] = {}  # ("in" | "out", rank) -> bytes
-    messages: dict[tuple[str, int], int] = {}
-    for src_rank, dst_rank, box in pieces:
-        if src_rank == dst_rank:
-            continue
-        size = numel(box_shape(box)) * ctx.itemsize
-        for key in (("out", src_rank), ("in", dst_rank)):
-            traffic[key] = traffic.get(key, 0) + size
-            messages[key] = messages.get(key, 0) + 1
-    total = sum(size for (way, _), size in traffic.items() if way == "in")
-    yield _transfer_step(ctx, src, dst, total, max(traffic.values(), default=0), max(messages.values(), default=0),
-                         "general")
+    total, busiest, messages = transfer_stats(ctx.shape, ctx.itemsize, src, dst)
+    yield _transfer_step(ctx, src, dst, total, busiest, messages, "general")
+
+
+# (shape, itemsize, layouts up to a shift of every rank) -> transfer_stats; cleared past the limit
+_STATS: dict[tuple[Any, ...], tuple[int, int, int]] = {}
+_STATS_LIMIT = 100_000
+
+
+def transfer_stats(shape: Shape, itemsize: int, src: Layout, dst: Layout) -> tuple[int, int, int]:
+    """``(bytes received in all, bytes of the busiest rank in or out, messages of the busiest rank)`` of the
+    general send/recv :func:`transfer_pieces` describes, without listing its pieces.
+
+    At 64 ranks a search meets thousands of these, and listing every piece cost milliseconds each. The numbers
+    only depend on which ranks hold which boxes, so they are memoised up to a shift of every rank (the same
+    transfer between the next two pipeline stages costs nothing more), and computed on arrays: one row per
+    destination rank, one column per distinct source box.
+    """
+    ranks = src.placement.flat_ranks + dst.placement.flat_ranks
+    base = min(ranks)
+    key = (shape, itemsize, src.placement.hierarchy, dst.placement.hierarchy, src.sbp, dst.sbp,
+           tuple(r - base for r in ranks))
+    found = _STATS.get(key)
+    if found is None:
+        if len(_STATS) >= _STATS_LIMIT:
+            _STATS.clear()
+        found = _STATS[key] = _transfer_stats(shape, itemsize, src, dst)
+    return found
+
+
+def _transfer_stats(shape: Shape, itemsize: int, src: Layout, dst: Layout) -> tuple[int, int, int]:
+    src_boxes = mesh_boxes(shape, src.placement.hierarchy, src.sbp)
+    n_src, ndim = src_boxes.shape[0], len(shape)
+    boxes, inverse = np.unique(src_boxes.reshape(n_src, ndim * 2), axis=0, return_inverse=True)
+    boxes = boxes.reshape(len(boxes), ndim, 2)
+    src_ranks = np.array(src.placement.flat_ranks, dtype=np.int64)
+    holders = {j: src_ranks[inverse.reshape(-1) == j].tolist() for j in range(len(boxes))}  # replicas, rank order
+    dst_ranks = np.array(dst.placement.flat_ranks, dtype=np.int64)
+    n_dst = len(dst_ranks)
+    wants = mesh_boxes(shape, dst.placement.hierarchy, dst.sbp)
+    extent = (np.minimum(wants[:, None, :, 1], boxes[None, :, :, 1])
+              - np.maximum(wants[:, None, :, 0], boxes[None, :, :, 0]))  # (dst rank, source box, dim)
+    meets = (extent > 0).all(axis=2)  # the pieces: boxes with a non-empty common part (intersect)
+    size = np.where(meets, np.prod(np.maximum(extent, 0), axis=2), 0) * itemsize
+    # who sends each piece: the destination itself if it holds the box, else the replicas in turn (transfer_pieces)
+    source = np.empty(meets.shape, dtype=np.int64)
+    index = np.arange(n_dst)
+    box_of = {}
+    for j, replicas in enumerate(holders.values()):
+        source[:, j] = np.array(replicas, dtype=np.int64)[index % len(replicas)]
+        box_of.update(dict.fromkeys(replicas, j))
+    own = np.array([box_of.get(int(d), -1) for d in dst_ranks], dtype=np.int64)
+    source = np.where(own[:, None] == np.arange(len(holders))[None, :], dst_ranks[:, None], source)
+    moves = meets & (source != dst_ranks[:, None])
+    if not moves.any():
+        return 0, 0, 0
+    traffic_in = np.where(moves, size, 0).sum(axis=1)
+    messages_in = moves.sum(axis=1)
+    senders, inverse_out = np.unique(source[moves], return_inverse=True)
+    traffic_out = np.zeros(len(senders), dtype=np.int64)
+    np.add.at(traffic_out, inverse_out, size[moves])
+    messages_out = np.bincount(inverse_out, minlength=len(senders))
+    busiest = max(int(traffic_in.max()), int(traffic_out.max()))
+    return int(traffic_in.sum()), busiest, max(int(messages_in.max()), int(messages_out.max()))
+
+
+@lru_cache(maxsize=8192)
+def mesh_boxes(shape: Shape, mesh: tuple[int, ...], sbp: NdSbp) -> np.ndarray:
+    """Every rank's :func:`~sbpflow._layout.shard_box` at once: ``[flat index, dim, (start, stop)]``.
+
+    A box depends on the rank's mesh coordinates only (row-major flat order), not on which ranks the placement
+    holds, so pipeline stages of one mesh share the array. Read only.
+    """
+    coords = np.indices(mesh).reshape(len(mesh), -1).T  # (flat index, mesh axis)
+    lo = np.zeros((len(coords), len(shape)), dtype=np.int64)
+    hi = np.tile(np.array(shape, dtype=np.int64), (len(coords), 1))
+    for axis, s in enumerate(sbp):
+        if isinstance(s, Split):  # split_range on the box so far, as shard_box nests the axes
+            q, r = np.divmod(hi[:, s.dim] - lo[:, s.dim], mesh[axis])
+            index = coords[:, axis]
+            start = lo[:, s.dim] + index * q + np.minimum(index, r)
+            lo[:, s.dim], hi[:, s.dim] = start, start + q + (index < r)
+    out = np.stack([lo, hi], axis=-1)
+    out.flags.writeable = False
+    return out
 
 
 def _transfer_step(ctx: _Ctx, src: Layout, dst: Layout, total: int, per_rank: int, msgs: int, how: str) -> Step:

@@ -304,7 +304,11 @@ def registers(plan: PhysicalPlan) -> dict[int, Register]:
         for b in n.inputs:
             consumers[b].append(n.id)
     out = {}
+    sizes: dict[tuple[Any, ...], tuple[tuple[int, int], ...]] = {}  # one tuple per layout (repeated layers share)
     for b, buf in plan.bufs.items():
-        placement = buf.layout.placement
-        out[b] = Register(b, 1, tuple((r, buf.nbytes(r)) for r in placement.flat_ranks), tuple(consumers[b]))
+        key = (buf.shape, buf.dtype, buf.layout)
+        per_rank = sizes.get(key)
+        if per_rank is None:
+            per_rank = sizes[key] = tuple((r, buf.nbytes(r)) for r in buf.layout.placement.flat_ranks)
+        out[b] = Register(b, 1, per_rank, tuple(consumers[b]))
     return out

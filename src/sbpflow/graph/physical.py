@@ -62,13 +62,15 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Any
 
+import numpy as np
 import torch
 
 from .._layout import shard_shape
 from ..boxing import Layout, Plan
-from ..sbp import format_nd
+from ..sbp import Split, format_nd
 
 KINDS = ("input", "variable", "unpack", "repeat", "compute", "boxing", "accumulate", "pack", "assign", "output",
          "route", "update")
@@ -109,7 +111,10 @@ class Register:
     consumers: tuple[int, ...]  # node ids reading it
 
     def bytes_on(self, rank: int) -> int:
-        return dict(self.bytes_per_rank).get(rank, 0)
+        for r, n in self.bytes_per_rank:
+            if r == rank:
+                return n
+        return 0
 
 
 @dataclass(frozen=True)
@@ -184,6 +189,37 @@ class PhysicalPlan:
     def phase(self, phase: str) -> Iterator[PNode]:
         return (n for n in self.nodes if n.phase == phase)
 
+    def rank_classes(self) -> dict[int, tuple[int, ...]]:
+        """Ranks whose programs move the same bytes: ``{representative (smallest rank): every rank of its class}``.
+
+        Two ranks are in one class when they run the same nodes and every buffer has as many bytes on one as on
+        the other, so any count over a rank's acts (the memory plan's peak) is the same for both. A buffer's
+        bytes on a rank depend on the rank's coordinates only along mesh axes that split some dim unevenly; on
+        an even mesh (a GPT on TP8 x PP16 x DP8) each pipeline stage is one class of 64 ranks.
+        """
+        rank_sets = {n.ranks for n in self.nodes}
+        placements = {b.layout.placement for b in self.bufs.values()}
+        uneven: dict[Any, set[int]] = {p: set() for p in placements}
+        found: dict[tuple[Any, ...], set[int]] = {}  # (shape, sbp, mesh) -> axes: stages of one mesh share it
+        for shape, sbp, p in {(b.shape, b.layout.sbp, b.layout.placement) for b in self.bufs.values()}:
+            key = (shape, sbp, p.hierarchy)
+            if key not in found:
+                found[key] = _uneven_axes(shape, sbp, p)
+            uneven[p] |= found[key]
+        keys: dict[int, list[Any]] = {r: [] for ranks in rank_sets for r in ranks}
+        for i, ranks in enumerate(sorted(rank_sets)):
+            for r in ranks:
+                keys[r].append(i)
+        for i, p in enumerate(sorted(placements, key=lambda q: (q.flat_ranks, q.hierarchy))):
+            axes = sorted(uneven[p])
+            for r in p.flat_ranks:
+                coords = p.coords(r)
+                keys.setdefault(r, []).append((i, tuple(coords[a] for a in axes)))
+        classes: dict[tuple[Any, ...], list[int]] = {}
+        for r in sorted(keys):
+            classes.setdefault(tuple(keys[r]), []).append(r)
+        return {members[0]: tuple(members) for members in classes.values()}
+
     def collectives(self, rank: int) -> list[PNode]:
         return [n for n in self.for_rank(rank) if n.kind == "boxing" and n.is_comm]
 
@@ -202,5 +238,22 @@ class PhysicalPlan:
         }, indent=1)
 
 
+def _uneven_axes(shape: tuple[int, ...], sbp: Any, placement: Any) -> set[int]:
+    """The mesh axes along which the shard size of a ``shape`` tensor with ``sbp`` changes with the coordinate."""
+    if not any(isinstance(s, Split) for s in sbp):
+        return set()
+    mesh = placement.hierarchy
+    sizes = np.array([_numel(shard_shape(shape, placement, sbp, r)) for r in placement.flat_ranks]).reshape(mesh)
+    return {a for a in range(len(mesh)) if (sizes.max(axis=a) != sizes.min(axis=a)).any()}
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+@lru_cache(maxsize=64)
 def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()

@@ -195,11 +195,14 @@ def record_op(opdef: Any, args: Sequence[Any], attrs: dict[str, Any]) -> Any:
             raise TraceError(f"{user_line()}: op {opdef.name!r} needs all inputs on one placement, but got "
                              f"{_describe_args(args)}; move one with .to_global(placement=...)")
     inputs = tuple(tracer.value_of(t, opdef.name) for t in tensors)
-    try:
-        with boxing.target_factors(tracer.target_factors):
-            decision = decide(opdef, args, attrs, placement)
-    except SbpflowError as e:
-        raise type(e)(f"{user_line()}: {e}") from None
+    key = _decision_key(opdef, args, attrs, placement, tracer.target_factors)
+    decision = _DECISIONS.get(key)
+    if decision is None:
+        try:
+            with boxing.target_factors(tracer.target_factors):
+                decision = _DECISIONS[key] = decide(opdef, args, attrs, placement)
+        except SbpflowError as e:
+            raise type(e)(f"{user_line()}: {e}") from None
     template = _template(args)
     outs = tuple(tracer.new_value(m.shape, m.dtype, placement, s).id
                  for m, s in zip(decision.out_metas, decision.out_sbps, strict=True))
@@ -207,6 +210,30 @@ def record_op(opdef: Any, args: Sequence[Any], attrs: dict[str, Any]) -> Any:
                           tuple(decision.in_sbps), where=user_line()))
     results = tuple(tracer.tensor_of(tracer.graph.values[v]) for v in outs)
     return results[0] if len(results) == 1 else results
+
+
+# (op, placement up to a shift by whole nodes, (shape, dtype, sbp) or type per arg, attrs, cost model, factors)
+# -> Decision. Tracing keeps only a decision's metadata and SBPs, which a shift of every rank by whole nodes
+# leaves alone (the cost model tells links apart by node only): repeated layers on the stages of a pipeline
+# (each its own placement) decide once. Of the decision's boxing plans, which name the placement, nothing is used.
+_DECISIONS: dict[Any, Any] = {}
+
+
+def _decision_key(opdef: Any, args: Sequence[Any], attrs: dict[str, Any], placement: Placement,
+                  factors: tuple[Any, ...]) -> tuple[Any, ...]:
+    from ..ops.registry import _attrs_key
+
+    model = boxing.get_cost_model()
+    key_args = tuple((a._shape, a._dtype, a._sbp) if isinstance(a, Tensor) else type(a) for a in args)
+    return (opdef.name, _shape_of_placement(placement, model.ranks_per_node), key_args, _attrs_key(attrs),
+            model, factors)
+
+
+def _shape_of_placement(placement: Placement, ranks_per_node: int) -> tuple[Any, ...]:
+    """``placement`` with its ranks shifted down by whole nodes: what the cost of a boxing on it depends on."""
+    ranks = placement.flat_ranks
+    base = min(ranks) // ranks_per_node * ranks_per_node
+    return (placement.type, placement.hierarchy, tuple(r - base for r in ranks))
 
 
 def _template(args: Sequence[Any]) -> tuple[tuple[str, Any], ...]:

@@ -67,11 +67,13 @@ def _check_collectives(plan: PhysicalPlan) -> None:
     for n in plan.nodes:
         if n.kind != "boxing":
             continue
+        entry = (n.id, _signature(n))
+        members = set(n.ranks)
         for group in groups_of(n):
-            missing = [r for r in group if r not in n.ranks]
+            missing = [r for r in group if r not in members]
             for r in group:
                 if r not in missing:
-                    sequences.setdefault((group, r), []).append((n.id, _signature(n)))
+                    sequences.setdefault((group, r), []).append(entry)
             if missing and len(missing) < len(group):
                 raise PlanError(
                     f"{n.label()}: ranks {missing} of process group {list(group)} do not issue this "

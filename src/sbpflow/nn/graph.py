@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,6 +39,7 @@ import torch
 
 from .. import random as sbp_random
 from ..autograd import enable_grad
+from ..comm.simulated import SimulatedBackend
 from ..errors import SbpflowError
 from ..graph.compile import CompileReport, compile_graph
 from ..graph.ir import LogicalGraph
@@ -256,6 +257,24 @@ class Graph:
         object.__setattr__(self, "_last", compiled)
         return self._run(compiled, args)
 
+    def compile_only(self, *args: Any) -> Compiled:
+        """Traces and compiles the step for ``args``' metadata (shape, dtype, placement, SBP), running nothing.
+
+        The arguments may be meta tensors (:func:`sbpflow.meta_tensor`), and the graph's modules may be built
+        under :func:`sbpflow.meta_init` (a model of any size, without memory for its weights): tracing reads
+        metadata only. The result is cached as a call's would be: ``explain()``, ``plan`` and ``logical`` show
+        it, and a later call with the same metadata on a model with real weights runs it without compiling.
+        """
+        if self.config.auto_parallel is not None:
+            raise SbpflowError(f"{type(self).__name__}.compile_only: enable_auto_parallel plans the model from "
+                               "the first call's data; compile the planned model instead")
+        key = _input_key(args)
+        compiled = self._cache.get(key)
+        if compiled is None:
+            compiled = self._cache[key] = self._compile(args)
+        object.__setattr__(self, "_last", compiled)
+        return compiled
+
     # -- compile ---------------------------------------------------------------------------------
 
     def _compile(self, args: Sequence[Any]) -> Compiled:
@@ -292,7 +311,9 @@ class Graph:
         plan, logical, report = compile_graph(tracer.graph, self.config.sbp_selection, agree=_rank0_choice,
                                               schedule=self.config.pipeline_schedule,
                                               prefetch=self.config.zero_prefetch)
+        start = time.perf_counter()
         plan.peak_bytes = _memory_plan(plan)
+        report.times["memory plan"] = time.perf_counter() - start
         report.times = {"trace": trace_s, **report.times}
         out_bufs = [(n.name, plan.bufs[n.inputs[0]]) for n in plan.nodes if n.kind == "output" and n.name != FOUND_INF]
         constants = {f"const{vid}": shards for vid, shards in tracer.constants.items()}
@@ -399,6 +420,7 @@ class Graph:
     # -- run -------------------------------------------------------------------------------------
 
     def _run(self, compiled: Compiled, args: Sequence[Any]) -> Any:
+        _refuse_meta(compiled, args)
         feeds = _input_feeds(compiled, args)
         for fn in compiled.feeds:
             feeds.update(fn())
@@ -508,11 +530,32 @@ def target_factors(args: Sequence[Any]) -> tuple[Any, ...]:
 
 def _memory_plan(plan: PhysicalPlan) -> dict[int, int]:
     """Predicted peak bytes of every rank: the register protocol played without kernels (every rank, whatever
-    this process owns), the same accounting the actor runtime reports after a real step."""
-    from ..comm.simulated import SimulatedBackend
+    this process owns), the same accounting the actor runtime reports after a real step. Ranks of one class
+    (``plan.rank_classes``: the same nodes and bytes) peak alike, so one rank per class is played."""
     from ..runtime.board import dry_run
 
-    return dry_run(plan, SimulatedBackend()).peak_bytes
+    classes = plan.rank_classes()
+    peaks = dry_run(plan, _Representatives(frozenset(classes))).peak_bytes
+    return {r: peaks.get(rep, 0) for rep, members in classes.items() for r in members}
+
+
+class _Representatives(SimulatedBackend):
+    """The simulated backend, owning only the given ranks (for the memory plan's dry run)."""
+
+    def __init__(self, ranks: frozenset[int]) -> None:
+        super().__init__()
+        self.ranks = ranks
+        self._owned: dict[tuple[int, ...], list[int]] = {}  # nodes share few rank tuples (placements, unions)
+
+    def owns(self, rank: int) -> bool:
+        return rank in self.ranks
+
+    def owned(self, ranks: Iterable[int]) -> list[int]:
+        key = tuple(ranks)
+        found = self._owned.get(key)
+        if found is None:
+            found = self._owned[key] = [r for r in key if r in self.ranks]
+        return list(found)
 
 
 def _rank0_choice(choice: Any) -> Any:
@@ -629,6 +672,18 @@ def _feed_fn(optimizer: Any, prefix: str) -> Callable[[], list[tuple[str, float]
         return [f for gi, g in enumerate(optimizer.param_groups) for f in optimizer.step_feeds(f"{prefix}.{gi}", g)]
 
     return feeds
+
+
+def _refuse_meta(compiled: Compiled, args: Sequence[Any]) -> None:
+    """A step cannot run on meta tensors (sbpflow.meta_init): the first one, input or variable, is named."""
+    from ..meta import refuse
+
+    for i, a in enumerate(args):
+        if isinstance(a, Tensor) and a.is_meta:
+            refuse(a, f"running the compiled step on input {i}")
+    for name, t in compiled.variables.items():
+        if t.is_meta:
+            refuse(t, f"running the compiled step on variable {name!r}")
 
 
 def _input_feeds(compiled: Compiled, args: Sequence[Any]) -> dict[str, Any]:

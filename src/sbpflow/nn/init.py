@@ -42,11 +42,15 @@ def _overwrite(t: Tensor, value: Tensor) -> Tensor:
 
 def uniform_(tensor: Tensor, a: float = 0.0, b: float = 1.0) -> Tensor:
     """Fills ``tensor`` with values drawn uniformly from ``[a, b)``."""
+    if tensor.is_meta:  # sbpflow.meta_init: no data to fill (and no full-size draw to make)
+        return tensor
     return _overwrite(tensor, uniform(*tensor.shape, low=a, high=b, **_layout_kwargs(tensor)))
 
 
 def normal_(tensor: Tensor, mean: float = 0.0, std: float = 1.0) -> Tensor:
     """Fills ``tensor`` with values from N(mean, std²)."""
+    if tensor.is_meta:
+        return tensor
     value = randn(*tensor.shape, **_layout_kwargs(tensor))
     with no_grad():
         value = F.add(F.mul(value, std), mean) if (std != 1.0 or mean != 0.0) else value
@@ -54,6 +58,8 @@ def normal_(tensor: Tensor, mean: float = 0.0, std: float = 1.0) -> Tensor:
 
 
 def constant_(tensor: Tensor, val: float) -> Tensor:
+    if tensor.is_meta:
+        return tensor
     return _overwrite(tensor, full(tuple(tensor.shape), val, **_layout_kwargs(tensor)))
 
 

@@ -89,6 +89,8 @@ def relayout_(t: Tensor, placement: Placement, sbp: Any) -> Tensor:
 
 
 def _moved(t: Tensor, placement: Placement, nd: NdSbp) -> Tensor:
+    if t.is_meta:  # built under sbpflow.meta_init(): a layout and no data, before and after
+        return Tensor._meta(tuple(t.shape), t.dtype, placement, nd)
     if not t.is_global:
         value = t.to_local()
         shards = shards_from_full(value, placement, nd)

@@ -42,6 +42,8 @@ def to_global(x: Tensor, placement: Placement, sbp: Any, grad_sbp: Any = None) -
         return x
     if _trace.ACTIVE:
         out = _trace.record_to_global(x, placement, nd)
+    elif x.is_meta:  # sbpflow.meta_init: the new layout, still no data
+        out = Tensor._meta(tuple(x.shape), x.dtype, placement, nd)
     else:
         plan = boxing.plan(tuple(x.shape), x.dtype, src, dst)
         shards = boxing.execute(plan, x._shards or {})

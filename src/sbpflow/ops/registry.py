@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from .. import amp, boxing
+from .. import meta as _meta
 from .._layout import Box, shard_box
 from ..autograd import Node, is_grad_enabled
 from ..comm import get_backend
@@ -365,8 +366,10 @@ def _apply_global(opdef: OpDef, args: Sequence[Any], attrs: dict[str, Any]) -> A
         return _trace.record_op(opdef, args, attrs)
     placement = None
     key_args: list[Any] = []
+    meta = False
     for a in args:
         if isinstance(a, Tensor):
+            meta = meta or a._shards is None
             if placement is None:
                 placement = a._placement
             elif a._placement is not placement and a._placement != placement:
@@ -385,6 +388,8 @@ def _apply_global(opdef: OpDef, args: Sequence[Any], attrs: dict[str, Any]) -> A
         _keep_cost_model_alive()
         decision = decide(opdef, args, attrs, placement)
         _global_cache[key] = decision
+    if meta:  # a meta tensor (sbpflow.meta_init): metadata in, metadata out
+        return _meta_outputs(opdef, decision, placement, args)
     if decision.boxes:
         with activity(opdef.activity):  # named in comm errors raised while its inputs are boxed
             return run(opdef, decision, args, attrs, placement)
@@ -579,6 +584,16 @@ def _new_shard_ctx(rank: int, placement: Placement, decision: Decision) -> Shard
         tuple(shard_box(m.shape, placement, s, rank) for m, s in zip(out_metas, decision.out_sbps, strict=True)),
         in_metas, out_metas, decision.in_sbps, decision.out_sbps,
     )
+
+
+def _meta_outputs(opdef: OpDef, decision: Decision, placement: Placement, args: Sequence[Any]) -> Any:
+    """The outputs of an op on meta tensors: the decision's metadata, no shards (see :mod:`sbpflow.meta`)."""
+    if opdef.data_dependent:
+        meta_arg = next(a for a in args if isinstance(a, Tensor) and a._shards is None)
+        _meta.refuse(meta_arg, f"op {opdef.name!r}, whose output size depends on the data,")
+    outs = tuple(Tensor._meta(m.shape, m.dtype, placement, s)
+                 for m, s in zip(decision.out_metas, decision.out_sbps, strict=True))
+    return outs[0] if len(outs) == 1 else outs
 
 
 def _wrap(decision: Decision, placement: Placement, results: dict[int, Any]) -> Any:

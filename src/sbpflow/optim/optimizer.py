@@ -36,6 +36,7 @@ import torch
 from ..autograd import enable_grad, no_grad, zero_grads
 from ..creation import zeros
 from ..errors import SbpError, SbpflowError
+from ..meta import meta_init
 from ..sbp import NdSbp, Partial, format_nd
 from ..tensor import Tensor, logical_value, shards_from_full
 
@@ -215,7 +216,8 @@ class Optimizer:
         for group in self.param_groups:
             names = self._state_names(group)
             for p in group["params"]:
-                self._init_state(p, self._state_layout(p), self.state[p], names)
+                with meta_init(p.is_meta):  # a meta parameter's state is meta too (compile_only)
+                    self._init_state(p, self._state_layout(p), self.state[p], names)
 
     def _state_layout(self, p: Tensor) -> Tensor:
         """A tensor in ``p``'s state layout (``p`` itself unless :meth:`state_sbp` differs) to shape new state on."""

@@ -1,0 +1,78 @@
+"""Metadata-only tensors: a model of any size, built without memory for its weights, to compile.
+
+Under :func:`meta_init`, every tensor the creation functions make (and so every parameter a module's
+constructor registers, and every initialiser's draw) is a *meta* tensor: it has a logical shape, a dtype
+and, once placed, a placement and an SBP, but no data. A local meta tensor wraps a torch ``meta``-device
+tensor; a global one holds no shards at all, so neither its size nor the number of ranks costs memory.
+
+Ops on meta tensors compute metadata only (meta inference and the SBP signature, as tracing does), and
+``nn.Graph.compile_only`` traces, selects SBPs, lowers and verifies a step on them. Reading a meta tensor's
+data, or running a compiled step on one, raises :class:`~sbpflow.errors.MetaTensorError` naming the tensor.
+
+>>> import sbpflow
+>>> from sbpflow import nn
+>>> with sbpflow.meta_init():
+...     layer = nn.Linear(100_000, 100_000)          # 10^10 parameters: 40 GB if it held data
+>>> layer.weight.is_meta, list(layer.weight.shape)
+(True, [100000, 100000])
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from .errors import MetaTensorError
+
+if TYPE_CHECKING:
+    from .tensor import Tensor
+
+_DEPTH = [0]  # nesting depth of meta_init blocks in force
+
+
+@contextmanager
+def meta_init(enabled: bool = True) -> Iterator[None]:
+    """Tensors created inside are meta tensors (see the module docstring); ``enabled=False`` is a no-op."""
+    _DEPTH[0] += 1 if enabled else 0
+    try:
+        yield
+    finally:
+        _DEPTH[0] -= 1 if enabled else 0
+
+
+def enabled() -> bool:
+    """Whether a :func:`meta_init` block is in force."""
+    return _DEPTH[0] > 0
+
+
+def local(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A torch tensor on the meta device: a local meta tensor's storage-less value."""
+    return torch.empty(shape, dtype=dtype, device="meta")
+
+
+def refuse(t: Tensor, what: str) -> None:
+    """Raises the error for reading data (``what``) from the meta tensor ``t``."""
+    raise MetaTensorError(
+        f"{what} of a meta tensor ({t._describe()}): it was built under sbpflow.meta_init() and holds metadata "
+        "only, no data; meta tensors can be compiled (nn.Graph.compile_only), not run or read; build the model "
+        "outside meta_init() (or load a checkpoint into a real one) to run it"
+    )
+
+
+def meta_tensor(*size: Any, dtype: torch.dtype | None = None, placement: Any = None, sbp: Any = None,
+                requires_grad: bool = False) -> Tensor:
+    """A meta tensor of logical shape ``size`` (a graph input's metadata for ``compile_only``).
+
+    >>> import sbpflow
+    >>> x = sbpflow.meta_tensor(8, 2048, dtype=torch.int64, placement=sbpflow.placement("cpu", [0, 1]),
+    ...                         sbp=sbpflow.sbp.split(0))
+    >>> x
+    MetaTensor(shape [8, 2048] int64 on cpu:[0, 1] sbp (S(0)))
+    """
+    from .creation import zeros
+
+    with meta_init():
+        return zeros(*size, dtype=dtype, placement=placement, sbp=sbp, requires_grad=requires_grad)
