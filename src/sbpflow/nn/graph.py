@@ -275,6 +275,28 @@ class Graph:
         object.__setattr__(self, "_last", compiled)
         return compiled
 
+    def iterate(self, loader: Any, steps: int | None = None) -> Iterator[Any]:
+        """Runs one step per batch of ``loader`` (a :class:`sbpflow.utils.data.DataLoader`) and yields each step's
+        outputs: the rest of the loader's epoch, or ``steps`` steps across epochs.
+
+        The batches come from the loader's source actor, which loads the next ``prefetch`` batches while the
+        current step computes; its spans are a lane of this graph's timeline (``SBPFLOW_TRACE``). A batch
+        that is a tuple or list is passed as the step's arguments, a tensor as its one argument. The loader's
+        ``state_dict()`` counts the steps run, so a checkpoint taken in the loop resumes at the next batch.
+
+        >>> for loss in graph.iterate(loader, steps=100):  # doctest: +SKIP
+        ...     print(loss.item())
+        """
+        batches = loader.batches(steps)
+        try:
+            for batch in batches:
+                out = self(*batch) if isinstance(batch, (tuple, list)) else self(batch)
+                executor = self._compiled().executor
+                batches.source.timeline = executor.timeline if executor is not None else None
+                yield out
+        finally:
+            batches.close()
+
     # -- compile ---------------------------------------------------------------------------------
 
     def _compile(self, args: Sequence[Any]) -> Compiled:

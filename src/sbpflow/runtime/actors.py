@@ -178,6 +178,11 @@ class ActorRuntime:
         """The last run's counters: acts, peak live bytes per rank, peak live slots per register."""
         return self.board.stats
 
+    @property
+    def timeline(self) -> _trace.TraceWriter | None:
+        """The timeline this runtime writes (None without one); a source actor feeding it adds its lane there."""
+        return self._trace
+
     def run(self, feeds: dict[str, Shards], variables: dict[str, Shards]) -> dict[str, Shards]:
         """Runs one step; same arguments and result as :func:`~sbpflow.runtime.inorder.run_plan`."""
         if self._closed:

@@ -1,0 +1,114 @@
+"""Which rows of a batch each process reads, and how the rows it read become its ranks' shards.
+
+A batch of ``n`` samples is a logical tensor of shape (n, ...) per field. Under an SBP, rank r holds
+the box :func:`~sbpflow._layout.shard_box` gives; its rows are that box's dim-0 range: S(0) on a mesh
+axis cuts the rows, B and splits of other dims keep them all. A process reads the union of its ranks'
+row ranges (:func:`row_ranges`), collates them into one local part, and cuts every rank's shard
+out of that part (:func:`shards_of`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..._layout import shard_box
+from ...errors import SbpflowError
+from ...placement import Placement
+from ...sbp import NdSbp, Partial, Split
+
+
+def check_batch_sbp(nd_sbp: NdSbp, placement: Placement) -> None:
+    for s in nd_sbp:
+        if isinstance(s, Partial):
+            raise SbpflowError(f"DataLoader batches are split or broadcast on each mesh axis of {placement}, but the "
+                               f"sbp has {s}: a loaded batch holds values, not partial sums")
+
+
+def rank_rows(n: int, placement: Placement, nd_sbp: NdSbp, rank: int) -> tuple[int, int]:
+    """Rank ``rank``'s rows [lo, hi) of an ``n``-row batch (only dim 0's splits matter)."""
+    ndim = 1 + max((s.dim for s in nd_sbp if isinstance(s, Split)), default=0)
+    box = shard_box((n,) + (1,) * (ndim - 1), placement, nd_sbp, rank)
+    return box[0]
+
+
+def row_ranges(n: int, placement: Placement, nd_sbp: NdSbp, ranks: list[int]) -> list[tuple[int, int]]:
+    """The disjoint, sorted row ranges that ``ranks`` together hold (what this process reads)."""
+    spans = sorted(rank_rows(n, placement, nd_sbp, r) for r in ranks)
+    merged: list[tuple[int, int]] = []
+    for lo, hi in spans:
+        if hi <= lo:
+            continue
+        if merged and lo <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(merged[-1][1], hi))
+        else:
+            merged.append((lo, hi))
+    return merged
+
+
+def part_offset(ranges: list[tuple[int, int]], row: int) -> int:
+    """Where batch row ``row`` sits in the part made of ``ranges``' rows, in order."""
+    offset = 0
+    for lo, hi in ranges:
+        if lo <= row < hi:
+            return offset + row - lo
+        offset += hi - lo
+    raise AssertionError(f"row {row} is in none of the ranges read, {ranges}")
+
+
+def shards_of(part: torch.Tensor, n: int, ranges: list[tuple[int, int]], placement: Placement, nd_sbp: NdSbp,
+              ranks: list[int], devices: dict[int, torch.device], field: str) -> dict[int, torch.Tensor]:
+    """Each rank's shard of one field, cut from ``part`` (the collated rows of ``ranges``)."""
+    shape = (n, *part.shape[1:])  # logical (global) shape of the field
+    for s in nd_sbp:
+        if isinstance(s, Split) and s.dim >= len(shape):
+            raise SbpflowError(f"DataLoader: field {field} of the batch has shape {list(shape)}, but the sbp splits "
+                               f"dim {s.dim}; expected split(d) with d < {len(shape)}")
+    out = {}
+    for r in ranks:
+        box = shard_box(shape, placement, nd_sbp, r)
+        lo, hi = box[0]
+        start = part_offset(ranges, lo) if hi > lo else 0  # an empty shard cuts 0 rows anywhere
+        piece = part[(slice(start, start + hi - lo), *(slice(a, b) for a, b in box[1:]))]
+        out[r] = piece.to(devices[r], copy=True)  # each shard its own memory, as sbpflow.tensor makes them
+    return out
+
+
+def flatten(value: Any, where: str = "batch") -> tuple[list[tuple[str, torch.Tensor]], Any]:
+    """The tensor leaves of a collated batch (with names for messages) and how to rebuild it."""
+    if isinstance(value, torch.Tensor):
+        return [(where, value)], None
+    if isinstance(value, (tuple, list)):
+        leaves, specs = [], []
+        for i, v in enumerate(value):
+            sub, spec = flatten(v, f"{where}[{i}]")
+            leaves += sub
+            specs.append((len(sub), spec))
+        return leaves, (type(value), specs)
+    if isinstance(value, dict):
+        leaves, specs = [], []
+        for k, v in value.items():
+            sub, spec = flatten(v, f"{where}[{k!r}]")
+            leaves += sub
+            specs.append((k, len(sub), spec))
+        return leaves, (dict, specs)
+    raise SbpflowError(f"DataLoader: {where} of the collated batch is {type(value).__name__}; a batch placed on "
+                       "ranks holds tensors (or tuples, lists and dicts of them)")
+
+
+def unflatten(leaves: list[Any], spec: Any) -> Any:
+    if spec is None:
+        return leaves[0]
+    kind, specs = spec
+    if kind is dict:
+        out, at = {}, 0
+        for key, count, sub in specs:
+            out[key] = unflatten(leaves[at:at + count], sub)
+            at += count
+        return out
+    items, at = [], 0
+    for count, sub in specs:
+        items.append(unflatten(leaves[at:at + count], sub))
+        at += count
+    return tuple(items) if kind is tuple else items

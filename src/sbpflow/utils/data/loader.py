@@ -1,0 +1,289 @@
+"""``DataLoader``: batches of a map-style dataset, shuffled by a seed, placed on ranks, prefetched by a source actor.
+
+>>> import torch, sbpflow
+>>> from sbpflow import sbp
+>>> from sbpflow.utils.data import TensorDataset
+>>> ds = TensorDataset(torch.arange(10.0).reshape(5, 2))
+>>> p = sbpflow.placement("cpu", [0, 1])
+>>> loader = DataLoader(ds, batch_size=2, shuffle=True, seed=3, placement=p, sbp=sbp.split(0))
+>>> [list(b[0].shape) for b in loader]          # the last batch holds the 5th sample
+[[2, 2], [2, 2], [1, 2]]
+>>> loader.state_dict()["epoch"], loader.state_dict()["index"]   # one epoch consumed
+(1, 0)
+
+Order. With ``shuffle``, epoch e visits the samples in ``randperm(len(dataset))`` drawn from a generator
+seeded by (seed, e) alone: every process computes the same order, and a resumed loader the same one.
+
+Position. The loader counts the batches its consumer *took* (not those prefetched): ``state_dict()`` is
+(epoch, index of the next batch), plain integers that ``sbpflow.save`` writes with a checkpoint, and
+``load_state_dict`` continues from there bit-exactly. ``iter(loader)`` yields the rest of the current epoch;
+:meth:`DataLoader.batches` with ``steps`` runs across epochs.
+
+Placement. With ``placement`` and ``sbp`` every tensor of a batch comes out as a global tensor of that layout,
+and each process reads (calls ``dataset[i]`` for) only the rows its ranks hold: S(0) on a mesh axis gives each
+rank its slice of the batch, B the whole batch (see :mod:`._layout`). ``collate_fn`` (default: torch's
+``default_collate``) gets those rows only, so it must work row by row (dim 0 of its outputs = its samples).
+
+Prefetch. Batches are made by a :class:`~sbpflow.runtime.source.SourceActor` on a thread of its own with
+``prefetch`` registers: while the consumer (an ``nn.Graph`` step) computes, the next ``prefetch`` batches load.
+``prefetch=0`` loads each batch in the consumer's thread when it is asked for. The thread overlaps loading that
+waits (files, sleeps, I/O) or runs outside the GIL (torch kernels, decoders); a pure-Python ``__getitem__``
+shares the GIL with the step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch.utils.data import default_collate
+
+from ...comm import get_backend
+from ...errors import SbpflowError
+from ...placement import Placement
+from ...random import mix_key
+from ...runtime.source import SourceActor
+from ...sbp import NdSbp, broadcast, normalize, split
+from ...tensor import Tensor
+from ._layout import check_batch_sbp, flatten, row_ranges, shards_of, unflatten
+
+Position = tuple[int, int]  # (epoch, index of a batch in that epoch)
+
+
+class DataLoader:
+    """Batches of ``dataset``; see the module docstring.
+
+    ``batch_size``: samples per batch (over all ranks). ``shuffle``/``seed``: a fresh seeded order each epoch.
+    ``drop_last``: drop the last, smaller batch. ``collate_fn``: samples -> batch. ``placement``/``sbp``:
+    the layout of produced batches (default sbp with a placement: S(0) on the first mesh axis, B on the others).
+    ``prefetch``: the source actor's register count (batches loaded ahead; 0: none).
+    """
+
+    def __init__(self, dataset: Any, batch_size: int = 1, shuffle: bool = False, *, seed: int = 0,
+                 drop_last: bool = False, collate_fn: Callable[[list[Any]], Any] | None = None,
+                 placement: Placement | None = None, sbp: Any = None, prefetch: int = 2,
+                 name: str = "loader") -> None:
+        _check_dataset(dataset)
+        _check_int("batch_size", batch_size, 1)
+        _check_int("prefetch", prefetch, 0)
+        _check_int("seed", seed, None)
+        self.dataset = dataset
+        self.batch_size = batch_size
+        self.shuffle = bool(shuffle)
+        self.seed = seed
+        self.drop_last = bool(drop_last)
+        self.collate_fn = collate_fn or default_collate
+        self.placement = placement
+        self.sbp = _batch_sbp(placement, sbp)
+        self.prefetch = prefetch
+        self.name = name
+        self.epoch = 0
+        self.index = 0  # the next batch the consumer takes in this epoch
+        self._order: tuple[int, torch.Tensor] | None = None  # (epoch, its sample order): the last one made
+        self._active: Batches | None = None
+
+    # -- order and positions ------------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        """Batches per epoch."""
+        n = len(self.dataset)
+        return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
+
+    def order(self, epoch: int) -> torch.Tensor:
+        """The sample indices of ``epoch`` in visiting order (the same on every process)."""
+        cached = self._order
+        if cached is not None and cached[0] == epoch:
+            return cached[1]
+        n = len(self.dataset)
+        if self.shuffle:
+            gen = torch.Generator().manual_seed(mix_key(self.seed, epoch + 1) & (2**63 - 1))
+            order = torch.randperm(n, generator=gen)
+        else:
+            order = torch.arange(n)
+        self._order = (epoch, order)
+        return order
+
+    def batch_indices(self, epoch: int, index: int) -> list[int]:
+        """The sample indices of batch ``index`` of ``epoch``."""
+        if not 0 <= index < len(self):
+            raise SbpflowError(f"DataLoader has {len(self)} batches per epoch, but batch {index} was asked for")
+        start = index * self.batch_size
+        return self.order(epoch)[start:start + self.batch_size].tolist()
+
+    def positions(self, steps: int | None = None) -> Iterator[Position]:
+        """The positions from the current one: the rest of this epoch, or ``steps`` batches across epochs."""
+        epoch, index, per_epoch = self.epoch, self.index, len(self)
+        if steps is not None:
+            _check_int("steps", steps, 0)
+            if per_epoch == 0 and steps > 0:
+                raise SbpflowError(f"DataLoader yields no batch per epoch ({len(self.dataset)} samples, batch_size "
+                                   f"{self.batch_size}, drop_last={self.drop_last}), so it cannot run {steps} steps")
+        taken = 0
+        while steps is None or taken < steps:
+            if index >= per_epoch:
+                if steps is None:
+                    return
+                epoch, index = epoch + 1, 0
+            yield epoch, index
+            index += 1
+            taken += 1
+
+    # -- loading -------------------------------------------------------------------------------------
+
+    def load(self, epoch: int, index: int) -> Any:
+        """Batch ``index`` of ``epoch``, reading only the rows this process's ranks hold."""
+        indices = self.batch_indices(epoch, index)
+        if self.placement is None:
+            return self.collate_fn([self.dataset[i] for i in indices])
+        return self._load_placed(indices, self.placement, self.sbp)
+
+    def _load_placed(self, indices: list[int], placement: Placement, nd_sbp: NdSbp) -> Any:
+        backend = get_backend()
+        ranks = backend.owned(placement.flat_ranks)
+        n = len(indices)
+        ranges = row_ranges(n, placement, nd_sbp, ranks)
+        rows = [indices[j] for lo, hi in ranges for j in range(lo, hi)]
+        if rows:
+            part = self.collate_fn([self.dataset[i] for i in rows])
+        else:  # this process holds no row: one sample gives the fields' shapes and dtypes (0-row shards)
+            part = _empty_rows(self.collate_fn([self.dataset[indices[0]]]))
+        leaves, spec = flatten(part)
+        devices = {r: backend.device_for(placement.type, r) for r in ranks}
+        tensors = []
+        for field, leaf in leaves:
+            if leaf.dim() == 0:
+                raise SbpflowError(f"DataLoader: {field} of the collated batch is 0-d; a batch needs a first dim")
+            shards = shards_of(leaf, n, ranges, placement, nd_sbp, ranks, devices, field)
+            tensors.append(Tensor._from_shards((n, *leaf.shape[1:]), leaf.dtype, placement, nd_sbp, shards))
+        return unflatten(tensors, spec)
+
+    # -- iteration and state -------------------------------------------------------------------------
+
+    def __iter__(self) -> Batches:
+        return self.batches()
+
+    def batches(self, steps: int | None = None) -> Batches:
+        """An iterator over the rest of this epoch (``steps=None``) or ``steps`` batches across epochs,
+        prefetched by a source actor; one at a time per loader (a new one closes the previous one)."""
+        if self._active is not None:
+            self._active.close()
+        self._active = Batches(self, steps)
+        return self._active
+
+    def _taken(self, epoch: int, index: int) -> None:
+        """The consumer took batch (epoch, index): the position moves past it."""
+        index += 1
+        if index >= len(self):
+            epoch, index = epoch + 1, 0
+        self.epoch, self.index = epoch, index
+
+    def state_dict(self) -> dict[str, int]:
+        """The loader's position (batches taken), as integers ``sbpflow.save`` writes with a checkpoint."""
+        return {"epoch": self.epoch, "index": self.index, "seed": self.seed, "batch_size": self.batch_size,
+                "samples": len(self.dataset)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continues from a saved position; the seed, batch size and dataset length must be the saved ones."""
+        for key, mine in (("seed", self.seed), ("batch_size", self.batch_size), ("samples", len(self.dataset))):
+            if key in state and int(state[key]) != mine:
+                raise SbpflowError(f"DataLoader.load_state_dict: the saved {key} is {int(state[key])}, but this "
+                                   f"loader's is {mine}; a position only means the same batches under the same "
+                                   "seed, batch size and dataset")
+        epoch, index = int(state["epoch"]), int(state["index"])
+        if epoch < 0 or not 0 <= index <= max(len(self) - 1, 0):
+            raise SbpflowError(f"DataLoader.load_state_dict: position (epoch {epoch}, batch {index}) is outside "
+                               f"this loader's {len(self)} batches per epoch")
+        if self._active is not None:
+            self._active.close()
+        self.epoch, self.index = epoch, index
+
+
+class Batches:
+    """The batches of one :meth:`DataLoader.batches` call, made ahead by :attr:`source` (a source actor)."""
+
+    def __init__(self, loader: DataLoader, steps: int | None) -> None:
+        self.loader = loader
+        producer = ((pos, loader.load(*pos)) for pos in loader.positions(steps))
+        device = loader.placement.type if loader.placement is not None else "cpu"
+        self.source = SourceActor(producer, loader.prefetch, loader.name, device=device, measure=_nbytes)
+        self._closed = False
+
+    def __iter__(self) -> Batches:
+        return self
+
+    def __next__(self) -> Any:
+        if self._closed:
+            raise StopIteration
+        try:
+            (epoch, index), batch = self.source.take()
+        except StopIteration:
+            self.close()
+            raise
+        self.loader._taken(epoch, index)
+        return batch
+
+    def close(self) -> None:
+        """Stops the prefetching; batches loaded and not taken are dropped (the position does not count them)."""
+        if not self._closed:
+            self._closed = True
+            self.source.close()
+            if self.loader._active is self:
+                self.loader._active = None
+
+    def __del__(self) -> None:
+        if not getattr(self, "_closed", True):
+            self.source.close()
+
+
+def _nbytes(item: tuple[Position, Any]) -> int:
+    """Bytes of the shards this process holds of a loaded batch (the timeline's bytes)."""
+    leaves, _ = flatten(_locals(item[1]))
+    return sum(t.numel() * t.element_size() for _, t in leaves)
+
+
+def _locals(batch: Any) -> Any:
+    if isinstance(batch, Tensor):
+        shards = batch._shards if batch.is_global else {0: batch.to_local()}
+        return list((shards or {}).values())
+    if isinstance(batch, (tuple, list)):
+        return [_locals(b) for b in batch]
+    if isinstance(batch, dict):
+        return [_locals(b) for b in batch.values()]
+    return batch if isinstance(batch, torch.Tensor) else []
+
+
+def _empty_rows(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value[:0]
+    if isinstance(value, (tuple, list)):
+        return type(value)(_empty_rows(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _empty_rows(v) for k, v in value.items()}
+    return value
+
+
+def _batch_sbp(placement: Placement | None, sbp: Any) -> NdSbp:
+    if placement is None:
+        if sbp is not None:
+            raise SbpflowError(f"DataLoader got sbp={sbp!r} without a placement; pass placement= as well")
+        return ()
+    if not isinstance(placement, Placement):
+        raise SbpflowError(f"DataLoader(placement=...) takes an sbpflow.placement, but got {type(placement).__name__}")
+    if sbp is None:
+        sbp = (split(0),) + (broadcast,) * (placement.ndim - 1)
+    nd = normalize(sbp, placement, what="DataLoader batches")
+    check_batch_sbp(nd, placement)
+    return nd
+
+
+def _check_dataset(dataset: Any) -> None:
+    if not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
+        raise SbpflowError(f"DataLoader needs a map-style dataset (with __len__ and __getitem__), but got "
+                           f"{type(dataset).__name__}")
+
+
+def _check_int(name: str, value: Any, minimum: int | None) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or (minimum is not None and value < minimum):
+        bound = f" >= {minimum}" if minimum is not None else ""
+        raise SbpflowError(f"DataLoader {name} must be an int{bound}, but got {value!r}")
