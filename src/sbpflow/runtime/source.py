@@ -104,17 +104,18 @@ class SourceActor:
                         and self._error is None:
                     raise ExecutionError(f"source actor {self.name!r}: its thread ended without a value or an error")
             self.stats.take_wait_seconds += time.perf_counter() - start
-            if self._ready:
-                value = self._ready.popleft()
-                if value is not _END:
-                    self.stats.taken += 1
-                    self._cond.notify_all()  # "free": the source may act again
-                    return value
+            if not self._ready:
+                if self._error is not None:
+                    raise self._named(self._error) from self._error
+                raise ExecutionError(f"source actor {self.name!r} was closed")
+            value = self._ready.popleft()
+            if value is _END:
                 self._ready.appendleft(_END)  # the end stays: every later take ends too
                 raise StopIteration
-            if self._error is not None:
-                raise self._named(self._error) from self._error
-            raise ExecutionError(f"source actor {self.name!r} was closed")
+            self.stats.taken += 1
+            self._cond.notify_all()  # "free": the source may act again
+        time.sleep(0)  # lets the woken source take the interpreter now, so its act starts before the step's
+        return value
 
     def _take_inline(self) -> Any:
         value = self._produce_one() if self._error is None else None
