@@ -190,3 +190,13 @@ def test_a_failing_producer_is_raised_at_its_position_naming_the_source(k: int) 
     with pytest.raises(ExecutionError, match="source actor 'train loader' failed producing value #2: KeyError"):
         src.take()
     src.close()
+
+
+def test_read_threads_read_a_batch_at_once_in_order() -> None:
+    slow = Counting(16, delay=0.02)
+    loader = DataLoader(slow, 8, shuffle=True, seed=3, read_threads=8, prefetch=0)
+    start = time.perf_counter()
+    got = [ids(b) for b in loader]
+    assert time.perf_counter() - start < 0.6 * 16 * 0.02  # sequential reads would take 16 x 20 ms
+    assert got == [ids(b) for b in DataLoader(Counting(16), 8, shuffle=True, seed=3)]
+    assert sorted(slow.reads) == list(range(16))

@@ -4,7 +4,6 @@ sbpflow.save/load, and its timeline shows the loader's lane loading while the st
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 from typing import Any
@@ -55,10 +54,12 @@ class Owning(SimulatedBackend):
         return rank in self.mine
 
 
-@pytest.mark.parametrize(("mesh", "sbp", "n"), [([0, 1], (S.split(0),), 8), ([0, 1, 2], (S.split(0),), 7),
-                                                ([0, 1], (S.broadcast,), 5), ([[0, 1], [2, 3]], (S.split(0), S.broadcast), 6),
-                                                ([[0, 1], [2, 3]], (S.split(0), S.split(0)), 9),
-                                                ([0, 1], (S.split(1),), 4)])
+MESH = [[0, 1], [2, 3]]
+LAYOUTS = [([0, 1], (S.split(0),), 8), ([0, 1, 2], (S.split(0),), 7), ([0, 1], (S.broadcast,), 5),
+           (MESH, (S.split(0), S.broadcast), 6), (MESH, (S.split(0), S.split(0)), 9), ([0, 1], (S.split(1),), 4)]
+
+
+@pytest.mark.parametrize(("mesh", "sbp", "n"), LAYOUTS)
 def test_placed_batches_equal_torch_and_each_rank_reads_only_its_rows(mesh: Any, sbp: Any, n: int) -> None:
     p = sbpflow.placement("cpu", mesh)
     ds = Rows(n)
@@ -155,8 +156,8 @@ def test_resume_mid_epoch_through_a_checkpoint_is_bit_exact(tmp_path: Path, one_
     p = sbpflow.placement("cpu", [0, 1])
     ds = Rows(14)
     graph, model = make_step(p)
-    straight = [float(loss.numpy()) for loss in graph.iterate(DataLoader(ds, 4, True, seed=9, drop_last=True, placement=p),
-                                                              steps=7)]
+    loader = DataLoader(ds, 4, True, seed=9, drop_last=True, placement=p)
+    straight = [float(loss.numpy()) for loss in graph.iterate(loader, steps=7)]
     final = params(model)
 
     graph, model = make_step(p)

@@ -87,12 +87,13 @@ def flatten(value: Any, where: str = "batch") -> tuple[list[tuple[str, torch.Ten
             specs.append((len(sub), spec))
         return leaves, (type(value), specs)
     if isinstance(value, dict):
-        leaves, specs = [], []
+        keyed: list[tuple[Any, int, Any]] = []
+        leaves = []
         for k, v in value.items():
             sub, spec = flatten(v, f"{where}[{k!r}]")
             leaves += sub
-            specs.append((k, len(sub), spec))
-        return leaves, (dict, specs)
+            keyed.append((k, len(sub), spec))
+        return leaves, (dict, keyed)
     raise SbpflowError(f"DataLoader: {where} of the collated batch is {type(value).__name__}; a batch placed on "
                        "ranks holds tensors (or tuples, lists and dicts of them)")
 

@@ -33,7 +33,9 @@ shares the GIL with the step.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -57,16 +59,18 @@ class DataLoader:
     ``batch_size``: samples per batch (over all ranks). ``shuffle``/``seed``: a fresh seeded order each epoch.
     ``drop_last``: drop the last, smaller batch. ``collate_fn``: samples -> batch. ``placement``/``sbp``:
     the layout of produced batches (default sbp with a placement: S(0) on the first mesh axis, B on the others).
-    ``prefetch``: the source actor's register count (batches loaded ahead; 0: none).
+    ``prefetch``: the source actor's register count (batches loaded ahead; 0: none). ``read_threads``: how many
+    ``dataset[i]`` calls of one batch run at once (for reads that wait; the dataset must allow concurrent reads).
     """
 
     def __init__(self, dataset: Any, batch_size: int = 1, shuffle: bool = False, *, seed: int = 0,
                  drop_last: bool = False, collate_fn: Callable[[list[Any]], Any] | None = None,
-                 placement: Placement | None = None, sbp: Any = None, prefetch: int = 2,
+                 placement: Placement | None = None, sbp: Any = None, prefetch: int = 2, read_threads: int = 1,
                  name: str = "loader") -> None:
         _check_dataset(dataset)
         _check_int("batch_size", batch_size, 1)
         _check_int("prefetch", prefetch, 0)
+        _check_int("read_threads", read_threads, 1)
         _check_int("seed", seed, None)
         self.dataset = dataset
         self.batch_size = batch_size
@@ -77,7 +81,9 @@ class DataLoader:
         self.placement = placement
         self.sbp = _batch_sbp(placement, sbp)
         self.prefetch = prefetch
+        self.read_threads = read_threads
         self.name = name
+        self._pool: ThreadPoolExecutor | None = None
         self.epoch = 0
         self.index = 0  # the next batch the consumer takes in this epoch
         self._order: tuple[int, torch.Tensor] | None = None  # (epoch, its sample order): the last one made
@@ -135,8 +141,17 @@ class DataLoader:
         """Batch ``index`` of ``epoch``, reading only the rows this process's ranks hold."""
         indices = self.batch_indices(epoch, index)
         if self.placement is None:
-            return self.collate_fn([self.dataset[i] for i in indices])
+            return self.collate_fn(self._read(indices))
         return self._load_placed(indices, self.placement, self.sbp)
+
+    def _read(self, rows: list[int]) -> list[Any]:
+        """``dataset[i]`` for each row, in order: on ``read_threads`` threads at once when there are several."""
+        if self.read_threads == 1 or len(rows) < 2:
+            return [self.dataset[i] for i in rows]
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.read_threads, thread_name_prefix=f"sbpflow {self.name} read")
+            weakref.finalize(self, self._pool.shutdown, wait=False)
+        return list(self._pool.map(self.dataset.__getitem__, rows))
 
     def _load_placed(self, indices: list[int], placement: Placement, nd_sbp: NdSbp) -> Any:
         backend = get_backend()
@@ -145,7 +160,7 @@ class DataLoader:
         ranges = row_ranges(n, placement, nd_sbp, ranks)
         rows = [indices[j] for lo, hi in ranges for j in range(lo, hi)]
         if rows:
-            part = self.collate_fn([self.dataset[i] for i in rows])
+            part = self.collate_fn(self._read(rows))
         else:  # this process holds no row: one sample gives the fields' shapes and dtypes (0-row shards)
             part = _empty_rows(self.collate_fn([self.dataset[indices[0]]]))
         leaves, spec = flatten(part)
