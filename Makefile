@@ -32,6 +32,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/ops_2proc.py --write
 	$(PY) benchmarks/checkpoint_compare.py --write
 	$(PY) benchmarks/graph_compare.py --write
+	$(PY) benchmarks/data_prefetch.py --write
 
 clean:
 	rm -rf $(VENV) out .pytest_cache .hypothesis

@@ -96,6 +96,21 @@ def test_a_process_reads_the_rows_of_its_ranks_together() -> None:
     assert {r: t[:, 0].tolist() for r, t in x._shards.items()} == {2: ds.x[4:6, 0].tolist(), 3: ds.x[6:8, 0].tolist()}
 
 
+def test_dict_samples_become_dicts_of_global_tensors() -> None:
+    class Named(Dataset):
+        def __len__(self) -> int:
+            return 6
+
+        def __getitem__(self, i: int) -> dict[str, Any]:
+            return {"ids": torch.full((4,), i), "label": i % 2}
+
+    p = sbpflow.placement("cpu", [0, 1])
+    batch = next(iter(DataLoader(Named(), 6, placement=p, sbp=S.split(0))))
+    assert sorted(batch) == ["ids", "label"]
+    assert batch["ids"].numpy()[:, 0].tolist() == list(range(6)) and batch["label"].numpy().tolist() == [0, 1] * 3
+    assert batch["ids"].sbp == (S.split(0),) and batch["label"]._shards[1].tolist() == [1, 0, 1]
+
+
 def test_partial_sbp_and_bad_split_are_refused() -> None:
     p = sbpflow.placement("cpu", [0, 1])
     with pytest.raises(SbpflowError, match="split or broadcast .* but the sbp has P\\(sum\\)"):
@@ -136,7 +151,17 @@ def test_graph_iterate_trains_exactly_as_hand_fed_batches(one_torch_thread: None
     ds = Rows(20)
     graph, model = make_step(p)
     loader = DataLoader(ds, 4, shuffle=True, seed=2, placement=p, sbp=S.split(0), prefetch=2)
-    losses = [float(loss.numpy()) for loss in graph.iterate(loader, steps=8)]  # 5 per epoch: crosses an epoch
+    losses = []
+    for loss in graph.iterate(loader, steps=8):  # 5 batches per epoch: crosses an epoch
+        losses.append(float(loss.numpy()))
+        assert loader.stats.loaded <= loader.stats.taken + 2  # the prefetch bound, from the source's counters
+        if len(losses) == 3:  # a slow step: the source fills both registers, then waits
+            deadline = time.monotonic() + 5
+            while loader.stats.loaded < 5 and time.monotonic() < deadline:
+                time.sleep(0.005)
+            time.sleep(0.05)
+            assert (loader.stats.taken, loader.stats.loaded) == (3, 5)
+    assert loader.stats.peak_ahead == 2 and loader.stats.taken == 8
     assert loader.state_dict()["epoch"] == 1 and loader.state_dict()["index"] == 3
 
     by_hand, model2 = make_step(p)

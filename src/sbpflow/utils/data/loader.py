@@ -45,7 +45,7 @@ from ...comm import get_backend
 from ...errors import SbpflowError
 from ...placement import Placement
 from ...random import mix_key
-from ...runtime.source import SourceActor
+from ...runtime.source import SourceActor, SourceStats
 from ...sbp import NdSbp, broadcast, normalize, split
 from ...tensor import Tensor
 from ._layout import check_batch_sbp, flatten, row_ranges, shards_of, unflatten
@@ -88,6 +88,7 @@ class DataLoader:
         self.index = 0  # the next batch the consumer takes in this epoch
         self._order: tuple[int, torch.Tensor] | None = None  # (epoch, its sample order): the last one made
         self._active: Batches | None = None
+        self._stats: SourceStats | None = None  # the counters of the last batches() call's source actor
 
     # -- order and positions ------------------------------------------------------------------------
 
@@ -184,7 +185,14 @@ class DataLoader:
         if self._active is not None:
             self._active.close()
         self._active = Batches(self, steps)
+        self._stats = self._active.source.stats
         return self._active
+
+    @property
+    def stats(self) -> SourceStats:
+        """The source actor's counters of the current (or last) iteration: batches loaded and taken, the most
+        ever loaded ahead (at most ``prefetch``), time spent loading and waiting for a batch."""
+        return self._stats if self._stats is not None else SourceStats()
 
     def _taken(self, epoch: int, index: int) -> None:
         """The consumer took batch (epoch, index): the position moves past it."""
