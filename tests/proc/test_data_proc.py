@@ -3,13 +3,16 @@ the shuffled order is the same on both, and Graph.iterate trains exactly as on v
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import numpy as np
+import pytest
 from procrun import run_ranks
 
 import sbpflow
 from sbpflow import sbp as S
+from sbpflow.runtime.trace import load, trace_path
 from sbpflow.utils.data import DataLoader
 from sim.test_data_loader import Rows, make_step
 
@@ -23,12 +26,19 @@ def reads_under(sbp_name: str) -> dict[str, Any]:
     return {"reads": ds.reads, "orders": [loader.order(e).tolist() for e in (0, 1)], "shards": shards}
 
 
-def reads() -> dict[str, Any]:
-    return {name: reads_under(name) for name in ("S(0)", "B")}
+def job() -> dict[str, Any]:
+    """Both tests' work in one job of 2 processes (a launch costs seconds)."""
+    return {"S(0)": reads_under("S(0)"), "B": reads_under("B"), "train": train(6)}
 
 
-def test_each_process_reads_only_its_ranks_rows_and_both_shuffle_alike() -> None:
-    per_rank = run_ranks(reads, 2, timeout=90)
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[Any], Path]:
+    trace = tmp_path_factory.mktemp("data") / "trace.json"
+    return run_ranks(job, 2, env={"SBPFLOW_TRACE": str(trace)}, timeout=150), trace
+
+
+def test_each_process_reads_only_its_ranks_rows_and_both_shuffle_alike(two_processes: Any) -> None:
+    per_rank, _ = two_processes
     split, bcast = [r["S(0)"] for r in per_rank], [r["B"] for r in per_rank]
     assert split[0]["orders"] == split[1]["orders"] == bcast[0]["orders"]
     orders = split[0]["orders"]
@@ -50,11 +60,16 @@ def train(steps: int) -> dict[str, Any]:
                                          for t in model.parameters()], "position": loader.state_dict()}
 
 
-def test_graph_iterate_on_two_processes_equals_virtual_ranks() -> None:
+def test_graph_iterate_on_two_processes_equals_virtual_ranks(two_processes: Any) -> None:
+    per_rank, trace = two_processes
     expected = train(6)
-    per_rank = run_ranks(train, 2, args=(6,), timeout=120)
-    for got in per_rank:
+    for got in [r["train"] for r in per_rank]:
         np.testing.assert_allclose(got["losses"], expected["losses"], rtol=1e-6)
         for a, b in zip(got["params"], expected["params"], strict=True):
             np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
         assert got["position"] == expected["position"]
+    for rank in (0, 1):  # each process's timeline has the loader's lane, one load span per batch
+        events = load(trace_path(str(trace), rank, 2))
+        lanes = {e["tid"]: e["args"]["name"] for e in events if e.get("name") == "thread_name"}
+        loads = [e for e in events if e.get("ph") == "X" and lanes[e["tid"]] == "cpu/source:loader"]
+        assert len(loads) == 6 and all(e["cat"] == "load" for e in loads)

@@ -77,7 +77,7 @@ def test_placed_batches_equal_torch_and_each_rank_reads_only_its_rows(mesh: Any,
             (xr, _), = [loader.load(0, 0)]
         finally:
             set_backend(previous)
-        lo, hi = row_ranges(n, p, sbp, [rank])[0] if row_ranges(n, p, sbp, [rank]) else (0, 0)
+        lo, hi = (row_ranges(n, [(p, sbp, [rank])]) or [(0, 0)])[0]
         assert ds.reads == order[lo:hi].tolist()
         np.testing.assert_array_equal(xr._shards[rank].numpy(), x._shards[rank].numpy())
 
@@ -94,6 +94,26 @@ def test_a_process_reads_the_rows_of_its_ranks_together() -> None:
         set_backend(previous)
     assert ds.reads == [4, 5, 6, 7]
     assert {r: t[:, 0].tolist() for r, t in x._shards.items()} == {2: ds.x[4:6, 0].tolist(), 3: ds.x[6:8, 0].tolist()}
+
+
+def test_fields_on_pipeline_stages_read_their_stages_rows() -> None:
+    """x on stage 0 (ranks 0, 1), y on stage 1 (ranks 2, 3), both S(0): a process of rank 3 reads rows 3.."""
+    first, last = sbpflow.placement("cpu", [0, 1]), sbpflow.placement("cpu", [2, 3])
+    ds = Rows(6)
+    loader = DataLoader(ds, 6, placement=[first, last], sbp=[S.split(0), None], prefetch=0)
+    x, y = next(iter(loader))
+    assert (x.placement, y.placement, y.sbp) == (first, last, (S.split(0),))
+    np.testing.assert_array_equal(y.numpy(), ds.y.numpy())
+    for mine, rows in (({3}, [3, 4, 5]), ({0}, [0, 1, 2]), ({0, 2}, [0, 1, 2])):
+        ds.reads.clear()
+        previous = set_backend(Owning(mine))
+        try:
+            loader.load(0, 0)
+        finally:
+            set_backend(previous)
+        assert ds.reads == rows
+    with pytest.raises(SbpflowError, match="sbp must be a list of 2"):
+        DataLoader(ds, 6, placement=[first, last], sbp=S.split(0))
 
 
 def test_dict_samples_become_dicts_of_global_tensors() -> None:
@@ -250,3 +270,29 @@ def test_timeline_shows_the_loader_loading_while_the_step_computes(tmp_path: Pat
     loads, computes, _ = traced_run(tmp_path / "inline.json", prefetch=0)
     assert len(loads) == 6
     assert not [c for c in computes if any(lo < c[0] < hi for lo, hi in loads)]  # the caller loads, then computes
+
+
+def test_pipeline_gpt_fed_by_a_loader_equals_hand_fed(one_torch_thread: None) -> None:
+    """dp=2 x pp=2 with 2 micro-batches: ids go to the first stage and targets to the last, from one loader."""
+    from sbpflow.demo.train_gpt import build
+    from sbpflow.models.gpt import GPTConfig
+    from sbpflow.utils.data import TensorDataset
+
+    cfg = GPTConfig(vocab_size=24, block_size=8, n_layer=2, n_head=2, n_embd=16)
+    tokens = torch.randint(0, 24, (12, 9), generator=torch.Generator().manual_seed(0))
+    ds = TensorDataset(tokens[:, :-1], tokens[:, 1:])
+    fed = build(cfg, "dp=2,pp=2", graph=True, micro_batches=2)
+    strategy = fed.strategy
+    assert strategy is not None
+    loader = DataLoader(ds, 4, shuffle=True, seed=1, placement=[strategy.stages[0], strategy.stages[-1]],
+                        sbp=[strategy.input_sbp, strategy.input_sbp])
+    losses = [float(loss.to_global(placement=strategy.everywhere, sbp=S.broadcast).numpy())
+              for loss in fed.graph.iterate(loader, steps=4)]
+
+    by_hand = build(cfg, "dp=2,pp=2", graph=True, micro_batches=2)
+    expected = []
+    for step in range(4):
+        epoch, index = divmod(step, 3)
+        rows = loader.order(epoch)[index * 4:(index + 1) * 4]
+        expected.append(by_hand.step(ds.tensors[0][rows].numpy(), ds.tensors[1][rows].numpy()))
+    assert losses == expected

@@ -33,9 +33,10 @@ def rank_rows(n: int, placement: Placement, nd_sbp: NdSbp, rank: int) -> tuple[i
     return box[0]
 
 
-def row_ranges(n: int, placement: Placement, nd_sbp: NdSbp, ranks: list[int]) -> list[tuple[int, int]]:
-    """The disjoint, sorted row ranges that ``ranks`` together hold (what this process reads)."""
-    spans = sorted(rank_rows(n, placement, nd_sbp, r) for r in ranks)
+def row_ranges(n: int, holders: list[tuple[Placement, NdSbp, list[int]]]) -> list[tuple[int, int]]:
+    """The disjoint, sorted row ranges that the given ranks hold together (what this process reads): ``holders``
+    lists (placement, sbp, this process's ranks of it), one per field layout."""
+    spans = sorted(rank_rows(n, placement, nd_sbp, r) for placement, nd_sbp, ranks in holders for r in ranks)
     merged: list[tuple[int, int]] = []
     for lo, hi in spans:
         if hi <= lo:

@@ -58,7 +58,8 @@ class DataLoader:
 
     ``batch_size``: samples per batch (over all ranks). ``shuffle``/``seed``: a fresh seeded order each epoch.
     ``drop_last``: drop the last, smaller batch. ``collate_fn``: samples -> batch. ``placement``/``sbp``:
-    the layout of produced batches (default sbp with a placement: S(0) on the first mesh axis, B on the others).
+    the layout of produced batches (default sbp with a placement: S(0) on the first mesh axis, B on the others);
+    lists of them give each field of a batch its own (pipeline stages).
     ``prefetch``: the source actor's register count (batches loaded ahead; 0: none). ``read_threads``: how many
     ``dataset[i]`` calls of one batch run at once (for reads that wait; the dataset must allow concurrent reads).
     """
@@ -78,8 +79,8 @@ class DataLoader:
         self.seed = seed
         self.drop_last = bool(drop_last)
         self.collate_fn = collate_fn or default_collate
-        self.placement = placement
-        self.sbp = _batch_sbp(placement, sbp)
+        self.layouts = _layouts(placement, sbp)  # (placement, sbp) for every field, or one for all; [] unplaced
+        self.placement = self.layouts[0][0] if self.layouts else None
         self.prefetch = prefetch
         self.read_threads = read_threads
         self.name = name
@@ -141,9 +142,9 @@ class DataLoader:
     def load(self, epoch: int, index: int) -> Any:
         """Batch ``index`` of ``epoch``, reading only the rows this process's ranks hold."""
         indices = self.batch_indices(epoch, index)
-        if self.placement is None:
+        if not self.layouts:
             return self.collate_fn(self._read(indices))
-        return self._load_placed(indices, self.placement, self.sbp)
+        return self._load_placed(indices)
 
     def _read(self, rows: list[int]) -> list[Any]:
         """``dataset[i]`` for each row, in order: on ``read_threads`` threads at once when there are several."""
@@ -154,22 +155,26 @@ class DataLoader:
             weakref.finalize(self, self._pool.shutdown, wait=False)
         return list(self._pool.map(self.dataset.__getitem__, rows))
 
-    def _load_placed(self, indices: list[int], placement: Placement, nd_sbp: NdSbp) -> Any:
+    def _load_placed(self, indices: list[int]) -> Any:
         backend = get_backend()
-        ranks = backend.owned(placement.flat_ranks)
+        holders = [(p, nd, backend.owned(p.flat_ranks)) for p, nd in self.layouts]
         n = len(indices)
-        ranges = row_ranges(n, placement, nd_sbp, ranks)
+        ranges = row_ranges(n, holders)
         rows = [indices[j] for lo, hi in ranges for j in range(lo, hi)]
         if rows:
             part = self.collate_fn(self._read(rows))
         else:  # this process holds no row: one sample gives the fields' shapes and dtypes (0-row shards)
             part = _empty_rows(self.collate_fn([self.dataset[indices[0]]]))
         leaves, spec = flatten(part)
-        devices = {r: backend.device_for(placement.type, r) for r in ranks}
+        if len(holders) > 1 and len(holders) != len(leaves):
+            raise SbpflowError(f"DataLoader has {len(holders)} placements, one per field, but a batch has "
+                               f"{len(leaves)} fields: {[name for name, _ in leaves]}")
         tensors = []
-        for field, leaf in leaves:
+        for k, (field, leaf) in enumerate(leaves):
+            placement, nd_sbp, ranks = holders[k if len(holders) > 1 else 0]
             if leaf.dim() == 0:
                 raise SbpflowError(f"DataLoader: {field} of the collated batch is 0-d; a batch needs a first dim")
+            devices = {r: backend.device_for(placement.type, r) for r in ranks}
             shards = shards_of(leaf, n, ranges, placement, nd_sbp, ranks, devices, field)
             tensors.append(Tensor._from_shards((n, *leaf.shape[1:]), leaf.dtype, placement, nd_sbp, shards))
         return unflatten(tensors, spec)
@@ -286,18 +291,31 @@ def _empty_rows(value: Any) -> Any:
     return value
 
 
-def _batch_sbp(placement: Placement | None, sbp: Any) -> NdSbp:
+def _layouts(placement: Any, sbp: Any) -> list[tuple[Placement, NdSbp]]:
+    """One (placement, sbp) for every field, or one per field when ``placement`` is a list (pipeline stages:
+    the ids on the first stage, the targets on the last); ``sbp`` is then a list of as many (or None)."""
     if placement is None:
         if sbp is not None:
             raise SbpflowError(f"DataLoader got sbp={sbp!r} without a placement; pass placement= as well")
-        return ()
+        return []
+    if not isinstance(placement, (list, tuple)):
+        return [_layout(placement, sbp, "DataLoader batches")]
+    sbps = [None] * len(placement) if sbp is None else sbp
+    if not isinstance(sbps, (list, tuple)) or len(sbps) != len(placement):
+        raise SbpflowError(f"DataLoader got {len(placement)} placements, one per field, so sbp must be a list of "
+                           f"{len(placement)} (or None), but got {sbp!r}")
+    return [_layout(p, s, f"DataLoader field {i}") for i, (p, s) in enumerate(zip(placement, sbps, strict=True))]
+
+
+def _layout(placement: Any, sbp: Any, what: str) -> tuple[Placement, NdSbp]:
     if not isinstance(placement, Placement):
-        raise SbpflowError(f"DataLoader(placement=...) takes an sbpflow.placement, but got {type(placement).__name__}")
+        raise SbpflowError(f"DataLoader(placement=...) takes an sbpflow.placement (or a list of them, one per "
+                           f"field), but got {type(placement).__name__}")
     if sbp is None:
         sbp = (split(0),) + (broadcast,) * (placement.ndim - 1)
-    nd = normalize(sbp, placement, what="DataLoader batches")
+    nd = normalize(sbp, placement, what=what)
     check_batch_sbp(nd, placement)
-    return nd
+    return placement, nd
 
 
 def _check_dataset(dataset: Any) -> None:
