@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from sbpflow.demo.train_gpt import main
+from sbpflow.runtime.trace import load
 
 TINY = ["--n-layer", "1", "--n-embd", "32", "--batch-size", "8", "--block-size", "16", "--lr", "1e-2",
         "--no-tour", "--sample-length", "8", "--steps", "6", "--checkpoint-every", "3"]
@@ -62,3 +63,8 @@ def test_compiled_steps_resume_bit_for_bit_too(tmp_path: Path) -> None:
                  print_fn=lambda _: None)["losses"]
     assert again == losses[3:]
     assert _files(resumed / "checkpoints" / "step-000006") == _files(full / "checkpoints" / "step-000006")
+    events = load(full / "timeline.json")  # the demo's loader feeds the compiled step: its lane is on the timeline
+    lanes = {e["tid"]: e["args"]["name"] for e in events if e.get("name") == "thread_name"}
+    assert sum(1 for e in events if e.get("ph") == "X" and lanes[e["tid"]] == "cpu/source:loader") == 6
+    entries = json.loads((full / "checkpoints" / "step-000003" / "index.json").read_text())["entries"]
+    assert (entries["data/epoch"]["value"], entries["data/index"]["value"]) == (0, 3)  # the loader's position

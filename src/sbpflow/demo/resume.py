@@ -7,8 +7,10 @@ dict; :func:`save_training` writes it with :func:`sbpflow.save` and
 :func:`resume_training` fills a freshly built run from it, in that run's own
 strategy (any other one works too, resharding on load).
 
-The batch streams here are pure functions of their seed, so their position is
-a count of batches drawn: a resumed run skips that many (cheap, and exact).
+The batch position is the demo's DataLoader's ``state_dict()`` (epoch, batch:
+the batches its steps took, whatever its source actor had prefetched), and a
+resumed loader continues from there; without a loader (a stream that is a pure
+function of its seed) it is a count of batches drawn, for the caller to skip.
 
 >>> import os, tempfile
 >>> from sbpflow.demo.train_gpt import build
@@ -24,13 +26,14 @@ from __future__ import annotations
 
 import argparse
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 import sbpflow
 from sbpflow import random as sbp_random
+from sbpflow.utils.data import DataLoader
 
 from .train_gpt import Trainer
 
@@ -46,26 +49,28 @@ def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
 
 
-def training_state(trainer: Trainer, schedule: Any, step: int) -> dict[str, Any]:
+def training_state(trainer: Trainer, schedule: Any, step: int, loader: DataLoader | None = None) -> dict[str, Any]:
     """Everything a resumed run needs, as tensors (sharing the run's storage) and Python scalars."""
     return {
         "model": trainer.model.state_dict(),
         "optim": trainer.optimizer.state_dict(),
         "schedule": schedule.state_dict() if schedule is not None else {},
         "rng": rng_state(),
-        "data": {"batches": step},  # batches drawn so far (see the module docstring)
+        "data": loader.state_dict() if loader is not None else {"batches": step},  # see the module docstring
         "step": step,
     }
 
 
-def save_training(path: str, trainer: Trainer, schedule: Any, step: int) -> sbpflow.checkpoint.SaveReport:
+def save_training(path: str, trainer: Trainer, schedule: Any, step: int,
+                  loader: DataLoader | None = None) -> sbpflow.checkpoint.SaveReport:
     """Saves the run after ``step`` steps at ``path`` (a directory, replaced atomically)."""
-    return sbpflow.save(training_state(trainer, schedule, step), path)
+    return sbpflow.save(training_state(trainer, schedule, step, loader), path)
 
 
-def resume_training(path: str, trainer: Trainer, schedule: Any) -> int:
-    """Fills a freshly built run from the checkpoint at ``path``; returns the number of steps it had done."""
-    state = training_state(trainer, schedule, 0)
+def resume_training(path: str, trainer: Trainer, schedule: Any, loader: DataLoader | None = None) -> int:
+    """Fills a freshly built run (and its loader's position) from the checkpoint at ``path``; returns the number
+    of steps it had done."""
+    state = training_state(trainer, schedule, 0, loader)
     state["rng"]["torch"] = torch.empty_like(state["rng"]["torch"])  # a buffer of the saved state's shape
     sbpflow.load(state, path)
     trainer.model.load_state_dict(state["model"])
@@ -73,6 +78,8 @@ def resume_training(path: str, trainer: Trainer, schedule: Any) -> int:
     if schedule is not None:
         schedule.load_state_dict(state["schedule"])
     set_rng_state(state["rng"])
+    if loader is not None:
+        loader.load_state_dict(state["data"])
     return int(state["step"])
 
 
@@ -94,32 +101,30 @@ def checkpoint_path(folder: str, step: int) -> str:
 # ---------------------------------------------------------------- the demo's --resume and --checkpoint-every
 
 
-def resume_from_args(args: argparse.Namespace, trainer: Trainer, schedule: Any, batches: Iterator[Any],
+def resume_from_args(args: argparse.Namespace, trainer: Trainer, schedule: Any, loader: DataLoader,
                      print_fn: Callable[[str], None]) -> int:
-    """``--resume DIR``: fills the run and moves ``batches`` to the checkpoint's position; the first step to train."""
+    """``--resume DIR``: fills the run and moves ``loader`` to the checkpoint's position; the first step to train."""
     if args.resume is None:
         return 0
     try:
         path = latest_checkpoint(args.resume)
-        step = resume_training(path, trainer, schedule)
+        step = resume_training(path, trainer, schedule, loader)
     except sbpflow.SbpflowError as e:
         raise SystemExit(f"sbpflow demo: --resume {args.resume}: {e}") from None
     if step >= args.steps:
         raise SystemExit(f"sbpflow demo: the checkpoint {path} is at step {step}, and --steps is {args.steps}: "
                          "nothing is left to train (raise --steps)")
-    for _ in range(step):
-        next(batches)
     print_fn(f"resumed from {path} at step {step}")
     return step
 
 
 def checkpoint_from_args(args: argparse.Namespace, trainer: Trainer, schedule: Any, step: int,
-                         print_fn: Callable[[str], None]) -> None:
+                         print_fn: Callable[[str], None], loader: DataLoader | None = None) -> None:
     """``--checkpoint-every N``: saves after every N-th step (and the last one)."""
     every = args.checkpoint_every
     if every <= 0 or (step % every and step != args.steps):
         return
     path = checkpoint_path(os.path.join(args.out, "checkpoints"), step)
-    report = save_training(path, trainer, schedule, step)
+    report = save_training(path, trainer, schedule, step, loader)
     print_fn(f"checkpoint: {path} ({len(report.files)} files, {report.bytes_written:,} bytes, "
              f"{report.seconds * 1e3:.0f} ms)")

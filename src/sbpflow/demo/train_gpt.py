@@ -39,6 +39,7 @@ from sbpflow import nn, optim
 from sbpflow.comm import CommEvent, record
 from sbpflow.models.gpt import GPT, GPTConfig, Strategy, parallelize, parse_strategy
 from sbpflow.tensor import Tensor
+from sbpflow.utils.data import DataLoader, Dataset
 
 # ----------------------------------------------------------------------------- training
 
@@ -52,8 +53,11 @@ class Trainer:
     optimizer: Any
     clip: float | None = 1.0
 
-    def inputs(self, ids: np.ndarray, targets: np.ndarray) -> tuple[Tensor, Tensor]:
-        """Logical (B, T) arrays as the model's inputs: local tensors, or laid out by the strategy."""
+    def inputs(self, ids: Any, targets: Any) -> tuple[Tensor, Tensor]:
+        """Logical (B, T) arrays as the model's inputs: local tensors, or laid out by the strategy (global tensors,
+        as a placed DataLoader makes them, pass as they are)."""
+        if isinstance(ids, Tensor) and ids.is_global:
+            return ids, targets
         if self.strategy is None:
             return sbpflow.tensor(ids.astype(np.int64)), sbpflow.tensor(targets.astype(np.int64))
         ids_t, targets_t = self.strategy.shard_inputs(ids, targets)
@@ -62,7 +66,7 @@ class Trainer:
 
     graph: Any = None  # a compiled TrainStep, when training in graph mode
 
-    def step(self, ids: np.ndarray, targets: np.ndarray, phases: PhaseLog | None = None) -> float:
+    def step(self, ids: Any, targets: Any, phases: PhaseLog | None = None) -> float:
         """Forward, backward, gradient clipping and an optimizer step; returns the loss."""
         phases = phases or PhaseLog(None)
         ids_t, targets_t = self.inputs(ids, targets)
@@ -325,6 +329,23 @@ class CharData:
             yield windows[:, :-1], windows[:, 1:]
 
 
+class CharWindows(Dataset):
+    """Every window of ``block + 1`` characters of a corpus: sample i is (ids[i : i+block], ids[i+1 : i+block+1])."""
+
+    def __init__(self, ids: np.ndarray, block: int) -> None:
+        if len(ids) <= block:
+            raise sbpflow.SbpflowError(f"a corpus of {len(ids)} characters has no window of {block + 1}")
+        self.ids = torch.from_numpy(np.ascontiguousarray(ids, dtype=np.int64))
+        self.block = block
+
+    def __len__(self) -> int:
+        return len(self.ids) - self.block
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        window = self.ids[i : i + self.block + 1]
+        return window[:-1], window[1:]
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The demo's options (shared by ``sbpflow demo`` and ``python -m sbpflow.demo``)."""
     parser.add_argument("--devices", type=int, default=4,
@@ -469,27 +490,50 @@ def _train(trainer: Trainer, data: CharData, args: argparse.Namespace, schedule:
            print_fn: Callable[[str], None]) -> tuple[list[float], str]:
     from .resume import checkpoint_from_args, resume_from_args
 
-    batches = data.batches(args.batch_size, args.block_size, args.seed + 1)
-    first = resume_from_args(args, trainer, schedule, batches, print_fn)  # 0 without --resume
+    loader = demo_loader(data, trainer, args)
+    first = resume_from_args(args, trainer, schedule, loader, print_fn)  # 0 without --resume
     bar = ProgressBar(args.steps)
     losses: list[float] = []
-    table = ""
+    tables: list[str] = []
     start = time.perf_counter()
-    for step in range(first, args.steps):
-        ids, targets = next(batches)
-        if step == first + 1:  # the second step: the first one also fills dispatch caches and optimizer state
-            phases = PhaseLog(trainer.model)
-            with phases.recording():
-                losses.append(trainer.step(ids, targets, phases))
-            table = phases.table()
-        else:
-            losses.append(trainer.step(ids, targets))
+    for step, loss in zip(range(first, args.steps), _losses(trainer, loader, args.steps - first, tables),
+                          strict=True):
+        losses.append(loss)
         schedule.step()
-        checkpoint_from_args(args, trainer, schedule, step + 1, print_fn)
-        tokens = (step + 1 - first) * ids.size
+        checkpoint_from_args(args, trainer, schedule, step + 1, print_fn, loader)
+        tokens = (step + 1 - first) * args.batch_size * args.block_size
         bar.update(step + 1, losses[-1], tokens / max(time.perf_counter() - start, 1e-9))
     bar.close()
-    return losses, table
+    return losses, "".join(tables)
+
+
+def demo_loader(data: CharData, trainer: Trainer, args: argparse.Namespace) -> DataLoader:
+    """Shuffled windows of the corpus (seeded; no window twice in an epoch), ids laid out on the first stage and
+    targets on the last, each process reading only its ranks' rows; its position is checkpointed (``--resume``)."""
+    strategy = trainer.strategy
+    assert strategy is not None
+    return DataLoader(CharWindows(data.ids, args.block_size), args.batch_size, shuffle=True, seed=args.seed + 1,
+                      drop_last=True, placement=[strategy.stages[0], strategy.stages[-1]],
+                      sbp=[strategy.input_sbp, strategy.input_sbp])
+
+
+def _losses(trainer: Trainer, loader: DataLoader, steps: int, tables: list[str]) -> Iterator[float]:
+    """The loss of each of ``steps`` steps on the loader's batches: compiled steps fed by the loader's source actor
+    (``Graph.iterate``: the loader's lane is on the timeline), or eager steps, recording the second one's
+    collectives into ``tables`` (the first also fills dispatch caches and optimizer state)."""
+    if trainer.graph is not None:
+        for loss in trainer.graph.iterate(loader, steps=steps):
+            yield scalar(loss, trainer.strategy)
+        return
+    for k, (ids, targets) in enumerate(loader.batches(steps=steps)):
+        if k != 1:
+            yield trainer.step(ids, targets)
+            continue
+        phases = PhaseLog(trainer.model)
+        with phases.recording():
+            loss = trainer.step(ids, targets, phases)
+        tables.append(phases.table())
+        yield loss
 
 
 def _sample(trainer: Trainer, data: CharData, args: argparse.Namespace) -> str:

@@ -34,7 +34,7 @@ shares the GIL with the step.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -66,8 +66,8 @@ class DataLoader:
 
     def __init__(self, dataset: Any, batch_size: int = 1, shuffle: bool = False, *, seed: int = 0,
                  drop_last: bool = False, collate_fn: Callable[[list[Any]], Any] | None = None,
-                 placement: Placement | None = None, sbp: Any = None, prefetch: int = 2, read_threads: int = 1,
-                 name: str = "loader") -> None:
+                 placement: Placement | Sequence[Placement] | None = None, sbp: Any = None, prefetch: int = 2,
+                 read_threads: int = 1, name: str = "loader") -> None:
         _check_dataset(dataset)
         _check_int("batch_size", batch_size, 1)
         _check_int("prefetch", prefetch, 0)
