@@ -200,3 +200,18 @@ def test_read_threads_read_a_batch_at_once_in_order() -> None:
     assert time.perf_counter() - start < 0.6 * 16 * 0.02  # sequential reads would take 16 x 20 ms
     assert got == [ids(b) for b in DataLoader(Counting(16), 8, shuffle=True, seed=3)]
     assert sorted(slow.reads) == list(range(16))
+
+
+def test_an_abandoned_iteration_stops_its_source_thread() -> None:
+    def source_threads() -> list[threading.Thread]:
+        return [t for t in threading.enumerate() if t.name == "sbpflow cpu/source:abandoned"]
+
+    loader = DataLoader(Counting(40), 2, prefetch=2, name="abandoned")
+    for batch in loader:  # breaking out drops the iteration: its source stops, its prefetched batches go
+        assert ids(batch) == [0, 1]
+        break
+    deadline = time.monotonic() + 5
+    while source_threads() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not source_threads()
+    assert loader.state_dict()["index"] == 1 and [ids(b) for b in loader][0] == [2, 3]

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -35,6 +36,7 @@ from typing import Any
 from .inorder import ExecutionError
 from .trace import TraceWriter
 
+IDLE_CHECK = 1.0  # seconds a waiting source thread waits before checking that its actor is still in use
 PENDING_SPANS = 4096  # spans kept while no timeline is attached yet (the oldest are dropped beyond)
 _END = object()  # the producer's end of data, queued like a value so it arrives after every value before it
 
@@ -87,7 +89,8 @@ class SourceActor:
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
         if register_num > 0:
-            self._thread = threading.Thread(target=self._serve, name=f"sbpflow {self.lane}", daemon=True)
+            self._thread = threading.Thread(target=_source_main, args=(weakref.ref(self), self._cond),
+                                            name=f"sbpflow {self.lane}", daemon=True)
             self._thread.start()
 
     # -- the consumer's side -----------------------------------------------------------------------
@@ -154,29 +157,31 @@ class SourceActor:
 
     # -- the source's thread ---------------------------------------------------------------------------
 
-    def _serve(self) -> None:
-        while True:
-            with self._cond:
-                if len(self._ready) >= self.register_num and not self._closed:
-                    self.stats.full_waits += 1
-                while len(self._ready) >= self.register_num and not self._closed:
-                    self._cond.wait()  # back-pressure: every register holds a value not yet taken
-                if self._closed:
-                    return
-            value = self._produce_one()
-            with self._cond:
-                if self._closed:
-                    return
-                if self._error is not None:
-                    self._cond.notify_all()
-                    return
-                self._ready.append(value)
-                if value is not _END:
-                    self.stats.peak_ahead = max(self.stats.peak_ahead, len(self._ready))
-                self._cond.notify_all()  # "ready"
-                if value is _END:
-                    return
-            self._write_spans()
+    def _act_if_free(self) -> bool | None:
+        """One turn of the source's thread: produces a value if a register is free. Returns None when the source
+        is done (closed, failed or at the end), True when it acted, False when every register is full."""
+        with self._cond:
+            if self._closed:
+                return None
+            if len(self._ready) >= self.register_num:
+                self.stats.full_waits += 1
+                return False
+        value = self._produce_one()
+        with self._cond:
+            if self._closed:
+                return None
+            if self._error is not None:
+                self._cond.notify_all()
+                return None
+            self._ready.append(value)
+            if value is not _END:
+                self.stats.peak_ahead = max(self.stats.peak_ahead, len(self._ready))
+            self._cond.notify_all()  # "ready"
+        self._write_spans()
+        return None if value is _END else True
+
+    def _full(self) -> bool:
+        return len(self._ready) >= self.register_num and not self._closed
 
     def _produce_one(self) -> Any:
         """One act: the producer's next value (or the end); a failure is kept for the consumer."""
@@ -213,3 +218,26 @@ class SourceActor:
     def _named(self, error: BaseException) -> ExecutionError:
         return ExecutionError(f"source actor {self.name!r} failed producing value #{self._error_at}: "
                               f"{type(error).__name__}: {error}")
+
+
+def _source_main(ref: weakref.ref[SourceActor], cond: threading.Condition) -> None:
+    """The source's thread holds its actor only while it acts; it waits on full registers holding a weak reference
+    and the condition alone, so a source nobody consumes any more (an abandoned iteration) is collected, its
+    ``close`` runs, and the thread ends."""
+    while True:
+        source = ref()
+        if source is None:
+            return
+        acted = source._act_if_free()
+        if acted is None:
+            return
+        if acted:
+            continue
+        del source
+        with cond:
+            source = ref()
+            if source is None:
+                return
+            if source._full():
+                del source
+                cond.wait(IDLE_CHECK)  # back-pressure: every register holds a value not yet taken

@@ -88,7 +88,7 @@ class DataLoader:
         self.epoch = 0
         self.index = 0  # the next batch the consumer takes in this epoch
         self._order: tuple[int, torch.Tensor] | None = None  # (epoch, its sample order): the last one made
-        self._active: Batches | None = None
+        self._active: weakref.ref[Batches] | None = None  # the open iteration (weak: dropping it stops it)
         self._stats: SourceStats | None = None  # the counters of the last batches() call's source actor
 
     # -- order and positions ------------------------------------------------------------------------
@@ -187,11 +187,17 @@ class DataLoader:
     def batches(self, steps: int | None = None) -> Batches:
         """An iterator over the rest of this epoch (``steps=None``) or ``steps`` batches across epochs,
         prefetched by a source actor; one at a time per loader (a new one closes the previous one)."""
-        if self._active is not None:
-            self._active.close()
-        self._active = Batches(self, steps)
-        self._stats = self._active.source.stats
-        return self._active
+        self._close_active()
+        batches = Batches(self, steps)
+        self._active = weakref.ref(batches)
+        self._stats = batches.source.stats
+        return batches
+
+    def _close_active(self) -> None:
+        batches = self._active() if self._active is not None else None
+        if batches is not None:
+            batches.close()
+        self._active = None
 
     @property
     def stats(self) -> SourceStats:
@@ -222,8 +228,7 @@ class DataLoader:
         if epoch < 0 or not 0 <= index <= max(len(self) - 1, 0):
             raise SbpflowError(f"DataLoader.load_state_dict: position (epoch {epoch}, batch {index}) is outside "
                                f"this loader's {len(self)} batches per epoch")
-        if self._active is not None:
-            self._active.close()
+        self._close_active()
         self.epoch, self.index = epoch, index
 
 
@@ -256,7 +261,8 @@ class Batches:
         if not self._closed:
             self._closed = True
             self.source.close()
-            if self.loader._active is self:
+            active = self.loader._active
+            if active is not None and active() is self:
                 self.loader._active = None
 
     def __del__(self) -> None:
