@@ -4,6 +4,8 @@
 * :class:`ActorRuntime` (:mod:`.actors`, :mod:`.board`, :mod:`.workers`): every node an actor,
   registers and ready/free messages, one thread per stream, a watchdog and a timeline (:mod:`.trace`);
 * :mod:`.route`: dynamic routing (``route`` nodes: rows to group members chosen at run time);
+* :mod:`.source`: source actors, which produce a plan's inputs ahead of its steps (a data loader's batches),
+  bounded by their register count;
 * :mod:`.builder`: hand-built plans for tests and benchmarks.
 """
 
