@@ -121,13 +121,19 @@ class DataLoader:
 
     def positions(self, steps: int | None = None) -> Iterator[Position]:
         """The positions from the current one: the rest of this epoch, or ``steps`` batches across epochs."""
-        epoch, index, per_epoch = self.epoch, self.index, len(self)
-        if steps is not None:
-            _check_int("steps", steps, 0)
-            if per_epoch == 0 and steps > 0:
-                raise SbpflowError(f"DataLoader yields no batch per epoch ({len(self.dataset)} samples, batch_size "
-                                   f"{self.batch_size}, drop_last={self.drop_last}), so it cannot run {steps} steps")
-        taken = 0
+        self._check_steps(steps)
+        return self._positions(self.epoch, self.index, steps)
+
+    def _check_steps(self, steps: int | None) -> None:
+        if steps is None:
+            return
+        _check_int("steps", steps, 0)
+        if len(self) == 0 and steps > 0:
+            raise SbpflowError(f"DataLoader yields no batch per epoch ({len(self.dataset)} samples, batch_size "
+                               f"{self.batch_size}, drop_last={self.drop_last}), so it cannot run {steps} steps")
+
+    def _positions(self, epoch: int, index: int, steps: int | None) -> Iterator[Position]:
+        per_epoch, taken = len(self), 0
         while steps is None or taken < steps:
             if index >= per_epoch:
                 if steps is None:
@@ -188,6 +194,7 @@ class DataLoader:
         """An iterator over the rest of this epoch (``steps=None``) or ``steps`` batches across epochs,
         prefetched by a source actor; one at a time per loader (a new one closes the previous one)."""
         self._close_active()
+        self._check_steps(steps)
         batches = Batches(self, steps)
         self._active = weakref.ref(batches)
         self._stats = batches.source.stats
@@ -215,11 +222,16 @@ class DataLoader:
     def state_dict(self) -> dict[str, int]:
         """The loader's position (batches taken), as integers ``sbpflow.save`` writes with a checkpoint."""
         return {"epoch": self.epoch, "index": self.index, "seed": self.seed, "batch_size": self.batch_size,
-                "samples": len(self.dataset)}
+                "samples": len(self.dataset), "shuffle": int(self.shuffle), "drop_last": int(self.drop_last)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continues from a saved position; the seed, batch size and dataset length must be the saved ones."""
-        for key, mine in (("seed", self.seed), ("batch_size", self.batch_size), ("samples", len(self.dataset))):
+        """Continues from a saved position; the seed, batch size, dataset length, shuffle and drop_last must be the
+        saved ones (where saved)."""
+        if "epoch" not in state or "index" not in state:
+            raise SbpflowError(f"DataLoader.load_state_dict needs 'epoch' and 'index' (a state_dict() of a "
+                               f"DataLoader), but got the keys {sorted(state)}")
+        for key, mine in (("seed", self.seed), ("batch_size", self.batch_size), ("samples", len(self.dataset)),
+                          ("shuffle", int(self.shuffle)), ("drop_last", int(self.drop_last))):
             if key in state and int(state[key]) != mine:
                 raise SbpflowError(f"DataLoader.load_state_dict: the saved {key} is {int(state[key])}, but this "
                                    f"loader's is {mine}; a position only means the same batches under the same "
