@@ -283,6 +283,7 @@ class Graph:
         current step computes; its spans are a lane of this graph's timeline (``SBPFLOW_TRACE``). A batch
         that is a tuple or list is passed as the step's arguments, a tensor as its one argument. The loader's
         ``state_dict()`` counts the steps run, so a checkpoint taken in the loop resumes at the next batch.
+        A smaller last batch is new input metadata and compiles again: ``drop_last=True`` keeps one plan.
 
         >>> for loss in graph.iterate(loader, steps=100):  # doctest: +SKIP
         ...     print(loss.item())
