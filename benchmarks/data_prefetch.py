@@ -168,10 +168,13 @@ def table(args: argparse.Namespace, rows: list[tuple[float, int, dict[str, float
         v = [m[c] * 1e3 for c in COLUMNS]
         lines.append(f"| {ms:g} x {batch} | {v[0]:.1f} | {v[1]:.1f} | {v[2]:.1f} | {v[3]:.1f} | {max(v[0], v[1]):.1f} "
                      f"| {v[3] / v[2]:.2f}x | {v[4]:.1f} | {v[5]:.1f} | {v[6]:.1f} | {v[7]:.1f} | {v[8]:.1f} |")
-    lines += ["", "The source actor is a thread: the sleeping reads overlap the step, but each read's wake-up waits "
-                  "for the interpreter while the step's Python runs (up to the 5 ms switch interval), so the step "
-                  "stays above the ideal; torch's workers are processes and do not share the interpreter. With "
-                  "`read_threads` the reads of a batch wait together, and most of that latency goes. The "
+    lines += ["", "Read the prefetch columns against prefetch 0 in the same row. The source actor is a thread: the "
+                  "sleeping reads overlap the step, but each read's wake-up waits for the interpreter while the "
+                  "step's Python runs (up to the 5 ms switch interval), so prefetch alone stays above max(load, "
+                  "compute); torch's workers are processes and do not share the interpreter. With `read_threads` "
+                  "the reads of a batch wait together and that latency mostly goes. On a machine shared with other "
+                  "jobs a loop that only computes gets a smaller share of the cores than one that also waits, so "
+                  "the compute-only columns (and the ideal) can come out above the fed runs of the same row. The "
                   "timeline (`SBPFLOW_TRACE`) shows the lane `cpu/source:loader` loading batch t+1 while step t's "
                   "actors compute; tests/sim/test_data_loader.py asserts that overlap from the trace events."]
     return "\n".join(lines)
@@ -181,7 +184,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--width", type=int, default=512)
     parser.add_argument("--steps", type=int, default=12)
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=9)
     add_write_flag(parser)
     args = parser.parse_args()
     rows = []
