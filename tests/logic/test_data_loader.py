@@ -193,13 +193,29 @@ def test_a_failing_producer_is_raised_at_its_position_naming_the_source(k: int) 
 
 
 def test_read_threads_read_a_batch_at_once_in_order() -> None:
-    slow = Counting(16, delay=0.02)
-    loader = DataLoader(slow, 8, shuffle=True, seed=3, read_threads=8, prefetch=0)
-    start = time.perf_counter()
-    got = [ids(b) for b in loader]
-    assert time.perf_counter() - start < 0.6 * 16 * 0.02  # sequential reads would take 16 x 20 ms
-    assert got == [ids(b) for b in DataLoader(Counting(16), 8, shuffle=True, seed=3)]
+    class Overlapping(Counting):
+        """Counts how many reads are in flight at once."""
+
+        active = peak = 0
+
+        def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+            with self.lock:
+                self.active += 1
+                self.peak = max(self.peak, self.active)
+            try:
+                return super().__getitem__(i)
+            finally:
+                with self.lock:
+                    self.active -= 1
+
+    slow = Overlapping(16, delay=0.02)
+    got = [ids(b) for b in DataLoader(slow, 8, shuffle=True, seed=3, read_threads=8, prefetch=0)]
+    assert slow.peak > 1  # reads of one batch overlapped
+    assert got == [ids(b) for b in DataLoader(Counting(16), 8, shuffle=True, seed=3)]  # in order all the same
     assert sorted(slow.reads) == list(range(16))
+    sequential = Overlapping(4, delay=0.01)
+    list(DataLoader(sequential, 4, prefetch=0))
+    assert sequential.peak == 1
 
 
 def test_an_abandoned_iteration_stops_its_source_thread() -> None:
