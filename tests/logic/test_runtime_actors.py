@@ -209,3 +209,50 @@ def test_a_waiting_lead_edge_says_which_micro_batch_it_waits_for() -> None:
         act(b, actor)
     assert b.waits(neg) == [f"a control token (lead 3: the source's micro-batch 3) from actor {relu.node.label()} "
                             "for micro-batch 0"]
+
+
+def _one_by_one(plan: PhysicalPlan) -> tuple[list[tuple[int, int]], Board]:
+    """The play's pick rule (earliest priority among ready actors, a comm stream's head only), message by message
+    through ``take`` and ``finish``: the reference that :meth:`Board.play`'s one-loop version must equal."""
+    b = board(plan)
+    order = []
+    while True:
+        heads = {lane: seq[b.heads[lane]][0] for lane, seq in b.streams.items() if b.heads[lane] < len(seq)}
+        ready = [a for a in b.actors if b.ready(a) and (not a.comm or heads.get(a.lane) is a)]
+        if not ready:
+            return order, b
+        actor = min(ready, key=lambda a: a.priority(a.step))
+        order.append((actor.node.id, actor.step))
+        act(b, actor)
+        if actor.comm:
+            b.heads[actor.lane] += 1
+
+
+def _comm_chain(m: int, register_num: int) -> PhysicalPlan:
+    """unpack -> relu -> all-reduce of a partial sum -> accumulate, and a pack of the relu: a comm stream in it."""
+    b = PlanBuilder(micro_batches=m)
+    u = b.unpack(b.input("x", (8, 2), P2, (S.split(0),)))
+    h = b.compute("relu", u)
+    total = b.boxing(b.compute("sum", h, dim=(0,), out_sbp=(S.partial_sum,)), (S.broadcast,))
+    b.output("g", b.accumulate(total))
+    b.output("y", b.pack(h))
+    return b.build(register_num)
+
+
+@pytest.mark.parametrize("plan", [chain(4, 1), chain(4, 3), _comm_chain(4, 1), _comm_chain(4, 2), _comm_chain(1, 1)],
+                         ids=["chain k=1", "chain k=3", "comm k=1", "comm k=2", "comm m=1"])
+def test_play_sends_the_same_messages_as_take_and_finish_one_by_one(plan: PhysicalPlan) -> None:
+    expected, reference = _one_by_one(plan)
+    b = board(plan)
+    order: list[tuple[int, int]] = []
+
+    def perform(actor: Actor, step: int, inputs: list[object]) -> list[object]:
+        order.append((actor.node.id, step))
+        return [{0: ("value of", actor.node.id)}] * len(actor.outputs) if actor.emits(step) else []
+
+    b.play(perform)
+    assert b.all_done and reference.all_done
+    assert order == expected
+    assert b.stats.acts == reference.stats.acts == len(order)
+    assert b.stats.peak_bytes == reference.stats.peak_bytes and b.stats.peak_slots == reference.stats.peak_slots
+    assert b.live_bytes == reference.live_bytes == b.resident

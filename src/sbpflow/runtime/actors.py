@@ -25,8 +25,9 @@ member of a group issues its collectives in one order (no deadlock on gloo or NC
 torch.distributed (and in synthetic time) every lane has a thread, so communication overlaps compute;
 the caller's thread acts for the first compute lane. On virtual ranks, where a collective is a local
 copy that never waits for a peer, the caller's thread acts for every lane, earliest plan position
-first: deterministic, and exactly :func:`~sbpflow.runtime.board.dry_run`'s schedule (``threads=True``
-forces threads). On CUDA each thread has its own stream and registers carry events (:mod:`._cuda`).
+first: deterministic, and exactly :func:`~sbpflow.runtime.board.dry_run`'s schedule (both are
+:meth:`~sbpflow.runtime.board.Board.play`: no locks, queues or hand-offs; ``threads=True`` forces threads).
+On CUDA each thread has its own stream and registers carry events (:mod:`._cuda`).
 Threads live across runs (each run is a new generation) until :meth:`ActorRuntime.close`, or until
 the runtime is dropped.
 
@@ -48,7 +49,6 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 from ..comm import Backend, SimulatedBackend, get_backend
@@ -66,26 +66,19 @@ IDLE_CHECK = 1.0  # seconds an idle worker waits before checking that its runtim
 REPORT_ACTORS = 200  # the watchdog lists at most this many waiting actors, in plan order
 
 
-@dataclass
 class _Job:
-    """One act taken by a worker: the actor's step, its input values and slots, the run it belongs to."""
+    """One act taken by a worker: the actor's step, its input values and slots, the run it belongs to; then
+    what the act gave (its values, CUDA event, wall-clock span for the timeline, or its error)."""
 
-    actor: Actor
-    step: int
-    inputs: list[Any]
-    read: list[Any]  # the input slots, for their CUDA events (empty on CPU)
-    state: StepState
-    gen: int
+    __slots__ = ("actor", "step", "inputs", "read", "state", "gen", "values", "event", "start", "end", "error")
 
-
-@dataclass
-class _Finished:
-    job: _Job
-    values: list[Any]
-    event: Any
-    start: float  # wall clock, for the timeline
-    end: float
-    error: BaseException | None
+    def __init__(self, actor: Actor, step: int, inputs: list[Any], read: list[Any], state: StepState,
+                 gen: int) -> None:
+        self.actor, self.step, self.inputs, self.read, self.state, self.gen = actor, step, inputs, read, state, gen
+        self.values: list[Any] = []
+        self.event: Any = None
+        self.start = self.end = 0.0
+        self.error: BaseException | None = None
 
 
 class DeadlockError(ExecutionError):
@@ -117,6 +110,8 @@ class ActorRuntime:
         self._logs: tuple[CommLog, ...] = ()  # the caller's comm.record() logs: worker threads record into them
         self._progress = time.monotonic()  # when an act last started or ended (the watchdog's clock)
         self._callers = self._caller_lanes(threads)
+        # one thread and no CUDA streams: Board.play acts for every lane, no queues, locks or hand-offs
+        self._inline = not self.threaded and all(w.cuda is None for w in self._workers.values())
         for worker in self._workers.values():
             if worker not in self._callers:
                 worker.start(_thread_main, weakref.ref(self))
@@ -233,13 +228,17 @@ class ActorRuntime:
         self.board.reset()
         for worker in self._workers.values():
             worker.reset()
-        for actor in self.board.actors:
-            self._wake(actor)
+        if not self._inline:  # Board.play offers the actors itself
+            for actor in self.board.actors:
+                self._wake(actor)
 
     def _wait_done(self) -> None:
         """Acts for the caller's lanes and waits for the step's end, a failure, or the watchdog; whatever ends
         the wait ends the step (a KeyboardInterrupt too: the threads then take nothing more of this run)."""
-        finished: tuple[Worker, _Finished] | None = None
+        if self._inline:
+            self._play()
+            return
+        finished: tuple[Worker, _Job] | None = None
         try:
             while True:
                 with self._lock:
@@ -261,6 +260,38 @@ class ActorRuntime:
                 self._stop()
         if error is not None:
             raise error
+
+    def _play(self) -> None:
+        """The step on the caller's thread alone (:meth:`Board.play`): the schedule of the lanes' pick rules
+        merged by priority, which is :func:`~sbpflow.runtime.board.dry_run`'s. Nothing else can send a message,
+        so when no actor can act before the end, the watchdog's report comes at once."""
+        state, trace, workers = self._state, self._trace, self._workers
+        assert state is not None
+        perform = self._perform
+        last: dict[str, Actor] = {}  # each lane's last actor (its act: the step before its next)
+
+        def one(actor: Actor, step: int, inputs: list[Any]) -> list[Any]:
+            last[actor.lane] = actor
+            if trace is None:
+                return perform(actor, step, inputs, state)
+            start = time.time()
+            values = perform(actor, step, inputs, state)
+            self._trace_span(workers[actor.lane], actor, step, start, time.time())
+            return values
+
+        try:
+            self.board.play(one)
+            if not self.board.all_done:
+                now = time.monotonic()
+                for lane, actor in last.items():
+                    workers[lane].last = (actor, actor.step - 1, now)
+                for lane, head in self.board.heads.items():
+                    workers[lane].seek(head)  # the watchdog says whose turn each comm stream waits for
+                report = self._stall_report()
+                print(report, file=sys.stderr, flush=True)
+                raise DeadlockError(report)
+        finally:
+            self._stop()
 
     def _earliest(self) -> Worker | None:
         """The caller's lane whose next act comes first in the plan (the only lane, when there is one)."""
@@ -312,7 +343,7 @@ class ActorRuntime:
     def _serve(self, worker: Worker) -> bool:
         """A worker's loop: takes a job and acts outside the lock; ends one act and takes the next in one locked
         section. Returns when it has nothing to do: True to wait for more, False once closed."""
-        finished: _Finished | None = None
+        finished: _Job | None = None
         while True:
             with self._lock:
                 if finished is not None:
@@ -337,76 +368,85 @@ class ActorRuntime:
         read = self.board.input_slots(actor) if worker.cuda is not None else []
         return _Job(actor, step, inputs, read, self._state, self._gen)
 
-    def _act_one(self, worker: Worker, job: _Job) -> _Finished:
+    def _act_one(self, worker: Worker, job: _Job) -> _Job:
         clock = time.time if self._trace is not None else _no_clock  # wall-clock times only for the timeline
-        start = clock()
+        job.start = clock()
         try:
             if worker.cuda is None:
-                values, event = self._perform(job), None
+                job.values = self._perform(job.actor, job.step, job.inputs, job.state)
             else:
-                values, event = worker.cuda.run(lambda: self._perform(job), job.read)
+                job.values, job.event = worker.cuda.run(
+                    lambda: self._perform(job.actor, job.step, job.inputs, job.state), job.read)
         except BaseException as e:  # noqa: BLE001 - any failure stops the step; the caller re-raises it
-            return _Finished(job, [], None, start, clock(), e)
-        return _Finished(job, values, event, start, clock(), None)
+            job.error = e
+        job.end = clock()
+        return job
 
-    def _end(self, worker: Worker, done: _Finished) -> None:
+    def _end(self, worker: Worker, job: _Job) -> None:
         """Under the lock: the act's messages (ready to consumers, free to producers), or the step's failure."""
-        job = done.job
         worker.running = None
         if job.gen != self._gen:
             self._done.notify_all()  # an act of an abandoned run: _wait_idle may be waiting for it
             return
-        if done.error is not None:
+        if job.error is not None:
             if self._error is None:
-                self._error = done.error
+                self._error = job.error
             self._notify_done()
             return
-        woken = self.board.finish(job.actor, done.values, done.event)
+        woken = self.board.finish(job.actor, job.values, job.event)
         worker.last = (job.actor, job.step, time.monotonic())
         self._progress = worker.last[2]
         if self._trace is not None:
-            self._trace_span(worker, done)
+            self._trace_span(worker, job.actor, job.step, job.start, job.end)
+        workers, board = self._workers, self.board
         for other in woken:
-            self._wake(other)
-        if self.board.all_done:
+            if not other.busy and other.step < other.steps:  # most wake-ups end here
+                workers[other.lane].wake(other, board)
+        if board.all_done:
             self._notify_done()
 
-    def _trace_span(self, worker: Worker, done: _Finished) -> None:
+    def _trace_span(self, worker: Worker, actor: Actor, step: int, start: float, end: float) -> None:
         assert self._trace is not None
-        actor, step = done.job.actor, done.job.step
         nbytes = sum(sum(r.bytes_by_rank.values()) for r in actor.outputs) if actor.emits(step) else 0
         self._trace.span(worker.lane, actor.node.label(), actor.node.op or actor.node.kind, micro=step,
-                         start=done.start, end=done.end, nbytes=nbytes)
+                         start=start, end=end, nbytes=nbytes)
 
     def _wake(self, actor: Actor) -> None:
         self._workers[actor.lane].wake(actor, self.board)
 
     # -- one act ----------------------------------------------------------------------------------
 
-    def _perform(self, job: _Job) -> list[Any]:
+    def _perform(self, actor: Actor, step: int, inputs: list[Any], state: StepState) -> list[Any]:
         """One act under its name: comm errors say which actor they ran in; other errors are re-raised naming it."""
         try:
-            with activity(_ActName(job)):
+            if actor.gathers and self.synthetic is None:
+                return self._gather(actor, step, inputs, state)  # local sums and joins: no collective to name
+            with activity(_ActName(actor, step)):
+                if self.synthetic is None and not self._logs:
+                    return act(actor.node, inputs, state, step, self.backend)  # the common case, one call less
                 if not self._logs:
-                    return self._act(job.actor, job.step, job.inputs, job.state)
+                    return self._act(actor, step, inputs, state)
                 with recording_into(self._logs):
-                    return self._act(job.actor, job.step, job.inputs, job.state)
+                    return self._act(actor, step, inputs, state)
         except (CommError, ExecutionError):
             raise  # CommError keeps its type (peer-failure handling reads it); both already name the actor
         except Exception as e:
-            raise _named_error(job.actor, job.step, e) from e
+            raise _named_error(actor, step, e) from e
 
     def _act(self, actor: Actor, step: int, inputs: list[Any], state: StepState) -> list[Any]:
         if self.synthetic is not None:
             return self._sleep(actor, step)
-        kind = actor.node.kind
-        if kind == "accumulate":
+        if actor.gathers:
+            return self._gather(actor, step, inputs, state)
+        return act(actor.node, inputs, state, step, self.backend)
+
+    def _gather(self, actor: Actor, step: int, inputs: list[Any], state: StepState) -> list[Any]:
+        """accumulate (a running sum) or pack (the values so far) takes one micro-batch; writes on the last."""
+        if actor.node.kind == "accumulate":
             actor.partial = _add_into(actor.partial, inputs[0])
             return [actor.partial] if actor.emits(step) else []
-        if kind == "pack":
-            actor.partial = [*(actor.partial or []), inputs[0]]
-            return act(actor.node, [actor.partial], state, step, self.backend) if actor.emits(step) else []
-        return act(actor.node, inputs, state, step, self.backend)
+        actor.partial = [*(actor.partial or []), inputs[0]]
+        return act(actor.node, [actor.partial], state, step, self.backend) if actor.emits(step) else []
 
     def _sleep(self, actor: Actor, step: int) -> list[Any]:
         """Synthetic time: the act sleeps for its given duration and writes placeholders (no kernel, no
@@ -462,13 +502,13 @@ def _thread_main(ref: weakref.ref[ActorRuntime], worker: Worker) -> None:
 class _ActName:
     """What a comm error says this thread was running; formatted only when an error needs it."""
 
-    __slots__ = ("job",)
+    __slots__ = ("actor", "step")
 
-    def __init__(self, job: _Job) -> None:
-        self.job = job
+    def __init__(self, actor: Actor, step: int) -> None:
+        self.actor, self.step = actor, step
 
     def __call__(self) -> str:
-        return f"actor {self.job.actor.node.label()} (micro-batch {self.job.step})"
+        return f"actor {self.actor.node.label()} (micro-batch {self.step})"
 
 
 def _named_error(actor: Actor, step: int, error: Exception) -> ExecutionError:

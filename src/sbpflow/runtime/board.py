@@ -24,13 +24,15 @@ the same accounting, for the compiler's memory plan.
 A buffer whose producer this process does not run (the source side of a cross-placement boxing
 node, on a process that owns only destination ranks) reads as ``{}``: no shards here.
 
-:class:`Board` is the whole state; :mod:`.actors` (ActorRuntime) drives it from worker threads under one lock.
+:class:`Board` is the whole state; :mod:`.actors` (ActorRuntime) drives it from worker threads under one lock
+(:meth:`Board.take`, :meth:`Board.finish`), or, when one thread acts for every lane, by :meth:`Board.play`.
 """
 
 from __future__ import annotations
 
 import heapq
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,7 +43,7 @@ from .inorder import ExecutionError
 GATHERING = ("accumulate", "pack")  # kinds that take m micro-batch inputs and write one output
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Slot:
     """A written register slot: the value, its micro-batch, and the reads still to come."""
 
@@ -52,7 +54,7 @@ class Slot:
     event: Any = None  # CUDA: the event recorded after the write (runtime._cuda)
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class RegisterState:
     """One buffer's register: ``capacity`` slots, ``free`` of them writable now."""
 
@@ -64,13 +66,27 @@ class RegisterState:
     free: int = 0
     resident: dict[int, int] = field(default_factory=dict)  # a variable's bytes: live for the whole step
     watch: tuple[str, ...] = ()  # the plan.watch sets this buffer belongs to
+    sizes: tuple[tuple[int, int], ...] = ()  # bytes_by_rank's items, for the per-act count (set by Board)
+    peak: int = 0  # most slots live at once in this run (mirrored into Stats.peak_slots when it grows)
+    release: _Release = field(init=False)  # this register's entry for a free in Board.play's log
+    spare: list[Slot] = field(default_factory=list)  # Board.play: slot objects freed by all readers, for reuse
+
+    def __post_init__(self) -> None:
+        self.release = _Release(self)
 
     @property
     def live(self) -> int:
         return self.capacity - self.free
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
+class _Release:
+    """A free of ``register``'s slot, as logged by :meth:`Board.play`."""
+
+    register: RegisterState
+
+
+@dataclass(eq=False, slots=True)
 class InEdge:
     """One input (or control dependency) of an actor: the queue of slots its producer sent it."""
 
@@ -108,7 +124,7 @@ class InEdge:
         return f"{what} from actor {source}"
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Actor:
     """A node of the plan as this process runs it."""
 
@@ -125,9 +141,15 @@ class Actor:
     partial: Any = None  # accumulate: the running sum; pack: the values so far
     keys: tuple[int, ...] | None = None  # per step: its pipeline schedule priority (plan.pipeline), lower first
     gathers: bool = field(init=False)  # accumulate or pack: m reads, one write (checked on every act)
+    # Precomputed by Board once wired, so that the per-act checks walk plain lists:
+    fed: list[InEdge] = field(default_factory=list)  # inputs written by an actor of this process
+    edges: list[InEdge] = field(default_factory=list)  # inputs and controls written here: what an act releases
+    blocked: bool = False  # an input nobody writes (a corrupt plan): never ready
+    comm: bool = False  # on a communication lane (acts in its stream's fixed order)
 
     def __post_init__(self) -> None:
         self.gathers = self.node.kind in GATHERING
+        self.comm = "/comm:" in self.lane
 
     @property
     def done(self) -> bool:
@@ -186,11 +208,20 @@ class Board:
             self._wire(actor, producers, by_node)
         if plan.pipeline is not None:
             self._set_keys(producers)
+        for actor in self.actors:
+            actor.fed = [e for e in actor.inputs if e.producer is not None and not e.orphan]
+            actor.edges = [e for e in actor.inputs + actor.controls if e.producer is not None]
+            actor.blocked = any(e.orphan for e in actor.inputs)
+        for reg in self.registers.values():
+            reg.sizes = tuple(reg.bytes_by_rank.items())
         self.resident = self._resident_bytes()
         self.live_bytes = dict(self.resident)
         self.watch_live = {name: dict.fromkeys(self.owned_ranks, 0) for name in plan.watch}
         self.stats = Stats()
         self.finished = 0
+        comm_lanes = sorted({a.lane for a in self.actors if a.comm})
+        self.streams = {lane: stream_order([a for a in self.actors if a.lane == lane], m) for lane in comm_lanes}
+        self.heads = dict.fromkeys(comm_lanes, 0)  # play(): the next act of each comm stream
 
     # -- construction -------------------------------------------------------------------------------
 
@@ -268,13 +299,148 @@ class Board:
                 edge.queue.clear()
                 edge.reads = 0
         for reg in self.registers.values():
-            reg.free = reg.capacity
+            reg.free, reg.peak = reg.capacity, 0
         self.live_bytes = dict(self.resident)
         self.watch_live = {name: dict.fromkeys(self.owned_ranks, 0) for name in self.plan.watch}
         self.stats = Stats(peak_bytes=dict(self.resident),
                            register_num={b: r.capacity for b, r in self.registers.items()},
                            watch_peak={name: dict.fromkeys(self.owned_ranks, 0) for name in self.plan.watch})
         self.finished = sum(1 for a in self.actors if a.steps == 0)
+        self.heads = dict.fromkeys(self.streams, 0)
+
+    def play(self, perform: Callable[[Actor, int, list[Any]], list[Any]]) -> None:
+        """Acts every actor that can act on the calling thread, one at a time, until none can: each thread's pick
+        rule is kept (compute: earliest plan position first; a comm stream: its fixed order) and the threads are
+        merged by priority (schedule key, plan position, step). ``perform(actor, step, inputs)`` runs one act and
+        returns its output values; an exception from it ends the play. The caller checks :attr:`all_done`.
+
+        The same messages as :meth:`take` and :meth:`finish`, written out in one loop (this is the runtime's hot
+        path on one thread: a call costs as much as a message here). One heap holds every ready act (a comm
+        stream offers only its head); priorities are unique (one entry per actor, positions differ), so actors
+        are never compared. Live bytes are logged per claim and free and summed once at the end
+        (:meth:`_count_bytes`): the same peaks as counting on every claim.
+        """
+        heap: list[tuple[int, int, int, Actor]] = []
+        streams, heads, ready, push, pop = self.streams, self.heads, self.ready, heapq.heappush, heapq.heappop
+        stats, peak_slots = self.stats, self.stats.peak_slots
+        log: list[Any] = []  # claims (and frees, as their register's ``release`` twin) with bytes
+        woken: list[Actor] = []  # per act: who may be ready now (one list, cleared: fewer objects for the GC)
+        claimed, freed = log.append, log.append
+
+        def offer(actor: Actor) -> None:
+            """Queues ``actor`` if it can act: :meth:`ready` written out (callers checked busy and done)."""
+            if actor.comm:
+                seq, i = streams[actor.lane], heads[actor.lane]
+                if i >= len(seq) or seq[i][0] is not actor:
+                    return
+            if actor.blocked:
+                return
+            for edge in actor.fed:
+                if not edge.queue:
+                    return
+            if actor.controls and not ready(actor):
+                return
+            step = actor.step
+            if not actor.gathers or step == 0:
+                for reg in actor.outputs:
+                    if reg.free <= 0:
+                        return
+            actor.busy = True
+            push(heap, (actor.keys[step] if actor.keys is not None else 0, actor.position, step, actor))
+
+        for actor in self.actors:
+            if not actor.busy and actor.step < actor.steps:
+                offer(actor)
+        try:
+            while heap:
+                _, _, step, actor = pop(heap)
+                # take: claim the output slots, read the inputs
+                gathers = actor.gathers
+                if not gathers or step == 0:
+                    for reg in actor.outputs:
+                        reg.free -= 1
+                        if reg.capacity - reg.free > reg.peak:
+                            reg.peak = peak_slots[reg.buf] = reg.capacity - reg.free
+                        if reg.sizes:
+                            claimed(reg)
+                inputs = [e.queue[0].value if e.producer is not None else {} for e in actor.inputs]
+                values = perform(actor, step, inputs)
+                # finish: "ready" to the consumers, "free" to the producers
+                woken.clear()
+                woken.append(actor)
+                if not gathers or step == actor.steps - 1:
+                    micro = 0 if gathers else step
+                    for reg, value in zip(actor.outputs, values, strict=True):
+                        readers = reg.readers
+                        if not readers:
+                            reg.free += 1  # nobody here reads it: the slot is free again at once
+                            if reg.sizes:
+                                freed(reg.release)
+                            continue
+                        if reg.spare:  # a slot object its readers gave back: no allocation (nor garbage)
+                            slot = reg.spare.pop()
+                            slot.value, slot.micro, slot.reads_left = value, micro, len(readers)
+                        else:
+                            slot = Slot(value, micro, len(readers), reg)
+                        for edge in readers:
+                            edge.queue.append(slot)
+                            woken.append(edge.consumer)
+                if actor.control_out:
+                    for edge in actor.control_out:
+                        edge.queue.append(Slot(None, step, 1, None))
+                        woken.append(edge.consumer)
+                for edge in actor.edges:
+                    if edge.reads_per_slot > 1:
+                        edge.reads += 1
+                        if edge.reads < edge.reads_per_slot:
+                            continue
+                        edge.reads = 0
+                    slot = edge.queue.popleft()
+                    slot.reads_left -= 1
+                    if slot.reads_left == 0 and slot.register is not None:
+                        reg = slot.register
+                        reg.free += 1
+                        if reg.sizes:
+                            freed(reg.release)
+                        woken.append(reg.producer)
+                        slot.value = None  # the value may be freed now
+                        reg.spare.append(slot)
+                actor.step = step + 1
+                actor.busy = False
+                stats.acts += 1
+                if actor.step >= actor.steps:
+                    self.finished += 1
+                if actor.comm:
+                    seq = streams[actor.lane]
+                    i = heads[actor.lane] = heads[actor.lane] + 1
+                    if i < len(seq):
+                        woken.append(seq[i][0])
+                for other in woken:
+                    if not other.busy and other.step < other.steps:  # most wake-ups end here, without a call
+                        offer(other)
+        finally:
+            self._count_bytes(log)
+
+    def _count_bytes(self, log: list[Any]) -> None:
+        """Replays :meth:`play`'s log of claims (a register) and frees (its ``release`` twin) into live bytes
+        and their peaks: the live bytes after every claim, as :meth:`_claim` counts them one by one."""
+        live, peak = self.live_bytes, self.stats.peak_bytes
+        for entry in log:
+            if entry.__class__ is _Release:
+                reg = entry.register
+                for r, n in reg.sizes:
+                    live[r] -= n
+                for name in reg.watch:
+                    watched = self.watch_live[name]
+                    for r, n in reg.sizes:
+                        watched[r] -= n
+                continue
+            for r, n in entry.sizes:
+                now = live[r] = live[r] + n
+                if now > peak.get(r, -1):
+                    peak[r] = now
+            if entry.watch:
+                self._watch_claim(entry)
 
     @property
     def all_done(self) -> bool:
@@ -282,22 +448,25 @@ class Board:
 
     def ready(self, actor: Actor) -> bool:
         """Whether ``actor`` can act its next step now (see the module docstring)."""
-        if actor.busy or actor.done:
+        if actor.busy or actor.step >= actor.steps or actor.blocked:
             return False
-        for edge in actor.inputs:
-            if edge.orphan or (edge.producer is not None and not edge.queue):
+        for edge in actor.fed:
+            if not edge.queue:
                 return False
         for edge in actor.controls:
             if len(edge.queue) < edge.tokens_needed():
                 return False
-        if actor.acquires(actor.step):
-            return all(reg.free > 0 for reg in actor.outputs)
+        if actor.gathers and actor.step:
+            return True  # accumulate/pack hold their output slot from their first step
+        for reg in actor.outputs:
+            if reg.free <= 0:
+                return False
         return True
 
     def take(self, actor: Actor) -> list[Any]:
         """Starts ``actor``'s next step: claims its output slots; returns its input values."""
         actor.busy = True
-        if actor.acquires(actor.step):
+        if actor.outputs and (not actor.gathers or actor.step == 0):
             for reg in actor.outputs:
                 self._claim(reg)
         return [edge.queue[0].value if edge.producer is not None else {} for edge in actor.inputs]
@@ -305,22 +474,45 @@ class Board:
     def input_slots(self, actor: Actor) -> list[Slot]:
         return [edge.queue[0] for edge in actor.inputs if edge.producer is not None]
 
-    def finish(self, actor: Actor, values: list[Any], event: Any = None) -> set[Actor]:
-        """Ends ``actor``'s step: writes its outputs, frees its inputs. Returns the actors that may be ready now."""
+    def finish(self, actor: Actor, values: list[Any], event: Any = None) -> list[Actor]:
+        """Ends ``actor``'s step: writes its outputs, frees its inputs. Returns the actors that may be ready now
+        (``actor`` first; some may repeat)."""
         step = actor.step
-        woken: set[Actor] = {actor}
-        if actor.emits(step):
+        woken = [actor]
+        if not actor.gathers or step == actor.steps - 1:
+            micro = 0 if actor.gathers else step
             for reg, value in zip(actor.outputs, values, strict=True):
-                woken |= self._write(reg, value, 0 if actor.gathers else step, event)
-        for edge in actor.control_out:
-            edge.queue.append(Slot(None, step, 1, None))
-            woken.add(edge.consumer)
-        for edge in actor.inputs + actor.controls:
-            woken |= self._release(edge)
-        actor.step += 1
+                readers = reg.readers
+                if not readers:
+                    self._free(reg)  # nobody here reads it: the slot is free again at once
+                elif len(readers) == 1:
+                    edge = readers[0]
+                    edge.queue.append(Slot(value, micro, 1, reg, event))
+                    woken.append(edge.consumer)
+                else:
+                    slot = Slot(value, micro, len(readers), reg, event)
+                    for edge in readers:
+                        edge.queue.append(slot)
+                        woken.append(edge.consumer)
+        if actor.control_out:
+            for edge in actor.control_out:
+                edge.queue.append(Slot(None, step, 1, None))
+                woken.append(edge.consumer)
+        for edge in actor.edges:
+            if edge.reads_per_slot > 1:
+                edge.reads += 1
+                if edge.reads < edge.reads_per_slot:
+                    continue
+                edge.reads = 0
+            slot = edge.queue.popleft()
+            slot.reads_left -= 1
+            if slot.reads_left == 0 and slot.register is not None:
+                self._free(slot.register)
+                woken.append(slot.register.producer)
+        actor.step = step + 1
         actor.busy = False
         self.stats.acts += 1
-        if actor.done:
+        if actor.step >= actor.steps:
             self.finished += 1
         return woken
 
@@ -328,46 +520,36 @@ class Board:
 
     def _claim(self, reg: RegisterState) -> None:
         reg.free -= 1
-        self.stats.peak_slots[reg.buf] = max(self.stats.peak_slots.get(reg.buf, 0), reg.live)
-        for r, n in reg.bytes_by_rank.items():
-            self.live_bytes[r] += n
-            if self.live_bytes[r] > self.stats.peak_bytes.get(r, -1):
-                self.stats.peak_bytes[r] = self.live_bytes[r]
-            for name in reg.watch:
-                live = self.watch_live[name]
+        live = reg.capacity - reg.free
+        if live > reg.peak:
+            reg.peak = self.stats.peak_slots[reg.buf] = live
+        if reg.sizes:
+            live_bytes, peak = self.live_bytes, self.stats.peak_bytes
+            for r, n in reg.sizes:
+                now = live_bytes[r] = live_bytes[r] + n
+                if now > peak.get(r, -1):
+                    peak[r] = now
+            if reg.watch:
+                self._watch_claim(reg)
+
+    def _watch_claim(self, reg: RegisterState) -> None:
+        """A claim's bytes in each ``plan.watch`` set its buffer belongs to, and their peaks."""
+        for name in reg.watch:
+            live, peak = self.watch_live[name], self.stats.watch_peak[name]
+            for r, n in reg.sizes:
                 live[r] = live.get(r, 0) + n
-                peak = self.stats.watch_peak[name]
                 peak[r] = max(peak.get(r, 0), live[r])
-
-    def _write(self, reg: RegisterState, value: Any, micro: int, event: Any) -> set[Actor]:
-        if not reg.readers:
-            self._free(reg)  # nobody here reads it: the slot is free again at once
-            return {reg.producer}
-        slot = Slot(value, micro, len(reg.readers), reg, event)
-        for edge in reg.readers:
-            edge.queue.append(slot)
-        return {edge.consumer for edge in reg.readers}
-
-    def _release(self, edge: InEdge) -> set[Actor]:
-        if edge.producer is None:
-            return set()
-        edge.reads += 1
-        if edge.reads < edge.reads_per_slot:
-            return set()
-        edge.reads = 0
-        slot = edge.queue.popleft()
-        slot.reads_left -= 1
-        if slot.reads_left == 0 and slot.register is not None:
-            self._free(slot.register)
-            return {slot.register.producer}
-        return set()
 
     def _free(self, reg: RegisterState) -> None:
         reg.free += 1
-        for r, n in reg.bytes_by_rank.items():
-            self.live_bytes[r] -= n
+        if reg.sizes:
+            live_bytes = self.live_bytes
+            for r, n in reg.sizes:
+                live_bytes[r] -= n
             for name in reg.watch:
-                self.watch_live[name][r] -= n
+                live = self.watch_live[name]
+                for r, n in reg.sizes:
+                    live[r] -= n
 
     # -- what is stuck -----------------------------------------------------------------------------
 
@@ -446,34 +628,7 @@ def dry_run(plan: PhysicalPlan, backend: Backend) -> Stats:
     """
     board = Board(plan, backend)
     board.reset()
-    lanes = sorted({a.lane for a in board.actors if "/comm:" in a.lane})
-    sequences = {lane: stream_order([a for a in board.actors if a.lane == lane], plan.micro_batches)
-                 for lane in lanes}
-    heads = dict.fromkeys(lanes, 0)
-    ready: list[tuple[int, int, int, int, Actor]] = []
-
-    def offer(actor: Actor) -> None:
-        if "/comm:" in actor.lane:
-            seq, i = sequences[actor.lane], heads[actor.lane]
-            if i >= len(seq) or seq[i][0] is not actor:
-                return
-        if board.ready(actor):
-            actor.busy = True
-            heapq.heappush(ready, (*actor.priority(actor.step), id(actor), actor))
-
-    for actor in board.actors:
-        offer(actor)
-    while ready:
-        actor = heapq.heappop(ready)[-1]
-        actor.busy = False
-        board.take(actor)
-        woken = board.finish(actor, [None] * len(actor.outputs) if actor.emits(actor.step) else [])
-        if "/comm:" in actor.lane:
-            heads[actor.lane] += 1
-            seq, i = sequences[actor.lane], heads[actor.lane]
-            woken |= {seq[i][0]} if i < len(seq) else set()
-        for other in woken:
-            offer(other)
+    board.play(lambda actor, step, inputs: [None] * len(actor.outputs) if actor.emits(step) else [])
     if not board.all_done:
         stuck = [f"{a.label()}: {'; '.join(board.waits(a)) or 'its turn on ' + a.lane}"
                  for a in board.actors if not a.done]

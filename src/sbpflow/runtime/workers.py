@@ -77,6 +77,9 @@ class Worker:
     def wake(self, actor: Actor, board: Board) -> None:
         raise NotImplementedError
 
+    def seek(self, head: int) -> None:
+        """Sets a comm stream's next act (after :meth:`Board.play` acted for it); nothing on a compute lane."""
+
     def turn(self, actor: Actor) -> list[str]:
         """Why ``actor`` is not this thread's next act although it may be ready (a comm stream's order)."""
         return []
@@ -153,6 +156,9 @@ class CommWorker(Worker):
     def wake(self, actor: Actor, board: Board) -> None:
         if self._next < len(self.sequence) and self.sequence[self._next][0] is actor:
             self.notify()
+
+    def seek(self, head: int) -> None:
+        self._next = head
 
     def turn(self, actor: Actor) -> list[str]:
         if self._next >= len(self.sequence):
