@@ -63,6 +63,7 @@ _HOLDS: dict[str, tuple[str, ...]] = {
     "unpick": _PASSES_MAX_MIN,
     "slice_backward": _MONOTONE,
     "cat": _PASSES_MAX_MIN + ("B P(max) -> P(max)", "B P(min) -> P(min)"),
+    "bucket_flatten": _PASSES_MAX_MIN + ("B P(max) -> P(max)", "B P(min) -> P(min)"),  # a cat, flattened
     "embedding": ("B P(sum) -> P(sum)", "B P(max) -> P(max)", "B P(min) -> P(min)"),  # rows of the weight
     "linear": ("B P(sum) -> P(sum)", "B B P(max) -> P(max)", "B B P(min) -> P(min)"),  # in w; in the bias
     "conv2d": ("B B P(max) -> P(max)", "B B P(min) -> P(min)"),  # monotone in the bias

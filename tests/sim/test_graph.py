@@ -219,23 +219,28 @@ def test_resnet_batchnorm_data_parallel_graph() -> None:
 
 
 def test_megatron_collectives_on_dp2_tp2() -> None:
-    """Per block, 2 all-reduces on the tensor axis in forward and 2 in backward; one data-parallel all-reduce
-    per parameter gradient. (Batch and sequence big enough that activations outweigh weights, as in practice.)"""
+    """Per block, 2 all-reduces on the tensor axis in forward and 2 in backward; every parameter gradient
+    all-reduced on the data axis exactly once: alone (a tensor-split gradient), or in a bucket of whole ones
+    (graph.bucket). (Batch and sequence big enough that activations outweigh weights, as in practice.)"""
     config = GPTConfig(vocab_size=100, block_size=64, n_layer=2, n_head=4, n_embd=64, dropout=0.0)
     trainer = build(config, "dp=2,tp=2", graph=True, clip=None)
     ids, targets = next(random_batches(100, 1, 32, 64, seed=1))
     trainer.step(ids, targets)
     plan = trainer.graph.plan
-    tensor_axis_reduces = dp_reduces = 0
+    producer = plan.producers()
+    tensor_axis_reduces = dp_reduced = buckets = 0
     for n in plan.collectives(0):
         step = n.boxing.steps[0]
         if step.kind == "all_reduce" and step.axis == 1 and isinstance(step.src.sbp[1], sbpflow.sbp.Partial):
             tensor_axis_reduces += 1
         if step.kind == "all_reduce" and step.axis == 0:
-            dp_reduces += 1
+            source = plan.node(producer[n.inputs[0]])
+            in_bucket = source.op == "bucket_flatten"
+            dp_reduced += len(source.inputs) if in_bucket else 1
+            buckets += in_bucket
     n_params = len(list(trainer.model.parameters()))
     assert tensor_axis_reduces == 4 * config.n_layer
-    assert dp_reduces == n_params
+    assert dp_reduced == n_params and buckets >= 1
     counts = collective_counts(plan, 0)
     assert counts.get("all_to_all", 0) == 0 and counts.get("reduce_scatter", 0) <= 1
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import boxing
+from .bucket import bucket_all_reduces
 from .ir import LogicalGraph
 from .lower import lower
 from .physical import PhysicalPlan
@@ -77,6 +78,9 @@ def compile_graph(g: LogicalGraph, method: str = "ilp", model: boxing.CostModel 
     start = time.perf_counter()
     plan = lower(g, model, factors)
     report.times["lowering"] = time.perf_counter() - start
+    start = time.perf_counter()
+    plan = bucket_all_reduces(plan, model, factors)
+    report.times["gradient buckets"] = time.perf_counter() - start
     start = time.perf_counter()
     plan_pipeline(plan, seed_buffers(plan, g), schedule)
     report.times["pipeline"] = time.perf_counter() - start

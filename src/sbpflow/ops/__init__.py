@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from . import functional, methods, optimizer
+from . import bucket, functional, methods, optimizer
 from .registry import REGISTRY, Meta, OpDef, ShardCtx, Sig, op
 
-__all__ = ["REGISTRY", "Meta", "OpDef", "ShardCtx", "Sig", "op", "functional", "methods", "optimizer"]
+__all__ = ["REGISTRY", "Meta", "OpDef", "ShardCtx", "Sig", "op", "bucket", "functional", "methods", "optimizer"]

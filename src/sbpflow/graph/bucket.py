@@ -1,0 +1,200 @@
+"""Gradient buckets: a pass after lowering that packs all-reduces of whole tensors into DDP-sized buckets.
+
+Lowering boxes a value where a consumer reads it. The optimizer reads every gradient at the end of the step, in
+parameter order, so a data-parallel plan ends with one all-reduce per gradient, the first of them for the
+gradient that backward makes last (the embedding's): the communication stream, which keeps plan order, cannot
+start before backward ends, and pays one collective's latency per parameter. This pass:
+
+* takes the boxing nodes that run one ``all_reduce`` step on tensors with no split on any mesh axis (so every
+  rank's local tensor is the whole gradient: P(sum) -> B over one axis), without control edges;
+* orders them by the plan position of the node that makes their input (backward's order);
+* packs neighbours with the same phase, stream, layouts and dtype into buckets of ``first`` bytes, then ``cap``
+  bytes (DDP's 1 MiB and 25 MiB), and closes a bucket before a tensor that a member's reduced value reaches
+  (that would be a cycle), or whose producer comes after a reader of a member (that reader would wait);
+* emits per bucket, right after the last member's producer: ``bucket_flatten`` (compute), the boxing of the
+  flat buffer (one all-reduce), and ``bucket_split`` (compute) writing the members' old output buffers, so
+  their readers are unchanged.
+
+A bucket thus goes out as soon as its last gradient is made, while backward goes on. Sums are elementwise the
+same as the members' own all-reduces. The verifier then checks the new plan like any other.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from .. import boxing
+from ..sbp import Split
+from .lower import registers, stream_of
+from .physical import Buf, PhysicalPlan, PNode
+
+FIRST_BUCKET = 1 << 20  # DDP's first bucket (torch.distributed's _DEFAULT_FIRST_BUCKET_BYTES)
+BUCKET = 25 << 20  # DDP's bucket_cap_mb
+
+
+@dataclass
+class _Bucket:
+    members: list[PNode] = field(default_factory=list)
+    nbytes: int = 0
+    reached: set[int] = field(default_factory=set)  # nodes a member's reduced value reaches
+    first_reader: int = 1 << 62  # the earliest plan position among them
+    last_producer: int = -1  # the plan position after which the bucket goes out
+
+
+def bucket_all_reduces(plan: PhysicalPlan, model: boxing.CostModel, factors: tuple[Any, ...],
+                       first: int = FIRST_BUCKET, cap: int = BUCKET) -> PhysicalPlan:
+    """``plan`` with its all-reduces of whole tensors packed into buckets (see the module docstring); the same
+    plan if fewer than two of them could share a bucket. ``cap`` <= 0 turns the pass off."""
+    if cap <= 0:
+        return plan
+    position = {n.id: i for i, n in enumerate(plan.nodes)}
+    producer = {b: n.id for n in plan.nodes for b in n.outputs}
+    readers = _readers(plan)
+    buckets = [b for b in _pack(plan, _candidates(plan, producer, position), producer, position, readers, first, cap)
+               if len(b.members) > 1]
+    if not buckets:
+        return plan
+    return _rebuild(plan, buckets, model, factors)
+
+
+def _candidates(plan: PhysicalPlan, producer: dict[int, int], position: dict[int, int]) -> list[PNode]:
+    """All-reduces of whole tensors, in the order their inputs are made."""
+    found = [n for n in plan.nodes if _whole_all_reduce(n) and n.inputs[0] in producer]
+    return sorted(found, key=lambda n: (position[producer[n.inputs[0]]], position[n.id]))
+
+
+def _whole_all_reduce(n: PNode) -> bool:
+    if n.kind != "boxing" or n.boxing is None or n.control or len(n.boxing.steps) != 1:
+        return False
+    step = n.boxing.steps[0]
+    return (step.kind == "all_reduce" and step.src.placement == step.dst.placement
+            and not any(isinstance(s, Split) for s in (*step.src.sbp, *step.dst.sbp)))
+
+
+def _key(plan: PhysicalPlan, n: PNode) -> tuple[Any, ...]:
+    assert n.boxing is not None
+    return (n.phase, n.stream, n.ranks, n.boxing.src, n.boxing.dst, plan.bufs[n.inputs[0]].dtype)
+
+
+def _pack(plan: PhysicalPlan, candidates: list[PNode], producer: dict[int, int], position: dict[int, int],
+          readers: dict[int, list[int]], first: int, cap: int) -> list[_Bucket]:
+    """Greedy buckets in production order, one open bucket per key (a group, its layouts and dtype)."""
+    done: list[_Bucket] = []
+    open_: dict[tuple[Any, ...], _Bucket] = {}
+    closed: set[tuple[Any, ...]] = set()  # keys whose first (smaller) bucket went out
+    for n in candidates:
+        key, made = _key(plan, n), position[producer[n.inputs[0]]]
+        bucket = open_.get(key)
+        if bucket is not None and (producer[n.inputs[0]] in bucket.reached or made >= bucket.first_reader):
+            done.append(open_.pop(key))  # the tensor waits for a member's result, or a member's reader waits
+            closed.add(key)
+            bucket = None
+        if bucket is None:
+            bucket = open_[key] = _Bucket()
+        bucket.members.append(n)
+        bucket.nbytes += plan.bufs[n.inputs[0]].nbytes(n.ranks[0])
+        bucket.last_producer = max(bucket.last_producer, made)
+        _reach(bucket, n, readers, position)
+        if bucket.nbytes >= (cap if key in closed else first):
+            done.append(open_.pop(key))
+            closed.add(key)
+    return done + list(open_.values())
+
+
+def _readers(plan: PhysicalPlan) -> dict[int, list[int]]:
+    """Node id -> the nodes that read one of its outputs or wait for it on a control edge."""
+    by_buf: dict[int, list[int]] = {}
+    for n in plan.nodes:
+        for b in n.inputs:
+            by_buf.setdefault(b, []).append(n.id)
+    out: dict[int, list[int]] = {n.id: [r for b in n.outputs for r in by_buf.get(b, [])] for n in plan.nodes}
+    for n in plan.nodes:
+        for c in n.control:
+            out.setdefault(c, []).append(n.id)
+    return out
+
+
+def _reach(bucket: _Bucket, n: PNode, readers: dict[int, list[int]], position: dict[int, int]) -> None:
+    """Adds every node that ``n``'s result reaches to the bucket's set (each node visited once per bucket)."""
+    todo = list(readers.get(n.id, []))
+    while todo:
+        nid = todo.pop()
+        if nid in bucket.reached:
+            continue
+        bucket.reached.add(nid)
+        bucket.first_reader = min(bucket.first_reader, position[nid])
+        todo.extend(readers.get(nid, []))
+
+
+def _rebuild(plan: PhysicalPlan, buckets: list[_Bucket], model: boxing.CostModel,
+             factors: tuple[Any, ...]) -> PhysicalPlan:
+    gone = {n.id for b in buckets for n in b.members}
+    after: dict[int, list[_Bucket]] = {}
+    for b in buckets:
+        after.setdefault(b.last_producer, []).append(b)
+    bufs = dict(plan.bufs)
+    ids = _Ids(max(n.id for n in plan.nodes) + 1, max(bufs) + 1)
+    nodes: list[PNode] = []
+    for i, n in enumerate(plan.nodes):
+        if n.id not in gone:
+            nodes.append(n)
+        for b in after.get(i, []):
+            nodes.extend(_bucket_nodes(b, bufs, ids, model, factors))
+    out = replace(plan, nodes=nodes, bufs=bufs, registers={})
+    out.registers = registers(out)
+    return out
+
+
+@dataclass
+class _Ids:
+    node: int
+    buf: int
+
+    def next_node(self) -> int:
+        self.node += 1
+        return self.node - 1
+
+    def next_buf(self) -> int:
+        self.buf += 1
+        return self.buf - 1
+
+
+def _bucket_nodes(bucket: _Bucket, bufs: dict[int, Buf], ids: _Ids, model: boxing.CostModel,
+                  factors: tuple[Any, ...]) -> Iterable[PNode]:
+    """flatten -> the flat buffer's boxing steps -> split into the members' old output buffers."""
+    head = bucket.members[0]
+    assert head.boxing is not None
+    src, dst = head.boxing.src, head.boxing.dst
+    ins = tuple(n.inputs[0] for n in bucket.members)
+    outs = tuple(n.outputs[0] for n in bucket.members)
+    shapes = tuple(bufs[b].shape for b in ins)
+    dtype = bufs[ins[0]].dtype
+    total = sum(_numel(s) for s in shapes)
+    label = f"bucket of {len(ins)} ({', '.join(f'%{b}' for b in ins[:3])}{', ...' if len(ins) > 3 else ''})"
+    flat = ids.next_buf()
+    bufs[flat] = Buf(flat, (total,), dtype, src)
+    yield PNode(ids.next_node(), "compute", "bucket_flatten", ins, (flat,), src.placement.flat_ranks, head.phase,
+                op="bucket_flatten", args=tuple(("t", i) for i in range(len(ins))), in_sbps=(src.sbp,) * len(ins),
+                out_sbps=(src.sbp,))
+    with boxing.target_factors(factors):
+        steps = boxing.plan((total,), dtype, src, dst, model).steps
+    current = flat
+    for i, step in enumerate(steps):
+        out = ids.next_buf()
+        bufs[out] = Buf(out, (total,), dtype, step.dst)
+        one = boxing.Plan((total,), dtype, step.src, step.dst, (step,))
+        yield PNode(ids.next_node(), "boxing", f"{step.kind} for {label} ({i + 1}/{len(steps)})", (current,), (out,),
+                    head.ranks, head.phase, stream=stream_of(step), boxing=one)
+        current = out
+    yield PNode(ids.next_node(), "compute", "bucket_split", (current,), outs, dst.placement.flat_ranks, head.phase,
+                op="bucket_split", args=(("t", 0),), attrs=(("shapes", shapes),), in_sbps=(dst.sbp,),
+                out_sbps=(dst.sbp,) * len(outs))
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n

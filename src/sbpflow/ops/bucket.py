@@ -1,0 +1,54 @@
+"""Gradient buckets (graph.bucket): many whole tensors as one flat buffer for one collective, and back.
+
+Both ops see whole local tensors (no split on any mesh axis), so a flat buffer of a partial sum is the partial
+sum of the flat buffer: one all-reduce of it is the all-reduces of its pieces, elementwise the same sums.
+
+>>> import torch
+>>> flat = bucket_flatten(torch.ones(2, 2), torch.zeros(3))
+>>> flat.tolist()
+[1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0]
+>>> [t.shape for t in bucket_split(flat, shapes=((2, 2), (3,)))]
+[torch.Size([2, 2]), torch.Size([3])]
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .._layout import numel
+from ..sbp import Partial, broadcast
+from .registry import Meta, Sig, op
+
+# layouts whose local tensor is the whole logical tensor; moving elements keeps every kind of partial value
+_WHOLE = (broadcast, Partial("sum"), Partial("max"), Partial("min"))
+
+
+def _flatten_meta(*xs: Meta) -> Meta:
+    return Meta((sum(numel(x.shape) for x in xs),), xs[0].dtype)
+
+
+def _split_meta(flat: Meta, *, shapes: tuple[tuple[int, ...], ...]) -> tuple[Meta, ...]:
+    return tuple(Meta(s, flat.dtype) for s in shapes)
+
+
+def _flatten_sigs(*xs: Meta, outs: Any, **_: Any) -> list[Sig]:
+    return [Sig((s,) * len(xs), (s,)) for s in _WHOLE]
+
+
+def _split_sigs(flat: Meta, outs: Any, **_: Any) -> list[Sig]:
+    return [Sig((s,), (s,) * len(outs)) for s in _WHOLE]
+
+
+@op("bucket_flatten", meta=_flatten_meta, sbp=_flatten_sigs, differentiable=False)
+def bucket_flatten(*xs: torch.Tensor) -> torch.Tensor:
+    """The tensors, flattened and concatenated in order: shape (sum of their numels,)."""
+    return torch.cat([x.reshape(-1) for x in xs])
+
+
+@op("bucket_split", meta=_split_meta, sbp=_split_sigs, differentiable=False)
+def bucket_split(flat: torch.Tensor, *, shapes: tuple[tuple[int, ...], ...]) -> tuple[torch.Tensor, ...]:
+    """The inverse of :func:`bucket_flatten`: views of ``flat`` in ``shapes``, in order."""
+    pieces = torch.split(flat, [numel(s) for s in shapes])
+    return tuple(p.view(s) for p, s in zip(pieces, shapes, strict=True))

@@ -1,0 +1,105 @@
+"""Gradient buckets (graph.bucket): all-reduces of whole tensors packed into DDP-sized buckets after lowering.
+
+Plans are hand-built on 2 virtual ranks: partial sums (each rank's column sums of its rows, P(sum)) boxed to B,
+as a data-parallel step's gradients are. The bucketed plan must pass the verifier, keep every reader, and give
+bit-identical results on both executors.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import sbpflow
+from sbpflow import boxing
+from sbpflow import sbp as S
+from sbpflow.comm import SimulatedBackend
+from sbpflow.comm.torch_dist import TARGET_COST_FACTORS
+from sbpflow.graph.bucket import bucket_all_reduces
+from sbpflow.graph.physical import PhysicalPlan
+from sbpflow.graph.verify import verify
+from sbpflow.runtime import ActorRuntime, run_plan
+from sbpflow.runtime.builder import PlanBuilder
+
+P2 = sbpflow.placement("cpu", [0, 1])
+
+
+def grads(sizes: list[int], rows: int = 4) -> PhysicalPlan:
+    """One partial sum per size (a (size,) "gradient" from an (rows, size) input split over rows), each boxed
+    to B where an output reads it, at the end of the plan (as lowering places the optimizer's reads)."""
+    b = PlanBuilder()
+    partials = [b.compute("sum", b.input(f"x{i}", (rows, n), P2, (S.split(0),)), dim=(0,), out_sbp=(S.partial_sum,))
+                for i, n in enumerate(sizes)]
+    for i, p in enumerate(partials):
+        b.output(f"g{i}", b.boxing(p, (S.broadcast,)))
+    return b.build()
+
+
+def dependent_chain(n: int) -> PhysicalPlan:
+    """n all-reduces, each one's input made from the previous one's result: no two may share a bucket."""
+    b = PlanBuilder()
+    x = b.input("x", (4, 8), P2, (S.split(0),))
+    for i in range(n):
+        total = b.boxing(b.compute("sum", x, dim=(0,), out_sbp=(S.partial_sum,)), (S.broadcast,))
+        x = b.compute("mul", b.compute("unsqueeze", total, dim=0), b.input(f"w{i}", (4, 8), P2, (S.split(0),)))
+    b.output("y", x)
+    return b.build()
+
+
+def bucketed(plan: PhysicalPlan, first: int, cap: int) -> PhysicalPlan:
+    return bucket_all_reduces(plan, boxing.get_cost_model(), TARGET_COST_FACTORS, first=first, cap=cap)
+
+
+def feeds_for(plan: PhysicalPlan) -> dict[str, dict[int, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    return {n.name: {r: torch.randn(plan.bufs[n.outputs[0]].local_shape(r), generator=g) for r in (0, 1)}
+            for n in plan.nodes if n.kind == "input"}
+
+
+def all_reduces(plan: PhysicalPlan) -> list[int]:
+    """The element count of each all-reduce, in plan order."""
+    return [plan.bufs[n.inputs[0]].shape[0] for n in plan.collectives(0) if n.boxing.steps[0].kind == "all_reduce"]
+
+
+def test_whole_gradients_go_out_in_buckets_of_the_first_size_then_the_cap() -> None:
+    plan = grads([64] * 7)  # 256 B each
+    out = bucketed(plan, first=512, cap=1024)
+    verify(out)
+    assert all_reduces(plan) == [64] * 7
+    assert all_reduces(out) == [128, 256, 64]  # 512 B first, then 1 KiB; the last one left alone, where it was
+    flat = [n for n in out.nodes if n.op == "bucket_flatten"]
+    assert [len(n.inputs) for n in flat] == [2, 4]
+
+
+def test_a_bucket_goes_out_right_after_its_last_gradient_is_made() -> None:
+    out = bucketed(grads([64, 64, 64]), first=1 << 20, cap=1 << 20)
+    names = [n.op or n.kind for n in out.nodes]
+    last_sum = max(i for i, name in enumerate(names) if name == "sum")
+    assert names[last_sum + 1:last_sum + 4] == ["bucket_flatten", "boxing", "bucket_split"]
+    assert names[last_sum + 4:] == ["output"] * 3  # the readers are unchanged, after the bucket
+
+
+def test_bucketed_results_are_bit_identical_on_both_executors() -> None:
+    plan = grads([8, 24, 16, 40])
+    out = bucketed(plan, first=1 << 20, cap=1 << 20)
+    assert all_reduces(out) == [88]
+    backend = SimulatedBackend()
+    feeds = feeds_for(plan)
+    want = run_plan(plan, feeds, {}, backend)
+    with ActorRuntime(out, backend) as rt:
+        for got in (run_plan(out, feeds, {}, backend), rt.run(feeds, {})):
+            for name, shards in want.items():
+                for r, t in shards.items():
+                    assert torch.equal(got[name][r], t), name
+
+
+def test_an_all_reduce_reached_by_another_ones_result_stays_out_of_its_bucket() -> None:
+    plan = dependent_chain(4)
+    out = bucketed(plan, first=1 << 20, cap=1 << 20)
+    assert out is plan  # nothing could share a bucket: the plan is returned as it was
+
+
+@pytest.mark.parametrize("cap", [0, -1])
+def test_a_cap_of_zero_turns_the_pass_off(cap: int) -> None:
+    plan = grads([8, 8])
+    assert bucketed(plan, first=1 << 20, cap=cap) is plan
