@@ -1,0 +1,318 @@
+"""Graph mode on 2 gloo processes: nn.Graph dp2 against torch DDP, nn.Graph tp2 against PyTorch DTensor (issues 8, 9).
+
+Run: ``.venv/bin/python benchmarks/graph_dist_compare.py`` (spawns its own 2 processes with ``sbpflow launch``;
+prints, and ``--write`` replaces the "graph_dist" section of docs/benchmarks.md).
+
+All contenders live in the same 2 processes (gloo on 127.0.0.1, one torch thread each) with the same weights,
+data and AdamW, and run interleaved: each round times every contender of a model in turn, a round's time is
+the slower process's, and the table reports medians.
+
+* Data parallel: the issue-4 MLP (width 1024, 3 hidden layers, batch 64, MSE; benchmarks/ddp_compare.py's)
+  and the GPT of issue 8 (4 layers, width 256, 4 heads, sequence 128, batch 8, no dropout), each compiled by
+  ``nn.Graph`` under dp2 (parameters B, batch S(0)) and run on the actor runtime, against the same torch model
+  in ``DistributedDataParallel`` (25 MB buckets).
+* Tensor parallel: the same GPT under tp2 in ``nn.Graph`` against torch's ``parallelize_module`` with
+  ``ColwiseParallel`` on q, k, v and the MLP's first linear, ``RowwiseParallel`` on both output projections
+  (Megatron's layout; embeddings, LayerNorms and the tied head replicated). Collective counts per step: sbpflow's
+  from ``sbpflow.comm.record()``, DTensor's from torch's ``CommDebugMode``.
+
+No gradient clipping on either side (DTensor's clip over a mix of DTensor and replicated tensors is not what is
+measured here). The overlap line reads the dp2 GPT step's actor timeline (``SBPFLOW_TRACE`` format): the share of
+the gradient all-reduces' time during which the compute thread was acting (backward ops).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from _report import launch_self, machine, write_section
+from _torch_gpt import TorchBlock, TorchGPT, adamw, copy_weights
+from ddp_compare import MLP_BATCH, MLP_LAYERS, MLP_WIDTH, mlp_data, timed_block, torch_mlp
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import sbpflow
+from sbpflow import nn, optim
+from sbpflow import sbp as S
+from sbpflow.comm import record
+from sbpflow.demo.train_gpt import build
+from sbpflow.models.gpt import GPTConfig
+from sbpflow.runtime.trace import load, trace_path
+
+WORLD = 2
+GPT = GPTConfig(vocab_size=256, block_size=128, n_layer=4, n_head=4, n_embd=256, dropout=0.0)
+GPT_BATCH, LR = 8, 1e-3
+Step = Callable[[], Any]
+
+
+# ----------------------------------------------------------------------------- sbpflow, compiled
+
+
+class MLPStep(nn.Graph):
+    """The MLP's training step in one plan: forward, MSE, backward, AdamW."""
+
+    def __init__(self, model: nn.Module, opt: Any) -> None:
+        super().__init__()
+        self.model = model
+        self.add_optimizer(opt)
+
+    def build(self, x: Any, y: Any) -> Any:
+        loss = ((self.model(x) - y) ** 2).mean()
+        loss.backward()
+        return loss
+
+
+def sbpflow_mlp() -> tuple[Step, Any]:
+    place = sbpflow.placement("cpu", list(range(WORLD)))
+    sbpflow.manual_seed(0)
+    mods: list[nn.Module] = []
+    for _ in range(MLP_LAYERS):
+        mods += [nn.Linear(MLP_WIDTH, MLP_WIDTH), nn.ReLU()]
+    model = nn.Sequential(*mods, nn.Linear(MLP_WIDTH, MLP_WIDTH)).to_global(place, S.broadcast)
+    x_full, y_full = mlp_data()
+    x = sbpflow.tensor(x_full, placement=place, sbp=S.split(0))  # logical (64, 1024), local (32, 1024)
+    y = sbpflow.tensor(y_full, placement=place, sbp=S.split(0))
+    graph = MLPStep(model, optim.AdamW(model.parameters(), lr=LR))
+    return (lambda: graph(x, y)), graph
+
+
+def gpt_data() -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(1)
+    tokens = rng.integers(0, GPT.vocab_size, size=(GPT_BATCH, GPT.block_size + 1))
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def sbpflow_gpt(strategy: str, trace: str | None = None) -> tuple[Step, Any]:
+    """The demo's compiled training step (AdamW, decay on matrices) under ``strategy``, no clipping."""
+    trainer = build(GPT, strategy, lr=LR, clip=None, graph=True)
+    if trace is not None:
+        trainer.graph.config.trace_path = trace
+    ids, targets = trainer.inputs(*gpt_data())
+    return (lambda: trainer.graph(ids, targets)), trainer
+
+
+# ----------------------------------------------------------------------------- torch
+
+
+def torch_gpt_ddp(reference: Any) -> Step:
+    model = TorchGPT(GPT)
+    copy_weights(reference, model)
+    rank = dist.get_rank()
+    ids, targets = (torch.from_numpy(a).chunk(WORLD)[rank] for a in gpt_data())  # local (B / 2, T)
+    ddp = DDP(model)
+    opt = adamw(list(ddp.parameters()), LR)
+    return _torch_step(lambda: ddp(ids, targets), opt)
+
+
+class TPBlock(TorchBlock):
+    """TorchBlock with its heads counted from the local width: under ColwiseParallel q, k, v hold C / tp columns."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape  # local (B, T, C), replicated
+        hd = c // self.n_head
+        h = self.ln_1(x)
+        q, k, v = (self.attn[n](h).reshape(b, t, -1, hd).transpose(1, 2) for n in "qkv")  # (B, H / tp, T, hd)
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.attn["c_proj"](y.transpose(1, 2).reshape(b, t, -1))
+        return x + self.mlp["c_proj"](torch.nn.functional.gelu(self.mlp["c_fc"](self.ln_2(x))))
+
+
+def torch_gpt_dtensor(reference: Any) -> Step:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    model = TorchGPT(GPT)
+    model.h = torch.nn.ModuleList([TPBlock(GPT.n_embd, GPT.n_head) for _ in range(GPT.n_layer)])
+    copy_weights(reference, model)
+    mesh = init_device_mesh("cpu", (WORLD,))
+    plan = {"attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(), "attn.v": ColwiseParallel(),
+            "attn.c_proj": RowwiseParallel(), "mlp.c_fc": ColwiseParallel(), "mlp.c_proj": RowwiseParallel()}
+    for block in model.h:
+        parallelize_module(block, mesh, plan)
+    ids, targets = (torch.from_numpy(a) for a in gpt_data())  # the whole batch on both ranks
+    params = list(model.parameters())
+    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": 0.1},
+              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+    opt = torch.optim.AdamW(groups, lr=LR, betas=(0.9, 0.95), foreach=False)  # DTensor and plain tensors mixed
+    return _torch_step(lambda: model(ids, targets), opt)
+
+
+def _torch_step(loss_fn: Callable[[], torch.Tensor], opt: torch.optim.Optimizer) -> Step:
+    def step() -> torch.Tensor:
+        loss = loss_fn()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        return loss
+
+    return step
+
+
+def torch_mlp_ddp(reference: Any) -> Step:
+    model, contender = torch_mlp(reference)
+    ddp = DDP(model)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=LR, foreach=True)
+    x_full, y_full = mlp_data()
+    x, y = (a.chunk(WORLD)[dist.get_rank()] for a in (x_full, y_full))
+    return _torch_step(lambda: ((ddp(x) - y) ** 2).mean(), opt)
+
+
+# ----------------------------------------------------------------------------- measuring
+
+
+def loss_value(loss: Any, local_mean: bool) -> float:
+    """The step's loss over the whole batch (outside timing): sbpflow's is global; DDP's is this rank's half."""
+    if not local_mean:
+        return float(loss.item())
+    t = loss.detach().clone()
+    dist.all_reduce(t)
+    return float(t) / WORLD
+
+
+def interleaved(steps: dict[str, Step], per_round: int, rounds: int) -> tuple[dict[str, float], float]:
+    """Median seconds per step of each contender, and the median over rounds of the first contender's time over
+    the last one's (a round's timings are back to back, so their ratio cancels slower drifts of the load)."""
+    samples: dict[str, list[float]] = {k: [] for k in steps}
+    for _ in range(rounds):
+        for name, fn in steps.items():
+            samples[name].append(timed_block(fn, per_round))
+    ours, theirs = samples[next(iter(steps))], samples[list(steps)[-1]]
+    ratio = statistics.median(a / b for a, b in zip(ours, theirs, strict=True))
+    return {k: statistics.median(v) for k, v in samples.items()}, ratio
+
+
+def sbpflow_counts(fn: Step) -> dict[str, int]:
+    with record() as log:
+        fn()
+    return dict(sorted(log.counts().items()))
+
+
+def dtensor_counts(fn: Step) -> dict[str, int]:
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    mode = CommDebugMode()
+    with mode:
+        fn()
+    return {str(getattr(op, "__name__", op)).split(".")[-1]: n for op, n in mode.get_comm_counts().items()}
+
+
+def overlap(trace_base: str, steps: int) -> tuple[float, float, float]:
+    """This rank's timeline of ``steps`` dp2 steps: all-reduce milliseconds per step, the share of them with the
+    compute thread acting at the same time, and all-reduce acts per step."""
+    events = load(trace_path(trace_base, sbpflow.rank(), WORLD))
+    lanes = {e["tid"]: e["args"]["name"] for e in events if e["name"] == "thread_name"}
+    spans = [(lanes[e["tid"]], e["ts"], e["ts"] + e["dur"]) for e in events if e["ph"] == "X"]
+    comm = [(a, z) for lane, a, z in spans if "/comm:" in lane]
+    compute = sorted((a, z) for lane, a, z in spans if lane.endswith("/compute"))
+    busy = sum(z - a for a, z in comm)
+    both = sum(max(0.0, min(z, d) - max(a, c)) for a, z in comm for c, d in compute if c < z and d > a)
+    return busy / 1e3 / steps, both / busy if busy else 0.0, len(comm) / steps
+
+
+# ----------------------------------------------------------------------------- the run
+
+
+def compare(name: str, contenders: dict[str, tuple[Step, bool]], per_round: int, rounds: int,
+            counts: dict[str, Callable[[Step], Any]]) -> dict[str, Any]:
+    first = {k: loss_value(fn(), local) for k, (fn, local) in contenders.items()}
+    steps = {k: fn for k, (fn, _) in contenders.items()}
+    for fn in steps.values():
+        fn()
+    collectives = {k: counts[k](steps[k]) for k in counts}
+    times, ratio = interleaved(steps, per_round, rounds)
+    return {"name": name, "times": times, "ratio": ratio, "first": first, "counts": collectives}
+
+
+def worker(args: argparse.Namespace) -> None:
+    torch.set_num_threads(1)  # 2 processes on 2 cores: one thread each
+    sbpflow.distributed.init()
+    results = []
+    mlp_step, mlp_graph = sbpflow_mlp()
+    results.append(compare(
+        f"MLP {MLP_WIDTH}x{MLP_LAYERS}, batch {MLP_BATCH}, dp2",
+        {"nn.Graph dp2": (mlp_step, False), "DDP": (torch_mlp_ddp(mlp_graph.model), True)},
+        args.steps, args.rounds, {"nn.Graph dp2": sbpflow_counts}))
+    dp_step, dp_trainer = sbpflow_gpt(f"dp={WORLD}")
+    results.append(compare(
+        f"GPT {GPT.n_layer}x{GPT.n_embd}, {GPT.block_size} tokens, batch {GPT_BATCH}, dp2",
+        {"nn.Graph dp2": (dp_step, False), "DDP": (torch_gpt_ddp(dp_trainer.model), True)},
+        args.steps, args.rounds, {"nn.Graph dp2": sbpflow_counts}))
+    tp_step, tp_trainer = sbpflow_gpt(f"tp={WORLD}")
+    results.append(compare(
+        f"GPT {GPT.n_layer}x{GPT.n_embd}, {GPT.block_size} tokens, batch {GPT_BATCH}, tp2",
+        {"nn.Graph tp2": (tp_step, False), "DTensor tp2": (torch_gpt_dtensor(tp_trainer.model), False)},
+        args.steps, args.rounds, {"nn.Graph tp2": sbpflow_counts, "DTensor tp2": dtensor_counts}))
+    with tempfile.TemporaryDirectory() as tmp:
+        base = str(Path(tmp) / "dp2.json")
+        traced, traced_trainer = sbpflow_gpt(f"dp={WORLD}", trace=base)
+        for _ in range(3):
+            traced()
+        traced_trainer.graph._last.executor.close()
+        lines = overlap(base, 3)
+    if sbpflow.rank() == 0:
+        body = report(results, lines, args)
+        print(body)
+        if args.write:
+            write_section("graph_dist", body)
+
+
+def report(results: list[dict[str, Any]], timeline: tuple[float, float, float], args: argparse.Namespace) -> str:
+    lines = [
+        "## Graph mode on 2 processes: nn.Graph vs DDP (dp2) and vs DTensor (tp2) (issues 8, 9)",
+        "",
+        f"`.venv/bin/python benchmarks/graph_dist_compare.py --write` on {machine(threads=1, processes=WORLD)}: "
+        "gloo on 127.0.0.1; each model's contenders run in the same 2 processes with the same weights, data and "
+        f"AdamW (no clipping), {args.rounds} interleaved rounds of {args.steps} steps, median step time of the slower "
+        "process. sbpflow runs the compiled step (`nn.Graph`) on the actor runtime (a compute thread and a thread "
+        "per communication stream). DDP: default 25 MB buckets. DTensor: `parallelize_module` with ColwiseParallel "
+        "(q, k, v, c_fc) and RowwiseParallel (both c_proj), embeddings, LayerNorms and tied head replicated.",
+        "",
+        "| model | contender | ms/step | ratio to torch (median of per-round ratios) | first loss "
+        "| collectives per step (per process) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        names = list(r["times"])
+        for who in names:
+            ratio = "1.000" if who == names[-1] else f"**{r['ratio']:.3f}**"
+            counts = r["counts"].get(who, "DDP's gradient buckets (not recorded)")
+            lines.append(f"| {r['name']} | {who} | {r['times'][who] * 1e3:.1f} | {ratio} | {r['first'][who]:.6f} "
+                         f"| {counts} |")
+    busy, share, n = timeline
+    dp = [r["ratio"] for r in results if "DDP" in r["times"]]
+    tp = [r["ratio"] for r in results if "DTensor tp2" in r["times"]]
+    lines += [
+        "",
+        f"Timeline of the dp2 GPT step (rank 0, actor runtime, mean of 3 steps): {n:.0f} all-reduce acts, "
+        f"{busy:.1f} ms on the communication thread, {share:.0%} of it while the compute thread was acting "
+        "(backward and optimizer ops).",
+        "",
+        f"Targets: dp2 at most 0.95x DDP: worst {max(dp):.3f}x ({'met' if max(dp) <= 0.95 else 'missed'}); "
+        f"tp2 faster than DTensor: {max(tp):.3f}x ({'met' if max(tp) < 1.0 else 'missed'}).",
+    ]
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=7, help="interleaved timing rounds (default 7)")
+    parser.add_argument("--steps", type=int, default=3, help="steps per contender per round (default 3)")
+    parser.add_argument("--write", action="store_true", help="replace the graph_dist section of docs/benchmarks.md")
+    args = parser.parse_args()
+    if "RANK" in os.environ:
+        worker(args)
+        return 0
+    return launch_self(__file__, WORLD, sys.argv[1:], check=False).returncode
+
+
+if __name__ == "__main__":
+    sys.exit(main())
