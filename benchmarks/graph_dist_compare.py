@@ -18,7 +18,7 @@ the slower process's, and the table reports medians.
 
 No gradient clipping on either side (DTensor's clip over a mix of DTensor and replicated tensors is not what is
 measured here). The overlap line reads the dp2 GPT step's actor timeline (``SBPFLOW_TRACE`` format): the share of
-the gradient all-reduces' time during which the compute thread was acting (backward ops).
+the collectives' time (gradient buckets, input gathers) during which the compute thread was acting (backward ops).
 """
 
 from __future__ import annotations
@@ -206,8 +206,8 @@ def dtensor_counts(fn: Step) -> dict[str, int]:
 
 
 def overlap(trace_base: str, steps: int) -> tuple[float, float, float]:
-    """This rank's timeline of ``steps`` dp2 steps: all-reduce milliseconds per step, the share of them with the
-    compute thread acting at the same time, and all-reduce acts per step."""
+    """This rank's timeline of ``steps`` dp2 steps: collective milliseconds per step, the share of them with the
+    compute thread acting at the same time, and collective acts per step."""
     events = load(trace_path(trace_base, sbpflow.rank(), WORLD))
     lanes = {e["tid"]: e["args"]["name"] for e in events if e["name"] == "thread_name"}
     spans = [(lanes[e["tid"]], e["ts"], e["ts"] + e["dur"]) for e in events if e["ph"] == "X"]
@@ -292,7 +292,7 @@ def report(results: list[dict[str, Any]], timeline: tuple[float, float, float], 
     tp = [r["ratio"] for r in results if "DTensor tp2" in r["times"]]
     lines += [
         "",
-        f"Timeline of the dp2 GPT step (rank 0, actor runtime, mean of 3 steps): {n:.0f} all-reduce acts, "
+        f"Timeline of the dp2 GPT step (rank 0, actor runtime, mean of 3 steps): {n:.0f} collective acts, "
         f"{busy:.1f} ms on the communication thread, {share:.0%} of it while the compute thread was acting "
         "(backward and optimizer ops).",
         "",
