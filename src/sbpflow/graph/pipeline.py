@@ -361,6 +361,19 @@ def activation_peaks(pipe: Pipeline, peak_slots: dict[int, int]) -> dict[int, in
     return {s: max((peak_slots.get(b, 0) for b in bufs), default=0) for s, bufs in pipe.activations.items()}
 
 
+def _fed_by_first_input(plan: PhysicalPlan, pipe: Pipeline) -> set[int]:
+    """Micro node ids that read, transitively, an ``unpack`` of stage 0 (the model's input, not its targets)."""
+    data: set[int] = set()
+    fed: set[int] = set()
+    for n in plan.nodes:
+        first = n.kind == "unpack" and pipe.stage_of.get(n.id) == 0
+        if first or any(b in data for b in n.inputs):
+            data.update(n.outputs)
+            if n.id in pipe.part_of:
+                fed.add(n.id)
+    return fed
+
+
 def balanced_durations(plan: PhysicalPlan, forward_s: float, backward_s: float,
                        weight_s: float = 0.0) -> dict[int, float]:
     """Synthetic-time durations (node id -> seconds) where every stage's forward takes ``forward_s`` and its
@@ -368,6 +381,8 @@ def balanced_durations(plan: PhysicalPlan, forward_s: float, backward_s: float,
     ``zero_bubble`` W nodes take ``weight_s`` (a stage with no B nodes, the first one, whose input gradient
     nobody needs, gives its W nodes both times, so stages stay equal).
 
+    Only nodes fed, transitively, by the first stage's micro-batch input carry time: what depends on the
+    targets alone (the loss's scale, the target mask) could run before the stage's activation arrives.
     Balanced stages with no communication time are what the bubble formula (p - 1) / (m + p - 1) assumes,
     so a synthetic run with these durations measures the schedule, not the model's stage imbalance.
     Use as ``ActorRuntime(plan, synthetic=lambda node: durations.get(node.id, 0.0))``."""
@@ -375,8 +390,9 @@ def balanced_durations(plan: PhysicalPlan, forward_s: float, backward_s: float,
     if pipe is None:
         raise ValueError("balanced_durations needs a plan with pipeline stages (plan.pipeline is None)")
     nodes: dict[tuple[int, str], list[int]] = {}
+    fed = _fed_by_first_input(plan, pipe)
     for n in plan.nodes:
-        if n.kind == "compute" and n.id in pipe.part_of:
+        if n.kind == "compute" and n.id in fed:
             nodes.setdefault((pipe.stage_of[n.id], pipe.part_of[n.id]), []).append(n.id)
     v = pipe.virtual  # a placement's v virtual stages share its times
     total = {"F": forward_s / v, "B": backward_s / v, "W": weight_s / v}
