@@ -92,7 +92,8 @@ def measured_bubble(spans: list[list[tuple[float, float, str]]]) -> float:
 
 
 def gantt(spans: list[list[tuple[float, float, str]]], title: str, path: str) -> None:
-    """A Gantt chart of the stages' forward (light) and backward (dark) acts, merged per micro-batch."""
+    """A Gantt chart of the stages' forward (light), backward (dark) and weight-gradient (green) acts, merged per
+    micro-batch (and chunk: F3.1 is micro-batch 3 on a placement's second stage)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -102,7 +103,7 @@ def gantt(spans: list[list[tuple[float, float, str]]], title: str, path: str) ->
     fig, ax = plt.subplots(figsize=(10, 0.5 + 0.45 * len(spans)))
     for row, stage in enumerate(spans):
         for s, e, label in _merge(stage):
-            color = "#9ecae1" if label.startswith("F") else "#3182bd"
+            color = {"F": "#9ecae1", "B": "#3182bd", "W": "#74c476"}[label[0]]
             ax.barh(row, e - s, left=s - origin, color=color, edgecolor="white")
             ax.text((s + e) / 2 - origin, row, label, ha="center", va="center", fontsize=7)
     ax.set_yticks(range(len(spans)), [f"stage {s}" for s in range(len(spans))])
@@ -138,6 +139,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     rows = []
+    pngs: list[str] = []
     folder = tempfile.mkdtemp()
     for schedule in args.schedules:
         for p in args.stages:
@@ -155,24 +157,35 @@ def main() -> None:
                 if args.png and (schedule, p, m) == ("1f1b", 4, 8):
                     gantt(spans, "1F1B, 4 stages, 8 micro-batches (synthetic time, B = 2F)", args.png)
                     print(f"wrote {args.png}")
-    body = _table(rows, args.forward_ms, args.png)
+                if args.png and (schedule, p, m) in (("interleaved_1f1b", 4, 8), ("zero_bubble", 4, 8)):
+                    path = args.png.replace("1f1b", schedule)
+                    gantt(spans, f"{schedule}, 4 stages, 8 micro-batches (synthetic time)", path)
+                    pngs.append(path)
+    body = _table(rows, args.forward_ms, args.png, pngs)
     print(body)
     if args.write:
         write_section(SECTION, body)
 
 
-def _table(rows: list[tuple[str, int, int, float, float]], forward_ms: float, png: str | None) -> str:
+def _table(rows: list[tuple[str, int, int, float, float]], forward_ms: float, png: str | None,
+           pngs: list[str]) -> str:
     lines = [
         "## Pipeline bubble (synthetic time)",
         "",
         f"`PYTHONPATH=src python benchmarks/pipeline_bubble.py --write` on {machine()}. A GPT with one block per",
         f"stage, compiled under `pp=p`; each stage's forward sleeps {forward_ms:g} ms and its backward twice that,",
-        "spread over its compute nodes; everything else takes no time (`ActorRuntime(synthetic=...)`). The bubble",
-        "is the mean over stages of the idle share of the step, read from the runtime's timeline; theory is",
-        "(p - 1) / (m + p - 1), and for ZB-H1 (p - 1) / (3m + p - 1) (B and W each take F; the first stage,",
-        "which needs no input gradient, spends both in W). The schedule comes from register counts (1F1B: p - s",
-        "activation slots on stage s, ZB: p) and the stages' action order; zero_bubble's order is a greedy",
-        "ZB-H1 (B first, then F under the bound, then pending W), not the paper's hand-tuned one.",
+        "spread over its compute nodes fed by the model's input; everything else takes no time",
+        "(`ActorRuntime(synthetic=...)`). The bubble is the mean over stages of the idle share of the step, read",
+        "from the runtime's timeline. Theory: (p - 1) / (m + p - 1); interleaved 1F1B (v = 2 stages per",
+        "placement, one block each, each taking half a stage's time; m a multiple of p) (p - 1) / (v m + p - 1);",
+        "ZB-H1 (B and W each take F; the first stage, which needs no input gradient, spends both in W)",
+        "(p - 1) / (3m + p - 1), a third of 1F1B's idle time, or 1 - 3m / (2m + 2p - 1) when m < p (the first",
+        "micro-batch's trip to the last stage and back comes first). The schedule comes from register counts",
+        "(1F1B: p - s activation slots on stage s; ZB: p; interleaved: each virtual stage's peak along",
+        "Megatron's order) and each rank's action order (ZB-H1: 1F1B's F and B, W k - s right after B k on",
+        "stage s). The unit-step dry runs of all three equal their theory exactly (tests/logic/test_schedule.py);",
+        "what the table adds over theory is the runtime's own cost between acts (thread hand-offs, bookkeeping",
+        "on a shared 2-core machine), which counts as idle time here.",
         "",
         "| schedule | p | m | measured | theory | difference |",
         "|---|---|---|---|---|---|",
@@ -181,6 +194,9 @@ def _table(rows: list[tuple[str, int, int, float, float]], forward_ms: float, pn
         lines.append(f"| {schedule} | {p} | {m} | {got:.1%} | {want:.1%} | {(got - want) * 100:+.1f} points |")
     if png:
         lines += ["", f"![1F1B, 4 stages, 8 micro-batches]({os.path.relpath(png, 'docs')})"]
+    for path in pngs:
+        name = os.path.basename(path).removesuffix(".png").replace("_", " ")
+        lines += ["", f"![{name}]({os.path.relpath(path, 'docs')})"]
     return "\n".join(lines)
 
 

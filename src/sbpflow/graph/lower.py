@@ -55,6 +55,7 @@ class _Lowerer:
         self.at: dict[tuple[int, str], int] = {}  # (value id, phase) -> buf id holding it in that phase
         self.boxed: dict[tuple[int, Layout], int] = {}  # (buf id, layout) -> boxed buf id (CSE)
         self.made_in: dict[int, str] = {}  # buf id -> phase of its producer
+        self.repeated: dict[int, int] = {}  # pre-phase buf id -> its per-micro-batch view
         self.producer: dict[int, int] = {}  # buf id -> node id
 
     # -- buffers and nodes ---------------------------------------------------------------------------
@@ -80,8 +81,25 @@ class _Lowerer:
     # -- reading a value in a phase and layout ------------------------------------------------------
 
     def read(self, vid: int, phase: str, layout: Layout, label: str) -> int:
+        pre = self.at.get((vid, "pre"))
+        micro = self.at.get((vid, "micro"))
+        constant = pre is not None and (micro is None or self.repeated.get(pre) == micro)
+        if phase == "micro" and self.m > 1 and constant and self.bufs[pre].layout.placement != layout.placement:
+            # a step constant (a tied weight) read on another pipeline stage: sent once before the micro-batches,
+            # then repeated there, rather than sent again for every micro-batch
+            return self.repeat(self.box(pre, layout, "pre", label), self.g.nodes[self.g.values[vid].producer].name)
         buf = self.at_phase(vid, phase)
         return self.box(buf, layout, phase, label)
+
+    def repeat(self, pre: int, name: str) -> int:
+        """A per-micro-batch view of the pre-phase buffer ``pre`` (one per buffer)."""
+        if pre in self.repeated:
+            return self.repeated[pre]
+        src = self.bufs[pre]
+        out = self.new_buf(src.shape, src.dtype, src.layout)
+        self.emit("repeat", name, (pre,), (out,), src.layout.placement.flat_ranks, "micro")
+        self.repeated[pre] = out
+        return out
 
     def at_phase(self, vid: int, phase: str) -> int:
         key = (vid, phase)
@@ -92,12 +110,17 @@ class _Lowerer:
             if pre is not None:
                 return pre
             raise AssertionError(f"value %{vid} is read in phase {phase} but never defined there")
+        if pre in self.repeated:
+            self.at[key] = self.repeated[pre]
+            return self.repeated[pre]
         producer = self.g.nodes[self.g.values[vid].producer]
         src = self.bufs[pre]
         out = self.new_buf(src.shape if producer.kind != "input" else src.shape, src.dtype, src.layout)
         kind = "unpack" if producer.kind == "input" else "repeat"
         self.emit(kind, producer.name, (pre,), (out,), src.layout.placement.flat_ranks, "micro")
         self.at[key] = out
+        if kind == "repeat":
+            self.repeated[pre] = out
         return out
 
     def box(self, buf: int, layout: Layout, phase: str, label: str, control: tuple[int, ...] = ()) -> int:
