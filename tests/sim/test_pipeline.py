@@ -106,9 +106,17 @@ def test_interleaved_matches_one_device_and_holds_its_bounds(spec: str, m: int) 
     for node in compiled.plan.nodes:
         if node.kind == "compute" and node.id in pipe.stage_of:
             assert set(node.ranks) <= set(pipe.stages[pipe.stage_of[node.id] % p]), node.label()
-    blocks = {n.name.split(".")[2] for n in compiled.plan.nodes if n.name.startswith("model.h.") and
-              n.id in pipe.stage_of and pipe.stage_of[n.id] == 2 * p - 1}
-    assert blocks == {"7"} if p == 4 else {"6", "7"}
+    assert _blocks_of_stage(compiled.plan, 2 * p - 1) == ({"7"} if p == 4 else {"6", "7"})
+    assert _blocks_of_stage(compiled.plan, p) == ({"4"} if p == 4 else {"4", "5"})
+
+
+def _blocks_of_stage(plan: Any, stage: int) -> set[str]:
+    """The blocks whose weights the compute nodes of a virtual stage read (variables named model.h.<i>...)."""
+    pipe, producers = plan.pipeline, plan.producers()
+    names = {n.id: n.name for n in plan.nodes if n.kind == "variable"}
+    read = {names.get(producers.get(b, -1), "") for n in plan.nodes if n.kind == "compute"
+            and pipe.stage_of.get(n.id) == stage and pipe.part_of.get(n.id) == "F" for b in n.inputs}
+    return {name.split(".")[2] for name in read if name.startswith("model.h.")}
 
 
 def test_explain_prints_the_interleaved_grid() -> None:

@@ -13,8 +13,8 @@ how many micro-batches each register may hold.
   (weight gradients: ``linear_weight_grad``, bias sums, ``embedding_backward``), found backwards
   through the graph; the rest of B is the input-gradient chain the previous stage waits for.
 * **Held** buffers of stage ``s``: written by F and read by B on ``s`` (received ones too). Those that
-  depend on a micro-batch's data are its **activations**; the others are per-micro-batch views of
-  weights (``repeat``, a tied weight sent to the last stage), which need the same slots but no memory.
+  depend on a micro-batch's data are its **activations**; the others (values computed from weights alone
+  per micro-batch) need the same slots but little memory.
 * **Register counts** (everything else keeps 1, which is "backward buffers 1")::
 
       schedule   held buffers of stage s    cross-stage buffer from stage a to b
