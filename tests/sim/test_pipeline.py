@@ -147,6 +147,38 @@ def test_zero_bubble_splits_weight_gradients_from_the_backward() -> None:
     assert any(pipe.stage_of[n] == 1 and part == "B" for n, part in pipe.part_of.items())
 
 
+def test_zero_bubble_holds_output_gradients_until_their_deferred_weight_gradient() -> None:
+    """ZB-H1 runs W k - s after B k on stage s: what B writes for W (output gradients) needs s + 1 slots, or the
+    backward would wait for W and the input gradient would go back late."""
+    plan = _train("pp=4", 8, "zero_bubble")[2].graph.plan
+    pipe, producers = plan.pipeline, plan.producers()
+    counts: dict[int, set[int]] = {}
+    for b, reg in plan.registers.items():
+        writer = producers.get(b)
+        if pipe.part_of.get(writer) == "B" and any(pipe.part_of.get(r) == "W" for r in reg.consumers):
+            counts.setdefault(pipe.stage_of[writer], set()).add(reg.register_num)
+    assert counts == {1: {2}, 2: {3}, 3: {4}}  # stage 0 has no B: its whole backward is W
+
+
+def test_a_tied_weight_goes_to_the_last_stage_once_per_step() -> None:
+    """The head reads the embedding's weight on the last stage: one send before the micro-batches (not one per
+    micro-batch), read there by every micro-batch; weights are read straight from their slot (no repeat acts)."""
+    plan = _train("pp=4", 4, "1f1b")[2].graph.plan
+    producers = plan.producers()
+    names = {n.id: n.name for n in plan.nodes}
+    moves = [n for n in plan.nodes if n.kind == "boxing" and _placement_of(plan, n.inputs[0]) !=
+             _placement_of(plan, n.outputs[0])]
+    sent_once = [n for n in moves if n.phase == "pre"]
+    assert [names[producers[n.inputs[0]]] for n in sent_once] == ["model.wte.weight"]
+    assert _placement_of(plan, sent_once[0].outputs[0]) == plan.pipeline.stages[3]
+    assert {n.phase for n in moves} == {"pre", "micro", "post"}
+    assert not any(n.kind == "repeat" for n in plan.nodes)
+
+
+def _placement_of(plan: Any, buf: int) -> tuple[int, ...]:
+    return tuple(plan.bufs[buf].layout.placement.flat_ranks)
+
+
 def test_register_counts_follow_the_schedule() -> None:
     """1F1B: activations p - s, cross-stage buffers their stage distance (the tied embedding goes 0 -> 3),
     everything else 1."""

@@ -17,9 +17,12 @@ how many micro-batches each register may hold.
   per micro-batch) need the same slots but little memory.
 * **Register counts** (everything else keeps 1, which is "backward buffers 1")::
 
-      schedule   held buffers of stage s    cross-stage buffer from stage a to b
-      1f1b       p - s                      |b - a|  (it is in flight that many stages)
-      gpipe      m                          |b - a|
+      schedule          held buffers of stage s       cross-stage buffer from stage a to b
+      1f1b              p - s                         |b - a|  (it is in flight that many stages)
+      gpipe             m                             |b - a|
+      zero_bubble       p (B to W buffers: s + 1)     |b - a|
+      interleaved_1f1b  its peak along its rank's     in flight in the dry run
+                        order (virtual stage s)
 
   With p - s slots, stage s can run ahead p - s forwards and then only one forward per finished
   backward: 1F1B, without a loop saying so. GPipe's m slots would still let the last stage start B 0
@@ -284,7 +287,25 @@ def _registers(plan: PhysicalPlan, pipe: Pipeline) -> dict[int, Register]:
         distance = abs(_stage_of_buf(plan, pipe, n.outputs[0]) - _stage_of_buf(plan, pipe, n.inputs[0]))
         for b in n.outputs:
             counts[b] = max(counts.get(b, 1), distance)
+    if pipe.schedule.splits_backward:
+        counts.update(_weight_gradient_inputs(plan, pipe))
     return {b: dataclasses.replace(reg, register_num=counts.get(b, 1)) for b, reg in plan.registers.items()}
+
+
+def _weight_gradient_inputs(plan: PhysicalPlan, pipe: Pipeline) -> dict[int, int]:
+    """Zero bubble: a buffer that B writes and W reads (the output gradient a weight gradient needs) is held
+    from B k to W k, which ZB-H1 runs up to s micro-batches later on stage s: as many slots as its dry run
+    has in flight between the two."""
+    steps = action_steps(pipe.schedule)
+    producer = plan.producers()
+    out: dict[int, int] = {}
+    for b, reg in plan.registers.items():
+        writer = producer.get(b)
+        if pipe.part_of.get(writer) != "B" or not any(pipe.part_of.get(r) == "W" for r in reg.consumers):
+            continue
+        stage = pipe.stage_of[writer]
+        out[b] = _in_flight(steps, ("B", stage), ("W", stage), plan.micro_batches)
+    return out
 
 
 def _interleaved_registers(plan: PhysicalPlan, pipe: Pipeline) -> dict[int, Register]:

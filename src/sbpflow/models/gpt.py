@@ -333,6 +333,9 @@ def parallelize(model: GPT, data: int = 1, tensor: int = 1, pipeline: int | tupl
         raise SbpflowError(f"parallelize needs virtual >= 1 (and pipeline as a number of stages when virtual > 1), "
                            f"but got virtual={virtual!r} with pipeline={pipeline!r}")
     if block_stage is None:
+        if pipeline * virtual > max(model.config.n_layer, 1):
+            raise SbpflowError(f"pipeline={pipeline} with virtual={virtual} stages per placement needs at least "
+                               f"{pipeline * virtual} blocks (one per stage), but the GPT has {model.config.n_layer}")
         block_stage = tuple(k % pipeline for k in split_blocks(model.config.n_layer, pipeline * virtual))
     placements = stage_placements(data, tensor, pipeline, device)
     strategy = Strategy(data, tensor, pipeline, device, placements, block_stage, virtual)
