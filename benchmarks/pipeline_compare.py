@@ -163,9 +163,9 @@ def sbpflow_activation_bytes(trainer: Any, rank: int, step: Callable[[], object]
     import sbpflow.runtime.actors as actors
 
     compiled = trainer.graph._compiled()
-    pipe, plan = compiled.plan.pipeline, compiled.plan
+    pipe = compiled.plan.pipeline
     stage = next(s for s, ranks in enumerate(pipe.stages) if rank in ranks)
-    held = {b for b in pipe.activations.get(stage, ())}
+    held = set(pipe.activations.get(stage, ()))
     storages: dict[int, dict[int, int]] = {}  # micro-batch -> {storage pointer: bytes}
     real = actors.act
 

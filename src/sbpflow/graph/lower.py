@@ -84,7 +84,8 @@ class _Lowerer:
     def read(self, vid: int, phase: str, layout: Layout, label: str) -> int:
         pre = self.at.get((vid, "pre"))
         constant = pre is not None and self.at.get((vid, "micro"), pre) == pre
-        if phase == "micro" and self.m > 1 and constant and self.bufs[pre].layout.placement != layout.placement:
+        if phase == "micro" and self.m > 1 and pre is not None and constant and \
+                self.bufs[pre].layout.placement != layout.placement:
             # a step constant (a tied weight) read on another pipeline stage: sent once before the micro-batches
             # (its copy read there m times), rather than sent again for every micro-batch
             return self.box(pre, layout, "pre", label)

@@ -65,7 +65,7 @@ class Pipeline:
     held: dict[int, tuple[int, ...]]  # stage -> buffers held from F to B (activations and weight views)
     activations: dict[int, tuple[int, ...]]  # stage -> the held buffers that depend on micro-batch data
     cells: list[list[str]] = field(default_factory=list)  # the schedule's dry run (unit steps)
-    _order: list[dict[tuple[str, int], int]] = field(default_factory=list)
+    _order: list[dict[tuple[str, int, int], int]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self._order = [self.schedule.compute_order(s) for s in range(len(self.stages))]
@@ -300,7 +300,7 @@ def _weight_gradient_inputs(plan: PhysicalPlan, pipe: Pipeline) -> dict[int, int
     producer = plan.producers()
     out: dict[int, int] = {}
     for b, reg in plan.registers.items():
-        writer = producer.get(b)
+        writer = producer.get(b, -1)
         if pipe.part_of.get(writer) != "B" or not any(pipe.part_of.get(r) == "W" for r in reg.consumers):
             continue
         stage = pipe.stage_of[writer]
