@@ -111,8 +111,8 @@ class SavedBytes:
     backward, or with the graph); parameters (and views of them, such as the head's ``wte.weight.T``) are not
     activations and are skipped. ``peak`` is the most bytes held at once since the last :meth:`reset`."""
 
-    def __init__(self, params: list[torch.Tensor]) -> None:
-        self.skip = {q.untyped_storage().data_ptr() for q in params}
+    def __init__(self, skip: list[torch.Tensor]) -> None:
+        self.skip = {q.untyped_storage().data_ptr() for q in skip}
         self.live: dict[int, list[int]] = {}  # storage pointer -> [saves held, bytes]
         self.bytes = self.peak = 0
 
@@ -157,7 +157,8 @@ class _Saved:
 def sbpflow_activation_bytes(trainer: Any, rank: int, step: Callable[[], object]) -> int:
     """The same count for sbpflow: one more step with the runtime's ``act`` watched, the distinct storages of
     one micro-batch's activation registers on this rank (a reshape or permute that torch returns as a view
-    shares its input's storage, as in torch's count), times the most micro-batches the runtime's register
+    shares its input's storage, as in torch's count; a view of the step's batch is not counted), times the
+    most micro-batches the runtime's register
     counters saw held at once on this stage (under 1F1B all of them are full together at the last warm-up
     forward)."""
     import sbpflow.runtime.actors as actors
@@ -169,11 +170,17 @@ def sbpflow_activation_bytes(trainer: Any, rank: int, step: Callable[[], object]
     storages: dict[int, dict[int, int]] = {}  # micro-batch -> {storage pointer: bytes}
     real = actors.act
 
+    inputs_seen: set[int] = set()  # storages of the step's inputs: live all step anyway, as torch's batch
+
     def watched(node: Any, inputs: Any, state: Any, micro: int, backend: Any) -> list[Any]:
         outputs = real(node, inputs, state, micro, backend)
         for b, value in zip(node.outputs, outputs, strict=False):
-            if b in held and isinstance(value, dict) and isinstance(value.get(rank), torch.Tensor):
-                storage = value[rank].untyped_storage()
+            if not isinstance(value, dict) or not isinstance(value.get(rank), torch.Tensor):
+                continue
+            storage = value[rank].untyped_storage()
+            if node.kind == "input":
+                inputs_seen.add(storage.data_ptr())
+            elif b in held and storage.data_ptr() not in inputs_seen:
                 storages.setdefault(micro, {})[storage.data_ptr()] = storage.nbytes()
         return outputs
 
@@ -199,7 +206,7 @@ def torch_step(p: int, schedule_cls: Any, reference: dict[str, np.ndarray],
     opt = torch.optim.AdamW(groups, lr=LR, betas=(0.9, 0.95), foreach=True)
     tied = dist.new_group([0, p - 1])
     ids, targets = (torch.from_numpy(a) for a in data())
-    counter = saved[name] = SavedBytes(params)
+    counter = saved[name] = SavedBytes([*params, ids, targets])
 
     def step() -> float:
         opt.zero_grad(set_to_none=True)
@@ -304,7 +311,8 @@ def report(p: int, medians: dict[str, float], gathered: list[Any], rounds: int, 
               f"sbpflow activations held (micro-batches, from the runtime's register counters): {peaks} "
               f"(1F1B bound p - s); peak live bytes of its registers, variables included: {mib}.",
               "Activations: bytes kept for backward at once on each stage, counted once per storage for both: "
-              "torch's tensors saved by autograd (a saved-tensors hook, parameters excluded, peak over the step), "
+              "torch's tensors saved by autograd (a saved-tensors hook, parameters and the batch excluded, peak over "
+              "the step), "
               "sbpflow's activation registers (one micro-batch's storages, from one watched step, times the most "
               "micro-batches its register counters saw held at once).",
               f"{rounds} rounds of {steps} steps per contender, interleaved."]

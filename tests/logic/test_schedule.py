@@ -147,6 +147,15 @@ def test_interleaved_bubble_and_memory(p: int, m: int, v: int) -> None:
         assert peak == min(v * m, 2 * (p - r - 1) + (v - 1) * p + 1)
 
 
+def test_interleaved_dry_run_refuses_a_stage_one_slot_short() -> None:
+    """Virtual stage 0 needs all 4 slots along Megatron's order; with 3 the dry run stops and shows where."""
+    s = make("interleaved_1f1b", 2, 4, virtual=2)
+    tight = dataclasses.replace(s, bounds=(3, *s.bounds[1:]))
+    with pytest.raises(ScheduleError, match=r"placement 0: waits at F3 \(its activation registers hold 3") as info:
+        check(tight)
+    assert "placement 1  .     F0.0  F1.0  F0.1  B0.1" in str(info.value)
+
+
 def test_interleaved_needs_whole_groups_and_other_schedules_one_stage_per_placement() -> None:
     with pytest.raises(ScheduleError, match="micro_batches must be a multiple of 4, but got 6"):
         make("interleaved_1f1b", 4, 6, virtual=2)
