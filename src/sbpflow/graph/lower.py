@@ -105,7 +105,7 @@ class _Lowerer:
         if producer.kind != "input":
             return pre  # a step constant: micro-batch actors read its one slot m times (no per-micro-batch copy)
         src = self.bufs[pre]
-        out = self.new_buf(src.shape if producer.kind != "input" else src.shape, src.dtype, src.layout)
+        out = self.new_buf(src.shape, src.dtype, src.layout)
         self.emit("unpack", producer.name, (pre,), (out,), src.layout.placement.flat_ranks, "micro")
         self.at[key] = out
         return out
