@@ -104,8 +104,97 @@ def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return TF.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
+class SavedBytes:
+    """Bytes of activations torch keeps for backward, live at once (a saved-tensors hook; CPU, no allocator).
+
+    Every tensor autograd saves is counted once per storage from its save until autograd drops it (after its
+    backward, or with the graph); parameters (and views of them, such as the head's ``wte.weight.T``) are not
+    activations and are skipped. ``peak`` is the most bytes held at once since the last :meth:`reset`."""
+
+    def __init__(self, skip: list[torch.Tensor]) -> None:
+        self.skip = {q.untyped_storage().data_ptr() for q in skip}
+        self.live: dict[int, list[int]] = {}  # storage pointer -> [saves held, bytes]
+        self.bytes = self.peak = 0
+
+    def reset(self) -> None:
+        self.peak = self.bytes
+
+    def pack(self, t: torch.Tensor) -> Any:
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr in self.skip or t.device.type != "cpu":
+            return t
+        entry = self.live.setdefault(ptr, [0, storage.nbytes()])
+        if entry[0] == 0:
+            self.bytes += entry[1]
+            self.peak = max(self.peak, self.bytes)
+        entry[0] += 1
+        return _Saved(self, ptr, t)
+
+    def unpack(self, packed: Any) -> torch.Tensor:
+        return packed.tensor if isinstance(packed, _Saved) else packed
+
+    def release(self, ptr: int) -> None:
+        entry = self.live[ptr]
+        entry[0] -= 1
+        if entry[0] == 0:
+            self.bytes -= entry[1]
+            del self.live[ptr]
+
+
+class _Saved:
+    """A saved tensor as autograd holds it: dropping it (autograd freed the node's saved values) releases it."""
+
+    __slots__ = ("owner", "ptr", "tensor")
+
+    def __init__(self, owner: SavedBytes, ptr: int, tensor: torch.Tensor) -> None:
+        self.owner, self.ptr, self.tensor = owner, ptr, tensor
+
+    def __del__(self) -> None:
+        self.owner.release(self.ptr)
+
+
+def sbpflow_activation_bytes(trainer: Any, rank: int, step: Callable[[], object]) -> int:
+    """The same count for sbpflow: one more step with the runtime's ``act`` watched, the distinct storages of
+    one micro-batch's activation registers on this rank (a reshape or permute that torch returns as a view
+    shares its input's storage, as in torch's count; a view of the step's batch is not counted), times the
+    most micro-batches the runtime's register
+    counters saw held at once on this stage (under 1F1B all of them are full together at the last warm-up
+    forward)."""
+    import sbpflow.runtime.actors as actors
+
+    compiled = trainer.graph._compiled()
+    pipe = compiled.plan.pipeline
+    stage = next(s for s, ranks in enumerate(pipe.stages) if rank in ranks)
+    held = set(pipe.activations.get(stage, ()))
+    storages: dict[int, dict[int, int]] = {}  # micro-batch -> {storage pointer: bytes}
+    real = actors.act
+
+    inputs_seen: set[int] = set()  # storages of the step's inputs: live all step anyway, as torch's batch
+
+    def watched(node: Any, inputs: Any, state: Any, micro: int, backend: Any) -> list[Any]:
+        outputs = real(node, inputs, state, micro, backend)
+        for b, value in zip(node.outputs, outputs, strict=False):
+            if not isinstance(value, dict) or not isinstance(value.get(rank), torch.Tensor):
+                continue
+            storage = value[rank].untyped_storage()
+            if node.kind == "input":
+                inputs_seen.add(storage.data_ptr())
+            elif b in held and storage.data_ptr() not in inputs_seen:
+                storages.setdefault(micro, {})[storage.data_ptr()] = storage.nbytes()
+        return outputs
+
+    actors.act = watched  # type: ignore[assignment]
+    try:
+        step()
+    finally:
+        actors.act = real  # type: ignore[assignment]
+    per_micro = max((sum(d.values()) for d in storages.values()), default=0)
+    return per_micro * activation_peaks(pipe, compiled.executor.stats.peak_slots).get(stage, 0)
+
+
 def torch_step(p: int, schedule_cls: Any, reference: dict[str, np.ndarray],
-               block_stage: tuple[int, ...]) -> Callable[[], float]:
+               block_stage: tuple[int, ...], saved: dict[str, SavedBytes], name: str) -> Callable[[], float]:
     rank = dist.get_rank()
     blocks = [i for i, s in enumerate(block_stage) if s == rank]
     stage_module = TorchStage(reference, blocks, rank == 0, rank == p - 1)
@@ -117,16 +206,19 @@ def torch_step(p: int, schedule_cls: Any, reference: dict[str, np.ndarray],
     opt = torch.optim.AdamW(groups, lr=LR, betas=(0.9, 0.95), foreach=True)
     tied = dist.new_group([0, p - 1])
     ids, targets = (torch.from_numpy(a) for a in data())
+    counter = saved[name] = SavedBytes([*params, ids, targets])
 
     def step() -> float:
         opt.zero_grad(set_to_none=True)
         losses: list[torch.Tensor] = []
-        if rank == 0:
-            schedule.step(ids)
-        elif rank == p - 1:
-            schedule.step(target=targets, losses=losses)
-        else:
-            schedule.step()
+        counter.reset()
+        with torch.autograd.graph.saved_tensors_hooks(counter.pack, counter.unpack):
+            if rank == 0:
+                schedule.step(ids)
+            elif rank == p - 1:
+                schedule.step(target=targets, losses=losses)
+            else:
+                schedule.step()
         _sum_tied_grad(stage_module, tied, rank, p)
         _clip(params, stage_module, rank, p)
         opt.step()
@@ -179,9 +271,12 @@ def worker(args: argparse.Namespace) -> None:
                                          sbp=sbpflow.sbp.broadcast).numpy()
                  for n, t in trainer.model.named_parameters()}
     block_stage = trainer.strategy.block_stage
+    saved: dict[str, SavedBytes] = {}
     contenders = {"sbpflow 1f1b (graph)": sbp_step,
-                  "torch Schedule1F1B": torch_step(p, Schedule1F1B, reference, block_stage),
-                  "torch ScheduleGPipe": torch_step(p, ScheduleGPipe, reference, block_stage)}
+                  "torch Schedule1F1B": torch_step(p, Schedule1F1B, reference, block_stage, saved,
+                                                   "torch Schedule1F1B"),
+                  "torch ScheduleGPipe": torch_step(p, ScheduleGPipe, reference, block_stage, saved,
+                                                    "torch ScheduleGPipe")}
     first = {name: [fn() for _ in range(2)] for name, fn in contenders.items()}  # warm-up; losses compared
     samples: dict[str, list[float]] = {name: [] for name in contenders}
     for _ in range(args.rounds):
@@ -191,18 +286,23 @@ def worker(args: argparse.Namespace) -> None:
     compiled = trainer.graph._compiled()
     peaks = activation_peaks(compiled.plan.pipeline, compiled.executor.stats.peak_slots)
     mine = peaks.get(dist.get_rank(), 0)
+    memory = {"sbpflow 1f1b (graph)": sbpflow_activation_bytes(trainer, dist.get_rank(), sbp_step),
+              **{name: counter.peak for name, counter in saved.items()}}
     gathered: list[Any] = [None] * p
-    dist.all_gather_object(gathered, (first, mine, compiled.executor.stats.peak_bytes))
+    dist.all_gather_object(gathered, (first, mine, compiled.executor.stats.peak_bytes, memory))
     if dist.get_rank() == 0:
         print(report(p, medians, gathered, args.rounds, args.steps), flush=True)
 
 
 def report(p: int, medians: dict[str, float], gathered: list[Any], rounds: int, steps: int) -> str:
     base = medians["torch Schedule1F1B"]
+    stages = " | ".join(f"stage {s} activations (MiB)" for s in range(p))
     lines = [f"### pp={p} on {p} gloo processes, {MICRO} micro-batches", "",
-             "| contender | step (ms, median) | vs torch Schedule1F1B |", "|---|---|---|"]
+             f"| contender | step (ms, median) | vs torch Schedule1F1B | {stages} |",
+             "|---|---|---|" + "---|" * p]
     for name, t in medians.items():
-        lines.append(f"| {name} | {t * 1e3:.1f} | {t / base:.2f}x |")
+        held = " | ".join(f"{g[3][name] / 2**20:.2f}" for g in gathered)
+        lines.append(f"| {name} | {t * 1e3:.1f} | {t / base:.2f}x | {held} |")
     last = gathered[p - 1][0]
     losses = ", ".join(f"{name}: {' '.join(f'{v:.5f}' for v in vals)}" for name, vals in last.items())
     peaks = ", ".join(f"stage {s}: {g[1]}" for s, g in enumerate(gathered))
@@ -210,6 +310,11 @@ def report(p: int, medians: dict[str, float], gathered: list[Any], rounds: int, 
     lines += ["", f"First two losses (last stage): {losses}.",
               f"sbpflow activations held (micro-batches, from the runtime's register counters): {peaks} "
               f"(1F1B bound p - s); peak live bytes of its registers, variables included: {mib}.",
+              "Activations: bytes kept for backward at once on each stage, counted once per storage for both: "
+              "torch's tensors saved by autograd (a saved-tensors hook, parameters and the batch excluded, peak over "
+              "the step), "
+              "sbpflow's activation registers (one micro-batch's storages, from one watched step, times the most "
+              "micro-batches its register counters saw held at once).",
               f"{rounds} rounds of {steps} steps per contender, interleaved."]
     return "\n".join(lines)
 

@@ -18,20 +18,23 @@ from sbpflow.models.gpt import GPTConfig
 CONFIG = GPTConfig(vocab_size=64, block_size=8, n_layer=4, n_head=2, n_embd=32, dropout=0.0)
 STEPS = 2
 BATCH = 16
-CASES = [("pp=4", 4, "1f1b"), ("pp=2", 4, "gpipe"), ("dp=2,pp=2", 4, "1f1b"), ("pp=4", 4, "zero_bubble")]
+CASES = [("pp=4", 4, "1f1b"), ("pp=2", 4, "gpipe"), ("dp=2,pp=2", 4, "1f1b"), ("pp=4", 4, "zero_bubble"),
+         ("dp=2,pp=2", 4, "interleaved_1f1b")]  # interleaved: 2 stages per placement, one block each
 RTOL, ATOL = 1e-5, 4e-5  # gloo sums in its own order; AdamW turns that noise on about-zero gradients into lr steps
 TIMEOUT = 300.0
 
 
 def _train(spec: str | None, m: int = 1, schedule: str | None = None) -> tuple[list[float], dict[str, Any], Any]:
-    trainer = build(CONFIG, spec, graph=spec is not None, micro_batches=m, schedule=schedule)
+    virtual = 2 if schedule == "interleaved_1f1b" else 1
+    trainer = build(CONFIG, spec, graph=spec is not None, micro_batches=m, schedule=schedule, virtual_stages=virtual)
     losses = [trainer.step(ids, targets)
               for ids, targets in random_batches(CONFIG.vocab_size, STEPS, BATCH, CONFIG.block_size, seed=1)]
     return losses, parameter_values(trainer), trainer
 
 
 def pipeline_job() -> dict[str, Any]:
-    """Every case on this process: its losses and parameters, and the activation peaks of its own stage."""
+    """Every case on this process: its losses and parameters, and the activation peaks of its own stages (one per
+    placement, or v under interleaved 1F1B)."""
     torch.set_num_threads(1)
     rank = sbpflow.rank()
     out: dict[str, Any] = {"rank": rank, "train": {}, "peaks": {}, "bounds": {}}
@@ -39,11 +42,13 @@ def pipeline_job() -> dict[str, Any]:
         losses, params, trainer = _train(*case)
         compiled = trainer.graph._compiled()
         pipe = compiled.plan.pipeline
-        stage = next((s for s, ranks in enumerate(pipe.stages) if rank in ranks), None)  # None: rank not used
+        placement = next((s for s, ranks in enumerate(pipe.stages) if rank in ranks), None)  # None: rank not used
         out["train"][case] = (losses, params)
-        if stage is not None:
-            out["peaks"][case] = activation_peaks(pipe, compiled.executor.stats.peak_slots)[stage]
-            out["bounds"][case] = pipe.schedule.bounds[stage]
+        if placement is not None:
+            mine = range(placement, pipe.schedule.virtual_stages, len(pipe.stages))
+            peaks = activation_peaks(pipe, compiled.executor.stats.peak_slots)
+            out["peaks"][case] = tuple(peaks[s] for s in mine)
+            out["bounds"][case] = tuple(pipe.schedule.bounds[s] for s in mine)
     return out
 
 
@@ -67,13 +72,16 @@ def test_schedules_match_one_device(per_rank: list[dict[str, Any]]) -> None:
 
 def test_each_process_holds_its_stages_bound(per_rank: list[dict[str, Any]]) -> None:
     """1F1B: stage s of p holds p - s micro-batches of activations; GPipe: m (pp=2 leaves ranks 2 and 3 idle);
-    zero bubble: p on every stage."""
-    expected = {("pp=4", 4, "1f1b"): [4, 3, 2, 1], ("pp=2", 4, "gpipe"): [4, 4, None, None],
-                ("dp=2,pp=2", 4, "1f1b"): [2, 2, 1, 1], ("pp=4", 4, "zero_bubble"): [4, 4, 4, 4]}
+    zero bubble: p on every stage; interleaved (p = 2, v = 2, m = 4): virtual stages 0..3 hold 4, 3, 2, 1
+    (Megatron's order: placement 0 runs 2 (p - 1) + (v - 1) p = 4 warm-up forwards)."""
+    expected = {("pp=4", 4, "1f1b"): [(4,), (3,), (2,), (1,)], ("pp=2", 4, "gpipe"): [(4,), (4,), None, None],
+                ("dp=2,pp=2", 4, "1f1b"): [(2,), (2,), (1,), (1,)],
+                ("pp=4", 4, "zero_bubble"): [(4,), (4,), (4,), (4,)],
+                ("dp=2,pp=2", 4, "interleaved_1f1b"): [(4, 2), (4, 2), (3, 1), (3, 1)]}
     for case, by_rank in expected.items():
         assert [out["bounds"].get(case) for out in per_rank] == by_rank, case
         peaks = [out["peaks"].get(case) for out in per_rank]
         if case[2] == "zero_bubble":  # a W may run early when the next F is late: at most the bound
-            assert all(got <= bound for got, bound in zip(peaks, by_rank, strict=True)), (case, peaks)
+            assert all(got[0] <= bound[0] for got, bound in zip(peaks, by_rank, strict=True)), (case, peaks)
         else:
             assert peaks == by_rank, case

@@ -28,21 +28,24 @@ STEPS = 2
 BATCH = 16  # divisible by every micro-batch count times the data degree
 
 
+INTERLEAVED = GPTConfig(vocab_size=64, block_size=8, n_layer=8, n_head=2, n_embd=32, dropout=0.0)  # 2 x 4 stages
 _TRAINED: dict[tuple[Any, ...], tuple[list[float], dict[str, Any], Trainer]] = {}
 
 
-def _train(spec: str | None, m: int = 1, schedule: str | None = None) -> tuple[list[float], dict[str, Any], Trainer]:
+def _train(spec: str | None, m: int = 1, schedule: str | None = None, virtual: int = 1,
+           config: GPTConfig = CONFIG) -> tuple[list[float], dict[str, Any], Trainer]:
     """Trains once per arguments in this module (the 3-D compile is the slow part; tests only read the result)."""
-    key = (spec, m, schedule)
+    key = (spec, m, schedule, virtual, config.n_layer)
     if key not in _TRAINED:
-        _TRAINED[key] = _train_now(spec, m, schedule)
+        _TRAINED[key] = _train_now(spec, m, schedule, virtual, config)
     return _TRAINED[key]
 
 
-def _train_now(spec: str | None, m: int, schedule: str | None) -> tuple[list[float], dict[str, Any], Trainer]:
-    trainer = build(CONFIG, spec, graph=spec is not None, micro_batches=m, schedule=schedule)
+def _train_now(spec: str | None, m: int, schedule: str | None, virtual: int,
+               config: GPTConfig) -> tuple[list[float], dict[str, Any], Trainer]:
+    trainer = build(config, spec, graph=spec is not None, micro_batches=m, schedule=schedule, virtual_stages=virtual)
     losses = [trainer.step(ids, targets)
-              for ids, targets in random_batches(CONFIG.vocab_size, STEPS, BATCH, CONFIG.block_size, seed=1)]
+              for ids, targets in random_batches(config.vocab_size, STEPS, BATCH, config.block_size, seed=1)]
     return losses, parameter_values(trainer), trainer
 
 
@@ -84,6 +87,51 @@ def test_schedule_matches_one_device_and_holds_its_bound(schedule: str, spec: st
     assert activation_peaks(pipe, dry_run(compiled.plan, get_backend()).peak_slots) == expected
 
 
+INTERLEAVED_CASES = [pytest.param("pp=2", 4), pytest.param("pp=4", 8),
+                     pytest.param("pp=2", 8, marks=pytest.mark.slow), pytest.param("pp=4", 4, marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize(("spec", "m"), INTERLEAVED_CASES)
+def test_interleaved_matches_one_device_and_holds_its_bounds(spec: str, m: int) -> None:
+    """v = 2 stages per placement (8 blocks: one per stage at pp=4, two at pp=2): one device's numbers; each
+    virtual stage held exactly its schedule bound (read off Megatron's order), stage k sat on placement k mod p."""
+    want = _train(None, config=INTERLEAVED)
+    losses, params, trainer = _train(spec, m, "interleaved_1f1b", 2, INTERLEAVED)
+    _assert_close((losses, params), want[:2])
+    compiled = trainer.graph._compiled()
+    pipe = compiled.plan.pipeline
+    p = len(pipe.stages)
+    assert pipe.virtual == 2 and pipe.schedule.virtual_stages == 2 * p
+    assert activation_peaks(pipe, compiled.executor.stats.peak_slots) == dict(enumerate(pipe.schedule.bounds))
+    for node in compiled.plan.nodes:
+        if node.kind == "compute" and node.id in pipe.stage_of:
+            assert set(node.ranks) <= set(pipe.stages[pipe.stage_of[node.id] % p]), node.label()
+    assert _blocks_of_stage(compiled.plan, 2 * p - 1) == ({"7"} if p == 4 else {"6", "7"})
+    assert _blocks_of_stage(compiled.plan, p) == ({"4"} if p == 4 else {"4", "5"})
+
+
+def _blocks_of_stage(plan: Any, stage: int) -> set[str]:
+    """The blocks whose weights the compute nodes of a virtual stage read (variables named model.h.<i>...)."""
+    pipe, producers = plan.pipeline, plan.producers()
+    names = {n.id: n.name for n in plan.nodes if n.kind == "variable"}
+    read = {names.get(producers.get(b, -1), "") for n in plan.nodes if n.kind == "compute"
+            and pipe.stage_of.get(n.id) == stage and pipe.part_of.get(n.id) == "F" for b in n.inputs}
+    return {name.split(".")[2] for name in read if name.startswith("model.h.")}
+
+
+def test_explain_prints_the_interleaved_grid() -> None:
+    _, _, trainer = _train("pp=2", 4, "interleaved_1f1b", 2, INTERLEAVED)
+    text = trainer.graph.explain()
+    assert "pipeline: 4 stages on 2 placements (stage k on placement k mod 2" in text
+    assert "activation registers (micro-batches) stage 0: 4, stage 1: 3, stage 2: 2, stage 3: 1" in text
+    assert "placement 0 [0]  F0.0  F1.0  F0.1  F1.1  F2.0  B0.1  F3.0  B1.1" in text
+
+
+def test_placements_used_again_need_the_interleaved_schedule() -> None:
+    with pytest.raises(SbpflowError, match="only interleaved_1f1b runs several stages per placement"):
+        _train_now("pp=2", 4, "1f1b", 2, CONFIG)
+
+
 def test_zero_bubble_splits_weight_gradients_from_the_backward() -> None:
     """W: the weight-gradient nodes (linear_weight_grad, embedding_backward); B: the input-gradient chain the
     previous stage waits for, which the first stage does not have (all its backward is W)."""
@@ -97,6 +145,38 @@ def test_zero_bubble_splits_weight_gradients_from_the_backward() -> None:
     assert len(in_b) == 1 and pipe.stage_of[in_b[0].id] == 3
     assert not any(pipe.stage_of[n] == 0 and part == "B" for n, part in pipe.part_of.items())
     assert any(pipe.stage_of[n] == 1 and part == "B" for n, part in pipe.part_of.items())
+
+
+def test_zero_bubble_holds_output_gradients_until_their_deferred_weight_gradient() -> None:
+    """ZB-H1 runs W k - s after B k on stage s: what B writes for W (output gradients) needs s + 1 slots, or the
+    backward would wait for W and the input gradient would go back late."""
+    plan = _train("pp=4", 8, "zero_bubble")[2].graph.plan
+    pipe, producers = plan.pipeline, plan.producers()
+    counts: dict[int, set[int]] = {}
+    for b, reg in plan.registers.items():
+        writer = producers.get(b)
+        if pipe.part_of.get(writer) == "B" and any(pipe.part_of.get(r) == "W" for r in reg.consumers):
+            counts.setdefault(pipe.stage_of[writer], set()).add(reg.register_num)
+    assert counts == {1: {2}, 2: {3}, 3: {4}}  # stage 0 has no B: its whole backward is W
+
+
+def test_a_tied_weight_goes_to_the_last_stage_once_per_step() -> None:
+    """The head reads the embedding's weight on the last stage: one send before the micro-batches (not one per
+    micro-batch), read there by every micro-batch; weights are read straight from their slot (no repeat acts)."""
+    plan = _train("pp=4", 4, "1f1b")[2].graph.plan
+    producers = plan.producers()
+    names = {n.id: n.name for n in plan.nodes}
+    moves = [n for n in plan.nodes if n.kind == "boxing" and _placement_of(plan, n.inputs[0]) !=
+             _placement_of(plan, n.outputs[0])]
+    sent_once = [n for n in moves if n.phase == "pre"]
+    assert [names[producers[n.inputs[0]]] for n in sent_once] == ["model.wte.weight"]
+    assert _placement_of(plan, sent_once[0].outputs[0]) == plan.pipeline.stages[3]
+    assert {n.phase for n in moves} == {"pre", "micro", "post"}
+    assert not any(n.kind == "repeat" for n in plan.nodes)
+
+
+def _placement_of(plan: Any, buf: int) -> tuple[int, ...]:
+    return tuple(plan.bufs[buf].layout.placement.flat_ranks)
 
 
 def test_register_counts_follow_the_schedule() -> None:

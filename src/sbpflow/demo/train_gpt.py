@@ -109,15 +109,18 @@ class TrainStep(nn.Graph):
 
 def build(config: GPTConfig, strategy: str | dict[str, int] | None, *, seed: int = 0, lr: float = 1e-3,
           weight_decay: float = 0.1, clip: float | None = 1.0, device: str = "cpu", graph: bool = False,
-          micro_batches: int = 1, executor: str | None = None, schedule: str | None = None) -> Trainer:
+          micro_batches: int = 1, executor: str | None = None, schedule: str | None = None,
+          virtual_stages: int = 1) -> Trainer:
     """Builds the GPT from ``seed``, places it under ``strategy`` (None or "single": no placement), adds AdamW.
+
+    ``virtual_stages`` > 1 cuts the blocks into that many stages per pipeline placement (interleaved 1F1B).
 
     Weight decay applies to matrices (weights and embeddings), not to biases and LayerNorm scales, as in nanoGPT.
     """
     sbpflow.manual_seed(seed)
     model = GPT(config)
     degrees = parse_strategy(strategy)
-    placed = None if _is_single(strategy) else parallelize(model, device=device, **degrees)
+    placed = None if _is_single(strategy) else parallelize(model, device=device, virtual=virtual_stages, **degrees)
     params = list(model.parameters())
     groups = [
         {"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
@@ -376,8 +379,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--resume", default=None, metavar="DIR",
                         help="continue from a checkpoint (or the newest one in a folder of them), under this run's "
                              "own --devices and --strategy: bit-exact under the same ones")
-    parser.add_argument("--pipeline-schedule", choices=["1f1b", "gpipe", "zero_bubble"], default=None,
-                        help="how pipeline stages take turns in graph mode (default 1f1b); the grid is printed")
+    parser.add_argument("--pipeline-schedule", choices=["1f1b", "gpipe", "zero_bubble", "interleaved_1f1b"],
+                        default=None, help="how pipeline stages take turns in graph mode (default 1f1b); the grid "
+                                           "is printed")
+    parser.add_argument("--virtual-stages", type=int, default=None, metavar="V",
+                        help="stages per pipeline placement, for interleaved_1f1b (default 2 there, else 1)")
     return parser
 
 
@@ -398,6 +404,12 @@ def _resolve_strategy(args: argparse.Namespace) -> dict[str, int]:
         raise SystemExit(f"sbpflow demo: --strategy {args.strategy} uses {used} devices, but --devices is "
                          f"{args.devices}")
     return degrees
+
+
+def _virtual_stages(args: argparse.Namespace) -> int:
+    if args.virtual_stages is not None:
+        return int(args.virtual_stages)
+    return 2 if args.pipeline_schedule == "interleaved_1f1b" else 1
 
 
 def main(argv: Sequence[str] | None = None, print_fn: Callable[[str], None] = print) -> dict[str, Any]:
@@ -429,7 +441,8 @@ def _run(args: argparse.Namespace, degrees: dict[str, int], print_fn: Callable[[
                        n_embd=args.n_embd, dropout=0.0)
     try:
         trainer = build(config, dict(degrees), seed=args.seed, lr=args.lr, graph=args.graph,
-                        micro_batches=args.micro_batches, schedule=args.pipeline_schedule)
+                        micro_batches=args.micro_batches, schedule=args.pipeline_schedule,
+                        virtual_stages=_virtual_stages(args))
     except sbpflow.SbpflowError as e:  # e.g. more pipeline stages than blocks
         raise SystemExit(f"sbpflow demo: {e}") from None
     assert trainer.strategy is not None

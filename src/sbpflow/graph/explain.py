@@ -80,7 +80,11 @@ def pipeline_text(plan: PhysicalPlan) -> str:
     pipe = plan.pipeline
     sched = pipe.schedule
     bounds = ", ".join(f"stage {s}: {b}" for s, b in enumerate(sched.bounds))
-    return (f"pipeline: {len(pipe.stages)} stages, schedule {sched.name}, {sched.micro_batches} micro-batches; "
+    stages = f"{len(pipe.stages)} stages"
+    if sched.virtual > 1:
+        stages = (f"{sched.virtual_stages} stages on {len(pipe.stages)} placements (stage k on placement k mod "
+                  f"{len(pipe.stages)}; F3.1 is micro-batch 3 on a placement's second stage)")
+    return (f"pipeline: {stages}, schedule {sched.name}, {sched.micro_batches} micro-batches; "
             f"activation registers (micro-batches) {bounds}\n" + pipe.grid())
 
 

@@ -6,10 +6,12 @@ become nodes of their own (a collective on a communication stream, or a local
 slice/pad on the compute stream). A value boxed to one layout is boxed once and
 shared by every consumer in that phase (common subexpressions of boxing).
 
-Micro-batches: a step input is cut by an ``unpack`` node, a variable read by
-every micro-batch goes through ``repeat``, gradients are summed by
-``accumulate`` and results joined by ``pack``. With one micro-batch they are
-left out.
+Micro-batches: a step input is cut by an ``unpack`` node, a variable (any
+step constant) is read by the micro-batch nodes straight from its one slot (the
+runtime lets each reader read it m times; a ``repeat`` node per micro-batch
+would only add acts), gradients are summed by ``accumulate`` and results joined
+by ``pack``. With one micro-batch they are left out. A step constant that goes
+to another pipeline stage (a tied weight) is sent once, before the micro-batches.
 
 In-place updates. An optimizer update whose every output goes only to the
 ``assign`` of the variable it was computed from (read as is, no boxing) becomes
@@ -53,7 +55,7 @@ class _Lowerer:
         self.nodes: list[PNode] = []
         self.bufs: dict[int, Buf] = {}
         self.at: dict[tuple[int, str], int] = {}  # (value id, phase) -> buf id holding it in that phase
-        self.boxed: dict[tuple[int, Layout], int] = {}  # (buf id, layout) -> boxed buf id (CSE)
+        self.boxed: dict[tuple[int, Layout, str], int] = {}  # (buf id, layout, phase) -> boxed buf id (CSE)
         self.made_in: dict[int, str] = {}  # buf id -> phase of its producer
         self.producer: dict[int, int] = {}  # buf id -> node id
 
@@ -80,6 +82,13 @@ class _Lowerer:
     # -- reading a value in a phase and layout ------------------------------------------------------
 
     def read(self, vid: int, phase: str, layout: Layout, label: str) -> int:
+        pre = self.at.get((vid, "pre"))
+        constant = pre is not None and self.at.get((vid, "micro"), pre) == pre
+        if phase == "micro" and self.m > 1 and pre is not None and constant and \
+                self.bufs[pre].layout.placement != layout.placement:
+            # a step constant (a tied weight) read on another pipeline stage: sent once before the micro-batches
+            # (its copy read there m times), rather than sent again for every micro-batch
+            return self.box(pre, layout, "pre", label)
         buf = self.at_phase(vid, phase)
         return self.box(buf, layout, phase, label)
 
@@ -93,10 +102,11 @@ class _Lowerer:
                 return pre
             raise AssertionError(f"value %{vid} is read in phase {phase} but never defined there")
         producer = self.g.nodes[self.g.values[vid].producer]
+        if producer.kind != "input":
+            return pre  # a step constant: micro-batch actors read its one slot m times (no per-micro-batch copy)
         src = self.bufs[pre]
-        out = self.new_buf(src.shape if producer.kind != "input" else src.shape, src.dtype, src.layout)
-        kind = "unpack" if producer.kind == "input" else "repeat"
-        self.emit(kind, producer.name, (pre,), (out,), src.layout.placement.flat_ranks, "micro")
+        out = self.new_buf(src.shape, src.dtype, src.layout)
+        self.emit("unpack", producer.name, (pre,), (out,), src.layout.placement.flat_ranks, "micro")
         self.at[key] = out
         return out
 
@@ -106,7 +116,7 @@ class _Lowerer:
         src = self.bufs[buf]
         if src.layout == layout:
             return buf
-        key = (buf, layout)
+        key = (buf, layout, phase)  # a step constant may be boxed per micro-batch and again after them
         if key in self.boxed and not control:
             return self.boxed[key]
         with boxing.target_factors(self.factors):

@@ -13,13 +13,16 @@ how many micro-batches each register may hold.
   (weight gradients: ``linear_weight_grad``, bias sums, ``embedding_backward``), found backwards
   through the graph; the rest of B is the input-gradient chain the previous stage waits for.
 * **Held** buffers of stage ``s``: written by F and read by B on ``s`` (received ones too). Those that
-  depend on a micro-batch's data are its **activations**; the others are per-micro-batch views of
-  weights (``repeat``, a tied weight sent to the last stage), which need the same slots but no memory.
+  depend on a micro-batch's data are its **activations**; the others (values computed from weights alone
+  per micro-batch) need the same slots but little memory.
 * **Register counts** (everything else keeps 1, which is "backward buffers 1")::
 
-      schedule   held buffers of stage s    cross-stage buffer from stage a to b
-      1f1b       p - s                      |b - a|  (it is in flight that many stages)
-      gpipe      m                          |b - a|
+      schedule          held buffers of stage s       cross-stage buffer from stage a to b
+      1f1b              p - s                         |b - a|  (it is in flight that many stages)
+      gpipe             m                             |b - a|
+      zero_bubble       p (B to W buffers: s + 1)     |b - a|
+      interleaved_1f1b  its peak along its rank's     in flight in the dry run
+                        order (virtual stage s)
 
   With p - s slots, stage s can run ahead p - s forwards and then only one forward per finished
   backward: 1F1B, without a loop saying so. GPipe's m slots would still let the last stage start B 0
@@ -41,7 +44,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from .physical import PhysicalPlan, PNode, Register
-from .schedule import Schedule, bubble_theory, check, grid, make
+from .schedule import Schedule, ScheduleError, action_steps, bubble_theory, check, grid, make
 
 GATHERING = ("accumulate", "pack")
 LAST = 1 << 30  # the priority of post-phase steps: after every micro-batch
@@ -56,19 +59,24 @@ class Pipeline:
     """What the pass found and decided, for the runtime, ``explain()`` and tests."""
 
     schedule: Schedule
-    stages: tuple[tuple[int, ...], ...]  # ranks of each stage
-    stage_of: dict[int, int]  # node id -> stage (a cross-stage boxing node: its source stage)
+    stages: tuple[tuple[int, ...], ...]  # ranks of each stage (of each placement, under interleaved 1F1B)
+    stage_of: dict[int, int]  # node id -> (virtual) stage (a cross-stage boxing node: its source stage)
     part_of: dict[int, str]  # micro node id -> "F" or "B"
     held: dict[int, tuple[int, ...]]  # stage -> buffers held from F to B (activations and weight views)
     activations: dict[int, tuple[int, ...]]  # stage -> the held buffers that depend on micro-batch data
     cells: list[list[str]] = field(default_factory=list)  # the schedule's dry run (unit steps)
-    _order: list[dict[tuple[str, int], int]] = field(default_factory=list)
+    _order: list[dict[tuple[str, int, int], int]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self._order = [self.schedule.compute_order(s) for s in range(len(self.stages))]
 
+    @property
+    def virtual(self) -> int:
+        """Stages per placement: 1, or v under interleaved 1F1B (virtual stage k on placement k mod p)."""
+        return self.schedule.virtual
+
     def key(self, node: PNode, step: int, feeder: int | None = None) -> int:
-        """Priority of ``node``'s ``step``: its action's index in its stage's list (lower acts first)."""
+        """Priority of ``node``'s ``step``: its action's index in its rank's list (lower acts first)."""
         if node.phase == "pre":
             return -1
         nid = feeder if feeder is not None else node.id
@@ -77,7 +85,8 @@ class Pipeline:
             return LAST
         if part == "W" and not self.schedule.splits_backward:
             part = "B"
-        return self._order[self.stage_of[nid]][(part, step)]
+        stage = self.stage_of[nid]
+        return self._order[stage % len(self.stages)][(part, stage, step)]
 
     def grid(self) -> str:
         """The schedule as a rank x step grid (unit steps; '.' is idle)."""
@@ -92,17 +101,24 @@ def plan_pipeline(plan: PhysicalPlan, seeds: Iterable[int], schedule: str = "1f1
     p, m = len(stages), plan.micro_batches
     if m < p:
         _warn_few_micro_batches(p, m)
-    sched = make(schedule, p, m)
-    cells = check(sched)
-    stage_of = _stage_of(plan, stages)
     part_of = _parts(plan, set(seeds))
+    stage_of = _virtual_stage_of(plan, stages, part_of)
+    count = max(stage_of.values()) + 1
+    if count == p:
+        stage_of = _stage_of(plan, stages)
+    elif count % p:
+        raise ScheduleError(f"the model's {count} pipeline stages (a new one each time the forward moves to another "
+                            f"placement) must sit on {p} placements as stage k on placement k mod {p}, so their "
+                            f"number must be a multiple of {p}")
+    sched = make(schedule, p, m, count // p)
+    cells = check(sched)
     if sched.splits_backward:
         part_of.update(dict.fromkeys(_weight_gradients(plan, part_of, stage_of), "W"))
     held = _held(plan, stage_of, part_of)
     data = _data_dependent(plan)
     activations = {s: tuple(b for b in bufs if b in data) for s, bufs in held.items()}
     pipe = Pipeline(sched, stages, stage_of, part_of, held, activations, cells)
-    plan.registers = _registers(plan, pipe)
+    plan.registers = _registers(plan, pipe) if pipe.virtual == 1 else _interleaved_registers(plan, pipe)
     if schedule == "gpipe" and m > 1:
         plan.nodes = _gpipe_controls(plan, pipe)
         plan._index = {}  # nodes were replaced: plan.node() rebuilds its index
@@ -135,6 +151,70 @@ def _stage_of(plan: PhysicalPlan, stages: tuple[tuple[int, ...], ...]) -> dict[i
         if ranks and ranks[0] in index:
             out[n.id] = index[ranks[0]]
     return out
+
+
+def _virtual_stage_of(plan: PhysicalPlan, stages: tuple[tuple[int, ...], ...],
+                      part_of: dict[int, str]) -> dict[int, int]:
+    """Each micro node's virtual stage, from the data flow: the forward starts a new stage each time it moves to
+    another placement (stage k on placement k mod p), the backward goes back through them.
+
+    An F node's stage is the latest of its inputs' stages, lifted to the first stage on its placement at or
+    after it; a B node's the earliest of its inputs', lowered to the last stage on its placement at or before
+    it (so a tied weight's gradient, summed with the embedding's, lands on stage 0). A cross-placement boxing
+    node stays on its source's stage; its output is on the receiving one. Nodes that read no staged value
+    (per-micro-batch views of weights, inputs such as the targets and what is computed from them alone) take
+    the earliest stage of their readers; the first placement's micro-batch inputs start stage 0."""
+    p = len(stages)
+    place = {r: s for s, ranks in enumerate(stages) for r in ranks}
+    at: dict[int, int] = {}  # buffer -> virtual stage of its value
+    out: dict[int, int] = {}
+    for n in plan.nodes:
+        part = part_of.get(n.id)
+        if part is None:
+            continue
+        here = _placement(plan, n, place)
+        staged = [at[b] for b in n.inputs if b in at] or ([0] if n.kind == "unpack" and here == 0 else [])
+        if not staged:
+            continue
+        lift = _lift if part == "F" else _lower
+        stage = (max if part == "F" else min)(lift(k, here, p) for k in staged)
+        out[n.id] = stage
+        for b in n.outputs:
+            there = place[plan.bufs[b].layout.placement.flat_ranks[0]]
+            at[b] = lift(stage, there, p)
+    return _stage_unstaged(plan, part_of, out, place, p)
+
+
+def _stage_unstaged(plan: PhysicalPlan, part_of: dict[int, str], out: dict[int, int],
+                    place: dict[int, int], p: int) -> dict[int, int]:
+    """Nodes that read no staged value take their readers' earliest stage, lowered to their own placement (a
+    boxing node's: its source's, whose rank sends it in its own order); their placement's first if none."""
+    readers: dict[int, list[int]] = {}
+    for n in plan.nodes:
+        for b in n.inputs:
+            readers.setdefault(b, []).append(n.id)
+    for n in reversed(plan.nodes):
+        if n.id in part_of and n.id not in out:
+            here = _placement(plan, n, place)
+            mine = [out[r] for b in n.outputs for r in readers.get(b, []) if r in out]
+            stage = _lower(min(mine), here, p) if mine else here
+            out[n.id] = stage if stage >= 0 else here
+    return out
+
+
+def _placement(plan: PhysicalPlan, n: PNode, place: dict[int, int]) -> int:
+    """The placement a node acts for: its first input's (a boxing node's source), else its ranks'."""
+    return place[plan.bufs[n.inputs[0]].layout.placement.flat_ranks[0]] if n.inputs else place[n.ranks[0]]
+
+
+def _lift(stage: int, placement: int, p: int) -> int:
+    """The first virtual stage at or after ``stage`` that sits on ``placement``."""
+    return stage + (placement - stage) % p
+
+
+def _lower(stage: int, placement: int, p: int) -> int:
+    """The last virtual stage at or before ``stage`` that sits on ``placement``."""
+    return stage - (stage - placement) % p
 
 
 def _parts(plan: PhysicalPlan, seeds: set[int]) -> dict[int, str]:
@@ -207,7 +287,56 @@ def _registers(plan: PhysicalPlan, pipe: Pipeline) -> dict[int, Register]:
         distance = abs(_stage_of_buf(plan, pipe, n.outputs[0]) - _stage_of_buf(plan, pipe, n.inputs[0]))
         for b in n.outputs:
             counts[b] = max(counts.get(b, 1), distance)
+    if pipe.schedule.splits_backward:
+        counts.update(_weight_gradient_inputs(plan, pipe))
     return {b: dataclasses.replace(reg, register_num=counts.get(b, 1)) for b, reg in plan.registers.items()}
+
+
+def _weight_gradient_inputs(plan: PhysicalPlan, pipe: Pipeline) -> dict[int, int]:
+    """Zero bubble: a buffer that B writes and W reads (the output gradient a weight gradient needs) is held
+    from B k to W k, which ZB-H1 runs up to s micro-batches later on stage s: as many slots as its dry run
+    has in flight between the two."""
+    steps = action_steps(pipe.schedule)
+    producer = plan.producers()
+    out: dict[int, int] = {}
+    for b, reg in plan.registers.items():
+        writer = producer.get(b, -1)
+        if pipe.part_of.get(writer) != "B" or not any(pipe.part_of.get(r) == "W" for r in reg.consumers):
+            continue
+        stage = pipe.stage_of[writer]
+        out[b] = _in_flight(steps, ("B", stage), ("W", stage), plan.micro_batches)
+    return out
+
+
+def _interleaved_registers(plan: PhysicalPlan, pipe: Pipeline) -> dict[int, Register]:
+    """Register counts: a stage's held buffers (received activations too) get its bound; any other buffer written
+    by one action (F or B of a virtual stage) and read by another holds what the schedule's dry run has in
+    flight between the two at any unit step (a cross-stage message, a tied weight's gradient)."""
+    steps = action_steps(pipe.schedule)
+    producer = plan.producers()
+    counts = {b: pipe.schedule.bounds[s] for s, bufs in pipe.held.items() for b in bufs}
+    for b, reg in plan.registers.items():
+        writer = producer.get(b)
+        if writer not in pipe.part_of or b in counts:
+            continue
+        source = (_action(pipe, writer), pipe.stage_of[writer])
+        for reader in reg.consumers:
+            if reader in pipe.part_of and (_action(pipe, reader), pipe.stage_of[reader]) != source:
+                target = (_action(pipe, reader), pipe.stage_of[reader])
+                counts[b] = max(counts.get(b, 1), _in_flight(steps, source, target, plan.micro_batches))
+    return {b: dataclasses.replace(reg, register_num=counts.get(b, 1)) for b, reg in plan.registers.items()}
+
+
+def _action(pipe: Pipeline, nid: int) -> str:
+    part = pipe.part_of[nid]
+    return "B" if part == "W" and not pipe.schedule.splits_backward else part
+
+
+def _in_flight(steps: dict[tuple[str, int, int], int], source: tuple[str, int], target: tuple[str, int],
+               m: int) -> int:
+    """The most micro-batches whose ``source`` action has run and whose ``target`` action has not ended."""
+    spans = [(steps[(*source, k)], steps[(*target, k)]) for k in range(m)]
+    return max(sum(1 for a, b in spans if a <= t <= b) for t, _ in spans)
 
 
 def _stage_of_buf(plan: PhysicalPlan, pipe: Pipeline, buf: int) -> int:
@@ -253,6 +382,19 @@ def activation_peaks(pipe: Pipeline, peak_slots: dict[int, int]) -> dict[int, in
     return {s: max((peak_slots.get(b, 0) for b in bufs), default=0) for s, bufs in pipe.activations.items()}
 
 
+def _fed_by_first_input(plan: PhysicalPlan, pipe: Pipeline) -> set[int]:
+    """Micro node ids that read, transitively, an ``unpack`` of stage 0 (the model's input, not its targets)."""
+    data: set[int] = set()
+    fed: set[int] = set()
+    for n in plan.nodes:
+        first = n.kind == "unpack" and pipe.stage_of.get(n.id) == 0
+        if first or any(b in data for b in n.inputs):
+            data.update(n.outputs)
+            if n.id in pipe.part_of:
+                fed.add(n.id)
+    return fed
+
+
 def balanced_durations(plan: PhysicalPlan, forward_s: float, backward_s: float,
                        weight_s: float = 0.0) -> dict[int, float]:
     """Synthetic-time durations (node id -> seconds) where every stage's forward takes ``forward_s`` and its
@@ -260,6 +402,8 @@ def balanced_durations(plan: PhysicalPlan, forward_s: float, backward_s: float,
     ``zero_bubble`` W nodes take ``weight_s`` (a stage with no B nodes, the first one, whose input gradient
     nobody needs, gives its W nodes both times, so stages stay equal).
 
+    Only nodes fed, transitively, by the first stage's micro-batch input carry time: what depends on the
+    targets alone (the loss's scale, the target mask) could run before the stage's activation arrives.
     Balanced stages with no communication time are what the bubble formula (p - 1) / (m + p - 1) assumes,
     so a synthetic run with these durations measures the schedule, not the model's stage imbalance.
     Use as ``ActorRuntime(plan, synthetic=lambda node: durations.get(node.id, 0.0))``."""
@@ -267,13 +411,15 @@ def balanced_durations(plan: PhysicalPlan, forward_s: float, backward_s: float,
     if pipe is None:
         raise ValueError("balanced_durations needs a plan with pipeline stages (plan.pipeline is None)")
     nodes: dict[tuple[int, str], list[int]] = {}
+    fed = _fed_by_first_input(plan, pipe)
     for n in plan.nodes:
-        if n.kind == "compute" and n.id in pipe.part_of:
+        if n.kind == "compute" and n.id in fed:
             nodes.setdefault((pipe.stage_of[n.id], pipe.part_of[n.id]), []).append(n.id)
-    total = {"F": forward_s, "B": backward_s, "W": weight_s}
+    v = pipe.virtual  # a placement's v virtual stages share its times
+    total = {"F": forward_s / v, "B": backward_s / v, "W": weight_s / v}
     for stage in range(len(pipe.stages)):
         if (stage, "W") in nodes and (stage, "B") not in nodes:
-            total_w = backward_s + weight_s
+            total_w = (backward_s + weight_s) / v
             nodes[(stage, "W*")] = nodes.pop((stage, "W"))
             total["W*"] = total_w
     return {nid: total[part] / len(ids) for (_, part), ids in nodes.items() for nid in ids}

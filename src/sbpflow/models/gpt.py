@@ -232,7 +232,8 @@ class Strategy:
     pipeline: int
     device: str
     stages: tuple[Placement, ...]
-    block_stage: tuple[int, ...]
+    block_stage: tuple[int, ...]  # each block's placement (an index into ``stages``)
+    virtual: int = 1  # virtual stages per placement (interleaved 1F1B): stage k sits on placement k mod p
     params: dict[str, tuple[int, tuple[Any, ...], tuple[int, ...]]] = field(default_factory=dict)
 
     @property
@@ -301,7 +302,7 @@ def split_blocks(n_layer: int, pipeline: int) -> tuple[int, ...]:
 
 
 def parallelize(model: GPT, data: int = 1, tensor: int = 1, pipeline: int | tuple[int, ...] = 1,
-                device: str = "cpu") -> Strategy:
+                device: str = "cpu", virtual: int = 1) -> Strategy:
     """Places ``model``'s parameters for data x tensor x pipeline parallelism; returns the :class:`Strategy`.
 
     Stage ``s`` holds its blocks (the embeddings on stage 0, the final
@@ -311,6 +312,8 @@ def parallelize(model: GPT, data: int = 1, tensor: int = 1, pipeline: int | tupl
     values. The model's forward then moves activations between stages.
     ``pipeline`` is a number of stages (blocks spread as evenly as possible) or
     the blocks of each stage, such as ``(1, 3)`` (the planner's cuts may be uneven).
+    ``virtual`` > 1 cuts the blocks into ``virtual * pipeline`` stages instead, stage ``k`` on placement
+    ``k mod pipeline`` (interleaved 1F1B): each placement then holds ``virtual`` separate runs of blocks.
 
     >>> import sbpflow
     >>> sbpflow.manual_seed(0)
@@ -326,8 +329,16 @@ def parallelize(model: GPT, data: int = 1, tensor: int = 1, pipeline: int | tupl
     else:
         block_stage = None
     _check_degrees(model.config, data, tensor, pipeline)
-    block_stage = block_stage or split_blocks(model.config.n_layer, pipeline)
-    strategy = Strategy(data, tensor, pipeline, device, stage_placements(data, tensor, pipeline, device), block_stage)
+    if not isinstance(virtual, int) or virtual < 1 or (virtual > 1 and block_stage is not None):
+        raise SbpflowError(f"parallelize needs virtual >= 1 (and pipeline as a number of stages when virtual > 1), "
+                           f"but got virtual={virtual!r} with pipeline={pipeline!r}")
+    if block_stage is None:
+        if pipeline * virtual > max(model.config.n_layer, 1):
+            raise SbpflowError(f"pipeline={pipeline} with virtual={virtual} stages per placement needs at least "
+                               f"{pipeline * virtual} blocks (one per stage), but the GPT has {model.config.n_layer}")
+        block_stage = tuple(k % pipeline for k in split_blocks(model.config.n_layer, pipeline * virtual))
+    placements = stage_placements(data, tensor, pipeline, device)
+    strategy = Strategy(data, tensor, pipeline, device, placements, block_stage, virtual)
     # A size-1 axis keeps B everywhere (inputs included): a split or partial value there is the whole
     # value anyway, and B spares no-op collectives on one-rank groups.
     megatron = tensor > 1

@@ -114,8 +114,10 @@ class GraphConfig:
 
     def set_pipeline_schedule(self, name: str) -> None:
         """``"1f1b"`` (default: stage s holds p - s micro-batches of activations), ``"gpipe"`` (every forward,
-        then every backward: m) or ``"zero_bubble"`` (ZB-H1 style: weight gradients split from the backward
-        fill the bubble; p on every stage). Applies when the model's modules sit on several placements."""
+        then every backward: m), ``"zero_bubble"`` (ZB-H1: weight gradients split from the backward fill the
+        bubble; p on every stage) or ``"interleaved_1f1b"`` (Megatron's: a model whose forward visits the p
+        placements v times has v·p stages, stage k on placement k mod p; bubble (p - 1) / (v m + p - 1), m a
+        multiple of p). Applies when the model's modules sit on several placements."""
         from ..graph.schedule import SCHEDULES
 
         if name not in SCHEDULES:
