@@ -79,6 +79,7 @@ _HOLDS: dict[str, tuple[str, ...]] = {
     "sgd_update": _PASSES_MAX_MIN,
     "sgd_momentum_update": ("P(max) B B -> P(max) P(max)", "P(min) B B -> P(min) P(min)"),
     "adam_update_multi": ("P(max) B B B -> P(max) P(max) P(max)", "P(min) B B B -> P(min) P(min) P(min)"),
+    "scale_multi": ("B B P(sum) -> P(sum) P(sum)",),  # g * c is linear in the factor c
     "layer_norm_backward": ("P(sum) B B B B B -> P(sum) P(sum) P(sum)",) + tuple(
         f"B B B B B {a} -> {b} {b} {b}" for a, b in [("P(max)", "P(max)"), ("P(min)", "P(min)"), ("P(max)", "P(min)"),
                                                   ("P(min)", "P(max)")]),

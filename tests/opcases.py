@@ -346,6 +346,12 @@ def _optimizer_cases() -> list[OpCase]:
                elementwise=True),
         OpCase("adam_update_multi", "adam_update_multi", lambda g: tensors(g, 3) + (_r(g, 3, 4).abs(), 0.1, 3), adam,
                elementwise=True),
+        # compiled clip_grad_norm_: the norm of several gradients at once, then their scaling by one factor
+        OpCase("grad_norm_multi", "grad_norm_multi", lambda g: (_r(g, 3, 4), _r(g, 3, 5)), {"norm_type": 2.0}),
+        OpCase("grad_norm_multi-inf", "grad_norm_multi", lambda g: (_r(g, 3, 4), _r(g, 3, 5)),
+               {"norm_type": float("inf")}),
+        *[OpCase(f"scale_multi-{k}", "scale_multi", lambda g, k=k: (_r(g, 3, 4), _r(g, 3, 5), torch.tensor(k)), {})
+          for k in (0.5, -0.5)],  # a negative factor turns a P(max) piece into a P(min) one
     ]
 
 
