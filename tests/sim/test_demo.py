@@ -47,7 +47,7 @@ def test_demo_help_and_bad_strategies(capsys: pytest.CaptureFixture[str]) -> Non
         main(["--devices", "2", "--strategy", "dp=2,tp=2"])
     with pytest.raises(SystemExit, match="strategy keys are dp, tp and pp"):
         main(["--strategy", "zz=4"])
-    with pytest.raises(SystemExit, match="pipeline=4 needs at least that many blocks"):
+    with pytest.raises(SystemExit, match="pipeline=4 with virtual=1 stages per placement needs at least 4 blocks"):
         main(["--strategy", "pp=4", *TINY])
 
 

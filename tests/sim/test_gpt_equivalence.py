@@ -128,7 +128,7 @@ def test_bad_strategies_raise_sbpflow_errors() -> None:
     model = GPT(CONFIG)
     with pytest.raises(sbpflow.SbpflowError, match="tensor=3 must divide n_head=4"):
         parallelize(model, tensor=3)
-    with pytest.raises(sbpflow.SbpflowError, match="pipeline=3 needs at least that many blocks"):
+    with pytest.raises(sbpflow.SbpflowError, match="pipeline=3 with virtual=1 stages per placement needs at least 3 "):
         parallelize(model, pipeline=3)
     with pytest.raises(sbpflow.SbpflowError, match="strategy keys are dp, tp and pp"):
         parse_strategy("xp=2")
