@@ -29,10 +29,12 @@ from ..boxing.plan import transition_time
 from ..ops.registry import REGISTRY, Meta, Scalar, Sig, _sig_fits
 from ..sbp import NdSbp, Partial
 from .ir import LNode, LogicalGraph
+from .repeat import op_classes
 
 MEM_SECONDS_PER_BYTE = 1 / 20e9  # local compute: bytes through memory (a CPU core's stream bandwidth)
 SECONDS_PER_FLOP = 1 / 50e9  # matmul throughput
 MATMUL_OPS = ("matmul", "linear", "bmm")
+METHODS = ("ilp", "ilp-unmerged", "greedy")
 NODE_LIMIT = 5000  # branch-and-bound nodes; the greedy baseline stands if no better solution is proven by then
 
 
@@ -51,6 +53,7 @@ class Selection:
     method: str
     solve_s: float
     variables: int = 0
+    classes: int = 0  # op nodes' classes: the ones whose choices the program makes (see :mod:`.repeat`)
 
 
 def candidates(g: LogicalGraph, n: LNode, current: Candidate, free_axis: int | None = None) -> list[Candidate]:
@@ -61,12 +64,18 @@ def candidates(g: LogicalGraph, n: LNode, current: Candidate, free_axis: int | N
     shards, so the current one is kept there. Repeated layers ask the same question many times: answers
     are cached by the op's metadata.
     """
-    key = (n.name, tuple(_arg_metas(g, n)), tuple((g.values[v].shape, g.values[v].dtype) for v in n.outputs),
-           n.attrs, _placement_of(g, n), current, free_axis)
+    key = (signature_key(g, n), current, free_axis)
     found = _CANDIDATES.get(key)
     if found is None:
         found = _CANDIDATES[key] = _candidates(g, n, current, free_axis)
     return list(found)
+
+
+def signature_key(g: LogicalGraph, n: LNode) -> tuple[Any, ...]:
+    """What decides op node ``n``'s signatures and their costs: op, argument and output metadata, attributes
+    and placement (never the node's identity or its neighbours)."""
+    return (n.name, tuple(_arg_metas(g, n)), tuple((g.values[v].shape, g.values[v].dtype) for v in n.inputs),
+            tuple((g.values[v].shape, g.values[v].dtype) for v in n.outputs), n.attrs, _placement_of(g, n))
 
 
 _CANDIDATES: dict[Any, list[Candidate]] = {}
@@ -187,59 +196,87 @@ def _itemsize(v: Any) -> int:
 
 
 class _Problem:
-    """Choices per node and the edges between them, in terms of output/required SBPs."""
+    """Choices per node and the edges between them, in terms of output/required SBPs.
 
-    def __init__(self, g: LogicalGraph, costs: _Costs, current: dict[int, Candidate], free_axis: int | None) -> None:
-        self.g, self.costs = g, costs
+    ``classes`` ties op nodes together (:mod:`.repeat`): a class's nodes share one candidate list and, in the
+    integer program, one set of variables. Their candidate lists are equal because a class's nodes agree on
+    everything that decides them (:func:`signature_key` and the current choice).
+    """
+
+    def __init__(self, g: LogicalGraph, costs: _Costs, current: dict[int, Candidate], free_axis: int | None,
+                 classes: dict[int, int]) -> None:
+        self.g, self.costs, self.classes = g, costs, classes
         self.alias: dict[int, int] = {}  # value id -> the value whose SBP it shares (accumulate/pack outputs)
-        self.choices: dict[int, list[Candidate]] = {}  # op node id -> candidates
+        self.choices: dict[int, list[Candidate]] = {}  # op node id -> candidates (one list per class)
         self.current: dict[int, int] = {}  # op node id -> index of the current candidate
         for n in g.nodes:
             if n.kind == "op":
-                cands = candidates(g, n, current[n.id], free_axis)
-                if current[n.id] not in cands:
-                    cands.append(current[n.id])
-                self.choices[n.id] = cands
-                self.current[n.id] = cands.index(current[n.id])
+                rep = classes[n.id]
+                if rep == n.id:
+                    cands = candidates(g, n, current[n.id], free_axis)
+                    if current[n.id] not in cands:
+                        cands.append(current[n.id])
+                    self.choices[n.id] = cands
+                    self.current[n.id] = cands.index(current[n.id])
+                else:
+                    self.choices[n.id] = self.choices[rep]
+                    self.current[n.id] = self.current[rep]
             elif n.kind in ("accumulate", "pack"):
                 self.alias[n.outputs[0]] = self.root(n.inputs[0])
+        self._edges = [(vid, n, i) for n in g.nodes if n.kind in ("op", "to_global", "assign", "output")
+                       for i, vid in enumerate(n.inputs)]  # every read that may need boxing
 
     def root(self, vid: int) -> int:
         while vid in self.alias:
             vid = self.alias[vid]
         return vid
 
-    def out_options(self, vid: int) -> list[tuple[NdSbp, list[tuple[int, int]]]]:
-        """The SBPs value ``vid`` may have, each with the (node, candidate) choices that give it."""
+    def out_options(self, vid: int) -> list[tuple[NdSbp, list[int]]]:
+        """The SBPs value ``vid`` may have, each with the candidate indices of its producer that give it (none
+        when the producer is fixed)."""
         vid = self.root(vid)
         v = self.g.values[vid]
         producer = self.g.nodes[v.producer]
         if producer.kind != "op":
             return [(v.sbp, [])]
-        by_sbp: dict[NdSbp, list[tuple[int, int]]] = {}
+        by_sbp: dict[NdSbp, list[int]] = {}
         for k, c in enumerate(self.choices[producer.id]):
-            by_sbp.setdefault(c.outs[v.index], []).append((producer.id, k))
+            by_sbp.setdefault(c.outs[v.index], []).append(k)
         return list(by_sbp.items())
 
-    def in_options(self, n: LNode, i: int) -> list[tuple[NdSbp, list[tuple[int, int]]]]:
+    def in_options(self, n: LNode, i: int) -> list[tuple[NdSbp, list[int]]]:
         if n.kind != "op":
             return [(n.in_sbps[i] if n.in_sbps else self.g.values[n.outputs[0]].sbp, [])]
-        by_sbp: dict[NdSbp, list[tuple[int, int]]] = {}
+        by_sbp: dict[NdSbp, list[int]] = {}
         for k, c in enumerate(self.choices[n.id]):
-            by_sbp.setdefault(c.ins[i], []).append((n.id, k))
+            by_sbp.setdefault(c.ins[i], []).append(k)
         return list(by_sbp.items())
 
     def edges(self) -> list[tuple[int, LNode, int]]:
         """(value id, consumer, input index) for every read that may need boxing."""
-        out = []
-        for n in self.g.nodes:
-            if n.kind in ("op", "to_global", "assign", "output"):
-                out += [(vid, n, i) for i, vid in enumerate(n.inputs)]
-        return out
+        return self._edges
+
+    def edge_groups(self) -> list[tuple[int, tuple[int, LNode, int], int | None, int | None]]:
+        """The edges, merged where tied nodes make them cost alike: (count, one edge, producer class,
+        consumer class); a class is None where that end is fixed."""
+        groups: dict[Any, list[Any]] = {}
+        for vid, n, i in self._edges:
+            root = self.g.values[self.root(vid)]
+            producer = self.g.nodes[root.producer]
+            src = ("op", self.classes[producer.id], root.index) if producer.kind == "op" else ("fixed", root.sbp)
+            dst = ("op", self.classes[n.id], i) if n.kind == "op" else ("fixed", self.in_options(n, i)[0][0])
+            key = (src, dst, root.shape, root.dtype, root.placement)
+            found = groups.get(key)
+            if found is None:
+                groups[key] = [1, (vid, n, i), src[1] if src[0] == "op" else None,
+                               dst[1] if dst[0] == "op" else None]
+            else:
+                found[0] += 1
+        return [tuple(v) for v in groups.values()]  # type: ignore[misc]
 
     def cost_of(self, choice: dict[int, int]) -> float:
         total = sum(self.costs.compute(self.g.nodes[nid], self.choices[nid][k]) for nid, k in choice.items())
-        for vid, n, i in self.edges():
+        for vid, n, i in self._edges:
             src = self._sbp_out(vid, choice)
             dst = self.choices[n.id][choice[n.id]].ins[i] if n.kind == "op" else self.in_options(n, i)[0][0]
             total += self.costs.boxing(self.root(vid), src, dst)
@@ -255,15 +292,18 @@ class _Problem:
 
 
 def _solve_ilp(p: _Problem, time_limit: float) -> tuple[dict[int, int] | None, int]:
+    """One integer program over the classes' choices; returns every op node's candidate index."""
     from scipy.optimize import Bounds, LinearConstraint, milp
     from scipy.sparse import coo_matrix
 
-    index: dict[tuple[int, int], int] = {}
+    size: dict[int, int] = {}
+    for rep in p.classes.values():
+        size[rep] = size.get(rep, 0) + 1
+    first: dict[int, int] = {}  # class -> its first variable's column
     cost: list[float] = []
-    for nid, cands in p.choices.items():
-        for k, c in enumerate(cands):
-            index[(nid, k)] = len(cost)
-            cost.append(p.costs.compute(p.g.nodes[nid], c))
+    for rep in sorted(size):
+        first[rep] = len(cost)
+        cost += [size[rep] * p.costs.compute(p.g.nodes[rep], c) for c in p.choices[rep]]
     n_choice = len(cost)
     rows: list[int] = []
     cols: list[int] = []
@@ -280,24 +320,25 @@ def _solve_ilp(p: _Problem, time_limit: float) -> tuple[dict[int, int] | None, i
         lo.append(lower)
         hi.append(upper)
 
-    for nid, cands in p.choices.items():
-        row([(index[(nid, k)], 1.0) for k in range(len(cands))], 1.0, 1.0)
-    for vid, n, i in p.edges():
+    for rep in sorted(size):
+        row([(first[rep] + k, 1.0) for k in range(len(p.choices[rep]))], 1.0, 1.0)
+    for count, (vid, n, i), src, dst in p.edge_groups():
         outs = p.out_options(vid)
         ins = p.in_options(n, i)
         if len(outs) == 1 and len(ins) == 1:
             continue  # both ends fixed: a constant cost
         if len(ins) == 1 or len(outs) == 1:  # one end fixed: the cost is linear in the other's choice
-            _fold_linear(p, vid, outs, ins, cost, index)
+            end = first[src] if len(ins) == 1 else first[dst]  # type: ignore[index]
+            _fold_linear(p, vid, outs, ins, cost, end, count)
             continue
         edge = {}
         for (s, _), (t, _) in itertools.product(outs, ins):
             edge[(s, t)] = len(cost)
-            cost.append(p.costs.boxing(p.root(vid), s, t))
-        for s, chooser in outs:
-            row([(edge[(s, t)], 1.0) for t, _ in ins] + [(index[c], -1.0) for c in chooser], 0.0, 0.0)
-        for t, chooser in ins:
-            row([(edge[(s, t)], 1.0) for s, _ in outs] + [(index[c], -1.0) for c in chooser], 0.0, 0.0)
+            cost.append(count * p.costs.boxing(p.root(vid), s, t))
+        for s, ks in outs:
+            row([(edge[(s, t)], 1.0) for t, _ in ins] + [(first[src] + k, -1.0) for k in ks], 0.0, 0.0)  # type: ignore[index]
+        for t, ks in ins:
+            row([(edge[(s, t)], 1.0) for s, _ in outs] + [(first[dst] + k, -1.0) for k in ks], 0.0, 0.0)  # type: ignore[index]
     n_var = len(cost)
     integrality = np.zeros(n_var)
     integrality[:n_choice] = 1
@@ -309,24 +350,27 @@ def _solve_ilp(p: _Problem, time_limit: float) -> tuple[dict[int, int] | None, i
                   options={"node_limit": NODE_LIMIT, "time_limit": time_limit, "disp": False})
     if result.x is None:
         return None, n_var
-    chosen = {}
-    for nid, cands in p.choices.items():
-        chosen[nid] = max(range(len(cands)), key=lambda k: result.x[index[(nid, k)]])
-    return chosen, n_var
+    picked = {rep: int(np.argmax(result.x[first[rep]:first[rep] + len(p.choices[rep])])) for rep in size}
+    return {nid: picked[rep] for nid, rep in p.classes.items()}, n_var
 
 
-def _fold_linear(p: _Problem, vid: int, outs: list[Any], ins: list[Any], cost: list[float],
-                 index: dict[tuple[int, int], int]) -> None:
-    """An edge with one fixed end adds the boxing cost to each choice of the other end."""
-    for (s, out_choosers), (t, in_choosers) in itertools.product(outs, ins):
-        c = p.costs.boxing(p.root(vid), s, t)
-        for chooser in out_choosers or in_choosers:
-            cost[index[chooser]] += c
+def _fold_linear(p: _Problem, vid: int, outs: list[Any], ins: list[Any], cost: list[float], first: int,
+                 count: int) -> None:
+    """An edge with one fixed end adds the boxing cost (``count`` times) to each choice of the other end,
+    whose class's variables start at column ``first``."""
+    for (s, out_ks), (t, in_ks) in itertools.product(outs, ins):
+        c = count * p.costs.boxing(p.root(vid), s, t)
+        for k in out_ks or in_ks:
+            cost[first + k] += c
 
 
 def select(g: LogicalGraph, model: boxing.CostModel, factors: tuple[Any, ...], method: str = "ilp",
            time_limit: float = 600.0, agree: Callable[[Any], Any] | None = None) -> Selection:
     """Chooses every op's signature; rewrites ``n.in_sbps`` and the output values' SBPs in place.
+
+    ``method``: "ilp" ties structurally repeated nodes (:mod:`.repeat`: a 24-layer model costs about one
+    layer's variables), "ilp-unmerged" gives every node its own variables (slower; it checks the merge), and
+    "greedy" keeps the traced choice.
 
     On 1-D meshes one integer program covers every signature. On n-D meshes the full product of per-axis
     choices squares (or cubes) the program, so the search sweeps the mesh axes instead: each sweep solves
@@ -335,32 +379,45 @@ def select(g: LogicalGraph, model: boxing.CostModel, factors: tuple[Any, ...], m
     worse than greedy. ``agree`` makes every process adopt one process's choice (a solver may break ties
     differently under load, and processes must run one plan).
     """
+    if method not in METHODS:
+        raise ValueError(f"SBP selection method must be one of {METHODS}, but got {method!r}")
     start = time.perf_counter()
     costs = _Costs(g, model, factors)
     current = {n.id: Candidate(tuple(n.in_sbps), tuple(g.values[v].sbp for v in n.outputs))
                for n in g.nodes if n.kind == "op"}
+    if method == "ilp":
+        classes = op_classes(g, lambda n: (signature_key(g, n), current[n.id]))
+    else:
+        classes = {nid: nid for nid in current}
     axes = sorted({axis for n in g.nodes if n.kind == "op"
                    for axis, size in enumerate(_placement_of(g, n).hierarchy) if size > 1})
     sweeps: list[int | None] = [None] if len(axes) <= 1 else [*axes, *axes]
-    first = _Problem(g, costs, current, sweeps[0])
+    first = _Problem(g, costs, current, sweeps[0], classes)
     greedy_cost = best_cost = first.cost_of(first.current)
     method_used, n_var = "greedy", 0
-    if method == "ilp" and current:
+    if method != "greedy" and current:
         method_used = "ilp (greedy was as good)"
+        settled: set[int | None] = set()  # sweeps solved since the last accepted change: solving again is moot
         for free in sweeps:
-            p = first if free == sweeps[0] and _built_around(first, current) else _Problem(g, costs, current, free)
+            if free in settled:
+                continue
+            p = first if free == sweeps[0] and _built_around(first, current) else \
+                _Problem(g, costs, current, free, classes)
             solved, size = _solve_ilp(p, time_limit)
             n_var = max(n_var, size)
+            settled.add(free)
             if solved is None:
                 continue
             cost = p.cost_of(solved)
             if cost < best_cost - 1e-12:
                 current = {nid: p.choices[nid][k] for nid, k in solved.items()}
                 best_cost, method_used = cost, "ilp" if len(sweeps) == 1 else "ilp per mesh axis"
+                settled = {free}
     if agree is not None:
         current = agree(current)
     _apply(g, current)
-    return Selection(greedy_cost, best_cost, method_used, time.perf_counter() - start, n_var)
+    return Selection(greedy_cost, best_cost, method_used, time.perf_counter() - start, n_var,
+                     len(set(classes.values())))
 
 
 def _built_around(p: _Problem, current: dict[int, Candidate]) -> bool:

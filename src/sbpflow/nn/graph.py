@@ -60,7 +60,7 @@ class GraphConfig:
     def __init__(self) -> None:
         self.micro_batches = 1
         self.executor = "actors"  # "actors" (the actor runtime) or "inorder" (the reference executor)
-        self.sbp_selection = "ilp"  # "ilp" (global) or "greedy" (eager's per-op choice)
+        self.sbp_selection = "ilp"  # "ilp" (global, repeated layers tied), "ilp-unmerged" or "greedy" (eager's choice)
         self.trace_path: str | None = None  # the actor runtime's timeline file (else SBPFLOW_TRACE, else none)
         self.auto_parallel: tuple[int, Any] | None = None  # (devices, profile): plan the model at the first call
         self.pipeline_schedule = "1f1b"  # how stages on several placements take turns (graph.pipeline)
@@ -138,8 +138,10 @@ class GraphConfig:
         self.auto_parallel = (devices, profile)
 
     def set_sbp_selection(self, name: str) -> None:
-        if name not in ("ilp", "greedy"):
-            raise SbpflowError(f"SBP selection must be 'ilp' or 'greedy', but got {name!r}")
+        from ..graph.select import METHODS
+
+        if name not in METHODS:
+            raise SbpflowError(f"SBP selection must be one of {METHODS}, but got {name!r}")
         self.sbp_selection = name
 
 
