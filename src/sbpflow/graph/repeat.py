@@ -27,7 +27,7 @@ from typing import Any
 
 from .ir import LNode, LogicalGraph
 
-ROUNDS = 4  # neighbourhood depth; enough to separate roles inside a transformer block (see tests/logic)
+ROUNDS = 2  # neighbourhood depth: separates roles inside a transformer block and merges the rest
 
 
 def op_classes(g: LogicalGraph, own: Callable[[LNode], Hashable], rounds: int = ROUNDS) -> dict[int, int]:

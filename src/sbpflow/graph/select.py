@@ -136,6 +136,7 @@ class _Costs:
         self.g, self.model, self.factors = g, model, factors
         self._boxing: dict[Any, float] = {}
         self._compute: dict[Any, float] = {}
+        self._node_keys: dict[int, Any] = {}  # op node id -> what its compute cost depends on, besides the choice
 
     def boxing(self, vid: int, src: NdSbp, dst: NdSbp) -> float:
         if src == dst:
@@ -152,8 +153,12 @@ class _Costs:
         return cost
 
     def compute(self, n: LNode, c: Candidate) -> float:
-        key = (n.name, tuple(self.g.values[v].shape for v in n.inputs + n.outputs),
-               tuple(self.g.values[v].dtype for v in n.inputs + n.outputs), _placement_of(self.g, n), c)
+        node_key = self._node_keys.get(n.id)
+        if node_key is None:
+            node_key = self._node_keys[n.id] = (
+                n.name, tuple(self.g.values[v].shape for v in n.inputs + n.outputs),
+                tuple(self.g.values[v].dtype for v in n.inputs + n.outputs), _placement_of(self.g, n))
+        key = (node_key, c)
         seconds = self._compute.get(key)
         if seconds is None:
             seconds = self._compute[key] = self._compute_uncached(n, c)
@@ -204,27 +209,35 @@ class _Problem:
     """
 
     def __init__(self, g: LogicalGraph, costs: _Costs, current: dict[int, Candidate], free_axis: int | None,
-                 classes: dict[int, int]) -> None:
+                 classes: dict[int, int], like: _Problem | None = None) -> None:
         self.g, self.costs, self.classes = g, costs, classes
-        self.alias: dict[int, int] = {}  # value id -> the value whose SBP it shares (accumulate/pack outputs)
         self.choices: dict[int, list[Candidate]] = {}  # op node id -> candidates (one list per class)
         self.current: dict[int, int] = {}  # op node id -> index of the current candidate
         for n in g.nodes:
-            if n.kind == "op":
-                rep = classes[n.id]
-                if rep == n.id:
-                    cands = candidates(g, n, current[n.id], free_axis)
-                    if current[n.id] not in cands:
-                        cands.append(current[n.id])
-                    self.choices[n.id] = cands
-                    self.current[n.id] = cands.index(current[n.id])
-                else:
-                    self.choices[n.id] = self.choices[rep]
-                    self.current[n.id] = self.current[rep]
-            elif n.kind in ("accumulate", "pack"):
+            if n.kind != "op":
+                continue
+            rep = classes[n.id]
+            if rep == n.id:
+                cands = candidates(g, n, current[n.id], free_axis)
+                if current[n.id] not in cands:
+                    cands.append(current[n.id])
+                self.choices[n.id] = cands
+                self.current[n.id] = cands.index(current[n.id])
+            else:
+                self.choices[n.id] = self.choices[rep]
+                self.current[n.id] = self.current[rep]
+        self.alias: dict[int, int] = {}  # value id -> the value whose SBP it shares (accumulate/pack outputs)
+        self.size: dict[int, int] = {}  # class -> how many nodes it ties
+        self.groups: list[tuple[int, int, LNode, int, int | None, int | None]] = []
+        if like is not None:  # the structure does not depend on the choices: share it
+            self.alias, self.size, self.groups = like.alias, like.size, like.groups
+            return
+        for n in g.nodes:
+            if n.kind in ("accumulate", "pack"):
                 self.alias[n.outputs[0]] = self.root(n.inputs[0])
-        self._edges = [(vid, n, i) for n in g.nodes if n.kind in ("op", "to_global", "assign", "output")
-                       for i, vid in enumerate(n.inputs)]  # every read that may need boxing
+        for rep in classes.values():
+            self.size[rep] = self.size.get(rep, 0) + 1
+        self.groups = self._edge_groups()
 
     def root(self, vid: int) -> int:
         while vid in self.alias:
@@ -252,34 +265,34 @@ class _Problem:
             by_sbp.setdefault(c.ins[i], []).append(k)
         return list(by_sbp.items())
 
-    def edges(self) -> list[tuple[int, LNode, int]]:
-        """(value id, consumer, input index) for every read that may need boxing."""
-        return self._edges
-
-    def edge_groups(self) -> list[tuple[int, tuple[int, LNode, int], int | None, int | None]]:
-        """The edges, merged where tied nodes make them cost alike: (count, one edge, producer class,
-        consumer class); a class is None where that end is fixed."""
+    def _edge_groups(self) -> list[tuple[int, int, LNode, int, int | None, int | None]]:
+        """Every read that may need boxing, merged where tied nodes make reads cost alike: (count, value id,
+        consumer, input index, producer class, consumer class), a class None where that end is fixed."""
         groups: dict[Any, list[Any]] = {}
-        for vid, n, i in self._edges:
-            root = self.g.values[self.root(vid)]
-            producer = self.g.nodes[root.producer]
-            src = ("op", self.classes[producer.id], root.index) if producer.kind == "op" else ("fixed", root.sbp)
-            dst = ("op", self.classes[n.id], i) if n.kind == "op" else ("fixed", self.in_options(n, i)[0][0])
-            key = (src, dst, root.shape, root.dtype, root.placement)
-            found = groups.get(key)
-            if found is None:
-                groups[key] = [1, (vid, n, i), src[1] if src[0] == "op" else None,
-                               dst[1] if dst[0] == "op" else None]
-            else:
-                found[0] += 1
+        for n in self.g.nodes:
+            if n.kind not in ("op", "to_global", "assign", "output"):
+                continue
+            for i, vid in enumerate(n.inputs):
+                root = self.g.values[self.root(vid)]
+                producer = self.g.nodes[root.producer]
+                src = ("op", self.classes[producer.id], root.index) if producer.kind == "op" else ("fixed", root.sbp)
+                dst = ("op", self.classes[n.id], i) if n.kind == "op" else ("fixed", self.in_options(n, i)[0][0])
+                key = (src, dst, root.shape, root.dtype, root.placement)
+                found = groups.get(key)
+                if found is None:
+                    groups[key] = [1, vid, n, i, src[1] if src[0] == "op" else None, dst[1] if dst[0] == "op" else None]
+                else:
+                    found[0] += 1
         return [tuple(v) for v in groups.values()]  # type: ignore[misc]
 
     def cost_of(self, choice: dict[int, int]) -> float:
-        total = sum(self.costs.compute(self.g.nodes[nid], self.choices[nid][k]) for nid, k in choice.items())
-        for vid, n, i in self._edges:
+        """The estimated time of ``choice`` (op node id -> candidate index; tied nodes choose alike)."""
+        total = sum(size * self.costs.compute(self.g.nodes[rep], self.choices[rep][choice[rep]])
+                    for rep, size in self.size.items())
+        for count, vid, n, i, _, _ in self.groups:
             src = self._sbp_out(vid, choice)
             dst = self.choices[n.id][choice[n.id]].ins[i] if n.kind == "op" else self.in_options(n, i)[0][0]
-            total += self.costs.boxing(self.root(vid), src, dst)
+            total += count * self.costs.boxing(self.root(vid), src, dst)
         return total
 
     def _sbp_out(self, vid: int, choice: dict[int, int]) -> NdSbp:
@@ -296,9 +309,7 @@ def _solve_ilp(p: _Problem, time_limit: float) -> tuple[dict[int, int] | None, i
     from scipy.optimize import Bounds, LinearConstraint, milp
     from scipy.sparse import coo_matrix
 
-    size: dict[int, int] = {}
-    for rep in p.classes.values():
-        size[rep] = size.get(rep, 0) + 1
+    size = p.size
     first: dict[int, int] = {}  # class -> its first variable's column
     cost: list[float] = []
     for rep in sorted(size):
@@ -322,7 +333,7 @@ def _solve_ilp(p: _Problem, time_limit: float) -> tuple[dict[int, int] | None, i
 
     for rep in sorted(size):
         row([(first[rep] + k, 1.0) for k in range(len(p.choices[rep]))], 1.0, 1.0)
-    for count, (vid, n, i), src, dst in p.edge_groups():
+    for count, vid, n, i, src, dst in p.groups:
         outs = p.out_options(vid)
         ins = p.in_options(n, i)
         if len(outs) == 1 and len(ins) == 1:
@@ -402,7 +413,7 @@ def select(g: LogicalGraph, model: boxing.CostModel, factors: tuple[Any, ...], m
             if free in settled:
                 continue
             p = first if free == sweeps[0] and _built_around(first, current) else \
-                _Problem(g, costs, current, free, classes)
+                _Problem(g, costs, current, free, classes, like=first)
             solved, size = _solve_ilp(p, time_limit)
             n_var = max(n_var, size)
             settled.add(free)
