@@ -1,4 +1,4 @@
-"""SBP selection for the whole graph: an integer program over every op's signature (HiGHS via scipy).
+"""SBP selection for the whole graph: an integer program over every op's signature (HiGHS, through highspy).
 
 Each op node ``v`` picks one n-D signature ``k`` from its candidates (``x[v,k]`` binary, one per node).
 Fixed nodes (inputs, variables, constants, explicit ``to_global``) have their layout. For each edge
@@ -35,6 +35,7 @@ MEM_SECONDS_PER_BYTE = 1 / 20e9  # local compute: bytes through memory (a CPU co
 SECONDS_PER_FLOP = 1 / 50e9  # matmul throughput
 MATMUL_OPS = ("matmul", "linear", "bmm")
 METHODS = ("ilp", "ilp-unmerged", "greedy")
+MIN_GAIN = 1e-5  # a sweep's plan is taken when it saves this fraction of the step's time: less is noise and ties
 NODE_LIMIT = 5000  # branch-and-bound nodes; the greedy baseline stands if no better solution is proven by then
 
 
@@ -306,9 +307,6 @@ class _Problem:
 
 def _solve_ilp(p: _Problem, time_limit: float) -> tuple[dict[int, int] | None, int]:
     """One integer program over the classes' choices; returns every op node's candidate index."""
-    from scipy.optimize import Bounds, LinearConstraint, milp
-    from scipy.sparse import coo_matrix
-
     size = p.size
     first: dict[int, int] = {}  # class -> its first variable's column
     cost: list[float] = []
@@ -351,18 +349,58 @@ def _solve_ilp(p: _Problem, time_limit: float) -> tuple[dict[int, int] | None, i
         for t, ks in ins:
             row([(edge[(s, t)], 1.0) for s, _ in outs] + [(first[dst] + k, -1.0) for k in ks], 0.0, 0.0)  # type: ignore[index]
     n_var = len(cost)
-    integrality = np.zeros(n_var)
-    integrality[:n_choice] = 1
-    matrix = coo_matrix((vals, (rows, cols)), shape=(len(lo), n_var))
-    result = milp(np.array(cost), integrality=integrality, bounds=Bounds(0, 1),
-                  constraints=LinearConstraint(matrix, np.array(lo), np.array(hi)),
-                  # a node limit, not a time limit: the result must not depend on how busy the machine is, since
-                  # every process compiles its own copy of the plan and all must agree
-                  options={"node_limit": NODE_LIMIT, "time_limit": time_limit, "disp": False})
-    if result.x is None:
+    x = _highs(np.array(cost), _columnwise(rows, cols, vals, n_var), np.array(lo), np.array(hi), n_choice,
+               time_limit)
+    if x is None:
         return None, n_var
-    picked = {rep: int(np.argmax(result.x[first[rep]:first[rep] + len(p.choices[rep])])) for rep in size}
+    picked = {rep: int(np.argmax(x[first[rep]:first[rep] + len(p.choices[rep])])) for rep in size}
     return {nid: picked[rep] for nid, rep in p.classes.items()}, n_var
+
+
+def _columnwise(rows: list[int], cols: list[int], vals: list[float],
+                n_col: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(row, column, value) entries -> compressed columns (start, index, value), as HiGHS takes a matrix."""
+    order = np.argsort(np.array(cols), kind="stable")
+    sorted_cols = np.array(cols)[order]
+    start = np.searchsorted(sorted_cols, np.arange(n_col + 1))
+    return start, np.array(rows)[order], np.array(vals)[order]
+
+
+def _highs(cost: np.ndarray, matrix: tuple[np.ndarray, np.ndarray, np.ndarray], lo: np.ndarray, hi: np.ndarray,
+           n_choice: int, time_limit: float) -> np.ndarray | None:
+    """Minimises ``cost @ x`` over ``lo <= matrix @ x <= hi`` (``matrix`` by columns) and ``0 <= x <= 1``, the
+    first ``n_choice`` columns binary; returns x, or None when no solution was found.
+
+    The relaxation is solved first: one-hot choices with marginal-coupled edges make it integral as a rule
+    (the tree's only node), so the branch and bound runs only when some choice comes out fractional.
+    """
+    import highspy
+
+    lp = highspy.HighsLp()
+    lp.num_col_, lp.num_row_ = len(cost), len(lo)
+    lp.col_cost_, lp.col_lower_, lp.col_upper_ = cost, np.zeros(len(cost)), np.ones(len(cost))
+    lp.row_lower_, lp.row_upper_ = lo, hi
+    lp.a_matrix_.format_ = highspy.MatrixFormat.kColwise
+    lp.a_matrix_.start_, lp.a_matrix_.index_, lp.a_matrix_.value_ = matrix
+    solver = highspy.Highs()
+    solver.setOptionValue("output_flag", False)
+    # a node limit, not a time limit: the result must not depend on how busy the machine is, since every
+    # process compiles its own copy of the plan and all must agree
+    solver.setOptionValue("mip_max_nodes", NODE_LIMIT)
+    solver.setOptionValue("time_limit", float(time_limit))
+    solver.passModel(lp)
+    solver.run()
+    if solver.getModelStatus() == highspy.HighsModelStatus.kOptimal:
+        x = np.array(solver.getSolution().col_value)
+        if np.all(np.minimum(x[:n_choice], 1 - x[:n_choice]) <= 1e-7):
+            return x
+    lp.integrality_ = [highspy.HighsVarType.kInteger] * n_choice + \
+        [highspy.HighsVarType.kContinuous] * (len(cost) - n_choice)
+    solver.passModel(lp)
+    solver.run()
+    if not solver.getSolution().value_valid:
+        return None
+    return np.array(solver.getSolution().col_value)
 
 
 def _fold_linear(p: _Problem, vid: int, outs: list[Any], ins: list[Any], cost: list[float], first: int,
@@ -420,7 +458,7 @@ def select(g: LogicalGraph, model: boxing.CostModel, factors: tuple[Any, ...], m
             if solved is None:
                 continue
             cost = p.cost_of(solved)
-            if cost < best_cost - 1e-12:
+            if cost < best_cost * (1 - MIN_GAIN):
                 current = {nid: p.choices[nid][k] for nid, k in solved.items()}
                 best_cost, method_used = cost, "ilp" if len(sweeps) == 1 else "ilp per mesh axis"
                 settled = {free}
