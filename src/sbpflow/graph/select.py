@@ -14,6 +14,7 @@ evaluated in the same model, and the solver's result is kept only when it is not
 
 from __future__ import annotations
 
+import functools
 import itertools
 import time
 from collections.abc import Callable, Sequence
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import torch
 
 from .. import boxing
 from .._layout import shard_shape
@@ -137,6 +139,7 @@ class _Costs:
         self.g, self.model, self.factors = g, model, factors
         self._boxing: dict[Any, float] = {}
         self._compute: dict[Any, float] = {}
+        self._matrices: dict[Any, np.ndarray] = {}
         self._node_keys: dict[int, Any] = {}  # op node id -> what its compute cost depends on, besides the choice
 
     def boxing(self, vid: int, src: NdSbp, dst: NdSbp) -> float:
@@ -152,6 +155,16 @@ class _Costs:
             # a tiny tie-break, as the planner's: of equal times, moving nothing wins
             cost = self._boxing[key] = seconds + 1e-9
         return cost
+
+    def matrix(self, vid: int, srcs: tuple[NdSbp, ...], dsts: tuple[NdSbp, ...]) -> np.ndarray:
+        """Boxing times of value ``vid`` from each of ``srcs`` to each of ``dsts``, shape (len(srcs), len(dsts));
+        cached by the value's metadata, as repeated layers ask for the same matrices."""
+        v = self.g.values[vid]
+        key = (v.shape, v.dtype, v.placement, srcs, dsts)
+        found = self._matrices.get(key)
+        if found is None:
+            found = self._matrices[key] = np.array([[self.boxing(vid, s, t) for t in dsts] for s in srcs])
+        return found
 
     def compute(self, n: LNode, c: Candidate) -> float:
         node_key = self._node_keys.get(n.id)
@@ -195,7 +208,12 @@ def _numel(shape: Sequence[int]) -> int:
 
 
 def _itemsize(v: Any) -> int:
-    return int(v.nbytes // max(1, _numel(v.shape))) if _numel(v.shape) else 4
+    return _dtype_size(v.dtype) if _numel(v.shape) else 4
+
+
+@functools.lru_cache(maxsize=64)
+def _dtype_size(dtype: Any) -> int:
+    return torch.empty((), dtype=dtype).element_size()
 
 
 # ----------------------------------------------------------------------------- the program
@@ -214,6 +232,7 @@ class _Problem:
         self.g, self.costs, self.classes = g, costs, classes
         self.choices: dict[int, list[Candidate]] = {}  # op node id -> candidates (one list per class)
         self.current: dict[int, int] = {}  # op node id -> index of the current candidate
+        self._options: dict[Any, tuple[tuple[NdSbp, ...], np.ndarray]] = {}  # per class and port (see in_options)
         for n in g.nodes:
             if n.kind != "op":
                 continue
@@ -245,26 +264,29 @@ class _Problem:
             vid = self.alias[vid]
         return vid
 
-    def out_options(self, vid: int) -> list[tuple[NdSbp, list[int]]]:
-        """The SBPs value ``vid`` may have, each with the candidate indices of its producer that give it (none
-        when the producer is fixed)."""
+    def out_options(self, vid: int) -> tuple[tuple[NdSbp, ...], np.ndarray]:
+        """The SBPs value ``vid`` may have, and for each candidate of its producer the one it gives (none when
+        the producer is fixed)."""
         vid = self.root(vid)
         v = self.g.values[vid]
         producer = self.g.nodes[v.producer]
         if producer.kind != "op":
-            return [(v.sbp, [])]
-        by_sbp: dict[NdSbp, list[int]] = {}
-        for k, c in enumerate(self.choices[producer.id]):
-            by_sbp.setdefault(c.outs[v.index], []).append(k)
-        return list(by_sbp.items())
+            return (v.sbp,), np.zeros(0, dtype=np.int64)
+        key = ("out", self.classes[producer.id], v.index)
+        found = self._options.get(key)
+        if found is None:
+            found = self._options[key] = _options([c.outs[v.index] for c in self.choices[producer.id]])
+        return found
 
-    def in_options(self, n: LNode, i: int) -> list[tuple[NdSbp, list[int]]]:
+    def in_options(self, n: LNode, i: int) -> tuple[tuple[NdSbp, ...], np.ndarray]:
+        """The SBPs input ``i`` of ``n`` may require, and for each candidate of ``n`` the one it requires."""
         if n.kind != "op":
-            return [(n.in_sbps[i] if n.in_sbps else self.g.values[n.outputs[0]].sbp, [])]
-        by_sbp: dict[NdSbp, list[int]] = {}
-        for k, c in enumerate(self.choices[n.id]):
-            by_sbp.setdefault(c.ins[i], []).append(k)
-        return list(by_sbp.items())
+            return (n.in_sbps[i] if n.in_sbps else self.g.values[n.outputs[0]].sbp,), np.zeros(0, dtype=np.int64)
+        key = ("in", self.classes[n.id], i)
+        found = self._options.get(key)
+        if found is None:
+            found = self._options[key] = _options([c.ins[i] for c in self.choices[n.id]])
+        return found
 
     def _edge_groups(self) -> list[tuple[int, int, LNode, int, int | None, int | None]]:
         """Every read that may need boxing, merged where tied nodes make reads cost alike: (count, value id,
@@ -305,65 +327,96 @@ class _Problem:
         return self.choices[producer.id][choice[producer.id]].outs[v.index]
 
 
+def _options(sbps: list[NdSbp]) -> tuple[tuple[NdSbp, ...], np.ndarray]:
+    """Distinct SBPs in order of appearance, and the index of each given one among them."""
+    distinct = tuple(dict.fromkeys(sbps))
+    where = {sbp: j for j, sbp in enumerate(distinct)}
+    return distinct, np.array([where[sbp] for sbp in sbps], dtype=np.int64)
+
+
 def _solve_ilp(p: _Problem, time_limit: float) -> tuple[dict[int, int] | None, int]:
-    """One integer program over the classes' choices; returns every op node's candidate index."""
-    size = p.size
-    first: dict[int, int] = {}  # class -> its first variable's column
-    cost: list[float] = []
-    for rep in sorted(size):
-        first[rep] = len(cost)
-        cost += [size[rep] * p.costs.compute(p.g.nodes[rep], c) for c in p.choices[rep]]
-    n_choice = len(cost)
-    rows: list[int] = []
-    cols: list[int] = []
-    vals: list[float] = []
-    lo: list[float] = []
-    hi: list[float] = []
+    """One integer program over the classes' choices; returns every op node's candidate index.
 
-    def row(entries: list[tuple[int, float]], lower: float, upper: float) -> None:
-        r = len(lo)
-        for col, val in entries:
-            rows.append(r)
-            cols.append(col)
-            vals.append(val)
-        lo.append(lower)
-        hi.append(upper)
-
-    for rep in sorted(size):
-        row([(first[rep] + k, 1.0) for k in range(len(p.choices[rep]))], 1.0, 1.0)
+    Columns: each class's choices, then each merged edge's ``e[s, t]`` (a block of a cost matrix, priced once
+    per value metadata and option lists). Rows: one choice per class; each edge's marginals equal its ends'
+    choices. An edge with a fixed end folds its cost into the other end's choice costs.
+    """
+    first: dict[int, int] = {}  # class -> its first choice column
+    choice_cost: list[float] = []
+    for rep in sorted(p.size):
+        first[rep] = len(choice_cost)
+        choice_cost += [p.size[rep] * p.costs.compute(p.g.nodes[rep], c) for c in p.choices[rep]]
+    prog = _Program(np.array(choice_cost))
+    for rep in sorted(p.size):
+        k = len(p.choices[rep])
+        prog.add_rows(np.zeros(k, dtype=np.int64), first[rep] + np.arange(k), np.ones(k), 1.0, 1.0)
     for count, vid, n, i, src, dst in p.groups:
-        outs = p.out_options(vid)
-        ins = p.in_options(n, i)
-        if len(outs) == 1 and len(ins) == 1:
+        out_sbps, out_of = p.out_options(vid)
+        in_sbps, in_of = p.in_options(n, i)
+        a, b = len(out_sbps), len(in_sbps)
+        if a == 1 and b == 1:
             continue  # both ends fixed: a constant cost
-        if len(ins) == 1 or len(outs) == 1:  # one end fixed: the cost is linear in the other's choice
-            end = first[src] if len(ins) == 1 else first[dst]  # type: ignore[index]
-            _fold_linear(p, vid, outs, ins, cost, end, count)
-            continue
-        edge = {}
-        for (s, _), (t, _) in itertools.product(outs, ins):
-            edge[(s, t)] = len(cost)
-            cost.append(count * p.costs.boxing(p.root(vid), s, t))
-        for s, ks in outs:
-            row([(edge[(s, t)], 1.0) for t, _ in ins] + [(first[src] + k, -1.0) for k in ks], 0.0, 0.0)  # type: ignore[index]
-        for t, ks in ins:
-            row([(edge[(s, t)], 1.0) for s, _ in outs] + [(first[dst] + k, -1.0) for k in ks], 0.0, 0.0)  # type: ignore[index]
-    n_var = len(cost)
-    x = _highs(np.array(cost), _columnwise(rows, cols, vals, n_var), np.array(lo), np.array(hi), n_choice,
-               time_limit)
+        matrix = count * p.costs.matrix(p.root(vid), out_sbps, in_sbps)  # (a, b)
+        if b == 1:  # the consumer is fixed: the cost is linear in the producer's choice
+            prog.choice_cost[first[src]:first[src] + len(out_of)] += matrix[out_of, 0]  # type: ignore[index]
+        elif a == 1:
+            prog.choice_cost[first[dst]:first[dst] + len(in_of)] += matrix[0, in_of]  # type: ignore[index]
+        else:
+            prog.add_edge(matrix, first[src] + np.arange(len(out_of)), out_of,  # type: ignore[index]
+                          first[dst] + np.arange(len(in_of)), in_of)  # type: ignore[index]
+    x = _highs(*prog.arrays(), time_limit)
     if x is None:
-        return None, n_var
-    picked = {rep: int(np.argmax(x[first[rep]:first[rep] + len(p.choices[rep])])) for rep in size}
-    return {nid: picked[rep] for nid, rep in p.classes.items()}, n_var
+        return None, prog.n_col
+    picked = {rep: int(np.argmax(x[first[rep]:first[rep] + len(p.choices[rep])])) for rep in p.size}
+    return {nid: picked[rep] for nid, rep in p.classes.items()}, prog.n_col
 
 
-def _columnwise(rows: list[int], cols: list[int], vals: list[float],
+class _Program:
+    """An integer program in the making: choice columns first (binary), then edge columns (continuous)."""
+
+    def __init__(self, choice_cost: np.ndarray) -> None:
+        self.choice_cost = choice_cost
+        self.edge_cost: list[np.ndarray] = []
+        self.n_col = len(choice_cost)
+        self.n_row = 0
+        self.entries: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # (rows, columns, values)
+        self.bounds: list[tuple[int, float, float]] = []  # (rows, lower, upper), in order
+
+    def add_rows(self, rows: np.ndarray, cols: np.ndarray, vals: np.ndarray, lower: float, upper: float) -> None:
+        """Rows ``self.n_row + rows``, all with the same bounds."""
+        n = int(rows.max()) + 1
+        self.entries.append((self.n_row + rows, cols, vals))
+        self.bounds.append((n, lower, upper))
+        self.n_row += n
+
+    def add_edge(self, matrix: np.ndarray, src_cols: np.ndarray, src_option: np.ndarray, dst_cols: np.ndarray,
+                 dst_option: np.ndarray) -> None:
+        """Columns ``e[s, t]`` costing ``matrix``; rows: sum over t of ``e[s, t]`` = the producer's choices that
+        give ``s`` (``src_option[k]``: the option choice ``k`` gives), and alike for the consumer."""
+        a, b = matrix.shape
+        e = self.n_col + np.arange(a * b)
+        self.edge_cost.append(matrix.ravel())
+        self.n_col += a * b
+        rows = np.concatenate([np.repeat(np.arange(a), b), a + np.tile(np.arange(b), a), src_option, a + dst_option])
+        cols = np.concatenate([e, e, src_cols, dst_cols])
+        vals = np.concatenate([np.ones(2 * a * b), -np.ones(len(src_cols) + len(dst_cols))])
+        self.add_rows(rows, cols, vals, 0.0, 0.0)
+
+    def arrays(self) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray, np.ndarray], np.ndarray, np.ndarray, int]:
+        """(costs, matrix by columns, row lower bounds, row upper bounds, number of binary columns)."""
+        rows, cols, vals = (np.concatenate(part) for part in zip(*self.entries, strict=True))
+        lo = np.concatenate([np.full(n, lower) for n, lower, _ in self.bounds])
+        hi = np.concatenate([np.full(n, upper) for n, _, upper in self.bounds])
+        cost = np.concatenate([self.choice_cost, *self.edge_cost])
+        return cost, _columnwise(rows, cols, vals, self.n_col), lo, hi, len(self.choice_cost)
+
+
+def _columnwise(rows: np.ndarray, cols: np.ndarray, vals: np.ndarray,
                 n_col: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(row, column, value) entries -> compressed columns (start, index, value), as HiGHS takes a matrix."""
-    order = np.argsort(np.array(cols), kind="stable")
-    sorted_cols = np.array(cols)[order]
-    start = np.searchsorted(sorted_cols, np.arange(n_col + 1))
-    return start, np.array(rows)[order], np.array(vals)[order]
+    order = np.argsort(cols, kind="stable")
+    start = np.searchsorted(cols[order], np.arange(n_col + 1))
+    return start, rows[order], vals[order]
 
 
 def _highs(cost: np.ndarray, matrix: tuple[np.ndarray, np.ndarray, np.ndarray], lo: np.ndarray, hi: np.ndarray,
@@ -401,16 +454,6 @@ def _highs(cost: np.ndarray, matrix: tuple[np.ndarray, np.ndarray, np.ndarray], 
     if not solver.getSolution().value_valid:
         return None
     return np.array(solver.getSolution().col_value)
-
-
-def _fold_linear(p: _Problem, vid: int, outs: list[Any], ins: list[Any], cost: list[float], first: int,
-                 count: int) -> None:
-    """An edge with one fixed end adds the boxing cost (``count`` times) to each choice of the other end,
-    whose class's variables start at column ``first``."""
-    for (s, out_ks), (t, in_ks) in itertools.product(outs, ins):
-        c = count * p.costs.boxing(p.root(vid), s, t)
-        for k in out_ks or in_ks:
-            cost[first + k] += c
 
 
 def select(g: LogicalGraph, model: boxing.CostModel, factors: tuple[Any, ...], method: str = "ilp",
