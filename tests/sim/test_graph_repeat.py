@@ -24,14 +24,15 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 BLOCK_VARIABLE = re.compile(r"model\.h\.(\d+)\.(.+)")
 
 
-def _traced(n_layer: int, strategy: str) -> Any:
-    """The GPT's logical graph with the traced (greedy) choices: what selection starts from."""
+def _compiled(n_layer: int, strategy: str, selection: str = "greedy") -> Any:
+    """The GPT's compiled step; with "greedy", its logical graph holds the traced choices, what selection
+    starts from."""
     config = GPTConfig(vocab_size=100, block_size=16, n_layer=n_layer, n_head=4, n_embd=32, dropout=0.0)
     trainer = build(config, strategy, graph=True, executor="inorder")
-    trainer.graph.config.set_sbp_selection("greedy")
+    trainer.graph.config.set_sbp_selection(selection)
     ids, targets = next(random_batches(100, 1, 4, 16, seed=1))
     trainer.step(ids, targets)
-    return trainer.graph.logical
+    return trainer.graph._compiled()
 
 
 def _classes(g: Any) -> dict[int, int]:
@@ -54,7 +55,7 @@ def _block_ops(g: Any) -> dict[tuple[str, str], dict[int, int]]:
 
 def test_interior_blocks_share_one_class_per_role() -> None:
     n_layer = 6
-    g = _traced(n_layer, "dp=2,tp=2")
+    g = _compiled(n_layer, "dp=2,tp=2").logical
     classes = _classes(g)
     by_role = _block_ops(g)
     assert len(by_role) >= 10  # linear q/k/v/c_proj/c_fc/mlp c_proj, layer_norm 1/2, their backward matmuls
@@ -70,13 +71,14 @@ def test_interior_blocks_share_one_class_per_role() -> None:
 
 
 def test_deeper_models_add_no_classes() -> None:
-    """Each block added to the GPT ties into the existing classes: the program stays one block's size."""
-    shallow, deep = _traced(4, "dp=2"), _traced(7, "dp=2")
-    n_shallow, n_deep = len(set(_classes(shallow).values())), len(set(_classes(deep).values()))
-    ops_shallow = sum(n.kind == "op" for n in shallow.nodes)
-    ops_deep = sum(n.kind == "op" for n in deep.nodes)
+    """Each block added to the GPT ties into the existing classes, and its reads into the existing edges
+    (the optimizer's fused update reads every gradient alike): the program keeps its size."""
+    shallow, deep = _compiled(4, "dp=2", "ilp"), _compiled(7, "dp=2", "ilp")
+    ops_shallow = sum(n.kind == "op" for n in shallow.logical.nodes)
+    ops_deep = sum(n.kind == "op" for n in deep.logical.nodes)
     assert ops_deep > ops_shallow + 3 * 100  # three blocks of forward, backward and optimizer ops more
-    assert n_deep == n_shallow
+    assert deep.report.selection.classes == shallow.report.selection.classes
+    assert deep.report.selection.variables == shallow.report.selection.variables
 
 
 def _megatron_plan(method: str) -> tuple[Any, Any, Any]:

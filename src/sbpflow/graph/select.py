@@ -249,14 +249,14 @@ class _Problem:
         self.alias: dict[int, int] = {}  # value id -> the value whose SBP it shares (accumulate/pack outputs)
         self.size: dict[int, int] = {}  # class -> how many nodes it ties
         self.groups: list[tuple[int, int, LNode, int, int | None, int | None]] = []
-        if like is not None:  # the structure does not depend on the choices: share it
-            self.alias, self.size, self.groups = like.alias, like.size, like.groups
-            return
-        for n in g.nodes:
-            if n.kind in ("accumulate", "pack"):
-                self.alias[n.outputs[0]] = self.root(n.inputs[0])
-        for rep in classes.values():
-            self.size[rep] = self.size.get(rep, 0) + 1
+        if like is not None:  # these do not depend on the choices: share them
+            self.alias, self.size = like.alias, like.size
+        else:
+            for n in g.nodes:
+                if n.kind in ("accumulate", "pack"):
+                    self.alias[n.outputs[0]] = self.root(n.inputs[0])
+            for rep in classes.values():
+                self.size[rep] = self.size.get(rep, 0) + 1
         self.groups = self._edge_groups()
 
     def root(self, vid: int) -> int:
@@ -290,7 +290,12 @@ class _Problem:
 
     def _edge_groups(self) -> list[tuple[int, int, LNode, int, int | None, int | None]]:
         """Every read that may need boxing, merged where tied nodes make reads cost alike: (count, value id,
-        consumer, input index, producer class, consumer class), a class None where that end is fixed."""
+        consumer, input index, producer class, consumer class), a class None where that end is fixed.
+
+        Reads cost alike when they agree on the value's metadata, the producer's class and output, and the
+        consumer's class and what each of its candidates requires of the input: so the many like inputs of one
+        fused node (an optimizer's update of every gradient) merge as well as the reads of repeated layers.
+        """
         groups: dict[Any, list[Any]] = {}
         for n in self.g.nodes:
             if n.kind not in ("op", "to_global", "assign", "output"):
@@ -299,7 +304,11 @@ class _Problem:
                 root = self.g.values[self.root(vid)]
                 producer = self.g.nodes[root.producer]
                 src = ("op", self.classes[producer.id], root.index) if producer.kind == "op" else ("fixed", root.sbp)
-                dst = ("op", self.classes[n.id], i) if n.kind == "op" else ("fixed", self.in_options(n, i)[0][0])
+                if n.kind == "op":
+                    sbps, of = self.in_options(n, i)
+                    dst: tuple[Any, ...] = ("op", self.classes[n.id], sbps, of.tobytes())
+                else:
+                    dst = ("fixed", self.in_options(n, i)[0][0])
                 key = (src, dst, root.shape, root.dtype, root.placement)
                 found = groups.get(key)
                 if found is None:
