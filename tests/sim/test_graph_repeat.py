@@ -72,13 +72,15 @@ def test_interior_blocks_share_one_class_per_role() -> None:
 
 def test_deeper_models_add_no_classes() -> None:
     """Each block added to the GPT ties into the existing classes, and its reads into the existing edges
-    (the optimizer's fused update reads every gradient alike): the program keeps its size."""
+    (the optimizer's fused update reads every gradient alike): the program keeps about its size, where the
+    per-node one grows with the graph (only inputs of fused nodes whose candidates treat them apart add a few
+    variables)."""
     shallow, deep = _compiled(4, "dp=2", "ilp"), _compiled(7, "dp=2", "ilp")
     ops_shallow = sum(n.kind == "op" for n in shallow.logical.nodes)
     ops_deep = sum(n.kind == "op" for n in deep.logical.nodes)
-    assert ops_deep > ops_shallow + 3 * 100  # three blocks of forward, backward and optimizer ops more
+    assert ops_deep > 1.5 * ops_shallow  # three blocks of forward and backward ops more
     assert deep.report.selection.classes == shallow.report.selection.classes
-    assert deep.report.selection.variables == shallow.report.selection.variables
+    assert deep.report.selection.variables < 1.1 * shallow.report.selection.variables
 
 
 def _megatron_plan(method: str) -> tuple[Any, Any, Any]:
