@@ -339,9 +339,8 @@ class Graph:
         plan, logical, report = compile_graph(tracer.graph, self.config.sbp_selection, agree=_rank0_choice,
                                               schedule=self.config.pipeline_schedule,
                                               prefetch=self.config.zero_prefetch)
-        start = time.perf_counter()
-        plan.peak_bytes = _memory_plan(plan)
-        report.times["memory plan"] = time.perf_counter() - start
+        with report.timing("memory plan"):
+            plan.peak_bytes = _memory_plan(plan)
         report.times = {"trace": trace_s, **report.times}
         report.cpu_times = {"trace": trace_cpu, **report.cpu_times}
         out_bufs = [(n.name, plan.bufs[n.inputs[0]]) for n in plan.nodes if n.kind == "output" and n.name != FOUND_INF]
