@@ -39,7 +39,8 @@ def explain(g: LogicalGraph, plan: PhysicalPlan, report: Any, rank: int | None =
     sel = report.selection
     if sel is not None:
         lines.append(f"sbp selection: {sel.method}, estimated {sel.chosen_cost * 1e3:.3f} ms "
-                     f"(greedy {sel.greedy_cost * 1e3:.3f} ms), solved in {sel.solve_s:.2f} s")
+                     f"(greedy {sel.greedy_cost * 1e3:.3f} ms), solved in {sel.solve_s:.2f} s"
+                     + (f", {sel.classes} classes of tied ops, {sel.variables} variables" if sel.variables else ""))
     lines.append("")
     lines.append("ops (signature: inputs -> outputs):")
     for n in g.nodes:

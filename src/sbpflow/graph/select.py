@@ -1,4 +1,4 @@
-"""SBP selection for the whole graph: an integer program over every op's signature (HiGHS via scipy).
+"""SBP selection for the whole graph: an integer program over every op's signature (HiGHS, through highspy).
 
 Each op node ``v`` picks one n-D signature ``k`` from its candidates (``x[v,k]`` binary, one per node).
 Fixed nodes (inputs, variables, constants, explicit ``to_global``) have their layout. For each edge
@@ -14,6 +14,7 @@ evaluated in the same model, and the solver's result is kept only when it is not
 
 from __future__ import annotations
 
+import functools
 import itertools
 import time
 from collections.abc import Callable, Sequence
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import torch
 
 from .. import boxing
 from .._layout import shard_shape
@@ -29,10 +31,13 @@ from ..boxing.plan import transition_time
 from ..ops.registry import REGISTRY, Meta, Scalar, Sig, _sig_fits
 from ..sbp import NdSbp, Partial
 from .ir import LNode, LogicalGraph
+from .repeat import op_classes
 
 MEM_SECONDS_PER_BYTE = 1 / 20e9  # local compute: bytes through memory (a CPU core's stream bandwidth)
 SECONDS_PER_FLOP = 1 / 50e9  # matmul throughput
 MATMUL_OPS = ("matmul", "linear", "bmm")
+METHODS = ("ilp", "ilp-unmerged", "greedy")
+MIN_GAIN = 1e-5  # a sweep's plan is taken when it saves this fraction of the step's time: less is noise and ties
 NODE_LIMIT = 5000  # branch-and-bound nodes; the greedy baseline stands if no better solution is proven by then
 
 
@@ -51,6 +56,7 @@ class Selection:
     method: str
     solve_s: float
     variables: int = 0
+    classes: int = 0  # op nodes' classes: the ones whose choices the program makes (see :mod:`.repeat`)
 
 
 def candidates(g: LogicalGraph, n: LNode, current: Candidate, free_axis: int | None = None) -> list[Candidate]:
@@ -61,12 +67,18 @@ def candidates(g: LogicalGraph, n: LNode, current: Candidate, free_axis: int | N
     shards, so the current one is kept there. Repeated layers ask the same question many times: answers
     are cached by the op's metadata.
     """
-    key = (n.name, tuple(_arg_metas(g, n)), tuple((g.values[v].shape, g.values[v].dtype) for v in n.outputs),
-           n.attrs, _placement_of(g, n), current, free_axis)
+    key = (signature_key(g, n), current, free_axis)
     found = _CANDIDATES.get(key)
     if found is None:
         found = _CANDIDATES[key] = _candidates(g, n, current, free_axis)
     return list(found)
+
+
+def signature_key(g: LogicalGraph, n: LNode) -> tuple[Any, ...]:
+    """What decides op node ``n``'s signatures and their costs: op, argument and output metadata, attributes
+    and placement (never the node's identity or its neighbours)."""
+    return (n.name, tuple(_arg_metas(g, n)), tuple((g.values[v].shape, g.values[v].dtype) for v in n.inputs),
+            tuple((g.values[v].shape, g.values[v].dtype) for v in n.outputs), n.attrs, _placement_of(g, n))
 
 
 _CANDIDATES: dict[Any, list[Candidate]] = {}
@@ -127,6 +139,8 @@ class _Costs:
         self.g, self.model, self.factors = g, model, factors
         self._boxing: dict[Any, float] = {}
         self._compute: dict[Any, float] = {}
+        self._matrices: dict[Any, np.ndarray] = {}
+        self._node_keys: dict[int, Any] = {}  # op node id -> what its compute cost depends on, besides the choice
 
     def boxing(self, vid: int, src: NdSbp, dst: NdSbp) -> float:
         if src == dst:
@@ -142,9 +156,23 @@ class _Costs:
             cost = self._boxing[key] = seconds + 1e-9
         return cost
 
+    def matrix(self, vid: int, srcs: tuple[NdSbp, ...], dsts: tuple[NdSbp, ...]) -> np.ndarray:
+        """Boxing times of value ``vid`` from each of ``srcs`` to each of ``dsts``, shape (len(srcs), len(dsts));
+        cached by the value's metadata, as repeated layers ask for the same matrices."""
+        v = self.g.values[vid]
+        key = (v.shape, v.dtype, v.placement, srcs, dsts)
+        found = self._matrices.get(key)
+        if found is None:
+            found = self._matrices[key] = np.array([[self.boxing(vid, s, t) for t in dsts] for s in srcs])
+        return found
+
     def compute(self, n: LNode, c: Candidate) -> float:
-        key = (n.name, tuple(self.g.values[v].shape for v in n.inputs + n.outputs),
-               tuple(self.g.values[v].dtype for v in n.inputs + n.outputs), _placement_of(self.g, n), c)
+        node_key = self._node_keys.get(n.id)
+        if node_key is None:
+            node_key = self._node_keys[n.id] = (
+                n.name, tuple(self.g.values[v].shape for v in n.inputs + n.outputs),
+                tuple(self.g.values[v].dtype for v in n.inputs + n.outputs), _placement_of(self.g, n))
+        key = (node_key, c)
         seconds = self._compute.get(key)
         if seconds is None:
             seconds = self._compute[key] = self._compute_uncached(n, c)
@@ -180,69 +208,123 @@ def _numel(shape: Sequence[int]) -> int:
 
 
 def _itemsize(v: Any) -> int:
-    return int(v.nbytes // max(1, _numel(v.shape))) if _numel(v.shape) else 4
+    return _dtype_size(v.dtype) if _numel(v.shape) else 4
+
+
+@functools.lru_cache(maxsize=64)
+def _dtype_size(dtype: Any) -> int:
+    return torch.empty((), dtype=dtype).element_size()
 
 
 # ----------------------------------------------------------------------------- the program
 
 
 class _Problem:
-    """Choices per node and the edges between them, in terms of output/required SBPs."""
+    """Choices per node and the edges between them, in terms of output/required SBPs.
 
-    def __init__(self, g: LogicalGraph, costs: _Costs, current: dict[int, Candidate], free_axis: int | None) -> None:
-        self.g, self.costs = g, costs
-        self.alias: dict[int, int] = {}  # value id -> the value whose SBP it shares (accumulate/pack outputs)
-        self.choices: dict[int, list[Candidate]] = {}  # op node id -> candidates
+    ``classes`` ties op nodes together (:mod:`.repeat`): a class's nodes share one candidate list and, in the
+    integer program, one set of variables. Their candidate lists are equal because a class's nodes agree on
+    everything that decides them (:func:`signature_key` and the current choice).
+    """
+
+    def __init__(self, g: LogicalGraph, costs: _Costs, current: dict[int, Candidate], free_axis: int | None,
+                 classes: dict[int, int], like: _Problem | None = None) -> None:
+        self.g, self.costs, self.classes = g, costs, classes
+        self.choices: dict[int, list[Candidate]] = {}  # op node id -> candidates (one list per class)
         self.current: dict[int, int] = {}  # op node id -> index of the current candidate
+        self._options: dict[Any, tuple[tuple[NdSbp, ...], np.ndarray]] = {}  # per class and port (see in_options)
         for n in g.nodes:
-            if n.kind == "op":
+            if n.kind != "op":
+                continue
+            rep = classes[n.id]
+            if rep == n.id:
                 cands = candidates(g, n, current[n.id], free_axis)
                 if current[n.id] not in cands:
                     cands.append(current[n.id])
                 self.choices[n.id] = cands
                 self.current[n.id] = cands.index(current[n.id])
-            elif n.kind in ("accumulate", "pack"):
-                self.alias[n.outputs[0]] = self.root(n.inputs[0])
+            else:
+                self.choices[n.id] = self.choices[rep]
+                self.current[n.id] = self.current[rep]
+        self.alias: dict[int, int] = {}  # value id -> the value whose SBP it shares (accumulate/pack outputs)
+        self.size: dict[int, int] = {}  # class -> how many nodes it ties
+        self.groups: list[tuple[int, int, LNode, int, int | None, int | None]] = []
+        if like is not None:  # these do not depend on the choices: share them
+            self.alias, self.size = like.alias, like.size
+        else:
+            for n in g.nodes:
+                if n.kind in ("accumulate", "pack"):
+                    self.alias[n.outputs[0]] = self.root(n.inputs[0])
+            for rep in classes.values():
+                self.size[rep] = self.size.get(rep, 0) + 1
+        self.groups = self._edge_groups()
 
     def root(self, vid: int) -> int:
         while vid in self.alias:
             vid = self.alias[vid]
         return vid
 
-    def out_options(self, vid: int) -> list[tuple[NdSbp, list[tuple[int, int]]]]:
-        """The SBPs value ``vid`` may have, each with the (node, candidate) choices that give it."""
+    def out_options(self, vid: int) -> tuple[tuple[NdSbp, ...], np.ndarray]:
+        """The SBPs value ``vid`` may have, and for each candidate of its producer the one it gives (none when
+        the producer is fixed)."""
         vid = self.root(vid)
         v = self.g.values[vid]
         producer = self.g.nodes[v.producer]
         if producer.kind != "op":
-            return [(v.sbp, [])]
-        by_sbp: dict[NdSbp, list[tuple[int, int]]] = {}
-        for k, c in enumerate(self.choices[producer.id]):
-            by_sbp.setdefault(c.outs[v.index], []).append((producer.id, k))
-        return list(by_sbp.items())
+            return (v.sbp,), np.zeros(0, dtype=np.int64)
+        key = ("out", self.classes[producer.id], v.index)
+        found = self._options.get(key)
+        if found is None:
+            found = self._options[key] = _options([c.outs[v.index] for c in self.choices[producer.id]])
+        return found
 
-    def in_options(self, n: LNode, i: int) -> list[tuple[NdSbp, list[tuple[int, int]]]]:
+    def in_options(self, n: LNode, i: int) -> tuple[tuple[NdSbp, ...], np.ndarray]:
+        """The SBPs input ``i`` of ``n`` may require, and for each candidate of ``n`` the one it requires."""
         if n.kind != "op":
-            return [(n.in_sbps[i] if n.in_sbps else self.g.values[n.outputs[0]].sbp, [])]
-        by_sbp: dict[NdSbp, list[tuple[int, int]]] = {}
-        for k, c in enumerate(self.choices[n.id]):
-            by_sbp.setdefault(c.ins[i], []).append((n.id, k))
-        return list(by_sbp.items())
+            return (n.in_sbps[i] if n.in_sbps else self.g.values[n.outputs[0]].sbp,), np.zeros(0, dtype=np.int64)
+        key = ("in", self.classes[n.id], i)
+        found = self._options.get(key)
+        if found is None:
+            found = self._options[key] = _options([c.ins[i] for c in self.choices[n.id]])
+        return found
 
-    def edges(self) -> list[tuple[int, LNode, int]]:
-        """(value id, consumer, input index) for every read that may need boxing."""
-        out = []
+    def _edge_groups(self) -> list[tuple[int, int, LNode, int, int | None, int | None]]:
+        """Every read that may need boxing, merged where tied nodes make reads cost alike: (count, value id,
+        consumer, input index, producer class, consumer class), a class None where that end is fixed.
+
+        Reads cost alike when they agree on the value's metadata, the producer's class and output, and the
+        consumer's class and what each of its candidates requires of the input: so the many like inputs of one
+        fused node (an optimizer's update of every gradient) merge as well as the reads of repeated layers.
+        """
+        groups: dict[Any, list[Any]] = {}
         for n in self.g.nodes:
-            if n.kind in ("op", "to_global", "assign", "output"):
-                out += [(vid, n, i) for i, vid in enumerate(n.inputs)]
-        return out
+            if n.kind not in ("op", "to_global", "assign", "output"):
+                continue
+            for i, vid in enumerate(n.inputs):
+                root = self.g.values[self.root(vid)]
+                producer = self.g.nodes[root.producer]
+                src = ("op", self.classes[producer.id], root.index) if producer.kind == "op" else ("fixed", root.sbp)
+                if n.kind == "op":
+                    sbps, of = self.in_options(n, i)
+                    dst: tuple[Any, ...] = ("op", self.classes[n.id], sbps, of.tobytes())
+                else:
+                    dst = ("fixed", self.in_options(n, i)[0][0])
+                key = (src, dst, root.shape, root.dtype, root.placement)
+                found = groups.get(key)
+                if found is None:
+                    groups[key] = [1, vid, n, i, src[1] if src[0] == "op" else None, dst[1] if dst[0] == "op" else None]
+                else:
+                    found[0] += 1
+        return [tuple(v) for v in groups.values()]  # type: ignore[misc]
 
     def cost_of(self, choice: dict[int, int]) -> float:
-        total = sum(self.costs.compute(self.g.nodes[nid], self.choices[nid][k]) for nid, k in choice.items())
-        for vid, n, i in self.edges():
+        """The estimated time of ``choice`` (op node id -> candidate index; tied nodes choose alike)."""
+        total = sum(size * self.costs.compute(self.g.nodes[rep], self.choices[rep][choice[rep]])
+                    for rep, size in self.size.items())
+        for count, vid, n, i, _, _ in self.groups:
             src = self._sbp_out(vid, choice)
             dst = self.choices[n.id][choice[n.id]].ins[i] if n.kind == "op" else self.in_options(n, i)[0][0]
-            total += self.costs.boxing(self.root(vid), src, dst)
+            total += count * self.costs.boxing(self.root(vid), src, dst)
         return total
 
     def _sbp_out(self, vid: int, choice: dict[int, int]) -> NdSbp:
@@ -254,79 +336,142 @@ class _Problem:
         return self.choices[producer.id][choice[producer.id]].outs[v.index]
 
 
+def _options(sbps: list[NdSbp]) -> tuple[tuple[NdSbp, ...], np.ndarray]:
+    """Distinct SBPs in order of appearance, and the index of each given one among them."""
+    distinct = tuple(dict.fromkeys(sbps))
+    where = {sbp: j for j, sbp in enumerate(distinct)}
+    return distinct, np.array([where[sbp] for sbp in sbps], dtype=np.int64)
+
+
 def _solve_ilp(p: _Problem, time_limit: float) -> tuple[dict[int, int] | None, int]:
-    from scipy.optimize import Bounds, LinearConstraint, milp
-    from scipy.sparse import coo_matrix
+    """One integer program over the classes' choices; returns every op node's candidate index.
 
-    index: dict[tuple[int, int], int] = {}
-    cost: list[float] = []
-    for nid, cands in p.choices.items():
-        for k, c in enumerate(cands):
-            index[(nid, k)] = len(cost)
-            cost.append(p.costs.compute(p.g.nodes[nid], c))
-    n_choice = len(cost)
-    rows: list[int] = []
-    cols: list[int] = []
-    vals: list[float] = []
-    lo: list[float] = []
-    hi: list[float] = []
-
-    def row(entries: list[tuple[int, float]], lower: float, upper: float) -> None:
-        r = len(lo)
-        for col, val in entries:
-            rows.append(r)
-            cols.append(col)
-            vals.append(val)
-        lo.append(lower)
-        hi.append(upper)
-
-    for nid, cands in p.choices.items():
-        row([(index[(nid, k)], 1.0) for k in range(len(cands))], 1.0, 1.0)
-    for vid, n, i in p.edges():
-        outs = p.out_options(vid)
-        ins = p.in_options(n, i)
-        if len(outs) == 1 and len(ins) == 1:
+    Columns: each class's choices, then each merged edge's ``e[s, t]`` (a block of a cost matrix, priced once
+    per value metadata and option lists). Rows: one choice per class; each edge's marginals equal its ends'
+    choices. An edge with a fixed end folds its cost into the other end's choice costs.
+    """
+    first: dict[int, int] = {}  # class -> its first choice column
+    choice_cost: list[float] = []
+    for rep in sorted(p.size):
+        first[rep] = len(choice_cost)
+        choice_cost += [p.size[rep] * p.costs.compute(p.g.nodes[rep], c) for c in p.choices[rep]]
+    prog = _Program(np.array(choice_cost))
+    for rep in sorted(p.size):
+        k = len(p.choices[rep])
+        prog.add_rows(np.zeros(k, dtype=np.int64), first[rep] + np.arange(k), np.ones(k), 1.0, 1.0)
+    for count, vid, n, i, src, dst in p.groups:
+        out_sbps, out_of = p.out_options(vid)
+        in_sbps, in_of = p.in_options(n, i)
+        a, b = len(out_sbps), len(in_sbps)
+        if a == 1 and b == 1:
             continue  # both ends fixed: a constant cost
-        if len(ins) == 1 or len(outs) == 1:  # one end fixed: the cost is linear in the other's choice
-            _fold_linear(p, vid, outs, ins, cost, index)
-            continue
-        edge = {}
-        for (s, _), (t, _) in itertools.product(outs, ins):
-            edge[(s, t)] = len(cost)
-            cost.append(p.costs.boxing(p.root(vid), s, t))
-        for s, chooser in outs:
-            row([(edge[(s, t)], 1.0) for t, _ in ins] + [(index[c], -1.0) for c in chooser], 0.0, 0.0)
-        for t, chooser in ins:
-            row([(edge[(s, t)], 1.0) for s, _ in outs] + [(index[c], -1.0) for c in chooser], 0.0, 0.0)
-    n_var = len(cost)
-    integrality = np.zeros(n_var)
-    integrality[:n_choice] = 1
-    matrix = coo_matrix((vals, (rows, cols)), shape=(len(lo), n_var))
-    result = milp(np.array(cost), integrality=integrality, bounds=Bounds(0, 1),
-                  constraints=LinearConstraint(matrix, np.array(lo), np.array(hi)),
-                  # a node limit, not a time limit: the result must not depend on how busy the machine is, since
-                  # every process compiles its own copy of the plan and all must agree
-                  options={"node_limit": NODE_LIMIT, "time_limit": time_limit, "disp": False})
-    if result.x is None:
-        return None, n_var
-    chosen = {}
-    for nid, cands in p.choices.items():
-        chosen[nid] = max(range(len(cands)), key=lambda k: result.x[index[(nid, k)]])
-    return chosen, n_var
+        matrix = count * p.costs.matrix(p.root(vid), out_sbps, in_sbps)  # (a, b)
+        if b == 1:  # the consumer is fixed: the cost is linear in the producer's choice
+            prog.choice_cost[first[src]:first[src] + len(out_of)] += matrix[out_of, 0]  # type: ignore[index]
+        elif a == 1:
+            prog.choice_cost[first[dst]:first[dst] + len(in_of)] += matrix[0, in_of]  # type: ignore[index]
+        else:
+            prog.add_edge(matrix, first[src] + np.arange(len(out_of)), out_of,  # type: ignore[index]
+                          first[dst] + np.arange(len(in_of)), in_of)  # type: ignore[index]
+    x = _highs(*prog.arrays(), time_limit)
+    if x is None:
+        return None, prog.n_col
+    picked = {rep: int(np.argmax(x[first[rep]:first[rep] + len(p.choices[rep])])) for rep in p.size}
+    return {nid: picked[rep] for nid, rep in p.classes.items()}, prog.n_col
 
 
-def _fold_linear(p: _Problem, vid: int, outs: list[Any], ins: list[Any], cost: list[float],
-                 index: dict[tuple[int, int], int]) -> None:
-    """An edge with one fixed end adds the boxing cost to each choice of the other end."""
-    for (s, out_choosers), (t, in_choosers) in itertools.product(outs, ins):
-        c = p.costs.boxing(p.root(vid), s, t)
-        for chooser in out_choosers or in_choosers:
-            cost[index[chooser]] += c
+class _Program:
+    """An integer program in the making: choice columns first (binary), then edge columns (continuous)."""
+
+    def __init__(self, choice_cost: np.ndarray) -> None:
+        self.choice_cost = choice_cost
+        self.edge_cost: list[np.ndarray] = []
+        self.n_col = len(choice_cost)
+        self.n_row = 0
+        self.entries: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # (rows, columns, values)
+        self.bounds: list[tuple[int, float, float]] = []  # (rows, lower, upper), in order
+
+    def add_rows(self, rows: np.ndarray, cols: np.ndarray, vals: np.ndarray, lower: float, upper: float) -> None:
+        """Rows ``self.n_row + rows``, all with the same bounds."""
+        n = int(rows.max()) + 1
+        self.entries.append((self.n_row + rows, cols, vals))
+        self.bounds.append((n, lower, upper))
+        self.n_row += n
+
+    def add_edge(self, matrix: np.ndarray, src_cols: np.ndarray, src_option: np.ndarray, dst_cols: np.ndarray,
+                 dst_option: np.ndarray) -> None:
+        """Columns ``e[s, t]`` costing ``matrix``; rows: sum over t of ``e[s, t]`` = the producer's choices that
+        give ``s`` (``src_option[k]``: the option choice ``k`` gives), and alike for the consumer."""
+        a, b = matrix.shape
+        e = self.n_col + np.arange(a * b)
+        self.edge_cost.append(matrix.ravel())
+        self.n_col += a * b
+        rows = np.concatenate([np.repeat(np.arange(a), b), a + np.tile(np.arange(b), a), src_option, a + dst_option])
+        cols = np.concatenate([e, e, src_cols, dst_cols])
+        vals = np.concatenate([np.ones(2 * a * b), -np.ones(len(src_cols) + len(dst_cols))])
+        self.add_rows(rows, cols, vals, 0.0, 0.0)
+
+    def arrays(self) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray, np.ndarray], np.ndarray, np.ndarray, int]:
+        """(costs, matrix by columns, row lower bounds, row upper bounds, number of binary columns)."""
+        rows, cols, vals = (np.concatenate(part) for part in zip(*self.entries, strict=True))
+        lo = np.concatenate([np.full(n, lower) for n, lower, _ in self.bounds])
+        hi = np.concatenate([np.full(n, upper) for n, _, upper in self.bounds])
+        cost = np.concatenate([self.choice_cost, *self.edge_cost])
+        return cost, _columnwise(rows, cols, vals, self.n_col), lo, hi, len(self.choice_cost)
+
+
+def _columnwise(rows: np.ndarray, cols: np.ndarray, vals: np.ndarray,
+                n_col: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(row, column, value) entries -> compressed columns (start, index, value), as HiGHS takes a matrix."""
+    order = np.argsort(cols, kind="stable")
+    start = np.searchsorted(cols[order], np.arange(n_col + 1))
+    return start, rows[order], vals[order]
+
+
+def _highs(cost: np.ndarray, matrix: tuple[np.ndarray, np.ndarray, np.ndarray], lo: np.ndarray, hi: np.ndarray,
+           n_choice: int, time_limit: float) -> np.ndarray | None:
+    """Minimises ``cost @ x`` over ``lo <= matrix @ x <= hi`` (``matrix`` by columns) and ``0 <= x <= 1``, the
+    first ``n_choice`` columns binary; returns x, or None when no solution was found.
+
+    The relaxation is solved first: one-hot choices with marginal-coupled edges make it integral as a rule
+    (the tree's only node), so the branch and bound runs only when some choice comes out fractional.
+    """
+    import highspy
+
+    lp = highspy.HighsLp()
+    lp.num_col_, lp.num_row_ = len(cost), len(lo)
+    lp.col_cost_, lp.col_lower_, lp.col_upper_ = cost, np.zeros(len(cost)), np.ones(len(cost))
+    lp.row_lower_, lp.row_upper_ = lo, hi
+    lp.a_matrix_.format_ = highspy.MatrixFormat.kColwise
+    lp.a_matrix_.start_, lp.a_matrix_.index_, lp.a_matrix_.value_ = matrix
+    solver = highspy.Highs()
+    solver.setOptionValue("output_flag", False)
+    # a node limit, not a time limit: the result must not depend on how busy the machine is, since every
+    # process compiles its own copy of the plan and all must agree
+    solver.setOptionValue("mip_max_nodes", NODE_LIMIT)
+    solver.setOptionValue("time_limit", float(time_limit))
+    solver.passModel(lp)
+    solver.run()
+    if solver.getModelStatus() == highspy.HighsModelStatus.kOptimal:
+        x = np.array(solver.getSolution().col_value)
+        if np.all(np.minimum(x[:n_choice], 1 - x[:n_choice]) <= 1e-7):
+            return x
+    lp.integrality_ = [highspy.HighsVarType.kInteger] * n_choice + \
+        [highspy.HighsVarType.kContinuous] * (len(cost) - n_choice)
+    solver.passModel(lp)
+    solver.run()
+    if not solver.getSolution().value_valid:
+        return None
+    return np.array(solver.getSolution().col_value)
 
 
 def select(g: LogicalGraph, model: boxing.CostModel, factors: tuple[Any, ...], method: str = "ilp",
            time_limit: float = 600.0, agree: Callable[[Any], Any] | None = None) -> Selection:
     """Chooses every op's signature; rewrites ``n.in_sbps`` and the output values' SBPs in place.
+
+    ``method``: "ilp" ties structurally repeated nodes (:mod:`.repeat`: a 24-layer model costs about one
+    layer's variables), "ilp-unmerged" gives every node its own variables (slower; it checks the merge), and
+    "greedy" keeps the traced choice.
 
     On 1-D meshes one integer program covers every signature. On n-D meshes the full product of per-axis
     choices squares (or cubes) the program, so the search sweeps the mesh axes instead: each sweep solves
@@ -335,32 +480,45 @@ def select(g: LogicalGraph, model: boxing.CostModel, factors: tuple[Any, ...], m
     worse than greedy. ``agree`` makes every process adopt one process's choice (a solver may break ties
     differently under load, and processes must run one plan).
     """
+    if method not in METHODS:
+        raise ValueError(f"SBP selection method must be one of {METHODS}, but got {method!r}")
     start = time.perf_counter()
     costs = _Costs(g, model, factors)
     current = {n.id: Candidate(tuple(n.in_sbps), tuple(g.values[v].sbp for v in n.outputs))
                for n in g.nodes if n.kind == "op"}
+    if method == "ilp":
+        classes = op_classes(g, lambda n: (signature_key(g, n), current[n.id]))
+    else:
+        classes = {nid: nid for nid in current}
     axes = sorted({axis for n in g.nodes if n.kind == "op"
                    for axis, size in enumerate(_placement_of(g, n).hierarchy) if size > 1})
     sweeps: list[int | None] = [None] if len(axes) <= 1 else [*axes, *axes]
-    first = _Problem(g, costs, current, sweeps[0])
+    first = _Problem(g, costs, current, sweeps[0], classes)
     greedy_cost = best_cost = first.cost_of(first.current)
     method_used, n_var = "greedy", 0
-    if method == "ilp" and current:
+    if method != "greedy" and current:
         method_used = "ilp (greedy was as good)"
+        settled: set[int | None] = set()  # sweeps solved since the last accepted change: solving again is moot
         for free in sweeps:
-            p = first if free == sweeps[0] and _built_around(first, current) else _Problem(g, costs, current, free)
+            if free in settled:
+                continue
+            p = first if free == sweeps[0] and _built_around(first, current) else \
+                _Problem(g, costs, current, free, classes, like=first)
             solved, size = _solve_ilp(p, time_limit)
             n_var = max(n_var, size)
+            settled.add(free)
             if solved is None:
                 continue
             cost = p.cost_of(solved)
-            if cost < best_cost - 1e-12:
+            if cost < best_cost * (1 - MIN_GAIN):
                 current = {nid: p.choices[nid][k] for nid, k in solved.items()}
                 best_cost, method_used = cost, "ilp" if len(sweeps) == 1 else "ilp per mesh axis"
+                settled = {free}
     if agree is not None:
         current = agree(current)
     _apply(g, current)
-    return Selection(greedy_cost, best_cost, method_used, time.perf_counter() - start, n_var)
+    return Selection(greedy_cost, best_cost, method_used, time.perf_counter() - start, n_var,
+                     len(set(classes.values())))
 
 
 def _built_around(p: _Problem, current: dict[int, Candidate]) -> bool:

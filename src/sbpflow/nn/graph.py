@@ -41,9 +41,10 @@ from .. import random as sbp_random
 from ..autograd import enable_grad
 from ..comm.simulated import SimulatedBackend
 from ..errors import SbpflowError
-from ..graph.compile import CompileReport, compile_graph
+from ..graph.compile import CompileReport, compile_graph, gc_paused
 from ..graph.ir import LogicalGraph
 from ..graph.physical import PhysicalPlan
+from ..graph.select import METHODS
 from ..graph.trace import ACTIVE, TraceError, Tracer, user_line
 from ..runtime.inorder import RANDOM_FEED, run_plan
 from ..sbp import format_nd
@@ -60,7 +61,7 @@ class GraphConfig:
     def __init__(self) -> None:
         self.micro_batches = 1
         self.executor = "actors"  # "actors" (the actor runtime) or "inorder" (the reference executor)
-        self.sbp_selection = "ilp"  # "ilp" (global) or "greedy" (eager's per-op choice)
+        self.sbp_selection = "ilp"  # "ilp" (global, repeated layers tied), "ilp-unmerged" or "greedy" (eager's choice)
         self.trace_path: str | None = None  # the actor runtime's timeline file (else SBPFLOW_TRACE, else none)
         self.auto_parallel: tuple[int, Any] | None = None  # (devices, profile): plan the model at the first call
         self.pipeline_schedule = "1f1b"  # how stages on several placements take turns (graph.pipeline)
@@ -138,8 +139,8 @@ class GraphConfig:
         self.auto_parallel = (devices, profile)
 
     def set_sbp_selection(self, name: str) -> None:
-        if name not in ("ilp", "greedy"):
-            raise SbpflowError(f"SBP selection must be 'ilp' or 'greedy', but got {name!r}")
+        if name not in METHODS:
+            raise SbpflowError(f"SBP selection must be one of {METHODS}, but got {name!r}")
         self.sbp_selection = name
 
 
@@ -251,7 +252,8 @@ class Graph:
             if self._cache:
                 warnings.warn(f"{type(self).__name__}: compiling again for new input metadata {_key_text(key)}",
                               GraphRecompileWarning, stacklevel=2)
-            compiled = self._compile(args)
+            with gc_paused():
+                compiled = self._compile(args)
             self._cache[key] = compiled
             object.__setattr__(self, "_last", compiled)
             if SHOW:
@@ -273,7 +275,8 @@ class Graph:
         key = _input_key(args)
         compiled = self._cache.get(key)
         if compiled is None:
-            compiled = self._cache[key] = self._compile(args)
+            with gc_paused():
+                compiled = self._cache[key] = self._compile(args)
         object.__setattr__(self, "_last", compiled)
         return compiled
 
@@ -303,7 +306,7 @@ class Graph:
     # -- compile ---------------------------------------------------------------------------------
 
     def _compile(self, args: Sequence[Any]) -> Compiled:
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         m = self.config.micro_batches
         self._apply_zero()
         for entry in self._optimizers:
@@ -332,14 +335,14 @@ class Graph:
             for name, t in variables.items():
                 t._shards, t.grad, t._version = saved[name]
                 t._lazy = None
-        trace_s = time.perf_counter() - start
+        trace_s, trace_cpu = time.perf_counter() - start, time.process_time() - cpu_start
         plan, logical, report = compile_graph(tracer.graph, self.config.sbp_selection, agree=_rank0_choice,
                                               schedule=self.config.pipeline_schedule,
                                               prefetch=self.config.zero_prefetch)
-        start = time.perf_counter()
-        plan.peak_bytes = _memory_plan(plan)
-        report.times["memory plan"] = time.perf_counter() - start
+        with report.timing("memory plan"):
+            plan.peak_bytes = _memory_plan(plan)
         report.times = {"trace": trace_s, **report.times}
+        report.cpu_times = {"trace": trace_cpu, **report.cpu_times}
         out_bufs = [(n.name, plan.bufs[n.inputs[0]]) for n in plan.nodes if n.kind == "output" and n.name != FOUND_INF]
         constants = {f"const{vid}": shards for vid, shards in tracer.constants.items()}
         return Compiled(logical, plan, report, inputs, out_bufs, tree, variables, constants, feeds,
