@@ -58,3 +58,20 @@ def test_corpus_is_fixed_stdlib_text() -> None:
     assert data.decode(data.encode("def f(x):")) == "def f(x):"
     ids, targets = next(data.batches(2, 8, seed=0))
     assert ids.shape == targets.shape == (2, 8) and (ids[:, 1:] == targets[:, :-1]).all()
+
+
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
+def test_demo_zero_and_amp_flags(tmp_path: Path, graph: bool) -> None:
+    """--zero shards state on the data axis without changing the numbers; --amp bf16 changes them a little."""
+    base = ["--devices", "2", "--strategy", "dp=2", "--steps", "3", "--out", str(tmp_path), *TINY]
+    base += ["--graph"] if graph else []
+    plain = main(base, print_fn=lambda _: None)["losses"]
+    lines: list[str] = []
+    zero = main([*base, "--zero", "2"], print_fn=lines.append)
+    np.testing.assert_allclose(zero["losses"], plain, rtol=1e-5)
+    assert "memory: ZeRO stage 2 on the data axis" in lines
+    if not graph:  # eager reduces gradients into their shards; the compiler may gather the tiny model's activations
+        assert "reduce_scatter" in zero["comm"]
+    amp = main([*base, "--amp", "bf16"], print_fn=lambda _: None)["losses"]
+    np.testing.assert_allclose(amp, plain, rtol=3e-2)
+    assert amp != plain  # bf16 matmuls round

@@ -65,6 +65,7 @@ class Trainer:
         return ids_t, targets_t
 
     graph: Any = None  # a compiled TrainStep, when training in graph mode
+    amp: torch.dtype | None = None  # eager mixed precision: the forward runs under sbpflow.autocast(amp)
 
     def step(self, ids: Any, targets: Any, phases: PhaseLog | None = None) -> float:
         """Forward, backward, gradient clipping and an optimizer step; returns the loss."""
@@ -72,7 +73,7 @@ class Trainer:
         ids_t, targets_t = self.inputs(ids, targets)
         if self.graph is not None:
             return scalar(self.graph(ids_t, targets_t), self.strategy)
-        with phases("forward"):
+        with phases("forward"), sbpflow.autocast(self.amp or torch.bfloat16, enabled=self.amp is not None):
             _, loss = self.model(ids_t, targets_t)
         assert loss is not None
         self.optimizer.zero_grad()
@@ -110,10 +111,13 @@ class TrainStep(nn.Graph):
 def build(config: GPTConfig, strategy: str | dict[str, int] | None, *, seed: int = 0, lr: float = 1e-3,
           weight_decay: float = 0.1, clip: float | None = 1.0, device: str = "cpu", graph: bool = False,
           micro_batches: int = 1, executor: str | None = None, schedule: str | None = None,
-          virtual_stages: int = 1) -> Trainer:
+          virtual_stages: int = 1, zero: int = 0, amp: torch.dtype | None = None) -> Trainer:
     """Builds the GPT from ``seed``, places it under ``strategy`` (None or "single": no placement), adds AdamW.
 
     ``virtual_stages`` > 1 cuts the blocks into that many stages per pipeline placement (interleaved 1F1B).
+    ``zero`` (1-3) shards optimizer state, gradients and parameters on the data axis (``sbpflow.optim.zero``,
+    or ``config.enable_zero`` in graph mode); ``amp`` (``torch.bfloat16``) runs matmuls in low precision with fp32
+    master weights (``sbpflow.autocast``, or ``config.enable_amp``).
 
     Weight decay applies to matrices (weights and embeddings), not to biases and LayerNorm scales, as in nanoGPT.
     """
@@ -126,9 +130,15 @@ def build(config: GPTConfig, strategy: str | dict[str, int] | None, *, seed: int
         {"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
         {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
     ]
-    opt = optim.AdamW(groups, lr=lr, betas=(0.9, 0.95))
+    opt: optim.Optimizer = optim.AdamW(groups, lr=lr, betas=(0.9, 0.95))
     step = TrainStep(model, opt, clip, micro_batches, executor, schedule) if graph else None
-    return Trainer(model, placed, opt, clip, step)
+    if zero and step is not None:
+        step.config.enable_zero(zero)
+    elif zero:
+        opt = optim.zero(opt, zero, model=model)
+    if amp is not None and step is not None:
+        step.config.enable_amp(amp)
+    return Trainer(model, placed, opt, clip, step, None if step is not None else amp)
 
 
 def _is_single(strategy: str | dict[str, int] | None) -> bool:
@@ -382,6 +392,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--pipeline-schedule", choices=["1f1b", "gpipe", "zero_bubble", "interleaved_1f1b"],
                         default=None, help="how pipeline stages take turns in graph mode (default 1f1b); the grid "
                                            "is printed")
+    parser.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3], metavar="STAGE",
+                        help="ZeRO stage on the data axis: 1 shards optimizer state, 2 also gradients, 3 also "
+                        "parameters (default 0: none)")
+    parser.add_argument("--amp", choices=["bf16"], default=None,
+                        help="mixed precision: matmuls in bf16, master weights and the loss in fp32")
     parser.add_argument("--virtual-stages", type=int, default=None, metavar="V",
                         help="stages per pipeline placement, for interleaved_1f1b (default 2 there, else 1)")
     return parser
@@ -442,11 +457,16 @@ def _run(args: argparse.Namespace, degrees: dict[str, int], print_fn: Callable[[
     try:
         trainer = build(config, dict(degrees), seed=args.seed, lr=args.lr, graph=args.graph,
                         micro_batches=args.micro_batches, schedule=args.pipeline_schedule,
-                        virtual_stages=_virtual_stages(args))
+                        virtual_stages=_virtual_stages(args), zero=args.zero,
+                        amp=torch.bfloat16 if args.amp == "bf16" else None)
     except sbpflow.SbpflowError as e:  # e.g. more pipeline stages than blocks
         raise SystemExit(f"sbpflow demo: {e}") from None
     assert trainer.strategy is not None
     print_fn(trainer.strategy.describe())
+    if args.zero or args.amp:
+        extras = ([f"ZeRO stage {args.zero} on the data axis"] if args.zero else []) + \
+            ([f"mixed precision {args.amp} (fp32 master weights)"] if args.amp else [])
+        print_fn("memory: " + ", ".join(extras))
     if trainer.graph is not None:
         os.makedirs(args.out, exist_ok=True)
         trainer.graph.config.trace_path = os.path.join(args.out, "timeline.json")
