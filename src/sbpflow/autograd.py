@@ -130,17 +130,27 @@ class Node:
                  save_outputs: bool) -> None:
         tensor_cls: Any = _TENSOR or _tensor_class()
         self.op = op
-        self.args = tuple(inputs)  # tensors and scalars, in call order
-        tensors: tuple[Tensor, ...] = tuple([a for a in inputs if isinstance(a, tensor_cls)])
-        self.inputs = tensors
-        self.versions = tuple([t._version for t in tensors])
+        self.args = args = tuple(inputs)  # tensors and scalars, in call order
+        tensors: list[Tensor] = []
+        versions: list[int] = []
+        needs: list[bool] = []
+        for a in args:  # one pass: the tensor inputs, their versions, which need a gradient
+            if isinstance(a, tensor_cls):
+                tensors.append(a)
+                versions.append(a._version)
+                needs.append(a.requires_grad)
+        self.inputs = tuple(tensors)
+        self.versions = tuple(versions)
         self.outputs = tuple([o.detach() for o in outputs]) if save_outputs else ()
-        self.out_refs = tuple([weakref.ref(o) for o in outputs])
-        # with several outputs, one may be dropped before backward (max's indices): keep what its zeros need
-        self.out_meta = (tuple((tuple(o.shape), o.dtype, o._placement, o._sbp) for o in outputs)
-                         if len(outputs) > 1 else ())
+        if len(outputs) == 1:
+            self.out_refs = (weakref.ref(outputs[0]),)
+            self.out_meta = ()
+        else:
+            self.out_refs = tuple([weakref.ref(o) for o in outputs])
+            # with several outputs, one may be dropped before backward (max's indices): keep what its zeros need
+            self.out_meta = tuple([(tuple(o.shape), o.dtype, o._placement, o._sbp) for o in outputs])
         self.attrs = attrs
-        self.needs = tuple([t.requires_grad for t in tensors])
+        self.needs = tuple(needs)
         self.freed = False
 
     @property
@@ -159,6 +169,17 @@ def _tensor_class() -> type:
 
 
 _TENSOR: type | None = None
+_AMP: Any = None
+
+
+def _amp_module() -> Any:
+    # amp imports the ops, which import this module: looked up once, on first use, not per call
+    global _AMP
+    if _AMP is None:
+        from . import amp
+
+        _AMP = amp
+    return _AMP
 
 
 class BackwardCtx:
@@ -425,11 +446,9 @@ def _reduce_grad(grad: Tensor, placement: Any, sbp: Any, F: Any) -> Tensor:
 def _coalescible(leaf: Tensor, grad: Tensor) -> bool:
     """A broadcast leaf whose gradient is partial on some mesh axes and broadcast on the others: the reduction
     is elementwise, so concatenated buffers reduce to the concatenated results."""
-    from . import amp
-
     if leaf._placement is None or leaf._grad_sbp is not None or grad._sbp is None or partial_sum not in grad._sbp:
         return False  # asked per leaf, per backward: cheap checks first
-    if amp.grad_comm_dtype() is not None:
+    if (_AMP or _amp_module()).grad_comm_dtype() is not None:
         return False  # reduced one by one in the narrow dtype (_reduce_grad)
     return (grad._placement == leaf._placement and grad._dtype == leaf._dtype
             and all(s == broadcast for s in leaf._sbp or ()) and all(s in (broadcast, partial_sum) for s in grad._sbp))

@@ -42,6 +42,8 @@ from .. import amp, boxing
 from .. import meta as _meta
 from .._layout import Box, shard_box
 from ..autograd import Node, is_grad_enabled
+from .. import comm as _comm
+from ..boxing.plan import _cost_model as _cost_model_stack
 from ..comm import get_backend
 from ..distributed import activity
 from ..errors import AutocastWarning, OpError, SbpflowError
@@ -269,7 +271,8 @@ def _adopt_torch_tensors(opdef: OpDef, args: Sequence[Any], is_global: bool) -> 
 def _record(opdef: OpDef, args: Sequence[Any], attrs: dict[str, Any], outs: tuple[Tensor, ...]) -> None:
     node = Node(opdef, args, outs, attrs, opdef.save_outputs)
     for i, o in enumerate(outs if opdef.diff_outputs is None else outs[:opdef.diff_outputs]):
-        dtype = o._dtype if o._local is None else o._local.dtype
+        local = o._local
+        dtype = o._dtype if local is None else local.dtype
         if dtype.is_floating_point or dtype.is_complex:  # type: ignore[union-attr]
             o.requires_grad = True
             o.grad_fn = node
@@ -370,19 +373,21 @@ def _apply_global(opdef: OpDef, args: Sequence[Any], attrs: dict[str, Any]) -> A
     for a in args:
         if isinstance(a, Tensor):
             meta = meta or a._shards is None
+            here = a._placement
             if placement is None:
-                placement = a._placement
-            elif a._placement is not placement and a._placement != placement:
+                placement = here
+            elif here is not placement and here != placement:
                 raise OpError(
-                    f"op {opdef.name!r} needs all inputs on one placement, but got {placement} and {a._placement} "
+                    f"op {opdef.name!r} needs all inputs on one placement, but got {placement} and {here} "
                     f"({_describe_args(args)}); move one with .to_global(placement=...)"
                 )
             key_args.append((a._shape, a._dtype, a._sbp))
         else:
             key_args.append(type(a))
     assert placement is not None  # apply() saw a global tensor
-    key = (opdef.name, placement, tuple(key_args), _attrs_key(attrs), id(boxing.get_cost_model()),
-           get_backend().cost_factors())
+    backend = _comm._backend or get_backend()
+    key = (opdef.name, placement, tuple(key_args), _attrs_key(attrs) if attrs else (), id(_cost_model_stack[-1]),
+           backend.cost_factors())
     decision = _global_cache.get(key)
     if decision is None:
         _keep_cost_model_alive()
@@ -510,16 +515,34 @@ def run(opdef: OpDef, decision: Decision, args: Sequence[Any], attrs: dict[str, 
     values = list(args)
     results: dict[int, Any] = {}
     kernel = opdef.kernel
-    for r in get_backend().owned(placement.flat_ranks):
-        for pos, shards in zip(positions, shard_maps, strict=True):
+    shard_aware = opdef.shard_aware
+    for r in _owned(placement):
+        for pos, shards in zip(positions, shard_maps):  # equal lengths: both follow decision.positions
             values[pos] = shards[r]  # type: ignore[index]  # global tensors always hold a shard dict
-        if opdef.shard_aware:
+        if shard_aware:
             results[r] = kernel(_shard_ctx(r, placement, decision, args), *values, **attrs)
         else:
             results[r] = kernel(*values, **attrs)
     if opdef.data_dependent:
         decision = _resolved(opdef, decision, results)
     return _wrap(decision, placement, results)
+
+
+# The ranks of a placement this process owns, for the backend in force: asked on every dispatch, and a function of
+# (backend, placement) alone. Rebuilt when another backend is installed.
+_owned_ranks: dict[Placement, list[int]] = {}
+_owned_backend: list[Any] = [None]
+
+
+def _owned(placement: Placement) -> list[int]:
+    backend = _comm._backend or get_backend()
+    if backend is not _owned_backend[0]:
+        _owned_ranks.clear()
+        _owned_backend[0] = backend
+    ranks = _owned_ranks.get(placement)
+    if ranks is None:
+        ranks = _owned_ranks[placement] = backend.owned(placement.flat_ranks)
+    return ranks
 
 
 def _resolved(opdef: OpDef, decision: Decision, results: dict[int, Any]) -> Decision:
@@ -599,15 +622,19 @@ def _meta_outputs(opdef: OpDef, decision: Decision, placement: Placement, args: 
 def _wrap(decision: Decision, placement: Placement, results: dict[int, Any]) -> Any:
     metas, sbps = decision.out_metas, decision.out_sbps
     if len(metas) == 1:
-        out = Tensor._from_shards(metas[0].shape, metas[0].dtype, placement, sbps[0], results)
+        meta = metas[0]
+        out = _from_shards(Tensor, meta.shape, meta.dtype, placement, sbps[0], results)
         out._boxed = {}
         return out
     outs = []
     for j, m in enumerate(metas):
         shards = {r: res[j] for r, res in results.items()}
-        outs.append(Tensor._from_shards(m.shape, m.dtype, placement, sbps[j], shards))
+        outs.append(_from_shards(Tensor, m.shape, m.dtype, placement, sbps[j], shards))
         outs[-1]._boxed = {}
     return tuple(outs)
+
+
+_from_shards = Tensor._from_shards.__func__  # type: ignore[attr-defined]  # the classmethod's function: one call less
 
 
 def describe_decision(opdef: OpDef, decision: Decision) -> str:
