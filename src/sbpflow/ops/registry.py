@@ -41,7 +41,8 @@ import torch
 from .. import amp, boxing
 from .. import meta as _meta
 from .._layout import Box, shard_box
-from ..autograd import Node, is_grad_enabled
+from ..autograd import Node
+from ..autograd import _mode as _grad_mode
 from .. import comm as _comm
 from ..boxing.plan import _cost_model as _cost_model_stack
 from ..comm import get_backend
@@ -180,13 +181,20 @@ def apply(opdef: OpDef, args: Sequence[Any], attrs: dict[str, Any]) -> Any:
     """Runs ``opdef`` on ``args``: meta, signature choice, boxing, kernels, autograd record."""
     if amp._state.dtype is not None:  # inside sbpflow.autocast: the op's policy casts its inputs first
         args = amp.cast_inputs(opdef.name, args)
-    # one pass over the args: local or global (never both), and whether any needs a gradient
+    # One pass over the args: local or global (never both), whether any needs a gradient, and the argument part
+    # of the dispatch cache key (_local_key / _global_key, built here so that the args are walked once).
     is_global: bool | None = None
     needs_grad = False
     has_torch = False
+    placement = None
+    one_placement = True
+    key_args: list[Any] = []
     for a in args:
         if isinstance(a, Tensor):
-            here = a._local is None
+            if a._view_of is not None:  # a view whose base was written since reads the base's new values
+                refresh(a)
+            local = a._local
+            here = local is None
             if is_global is None:
                 is_global = here
             elif here != is_global:
@@ -194,25 +202,59 @@ def apply(opdef: OpDef, args: Sequence[Any], attrs: dict[str, Any]) -> Any:
                     f"op {opdef.name!r} got local and global tensors together: {_describe_args(args)}; "
                     "convert the local ones with .to_global(placement, sbp)"
                 )
-            needs_grad = needs_grad or a.requires_grad
-            if a._view_of is not None:  # a view whose base was written since reads the base's new values
-                refresh(a)
+            if not needs_grad and a.requires_grad:
+                needs_grad = True
+            if here:
+                where = a._placement
+                if placement is None:
+                    placement = where
+                elif where is not placement and where != placement:
+                    one_placement = False  # _apply_global raises, naming the args as it sees them
+                sbp = a._sbp
+                entry = _sbp_tokens.get(id(sbp))
+                key_args.append((a._shape, a._dtype, (entry if entry is not None and entry[0] is sbp
+                                                      else _sbp_token(sbp))[1]))
+            else:
+                key_args.append((local.shape, local.dtype))  # type: ignore[union-attr]
         elif isinstance(a, torch.Tensor):
             has_torch = True
+        else:
+            key_args.append(type(a))
     if has_torch:
         args = _adopt_torch_tensors(opdef, args, bool(is_global))
         is_global = bool(is_global)
-    if is_global is None:
+        key = None  # the adopted tensors change the key: built again from the new args
+    elif is_global is None:
         raise OpError(f"op {opdef.name!r} needs at least one tensor argument")
+    else:
+        key = tuple(key_args) if one_placement else None
     if _autocast_active():
         _warn_autocast()
         with _autocast_off():  # else torch would cast inside some kernels (matmul), off the dtypes the meta promised
-            outputs = _apply_global(opdef, args, attrs) if is_global else _apply_local(opdef, args, attrs)
+            outputs = (_apply_global(opdef, args, attrs, key, placement) if is_global
+                       else _apply_local(opdef, args, attrs, key))
+    elif is_global:
+        outputs = _apply_global(opdef, args, attrs, key, placement)
     else:
-        outputs = _apply_global(opdef, args, attrs) if is_global else _apply_local(opdef, args, attrs)
-    if needs_grad and opdef.differentiable and is_grad_enabled():
+        outputs = _apply_local(opdef, args, attrs, key)
+    if needs_grad and opdef.differentiable and _grad_mode.grad_enabled:
         _record(opdef, args, attrs, outputs if isinstance(outputs, tuple) else (outputs,))
     return outputs
+
+
+# The dispatch caches key an nd-SBP by a small int, not by its value: hashing a tuple of SBP dataclasses runs a
+# Python __hash__ per entry on every dispatch. id(sbp) -> (sbp, token); the entry holds the tuple itself, so its
+# id is never reused while the entry lives, and equal SBPs share one token (_sbp_values).
+_sbp_tokens: dict[int, tuple[Any, int]] = {}
+_sbp_values: dict[Any, int] = {}
+
+
+def _sbp_token(sbp: Any) -> tuple[Any, int]:
+    if len(_sbp_tokens) >= 65536:  # bounded: SBP tuples built once and dropped (to_global calls) come and go
+        _sbp_tokens.clear()
+    token = _sbp_values.setdefault(sbp, len(_sbp_values))
+    entry = _sbp_tokens[id(sbp)] = (sbp, token)
+    return entry
 
 
 _autocast_active = torch._C._is_any_autocast_enabled  # one C call per op: cheap enough for every dispatch
@@ -312,12 +354,12 @@ def _infer(opdef: OpDef, args: Sequence[Any], metas: Sequence[Any], attrs: dict[
 _local_cache: dict[Any, tuple[tuple[Meta, ...], ShardCtx | None]] = {}
 
 
-def _apply_local(opdef: OpDef, args: Sequence[Any], attrs: dict[str, Any]) -> Any:
+def _apply_local(opdef: OpDef, args: Sequence[Any], attrs: dict[str, Any], key_args: Any = None) -> Any:
     # the key is built from torch's own Size and dtype: no Meta objects on the hot path
-    key = (opdef.name,  # every tensor argument is local here (apply checked), so _local is set
-           tuple([(a._local.shape, a._local.dtype) if isinstance(a, Tensor) else type(a)  # type: ignore[union-attr]
-                  for a in args]),
-           _attrs_key(attrs))
+    if key_args is None:  # every tensor argument is local here (apply checked), so _local is set
+        key_args = tuple([(a._local.shape, a._local.dtype) if isinstance(a, Tensor) else type(a)  # type: ignore[union-attr]
+                          for a in args])
+    key = (opdef.name, key_args, _attrs_key(attrs) if attrs else ())
     cached = _local_cache.get(key)
     if cached is None:
         metas = tuple(_arg_meta(a) for a in args)
@@ -364,15 +406,36 @@ class Decision:
 _global_cache: dict[Any, Decision] = {}
 
 
-def _apply_global(opdef: OpDef, args: Sequence[Any], attrs: dict[str, Any]) -> Any:
+def _apply_global(opdef: OpDef, args: Sequence[Any], attrs: dict[str, Any], key_args: Any = None,
+                  placement: Placement | None = None) -> Any:
     if _trace.ACTIVE:  # nn.Graph is tracing build(): record a node, run nothing
         return _trace.record_op(opdef, args, attrs)
+    if key_args is None:
+        placement, key_args = _global_key(opdef, args)
+    assert placement is not None  # apply() saw a global tensor
+    backend = _comm._backend or get_backend()
+    key = (opdef.name, placement, key_args, _attrs_key(attrs) if attrs else (), id(_cost_model_stack[-1]),
+           backend.cost_factors())
+    decision = _global_cache.get(key)
+    if decision is None:
+        _keep_cost_model_alive()
+        decision = decide(opdef, args, attrs, placement)
+        _global_cache[key] = decision
+    for pos in decision.positions:
+        if args[pos]._shards is None:  # a meta tensor (sbpflow.meta_init): metadata in, metadata out
+            return _meta_outputs(opdef, decision, placement, args)
+    if decision.boxes:
+        with activity(opdef.activity):  # named in comm errors raised while its inputs are boxed
+            return run(opdef, decision, args, attrs, placement)
+    return run(opdef, decision, args, attrs, placement)
+
+
+def _global_key(opdef: OpDef, args: Sequence[Any]) -> tuple[Placement | None, tuple[Any, ...]]:
+    """The common placement and the argument part of the dispatch key (what apply builds in its own pass)."""
     placement = None
     key_args: list[Any] = []
-    meta = False
     for a in args:
         if isinstance(a, Tensor):
-            meta = meta or a._shards is None
             here = a._placement
             if placement is None:
                 placement = here
@@ -381,24 +444,13 @@ def _apply_global(opdef: OpDef, args: Sequence[Any], attrs: dict[str, Any]) -> A
                     f"op {opdef.name!r} needs all inputs on one placement, but got {placement} and {here} "
                     f"({_describe_args(args)}); move one with .to_global(placement=...)"
                 )
-            key_args.append((a._shape, a._dtype, a._sbp))
+            sbp = a._sbp
+            entry = _sbp_tokens.get(id(sbp))
+            key_args.append((a._shape, a._dtype, (entry if entry is not None and entry[0] is sbp
+                                                  else _sbp_token(sbp))[1]))
         else:
             key_args.append(type(a))
-    assert placement is not None  # apply() saw a global tensor
-    backend = _comm._backend or get_backend()
-    key = (opdef.name, placement, tuple(key_args), _attrs_key(attrs) if attrs else (), id(_cost_model_stack[-1]),
-           backend.cost_factors())
-    decision = _global_cache.get(key)
-    if decision is None:
-        _keep_cost_model_alive()
-        decision = decide(opdef, args, attrs, placement)
-        _global_cache[key] = decision
-    if meta:  # a meta tensor (sbpflow.meta_init): metadata in, metadata out
-        return _meta_outputs(opdef, decision, placement, args)
-    if decision.boxes:
-        with activity(opdef.activity):  # named in comm errors raised while its inputs are boxed
-            return run(opdef, decision, args, attrs, placement)
-    return run(opdef, decision, args, attrs, placement)
+    return placement, tuple(key_args)
 
 
 _cost_models: dict[int, boxing.CostModel] = {}  # keeps every model that keyed a decision alive, so ids stay unique
