@@ -170,6 +170,17 @@ def _tensor_class() -> type:
 
 _TENSOR: type | None = None
 _AMP: Any = None
+_FUNCTIONAL: Any = None
+
+
+def _functional() -> Any:
+    # ops.functional imports this module through the registry: looked up once, on first use, not per call
+    global _FUNCTIONAL
+    if _FUNCTIONAL is None:
+        from .ops import functional
+
+        _FUNCTIONAL = functional
+    return _FUNCTIONAL
 
 
 def _amp_module() -> Any:
@@ -210,8 +221,7 @@ def zero_grads(params: Iterable[Tensor], set_to_none: bool = True) -> None:
 
 def backward(roots: Sequence[Tensor], grads: Sequence[Tensor | None], retain_graph: bool = False) -> None:
     """Accumulates d(roots)/d(leaf) into every reachable leaf's ``.grad``."""
-    from .ops import functional as F
-
+    F = _FUNCTIONAL or _functional()
     with _set_grad(False):
         for leaf, grad in _leaf_gradients(roots, grads, retain_graph, _mode.coalesce):
             _accumulate_leaf(leaf, grad, F)
@@ -239,10 +249,8 @@ def _leaf_gradients(roots: Sequence[Tensor], grads: Sequence[Tensor | None], ret
                     coalesce: bool, leaf_hooks: bool = True) -> list[tuple[Tensor, Tensor]]:
     """Runs backward from ``roots``; returns each reached leaf with its summed gradient (reduced in buckets when
     ``coalesce``)."""
-    from . import amp
-    from .ops import functional as F
-
-    with amp.suspended():  # gradients follow the dtypes forward chose, as in torch
+    F = _FUNCTIONAL or _functional()
+    with (_AMP or _amp_module()).suspended():  # gradients follow the dtypes forward chose, as in torch
         return _run_nodes(roots, grads, retain_graph, coalesce, F, leaf_hooks)
 
 
@@ -258,11 +266,19 @@ def _run_nodes(roots: Sequence[Tensor], grads: Sequence[Tensor | None], retain_g
     # local graphs have nothing to reduce; a traced one (nn.Graph) has no shards yet: its plan reduces
     coalesce = coalesce and any(r._local is None and r._lazy is None for r in roots)
     bucketer = _Bucketer(nodes, roots, _mode.bucket_bytes) if coalesce else None
+    pop = pending.pop
     for node in nodes:
-        outs = [pending.pop((id(node), i), None) for i in range(len(node.out_refs))]
-        if not all(g is None for g in outs):
+        nid = id(node)
+        if len(node.out_refs) == 1:  # most ops: one output, no list of gradients to scan
+            first = pop((nid, 0), None)
+            outs: list[Tensor | None] | None = None if first is None else [first]
+        else:
+            outs = [pop((nid, i), None) for i in range(len(node.out_refs))]
+            if all(g is None for g in outs):
+                outs = None
+        if outs is not None:
             outs = _run_output_hooks(node, outs)
-            in_grads = _call_backward(node, outs)
+            in_grads = _call_backward(node, outs)  # as many as node.inputs (checked there)
             for t, g in zip(node.inputs, in_grads, strict=True):
                 if g is not None and t.requires_grad:
                     if g.dtype != t.dtype and g.dtype.is_floating_point and t.dtype.is_floating_point:
@@ -342,7 +358,7 @@ def _send(t: Tensor, grad: Tensor, pending: dict, leaf_grads: dict,  # type: ign
 def _run_output_hooks(node: Node, outs: list[Tensor | None]) -> list[Tensor | None]:
     for i, ref in enumerate(node.out_refs):
         t = ref()
-        if t is None or outs[i] is None:
+        if t is None or outs[i] is None or not (t._hooks or t._retains_grad):
             continue
         g = outs[i]
         for hook in t._hooks or ():
@@ -365,12 +381,17 @@ def _call_backward(node: Node, outs: list[Tensor | None]) -> Sequence[Tensor | N
                 f"an input of {node.op.name} ({t._describe()}) was modified in place after the op used it; "
                 "its gradient would be wrong"
             )
-    if node.op.backward_fn is None:
-        raise AutogradError(f"op {node.op.name!r} has no gradient")
-    if node.op.diff_outputs is not None:
-        outs = outs[:node.op.diff_outputs]  # the other outputs are saved statistics: no gradient
-    filled = [g if g is not None else _zeros_for(node, i) for i, g in enumerate(outs)]
-    grads = node.op.backward_fn(BackwardCtx(node), *filled)
+    op = node.op
+    backward_fn = op.backward_fn
+    if backward_fn is None:
+        raise AutogradError(f"op {op.name!r} has no gradient")
+    if op.diff_outputs is not None:
+        outs = outs[:op.diff_outputs]  # the other outputs are saved statistics: no gradient
+    for g in outs:  # (no `None in outs`: that would compare tensors with ==, an op)
+        if g is None:
+            outs = [g if g is not None else _zeros_for(node, i) for i, g in enumerate(outs)]
+            break
+    grads = backward_fn(BackwardCtx(node), *outs)
     if not isinstance(grads, (tuple, list)):
         grads = (grads,)
     if len(grads) != len(node.inputs):

@@ -39,11 +39,11 @@ from typing import Any
 import torch
 
 from .. import amp, boxing
+from .. import comm as _comm
 from .. import meta as _meta
 from .._layout import Box, shard_box
 from ..autograd import Node
 from ..autograd import _mode as _grad_mode
-from .. import comm as _comm
 from ..boxing.plan import _cost_model as _cost_model_stack
 from ..comm import get_backend
 from ..distributed import activity
@@ -569,7 +569,7 @@ def run(opdef: OpDef, decision: Decision, args: Sequence[Any], attrs: dict[str, 
     kernel = opdef.kernel
     shard_aware = opdef.shard_aware
     for r in _owned(placement):
-        for pos, shards in zip(positions, shard_maps):  # equal lengths: both follow decision.positions
+        for pos, shards in zip(positions, shard_maps, strict=True):
             values[pos] = shards[r]  # type: ignore[index]  # global tensors always hold a shard dict
         if shard_aware:
             results[r] = kernel(_shard_ctx(r, placement, decision, args), *values, **attrs)
