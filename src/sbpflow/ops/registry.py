@@ -187,6 +187,7 @@ def apply(opdef: OpDef, args: Sequence[Any], attrs: dict[str, Any]) -> Any:
     needs_grad = False
     has_torch = False
     placement = None
+    where_token = None  # the placement's token (see _token)
     one_placement = True
     key_args: list[Any] = []
     for a in args:
@@ -206,14 +207,17 @@ def apply(opdef: OpDef, args: Sequence[Any], attrs: dict[str, Any]) -> Any:
                 needs_grad = True
             if here:
                 where = a._placement
+                entry = _tokens.get(id(where))
+                if entry is None or entry[0] is not where:
+                    entry = _token(where)
                 if placement is None:
-                    placement = where
-                elif where is not placement and where != placement:
+                    placement, where_token = where, entry[1]
+                elif entry[1] != where_token:
                     one_placement = False  # _apply_global raises, naming the args as it sees them
                 sbp = a._sbp
-                entry = _sbp_tokens.get(id(sbp))
+                entry = _tokens.get(id(sbp))
                 key_args.append((a._shape, a._dtype, (entry if entry is not None and entry[0] is sbp
-                                                      else _sbp_token(sbp))[1]))
+                                                      else _token(sbp))[1]))
             else:
                 key_args.append((local.shape, local.dtype))  # type: ignore[union-attr]
         elif isinstance(a, torch.Tensor):
@@ -231,10 +235,10 @@ def apply(opdef: OpDef, args: Sequence[Any], attrs: dict[str, Any]) -> Any:
     if _autocast_active():
         _warn_autocast()
         with _autocast_off():  # else torch would cast inside some kernels (matmul), off the dtypes the meta promised
-            outputs = (_apply_global(opdef, args, attrs, key, placement) if is_global
+            outputs = (_apply_global(opdef, args, attrs, key, placement, where_token) if is_global
                        else _apply_local(opdef, args, attrs, key))
     elif is_global:
-        outputs = _apply_global(opdef, args, attrs, key, placement)
+        outputs = _apply_global(opdef, args, attrs, key, placement, where_token)
     else:
         outputs = _apply_local(opdef, args, attrs, key)
     if needs_grad and opdef.differentiable and _grad_mode.grad_enabled:
@@ -242,18 +246,20 @@ def apply(opdef: OpDef, args: Sequence[Any], attrs: dict[str, Any]) -> Any:
     return outputs
 
 
-# The dispatch caches key an nd-SBP by a small int, not by its value: hashing a tuple of SBP dataclasses runs a
-# Python __hash__ per entry on every dispatch. id(sbp) -> (sbp, token); the entry holds the tuple itself, so its
-# id is never reused while the entry lives, and equal SBPs share one token (_sbp_values).
-_sbp_tokens: dict[int, tuple[Any, int]] = {}
-_sbp_values: dict[Any, int] = {}
+# The dispatch caches key a placement and an nd-SBP by a small int, not by value: hashing or comparing them runs
+# Python __hash__/__eq__ methods (dataclasses) on every dispatch. id(value) -> (value, token): the entry holds the
+# value itself, so its id is never reused while the entry lives; equal values share one token (_token_of), so
+# tokens compare as the values do.
+_tokens: dict[int, tuple[Any, int]] = {}
+_token_of: dict[Any, int] = {}
 
 
-def _sbp_token(sbp: Any) -> tuple[Any, int]:
-    if len(_sbp_tokens) >= 65536:  # bounded: SBP tuples built once and dropped (to_global calls) come and go
-        _sbp_tokens.clear()
-    token = _sbp_values.setdefault(sbp, len(_sbp_values))
-    entry = _sbp_tokens[id(sbp)] = (sbp, token)
+def _token(value: Any) -> tuple[Any, int]:
+    """``value``'s (value, token) entry, made on first sight of this object."""
+    if len(_tokens) >= 65536:  # bounded: SBP tuples built once and dropped (to_global calls) come and go
+        _tokens.clear()
+    token = _token_of.setdefault(value, len(_token_of))
+    entry = _tokens[id(value)] = (value, token)
     return entry
 
 
@@ -402,19 +408,20 @@ class Decision:
     shard_ctxs: dict[int, ShardCtx] = field(default_factory=dict, compare=False, repr=False)
 
 
-# (op name, placement, (shape, dtype, sbp) or scalar type per arg, attrs) -> Decision
+# (op name, placement token, (shape, dtype, sbp token) or scalar type per arg, attrs, cost model, backend cost
+# factors) -> Decision
 _global_cache: dict[Any, Decision] = {}
 
 
 def _apply_global(opdef: OpDef, args: Sequence[Any], attrs: dict[str, Any], key_args: Any = None,
-                  placement: Placement | None = None) -> Any:
+                  placement: Placement | None = None, where: int | None = None) -> Any:
     if _trace.ACTIVE:  # nn.Graph is tracing build(): record a node, run nothing
         return _trace.record_op(opdef, args, attrs)
     if key_args is None:
-        placement, key_args = _global_key(opdef, args)
+        placement, where, key_args = _global_key(opdef, args)
     assert placement is not None  # apply() saw a global tensor
     backend = _comm._backend or get_backend()
-    key = (opdef.name, placement, key_args, _attrs_key(attrs) if attrs else (), id(_cost_model_stack[-1]),
+    key = (opdef.name, where, key_args, _attrs_key(attrs) if attrs else (), id(_cost_model_stack[-1]),
            backend.cost_factors())
     decision = _global_cache.get(key)
     if decision is None:
@@ -426,11 +433,11 @@ def _apply_global(opdef: OpDef, args: Sequence[Any], attrs: dict[str, Any], key_
             return _meta_outputs(opdef, decision, placement, args)
     if decision.boxes:
         with activity(opdef.activity):  # named in comm errors raised while its inputs are boxed
-            return run(opdef, decision, args, attrs, placement)
-    return run(opdef, decision, args, attrs, placement)
+            return run(opdef, decision, args, attrs, placement, where)
+    return run(opdef, decision, args, attrs, placement, where)
 
 
-def _global_key(opdef: OpDef, args: Sequence[Any]) -> tuple[Placement | None, tuple[Any, ...]]:
+def _global_key(opdef: OpDef, args: Sequence[Any]) -> tuple[Placement | None, int | None, tuple[Any, ...]]:
     """The common placement and the argument part of the dispatch key (what apply builds in its own pass)."""
     placement = None
     key_args: list[Any] = []
@@ -445,12 +452,12 @@ def _global_key(opdef: OpDef, args: Sequence[Any]) -> tuple[Placement | None, tu
                     f"({_describe_args(args)}); move one with .to_global(placement=...)"
                 )
             sbp = a._sbp
-            entry = _sbp_tokens.get(id(sbp))
+            entry = _tokens.get(id(sbp))
             key_args.append((a._shape, a._dtype, (entry if entry is not None and entry[0] is sbp
-                                                  else _sbp_token(sbp))[1]))
+                                                  else _token(sbp))[1]))
         else:
             key_args.append(type(a))
-    return placement, tuple(key_args)
+    return placement, None if placement is None else _token(placement)[1], tuple(key_args)
 
 
 _cost_models: dict[int, boxing.CostModel] = {}  # keeps every model that keyed a decision alive, so ids stay unique
@@ -556,44 +563,52 @@ def _exact_match(sigs: Sequence[Sig], current: tuple[NdSbp, ...], ndim: int) -> 
     return in_sbps, out_sbps
 
 
-def run(opdef: OpDef, decision: Decision, args: Sequence[Any], attrs: dict[str, Any], placement: Placement) -> Any:
-    """Boxes the inputs as decided and runs the kernel on every owned shard."""
+def run(opdef: OpDef, decision: Decision, args: Sequence[Any], attrs: dict[str, Any], placement: Placement,
+        where: int | None = None) -> Any:
+    """Boxes the inputs as decided and runs the kernel on every owned shard (``where``: the placement's token)."""
     positions = decision.positions
-    if decision.boxes:
-        shard_maps = [args[pos]._shards if plan is None else _boxed(args[pos], plan)
-                      for pos, plan in zip(positions, decision.plans, strict=True)]
-    else:
-        shard_maps = [args[pos]._shards for pos in positions]
-    values = list(args)
-    results: dict[int, Any] = {}
     kernel = opdef.kernel
-    shard_aware = opdef.shard_aware
-    for r in _owned(placement):
-        for pos, shards in zip(positions, shard_maps, strict=True):
-            values[pos] = shards[r]  # type: ignore[index]  # global tensors always hold a shard dict
-        if shard_aware:
-            results[r] = kernel(_shard_ctx(r, placement, decision, args), *values, **attrs)
+    owned = _owned(placement, _token(placement)[1] if where is None else where)
+    values = list(args)
+    if len(owned) == 1 and not decision.boxes and not opdef.shard_aware:  # one rank here, inputs in place
+        r = owned[0]
+        for pos in positions:
+            values[pos] = args[pos]._shards[r]  # type: ignore[index]  # global tensors always hold a shard dict
+        results: dict[int, Any] = {r: kernel(*values, **attrs)}
+    else:
+        if decision.boxes:
+            shard_maps = [args[pos]._shards if plan is None else _boxed(args[pos], plan)
+                          for pos, plan in zip(positions, decision.plans, strict=True)]
         else:
-            results[r] = kernel(*values, **attrs)
+            shard_maps = [args[pos]._shards for pos in positions]
+        results = {}
+        shard_aware = opdef.shard_aware
+        for r in owned:
+            for pos, shards in zip(positions, shard_maps, strict=True):
+                values[pos] = shards[r]  # type: ignore[index]  # global tensors always hold a shard dict
+            if shard_aware:
+                results[r] = kernel(_shard_ctx(r, placement, decision, args), *values, **attrs)
+            else:
+                results[r] = kernel(*values, **attrs)
     if opdef.data_dependent:
         decision = _resolved(opdef, decision, results)
     return _wrap(decision, placement, results)
 
 
 # The ranks of a placement this process owns, for the backend in force: asked on every dispatch, and a function of
-# (backend, placement) alone. Rebuilt when another backend is installed.
-_owned_ranks: dict[Placement, list[int]] = {}
+# (backend, placement) alone. Keyed by the placement's token; rebuilt when another backend is installed.
+_owned_ranks: dict[int, list[int]] = {}
 _owned_backend: list[Any] = [None]
 
 
-def _owned(placement: Placement) -> list[int]:
+def _owned(placement: Placement, where: int) -> list[int]:
     backend = _comm._backend or get_backend()
     if backend is not _owned_backend[0]:
         _owned_ranks.clear()
         _owned_backend[0] = backend
-    ranks = _owned_ranks.get(placement)
+    ranks = _owned_ranks.get(where)
     if ranks is None:
-        ranks = _owned_ranks[placement] = backend.owned(placement.flat_ranks)
+        ranks = _owned_ranks[where] = backend.owned(placement.flat_ranks)
     return ranks
 
 
