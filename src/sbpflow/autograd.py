@@ -142,6 +142,8 @@ class Node:
         self.inputs = tuple(tensors)
         self.versions = tuple(versions)
         self.outputs = tuple([o.detach() for o in outputs]) if save_outputs else ()
+        self.out_refs: tuple[weakref.ref[Tensor], ...]
+        self.out_meta: tuple[Any, ...]
         if len(outputs) == 1:
             self.out_refs = (weakref.ref(outputs[0]),)
             self.out_meta = ()
