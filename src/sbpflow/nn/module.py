@@ -218,8 +218,9 @@ class Module:
         # Only called when normal lookup fails: parameters, buffers and modules live in tables.
         d = self.__dict__
         for table in ("_parameters", "_buffers", "_modules"):
-            if table in d and name in d[table]:
-                return d[table][name]
+            entries = d.get(table)
+            if entries is not None and name in entries:
+                return entries[name]
         raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
 
     def __delattr__(self, name: str) -> None:
