@@ -434,7 +434,7 @@ def _apply_global(opdef: OpDef, args: Sequence[Any], attrs: dict[str, Any], key_
     if decision.boxes:
         with activity(opdef.activity):  # named in comm errors raised while its inputs are boxed
             return run(opdef, decision, args, attrs, placement, where)
-    if opdef.shard_aware or opdef.data_dependent or len(decision.out_metas) != 1:
+    if opdef.data_dependent or len(decision.out_metas) != 1:
         return run(opdef, decision, args, attrs, placement, where)
     owned = _owned(placement, where)  # type: ignore[arg-type]
     if len(owned) != 1:
@@ -445,7 +445,10 @@ def _apply_global(opdef: OpDef, args: Sequence[Any], attrs: dict[str, Any], key_
     for pos in decision.positions:
         values[pos] = args[pos]._shards[r]  # type: ignore[index]  # global tensors always hold a shard dict
     meta = decision.out_metas[0]
-    shards = {r: opdef.kernel(*values, **attrs)}
+    if opdef.shard_aware:
+        shards = {r: opdef.kernel(_shard_ctx(r, placement, decision, args), *values, **attrs)}
+    else:
+        shards = {r: opdef.kernel(*values, **attrs)}
     out = _from_shards(Tensor, meta.shape, meta.dtype, placement, decision.out_sbps[0], shards)
     out._boxed = {}
     return out
