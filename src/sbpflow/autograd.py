@@ -130,17 +130,29 @@ class Node:
                  save_outputs: bool) -> None:
         tensor_cls: Any = _TENSOR or _tensor_class()
         self.op = op
-        self.args = tuple(inputs)  # tensors and scalars, in call order
-        tensors: tuple[Tensor, ...] = tuple([a for a in inputs if isinstance(a, tensor_cls)])
-        self.inputs = tensors
-        self.versions = tuple([t._version for t in tensors])
+        self.args = args = tuple(inputs)  # tensors and scalars, in call order
+        tensors: list[Tensor] = []
+        versions: list[int] = []
+        needs: list[bool] = []
+        for a in args:  # one pass: the tensor inputs, their versions, which need a gradient
+            if isinstance(a, tensor_cls):
+                tensors.append(a)
+                versions.append(a._version)
+                needs.append(a.requires_grad)
+        self.inputs = tuple(tensors)
+        self.versions = tuple(versions)
         self.outputs = tuple([o.detach() for o in outputs]) if save_outputs else ()
-        self.out_refs = tuple([weakref.ref(o) for o in outputs])
-        # with several outputs, one may be dropped before backward (max's indices): keep what its zeros need
-        self.out_meta = (tuple((tuple(o.shape), o.dtype, o._placement, o._sbp) for o in outputs)
-                         if len(outputs) > 1 else ())
+        self.out_refs: tuple[weakref.ref[Tensor], ...]
+        self.out_meta: tuple[Any, ...]
+        if len(outputs) == 1:
+            self.out_refs = (weakref.ref(outputs[0]),)
+            self.out_meta = ()
+        else:
+            self.out_refs = tuple([weakref.ref(o) for o in outputs])
+            # with several outputs, one may be dropped before backward (max's indices): keep what its zeros need
+            self.out_meta = tuple([(tuple(o.shape), o.dtype, o._placement, o._sbp) for o in outputs])
         self.attrs = attrs
-        self.needs = tuple([t.requires_grad for t in tensors])
+        self.needs = tuple(needs)
         self.freed = False
 
     @property
@@ -159,6 +171,28 @@ def _tensor_class() -> type:
 
 
 _TENSOR: type | None = None
+_AMP: Any = None
+_FUNCTIONAL: Any = None
+
+
+def _functional() -> Any:
+    # ops.functional imports this module through the registry: looked up once, on first use, not per call
+    global _FUNCTIONAL
+    if _FUNCTIONAL is None:
+        from .ops import functional
+
+        _FUNCTIONAL = functional
+    return _FUNCTIONAL
+
+
+def _amp_module() -> Any:
+    # amp imports the ops, which import this module: looked up once, on first use, not per call
+    global _AMP
+    if _AMP is None:
+        from . import amp
+
+        _AMP = amp
+    return _AMP
 
 
 class BackwardCtx:
@@ -189,8 +223,7 @@ def zero_grads(params: Iterable[Tensor], set_to_none: bool = True) -> None:
 
 def backward(roots: Sequence[Tensor], grads: Sequence[Tensor | None], retain_graph: bool = False) -> None:
     """Accumulates d(roots)/d(leaf) into every reachable leaf's ``.grad``."""
-    from .ops import functional as F
-
+    F = _FUNCTIONAL or _functional()
     with _set_grad(False):
         for leaf, grad in _leaf_gradients(roots, grads, retain_graph, _mode.coalesce):
             _accumulate_leaf(leaf, grad, F)
@@ -218,10 +251,8 @@ def _leaf_gradients(roots: Sequence[Tensor], grads: Sequence[Tensor | None], ret
                     coalesce: bool, leaf_hooks: bool = True) -> list[tuple[Tensor, Tensor]]:
     """Runs backward from ``roots``; returns each reached leaf with its summed gradient (reduced in buckets when
     ``coalesce``)."""
-    from . import amp
-    from .ops import functional as F
-
-    with amp.suspended():  # gradients follow the dtypes forward chose, as in torch
+    F = _FUNCTIONAL or _functional()
+    with (_AMP or _amp_module()).suspended():  # gradients follow the dtypes forward chose, as in torch
         return _run_nodes(roots, grads, retain_graph, coalesce, F, leaf_hooks)
 
 
@@ -237,11 +268,19 @@ def _run_nodes(roots: Sequence[Tensor], grads: Sequence[Tensor | None], retain_g
     # local graphs have nothing to reduce; a traced one (nn.Graph) has no shards yet: its plan reduces
     coalesce = coalesce and any(r._local is None and r._lazy is None for r in roots)
     bucketer = _Bucketer(nodes, roots, _mode.bucket_bytes) if coalesce else None
+    pop = pending.pop
     for node in nodes:
-        outs = [pending.pop((id(node), i), None) for i in range(len(node.out_refs))]
-        if not all(g is None for g in outs):
+        nid = id(node)
+        if len(node.out_refs) == 1:  # most ops: one output, no list of gradients to scan
+            first = pop((nid, 0), None)
+            outs: list[Tensor | None] | None = None if first is None else [first]
+        else:
+            outs = [pop((nid, i), None) for i in range(len(node.out_refs))]
+            if all(g is None for g in outs):
+                outs = None
+        if outs is not None:
             outs = _run_output_hooks(node, outs)
-            in_grads = _call_backward(node, outs)
+            in_grads = _call_backward(node, outs)  # as many as node.inputs (checked there)
             for t, g in zip(node.inputs, in_grads, strict=True):
                 if g is not None and t.requires_grad:
                     if g.dtype != t.dtype and g.dtype.is_floating_point and t.dtype.is_floating_point:
@@ -321,7 +360,7 @@ def _send(t: Tensor, grad: Tensor, pending: dict, leaf_grads: dict,  # type: ign
 def _run_output_hooks(node: Node, outs: list[Tensor | None]) -> list[Tensor | None]:
     for i, ref in enumerate(node.out_refs):
         t = ref()
-        if t is None or outs[i] is None:
+        if t is None or outs[i] is None or not (t._hooks or t._retains_grad):
             continue
         g = outs[i]
         for hook in t._hooks or ():
@@ -344,12 +383,17 @@ def _call_backward(node: Node, outs: list[Tensor | None]) -> Sequence[Tensor | N
                 f"an input of {node.op.name} ({t._describe()}) was modified in place after the op used it; "
                 "its gradient would be wrong"
             )
-    if node.op.backward_fn is None:
-        raise AutogradError(f"op {node.op.name!r} has no gradient")
-    if node.op.diff_outputs is not None:
-        outs = outs[:node.op.diff_outputs]  # the other outputs are saved statistics: no gradient
-    filled = [g if g is not None else _zeros_for(node, i) for i, g in enumerate(outs)]
-    grads = node.op.backward_fn(BackwardCtx(node), *filled)
+    op = node.op
+    backward_fn = op.backward_fn
+    if backward_fn is None:
+        raise AutogradError(f"op {op.name!r} has no gradient")
+    if op.diff_outputs is not None:
+        outs = outs[:op.diff_outputs]  # the other outputs are saved statistics: no gradient
+    for g in outs:  # (no `None in outs`: that would compare tensors with ==, an op)
+        if g is None:
+            outs = [g if g is not None else _zeros_for(node, i) for i, g in enumerate(outs)]
+            break
+    grads = backward_fn(BackwardCtx(node), *outs)
     if not isinstance(grads, (tuple, list)):
         grads = (grads,)
     if len(grads) != len(node.inputs):
@@ -425,11 +469,9 @@ def _reduce_grad(grad: Tensor, placement: Any, sbp: Any, F: Any) -> Tensor:
 def _coalescible(leaf: Tensor, grad: Tensor) -> bool:
     """A broadcast leaf whose gradient is partial on some mesh axes and broadcast on the others: the reduction
     is elementwise, so concatenated buffers reduce to the concatenated results."""
-    from . import amp
-
     if leaf._placement is None or leaf._grad_sbp is not None or grad._sbp is None or partial_sum not in grad._sbp:
         return False  # asked per leaf, per backward: cheap checks first
-    if amp.grad_comm_dtype() is not None:
+    if (_AMP or _amp_module()).grad_comm_dtype() is not None:
         return False  # reduced one by one in the narrow dtype (_reduce_grad)
     return (grad._placement == leaf._placement and grad._dtype == leaf._dtype
             and all(s == broadcast for s in leaf._sbp or ()) and all(s in (broadcast, partial_sum) for s in grad._sbp))

@@ -138,6 +138,8 @@ class Module:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Pre-hooks, forward, forward hooks; with full backward hooks, the inputs and the output pass through
         identity nodes that hand the boundary's gradients to the hooks (as torch orders them)."""
+        if not (self._pre_hooks or self._backward_hooks or self._forward_hooks):  # no hooks: forward alone
+            return self.forward(*args, **kwargs)
         for hook in list(self._pre_hooks.values()):
             out = hook(self, args)
             if out is not None:
@@ -216,8 +218,9 @@ class Module:
         # Only called when normal lookup fails: parameters, buffers and modules live in tables.
         d = self.__dict__
         for table in ("_parameters", "_buffers", "_modules"):
-            if table in d and name in d[table]:
-                return d[table][name]
+            entries = d.get(table)
+            if entries is not None and name in entries:
+                return entries[name]
         raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
 
     def __delattr__(self, name: str) -> None:

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as TF
 
 from ..sbp import Partial, broadcast
+from . import _lazy
 from . import _rules as R
 from .registry import Meta, op
 
@@ -272,7 +273,8 @@ def _grad_pair(ctx: Any) -> tuple[Any, Any, Any]:
 
 def _per_tensor(ctx: Any, *grads: Any) -> tuple[Any, ...]:
     """Keeps the gradients of tensor arguments only, reduced to each input's shape."""
-    from .functional import sum_to
+    F = _lazy.functional()
+    sum_to = F.sum_to
 
     out = []
     for arg, g in zip(ctx.args, grads, strict=False):  # scalar args may have no gradient slot
@@ -348,7 +350,8 @@ def _minimum_grad(ctx: Any, dy: Any) -> Any:
 
 @where.grad
 def _where_grad(ctx: Any, dy: Any) -> Any:
-    from .functional import sum_to
+    F = _lazy.functional()
+    sum_to = F.sum_to
 
     c, a, b = ctx.args
     grads: list[Any] = [None]

@@ -177,10 +177,16 @@ def _pick_sigs(x: Meta, target: Meta, outs: tuple[Meta, ...], **_: Any) -> list[
 
 @op("pick", meta=_pick_meta, sbp=_pick_sigs, shard_aware=True)
 def _pick(ctx: ShardCtx, x: torch.Tensor, target: torch.Tensor, ignore_index: int, name: str) -> torch.Tensor:
-    _check_labels(name, target, ctx.in_metas[0].shape[-1], "target label", ctx, ("input", "target"), ignore_index)
+    classes = ctx.in_metas[0].shape[-1]
+    _check_labels(name, target, classes, "target label", ctx, ("input", "target"), ignore_index)
     lo, hi = ctx.in_boxes[0][-1]
-    own, local = _owned(target, lo, hi)
-    own &= target != ignore_index  # an ignore_index inside [0, C) is a class id too: never pick it
+    if (lo, hi) == (0, classes):
+        # every class here, and (checked above) every label in [0, C) or ignore_index: _owned's range test
+        # would keep exactly the labels that are not ignore_index, and its offsets are the labels clamped
+        own, local = target != ignore_index, target.clamp(0, max(classes - 1, 0))
+    else:
+        own, local = _owned(target, lo, hi)
+        own &= target != ignore_index  # an ignore_index inside [0, C) is a class id too: never pick it
     if hi == lo:
         return x.new_zeros(target.shape)
     picked = x.gather(-1, local.unsqueeze(-1)).squeeze(-1)  # local (...)

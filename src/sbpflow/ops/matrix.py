@@ -24,6 +24,7 @@ import torch.nn.functional as TF
 
 from ..errors import ShapeError
 from ..sbp import Partial, Split, broadcast
+from . import _lazy
 from . import _rules as R
 from .registry import Meta, ShardCtx, Sig, op
 
@@ -74,7 +75,8 @@ def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 @matmul.grad
 def _matmul_grad(ctx: Any, dy: Any) -> Any:
-    from .functional import sum_to, transpose
+    F = _lazy.functional()
+    sum_to, transpose = F.sum_to, F.transpose
 
     a, b = ctx.inputs
     da = sum_to(matmul(dy, transpose(b, -1, -2)), tuple(a.shape)) if ctx.needs_input_grad[0] else None
@@ -123,7 +125,8 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: Any = None) -> torch.Tensor:
 
 @linear.grad
 def _linear_grad(ctx: Any, dy: Any) -> Any:
-    from .functional import sum
+    F = _lazy.functional()
+    sum = F.sum
 
     x, w = ctx.inputs[0], ctx.inputs[1]
     needs = ctx.needs_input_grad

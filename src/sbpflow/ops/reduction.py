@@ -13,6 +13,7 @@ import torch
 
 from ..errors import IndexOutOfRangeError
 from ..sbp import Partial, Split, broadcast
+from . import _lazy
 from . import _rules as R
 from .registry import Meta, ShardCtx, Sig, op
 
@@ -115,14 +116,16 @@ amin = op("amin", meta=_minmax_meta, sbp=_reduce_sigs("min"), save_outputs=True)
 
 def _expand_back(ctx: Any, g: Any) -> Any:
     """Broadcasts a reduced gradient back to the input's shape."""
-    from .functional import expand_reduced
+    F = _lazy.functional()
+    expand_reduced = F.expand_reduced
 
     return expand_reduced(g, tuple(ctx.inputs[0].shape), ctx.attrs.get("dim"), ctx.attrs.get("keepdim", False))
 
 
 @sum_.grad
 def _sum_grad(ctx: Any, dy: Any) -> Any:
-    from .functional import cast
+    F = _lazy.functional()
+    cast = F.cast
 
     g = _expand_back(ctx, dy)
     return (cast(g, ctx.inputs[0].dtype) if g.dtype != ctx.inputs[0].dtype else g,)
@@ -138,7 +141,8 @@ def _mean_grad(ctx: Any, dy: Any) -> Any:
 
 
 def _minmax_grad(ctx: Any, dy: Any) -> Any:
-    from .functional import eq, sum
+    F = _lazy.functional()
+    eq, sum = F.eq, F.sum
 
     x = ctx.inputs[0]
     y = _expand_back(ctx, ctx.outputs[0])
@@ -322,7 +326,8 @@ def cumsum(x: torch.Tensor, dim: int, dtype: torch.dtype | None = None, reverse:
 
 @cumsum.grad
 def _cumsum_grad(ctx: Any, dy: Any) -> Any:
-    from .functional import cast
+    F = _lazy.functional()
+    cast = F.cast
 
     g = cumsum(dy, dim=ctx.attrs["dim"], reverse=not ctx.attrs.get("reverse", False))
     return (cast(g, ctx.inputs[0].dtype),)

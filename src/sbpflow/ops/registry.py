@@ -39,9 +39,12 @@ from typing import Any
 import torch
 
 from .. import amp, boxing
+from .. import comm as _comm
 from .. import meta as _meta
 from .._layout import Box, shard_box
-from ..autograd import Node, is_grad_enabled
+from ..autograd import Node
+from ..autograd import _mode as _grad_mode
+from ..boxing.plan import _cost_model as _cost_model_stack
 from ..comm import get_backend
 from ..distributed import activity
 from ..errors import AutocastWarning, OpError, SbpflowError
@@ -178,13 +181,21 @@ def apply(opdef: OpDef, args: Sequence[Any], attrs: dict[str, Any]) -> Any:
     """Runs ``opdef`` on ``args``: meta, signature choice, boxing, kernels, autograd record."""
     if amp._state.dtype is not None:  # inside sbpflow.autocast: the op's policy casts its inputs first
         args = amp.cast_inputs(opdef.name, args)
-    # one pass over the args: local or global (never both), and whether any needs a gradient
+    # One pass over the args: local or global (never both), whether any needs a gradient, and the argument part
+    # of the dispatch cache key (_local_key / _global_key, built here so that the args are walked once).
     is_global: bool | None = None
     needs_grad = False
     has_torch = False
+    placement = None
+    where_token = None  # the placement's token (see _token)
+    one_placement = True
+    key_args: list[Any] = []
     for a in args:
         if isinstance(a, Tensor):
-            here = a._local is None
+            if a._view_of is not None:  # a view whose base was written since reads the base's new values
+                refresh(a)
+            local = a._local
+            here = local is None
             if is_global is None:
                 is_global = here
             elif here != is_global:
@@ -192,25 +203,64 @@ def apply(opdef: OpDef, args: Sequence[Any], attrs: dict[str, Any]) -> Any:
                     f"op {opdef.name!r} got local and global tensors together: {_describe_args(args)}; "
                     "convert the local ones with .to_global(placement, sbp)"
                 )
-            needs_grad = needs_grad or a.requires_grad
-            if a._view_of is not None:  # a view whose base was written since reads the base's new values
-                refresh(a)
+            if not needs_grad and a.requires_grad:
+                needs_grad = True
+            if here:
+                where = a._placement
+                entry = _tokens.get(id(where))
+                if entry is None or entry[0] is not where:
+                    entry = _token(where)
+                if placement is None:
+                    placement, where_token = where, entry[1]
+                elif entry[1] != where_token:
+                    one_placement = False  # _apply_global raises, naming the args as it sees them
+                sbp = a._sbp
+                entry = _tokens.get(id(sbp))
+                key_args.append((a._shape, a._dtype, (entry if entry is not None and entry[0] is sbp
+                                                      else _token(sbp))[1]))
+            else:
+                key_args.append((local.shape, local.dtype))  # type: ignore[union-attr]
         elif isinstance(a, torch.Tensor):
             has_torch = True
+        else:
+            key_args.append(type(a))
     if has_torch:
         args = _adopt_torch_tensors(opdef, args, bool(is_global))
         is_global = bool(is_global)
-    if is_global is None:
+        key = None  # the adopted tensors change the key: built again from the new args
+    elif is_global is None:
         raise OpError(f"op {opdef.name!r} needs at least one tensor argument")
+    else:
+        key = tuple(key_args) if one_placement else None
     if _autocast_active():
         _warn_autocast()
         with _autocast_off():  # else torch would cast inside some kernels (matmul), off the dtypes the meta promised
-            outputs = _apply_global(opdef, args, attrs) if is_global else _apply_local(opdef, args, attrs)
+            outputs = (_apply_global(opdef, args, attrs, key, placement, where_token) if is_global
+                       else _apply_local(opdef, args, attrs, key))
+    elif is_global:
+        outputs = _apply_global(opdef, args, attrs, key, placement, where_token)
     else:
-        outputs = _apply_global(opdef, args, attrs) if is_global else _apply_local(opdef, args, attrs)
-    if needs_grad and opdef.differentiable and is_grad_enabled():
+        outputs = _apply_local(opdef, args, attrs, key)
+    if needs_grad and opdef.differentiable and _grad_mode.grad_enabled:
         _record(opdef, args, attrs, outputs if isinstance(outputs, tuple) else (outputs,))
     return outputs
+
+
+# The dispatch caches key a placement and an nd-SBP by a small int, not by value: hashing or comparing them runs
+# Python __hash__/__eq__ methods (dataclasses) on every dispatch. id(value) -> (value, token): the entry holds the
+# value itself, so its id is never reused while the entry lives; equal values share one token (_token_of), so
+# tokens compare as the values do.
+_tokens: dict[int, tuple[Any, int]] = {}
+_token_of: dict[Any, int] = {}
+
+
+def _token(value: Any) -> tuple[Any, int]:
+    """``value``'s (value, token) entry, made on first sight of this object."""
+    if len(_tokens) >= 65536:  # bounded: SBP tuples built once and dropped (to_global calls) come and go
+        _tokens.clear()
+    token = _token_of.setdefault(value, len(_token_of))
+    entry = _tokens[id(value)] = (value, token)
+    return entry
 
 
 _autocast_active = torch._C._is_any_autocast_enabled  # one C call per op: cheap enough for every dispatch
@@ -269,7 +319,8 @@ def _adopt_torch_tensors(opdef: OpDef, args: Sequence[Any], is_global: bool) -> 
 def _record(opdef: OpDef, args: Sequence[Any], attrs: dict[str, Any], outs: tuple[Tensor, ...]) -> None:
     node = Node(opdef, args, outs, attrs, opdef.save_outputs)
     for i, o in enumerate(outs if opdef.diff_outputs is None else outs[:opdef.diff_outputs]):
-        dtype = o._dtype if o._local is None else o._local.dtype
+        local = o._local
+        dtype = o._dtype if local is None else local.dtype
         if dtype.is_floating_point or dtype.is_complex:  # type: ignore[union-attr]
             o.requires_grad = True
             o.grad_fn = node
@@ -309,12 +360,12 @@ def _infer(opdef: OpDef, args: Sequence[Any], metas: Sequence[Any], attrs: dict[
 _local_cache: dict[Any, tuple[tuple[Meta, ...], ShardCtx | None]] = {}
 
 
-def _apply_local(opdef: OpDef, args: Sequence[Any], attrs: dict[str, Any]) -> Any:
+def _apply_local(opdef: OpDef, args: Sequence[Any], attrs: dict[str, Any], key_args: Any = None) -> Any:
     # the key is built from torch's own Size and dtype: no Meta objects on the hot path
-    key = (opdef.name,  # every tensor argument is local here (apply checked), so _local is set
-           tuple([(a._local.shape, a._local.dtype) if isinstance(a, Tensor) else type(a)  # type: ignore[union-attr]
-                  for a in args]),
-           _attrs_key(attrs))
+    if key_args is None:  # every tensor argument is local here (apply checked), so _local is set
+        key_args = tuple([(a._local.shape, a._local.dtype) if isinstance(a, Tensor) else type(a)  # type: ignore[union-attr]
+                          for a in args])
+    key = (opdef.name, key_args, _attrs_key(attrs) if attrs else ())
     cached = _local_cache.get(key)
     if cached is None:
         metas = tuple(_arg_meta(a) for a in args)
@@ -357,43 +408,73 @@ class Decision:
     shard_ctxs: dict[int, ShardCtx] = field(default_factory=dict, compare=False, repr=False)
 
 
-# (op name, placement, (shape, dtype, sbp) or scalar type per arg, attrs) -> Decision
+# (op name, placement token, (shape, dtype, sbp token) or scalar type per arg, attrs, cost model, backend cost
+# factors) -> Decision
 _global_cache: dict[Any, Decision] = {}
 
 
-def _apply_global(opdef: OpDef, args: Sequence[Any], attrs: dict[str, Any]) -> Any:
+def _apply_global(opdef: OpDef, args: Sequence[Any], attrs: dict[str, Any], key_args: Any = None,
+                  placement: Placement | None = None, where: int | None = None) -> Any:
     if _trace.ACTIVE:  # nn.Graph is tracing build(): record a node, run nothing
         return _trace.record_op(opdef, args, attrs)
-    placement = None
-    key_args: list[Any] = []
-    meta = False
-    for a in args:
-        if isinstance(a, Tensor):
-            meta = meta or a._shards is None
-            if placement is None:
-                placement = a._placement
-            elif a._placement is not placement and a._placement != placement:
-                raise OpError(
-                    f"op {opdef.name!r} needs all inputs on one placement, but got {placement} and {a._placement} "
-                    f"({_describe_args(args)}); move one with .to_global(placement=...)"
-                )
-            key_args.append((a._shape, a._dtype, a._sbp))
-        else:
-            key_args.append(type(a))
+    if key_args is None:
+        placement, where, key_args = _global_key(opdef, args)
     assert placement is not None  # apply() saw a global tensor
-    key = (opdef.name, placement, tuple(key_args), _attrs_key(attrs), id(boxing.get_cost_model()),
-           get_backend().cost_factors())
+    backend = _comm._backend or get_backend()
+    key = (opdef.name, where, key_args, _attrs_key(attrs) if attrs else (), id(_cost_model_stack[-1]),
+           backend.cost_factors())
     decision = _global_cache.get(key)
     if decision is None:
         _keep_cost_model_alive()
         decision = decide(opdef, args, attrs, placement)
         _global_cache[key] = decision
-    if meta:  # a meta tensor (sbpflow.meta_init): metadata in, metadata out
-        return _meta_outputs(opdef, decision, placement, args)
+    for pos in decision.positions:
+        if args[pos]._shards is None:  # a meta tensor (sbpflow.meta_init): metadata in, metadata out
+            return _meta_outputs(opdef, decision, placement, args)
     if decision.boxes:
         with activity(opdef.activity):  # named in comm errors raised while its inputs are boxed
-            return run(opdef, decision, args, attrs, placement)
-    return run(opdef, decision, args, attrs, placement)
+            return run(opdef, decision, args, attrs, placement, where)
+    if opdef.data_dependent or len(decision.out_metas) != 1:
+        return run(opdef, decision, args, attrs, placement, where)
+    owned = _owned(placement, where)  # type: ignore[arg-type]
+    if len(owned) != 1:
+        return run(opdef, decision, args, attrs, placement, where)
+    # the common case, run and _wrap inlined: inputs in place, one rank in this process, one output
+    r = owned[0]
+    values = list(args)
+    for pos in decision.positions:
+        values[pos] = args[pos]._shards[r]  # type: ignore[index]  # global tensors always hold a shard dict
+    meta = decision.out_metas[0]
+    if opdef.shard_aware:
+        shards = {r: opdef.kernel(_shard_ctx(r, placement, decision, args), *values, **attrs)}
+    else:
+        shards = {r: opdef.kernel(*values, **attrs)}
+    out = _from_shards(Tensor, meta.shape, meta.dtype, placement, decision.out_sbps[0], shards)
+    out._boxed = {}
+    return out
+
+
+def _global_key(opdef: OpDef, args: Sequence[Any]) -> tuple[Placement | None, int | None, tuple[Any, ...]]:
+    """The common placement and the argument part of the dispatch key (what apply builds in its own pass)."""
+    placement = None
+    key_args: list[Any] = []
+    for a in args:
+        if isinstance(a, Tensor):
+            here = a._placement
+            if placement is None:
+                placement = here
+            elif here is not placement and here != placement:
+                raise OpError(
+                    f"op {opdef.name!r} needs all inputs on one placement, but got {placement} and {here} "
+                    f"({_describe_args(args)}); move one with .to_global(placement=...)"
+                )
+            sbp = a._sbp
+            entry = _tokens.get(id(sbp))
+            key_args.append((a._shape, a._dtype, (entry if entry is not None and entry[0] is sbp
+                                                  else _token(sbp))[1]))
+        else:
+            key_args.append(type(a))
+    return placement, None if placement is None else _token(placement)[1], tuple(key_args)
 
 
 _cost_models: dict[int, boxing.CostModel] = {}  # keeps every model that keyed a decision alive, so ids stay unique
@@ -499,27 +580,53 @@ def _exact_match(sigs: Sequence[Sig], current: tuple[NdSbp, ...], ndim: int) -> 
     return in_sbps, out_sbps
 
 
-def run(opdef: OpDef, decision: Decision, args: Sequence[Any], attrs: dict[str, Any], placement: Placement) -> Any:
-    """Boxes the inputs as decided and runs the kernel on every owned shard."""
+def run(opdef: OpDef, decision: Decision, args: Sequence[Any], attrs: dict[str, Any], placement: Placement,
+        where: int | None = None) -> Any:
+    """Boxes the inputs as decided and runs the kernel on every owned shard (``where``: the placement's token)."""
     positions = decision.positions
-    if decision.boxes:
-        shard_maps = [args[pos]._shards if plan is None else _boxed(args[pos], plan)
-                      for pos, plan in zip(positions, decision.plans, strict=True)]
-    else:
-        shard_maps = [args[pos]._shards for pos in positions]
-    values = list(args)
-    results: dict[int, Any] = {}
     kernel = opdef.kernel
-    for r in get_backend().owned(placement.flat_ranks):
-        for pos, shards in zip(positions, shard_maps, strict=True):
-            values[pos] = shards[r]  # type: ignore[index]  # global tensors always hold a shard dict
-        if opdef.shard_aware:
-            results[r] = kernel(_shard_ctx(r, placement, decision, args), *values, **attrs)
+    owned = _owned(placement, _token(placement)[1] if where is None else where)
+    values = list(args)
+    if len(owned) == 1 and not decision.boxes and not opdef.shard_aware:  # one rank here, inputs in place
+        r = owned[0]
+        for pos in positions:
+            values[pos] = args[pos]._shards[r]  # type: ignore[index]  # global tensors always hold a shard dict
+        results: dict[int, Any] = {r: kernel(*values, **attrs)}
+    else:
+        if decision.boxes:
+            shard_maps = [args[pos]._shards if plan is None else _boxed(args[pos], plan)
+                          for pos, plan in zip(positions, decision.plans, strict=True)]
         else:
-            results[r] = kernel(*values, **attrs)
+            shard_maps = [args[pos]._shards for pos in positions]
+        results = {}
+        shard_aware = opdef.shard_aware
+        for r in owned:
+            for pos, shards in zip(positions, shard_maps, strict=True):
+                values[pos] = shards[r]  # type: ignore[index]  # global tensors always hold a shard dict
+            if shard_aware:
+                results[r] = kernel(_shard_ctx(r, placement, decision, args), *values, **attrs)
+            else:
+                results[r] = kernel(*values, **attrs)
     if opdef.data_dependent:
         decision = _resolved(opdef, decision, results)
     return _wrap(decision, placement, results)
+
+
+# The ranks of a placement this process owns, for the backend in force: asked on every dispatch, and a function of
+# (backend, placement) alone. Keyed by the placement's token; rebuilt when another backend is installed.
+_owned_ranks: dict[int, list[int]] = {}
+_owned_backend: list[Any] = [None]
+
+
+def _owned(placement: Placement, where: int) -> list[int]:
+    backend = _comm._backend or get_backend()
+    if backend is not _owned_backend[0]:
+        _owned_ranks.clear()
+        _owned_backend[0] = backend
+    ranks = _owned_ranks.get(where)
+    if ranks is None:
+        ranks = _owned_ranks[where] = backend.owned(placement.flat_ranks)
+    return ranks
 
 
 def _resolved(opdef: OpDef, decision: Decision, results: dict[int, Any]) -> Decision:
@@ -599,15 +706,19 @@ def _meta_outputs(opdef: OpDef, decision: Decision, placement: Placement, args: 
 def _wrap(decision: Decision, placement: Placement, results: dict[int, Any]) -> Any:
     metas, sbps = decision.out_metas, decision.out_sbps
     if len(metas) == 1:
-        out = Tensor._from_shards(metas[0].shape, metas[0].dtype, placement, sbps[0], results)
+        meta = metas[0]
+        out = _from_shards(Tensor, meta.shape, meta.dtype, placement, sbps[0], results)
         out._boxed = {}
         return out
     outs = []
     for j, m in enumerate(metas):
         shards = {r: res[j] for r, res in results.items()}
-        outs.append(Tensor._from_shards(m.shape, m.dtype, placement, sbps[j], shards))
+        outs.append(_from_shards(Tensor, m.shape, m.dtype, placement, sbps[j], shards))
         outs[-1]._boxed = {}
     return tuple(outs)
+
+
+_from_shards = Tensor._from_shards.__func__  # type: ignore[attr-defined]  # the classmethod's function: one call less
 
 
 def describe_decision(opdef: OpDef, decision: Decision) -> str:

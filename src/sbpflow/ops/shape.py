@@ -16,6 +16,7 @@ import torch
 from .._layout import box_shape, numel
 from ..errors import ShapeError
 from ..sbp import Partial, Split, broadcast
+from . import _lazy
 from . import _rules as R
 from .registry import Meta, ShardCtx, Sig, op
 
@@ -201,6 +202,7 @@ def expand(ctx: ShardCtx, x: torch.Tensor, shape: tuple[int, ...]) -> torch.Tens
 
 @expand.grad
 def _expand_grad(ctx: Any, dy: Any) -> Any:
-    from .functional import sum_to
+    F = _lazy.functional()
+    sum_to = F.sum_to
 
     return (sum_to(dy, tuple(ctx.inputs[0].shape)),)

@@ -25,6 +25,7 @@ is read by an op, ``numpy()`` and friends, or written in place.
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -148,8 +149,10 @@ def reshaped(base: Tensor, view: Tensor) -> None:
     assign_into(base, reshape(view, shape=tuple(base.shape)) if view.shape != base.shape else view)
 
 
+@functools.cache
 def permuted(dims: tuple[int, ...]) -> Writer:
-    """Writer of permute/transpose/t/T/mT: the inverse permutation."""
+    """Writer of permute/transpose/t/T/mT: the inverse permutation (one writer per ``dims``, made once: every
+    transpose of a forward pass asks for one)."""
     inverse = tuple(sorted(range(len(dims)), key=lambda i: dims[i]))
 
     def write(base: Tensor, view: Tensor) -> None:
