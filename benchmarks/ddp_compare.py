@@ -95,8 +95,8 @@ def mlp_data() -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(MLP_BATCH, MLP_WIDTH, generator=g), torch.randn(MLP_BATCH, MLP_WIDTH, generator=g)
 
 
-def sbpflow_mlp(coalesce: bool) -> tuple[Contender, Any]:
-    """Parameters B on ranks [0, 1], the batch S(0): each process computes on its 32 rows."""
+def placed_mlp() -> tuple[nn.Module, Any, Any]:
+    """The MLP data parallel over the processes: parameters B, the batch S(0) (each process holds 32 rows)."""
     place = sbpflow.placement("cpu", list(range(WORLD)))
     sbpflow.manual_seed(0)
     mods: list[nn.Module] = []
@@ -106,6 +106,12 @@ def sbpflow_mlp(coalesce: bool) -> tuple[Contender, Any]:
     x_full, y_full = mlp_data()
     x = sbpflow.tensor(x_full, placement=place, sbp=S.split(0))  # logical (64, 1024), local (32, 1024)
     y = sbpflow.tensor(y_full, placement=place, sbp=S.split(0))
+    return model, x, y
+
+
+def sbpflow_mlp(coalesce: bool) -> tuple[Contender, Any]:
+    """Parameters B on ranks [0, 1], the batch S(0): each process computes on its 32 rows."""
+    model, x, y = placed_mlp()
     opt = optim.AdamW(model.parameters(), lr=1e-3)
 
     def step(phases: Phases | None = None) -> float:

@@ -37,12 +37,11 @@ import torch
 import torch.distributed as dist
 from _report import launch_self, machine, write_section
 from _torch_gpt import TorchBlock, TorchGPT, adamw, copy_weights
-from ddp_compare import MLP_BATCH, MLP_LAYERS, MLP_WIDTH, mlp_data, timed_block, torch_mlp
+from ddp_compare import MLP_BATCH, MLP_LAYERS, MLP_WIDTH, mlp_data, placed_mlp, timed_block, torch_mlp
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import sbpflow
 from sbpflow import nn, optim
-from sbpflow import sbp as S
 from sbpflow.comm import record
 from sbpflow.demo.train_gpt import build
 from sbpflow.models.gpt import GPTConfig
@@ -72,15 +71,7 @@ class MLPStep(nn.Graph):
 
 
 def sbpflow_mlp() -> tuple[Step, Any]:
-    place = sbpflow.placement("cpu", list(range(WORLD)))
-    sbpflow.manual_seed(0)
-    mods: list[nn.Module] = []
-    for _ in range(MLP_LAYERS):
-        mods += [nn.Linear(MLP_WIDTH, MLP_WIDTH), nn.ReLU()]
-    model = nn.Sequential(*mods, nn.Linear(MLP_WIDTH, MLP_WIDTH)).to_global(place, S.broadcast)
-    x_full, y_full = mlp_data()
-    x = sbpflow.tensor(x_full, placement=place, sbp=S.split(0))  # logical (64, 1024), local (32, 1024)
-    y = sbpflow.tensor(y_full, placement=place, sbp=S.split(0))
+    model, x, y = placed_mlp()
     graph = MLPStep(model, optim.AdamW(model.parameters(), lr=LR))
     return (lambda: graph(x, y)), graph
 
