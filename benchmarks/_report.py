@@ -13,6 +13,7 @@ import platform
 import re
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -61,3 +62,20 @@ def launch_self(script: str, world: int, args: list[str], **run: Any) -> subproc
     env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
     cmd = [sys.executable, "-m", "sbpflow.cli", "launch", "-n", str(world), str(Path(script).resolve()), *args]
     return subprocess.run(cmd, env=env, text=True, **run)
+
+
+def publish(name: str, body: str, write: bool) -> None:
+    """Prints a section's text and, with ``--write``, replaces section ``name`` of docs/benchmarks.md with it."""
+    print(body)
+    if write:
+        write_section(name, body)
+
+
+def run_or_launch(script: str, world: int, worker: Callable[[argparse.Namespace], None],
+                  args: argparse.Namespace) -> int:
+    """A multi-process benchmark's entry: a launched copy (``RANK`` set) runs ``worker``; the command the user
+    typed relaunches ``script`` as ``world`` processes and returns their exit status."""
+    if "RANK" in os.environ:
+        worker(args)
+        return 0
+    return launch_self(script, world, sys.argv[1:], check=False).returncode

@@ -38,7 +38,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from _report import launch_self  # noqa: E402
+from _report import machine, publish, run_or_launch  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
@@ -47,7 +47,6 @@ from sbpflow import sbp as S
 from sbpflow.demo.train_gpt import build, random_batches
 from sbpflow.models.gpt import GPTConfig
 
-HERE = Path(__file__).resolve().parent
 WORLD = 2
 CONFIG = GPTConfig(vocab_size=96, block_size=64, n_layer=4, n_head=4, n_embd=256, dropout=0.0)
 STRATEGIES = ("tp=2", "dp=2")
@@ -191,9 +190,6 @@ def _logical(r: dict[str, Any]) -> int:
 
 
 def _machine() -> str:
-    sys.path.insert(0, str(HERE))
-    from _report import machine
-
     return f"{machine()}, {torch.get_num_threads()} thread per process"
 
 
@@ -214,12 +210,7 @@ def worker(args: argparse.Namespace) -> None:
     if sbpflow.rank() == 0:
         shutil.rmtree(shared[0], ignore_errors=True)
         body = report(results, args.rounds)
-        print(body)
-        if args.write:
-            sys.path.insert(0, str(HERE))
-            from _report import write_section
-
-            write_section("checkpoint", body)
+        publish("checkpoint", body, args.write)
 
 
 def logical_bytes(strategy: str) -> int:
@@ -241,11 +232,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=7, help="interleaved rounds (default 7)")
     parser.add_argument("--dir", default=None, help="where the checkpoints go (default: the system temp folder)")
     parser.add_argument("--write", action="store_true", help="also write the section of docs/benchmarks.md")
-    args = parser.parse_args()
-    if "RANK" in os.environ:
-        worker(args)
-        return 0
-    return launch_self(__file__, WORLD, sys.argv[1:], check=False).returncode
+    return run_or_launch(__file__, WORLD, worker, parser.parse_args())
 
 
 if __name__ == "__main__":

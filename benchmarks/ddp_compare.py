@@ -27,21 +27,19 @@ from __future__ import annotations
 
 import argparse
 import copy
-import os
 import statistics
 import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
-from _report import launch_self  # noqa: E402
+from _report import machine, publish, run_or_launch  # noqa: E402
 from _torch_gpt import TorchGPT, adamw, copy_weights
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -54,7 +52,6 @@ from sbpflow.comm import get_backend, record
 from sbpflow.demo.train_gpt import build
 from sbpflow.models.gpt import GPTConfig
 
-HERE = Path(__file__).resolve().parent
 WORLD = 2
 MLP_WIDTH, MLP_LAYERS, MLP_BATCH = 1024, 3, 64
 GPT_LR = 3e-3
@@ -431,9 +428,6 @@ def report(results: list[dict[str, Any]], rounds: int) -> str:
 
 
 def _machine() -> str:
-    sys.path.insert(0, str(HERE))
-    from _report import machine
-
     return machine(threads=1, processes=WORLD)
 
 
@@ -447,12 +441,7 @@ def worker(args: argparse.Namespace) -> None:
     ]
     if sbpflow.rank() == 0:
         body = report(results, args.rounds)
-        print(body)
-        if args.write:
-            sys.path.insert(0, str(HERE))
-            from _report import write_section
-
-            write_section("ddp", body)
+        publish("ddp", body, args.write)
 
 
 def main() -> int:
@@ -461,11 +450,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=4, help="steps per contender per round (default 4)")
     parser.add_argument("--write", action="store_true", help="replace the ddp section of docs/benchmarks.md "
                         "(otherwise only print)")
-    args = parser.parse_args()
-    if "RANK" in os.environ:
-        worker(args)
-        return 0
-    return launch_self(__file__, WORLD, sys.argv[1:], check=False).returncode
+    return run_or_launch(__file__, WORLD, worker, parser.parse_args())
 
 
 if __name__ == "__main__":

@@ -24,7 +24,6 @@ the collectives' time (gradient buckets, input gathers) during which the compute
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import tempfile
@@ -35,7 +34,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-from _report import launch_self, machine, write_section
+from _report import machine, publish, run_or_launch
 from _torch_gpt import TorchBlock, TorchGPT, adamw, copy_weights
 from ddp_compare import MLP_BATCH, MLP_LAYERS, MLP_WIDTH, mlp_data, placed_mlp, timed_block, torch_mlp
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -251,9 +250,7 @@ def worker(args: argparse.Namespace) -> None:
         lines = overlap(base, 3)
     if sbpflow.rank() == 0:
         body = report(results, lines, args)
-        print(body)
-        if args.write:
-            write_section("graph_dist", body)
+        publish("graph_dist", body, args.write)
 
 
 def report(results: list[dict[str, Any]], timeline: tuple[float, float, float], args: argparse.Namespace) -> str:
@@ -298,11 +295,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=7, help="interleaved timing rounds (default 7)")
     parser.add_argument("--steps", type=int, default=3, help="steps per contender per round (default 3)")
     parser.add_argument("--write", action="store_true", help="replace the graph_dist section of docs/benchmarks.md")
-    args = parser.parse_args()
-    if "RANK" in os.environ:
-        worker(args)
-        return 0
-    return launch_self(__file__, WORLD, sys.argv[1:], check=False).returncode
+    return run_or_launch(__file__, WORLD, worker, parser.parse_args())
 
 
 if __name__ == "__main__":

@@ -13,17 +13,15 @@ the table gives medians. sbpflow's communication is recorded and must be empty.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from _report import launch_self  # noqa: E402
+from _report import machine, publish, run_or_launch  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
@@ -31,7 +29,6 @@ import sbpflow
 from sbpflow import sbp as S
 from sbpflow.comm import record
 
-HERE = Path(__file__).resolve().parent
 WORLD = 2
 OPS: dict[str, Callable[[Any, Any], Any]] = {
     "add": lambda a, b: a + b,
@@ -98,9 +95,6 @@ def _check_same(ours: Any, theirs: DTensor, name: str) -> None:
 
 
 def report(rows: list[str], comm: dict[str, dict[str, int]], rounds: int) -> str:
-    sys.path.insert(0, str(HERE))
-    from _report import machine
-
     return "\n".join([
         "## Per-op overhead on 2 processes: sbpflow vs DTensor (issue 14)",
         "",
@@ -126,23 +120,14 @@ def worker(args: argparse.Namespace) -> None:
     big, _ = op_rows(512, mesh, inner=20, rounds=args.rounds)
     if dist.get_rank() == 0:
         body = report(rows + big, comm, args.rounds)
-        print(body)
-        if args.write:
-            sys.path.insert(0, str(HERE))
-            from _report import write_section
-
-            write_section("ops_2proc", body)
+        publish("ops_2proc", body, args.write)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=9, help="interleaved timing rounds (default 9)")
     parser.add_argument("--write", action="store_true", help="replace the ops_2proc section of docs/benchmarks.md")
-    args = parser.parse_args()
-    if "RANK" in os.environ:
-        worker(args)
-        return 0
-    return launch_self(__file__, WORLD, sys.argv[1:], check=False).returncode
+    return run_or_launch(__file__, WORLD, worker, parser.parse_args())
 
 
 if __name__ == "__main__":
