@@ -475,7 +475,7 @@ def _with_region(x: Tensor, region: Region, shape: tuple[int, ...], value: Any) 
     if not isinstance(value, Tensor) or value.ndim == 0 and not value.is_global:
         return _in_layout_of(x, F.where(mask, value if not isinstance(value, Tensor) else value.item(), x))
     if tuple(value.shape) != shape:
-        if not _broadcastable(tuple(value.shape), shape):
+        if not _broadcasts_to(tuple(value.shape), shape):
             raise ShapeError(f"x[...] = value: a value of shape {list(value.shape)} does not broadcast to the "
                              f"indexed shape {list(shape)}; target {x._describe()}")
         value = F.expand(value, *shape)
@@ -500,10 +500,11 @@ def _broadcast_on(x: Tensor, value: torch.Tensor) -> Tensor:
     return make_tensor(value, placement=x.placement, sbp=(broadcast,) * x.placement.ndim)
 
 
-def _broadcastable(src: tuple[int, ...], dst: tuple[int, ...]) -> bool:
-    if len(src) > len(dst):
+def _broadcasts_to(src: tuple[int, ...], dst: tuple[int, ...]) -> bool:
+    try:
+        return R.broadcast_shapes(src, dst) == dst
+    except ShapeError:
         return False
-    return all(a in (1, b) for a, b in zip(src[::-1], dst[::-1], strict=False))
 
 
 def setitem(x: Tensor, key: Any, value: Any) -> None:
