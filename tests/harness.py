@@ -234,3 +234,18 @@ def all_reduce_payloads(log: CommLog) -> list[int]:
 
 def randn(*shape: int, seed: int = 0, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=dtype)
+
+
+class MeanSquareStep(sbpflow.nn.Graph):
+    """A compiled training step whose loss is the mean square of ``model(x)``: the ZeRO graph tests' step, on
+    virtual ranks and on processes alike."""
+
+    def __init__(self, model: Any, opt: Any) -> None:
+        super().__init__()
+        self.model = model
+        self.add_optimizer(opt)
+
+    def build(self, x: Any) -> Any:
+        loss = self.model(x).square().mean()
+        loss.backward()
+        return loss

@@ -15,6 +15,7 @@ import torch
 from procrun import run_ranks
 
 import sbpflow
+from harness import MeanSquareStep
 from sbpflow import optim
 from sbpflow.demo.train_gpt import build, parameter_values, random_batches
 from sbpflow.models.gpt import GPTConfig
@@ -57,18 +58,6 @@ def test_zero_stages_on_two_processes_equal_virtual_ranks_and_plain_dp() -> None
     assert sum(per_rank[0][3][2].values()) < sum(per_rank[0][0][2].values()) / 1.9
 
 
-class _Step(sbpflow.nn.Graph):
-    def __init__(self, model: Any, opt: Any) -> None:
-        super().__init__()
-        self.model = model
-        self.add_optimizer(opt)
-
-    def build(self, x: Any) -> Any:
-        loss = self.model(x).square().mean()
-        loss.backward()
-        return loss
-
-
 def graph_zero3_job(prefetch: int | None) -> dict[str, Any]:
     """Four equal Linear layers, dp=2, a compiled step: plain (prefetch None) or ZeRO-3 with that window."""
     from sbpflow.optim.zero import GATHERED
@@ -77,7 +66,7 @@ def graph_zero3_job(prefetch: int | None) -> dict[str, Any]:
     p2 = sbpflow.placement("cpu", [0, 1])
     sbpflow.manual_seed(0)
     model = sbpflow.nn.Sequential(*[sbpflow.nn.Linear(16, 16) for _ in range(4)]).to_global(p2, sbpflow.sbp.broadcast)
-    step = _Step(model, optim.Adam(model.parameters(), lr=0.01))
+    step = MeanSquareStep(model, optim.Adam(model.parameters(), lr=0.01))
     if prefetch is not None:
         step.config.enable_zero(3, prefetch=prefetch, min_shard_numel=1)
     sbpflow.manual_seed(1)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import sbpflow
-from harness import PLACEMENTS, B
+from harness import PLACEMENTS, B, MeanSquareStep
 from sbpflow import nn, optim
 from sbpflow import sbp as S
 from sbpflow.comm import SimulatedBackend, record
@@ -226,24 +226,12 @@ def test_stage3_with_checkpointed_blocks_equals_plain_data_parallel(plain_dp: An
 LAYERS, WIDTH = 4, 16
 
 
-class _SeqStep(nn.Graph):
-    def __init__(self, model: Any, opt: Any) -> None:
-        super().__init__()
-        self.model = model
-        self.add_optimizer(opt)
-
-    def build(self, x: Any) -> Any:
-        loss = self.model(x).square().mean()
-        loss.backward()
-        return loss
-
-
 def _seq_graph(window: int | None, steps: int = 3, executor: str = "actors") -> tuple[list[float], list[Any], Any]:
     """Four equal Linear layers on dp=2, trained by a compiled step: plain (window None) or ZeRO-3."""
     p2 = PLACEMENTS["2"]
     sbpflow.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)]).to_global(p2, B)
-    step = _SeqStep(model, optim.Adam(model.parameters(), lr=0.01))
+    step = MeanSquareStep(model, optim.Adam(model.parameters(), lr=0.01))
     step.config.set_executor(executor)
     if window is not None:
         step.config.enable_zero(3, prefetch=window, min_shard_numel=1)
@@ -318,7 +306,8 @@ def _assert_freed_after_use_and_gathered_again(step: Any, forward: int, backward
 
 def test_graph_stage3_prefetch_is_checked() -> None:
     with pytest.raises(SbpflowError, match="prefetch"):
-        _SeqStep(nn.Linear(2, 2), optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)).config.enable_zero(3, prefetch=-1)
+        step = MeanSquareStep(nn.Linear(2, 2), optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1))
+        step.config.enable_zero(3, prefetch=-1)
 
 
 # -- mixed precision as the ZeRO paper counts it: bf16 parameters and gradients, fp32 master weights ---------
@@ -375,7 +364,7 @@ def test_master_weights_refuse_a_compiled_step() -> None:
     p2 = PLACEMENTS["2"]
     model = nn.Sequential(nn.Linear(4, 4)).to_global(p2, B)
     opt = sbpflow.amp.master_weights(optim.Adam(model.parameters(), lr=0.1), torch.bfloat16)
-    step = _SeqStep(model, opt)
+    step = MeanSquareStep(model, opt)
     step.config.enable_amp(torch.bfloat16)
     with pytest.raises(SbpflowError, match="master weights"):
         step(sbpflow.randn(2, 4, placement=p2, sbp=S.split(0)))
