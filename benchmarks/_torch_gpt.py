@@ -40,7 +40,7 @@ class TorchGPT(torch.nn.Module):
         self.ln_f = torch.nn.LayerNorm(cfg.n_embd)
 
     def forward(self, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        x = self.wte(ids) + self.wpe(torch.arange(ids.shape[1]))  # local (B, T, C)
+        x = self.wte(ids) + self.wpe(torch.arange(ids.shape[1], device=ids.device))  # local (B, T, C)
         for block in self.h:
             x = block(x)
         logits = self.ln_f(x) @ self.wte.weight.T  # local (B, T, V)

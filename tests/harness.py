@@ -17,6 +17,7 @@ elsewhere".
 
 from __future__ import annotations
 
+import os
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -31,11 +32,17 @@ from sbpflow._layout import shard_box
 from sbpflow.comm import CommLog, get_backend, record
 from sbpflow.sbp import Partial
 
+# SBPFLOW_TEST_DEVICE=cuda runs the same cases on GPU shards (every virtual rank on cuda:(r % count)),
+# against torch on CPU; TF32 is off so that matmuls and convolutions keep float32's precision.
+DEVICE = os.environ.get("SBPFLOW_TEST_DEVICE", "cpu")
+if DEVICE == "cuda":
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
 PLACEMENTS = {
-    "1": sbpflow.placement("cpu", [0]),
-    "2": sbpflow.placement("cpu", [0, 1]),
-    "3": sbpflow.placement("cpu", [0, 1, 2]),
-    "2x2": sbpflow.placement("cpu", [[0, 1], [2, 3]]),
+    "1": sbpflow.placement(DEVICE, [0]),
+    "2": sbpflow.placement(DEVICE, [0, 1]),
+    "3": sbpflow.placement(DEVICE, [0, 1, 2]),
+    "2x2": sbpflow.placement(DEVICE, [[0, 1], [2, 3]]),
 }
 B = S.broadcast
 PSUM = S.partial_sum
@@ -143,7 +150,8 @@ def partial_shards(value: torch.Tensor, placement: sbpflow.Placement, nd_sbp: tu
         coords = placement.coords(r)
         key = tuple(c if isinstance(s, Partial) else 0 for s, c in zip(nd_sbp, coords, strict=True))
         box = shard_box(tuple(value.shape), placement, nd_sbp, r)
-        out[r] = pieces[key][tuple(slice(a, b) for a, b in box)].clone()
+        device = get_backend().device_for(placement.type, r)
+        out[r] = pieces[key][tuple(slice(a, b) for a, b in box)].clone().to(device)
     return out
 
 

@@ -164,16 +164,17 @@ def random_batches(vocab_size: int, steps: int, batch_size: int, seq_len: int,
 def train_gpt(strategy: str | dict[str, int] | None, steps: int, *, config: GPTConfig | None = None,
               batch_size: int = 8, seq_len: int = 16, lr: float = 1e-3, seed: int = 0,
               clip: float | None = 1.0, graph: bool = False, micro_batches: int = 1,
-              executor: str | None = None, schedule: str | None = None) -> tuple[list[float], dict[str, np.ndarray]]:
+              executor: str | None = None, schedule: str | None = None,
+              device: str = "cpu") -> tuple[list[float], dict[str, np.ndarray]]:
     """Trains a GPT for ``steps`` AdamW steps on random tokens; returns the losses and the final parameters.
 
     ``strategy`` is None / "single" (one device, local tensors) or a spec such
-    as ``"dp=2,tp=2,pp=2"``; ranks are those of the installed comm backend.
+    as ``"dp=2,tp=2,pp=2"``; ranks are those of the installed comm backend, on ``device`` ("cpu" or "cuda").
     Parameters are logical values by name, comparable across strategies.
     """
     config = config or GPTConfig(vocab_size=100, block_size=seq_len, n_layer=2, n_head=4, n_embd=64, dropout=0.1)
     trainer = build(config, strategy, seed=seed, lr=lr, clip=clip, graph=graph, micro_batches=micro_batches,
-                    executor=executor, schedule=schedule)
+                    executor=executor, schedule=schedule, device=device)
     losses = [trainer.step(ids, targets) for ids, targets in random_batches(
         config.vocab_size, steps, batch_size, seq_len, seed=seed + 1)]
     return losses, parameter_values(trainer)

@@ -288,8 +288,10 @@ def ones_root(root: Tensor) -> Tensor:
     v = tracer.new_value(shape, root.dtype, root.placement, sbp)
     from ..comm import get_backend
 
-    tracer.constants[v.id] = {r: torch.full(shape, 1.0 / m, dtype=root.dtype)
-                              for r in get_backend().owned(root.placement.flat_ranks)}
+    backend = get_backend()
+    tracer.constants[v.id] = {r: torch.full(shape, 1.0 / m, dtype=root.dtype,
+                                            device=backend.device_for(root.placement.type, r))
+                              for r in backend.owned(root.placement.flat_ranks)}
     tracer.add_node(LNode(0, "constant", f"const{v.id}", outputs=(v.id,), fixed=True))
     tracer.graph.grad_seeds.append(v.id)  # where the backward starts (graph.pipeline tells F from B by it)
     seed = tracer.tensor_of(v)

@@ -89,10 +89,21 @@ def _sdpa_meta_with_lse(q: Meta, k: Meta, v: Meta, *mask: Meta, is_causal: bool,
 _FLASH_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 
+_CUDA_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_LSE_ROWS = 32  # torch's memory-efficient CUDA kernel pads its logsumexp rows to a multiple of this
+
+
 def _flash_ok(q: torch.Tensor, k: torch.Tensor) -> bool:
     """Whether torch's CPU flash kernel (forward and backward, with a saved logsumexp) applies to this shard;
     it divides by zero on empty shards (a batch of one split over three ranks)."""
     return q.device.type == "cpu" and q.dim() == 4 and q.dtype in _FLASH_DTYPES and q.numel() > 0 and k.numel() > 0
+
+
+def _efficient_ok(q: torch.Tensor, k: torch.Tensor, attn_mask: torch.Tensor | None) -> bool:
+    """Whether torch's memory-efficient CUDA kernel (forward with logsumexp, and its backward) applies: 4-D,
+    non-empty, no explicit mask (is_causal is fine), head dims alike and a multiple of 8."""
+    return (q.device.type == "cuda" and q.dim() == 4 and q.dtype in _CUDA_DTYPES and q.numel() > 0
+            and k.numel() > 0 and attn_mask is None and q.shape[-1] == k.shape[-1] and q.shape[-1] % 8 == 0)
 
 
 def _shard_mask(ctx: ShardCtx, q: torch.Tensor, k: torch.Tensor, mask: tuple[torch.Tensor, ...], is_causal: bool,
@@ -126,14 +137,19 @@ def _local_sdpa(ctx: ShardCtx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     diff_outputs=1)
 def _sdpa(ctx: ShardCtx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *mask: torch.Tensor, is_causal: bool,
           scale: float | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, logsumexp) per shard. The logsumexp is what torch's flash backward needs to rebuild the
-    probabilities without a second forward; where that kernel does not apply it is left unfilled."""
+    """(out, logsumexp) per shard. The logsumexp is what torch's fused backward (CPU flash, CUDA memory-efficient)
+    needs to rebuild the probabilities without a second forward; where no such kernel applies it is left
+    unfilled."""
+    attn_mask, causal = _shard_mask(ctx, q, k, mask, is_causal, q_index=0)
+    if _efficient_ok(q, k, attn_mask):
+        out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
+            q, k, v, None, True, 0.0, causal, scale=scale)[:2]
+        return out, lse[..., : q.shape[-2]]  # lse (B, H, padded T) -> (B, H, T)
     if not _flash_ok(q, k):
         out = _local_sdpa(ctx, q, k, v, mask, is_causal, scale)
         return out, torch.empty(q.shape[:-1], dtype=ctx.out_metas[1].dtype, device=q.device)
-    attn_mask, is_causal = _shard_mask(ctx, q, k, mask, is_causal, q_index=0)
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q, k, v, 0.0, is_causal, attn_mask=_additive(attn_mask, q.dtype), scale=scale)
+        q, k, v, 0.0, causal, attn_mask=_additive(attn_mask, q.dtype), scale=scale)
     return out, lse
 
 
@@ -173,10 +189,20 @@ def _sdpa_backward_sigs(dy: Meta, q: Meta, k: Meta, v: Meta, out: Meta, lse: Met
 def sdpa_backward(ctx: ShardCtx, dy: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   out: torch.Tensor, lse: torch.Tensor, *mask: torch.Tensor, is_causal: bool,
                   scale: float | None) -> tuple[torch.Tensor, ...]:
-    """(dq, dk, dv) of attention on the shard: torch's flash backward from the saved out and logsumexp (no
+    """(dq, dk, dv) of attention on the shard: torch's fused backward from the saved out and logsumexp (no
     second forward), else a recomputation under torch autograd."""
+    if q.numel() == 0 or k.numel() == 0:  # an empty shard: no query reads a key (torch's kernels assert here)
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    attn_mask, causal = _shard_mask(ctx, q, k, mask, is_causal, q_index=1)
+    if _efficient_ok(q, k, attn_mask):
+        padded = -(-q.shape[-2] // _LSE_ROWS) * _LSE_ROWS
+        lse = TF.pad(lse, (0, padded - q.shape[-2]))  # the kernel's own layout back (pad rows are never read)
+        no_rng = torch.empty((), dtype=torch.int64, device=q.device)  # dropout 0: no philox seed or offset
+        dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+            dy.contiguous(), q, k, v, None, out, lse, no_rng, no_rng, 0.0, [True, True, True, False], causal,
+            scale=scale)
+        return dq, dk, dv
     if _flash_ok(q, k):
-        attn_mask, causal = _shard_mask(ctx, q, k, mask, is_causal, q_index=1)
         grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dy, q, k, v, out, lse, 0.0, causal, attn_mask=_additive(attn_mask, q.dtype), scale=scale)
         return tuple(grads)
