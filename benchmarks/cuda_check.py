@@ -6,10 +6,11 @@ section of docs/benchmarks.md). The op suites run on cuda shards separately:
 
 1. Equivalence: 5 AdamW steps (clipping, dropout 0.1) of a small GPT under several strategies on virtual ranks
    that all live on the GPU (rank r on ``cuda:(r % device_count)``), eager and compiled (``nn.Graph`` on the
-   actor runtime, each worker thread on its own CUDA stream), against one CPU device: losses and every parameter
-   within rtol 1e-4, atol 1e-5. TF32 is off, so float32 matmuls keep float32's precision on both sides.
+   actor runtime: one thread on the caller's stream, and a worker thread with its own CUDA stream per lane, as
+   under torch.distributed), against one CPU device: losses and every parameter within rtol 1e-4, atol 1e-5. TF32 is off, so float32 matmuls keep float32's precision on both sides.
 2. Speed: a GPT-2-small-sized training step (forward, backward, clipping, AdamW) on one GPU: torch eager against
-   sbpflow eager on a 1-rank cuda placement and the compiled step (in-order executor and actor runtime), timed
+   sbpflow eager on a 1-rank cuda placement and the compiled step (in-order executor, actor runtime, actor
+   runtime on worker threads and streams), timed
    in interleaved rounds with ``torch.cuda.synchronize`` around each; peak GPU memory per contender.
 """
 
@@ -26,7 +27,7 @@ import torch
 from _report import add_write_flag, machine, write_section
 from _torch_gpt import TorchGPT, adamw, copy_weights
 
-from sbpflow.demo.train_gpt import build, train_gpt
+from sbpflow.demo.train_gpt import build, parameter_values, random_batches, train_gpt
 from sbpflow.models.gpt import GPTConfig
 
 STRATEGIES = ("dp=1", "dp=2", "tp=2", "dp=2,tp=2", "pp=2", "dp=2,tp=2,pp=2")
@@ -46,15 +47,24 @@ def compare(ours: tuple[list[float], dict[str, np.ndarray]],
     return worst, all(np.allclose(a, b, rtol=1e-4, atol=1e-5) for a, b in pairs)
 
 
+def train_on_cuda(strategy: str, mode: str) -> tuple[list[float], dict[str, np.ndarray]]:
+    """train_gpt's 5 steps on cuda virtual ranks: eager, compiled on the actor runtime (one thread, the caller's
+    stream) or compiled with a worker thread and a CUDA stream per lane (as under torch.distributed)."""
+    trainer = build(SMALL, strategy, device="cuda", graph=mode != "eager")
+    if mode == "graph, thread streams":
+        trainer.graph.config.set_executor("actors", threads=True)
+    losses = [trainer.step(ids, targets) for ids, targets in random_batches(SMALL.vocab_size, 5, 8, 16, seed=1)]
+    return losses, parameter_values(trainer)
+
+
 def equivalence() -> list[str]:
     reference = train_gpt(None, 5, config=SMALL, batch_size=8, seq_len=16)
     rows = []
-    for graph in (False, True):
+    for mode in ("eager", "graph", "graph, thread streams"):
         for strategy in STRATEGIES:
-            run = train_gpt(strategy, 5, config=SMALL, batch_size=8, seq_len=16, graph=graph, device="cuda")
+            run = train_on_cuda(strategy, mode)
             worst, close = compare(run, reference)
-            rows.append(f"| {'graph (actors)' if graph else 'eager'} | {strategy} | {run[0][-1]:.5f} | "
-                        f"{worst:.1e} | {'yes' if close else '**no**'} |")
+            rows.append(f"| {mode} | {strategy} | {run[0][-1]:.5f} | {worst:.1e} | {'yes' if close else '**no**'} |")
             print(rows[-1], flush=True)
     return rows
 
@@ -64,8 +74,11 @@ def tokens(cfg: GPTConfig, batch: int) -> tuple[np.ndarray, np.ndarray]:
     return ids[:, :-1], ids[:, 1:]
 
 
-def sbpflow_step(cfg: GPTConfig, graph: bool, executor: str | None = None) -> tuple[Callable[[], Any], Any]:
+def sbpflow_step(cfg: GPTConfig, graph: bool, executor: str | None = None,
+                 threads: bool | None = None) -> tuple[Callable[[], Any], Any]:
     trainer = build(cfg, "dp=1", lr=LR, device="cuda", graph=graph, executor=executor)
+    if threads:
+        trainer.graph.config.set_executor("actors", threads=True)
     ids, targets = tokens(cfg, LARGE_BATCH)
     ids_t, targets_t = trainer.inputs(ids, targets)
     if graph:
@@ -129,6 +142,7 @@ def speed(rounds: int) -> list[str]:
     contenders: dict[str, Callable[[], Any]] = {"torch eager": torch_step(LARGE, model), "sbpflow eager": eager}
     contenders["sbpflow graph, in-order"] = sbpflow_step(LARGE, graph=True, executor="inorder")[0]
     contenders["sbpflow graph, actors"] = sbpflow_step(LARGE, graph=True, executor="actors")[0]
+    contenders["sbpflow graph, actors on thread streams"] = sbpflow_step(LARGE, graph=True, threads=True)[0]
     first = {}
     for name, fn in contenders.items():
         out = fn()
@@ -160,7 +174,9 @@ def main() -> None:
         "",
         "**Equivalence on the GPU.** 5 AdamW steps (clipping at 1.0, dropout 0.1) of a 2-layer GPT (64 wide, "
         "batch 8, 16 tokens) on virtual ranks that all live on the GPU, against one CPU device (local tensors); "
-        "TF32 off.",
+        "TF32 off. *graph*: the compiled step on the actor runtime as it runs on virtual ranks (one thread, every "
+        "act on the caller's stream); *graph, thread streams*: `set_executor(\"actors\", threads=True)`, a worker "
+        "thread and a CUDA stream per lane with events between streams, as under torch.distributed.",
         "",
         "| mode | strategy | last loss | largest difference (losses, parameters) | within rtol 1e-4, atol 1e-5 |",
         "|---|---|---|---|---|",

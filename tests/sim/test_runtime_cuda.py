@@ -1,6 +1,6 @@
 """The actor runtime on CUDA placements: each worker thread on its own stream, registers carry events.
 
-Runs where a GPU is present (skipped on CPU-only machines); the numbers must equal the CPU run's.
+The CUDA runs need a GPU (skipped on CPU-only machines); their numbers must equal the CPU run's.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from sbpflow.graph.physical import PhysicalPlan
 from sbpflow.runtime import ActorRuntime
 from sbpflow.runtime.builder import PlanBuilder
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
 def plan_on(device: str) -> PhysicalPlan:
@@ -33,7 +33,22 @@ def plan_on(device: str) -> PhysicalPlan:
     return b.build(register_num=2)
 
 
-def test_cuda_streams_give_the_cpu_numbers() -> None:
+def test_only_acts_read_from_another_lane_record_events() -> None:
+    """An event per act would cost a record and a wait each; only writers with a reader on another lane
+    (another stream) signal. Lane wiring is the same on CPU, so this runs without a GPU."""
+    with ActorRuntime(plan_on("cpu"), SimulatedBackend(), timeout=30, threads=True) as rt:
+        actors = rt.board.actors
+        for actor in actors:
+            other = {e.consumer.lane for reg in actor.outputs for e in reg.readers} - {actor.lane}
+            assert actor.signals == bool(other), actor.label()
+        assert 0 < sum(a.signals for a in actors) < len(actors) / 2
+
+
+@needs_cuda
+@pytest.mark.parametrize("threads", [False, True], ids=["caller stream", "thread streams"])
+def test_cuda_streams_give_the_cpu_numbers(threads: bool) -> None:
+    """Without threads every act runs on the caller's stream; with threads each lane has a stream of its own,
+    and registers read across streams carry events."""
     gen = torch.Generator().manual_seed(0)
     x, w = torch.randn(64, 32, generator=gen), torch.randn(32, 32, generator=gen) / 6
     results = {}
@@ -42,10 +57,11 @@ def test_cuda_streams_give_the_cpu_numbers() -> None:
         dev = {r: backend.device_for(device, r) for r in (0, 1)}
         feeds = {"x": {r: x[32 * r:32 * r + 32].to(dev[r]) for r in (0, 1)}}
         variables = {"w": {r: w.to(dev[r]) for r in (0, 1)}}
-        with ActorRuntime(plan_on(device), backend, timeout=30) as rt:
-            out = rt.run(feeds, variables)
+        with ActorRuntime(plan_on(device), backend, timeout=30, threads=threads) as rt:
+            for _ in range(2):  # a second run reuses the streams and the allocator's blocks
+                out = rt.run(feeds, variables)
             if device == "cuda":
-                assert all(worker.cuda is not None for worker in rt._workers.values())
+                assert all((worker.cuda is not None) == threads for worker in rt._workers.values())
         results[device] = {name: {r: t.cpu() for r, t in shards.items()} for name, shards in out.items()}
     for name in ("total", "h"):
         for r in (0, 1):

@@ -21,7 +21,8 @@ from sbpflow.runtime.board import dry_run
 STEPS = 3
 
 
-def train(executor: str, strategy: dict[str, int], m: int) -> tuple[list[float], list[np.ndarray], Any]:
+def train(executor: str, strategy: dict[str, int], m: int,
+          threads: bool | None = None) -> tuple[list[float], list[np.ndarray], Any]:
     sbpflow.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=16))
     layout = parallelize(model, **strategy)
@@ -33,7 +34,7 @@ def train(executor: str, strategy: dict[str, int], m: int) -> tuple[list[float],
             self.model = model
             self.add_optimizer(opt)
             self.config.set_gradient_accumulation_steps(m)
-            self.config.set_executor(executor)
+            self.config.set_executor(executor, threads=threads)
 
         def build(self, ids: Any, targets: Any) -> Any:
             _, loss = self.model(ids, targets)
@@ -61,3 +62,19 @@ def test_compiled_gpt_steps_on_actors_equal_the_in_order_executor(one_torch_thre
     predicted = dry_run(compiled.plan, SimulatedBackend())
     assert (stats.acts, stats.peak_bytes, stats.peak_slots) == (predicted.acts, predicted.peak_bytes,
                                                                   predicted.peak_slots)
+
+
+def test_compiled_gpt_on_worker_threads_equals_the_in_order_executor(one_torch_thread: None) -> None:
+    """``set_executor("actors", threads=True)``: a thread per lane also on virtual ranks (on CUDA, a stream per
+    lane); the numbers stay those of the in-order executor."""
+    losses, params, _ = train("inorder", {"data": 2, "tensor": 2}, 2)
+    got_losses, got_params, compiled = train("actors", {"data": 2, "tensor": 2}, 2, threads=True)
+    assert compiled.executor.threaded and len(compiled.executor._workers) > 1
+    assert got_losses == losses
+    for got, expected in zip(got_params, params, strict=True):
+        np.testing.assert_array_equal(got, expected)
+
+
+def test_threads_apply_to_the_actor_runtime_only() -> None:
+    with pytest.raises(sbpflow.SbpflowError, match="threads=True applies to the 'actors' executor"):
+        nn.Graph().config.set_executor("inorder", threads=True)

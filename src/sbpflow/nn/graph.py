@@ -61,6 +61,7 @@ class GraphConfig:
     def __init__(self) -> None:
         self.micro_batches = 1
         self.executor = "actors"  # "actors" (the actor runtime) or "inorder" (the reference executor)
+        self.threads: bool | None = None  # actor runtime: worker threads (None: under torch.distributed only)
         self.sbp_selection = "ilp"  # "ilp" (global, repeated layers tied), "ilp-unmerged" or "greedy" (eager's choice)
         self.trace_path: str | None = None  # the actor runtime's timeline file (else SBPFLOW_TRACE, else none)
         self.auto_parallel: tuple[int, Any] | None = None  # (devices, profile): plan the model at the first call
@@ -125,10 +126,16 @@ class GraphConfig:
             raise SbpflowError(f"pipeline schedule must be one of {SCHEDULES}, but got {name!r}")
         self.pipeline_schedule = name
 
-    def set_executor(self, name: str) -> None:
+    def set_executor(self, name: str, threads: bool | None = None) -> None:
+        """"actors" (the actor runtime) or "inorder" (the reference executor). ``threads`` (actors only): True
+        gives every lane a worker thread (and a CUDA stream of its own) also on virtual ranks; None, the
+        default, uses threads under torch.distributed only."""
         if name not in ("actors", "inorder"):
             raise SbpflowError(f"Graph executor must be 'actors' or 'inorder', but got {name!r}")
+        if threads is not None and name != "actors":
+            raise SbpflowError(f"threads={threads} applies to the 'actors' executor, not {name!r}")
         self.executor = name
+        self.threads = threads
 
     def enable_auto_parallel(self, devices: int, profile: Any = "cpu") -> None:
         """At the first call, plan the graph's GPT for ``devices`` ranks and the call's batch
@@ -477,7 +484,8 @@ class Graph:
         if compiled.executor is None:
             from ..runtime import actors
 
-            compiled.executor = actors.ActorRuntime(compiled.plan, trace=self.config.trace_path)
+            compiled.executor = actors.ActorRuntime(compiled.plan, trace=self.config.trace_path,
+                                                    threads=self.config.threads)
         return compiled.executor
 
     # -- seeing the plan -------------------------------------------------------------------------

@@ -1,10 +1,15 @@
 """CUDA streams and events for the actor runtime's worker threads (used when a placement is ``cuda``).
 
-Each worker thread runs its acts on a CUDA stream of its own, so a communication thread's
-collective can overlap the compute thread's kernels. Registers carry an event recorded after the
-write; a reader on another stream waits for it on the GPU (``wait_event``), never on the host, and
-marks the tensors it read as used by its stream (``record_stream``) so that the caching allocator
-does not hand their memory out again before the reader's kernels ran.
+With threads (under torch.distributed), each worker thread runs its acts on a CUDA stream of its
+own, set once as the thread's current stream, so a communication thread's collective can overlap
+the compute thread's kernels. An act whose output another stream reads records an event after the
+write, and the register carries it; that reader waits for it on the GPU (``wait_event``), never on
+the host, and marks the tensors it read as used by its stream (``record_stream``) so that the
+caching allocator does not hand their memory out again before the reader's kernels ran. Readers on
+the writer's own stream need neither: stream order already serialises them.
+
+Without threads (virtual ranks in one process), there are no lanes: every act runs on the caller's
+stream in the order Board.play picks, which respects every message.
 """
 
 from __future__ import annotations
@@ -22,19 +27,33 @@ class CudaLane:
         self.device = device
         self.stream = torch.cuda.Stream(device)
 
-    def run(self, fn: Callable[[], Any], read: Iterable[Any]) -> tuple[Any, Any]:
-        """Runs ``fn`` on this stream after the writes of the ``read`` slots; returns its result and an event."""
+    def enter(self) -> None:
+        """Makes this stream the calling thread's current one (PyTorch keeps one per thread): a worker thread
+        calls it once, so an act needs no stream switch."""
+        torch.cuda.set_stream(self.stream)
+
+    def current(self) -> Any:
+        """A context in which the calling thread's current stream is this one (the caller, for one run)."""
+        return torch.cuda.stream(self.stream)
+
+    def run(self, fn: Callable[[], Any], read: Iterable[Any], signal: bool) -> tuple[Any, Any]:
+        """Runs ``fn`` (on the current stream, this lane's) after the writes of the ``read`` slots made on other
+        streams; returns its result and, if ``signal`` (a reader on another stream), (stream, event)."""
+        stream = self.stream
         for slot in read:
-            if slot.event is not None:
-                self.stream.wait_event(slot.event)
+            mark = slot.event
+            if mark is None or mark[0] is stream:
+                continue  # written on this stream: stream order already puts the write first
+            stream.wait_event(mark[1])
             for t in _tensors(slot.value):
                 if t.is_cuda:
-                    t.record_stream(self.stream)
-        with torch.cuda.stream(self.stream):
-            result = fn()
-            event = torch.cuda.Event()
-            event.record(self.stream)
-        return result, event
+                    t.record_stream(stream)
+        result = fn()
+        if not signal:
+            return result, None
+        event = torch.cuda.Event()
+        event.record(stream)
+        return result, (stream, event)
 
     def follow_caller(self) -> None:
         """Start of a run (in the caller's thread): this stream waits for the caller's stream, which wrote the

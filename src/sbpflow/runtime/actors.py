@@ -43,6 +43,7 @@ from which actor, for which micro-batch) and the last act of each thread.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import threading
@@ -100,6 +101,7 @@ class ActorRuntime:
         self._lock = threading.Lock()
         self._done = threading.Condition(self._lock)
         self.board = Board(plan, self.backend)
+        self.threaded = self._use_threads(threads)
         self._workers: dict[str, Worker] = self._make_workers()
         self._trace = self._make_trace(trace)
         self._gen = 0  # a run's generation: results of acts from an abandoned run are dropped
@@ -109,9 +111,10 @@ class ActorRuntime:
         self._state: StepState | None = None
         self._logs: tuple[CommLog, ...] = ()  # the caller's comm.record() logs: worker threads record into them
         self._progress = time.monotonic()  # when an act last started or ended (the watchdog's clock)
-        self._callers = self._caller_lanes(threads)
-        # one thread and no CUDA streams: Board.play acts for every lane, no queues, locks or hand-offs
-        self._inline = not self.threaded and all(w.cuda is None for w in self._workers.values())
+        self._callers = self._caller_lanes()
+        # one thread: Board.play acts for every lane, no queues, locks or hand-offs (on CUDA, every kernel goes
+        # to the caller's stream in plan order, which orders them as the messages would)
+        self._inline = not self.threaded
         for worker in self._workers.values():
             if worker not in self._callers:
                 worker.start(_thread_main, weakref.ref(self))
@@ -124,28 +127,36 @@ class ActorRuntime:
         """Process groups for every communication node, on every process, before any thread runs."""
         prepare_groups(self.plan, self.backend)
 
+    def _use_threads(self, threads: bool | None) -> bool:
+        """Threads by default under torch.distributed (a collective waits for peers) and with synthetic time
+        (stages overlap); none on virtual ranks, where a collective is a local copy that cannot wait."""
+        if threads is None:
+            return self.synthetic is not None or not isinstance(self.backend, SimulatedBackend)
+        return threads
+
     def _make_workers(self) -> dict[str, Worker]:
+        """A worker per lane; with threads, each CUDA lane gets a stream of its own (:mod:`._cuda`)."""
         lanes = sorted({a.lane for a in self.board.actors})
         workers: dict[str, Worker] = {}
         for lane in lanes:
             actors = [a for a in self.board.actors if a.lane == lane]
             cls = CommWorker if "/comm:" in lane else ComputeWorker
-            workers[lane] = cls(lane, self._lock, actors, self.plan.micro_batches, self._device(lane))
+            device = self._device(lane) if self.threaded else None
+            workers[lane] = cls(lane, self._lock, actors, self.plan.micro_batches, device)
+        for actor in self.board.actors:  # CUDA: an act records an event only if another stream reads it
+            actor.signals = any(workers[e.consumer.lane] is not workers[actor.lane]
+                                for reg in actor.outputs for e in reg.readers)
         return workers
 
-    def _caller_lanes(self, threads: bool | None) -> list[Worker]:
+    def _caller_lanes(self) -> list[Worker]:
         """The lanes the caller's thread acts for during :meth:`run`; the others get threads of their own.
 
         With threads, the caller takes the first compute lane: a step that only computes never changes
-        thread, and a run ends without a hand-off back (each costs up to a GIL switch interval). Without
-        (the default on virtual ranks, where a collective is a local copy that cannot wait for a peer),
+        thread, and a run ends without a hand-off back (each costs up to a GIL switch interval). Without,
         the caller acts for every lane, earliest plan position first: deterministic, and the schedule
-        :func:`~sbpflow.runtime.board.dry_run` predicts. Synthetic time needs threads (stages overlap).
+        :func:`~sbpflow.runtime.board.dry_run` predicts.
         """
-        if threads is None:
-            threads = self.synthetic is not None or not isinstance(self.backend, SimulatedBackend)
-        self.threaded = threads
-        if not threads:
+        if not self.threaded:
             return list(self._workers.values())
         compute = [w for lane, w in sorted(self._workers.items()) if "/comm:" not in lane]
         return compute[:1]
@@ -238,6 +249,11 @@ class ActorRuntime:
         if self._inline:
             self._play()
             return
+        lane = self._callers[0].cuda if self._callers else None
+        with lane.current() if lane is not None else contextlib.nullcontext():  # the caller acts on its lane's stream
+            self._serve_caller()
+
+    def _serve_caller(self) -> None:
         finished: tuple[Worker, _Job] | None = None
         try:
             while True:
@@ -376,7 +392,7 @@ class ActorRuntime:
                 job.values = self._perform(job.actor, job.step, job.inputs, job.state)
             else:
                 job.values, job.event = worker.cuda.run(
-                    lambda: self._perform(job.actor, job.step, job.inputs, job.state), job.read)
+                    lambda: self._perform(job.actor, job.step, job.inputs, job.state), job.read, job.actor.signals)
         except BaseException as e:  # noqa: BLE001 - any failure stops the step; the caller re-raises it
             job.error = e
         job.end = clock()
@@ -490,6 +506,8 @@ def _thread_main(ref: weakref.ref[ActorRuntime], worker: Worker) -> None:
     """A worker thread holds its runtime only while it acts; it waits holding nothing but a weak reference, so
     a runtime nobody uses any more (a Graph that recompiled for new shapes) is collected and its threads end,
     even without ``close()``. A wake-up sent between ``_serve`` and the wait is kept by the worker's signal."""
+    if worker.cuda is not None:
+        worker.cuda.enter()  # this thread's current stream, for good
     while True:
         runtime = ref()
         if runtime is None or not runtime._serve(worker):

@@ -51,7 +51,7 @@ class Slot:
     micro: int
     reads_left: int
     register: RegisterState | None  # None: a control token (no memory, no bound)
-    event: Any = None  # CUDA: the event recorded after the write (runtime._cuda)
+    event: Any = None  # CUDA: (stream, event) recorded after the write, if another stream reads it (runtime._cuda)
 
 
 @dataclass(eq=False, slots=True)
@@ -146,6 +146,7 @@ class Actor:
     edges: list[InEdge] = field(default_factory=list)  # inputs and controls written here: what an act releases
     blocked: bool = False  # an input nobody writes (a corrupt plan): never ready
     comm: bool = False  # on a communication lane (acts in its stream's fixed order)
+    signals: bool = False  # CUDA threads: a reader on another stream waits for this actor's event
 
     def __post_init__(self) -> None:
         self.gathers = self.node.kind in GATHERING
