@@ -91,6 +91,7 @@ _FLASH_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 _CUDA_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _LSE_ROWS = 32  # torch's memory-efficient CUDA kernel pads its logsumexp rows to a multiple of this
+_ALIGN = 8  # ... and wants head dims and the bias's row stride in multiples of this
 
 
 def _flash_ok(q: torch.Tensor, k: torch.Tensor) -> bool:
@@ -99,11 +100,56 @@ def _flash_ok(q: torch.Tensor, k: torch.Tensor) -> bool:
     return q.device.type == "cpu" and q.dim() == 4 and q.dtype in _FLASH_DTYPES and q.numel() > 0 and k.numel() > 0
 
 
-def _efficient_ok(q: torch.Tensor, k: torch.Tensor, attn_mask: torch.Tensor | None) -> bool:
+def _efficient_ok(q: torch.Tensor, k: torch.Tensor) -> bool:
     """Whether torch's memory-efficient CUDA kernel (forward with logsumexp, and its backward) applies: 4-D,
-    non-empty, no explicit mask (is_causal is fine), head dims alike and a multiple of 8."""
+    non-empty, q and k of one head dim."""
     return (q.device.type == "cuda" and q.dim() == 4 and q.dtype in _CUDA_DTYPES and q.numel() > 0
-            and k.numel() > 0 and attn_mask is None and q.shape[-1] == k.shape[-1] and q.shape[-1] % 8 == 0)
+            and k.numel() > 0 and q.shape[-1] == k.shape[-1])
+
+
+def _aligned(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    """Head dims zero-padded to a multiple of _ALIGN (zero columns change no dot product; output columns are
+    sliced off again)."""
+    pad = -tensors[0].shape[-1] % _ALIGN
+    return [TF.pad(t, (0, pad)) if pad else t for t in tensors]
+
+
+def _bias(mask: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
+    """An additive (B, H, Tq, Tk) bias of q's dtype whose rows start at aligned addresses (the kernel's rule):
+    padded to a multiple of _ALIGN columns, then viewed back."""
+    bias = _additive(mask, q.dtype)
+    if bias is None:
+        return None
+    n = bias.shape[-1]
+    if n % _ALIGN:
+        bias = TF.pad(bias, (0, -n % _ALIGN))[..., :n]
+    return bias.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+
+
+def _efficient_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                       causal: bool, scale: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse (B, H, Tq)) from torch's memory-efficient CUDA kernel."""
+    d = q.shape[-1]
+    scale = scale if scale is not None else d ** -0.5  # of the real head dim, not the padded one
+    aq, ak, av = _aligned(q, k, v)
+    out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
+        aq, ak, av, _bias(mask, q, k), True, 0.0, causal, scale=scale)[:2]
+    return out[..., :d], lse[..., : q.shape[-2]]  # lse (B, H, padded Tq) -> (B, H, Tq)
+
+
+def _efficient_backward(dy: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                        lse: torch.Tensor, mask: torch.Tensor | None, causal: bool,
+                        scale: float | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) from the saved out and lse, by the kernel's own backward (no second forward)."""
+    d, rows = q.shape[-1], q.shape[-2]
+    scale = scale if scale is not None else d ** -0.5
+    lse = TF.pad(lse, (0, -rows % _LSE_ROWS))  # the kernel's layout back (its pad rows are never read)
+    no_rng = torch.empty((), dtype=torch.int64, device=q.device)  # dropout 0: no philox seed or offset
+    ady, aq, ak, av, aout = _aligned(dy.contiguous(), q, k, v, out)
+    dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+        ady, aq, ak, av, _bias(mask, q, k), aout, lse, no_rng, no_rng, 0.0, [True, True, True, False], causal,
+        scale=scale)
+    return dq[..., :d], dk[..., :d], dv[..., :d]
 
 
 def _shard_mask(ctx: ShardCtx, q: torch.Tensor, k: torch.Tensor, mask: tuple[torch.Tensor, ...], is_causal: bool,
@@ -141,10 +187,8 @@ def _sdpa(ctx: ShardCtx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *mas
     needs to rebuild the probabilities without a second forward; where no such kernel applies it is left
     unfilled."""
     attn_mask, causal = _shard_mask(ctx, q, k, mask, is_causal, q_index=0)
-    if _efficient_ok(q, k, attn_mask):
-        out, lse = torch.ops.aten._scaled_dot_product_efficient_attention(
-            q, k, v, None, True, 0.0, causal, scale=scale)[:2]
-        return out, lse[..., : q.shape[-2]]  # lse (B, H, padded T) -> (B, H, T)
+    if _efficient_ok(q, k):
+        return _efficient_forward(q, k, v, attn_mask, causal, scale)
     if not _flash_ok(q, k):
         out = _local_sdpa(ctx, q, k, v, mask, is_causal, scale)
         return out, torch.empty(q.shape[:-1], dtype=ctx.out_metas[1].dtype, device=q.device)
@@ -194,14 +238,8 @@ def sdpa_backward(ctx: ShardCtx, dy: torch.Tensor, q: torch.Tensor, k: torch.Ten
     if q.numel() == 0 or k.numel() == 0:  # an empty shard: no query reads a key (torch's kernels assert here)
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     attn_mask, causal = _shard_mask(ctx, q, k, mask, is_causal, q_index=1)
-    if _efficient_ok(q, k, attn_mask):
-        padded = -(-q.shape[-2] // _LSE_ROWS) * _LSE_ROWS
-        lse = TF.pad(lse, (0, padded - q.shape[-2]))  # the kernel's own layout back (pad rows are never read)
-        no_rng = torch.empty((), dtype=torch.int64, device=q.device)  # dropout 0: no philox seed or offset
-        dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-            dy.contiguous(), q, k, v, None, out, lse, no_rng, no_rng, 0.0, [True, True, True, False], causal,
-            scale=scale)
-        return dq, dk, dv
+    if _efficient_ok(q, k):
+        return _efficient_backward(dy, q, k, v, out, lse, attn_mask, causal, scale)
     if _flash_ok(q, k):
         grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dy, q, k, v, out, lse, 0.0, causal, attn_mask=_additive(attn_mask, q.dtype), scale=scale)
