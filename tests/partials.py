@@ -49,13 +49,13 @@ def _perturb(shards: dict[int, torch.Tensor], p: sbpflow.Placement, axis: int, o
             if shards[group[0]].dtype == torch.bool:  # a losing piece is False under max, True under min
                 for k, r in enumerate(group):
                     lose = winner != k
-                    shards[r] = torch.where(lose, torch.tensor(op == "min"), shards[r])
+                    shards[r] = torch.where(lose.to(shards[r].device), torch.tensor(op == "min"), shards[r])
                 continue
             gap = torch.rand((size, *shape), generator=gen) + 0.5
             noise = torch.where(winner == torch.arange(size).reshape(-1, *[1] * len(shape)), 0.0, gap)
             noise = -noise if op == "max" else noise
         for k, r in enumerate(group):
-            shards[r] = shards[r] + noise[k].to(shards[r].dtype)
+            shards[r] = shards[r] + noise[k].to(shards[r].device, shards[r].dtype)  # noise drawn on CPU: seeded alike
 
 
 def check_pieces(fn: Any, torch_fn: Any, values: list[torch.Tensor], pname: str, sbps: list[tuple[Any, ...]],

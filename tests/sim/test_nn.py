@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import sbpflow
-from harness import PLACEMENTS, PSUM, B, randn
+from harness import DEVICE, PLACEMENTS, PSUM, B, randn
 from sbpflow import nn
 from sbpflow import sbp as S
 from sbpflow.comm import CommLog, record
@@ -199,7 +199,7 @@ def test_flatten(pname: str | None, x_sbp: Any) -> None:
 def test_dropout_mask_is_layout_independent_and_scaled() -> None:
     x = randn(8, 6)
     sbpflow.manual_seed(11)
-    local = nn.Dropout(0.25)(sbpflow.tensor(x)).numpy()
+    local = nn.Dropout(0.25)(sbpflow.tensor(x, device=DEVICE)).numpy()  # the shards' device: bit for bit
     sbpflow.manual_seed(11)
     split = nn.Dropout(0.25)(sbpflow.tensor(x, placement=P3, sbp=S.split(1))).numpy()
     np.testing.assert_array_equal(local, split)

@@ -7,7 +7,7 @@ import torch
 
 import sbpflow
 import sbpflow.ops.functional as F
-from harness import PLACEMENTS, B, randn
+from harness import DEVICE, PLACEMENTS, B, randn
 from sbpflow import sbp as S
 
 P2, P3 = PLACEMENTS["2"], PLACEMENTS["3"]
@@ -21,7 +21,7 @@ def test_matmul_shape_mismatch_names_op_shapes_and_layouts() -> None:
     with pytest.raises(sbpflow.ShapeError) as e:
         _g(4, 3, sbp=S.split(0)) @ _g(4, 5)
     text = str(e.value)
-    for part in ("'matmul'", "last dim", "[4, 3]", "[4, 5]", "cpu:[0, 1]", "S(0)", "(B)"):
+    for part in ("'matmul'", "last dim", "[4, 3]", "[4, 5]", f"{DEVICE}:[0, 1]", "S(0)", "(B)"):
         assert part in text, (part, text)
 
 
@@ -60,11 +60,11 @@ def test_mixed_placements_name_both() -> None:
     with pytest.raises(sbpflow.OpError) as e:
         _g(3, p=P2) + _g(3, p=P3)
     text = str(e.value)
-    assert "'add'" in text and "cpu:[0, 1]" in text and "cpu:[0, 1, 2]" in text and "to_global" in text
+    assert "'add'" in text and f"{DEVICE}:[0, 1]" in text and f"{DEVICE}:[0, 1, 2]" in text and "to_global" in text
 
 
 def test_local_and_global_mix() -> None:
-    with pytest.raises(sbpflow.OpError, match=r"'mul'.*local and global.*local shape \[3\].*cpu:\[0, 1\]"):
+    with pytest.raises(sbpflow.OpError, match=rf"'mul'.*local and global.*local shape \[3\].*{DEVICE}:\[0, 1\]"):
         sbpflow.tensor(randn(3)) * _g(3)
 
 

@@ -17,7 +17,7 @@ import torch.nn.functional as TF
 
 import sbpflow
 import sbpflow.ops.functional as F
-from harness import PLACEMENTS, B, all_reduce_payloads, check, randn, random_sbp
+from harness import DEVICE, PLACEMENTS, B, all_reduce_payloads, check, randn, random_sbp
 from sbpflow import boxing
 from sbpflow import random as sbp_random
 from sbpflow import sbp as S
@@ -80,7 +80,7 @@ def test_softmax_over_unsplit_dim_is_fused_without_comm(pname: str) -> None:
 
 def _tiny_latency() -> boxing.CostModel:
     """A cost model where latency is negligible, so moving bytes decides (row statistics beat a gather)."""
-    return boxing.CostModel().with_link("cpu", "intra", 1e-9, 1 / 5e9)
+    return boxing.CostModel().with_link(DEVICE, "intra", 1e-9, 1 / 5e9)
 
 
 def _plan_time(shape: tuple[int, ...], p: sbpflow.Placement, src: tuple[object, ...], dst: tuple[object, ...]) -> float:
