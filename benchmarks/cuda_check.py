@@ -1,23 +1,33 @@
 """GPT training on CUDA: the same numbers as on CPU, and step times against torch on the same GPU.
 
 Run on a machine with a CUDA GPU: ``python benchmarks/cuda_check.py`` (prints; ``--write`` replaces the "cuda"
-section of docs/benchmarks.md). The op suites run on cuda shards separately:
-``SBPFLOW_TEST_DEVICE=cuda python -m pytest tests/sim/test_ops_*.py``.
+section of docs/benchmarks.md).
+
+0. The op suites on cuda shards: every tests/sim file built on tests/harness.py (the op harness, autograd, nn,
+   optim, ZeRO, ...) under ``SBPFLOW_TEST_DEVICE=cuda``, which puts the harness placements (1, 2, 3 ranks and a
+   2x2 mesh) on the GPU and compares with torch on CPU; and tests/sim/test_runtime_cuda.py.
 
 1. Equivalence: 5 AdamW steps (clipping, dropout 0.1) of a small GPT under several strategies on virtual ranks
    that all live on the GPU (rank r on ``cuda:(r % device_count)``), eager and compiled (``nn.Graph`` on the
    actor runtime: one thread on the caller's stream, and a worker thread with its own CUDA stream per lane, as
-   under torch.distributed), against one CPU device: losses and every parameter within rtol 1e-4, atol 1e-5. TF32 is off, so float32 matmuls keep float32's precision on both sides.
+   under torch.distributed), against one CPU device: losses and every parameter within rtol 1e-4, atol 1e-5.
+   TF32 is off, so float32 matmuls keep float32's precision on both sides.
 2. Speed: a GPT-2-small-sized training step (forward, backward, clipping, AdamW) on one GPU: torch eager against
    sbpflow eager on a 1-rank cuda placement and the compiled step (in-order executor, actor runtime, actor
-   runtime on worker threads and streams), timed
-   in interleaved rounds with ``torch.cuda.synchronize`` around each; peak GPU memory per contender.
+   runtime on worker threads and streams), timed in interleaved rounds with ``torch.cuda.synchronize`` around
+   each; peak GPU memory per contender.
 """
 
 from __future__ import annotations
 
 import argparse
+import glob
+import importlib.util
+import os
+import re
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -45,6 +55,21 @@ def compare(ours: tuple[list[float], dict[str, np.ndarray]],
     pairs += [(ours[1][name], value) for name, value in reference[1].items()]
     worst = max(float(np.max(np.abs(a - b))) for a, b in pairs)
     return worst, all(np.allclose(a, b, rtol=1e-4, atol=1e-5) for a, b in pairs)
+
+
+def op_suites() -> str:
+    """Runs the harness-based suites on cuda shards in a subprocess; returns pytest's summary line."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    files = [f for f in sorted(glob.glob(os.path.join(root, "tests", "sim", "test_*.py")))
+             if re.search(r"^from harness import|^import harness", open(f).read(), re.M)]
+    files.append(os.path.join(root, "tests", "sim", "test_runtime_cuda.py"))
+    workers = ["-n", "8", "-p", "no:benchmark"] if importlib.util.find_spec("xdist") else []
+    env = {**os.environ, "SBPFLOW_TEST_DEVICE": "cuda"}
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *workers, *files],
+                          cwd=root, env=env, capture_output=True, text=True)
+    lines = [line for line in done.stdout.splitlines() if re.search(r"\d+ (passed|failed)", line)]
+    print(done.stdout[-3000:] if done.returncode else lines[-1], flush=True)
+    return f"{len(files)} files: {lines[-1].strip('= ')}" if lines else f"pytest failed to run: {done.stderr[-500:]}"
 
 
 def train_on_cuda(strategy: str, mode: str) -> tuple[list[float], dict[str, np.ndarray]]:
@@ -85,7 +110,7 @@ def sbpflow_step(cfg: GPTConfig, graph: bool, executor: str | None = None,
         return (lambda: trainer.graph(ids_t, targets_t)), trainer.model
 
     def step() -> Any:
-        _, loss = trainer.model(ids_t, targets_t)
+        loss = trainer.model(ids_t, targets_t)[1]  # the logits are dropped at once, as in the torch twin
         trainer.optimizer.zero_grad()
         loss.backward()
         from sbpflow.nn.utils import clip_grad_norm_
@@ -165,12 +190,16 @@ def main() -> None:
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     gpu = f"{torch.cuda.get_device_name()}, torch {torch.__version__}"
+    suites = op_suites()
     equal = equivalence()
     fast = speed(args.rounds)
     body = "\n".join([
         "## CUDA (issue 5)",
         "",
         f"`python benchmarks/cuda_check.py --write` on {gpu} ({machine()}).",
+        "",
+        f"**Op suites on cuda shards** (`SBPFLOW_TEST_DEVICE=cuda`, every harness-based tests/sim file and "
+        f"tests/sim/test_runtime_cuda.py): {suites}.",
         "",
         "**Equivalence on the GPU.** 5 AdamW steps (clipping at 1.0, dropout 0.1) of a 2-layer GPT (64 wide, "
         "batch 8, 16 tokens) on virtual ranks that all live on the GPU, against one CPU device (local tensors); "
