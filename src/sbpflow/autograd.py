@@ -130,7 +130,7 @@ class Node:
                  save_outputs: bool) -> None:
         tensor_cls: Any = _TENSOR or _tensor_class()
         self.op = op
-        self.args = args = tuple(inputs)  # tensors and scalars, in call order
+        self.args = args = tuple(inputs) if op.grad_reads is None else _unread_as_shells(inputs, op.grad_reads)
         tensors: list[Tensor] = []
         versions: list[int] = []
         needs: list[bool] = []
@@ -158,6 +158,23 @@ class Node:
     @property
     def name(self) -> str:
         return f"{self.op.name}_backward"
+
+
+def _unread_as_shells(args: Sequence[Any], reads: tuple[int, ...]) -> tuple[Any, ...]:
+    """The op's arguments with every computed tensor input whose value the gradient does not read replaced by
+    its shell (metadata and autograd identity, no data: :meth:`Tensor._shell`). Leaves stay (their identity
+    receives the gradient; whoever made them holds them anyway), and so do traced (lazy) tensors, which hold
+    no data."""
+    tensor_cls: Any = _TENSOR or _tensor_class()
+    out = []
+    index = 0
+    for a in args:
+        if isinstance(a, tensor_cls):
+            if index not in reads and a.grad_fn is not None and a._lazy is None:
+                a = a._shell()
+            index += 1
+        out.append(a)
+    return tuple(out)
 
 
 def _tensor_class() -> type:

@@ -109,6 +109,19 @@ class Tensor:
         self._shards = None
         return self
 
+    def _shell(self) -> Tensor:
+        """This tensor without its data: shape, dtype, layout, and the autograd identity (grad_fn, output index,
+        version) through which a gradient reaches its producer. What eager autograd keeps of an input whose
+        value the op's gradient does not read (``grad_reads`` in :func:`sbpflow.ops.registry.op`)."""
+        if self._local is not None:
+            local = self._local
+            shell = Tensor._from_local(torch.empty(local.shape, dtype=local.dtype, device="meta"), self.requires_grad)
+        else:
+            shell = Tensor._meta(self._shape or (), self._dtype, self._placement, self._sbp,  # type: ignore[arg-type]
+                                 self.requires_grad)
+        shell.grad_fn, shell._out_index, shell._version = self.grad_fn, self._out_index, self._version
+        return shell
+
     def _init_autograd(self, requires_grad: bool) -> None:
         self.requires_grad = requires_grad
         self.grad = None

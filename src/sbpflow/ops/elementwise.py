@@ -53,18 +53,19 @@ def _unary_sigs(monotone: bool | str = False, linear: bool = False, flips: bool 
 
 
 def _unary(name: str, fn: Any, *, meta: Any = R.same_meta, monotone: bool | str = False, linear: bool = False,
-           flips: bool = False, save_outputs: bool = False) -> Any:
-    return op(name, meta=meta, sbp=_unary_sigs(monotone, linear, flips), save_outputs=save_outputs)(fn)
+           flips: bool = False, save_outputs: bool = False, grad_reads: tuple[int, ...] | None = None) -> Any:
+    return op(name, meta=meta, sbp=_unary_sigs(monotone, linear, flips), save_outputs=save_outputs,
+              grad_reads=grad_reads)(fn)
 
 
-neg = _unary("neg", torch.neg, linear=True, flips=True)
-exp = _unary("exp", torch.exp, meta=R.float_meta, monotone=True, save_outputs=True)
+neg = _unary("neg", torch.neg, linear=True, flips=True, grad_reads=())
+exp = _unary("exp", torch.exp, meta=R.float_meta, monotone=True, save_outputs=True, grad_reads=())
 # log and sqrt are monotone but undefined below 0: a losing P(max) piece may be negative, or -inf from an empty
 # shard, and its NaN would win the max. Every P(min) piece is >= the logical value, so if that is in the domain
 # all pieces are (and if it is not, torch's own answer is NaN or -inf too): only P(min) passes.
 log = _unary("log", torch.log, meta=R.float_meta, monotone="min")
-sqrt = _unary("sqrt", torch.sqrt, meta=R.float_meta, monotone="min", save_outputs=True)
-rsqrt = _unary("rsqrt", torch.rsqrt, meta=R.float_meta, save_outputs=True)
+sqrt = _unary("sqrt", torch.sqrt, meta=R.float_meta, monotone="min", save_outputs=True, grad_reads=())
+rsqrt = _unary("rsqrt", torch.rsqrt, meta=R.float_meta, save_outputs=True, grad_reads=())
 abs_ = _unary("abs", torch.abs)
 tanh = _unary("tanh", torch.tanh, meta=R.float_meta, monotone=True, save_outputs=True)
 sigmoid = _unary("sigmoid", torch.sigmoid, meta=R.float_meta, monotone=True, save_outputs=True)
@@ -87,7 +88,7 @@ def _cast_sigs(x: Meta, outs: tuple[Meta, ...], dtype: torch.dtype) -> list[Any]
     return R.elementwise_sigs((x,), outs[0], partial)
 
 
-@op("cast", meta=lambda x, dtype: Meta(x.shape, dtype), sbp=_cast_sigs)
+@op("cast", meta=lambda x, dtype: Meta(x.shape, dtype), sbp=_cast_sigs, grad_reads=())
 def cast(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``x.to(dtype)``; partial inputs pass only where the cast commutes with their reduction (see above)."""
     return x.to(dtype)
@@ -218,12 +219,13 @@ def _binary_sigs(kind: str):  # type: ignore[no-untyped-def]
     return sigs
 
 
-def _binary(name: str, fn: Any, kind: str = "", meta: Any = R.elementwise_meta) -> Any:
-    return op(name, meta=meta, sbp=_binary_sigs(kind))(fn)
+def _binary(name: str, fn: Any, kind: str = "", meta: Any = R.elementwise_meta,
+            grad_reads: tuple[int, ...] | None = None) -> Any:
+    return op(name, meta=meta, sbp=_binary_sigs(kind), grad_reads=grad_reads)(fn)
 
 
-add = _binary("add", torch.add, "add")
-sub = _binary("sub", torch.sub, "sub")
+add = _binary("add", torch.add, "add", grad_reads=())  # the residual branch's output is freed once added
+sub = _binary("sub", torch.sub, "sub", grad_reads=())
 mul = _binary("mul", torch.mul, "mul")
 div = _binary("div", torch.div, "div", meta=R.float_meta)
 pow_ = _binary("pow", torch.pow)

@@ -175,7 +175,7 @@ def _pick_sigs(x: Meta, target: Meta, outs: tuple[Meta, ...], **_: Any) -> list[
     return sigs
 
 
-@op("pick", meta=_pick_meta, sbp=_pick_sigs, shard_aware=True)
+@op("pick", meta=_pick_meta, sbp=_pick_sigs, shard_aware=True, grad_reads=(1,))  # the targets, not the log-probs
 def _pick(ctx: ShardCtx, x: torch.Tensor, target: torch.Tensor, ignore_index: int, name: str) -> torch.Tensor:
     classes = ctx.in_metas[0].shape[-1]
     _check_labels(name, target, classes, "target label", ctx, ("input", "target"), ignore_index)

@@ -104,12 +104,12 @@ def _rowwise_sigs(x: Meta, outs: tuple[Meta, ...], dim: int, **_: Any) -> list[S
     return [Sig((B,), (B,))] + [Sig((Split(k),), (Split(k),)) for k in range(x.ndim) if k != d]
 
 
-@op("softmax", meta=_softmax_meta, sbp=_rowwise_sigs, save_outputs=True)
+@op("softmax", meta=_softmax_meta, sbp=_rowwise_sigs, save_outputs=True, grad_reads=())
 def _softmax_fused(x: torch.Tensor, dim: int) -> torch.Tensor:
     return torch.softmax(x, dim)
 
 
-@op("log_softmax", meta=_softmax_meta, sbp=_rowwise_sigs, save_outputs=True)
+@op("log_softmax", meta=_softmax_meta, sbp=_rowwise_sigs, save_outputs=True, grad_reads=())  # logits freed
 def _log_softmax_fused(x: torch.Tensor, dim: int) -> torch.Tensor:
     return torch.log_softmax(x, dim)
 

@@ -78,14 +78,14 @@ def _reduce_sigs(kind: str):  # type: ignore[no-untyped-def]
     return sigs
 
 
-@op("sum", meta=_reduce_meta, sbp=_reduce_sigs("sum"))
+@op("sum", meta=_reduce_meta, sbp=_reduce_sigs("sum"), grad_reads=())
 def sum_(x: torch.Tensor, dim: Any = None, keepdim: bool = False, dtype: torch.dtype | None = None) -> torch.Tensor:
     if dim is None and not keepdim:
         return torch.sum(x, dtype=dtype)
     return torch.sum(x, dim=R.normalize_dims(dim, x.dim()), keepdim=keepdim, dtype=dtype)
 
 
-@op("mean", meta=_mean_meta, sbp=_reduce_sigs("sum"), shard_aware=True)
+@op("mean", meta=_mean_meta, sbp=_reduce_sigs("sum"), shard_aware=True, grad_reads=())
 def mean(ctx: ShardCtx, x: torch.Tensor, dim: Any = None, keepdim: bool = False,
          dtype: torch.dtype | None = None) -> torch.Tensor:
     dims = R.normalize_dims(dim, x.dim())

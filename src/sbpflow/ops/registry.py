@@ -111,7 +111,8 @@ class OpDef:
 
     def __init__(self, name: str, kernel: Callable[..., Any], meta: Callable[..., Any], sbp: Callable[..., Any],
                  shard_aware: bool, save_outputs: bool, differentiable: bool, mesh_aware: bool,
-                 data_dependent: bool = False, diff_outputs: int | None = None) -> None:
+                 data_dependent: bool = False, diff_outputs: int | None = None,
+                 grad_reads: tuple[int, ...] | None = None) -> None:
         self.name = name
         self.kernel = kernel
         self.meta = meta
@@ -122,6 +123,7 @@ class OpDef:
         self.mesh_aware = mesh_aware
         self.data_dependent = data_dependent
         self.diff_outputs = diff_outputs  # outputs that get gradients (the first n); None: all of them
+        self.grad_reads = grad_reads  # tensor inputs whose values the gradient reads; None: all of them
         self.backward_fn: Callable[..., Any] | None = None
         self.activity = f"op {name!r}"  # what comm errors name while this op boxes its inputs
 
@@ -148,7 +150,8 @@ class OpDef:
 
 def op(name: str, *, meta: Callable[..., Any], sbp: Callable[..., Any], shard_aware: bool = False,
        save_outputs: bool = False, differentiable: bool = True, mesh_aware: bool = False,
-       data_dependent: bool = False, diff_outputs: int | None = None) -> Callable[[Callable[..., Any]], OpDef]:
+       data_dependent: bool = False, diff_outputs: int | None = None,
+       grad_reads: tuple[int, ...] | None = None) -> Callable[[Callable[..., Any]], OpDef]:
     """Registers the decorated kernel as op ``name``.
 
     ``shard_aware`` kernels get a :class:`ShardCtx` first; ``mesh_aware`` SBP
@@ -159,6 +162,11 @@ def op(name: str, *, meta: Callable[..., Any], sbp: Callable[..., Any], shard_aw
     ``diff_outputs=n`` makes only the first ``n`` outputs differentiable, the
     rest being saved statistics for the gradient (attention's logsumexp, a
     norm's mean and rstd) that get no gradient and no zeros filled in for one.
+    ``grad_reads`` lists the tensor inputs (by position among the tensor
+    arguments) whose values the gradient reads; of the others, eager autograd
+    keeps only metadata (shape, dtype, layout), so that their memory is freed
+    as soon as nothing else holds them, as torch frees what no backward saves
+    (``()`` for add, views, casts, log_softmax; None, the default: all).
     """
 
     def register(kernel: Callable[..., Any]) -> OpDef:
@@ -167,7 +175,7 @@ def op(name: str, *, meta: Callable[..., Any], sbp: Callable[..., Any], shard_aw
         if data_dependent and shard_aware:  # a ShardCtx holds output boxes, which need the sizes up front
             raise OpError(f"op {name!r} cannot be both data_dependent and shard_aware: output boxes need sizes")
         definition = OpDef(name, kernel, meta, sbp, shard_aware, save_outputs, differentiable, mesh_aware,
-                           data_dependent, diff_outputs)
+                           data_dependent, diff_outputs, grad_reads)
         REGISTRY[name] = definition
         return definition
 

@@ -87,7 +87,7 @@ def _reshape_sigs(x: Meta, outs: tuple[Meta, ...], shape: Any = None, mesh: tupl
     return sigs
 
 
-@op("reshape", meta=_reshape_meta, sbp=_reshape_sigs, shard_aware=True, mesh_aware=True)
+@op("reshape", meta=_reshape_meta, sbp=_reshape_sigs, shard_aware=True, mesh_aware=True, grad_reads=())
 def reshape(ctx: ShardCtx, x: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     return x.reshape(box_shape(ctx.out_boxes[0]))
 
@@ -111,7 +111,7 @@ def _permute_sigs(x: Meta, outs: tuple[Meta, ...], dims: tuple[int, ...]) -> lis
     return _passthrough() + [Sig((Split(src),), (Split(i),)) for i, src in enumerate(dims)]
 
 
-@op("permute", meta=_permute_meta, sbp=_permute_sigs)
+@op("permute", meta=_permute_meta, sbp=_permute_sigs, grad_reads=())
 def permute(x: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
     return x.permute(dims)
 
@@ -136,7 +136,7 @@ def _unsqueeze_sigs(x: Meta, outs: tuple[Meta, ...], dim: int) -> list[Sig]:
     return _passthrough() + [Sig((Split(k),), (Split(k if k < d else k + 1),)) for k in range(x.ndim)]
 
 
-@op("unsqueeze", meta=_unsqueeze_meta, sbp=_unsqueeze_sigs)
+@op("unsqueeze", meta=_unsqueeze_meta, sbp=_unsqueeze_sigs, grad_reads=())
 def unsqueeze(x: torch.Tensor, dim: int) -> torch.Tensor:
     return x.unsqueeze(dim)
 
@@ -161,7 +161,7 @@ def _squeeze_sigs(x: Meta, outs: tuple[Meta, ...], dim: int) -> list[Sig]:
     ]
 
 
-@op("squeeze", meta=_squeeze_meta, sbp=_squeeze_sigs)
+@op("squeeze", meta=_squeeze_meta, sbp=_squeeze_sigs, grad_reads=())
 def squeeze(x: torch.Tensor, dim: int) -> torch.Tensor:
     return x.squeeze(dim)
 
@@ -195,7 +195,7 @@ def _expand_sigs(x: Meta, outs: tuple[Meta, ...], shape: tuple[int, ...]) -> lis
     return sigs
 
 
-@op("expand", meta=_expand_meta, sbp=_expand_sigs, shard_aware=True)
+@op("expand", meta=_expand_meta, sbp=_expand_sigs, shard_aware=True, grad_reads=())
 def expand(ctx: ShardCtx, x: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     return x.expand(box_shape(ctx.out_boxes[0]))
 
