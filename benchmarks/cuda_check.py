@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from _report import add_write_flag, machine, write_section
+from _report import add_write_flag, machine, publish
 from _torch_gpt import TorchGPT, adamw, copy_weights
 
 from sbpflow.demo.train_gpt import build, parameter_values, random_batches, train_gpt
@@ -220,9 +220,7 @@ def main() -> None:
         "|---|---|---|---|---|---|",
         *fast,
     ])
-    print(body)
-    if args.write:
-        write_section("cuda", body)
+    publish("cuda", body, args.write)
 
 
 if __name__ == "__main__":
