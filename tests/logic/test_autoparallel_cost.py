@@ -20,8 +20,9 @@ from sbpflow.autoparallel import (
     roofline,
     save_profile,
 )
+from sbpflow.autoparallel.block_sbp import MEGATRON_CHOICES, evaluate_block
 from sbpflow.autoparallel.profiles import with_efficiency
-from sbpflow.autoparallel.transformer import TransformerSpec, layer_activation_bytes
+from sbpflow.autoparallel.transformer import TransformerSpec
 from sbpflow.boxing.plan import Layout, plan, target_factors
 from sbpflow.errors import SbpflowError
 from sbpflow.sbp import broadcast, partial_sum, split
@@ -85,16 +86,49 @@ def test_zero_memory_matches_the_paper():
         model_state_bytes(1e9, 8, 4)
 
 
+def _kept(spec, micro_batch, tp, recompute):
+    return evaluate_block(spec, micro_batch, tp, TOY, MEGATRON_CHOICES, recompute).kept
+
+
 def test_activations_under_recompute_by_hand():
-    """Korthikanti et al.: 34 sbh + 5 a s² b without parallelism; selective keeps 34 sbh; full keeps 2 sbh."""
+    """Korthikanti et al.: 34 sbh + 5 a s² b without parallelism; selective keeps 34 sbh; full keeps 2 sbh; under
+    Megatron's tensor parallelism 10 sbh stay whole and the rest is split."""
     spec = TransformerSpec(layers=2, hidden=64, heads=4, seq=32, vocab=100)
     sbh = 32 * 2 * 64
-    assert layer_activation_bytes(spec, 2, 1, "none") == 34 * sbh + 5 * 4 * 32 * 32 * 2
-    assert layer_activation_bytes(spec, 2, 1, "selective") == 34 * sbh
-    assert layer_activation_bytes(spec, 2, 4, "selective") == (10 + 6) * sbh
-    assert layer_activation_bytes(spec, 2, 4, "full") == 2 * sbh
+    assert _kept(spec, 2, 1, "none") == 34 * sbh + 5 * 4 * 32 * 32 * 2
+    assert _kept(spec, 2, 1, "selective") == 34 * sbh
+    assert _kept(spec, 2, 4, "selective") == (10 + 6) * sbh
+    assert _kept(spec, 2, 4, "none") == (10 + 6) * sbh + 5 * 4 * 32 * 32 * 2 / 4
+    assert _kept(spec, 2, 4, "full") == 2 * sbh
     with pytest.raises(SbpflowError, match="recompute"):
-        layer_activation_bytes(spec, 2, 1, "some")
+        _kept(spec, 2, 1, "some")
+
+
+def test_block_kernels_by_hand():
+    """A block's forward on one rank under Megatron's choice, kernel by kernel on TOY (50 TFLOP/s GEMMs, 500 GB/s
+    elementwise, 10 us per kernel): h = 1024, 8 heads of 128, b·s = 2 · 512 tokens, t = 2."""
+    spec = TransformerSpec(layers=1, hidden=1024, heads=8, seq=512, vocab=100)
+    n, h, s, t, units = 1024, 1024, 512, 2, 2 * 8 // 2  # units: (sequence, head) pairs on a rank
+
+    def kernel(flops, nbytes):
+        return max(flops / 50e12, nbytes / 500e9) + 1e-5
+
+    gemms = [kernel(2 * n * h * 3 * h / t, 2 * (n * h + 3 * h * h / t + 3 * n * h / t)),  # qkv, column
+             kernel(2 * s * s * 128 * units, 2 * units * (2 * s * 128 + s * s)),  # scores
+             kernel(2 * s * s * 128 * units, 2 * units * (s * s + 2 * s * 128)),  # context
+             kernel(2 * n * h * h / t, 2 * (n * h / t + h * h / t + n * h)),  # proj, row
+             kernel(2 * n * h * 4 * h / t, 2 * (n * h + 4 * h * h / t + 4 * n * h / t)),  # fc1
+             kernel(2 * n * 4 * h * h / t, 2 * (4 * n * h / t + 4 * h * h / t + n * h))]  # fc2
+    scores = units * s * s
+    elementwise = [kernel(0, 4 * scores), kernel(0, 5 * scores),  # softmax, dropout (+ its mask)
+                   kernel(0, 4 * n * h), kernel(0, 4 * n * h),  # LayerNorms
+                   kernel(0, 7 * n * h), kernel(0, 7 * n * h),  # bias, dropout, residual add
+                   kernel(0, 4 * n * 4 * h / t)]  # GeLU
+    block = evaluate_block(spec, 2, t, TOY, MEGATRON_CHOICES, "selective")
+    assert block.forward_s == pytest.approx(sum(gemms) + sum(elementwise))
+    assert block.attention_s == pytest.approx(gemms[1] + gemms[2] + elementwise[0] + elementwise[1])
+    assert block.recompute_s == block.attention_s
+    assert block.params == (12 * h * h + 7 * h) / t + 6 * h
 
 
 def test_megatron_flops_and_gpt3_parameters():

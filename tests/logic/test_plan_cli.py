@@ -38,6 +38,17 @@ def test_fully_given_plan_is_predicted_not_searched(capsys):
     assert code == 0 and data["search"] is None and data["runners_up"] == []
     assert (data["tp"], data["pp"], data["dp"], data["zero"], data["recompute"]) == (8, 16, 8, 0, "full")
     assert data["tflops_per_device"] == pytest.approx(140, rel=0.15)
+    block = data["block"]  # the block ILP's choice that the prediction priced: Megatron's layers (memory is short)
+    assert block["layout"] == "ilp" and block["method"] == "ilp" and block["megatron"]
+    assert (block["choices"]["qkv"], block["choices"]["fc2"]) == ("column", "row")
+
+
+def test_schema_rejects_a_block_without_its_choices(capsys):
+    _, out, _ = _plan(capsys, "--tp", "8", "--pp", "16", "--dp", "8", "--micro-batch", "1", "--json")
+    data = json.loads(out)
+    del data["block"]["choices"]
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(data, PLAN_SCHEMA)
 
 
 def test_schema_rejects_output_missing_a_field(capsys):
@@ -55,6 +66,7 @@ def test_explanation_names_components_runners_up_and_assumptions(capsys):
                  "memory on the fullest device", "tp8 pp16 dp8"):
         assert word in out
     assert "searched" in out
+    assert "the SBPs this prediction used (the block ILP's choice on the tp8 group" in out
 
 
 def test_impossible_plan_is_an_error_not_a_traceback(capsys):

@@ -3,7 +3,9 @@
 The plan comes from the same search as ``sbpflow plan``, restricted to what the model's
 :func:`~sbpflow.models.gpt.parallelize` realises: tensor, pipeline and data degrees and uneven stage cuts.
 sbpflow's GPT keeps whole optimizer state on every replica and stores all activations, so ZeRO stays 0 and
-recompute "none". Eager training runs a step as one micro-batch (stages do not overlap), which is the
+recompute "none"; its blocks are laid out Megatron-style, so the search prices them with Megatron-LM's SBPs
+(``layout="megatron"``), not the block ILP's choice, and the plan predicted is the plan run.
+Eager training runs a step as one micro-batch (stages do not overlap), which is the
 default; ``micro_batches=None`` lets the search choose, for ``nn.Graph`` with
 ``config.set_gradient_accumulation_steps(auto.micro_batches)``.
 """
@@ -75,7 +77,11 @@ def auto_parallel(model: object, devices: int, batch: int, device: str = "cpu",
     spec = gpt_spec(model)
     found = get_profile(profile)
     cluster = Cluster(devices, found, gpus_per_node or devices)
-    result = search(spec, cluster, batch, Fixed(zero=0, recompute="none", micro_batches=micro_batches))
+    # parallelize lays every block out Megatron-style (models.gpt.BLOCK_PLAN: column/row styles, the residual
+    # stream B on the tensor axis); the block ILP's other choices (sequence-parallel stream, replicated or
+    # token-split layers) have no parallelize style, so plans that are applied are predicted with that layout.
+    fixed = Fixed(zero=0, recompute="none", micro_batches=micro_batches, layout="megatron")
+    result = search(spec, cluster, batch, fixed)
     plan = result.best.plan
     strategy = parallelize(model, data=plan.dp, tensor=plan.tp,  # type: ignore[arg-type]
                            pipeline=result.best.stage_layers, device=device)

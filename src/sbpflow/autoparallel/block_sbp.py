@@ -11,19 +11,29 @@ Each linear layer picks ``replicate`` (x B, W B -> B), ``column`` (x B, W S(1) -
 (x S(1), W S(0) -> P(sum)) or ``tokens`` (x S(0), W B -> S(0), its weight gradient all-reduced); attention
 and GeLU keep B, S(0) or S(1) (heads); LayerNorm B or S(0); residual adds take two equal SBPs. Between a
 producer and a consumer the boxing planner's ``transition_time`` prices the change, counted twice (the
-backward pass runs the dual transition: all-gather <-> reduce-scatter, all-reduce <-> nothing and back).
-Ops cost their roofline forward + backward time on their local shapes. Memory per rank: weights under
-mixed-precision Adam (16 bytes per parameter, split or whole) and the activations kept for backward.
+backward pass runs the dual transition: all-gather <-> reduce-scatter, all-reduce <-> nothing and back), three
+times under full recompute. Ops cost their roofline forward kernels on their local shapes, times 3 for forward
+and backward (4 under full recompute; attention 4 under selective). Memory per rank (``BlockBudget``): the
+parameters held, at the plan's bytes per parameter (16 under mixed-precision Adam without ZeRO), the activations
+kept for backward per micro-batch in flight, and the block being rebuilt. Megatron's choice reproduces
+Korthikanti et al.'s activation counts and the per-kernel roofline of a Megatron block exactly.
 
-Megatron-LM's choice (column, heads, row, column, S(1), row) is what the ILP finds when memory is short
-or the group is fast; the tests check the ILP against enumerating every assignment.
+The plan search (``predict.plan_block``) solves this once per distinct (micro-batch, tp, recompute, budget,
+memory limit) and prices every plan with the choice: its compute, its tensor-parallel collectives
+(:func:`block_collectives`), its parameters and activations.
+
+Megatron-LM's linear layers (column, heads, row, column, S(1), row) are what the ILP finds when memory is short
+or the group is fast, with the residual stream and LayerNorms split over tokens (sequence parallelism: the same
+bytes moved as all-reduces, a t-th of the elementwise work and activations); when memory is plentiful and the
+group slow it may replicate small layers instead. The tests check the ILP against enumerating every assignment.
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 import numpy as np
@@ -31,7 +41,7 @@ import torch
 
 from ..boxing.plan import CostModel, Layout, LinkCost, target_factors, transition_time
 from ..errors import PlanError
-from ..sbp import Broadcast, Partial, SbpParallel, broadcast, partial_sum, split
+from ..sbp import Broadcast, Partial, SbpParallel, Split, broadcast, partial_sum, split
 from .cost import collective_time, matmul_flops, roofline
 from .profiles import DeviceProfile
 from .transformer import ACT_BYTES, TransformerSpec
@@ -71,9 +81,49 @@ CHOICES = {"stream": STREAM, "norm": NORM, "linear": LINEAR, "attention": POINTW
 CLOSING_EDGE = (10, 0)  # the block's output is the next block's input
 
 
+# bytes a block keeps for backward per token, per unit of hidden, at each op's output (Korthikanti et al. 2023,
+# Table 2): LayerNorm inputs (the stream, add1's output), linear inputs, Q, K, V, GeLU's input, and 1-byte dropout
+# masks after the projections (add1, add2). Attention also keeps 5·a·s bytes per token: softmax output (2),
+# dropout mask (1), dropout output (2). Megatron's choice gives s·b·h·(10 + 24/t) + 5·a·s²·b/t.
+KEPT = {"x": 2, "ln1": 2, "qkv": 6, "attention": 2, "proj": 0, "add1": 3, "ln2": 2, "fc1": 8, "gelu": 8, "fc2": 0,
+        "add2": 1}
+RECOMPUTE_KINDS = ("none", "selective", "full")
+
+
+@dataclass(frozen=True)
+class BlockBudget:
+    """What a block's choice costs beyond one micro-batch's seconds, on the stage the plan's memory binds on.
+
+    ``state_bytes``: bytes per parameter held (weights, gradients and optimizer state under the plan's ZeRO stage;
+    16 without ZeRO). ``blocks``: blocks on the stage. ``copies``: micro-batches whose kept activations a rank holds
+    at once (1F1B: min(p, m) on the first stage). ``gathered_bytes``: bytes per parameter ZeRO-3 gathers for the
+    block being run. ``param_seconds``: seconds per parameter held, per micro-batch (the step's gradient sync and
+    optimizer amortised over the micro-batches, ZeRO's per-micro-batch traffic).
+    The memory the ILP bounds is ``blocks · (state_bytes · params + copies · kept) + working``, per rank.
+    """
+
+    state_bytes: float = PARAM_BYTES
+    blocks: int = 1
+    copies: float = 1.0
+    gathered_bytes: float = 0.0
+    param_seconds: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.blocks < 1 or self.copies < 1:
+            raise PlanError(f"a block budget needs blocks >= 1 and copies >= 1, but got blocks={self.blocks}, "
+                            f"copies={self.copies}")
+        for name in ("state_bytes", "gathered_bytes", "param_seconds"):
+            if getattr(self, name) < 0:
+                raise PlanError(f"BlockBudget.{name} must be >= 0, but got {getattr(self, name)}")
+
+
 @dataclass(frozen=True)
 class BlockPlan:
-    """The chosen signature per op, the block's seconds (compute + communication) and bytes per rank."""
+    """The chosen signature per op and what they cost one rank per micro-batch: ``seconds`` (compute, recompute
+    and communication), ``comm_seconds`` (the transitions between ops and ``tokens`` layers' weight-gradient
+    all-reduces), ``forward_s`` (the ops' forward kernels), ``attention_s`` (the core attention's forward: what
+    selective recompute reruns); and per rank: ``params`` held, ``kept`` bytes per micro-batch in flight,
+    ``working`` bytes of the block being rebuilt, ``memory`` as the budget counts it."""
 
     choices: tuple[tuple[str, str], ...]
     seconds: float
@@ -81,6 +131,18 @@ class BlockPlan:
     memory: float
     solve_s: float
     method: str
+    forward_s: float = 0.0
+    attention_s: float = 0.0
+    weight_sync_s: float = 0.0
+    params: float = 0.0
+    kept: float = 0.0
+    working: float = 0.0
+    recompute: str = "none"
+
+    @property
+    def recompute_s(self) -> float:
+        """Forward seconds recomputation adds per micro-batch."""
+        return {"none": 0.0, "selective": self.attention_s, "full": self.forward_s}[self.recompute]
 
     def __str__(self) -> str:
         ops = ", ".join(f"{op} {choice}" for op, choice in self.choices if op != "x")
@@ -92,78 +154,139 @@ class BlockPlan:
 
 @dataclass(frozen=True)
 class _Problem:
-    op_cost: tuple[tuple[float, ...], ...]  # [op][choice] seconds
-    op_memory: tuple[tuple[float, ...], ...]  # [op][choice] bytes
+    forward: tuple[tuple[float, ...], ...]  # [op][choice] forward seconds
+    weight_sync: tuple[tuple[float, ...], ...]  # [op][choice] seconds of a weight-gradient all-reduce
+    params: tuple[tuple[float, ...], ...]  # [op][choice] parameters held per rank
+    kept: tuple[tuple[float, ...], ...]  # [op][choice] bytes kept per micro-batch under the recompute
+    working: tuple[tuple[float, ...], ...]  # [op][choice] bytes rebuilt for backward (+ ZeRO-3's gathered)
     edges: tuple[tuple[int, int, int, np.ndarray], ...]  # (producer, consumer, input position, cost[a][b])
+    recompute: str
+    budget: BlockBudget
+
+    def op_cost(self, op: int, k: int) -> float:
+        """Objective seconds of ``op``'s choice ``k``: forward + backward (twice forward) + what recompute reruns,
+        its weight-gradient all-reduce, and the budget's price of the parameters it holds."""
+        passes = 4 if self.recompute == "full" else 3
+        rerun = self.recompute == "selective" and OPS[op][1] == "attention"
+        return ((passes + rerun) * self.forward[op][k] + self.weight_sync[op][k]
+                + self.budget.param_seconds * self.params[op][k])
+
+    def op_memory(self, op: int, k: int) -> float:
+        b = self.budget
+        return b.blocks * (b.state_bytes * self.params[op][k] + b.copies * self.kept[op][k]) + self.working[op][k]
 
 
 def _choices(op: int) -> tuple[Choice, ...]:
     return CHOICES[OPS[op][1]]
 
 
-def _problem(spec: TransformerSpec, micro_batch: int, tp: int, profile: DeviceProfile) -> _Problem:
+def _problem(spec: TransformerSpec, micro_batch: int, tp: int, profile: DeviceProfile, recompute: str,
+             budget: BlockBudget, ranks_per_node: int) -> _Problem:
+    if recompute not in RECOMPUTE_KINDS:
+        raise PlanError(f"recompute must be one of {RECOMPUTE_KINDS}, but got {recompute!r}")
+    key = _model_key(profile)
+    tables: dict[str, list[tuple[float, ...]]] = {k: [] for k in ("forward", "sync", "params", "kept", "working")}
+    for i in range(len(OPS)):
+        rows = [_op_terms(i, c, micro_batch, spec, tp, profile, recompute, key, ranks_per_node) for c in _choices(i)]
+        for name, column in zip(tables, zip(*rows, strict=True), strict=True):
+            tables[name].append(tuple(column))
+    working = tuple(tuple(w + budget.gathered_bytes * p for w, p in zip(ws, ps, strict=True))
+                    for ws, ps in zip(tables["working"], tables["params"], strict=True))
+    passes = 3 if recompute == "full" else 2  # full recompute reruns each forward transition
     tokens, h = micro_batch * spec.seq, spec.hidden
-    op_cost, op_memory = [], []
-    for i, (_, kind, _, width, weight) in enumerate(OPS):
-        op_cost.append(tuple(_op_seconds(kind, c, tokens, h, width, weight, spec, tp, profile) for c in _choices(i)))
-        op_memory.append(tuple(_op_bytes(c, tokens, h, width, weight, tp) for c in _choices(i)))
     edges = []
     for consumer, (_, _, producers, _, _) in enumerate(OPS):
         for position, producer in enumerate(producers):
-            edges.append((producer, consumer, position, _edge_costs(producer, consumer, position, tokens, h, tp,
-                                                                    profile)))
+            edges.append((producer, consumer, position,
+                          _edge_costs(producer, consumer, position, tokens, h, tp, key, ranks_per_node, passes)))
     producer, consumer = CLOSING_EDGE
-    edges.append((producer, consumer, -1, _edge_costs(producer, consumer, -1, tokens, h, tp, profile)))
-    return _Problem(tuple(op_cost), tuple(op_memory), tuple(edges))
+    edges.append((producer, consumer, -1, _edge_costs(producer, consumer, -1, tokens, h, tp, key, ranks_per_node,
+                                                      passes)))
+    return _Problem(tuple(tables["forward"]), tuple(tables["sync"]), tuple(tables["params"]), tuple(tables["kept"]),
+                    working, tuple(edges), recompute, budget)
 
 
-def _op_seconds(kind: str, c: Choice, tokens: int, h: int, width: int, weight: tuple[int, int] | None,
-                spec: TransformerSpec, tp: int, profile: DeviceProfile) -> float:
-    """Forward + backward (twice forward) roofline seconds on one rank, plus a ``tokens`` weight all-reduce."""
+def _op_terms(op: int, c: Choice, micro_batch: int, spec: TransformerSpec, tp: int, profile: DeviceProfile,
+              recompute: str, key: tuple[float, float, float, float], ranks_per_node: int
+              ) -> tuple[float, float, float, float, float]:
+    """(forward seconds, weight-gradient all-reduce seconds, parameters, kept bytes, working bytes) of one op's
+    choice on one rank, from its local shapes."""
+    name, kind, _, width, weight = OPS[op]
+    tokens, h = micro_batch * spec.seq, spec.hidden
     share = tp if c.split_work else 1
-    if kind == "stream":
-        return 0.0
+    sync, params = 0.0, 0.0
     if weight is not None:
         k, m = weight[0] * h, weight[1] * h
-        nbytes = ACT_BYTES * (tokens * k + k * m + tokens * m)
-        seconds = 3 * roofline(matmul_flops(tokens, m, k) / share, nbytes / share, profile)
-        if c.reduce_weight_grad:
-            seconds += collective_time("all_reduce", range(tp), ACT_BYTES * k * m, _model(profile, tp), "cpu")
-        return seconds
-    if kind == "attention":  # scores and context: 4·N·s·h FLOPs
-        return 3 * roofline(4.0 * tokens * spec.seq * h / share, 4 * ACT_BYTES * tokens * h / share, profile)
-    return 3 * roofline(0.0, 2 * ACT_BYTES * tokens * width * h / share, profile, matmul=False)
+        forward = _linear_seconds(c, tokens, k, m, tp, profile)
+        if c.reduce_weight_grad and tp > 1:
+            model = _model_from_key(key, ranks_per_node)
+            sync = collective_time("all_reduce", range(tp), ACT_BYTES * k * m, model, "cpu")
+        column = c.split_weight and isinstance(c.out, Split)  # Megatron splits a column layer's bias too
+        params = k * m / (tp if c.split_weight else 1) + m / (tp if column else 1)
+    elif kind == "attention":
+        forward = _attention_seconds(micro_batch * spec.heads / share, spec.seq, h // spec.heads, profile)
+    else:
+        params = 2.0 * h if kind == "norm" else 0.0  # LayerNorm's weight and bias, whole in every choice
+        forward = 0.0 if kind == "stream" else roofline(0.0, _elementwise_bytes(kind, tokens, h, width) / share,
+                                                        profile, matmul=False)
+    out_share = tp if isinstance(c.out, Split) else 1
+    scores = 5.0 * spec.heads * spec.seq * tokens if kind == "attention" else 0.0
+    whole = (KEPT[name] * tokens * h + scores) / out_share
+    kept = {"none": whole, "selective": whole - scores / out_share, "full": whole if kind == "stream" else 0.0}
+    return forward, sync, params, kept[recompute], whole - kept[recompute]
 
 
-def _op_bytes(c: Choice, tokens: int, h: int, width: int, weight: tuple[int, int] | None, tp: int) -> float:
-    params = 0 if weight is None else weight[0] * weight[1] * h * h
-    kept = ACT_BYTES * tokens * width * h / (1 if isinstance(c.out, Broadcast) else tp)
-    return PARAM_BYTES * params / (tp if c.split_weight else 1) + kept
+def _linear_seconds(c: Choice, tokens: int, k: int, m: int, tp: int, profile: DeviceProfile) -> float:
+    """One GEMM of (tokens, k) by (k, m) on the local shapes: the input, weight and output each split or whole."""
+    share = tp if c.split_work else 1
+    x = tokens * k / (1 if isinstance(c.ins[0], Broadcast) else tp)
+    w = k * m / (tp if c.split_weight else 1)
+    y = tokens * m / (tp if isinstance(c.out, Split) else 1)  # a partial sum is whole on every rank
+    return roofline(matmul_flops(tokens, m, k) / share, ACT_BYTES * (x + w + y), profile)
+
+
+def _attention_seconds(units: float, s: int, d: int, profile: DeviceProfile) -> float:
+    """The core attention of ``units`` (sequence, head) pairs: scores Q·Kᵀ, fused scale-mask-softmax, dropout,
+    probabilities · V."""
+    scores = units * s * s
+    return (roofline(matmul_flops(s, s, d, 1) * units, ACT_BYTES * units * (2 * s * d + s * s), profile)
+            + roofline(matmul_flops(s, d, s, 1) * units, ACT_BYTES * units * (s * s + 2 * s * d), profile)
+            + roofline(0.0, 2 * ACT_BYTES * scores, profile, matmul=False)
+            + roofline(0.0, 2 * ACT_BYTES * scores + scores, profile, matmul=False))
+
+
+def _elementwise_bytes(kind: str, tokens: int, h: int, width: int) -> float:
+    """Bytes read and written by a whole elementwise kernel: LayerNorm and GeLU read and write their tensor; a
+    residual add also reads the bias and writes a 1-byte dropout mask."""
+    if kind == "add":
+        return 3 * ACT_BYTES * tokens * h + tokens * h
+    return 2 * ACT_BYTES * tokens * width * h
 
 
 def _edge_costs(producer: int, consumer: int, position: int, tokens: int, h: int, tp: int,
-                profile: DeviceProfile) -> np.ndarray:
+                key: tuple[float, float, float, float], ranks_per_node: int, passes: int) -> np.ndarray:
     shape = (tokens, OPS[producer][3] * h)
     srcs = [c.out for c in _choices(producer)]
     dsts = [c.out if position < 0 else c.ins[position] for c in _choices(consumer)]
-    return np.array([[2 * _transition(shape, a, b, tp, profile) for b in dsts] for a in srcs])
+    return np.array([[passes * _transition(shape, a, b, tp, key, ranks_per_node) for b in dsts] for a in srcs])
 
 
-def _transition(shape: tuple[int, int], a: SbpParallel, b: SbpParallel, tp: int, profile: DeviceProfile) -> float:
+def _transition(shape: tuple[int, int], a: SbpParallel, b: SbpParallel, tp: int,
+                key: tuple[float, float, float, float], ranks_per_node: int) -> float:
     if a == b or tp == 1:
         return 0.0
     if isinstance(b, Partial):
         return float("inf")  # nothing consumes partial values but through a reduction
-    return _transition_cached(shape, a, b, tp, _model_key(profile))
+    return _transition_cached(shape, a, b, tp, key, ranks_per_node)
 
 
 @lru_cache(maxsize=4096)
 def _transition_cached(shape: tuple[int, int], a: SbpParallel, b: SbpParallel, tp: int,
-                       key: tuple[float, float, float, float]) -> float:
+                       key: tuple[float, float, float, float], ranks_per_node: int) -> float:
     from ..placement import Placement
 
     placement = Placement("cpu", list(range(tp)))
-    model = _model_from_key(key, tp)
+    model = _model_from_key(key, ranks_per_node)
     with target_factors(()):
         return transition_time(shape, torch.float16, Layout(placement, (a,)), Layout(placement, (b,)), model)
 
@@ -173,38 +296,42 @@ def _model_key(profile: DeviceProfile) -> tuple[float, float, float, float]:
             profile.inter_bandwidth * profile.eta_inter)
 
 
-def _model_from_key(key: tuple[float, float, float, float], tp: int) -> CostModel:
-    """The boxing model of a tensor-parallel group inside one node, priced as the profile's links (on ``cpu``
-    placements: the planner runs where no accelerator exists)."""
+def _model_from_key(key: tuple[float, float, float, float], ranks_per_node: int) -> CostModel:
+    """The boxing model of the tensor-parallel group, priced as the profile's links (on ``cpu`` placements: the
+    planner runs where no accelerator exists); a group wider than ``ranks_per_node`` pays the inter-node link."""
     links = ((("cpu", "intra"), LinkCost(key[0], 1 / key[1])), (("cpu", "inter"), LinkCost(key[2], 1 / key[3])))
-    return CostModel(links=links, ranks_per_node=max(tp, 1))
-
-
-def _model(profile: DeviceProfile, tp: int) -> CostModel:
-    return _model_from_key(_model_key(profile), tp)
+    return CostModel(links=links, ranks_per_node=max(ranks_per_node, 1))
 
 
 # ----------------------------------------------------------------------------- solving
 
 
 def solve_block(spec: TransformerSpec, micro_batch: int, tp: int, profile: DeviceProfile,
-                memory_limit: float | None = None) -> BlockPlan:
-    """The fastest SBP assignment of one block on ``tp`` ranks whose bytes per rank stay under ``memory_limit``.
+                memory_limit: float | None = None, recompute: str = "none", budget: BlockBudget = BlockBudget(),
+                ranks_per_node: int | None = None) -> BlockPlan:
+    """The fastest SBP assignment of one block on ``tp`` ranks whose bytes per rank (as ``budget`` counts them)
+    stay under ``memory_limit``.
 
     One-hot binaries pick each op's signature; each producer -> consumer edge has continuous variables
     ``e[a, b] >= x[producer, a] + x[consumer, b] - 1`` whose cost is the transition's, which is exact for
-    one-hot choices and nonnegative costs.
+    one-hot choices and nonnegative costs. On one rank every choice costs the same: Megatron's names are kept.
     """
     from scipy.optimize import Bounds, LinearConstraint, milp
 
     start = time.perf_counter()
-    problem = _problem(spec, micro_batch, tp, profile)
-    offsets = np.cumsum([0] + [len(c) for c in problem.op_cost])
+    rpn = ranks_per_node or tp
+    problem = _problem(spec, micro_batch, tp, profile, recompute, budget, rpn)
+    if tp == 1:
+        plan = _plan(problem, _picks(MEGATRON_CHOICES), time.perf_counter() - start, "one rank")
+        if memory_limit is not None and plan.memory > memory_limit:
+            raise PlanError(f"no SBP assignment of a block fits in {memory_limit} bytes per rank on 1 rank")
+        return plan
+    offsets = np.cumsum([0] + [len(c) for c in problem.forward])
     n_choice = int(offsets[-1])
-    cost = [v for row in problem.op_cost for v in row]
+    cost = [problem.op_cost(op, k) for op in range(len(OPS)) for k in range(len(problem.forward[op]))]
     rows, lo, hi = [], [], []
     for op in range(len(OPS)):  # one signature per op
-        rows.append({int(offsets[op]) + k: 1.0 for k in range(len(problem.op_cost[op]))})
+        rows.append({int(offsets[op]) + k: 1.0 for k in range(len(problem.forward[op]))})
         lo.append(1.0)
         hi.append(1.0)
     for producer, consumer, _, table in problem.edges:
@@ -219,7 +346,8 @@ def solve_block(spec: TransformerSpec, micro_batch: int, tp: int, profile: Devic
             lo.append(-np.inf)
             hi.append(1.0)
     if memory_limit is not None:
-        rows.append({int(offsets[op]) + k: m for op, row in enumerate(problem.op_memory) for k, m in enumerate(row)})
+        rows.append({int(offsets[op]) + k: problem.op_memory(op, k) for op in range(len(OPS))
+                     for k in range(len(problem.forward[op]))})
         lo.append(-np.inf)
         hi.append(memory_limit)
     matrix = np.zeros((len(rows), len(cost)))
@@ -229,7 +357,7 @@ def solve_block(spec: TransformerSpec, micro_batch: int, tp: int, profile: Devic
     integrality = np.zeros(len(cost))
     integrality[:n_choice] = 1
     result = milp(np.array(cost), integrality=integrality, bounds=Bounds(0, np.where(integrality > 0, 1, np.inf)),
-                  constraints=LinearConstraint(matrix, np.array(lo), np.array(hi)))
+                  constraints=LinearConstraint(matrix, np.array(lo), np.array(hi)), options={"mip_rel_gap": 1e-9})
     if result.x is None:
         raise PlanError(f"no SBP assignment of a block fits in {memory_limit} bytes per rank on {tp} ranks")
     picks = tuple(int(np.argmax(result.x[offsets[op]:offsets[op + 1]])) for op in range(len(OPS)))
@@ -237,15 +365,16 @@ def solve_block(spec: TransformerSpec, micro_batch: int, tp: int, profile: Devic
 
 
 def enumerate_block(spec: TransformerSpec, micro_batch: int, tp: int, profile: DeviceProfile,
-                    memory_limit: float | None = None) -> BlockPlan:
+                    memory_limit: float | None = None, recompute: str = "none", budget: BlockBudget = BlockBudget(),
+                    ranks_per_node: int | None = None) -> BlockPlan:
     """The same optimum by trying every assignment (the check of :func:`solve_block`; thousands of them)."""
     start = time.perf_counter()
-    problem = _problem(spec, micro_batch, tp, profile)
+    problem = _problem(spec, micro_batch, tp, profile, recompute, budget, ranks_per_node or tp)
     best: tuple[float, tuple[int, ...]] | None = None
-    for picks in itertools.product(*(range(len(row)) for row in problem.op_cost)):
+    for picks in itertools.product(*(range(len(row)) for row in problem.forward)):
         if memory_limit is not None and _memory(problem, picks) > memory_limit:
             continue
-        total = _time(problem, picks)[0]
+        total = _objective(problem, picks)
         if best is None or total < best[0]:
             best = (total, picks)
     if best is None or not np.isfinite(best[0]):
@@ -253,19 +382,92 @@ def enumerate_block(spec: TransformerSpec, micro_batch: int, tp: int, profile: D
     return _plan(problem, best[1], time.perf_counter() - start, "enumeration")
 
 
-def _time(problem: _Problem, picks: tuple[int, ...]) -> tuple[float, float]:
-    comm = sum(table[picks[u], picks[v]] for u, v, _, table in problem.edges)
-    return sum(problem.op_cost[op][k] for op, k in enumerate(picks)) + comm, comm
+def evaluate_block(spec: TransformerSpec, micro_batch: int, tp: int, profile: DeviceProfile,
+                   choices: tuple[tuple[str, str], ...], recompute: str = "none",
+                   budget: BlockBudget = BlockBudget(), ranks_per_node: int | None = None) -> BlockPlan:
+    """What a given assignment (``BlockPlan.choices``, such as :data:`MEGATRON_CHOICES`) costs, by the same
+    model the ILP minimises."""
+    start = time.perf_counter()
+    problem = _problem(spec, micro_batch, tp, profile, recompute, budget, ranks_per_node or tp)
+    return _plan(problem, _picks(choices), time.perf_counter() - start, "given")
+
+
+@lru_cache(maxsize=8192)
+def _cached(spec: TransformerSpec, micro_batch: int, tp: int, profile: DeviceProfile, recompute: str,
+            budget: BlockBudget, memory_limit: float | None, ranks_per_node: int) -> BlockPlan | None:
+    try:
+        return solve_block(spec, micro_batch, tp, profile, memory_limit, recompute, budget, ranks_per_node)
+    except PlanError:
+        return None
+
+
+def cached_solve(spec: TransformerSpec, micro_batch: int, tp: int, profile: DeviceProfile,
+                 memory_limit: float | None = None, recompute: str = "none", budget: BlockBudget = BlockBudget(),
+                 ranks_per_node: int | None = None) -> BlockPlan | None:
+    """:func:`solve_block`, cached across the plan search's candidates (None when nothing fits). The memory limit
+    is rounded down to 1/512 of its power of two and the budget's prices to three significant digits, so plans
+    whose limits differ by a few bytes share one solve, and a choice within the rounded limit fits the exact one.
+    ``cached_solve.cache_info()`` counts hits and misses."""
+    limit = None if memory_limit is None else _round_down(memory_limit)
+    rounded = replace(budget, param_seconds=_significant(budget.param_seconds), copies=float(budget.copies))
+    return _cached(spec, micro_batch, tp, profile, recompute, rounded, limit, ranks_per_node or tp)
+
+
+cached_solve.cache_info = _cached.cache_info  # type: ignore[attr-defined]
+cached_solve.cache_clear = _cached.cache_clear  # type: ignore[attr-defined]
+
+
+def _round_down(value: float) -> float:
+    """``value`` down to a multiple of 1/512 of its power of two (within 0.4%).
+
+    >>> _round_down(1000.0), _round_down(-5.0)
+    (998.0, -5.0)
+    """
+    if value <= 0:
+        return value
+    quantum = 2.0 ** (math.floor(math.log2(value)) - 9)
+    return math.floor(value / quantum) * quantum
+
+
+def _significant(value: float) -> float:
+    return float(f"{value:.3g}")
+
+
+def _picks(choices: tuple[tuple[str, str], ...]) -> tuple[int, ...]:
+    picked = dict(choices)
+    missing = [op[0] for op in OPS if op[0] not in picked]
+    if missing:
+        raise PlanError(f"a block's choices name every op of {[op[0] for op in OPS]}, but miss {missing}")
+    return tuple(_choices(op).index(_pick(_choices(op), picked[OPS[op][0]])) for op in range(len(OPS)))
+
+
+def _comm(problem: _Problem, picks: tuple[int, ...]) -> float:
+    edges = sum(table[picks[u], picks[v]] for u, v, _, table in problem.edges)
+    return float(edges) + sum(problem.weight_sync[op][k] for op, k in enumerate(picks))
+
+
+def _objective(problem: _Problem, picks: tuple[int, ...]) -> float:
+    edges = sum(table[picks[u], picks[v]] for u, v, _, table in problem.edges)
+    return float(edges) + sum(problem.op_cost(op, k) for op, k in enumerate(picks))
 
 
 def _memory(problem: _Problem, picks: tuple[int, ...]) -> float:
-    return sum(problem.op_memory[op][k] for op, k in enumerate(picks))
+    return sum(problem.op_memory(op, k) for op, k in enumerate(picks))
 
 
 def _plan(problem: _Problem, picks: tuple[int, ...], solve_s: float, method: str) -> BlockPlan:
-    total, comm = _time(problem, picks)
+    param_cost = problem.budget.param_seconds * sum(problem.params[op][k] for op, k in enumerate(picks))
     choices = tuple((OPS[op][0], _choices(op)[k].name) for op, k in enumerate(picks))
-    return BlockPlan(choices, total, comm, _memory(problem, picks), solve_s, method)
+
+    def total(table: tuple[tuple[float, ...], ...]) -> float:
+        return float(sum(table[op][k] for op, k in enumerate(picks)))
+
+    attention = next(i for i, op in enumerate(OPS) if op[1] == "attention")
+    return BlockPlan(choices, _objective(problem, picks) - param_cost, _comm(problem, picks), _memory(problem, picks),
+                     solve_s, method, forward_s=total(problem.forward),
+                     attention_s=problem.forward[attention][picks[attention]], weight_sync_s=total(problem.weight_sync),
+                     params=total(problem.params), kept=total(problem.kept), working=total(problem.working),
+                     recompute=problem.recompute)
 
 
 def megatron(plan: BlockPlan) -> bool:

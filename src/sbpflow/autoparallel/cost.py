@@ -7,6 +7,7 @@ link. For a group of ``p`` ranks and a logical tensor of ``n`` bytes:
     all_reduce       2(p-1) α + 2(p-1)/p · n β
     all_gather       (p-1) α  +  (p-1)/p · n β      (n: the gathered tensor)
     reduce_scatter   (p-1) α  +  (p-1)/p · n β      (n: the tensor before scattering)
+    all_to_all       (p-1) α  +  (p-1)/p² · n β
     send_recv        α + n β
 
 >>> from sbpflow.boxing.plan import CostModel, LinkCost
@@ -23,7 +24,7 @@ from ..boxing.plan import CostModel
 from ..errors import SbpflowError
 from .profiles import DeviceProfile
 
-COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "send_recv")
+COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
 
 # Bytes per parameter under mixed-precision Adam (Rajbhandari et al., ZeRO, SC'20, §3.1): fp16 weights and
 # gradients, and K = 12 bytes of fp32 master weights, momentum and variance.
@@ -66,6 +67,8 @@ def collective_time(kind: str, ranks: Iterable[int], nbytes: float, model: CostM
         return 2 * (p - 1) * link.alpha + 2 * (p - 1) / p * nbytes * link.beta
     if kind == "send_recv":
         return link.alpha + nbytes * link.beta
+    if kind == "all_to_all":
+        return (p - 1) * link.alpha + (p - 1) / p**2 * nbytes * link.beta
     return (p - 1) * link.alpha + (p - 1) / p * nbytes * link.beta
 
 

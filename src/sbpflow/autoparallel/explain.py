@@ -117,14 +117,25 @@ def _memory(p: Prediction) -> list[str]:
 
 
 def _block_lines(spec: TransformerSpec, cluster: Cluster, p: Prediction) -> list[str]:
-    """The SBPs that selection picks inside every block on the tensor-parallel group (one ILP for all blocks)."""
-    if p.plan.tp == 1:
+    """The SBPs inside every block on the tensor-parallel group that this prediction priced."""
+    if p.plan.tp == 1 or p.block is None:
         return []
-    from .block_sbp import solve_block
+    return [f"  inside each block, the SBPs this prediction used ({block_source(p)}):", f"    {p.block}"]
 
-    block = solve_block(spec, p.plan.micro_batch, p.plan.tp, cluster.profile)
-    return [f"  inside each block (SBP ILP on the tp{p.plan.tp} group, one solve for all {spec.layers} blocks, "
-            f"{seconds(block.solve_s)}):", f"    {block}"]
+
+def block_source(p: Prediction) -> str:
+    """Where a prediction's block SBPs came from, and whether they are Megatron-LM's."""
+    from .block_sbp import megatron
+
+    assert p.block is not None
+    kind = "Megatron-LM's column/row layers" if megatron(p.block) else "not Megatron-LM's layers"
+    if p.block.method == "given":
+        why = ("Megatron-LM's layout, as parallelize applies it" if p.plan.layout == "megatron"
+               else "Megatron-LM's layout: no choice fits the block ILP's memory limit")
+        return f"{why}; {kind}"
+    stream = dict(p.block.choices)["x"]
+    return (f"the block ILP's choice on the tp{p.plan.tp} group, one solve for all {sum(p.stage_layers)} blocks, "
+            f"{seconds(p.block.solve_s)}; {kind}, residual stream {stream}")
 
 
 def _runners_up(result: SearchResult) -> list[str]:
@@ -178,7 +189,16 @@ def _prediction_json(p: Prediction) -> dict[str, Any]:
         "memory_per_device_gb": p.memory_per_device / GB, "fits": p.fits,
         "memory_gb": {k: v / GB for k, v in p.memory.items()},
         "breakdown": dict(p.breakdown),
+        "block": None if p.block is None else {
+            "choices": dict(p.block.choices), "method": p.block.method, "layout": p.plan.layout,
+            "megatron": _is_megatron(p), "seconds": p.block.seconds, "comm_seconds": p.block.comm_seconds},
     }
+
+
+def _is_megatron(p: Prediction) -> bool:
+    from .block_sbp import megatron
+
+    return p.block is not None and megatron(p.block)
 
 
 _NUMBER = {"type": "number", "minimum": 0}
@@ -194,6 +214,11 @@ _PLAN_FIELDS = {
                   "additionalProperties": _NUMBER},
     "breakdown": {"type": "object", "required": list(TIME_KEYS), "additionalProperties": False,
                   "properties": {k: _NUMBER for k in TIME_KEYS}},
+    "block": {"oneOf": [{"type": "null"}, {
+        "type": "object", "required": ["choices", "method", "layout", "megatron", "seconds", "comm_seconds"],
+        "properties": {"choices": {"type": "object", "additionalProperties": {"type": "string"}},
+                       "method": {"type": "string"}, "layout": {"enum": ["ilp", "megatron"]},
+                       "megatron": {"type": "boolean"}, "seconds": _NUMBER, "comm_seconds": _NUMBER}}]},
 }
 
 PLAN_SCHEMA: dict[str, Any] = {

@@ -4,9 +4,16 @@ Ranks are laid out as Megatron and ``models.gpt.stage_placements`` do: tensor-pa
 data-parallel replicas, then pipeline stages, so rank = (stage · dp + replica) · tp + shard. A group whose
 ranks span nodes pays the inter-node link (the boxing :class:`~sbpflow.boxing.plan.CostModel`).
 
+Inside a block, the SBP signature of every op on the tensor-parallel group is the block ILP's choice
+(``block_sbp.solve_block``) for this plan's micro-batch, degree and recompute, under the memory the plan leaves
+for it (``block_budget``): compute from the chosen signatures' local shapes, tensor-parallel communication from
+the collectives those signatures issue (``block_sbp.block_collectives``), parameters and activations per rank
+from the same choice. A plan with ``layout="megatron"`` uses Megatron-LM's choice instead (what
+``models.gpt.parallelize`` lays out, so what ``sbpflow.auto_parallel`` predicts for the plans it applies).
+
 Per micro-batch, stage ``i`` costs ``t_i`` = its blocks' forward and backward (+ recomputation) + their
-tensor-parallel all-reduces (2 in forward, 2 in backward, 2 more when full recompute reruns the forward)
-+ its point-to-point sends (activations forward, gradients backward; across nodes each tensor-parallel rank
+tensor-parallel collectives (forward, their duals backward, the forward ones again when full recompute reruns
+the forward) + its point-to-point sends (activations forward, gradients backward; across nodes each tensor-parallel rank
 sends 1/t and the receivers all-gather over NVLink: Narayanan et al. 2021 §4.1's scatter/gather)
 + ZeRO-2/3's per-micro-batch traffic. Under 1F1B with ``m`` micro-batches the pipeline takes
 
@@ -25,22 +32,14 @@ from functools import cached_property
 
 from ..boxing.plan import CostModel
 from ..errors import PlanError
-from .block_sbp import MEGATRON_CHOICES, block_collectives
+from .block_sbp import MEGATRON_CHOICES, BlockBudget, BlockPlan, block_collectives, cached_solve, evaluate_block
 from .cost import collective_time, model_state_bytes
 from .profiles import DeviceProfile
-from .transformer import (
-    ACT_BYTES,
-    RECOMPUTE,
-    TransformerSpec,
-    embedding_cost,
-    head_activation_bytes,
-    head_cost,
-    layer_activation_bytes,
-    layer_cost,
-)
+from .transformer import ACT_BYTES, RECOMPUTE, TransformerSpec, embedding_cost, head_activation_bytes, head_cost
 
 ADAM_BYTES_PER_PARAM = 2 + 3 * 2 * 4 + 2  # read the fp16 gradient; read+write fp32 master, m, v; write fp16 weight
 TIME_KEYS = ("compute", "recompute", "tp_comm", "pp_comm", "dp_comm", "bubble", "optimizer")
+LAYOUTS = ("ilp", "megatron")  # a block's SBPs: the ILP's choice, or Megatron-LM's
 
 
 @dataclass(frozen=True)
@@ -66,10 +65,11 @@ class ParallelPlan:
     micro_batch: int
     zero: int = 0
     recompute: str = "full"
+    layout: str = "ilp"
 
     def __str__(self) -> str:
         return (f"tp{self.tp} pp{self.pp} dp{self.dp} micro-batch {self.micro_batch} zero{self.zero} "
-                f"recompute={self.recompute}")
+                f"recompute={self.recompute}" + ("" if self.layout == "ilp" else f" layout={self.layout}"))
 
 
 @dataclass(frozen=True)
@@ -102,6 +102,7 @@ class Prediction:
     tflops_per_device: float  # Megatron's count (recompute included) / time / devices
     mfu: float  # useful FLOPs (no recompute) / time / (devices · peak)
     notes: tuple[str, ...] = field(default=())
+    block: BlockPlan | None = None  # the SBPs inside every block that this prediction priced
 
     @property
     def memory_per_device(self) -> float:
@@ -123,6 +124,8 @@ class PlanCosts:
     cluster: Cluster
     plan: ParallelPlan
     micro_batches: int
+    block: BlockPlan  # the SBP choice inside every block, and its costs
+    layer_params: float  # parameters of one block on one rank
     layer_compute: float  # forward + backward of one block
     layer_recompute: float
     layer_tp: float
@@ -140,13 +143,7 @@ class PlanCosts:
 
     def stage_params(self, stage: int, layers: int) -> float:
         """Parameters one rank of the stage holds (tied embedding: a copy on the first and the last stage)."""
-        spec, tp = self.spec, self.plan.tp
-        params = layers * spec.layer_params / tp
-        if stage == 0:
-            params += spec.vocab * spec.hidden / tp + spec.seq * spec.hidden
-        if stage == self.plan.pp - 1:
-            params += 2 * spec.hidden + (spec.vocab * spec.hidden / tp if self.plan.pp > 1 else 0)
-        return params
+        return layers * self.layer_params + fixed_params(self.spec, self.plan, stage)
 
     def stage_memory(self, stage: int, layers: int) -> dict[str, float]:
         """Bytes on one rank of ``stage``: model state under ZeRO, plus activations of the micro-batches in
@@ -154,54 +151,130 @@ class PlanCosts:
         plan, spec = self.plan, self.spec
         memory = model_state_bytes(self.stage_params(stage, layers), plan.dp, plan.zero)
         in_flight = min(plan.pp - stage, self.micro_batches)
-        kept = layer_activation_bytes(spec, plan.micro_batch, plan.tp, plan.recompute)
-        working = layer_activation_bytes(spec, plan.micro_batch, plan.tp, "none") - kept  # one block, rebuilt
-        if plan.zero == 3:
-            working += 2 * ACT_BYTES * spec.layer_params / plan.tp  # one block's gathered weights and gradients
+        # the block being rebuilt for backward (and ZeRO-3's gathered weights): ``block.working``
         head = head_activation_bytes(spec, plan.micro_batch, plan.tp) if stage == plan.pp - 1 else 0.0
-        memory["activations"] = in_flight * layers * kept + working + head
+        memory["activations"] = in_flight * layers * self.block.kept + self.block.working + head
         return memory
 
     def sync_time(self, stage: int, layers: int) -> tuple[float, float]:
         """(gradient synchronisation, optimizer step) seconds of one stage at the end of the step."""
         plan, cluster = self.plan, self.cluster
-        grad_bytes = 2 * self.stage_params(stage, layers)
-        dp_group = dp_ranks(plan)
-        if plan.zero == 0:
-            sync = _coll("all_reduce", dp_group, grad_bytes, cluster)
-        elif plan.zero == 1:  # reduce-scatter gradients, all-gather updated weights
-            sync = _coll("reduce_scatter", dp_group, grad_bytes, cluster) + _coll("all_gather", dp_group,
-                                                                                 grad_bytes, cluster)
-        elif plan.zero == 2:  # gradients were reduce-scattered per micro-batch
-            sync = _coll("all_gather", dp_group, grad_bytes, cluster)
-        else:  # ZeRO-3 gathers weights when it needs them
-            sync = 0.0
-        owned = self.stage_params(stage, layers) / (plan.dp if plan.zero >= 1 else 1)
-        return sync, owned * ADAM_BYTES_PER_PARAM / cluster.profile.memory_throughput
+        return _grad_sync(plan, cluster, self.stage_params(stage, layers)), _optimizer(
+            plan, cluster, self.stage_params(stage, layers))
 
 
-def plan_costs(spec: TransformerSpec, cluster: Cluster, plan: ParallelPlan, batch: int) -> PlanCosts:
-    """The per-block and per-send costs of ``plan`` (checks that it is a plan of this model and cluster)."""
+def fixed_params(spec: TransformerSpec, plan: ParallelPlan, stage: int) -> float:
+    """Parameters one rank of ``stage`` holds besides its blocks: the vocab-parallel token embedding and the
+    position embedding on the first stage, the final LayerNorm on the last (and the tied embedding again there
+    when pp > 1)."""
+    params = 0.0
+    if stage == 0:
+        params += spec.vocab * spec.hidden / plan.tp + spec.seq * spec.hidden
+    if stage == plan.pp - 1:
+        params += 2 * spec.hidden + (spec.vocab * spec.hidden / plan.tp if plan.pp > 1 else 0)
+    return params
+
+
+def _grad_sync(plan: ParallelPlan, cluster: Cluster, params: float) -> float:
+    """Seconds to synchronise the fp16 gradients of ``params`` parameters across replicas at the step's end."""
+    grad_bytes = 2 * params
+    dp_group = dp_ranks(plan)
+    if plan.zero == 0:
+        return _coll("all_reduce", dp_group, grad_bytes, cluster)
+    if plan.zero == 1:  # reduce-scatter gradients, all-gather updated weights
+        return _coll("reduce_scatter", dp_group, grad_bytes, cluster) + _coll("all_gather", dp_group, grad_bytes,
+                                                                             cluster)
+    if plan.zero == 2:  # gradients were reduce-scattered per micro-batch
+        return _coll("all_gather", dp_group, grad_bytes, cluster)
+    return 0.0  # ZeRO-3 gathers weights when it needs them
+
+
+def _optimizer(plan: ParallelPlan, cluster: Cluster, params: float) -> float:
+    owned = params / (plan.dp if plan.zero >= 1 else 1)
+    return owned * ADAM_BYTES_PER_PARAM / cluster.profile.memory_throughput
+
+
+def plan_costs(spec: TransformerSpec, cluster: Cluster, plan: ParallelPlan, batch: int,
+               bound: bool = False) -> PlanCosts:
+    """The per-block and per-send costs of ``plan`` (checks that it is a plan of this model and cluster).
+
+    ``bound``: costs no choice inside a block can beat, for the search's lower bound: the block ILP's fastest
+    choice with no memory limit, and the fewest parameters any choice holds per rank."""
     check_plan(spec, cluster, plan, batch)
     profile = cluster.profile
-    layer = layer_cost(spec, plan.micro_batch, plan.tp, profile)
+    block = _bound_block(spec, cluster, plan) if bound else plan_block(spec, cluster, plan, batch)
+    params = min_block_params(spec, plan.tp) if bound else block.params
     act = ACT_BYTES * plan.micro_batch * spec.seq * spec.hidden  # one block's input or output
-    recompute = {"none": 0.0, "selective": layer.selective, "full": layer.forward}[plan.recompute]
     return PlanCosts(
         spec=spec, cluster=cluster, plan=plan, micro_batches=batch // (plan.dp * plan.micro_batch),
-        layer_compute=layer.forward + layer.backward, layer_recompute=recompute,
-        layer_tp=block_tp_time(spec, cluster, plan), layer_zero=_zero_per_micro_batch(spec, cluster, plan),
+        block=block, layer_params=params, layer_compute=3 * block.forward_s, layer_recompute=block.recompute_s,
+        layer_tp=block_tp_time(spec, cluster, plan, block.choices) + block.weight_sync_s,
+        layer_zero=_zero_per_micro_batch(cluster, plan, params),
         p2p=_p2p_time(plan, act, cluster),
         embedding=embedding_cost(spec, plan.micro_batch, profile),
         head=head_cost(spec, plan.micro_batch, plan.tp, profile),
     )
 
 
-def block_tp_time(spec: TransformerSpec, cluster: Cluster, plan: ParallelPlan) -> float:
-    """One block's tensor-parallel collectives per micro-batch, from the layouts the plan lays a block out with
-    (Megatron's, as ``models.gpt.parallelize`` does): each transition forward and its dual backward
-    (``block_sbp.block_collectives``), and the forward ones again when full recompute reruns the forward."""
-    kinds = block_collectives(MEGATRON_CHOICES, plan.tp)
+def block_budget(spec: TransformerSpec, cluster: Cluster, plan: ParallelPlan, batch: int
+                 ) -> tuple[BlockBudget, float]:
+    """What the block ILP charges a choice under ``plan``, and the memory it may take: the first stage (the most
+    micro-batches in flight under 1F1B, the embedding) holding ⌈l/p⌉ blocks, with the device's usable memory
+    less that stage's other parameters' state (under the plan's ZeRO stage) and, with one stage, the head's
+    logits. A parameter held costs its share of the step's gradient sync and optimizer step (spread over the
+    ``m + p - 1`` micro-batch slots of the pipeline) and ZeRO-2/3's traffic every micro-batch, linearised at
+    Megatron's parameters per rank."""
+    m = batch // (plan.dp * plan.micro_batch)
+    blocks = math.ceil(spec.layers / plan.pp)
+    state = sum(model_state_bytes(1.0, plan.dp, plan.zero).values())
+    reference = blocks * spec.layer_params / plan.tp
+    step = (_grad_sync(plan, cluster, reference) + _optimizer(plan, cluster, reference)) / (m + plan.pp - 1)
+    per_micro_batch = blocks * _zero_per_micro_batch(cluster, plan, spec.layer_params / plan.tp)
+    budget = BlockBudget(state_bytes=state, blocks=blocks, copies=float(min(plan.pp, m)),
+                         gathered_bytes=2 * ACT_BYTES if plan.zero == 3 else 0.0,
+                         param_seconds=(step + per_micro_batch) / reference)
+    head = head_activation_bytes(spec, plan.micro_batch, plan.tp) if plan.pp == 1 else 0.0
+    limit = cluster.profile.usable_memory - state * fixed_params(spec, plan, 0) - head
+    return budget, limit
+
+
+def plan_block(spec: TransformerSpec, cluster: Cluster, plan: ParallelPlan, batch: int) -> BlockPlan:
+    """The SBPs inside every block that ``plan`` is predicted with: the block ILP's choice under
+    :func:`block_budget` (cached across plans), or Megatron's when the plan's layout is ``megatron`` or when no
+    choice fits (the plan then does not fit either, and is reported so)."""
+    budget, limit = block_budget(spec, cluster, plan, batch)
+    rpn = cluster.gpus_per_node
+    if plan.layout == "ilp" and plan.tp > 1:
+        found = cached_solve(spec, plan.micro_batch, plan.tp, cluster.profile, limit, plan.recompute, budget, rpn)
+        if found is not None:
+            return found
+    return evaluate_block(spec, plan.micro_batch, plan.tp, cluster.profile, MEGATRON_CHOICES, plan.recompute,
+                          budget, rpn)
+
+
+def _bound_block(spec: TransformerSpec, cluster: Cluster, plan: ParallelPlan) -> BlockPlan:
+    if plan.layout == "ilp" and plan.tp > 1:
+        found = cached_solve(spec, plan.micro_batch, plan.tp, cluster.profile, None, plan.recompute,
+                             ranks_per_node=cluster.gpus_per_node)
+        if found is not None:
+            return found
+    return evaluate_block(spec, plan.micro_batch, plan.tp, cluster.profile, MEGATRON_CHOICES, plan.recompute,
+                          ranks_per_node=cluster.gpus_per_node)
+
+
+def min_block_params(spec: TransformerSpec, tp: int) -> float:
+    """The fewest parameters of one block a rank can hold: every linear layer's weight split, LayerNorms whole
+    (Megatron's choice: 12h²/t, the column layers' biases 7h/t, the rest 6h)."""
+    h = spec.hidden
+    return (12 * h * h + 7 * h) / tp + 6 * h
+
+
+def block_tp_time(spec: TransformerSpec, cluster: Cluster, plan: ParallelPlan,
+                  choices: tuple[tuple[str, str], ...] = MEGATRON_CHOICES) -> float:
+    """One block's tensor-parallel collectives per micro-batch under the SBP ``choices``: each transition forward
+    and its dual backward (``block_sbp.block_collectives``), and the forward ones again when full recompute reruns
+    the forward. (The ``tokens`` layers' weight-gradient all-reduces are ``BlockPlan.weight_sync_s``.)"""
+    kinds = block_collectives(choices, plan.tp)
     tokens, group = plan.micro_batch * spec.seq, tuple(range(plan.tp))
     times = [_coll(kind, group, ACT_BYTES * tokens * width * spec.hidden, cluster) for kind, width in kinds]
     forward = sum(times[0::2])  # (forward, backward) pairs
@@ -225,6 +298,8 @@ def check_plan(spec: TransformerSpec, cluster: Cluster, plan: ParallelPlan, batc
         raise PlanError(f"recompute must be one of {RECOMPUTE}, but got {plan.recompute!r}")
     if plan.zero not in (0, 1, 2, 3):
         raise PlanError(f"ZeRO stage must be 0, 1, 2 or 3, but got {plan.zero!r}")
+    if plan.layout not in LAYOUTS:
+        raise PlanError(f"a plan's block layout must be one of {LAYOUTS}, but got {plan.layout!r}")
 
 
 def dp_ranks(plan: ParallelPlan) -> tuple[int, ...]:
@@ -250,10 +325,11 @@ def _p2p_time(plan: ParallelPlan, nbytes: float, cluster: Cluster) -> float:
     return _coll("send_recv", pair, nbytes, cluster)
 
 
-def _zero_per_micro_batch(spec: TransformerSpec, cluster: Cluster, plan: ParallelPlan) -> float:
+def _zero_per_micro_batch(cluster: Cluster, plan: ParallelPlan, params: float) -> float:
     """ZeRO-2 reduce-scatters each micro-batch's gradients (they are never whole on a rank); ZeRO-3 also
-    all-gathers the weights before forward and before backward. Per block, per micro-batch."""
-    nbytes = 2 * spec.layer_params / plan.tp
+    all-gathers the weights before forward and before backward. Per block of ``params`` parameters per rank,
+    per micro-batch."""
+    nbytes = 2 * params
     group = dp_ranks(plan)
     if plan.zero == 2:
         return _coll("reduce_scatter", group, nbytes, cluster)
@@ -287,6 +363,7 @@ def predict_with_cuts(costs: PlanCosts, stage_layers: tuple[int, ...], batch: in
         memory=memory, usable_memory=costs.cluster.profile.usable_memory,
         tflops_per_device=costs.spec.model_flops(batch) / step / devices / 1e12,
         mfu=costs.spec.useful_flops(batch) / step / devices / costs.cluster.profile.peak_flops,
+        block=costs.block,
     )
 
 

@@ -1,11 +1,13 @@
 """The plan search: tensor × pipeline × data degrees, micro-batch, ZeRO stage and recomputation together.
 
 Every combination the flags leave open is a candidate. Each gets a cheap lower bound on its step time
-(:func:`~sbpflow.autoparallel.predict.lower_bound`, no cuts needed); candidates are then costed exactly, stage
+(:func:`~sbpflow.autoparallel.predict.lower_bound`, no cuts needed, priced with the block ILP's fastest choice
+without a memory limit, which a few solves cover for all candidates); candidates are then costed exactly, stage
 cuts included (:func:`~sbpflow.autoparallel.stages.cut_stages`), in order of their bound, until the bound of
 the next one exceeds the slowest of the ``keep`` best plans found. That is branch and bound: the result is
 the same as costing every candidate (``exhaustive=True`` does, and the tests compare), in a fraction of the
-time.
+time. Costing a candidate exactly solves its block ILP under its own memory budget (cached: candidates that
+differ only where the budget does not see share a solve).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ class Fixed:
     zero: int | None = None
     recompute: str | None = None
     micro_batches: int | None = None  # micro-batches per step (1: no pipelining of micro-batches, as eager runs)
+    layout: str = "ilp"  # SBPs inside a block: the ILP's choice, or "megatron" (what parallelize applies)
 
 
 @dataclass
@@ -73,7 +76,7 @@ def _knobs(tp: int, pp: int, dp: int, batch: int, fixed: Fixed) -> list[Parallel
             continue
         for zero in _choices(fixed.zero, (0, 1, 2, 3) if dp > 1 else (0,)):
             for recompute in _choices(fixed.recompute, RECOMPUTE):
-                plans.append(ParallelPlan(tp, pp, dp, micro_batch, zero, recompute))
+                plans.append(ParallelPlan(tp, pp, dp, micro_batch, zero, recompute, fixed.layout))
     return plans
 
 
@@ -107,15 +110,15 @@ def search(spec: TransformerSpec, cluster: Cluster, batch: int, fixed: Fixed = F
         raise PlanError(f"a plan needs tp dividing heads, vocab and the devices (searched within a node), pp dividing "
                         f"devices / tp and at most the layers, and the batch split into dp · micro-batch; no plan of "
                         f"{spec} on {cluster.devices} devices agrees with {fixed} for batch {batch}")
-    bounded = sorted(((lower_bound(c), i, c) for i, c in enumerate(plan_costs(spec, cluster, p, batch)
-                                                                     for p in plans)), key=lambda x: x[:2])
+    bounded = sorted(((lower_bound(plan_costs(spec, cluster, p, batch, bound=True)), i, p)
+                      for i, p in enumerate(plans)), key=lambda x: x[:2])
     good: list[Prediction] = []
     too_big: list[Prediction] = []
     costed = 0
-    for bound, _, costs in bounded:
+    for bound, _, plan in bounded:
         if not exhaustive and len(good) >= keep and bound > good[keep - 1].step_time:
             break
-        prediction = cost(costs, batch)
+        prediction = cost(plan_costs(spec, cluster, plan, batch), batch)
         costed += 1
         (good if prediction.fits else too_big).append(prediction)
         good.sort(key=lambda p: p.step_time)

@@ -1,7 +1,8 @@
 """A GPT-style transformer described by its sizes alone: FLOPs, kernel times, parameters and activations.
 
-Everything is per rank under tensor parallelism of degree ``t`` (Megatron's column/row splits: attention
-heads and the MLP's inner dimension are split, LayerNorms and the residual stream are not).
+The output layer and embeddings are per rank under tensor parallelism of degree ``t`` (vocab-parallel). A
+block's kernels, parameters and kept activations per rank depend on the SBP signatures chosen inside it, so
+they live with that choice, in ``block_sbp`` (Megatron's choice there gives Korthikanti et al.'s counts).
 
 Notation (Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters Using
 Megatron-LM", SC'21, and Korthikanti et al., "Reducing Activation Recomputation in Large Transformer
@@ -68,48 +69,6 @@ class TransformerSpec:
         return 72.0 * b * s * n * h * h * (1 + s / (6 * h)) + 6.0 * b * s * h * v
 
 
-@dataclass(frozen=True)
-class LayerCost:
-    """Seconds of one block for one micro-batch on one rank, and what recomputation adds."""
-
-    forward: float
-    backward: float
-    selective: float  # the core attention (scores, softmax, dropout, context): what selective recompute redoes
-
-
-def layer_cost(spec: TransformerSpec, micro_batch: int, tp: int, profile: DeviceProfile) -> LayerCost:
-    """Roofline time of a block's kernels. Backward runs two GEMMs per forward GEMM (input and weight
-    gradients) and elementwise kernels that read the saved input and the gradient: twice the forward."""
-    b, s, h = micro_batch, spec.seq, spec.hidden
-    heads = spec.heads // tp
-    d = h // spec.heads
-    tokens = b * s
-    gemms = [  # (m, n, k, batch) per rank
-        (tokens, 3 * h // tp, h, 1),  # QKV (column-parallel)
-        (s, s, d, b * heads),  # scores Q·Kᵀ
-        (s, d, s, b * heads),  # context: probabilities · V
-        (tokens, h, h // tp, 1),  # attention projection (row-parallel)
-        (tokens, 4 * h // tp, h, 1),  # MLP up (column-parallel)
-        (tokens, h, 4 * h // tp, 1),  # MLP down (row-parallel)
-    ]
-    times = [roofline(matmul_flops(m, n, k, nb), ACT_BYTES * nb * (m * k + k * n + m * n), profile)
-             for m, n, k, nb in gemms]
-    scores = b * heads * s * s
-    elementwise = [  # bytes per kernel: reads + writes (+ 1-byte dropout masks)
-        2 * ACT_BYTES * tokens * h,  # LayerNorm 1
-        2 * ACT_BYTES * scores,  # scale, mask, softmax (fused)
-        2 * ACT_BYTES * scores + scores,  # attention dropout
-        3 * ACT_BYTES * tokens * h + tokens * h,  # bias, dropout, residual add
-        2 * ACT_BYTES * tokens * h,  # LayerNorm 2
-        2 * ACT_BYTES * tokens * 4 * h // tp,  # bias + GeLU (fused)
-        3 * ACT_BYTES * tokens * h + tokens * h,  # bias, dropout, residual add
-    ]
-    ew = [roofline(0.0, nbytes, profile, matmul=False) for nbytes in elementwise]
-    forward = sum(times) + sum(ew)
-    core_attention = times[1] + times[2] + ew[1] + ew[2]
-    return LayerCost(forward=forward, backward=2 * forward, selective=core_attention)
-
-
 def head_cost(spec: TransformerSpec, micro_batch: int, tp: int, profile: DeviceProfile) -> float:
     """Forward + backward seconds of the output layer (vocab-parallel logits) and cross-entropy, per rank."""
     tokens = micro_batch * spec.seq
@@ -123,28 +82,6 @@ def embedding_cost(spec: TransformerSpec, micro_batch: int, profile: DeviceProfi
     """Forward + backward seconds of the token and position embeddings (gathers and a scatter-add)."""
     nbytes = 3 * ACT_BYTES * micro_batch * spec.seq * spec.hidden
     return 3 * roofline(0.0, nbytes, profile, matmul=False)
-
-
-def layer_activation_bytes(spec: TransformerSpec, micro_batch: int, tp: int, recompute: str) -> float:
-    """Bytes one block keeps for backward per micro-batch on one rank (Korthikanti et al. 2023, Table 2,
-    tensor parallel without sequence parallel):
-
-        none        s·b·h·(10 + 24/t + 5·a·s/(h·t))
-        selective   s·b·h·(10 + 24/t)              (the core attention is recomputed)
-        full        2·s·b·h                        (only the block's input; all else recomputed)
-
-    >>> layer_activation_bytes(TransformerSpec(1, 8, 2, 4, 16), 1, 1, "none") / (4 * 8)
-    39.0
-    """
-    if recompute not in RECOMPUTE:
-        raise SbpflowError(f"recompute must be one of {RECOMPUTE}, but got {recompute!r}")
-    s, b, h, a = spec.seq, micro_batch, spec.hidden, spec.heads
-    if recompute == "full":
-        return 2.0 * s * b * h
-    kept = s * b * h * (10 + 24 / tp)
-    if recompute == "selective":
-        return kept
-    return kept + 5.0 * a * s * s * b / tp
 
 
 def head_activation_bytes(spec: TransformerSpec, micro_batch: int, tp: int) -> float:
