@@ -420,8 +420,8 @@ cached_solve.cache_clear = _cached.cache_clear  # type: ignore[attr-defined]
 def _round_down(value: float) -> float:
     """``value`` down to a multiple of 1/512 of its power of two (within 0.4%).
 
-    >>> _round_down(1000.0), _round_down(-5.0)
-    (998.0, -5.0)
+    >>> _round_down(1000.7), _round_down(3e9), _round_down(-5.0)
+    (1000.0, 2998927360.0, -5.0)
     """
     if value <= 0:
         return value
