@@ -8,15 +8,23 @@ start before backward ends, and pays one collective's latency per parameter. Thi
 * takes the boxing nodes that run one ``all_reduce`` step on tensors with no split on any mesh axis (so every
   rank's local tensor is the whole gradient: P(sum) -> B over one axis), without control edges;
 * orders them by the plan position of the node that makes their input (backward's order);
-* packs neighbours with the same phase, stream, layouts and dtype into buckets of ``first`` bytes, then ``cap``
-  bytes (DDP's 1 MiB and 25 MiB), and closes a bucket before a tensor that a member's reduced value reaches
+* packs neighbours with the same phase, stream, layouts and dtype into buckets of ``first`` bytes (DDP's
+  1 MiB), then ``cap`` bytes, and closes a bucket before a tensor that a member's reduced value reaches
   (that would be a cycle), or whose producer comes after a reader of a member (that reader would wait);
 * emits per bucket, right after the last member's producer: ``bucket_flatten`` (compute), the boxing of the
   flat buffer (one all-reduce), and ``bucket_split`` (compute) writing the members' old output buffers, so
-  their readers are unchanged.
+  their readers are unchanged. A bucket of one tensor is its own all-reduce, moved there.
 
-A bucket thus goes out as soon as its last gradient is made, while backward goes on. Sums are elementwise the
-same as the members' own all-reduces. The verifier then checks the new plan like any other.
+A bucket thus goes out as soon as its last gradient is made, in backward's order, while backward goes on; the
+compute lane runs on (it acts whatever is ready) and only the optimizer reads the results. Sums are
+elementwise the same as the members' own all-reduces. The verifier then checks the new plan like any other.
+
+The cap. DDP's 25 MiB suits a framework that cannot see the step: here the plan is known, and a bucket need
+only be big enough that its latency is a small share of its transfer (:data:`LATENCY_SHARE`: ``cap`` is
+``alpha / beta / LATENCY_SHARE`` bytes of the group's link, 2 MiB on the CPU model, 10 MiB on NVLink's).
+Smaller buckets go out earlier, and the one that goes out after backward, which nothing hides, is smaller.
+A gradient whose copy into a bucket would take longer than a collective's latency (:func:`solo_bytes`: 400 KB
+on the CPU model) is not copied: it goes out alone, right after it is made.
 """
 
 from __future__ import annotations
@@ -29,9 +37,10 @@ from .. import boxing
 from ..sbp import Split
 from .lower import registers, stream_of
 from .physical import Buf, PhysicalPlan, PNode
+from .select import MEM_SECONDS_PER_BYTE
 
 FIRST_BUCKET = 1 << 20  # DDP's first bucket (torch.distributed's _DEFAULT_FIRST_BUCKET_BYTES)
-BUCKET = 25 << 20  # DDP's bucket_cap_mb
+LATENCY_SHARE = 0.05  # a bucket's latency at most this share of its transfer time (see the cap, above)
 
 
 @dataclass
@@ -44,19 +53,59 @@ class _Bucket:
 
 
 def bucket_all_reduces(plan: PhysicalPlan, model: boxing.CostModel, factors: tuple[Any, ...],
-                       first: int = FIRST_BUCKET, cap: int = BUCKET) -> PhysicalPlan:
-    """``plan`` with its all-reduces of whole tensors packed into buckets (see the module docstring); the same
-    plan if fewer than two of them could share a bucket. ``cap`` <= 0 turns the pass off."""
-    if cap <= 0:
+                       first: int = FIRST_BUCKET, cap: int | None = None) -> PhysicalPlan:
+    """``plan`` with its all-reduces of whole tensors packed into buckets (see the module docstring), each
+    issued right after its last member is made; the same plan if there are none. ``cap``: bytes per bucket
+    after the first (None: from the link's latency and bandwidth, see :func:`bucket_cap`); <= 0 turns the
+    pass off."""
+    if cap is not None and cap <= 0:
         return plan
     position = {n.id: i for i, n in enumerate(plan.nodes)}
     producer = {b: n.id for n in plan.nodes for b in n.outputs}
     readers = _readers(plan)
-    buckets = [b for b in _pack(plan, _candidates(plan, producer, position), producer, position, readers, first, cap)
-               if len(b.members) > 1]
+    sizes = _Sizes(model, first, cap)
+    buckets = _pack(plan, _candidates(plan, producer, position), producer, position, readers, sizes)
+    buckets = [b for b in buckets if len(b.members) > 1 or b.last_producer + 1 < position[b.members[0].id]]
     if not buckets:
         return plan
     return _rebuild(plan, buckets, model, factors)
+
+
+def bucket_cap(model: boxing.CostModel, n: PNode) -> int:
+    """Bytes of a bucket after the first on all-reduce ``n``'s link: its latency :data:`LATENCY_SHARE` of its
+    transfer time."""
+    link = _link(model, n)
+    return max(FIRST_BUCKET, int(link.alpha / link.beta / LATENCY_SHARE))
+
+
+def solo_bytes(model: boxing.CostModel, n: PNode) -> int:
+    """A gradient of at least these bytes goes out alone: copying it into a bucket would cost more than the
+    collective's latency that sharing saves."""
+    return int(_link(model, n).alpha / MEM_SECONDS_PER_BYTE)
+
+
+def _link(model: boxing.CostModel, n: PNode) -> boxing.LinkCost:
+    assert n.boxing is not None
+    placement = n.boxing.src.placement
+    return model.link(placement.type, tuple(placement.flat_ranks))
+
+
+@dataclass(frozen=True)
+class _Sizes:
+    """Bucket sizes: ``first`` bytes, then ``cap`` (None: :func:`bucket_cap`); gradients of :func:`solo_bytes`
+    go alone."""
+
+    model: boxing.CostModel
+    first: int
+    cap: int | None
+
+    def limit(self, n: PNode, first: bool) -> int:
+        if first:
+            return self.first
+        return self.cap if self.cap is not None else bucket_cap(self.model, n)
+
+    def solo(self, plan: PhysicalPlan, n: PNode) -> bool:
+        return plan.bufs[n.inputs[0]].nbytes(n.ranks[0]) >= solo_bytes(self.model, n)
 
 
 def _candidates(plan: PhysicalPlan, producer: dict[int, int], position: dict[int, int]) -> list[PNode]:
@@ -79,13 +128,17 @@ def _key(plan: PhysicalPlan, n: PNode) -> tuple[Any, ...]:
 
 
 def _pack(plan: PhysicalPlan, candidates: list[PNode], producer: dict[int, int], position: dict[int, int],
-          readers: dict[int, list[int]], first: int, cap: int) -> list[_Bucket]:
-    """Greedy buckets in production order, one open bucket per key (a group, its layouts and dtype)."""
+          readers: dict[int, list[int]], sizes: _Sizes) -> list[_Bucket]:
+    """Greedy buckets in production order, one open bucket per key (a group, its layouts and dtype); a big
+    gradient is a bucket of its own (it goes out at once, and the open bucket stays open)."""
     done: list[_Bucket] = []
     open_: dict[tuple[Any, ...], _Bucket] = {}
     closed: set[tuple[Any, ...]] = set()  # keys whose first (smaller) bucket went out
     for n in candidates:
         key, made = _key(plan, n), position[producer[n.inputs[0]]]
+        if sizes.solo(plan, n):
+            done.append(_Bucket([n], plan.bufs[n.inputs[0]].nbytes(n.ranks[0]), last_producer=made))
+            continue
         bucket = open_.get(key)
         if bucket is not None and (producer[n.inputs[0]] in bucket.reached or made >= bucket.first_reader):
             done.append(open_.pop(key))  # the tensor waits for a member's result, or a member's reader waits
@@ -97,7 +150,7 @@ def _pack(plan: PhysicalPlan, candidates: list[PNode], producer: dict[int, int],
         bucket.nbytes += plan.bufs[n.inputs[0]].nbytes(n.ranks[0])
         bucket.last_producer = max(bucket.last_producer, made)
         _reach(bucket, n, readers, position)
-        if bucket.nbytes >= (cap if key in closed else first):
+        if bucket.nbytes >= sizes.limit(n, first=key not in closed):
             done.append(open_.pop(key))
             closed.add(key)
     return done + list(open_.values())
@@ -163,9 +216,13 @@ class _Ids:
 
 def _bucket_nodes(bucket: _Bucket, bufs: dict[int, Buf], ids: _Ids, model: boxing.CostModel,
                   factors: tuple[Any, ...]) -> Iterable[PNode]:
-    """flatten -> the flat buffer's boxing steps -> split into the members' old output buffers."""
+    """flatten -> the flat buffer's boxing steps -> split into the members' old output buffers (a bucket of one:
+    its own all-reduce)."""
     head = bucket.members[0]
     assert head.boxing is not None
+    if len(bucket.members) == 1:
+        yield head
+        return
     src, dst = head.boxing.src, head.boxing.dst
     ins = tuple(n.inputs[0] for n in bucket.members)
     outs = tuple(n.outputs[0] for n in bucket.members)

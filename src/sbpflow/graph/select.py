@@ -5,8 +5,11 @@ Fixed nodes (inputs, variables, constants, explicit ``to_global``) have their la
 from a value to a consumer's input, the producer's output SBP ``s`` and the consumer's required SBP
 ``t`` cost the boxing planner's α-β time ``C[s,t]``: edge variables ``e[s,t] >= 0`` whose marginals are
 the producer's and the consumer's choices (with one-hot choices the coupling is exact, so ``e`` can be
-continuous). Ops cost their local compute (bytes moved through memory, plus FLOPs for matmuls), so a
-replicated signature pays for doing everything everywhere. The objective is the step's estimated time.
+continuous). Ops cost their local compute (a roofline: bytes moved through memory, or FLOPs for matmuls and
+attention where those take longer), so a replicated signature pays for doing everything everywhere: a weight
+gradient computed whole on every rank as much as one summed from halves and all-reduced. Gradient all-reduces
+(P(sum) -> B of whole tensors, read by the optimizer) go out in buckets during backward (graph.bucket), so they
+cost only what backward's compute does not cover. The objective is the step's estimated time.
 
 The eager, greedy choice (made while tracing, op by op in program order) is the baseline: its cost is
 evaluated in the same model, and the solver's result is kept only when it is not worse.
@@ -29,14 +32,20 @@ from .._layout import shard_shape
 from ..boxing import Layout
 from ..boxing.plan import transition_time
 from ..ops.registry import REGISTRY, Meta, Scalar, Sig, _sig_fits
-from ..sbp import NdSbp, Partial
+from ..sbp import NdSbp, Partial, Split, broadcast
 from .ir import LNode, LogicalGraph
 from .repeat import op_classes
 
 MEM_SECONDS_PER_BYTE = 1 / 20e9  # local compute: bytes through memory (a CPU core's stream bandwidth)
 SECONDS_PER_FLOP = 1 / 50e9  # matmul throughput
-MATMUL_OPS = ("matmul", "linear", "bmm")
+# ops whose time is their FLOPs (a linear's input and weight gradients, attention), see :func:`flops`
+MATMUL_OPS = ("matmul", "linear", "bmm", "matmul_nd")
 METHODS = ("ilp", "ilp-unmerged", "greedy")
+# Gradient all-reduces (P(sum) -> B of whole tensors, read by the optimizer) go out in buckets on the
+# communication stream while backward goes on (graph.bucket): they cost only what backward's compute cannot
+# cover. Only this share of backward's compute counts as cover: the last bucket goes out after backward ends,
+# and on CPUs a collective takes cycles from the compute thread.
+HIDDEN_SHARE = 0.5
 MIN_GAIN = 1e-5  # a sweep's plan is taken when it saves this fraction of the step's time: less is noise and ties
 NODE_LIMIT = 5000  # branch-and-bound nodes; the greedy baseline stands if no better solution is proven by then
 
@@ -190,14 +199,38 @@ class _Costs:
             shape = self._local(vid, sbp)
             out_numel += _numel(shape)
             nbytes += _numel(shape) * _itemsize(self.g.values[vid])
-        seconds = nbytes * MEM_SECONDS_PER_BYTE
-        if n.name in MATMUL_OPS and local_in and local_in[0]:
-            seconds += 2 * out_numel * local_in[0][-1] * SECONDS_PER_FLOP
-        return seconds
+        # a roofline: an op streams its bytes or does its FLOPs, whichever takes longer (a matmul reads its weight
+        # while it multiplies)
+        return max(nbytes * MEM_SECONDS_PER_BYTE, flops(n.name, local_in, out_numel) * SECONDS_PER_FLOP)
 
     def _local(self, vid: int, sbp: NdSbp) -> tuple[int, ...]:
         v = self.g.values[vid]
         return shard_shape(v.shape, v.placement, sbp, v.placement.flat_ranks[0])
+
+
+def flops(name: str, local_in: Sequence[tuple[int, ...]], out_numel: int) -> int:
+    """Multiply-adds x 2 of op ``name`` on local shards (``local_in``: its inputs' local shapes, ``out_numel``: its
+    outputs' local elements), for the ops whose FLOPs outweigh their bytes; 0 for every other op.
+
+    A shard that splits a contracted dim (row-parallel, or the batch of a weight gradient) does its share of
+    the work, a replicated one all of it: so a plan that computes a weight gradient whole on every rank pays
+    for it, as one that sums halves and all-reduces pays for the all-reduce.
+    """
+    if not local_in or not local_in[0]:
+        return 0
+    if name in MATMUL_OPS:  # (..., k) @ (k, n) -> (..., n); linear: (..., in) x (out, in) -> (..., out)
+        return 2 * out_numel * local_in[0][-1]
+    if name == "linear_weight_grad":  # dy (..., out), x (..., in) -> (out, in): contracts the batch dims
+        rows = _numel(local_in[0][:-1])
+        return 2 * out_numel * rows
+    if name in ("scaled_dot_product_attention", "sdpa_backward") and len(local_in) >= 3:
+        q, k = local_in[0 if name == "scaled_dot_product_attention" else 1], \
+            local_in[1 if name == "scaled_dot_product_attention" else 2]
+        if len(q) < 2 or len(k) < 2:
+            return 0
+        forward = 4 * _numel(q) * k[-2]  # q k^T and p v: (..., T, d) x (..., S, d), 2 FLOPs a multiply-add
+        return forward if name == "scaled_dot_product_attention" else 2 * forward + forward // 2
+    return 0
 
 
 def _numel(shape: Sequence[int]) -> int:
@@ -248,15 +281,18 @@ class _Problem:
                 self.current[n.id] = self.current[rep]
         self.alias: dict[int, int] = {}  # value id -> the value whose SBP it shares (accumulate/pack outputs)
         self.size: dict[int, int] = {}  # class -> how many nodes it ties
-        self.groups: list[tuple[int, int, LNode, int, int | None, int | None]] = []
+        self.backward: dict[int, int] = {}  # class -> how many of its nodes run in backward
+        self.groups: list[Group] = []
         if like is not None:  # these do not depend on the choices: share them
-            self.alias, self.size = like.alias, like.size
+            self.alias, self.size, self.backward = like.alias, like.size, like.backward
         else:
             for n in g.nodes:
                 if n.kind in ("accumulate", "pack"):
                     self.alias[n.outputs[0]] = self.root(n.inputs[0])
             for rep in classes.values():
                 self.size[rep] = self.size.get(rep, 0) + 1
+            for nid in backward_nodes(g):
+                self.backward[classes[nid]] = self.backward.get(classes[nid], 0) + 1
         self.groups = self._edge_groups()
 
     def root(self, vid: int) -> int:
@@ -288,15 +324,17 @@ class _Problem:
             found = self._options[key] = _options([c.ins[i] for c in self.choices[n.id]])
         return found
 
-    def _edge_groups(self) -> list[tuple[int, int, LNode, int, int | None, int | None]]:
+    def _edge_groups(self) -> list[Group]:
         """Every read that may need boxing, merged where tied nodes make reads cost alike: (count, value id,
-        consumer, input index, producer class, consumer class), a class None where that end is fixed.
+        consumer, input index, producer class, consumer class, whether it is a gradient's read by the optimizer),
+        a class None where that end is fixed.
 
         Reads cost alike when they agree on the value's metadata, the producer's class and output, and the
         consumer's class and what each of its candidates requires of the input: so the many like inputs of one
         fused node (an optimizer's update of every gradient) merge as well as the reads of repeated layers.
         """
         groups: dict[Any, list[Any]] = {}
+        late = late_readers(self.g)
         for n in self.g.nodes:
             if n.kind not in ("op", "to_global", "assign", "output"):
                 continue
@@ -309,23 +347,33 @@ class _Problem:
                     dst: tuple[Any, ...] = ("op", self.classes[n.id], sbps, of.tobytes())
                 else:
                     dst = ("fixed", self.in_options(n, i)[0][0])
-                key = (src, dst, root.shape, root.dtype, root.placement)
+                sync = n.id in late and producer.phase == "micro"
+                key = (src, dst, root.shape, root.dtype, root.placement, sync)
                 found = groups.get(key)
                 if found is None:
-                    groups[key] = [1, vid, n, i, src[1] if src[0] == "op" else None, dst[1] if dst[0] == "op" else None]
+                    groups[key] = [1, vid, n, i, src[1] if src[0] == "op" else None, dst[1] if dst[0] == "op" else None,
+                                   sync]
                 else:
                     found[0] += 1
         return [tuple(v) for v in groups.values()]  # type: ignore[misc]
 
     def cost_of(self, choice: dict[int, int]) -> float:
-        """The estimated time of ``choice`` (op node id -> candidate index; tied nodes choose alike)."""
-        total = sum(size * self.costs.compute(self.g.nodes[rep], self.choices[rep][choice[rep]])
-                    for rep, size in self.size.items())
-        for count, vid, n, i, _, _ in self.groups:
+        """The estimated time of ``choice`` (op node id -> candidate index; tied nodes choose alike): compute, plus
+        boxing, where gradient all-reduces cost what :data:`HIDDEN_SHARE` of backward's compute does not cover."""
+        total = hidden = cover = 0.0
+        for rep, size in self.size.items():
+            seconds = self.costs.compute(self.g.nodes[rep], self.choices[rep][choice[rep]])
+            total += size * seconds
+            cover += HIDDEN_SHARE * self.backward.get(rep, 0) * seconds
+        for count, vid, n, i, _, _, sync in self.groups:
             src = self._sbp_out(vid, choice)
             dst = self.choices[n.id][choice[n.id]].ins[i] if n.kind == "op" else self.in_options(n, i)[0][0]
-            total += count * self.costs.boxing(self.root(vid), src, dst)
-        return total
+            seconds = count * self.costs.boxing(self.root(vid), src, dst)
+            if sync and gradient_all_reduce(src, dst):
+                hidden += seconds
+            else:
+                total += seconds
+        return total + max(0.0, hidden - cover)
 
     def _sbp_out(self, vid: int, choice: dict[int, int]) -> NdSbp:
         vid = self.root(vid)
@@ -334,6 +382,41 @@ class _Problem:
         if producer.kind != "op":
             return v.sbp
         return self.choices[producer.id][choice[producer.id]].outs[v.index]
+
+
+Group = tuple[int, int, LNode, int, int | None, int | None, bool]
+
+
+def backward_nodes(g: LogicalGraph) -> list[int]:
+    """Op nodes of the forward-backward phase that come after the first implicit loss gradient: backward's."""
+    seeds = {g.values[v].producer for v in g.grad_seeds}
+    out: list[int] = []
+    started = False
+    for n in g.nodes:
+        started = started or n.id in seeds
+        if started and n.kind == "op" and n.phase == "micro":
+            out.append(n.id)
+    return out
+
+
+def late_readers(g: LogicalGraph) -> set[int]:
+    """Nodes whose reads wait for nothing but the end of backward: the post phase's (the optimizer's), and
+    conversions (a gradient's ``to_global`` to its parameter's layout) whose results only the post phase reads."""
+    readers: dict[int, list[str]] = {}
+    for n in g.nodes:
+        for v in n.inputs:
+            readers.setdefault(v, []).append(n.phase)
+    return {n.id for n in g.nodes
+            if n.phase == "post" or (n.kind == "to_global" and n.outputs
+                                     and all(p == "post" for p in readers.get(n.outputs[0], ["micro"])))}
+
+
+def gradient_all_reduce(src: NdSbp, dst: NdSbp) -> bool:
+    """Whether boxing ``src -> dst`` is one all-reduce of whole tensors (P(sum) -> B on one mesh axis, no split
+    anywhere): what graph.bucket packs into buckets that go out during backward."""
+    changed = [(a, b) for a, b in zip(src, dst, strict=True) if a != b]
+    return (len(changed) == 1 and isinstance(changed[0][0], Partial) and changed[0][0].op == "sum"
+            and changed[0][1] == broadcast and not any(isinstance(s, Split) for s in (*src, *dst)))
 
 
 def _options(sbps: list[NdSbp]) -> tuple[tuple[NdSbp, ...], np.ndarray]:
@@ -349,29 +432,40 @@ def _solve_ilp(p: _Problem, time_limit: float) -> tuple[dict[int, int] | None, i
     Columns: each class's choices, then each merged edge's ``e[s, t]`` (a block of a cost matrix, priced once
     per value metadata and option lists). Rows: one choice per class; each edge's marginals equal its ends'
     choices. An edge with a fixed end folds its cost into the other end's choice costs.
+
+    Gradient all-reduces (:func:`gradient_all_reduce` on a gradient's read by the optimizer) are priced apart:
+    their sum, less the cover that backward's compute gives (:data:`HIDDEN_SHARE`), bounds one more continuous
+    column from below, which the objective pays instead (so it costs ``max(0, hidden - cover)``, as
+    :meth:`_Problem.cost_of`).
     """
     first: dict[int, int] = {}  # class -> its first choice column
     choice_cost: list[float] = []
+    cover: list[float] = []
     for rep in sorted(p.size):
         first[rep] = len(choice_cost)
-        choice_cost += [p.size[rep] * p.costs.compute(p.g.nodes[rep], c) for c in p.choices[rep]]
-    prog = _Program(np.array(choice_cost))
+        seconds = [p.costs.compute(p.g.nodes[rep], c) for c in p.choices[rep]]
+        choice_cost += [p.size[rep] * t for t in seconds]
+        cover += [HIDDEN_SHARE * p.backward.get(rep, 0) * t for t in seconds]
+    prog = _Program(np.array(choice_cost), np.array(cover))
     for rep in sorted(p.size):
         k = len(p.choices[rep])
         prog.add_rows(np.zeros(k, dtype=np.int64), first[rep] + np.arange(k), np.ones(k), 1.0, 1.0)
-    for count, vid, n, i, src, dst in p.groups:
+    for count, vid, n, i, src, dst, sync in p.groups:
         out_sbps, out_of = p.out_options(vid)
         in_sbps, in_of = p.in_options(n, i)
         a, b = len(out_sbps), len(in_sbps)
-        if a == 1 and b == 1:
-            continue  # both ends fixed: a constant cost
         matrix = count * p.costs.matrix(p.root(vid), out_sbps, in_sbps)  # (a, b)
-        if b == 1:  # the consumer is fixed: the cost is linear in the producer's choice
+        hidden = matrix * _all_reduce_mask(out_sbps, in_sbps) if sync else np.zeros_like(matrix)
+        if a == 1 and b == 1:
+            prog.hidden_constant += float(hidden[0, 0])  # both ends fixed: a constant cost (the rest is moot)
+        elif b == 1:  # the consumer is fixed: the cost is linear in the producer's choice
             prog.choice_cost[first[src]:first[src] + len(out_of)] += matrix[out_of, 0]  # type: ignore[index]
+            prog.choice_hidden[first[src]:first[src] + len(out_of)] += hidden[out_of, 0]  # type: ignore[index]
         elif a == 1:
             prog.choice_cost[first[dst]:first[dst] + len(in_of)] += matrix[0, in_of]  # type: ignore[index]
+            prog.choice_hidden[first[dst]:first[dst] + len(in_of)] += hidden[0, in_of]  # type: ignore[index]
         else:
-            prog.add_edge(matrix, first[src] + np.arange(len(out_of)), out_of,  # type: ignore[index]
+            prog.add_edge(matrix, hidden, first[src] + np.arange(len(out_of)), out_of,  # type: ignore[index]
                           first[dst] + np.arange(len(in_of)), in_of)  # type: ignore[index]
     x = _highs(*prog.arrays(), time_limit)
     if x is None:
@@ -380,12 +474,25 @@ def _solve_ilp(p: _Problem, time_limit: float) -> tuple[dict[int, int] | None, i
     return {nid: picked[rep] for nid, rep in p.classes.items()}, prog.n_col
 
 
-class _Program:
-    """An integer program in the making: choice columns first (binary), then edge columns (continuous)."""
+def _all_reduce_mask(srcs: tuple[NdSbp, ...], dsts: tuple[NdSbp, ...]) -> np.ndarray:
+    """(len(srcs), len(dsts)) floats: 1 where boxing the pair is a gradient all-reduce, else 0."""
+    return np.array([[float(gradient_all_reduce(s, t)) for t in dsts] for s in srcs])
 
-    def __init__(self, choice_cost: np.ndarray) -> None:
+
+class _Program:
+    """An integer program in the making: choice columns first (binary), then edge columns (continuous), then,
+    where gradient all-reduces may hide behind backward, the column of their uncovered time.
+
+    ``*_hidden`` is the part of a column's cost that is gradient all-reduces (also in ``*_cost``), ``cover``
+    what each choice column gives to cover them."""
+
+    def __init__(self, choice_cost: np.ndarray, cover: np.ndarray) -> None:
         self.choice_cost = choice_cost
+        self.choice_hidden = np.zeros_like(choice_cost)
+        self.cover = cover
+        self.hidden_constant = 0.0
         self.edge_cost: list[np.ndarray] = []
+        self.edge_hidden: list[np.ndarray] = []
         self.n_col = len(choice_cost)
         self.n_row = 0
         self.entries: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # (rows, columns, values)
@@ -398,26 +505,41 @@ class _Program:
         self.bounds.append((n, lower, upper))
         self.n_row += n
 
-    def add_edge(self, matrix: np.ndarray, src_cols: np.ndarray, src_option: np.ndarray, dst_cols: np.ndarray,
-                 dst_option: np.ndarray) -> None:
-        """Columns ``e[s, t]`` costing ``matrix``; rows: sum over t of ``e[s, t]`` = the producer's choices that
-        give ``s`` (``src_option[k]``: the option choice ``k`` gives), and alike for the consumer."""
+    def add_edge(self, matrix: np.ndarray, hidden: np.ndarray, src_cols: np.ndarray, src_option: np.ndarray,
+                 dst_cols: np.ndarray, dst_option: np.ndarray) -> None:
+        """Columns ``e[s, t]`` costing ``matrix`` (``hidden`` of it gradient all-reduces); rows: sum over t of
+        ``e[s, t]`` = the producer's choices that give ``s`` (``src_option[k]``: the option choice ``k`` gives),
+        and alike for the consumer."""
         a, b = matrix.shape
         e = self.n_col + np.arange(a * b)
         self.edge_cost.append(matrix.ravel())
+        self.edge_hidden.append(hidden.ravel())
         self.n_col += a * b
         rows = np.concatenate([np.repeat(np.arange(a), b), a + np.tile(np.arange(b), a), src_option, a + dst_option])
         cols = np.concatenate([e, e, src_cols, dst_cols])
         vals = np.concatenate([np.ones(2 * a * b), -np.ones(len(src_cols) + len(dst_cols))])
         self.add_rows(rows, cols, vals, 0.0, 0.0)
 
-    def arrays(self) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray, np.ndarray], np.ndarray, np.ndarray, int]:
-        """(costs, matrix by columns, row lower bounds, row upper bounds, number of binary columns)."""
+    def arrays(self) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray, np.ndarray], np.ndarray, np.ndarray,
+                              np.ndarray, int]:
+        """(costs, matrix by columns, row lower bounds, row upper bounds, column upper bounds, number of binary
+        columns)."""
+        cost = np.concatenate([self.choice_cost, *self.edge_cost])
+        hidden = np.concatenate([self.choice_hidden, *self.edge_hidden])
+        upper = np.ones(self.n_col)
+        if hidden.any():  # z >= hidden @ x - cover @ x + constant, z >= 0; the objective pays z, not hidden
+            z = self.n_col
+            cover = np.concatenate([self.cover, np.zeros(self.n_col - len(self.cover))])
+            used = np.flatnonzero((hidden != 0) | (cover != 0))
+            self.add_rows(np.zeros(len(used) + 1, dtype=np.int64), np.append(used, z),
+                          np.append(cover[used] - hidden[used], 1.0), self.hidden_constant, np.inf)
+            cost = np.append(cost - hidden, 1.0)
+            upper = np.append(upper, np.inf)
+            self.n_col += 1
         rows, cols, vals = (np.concatenate(part) for part in zip(*self.entries, strict=True))
         lo = np.concatenate([np.full(n, lower) for n, lower, _ in self.bounds])
         hi = np.concatenate([np.full(n, upper) for n, _, upper in self.bounds])
-        cost = np.concatenate([self.choice_cost, *self.edge_cost])
-        return cost, _columnwise(rows, cols, vals, self.n_col), lo, hi, len(self.choice_cost)
+        return cost, _columnwise(rows, cols, vals, self.n_col), lo, hi, upper, len(self.choice_cost)
 
 
 def _columnwise(rows: np.ndarray, cols: np.ndarray, vals: np.ndarray,
@@ -429,9 +551,9 @@ def _columnwise(rows: np.ndarray, cols: np.ndarray, vals: np.ndarray,
 
 
 def _highs(cost: np.ndarray, matrix: tuple[np.ndarray, np.ndarray, np.ndarray], lo: np.ndarray, hi: np.ndarray,
-           n_choice: int, time_limit: float) -> np.ndarray | None:
-    """Minimises ``cost @ x`` over ``lo <= matrix @ x <= hi`` (``matrix`` by columns) and ``0 <= x <= 1``, the
-    first ``n_choice`` columns binary; returns x, or None when no solution was found.
+           upper: np.ndarray, n_choice: int, time_limit: float) -> np.ndarray | None:
+    """Minimises ``cost @ x`` over ``lo <= matrix @ x <= hi`` (``matrix`` by columns) and ``0 <= x <= upper``,
+    the first ``n_choice`` columns binary; returns x, or None when no solution was found.
 
     The relaxation is solved first: one-hot choices with marginal-coupled edges make it integral as a rule
     (the tree's only node), so the branch and bound runs only when some choice comes out fractional.
@@ -440,7 +562,7 @@ def _highs(cost: np.ndarray, matrix: tuple[np.ndarray, np.ndarray, np.ndarray], 
 
     lp = highspy.HighsLp()
     lp.num_col_, lp.num_row_ = len(cost), len(lo)
-    lp.col_cost_, lp.col_lower_, lp.col_upper_ = cost, np.zeros(len(cost)), np.ones(len(cost))
+    lp.col_cost_, lp.col_lower_, lp.col_upper_ = cost, np.zeros(len(cost)), upper
     lp.row_lower_, lp.row_upper_ = lo, hi
     lp.a_matrix_.format_ = highspy.MatrixFormat.kColwise
     lp.a_matrix_.start_, lp.a_matrix_.index_, lp.a_matrix_.value_ = matrix

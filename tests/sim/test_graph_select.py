@@ -1,0 +1,127 @@
+"""SBP selection's cost model picks plain data parallelism where it is cheaper (graph/select.py, graph/bucket.py).
+
+The models are the dp2 benchmark's (benchmarks/graph_dist_compare.py): parameters B, the batch S(0) on 2 virtual
+ranks, compiled without running. Data parallelism is the cheaper plan there: every rank does half of every
+matmul either way, but a column-parallel linear gathers its input, while the gradients' all-reduces go out in
+buckets during backward. Before the cost model counted the weight and input gradients' FLOPs (``flops``) and
+priced gradient all-reduces by what backward does not cover, the ILP chose column-parallel linears for the MLP
+(9 all-gathers and an all-to-all per step, replicated weight gradients).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+import sbpflow
+from sbpflow import nn, optim
+from sbpflow import sbp as S
+from sbpflow.demo.train_gpt import build, random_batches
+from sbpflow.graph.bucket import solo_bytes
+from sbpflow.graph.explain import collective_counts
+from sbpflow.graph.physical import PhysicalPlan
+from sbpflow.models.gpt import GPTConfig
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+P2 = sbpflow.placement("cpu", [0, 1])
+B, S0, PSUM = (S.broadcast,), (S.split(0),), (S.partial_sum,)
+
+
+class MseStep(nn.Graph):
+    def __init__(self, model: nn.Module, opt: Any) -> None:
+        super().__init__()
+        self.model = model
+        self.add_optimizer(opt)
+
+    def build(self, x: Any, y: Any) -> Any:
+        loss = ((self.model(x) - y) ** 2).mean()
+        loss.backward()
+        return loss
+
+
+def _mlp_step(width: int = 1024, hidden: int = 3, batch: int = 64) -> MseStep:
+    """The issue-4 MLP under dp2, compiled (not run)."""
+    sbpflow.manual_seed(0)
+    mods: list[nn.Module] = []
+    for _ in range(hidden):
+        mods += [nn.Linear(width, width), nn.ReLU()]
+    model = nn.Sequential(*mods, nn.Linear(width, width)).to_global(P2, S.broadcast)
+    step = MseStep(model, optim.AdamW(model.parameters(), lr=1e-3))
+    x = sbpflow.zeros(batch, width, placement=P2, sbp=S.split(0))  # logical (64, 1024), local (32, 1024)
+    step.compile_only(x, x)
+    return step
+
+
+def _signatures(step: nn.Graph, op: str) -> set[tuple[Any, ...]]:
+    g = step.logical
+    return {(tuple(n.in_sbps), tuple(g.values[v].sbp for v in n.outputs)) for n in g.nodes if n.name == op}
+
+
+def _gradient_reductions(plan: PhysicalPlan) -> list[tuple[int, int]]:
+    """Per all-reduce of rank 0, in plan order: (tensors it reduces, plan position of the node that makes its
+    input); a bucket's input is made by its flatten, right after the last member's producer."""
+    producer = plan.producers()
+    position = {n.id: i for i, n in enumerate(plan.nodes)}
+    out = []
+    for n in plan.collectives(0):
+        if n.boxing.steps[0].kind == "all_reduce":
+            source = plan.node(producer[n.inputs[0]])
+            out.append((len(source.inputs) if source.op == "bucket_flatten" else 1, position[source.id]))
+    return out
+
+
+def _assert_issued_when_made(plan: PhysicalPlan) -> None:
+    """Each all-reduce comes right after the node that makes its input (a bucket: after its flatten), so the
+    communication lane, which keeps plan order, sends gradients in backward's order while backward goes on."""
+    producer = plan.producers()
+    for i, n in enumerate(plan.nodes):
+        if n.kind == "boxing" and n.is_comm and n.boxing.steps[0].kind == "all_reduce":
+            made = plan.nodes.index(plan.node(producer[n.inputs[0]]))
+            assert made == i - 1, f"{n.label()} at {i}, its input made at {made}"
+
+
+def test_dp2_mlp_is_plain_data_parallel() -> None:
+    step = _mlp_step()
+    assert _signatures(step, "linear") == {((S0, B, B), (S0,))}
+    assert _signatures(step, "matmul_nd") == {((S0, B), (S0,))}
+    assert _signatures(step, "linear_weight_grad") == {((S0, S0), (PSUM,))}
+    plan = step.plan
+    assert dict(collective_counts(plan, 0)) == {"all_reduce": 5}  # 4 weights alone, the 4 biases in 1 bucket
+    reductions = _gradient_reductions(plan)
+    assert sorted(k for k, _ in reductions) == [1, 1, 1, 1, 4]
+    assert sum(k for k, _ in reductions) == len(list(step.model.parameters()))
+    _assert_issued_when_made(plan)
+    first_update = next(i for i, n in enumerate(plan.nodes) if n.phase == "post")
+    backward_ops = [i for i, n in enumerate(plan.nodes) if n.op in ("matmul_nd", "linear_weight_grad")]
+    assert reductions[0][1] < backward_ops[-1] < first_update  # the first goes out while backward goes on
+
+
+def test_dp2_gpt_is_plain_data_parallel() -> None:
+    """The benchmark's GPT: no activation is gathered (one 512-byte gather of the loss's token mask), and every
+    parameter's gradient is all-reduced once, the big ones alone, the others in buckets, each issued when made."""
+    config = GPTConfig(vocab_size=256, block_size=128, n_layer=4, n_head=4, n_embd=256, dropout=0.0)
+    trainer = build(config, "dp=2", clip=None, graph=True)
+    ids, targets = next(random_batches(256, 1, 8, 128, seed=1))
+    trainer.graph.compile_only(*trainer.inputs(ids, targets))
+    assert _signatures(trainer.graph, "linear_weight_grad") == {(((S.split(0), S.broadcast),) * 2,
+                                                                 ((S.partial_sum, S.broadcast),))}
+    plan = trainer.graph.plan
+    counts = collective_counts(plan, 0)
+    params = list(trainer.model.parameters())
+    mlp_weights = sum(p.numel() * 4 >= solo_bytes(sbpflow.boxing.get_cost_model(), _any_all_reduce(plan))
+                      for p in params)
+    assert mlp_weights == 2 * config.n_layer  # c_fc and the MLP's c_proj: 1 MiB each
+    reductions = _gradient_reductions(plan)
+    assert sum(k for k, _ in reductions) == len(params)
+    assert sum(k == 1 for k, _ in reductions) == mlp_weights and counts["all_reduce"] == mlp_weights + 3
+    gathers = [n for n in plan.collectives(0) if n.boxing.steps[0].kind == "all_gather"]
+    assert set(counts) == {"all_reduce", "all_gather"} and len(gathers) == 1
+    assert plan.bufs[gathers[0].outputs[0]].nbytes(0) <= 1024
+    _assert_issued_when_made(plan)
+
+
+def _any_all_reduce(plan: PhysicalPlan) -> Any:
+    return next(n for n in plan.collectives(0) if n.boxing.steps[0].kind == "all_reduce")
+
