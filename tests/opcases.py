@@ -298,6 +298,10 @@ def _indexing_cases() -> list[OpCase]:
         OpCase("unsqueeze", "unsqueeze", lambda g: (_r(g, 4, 6),), {"dim": 1}, _partials("_")),
         OpCase("squeeze", "squeeze", lambda g: (_r(g, 4, 1, 3),), {"dim": 1}, _partials("_")),
         OpCase("expand", "expand", lambda g: (_r(g, 4, 1),), {"shape": (4, 3)}, _partials("_")),
+        OpCase("reshape_permute", "reshape_permute", lambda g: (_r(g, 2, 3, 4),),
+               {"shape": (2, 3, 2, 2), "dims": (0, 2, 1, 3)}, _partials("_")),
+        OpCase("permute_reshape", "permute_reshape", lambda g: (_r(g, 2, 2, 3, 2),),
+               {"dims": (0, 2, 1, 3), "shape": (2, 3, 4)}, _partials("_")),
     ]
 
 

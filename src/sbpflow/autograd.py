@@ -303,11 +303,10 @@ def _run_nodes(roots: Sequence[Tensor], grads: Sequence[Tensor | None], retain_g
                     if g.dtype != t.dtype and g.dtype.is_floating_point and t.dtype.is_floating_point:
                         g = F.cast(g, t.dtype)  # a promoted op (bf16 + fp32): each input's gradient in its dtype
                     _send(t, g, pending, leaf_grads, leaf_hooks)
-            if not retain_graph:
-                node.freed = True
-                node.outputs = ()
         if bucketer is not None:
             bucketer.consumed(node, leaf_grads)
+        if outs is not None and not retain_graph:
+            _release(node)
     pairs = list(leaf_grads.values())
     if bucketer is not None:
         reduced = bucketer.finish()
@@ -315,6 +314,14 @@ def _run_nodes(roots: Sequence[Tensor], grads: Sequence[Tensor | None], retain_g
         by_leaf = {id(leaf): (leaf, grad) for leaf, grad in rest} | reduced
         pairs = [by_leaf[id(leaf)] for leaf, _ in pairs]
     return pairs
+
+
+def _release(node: Node) -> None:
+    """Drops what a node's backward needed once it has run (as torch frees saved tensors): the activations it held
+    are freed during backward, not at its end. A later backward through it raises (``node.freed``)."""
+    node.freed = True
+    node.outputs = node.inputs = node.args = node.versions = node.needs = ()
+    node.attrs = {}
 
 
 def _check_root(root: Tensor) -> None:
