@@ -413,10 +413,16 @@ class Tensor:
         return self
 
     def retain_grad(self) -> None:
+        from .autograd import note_output_hooks
+
+        note_output_hooks()  # backward looks for retained gradients from now on
         self._retains_grad = True
 
     def register_hook(self, hook: Callable[[Tensor], Tensor | None]) -> Callable[[], None]:
         """Calls ``hook(grad)`` when this tensor's gradient is computed; a returned tensor replaces it."""
+        from .autograd import note_output_hooks
+
+        note_output_hooks()  # backward looks for hooks on op outputs from now on
         if self._hooks is None:
             self._hooks = []
         self._hooks.append(hook)
