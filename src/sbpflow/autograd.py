@@ -141,7 +141,7 @@ class Node:
     """
 
     __slots__ = ("op", "inputs", "versions", "outputs", "out_refs", "out_meta", "args", "attrs", "needs_input_grad",
-                 "freed", "__weakref__")
+                 "freed", "out_hooks", "__weakref__")
 
     def __init__(self, op: OpDef, inputs: Sequence[Any], outputs: Sequence[Tensor], attrs: dict[str, Any],
                  save_outputs: bool) -> None:
@@ -171,6 +171,9 @@ class Node:
         self.attrs = attrs
         self.needs_input_grad = tuple(needs)
         self.freed = False
+        # output index -> that output's hook list (Tensor.register_hook): the hooks run even if the output itself
+        # is gone by the time backward reaches this node (as torch keeps hooks on the graph, not on the tensor)
+        self.out_hooks: dict[int, list[Any]] | None = None
 
     @property
     def name(self) -> str:
@@ -397,6 +400,13 @@ def _send(t: Tensor, grad: Tensor, pending: dict, leaf_grads: dict,  # type: ign
 def _run_output_hooks(node: Node, outs: list[Tensor | None]) -> list[Tensor | None]:
     for i, ref in enumerate(node.out_refs):
         t = ref()
+        if t is None and node.out_hooks and outs[i] is not None:  # the output is gone, its hooks are not
+            g = outs[i]
+            for hook in node.out_hooks.get(i, ()):
+                out = hook(g)
+                g = g if out is None else out
+            outs[i] = g
+            continue
         if t is None or outs[i] is None or not (t._hooks or t._retains_grad):
             continue
         g = outs[i]

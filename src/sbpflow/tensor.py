@@ -427,6 +427,10 @@ class Tensor:
             self._hooks = []
         self._hooks.append(hook)
         hooks = self._hooks
+        if self.grad_fn is not None:  # the node keeps the list too: backward may outlive this tensor object
+            if self.grad_fn.out_hooks is None:
+                self.grad_fn.out_hooks = {}
+            self.grad_fn.out_hooks[self._out_index] = hooks
         return lambda: hooks.remove(hook)
 
     # -- in-place support ----------------------------------------------------------------

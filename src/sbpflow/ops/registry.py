@@ -448,24 +448,32 @@ def _apply_global(opdef: OpDef, args: Sequence[Any], attrs: dict[str, Any], key_
     if decision.boxes:
         with activity(opdef.activity):  # named in comm errors raised while its inputs are boxed
             return run(opdef, decision, args, attrs, placement, where)
-    if opdef.data_dependent or len(decision.out_metas) != 1:
+    if opdef.data_dependent:
         return run(opdef, decision, args, attrs, placement, where)
     owned = _owned(placement, where)  # type: ignore[arg-type]
     if len(owned) != 1:
         return run(opdef, decision, args, attrs, placement, where)
-    # the common case, run and _wrap inlined: inputs in place, one rank in this process, one output
+    # the common case, run and _wrap inlined: inputs in place, one rank in this process
     r = owned[0]
     values = list(args)
     for pos in decision.positions:
         values[pos] = args[pos]._shards[r]  # type: ignore[index]  # global tensors always hold a shard dict
-    meta = decision.out_metas[0]
     if opdef.shard_aware:
-        shards = {r: opdef.kernel(_shard_ctx(r, placement, decision, args), *values, **attrs)}
+        result = opdef.kernel(_shard_ctx(r, placement, decision, args), *values, **attrs)
     else:
-        shards = {r: opdef.kernel(*values, **attrs)}
-    out = _from_shards(Tensor, meta.shape, meta.dtype, placement, decision.out_sbps[0], shards)
-    out._boxed = {}
-    return out
+        result = opdef.kernel(*values, **attrs)
+    metas, sbps = decision.out_metas, decision.out_sbps
+    if len(metas) == 1:
+        meta = metas[0]
+        out = _from_shards(Tensor, meta.shape, meta.dtype, placement, sbps[0], {r: result})
+        out._boxed = {}
+        return out
+    outs = []
+    for m, sbp, shard in zip(metas, sbps, result, strict=True):
+        o = _from_shards(Tensor, m.shape, m.dtype, placement, sbp, {r: shard})
+        o._boxed = {}
+        outs.append(o)
+    return tuple(outs)
 
 
 def _global_key(opdef: OpDef, args: Sequence[Any]) -> tuple[Placement | None, int | None, tuple[Any, ...]]:
