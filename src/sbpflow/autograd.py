@@ -317,7 +317,7 @@ def _run_nodes(roots: Sequence[Tensor], grads: Sequence[Tensor | None], retain_g
                         _send(t, g, pending, leaf_grads, leaf_hooks)
                     else:  # _send's non-leaf branch, inlined: the most common case by far
                         key = id(fn) if t._out_index == 0 else (id(fn), t._out_index)
-                        previous = pending.get(key)
+                        previous: Any = pending.get(key)  # (Tensor operators are bound at import)
                         pending[key] = g if previous is None else previous + g
         if bucketer is not None:
             bucketer.consumed(node, leaf_grads)
