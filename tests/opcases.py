@@ -228,6 +228,16 @@ def _matrix_cases() -> list[OpCase]:
         OpCase("linear-nobias", "linear", lambda g: (_r(g, 3, 4), _r(g, 5, 4)), {}, ("P(sum) B -> P(sum)",)),
         OpCase("matmul_nd", "matmul_nd", lambda g: (_r(g, 2, 3, 5), _r(g, 5, 4)), {}, both),
         OpCase("linear_weight_grad", "linear_weight_grad", lambda g: (_r(g, 2, 3, 5), _r(g, 2, 3, 4)), {}, both),
+        # linear's whole gradient (dy, w, x -> dx, dw, db): each output linear in dy, dx in w, dw in x
+        OpCase("linear_backward", "linear_backward", lambda g: (_r(g, 2, 3, 5), _r(g, 5, 4), _r(g, 2, 3, 4)),
+               {"parts": ("dx", "dw", "db")},
+               ("P(sum) B B -> P(sum) P(sum) P(sum)", "B P(sum) B -> P(sum) B B", "B B P(sum) -> B P(sum) B",
+                "B P(sum) P(sum) -> P(sum) P(sum) B", "B P(sum) S(2) -> P(sum) S(1) B",
+                "B S(1) P(sum) -> S(2) P(sum) B")),
+        OpCase("linear_backward-dw-db", "linear_backward", lambda g: (_r(g, 2, 3, 5), _r(g, 2, 3, 4)),
+               {"parts": ("dw", "db")}, ("P(sum) B -> P(sum) P(sum)", "B P(sum) -> P(sum) B")),
+        OpCase("linear_backward-dx", "linear_backward", lambda g: (_r(g, 2, 3, 5), _r(g, 5, 4)), {"parts": ("dx",)},
+               both),
     ]
 
 
@@ -298,6 +308,10 @@ def _indexing_cases() -> list[OpCase]:
         OpCase("unsqueeze", "unsqueeze", lambda g: (_r(g, 4, 6),), {"dim": 1}, _partials("_")),
         OpCase("squeeze", "squeeze", lambda g: (_r(g, 4, 1, 3),), {"dim": 1}, _partials("_")),
         OpCase("expand", "expand", lambda g: (_r(g, 4, 1),), {"shape": (4, 3)}, _partials("_")),
+        OpCase("reshape_permute", "reshape_permute", lambda g: (_r(g, 2, 3, 4),),
+               {"shape": (2, 3, 2, 2), "dims": (0, 2, 1, 3)}, _partials("_")),
+        OpCase("permute_reshape", "permute_reshape", lambda g: (_r(g, 2, 2, 3, 2),),
+               {"dims": (0, 2, 1, 3), "shape": (2, 3, 4)}, _partials("_")),
     ]
 
 

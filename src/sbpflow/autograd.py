@@ -42,6 +42,17 @@ class _Mode(threading.local):
 _mode = _Mode()
 
 
+_output_hooks = False  # whether any tensor ever got a hook or retain_grad() (note_output_hooks)
+
+
+def note_output_hooks() -> None:
+    """Called by ``Tensor.register_hook`` and ``retain_grad``: from now on backward looks for hooks and retained
+    gradients on every node's outputs (until then it skips that scan; the flag is never cleared, since a hooked
+    tensor may live on anywhere)."""
+    global _output_hooks
+    _output_hooks = True
+
+
 def is_grad_enabled() -> bool:
     return _mode.grad_enabled
 
@@ -121,10 +132,16 @@ def coalesce_grad_reductions(enabled: bool = True, bucket_cap_mb: float = DEFAUL
 
 
 class Node:
-    """One recorded op application: what backward needs to compute input gradients."""
+    """One recorded op application: what backward needs to compute input gradients.
 
-    __slots__ = ("op", "inputs", "versions", "outputs", "out_refs", "out_meta", "args", "attrs", "needs", "freed",
-                 "__weakref__")
+    It is also what the op's gradient function gets as ``ctx``: ``ctx.inputs`` (tensor inputs), ``ctx.args``
+    (tensors and scalars in call order), ``ctx.outputs`` (kept with ``save_outputs``), ``ctx.attrs`` and
+    ``ctx.needs_input_grad`` (one flag per tensor input). Gradient functions run with recording off, so the
+    inputs themselves are safe to use (no detached copies).
+    """
+
+    __slots__ = ("op", "inputs", "versions", "outputs", "out_refs", "out_meta", "args", "attrs", "needs_input_grad",
+                 "freed", "out_hooks", "__weakref__")
 
     def __init__(self, op: OpDef, inputs: Sequence[Any], outputs: Sequence[Tensor], attrs: dict[str, Any],
                  save_outputs: bool) -> None:
@@ -152,8 +169,11 @@ class Node:
             # with several outputs, one may be dropped before backward (max's indices): keep what its zeros need
             self.out_meta = tuple([(tuple(o.shape), o.dtype, o._placement, o._sbp) for o in outputs])
         self.attrs = attrs
-        self.needs = tuple(needs)
+        self.needs_input_grad = tuple(needs)
         self.freed = False
+        # output index -> that output's hook list (Tensor.register_hook): the hooks run even if the output itself
+        # is gone by the time backward reaches this node (as torch keeps hooks on the graph, not on the tensor)
+        self.out_hooks: dict[int, list[Any]] | None = None
 
     @property
     def name(self) -> str:
@@ -212,20 +232,6 @@ def _amp_module() -> Any:
     return _AMP
 
 
-class BackwardCtx:
-    """What an op's gradient function sees: its inputs, outputs, scalars and attributes."""
-
-    __slots__ = ("inputs", "args", "outputs", "attrs", "needs_input_grad")
-
-    def __init__(self, node: Node) -> None:
-        # no detach: gradient functions run with recording off, so the inputs themselves are safe to use
-        self.inputs = node.inputs
-        self.args = node.args
-        self.outputs = node.outputs
-        self.attrs = node.attrs
-        self.needs_input_grad = node.needs
-
-
 def zero_grads(params: Iterable[Tensor], set_to_none: bool = True) -> None:
     """Clears the gradients of ``params``: ``None`` by default, else zeros in each gradient's own layout."""
     for p in params:
@@ -275,7 +281,7 @@ def _leaf_gradients(roots: Sequence[Tensor], grads: Sequence[Tensor | None], ret
 
 def _run_nodes(roots: Sequence[Tensor], grads: Sequence[Tensor | None], retain_graph: bool, coalesce: bool,
                F: Any, leaf_hooks: bool) -> list[tuple[Tensor, Tensor]]:
-    pending: dict[tuple[int, int], Tensor] = {}  # (id(node), output index) -> gradient so far
+    pending: dict[Any, Tensor] = {}  # id(node) for output 0, else (id(node), output index) -> gradient so far
     leaf_grads: dict[int, tuple[Tensor, Tensor]] = {}
     for root, grad in zip(roots, grads, strict=True):
         _check_root(root)
@@ -285,29 +291,38 @@ def _run_nodes(roots: Sequence[Tensor], grads: Sequence[Tensor | None], retain_g
     # local graphs have nothing to reduce; a traced one (nn.Graph) has no shards yet: its plan reduces
     coalesce = coalesce and any(r._local is None and r._lazy is None for r in roots)
     bucketer = _Bucketer(nodes, roots, _mode.bucket_bytes) if coalesce else None
+    if bucketer is not None and not bucketer.uses:
+        bucketer = None  # no leaf to reduce (one rank): no bookkeeping per node; _coalesced is not needed either
     pop = pending.pop
     for node in nodes:
         nid = id(node)
         if len(node.out_refs) == 1:  # most ops: one output, no list of gradients to scan
-            first = pop((nid, 0), None)
+            first = pop(nid, None)
             outs: list[Tensor | None] | None = None if first is None else [first]
         else:
-            outs = [pop((nid, i), None) for i in range(len(node.out_refs))]
+            outs = [pop(nid, None)] + [pop((nid, i), None) for i in range(1, len(node.out_refs))]
             if all(g is None for g in outs):
                 outs = None
         if outs is not None:
-            outs = _run_output_hooks(node, outs)
+            if _output_hooks:
+                outs = _run_output_hooks(node, outs)
             in_grads = _call_backward(node, outs)  # as many as node.inputs (checked there)
             for t, g in zip(node.inputs, in_grads, strict=True):
                 if g is not None and t.requires_grad:
-                    if g.dtype != t.dtype and g.dtype.is_floating_point and t.dtype.is_floating_point:
-                        g = F.cast(g, t.dtype)  # a promoted op (bf16 + fp32): each input's gradient in its dtype
-                    _send(t, g, pending, leaf_grads, leaf_hooks)
-            if not retain_graph:
-                node.freed = True
-                node.outputs = ()
+                    g_dtype, t_dtype = g.dtype, t.dtype
+                    if g_dtype is not t_dtype and g_dtype.is_floating_point and t_dtype.is_floating_point:
+                        g = F.cast(g, t_dtype)  # a promoted op (bf16 + fp32): each input's gradient in its dtype
+                    fn = t.grad_fn
+                    if fn is None:
+                        _send(t, g, pending, leaf_grads, leaf_hooks)
+                    else:  # _send's non-leaf branch, inlined: the most common case by far
+                        key = id(fn) if t._out_index == 0 else (id(fn), t._out_index)
+                        previous: Any = pending.get(key)  # (Tensor operators are bound at import)
+                        pending[key] = g if previous is None else previous + g
         if bucketer is not None:
             bucketer.consumed(node, leaf_grads)
+        if outs is not None and not retain_graph:
+            _release(node)
     pairs = list(leaf_grads.values())
     if bucketer is not None:
         reduced = bucketer.finish()
@@ -315,6 +330,14 @@ def _run_nodes(roots: Sequence[Tensor], grads: Sequence[Tensor | None], retain_g
         by_leaf = {id(leaf): (leaf, grad) for leaf, grad in rest} | reduced
         pairs = [by_leaf[id(leaf)] for leaf, _ in pairs]
     return pairs
+
+
+def _release(node: Node) -> None:
+    """Drops what a node's backward needed once it has run (as torch frees saved tensors): the activations it held
+    are freed during backward, not at its end. A later backward through it raises (``node.freed``)."""
+    node.freed = True
+    node.outputs = node.inputs = node.args = node.versions = node.needs_input_grad = ()
+    node.attrs = {}
 
 
 def _check_root(root: Tensor) -> None:
@@ -369,7 +392,7 @@ def _send(t: Tensor, grad: Tensor, pending: dict, leaf_grads: dict,  # type: ign
         previous = leaf_grads.get(id(t))
         leaf_grads[id(t)] = (t, grad if previous is None else previous[1] + grad)
         return
-    key = (id(t.grad_fn), t._out_index)
+    key = id(t.grad_fn) if t._out_index == 0 else (id(t.grad_fn), t._out_index)
     previous_grad = pending.get(key)
     pending[key] = grad if previous_grad is None else previous_grad + grad
 
@@ -377,6 +400,13 @@ def _send(t: Tensor, grad: Tensor, pending: dict, leaf_grads: dict,  # type: ign
 def _run_output_hooks(node: Node, outs: list[Tensor | None]) -> list[Tensor | None]:
     for i, ref in enumerate(node.out_refs):
         t = ref()
+        if t is None and node.out_hooks and outs[i] is not None:  # the output is gone, its hooks are not
+            g = outs[i]
+            for hook in node.out_hooks.get(i, ()):
+                out = hook(g)
+                g = g if out is None else out
+            outs[i] = g
+            continue
         if t is None or outs[i] is None or not (t._hooks or t._retains_grad):
             continue
         g = outs[i]
@@ -410,7 +440,7 @@ def _call_backward(node: Node, outs: list[Tensor | None]) -> Sequence[Tensor | N
         if g is None:
             outs = [g if g is not None else _zeros_for(node, i) for i, g in enumerate(outs)]
             break
-    grads = backward_fn(BackwardCtx(node), *outs)
+    grads = backward_fn(node, *outs)  # the node is the gradient's ctx (see Node)
     if not isinstance(grads, (tuple, list)):
         grads = (grads,)
     if len(grads) != len(node.inputs):
@@ -556,7 +586,8 @@ class _Bucketer:
         self.uses: dict[int, int] = {}  # id(leaf) -> uses by nodes that have not run yet
         for node in nodes:
             for t in node.inputs:
-                if t.grad_fn is None and t.requires_grad:
+                # a leaf on one rank has nothing to reduce (a partial there is a relabel): left to the end
+                if t.grad_fn is None and t.requires_grad and t._placement is not None and t._placement.size > 1:
                     self.uses[id(t)] = self.uses.get(id(t), 0) + 1
         for root in roots:
             self.uses.pop(id(root), None)  # a leaf root's gradient is never handed over early: left to the end

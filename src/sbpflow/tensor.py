@@ -413,14 +413,24 @@ class Tensor:
         return self
 
     def retain_grad(self) -> None:
+        from .autograd import note_output_hooks
+
+        note_output_hooks()  # backward looks for retained gradients from now on
         self._retains_grad = True
 
     def register_hook(self, hook: Callable[[Tensor], Tensor | None]) -> Callable[[], None]:
         """Calls ``hook(grad)`` when this tensor's gradient is computed; a returned tensor replaces it."""
+        from .autograd import note_output_hooks
+
+        note_output_hooks()  # backward looks for hooks on op outputs from now on
         if self._hooks is None:
             self._hooks = []
         self._hooks.append(hook)
         hooks = self._hooks
+        if self.grad_fn is not None:  # the node keeps the list too: backward may outlive this tensor object
+            if self.grad_fn.out_hooks is None:
+                self.grad_fn.out_hooks = {}
+            self.grad_fn.out_hooks[self._out_index] = hooks
         return lambda: hooks.remove(hook)
 
     # -- in-place support ----------------------------------------------------------------

@@ -171,3 +171,41 @@ def test_grad_of_a_dropped_multi_output_sibling() -> None:
     values.sum().backward()
     tx.max(dim=1).values.sum().backward()
     np.testing.assert_allclose(x.grad.numpy(), tx.grad.numpy())
+
+
+def test_ops_reading_only_layouts_keep_no_activation_alive() -> None:
+    """add and reshape keep their inputs' layouts only (as torch saves nothing for them): an activation only they
+    read is freed after forward, and the gradients are unchanged."""
+    import weakref
+
+    x = sbpflow.ones(2, 3, requires_grad=True)
+    h = x * 2.0
+    alive = weakref.ref(h)
+    z = (h + 1.0).reshape(3, 2)
+    del h
+    assert alive() is None
+    z.sum().backward()
+    np.testing.assert_array_equal(x.grad.numpy(), np.full((2, 3), 2.0))
+
+
+def test_backward_frees_what_each_node_saved_as_it_goes() -> None:
+    from sbpflow.utils.checkpoint import activation_bytes
+
+    x = sbpflow.ones(4, requires_grad=True)
+    y = (x * x).exp().sum()
+    assert activation_bytes(y) > 0
+    y.backward()
+    assert activation_bytes(y) == 0
+    with pytest.raises(sbpflow.AutogradError, match="second time"):
+        y.backward()
+
+
+def test_a_hook_runs_after_its_tensor_object_is_gone() -> None:
+    x = sbpflow.ones(3, requires_grad=True)
+    seen = []
+    y = x * 2.0
+    y.register_hook(lambda g: seen.append(g.tolist()))
+    z = (y + 1.0).sum()  # add holds y's layout, not y
+    del y
+    z.backward()
+    assert seen == [[1.0, 1.0, 1.0]]

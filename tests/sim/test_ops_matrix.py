@@ -172,3 +172,36 @@ def test_local_matmul_and_linear() -> None:
     check(lambda x, y: x @ y, torch.matmul, [a, b], None)
     check(F.linear, torch.nn.functional.linear, [a, w], None)
     check(lambda x, y: x.matmul(y), torch.matmul, [a, b], None)
+
+
+@pytest.mark.parametrize("where", [None, "1", "2"])
+@pytest.mark.parametrize("needs", [(True, True, True), (False, True, True), (True, False, False), (False, False, True),
+                                   (True, True, False)])
+def test_linear_gradients_for_any_inputs_needing_them(where: str | None, needs: tuple[bool, ...],
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Local and one-rank backward runs linear_backward (one op) for the wanted gradients only; more ranks run the
+    three ops. Either way the gradients are torch's, and None where not wanted."""
+    from sbpflow.ops import registry
+
+    dispatched: list[str] = []
+    inner = registry.apply
+
+    def counting(opdef, args, attrs):  # type: ignore[no-untyped-def]
+        dispatched.append(opdef.name)
+        return inner(opdef, args, attrs)
+
+    monkeypatch.setattr(registry, "apply", counting)
+    values = [randn(2, 3, 6), randn(4, 6, seed=1), randn(4, seed=2)]
+    theirs = [v.clone().requires_grad_(n) for v, n in zip(values, needs, strict=True)]
+    torch.nn.functional.linear(*theirs).square().sum().backward()
+    p = PLACEMENTS[where] if where else None
+    ours = [sbpflow.tensor(v, placement=p, sbp=S.broadcast, requires_grad=n) if p else
+            sbpflow.tensor(v, requires_grad=n) for v, n in zip(values, needs, strict=True)]
+    F.linear(*ours).square().sum().backward()
+    for mine, ref in zip(ours, theirs, strict=True):
+        if ref.grad is None:
+            assert mine.grad is None
+        else:
+            np.testing.assert_allclose(mine.grad.numpy(), ref.grad.numpy(), rtol=1e-5, atol=1e-6)
+    assert ("linear_backward" in dispatched) == (where != "2")
+    assert ("linear_weight_grad" in dispatched) == (where == "2" and needs[1])

@@ -45,6 +45,14 @@ CASES = [
     ((5, 3), lambda x: x.squeeze(0), lambda x: x.squeeze(0)),  # not size 1: unchanged
     ((5, 3), lambda x: x.unsqueeze(0), lambda x: x.unsqueeze(0)),
     ((5, 3), lambda x: x.unsqueeze(-1), lambda x: x.unsqueeze(-1)),
+    # the fused pairs of attention (split into heads, merge back), against torch's two ops
+    ((2, 6, 8), lambda x: F.reshape_permute(x, (2, 6, 4, 2), (0, 2, 1, 3)),
+     lambda x: x.reshape(2, 6, 4, 2).permute(0, 2, 1, 3)),
+    ((2, 6, 8), lambda x: F.reshape_permute(x, (2, -1, 4, 2), (0, -2, 1, 3)),
+     lambda x: x.reshape(2, 6, 4, 2).permute(0, 2, 1, 3)),
+    ((2, 4, 6, 2), lambda x: F.permute_reshape(x, (0, 2, 1, 3), (2, 6, 8)),
+     lambda x: x.permute(0, 2, 1, 3).reshape(2, 6, 8)),
+    ((3, 5, 4), lambda x: F.permute_reshape(x, (2, 0, 1), (-1,)), lambda x: x.permute(2, 0, 1).reshape(-1)),
 ]
 
 
@@ -54,6 +62,19 @@ def test_shape_ops_match_torch_on_any_sbp(index: int, pname: str, seed: int, par
     shape, ours, theirs = CASES[index]
     p = PLACEMENTS[pname]
     check(ours, theirs, [randn(*shape, seed=seed)], p, [random_sbp(shape, p, random.Random(seed), partial=partial)])
+
+
+def _heads(x, shape):  # type: ignore[no-untyped-def]
+    """The fused op on sbpflow tensors, torch's two ops on torch tensors (the reference)."""
+    if isinstance(x, torch.Tensor):
+        return x.reshape(shape).permute(0, 2, 1, 3)
+    return F.reshape_permute(x, shape, (0, 2, 1, 3))
+
+
+def _merge_heads(x, shape):  # type: ignore[no-untyped-def]
+    if isinstance(x, torch.Tensor):
+        return x.permute(0, 2, 1, 3).reshape(shape)
+    return F.permute_reshape(x, (0, 2, 1, 3), shape)
 
 
 @pytest.mark.parametrize("pname", PNAMES)
@@ -67,6 +88,13 @@ def test_shape_ops_match_torch_on_any_sbp(index: int, pname: str, seed: int, par
     ((5, 3), lambda x: x.unsqueeze(0), 0, 1),
     ((5, 1, 3), lambda x: x.squeeze(1), 2, 1),
     ((5, 1, 3), lambda x: x.expand(5, 4, 3), 0, 0),
+    # heads: the batch split stays, a split of C by whole heads becomes a split of H, T's split moves to dim 2
+    # (12 heads: whole heads on each of 2, 3 or 4 ranks)
+    ((4, 6, 24), lambda x: _heads(x, (4, 6, 12, 2)), 0, 0),
+    ((4, 6, 24), lambda x: _heads(x, (4, 6, 12, 2)), 2, 1),
+    ((4, 5, 24), lambda x: _heads(x, (4, 5, 12, 2)), 1, 2),
+    ((2, 12, 6, 2), lambda x: _merge_heads(x, (2, 6, 24)), 1, 2),
+    ((2, 12, 5, 2), lambda x: _merge_heads(x, (2, 5, 24)), 2, 1),
 ])
 def test_a_whole_split_dim_maps_through_without_comm(pname: str, shape: tuple, fn, in_dim: int,  # type: ignore
                                                     out_dim: int) -> None:
@@ -129,6 +157,12 @@ def test_shape_mistakes_raise_shape_errors() -> None:
         x.transpose(0, 2)
     with pytest.raises(sbpflow.ShapeError, match="out of range"):
         x.unsqueeze(4)
+    with pytest.raises(sbpflow.ShapeError, match=r"reshape_permute.*12 elements.*\[5, 2\]"):
+        F.reshape_permute(x, (5, 2), (1, 0))
+    with pytest.raises(sbpflow.ShapeError, match=r"reshape_permute.*permutation"):
+        F.reshape_permute(x, (2, 6), (0, 0))
+    with pytest.raises(sbpflow.ShapeError, match=r"permute_reshape.*12 elements.*\[5\]"):
+        F.permute_reshape(x, (1, 0), (5,))
 
 
 def test_local_shape_ops_and_view_shares_no_state() -> None:

@@ -52,6 +52,9 @@ class GPTConfig:
 # ----------------------------------------------------------------------------- modules
 
 
+_SWAP_HT = (0, 2, 1, 3)  # (B, T, H, hd) <-> (B, H, T, hd)
+
+
 class CausalSelfAttention(nn.Module):
     """Multi-head causal attention with separate q, k, v projections.
 
@@ -72,12 +75,13 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         b, t, c = x.shape  # logical (B, T, C)
-        hd = c // self.n_head
-        q = self.q(x).reshape(b, t, self.n_head, hd).transpose(1, 2)  # logical (B, H, T, hd)
-        k = self.k(x).reshape(b, t, self.n_head, hd).transpose(1, 2)  # logical (B, H, T, hd)
-        v = self.v(x).reshape(b, t, self.n_head, hd).transpose(1, 2)  # logical (B, H, T, hd)
+        heads = (b, t, self.n_head, c // self.n_head)
+        # reshape to heads and swap T and H in one op each (one dispatch, one gradient node)
+        q = F.reshape_permute(self.q(x), heads, _SWAP_HT)  # logical (B, H, T, hd)
+        k = F.reshape_permute(self.k(x), heads, _SWAP_HT)  # logical (B, H, T, hd)
+        v = F.reshape_permute(self.v(x), heads, _SWAP_HT)  # logical (B, H, T, hd)
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # logical (B, H, T, hd)
-        y = F.reshape(F.transpose(y, 1, 2), (b, t, c))  # logical (B, T, C)
+        y = F.permute_reshape(y, _SWAP_HT, (b, t, c))  # logical (B, T, C)
         return self.resid_dropout(self.c_proj(y))
 
 

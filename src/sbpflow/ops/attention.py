@@ -97,13 +97,13 @@ _ALIGN = 8  # ... and wants head dims and the bias's row stride in multiples of 
 def _flash_ok(q: torch.Tensor, k: torch.Tensor) -> bool:
     """Whether torch's CPU flash kernel (forward and backward, with a saved logsumexp) applies to this shard;
     it divides by zero on empty shards (a batch of one split over three ranks)."""
-    return q.device.type == "cpu" and q.dim() == 4 and q.dtype in _FLASH_DTYPES and q.numel() > 0 and k.numel() > 0
+    return q.is_cpu and q.dim() == 4 and q.dtype in _FLASH_DTYPES and q.numel() > 0 and k.numel() > 0
 
 
 def _efficient_ok(q: torch.Tensor, k: torch.Tensor) -> bool:
     """Whether torch's memory-efficient CUDA kernel (forward with logsumexp, and its backward) applies: 4-D,
     non-empty, q and k of one head dim."""
-    return (q.device.type == "cuda" and q.dim() == 4 and q.dtype in _CUDA_DTYPES and q.numel() > 0
+    return (q.is_cuda and q.dim() == 4 and q.dtype in _CUDA_DTYPES and q.numel() > 0
             and k.numel() > 0 and q.shape[-1] == k.shape[-1])
 
 

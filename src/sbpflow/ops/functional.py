@@ -351,6 +351,27 @@ def t(x: Tensor) -> Tensor:
     return transpose(x, 0, 1) if x.ndim == 2 else x
 
 
+def reshape_permute(x: Tensor, shape: Sequence[int], dims: Sequence[int]) -> Tensor:
+    """``x.reshape(shape).permute(dims)`` as one op (one dispatch, one gradient node), such as attention's split
+    into heads: ``reshape_permute(q, (b, t, n_head, hd), (0, 2, 1, 3))``. Not a view: in-place writes into the
+    result do not reach ``x`` (use the two view methods for that)."""
+    try:
+        target = SH.infer_shape(tuple(shape), x.numel())
+    except ShapeError as e:
+        raise ShapeError(f"op 'reshape_permute': {e}; input: {x._describe()}") from None
+    return SH.reshape_permute(x, shape=target, dims=tuple(R.normalize_dim(d, len(target)) for d in dims))
+
+
+def permute_reshape(x: Tensor, dims: Sequence[int], shape: Sequence[int]) -> Tensor:
+    """``x.permute(dims).reshape(shape)`` as one op, such as attention's merge of heads:
+    ``permute_reshape(y, (0, 2, 1, 3), (b, t, c))``. Not a view (see :func:`reshape_permute`)."""
+    try:
+        target = SH.infer_shape(tuple(shape), x.numel())
+    except ShapeError as e:
+        raise ShapeError(f"op 'permute_reshape': {e}; input: {x._describe()}") from None
+    return SH.permute_reshape(x, dims=tuple(R.normalize_dim(d, x.ndim) for d in dims), shape=target)
+
+
 def unsqueeze(x: Tensor, dim: int) -> Tensor:
     return SH.unsqueeze(x, dim=dim)
 

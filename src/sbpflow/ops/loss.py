@@ -43,6 +43,10 @@ def _split_on(x: Tensor, dim: int) -> bool:
 def _check_labels(name: str, labels: torch.Tensor, count: int, what: str, ctx: ShardCtx, arg_names: tuple[str, str],
                   ignore_index: int | None = None, of: str = "classes") -> None:
     """Raises sbpflow's error for the first label outside ``[0, count)`` (``ignore_index`` allowed)."""
+    if labels.numel():
+        lo, hi = torch.aminmax(labels)  # one kernel: the common case, every label in range, ends here
+        if int(lo) >= 0 and int(hi) < count:
+            return
     bad = (labels < 0) | (labels >= count)
     if ignore_index is not None:
         bad &= labels != ignore_index

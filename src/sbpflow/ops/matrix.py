@@ -17,6 +17,7 @@ P(sum), the bias added by one rank only).
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import torch
@@ -125,17 +126,40 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: Any = None) -> torch.Tensor:
 
 @linear.grad
 def _linear_grad(ctx: Any, dy: Any) -> Any:
-    F = _lazy.functional()
-    sum = F.sum
-
     x, w = ctx.inputs[0], ctx.inputs[1]
     needs = ctx.needs_input_grad
+    has_bias = len(ctx.inputs) == 3
+    if _one_place(dy):
+        return _fused_linear_grad(dy, x, w, needs, has_bias)
+    F = _lazy.functional()
     dx = matmul_nd(dy, w) if needs[0] else None
     dw = linear_weight_grad(dy, x) if needs[1] else None
     grads = [dx, dw]
-    if len(ctx.inputs) == 3:
-        grads.append(sum(dy, dim=tuple(range(dy.ndim - 1))) if needs[2] else None)
+    if has_bias:
+        grads.append(F.sum(dy, dim=tuple(range(dy.ndim - 1))) if needs[2] else None)
     return tuple(grads)
+
+
+def _one_place(dy: Any) -> bool:
+    """Whether the gradient lives in one place: a local tensor, or a global one on a single rank. There the fused
+    :func:`linear_backward` boxes nothing, as the three ops would not. Elsewhere the three ops keep their own
+    signature choices (and collectives), and a traced graph keeps its weight-gradient nodes apart (the pipeline
+    schedules them on their own)."""
+    if dy._local is not None:
+        return True
+    return dy._lazy is None and dy._placement is not None and dy._placement.size == 1
+
+
+def _fused_linear_grad(dy: Any, x: Any, w: Any, needs: tuple[bool, ...], has_bias: bool) -> tuple[Any, ...]:
+    wanted = (needs[0], needs[1], has_bias and needs[2])
+    parts = tuple(p for p, want in zip(_PARTS, wanted, strict=True) if want)
+    grads: list[Any] = [None, None, None]
+    if parts:
+        operands = [t for p, t in (("dx", w), ("dw", x)) if p in parts]
+        outs = linear_backward(dy, *operands, parts=parts)
+        for p, g in zip(parts, outs if len(parts) > 1 else (outs,), strict=True):
+            grads[_PARTS.index(p)] = g
+    return tuple(grads) if has_bias else tuple(grads[:2])
 
 
 def _nd_meta(dy: Meta, w: Meta) -> Meta:
@@ -186,6 +210,77 @@ def linear_weight_grad(dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 def _wgrad_grad(ctx: Any, g: Any) -> Any:
     dy, x = ctx.inputs
     return (linear(x, g) if ctx.needs_input_grad[0] else None, matmul_nd(dy, g) if ctx.needs_input_grad[1] else None)
+
+
+# -- linear's whole gradient in one op ------------------------------------------------------------------------------
+#
+# dx = dy @ w, dw = sum over batch dims of dy^T x, db = sum over batch dims of dy: one dispatch instead of three for
+# each linear of a backward pass. ``parts`` names the gradients wanted, in this order; the tensor inputs are dy,
+# then w if dx is wanted, then x if dw is. Its signatures are those of matmul_nd, linear_weight_grad and the bias
+# sum that agree on dy's SBP (each output as its own op would have it).
+
+_PARTS = ("dx", "dw", "db")
+
+
+def _parts_inputs(dy: Any, rest: tuple[Any, ...], parts: tuple[str, ...]) -> tuple[Any, Any]:
+    """(w, x) from the tensor inputs after dy, None where the part that reads it is not wanted."""
+    w = rest[0] if "dx" in parts else None
+    x = rest[1 if w is not None else 0] if "dw" in parts else None
+    return w, x
+
+
+def _linear_backward_meta(dy: Meta, *rest: Meta, parts: tuple[str, ...]) -> tuple[Meta, ...]:
+    if not parts or any(p not in _PARTS for p in parts) or list(parts) != sorted(parts, key=_PARTS.index):
+        raise ShapeError(f"linear_backward needs parts from {list(_PARTS)} in that order, but got {list(parts)}")
+    w, x = _parts_inputs(dy, rest, parts)
+    metas = []
+    if w is not None:
+        metas.append(_nd_meta(dy, w))
+    if x is not None:
+        metas.append(_wgrad_meta(dy, x))
+    if "db" in parts:
+        metas.append(Meta((dy.shape[-1],), dy.dtype))
+    return tuple(metas)
+
+
+def _bias_sigs(dy: Meta) -> list[tuple[Any, Any]]:
+    """(dy's SBP, db's SBP) of the bias gradient, a sum over every dim but the last."""
+    last = dy.ndim - 1
+    return [(B, B), (Split(last), Split(0)), (PSUM, PSUM)] + [(Split(d), PSUM) for d in range(last)]
+
+
+def _linear_backward_sigs(dy: Meta, *rest: Meta, outs: tuple[Meta, ...], parts: tuple[str, ...]) -> list[Sig]:
+    w, x = _parts_inputs(dy, rest, parts)
+    # each part: (dy's SBP, its other input's SBP or None, its output's SBP)
+    per_part: list[list[tuple[Any, Any, Any]]] = []
+    if w is not None:
+        per_part.append([(s.ins[0], s.ins[1], s.outs[0]) for s in _nd_sigs(dy, w, outs=())])
+    if x is not None:
+        per_part.append([(s.ins[0], s.ins[1], s.outs[0]) for s in _wgrad_sigs(dy, x, outs=())])
+    if "db" in parts:
+        per_part.append([(d, None, o) for d, o in _bias_sigs(dy)])
+    sigs: list[Sig] = []
+    for combo in itertools.product(*per_part):
+        if all(c[0] == combo[0][0] for c in combo):
+            sig = Sig((combo[0][0],) + tuple(c[1] for c in combo if c[1] is not None), tuple(c[2] for c in combo))
+            if sig not in sigs:
+                sigs.append(sig)
+    return sigs
+
+
+@op("linear_backward", meta=_linear_backward_meta, sbp=_linear_backward_sigs, differentiable=False)
+def linear_backward(dy: torch.Tensor, *rest: torch.Tensor, parts: tuple[str, ...]) -> Any:
+    """The gradients of linear named in ``parts`` (see above), in that order (one tensor for one part)."""
+    w, x = _parts_inputs(dy, rest, parts)
+    outs = []
+    if w is not None:
+        outs.append(torch.matmul(dy, w))
+    flat = dy.reshape(-1, dy.shape[-1])  # (N, out): the batch dims merged
+    if x is not None:
+        outs.append(torch.matmul(flat.t(), x.reshape(-1, x.shape[-1])))
+    if "db" in parts:
+        outs.append(flat.sum(0))
+    return tuple(outs) if len(outs) > 1 else outs[0]
 
 
 del ShardCtx

@@ -198,11 +198,13 @@ def apply(opdef: OpDef, args: Sequence[Any], attrs: dict[str, Any]) -> Any:
     where_token = None  # the placement's token (see _token)
     one_placement = True
     key_args: list[Any] = []
+    values: list[Any] = []  # what a local kernel takes: each tensor's torch tensor, scalars as they are
     for a in args:
         if isinstance(a, Tensor):
             if a._view_of is not None:  # a view whose base was written since reads the base's new values
                 refresh(a)
             local = a._local
+            values.append(local)
             here = local is None
             if is_global is None:
                 is_global = here
@@ -232,6 +234,7 @@ def apply(opdef: OpDef, args: Sequence[Any], attrs: dict[str, Any]) -> Any:
             has_torch = True
         else:
             key_args.append(type(a))
+            values.append(a)
     if has_torch:
         args = _adopt_torch_tensors(opdef, args, bool(is_global))
         is_global = bool(is_global)
@@ -244,11 +247,11 @@ def apply(opdef: OpDef, args: Sequence[Any], attrs: dict[str, Any]) -> Any:
         _warn_autocast()
         with _autocast_off():  # else torch would cast inside some kernels (matmul), off the dtypes the meta promised
             outputs = (_apply_global(opdef, args, attrs, key, placement, where_token) if is_global
-                       else _apply_local(opdef, args, attrs, key))
+                       else _apply_local(opdef, args, attrs, key, None if key is None else values))
     elif is_global:
         outputs = _apply_global(opdef, args, attrs, key, placement, where_token)
     else:
-        outputs = _apply_local(opdef, args, attrs, key)
+        outputs = _apply_local(opdef, args, attrs, key, None if key is None else values)
     if needs_grad and opdef.differentiable and _grad_mode.grad_enabled:
         _record(opdef, args, attrs, outputs if isinstance(outputs, tuple) else (outputs,))
     return outputs
@@ -349,9 +352,9 @@ def _arg_meta(a: Any) -> Any:
 
 
 def _attrs_key(attrs: dict[str, Any]) -> tuple[tuple[str, Any], ...]:
-    if not attrs:
-        return ()
-    return tuple(attrs.items()) if len(attrs) == 1 else tuple(sorted(attrs.items()))
+    # In call order, unsorted: a call site passes its keywords in one order, and another order only makes a second
+    # (equal) cache entry, where sorting would cost every dispatch.
+    return tuple(attrs.items()) if attrs else ()
 
 
 def _infer(opdef: OpDef, args: Sequence[Any], metas: Sequence[Any], attrs: dict[str, Any]) -> tuple[Meta, ...]:
@@ -368,12 +371,14 @@ def _infer(opdef: OpDef, args: Sequence[Any], metas: Sequence[Any], attrs: dict[
 _local_cache: dict[Any, tuple[tuple[Meta, ...], ShardCtx | None]] = {}
 
 
-def _apply_local(opdef: OpDef, args: Sequence[Any], attrs: dict[str, Any], key_args: Any = None) -> Any:
+def _apply_local(opdef: OpDef, args: Sequence[Any], attrs: dict[str, Any], key_args: Any = None,
+                 values: list[Any] | None = None) -> Any:
+    """``values``: the kernel's arguments (apply collects them in its own pass over ``args``)."""
     # the key is built from torch's own Size and dtype: no Meta objects on the hot path
     if key_args is None:  # every tensor argument is local here (apply checked), so _local is set
         key_args = tuple([(a._local.shape, a._local.dtype) if isinstance(a, Tensor) else type(a)  # type: ignore[union-attr]
                           for a in args])
-    key = (opdef.name, key_args, _attrs_key(attrs) if attrs else ())
+    key = (opdef.name, key_args, tuple(attrs.items()) if attrs else ())  # attrs as _attrs_key gives them
     cached = _local_cache.get(key)
     if cached is None:
         metas = tuple(_arg_meta(a) for a in args)
@@ -384,7 +389,8 @@ def _apply_local(opdef: OpDef, args: Sequence[Any], attrs: dict[str, Any], key_a
             ctx = ShardCtx(0, None, tuple(_full(m) for m in in_metas), tuple(_full(m) for m in out_metas), in_metas,
                            out_metas, (), ())
         cached = _local_cache[key] = (out_metas, ctx)
-    values = [a._local if isinstance(a, Tensor) else a for a in args]
+    if values is None:
+        values = [a._local if isinstance(a, Tensor) else a for a in args]
     if cached[1] is not None:
         result = opdef.kernel(cached[1], *values, **attrs)
     else:
@@ -442,24 +448,32 @@ def _apply_global(opdef: OpDef, args: Sequence[Any], attrs: dict[str, Any], key_
     if decision.boxes:
         with activity(opdef.activity):  # named in comm errors raised while its inputs are boxed
             return run(opdef, decision, args, attrs, placement, where)
-    if opdef.data_dependent or len(decision.out_metas) != 1:
+    if opdef.data_dependent:
         return run(opdef, decision, args, attrs, placement, where)
     owned = _owned(placement, where)  # type: ignore[arg-type]
     if len(owned) != 1:
         return run(opdef, decision, args, attrs, placement, where)
-    # the common case, run and _wrap inlined: inputs in place, one rank in this process, one output
+    # the common case, run and _wrap inlined: inputs in place, one rank in this process
     r = owned[0]
     values = list(args)
     for pos in decision.positions:
         values[pos] = args[pos]._shards[r]  # type: ignore[index]  # global tensors always hold a shard dict
-    meta = decision.out_metas[0]
     if opdef.shard_aware:
-        shards = {r: opdef.kernel(_shard_ctx(r, placement, decision, args), *values, **attrs)}
+        result = opdef.kernel(_shard_ctx(r, placement, decision, args), *values, **attrs)
     else:
-        shards = {r: opdef.kernel(*values, **attrs)}
-    out = _from_shards(Tensor, meta.shape, meta.dtype, placement, decision.out_sbps[0], shards)
-    out._boxed = {}
-    return out
+        result = opdef.kernel(*values, **attrs)
+    metas, sbps = decision.out_metas, decision.out_sbps
+    if len(metas) == 1:
+        meta = metas[0]
+        out = _from_shards(Tensor, meta.shape, meta.dtype, placement, sbps[0], {r: result})
+        out._boxed = {}
+        return out
+    outs = []
+    for m, sbp, shard in zip(metas, sbps, result, strict=True):
+        o = _from_shards(Tensor, m.shape, m.dtype, placement, sbp, {r: shard})
+        o._boxed = {}
+        outs.append(o)
+    return tuple(outs)
 
 
 def _global_key(opdef: OpDef, args: Sequence[Any]) -> tuple[Placement | None, int | None, tuple[Any, ...]]:

@@ -206,3 +206,77 @@ def _expand_grad(ctx: Any, dy: Any) -> Any:
     sum_to = F.sum_to
 
     return (sum_to(dy, tuple(ctx.inputs[0].shape)),)
+
+
+# -- reshape then permute, permute then reshape (attention's split into heads and merge back) ----------------------
+#
+# One op each instead of two: one dispatch and one gradient node where a transformer layer calls the pair four
+# times. Their signatures are the two ops' signatures joined on the SBP of the intermediate value, so a split
+# maps through exactly when it maps through both ops (C split by heads becomes H split, the batch split stays).
+
+
+def _inverse(dims: Sequence[int]) -> tuple[int, ...]:
+    return tuple(sorted(range(len(dims)), key=lambda i: dims[i]))
+
+
+def _joined(first: list[Sig], second: list[Sig]) -> list[Sig]:
+    """Signatures of ``second(first(x))``: each pair that agrees on the intermediate SBP, without repeats."""
+    out: list[Sig] = []
+    for a in first:
+        for b in second:
+            if b.ins == a.outs:
+                joined = Sig(a.ins, b.outs)
+                if joined not in out:
+                    out.append(joined)
+    return out
+
+
+def _reshape_permute_meta(x: Meta, shape: tuple[int, ...], dims: tuple[int, ...]) -> Meta:
+    return _permute_meta(_reshape_meta(x, shape), dims)
+
+
+def _reshape_permute_sigs(x: Meta, outs: tuple[Meta, ...], shape: tuple[int, ...], dims: tuple[int, ...],
+                          mesh: tuple[int, ...] = ()) -> list[Sig]:
+    mid = _reshape_meta(x, shape)
+    return _joined(_reshape_sigs(x, (mid,), shape, mesh), _permute_sigs(mid, outs, dims))
+
+
+@op("reshape_permute", meta=_reshape_permute_meta, sbp=_reshape_permute_sigs, shard_aware=True, mesh_aware=True,
+    grad_reads=())
+def reshape_permute(ctx: ShardCtx, x: torch.Tensor, shape: tuple[int, ...], dims: tuple[int, ...]) -> torch.Tensor:
+    """``x.reshape(shape).permute(dims)``; ``shape`` has no -1 and ``dims`` no negative dim (the functional wrapper
+    resolves both)."""
+    out = box_shape(ctx.out_boxes[0])
+    mid = [0] * len(out)
+    for i, d in enumerate(dims):  # the shard of the reshaped value, before the permutation
+        mid[d] = out[i]
+    return x.reshape(mid).permute(dims)
+
+
+def _permute_reshape_meta(x: Meta, dims: tuple[int, ...], shape: tuple[int, ...]) -> Meta:
+    return _reshape_meta(_permute_meta(x, dims), shape)
+
+
+def _permute_reshape_sigs(x: Meta, outs: tuple[Meta, ...], dims: tuple[int, ...], shape: tuple[int, ...],
+                          mesh: tuple[int, ...] = ()) -> list[Sig]:
+    mid = _permute_meta(x, dims)
+    return _joined(_permute_sigs(x, (mid,), dims), _reshape_sigs(mid, outs, shape, mesh))
+
+
+@op("permute_reshape", meta=_permute_reshape_meta, sbp=_permute_reshape_sigs, shard_aware=True, mesh_aware=True,
+    grad_reads=())
+def permute_reshape(ctx: ShardCtx, x: torch.Tensor, dims: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
+    """``x.permute(dims).reshape(shape)`` (a copy where torch's reshape copies); resolved ``dims`` and ``shape``."""
+    return x.permute(dims).reshape(box_shape(ctx.out_boxes[0]))
+
+
+@reshape_permute.grad
+def _reshape_permute_grad(ctx: Any, dy: Any) -> Any:
+    return (permute_reshape(dy, dims=_inverse(ctx.attrs["dims"]), shape=tuple(ctx.inputs[0].shape)),)
+
+
+@permute_reshape.grad
+def _permute_reshape_grad(ctx: Any, dy: Any) -> Any:
+    dims = ctx.attrs["dims"]
+    x_shape = tuple(ctx.inputs[0].shape)
+    return (reshape_permute(dy, shape=tuple(x_shape[d] for d in dims), dims=_inverse(dims)),)

@@ -167,8 +167,10 @@ class Optimizer:
             return p, grad
         _check_not_partial(p, type(self).__name__)
         target = self.state_sbp(p)
-        if target is None or target == p.sbp:
-            if grad.placement != p.placement or grad.sbp != p.sbp:
+        if target is None or target is p._sbp or target == p.sbp:
+            # (identity first: comparing placements and SBPs runs dataclass __eq__, per parameter per step)
+            if (grad._placement is not p._placement and grad.placement != p.placement) or \
+                    (grad._sbp is not p._sbp and grad.sbp != p.sbp):
                 grad = grad.to_global(p.placement, p.sbp)
             return p, grad
         if any(isinstance(s, Partial) for s in target):

@@ -179,6 +179,8 @@ def activation_bytes(*roots: Tensor, rank: int | None = None) -> int:
 
 
 def _add_storage(t: Tensor, rank: int | None, storages: dict[int, int]) -> None:
+    if t.is_meta:  # the layout an op's gradient reads without the data (Tensor._shell): holds nothing
+        return
     shards = t.local_tensors()
     if not shards:
         return
