@@ -60,7 +60,7 @@ from ..graph.physical import PhysicalPlan, PNode
 from . import trace as _trace
 from ._agree import check_same_plan
 from .board import Actor, Board, Stats
-from .inorder import ExecutionError, Shards, StepState, act, commit, prepare_groups
+from .inorder import ExecutionError, Program, Shards, StepState, act, commit, prepare_groups, program
 from .workers import CommWorker, ComputeWorker, Worker
 
 IDLE_CHECK = 1.0  # seconds an idle worker waits before checking that its runtime is still in use
@@ -112,6 +112,7 @@ class ActorRuntime:
         self._logs: tuple[CommLog, ...] = ()  # the caller's comm.record() logs: worker threads record into them
         self._progress = time.monotonic()  # when an act last started or ended (the watchdog's clock)
         self._callers = self._caller_lanes()
+        self._program: Program | None = None  # the program whose kernels the actors' ``run`` holds
         # one thread: Board.play acts for every lane, no queues, locks or hand-offs (on CUDA, every kernel goes
         # to the caller's stream in plan order, which orders them as the messages would)
         self._inline = not self.threaded
@@ -237,11 +238,26 @@ class ActorRuntime:
         self._active = True
         self._progress = time.monotonic()
         self.board.reset()
+        self._bind_runs()
         for worker in self._workers.values():
             worker.reset()
         if not self._inline:  # Board.play offers the actors itself
             for actor in self.board.actors:
                 self._wake(actor)
+
+    def _bind_runs(self) -> None:
+        """Sets each actor's ``run`` (see :class:`~sbpflow.runtime.board.Actor`): the node's bound kernel from the
+        plan's :class:`Program`, called directly for an act that needs nothing around it, so that such an act costs
+        one call, as in the in-order executor. Acts that run a collective (named by :func:`activity` for comm
+        errors), gather micro-batches, sleep (synthetic time), are recorded (``comm.record``) or traced keep
+        :meth:`_perform`."""
+        plain = self.synthetic is None and not self._logs and self._trace is None
+        prog = program(self.plan, self.backend) if plain else None
+        if prog is self._program:
+            return
+        self._program = prog
+        for actor in self.board.actors:
+            actor.run = prog.acts[actor.node.id] if prog is not None and _plain(actor) else None
 
     def _wait_done(self) -> None:
         """Acts for the caller's lanes and waits for the step's end, a failure, or the watchdog; whatever ends
@@ -296,7 +312,13 @@ class ActorRuntime:
             return values
 
         try:
-            self.board.play(one)
+            try:
+                self.board.play(one, state)
+            except Exception as e:
+                failed = self.board.failed
+                if failed is None or failed[0].run is None or isinstance(e, _NAMED):
+                    raise  # _perform named it already, or it names where it ran
+                raise _named_error(failed[0], failed[1], e) from e
             if not self.board.all_done:
                 now = time.monotonic()
                 for lane, actor in last.items():
@@ -388,7 +410,15 @@ class ActorRuntime:
         clock = time.time if self._trace is not None else _no_clock  # wall-clock times only for the timeline
         job.start = clock()
         try:
-            if worker.cuda is None:
+            run = job.actor.run
+            if run is not None and worker.cuda is None:
+                try:
+                    job.values = run(job.inputs, job.state, job.step)
+                except _NAMED:
+                    raise
+                except Exception as e:
+                    raise _named_error(job.actor, job.step, e) from e
+            elif worker.cuda is None:
                 job.values = self._perform(job.actor, job.step, job.inputs, job.state)
             else:
                 job.values, job.event = worker.cuda.run(
@@ -444,7 +474,7 @@ class ActorRuntime:
                     return self._act(actor, step, inputs, state)
                 with recording_into(self._logs):
                     return self._act(actor, step, inputs, state)
-        except (CommError, ExecutionError):
+        except _NAMED:
             raise  # CommError keeps its type (peer-failure handling reads it); both already name the actor
         except Exception as e:
             raise _named_error(actor, step, e) from e
@@ -527,6 +557,14 @@ class _ActName:
 
     def __call__(self) -> str:
         return f"actor {self.actor.node.label()} (micro-batch {self.step})"
+
+
+def _plain(actor: Actor) -> bool:
+    """An act that runs only its node's kernel: no collective (whose errors name the actor), no gathering."""
+    return not actor.gathers and actor.node.kind not in ("boxing", "route")
+
+
+_NAMED = (CommError, ExecutionError)  # errors an act raises as they are: they already say where they ran
 
 
 def _named_error(actor: Actor, step: int, error: Exception) -> ExecutionError:

@@ -147,6 +147,9 @@ class Actor:
     blocked: bool = False  # an input nobody writes (a corrupt plan): never ready
     comm: bool = False  # on a communication lane (acts in its stream's fixed order)
     signals: bool = False  # CUDA threads: a reader on another stream waits for this actor's event
+    # set by the runtime for a run: the node's bound kernel, ``run(inputs, state, step)``, when an act needs nothing
+    # around it (no collective to name, no gathering, no timeline, no synthetic time); None: the runtime's own path
+    run: Callable[[list[Any], Any, int], list[Any]] | None = None
 
     def __post_init__(self) -> None:
         self.gathers = self.node.kind in GATHERING
@@ -223,6 +226,7 @@ class Board:
         comm_lanes = sorted({a.lane for a in self.actors if a.comm})
         self.streams = {lane: stream_order([a for a in self.actors if a.lane == lane], m) for lane in comm_lanes}
         self.heads = dict.fromkeys(comm_lanes, 0)  # play(): the next act of each comm stream
+        self.failed: tuple[Actor, int] | None = None  # play(): the act whose exception ended it
 
     # -- construction -------------------------------------------------------------------------------
 
@@ -308,12 +312,15 @@ class Board:
                            watch_peak={name: dict.fromkeys(self.owned_ranks, 0) for name in self.plan.watch})
         self.finished = sum(1 for a in self.actors if a.steps == 0)
         self.heads = dict.fromkeys(self.streams, 0)
+        self.failed = None
 
-    def play(self, perform: Callable[[Actor, int, list[Any]], list[Any]]) -> None:
+    def play(self, perform: Callable[[Actor, int, list[Any]], list[Any]], state: Any = None) -> None:
         """Acts every actor that can act on the calling thread, one at a time, until none can: each thread's pick
         rule is kept (compute: earliest plan position first; a comm stream: its fixed order) and the threads are
         merged by priority (schedule key, plan position, step). ``perform(actor, step, inputs)`` runs one act and
-        returns its output values; an exception from it ends the play. The caller checks :attr:`all_done`.
+        returns its output values, or, for an actor whose ``run`` is set, ``actor.run(inputs, state, step)`` does
+        (one call instead of the runtime's wrappers); an exception from either ends the play, and :attr:`failed`
+        then says which (actor, step) raised it. The caller checks :attr:`all_done`.
 
         The same messages as :meth:`take` and :meth:`finish`, written out in one loop (this is the runtime's hot
         path on one thread: a call costs as much as a message here). One heap holds every ready act (a comm
@@ -365,7 +372,8 @@ class Board:
                         if reg.sizes:
                             claimed(reg)
                 inputs = [e.queue[0].value if e.producer is not None else {} for e in actor.inputs]
-                values = perform(actor, step, inputs)
+                run = actor.run
+                values = run(inputs, state, step) if run is not None else perform(actor, step, inputs)
                 # finish: "ready" to the consumers, "free" to the producers
                 woken.clear()
                 woken.append(actor)
@@ -419,6 +427,9 @@ class Board:
                 for other in woken:
                     if not other.busy and other.step < other.steps:  # most wake-ups end here, without a call
                         offer(other)
+        except BaseException:
+            self.failed = (actor, step)
+            raise
         finally:
             self._count_bytes(log)
 
