@@ -448,7 +448,7 @@ class ActorRuntime:
         for other in woken:
             if not other.busy and other.step < other.steps:  # most wake-ups end here
                 workers[other.lane].wake(other, board)
-        if board.all_done:
+        if board.finished == board.count:  # all_done
             self._notify_done()
 
     def _trace_span(self, worker: Worker, actor: Actor, step: int, start: float, end: float) -> None:

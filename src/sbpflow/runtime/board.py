@@ -227,6 +227,7 @@ class Board:
         self.streams = {lane: stream_order([a for a in self.actors if a.lane == lane], m) for lane in comm_lanes}
         self.heads = dict.fromkeys(comm_lanes, 0)  # play(): the next act of each comm stream
         self.failed: tuple[Actor, int] | None = None  # play(): the act whose exception ended it
+        self.count = len(self.actors)
 
     # -- construction -------------------------------------------------------------------------------
 
@@ -456,7 +457,7 @@ class Board:
 
     @property
     def all_done(self) -> bool:
-        return self.finished == len(self.actors)
+        return self.finished == self.count
 
     def ready(self, actor: Actor) -> bool:
         """Whether ``actor`` can act its next step now (see the module docstring)."""
