@@ -204,7 +204,7 @@ class ActorRuntime:
         finally:
             if self._trace is not None:
                 self._trace.flush()
-        self.board.stats.seconds = time.perf_counter() - start
+        self.board.timed(time.perf_counter() - start)
         for worker in self._workers.values():
             worker.synchronize()
         commit(state)

@@ -219,9 +219,10 @@ class Board:
         for reg in self.registers.values():
             reg.sizes = tuple(reg.bytes_by_rank.items())
         self.resident = self._resident_bytes()
-        self.live_bytes = dict(self.resident)
+        self._live_bytes = dict(self.resident)
         self.watch_live = {name: dict.fromkeys(self.owned_ranks, 0) for name in plan.watch}
-        self.stats = Stats()
+        self._stats = Stats()
+        self._unsettled: list[Any] | None = None  # play()'s log of claims and frees, counted when first asked for
         self.finished = 0
         comm_lanes = sorted({a.lane for a in self.actors if a.comm})
         self.streams = {lane: stream_order([a for a in self.actors if a.lane == lane], m) for lane in comm_lanes}
@@ -306,9 +307,10 @@ class Board:
                 edge.reads = 0
         for reg in self.registers.values():
             reg.free, reg.peak = reg.capacity, 0
-        self.live_bytes = dict(self.resident)
+        self._unsettled = None  # the last run's log: its counts went with its Stats
+        self._live_bytes = dict(self.resident)
         self.watch_live = {name: dict.fromkeys(self.owned_ranks, 0) for name in self.plan.watch}
-        self.stats = Stats(peak_bytes=dict(self.resident),
+        self._stats = Stats(peak_bytes=dict(self.resident),
                            register_num={b: r.capacity for b, r in self.registers.items()},
                            watch_peak={name: dict.fromkeys(self.owned_ranks, 0) for name in self.plan.watch})
         self.finished = sum(1 for a in self.actors if a.steps == 0)
@@ -326,12 +328,12 @@ class Board:
         The same messages as :meth:`take` and :meth:`finish`, written out in one loop (this is the runtime's hot
         path on one thread: a call costs as much as a message here). One heap holds every ready act (a comm
         stream offers only its head); priorities are unique (one entry per actor, positions differ), so actors
-        are never compared. Live bytes are logged per claim and free and summed once at the end
-        (:meth:`_count_bytes`): the same peaks as counting on every claim.
+        are never compared. Live bytes are logged per claim and free and summed when first read (:attr:`stats`,
+        :attr:`live_bytes`; :meth:`_count_bytes`): the same peaks as counting on every claim.
         """
         heap: list[tuple[int, int, int, Actor]] = []
         streams, heads, ready, push, pop = self.streams, self.heads, self.ready, heapq.heappush, heapq.heappop
-        stats, peak_slots = self.stats, self.stats.peak_slots
+        stats, peak_slots = self._stats, self._stats.peak_slots
         log: list[Any] = []  # claims (and frees, as their register's ``release`` twin) with bytes
         woken: list[Actor] = []  # per act: who may be ready now (one list, cleared: fewer objects for the GC)
         claimed, freed = log.append, log.append
@@ -432,12 +434,12 @@ class Board:
             self.failed = (actor, step)
             raise
         finally:
-            self._count_bytes(log)
+            self._unsettled = log  # counted when stats or live_bytes are read (most steps, nobody asks)
 
     def _count_bytes(self, log: list[Any]) -> None:
         """Replays :meth:`play`'s log of claims (a register) and frees (its ``release`` twin) into live bytes
         and their peaks: the live bytes after every claim, as :meth:`_claim` counts them one by one."""
-        live, peak = self.live_bytes, self.stats.peak_bytes
+        live, peak = self._live_bytes, self._stats.peak_bytes
         for entry in log:
             if entry.__class__ is _Release:
                 reg = entry.register
@@ -454,6 +456,27 @@ class Board:
                     peak[r] = now
             if entry.watch:
                 self._watch_claim(entry)
+
+    @property
+    def stats(self) -> Stats:
+        """The counters of the current (or last) run, its live-byte peaks counted."""
+        self._settle()
+        return self._stats
+
+    @property
+    def live_bytes(self) -> dict[int, int]:
+        """Bytes live now on each owned rank (variables included)."""
+        self._settle()
+        return self._live_bytes
+
+    def timed(self, seconds: float) -> None:
+        """Records the run's wall-clock time in its :class:`Stats`."""
+        self._stats.seconds = seconds
+
+    def _settle(self) -> None:
+        if self._unsettled is not None:
+            log, self._unsettled = self._unsettled, None
+            self._count_bytes(log)
 
     @property
     def all_done(self) -> bool:
@@ -524,7 +547,7 @@ class Board:
                 woken.append(slot.register.producer)
         actor.step = step + 1
         actor.busy = False
-        self.stats.acts += 1
+        self._stats.acts += 1
         if actor.step >= actor.steps:
             self.finished += 1
         return woken
@@ -535,9 +558,9 @@ class Board:
         reg.free -= 1
         live = reg.capacity - reg.free
         if live > reg.peak:
-            reg.peak = self.stats.peak_slots[reg.buf] = live
+            reg.peak = self._stats.peak_slots[reg.buf] = live
         if reg.sizes:
-            live_bytes, peak = self.live_bytes, self.stats.peak_bytes
+            live_bytes, peak = self._live_bytes, self._stats.peak_bytes
             for r, n in reg.sizes:
                 now = live_bytes[r] = live_bytes[r] + n
                 if now > peak.get(r, -1):
@@ -548,7 +571,7 @@ class Board:
     def _watch_claim(self, reg: RegisterState) -> None:
         """A claim's bytes in each ``plan.watch`` set its buffer belongs to, and their peaks."""
         for name in reg.watch:
-            live, peak = self.watch_live[name], self.stats.watch_peak[name]
+            live, peak = self.watch_live[name], self._stats.watch_peak[name]
             for r, n in reg.sizes:
                 live[r] = live.get(r, 0) + n
                 peak[r] = max(peak.get(r, 0), live[r])
@@ -556,7 +579,7 @@ class Board:
     def _free(self, reg: RegisterState) -> None:
         reg.free += 1
         if reg.sizes:
-            live_bytes = self.live_bytes
+            live_bytes = self._live_bytes
             for r, n in reg.sizes:
                 live_bytes[r] -= n
             for name in reg.watch:
