@@ -248,16 +248,17 @@ class ActorRuntime:
     def _bind_runs(self) -> None:
         """Sets each actor's ``run`` (see :class:`~sbpflow.runtime.board.Actor`): the node's bound kernel from the
         plan's :class:`Program`, called directly for an act that needs nothing around it, so that such an act costs
-        one call, as in the in-order executor. Acts that run a collective (named by :func:`activity` for comm
-        errors), gather micro-batches, sleep (synthetic time), are recorded (``comm.record``) or traced keep
-        :meth:`_perform`."""
+        one call, as in the in-order executor; an accumulate or pack gets a closure over its actor. Acts that sleep
+        (synthetic time), are recorded (``comm.record``) or traced keep :meth:`_perform`, and so do collectives on
+        threads (:func:`activity` names their actor in comm errors; on one thread a collective is a local copy of
+        virtual ranks, whose errors the step names by its failed act)."""
         plain = self.synthetic is None and not self._logs and self._trace is None
         prog = program(self.plan, self.backend) if plain else None
         if prog is self._program:
             return
         self._program = prog
         for actor in self.board.actors:
-            actor.run = prog.acts[actor.node.id] if prog is not None and _plain(actor) else None
+            actor.run = None if prog is None else _bound(actor, prog, self._inline)
 
     def _wait_done(self) -> None:
         """Acts for the caller's lanes and waits for the step's end, a failure, or the watchdog; whatever ends
@@ -559,9 +560,26 @@ class _ActName:
         return f"actor {self.actor.node.label()} (micro-batch {self.step})"
 
 
-def _plain(actor: Actor) -> bool:
-    """An act that runs only its node's kernel: no collective (whose errors name the actor), no gathering."""
-    return not actor.gathers and actor.node.kind not in ("boxing", "route")
+def _bound(actor: Actor, prog: Program, inline: bool) -> Callable[[list[Any], StepState, int], list[Any]] | None:
+    """``actor.run`` (see :meth:`ActorRuntime._bind_runs`): its kernel, a gathering closure, or None."""
+    kernel = prog.acts[actor.node.id]
+    if actor.node.kind == "accumulate":
+        last = actor.steps - 1
+
+        def accumulate(inputs: list[Any], state: StepState, step: int) -> list[Any]:
+            actor.partial = _add_into(actor.partial, inputs[0])  # a running sum: each input slot is freed at once
+            return [actor.partial] if step == last else []
+        return accumulate
+    if actor.node.kind == "pack":
+        last = actor.steps - 1
+
+        def pack(inputs: list[Any], state: StepState, step: int) -> list[Any]:
+            actor.partial = [*(actor.partial or []), inputs[0]]
+            return kernel([actor.partial], state, step) if step == last else []
+        return pack
+    if actor.node.kind in ("boxing", "route") and not inline:
+        return None
+    return kernel
 
 
 _NAMED = (CommError, ExecutionError)  # errors an act raises as they are: they already say where they ran
