@@ -155,40 +155,46 @@ class _Saved:
 
 
 def sbpflow_activation_bytes(trainer: Any, rank: int, step: Callable[[], object]) -> int:
-    """The same count for sbpflow: one more step with the runtime's ``act`` watched, the distinct storages of
-    one micro-batch's activation registers on this rank (a reshape or permute that torch returns as a view
-    shares its input's storage, as in torch's count; a view of the step's batch is not counted), times the
-    most micro-batches the runtime's register
-    counters saw held at once on this stage (under 1F1B all of them are full together at the last warm-up
-    forward)."""
-    import sbpflow.runtime.actors as actors
+    """The same count for sbpflow: one more step with the plan's bound kernels watched (what every act calls),
+    the distinct storages of one micro-batch's activation registers on this rank (a reshape or permute that torch
+    returns as a view shares its input's storage, as in torch's count; a view of the step's batch is not counted),
+    times the most micro-batches the runtime's register counters saw held at once on this stage (under 1F1B all of
+    them are full together at the last warm-up forward)."""
+    from sbpflow.runtime.inorder import program
 
     compiled = trainer.graph._compiled()
     pipe = compiled.plan.pipeline
     stage = next(s for s, ranks in enumerate(pipe.stages) if rank in ranks)
     held = set(pipe.activations.get(stage, ()))
     storages: dict[int, dict[int, int]] = {}  # micro-batch -> {storage pointer: bytes}
-    real = actors.act
+    runtime = compiled.executor
+    prog = program(compiled.plan, runtime.backend)  # the bound kernels every act of the runtime calls
+    nodes = {n.id: n for n in compiled.plan.nodes}
+    real = dict(prog.acts)
 
     inputs_seen: set[int] = set()  # storages of the step's inputs: live all step anyway, as torch's batch
 
-    def watched(node: Any, inputs: Any, state: Any, micro: int, backend: Any) -> list[Any]:
-        outputs = real(node, inputs, state, micro, backend)
-        for b, value in zip(node.outputs, outputs, strict=False):
-            if not isinstance(value, dict) or not isinstance(value.get(rank), torch.Tensor):
-                continue
-            storage = value[rank].untyped_storage()
-            if node.kind == "input":
-                inputs_seen.add(storage.data_ptr())
-            elif b in held and storage.data_ptr() not in inputs_seen:
-                storages.setdefault(micro, {})[storage.data_ptr()] = storage.nbytes()
-        return outputs
+    def watch(node: Any, run: Any) -> Any:
+        def watched(inputs: Any, state: Any, micro: int) -> list[Any]:
+            outputs = run(inputs, state, micro)
+            for b, value in zip(node.outputs, outputs, strict=False):
+                if not isinstance(value, dict) or not isinstance(value.get(rank), torch.Tensor):
+                    continue
+                storage = value[rank].untyped_storage()
+                if node.kind == "input":
+                    inputs_seen.add(storage.data_ptr())
+                elif b in held and storage.data_ptr() not in inputs_seen:
+                    storages.setdefault(micro, {})[storage.data_ptr()] = storage.nbytes()
+            return outputs
+        return watched
 
-    actors.act = watched  # type: ignore[assignment]
+    prog.acts.update({nid: watch(nodes[nid], run) for nid, run in real.items()})
+    runtime._program = None  # the next run binds the actors to the watched kernels
     try:
         step()
     finally:
-        actors.act = real  # type: ignore[assignment]
+        prog.acts.update(real)
+        runtime._program = None
     per_micro = max((sum(d.values()) for d in storages.values()), default=0)
     return per_micro * activation_peaks(pipe, compiled.executor.stats.peak_slots).get(stage, 0)
 

@@ -53,7 +53,7 @@ def nbytes(shape: Sequence[int], dtype: torch.dtype) -> int:
 
 
 def _itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    return dtype.itemsize  # no tensor made per call (on a comm thread each torch call may hand the GIL over)
 
 
 class PendingReduce(Protocol):

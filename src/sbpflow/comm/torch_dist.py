@@ -355,14 +355,15 @@ class TorchDistBackend(Backend):
                 if self.owns(t.src):
                     out[i] = tensors[i]
             elif self.owns(t.src):
-                ops.append(("send", t.dst, _reducible(tensors[i].to(device).contiguous(), "sum")[0], i))
+                payload = tensors[i] if tensors[i].device == device else tensors[i].to(device)  # no call for nothing:
+                ops.append(("send", t.dst, _reducible(payload.contiguous(), "sum")[0], i))  # each may pass the GIL
             elif self.owns(t.dst):
                 ops.append(("recv", t.src, _recv_buffer(t, device), i))
         if ops:
             self._call("send_recv", involved, lambda: self._run_p2p(ops, device))
         for kind, _, buffer, i in ops:
             if kind == "recv":
-                out[i] = buffer.to(transfers[i].dtype)
+                out[i] = buffer if buffer.dtype == transfers[i].dtype else buffer.to(transfers[i].dtype)
         return out
 
     def _run_p2p(self, ops: list[tuple[str, int, torch.Tensor, int]], device: torch.device) -> None:

@@ -60,7 +60,7 @@ from ..graph.physical import PhysicalPlan, PNode
 from . import trace as _trace
 from ._agree import check_same_plan
 from .board import Actor, Board, Stats
-from .inorder import ExecutionError, Shards, StepState, act, commit, prepare_groups
+from .inorder import ExecutionError, Program, Shards, StepState, act, commit, prepare_groups, program
 from .workers import CommWorker, ComputeWorker, Worker
 
 IDLE_CHECK = 1.0  # seconds an idle worker waits before checking that its runtime is still in use
@@ -112,6 +112,7 @@ class ActorRuntime:
         self._logs: tuple[CommLog, ...] = ()  # the caller's comm.record() logs: worker threads record into them
         self._progress = time.monotonic()  # when an act last started or ended (the watchdog's clock)
         self._callers = self._caller_lanes()
+        self._program: Program | None = None  # the program whose kernels the actors' ``run`` holds
         # one thread: Board.play acts for every lane, no queues, locks or hand-offs (on CUDA, every kernel goes
         # to the caller's stream in plan order, which orders them as the messages would)
         self._inline = not self.threaded
@@ -203,7 +204,7 @@ class ActorRuntime:
         finally:
             if self._trace is not None:
                 self._trace.flush()
-        self.board.stats.seconds = time.perf_counter() - start
+        self.board.timed(time.perf_counter() - start)
         for worker in self._workers.values():
             worker.synchronize()
         commit(state)
@@ -237,11 +238,27 @@ class ActorRuntime:
         self._active = True
         self._progress = time.monotonic()
         self.board.reset()
+        self._bind_runs()
         for worker in self._workers.values():
             worker.reset()
         if not self._inline:  # Board.play offers the actors itself
             for actor in self.board.actors:
                 self._wake(actor)
+
+    def _bind_runs(self) -> None:
+        """Sets each actor's ``run`` (see :class:`~sbpflow.runtime.board.Actor`): the node's bound kernel from the
+        plan's :class:`Program`, called directly for an act that needs nothing around it, so that such an act costs
+        one call, as in the in-order executor; an accumulate or pack gets a closure over its actor. Acts that sleep
+        (synthetic time), are recorded (``comm.record``) or traced keep :meth:`_perform`, and so do collectives on
+        threads (:func:`activity` names their actor in comm errors; on one thread a collective is a local copy of
+        virtual ranks, whose errors the step names by its failed act)."""
+        plain = self.synthetic is None and not self._logs and self._trace is None
+        prog = program(self.plan, self.backend) if plain else None
+        if prog is self._program:
+            return
+        self._program = prog
+        for actor in self.board.actors:
+            actor.run = None if prog is None else _bound(actor, prog, self._inline)
 
     def _wait_done(self) -> None:
         """Acts for the caller's lanes and waits for the step's end, a failure, or the watchdog; whatever ends
@@ -296,7 +313,13 @@ class ActorRuntime:
             return values
 
         try:
-            self.board.play(one)
+            try:
+                self.board.play(one, state)
+            except Exception as e:
+                failed = self.board.failed
+                if failed is None or failed[0].run is None or isinstance(e, _NAMED):
+                    raise  # _perform named it already, or it names where it ran
+                raise _named_error(failed[0], failed[1], e) from e
             if not self.board.all_done:
                 now = time.monotonic()
                 for lane, actor in last.items():
@@ -388,7 +411,15 @@ class ActorRuntime:
         clock = time.time if self._trace is not None else _no_clock  # wall-clock times only for the timeline
         job.start = clock()
         try:
-            if worker.cuda is None:
+            run = job.actor.run
+            if run is not None and worker.cuda is None:
+                try:
+                    job.values = run(job.inputs, job.state, job.step)
+                except _NAMED:
+                    raise
+                except Exception as e:
+                    raise _named_error(job.actor, job.step, e) from e
+            elif worker.cuda is None:
                 job.values = self._perform(job.actor, job.step, job.inputs, job.state)
             else:
                 job.values, job.event = worker.cuda.run(
@@ -418,7 +449,7 @@ class ActorRuntime:
         for other in woken:
             if not other.busy and other.step < other.steps:  # most wake-ups end here
                 workers[other.lane].wake(other, board)
-        if board.all_done:
+        if board.finished == board.count:  # all_done
             self._notify_done()
 
     def _trace_span(self, worker: Worker, actor: Actor, step: int, start: float, end: float) -> None:
@@ -444,7 +475,7 @@ class ActorRuntime:
                     return self._act(actor, step, inputs, state)
                 with recording_into(self._logs):
                     return self._act(actor, step, inputs, state)
-        except (CommError, ExecutionError):
+        except _NAMED:
             raise  # CommError keeps its type (peer-failure handling reads it); both already name the actor
         except Exception as e:
             raise _named_error(actor, step, e) from e
@@ -527,6 +558,31 @@ class _ActName:
 
     def __call__(self) -> str:
         return f"actor {self.actor.node.label()} (micro-batch {self.step})"
+
+
+def _bound(actor: Actor, prog: Program, inline: bool) -> Callable[[list[Any], StepState, int], list[Any]] | None:
+    """``actor.run`` (see :meth:`ActorRuntime._bind_runs`): its kernel, a gathering closure, or None."""
+    kernel = prog.acts[actor.node.id]
+    if actor.node.kind == "accumulate":
+        last = actor.steps - 1
+
+        def accumulate(inputs: list[Any], state: StepState, step: int) -> list[Any]:
+            actor.partial = _add_into(actor.partial, inputs[0])  # a running sum: each input slot is freed at once
+            return [actor.partial] if step == last else []
+        return accumulate
+    if actor.node.kind == "pack":
+        last = actor.steps - 1
+
+        def pack(inputs: list[Any], state: StepState, step: int) -> list[Any]:
+            actor.partial = [*(actor.partial or []), inputs[0]]
+            return kernel([actor.partial], state, step) if step == last else []
+        return pack
+    if actor.node.kind in ("boxing", "route") and not inline:
+        return None
+    return kernel
+
+
+_NAMED = (CommError, ExecutionError)  # errors an act raises as they are: they already say where they ran
 
 
 def _named_error(actor: Actor, step: int, error: Exception) -> ExecutionError:

@@ -147,6 +147,9 @@ class Actor:
     blocked: bool = False  # an input nobody writes (a corrupt plan): never ready
     comm: bool = False  # on a communication lane (acts in its stream's fixed order)
     signals: bool = False  # CUDA threads: a reader on another stream waits for this actor's event
+    # set by the runtime for a run: the node's bound kernel, ``run(inputs, state, step)``, when an act needs nothing
+    # around it (no collective to name, no gathering, no timeline, no synthetic time); None: the runtime's own path
+    run: Callable[[list[Any], Any, int], list[Any]] | None = None
 
     def __post_init__(self) -> None:
         self.gathers = self.node.kind in GATHERING
@@ -216,13 +219,16 @@ class Board:
         for reg in self.registers.values():
             reg.sizes = tuple(reg.bytes_by_rank.items())
         self.resident = self._resident_bytes()
-        self.live_bytes = dict(self.resident)
+        self._live_bytes = dict(self.resident)
         self.watch_live = {name: dict.fromkeys(self.owned_ranks, 0) for name in plan.watch}
-        self.stats = Stats()
+        self._stats = Stats()
+        self._unsettled: list[Any] | None = None  # play()'s log of claims and frees, counted when first asked for
         self.finished = 0
         comm_lanes = sorted({a.lane for a in self.actors if a.comm})
         self.streams = {lane: stream_order([a for a in self.actors if a.lane == lane], m) for lane in comm_lanes}
         self.heads = dict.fromkeys(comm_lanes, 0)  # play(): the next act of each comm stream
+        self.failed: tuple[Actor, int] | None = None  # play(): the act whose exception ended it
+        self.count = len(self.actors)
 
     # -- construction -------------------------------------------------------------------------------
 
@@ -301,29 +307,33 @@ class Board:
                 edge.reads = 0
         for reg in self.registers.values():
             reg.free, reg.peak = reg.capacity, 0
-        self.live_bytes = dict(self.resident)
+        self._unsettled = None  # the last run's log: its counts went with its Stats
+        self._live_bytes = dict(self.resident)
         self.watch_live = {name: dict.fromkeys(self.owned_ranks, 0) for name in self.plan.watch}
-        self.stats = Stats(peak_bytes=dict(self.resident),
+        self._stats = Stats(peak_bytes=dict(self.resident),
                            register_num={b: r.capacity for b, r in self.registers.items()},
                            watch_peak={name: dict.fromkeys(self.owned_ranks, 0) for name in self.plan.watch})
         self.finished = sum(1 for a in self.actors if a.steps == 0)
         self.heads = dict.fromkeys(self.streams, 0)
+        self.failed = None
 
-    def play(self, perform: Callable[[Actor, int, list[Any]], list[Any]]) -> None:
+    def play(self, perform: Callable[[Actor, int, list[Any]], list[Any]], state: Any = None) -> None:
         """Acts every actor that can act on the calling thread, one at a time, until none can: each thread's pick
         rule is kept (compute: earliest plan position first; a comm stream: its fixed order) and the threads are
         merged by priority (schedule key, plan position, step). ``perform(actor, step, inputs)`` runs one act and
-        returns its output values; an exception from it ends the play. The caller checks :attr:`all_done`.
+        returns its output values, or, for an actor whose ``run`` is set, ``actor.run(inputs, state, step)`` does
+        (one call instead of the runtime's wrappers); an exception from either ends the play, and :attr:`failed`
+        then says which (actor, step) raised it. The caller checks :attr:`all_done`.
 
         The same messages as :meth:`take` and :meth:`finish`, written out in one loop (this is the runtime's hot
         path on one thread: a call costs as much as a message here). One heap holds every ready act (a comm
         stream offers only its head); priorities are unique (one entry per actor, positions differ), so actors
-        are never compared. Live bytes are logged per claim and free and summed once at the end
-        (:meth:`_count_bytes`): the same peaks as counting on every claim.
+        are never compared. Live bytes are logged per claim and free and summed when first read (:attr:`stats`,
+        :attr:`live_bytes`; :meth:`_count_bytes`): the same peaks as counting on every claim.
         """
         heap: list[tuple[int, int, int, Actor]] = []
         streams, heads, ready, push, pop = self.streams, self.heads, self.ready, heapq.heappush, heapq.heappop
-        stats, peak_slots = self.stats, self.stats.peak_slots
+        stats, peak_slots = self._stats, self._stats.peak_slots
         log: list[Any] = []  # claims (and frees, as their register's ``release`` twin) with bytes
         woken: list[Actor] = []  # per act: who may be ready now (one list, cleared: fewer objects for the GC)
         claimed, freed = log.append, log.append
@@ -365,7 +375,8 @@ class Board:
                         if reg.sizes:
                             claimed(reg)
                 inputs = [e.queue[0].value if e.producer is not None else {} for e in actor.inputs]
-                values = perform(actor, step, inputs)
+                run = actor.run
+                values = run(inputs, state, step) if run is not None else perform(actor, step, inputs)
                 # finish: "ready" to the consumers, "free" to the producers
                 woken.clear()
                 woken.append(actor)
@@ -419,13 +430,16 @@ class Board:
                 for other in woken:
                     if not other.busy and other.step < other.steps:  # most wake-ups end here, without a call
                         offer(other)
+        except BaseException:
+            self.failed = (actor, step)
+            raise
         finally:
-            self._count_bytes(log)
+            self._unsettled = log  # counted when stats or live_bytes are read (most steps, nobody asks)
 
     def _count_bytes(self, log: list[Any]) -> None:
         """Replays :meth:`play`'s log of claims (a register) and frees (its ``release`` twin) into live bytes
         and their peaks: the live bytes after every claim, as :meth:`_claim` counts them one by one."""
-        live, peak = self.live_bytes, self.stats.peak_bytes
+        live, peak = self._live_bytes, self._stats.peak_bytes
         for entry in log:
             if entry.__class__ is _Release:
                 reg = entry.register
@@ -444,8 +458,29 @@ class Board:
                 self._watch_claim(entry)
 
     @property
+    def stats(self) -> Stats:
+        """The counters of the current (or last) run, its live-byte peaks counted."""
+        self._settle()
+        return self._stats
+
+    @property
+    def live_bytes(self) -> dict[int, int]:
+        """Bytes live now on each owned rank (variables included)."""
+        self._settle()
+        return self._live_bytes
+
+    def timed(self, seconds: float) -> None:
+        """Records the run's wall-clock time in its :class:`Stats`."""
+        self._stats.seconds = seconds
+
+    def _settle(self) -> None:
+        if self._unsettled is not None:
+            log, self._unsettled = self._unsettled, None
+            self._count_bytes(log)
+
+    @property
     def all_done(self) -> bool:
-        return self.finished == len(self.actors)
+        return self.finished == self.count
 
     def ready(self, actor: Actor) -> bool:
         """Whether ``actor`` can act its next step now (see the module docstring)."""
@@ -512,7 +547,7 @@ class Board:
                 woken.append(slot.register.producer)
         actor.step = step + 1
         actor.busy = False
-        self.stats.acts += 1
+        self._stats.acts += 1
         if actor.step >= actor.steps:
             self.finished += 1
         return woken
@@ -523,9 +558,9 @@ class Board:
         reg.free -= 1
         live = reg.capacity - reg.free
         if live > reg.peak:
-            reg.peak = self.stats.peak_slots[reg.buf] = live
+            reg.peak = self._stats.peak_slots[reg.buf] = live
         if reg.sizes:
-            live_bytes, peak = self.live_bytes, self.stats.peak_bytes
+            live_bytes, peak = self._live_bytes, self._stats.peak_bytes
             for r, n in reg.sizes:
                 now = live_bytes[r] = live_bytes[r] + n
                 if now > peak.get(r, -1):
@@ -536,7 +571,7 @@ class Board:
     def _watch_claim(self, reg: RegisterState) -> None:
         """A claim's bytes in each ``plan.watch`` set its buffer belongs to, and their peaks."""
         for name in reg.watch:
-            live, peak = self.watch_live[name], self.stats.watch_peak[name]
+            live, peak = self.watch_live[name], self._stats.watch_peak[name]
             for r, n in reg.sizes:
                 live[r] = live.get(r, 0) + n
                 peak[r] = max(peak.get(r, 0), live[r])
@@ -544,7 +579,7 @@ class Board:
     def _free(self, reg: RegisterState) -> None:
         reg.free += 1
         if reg.sizes:
-            live_bytes = self.live_bytes
+            live_bytes = self._live_bytes
             for r, n in reg.sizes:
                 live_bytes[r] -= n
             for name in reg.watch:

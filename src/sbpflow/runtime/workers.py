@@ -103,8 +103,7 @@ class ComputeWorker(Worker):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._heap: list[tuple[int, int, int, int, Actor]] = []
-        self._pushed = 0
+        self._heap: list[tuple[int, int, int, Actor]] = []  # (Actor.priority, actor): unique, actors never compared
 
     def reset(self) -> None:
         super().reset()
@@ -121,9 +120,11 @@ class ComputeWorker(Worker):
     def wake(self, actor: Actor, board: Board) -> None:
         if board.ready(actor):
             actor.busy = True  # queued: ready() says no until it has acted
-            self._pushed += 1
-            heapq.heappush(self._heap, (*actor.priority(actor.step), self._pushed, actor))
-            self.notify()
+            step, keys = actor.step, actor.keys  # Actor.priority, written out (a call per wake-up costs)
+            heapq.heappush(self._heap, (keys[step] if keys is not None else 0, actor.position, step, actor))
+            self.signal = True  # notify(), written out
+            if self.waiting:
+                self.cond.notify()
 
 
 class CommWorker(Worker):
