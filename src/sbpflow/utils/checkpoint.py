@@ -159,8 +159,8 @@ def activation_bytes(*roots: Tensor, rank: int | None = None) -> int:
 
     >>> import sbpflow
     >>> w = sbpflow.ones(4, requires_grad=True)
-    >>> activation_bytes((sbpflow.ones(4) * w).exp().sum())  # ones (for w's gradient), the product, exp: 16 B each
-    48
+    >>> activation_bytes((sbpflow.ones(4) * w).exp().sum())  # ones (for w's gradient) and exp's output: 16 B each
+    32
     """
     storages: dict[int, int] = {}
     seen: set[int] = set()
