@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as TF
 
@@ -61,3 +63,29 @@ def adamw(params: list[torch.nn.Parameter], lr: float) -> torch.optim.AdamW:
     groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": 0.1},
               {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), foreach=True)
+
+
+def tokens(cfg: GPTConfig, batch: int) -> tuple[np.ndarray, np.ndarray]:
+    """Seeded random (B, T) ids and their next-token targets: the same batch for every contender."""
+    ids = np.random.default_rng(1).integers(0, cfg.vocab_size, size=(batch, cfg.block_size + 1))
+    return ids[:, :-1], ids[:, 1:]
+
+
+def torch_step(cfg: GPTConfig, batch: int, reference: Any, lr: float,
+               device: str = "cpu") -> Callable[[], torch.Tensor]:
+    """One torch training step (forward, backward, clipping at 1.0, AdamW) of the twin of ``reference``."""
+    model = TorchGPT(cfg).to(device)
+    copy_weights(reference, model)
+    params = list(model.parameters())
+    opt = adamw(params, lr)
+    ids, targets = (torch.from_numpy(a).to(device) for a in tokens(cfg, batch))
+
+    def step() -> torch.Tensor:
+        loss = model(ids, targets)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        return loss
+
+    return step

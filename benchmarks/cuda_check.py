@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 from _report import add_write_flag, machine, publish
-from _torch_gpt import TorchGPT, adamw, copy_weights
+from _torch_gpt import tokens, torch_step
 
 from sbpflow.demo.train_gpt import build, parameter_values, random_batches, train_gpt
 from sbpflow.models.gpt import GPTConfig
@@ -94,11 +94,6 @@ def equivalence() -> list[str]:
     return rows
 
 
-def tokens(cfg: GPTConfig, batch: int) -> tuple[np.ndarray, np.ndarray]:
-    ids = np.random.default_rng(1).integers(0, cfg.vocab_size, size=(batch, cfg.block_size + 1))
-    return ids[:, :-1], ids[:, 1:]
-
-
 def sbpflow_step(cfg: GPTConfig, graph: bool, executor: str | None = None,
                  threads: bool | None = None) -> tuple[Callable[[], Any], Any]:
     trainer = build(cfg, "dp=1", lr=LR, device="cuda", graph=graph, executor=executor)
@@ -119,24 +114,6 @@ def sbpflow_step(cfg: GPTConfig, graph: bool, executor: str | None = None,
         return loss
 
     return step, trainer.model
-
-
-def torch_step(cfg: GPTConfig, reference: Any) -> Callable[[], torch.Tensor]:
-    model = TorchGPT(cfg).cuda()
-    copy_weights(reference, model)
-    params = list(model.parameters())
-    opt = adamw(params, LR)
-    ids, targets = (torch.from_numpy(a).cuda() for a in tokens(cfg, LARGE_BATCH))
-
-    def step() -> torch.Tensor:
-        loss = model(ids, targets)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        return loss
-
-    return step
 
 
 def timed(contenders: dict[str, Callable[[], Any]], inner: int, rounds: int) -> dict[str, float]:
@@ -164,7 +141,8 @@ def peak_memory(fn: Callable[[], Any]) -> float:
 
 def speed(rounds: int) -> list[str]:
     eager, model = sbpflow_step(LARGE, graph=False)
-    contenders: dict[str, Callable[[], Any]] = {"torch eager": torch_step(LARGE, model), "sbpflow eager": eager}
+    contenders: dict[str, Callable[[], Any]] = {
+        "torch eager": torch_step(LARGE, LARGE_BATCH, model, LR, "cuda"), "sbpflow eager": eager}
     contenders["sbpflow graph, in-order"] = sbpflow_step(LARGE, graph=True, executor="inorder")[0]
     contenders["sbpflow graph, actors"] = sbpflow_step(LARGE, graph=True, executor="actors")[0]
     contenders["sbpflow graph, actors on thread streams"] = sbpflow_step(LARGE, graph=True, threads=True)[0]

@@ -18,10 +18,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 import torch
 from _report import add_write_flag, machine, write_section
-from _torch_gpt import TorchGPT, adamw, copy_weights
+from _torch_gpt import tokens, torch_step
 
 import sbpflow
 from sbpflow.demo.train_gpt import build
@@ -39,12 +38,6 @@ SIZES = {  # name -> (config, batch)
 }
 
 
-def tokens(cfg: GPTConfig, batch: int) -> tuple[np.ndarray, np.ndarray]:
-    rng = np.random.default_rng(1)
-    ids = rng.integers(0, cfg.vocab_size, size=(batch, cfg.block_size + 1))
-    return ids[:, :-1], ids[:, 1:]
-
-
 def sbpflow_step(cfg: GPTConfig, batch: int, strategy: str | None) -> tuple[Callable[[], float], Any]:
     trainer = build(cfg, strategy, lr=LR)
     ids, targets = trainer.inputs(*tokens(cfg, batch))
@@ -59,24 +52,6 @@ def sbpflow_step(cfg: GPTConfig, batch: int, strategy: str | None) -> tuple[Call
         return loss  # type: ignore[no-any-return]  # read outside the timed loop
 
     return step, trainer.model
-
-
-def torch_step(cfg: GPTConfig, batch: int, reference: Any) -> Callable[[], torch.Tensor]:
-    model = TorchGPT(cfg)
-    copy_weights(reference, model)
-    params = list(model.parameters())
-    opt = adamw(params, LR)
-    ids, targets = (torch.from_numpy(a) for a in tokens(cfg, batch))
-
-    def step() -> torch.Tensor:
-        loss = model(ids, targets)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        return loss
-
-    return step
 
 
 def interleaved(contenders: dict[str, Callable[[], object]], inner: int,
@@ -118,7 +93,7 @@ def measure(name: str, cfg: GPTConfig, batch: int, rounds: int,
     local, model = sbpflow_step(cfg, batch, None)
     one_rank, _ = sbpflow_step(cfg, batch, "dp=1")
     contenders: dict[str, Callable[[], object]] = {
-        "torch": torch_step(cfg, batch, model), "sbpflow local": local, "sbpflow 1 rank": one_rank}
+        "torch": torch_step(cfg, batch, model, LR), "sbpflow local": local, "sbpflow 1 rank": one_rank}
     first = {k: float(fn().item()) for k, fn in contenders.items()}  # type: ignore[attr-defined]
     for fn in contenders.values():  # warm the dispatch caches
         fn()
