@@ -245,15 +245,16 @@ def randn(*shape: int, seed: int = 0, dtype: torch.dtype = torch.float32) -> tor
 
 
 class MeanSquareStep(sbpflow.nn.Graph):
-    """A compiled training step whose loss is the mean square of ``model(x)``: the ZeRO graph tests' step, on
-    virtual ranks and on processes alike."""
+    """A compiled training step whose loss is the mean square of ``model(x)``, or of ``model(x) - y`` given a
+    target (MSE): the ZeRO and SBP-selection graph tests' step, on virtual ranks and on processes alike."""
 
     def __init__(self, model: Any, opt: Any) -> None:
         super().__init__()
         self.model = model
         self.add_optimizer(opt)
 
-    def build(self, x: Any) -> Any:
-        loss = self.model(x).square().mean()
+    def build(self, x: Any, y: Any = None) -> Any:
+        out = self.model(x)
+        loss = (out if y is None else out - y).square().mean()
         loss.backward()
         return loss

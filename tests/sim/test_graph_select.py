@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 import sbpflow
+from harness import MeanSquareStep
 from sbpflow import nn, optim
 from sbpflow import sbp as S
 from sbpflow.demo.train_gpt import build, random_batches
@@ -29,26 +30,14 @@ P2 = sbpflow.placement("cpu", [0, 1])
 B, S0, PSUM = (S.broadcast,), (S.split(0),), (S.partial_sum,)
 
 
-class MseStep(nn.Graph):
-    def __init__(self, model: nn.Module, opt: Any) -> None:
-        super().__init__()
-        self.model = model
-        self.add_optimizer(opt)
-
-    def build(self, x: Any, y: Any) -> Any:
-        loss = ((self.model(x) - y) ** 2).mean()
-        loss.backward()
-        return loss
-
-
-def _mlp_step(width: int = 1024, hidden: int = 3, batch: int = 64) -> MseStep:
+def _mlp_step(width: int = 1024, hidden: int = 3, batch: int = 64) -> MeanSquareStep:
     """The issue-4 MLP under dp2, compiled (not run)."""
     sbpflow.manual_seed(0)
     mods: list[nn.Module] = []
     for _ in range(hidden):
         mods += [nn.Linear(width, width), nn.ReLU()]
     model = nn.Sequential(*mods, nn.Linear(width, width)).to_global(P2, S.broadcast)
-    step = MseStep(model, optim.AdamW(model.parameters(), lr=1e-3))
+    step = MeanSquareStep(model, optim.AdamW(model.parameters(), lr=1e-3))
     x = sbpflow.zeros(batch, width, placement=P2, sbp=S.split(0))  # logical (64, 1024), local (32, 1024)
     step.compile_only(x, x)
     return step
