@@ -15,10 +15,12 @@ from procrun import run_ranks, spawn
 import sbpflow
 from sbpflow import sbp as S
 from sbpflow.cli import main as cli_main
-from sbpflow.comm import SimulatedBackend
+from sbpflow.comm import SimulatedBackend, get_backend
+from sbpflow.graph.lower import donate_inputs
 from sbpflow.runtime import ActorRuntime
 from sbpflow.runtime.builder import PlanBuilder
 from sbpflow.runtime.trace import load, trace_path
+from sim.test_graph_bucket import bucketed, feeds_for, grads
 from sim.test_runtime import feeds_and_vars, train_inputs, train_plan
 from sim.test_runtime_route import moe_data, moe_plan, moe_shards, torch_moe
 
@@ -177,3 +179,37 @@ def test_processes_with_different_plans_get_an_error_naming_the_node_not_a_gloo_
                "all_gather" in error, error
         assert "[%0: [8, 4] float32 cpu:[0, 1] (S(0)), %1: [8, 4] float32 cpu:[0, 1] (B)]\n  rank 1: #1 boxing" in error
         assert error.endswith("[%0: [8, 5] float32 cpu:[0, 1] (S(0)), %1: [8, 5] float32 cpu:[0, 1] (B)]"), error
+
+
+def bucket_plan() -> Any:
+    return donate_inputs(bucketed(grads([8, 24, 16, 40]), first=1 << 20, cap=1 << 20))
+
+
+def donated_bucket_on_ranks() -> dict[str, Any]:
+    """The bucketed, donated gradient plan on this process's rank, then one all-reduce with and one without
+    donation straight on the backend: the donated one must reduce in its input's storage, the other not."""
+    rank = sbpflow.rank()
+    plan = bucket_plan()
+    feeds = {name: {rank: shards[rank]} for name, shards in feeds_for(plan).items()}
+    with ActorRuntime(plan, timeout=20) as rt:
+        out = rt.run(feeds, {})
+    backend = get_backend()
+    given, kept = torch.arange(6.0) + 10 * rank, torch.arange(6.0) + 10 * rank
+    reduced = backend.all_reduce((0, 1), {rank: given}, "sum", donate=True)[rank]
+    copied = backend.all_reduce((0, 1), {rank: kept}, "sum")[rank]
+    return {"outputs": {name: shards[rank] for name, shards in out.items()},
+            "in place": reduced.data_ptr() == given.data_ptr(), "reduced": reduced,
+            "copied": copied.data_ptr() != kept.data_ptr(), "kept": kept}
+
+
+def test_a_donated_bucket_reduces_in_place_on_gloo_with_the_simulated_bits() -> None:
+    plan = bucket_plan()
+    assert sum(n.overwrites == 0 for n in plan.nodes if n.kind == "boxing") == 1
+    with ActorRuntime(plan, SimulatedBackend()) as rt:
+        want = rt.run(feeds_for(plan), {})
+    for rank, got in enumerate(run_ranks(donated_bucket_on_ranks, 2, timeout=60)):
+        for name, t in got["outputs"].items():
+            assert torch.equal(t, want[name][rank]), name
+        assert got["in place"] and got["copied"]
+        assert got["reduced"].tolist() == [10.0 + 2 * i for i in range(6)]
+        assert got["kept"].tolist() == [10.0 * rank + i for i in range(6)]  # not donated: left as it was

@@ -16,6 +16,7 @@ from sbpflow import sbp as S
 from sbpflow.comm import SimulatedBackend
 from sbpflow.comm.torch_dist import TARGET_COST_FACTORS
 from sbpflow.graph.bucket import bucket_all_reduces
+from sbpflow.graph.lower import donate_inputs
 from sbpflow.graph.physical import PhysicalPlan
 from sbpflow.graph.verify import verify
 from sbpflow.runtime import ActorRuntime, run_plan
@@ -103,3 +104,44 @@ def test_an_all_reduce_reached_by_another_ones_result_stays_out_of_its_bucket() 
 def test_a_cap_of_zero_turns_the_pass_off(cap: int) -> None:
     plan = grads([8, 8])
     assert bucketed(plan, first=1 << 20, cap=cap) is plan
+
+
+def summed_partials(extra_reader: bool) -> PhysicalPlan:
+    """An all-reduce of an ``add`` of two partial sums (a fresh buffer); ``extra_reader``: an output reads the
+    partial sum too, so the all-reduce is not its only reader."""
+    b = PlanBuilder()
+    x, y = (b.input(name, (4, 16), P2, (S.split(0),)) for name in ("x", "y"))
+    px, py = (b.compute("sum", t, dim=(0,), out_sbp=(S.partial_sum,)) for t in (x, y))
+    total = b.compute("add", px, py)
+    b.output("g", b.boxing(total, (S.broadcast,)))
+    if extra_reader:
+        b.output("partial", total)
+    return b.build()
+
+
+def donated(plan: PhysicalPlan) -> list[str]:
+    """The producer op of each all-reduce that reduces in its input (``overwrites == 0``)."""
+    producer = plan.producers()
+    return [plan.node(producer[n.inputs[0]]).op for n in plan.nodes if n.kind == "boxing" and n.overwrites == 0]
+
+
+def test_a_bucket_reduces_in_its_own_flat_buffer_and_gives_the_same_bits() -> None:
+    plan = grads([8, 24, 16, 40])
+    out = donate_inputs(bucketed(plan, first=1 << 20, cap=1 << 20))
+    verify(out)
+    assert donated(out) == ["bucket_flatten"]
+    assert donated(donate_inputs(plan)) == []  # a sum's result may be a view: never reduced in place
+    backend = SimulatedBackend()
+    feeds = feeds_for(plan)
+    want = run_plan(plan, feeds, {}, backend)
+    with ActorRuntime(out, backend) as rt:
+        for got in (run_plan(out, feeds, {}, backend), rt.run(feeds, {})):
+            for name, shards in want.items():
+                for r, t in shards.items():
+                    assert torch.equal(got[name][r], t), name
+
+
+@pytest.mark.parametrize("extra_reader", [False, True])
+def test_only_the_only_reader_of_a_fresh_buffer_reduces_in_it(extra_reader: bool) -> None:
+    plan = donate_inputs(summed_partials(extra_reader))
+    assert donated(plan) == ([] if extra_reader else ["add"])

@@ -19,16 +19,21 @@ from .plan import Layout, Plan, Step, transfer_pieces
 Shards = dict[int, torch.Tensor]
 
 
-def execute(plan: Plan, shards: Shards, backend: Backend | None = None) -> Shards:
+def execute(plan: Plan, shards: Shards, backend: Backend | None = None, donate: bool = False) -> Shards:
     """Runs every step of ``plan``; returns the destination shards this process owns.
 
     Every process runs every plan, also one whose placements it has no rank of:
     it then just takes part in the steps that involve it (and in process-group set-up).
+    ``donate=True``: nothing reads ``shards`` afterwards, so a one-step all-reduce may reduce in them
+    instead of in a copy (a compiled plan's gradient buckets: :func:`sbpflow.graph.lower.donate_inputs`).
     """
     backend = backend or get_backend()
     if plan.is_relabel:
         return shards
     backend.prepare(plan)
+    if donate and len(plan.steps) == 1 and plan.steps[0].kind == "all_reduce":
+        with activity(_StepName(plan, 0)):
+            return _run_all_reduce(plan.steps[0], plan.shape, plan.dtype, shards, backend, donate=True)
     for i, step in enumerate(plan.steps):
         with activity(_StepName(plan, i)):
             shards = _RUNNERS[step.kind](step, plan.shape, plan.dtype, shards, backend)
@@ -125,12 +130,13 @@ def _run_all_gather(step: Step, shape: Shape, dtype: torch.dtype, shards: Shards
     return out
 
 
-def _run_all_reduce(step: Step, shape: Shape, dtype: torch.dtype, shards: Shards, backend: Backend) -> Shards:
+def _run_all_reduce(step: Step, shape: Shape, dtype: torch.dtype, shards: Shards, backend: Backend,
+                    donate: bool = False) -> Shards:
     source = step.src.sbp[step.axis]  # type: ignore[index]
     assert isinstance(source, Partial)
     out: Shards = {}
     for group in _groups(step, backend):
-        out.update(backend.all_reduce(group, {r: shards[r] for r in backend.owned(group)}, source.op))
+        out.update(backend.all_reduce(group, {r: shards[r] for r in backend.owned(group)}, source.op, donate))
     return out
 
 

@@ -137,10 +137,16 @@ class Backend(ABC):
         emit("all_gather", group, (len(group) - 1) * total)
         return self._all_gather(group, inputs, shapes, dtype)
 
-    def all_reduce(self, group: tuple[int, ...], inputs: dict[int, torch.Tensor], op: str) -> dict[int, torch.Tensor]:
+    def all_reduce(self, group: tuple[int, ...], inputs: dict[int, torch.Tensor], op: str,
+                   donate: bool = False) -> dict[int, torch.Tensor]:
+        """Every member gets the reduction of every member's tensor. ``donate=True`` hands the inputs over (no
+        one reads them afterwards): a backend may reduce in them instead of in a copy (see
+        :meth:`all_reduce_async`)."""
         t = next(iter(inputs.values())) if inputs else None
         size = nbytes(t.shape, t.dtype) if t is not None else 0
         emit("all_reduce", group, 2 * (len(group) - 1) * size)
+        if donate:
+            return self._all_reduce(group, inputs, op, donate=True)
         return self._all_reduce(group, inputs, op)
 
     def all_reduce_async(self, group: tuple[int, ...], inputs: dict[int, torch.Tensor], op: str,
@@ -220,7 +226,7 @@ class Backend(ABC):
         ...
 
     @abstractmethod
-    def _all_reduce(self, group, inputs, op):  # type: ignore[no-untyped-def]
+    def _all_reduce(self, group, inputs, op, donate=False):  # type: ignore[no-untyped-def]
         ...
 
     def _all_reduce_async(self, group, inputs, op, donate=False):  # type: ignore[no-untyped-def]

@@ -27,7 +27,7 @@ class SimulatedBackend(Backend):
     def _all_gather(self, group, inputs, shapes, dtype):  # type: ignore[no-untyped-def]
         return {r: [inputs[g].to(inputs[r].device) for g in group] for r in group}
 
-    def _all_reduce(self, group, inputs, op):  # type: ignore[no-untyped-def]
+    def _all_reduce(self, group, inputs, op, donate=False):  # type: ignore[no-untyped-def]
         total = reduce_tensors([inputs[g] for g in group], op)
         return {r: total.to(inputs[r].device, copy=True) for r in group}
 

@@ -246,12 +246,13 @@ class TorchDistBackend(Backend):
         pieces = [_unflat(slots[order.index(g)], shapes[j], dtype) for j, g in enumerate(group)]
         return {self.rank: pieces}
 
-    def _all_reduce(self, group, inputs, op):  # type: ignore[no-untyped-def]
+    def _all_reduce(self, group, inputs, op, donate=False):  # type: ignore[no-untyped-def]
         mine = inputs[self.rank]
         if len(group) == 1:
-            return {self.rank: mine.clone()}
+            return {self.rank: mine if donate else mine.clone()}
         self._check_same("all_reduce", group, (tuple(mine.shape), str(mine.dtype), op))
-        buffer, reduce_op = _reduction_buffer(mine.contiguous().clone(), op)
+        own = mine if donate and mine.is_contiguous() else mine.contiguous().clone()  # donated: no copy
+        buffer, reduce_op = _reduction_buffer(own, op)
         pg = self._group(group, mine.device)
         self._call("all_reduce", group, lambda: dist.all_reduce(buffer, op=reduce_op, group=pg))
         return {self.rank: buffer.to(mine.dtype).view(mine.shape)}

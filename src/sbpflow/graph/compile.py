@@ -17,7 +17,7 @@ from typing import Any
 from .. import boxing
 from .bucket import bucket_all_reduces
 from .ir import LogicalGraph
-from .lower import lower
+from .lower import donate_inputs, lower
 from .physical import PhysicalPlan
 from .pipeline import plan_pipeline
 from .prefetch import renumber, window_gathers
@@ -104,7 +104,7 @@ def compile_graph(g: LogicalGraph, method: str = "ilp", model: boxing.CostModel 
         with report.timing("lowering"):
             plan = lower(g, model, factors)
         with report.timing("gradient buckets"):
-            plan = bucket_all_reduces(plan, model, factors)
+            plan = donate_inputs(bucket_all_reduces(plan, model, factors))
         with report.timing("pipeline"):
             plan_pipeline(plan, seed_buffers(plan, g), schedule)
         with report.timing("verify"):

@@ -272,6 +272,26 @@ def overwrite_inputs(nodes: list[PNode], bufs: dict[int, Buf]) -> list[PNode]:
     return out
 
 
+def donate_inputs(plan: PhysicalPlan) -> PhysicalPlan:
+    """Sets ``overwrites = 0`` on each one-step all-reduce whose input it alone reads, made fresh in its phase
+    (:data:`~sbpflow.ops.inplace.FRESH_OUTPUTS`: a bucket's flat buffer, a weight gradient), so the collective
+    reduces in that buffer instead of in a copy of it (what DDP does with its buckets)."""
+    readers: dict[int, int] = {}
+    for n in plan.nodes:
+        for b in n.inputs:
+            readers[b] = readers.get(b, 0) + 1
+    producer = {b: n for n in plan.nodes for b in n.outputs}
+    nodes = []
+    for n in plan.nodes:
+        if n.kind == "boxing" and n.boxing is not None and len(n.boxing.steps) == 1 and \
+                n.boxing.steps[0].kind == "all_reduce" and readers[n.inputs[0]] == 1:
+            made = producer.get(n.inputs[0])
+            if made is not None and made.kind == "compute" and made.op in FRESH_OUTPUTS and made.phase == n.phase:
+                n = dataclasses.replace(n, overwrites=0)
+        nodes.append(n)
+    return dataclasses.replace(plan, nodes=nodes)
+
+
 def _overwritable(n: PNode, i: int, readers: dict[int, list[PNode]], producer: dict[int, PNode],
                   bufs: dict[int, Buf]) -> bool:
     b, out = bufs[n.inputs[i]], bufs[n.outputs[0]]

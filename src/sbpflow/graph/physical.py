@@ -49,6 +49,8 @@ k waits for the source's step k + lead (a pipeline schedule's order, see
 Overwrites. A compute node with ``overwrites = i`` is the only reader of its
 input ``i``, a fresh buffer of the same shape, dtype and layout as its output:
 it writes the output there (``ops.inplace.OVERWRITING``) instead of allocating.
+A boxing node with ``overwrites = 0`` (one all-reduce step) is the only reader of
+its fresh input (a gradient bucket's flat buffer): the collective reduces in it.
 
 Watch. ``plan.watch`` names sets of buffers (ZeRO-3's gathered parameters) whose live bytes an executor
 counts apart from the total (``Stats.watch_peak``), so a bound on one kind of memory can be checked.
@@ -139,7 +141,7 @@ class PNode:
     control_lead: tuple[int, ...] = ()  # per control edge: step k waits for the source's step k + lead (default 0)
     logical: int | None = None  # the logical node it came from, for messages
     mode: str = ""  # pack: "mean" or "cat"; route: "dispatch", "combine" or "redispatch"
-    overwrites: int | None = None  # compute: the input whose storage it writes its output into (ops.inplace)
+    overwrites: int | None = None  # the input whose storage it writes its output into (ops.inplace; boxing: 0)
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:

@@ -15,7 +15,7 @@ import torch
 
 # Ops whose every output is a tensor of its own: never an input, never a view of one (torch's native kernels).
 FRESH_OUTPUTS = frozenset({"add", "linear", "matmul_nd", "linear_weight_grad", "layer_norm_backward",
-                           "gelu_backward"})
+                           "gelu_backward", "bucket_flatten"})
 
 
 def _add_into(target: torch.Tensor, other: torch.Tensor) -> torch.Tensor:

@@ -162,11 +162,11 @@ def _record(into: dict[str, Shards], name: str, value: Shards) -> list[Any]:
 
 def _bind_boxing(node: PNode, backend: Backend) -> Act:
     assert node.boxing is not None
-    plan_step = node.boxing
+    plan_step, donate = node.boxing, node.overwrites == 0  # donated: the only reader of a fresh input
 
     def run(inputs: Sequence[Any], state: StepState, micro: int) -> list[Any]:
         with activity(lambda: f"{node.label()} (micro-batch {micro})"):  # comm errors name the node
-            return [boxing.execute(plan_step, inputs[0], backend)]
+            return [boxing.execute(plan_step, inputs[0], backend, donate)]
 
     return run
 
