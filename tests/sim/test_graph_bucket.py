@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
 import sbpflow
 from sbpflow import boxing
@@ -78,6 +79,81 @@ def test_a_bucket_goes_out_right_after_its_last_gradient_is_made() -> None:
     last_sum = max(i for i, name in enumerate(names) if name == "sum")
     assert names[last_sum + 1:last_sum + 4] == ["bucket_flatten", "boxing", "bucket_split"]
     assert names[last_sum + 4:] == ["output"] * 3  # the readers are unchanged, after the bucket
+
+
+def gradients_then_work() -> PhysicalPlan:
+    """Three gradients, then three relus that do not read them (the rest of backward), then their readers."""
+    b = PlanBuilder()
+    partials = [b.compute("sum", b.input(f"x{i}", (4, 16), P2, (S.split(0),)), dim=(0,),
+                          out_sbp=(S.partial_sum,)) for i in range(3)]
+    reduced = [b.boxing(p, (S.broadcast,)) for p in partials]
+    h = b.input("h", (4, 16), P2, (S.split(0),))
+    for _ in range(3):
+        h = b.compute("relu", h)
+    b.output("h", h)
+    for i, g in enumerate(reduced):
+        b.output(f"g{i}", g)
+    return b.build()
+
+
+def test_a_bucket_is_split_right_before_the_first_reader_of_a_member() -> None:
+    out = bucketed(gradients_then_work(), first=1 << 20, cap=1 << 20)
+    verify(out)
+    names = [n.op or n.kind for n in out.nodes]
+    flatten, split = names.index("bucket_flatten"), names.index("bucket_split")
+    assert names[flatten:split + 1] == ["bucket_flatten", "boxing", "input", "relu", "relu", "relu", "output",
+                                        "bucket_split"]
+    assert names[split + 1:] == ["output"] * 3
+
+
+class _Log(TorchFunctionMode):
+    """Logs the relus that run, and (through :class:`_Waits`) when an all-reduce is issued and waited for."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.events: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if getattr(func, "__name__", "") == "relu":
+            self.events.append("relu")
+        return func(*args, **(kwargs or {}))
+
+
+class _Waits(SimulatedBackend):
+    def __init__(self, log: _Log) -> None:
+        super().__init__()
+        self.log = log
+
+    def _all_reduce_async(self, group, inputs, op, donate=False):  # type: ignore[no-untyped-def]
+        self.log.events.append("issue")
+        done, events = super()._all_reduce_async(group, inputs, op, donate), self.log.events
+
+        class Pending:
+            def wait(self) -> dict[int, torch.Tensor]:
+                events.append("wait")
+                return done.wait()
+        return Pending()
+
+
+@pytest.mark.parametrize("executor", ["inorder", "actors"])
+def test_a_bucket_is_issued_at_once_and_waited_for_by_its_split(executor: str) -> None:
+    """The executors issue a cpu all-reduce without waiting: the relus run while it is in flight, and the
+    bucket's split waits for it."""
+    plan = bucketed(gradients_then_work(), first=1 << 20, cap=1 << 20)
+    log = _Log()
+    backend = _Waits(log)
+    feeds = feeds_for(plan)
+    want = run_plan(plan, feeds, {}, SimulatedBackend())
+    with log:
+        if executor == "inorder":
+            got = run_plan(plan, feeds, {}, backend)
+        else:
+            with ActorRuntime(plan, backend) as rt:
+                got = rt.run(feeds, {})
+    assert log.events == ["issue", *["relu"] * 6, "wait"]  # 3 relus on each of the 2 ranks
+    for name, shards in want.items():
+        for r, t in shards.items():
+            assert torch.equal(got[name][r], t), name
 
 
 def test_bucketed_results_are_bit_identical_on_both_executors() -> None:

@@ -7,6 +7,7 @@ Each step kind below is one row of the table in :mod:`sbpflow.boxing.plan`.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -38,6 +39,45 @@ def execute(plan: Plan, shards: Shards, backend: Backend | None = None, donate: 
         with activity(_StepName(plan, i)):
             shards = _RUNNERS[step.kind](step, plan.shape, plan.dtype, shards, backend)
     return shards
+
+
+def runs_async(plan: Plan) -> bool:
+    """Whether :func:`execute_async` issues ``plan`` without waiting: one all-reduce of cpu shards (its
+    transport works on its own threads; a cuda collective is ordered by streams instead)."""
+    return len(plan.steps) == 1 and plan.steps[0].kind == "all_reduce" and plan.src.placement.type == "cpu"
+
+
+class InFlight:
+    """A collective issued and not waited for: :meth:`wait` gives its destination shards (the first call waits,
+    later ones return them at once)."""
+
+    __slots__ = ("pending", "result")
+
+    def __init__(self, pending: list[Any]) -> None:
+        self.pending = pending  # comm.base.PendingReduce, one per group this process takes part in
+        self.result: Shards | None = None
+
+    def wait(self) -> Shards:
+        if self.result is None:
+            out: Shards = {}
+            for p in self.pending:
+                out.update(p.wait())
+            self.result, self.pending = out, []
+        return self.result
+
+
+def execute_async(plan: Plan, shards: Shards, backend: Backend, donate: bool = False) -> InFlight:
+    """:func:`execute` of a :func:`runs_async` plan that returns once the collective is issued: the caller
+    computes meanwhile and waits (``.wait()``) where it reads the result. Every process must issue its collectives
+    in the same order, blocking or not (a compiled plan's order); they may wait in any order."""
+    assert runs_async(plan), plan
+    backend.prepare(plan)
+    step = plan.steps[0]
+    source = step.src.sbp[step.axis]  # type: ignore[index]
+    assert isinstance(source, Partial)
+    with activity(_StepName(plan, 0)):
+        return InFlight([backend.all_reduce_async(group, {r: shards[r] for r in backend.owned(group)}, source.op,
+                                                  donate) for group in _groups(step, backend)])
 
 
 class _StepName:

@@ -183,21 +183,39 @@ def _reach(bucket: _Bucket, n: PNode, readers: dict[int, list[int]], position: d
 
 def _rebuild(plan: PhysicalPlan, buckets: list[_Bucket], model: boxing.CostModel,
              factors: tuple[Any, ...]) -> PhysicalPlan:
+    """The plan with each bucket's flatten and collectives right after its last member is made, and its split
+    right before the first node that reads a member's result (an executor that issues the collective without
+    waiting, runtime.inorder, then waits there: backward runs on meanwhile)."""
     gone = {n.id for b in buckets for n in b.members}
+    position = {n.id: i for i, n in enumerate(plan.nodes)}
     after: dict[int, list[_Bucket]] = {}
     for b in buckets:
         after.setdefault(b.last_producer, []).append(b)
     bufs = dict(plan.bufs)
     ids = _Ids(max(n.id for n in plan.nodes) + 1, max(bufs) + 1)
     nodes: list[PNode] = []
+    before: dict[int, list[PNode]] = {}  # plan position -> bucket splits to place before that node
     for i, n in enumerate(plan.nodes):
+        nodes.extend(before.pop(i, ()))
         if n.id not in gone:
             nodes.append(n)
         for b in after.get(i, []):
-            nodes.extend(_bucket_nodes(b, bufs, ids, model, factors))
+            *issued, split = _bucket_nodes(b, bufs, ids, model, factors)
+            nodes.extend(issued)
+            if split.op == "bucket_split":
+                before.setdefault(max(i + 1, _first_direct_reader(plan, b, position)), []).append(split)
+            else:
+                nodes.append(split)  # a bucket of one: its own all-reduce
+    nodes.extend(n for i in sorted(before) for n in before[i])
     out = replace(plan, nodes=nodes, bufs=bufs, registers={})
     out.registers = registers(out)
     return out
+
+
+def _first_direct_reader(plan: PhysicalPlan, bucket: _Bucket, position: dict[int, int]) -> int:
+    """The plan position of the first node reading a member's result (the end of the plan if none does)."""
+    outs = {n.outputs[0] for n in bucket.members}
+    return min((position[n.id] for n in plan.nodes if outs.intersection(n.inputs)), default=len(plan.nodes))
 
 
 @dataclass

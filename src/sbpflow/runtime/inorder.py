@@ -25,6 +25,7 @@ import torch
 
 from .. import boxing
 from .._layout import shard_box
+from ..boxing.execute import InFlight, execute_async, runs_async
 from ..comm import Backend, get_backend
 from ..distributed import activity
 from ..errors import SbpflowError
@@ -92,12 +93,41 @@ def program(plan: PhysicalPlan, backend: Backend) -> Program:
 
 
 def _prepare(plan: PhysicalPlan, backend: Backend) -> Program:
-    acts = {n.id: _bind(n, plan, backend) for n in plan.nodes}
+    in_flight = _in_flight(plan)
+    acts = {n.id: _bind(n, plan, backend, n.id in in_flight) for n in plan.nodes}
+    flying = set(in_flight.values())
+    for n in plan.nodes:  # a reader of a collective in flight waits for it first
+        waits = tuple(i for i, b in enumerate(n.inputs) if b in flying)
+        if waits:
+            acts[n.id] = _waiting(acts[n.id], waits)
     mine = [n for n in plan.nodes if any(backend.owns(r) for r in n.ranks)]
     drops, after_micro = _last_reads(plan, mine)
     phases = [(phase, [(n, acts[n.id], drops.get(n.id, ())) for n in mine if n.phase == phase]) for phase in PHASES]
     gathered = frozenset(n.inputs[0] for n in plan.nodes if n.kind in GATHERING)
     return Program({n.id: n for n in plan.nodes}, acts, phases, after_micro, gathered)
+
+
+def _in_flight(plan: PhysicalPlan) -> dict[int, int]:
+    """Collectives issued without waiting (:func:`~sbpflow.boxing.execute.runs_async`): node id -> its output
+    buffer. Its readers wait where they act, so the transport works while the nodes between run (the overlap of
+    a data-parallel step's gradient buckets with the rest of backward, as DDP's). Not where an accumulate or a
+    pack reads the value: they take it apart from any act."""
+    gathering = {b for n in plan.nodes if n.kind in GATHERING for b in n.inputs}
+    return {n.id: n.outputs[0] for n in plan.nodes
+            if n.kind == "boxing" and n.boxing is not None and runs_async(n.boxing) and n.outputs[0] not in gathering}
+
+
+def _waiting(run: Act, waits: tuple[int, ...]) -> Act:
+    """``run`` after waiting for its inputs ``waits`` (collectives in flight: :class:`InFlight`)."""
+    def waited(inputs: Sequence[Any], state: StepState, micro: int) -> list[Any]:
+        values = list(inputs)
+        for i in waits:
+            value = values[i]
+            if value.__class__ is InFlight:  # a buffer another process makes holds no shard here: nothing to wait
+                values[i] = value.wait()
+        return run(values, state, micro)
+
+    return waited
 
 
 def _last_reads(plan: PhysicalPlan, mine: list[PNode]) -> tuple[dict[int, tuple[int, ...]], tuple[int, ...]]:
@@ -119,8 +149,9 @@ def _last_reads(plan: PhysicalPlan, mine: list[PNode]) -> tuple[dict[int, tuple[
     return {k: tuple(v) for k, v in drops.items()}, tuple(after_micro)
 
 
-def _bind(node: PNode, plan: PhysicalPlan, backend: Backend) -> Act:
-    """The node's action with its static parts bound (see :mod:`sbpflow.graph.physical` for each kind)."""
+def _bind(node: PNode, plan: PhysicalPlan, backend: Backend, in_flight: bool = False) -> Act:
+    """The node's action with its static parts bound (see :mod:`sbpflow.graph.physical` for each kind);
+    ``in_flight``: a collective that returns once issued (:func:`_in_flight`)."""
     kind = node.kind
     if kind == "compute":
         return _bind_compute(node, plan, backend.owned(node.ranks))
@@ -139,7 +170,7 @@ def _bind(node: PNode, plan: PhysicalPlan, backend: Backend) -> Act:
     if kind == "repeat":
         return lambda inputs, state, micro: [inputs[0]]
     if kind == "boxing":
-        return _bind_boxing(node, backend)
+        return _bind_boxing(node, backend, in_flight)
     if kind == "accumulate":
         return lambda inputs, state, micro: [_accumulate(inputs[0])]
     if kind == "pack":
@@ -160,9 +191,14 @@ def _record(into: dict[str, Shards], name: str, value: Shards) -> list[Any]:
     return []
 
 
-def _bind_boxing(node: PNode, backend: Backend) -> Act:
+def _bind_boxing(node: PNode, backend: Backend, in_flight: bool) -> Act:
     assert node.boxing is not None
     plan_step, donate = node.boxing, node.overwrites == 0  # donated: the only reader of a fresh input
+    if in_flight:
+        def issue(inputs: Sequence[Any], state: StepState, micro: int) -> list[Any]:
+            with activity(lambda: f"{node.label()} (micro-batch {micro})"):
+                return [execute_async(plan_step, inputs[0], backend, donate)]
+        return issue
 
     def run(inputs: Sequence[Any], state: StepState, micro: int) -> list[Any]:
         with activity(lambda: f"{node.label()} (micro-batch {micro})"):  # comm errors name the node
