@@ -113,13 +113,13 @@ def test_a_plan_missing_a_message_is_a_watchdog_report_on_every_rank_not_a_hang(
         assert "(no node of the plan writes it) for micro-batch 0" in report, job.report()
 
 
-def moe_on_ranks() -> dict[str, torch.Tensor]:
+def moe_on_ranks() -> dict[str, Any]:
     """The simulated tests' top-1 MoE plan; this process holds one expert and its share of the tokens."""
     rank = sbpflow.rank()
     feeds, variables = moe_shards(moe_data(), (rank,))
     with ActorRuntime(moe_plan(), timeout=20) as rt:
         out = rt.run(feeds, variables)
-    return {name: shards[rank] for name, shards in out.items()}
+    return {**{name: shards[rank] for name, shards in out.items()}, "threaded": rt.threaded}
 
 
 def test_moe_routing_by_data_dependent_all_to_all_on_two_processes_matches_one_device() -> None:
@@ -129,6 +129,7 @@ def test_moe_routing_by_data_dependent_all_to_all_on_two_processes_matches_one_d
         torch.testing.assert_close(torch.cat([got[name] for got in per_rank]), expected[name])
     for got in per_rank:
         torch.testing.assert_close(got["dwg"], expected["dwg"])
+        assert got["threaded"]  # its all-to-alls block until the peer comes: they get a thread
 
 
 def overlap_on_ranks(trace: str) -> float:
@@ -193,13 +194,14 @@ def donated_bucket_on_ranks() -> dict[str, Any]:
     feeds = {name: {rank: shards[rank]} for name, shards in feeds_for(plan).items()}
     with ActorRuntime(plan, timeout=20) as rt:
         out = rt.run(feeds, {})
+        threaded = rt.threaded
     backend = get_backend()
     given, kept = torch.arange(6.0) + 10 * rank, torch.arange(6.0) + 10 * rank
     reduced = backend.all_reduce((0, 1), {rank: given}, "sum", donate=True)[rank]
     copied = backend.all_reduce((0, 1), {rank: kept}, "sum")[rank]
     return {"outputs": {name: shards[rank] for name, shards in out.items()},
             "in place": reduced.data_ptr() == given.data_ptr(), "reduced": reduced,
-            "copied": copied.data_ptr() != kept.data_ptr(), "kept": kept}
+            "copied": copied.data_ptr() != kept.data_ptr(), "kept": kept, "threaded": threaded}
 
 
 def test_a_donated_bucket_reduces_in_place_on_gloo_with_the_simulated_bits() -> None:
@@ -211,5 +213,6 @@ def test_a_donated_bucket_reduces_in_place_on_gloo_with_the_simulated_bits() -> 
         for name, t in got["outputs"].items():
             assert torch.equal(t, want[name][rank]), name
         assert got["in place"] and got["copied"]
+        assert not got["threaded"]  # its one collective is in flight: the caller's thread acts alone
         assert got["reduced"].tolist() == [10.0 + 2 * i for i in range(6)]
         assert got["kept"].tolist() == [10.0 * rank + i for i in range(6)]  # not donated: left as it was

@@ -7,6 +7,7 @@ Each step kind below is one row of the table in :mod:`sbpflow.boxing.plan`.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 import torch
@@ -41,43 +42,65 @@ def execute(plan: Plan, shards: Shards, backend: Backend | None = None, donate: 
     return shards
 
 
+ASYNC_KINDS = ("all_reduce", "all_gather")  # the steps execute_async issues without waiting
+
+
 def runs_async(plan: Plan) -> bool:
-    """Whether :func:`execute_async` issues ``plan`` without waiting: one all-reduce of cpu shards (its
-    transport works on its own threads; a cuda collective is ordered by streams instead)."""
-    return len(plan.steps) == 1 and plan.steps[0].kind == "all_reduce" and plan.src.placement.type == "cpu"
+    """Whether :func:`execute_async` issues ``plan`` without waiting: one all-reduce or all-gather of cpu shards
+    (its transport works on threads of its own; a cuda collective is ordered by streams instead)."""
+    return len(plan.steps) == 1 and plan.steps[0].kind in ASYNC_KINDS and plan.src.placement.type == "cpu"
 
 
 class InFlight:
     """A collective issued and not waited for: :meth:`wait` gives its destination shards (the first call waits,
     later ones return them at once)."""
 
-    __slots__ = ("pending", "result")
+    __slots__ = ("pending", "finish", "result", "waited")
 
-    def __init__(self, pending: list[Any]) -> None:
-        self.pending = pending  # comm.base.PendingReduce, one per group this process takes part in
+    def __init__(self, pending: list[Any], finish: Callable[[Any], Shards]) -> None:
+        self.pending = pending  # comm.base.Pending, one per group this process takes part in
+        self.finish = finish  # a group's result -> its members' destination shards
         self.result: Shards | None = None
+        self.waited: Callable[[], None] | None = None  # called once the result is in (a timeline's span)
 
     def wait(self) -> Shards:
         if self.result is None:
             out: Shards = {}
             for p in self.pending:
-                out.update(p.wait())
+                out.update(self.finish(p.wait()))
             self.result, self.pending = out, []
+            if self.waited is not None:
+                self.waited()
         return self.result
 
 
 def execute_async(plan: Plan, shards: Shards, backend: Backend, donate: bool = False) -> InFlight:
     """:func:`execute` of a :func:`runs_async` plan that returns once the collective is issued: the caller
     computes meanwhile and waits (``.wait()``) where it reads the result. Every process must issue its collectives
-    in the same order, blocking or not (a compiled plan's order); they may wait in any order."""
+    in the same order, blocking or not (a compiled plan's order); they may wait in any order. ``donate``: as
+    :func:`execute`'s (all-reduce only)."""
     assert runs_async(plan), plan
     backend.prepare(plan)
     step = plan.steps[0]
     source = step.src.sbp[step.axis]  # type: ignore[index]
-    assert isinstance(source, Partial)
+    groups = _groups(step, backend)
     with activity(_StepName(plan, 0)):
-        return InFlight([backend.all_reduce_async(group, {r: shards[r] for r in backend.owned(group)}, source.op,
-                                                  donate) for group in _groups(step, backend)])
+        if isinstance(source, Partial):
+            return InFlight([backend.all_reduce_async(group, {r: shards[r] for r in backend.owned(group)},
+                                                      source.op, donate) for group in groups], _same)
+        assert isinstance(source, Split)
+        shapes = {g: [box_shape(_box(plan.shape, step.src, r)) for r in g] for g in groups}
+        return InFlight([backend.all_gather_async(g, {r: shards[r] for r in backend.owned(g)}, shapes[g], plan.dtype)
+                         for g in groups], partial(_joined, source.dim))
+
+
+def _same(result: Shards) -> Shards:
+    return result
+
+
+def _joined(dim: int, gathered: dict[int, list[torch.Tensor]]) -> Shards:
+    """An all-gather's pieces, concatenated along the split dim (as :func:`_run_all_gather`)."""
+    return {r: torch.cat(pieces, dim=dim) for r, pieces in gathered.items()}
 
 
 class _StepName:

@@ -62,15 +62,21 @@ class PendingReduce(Protocol):
     def wait(self) -> dict[int, torch.Tensor]: ...
 
 
+class Pending(Protocol):
+    """A collective issued without waiting (:meth:`Backend.all_gather_async`); ``wait()`` gives its result."""
+
+    def wait(self) -> Any: ...
+
+
 class Completed:
     """A collective that finished when it was issued (the simulated backend, one-member groups)."""
 
     __slots__ = ("result",)
 
-    def __init__(self, result: dict[int, torch.Tensor]) -> None:
+    def __init__(self, result: Any) -> None:
         self.result = result
 
-    def wait(self) -> dict[int, torch.Tensor]:
+    def wait(self) -> Any:
         return self.result
 
 
@@ -136,6 +142,14 @@ class Backend(ABC):
         total = sum(nbytes(s, dtype) for s in shapes)
         emit("all_gather", group, (len(group) - 1) * total)
         return self._all_gather(group, inputs, shapes, dtype)
+
+    def all_gather_async(self, group: tuple[int, ...], inputs: dict[int, torch.Tensor], shapes: Sequence[Shape],
+                         dtype: torch.dtype) -> Pending:
+        """:meth:`all_gather` that returns at once; ``wait()`` gives its result (the same rules as
+        :meth:`all_reduce_async`)."""
+        total = sum(nbytes(s, dtype) for s in shapes)
+        emit("all_gather", group, (len(group) - 1) * total)
+        return self._all_gather_async(group, inputs, shapes, dtype)
 
     def all_reduce(self, group: tuple[int, ...], inputs: dict[int, torch.Tensor], op: str,
                    donate: bool = False) -> dict[int, torch.Tensor]:
@@ -228,6 +242,11 @@ class Backend(ABC):
     @abstractmethod
     def _all_reduce(self, group, inputs, op, donate=False):  # type: ignore[no-untyped-def]
         ...
+
+    def _all_gather_async(self, group, inputs, shapes, dtype):  # type: ignore[no-untyped-def]
+        """Default: the blocking primitive, complete when issued (a backend whose transport has threads of its
+        own overrides it)."""
+        return Completed(self._all_gather(group, inputs, shapes, dtype))
 
     def _all_reduce_async(self, group, inputs, op, donate=False):  # type: ignore[no-untyped-def]
         """A backend without asynchronous collectives reduces at once."""

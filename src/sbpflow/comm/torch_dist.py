@@ -230,21 +230,22 @@ class TorchDistBackend(Backend):
     # -- collectives ------------------------------------------------------------------------
 
     def _all_gather(self, group, inputs, shapes, dtype):  # type: ignore[no-untyped-def]
+        return self._all_gather_async(group, inputs, shapes, dtype, blocking=True).wait()
+
+    def _all_gather_async(self, group, inputs, shapes, dtype, blocking=False):  # type: ignore[no-untyped-def]
         mine = inputs[self.rank]
         if len(group) == 1:
-            return {self.rank: [mine]}
+            return Completed({self.rank: [mine]})
         self._check_same("all_gather", group, (tuple(map(tuple, shapes)), str(dtype)))
         biggest = max(numel(s) for s in shapes)
         if biggest == 0:
-            return {self.rank: [torch.empty(s, dtype=dtype, device=mine.device) for s in shapes]}
+            return Completed({self.rank: [torch.empty(s, dtype=dtype, device=mine.device) for s in shapes]})
         flat = _padded(mine, biggest)
         out = torch.empty(len(group) * biggest, dtype=flat.dtype, device=flat.device)
         pg = self._group(group, mine.device)
-        self._call("all_gather", group, lambda: dist.all_gather_single(out, flat, group=pg))
-        slots = out.view(len(group), biggest)
-        order = sorted(group)  # torch orders a group's members by global rank
-        pieces = [_unflat(slots[order.index(g)], shapes[j], dtype) for j, g in enumerate(group)]
-        return {self.rank: pieces}
+        work = self._call("all_gather" if blocking else "all_gather (async)", group,
+                          lambda: dist.all_gather_single(out, flat, group=pg, async_op=not blocking))
+        return _PendingGather(self, group, work, out, shapes, dtype, current_activity())
 
     def _all_reduce(self, group, inputs, op, donate=False):  # type: ignore[no-untyped-def]
         mine = inputs[self.rank]
@@ -415,6 +416,30 @@ class TorchDistBackend(Backend):
                    lambda: dist.all_gather_object(everyone, (self.rank, offer)))
         shapes = dict(everyone)
         return {r: shapes[r] for r in placement.flat_ranks}
+
+
+class _PendingGather:
+    """An all-gather of flat padded shards in flight (``work`` None: already done); ``wait()`` cuts the pieces."""
+
+    __slots__ = ("backend", "group", "work", "out", "shapes", "dtype", "issued_in", "result")
+
+    def __init__(self, backend: TorchDistBackend, group: Group, work: Any, out: torch.Tensor,
+                 shapes: Sequence[Shape], dtype: torch.dtype, issued_in: str) -> None:
+        self.backend, self.group, self.work, self.out = backend, group, work, out
+        self.shapes, self.dtype, self.issued_in = shapes, dtype, issued_in
+        self.result: dict[int, list[torch.Tensor]] | None = None
+
+    def wait(self) -> dict[int, list[torch.Tensor]]:
+        if self.result is None:
+            backend, work = self.backend, self.work
+            if work is not None:
+                with activity(f"waiting for an all_gather issued in {self.issued_in}"):
+                    backend._call("all_gather (async)", self.group, lambda: work.wait(backend.timeout))
+            slots = self.out.view(len(self.group), -1)
+            order = sorted(self.group)  # torch orders a group's members by global rank
+            pieces = [_unflat(slots[order.index(g)], self.shapes[j], self.dtype) for j, g in enumerate(self.group)]
+            self.result = {backend.rank: pieces}
+        return self.result
 
 
 class _PendingAllReduce:

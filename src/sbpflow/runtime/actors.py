@@ -23,10 +23,13 @@ so producers run ahead until their registers are full: the schedule comes from r
 Each ``comm:<key>`` lane acts its actors in plan order (pre, micro-batch 0..m-1, post), so every
 member of a group issues its collectives in one order (no deadlock on gloo or NCCL). Under
 torch.distributed (and in synthetic time) every lane has a thread, so communication overlaps compute;
-the caller's thread acts for the first compute lane. On virtual ranks, where a collective is a local
-copy that never waits for a peer, the caller's thread acts for every lane, earliest plan position
-first: deterministic, and exactly :func:`~sbpflow.runtime.board.dry_run`'s schedule (both are
-:meth:`~sbpflow.runtime.board.Board.play`: no locks, queues or hand-offs; ``threads=True`` forces threads).
+the caller's thread acts for the first compute lane. All-reduces and all-gathers of cpu shards are issued
+in flight (their readers wait: :func:`~sbpflow.runtime.inorder.in_flight_collectives`); a process whose
+collectives all are needs no thread of its own for them, and runs on the caller's alone, as below.
+On virtual ranks, where a collective is a local copy that never waits for a peer, the caller's thread
+acts for every lane, earliest plan position first: deterministic, and exactly
+:func:`~sbpflow.runtime.board.dry_run`'s schedule (both are :meth:`~sbpflow.runtime.board.Board.play`:
+no locks, queues or hand-offs; ``threads=True`` forces threads).
 On CUDA each thread has its own stream and registers carry events (:mod:`._cuda`).
 Threads live across runs (each run is a new generation) until :meth:`ActorRuntime.close`, or until
 the runtime is dropped.
@@ -49,9 +52,10 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
+from ..boxing.execute import InFlight
 from ..comm import Backend, SimulatedBackend, get_backend
 from ..comm.record import CommLog, current_logs, recording_into
 from ..distributed import activity, config
@@ -60,7 +64,17 @@ from ..graph.physical import PhysicalPlan, PNode
 from . import trace as _trace
 from ._agree import check_same_plan
 from .board import Actor, Board, Stats
-from .inorder import ExecutionError, Program, Shards, StepState, act, commit, prepare_groups, program
+from .inorder import (
+    ExecutionError,
+    Program,
+    Shards,
+    StepState,
+    act,
+    commit,
+    in_flight_collectives,
+    prepare_groups,
+    program,
+)
 from .workers import CommWorker, ComputeWorker, Worker
 
 IDLE_CHECK = 1.0  # seconds an idle worker waits before checking that its runtime is still in use
@@ -129,11 +143,20 @@ class ActorRuntime:
         prepare_groups(self.plan, self.backend)
 
     def _use_threads(self, threads: bool | None) -> bool:
-        """Threads by default under torch.distributed (a collective waits for peers) and with synthetic time
-        (stages overlap); none on virtual ranks, where a collective is a local copy that cannot wait."""
-        if threads is None:
-            return self.synthetic is not None or not isinstance(self.backend, SimulatedBackend)
-        return threads
+        """Threads by default with synthetic time (stages overlap) and under torch.distributed where this process
+        takes part in a collective that blocks until its peers reach it (one that is not issued in flight:
+        :func:`~sbpflow.runtime.inorder.in_flight_collectives`); none on virtual ranks, where a collective is a
+        local copy that cannot wait, nor where every collective here is in flight: the transport's threads move
+        the bytes while the caller's thread computes, with no hand-off between Python threads (each costs up to
+        a GIL switch interval), as DDP's buckets do."""
+        if threads is not None:
+            return threads
+        if self.synthetic is not None:
+            return True
+        if isinstance(self.backend, SimulatedBackend):
+            return False
+        flying = in_flight_collectives(self.plan)
+        return any(n.is_comm and n.id not in flying and any(map(self.backend.owns, n.ranks)) for n in self.plan.nodes)
 
     def _make_workers(self) -> dict[str, Worker]:
         """A worker per lane; with threads, each CUDA lane gets a stream of its own (:mod:`._cuda`)."""
@@ -309,7 +332,7 @@ class ActorRuntime:
                 return perform(actor, step, inputs, state)
             start = time.time()
             values = perform(actor, step, inputs, state)
-            self._trace_span(workers[actor.lane], actor, step, start, time.time())
+            self._trace_span(workers[actor.lane], actor, step, start, time.time(), values)
             return values
 
         try:
@@ -444,7 +467,7 @@ class ActorRuntime:
         worker.last = (job.actor, job.step, time.monotonic())
         self._progress = worker.last[2]
         if self._trace is not None:
-            self._trace_span(worker, job.actor, job.step, job.start, job.end)
+            self._trace_span(worker, job.actor, job.step, job.start, job.end, job.values)
         workers, board = self._workers, self.board
         for other in woken:
             if not other.busy and other.step < other.steps:  # most wake-ups end here
@@ -452,11 +475,19 @@ class ActorRuntime:
         if board.finished == board.count:  # all_done
             self._notify_done()
 
-    def _trace_span(self, worker: Worker, actor: Actor, step: int, start: float, end: float) -> None:
-        assert self._trace is not None
+    def _trace_span(self, worker: Worker, actor: Actor, step: int, start: float, end: float,
+                    values: Sequence[Any] = ()) -> None:
+        """The act's span on its lane; a collective issued in flight spans from its issue to the moment a reader
+        has its result (an upper bound of its time on the wire: the reader may come after it ended)."""
+        trace = self._trace
+        assert trace is not None
         nbytes = sum(sum(r.bytes_by_rank.values()) for r in actor.outputs) if actor.emits(step) else 0
-        self._trace.span(worker.lane, actor.node.label(), actor.node.op or actor.node.kind, micro=step,
-                         start=start, end=end, nbytes=nbytes)
+        lane, name, op = worker.lane, actor.node.label(), actor.node.op or actor.node.kind
+        if values and values[0].__class__ is InFlight:
+            values[0].waited = lambda: trace.span(lane, f"{name} (in flight)", op, micro=step, start=start,
+                                                  end=time.time(), nbytes=nbytes)
+            return
+        trace.span(lane, name, op, micro=step, start=start, end=end, nbytes=nbytes)
 
     def _wake(self, actor: Actor) -> None:
         self._workers[actor.lane].wake(actor, self.board)

@@ -93,7 +93,7 @@ def program(plan: PhysicalPlan, backend: Backend) -> Program:
 
 
 def _prepare(plan: PhysicalPlan, backend: Backend) -> Program:
-    in_flight = _in_flight(plan)
+    in_flight = in_flight_collectives(plan)
     acts = {n.id: _bind(n, plan, backend, n.id in in_flight) for n in plan.nodes}
     flying = set(in_flight.values())
     for n in plan.nodes:  # a reader of a collective in flight waits for it first
@@ -107,7 +107,7 @@ def _prepare(plan: PhysicalPlan, backend: Backend) -> Program:
     return Program({n.id: n for n in plan.nodes}, acts, phases, after_micro, gathered)
 
 
-def _in_flight(plan: PhysicalPlan) -> dict[int, int]:
+def in_flight_collectives(plan: PhysicalPlan) -> dict[int, int]:
     """Collectives issued without waiting (:func:`~sbpflow.boxing.execute.runs_async`): node id -> its output
     buffer. Its readers wait where they act, so the transport works while the nodes between run (the overlap of
     a data-parallel step's gradient buckets with the rest of backward, as DDP's). Not where an accumulate or a
@@ -151,7 +151,7 @@ def _last_reads(plan: PhysicalPlan, mine: list[PNode]) -> tuple[dict[int, tuple[
 
 def _bind(node: PNode, plan: PhysicalPlan, backend: Backend, in_flight: bool = False) -> Act:
     """The node's action with its static parts bound (see :mod:`sbpflow.graph.physical` for each kind);
-    ``in_flight``: a collective that returns once issued (:func:`_in_flight`)."""
+    ``in_flight``: a collective that returns once issued (:func:`in_flight_collectives`)."""
     kind = node.kind
     if kind == "compute":
         return _bind_compute(node, plan, backend.owned(node.ranks))
