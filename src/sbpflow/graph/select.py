@@ -283,8 +283,9 @@ class _Problem:
         self.size: dict[int, int] = {}  # class -> how many nodes it ties
         self.backward: dict[int, int] = {}  # class -> how many of its nodes run in backward
         self.groups: list[Group] = []
+        self.reads: list[Read] = []
         if like is not None:  # these do not depend on the choices: share them
-            self.alias, self.size, self.backward = like.alias, like.size, like.backward
+            self.alias, self.size, self.backward, self.reads = like.alias, like.size, like.backward, like.reads
         else:
             for n in g.nodes:
                 if n.kind in ("accumulate", "pack"):
@@ -293,6 +294,7 @@ class _Problem:
                 self.size[rep] = self.size.get(rep, 0) + 1
             for nid in backward_nodes(g):
                 self.backward[classes[nid]] = self.backward.get(classes[nid], 0) + 1
+            self.reads = self._reads()
         self.groups = self._edge_groups()
 
     def root(self, vid: int) -> int:
@@ -324,6 +326,23 @@ class _Problem:
             found = self._options[key] = _options([c.ins[i] for c in self.choices[n.id]])
         return found
 
+    def _reads(self) -> list[Read]:
+        """Every read that may need boxing, with what does not depend on the choices: (value id, consumer, input
+        index, the producer's class and output or its fixed SBP, the value's metadata, whether it is a gradient's
+        read by the optimizer)."""
+        out = []
+        late = late_readers(self.g)
+        for n in self.g.nodes:
+            if n.kind not in ("op", "to_global", "assign", "output"):
+                continue
+            for i, vid in enumerate(n.inputs):
+                root = self.g.values[self.root(vid)]
+                producer = self.g.nodes[root.producer]
+                src = ("op", self.classes[producer.id], root.index) if producer.kind == "op" else ("fixed", root.sbp)
+                sync = n.id in late and producer.phase == "micro"
+                out.append((vid, n, i, src, (root.shape, root.dtype, root.placement), sync))
+        return out
+
     def _edge_groups(self) -> list[Group]:
         """Every read that may need boxing, merged where tied nodes make reads cost alike: (count, value id,
         consumer, input index, producer class, consumer class, whether it is a gradient's read by the optimizer),
@@ -334,27 +353,19 @@ class _Problem:
         fused node (an optimizer's update of every gradient) merge as well as the reads of repeated layers.
         """
         groups: dict[Any, list[Any]] = {}
-        late = late_readers(self.g)
-        for n in self.g.nodes:
-            if n.kind not in ("op", "to_global", "assign", "output"):
-                continue
-            for i, vid in enumerate(n.inputs):
-                root = self.g.values[self.root(vid)]
-                producer = self.g.nodes[root.producer]
-                src = ("op", self.classes[producer.id], root.index) if producer.kind == "op" else ("fixed", root.sbp)
-                if n.kind == "op":
-                    sbps, of = self.in_options(n, i)
-                    dst: tuple[Any, ...] = ("op", self.classes[n.id], sbps, of.tobytes())
-                else:
-                    dst = ("fixed", self.in_options(n, i)[0][0])
-                sync = n.id in late and producer.phase == "micro"
-                key = (src, dst, root.shape, root.dtype, root.placement, sync)
-                found = groups.get(key)
-                if found is None:
-                    groups[key] = [1, vid, n, i, src[1] if src[0] == "op" else None, dst[1] if dst[0] == "op" else None,
-                                   sync]
-                else:
-                    found[0] += 1
+        for vid, n, i, src, meta, sync in self.reads:
+            if n.kind == "op":
+                sbps, of = self.in_options(n, i)
+                dst: tuple[Any, ...] = ("op", self.classes[n.id], sbps, of.tobytes())
+            else:
+                dst = ("fixed", self.in_options(n, i)[0][0])
+            key = (src, dst, meta, sync)
+            found = groups.get(key)
+            if found is None:
+                groups[key] = [1, vid, n, i, src[1] if src[0] == "op" else None, dst[1] if dst[0] == "op" else None,
+                               sync]
+            else:
+                found[0] += 1
         return [tuple(v) for v in groups.values()]  # type: ignore[misc]
 
     def cost_of(self, choice: dict[int, int]) -> float:
@@ -385,6 +396,7 @@ class _Problem:
 
 
 Group = tuple[int, int, LNode, int, int | None, int | None, bool]
+Read = tuple[int, LNode, int, tuple[Any, ...], tuple[Any, ...], bool]
 
 
 def backward_nodes(g: LogicalGraph) -> list[int]:
@@ -441,8 +453,12 @@ def _solve_ilp(p: _Problem, time_limit: float) -> tuple[dict[int, int] | None, i
     first: dict[int, int] = {}  # class -> its first choice column
     choice_cost: list[float] = []
     cover: list[float] = []
+    twins: list[Any] = []  # per choice column, what makes it a twin of another class's (see _neighbourhood)
     for rep in sorted(p.size):
         first[rep] = len(choice_cost)
+        # backward's ops trade compute for the cover of gradient all-reduces: like ones are interchangeable there
+        kind = signature_key(p.g, p.g.nodes[rep]) if p.backward.get(rep) else rep
+        twins += [(kind, c) for c in p.choices[rep]]
         seconds = [p.costs.compute(p.g.nodes[rep], c) for c in p.choices[rep]]
         choice_cost += [p.size[rep] * t for t in seconds]
         cover += [HIDDEN_SHARE * p.backward.get(rep, 0) * t for t in seconds]
@@ -467,11 +483,17 @@ def _solve_ilp(p: _Problem, time_limit: float) -> tuple[dict[int, int] | None, i
         else:
             prog.add_edge(matrix, hidden, first[src] + np.arange(len(out_of)), out_of,  # type: ignore[index]
                           first[dst] + np.arange(len(in_of)), in_of)  # type: ignore[index]
-    x = _highs(*prog.arrays(), time_limit)
+    x = _highs(*prog.arrays(), _intern(twins), time_limit)
     if x is None:
         return None, prog.n_col
     picked = {rep: int(np.argmax(x[first[rep]:first[rep] + len(p.choices[rep])])) for rep in p.size}
     return {nid: picked[rep] for nid, rep in p.classes.items()}, prog.n_col
+
+
+def _intern(keys: list[Any]) -> np.ndarray:
+    """Each key -> a small int, equal keys equal ints."""
+    table: dict[Any, int] = {}
+    return np.array([table.setdefault(k, len(table)) for k in keys], dtype=np.int64)
 
 
 def _all_reduce_mask(srcs: tuple[NdSbp, ...], dsts: tuple[NdSbp, ...]) -> np.ndarray:
@@ -551,12 +573,15 @@ def _columnwise(rows: np.ndarray, cols: np.ndarray, vals: np.ndarray,
 
 
 def _highs(cost: np.ndarray, matrix: tuple[np.ndarray, np.ndarray, np.ndarray], lo: np.ndarray, hi: np.ndarray,
-           upper: np.ndarray, n_choice: int, time_limit: float) -> np.ndarray | None:
+           upper: np.ndarray, n_choice: int, twins: np.ndarray, time_limit: float) -> np.ndarray | None:
     """Minimises ``cost @ x`` over ``lo <= matrix @ x <= hi`` (``matrix`` by columns) and ``0 <= x <= upper``,
     the first ``n_choice`` columns binary; returns x, or None when no solution was found.
 
-    The relaxation is solved first: one-hot choices with marginal-coupled edges make it integral as a rule
-    (the tree's only node), so the branch and bound runs only when some choice comes out fractional.
+    The relaxation is solved first: one-hot choices with marginal-coupled edges make it integral as a rule, and
+    then it is the answer. The column of uncovered gradient all-reduces couples every choice; where it binds
+    (the all-reduces just covered) the relaxation mixes two plans, and an integer program over the mixed choices
+    and their twins (``twins``: an id per choice column, see :func:`_neighbourhood`) picks among them. Only when
+    that finds nothing does the branch and bound cover the whole program.
     """
     import highspy
 
@@ -574,15 +599,47 @@ def _highs(cost: np.ndarray, matrix: tuple[np.ndarray, np.ndarray, np.ndarray], 
     solver.setOptionValue("time_limit", float(time_limit))
     solver.passModel(lp)
     solver.run()
-    if solver.getModelStatus() == highspy.HighsModelStatus.kOptimal:
-        x = np.array(solver.getSolution().col_value)
-        if np.all(np.minimum(x[:n_choice], 1 - x[:n_choice]) <= 1e-7):
-            return x
     lp.integrality_ = [highspy.HighsVarType.kInteger] * n_choice + \
         [highspy.HighsVarType.kContinuous] * (len(cost) - n_choice)
-    # the MIP presolve costs more than it saves here (24-layer dp2 x tp2 GPT: 3.8 s of selection without it
-    # off, 2.3 s with it off, the same plan): the relaxation is tight and branching ends within a few nodes
+    if solver.getModelStatus() == highspy.HighsModelStatus.kOptimal:
+        x = np.array(solver.getSolution().col_value)
+        whole = np.minimum(x[:n_choice], 1 - x[:n_choice]) <= 1e-7
+        if whole.all():
+            return x
+        found = _neighbourhood(solver, lp, x, np.flatnonzero(~np.isin(twins, twins[~whole])))
+        if found is not None:
+            return found
+        lp.col_lower_, lp.col_upper_ = np.zeros(len(cost)), upper
+    # the MIP presolve costs more than it saves on the whole program (24-layer dp2 x tp2 GPT: 3.8 s of selection
+    # with it, 2.3 s without, the same plan)
     solver.setOptionValue("presolve", "off")
+    solver.passModel(lp)
+    solver.run()
+    if not solver.getSolution().value_valid:
+        return None
+    return np.array(solver.getSolution().col_value)
+
+
+def _neighbourhood(solver: Any, lp: Any, x: np.ndarray, fixed: np.ndarray) -> np.ndarray | None:
+    """The integer program ``lp`` with the choice columns ``fixed`` held at their values in the relaxation's
+    solution ``x``; its solution, or None where it has none.
+
+    This is RENS (relaxation-induced neighbourhood search) widened by twins. Where the coupling column binds,
+    the relaxation mixes a plan whose all-reduces are not covered with one that covers them by doing more of
+    backward's work on every rank (a weight gradient computed whole rather than summed from halves); the
+    optimum trades a few such choices against each other, like items of a knapsack. The free choices are the
+    mixed ones and the same choices of their twins: backward's classes of the same op on the same shapes
+    (another layer's or another projection's weight gradient), which the relaxation could have mixed instead.
+
+    Why not the branch and bound over the whole program: it spends its time at the root (cuts, heuristics,
+    strong branching), about 0.9 s a solve for a 24-layer GPT, although it ends within a few nodes. This program
+    has a few dozen free choices, and HiGHS's presolve removes the fixed rest: about 0.1 s. On the compile
+    benchmark's GPTs (dp=2 and dp=2 x tp=2, 2, 4, 12 and 24 layers) it found the whole program's plan, or (4
+    layers, dp=2 x tp=2) a cheaper one, as the sweeps over mesh axes went differently.
+    """
+    lower, upper = np.array(lp.col_lower_, dtype=float), np.array(lp.col_upper_, dtype=float)
+    lower[fixed] = upper[fixed] = np.round(x[fixed])
+    lp.col_lower_, lp.col_upper_ = lower, upper
     solver.passModel(lp)
     solver.run()
     if not solver.getSolution().value_valid:
