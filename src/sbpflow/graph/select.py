@@ -8,8 +8,9 @@ the producer's and the consumer's choices (with one-hot choices the coupling is 
 continuous). Ops cost their local compute (a roofline: bytes moved through memory, or FLOPs for matmuls and
 attention where those take longer), so a replicated signature pays for doing everything everywhere: a weight
 gradient computed whole on every rank as much as one summed from halves and all-reduced. Gradient all-reduces
-(P(sum) -> B of whole tensors, read by the optimizer) go out in buckets during backward (graph.bucket), so they
-cost only what backward's compute does not cover. The objective is the step's estimated time.
+(P(sum) -> B of whole tensors, read by the optimizer) go out in buckets during backward (graph.bucket), so small
+ones share a bucket's latency, and together they cost only what backward's compute does not cover. The
+objective is the step's estimated time.
 
 The eager, greedy choice (made while tracing, op by op in program order) is the baseline: its cost is
 evaluated in the same model, and the solver's result is kept only when it is not worse.
@@ -149,6 +150,7 @@ class _Costs:
         self._boxing: dict[Any, float] = {}
         self._compute: dict[Any, float] = {}
         self._matrices: dict[Any, np.ndarray] = {}
+        self._latency: dict[Any, float] = {}
         self._node_keys: dict[int, Any] = {}  # op node id -> what its compute cost depends on, besides the choice
 
     def boxing(self, vid: int, src: NdSbp, dst: NdSbp) -> float:
@@ -164,6 +166,44 @@ class _Costs:
             # a tiny tie-break, as the planner's: of equal times, moving nothing wins
             cost = self._boxing[key] = seconds + 1e-9
         return cost
+
+    def synced(self, vid: int, src: NdSbp, dst: NdSbp) -> tuple[float, float]:
+        """A gradient's all-reduce ``src -> dst`` (:func:`gradient_all_reduce`) as graph.bucket sends it: (its
+        time on the communication stream, the time its bucket's copies take on the compute stream).
+
+        A gradient of at least ``solo_bytes`` goes out alone: the planner's time. A smaller one shares a bucket
+        with others (DDP's 1 MiB first, then bigger), so it pays a latency only in proportion to its share of a
+        first bucket's bytes, plus its copies into and out of the flat buffer (each a read and a write). Priced
+        per tensor, a data-parallel step's dozens of small gradients (biases, norms) each paid a whole latency, and
+        the selection computed weight gradients whole on every rank to avoid them.
+        """
+        from .bucket import FIRST_BUCKET  # bucket.py imports this module
+
+        v = self.g.values[vid]
+        seconds = self.boxing(vid, src, dst)
+        nbytes = _numel(v.shape) * _itemsize(v)
+        if nbytes >= solo_bytes(self.model, v.placement):
+            return seconds, 0.0
+        key = (v.dtype, v.placement, src, dst)
+        latency = self._latency.get(key)
+        if latency is None:
+            with boxing.target_factors(self.factors):
+                latency = self._latency[key] = transition_time((1,), v.dtype, Layout(v.placement, src),
+                                                               Layout(v.placement, dst), self.model)
+        return seconds - latency * (1 - nbytes / FIRST_BUCKET), 4 * nbytes * MEM_SECONDS_PER_BYTE
+
+    def synced_matrix(self, vid: int, srcs: tuple[NdSbp, ...], dsts: tuple[NdSbp, ...]) -> tuple[np.ndarray,
+                                                                                                  np.ndarray]:
+        """For each pair of ``srcs`` x ``dsts`` that is a gradient all-reduce, :meth:`synced`'s two times; zeros
+        elsewhere. Two arrays of shape (len(srcs), len(dsts))."""
+        v = self.g.values[vid]
+        key = ("synced", v.shape, v.dtype, v.placement, srcs, dsts)
+        found = self._matrices.get(key)
+        if found is None:
+            pairs = [[self.synced(vid, s, t) if gradient_all_reduce(s, t) else (0.0, 0.0) for t in dsts]
+                     for s in srcs]
+            found = self._matrices[key] = np.array(pairs).transpose(2, 0, 1)
+        return found[0], found[1]
 
     def matrix(self, vid: int, srcs: tuple[NdSbp, ...], dsts: tuple[NdSbp, ...]) -> np.ndarray:
         """Boxing times of value ``vid`` from each of ``srcs`` to each of ``dsts``, shape (len(srcs), len(dsts));
@@ -206,6 +246,12 @@ class _Costs:
     def _local(self, vid: int, sbp: NdSbp) -> tuple[int, ...]:
         v = self.g.values[vid]
         return shard_shape(v.shape, v.placement, sbp, v.placement.flat_ranks[0])
+
+
+def solo_bytes(model: boxing.CostModel, placement: Any) -> int:
+    """The bytes from which graph.bucket sends a gradient on ``placement`` alone (its ``solo_bytes``, which takes
+    the all-reduce's plan node): where copying it into a bucket would take longer than a collective's latency."""
+    return int(model.link(placement.type, tuple(placement.flat_ranks)).alpha / MEM_SECONDS_PER_BYTE)
 
 
 def flops(name: str, local_in: Sequence[tuple[int, ...]], out_numel: int) -> int:
@@ -379,11 +425,12 @@ class _Problem:
         for count, vid, n, i, _, _, sync in self.groups:
             src = self._sbp_out(vid, choice)
             dst = self.choices[n.id][choice[n.id]].ins[i] if n.kind == "op" else self.in_options(n, i)[0][0]
-            seconds = count * self.costs.boxing(self.root(vid), src, dst)
             if sync and gradient_all_reduce(src, dst):
-                hidden += seconds
+                comm, copies = self.costs.synced(self.root(vid), src, dst)
+                hidden += count * comm
+                total += count * copies
             else:
-                total += seconds
+                total += count * self.costs.boxing(self.root(vid), src, dst)
         return total + max(0.0, hidden - cover)
 
     def _sbp_out(self, vid: int, choice: dict[int, int]) -> NdSbp:
@@ -471,7 +518,12 @@ def _solve_ilp(p: _Problem, time_limit: float) -> tuple[dict[int, int] | None, i
         in_sbps, in_of = p.in_options(n, i)
         a, b = len(out_sbps), len(in_sbps)
         matrix = count * p.costs.matrix(p.root(vid), out_sbps, in_sbps)  # (a, b)
-        hidden = matrix * _all_reduce_mask(out_sbps, in_sbps) if sync else np.zeros_like(matrix)
+        hidden = np.zeros_like(matrix)
+        if sync:  # gradient all-reduces as buckets send them (see _Costs.synced)
+            comm, copies = p.costs.synced_matrix(p.root(vid), out_sbps, in_sbps)
+            mask = _all_reduce_mask(out_sbps, in_sbps) > 0
+            hidden = count * comm
+            matrix = np.where(mask, hidden + count * copies, matrix)
         if a == 1 and b == 1:
             prog.hidden_constant += float(hidden[0, 0])  # both ends fixed: a constant cost (the rest is moot)
         elif b == 1:  # the consumer is fixed: the cost is linear in the producer's choice
@@ -633,9 +685,10 @@ def _neighbourhood(solver: Any, lp: Any, x: np.ndarray, fixed: np.ndarray) -> np
 
     Why not the branch and bound over the whole program: it spends its time at the root (cuts, heuristics,
     strong branching), about 0.9 s a solve for a 24-layer GPT, although it ends within a few nodes. This program
-    has a few dozen free choices, and HiGHS's presolve removes the fixed rest: about 0.1 s. On the compile
-    benchmark's GPTs (dp=2 and dp=2 x tp=2, 2, 4, 12 and 24 layers) it found the whole program's plan, or (4
-    layers, dp=2 x tp=2) a cheaper one, as the sweeps over mesh axes went differently.
+    has a few dozen free choices, and HiGHS's presolve removes the fixed rest: about 0.1 s. Where measured
+    (tests/sim/test_graph_select.py; the compile benchmark's GPTs, 2 to 24 layers, before small gradients were
+    priced as bucketed) it found the whole program's plan, or one within 0.01 % of its estimated time; without
+    the twins, one 0.04 % dearer on the 12-layer dp=2 GPT.
     """
     lower, upper = np.array(lp.col_lower_, dtype=float), np.array(lp.col_upper_, dtype=float)
     lower[fixed] = upper[fixed] = np.round(x[fixed])
