@@ -13,7 +13,7 @@ Compile times: each compile runs in a fresh process (cold planner and candidate 
 medians. Per pass the wall clock and, in total, the CPU time of the process: on a machine shared with other
 jobs the wall clock waits for a core, CPU time does not. ``ilp-unmerged`` rows give every node its own
 variables (the selection before repeated layers were tied), measured in the same run at the depths of
-``--unmerged-layers`` (4 by default: at 24 layers they take minutes).
+``--unmerged-layers`` (24 by default).
 """
 
 from __future__ import annotations
@@ -258,10 +258,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--layers", default="2,4,12,24", help="GPT depths for the compile-time table")
     parser.add_argument("--repeats", type=int, default=3, help="fresh-process compiles per compile-table row")
-    parser.add_argument("--unmerged-layers", default="4",
-                        help="GPT depths for the ilp-unmerged rows (one compile each; empty for none). Without tied "
-                             "layers the overlap of all-reduces with backward is a knapsack over every layer's "
-                             "choices: about 10 s at 4 layers, minutes at 24")
+    parser.add_argument("--unmerged-layers", default="24",
+                        help="GPT depths for the ilp-unmerged rows (one compile each; empty for none): about 1 s and "
+                             "3.5 s at 24 layers, but minutes where the overlap of gradient all-reduces with backward "
+                             "binds (slow links): the program is then a knapsack over every layer's choices")
     parser.add_argument("--compile-only", action="store_true",
                         help="measure only the compile table; a written section keeps the step times it had")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # LAYERS:SPEC:METHOD, one compile, JSON out
