@@ -12,7 +12,8 @@ benchmarks/eager_overhead.py), on one rank.
 Compile times: each compile runs in a fresh process (cold planner and candidate caches, imports done), repeated,
 medians. Per pass the wall clock and, in total, the CPU time of the process: on a machine shared with other
 jobs the wall clock waits for a core, CPU time does not. ``ilp-unmerged`` rows give every node its own
-variables (the selection before repeated layers were tied), measured in the same run.
+variables (the selection before repeated layers were tied), measured in the same run at the depths of
+``--unmerged-layers`` (24 by default).
 """
 
 from __future__ import annotations
@@ -195,15 +196,16 @@ def compile_row(n_layer: int, spec: str, method: str, repeats: int) -> str:
             f"{statistics.median(r['cpu'] for r in runs):.2f} | {first['vs_greedy']:.3f} |")
 
 
-def compile_table(layers: list[int], repeats: int) -> list[str]:
+def compile_table(layers: list[int], repeats: int, unmerged: list[int]) -> list[str]:
     lines = ["| layers | strategy | selection | logical nodes | physical nodes | ILP classes | ILP variables | "
              "trace | sbp selection | lowering | verify | total (wall) | total (CPU) | cost vs greedy |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for n_layer in layers:
         for spec in ("dp=2", "dp=2,tp=2"):
             lines.append(compile_row(n_layer, spec, "ilp", repeats))
-    for spec in ("dp=2", "dp=2,tp=2"):  # the per-node program, for comparison (slow: once)
-        lines.append(compile_row(max(layers), spec, "ilp-unmerged", 1))
+    for n_layer in unmerged:  # the per-node program, for comparison (slow: once)
+        for spec in ("dp=2", "dp=2,tp=2"):
+            lines.append(compile_row(n_layer, spec, "ilp-unmerged", 1))
     return lines
 
 
@@ -256,6 +258,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--layers", default="2,4,12,24", help="GPT depths for the compile-time table")
     parser.add_argument("--repeats", type=int, default=3, help="fresh-process compiles per compile-table row")
+    parser.add_argument("--unmerged-layers", default="24",
+                        help="GPT depths for the ilp-unmerged rows (one compile each; empty for none): about 1 s and "
+                             "3.5 s at 24 layers, but minutes where the overlap of gradient all-reduces with backward "
+                             "binds (slow links): the program is then a knapsack over every layer's choices")
     parser.add_argument("--compile-only", action="store_true",
                         help="measure only the compile table; a written section keeps the step times it had")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # LAYERS:SPEC:METHOD, one compile, JSON out
@@ -275,7 +281,8 @@ def main() -> None:
               "seconds, what the wall clock would read on an idle core. ILP classes: the op nodes' classes after "
               "tying repeated layers (the program's choices); cost vs greedy: the selected plan's estimated step "
               "time over the greedy (traced) plan's.", ""]
-    lines += compile_table([int(x) for x in args.layers.split(",")], args.repeats)
+    unmerged = [int(x) for x in args.unmerged_layers.split(",") if x]
+    lines += compile_table([int(x) for x in args.layers.split(",")], args.repeats, unmerged)
     text = "\n".join(lines)
     print(text)
     if args.write:

@@ -8,8 +8,9 @@ the producer's and the consumer's choices (with one-hot choices the coupling is 
 continuous). Ops cost their local compute (a roofline: bytes moved through memory, or FLOPs for matmuls and
 attention where those take longer), so a replicated signature pays for doing everything everywhere: a weight
 gradient computed whole on every rank as much as one summed from halves and all-reduced. Gradient all-reduces
-(P(sum) -> B of whole tensors, read by the optimizer) go out in buckets during backward (graph.bucket), so they
-cost only what backward's compute does not cover. The objective is the step's estimated time.
+(P(sum) -> B of whole tensors, read by the optimizer) go out in buckets during backward (graph.bucket), so small
+ones share a bucket's latency, and together they cost only what backward's compute does not cover. The
+objective is the step's estimated time.
 
 The eager, greedy choice (made while tracing, op by op in program order) is the baseline: its cost is
 evaluated in the same model, and the solver's result is kept only when it is not worse.
@@ -149,6 +150,7 @@ class _Costs:
         self._boxing: dict[Any, float] = {}
         self._compute: dict[Any, float] = {}
         self._matrices: dict[Any, np.ndarray] = {}
+        self._latency: dict[Any, float] = {}
         self._node_keys: dict[int, Any] = {}  # op node id -> what its compute cost depends on, besides the choice
 
     def boxing(self, vid: int, src: NdSbp, dst: NdSbp) -> float:
@@ -164,6 +166,44 @@ class _Costs:
             # a tiny tie-break, as the planner's: of equal times, moving nothing wins
             cost = self._boxing[key] = seconds + 1e-9
         return cost
+
+    def synced(self, vid: int, src: NdSbp, dst: NdSbp) -> tuple[float, float]:
+        """A gradient's all-reduce ``src -> dst`` (:func:`gradient_all_reduce`) as graph.bucket sends it: (its
+        time on the communication stream, the time its bucket's copies take on the compute stream).
+
+        A gradient of at least ``solo_bytes`` goes out alone: the planner's time. A smaller one shares a bucket
+        with others (DDP's 1 MiB first, then bigger), so it pays a latency only in proportion to its share of a
+        first bucket's bytes, plus its copies into and out of the flat buffer (each a read and a write). Priced
+        per tensor, a data-parallel step's dozens of small gradients (biases, norms) each paid a whole latency, and
+        the selection computed weight gradients whole on every rank to avoid them.
+        """
+        from .bucket import FIRST_BUCKET  # bucket.py imports this module
+
+        v = self.g.values[vid]
+        seconds = self.boxing(vid, src, dst)
+        nbytes = _numel(v.shape) * _itemsize(v)
+        if nbytes >= solo_bytes(self.model, v.placement):
+            return seconds, 0.0
+        key = (v.dtype, v.placement, src, dst)
+        latency = self._latency.get(key)
+        if latency is None:
+            with boxing.target_factors(self.factors):
+                latency = self._latency[key] = transition_time((1,), v.dtype, Layout(v.placement, src),
+                                                               Layout(v.placement, dst), self.model)
+        return seconds - latency * (1 - nbytes / FIRST_BUCKET), 4 * nbytes * MEM_SECONDS_PER_BYTE
+
+    def synced_matrix(self, vid: int, srcs: tuple[NdSbp, ...], dsts: tuple[NdSbp, ...]) -> tuple[np.ndarray,
+                                                                                                  np.ndarray]:
+        """For each pair of ``srcs`` x ``dsts`` that is a gradient all-reduce, :meth:`synced`'s two times; zeros
+        elsewhere. Two arrays of shape (len(srcs), len(dsts))."""
+        v = self.g.values[vid]
+        key = ("synced", v.shape, v.dtype, v.placement, srcs, dsts)
+        found = self._matrices.get(key)
+        if found is None:
+            pairs = [[self.synced(vid, s, t) if gradient_all_reduce(s, t) else (0.0, 0.0) for t in dsts]
+                     for s in srcs]
+            found = self._matrices[key] = np.array(pairs).transpose(2, 0, 1)
+        return found[0], found[1]
 
     def matrix(self, vid: int, srcs: tuple[NdSbp, ...], dsts: tuple[NdSbp, ...]) -> np.ndarray:
         """Boxing times of value ``vid`` from each of ``srcs`` to each of ``dsts``, shape (len(srcs), len(dsts));
@@ -206,6 +246,12 @@ class _Costs:
     def _local(self, vid: int, sbp: NdSbp) -> tuple[int, ...]:
         v = self.g.values[vid]
         return shard_shape(v.shape, v.placement, sbp, v.placement.flat_ranks[0])
+
+
+def solo_bytes(model: boxing.CostModel, placement: Any) -> int:
+    """The bytes from which graph.bucket sends a gradient on ``placement`` alone (its ``solo_bytes``, which takes
+    the all-reduce's plan node): where copying it into a bucket would take longer than a collective's latency."""
+    return int(model.link(placement.type, tuple(placement.flat_ranks)).alpha / MEM_SECONDS_PER_BYTE)
 
 
 def flops(name: str, local_in: Sequence[tuple[int, ...]], out_numel: int) -> int:
@@ -283,8 +329,9 @@ class _Problem:
         self.size: dict[int, int] = {}  # class -> how many nodes it ties
         self.backward: dict[int, int] = {}  # class -> how many of its nodes run in backward
         self.groups: list[Group] = []
+        self.reads: list[Read] = []
         if like is not None:  # these do not depend on the choices: share them
-            self.alias, self.size, self.backward = like.alias, like.size, like.backward
+            self.alias, self.size, self.backward, self.reads = like.alias, like.size, like.backward, like.reads
         else:
             for n in g.nodes:
                 if n.kind in ("accumulate", "pack"):
@@ -293,6 +340,7 @@ class _Problem:
                 self.size[rep] = self.size.get(rep, 0) + 1
             for nid in backward_nodes(g):
                 self.backward[classes[nid]] = self.backward.get(classes[nid], 0) + 1
+            self.reads = self._reads()
         self.groups = self._edge_groups()
 
     def root(self, vid: int) -> int:
@@ -324,6 +372,23 @@ class _Problem:
             found = self._options[key] = _options([c.ins[i] for c in self.choices[n.id]])
         return found
 
+    def _reads(self) -> list[Read]:
+        """Every read that may need boxing, with what does not depend on the choices: (value id, consumer, input
+        index, the producer's class and output or its fixed SBP, the value's metadata, whether it is a gradient's
+        read by the optimizer)."""
+        out = []
+        late = late_readers(self.g)
+        for n in self.g.nodes:
+            if n.kind not in ("op", "to_global", "assign", "output"):
+                continue
+            for i, vid in enumerate(n.inputs):
+                root = self.g.values[self.root(vid)]
+                producer = self.g.nodes[root.producer]
+                src = ("op", self.classes[producer.id], root.index) if producer.kind == "op" else ("fixed", root.sbp)
+                sync = n.id in late and producer.phase == "micro"
+                out.append((vid, n, i, src, (root.shape, root.dtype, root.placement), sync))
+        return out
+
     def _edge_groups(self) -> list[Group]:
         """Every read that may need boxing, merged where tied nodes make reads cost alike: (count, value id,
         consumer, input index, producer class, consumer class, whether it is a gradient's read by the optimizer),
@@ -334,27 +399,19 @@ class _Problem:
         fused node (an optimizer's update of every gradient) merge as well as the reads of repeated layers.
         """
         groups: dict[Any, list[Any]] = {}
-        late = late_readers(self.g)
-        for n in self.g.nodes:
-            if n.kind not in ("op", "to_global", "assign", "output"):
-                continue
-            for i, vid in enumerate(n.inputs):
-                root = self.g.values[self.root(vid)]
-                producer = self.g.nodes[root.producer]
-                src = ("op", self.classes[producer.id], root.index) if producer.kind == "op" else ("fixed", root.sbp)
-                if n.kind == "op":
-                    sbps, of = self.in_options(n, i)
-                    dst: tuple[Any, ...] = ("op", self.classes[n.id], sbps, of.tobytes())
-                else:
-                    dst = ("fixed", self.in_options(n, i)[0][0])
-                sync = n.id in late and producer.phase == "micro"
-                key = (src, dst, root.shape, root.dtype, root.placement, sync)
-                found = groups.get(key)
-                if found is None:
-                    groups[key] = [1, vid, n, i, src[1] if src[0] == "op" else None, dst[1] if dst[0] == "op" else None,
-                                   sync]
-                else:
-                    found[0] += 1
+        for vid, n, i, src, meta, sync in self.reads:
+            if n.kind == "op":
+                sbps, of = self.in_options(n, i)
+                dst: tuple[Any, ...] = ("op", self.classes[n.id], sbps, of.tobytes())
+            else:
+                dst = ("fixed", self.in_options(n, i)[0][0])
+            key = (src, dst, meta, sync)
+            found = groups.get(key)
+            if found is None:
+                groups[key] = [1, vid, n, i, src[1] if src[0] == "op" else None, dst[1] if dst[0] == "op" else None,
+                               sync]
+            else:
+                found[0] += 1
         return [tuple(v) for v in groups.values()]  # type: ignore[misc]
 
     def cost_of(self, choice: dict[int, int]) -> float:
@@ -368,11 +425,12 @@ class _Problem:
         for count, vid, n, i, _, _, sync in self.groups:
             src = self._sbp_out(vid, choice)
             dst = self.choices[n.id][choice[n.id]].ins[i] if n.kind == "op" else self.in_options(n, i)[0][0]
-            seconds = count * self.costs.boxing(self.root(vid), src, dst)
             if sync and gradient_all_reduce(src, dst):
-                hidden += seconds
+                comm, copies = self.costs.synced(self.root(vid), src, dst)
+                hidden += count * comm
+                total += count * copies
             else:
-                total += seconds
+                total += count * self.costs.boxing(self.root(vid), src, dst)
         return total + max(0.0, hidden - cover)
 
     def _sbp_out(self, vid: int, choice: dict[int, int]) -> NdSbp:
@@ -385,6 +443,7 @@ class _Problem:
 
 
 Group = tuple[int, int, LNode, int, int | None, int | None, bool]
+Read = tuple[int, LNode, int, tuple[Any, ...], tuple[Any, ...], bool]
 
 
 def backward_nodes(g: LogicalGraph) -> list[int]:
@@ -441,8 +500,12 @@ def _solve_ilp(p: _Problem, time_limit: float) -> tuple[dict[int, int] | None, i
     first: dict[int, int] = {}  # class -> its first choice column
     choice_cost: list[float] = []
     cover: list[float] = []
+    twins: list[Any] = []  # per choice column, what makes it a twin of another class's (see _neighbourhood)
     for rep in sorted(p.size):
         first[rep] = len(choice_cost)
+        # backward's ops trade compute for the cover of gradient all-reduces: like ones are interchangeable there
+        kind = signature_key(p.g, p.g.nodes[rep]) if p.backward.get(rep) else rep
+        twins += [(kind, c) for c in p.choices[rep]]
         seconds = [p.costs.compute(p.g.nodes[rep], c) for c in p.choices[rep]]
         choice_cost += [p.size[rep] * t for t in seconds]
         cover += [HIDDEN_SHARE * p.backward.get(rep, 0) * t for t in seconds]
@@ -455,7 +518,12 @@ def _solve_ilp(p: _Problem, time_limit: float) -> tuple[dict[int, int] | None, i
         in_sbps, in_of = p.in_options(n, i)
         a, b = len(out_sbps), len(in_sbps)
         matrix = count * p.costs.matrix(p.root(vid), out_sbps, in_sbps)  # (a, b)
-        hidden = matrix * _all_reduce_mask(out_sbps, in_sbps) if sync else np.zeros_like(matrix)
+        hidden = np.zeros_like(matrix)
+        if sync:  # gradient all-reduces as buckets send them (see _Costs.synced)
+            comm, copies = p.costs.synced_matrix(p.root(vid), out_sbps, in_sbps)
+            mask = _all_reduce_mask(out_sbps, in_sbps) > 0
+            hidden = count * comm
+            matrix = np.where(mask, hidden + count * copies, matrix)
         if a == 1 and b == 1:
             prog.hidden_constant += float(hidden[0, 0])  # both ends fixed: a constant cost (the rest is moot)
         elif b == 1:  # the consumer is fixed: the cost is linear in the producer's choice
@@ -467,11 +535,17 @@ def _solve_ilp(p: _Problem, time_limit: float) -> tuple[dict[int, int] | None, i
         else:
             prog.add_edge(matrix, hidden, first[src] + np.arange(len(out_of)), out_of,  # type: ignore[index]
                           first[dst] + np.arange(len(in_of)), in_of)  # type: ignore[index]
-    x = _highs(*prog.arrays(), time_limit)
+    x = _highs(*prog.arrays(), _intern(twins), time_limit)
     if x is None:
         return None, prog.n_col
     picked = {rep: int(np.argmax(x[first[rep]:first[rep] + len(p.choices[rep])])) for rep in p.size}
     return {nid: picked[rep] for nid, rep in p.classes.items()}, prog.n_col
+
+
+def _intern(keys: list[Any]) -> np.ndarray:
+    """Each key -> a small int, equal keys equal ints."""
+    table: dict[Any, int] = {}
+    return np.array([table.setdefault(k, len(table)) for k in keys], dtype=np.int64)
 
 
 def _all_reduce_mask(srcs: tuple[NdSbp, ...], dsts: tuple[NdSbp, ...]) -> np.ndarray:
@@ -551,12 +625,15 @@ def _columnwise(rows: np.ndarray, cols: np.ndarray, vals: np.ndarray,
 
 
 def _highs(cost: np.ndarray, matrix: tuple[np.ndarray, np.ndarray, np.ndarray], lo: np.ndarray, hi: np.ndarray,
-           upper: np.ndarray, n_choice: int, time_limit: float) -> np.ndarray | None:
+           upper: np.ndarray, n_choice: int, twins: np.ndarray, time_limit: float) -> np.ndarray | None:
     """Minimises ``cost @ x`` over ``lo <= matrix @ x <= hi`` (``matrix`` by columns) and ``0 <= x <= upper``,
     the first ``n_choice`` columns binary; returns x, or None when no solution was found.
 
-    The relaxation is solved first: one-hot choices with marginal-coupled edges make it integral as a rule
-    (the tree's only node), so the branch and bound runs only when some choice comes out fractional.
+    The relaxation is solved first: one-hot choices with marginal-coupled edges make it integral as a rule, and
+    then it is the answer. The column of uncovered gradient all-reduces couples every choice; where it binds
+    (the all-reduces just covered) the relaxation mixes two plans, and an integer program over the mixed choices
+    and their twins (``twins``: an id per choice column, see :func:`_neighbourhood`) picks among them. Only when
+    that finds nothing does the branch and bound cover the whole program.
     """
     import highspy
 
@@ -574,15 +651,48 @@ def _highs(cost: np.ndarray, matrix: tuple[np.ndarray, np.ndarray, np.ndarray], 
     solver.setOptionValue("time_limit", float(time_limit))
     solver.passModel(lp)
     solver.run()
-    if solver.getModelStatus() == highspy.HighsModelStatus.kOptimal:
-        x = np.array(solver.getSolution().col_value)
-        if np.all(np.minimum(x[:n_choice], 1 - x[:n_choice]) <= 1e-7):
-            return x
     lp.integrality_ = [highspy.HighsVarType.kInteger] * n_choice + \
         [highspy.HighsVarType.kContinuous] * (len(cost) - n_choice)
-    # the MIP presolve costs more than it saves here (24-layer dp2 x tp2 GPT: 3.8 s of selection without it
-    # off, 2.3 s with it off, the same plan): the relaxation is tight and branching ends within a few nodes
+    if solver.getModelStatus() == highspy.HighsModelStatus.kOptimal:
+        x = np.array(solver.getSolution().col_value)
+        whole = np.minimum(x[:n_choice], 1 - x[:n_choice]) <= 1e-7
+        if whole.all():
+            return x
+        found = _neighbourhood(solver, lp, x, np.flatnonzero(~np.isin(twins, twins[~whole])))
+        if found is not None:
+            return found
+        lp.col_lower_, lp.col_upper_ = np.zeros(len(cost)), upper
+    # the MIP presolve costs more than it saves on the whole program (24-layer dp2 x tp2 GPT: 3.8 s of selection
+    # with it, 2.3 s without, the same plan)
     solver.setOptionValue("presolve", "off")
+    solver.passModel(lp)
+    solver.run()
+    if not solver.getSolution().value_valid:
+        return None
+    return np.array(solver.getSolution().col_value)
+
+
+def _neighbourhood(solver: Any, lp: Any, x: np.ndarray, fixed: np.ndarray) -> np.ndarray | None:
+    """The integer program ``lp`` with the choice columns ``fixed`` held at their values in the relaxation's
+    solution ``x``; its solution, or None where it has none.
+
+    This is RENS (relaxation-induced neighbourhood search) widened by twins. Where the coupling column binds,
+    the relaxation mixes a plan whose all-reduces are not covered with one that covers them by doing more of
+    backward's work on every rank (a weight gradient computed whole rather than summed from halves); the
+    optimum trades a few such choices against each other, like items of a knapsack. The free choices are the
+    mixed ones and the same choices of their twins: backward's classes of the same op on the same shapes
+    (another layer's or another projection's weight gradient), which the relaxation could have mixed instead.
+
+    Why not the branch and bound over the whole program: it spends its time at the root (cuts, heuristics,
+    strong branching), about 0.9 s a solve for a 24-layer GPT, although it ends within a few nodes. This program
+    has a few dozen free choices, and HiGHS's presolve removes the fixed rest: about 0.1 s. Where measured
+    (tests/sim/test_graph_select.py; the compile benchmark's GPTs, 2 to 24 layers, before small gradients were
+    priced as bucketed) it found the whole program's plan, or one within 0.01 % of its estimated time; without
+    the twins, one 0.04 % dearer on the 12-layer dp=2 GPT.
+    """
+    lower, upper = np.array(lp.col_lower_, dtype=float), np.array(lp.col_upper_, dtype=float)
+    lower[fixed] = upper[fixed] = np.round(x[fixed])
+    lp.col_lower_, lp.col_upper_ = lower, upper
     solver.passModel(lp)
     solver.run()
     if not solver.getSolution().value_valid:
