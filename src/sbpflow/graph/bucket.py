@@ -37,7 +37,7 @@ from .. import boxing
 from ..sbp import Split
 from .lower import registers, stream_of
 from .physical import Buf, PhysicalPlan, PNode
-from .select import MEM_SECONDS_PER_BYTE
+from .select import solo_bytes as select_solo_bytes
 
 FIRST_BUCKET = 1 << 20  # DDP's first bucket (torch.distributed's _DEFAULT_FIRST_BUCKET_BYTES)
 LATENCY_SHARE = 0.05  # a bucket's latency at most this share of its transfer time (see the cap, above)
@@ -80,8 +80,9 @@ def bucket_cap(model: boxing.CostModel, n: PNode) -> int:
 
 def solo_bytes(model: boxing.CostModel, n: PNode) -> int:
     """A gradient of at least these bytes goes out alone: copying it into a bucket would cost more than the
-    collective's latency that sharing saves."""
-    return int(_link(model, n).alpha / MEM_SECONDS_PER_BYTE)
+    collective's latency that sharing saves (the SBP selection prices gradients by the same rule)."""
+    assert n.boxing is not None
+    return select_solo_bytes(model, n.boxing.src.placement)
 
 
 def _link(model: boxing.CostModel, n: PNode) -> boxing.LinkCost:
