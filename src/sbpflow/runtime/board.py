@@ -143,8 +143,15 @@ class Actor:
     gathers: bool = field(init=False)  # accumulate or pack: m reads, one write (checked on every act)
     # Precomputed by Board once wired, so that the per-act checks walk plain lists:
     fed: list[InEdge] = field(default_factory=list)  # inputs written by an actor of this process
-    edges: list[InEdge] = field(default_factory=list)  # inputs and controls written here: what an act releases
     blocked: bool = False  # an input nobody writes (a corrupt plan): never ready
+    # fed inputs with an empty queue (+1 if blocked): the next step's inputs are all there when it is 0. Kept by
+    # every send (a slot into an empty queue: -1) and every release (a queue emptied: +1), so that a check is O(1)
+    # (an optimizer update reads 100+ buffers, and is woken by each of them)
+    missing: int = 0
+    arity: int = -1  # len(inputs) when every input is fed (the usual case: Board.play reads them without a loop)
+    codes: tuple[int, ...] | None = None  # Board.play's heap entry per step: key * len(plan.nodes) + position
+    sources: list[Actor] | None = None  # Board.play: the run of variables this one leads (see Board._group_sources)
+    led: bool = False  # a variable acted by the run's leader, never offered on its own by Board.play
     comm: bool = False  # on a communication lane (acts in its stream's fixed order)
     signals: bool = False  # CUDA threads: a reader on another stream waits for this actor's event
     # set by the runtime for a run: the node's bound kernel, ``run(inputs, state, step)``, when an act needs nothing
@@ -214,8 +221,8 @@ class Board:
             self._set_keys(producers)
         for actor in self.actors:
             actor.fed = [e for e in actor.inputs if e.producer is not None and not e.orphan]
-            actor.edges = [e for e in actor.inputs + actor.controls if e.producer is not None]
             actor.blocked = any(e.orphan for e in actor.inputs)
+            actor.arity = len(actor.inputs) if len(actor.fed) == len(actor.inputs) else -1
         for reg in self.registers.values():
             reg.sizes = tuple(reg.bytes_by_rank.items())
         self.resident = self._resident_bytes()
@@ -229,6 +236,16 @@ class Board:
         self.heads = dict.fromkeys(comm_lanes, 0)  # play(): the next act of each comm stream
         self.failed: tuple[Actor, int] | None = None  # play(): the act whose exception ended it
         self.count = len(self.actors)
+        self._idle = sum(1 for a in self.actors if a.steps == 0)  # done before they start (no micro-batches)
+        self._register_num = {b: r.capacity for b, r in self.registers.items()}
+        span = len(plan.nodes)
+        for actor in self.actors:
+            if actor.keys is not None:
+                actor.codes = tuple(key * span + actor.position for key in actor.keys)
+        self._by_position: list[Actor | None] = [None] * span
+        for actor in self.actors:
+            self._by_position[actor.position] = actor
+        self._group_sources()
 
     # -- construction -------------------------------------------------------------------------------
 
@@ -246,6 +263,25 @@ class Board:
             reg.watch = tuple(name for name, bufs in self.plan.watch.items() if b in bufs)
             self.registers[b] = reg
             actor.outputs.append(reg)
+
+    def _group_sources(self) -> None:
+        """Runs of variables next to each other in the plan, on one lane: :meth:`play` acts each run as one pick.
+
+        A variable has no input and acts once, so all of a run are ready from the start, and no actor of this
+        process sits between them in priority: play would pick them one after the other anyway (a variable's
+        readers come after it in the plan). One pick for the run leaves the schedule, the messages and the
+        counts as they were; it saves a heap entry and the general act's checks per variable (an optimizer's
+        step reads a hundred of them: its parameters and their moments)."""
+        run: list[Actor] = []
+        for actor in [*self.actors, None]:
+            if actor is not None and _plain_source(actor) and (not run or actor.lane == run[0].lane):
+                run.append(actor)
+                continue
+            if len(run) > 1:
+                run[0].sources = run
+                for follower in run[1:]:
+                    follower.led = True
+            run = [actor] if actor is not None and _plain_source(actor) else []
 
     def _set_keys(self, producers: dict[int, int]) -> None:
         """Each step's pipeline priority; accumulate/pack take the priority of the node feeding them."""
@@ -299,21 +335,31 @@ class Board:
     # -- one run ---------------------------------------------------------------------------------
 
     def reset(self) -> None:
-        """Empties every queue and frees every slot, for a new run."""
+        """Empties every queue and frees every slot, for a new run.
+
+        After a run that ended with every actor done they are so already (each slot was read and freed, every
+        queue emptied): only the steps and the peaks start again."""
+        settled = self.finished == self.count and self.failed is None and self._stats.acts > 0
         for actor in self.actors:
-            actor.step, actor.busy, actor.partial = 0, False, None
-            for edge in actor.inputs + actor.controls:
-                edge.queue.clear()
-                edge.reads = 0
+            actor.step, actor.partial = 0, None
+        if not settled:
+            for actor in self.actors:
+                actor.busy = False
+                actor.missing = len(actor.fed) + actor.blocked
+                for edges in (actor.inputs, actor.controls):
+                    for edge in edges:
+                        edge.queue.clear()
+                        edge.reads = 0
+            for reg in self.registers.values():
+                reg.free = reg.capacity
         for reg in self.registers.values():
-            reg.free, reg.peak = reg.capacity, 0
+            reg.peak = 0
         self._unsettled = None  # the last run's log: its counts went with its Stats
         self._live_bytes = dict(self.resident)
         self.watch_live = {name: dict.fromkeys(self.owned_ranks, 0) for name in self.plan.watch}
-        self._stats = Stats(peak_bytes=dict(self.resident),
-                           register_num={b: r.capacity for b, r in self.registers.items()},
-                           watch_peak={name: dict.fromkeys(self.owned_ranks, 0) for name in self.plan.watch})
-        self.finished = sum(1 for a in self.actors if a.steps == 0)
+        self._stats = Stats(peak_bytes=dict(self.resident), register_num=dict(self._register_num),
+                            watch_peak={name: dict.fromkeys(self.owned_ranks, 0) for name in self.plan.watch})
+        self.finished = self._idle
         self.heads = dict.fromkeys(self.streams, 0)
         self.failed = None
 
@@ -328,66 +374,119 @@ class Board:
         The same messages as :meth:`take` and :meth:`finish`, written out in one loop (this is the runtime's hot
         path on one thread: a call costs as much as a message here). One heap holds every ready act (a comm
         stream offers only its head); priorities are unique (one entry per actor, positions differ), so actors
-        are never compared. Live bytes are logged per claim and free and summed when first read (:attr:`stats`,
-        :attr:`live_bytes`; :meth:`_count_bytes`): the same peaks as counting on every claim.
+        are never compared. An actor is offered to the heap only when a message may have made it ready: its
+        last missing input arrived (:attr:`Actor.missing` fell to 0), a register of its went from full to one
+        free slot, a control token came, its own act ended, or its comm stream's turn came to it. Live bytes are
+        logged per claim and free and summed when first read (:attr:`stats`, :attr:`live_bytes`;
+        :meth:`_count_bytes`): the same peaks as counting on every claim.
         """
-        heap: list[tuple[int, int, int, Actor]] = []
-        streams, heads, ready, push, pop = self.streams, self.heads, self.ready, heapq.heappush, heapq.heappop
-        stats, peak_slots = self._stats, self._stats.peak_slots
+        heap: list[int] = []  # codes (key * span + position): unique, as one actor is in the heap at most once
+        streams, heads, push, pop = self.streams, self.heads, heapq.heappush, heapq.heappop
+        by_position, span = self._by_position, len(self._by_position)
+        peak_slots = self._stats.peak_slots
         log: list[Any] = []  # claims (and frees, as their register's ``release`` twin) with bytes
-        woken: list[Actor] = []  # per act: who may be ready now (one list, cleared: fewer objects for the GC)
-        claimed, freed = log.append, log.append
+        note = log.append
+        acts = finished = 0
 
         def offer(actor: Actor) -> None:
-            """Queues ``actor`` if it can act: :meth:`ready` written out (callers checked busy and done)."""
+            """Queues ``actor`` if it can act (callers checked busy and done): :meth:`ready` written out."""
+            if actor.missing:
+                return
             if actor.comm:
                 seq, i = streams[actor.lane], heads[actor.lane]
                 if i >= len(seq) or seq[i][0] is not actor:
                     return
-            if actor.blocked:
-                return
-            for edge in actor.fed:
-                if not edge.queue:
-                    return
-            if actor.controls and not ready(actor):
-                return
             step = actor.step
+            for edge in actor.controls:
+                if len(edge.queue) < edge.tokens_needed():
+                    return
             if not actor.gathers or step == 0:
                 for reg in actor.outputs:
                     if reg.free <= 0:
                         return
             actor.busy = True
-            push(heap, (actor.keys[step] if actor.keys is not None else 0, actor.position, step, actor))
+            push(heap, actor.codes[step] if actor.codes is not None else actor.position)
+
+        def send(reg: RegisterState, value: Any, micro: int) -> None:
+            """A written slot to the register's readers (the main loop below writes this out)."""
+            readers = reg.readers
+            if not readers:
+                reg.free += 1  # nobody here reads it: the slot is free again at once
+                if reg.sizes:
+                    note(reg.release)
+                return
+            if reg.spare:
+                slot = reg.spare.pop()
+                slot.value, slot.micro, slot.reads_left = value, micro, len(readers)
+            else:
+                slot = Slot(value, micro, len(readers), reg)
+            for edge in readers:
+                queue = edge.queue
+                queue.append(slot)
+                if len(queue) == 1:
+                    other = edge.consumer
+                    other.missing -= 1
+                    if not other.missing and not other.busy and other.step < other.steps:
+                        offer(other)
 
         for actor in self.actors:
-            if not actor.busy and actor.step < actor.steps:
+            if not actor.busy and actor.step < actor.steps and not actor.led:
                 offer(actor)
+        step = 0
         try:
             while heap:
-                _, _, step, actor = pop(heap)
-                # take: claim the output slots, read the inputs
-                gathers = actor.gathers
-                if not gathers or step == 0:
-                    for reg in actor.outputs:
+                actor = by_position[pop(heap) % span]  # type: ignore[assignment]  # only actors are pushed
+                step = actor.step
+                sources = actor.sources
+                if sources is not None:  # a run of variables (_group_sources): each one's act, in plan order
+                    for actor in sources:
+                        reg = actor.outputs[0]
                         reg.free -= 1
                         if reg.capacity - reg.free > reg.peak:
                             reg.peak = peak_slots[reg.buf] = reg.capacity - reg.free
                         if reg.sizes:
-                            claimed(reg)
-                inputs = [e.queue[0].value if e.producer is not None else {} for e in actor.inputs]
+                            note(reg)
+                        run = actor.run
+                        send(reg, (run([], state, 0) if run is not None else perform(actor, 0, []))[0], 0)
+                        actor.step, actor.busy = 1, False
+                    acts += len(sources)
+                    finished += len(sources)
+                    continue
+                # take: claim the output slots, read the inputs
+                gathers, outputs = actor.gathers, actor.outputs
+                if outputs and (not gathers or step == 0):
+                    for reg in outputs:
+                        reg.free -= 1
+                        if reg.capacity - reg.free > reg.peak:
+                            reg.peak = peak_slots[reg.buf] = reg.capacity - reg.free
+                        if reg.sizes:
+                            note(reg)
+                fed = actor.fed
+                arity = actor.arity
+                if arity == 0:
+                    inputs = []
+                elif arity == 1:
+                    inputs = [fed[0].queue[0].value]
+                elif arity == 2:
+                    inputs = [fed[0].queue[0].value, fed[1].queue[0].value]
+                else:
+                    inputs = [e.queue[0].value if e.producer is not None else {} for e in actor.inputs]
                 run = actor.run
                 values = run(inputs, state, step) if run is not None else perform(actor, step, inputs)
-                # finish: "ready" to the consumers, "free" to the producers
-                woken.clear()
-                woken.append(actor)
-                if not gathers or step == actor.steps - 1:
+                # finish: "ready" to the consumers, "free" to the producers; offers follow the messages that may
+                # make an actor ready (the module docstring's rules), after the state they read is written
+                if outputs and (not gathers or step == actor.steps - 1):
                     micro = 0 if gathers else step
-                    for reg, value in zip(actor.outputs, values, strict=True):
+                    if len(values) != len(outputs):
+                        raise ExecutionError(f"{actor.label()} returned {len(values)} values for its "
+                                             f"{len(outputs)} outputs")
+                    # zip(strict=True) costs more than this whole block for one output
+                    for reg, value in ((outputs[0], values[0]),) if len(outputs) == 1 else zip(outputs, values):
                         readers = reg.readers
                         if not readers:
                             reg.free += 1  # nobody here reads it: the slot is free again at once
                             if reg.sizes:
-                                freed(reg.release)
+                                note(reg.release)
                             continue
                         if reg.spare:  # a slot object its readers gave back: no allocation (nor garbage)
                             slot = reg.spare.pop()
@@ -395,45 +494,70 @@ class Board:
                         else:
                             slot = Slot(value, micro, len(readers), reg)
                         for edge in readers:
-                            edge.queue.append(slot)
-                            woken.append(edge.consumer)
+                            queue = edge.queue
+                            if queue:
+                                queue.append(slot)  # its consumer already had an input here: no change of state
+                                continue
+                            queue.append(slot)
+                            other = edge.consumer
+                            other.missing -= 1
+                            if not other.missing and not other.busy and other.step < other.steps:
+                                offer(other)
                 if actor.control_out:
                     for edge in actor.control_out:
                         edge.queue.append(Slot(None, step, 1, None))
-                        woken.append(edge.consumer)
-                for edge in actor.edges:
+                        other = edge.consumer
+                        if not other.busy and other.step < other.steps:
+                            offer(other)
+                for edge in fed:
                     if edge.reads_per_slot > 1:
                         edge.reads += 1
                         if edge.reads < edge.reads_per_slot:
                             continue
                         edge.reads = 0
-                    slot = edge.queue.popleft()
+                    queue = edge.queue
+                    slot = queue.popleft()
+                    if not queue:
+                        actor.missing += 1
                     slot.reads_left -= 1
-                    if slot.reads_left == 0 and slot.register is not None:
+                    if slot.reads_left == 0:
                         reg = slot.register
                         reg.free += 1
                         if reg.sizes:
-                            freed(reg.release)
-                        woken.append(reg.producer)
+                            note(reg.release)
                         slot.value = None  # the value may be freed now
                         reg.spare.append(slot)
-                actor.step = step + 1
+                        if reg.free == 1:  # was full: its producer may act again
+                            other = reg.producer
+                            if not other.busy and other.step < other.steps:
+                                offer(other)
+                for edge in actor.controls:
+                    if edge.reads_per_slot > 1:
+                        edge.reads += 1
+                        if edge.reads < edge.reads_per_slot:
+                            continue
+                        edge.reads = 0
+                    edge.queue.popleft()  # a control token: no register, no value
+                actor.step = step = step + 1
                 actor.busy = False
-                stats.acts += 1
-                if actor.step >= actor.steps:
-                    self.finished += 1
+                acts += 1
+                if step < actor.steps:
+                    offer(actor)
+                else:
+                    finished += 1
                 if actor.comm:
                     seq = streams[actor.lane]
                     i = heads[actor.lane] = heads[actor.lane] + 1
                     if i < len(seq):
-                        woken.append(seq[i][0])
-                for other in woken:
-                    if not other.busy and other.step < other.steps:  # most wake-ups end here, without a call
-                        offer(other)
+                        other = seq[i][0]
+                        if not other.busy and other.step < other.steps:
+                            offer(other)
         except BaseException:
             self.failed = (actor, step)
             raise
         finally:
+            self._stats.acts += acts
+            self.finished += finished
             self._unsettled = log  # counted when stats or live_bytes are read (most steps, nobody asks)
 
     def _count_bytes(self, log: list[Any]) -> None:
@@ -484,11 +608,8 @@ class Board:
 
     def ready(self, actor: Actor) -> bool:
         """Whether ``actor`` can act its next step now (see the module docstring)."""
-        if actor.busy or actor.step >= actor.steps or actor.blocked:
+        if actor.busy or actor.step >= actor.steps or actor.missing:  # missing: an empty input queue, or blocked
             return False
-        for edge in actor.fed:
-            if not edge.queue:
-                return False
         for edge in actor.controls:
             if len(edge.queue) < edge.tokens_needed():
                 return False
@@ -521,30 +642,31 @@ class Board:
                 readers = reg.readers
                 if not readers:
                     self._free(reg)  # nobody here reads it: the slot is free again at once
-                elif len(readers) == 1:
-                    edge = readers[0]
-                    edge.queue.append(Slot(value, micro, 1, reg, event))
+                    continue
+                slot = Slot(value, micro, len(readers), reg, event)
+                for edge in readers:
+                    if not edge.queue:
+                        edge.consumer.missing -= 1
+                    edge.queue.append(slot)
                     woken.append(edge.consumer)
-                else:
-                    slot = Slot(value, micro, len(readers), reg, event)
-                    for edge in readers:
-                        edge.queue.append(slot)
-                        woken.append(edge.consumer)
         if actor.control_out:
             for edge in actor.control_out:
                 edge.queue.append(Slot(None, step, 1, None))
                 woken.append(edge.consumer)
-        for edge in actor.edges:
-            if edge.reads_per_slot > 1:
-                edge.reads += 1
-                if edge.reads < edge.reads_per_slot:
-                    continue
-                edge.reads = 0
-            slot = edge.queue.popleft()
-            slot.reads_left -= 1
-            if slot.reads_left == 0 and slot.register is not None:
-                self._free(slot.register)
-                woken.append(slot.register.producer)
+        for edges in (actor.fed, actor.controls):
+            for edge in edges:
+                if edge.reads_per_slot > 1:
+                    edge.reads += 1
+                    if edge.reads < edge.reads_per_slot:
+                        continue
+                    edge.reads = 0
+                slot = edge.queue.popleft()
+                if not edge.queue and edges is actor.fed:
+                    actor.missing += 1
+                slot.reads_left -= 1
+                if slot.reads_left == 0 and slot.register is not None:
+                    self._free(slot.register)
+                    woken.append(slot.register.producer)
         actor.step = step + 1
         actor.busy = False
         self._stats.acts += 1
@@ -601,6 +723,12 @@ class Board:
                     phrases.append(f"a free slot of its register %{reg.buf} ({reg.capacity} of {reg.capacity} held; "
                                    f"not yet freed by {', '.join(holders) or 'anyone'})")
         return phrases
+
+
+def _plain_source(actor: Actor) -> bool:
+    """A variable acted once, with one register, nothing to wait for and no control token to send."""
+    return (actor.node.kind == "variable" and actor.steps == 1 and not actor.inputs and not actor.controls
+            and not actor.control_out and len(actor.outputs) == 1 and actor.keys is None and not actor.comm)
 
 
 def lane_for(node: PNode, plan: PhysicalPlan, owned: list[int]) -> str:
