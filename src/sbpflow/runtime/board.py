@@ -70,6 +70,9 @@ class RegisterState:
     peak: int = 0  # most slots live at once in this run (mirrored into Stats.peak_slots when it grows)
     release: _Release = field(init=False)  # this register's entry for a free in Board.play's log
     spare: list[Slot] = field(default_factory=list)  # Board.play: slot objects freed by all readers, for reuse
+    # set by Board once wired, read by play where a check of a list or another object would cost a memory access:
+    counted: bool = False  # it has bytes to count (``sizes`` is not empty)
+    again: bool = False  # its producer acts more than once: a freed slot may let it act again
 
     def __post_init__(self) -> None:
         self.release = _Release(self)
@@ -96,8 +99,10 @@ class InEdge:
     reads_per_slot: int  # m for a once-written value read by an m-step actor, else 1
     lead: int = 0  # a control edge: step k waits for the source's step k + lead (pipeline schedules)
     orphan: bool = False  # no node of the plan writes it (a corrupt plan): it never becomes ready
-    queue: deque[Slot] = field(default_factory=deque)
+    queue: deque[Any] = field(default_factory=deque)  # Slots; under Board.play, values for a ``direct`` edge
     reads: int = 0  # reads of the head slot so far
+    register: RegisterState | None = None  # the register it reads (None: a control edge, or nothing here writes it)
+    direct: bool = False  # the register's only reader here: Board.play queues the values themselves, no Slot
 
     @property
     def waits(self) -> bool:
@@ -149,6 +154,7 @@ class Actor:
     # (an optimizer update reads 100+ buffers, and is woken by each of them)
     missing: int = 0
     arity: int = -1  # len(inputs) when every input is fed (the usual case: Board.play reads them without a loop)
+    gated: bool = False  # it has control inputs
     codes: tuple[int, ...] | None = None  # Board.play's heap entry per step: key * len(plan.nodes) + position
     sources: list[Actor] | None = None  # Board.play: the run of variables this one leads (see Board._group_sources)
     led: bool = False  # a variable acted by the run's leader, never offered on its own by Board.play
@@ -223,8 +229,14 @@ class Board:
             actor.fed = [e for e in actor.inputs if e.producer is not None and not e.orphan]
             actor.blocked = any(e.orphan for e in actor.inputs)
             actor.arity = len(actor.inputs) if len(actor.fed) == len(actor.inputs) else -1
+            actor.gated = bool(actor.controls)
+            for edge in actor.fed:
+                edge.register = self.registers[edge.buf]  # type: ignore[index]  # fed: written here
+                edge.direct = len(edge.register.readers) == 1
         for reg in self.registers.values():
             reg.sizes = tuple(reg.bytes_by_rank.items())
+            reg.counted = bool(reg.sizes)
+            reg.again = reg.producer.steps > 1
         self.resident = self._resident_bytes()
         self._live_bytes = dict(self.resident)
         self.watch_live = {name: dict.fromkeys(self.owned_ranks, 0) for name in plan.watch}
@@ -397,9 +409,10 @@ class Board:
                 if i >= len(seq) or seq[i][0] is not actor:
                     return
             step = actor.step
-            for edge in actor.controls:
-                if len(edge.queue) < edge.tokens_needed():
-                    return
+            if actor.gated:
+                for edge in actor.controls:
+                    if len(edge.queue) < edge.tokens_needed():
+                        return
             if not actor.gathers or step == 0:
                 for reg in actor.outputs:
                     if reg.free <= 0:
@@ -412,14 +425,10 @@ class Board:
             readers = reg.readers
             if not readers:
                 reg.free += 1  # nobody here reads it: the slot is free again at once
-                if reg.sizes:
+                if reg.counted:
                     note(reg.release)
                 return
-            if reg.spare:
-                slot = reg.spare.pop()
-                slot.value, slot.micro, slot.reads_left = value, micro, len(readers)
-            else:
-                slot = Slot(value, micro, len(readers), reg)
+            slot: Any = value if len(readers) == 1 else _slot(reg, value, micro)  # one reader: a direct edge
             for edge in readers:
                 queue = edge.queue
                 queue.append(slot)
@@ -444,7 +453,7 @@ class Board:
                         reg.free -= 1
                         if reg.capacity - reg.free > reg.peak:
                             reg.peak = peak_slots[reg.buf] = reg.capacity - reg.free
-                        if reg.sizes:
+                        if reg.counted:
                             note(reg)
                         run = actor.run
                         send(reg, (run([], state, 0) if run is not None else perform(actor, 0, []))[0], 0)
@@ -459,50 +468,40 @@ class Board:
                         reg.free -= 1
                         if reg.capacity - reg.free > reg.peak:
                             reg.peak = peak_slots[reg.buf] = reg.capacity - reg.free
-                        if reg.sizes:
+                        if reg.counted:
                             note(reg)
                 fed = actor.fed
                 arity = actor.arity
                 if arity == 0:
                     inputs = []
                 elif arity == 1:
-                    inputs = [fed[0].queue[0].value]
-                elif arity == 2:
-                    inputs = [fed[0].queue[0].value, fed[1].queue[0].value]
+                    edge = fed[0]
+                    inputs = [edge.queue[0] if edge.direct else edge.queue[0].value]
                 else:
-                    inputs = [e.queue[0].value if e.producer is not None else {} for e in actor.inputs]
+                    inputs = [(e.queue[0] if e.direct else e.queue[0].value) if e.producer is not None else {}
+                              for e in actor.inputs]
                 run = actor.run
                 values = run(inputs, state, step) if run is not None else perform(actor, step, inputs)
                 # finish: "ready" to the consumers, "free" to the producers; offers follow the messages that may
                 # make an actor ready (the module docstring's rules), after the state they read is written
                 if outputs and (not gathers or step == actor.steps - 1):
-                    micro = 0 if gathers else step
                     if len(values) != len(outputs):
                         raise ExecutionError(f"{actor.label()} returned {len(values)} values for its "
                                              f"{len(outputs)} outputs")
                     # zip(strict=True) costs more than this whole block for one output
                     for reg, value in ((outputs[0], values[0]),) if len(outputs) == 1 else zip(outputs, values):
                         readers = reg.readers
-                        if not readers:
-                            reg.free += 1  # nobody here reads it: the slot is free again at once
-                            if reg.sizes:
-                                note(reg.release)
-                            continue
-                        if reg.spare:  # a slot object its readers gave back: no allocation (nor garbage)
-                            slot = reg.spare.pop()
-                            slot.value, slot.micro, slot.reads_left = value, micro, len(readers)
-                        else:
-                            slot = Slot(value, micro, len(readers), reg)
-                        for edge in readers:
+                        if len(readers) == 1:  # a direct edge (the usual case): the value goes in the queue
+                            edge = readers[0]
                             queue = edge.queue
-                            if queue:
-                                queue.append(slot)  # its consumer already had an input here: no change of state
-                                continue
-                            queue.append(slot)
-                            other = edge.consumer
-                            other.missing -= 1
-                            if not other.missing and not other.busy and other.step < other.steps:
-                                offer(other)
+                            queue.append(value)
+                            if len(queue) == 1:
+                                other = edge.consumer
+                                other.missing -= 1
+                                if not other.missing and not other.busy and other.step < other.steps:
+                                    offer(other)
+                        else:
+                            send(reg, value, 0 if gathers else step)
                 if actor.control_out:
                     for edge in actor.control_out:
                         edge.queue.append(Slot(None, step, 1, None))
@@ -519,25 +518,30 @@ class Board:
                     slot = queue.popleft()
                     if not queue:
                         actor.missing += 1
-                    slot.reads_left -= 1
-                    if slot.reads_left == 0:
+                    if edge.direct:
+                        reg = edge.register
+                    else:
+                        slot.reads_left -= 1
+                        if slot.reads_left:
+                            continue
                         reg = slot.register
-                        reg.free += 1
-                        if reg.sizes:
-                            note(reg.release)
                         slot.value = None  # the value may be freed now
                         reg.spare.append(slot)
-                        if reg.free == 1:  # was full: its producer may act again
-                            other = reg.producer
-                            if not other.busy and other.step < other.steps:
-                                offer(other)
-                for edge in actor.controls:
-                    if edge.reads_per_slot > 1:
-                        edge.reads += 1
-                        if edge.reads < edge.reads_per_slot:
-                            continue
-                        edge.reads = 0
-                    edge.queue.popleft()  # a control token: no register, no value
+                    reg.free += 1
+                    if reg.counted:
+                        note(reg.release)
+                    if reg.again and reg.free == 1:  # was full: its producer may act again
+                        other = reg.producer
+                        if not other.busy and other.step < other.steps:
+                            offer(other)
+                if actor.gated:
+                    for edge in actor.controls:
+                        if edge.reads_per_slot > 1:
+                            edge.reads += 1
+                            if edge.reads < edge.reads_per_slot:
+                                continue
+                            edge.reads = 0
+                        edge.queue.popleft()  # a control token: no register, no value
                 actor.step = step = step + 1
                 actor.busy = False
                 acts += 1
@@ -723,6 +727,15 @@ class Board:
                     phrases.append(f"a free slot of its register %{reg.buf} ({reg.capacity} of {reg.capacity} held; "
                                    f"not yet freed by {', '.join(holders) or 'anyone'})")
         return phrases
+
+
+def _slot(reg: RegisterState, value: Any, micro: int) -> Slot:
+    """A slot for a value that several readers share: one its readers gave back (no allocation), or a new one."""
+    if reg.spare:
+        slot = reg.spare.pop()
+        slot.value, slot.micro, slot.reads_left = value, micro, len(reg.readers)
+        return slot
+    return Slot(value, micro, len(reg.readers), reg)
 
 
 def _plain_source(actor: Actor) -> bool:
