@@ -239,8 +239,24 @@ def _comm_chain(m: int, register_num: int) -> PhysicalPlan:
     return b.build(register_num)
 
 
-@pytest.mark.parametrize("plan", [chain(4, 1), chain(4, 3), _comm_chain(4, 1), _comm_chain(4, 2), _comm_chain(1, 1)],
-                         ids=["chain k=1", "chain k=3", "comm k=1", "comm k=2", "comm m=1"])
+def _variables(m: int, register_num: int) -> PhysicalPlan:
+    """Three variables in a row (one pick of Board.play), read through repeat, directly by a micro actor (m reads
+    of one slot) and by a pre output; a value with two readers; an op with an output nobody reads."""
+    b = PlanBuilder(micro_batches=m)
+    x = b.unpack(b.input("x", (8, 2), P2, (S.split(0),)))
+    w1, w2, w3 = (b.variable(f"w{i}", (2,), P2, (S.broadcast,)) for i in (1, 2, 3))
+    h = b.compute("add", x, b.repeat(w1))
+    h2 = b.compute("add", b.compute("mul", h, b.repeat(w2)), h)
+    top, _ = b.compute_n("max_dim", b.compute("sub", h2, w3), dim=1)
+    b.output("y", b.pack(top))
+    b.output("w3", w3)
+    return b.build(register_num)
+
+
+@pytest.mark.parametrize("plan", [chain(4, 1), chain(4, 3), _comm_chain(4, 1), _comm_chain(4, 2), _comm_chain(1, 1),
+                                  _with_lead(chain(4, 4), 3), _variables(4, 1), _variables(4, 2), _variables(1, 1)],
+                         ids=["chain k=1", "chain k=3", "comm k=1", "comm k=2", "comm m=1", "lead 3", "variables k=1",
+                              "variables k=2", "variables m=1"])
 def test_play_sends_the_same_messages_as_take_and_finish_one_by_one(plan: PhysicalPlan) -> None:
     expected, reference = _one_by_one(plan)
     b = board(plan)

@@ -73,6 +73,11 @@ class RegisterState:
     # set by Board once wired, read by play where a check of a list or another object would cost a memory access:
     counted: bool = False  # it has bytes to count (``sizes`` is not empty)
     again: bool = False  # its producer acts more than once: a freed slot may let it act again
+    # Board.play queues a value itself (no Slot) when only one can be live for its readers: one reader, or one slot
+    # (all readers then read the same value, so the register counts their reads in ``left``)
+    direct: bool = False
+    shared: bool = False  # direct with several readers (so one slot): ``left`` counts the reads to come
+    left: int = 0
 
     def __post_init__(self) -> None:
         self.release = _Release(self)
@@ -102,7 +107,7 @@ class InEdge:
     queue: deque[Any] = field(default_factory=deque)  # Slots; under Board.play, values for a ``direct`` edge
     reads: int = 0  # reads of the head slot so far
     register: RegisterState | None = None  # the register it reads (None: a control edge, or nothing here writes it)
-    direct: bool = False  # the register's only reader here: Board.play queues the values themselves, no Slot
+    direct: bool = False  # its register is direct: Board.play queues the values themselves, no Slot
 
     @property
     def waits(self) -> bool:
@@ -232,11 +237,14 @@ class Board:
             actor.gated = bool(actor.controls)
             for edge in actor.fed:
                 edge.register = self.registers[edge.buf]  # type: ignore[index]  # fed: written here
-                edge.direct = len(edge.register.readers) == 1
         for reg in self.registers.values():
             reg.sizes = tuple(reg.bytes_by_rank.items())
             reg.counted = bool(reg.sizes)
             reg.again = reg.producer.steps > 1
+            reg.direct = bool(reg.readers) and (len(reg.readers) == 1 or reg.capacity == 1)
+            reg.shared = reg.direct and len(reg.readers) > 1
+            for edge in reg.readers:
+                edge.direct = reg.direct
         self.resident = self._resident_bytes()
         self._live_bytes = dict(self.resident)
         self.watch_live = {name: dict.fromkeys(self.owned_ranks, 0) for name in plan.watch}
@@ -428,7 +436,11 @@ class Board:
                 if reg.counted:
                     note(reg.release)
                 return
-            slot: Any = value if len(readers) == 1 else _slot(reg, value, micro)  # one reader: a direct edge
+            if reg.direct:
+                reg.left = len(readers)
+                slot: Any = value
+            else:
+                slot = _slot(reg, value, micro)
             for edge in readers:
                 queue = edge.queue
                 queue.append(slot)
@@ -490,16 +502,17 @@ class Board:
                                              f"{len(outputs)} outputs")
                     # zip(strict=True) costs more than this whole block for one output
                     for reg, value in ((outputs[0], values[0]),) if len(outputs) == 1 else zip(outputs, values):
-                        readers = reg.readers
-                        if len(readers) == 1:  # a direct edge (the usual case): the value goes in the queue
-                            edge = readers[0]
-                            queue = edge.queue
-                            queue.append(value)
-                            if len(queue) == 1:
-                                other = edge.consumer
-                                other.missing -= 1
-                                if not other.missing and not other.busy and other.step < other.steps:
-                                    offer(other)
+                        if reg.direct:  # the usual case: the value itself goes in the readers' queues
+                            readers = reg.readers
+                            reg.left = len(readers)
+                            for edge in readers:
+                                queue = edge.queue
+                                queue.append(value)
+                                if len(queue) == 1:
+                                    other = edge.consumer
+                                    other.missing -= 1
+                                    if not other.missing and not other.busy and other.step < other.steps:
+                                        offer(other)
                         else:
                             send(reg, value, 0 if gathers else step)
                 if actor.control_out:
@@ -515,12 +528,19 @@ class Board:
                             continue
                         edge.reads = 0
                     queue = edge.queue
-                    slot = queue.popleft()
-                    if not queue:
-                        actor.missing += 1
                     if edge.direct:
+                        queue.popleft()
+                        if not queue:
+                            actor.missing += 1
                         reg = edge.register
+                        if reg.shared:
+                            reg.left -= 1
+                            if reg.left:
+                                continue
                     else:
+                        slot = queue.popleft()
+                        if not queue:
+                            actor.missing += 1
                         slot.reads_left -= 1
                         if slot.reads_left:
                             continue
