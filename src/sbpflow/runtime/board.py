@@ -489,6 +489,10 @@ class Board:
                 elif arity == 1:
                     edge = fed[0]
                     inputs = [edge.queue[0] if edge.direct else edge.queue[0].value]
+                elif arity == 2:  # no list comprehension (a call of its own)
+                    edge, other_edge = fed
+                    inputs = [edge.queue[0] if edge.direct else edge.queue[0].value,
+                              other_edge.queue[0] if other_edge.direct else other_edge.queue[0].value]
                 else:
                     inputs = [(e.queue[0] if e.direct else e.queue[0].value) if e.producer is not None else {}
                               for e in actor.inputs]
@@ -552,7 +556,7 @@ class Board:
                         note(reg.release)
                     if reg.again and reg.free == 1:  # was full: its producer may act again
                         other = reg.producer
-                        if not other.busy and other.step < other.steps:
+                        if not other.missing and not other.busy and other.step < other.steps:
                             offer(other)
                 if actor.gated:
                     for edge in actor.controls:
@@ -565,16 +569,16 @@ class Board:
                 actor.step = step = step + 1
                 actor.busy = False
                 acts += 1
-                if step < actor.steps:
-                    offer(actor)
-                else:
+                if step >= actor.steps:
                     finished += 1
+                elif not actor.missing:  # most often an input is missing now: no call
+                    offer(actor)
                 if actor.comm:
                     seq = streams[actor.lane]
                     i = heads[actor.lane] = heads[actor.lane] + 1
                     if i < len(seq):
                         other = seq[i][0]
-                        if not other.busy and other.step < other.steps:
+                        if not other.missing and not other.busy and other.step < other.steps:
                             offer(other)
         except BaseException:
             self.failed = (actor, step)
