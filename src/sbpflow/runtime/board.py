@@ -26,6 +26,16 @@ node, on a process that owns only destination ranks) reads as ``{}``: no shards 
 
 :class:`Board` is the whole state; :mod:`.actors` (ActorRuntime) drives it from worker threads under one lock
 (:meth:`Board.take`, :meth:`Board.finish`), or, when one thread acts for every lane, by :meth:`Board.play`.
+
+What :meth:`Board.play` keeps cheap (it is the runtime on virtual ranks, where an act's bookkeeping is set
+against a kernel of a few microseconds; ``benchmarks/runtime_overhead.py``): each actor counts its inputs with
+an empty queue (``missing``), so readiness is one check, not a scan of every input (an optimizer update reads
+a hundred buffers, and each of them wakes it); an actor is offered only when a message may have made it ready;
+where at most one value of a register can be live for its readers (one reader, or one slot), the queues hold
+the value itself and the register counts the reads (no :class:`Slot` object); a run of variables next to each
+other in the plan is one pick (they would be picked one after the other anyway); and the heap holds ints.
+The messages, the schedule and every count are the same as :meth:`Board.take` and :meth:`Board.finish` give
+(``tests/logic/test_runtime_actors.py`` plays both side by side).
 """
 
 from __future__ import annotations
@@ -504,8 +514,9 @@ class Board:
                     if len(values) != len(outputs):
                         raise ExecutionError(f"{actor.label()} returned {len(values)} values for its "
                                              f"{len(outputs)} outputs")
-                    # zip(strict=True) costs more than this whole block for one output
-                    for reg, value in ((outputs[0], values[0]),) if len(outputs) == 1 else zip(outputs, values):
+                    # zip(strict=True) costs more than this whole block for one output (the lengths were checked)
+                    pairs = ((outputs[0], values[0]),) if len(outputs) == 1 else zip(outputs, values, strict=False)
+                    for reg, value in pairs:
                         if reg.direct:  # the usual case: the value itself goes in the readers' queues
                             readers = reg.readers
                             reg.left = len(readers)
@@ -536,7 +547,7 @@ class Board:
                         queue.popleft()
                         if not queue:
                             actor.missing += 1
-                        reg = edge.register
+                        reg = edge.register  # type: ignore[assignment]  # a fed edge has one
                         if reg.shared:
                             reg.left -= 1
                             if reg.left:
