@@ -411,6 +411,9 @@ class Board:
         :meth:`_count_bytes`): the same peaks as counting on every claim.
         """
         heap: list[int] = []  # codes (key * span + position): unique, as one actor is in the heap at most once
+        # the ready act with the lowest code offered since the last pick, in front of the heap: an act that readies
+        # only its reader (a chain) hands it over without a push and a pop; [actor or None, its code]
+        ahead: list[Any] = [None, 0]
         streams, heads, push, pop = self.streams, self.heads, heapq.heappush, heapq.heappop
         by_position, span = self._by_position, len(self._by_position)
         peak_slots = self._stats.peak_slots
@@ -436,7 +439,14 @@ class Board:
                     if reg.free <= 0:
                         return
             actor.busy = True
-            push(heap, actor.codes[step] if actor.codes is not None else actor.position)
+            code = actor.codes[step] if actor.codes is not None else actor.position
+            if ahead[0] is None:
+                ahead[0], ahead[1] = actor, code
+            elif code < ahead[1]:
+                push(heap, ahead[1])
+                ahead[0], ahead[1] = actor, code
+            else:
+                push(heap, code)
 
         def send(reg: RegisterState, value: Any, micro: int) -> None:
             """A written slot to the register's readers (the main loop below writes this out)."""
@@ -465,8 +475,14 @@ class Board:
                 offer(actor)
         step = 0
         try:
-            while heap:
-                actor = by_position[pop(heap) % span]  # type: ignore[assignment]  # only actors are pushed
+            while True:
+                actor = ahead[0]
+                if actor is not None and (not heap or ahead[1] < heap[0]):
+                    ahead[0] = None
+                elif heap:
+                    actor = by_position[pop(heap) % span]
+                else:
+                    break
                 step = actor.step
                 sources = actor.sources
                 if sources is not None:  # a run of variables (_group_sources): each one's act, in plan order
@@ -514,21 +530,20 @@ class Board:
                     if len(values) != len(outputs):
                         raise ExecutionError(f"{actor.label()} returned {len(values)} values for its "
                                              f"{len(outputs)} outputs")
-                    # zip(strict=True) costs more than this whole block for one output (the lengths were checked)
-                    pairs = ((outputs[0], values[0]),) if len(outputs) == 1 else zip(outputs, values, strict=False)
-                    for reg, value in pairs:
-                        if reg.direct:  # the usual case: the value itself goes in the readers' queues
-                            readers = reg.readers
-                            reg.left = len(readers)
-                            for edge in readers:
-                                queue = edge.queue
-                                queue.append(value)
-                                if len(queue) == 1:
-                                    other = edge.consumer
-                                    other.missing -= 1
-                                    if not other.missing and not other.busy and other.step < other.steps:
-                                        offer(other)
-                        else:
+                    reg = outputs[0]
+                    if len(outputs) == 1 and reg.direct:  # the usual case: the value itself goes in the queues
+                        readers = reg.readers
+                        reg.left = len(readers)
+                        for edge in readers:
+                            queue = edge.queue
+                            queue.append(values[0])
+                            if len(queue) == 1:
+                                other = edge.consumer
+                                other.missing -= 1
+                                if not other.missing and not other.busy and other.step < other.steps:
+                                    offer(other)
+                    else:  # (zip(strict=True) would cost more than this whole block: the lengths were checked)
+                        for reg, value in zip(outputs, values, strict=False):
                             send(reg, value, 0 if gathers else step)
                 if actor.control_out:
                     for edge in actor.control_out:
