@@ -480,7 +480,7 @@ class Board:
                 if actor is not None and (not heap or ahead[1] < heap[0]):
                     ahead[0] = None
                 elif heap:
-                    actor = by_position[pop(heap) % span]
+                    actor = by_position[pop(heap) % span]  # type: ignore[assignment]  # only actors are pushed
                 else:
                     break
                 step = actor.step
