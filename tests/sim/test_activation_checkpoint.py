@@ -128,9 +128,11 @@ def test_graph_activation_checkpointing_clones_forward_into_backward(spec: str) 
     ck_losses, ck_params, graph = _graph_run(spec, True)
     np.testing.assert_allclose(ck_losses, losses, rtol=1e-6)
     # After 3 AdamW steps: as in test_gpt_equivalence, the key bias (zero true gradient) moves by lr-sized steps
-    # on rounding noise, which differs with the order of sums the selection picks; hence test_graph's atol.
+    # on rounding noise, which differs with the order of sums the selection picks (the two graphs differ, so their
+    # plans may: dp=2,tp=2 all-reduces different partial sums), and AdamW's m / sqrt(v) scales the noise of any
+    # small gradient up towards lr (1e-3): one c_fc weight of 16384 moved 1.15e-5 apart. atol 3e-5 is 3% of lr.
     for name, value in params.items():
-        np.testing.assert_allclose(ck_params[name], value, rtol=1e-5, atol=1e-5, err_msg=name)
+        np.testing.assert_allclose(ck_params[name], value, rtol=1e-5, atol=3e-5, err_msg=name)
     recomputed = [n for n in graph.logical.nodes if n.control]
     matmuls = sum(n.name in ("linear", "matmul", "matmul_nd") for n in recomputed)
     # q, k, v, attention c_proj and c_fc of every block, once more; the MLP's last projection is not: no gradient
