@@ -63,6 +63,22 @@ def all_reduces(plan: PhysicalPlan) -> list[int]:
     return [plan.bufs[n.inputs[0]].shape[0] for n in plan.collectives(0) if n.boxing.steps[0].kind == "all_reduce"]
 
 
+def assert_same_bits(plan: PhysicalPlan, out: PhysicalPlan) -> None:
+    """``out`` (a rewrite of ``plan``) gives ``plan``'s outputs bit for bit, on both executors."""
+    backend = SimulatedBackend()
+    feeds = feeds_for(plan)
+    want = run_plan(plan, feeds, {}, backend)
+    with ActorRuntime(out, backend) as rt:
+        for got in (run_plan(out, feeds, {}, backend), rt.run(feeds, {})):
+            assert_equal_outputs(got, want)
+
+
+def assert_equal_outputs(got: dict[str, dict[int, torch.Tensor]], want: dict[str, dict[int, torch.Tensor]]) -> None:
+    for name, shards in want.items():
+        for r, t in shards.items():
+            assert torch.equal(got[name][r], t), name
+
+
 def test_whole_gradients_go_out_in_buckets_of_the_first_size_then_the_cap() -> None:
     plan = grads([64] * 7)  # 256 B each
     out = bucketed(plan, first=512, cap=1024)
@@ -151,23 +167,14 @@ def test_a_bucket_is_issued_at_once_and_waited_for_by_its_split(executor: str) -
             with ActorRuntime(plan, backend) as rt:
                 got = rt.run(feeds, {})
     assert log.events == ["issue", *["relu"] * 6, "wait"]  # 3 relus on each of the 2 ranks
-    for name, shards in want.items():
-        for r, t in shards.items():
-            assert torch.equal(got[name][r], t), name
+    assert_equal_outputs(got, want)
 
 
 def test_bucketed_results_are_bit_identical_on_both_executors() -> None:
     plan = grads([8, 24, 16, 40])
     out = bucketed(plan, first=1 << 20, cap=1 << 20)
     assert all_reduces(out) == [88]
-    backend = SimulatedBackend()
-    feeds = feeds_for(plan)
-    want = run_plan(plan, feeds, {}, backend)
-    with ActorRuntime(out, backend) as rt:
-        for got in (run_plan(out, feeds, {}, backend), rt.run(feeds, {})):
-            for name, shards in want.items():
-                for r, t in shards.items():
-                    assert torch.equal(got[name][r], t), name
+    assert_same_bits(plan, out)
 
 
 def test_an_all_reduce_reached_by_another_ones_result_stays_out_of_its_bucket() -> None:
@@ -207,14 +214,7 @@ def test_a_bucket_reduces_in_its_own_flat_buffer_and_gives_the_same_bits() -> No
     verify(out)
     assert donated(out) == ["bucket_flatten"]
     assert donated(donate_inputs(plan)) == []  # a sum's result may be a view: never reduced in place
-    backend = SimulatedBackend()
-    feeds = feeds_for(plan)
-    want = run_plan(plan, feeds, {}, backend)
-    with ActorRuntime(out, backend) as rt:
-        for got in (run_plan(out, feeds, {}, backend), rt.run(feeds, {})):
-            for name, shards in want.items():
-                for r, t in shards.items():
-                    assert torch.equal(got[name][r], t), name
+    assert_same_bits(plan, out)
 
 
 @pytest.mark.parametrize("extra_reader", [False, True])
