@@ -4,7 +4,7 @@ Plans are hand-built (sbpflow.runtime.builder) on 2 virtual ranks, with tiny ten
 timed is the executors, not the kernels:
 
 1. a chain of N elementwise ops (one compute thread, no communication);
-2. the same chain with an all-reduce every 8 ops (acts hop between the compute and a comm thread);
+2. the same chain with an all-reduce every 8 ops (acts alternate between the compute lane and a comm lane);
 3. a micro-batched step: m = 4, unpack/repeat/accumulate/pack around a matmul chain with collectives;
 4. a compiled GPT training step (nn.Graph, AdamW) on dp2 and dp2 x tp2, executor "inorder" vs "actors".
 
