@@ -136,6 +136,10 @@ class _Log(TorchFunctionMode):
 
 
 class _Waits(SimulatedBackend):
+    """Virtual ranks that issue collectives in flight, as torch.distributed does, and log when they are waited for."""
+
+    in_flight = True
+
     def __init__(self, log: _Log) -> None:
         super().__init__()
         self.log = log

@@ -84,6 +84,9 @@ class Backend(ABC):
     """Base class of comm backends; subclasses implement the ``_``-prefixed primitives."""
 
     name = "base"
+    # whether a collective issued without waiting (all_reduce_async, ...) can progress while the caller computes:
+    # a transport with threads of its own; on one process's virtual ranks it completes when issued
+    in_flight = False
 
     @abstractmethod
     def owns(self, rank: int) -> bool:

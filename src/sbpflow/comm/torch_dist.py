@@ -76,6 +76,7 @@ class TorchDistBackend(Backend):
     """Owns global rank ``config.rank``; joins the default (gloo) process group on construction."""
 
     name = "torch.distributed"
+    in_flight = True  # gloo's and NCCL's own threads and streams move the bytes
 
     def __init__(self, config: Config) -> None:
         self.config = config

@@ -93,7 +93,7 @@ def program(plan: PhysicalPlan, backend: Backend) -> Program:
 
 
 def _prepare(plan: PhysicalPlan, backend: Backend) -> Program:
-    in_flight = in_flight_collectives(plan)
+    in_flight = in_flight_collectives(plan) if backend.in_flight else {}
     acts = {n.id: _bind(n, plan, backend, n.id in in_flight) for n in plan.nodes}
     flying = set(in_flight.values())
     for n in plan.nodes:  # a reader of a collective in flight waits for it first
@@ -111,7 +111,9 @@ def in_flight_collectives(plan: PhysicalPlan) -> dict[int, int]:
     """Collectives issued without waiting (:func:`~sbpflow.boxing.execute.runs_async`): node id -> its output
     buffer. Its readers wait where they act, so the transport works while the nodes between run (the overlap of
     a data-parallel step's gradient buckets with the rest of backward, as DDP's). Not where an accumulate or a
-    pack reads the value: they take it apart from any act."""
+    pack reads the value: they take it apart from any act. A program issues them so only on a backend whose
+    transport moves the bytes meanwhile (``Backend.in_flight``: torch.distributed); on virtual ranks a collective
+    completes when issued, and the plain act costs less."""
     gathering = {b for n in plan.nodes if n.kind in GATHERING for b in n.inputs}
     return {n.id: n.outputs[0] for n in plan.nodes
             if n.kind == "boxing" and n.boxing is not None and runs_async(n.boxing) and n.outputs[0] not in gathering}
