@@ -272,3 +272,30 @@ def test_play_sends_the_same_messages_as_take_and_finish_one_by_one(plan: Physic
     assert b.stats.acts == reference.stats.acts == len(order)
     assert b.stats.peak_bytes == reference.stats.peak_bytes and b.stats.peak_slots == reference.stats.peak_slots
     assert b.live_bytes == reference.live_bytes == b.resident
+
+
+def test_play_keeps_a_comm_stream_in_turn_where_a_receiver_has_no_input_to_wait_for() -> None:
+    """A receiving process (its send/recv nodes read nothing here) with two activations on one stream: each act
+    passes the stream's turn on before its actor is offered again, so micro-batch 1 of the first waits for
+    micro-batch 0 of the second (as the sender issues them), even with a free slot (register_num 2)."""
+    stage0, stage1 = sbpflow.placement("cpu", [0]), sbpflow.placement("cpu", [1])
+    b = PlanBuilder(micro_batches=2)
+    x = b.unpack(b.input("x", (4, 2), stage0, (S.broadcast,)))
+    first = b.boxing(b.compute("relu", x), (S.broadcast,), placement=stage1)
+    second = b.boxing(b.compute("neg", x), (S.broadcast,), placement=stage1)
+    b.output("y", b.pack(b.compute("add", first, second)))
+    mine = board(b.build(register_num=2), OwnsOnly({1}))
+    sends = [a for a in mine.actors if a.comm]
+    assert len(sends) == 2 and all(not a.fed for a in sends)
+    acted: list[tuple[int, int]] = []
+
+    def perform(actor: Actor, step: int, inputs: list[object]) -> list[object]:
+        if actor.comm:
+            acted.append((actor.node.id, step))
+        return [{1: None}] * len(actor.outputs) if actor.emits(step) else []
+
+    mine.play(perform)
+    assert mine.all_done
+    (lane, order), = mine.streams.items()
+    assert acted == [(a.node.id, k) for a, k in order] == [(sends[0].node.id, 0), (sends[1].node.id, 0),
+                                                          (sends[0].node.id, 1), (sends[1].node.id, 1)]

@@ -37,13 +37,14 @@ def pipeline_job() -> dict[str, Any]:
     placement, or v under interleaved 1F1B)."""
     torch.set_num_threads(1)
     rank = sbpflow.rank()
-    out: dict[str, Any] = {"rank": rank, "train": {}, "peaks": {}, "bounds": {}}
+    out: dict[str, Any] = {"rank": rank, "train": {}, "peaks": {}, "bounds": {}, "threaded": {}}
     for case in CASES:
         losses, params, trainer = _train(*case)
         compiled = trainer.graph._compiled()
         pipe = compiled.plan.pipeline
         placement = next((s for s, ranks in enumerate(pipe.stages) if rank in ranks), None)  # None: rank not used
         out["train"][case] = (losses, params)
+        out["threaded"][case] = compiled.executor.threaded
         if placement is not None:
             mine = range(placement, pipe.schedule.virtual_stages, len(pipe.stages))
             peaks = activation_peaks(pipe, compiled.executor.stats.peak_slots)
@@ -85,3 +86,11 @@ def test_each_process_holds_its_stages_bound(per_rank: list[dict[str, Any]]) -> 
             assert all(got[0] <= bound[0] for got, bound in zip(peaks, by_rank, strict=True)), (case, peaks)
         else:
             assert peaks == by_rank, case
+
+
+
+def test_every_schedule_runs_each_process_on_one_thread(per_rank: list[dict[str, Any]]) -> None:
+    """Send/recv of cpu activations is issued in flight (gloo's threads move the bytes), and so are the data-parallel
+    all-reduces and the all-gathers: no collective blocks, so no process needs a thread per comm stream."""
+    for out in per_rank:
+        assert out["threaded"] == dict.fromkeys(CASES, False), out["rank"]

@@ -6,6 +6,7 @@ the simulated tests' (tests/sim/test_runtime.py), built identically on every pro
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -216,3 +217,25 @@ def test_a_donated_bucket_reduces_in_place_on_gloo_with_the_simulated_bits() -> 
         assert not got["threaded"]  # its one collective is in flight: the caller's thread acts alone
         assert got["reduced"].tolist() == [10.0 + 2 * i for i in range(6)]
         assert got["kept"].tolist() == [10.0 * rank + i for i in range(6)]  # not donated: left as it was
+
+
+def sends_in_flight_on_ranks() -> list[list[float]]:
+    """Rank 0 posts four sends to rank 1 in flight (one transfer each: the same gloo tag) and never waits for them;
+    rank 1 posts its receives only later (so gloo holds the sends until then) and waits for them last first."""
+    from sbpflow.comm.base import Transfer
+
+    rank, backend = sbpflow.rank(), get_backend()
+    transfer = [Transfer(0, 1, (3,), torch.float32)]
+    if rank == 0:
+        for k in range(4):
+            backend.send_recv_async(transfer, {0: torch.full((3,), float(k))})
+        backend.settle_sends()  # returns once rank 1 has them all
+        return []
+    time.sleep(0.3)
+    posted = [backend.send_recv_async(transfer, {}) for _ in range(4)]
+    return [p.wait()[0].tolist() for p in reversed(posted)][::-1]
+
+
+def test_sends_in_flight_arrive_in_the_order_posted_though_nobody_waits_for_them() -> None:
+    _, received = run_ranks(sends_in_flight_on_ranks, 2, timeout=60)
+    assert received == [[float(k)] * 3 for k in range(4)]

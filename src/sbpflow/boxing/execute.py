@@ -42,13 +42,14 @@ def execute(plan: Plan, shards: Shards, backend: Backend | None = None, donate: 
     return shards
 
 
-ASYNC_KINDS = ("all_reduce", "all_gather")  # the steps execute_async issues without waiting
+ASYNC_KINDS = ("all_reduce", "all_gather", "send_recv")  # the steps execute_async issues without waiting
 
 
 def runs_async(plan: Plan) -> bool:
-    """Whether :func:`execute_async` issues ``plan`` without waiting: one all-reduce or all-gather of cpu shards
-    (its transport works on threads of its own; a cuda collective is ordered by streams instead)."""
-    return len(plan.steps) == 1 and plan.steps[0].kind in ASYNC_KINDS and plan.src.placement.type == "cpu"
+    """Whether :func:`execute_async` issues ``plan`` without waiting: one all-reduce, all-gather or send/recv of
+    cpu shards (its transport works on threads of its own; a cuda collective is ordered by streams instead)."""
+    return (len(plan.steps) == 1 and plan.steps[0].kind in ASYNC_KINDS and plan.src.placement.type == "cpu"
+            and plan.dst.placement.type == "cpu")
 
 
 class InFlight:
@@ -82,8 +83,12 @@ def execute_async(plan: Plan, shards: Shards, backend: Backend, donate: bool = F
     assert runs_async(plan), plan
     backend.prepare(plan)
     step = plan.steps[0]
-    source = step.src.sbp[step.axis]  # type: ignore[index]
-    groups = _groups(step, backend)
+    if step.kind == "send_recv":
+        with activity(_StepName(plan, 0)):
+            pieces, transfers, payloads = _transfers(plan.shape, plan.dtype, step, shards, backend)
+            return InFlight([backend.send_recv_async(transfers, payloads)],
+                            partial(_assemble, plan.shape, step, pieces, dtype=plan.dtype, backend=backend))
+    source, groups = step.src.sbp[step.axis], _groups(step, backend)  # type: ignore[index]
     with activity(_StepName(plan, 0)):
         if isinstance(source, Partial):
             return InFlight([backend.all_reduce_async(group, {r: shards[r] for r in backend.owned(group)},
@@ -250,6 +255,15 @@ def _a2a_bytes(shape: Shape, step: Step, group: tuple[int, ...], dtype: torch.dt
 
 
 def _run_send_recv(step: Step, shape: Shape, dtype: torch.dtype, shards: Shards, backend: Backend) -> Shards:
+    pieces, transfers, payloads = _transfers(shape, dtype, step, shards, backend)
+    both_cuda = step.src.placement.type == step.dst.placement.type == "cuda"
+    received = backend.send_recv(transfers, payloads, device_type="cuda" if both_cuda else "cpu")
+    return _assemble(shape, step, pieces, received, dtype, backend)
+
+
+def _transfers(shape: Shape, dtype: torch.dtype, step: Step, shards: Shards,
+               backend: Backend) -> tuple[Sequence[tuple[int, int, Box]], list[Transfer], dict[int, torch.Tensor]]:
+    """A send/recv step's pieces (src, dst, box), its transfers, and the payloads of the sources owned here."""
     pieces: Sequence[tuple[int, int, Box]]
     if step.detail == "pairwise":
         pieces = _pairwise_pieces(shape, step)
@@ -260,9 +274,7 @@ def _run_send_recv(step: Step, shape: Shape, dtype: torch.dtype, shards: Shards,
         transfers.append(Transfer(src, dst, box_shape(box), dtype))
         if backend.owns(src) and src in shards:
             payloads[i] = shards[src][relative(box, _src_box(shape, step, src))].contiguous()
-    both_cuda = step.src.placement.type == step.dst.placement.type == "cuda"
-    received = backend.send_recv(transfers, payloads, device_type="cuda" if both_cuda else "cpu")
-    return _assemble(shape, step, pieces, received, dtype, backend)
+    return pieces, transfers, payloads
 
 
 def _src_box(shape: Shape, step: Step, rank: int) -> Box:

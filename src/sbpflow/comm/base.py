@@ -230,11 +230,25 @@ class Backend(ABC):
         """Point-to-point pieces. ``tensors[i]`` is transfer i's payload where its src is owned;
         the result maps i to the received tensor where its dst is owned. ``device_type`` is
         "cuda" when both ends are cuda placements (a backend may then move pieces GPU to GPU)."""
+        self._emit_send_recv(transfers)
+        return self._send_recv(transfers, tensors, device_type)
+
+    def send_recv_async(self, transfers: Sequence[Transfer], tensors: dict[int, torch.Tensor]) -> Pending:
+        """:meth:`send_recv` of cpu pieces that returns once the sends and receives are posted; ``wait()`` gives
+        the received tensors (the same rules as :meth:`all_reduce_async`). A process that only sends need not
+        wait: the backend holds its sends until they are out, at the latest until :meth:`settle_sends`."""
+        self._emit_send_recv(transfers)
+        return self._send_recv_async(transfers, tensors)
+
+    def settle_sends(self) -> None:  # noqa: B027 - a backend whose sends complete when posted holds none
+        """Waits for the sends :meth:`send_recv_async` posted that nobody waited for (an executor calls it at the
+        end of a step: its peers receive them within their step, which needs nothing more of this process)."""
+
+    def _emit_send_recv(self, transfers: Sequence[Transfer]) -> None:
         moved = [t for t in transfers if t.src != t.dst]
         if moved and any(self.owns(t.src) or self.owns(t.dst) for t in moved):
             ranks = tuple(sorted({t.src for t in moved} | {t.dst for t in moved}))
             emit("send_recv", ranks, sum(nbytes(t.shape, t.dtype) for t in moved))
-        return self._send_recv(transfers, tensors, device_type)
 
     # -- primitives ---------------------------------------------------------------
 
@@ -245,6 +259,10 @@ class Backend(ABC):
     @abstractmethod
     def _all_reduce(self, group, inputs, op, donate=False):  # type: ignore[no-untyped-def]
         ...
+
+    def _send_recv_async(self, transfers, tensors):  # type: ignore[no-untyped-def]
+        """Default: the blocking primitive, complete when posted."""
+        return Completed(self._send_recv(transfers, tensors, "cpu"))
 
     def _all_gather_async(self, group, inputs, shapes, dtype):  # type: ignore[no-untyped-def]
         """Default: the blocking primitive, complete when issued (a backend whose transport has threads of its

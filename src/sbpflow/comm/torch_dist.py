@@ -85,6 +85,9 @@ class TorchDistBackend(Backend):
         self.timeout = datetime.timedelta(seconds=config.timeout)
         self._groups: dict[tuple[str, Group], Any] = {}  # (transport, sorted ranks) -> ProcessGroup
         self._ready: set[Any] = set()  # placements (and rank sets) whose groups exist
+        # sends posted in flight that nobody waits for (a process that only sends): gloo drops a send whose work
+        # object goes before the peer posted its receive, so they are held until settle_sends()
+        self._sending: list[_PendingP2P] = []
         if torch.cuda.is_available():
             torch.cuda.set_device(config.local_rank)
         if not dist.is_initialized():
@@ -346,6 +349,9 @@ class TorchDistBackend(Backend):
         return {root: buffer.to(dtype).view(shape)} if self.rank == root else {}
 
     def _send_recv(self, transfers, tensors, device_type):  # type: ignore[no-untyped-def]
+        return self._send_recv_async(transfers, tensors, device_type, blocking=True).wait()
+
+    def _send_recv_async(self, transfers, tensors, device_type="cpu", blocking=False):  # type: ignore[no-untyped-def]
         moved = [t for t in transfers if t.src != t.dst]
         involved = tuple(sorted({t.src for t in moved} | {t.dst for t in moved}))
         if self.rank in involved:
@@ -362,25 +368,37 @@ class TorchDistBackend(Backend):
                 ops.append(("send", t.dst, _reducible(payload.contiguous(), "sum")[0], i))  # each may pass the GIL
             elif self.owns(t.dst):
                 ops.append(("recv", t.src, _recv_buffer(t, device), i))
-        if ops:
-            self._call("send_recv", involved, lambda: self._run_p2p(ops, device))
-        for kind, _, buffer, i in ops:
-            if kind == "recv":
-                out[i] = buffer if buffer.dtype == transfers[i].dtype else buffer.to(transfers[i].dtype)
-        return out
+        works: Sequence[Any] = self._call("send_recv", involved, lambda: self._post_p2p(ops, device)) if ops else []
+        pending = _PendingP2P(self, involved, works, ops, transfers, out, current_activity())
+        if blocking:
+            pending.wait()
+        elif any(kind == "send" for kind, *_ in ops):
+            self._hold(pending)
+        return pending
 
-    def _run_p2p(self, ops: list[tuple[str, int, torch.Tensor, int]], device: torch.device) -> None:
-        works: Sequence[Any]
+    def _hold(self, pending: _PendingP2P) -> None:
+        """Keeps ``pending`` until :meth:`settle_sends` (its work objects own the buffers gloo sends from); past
+        ``SENDS_HELD`` the oldest are waited for, long since received unless a peer is stuck (then its timeout
+        says so)."""
+        sending = self._sending
+        sending.append(pending)
+        if len(sending) > SENDS_HELD:
+            old, self._sending = sending[: SENDS_HELD // 2], sending[SENDS_HELD // 2:]
+            for p in old:
+                p.wait()
+
+    def settle_sends(self) -> None:
+        sending, self._sending = self._sending, []
+        for p in sending:
+            p.wait()
+
+    def _post_p2p(self, ops: list[tuple[str, int, torch.Tensor, int]], device: torch.device) -> Sequence[Any]:
         if device.type == "cuda":
             pg = self._groups[("nccl", tuple(range(self.world_size)))]
             batch = [dist.P2POp(dist.isend if kind == "send" else dist.irecv, buf, peer, group=pg)
                      for kind, peer, buf, _ in ops]
-            works = dist.batch_isend_irecv(batch)
-        else:
-            works = [(dist.isend if kind == "send" else dist.irecv)(buf, peer, tag=i) for kind, peer, buf, i in ops]
-        for work in works:
-            if work is not None:
-                work.wait(self.timeout)
+            return dist.batch_isend_irecv(batch)
+        return [(dist.isend if kind == "send" else dist.irecv)(buf, peer, tag=i) for kind, peer, buf, i in ops]
 
     # -- local_to_global --------------------------------------------------------------------
 
@@ -417,6 +435,39 @@ class TorchDistBackend(Backend):
                    lambda: dist.all_gather_object(everyone, (self.rank, offer)))
         shapes = dict(everyone)
         return {r: shapes[r] for r in placement.flat_ranks}
+
+
+SENDS_HELD = 1024  # sends in flight held before the oldest are waited for (TorchDistBackend._hold)
+
+
+class _PendingP2P:
+    """Sends and receives posted together; ``wait()`` waits for all of them and gives the received tensors."""
+
+    __slots__ = ("backend", "involved", "works", "ops", "transfers", "out", "issued_in", "done")
+
+    def __init__(self, backend: TorchDistBackend, involved: Group, works: Sequence[Any],
+                 ops: list[tuple[str, int, torch.Tensor, int]], transfers: Sequence[Transfer],
+                 out: dict[int, torch.Tensor], issued_in: str) -> None:
+        self.backend, self.involved, self.works, self.ops = backend, involved, works, ops
+        self.transfers, self.out, self.issued_in, self.done = transfers, out, issued_in, False
+
+    def wait(self) -> dict[int, torch.Tensor]:
+        if not self.done:
+            backend, works = self.backend, self.works
+
+            def finish() -> None:
+                for work in works:
+                    if work is not None:
+                        work.wait(backend.timeout)
+
+            with activity(f"waiting for a send_recv issued in {self.issued_in}"):
+                backend._call("send_recv", self.involved, finish)
+            for kind, _, buffer, i in self.ops:
+                if kind == "recv":
+                    dtype = self.transfers[i].dtype
+                    self.out[i] = buffer if buffer.dtype == dtype else buffer.to(dtype)
+            self.done, self.works = True, []
+        return self.out
 
 
 class _PendingGather:

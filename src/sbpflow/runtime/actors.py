@@ -23,9 +23,10 @@ so producers run ahead until their registers are full: the schedule comes from r
 Each ``comm:<key>`` lane acts its actors in plan order (pre, micro-batch 0..m-1, post), so every
 member of a group issues its collectives in one order (no deadlock on gloo or NCCL). Under
 torch.distributed (and in synthetic time) every lane has a thread, so communication overlaps compute;
-the caller's thread acts for the first compute lane. All-reduces and all-gathers of cpu shards are issued
-in flight (their readers wait: :func:`~sbpflow.runtime.inorder.in_flight_collectives`); a process whose
-collectives all are needs no thread of its own for them, and runs on the caller's alone, as below.
+the caller's thread acts for the first compute lane. All-reduces, all-gathers and send/recvs of cpu shards are
+issued in flight (their readers wait: :func:`~sbpflow.runtime.inorder.in_flight_collectives`); a process whose
+collectives all are (a pipeline stage's included) needs no thread of its own for them, and runs on the caller's
+alone, as below, posting each transfer as soon as it is ready (:meth:`~sbpflow.runtime.board.Board.issue_comm_first`).
 On virtual ranks, where a collective is a local copy that never waits for a peer, the caller's thread
 acts for every lane, earliest plan position first: deterministic, and exactly
 :func:`~sbpflow.runtime.board.dry_run`'s schedule (both are :meth:`~sbpflow.runtime.board.Board.play`:
@@ -130,6 +131,9 @@ class ActorRuntime:
         # one thread: Board.play acts for every lane, no queues, locks or hand-offs (on CUDA, every kernel goes
         # to the caller's stream in plan order, which orders them as the messages would)
         self._inline = not self.threaded
+        if self._inline and not isinstance(self.backend, SimulatedBackend):
+            # transfers in flight: the one thread posts them before it waits for any (Board.play)
+            self.board.issue_comm_first(set(in_flight_collectives(plan).values()))
         for worker in self._workers.values():
             if worker not in self._callers:
                 worker.start(_thread_main, weakref.ref(self))
@@ -230,6 +234,7 @@ class ActorRuntime:
         self.board.timed(time.perf_counter() - start)
         for worker in self._workers.values():
             worker.synchronize()
+        self.backend.settle_sends()  # sends in flight that no act here waited for (a stage's activations)
         commit(state)
         return state.outputs
 

@@ -279,6 +279,29 @@ class Board:
             self._by_position[actor.position] = actor
         self._group_sources()
 
+    def issue_comm_first(self, flying: set[int]) -> None:
+        """:meth:`play` acts a comm actor as soon as it is ready (its stream's turn and its inputs there), before
+        any compute act: under torch.distributed, where a collective or a send/recv is issued in flight and its
+        readers wait for it where they act, so the one thread posts every transfer a peer may wait for before it
+        blocks on one of its own (issue 10: a stage waiting for its next input must have sent what its
+        neighbour needs to make that input). Each stream keeps its fixed order; on virtual ranks the merged
+        schedule stays :func:`dry_run`'s (this is not called there).
+
+        ``flying``: the buffers issued in flight. A comm actor that reads one waits for it in its act, so it keeps
+        its place in the schedule: first, it would block the thread as soon as its input is posted, before the
+        compute and the other transfers that come earlier in the schedule (a peer may wait for them).
+
+        Why not wait only when nothing else can act: gloo's send/recv work objects say they are completed only
+        once waited for (``is_completed()`` stays False), so a receive cannot be polled. Waiting where the
+        schedule reads is deadlock-free when each process acts its compute in schedule order and posts its
+        transfers as soon as they are ready, which is what a verified pipeline schedule assumes."""
+        span = len(self.plan.nodes)
+        lowest = min((min(a.keys) for a in self.actors if a.keys), default=0)  # the pre phase's key is -1
+        base = (min(lowest, 0) - 1) * span  # below every other act's code (key * span + position), still unique
+        for actor in self.actors:
+            if actor.comm and not any(b in flying for b in actor.node.inputs):
+                actor.codes = (base + actor.position,) * actor.steps
+
     # -- construction -------------------------------------------------------------------------------
 
     def _add_registers(self, actor: Actor, backend: Backend) -> None:
@@ -609,17 +632,17 @@ class Board:
                 actor.step = step = step + 1
                 actor.busy = False
                 acts += 1
-                if step >= actor.steps:
-                    finished += 1
-                elif not actor.missing:  # most often an input is missing now: no call
-                    offer(actor)
-                if actor.comm:
+                if actor.comm:  # its stream's turn passes on first: offer() checks it, for this actor too
                     seq = streams[actor.lane]
                     i = heads[actor.lane] = heads[actor.lane] + 1
                     if i < len(seq):
                         other = seq[i][0]
-                        if not other.missing and not other.busy and other.step < other.steps:
+                        if other is not actor and not other.missing and not other.busy and other.step < other.steps:
                             offer(other)
+                if step >= actor.steps:
+                    finished += 1
+                elif not actor.missing:  # most often an input is missing now: no call
+                    offer(actor)
         except BaseException:
             self.failed = (actor, step)
             raise

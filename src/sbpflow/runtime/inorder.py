@@ -361,6 +361,7 @@ def run_plan(plan: PhysicalPlan, feeds: dict[str, Shards], variables: dict[str, 
         if phase == "micro":
             for b in prog.after_micro:
                 values.pop(b, None)
+    backend.settle_sends()  # sends in flight that no node here waited for
     commit(state)
     return state.outputs
 
