@@ -1,8 +1,8 @@
 """The actor runtime: worker threads drive the actors of :mod:`.board` through a physical plan.
 
 ``ActorRuntime(plan).run(feeds, variables)`` has :func:`~sbpflow.runtime.inorder.run_plan`'s
-signature and results; the numbers are identical because every act goes through the same
-:func:`~sbpflow.runtime.inorder.act`. What differs is the order: an actor acts as soon as its
+signature and results; the numbers are identical because every act runs the same bound kernels
+(:func:`~sbpflow.runtime.inorder.program`). What differs is the order: an actor acts as soon as its
 registers allow (issue 9), so communication overlaps compute and back-pressure bounds memory.
 
 >>> import torch, sbpflow
@@ -70,7 +70,6 @@ from .inorder import (
     Program,
     Shards,
     StepState,
-    act,
     commit,
     in_flight_collectives,
     prepare_groups,
@@ -131,6 +130,8 @@ class ActorRuntime:
         # one thread: Board.play acts for every lane, no queues, locks or hand-offs (on CUDA, every kernel goes
         # to the caller's stream in plan order, which orders them as the messages would)
         self._inline = not self.threaded
+        # its kernels: send/recv in flight only on one thread (in_flight_collectives says why not with threads)
+        self._prog = program(plan, self.backend, p2p=self._inline)
         if self._inline and not isinstance(self.backend, SimulatedBackend):
             # transfers in flight: the one thread posts them before it waits for any (Board.play)
             self.board.issue_comm_first(set(in_flight_collectives(plan).values()))
@@ -281,7 +282,7 @@ class ActorRuntime:
         threads (:func:`activity` names their actor in comm errors; on one thread a collective is a local copy of
         virtual ranks, whose errors the step names by its failed act)."""
         plain = self.synthetic is None and not self._logs and self._trace is None
-        prog = program(self.plan, self.backend) if plain else None
+        prog = self._prog if plain else None
         if prog is self._program:
             return
         self._program = prog
@@ -506,7 +507,7 @@ class ActorRuntime:
                 return self._gather(actor, step, inputs, state)  # local sums and joins: no collective to name
             with activity(_ActName(actor, step)):
                 if self.synthetic is None and not self._logs:
-                    return act(actor.node, inputs, state, step, self.backend)  # the common case, one call less
+                    return self._prog.acts[actor.node.id](inputs, state, step)  # the common case, one call less
                 if not self._logs:
                     return self._act(actor, step, inputs, state)
                 with recording_into(self._logs):
@@ -521,7 +522,7 @@ class ActorRuntime:
             return self._sleep(actor, step)
         if actor.gathers:
             return self._gather(actor, step, inputs, state)
-        return act(actor.node, inputs, state, step, self.backend)
+        return self._prog.acts[actor.node.id](inputs, state, step)
 
     def _gather(self, actor: Actor, step: int, inputs: list[Any], state: StepState) -> list[Any]:
         """accumulate (a running sum) or pack (the values so far) takes one micro-batch; writes on the last."""
@@ -529,7 +530,7 @@ class ActorRuntime:
             actor.partial = _add_into(actor.partial, inputs[0])
             return [actor.partial] if actor.emits(step) else []
         actor.partial = [*(actor.partial or []), inputs[0]]
-        return act(actor.node, [actor.partial], state, step, self.backend) if actor.emits(step) else []
+        return self._prog.acts[actor.node.id]([actor.partial], state, step) if actor.emits(step) else []
 
     def _sleep(self, actor: Actor, step: int) -> list[Any]:
         """Synthetic time: the act sleeps for its given duration and writes placeholders (no kernel, no

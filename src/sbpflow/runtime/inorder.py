@@ -80,20 +80,21 @@ class Program:
     gathered: frozenset[int]  # micro buffers read by accumulate/pack (kept per micro-batch)
 
 
-def program(plan: PhysicalPlan, backend: Backend) -> Program:
+def program(plan: PhysicalPlan, backend: Backend, p2p: bool = True) -> Program:
     """``plan``'s :class:`Program` for ``backend`` (made once per plan and backend, then cached on the plan; made
-    again if the plan's node list changed)."""
+    again if the plan's node list changed). ``p2p``: send/recv of cpu shards issued in flight too (see
+    :func:`in_flight_collectives`)."""
     cached = getattr(plan, "_program", None)
-    if cached is not None and cached[0] is backend and len(cached[1]) == len(plan.nodes) and \
+    if cached is not None and cached[0] is backend and cached[3] == p2p and len(cached[1]) == len(plan.nodes) and \
             all(map(operator.is_, cached[1], plan.nodes)):
         return cached[2]
-    prepared = _prepare(plan, backend)
-    plan._program = (backend, list(plan.nodes), prepared)  # type: ignore[attr-defined]
+    prepared = _prepare(plan, backend, p2p)
+    plan._program = (backend, list(plan.nodes), prepared, p2p)  # type: ignore[attr-defined]
     return prepared
 
 
-def _prepare(plan: PhysicalPlan, backend: Backend) -> Program:
-    in_flight = in_flight_collectives(plan) if backend.in_flight else {}
+def _prepare(plan: PhysicalPlan, backend: Backend, p2p: bool) -> Program:
+    in_flight = in_flight_collectives(plan, p2p) if backend.in_flight else {}
     acts = {n.id: _bind(n, plan, backend, n.id in in_flight) for n in plan.nodes}
     flying = set(in_flight.values())
     for n in plan.nodes:  # a reader of a collective in flight waits for it first
@@ -107,16 +108,21 @@ def _prepare(plan: PhysicalPlan, backend: Backend) -> Program:
     return Program({n.id: n for n in plan.nodes}, acts, phases, after_micro, gathered)
 
 
-def in_flight_collectives(plan: PhysicalPlan) -> dict[int, int]:
+def in_flight_collectives(plan: PhysicalPlan, p2p: bool = True) -> dict[int, int]:
     """Collectives issued without waiting (:func:`~sbpflow.boxing.execute.runs_async`): node id -> its output
     buffer. Its readers wait where they act, so the transport works while the nodes between run (the overlap of
     a data-parallel step's gradient buckets with the rest of backward, as DDP's). Not where an accumulate or a
     pack reads the value: they take it apart from any act. A program issues them so only on a backend whose
     transport moves the bytes meanwhile (``Backend.in_flight``: torch.distributed); on virtual ranks a collective
-    completes when issued, and the plain act costs less."""
+    completes when issued, and the plain act costs less.
+
+    ``p2p=False`` leaves send/recv out (it blocks): for the actor runtime's threads, whose compute thread would
+    commit to an act as soon as its input is posted and wait in it, while a peer waits for an act behind it (the
+    one-thread runtime posts every ready transfer first instead: :meth:`~sbpflow.runtime.board.Board.play`)."""
     gathering = {b for n in plan.nodes if n.kind in GATHERING for b in n.inputs}
     return {n.id: n.outputs[0] for n in plan.nodes
-            if n.kind == "boxing" and n.boxing is not None and runs_async(n.boxing) and n.outputs[0] not in gathering}
+            if n.kind == "boxing" and n.boxing is not None and runs_async(n.boxing) and n.outputs[0] not in gathering
+            and (p2p or n.boxing.steps[0].kind != "send_recv")}
 
 
 def _waiting(run: Act, waits: tuple[int, ...]) -> Act:
