@@ -239,3 +239,33 @@ def sends_in_flight_on_ranks() -> list[list[float]]:
 def test_sends_in_flight_arrive_in_the_order_posted_though_nobody_waits_for_them() -> None:
     _, received = run_ranks(sends_in_flight_on_ranks, 2, timeout=60)
     assert received == [[float(k)] * 3 for k in range(4)]
+
+
+def two_stage_plan() -> Any:
+    """Stage 0 (rank 0) -> stage 1 (rank 1) -> back to stage 0, 4 micro-batches: p2p both ways, as a pipeline's
+    activations and gradients."""
+    stage0, stage1 = sbpflow.placement("cpu", [0]), sbpflow.placement("cpu", [1])
+    b = PlanBuilder(micro_batches=4)
+    x = b.unpack(b.input("x", (8, 3), stage0, (S.broadcast,)))
+    there = b.boxing(b.compute("relu", x), (S.broadcast,), placement=stage1)
+    back = b.boxing(b.compute("neg", there), (S.broadcast,), placement=stage0)
+    b.output("y", b.pack(b.compute("add", back, x)))
+    return b.build(register_num=2)
+
+
+def two_stages_on_ranks(threads: bool | None) -> dict[str, Any]:
+    rank = sbpflow.rank()
+    x = torch.arange(24.0).reshape(8, 3) - 12
+    with ActorRuntime(two_stage_plan(), timeout=20, threads=threads) as rt:
+        outs = [rt.run({"x": {0: x}} if rank == 0 else {}, {}) for _ in range(2)]
+    return {"y": [o["y"][0] for o in outs] if rank == 0 else [], "threaded": rt.threaded}
+
+
+def test_a_two_stage_pipeline_runs_on_one_thread_per_process_or_on_threads_with_blocking_p2p() -> None:
+    x = torch.arange(24.0).reshape(8, 3) - 12
+    want = x - torch.relu(x)
+    for threads in (None, True):
+        per_rank = run_ranks(two_stages_on_ranks, 2, args=(threads,), timeout=60)
+        for y in per_rank[0]["y"]:
+            assert torch.equal(y, want)
+        assert [got["threaded"] for got in per_rank] == [bool(threads)] * 2
