@@ -132,7 +132,7 @@ class ActorRuntime:
         self._inline = not self.threaded
         # its kernels: send/recv in flight only on one thread (in_flight_collectives says why not with threads)
         self._prog = program(plan, self.backend, p2p=self._inline)
-        if self._inline and not isinstance(self.backend, SimulatedBackend):
+        if self._inline and self.backend.in_flight:
             # transfers in flight: the one thread posts them before it waits for any (Board.play)
             self.board.issue_comm_first(set(in_flight_collectives(plan).values()))
         for worker in self._workers.values():
@@ -160,7 +160,7 @@ class ActorRuntime:
             return True
         if isinstance(self.backend, SimulatedBackend):
             return False
-        flying = in_flight_collectives(self.plan)
+        flying = in_flight_collectives(self.plan) if self.backend.in_flight else {}
         return any(n.is_comm and n.id not in flying and any(map(self.backend.owns, n.ranks)) for n in self.plan.nodes)
 
     def _make_workers(self) -> dict[str, Worker]:
