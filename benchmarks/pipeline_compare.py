@@ -160,7 +160,7 @@ def sbpflow_activation_bytes(trainer: Any, rank: int, step: Callable[[], object]
     returns as a view shares its input's storage, as in torch's count; a view of the step's batch is not counted),
     times the most micro-batches the runtime's register counters saw held at once on this stage (under 1F1B all of
     them are full together at the last warm-up forward)."""
-    from sbpflow.runtime.inorder import program
+    from sbpflow.boxing.execute import InFlight
 
     compiled = trainer.graph._compiled()
     pipe = compiled.plan.pipeline
@@ -168,23 +168,29 @@ def sbpflow_activation_bytes(trainer: Any, rank: int, step: Callable[[], object]
     held = set(pipe.activations.get(stage, ()))
     storages: dict[int, dict[int, int]] = {}  # micro-batch -> {storage pointer: bytes}
     runtime = compiled.executor
-    prog = program(compiled.plan, runtime.backend)  # the bound kernels every act of the runtime calls
+    prog = runtime._prog  # the bound kernels every act of the runtime calls
     nodes = {n.id: n for n in compiled.plan.nodes}
     real = dict(prog.acts)
 
     inputs_seen: set[int] = set()  # storages of the step's inputs: live all step anyway, as torch's batch
 
+    def note(node: Any, b: int, value: Any, micro: int) -> None:
+        if not isinstance(value, dict) or not isinstance(value.get(rank), torch.Tensor):
+            return
+        storage = value[rank].untyped_storage()
+        if node.kind == "input":
+            inputs_seen.add(storage.data_ptr())
+        elif b in held and storage.data_ptr() not in inputs_seen:
+            storages.setdefault(micro, {})[storage.data_ptr()] = storage.nbytes()
+
     def watch(node: Any, run: Any) -> Any:
         def watched(inputs: Any, state: Any, micro: int) -> list[Any]:
             outputs = run(inputs, state, micro)
             for b, value in zip(node.outputs, outputs, strict=False):
-                if not isinstance(value, dict) or not isinstance(value.get(rank), torch.Tensor):
-                    continue
-                storage = value[rank].untyped_storage()
-                if node.kind == "input":
-                    inputs_seen.add(storage.data_ptr())
-                elif b in held and storage.data_ptr() not in inputs_seen:
-                    storages.setdefault(micro, {})[storage.data_ptr()] = storage.nbytes()
+                if isinstance(value, InFlight):  # a receive in flight: its buffer, once a reader has waited for it
+                    value.waited = lambda node=node, b=b, value=value, micro=micro: note(node, b, value.result, micro)
+                else:
+                    note(node, b, value, micro)
             return outputs
         return watched
 
