@@ -162,9 +162,7 @@ class Backend(ABC):
         t = next(iter(inputs.values())) if inputs else None
         size = nbytes(t.shape, t.dtype) if t is not None else 0
         emit("all_reduce", group, 2 * (len(group) - 1) * size)
-        if donate:
-            return self._all_reduce(group, inputs, op, donate=True)
-        return self._all_reduce(group, inputs, op)
+        return self._all_reduce(group, inputs, op, donate)
 
     def all_reduce_async(self, group: tuple[int, ...], inputs: dict[int, torch.Tensor], op: str,
                          donate: bool = False) -> PendingReduce:
@@ -178,9 +176,7 @@ class Backend(ABC):
         t = next(iter(inputs.values())) if inputs else None
         size = nbytes(t.shape, t.dtype) if t is not None else 0
         emit("all_reduce", group, 2 * (len(group) - 1) * size)
-        if donate:
-            return self._all_reduce_async(group, inputs, op, donate=True)
-        return self._all_reduce_async(group, inputs, op)
+        return self._all_reduce_async(group, inputs, op, donate)
 
     def reduce_scatter(
         self, group: tuple[int, ...], inputs: dict[int, list[torch.Tensor]], op: str

@@ -87,7 +87,7 @@ class TorchDistBackend(Backend):
         self._ready: set[Any] = set()  # placements (and rank sets) whose groups exist
         # sends posted in flight that nobody waits for (a process that only sends): gloo drops a send whose work
         # object goes before the peer posted its receive, so they are held until settle_sends()
-        self._sending: list[_PendingP2P] = []
+        self._sending: list[_Pending] = []
         if torch.cuda.is_available():
             torch.cuda.set_device(config.local_rank)
         if not dist.is_initialized():
@@ -249,20 +249,15 @@ class TorchDistBackend(Backend):
         pg = self._group(group, mine.device)
         work = self._call("all_gather" if blocking else "all_gather (async)", group,
                           lambda: dist.all_gather_single(out, flat, group=pg, async_op=not blocking))
-        return _PendingGather(self, group, work, out, shapes, dtype, current_activity())
+        slots = out.view(len(group), biggest)
+        order = sorted(group)  # torch orders a group's members by global rank
+        return _Pending(self, "an all_gather", group, [work], lambda: {self.rank: [
+            _unflat(slots[order.index(g)], shapes[j], dtype) for j, g in enumerate(group)]}, blocking=blocking)
 
     def _all_reduce(self, group, inputs, op, donate=False):  # type: ignore[no-untyped-def]
-        mine = inputs[self.rank]
-        if len(group) == 1:
-            return {self.rank: mine if donate else mine.clone()}
-        self._check_same("all_reduce", group, (tuple(mine.shape), str(mine.dtype), op))
-        own = mine if donate and mine.is_contiguous() else mine.contiguous().clone()  # donated: no copy
-        buffer, reduce_op = _reduction_buffer(own, op)
-        pg = self._group(group, mine.device)
-        self._call("all_reduce", group, lambda: dist.all_reduce(buffer, op=reduce_op, group=pg))
-        return {self.rank: buffer.to(mine.dtype).view(mine.shape)}
+        return self._all_reduce_async(group, inputs, op, donate, blocking=True).wait()
 
-    def _all_reduce_async(self, group, inputs, op, donate=False):  # type: ignore[no-untyped-def]
+    def _all_reduce_async(self, group, inputs, op, donate=False, blocking=False):  # type: ignore[no-untyped-def]
         mine = inputs[self.rank]
         if len(group) == 1:
             return Completed({self.rank: mine if donate else mine.clone()})
@@ -270,9 +265,10 @@ class TorchDistBackend(Backend):
         own = mine if donate and mine.is_contiguous() else mine.contiguous().clone()  # donated: no copy
         buffer, reduce_op = _reduction_buffer(own, op)
         pg = self._group(group, mine.device)
-        work = self._call("all_reduce (async)", group,
-                          lambda: dist.all_reduce(buffer, op=reduce_op, group=pg, async_op=True))
-        return _PendingAllReduce(self, group, work, buffer, mine, current_activity())
+        work = self._call("all_reduce" if blocking else "all_reduce (async)", group,
+                          lambda: dist.all_reduce(buffer, op=reduce_op, group=pg, async_op=not blocking))
+        return _Pending(self, "an all_reduce", group, [work],
+                        lambda: {self.rank: buffer.to(mine.dtype).view(mine.shape)}, blocking=blocking)
 
     def _reduce_scatter(self, group, inputs, op):  # type: ignore[no-untyped-def]
         pieces = inputs[self.rank]
@@ -369,14 +365,21 @@ class TorchDistBackend(Backend):
             elif self.owns(t.dst):
                 ops.append(("recv", t.src, _recv_buffer(t, device), i))
         works: Sequence[Any] = self._call("send_recv", involved, lambda: self._post_p2p(ops, device)) if ops else []
-        pending = _PendingP2P(self, involved, works, ops, transfers, out, current_activity())
+
+        def received() -> dict[int, torch.Tensor]:
+            for kind, _, buffer, i in ops:
+                if kind == "recv":
+                    out[i] = buffer if buffer.dtype == transfers[i].dtype else buffer.to(transfers[i].dtype)
+            return out
+
+        pending = _Pending(self, "a send_recv", involved, works, received, call="send_recv", blocking=blocking)
         if blocking:
             pending.wait()
         elif any(kind == "send" for kind, *_ in ops):
             self._hold(pending)
         return pending
 
-    def _hold(self, pending: _PendingP2P) -> None:
+    def _hold(self, pending: _Pending) -> None:
         """Keeps ``pending`` until :meth:`settle_sends` (its work objects own the buffers gloo sends from); past
         ``SENDS_HELD`` the oldest are waited for, long since received unless a peer is stuck (then its timeout
         says so)."""
@@ -440,77 +443,33 @@ class TorchDistBackend(Backend):
 SENDS_HELD = 1024  # sends in flight held before the oldest are waited for (TorchDistBackend._hold)
 
 
-class _PendingP2P:
-    """Sends and receives posted together; ``wait()`` waits for all of them and gives the received tensors."""
+class _Pending:
+    """A collective posted on torch.distributed's threads: ``wait()`` waits for its work objects (up to the backend's
+    timeout; a None work: posted blocking, already done), then gives ``finish()``, the result cut from the buffers
+    they wrote. Errors surface in ``wait()``, naming what was running when it was issued."""
 
-    __slots__ = ("backend", "involved", "works", "ops", "transfers", "out", "issued_in", "done")
+    __slots__ = ("backend", "what", "group", "works", "finish", "call", "issued_in", "result", "done")
 
-    def __init__(self, backend: TorchDistBackend, involved: Group, works: Sequence[Any],
-                 ops: list[tuple[str, int, torch.Tensor, int]], transfers: Sequence[Transfer],
-                 out: dict[int, torch.Tensor], issued_in: str) -> None:
-        self.backend, self.involved, self.works, self.ops = backend, involved, works, ops
-        self.transfers, self.out, self.issued_in, self.done = transfers, out, issued_in, False
+    def __init__(self, backend: TorchDistBackend, what: str, group: Group, works: Sequence[Any],
+                 finish: Callable[[], Any], call: str | None = None, blocking: bool = False) -> None:
+        self.backend, self.what, self.group, self.works, self.finish = backend, what, group, works, finish
+        self.call = call or f"{what.split()[-1]} (async)"  # the name comm errors give the wait
+        # what was running when it was issued (waited for at once when blocking: the same, named when needed)
+        self.issued_in = None if blocking else current_activity()
+        self.result: Any = None
+        self.done = False
 
-    def wait(self) -> dict[int, torch.Tensor]:
+    def wait(self) -> Any:
         if not self.done:
-            backend, works = self.backend, self.works
-
-            def finish() -> None:
-                for work in works:
-                    if work is not None:
+            backend, works = self.backend, [w for w in self.works if w is not None]
+            if works:
+                def finish() -> None:
+                    for work in works:
                         work.wait(backend.timeout)
 
-            with activity(f"waiting for a send_recv issued in {self.issued_in}"):
-                backend._call("send_recv", self.involved, finish)
-            for kind, _, buffer, i in self.ops:
-                if kind == "recv":
-                    dtype = self.transfers[i].dtype
-                    self.out[i] = buffer if buffer.dtype == dtype else buffer.to(dtype)
-            self.done, self.works = True, []
-        return self.out
-
-
-class _PendingGather:
-    """An all-gather of flat padded shards in flight (``work`` None: already done); ``wait()`` cuts the pieces."""
-
-    __slots__ = ("backend", "group", "work", "out", "shapes", "dtype", "issued_in", "result")
-
-    def __init__(self, backend: TorchDistBackend, group: Group, work: Any, out: torch.Tensor,
-                 shapes: Sequence[Shape], dtype: torch.dtype, issued_in: str) -> None:
-        self.backend, self.group, self.work, self.out = backend, group, work, out
-        self.shapes, self.dtype, self.issued_in = shapes, dtype, issued_in
-        self.result: dict[int, list[torch.Tensor]] | None = None
-
-    def wait(self) -> dict[int, list[torch.Tensor]]:
-        if self.result is None:
-            backend, work = self.backend, self.work
-            if work is not None:
-                with activity(f"waiting for an all_gather issued in {self.issued_in}"):
-                    backend._call("all_gather (async)", self.group, lambda: work.wait(backend.timeout))
-            slots = self.out.view(len(self.group), -1)
-            order = sorted(self.group)  # torch orders a group's members by global rank
-            pieces = [_unflat(slots[order.index(g)], self.shapes[j], self.dtype) for j, g in enumerate(self.group)]
-            self.result = {backend.rank: pieces}
-        return self.result
-
-
-class _PendingAllReduce:
-    """An all-reduce in flight on torch.distributed's threads; ``wait()`` blocks up to the backend's timeout."""
-
-    __slots__ = ("backend", "group", "work", "buffer", "like", "issued_in", "result")
-
-    def __init__(self, backend: TorchDistBackend, group: Group, work: Any, buffer: torch.Tensor, like: torch.Tensor,
-                 issued_in: str) -> None:
-        self.backend, self.group, self.work, self.buffer, self.like = backend, group, work, buffer, like
-        self.issued_in = issued_in  # what was running when it was issued: errors surface later, in wait()
-        self.result: dict[int, torch.Tensor] | None = None
-
-    def wait(self) -> dict[int, torch.Tensor]:
-        if self.result is None:
-            backend = self.backend
-            with activity(f"waiting for an all_reduce issued in {self.issued_in}"):
-                backend._call("all_reduce (async)", self.group, lambda: self.work.wait(backend.timeout))
-            self.result = {backend.rank: self.buffer.to(self.like.dtype).view(self.like.shape)}
+                with activity(f"waiting for {self.what} issued in {self.issued_in or current_activity()}"):
+                    backend._call(self.call, self.group, finish)
+            self.result, self.done, self.works = self.finish(), True, []
         return self.result
 
 

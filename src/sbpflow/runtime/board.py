@@ -171,9 +171,9 @@ class Actor:
     arity: int = -1  # len(inputs) when every input is fed (the usual case: Board.play reads them without a loop)
     gated: bool = False  # it has control inputs
     codes: tuple[int, ...] | None = None  # Board.play's heap entry per step: key * len(plan.nodes) + position
-    # Board.play: the run of variables this one leads, each with its register and the register's readers
+    # Board.play: the run of variables this one leads, each with its register
     # (see Board._group_sources)
-    sources: list[tuple[Actor, RegisterState, list[InEdge]]] | None = None
+    sources: list[tuple[Actor, RegisterState]] | None = None
     led: bool = False  # a variable acted by the run's leader, never offered on its own by Board.play
     comm: bool = False  # on a communication lane (acts in its stream's fixed order)
     signals: bool = False  # CUDA threads: a reader on another stream waits for this actor's event
@@ -333,7 +333,7 @@ class Board:
                 run.append(actor)
                 continue
             if len(run) > 1:
-                run[0].sources = [(a, a.outputs[0], a.outputs[0].readers) for a in run]
+                run[0].sources = [(a, a.outputs[0]) for a in run]
                 for follower in run[1:]:
                     follower.led = True
             run = [actor] if actor is not None and _plain_source(actor) else []
@@ -511,7 +511,7 @@ class Board:
                 step = actor.step
                 sources = actor.sources
                 if sources is not None:  # a run of variables (_group_sources): each one's act, in plan order
-                    for actor, reg, readers in sources:
+                    for actor, reg in sources:
                         reg.free -= 1
                         if reg.capacity - reg.free > reg.peak:
                             reg.peak = peak_slots[reg.buf] = reg.capacity - reg.free
@@ -520,18 +520,7 @@ class Board:
                         run = actor.run
                         value = (run([], state, 0) if run is not None else perform(actor, 0, []))[0]
                         actor.step = 1
-                        if not reg.direct:
-                            send(reg, value, 0)
-                            continue
-                        reg.left = len(readers)  # the main loop's write, written out again (a variable: one value)
-                        for edge in readers:
-                            queue = edge.queue
-                            queue.append(value)
-                            if len(queue) == 1:
-                                other = edge.consumer
-                                other.missing -= 1
-                                if not other.missing and not other.busy and other.step < other.steps:
-                                    offer(other)
+                        send(reg, value, 0)
                     sources[0][0].busy = False  # the leader: the others were never offered
                     acts += len(sources)
                     finished += len(sources)
