@@ -1,9 +1,10 @@
 """Optimizer updates as ops, for compiled steps (nn.Graph): pure functions of (parameter, gradient, state).
 
-Eager optimizers update shards in place with foreach kernels (:mod:`sbpflow.optim`); a compiled step instead
-traces these ops, whose outputs are assigned back to the variables after the whole step succeeded. The
-arithmetic is the same elementwise sequence as the eager rules, so both give the same numbers. Every update
-is elementwise: any split or broadcast signature shared by all operands works, never a partial one.
+Eager optimizers update shards in place with fused or foreach kernels (:mod:`sbpflow.optim`); a compiled step
+instead traces these ops, whose outputs are assigned back to the variables after the whole step succeeded. The
+arithmetic is the eager rules' (for Adam: torch's fused kernel, else the foreach sequence), so both give the
+same numbers. Every update is elementwise: any split or broadcast signature shared by all operands works,
+never a partial one.
 The learning rate and step count are per-step scalars (fed each step, not baked into the plan).
 
 In-place forms. Each op has an in-place kernel (:data:`IN_PLACE`) that writes the new values into its own
@@ -95,15 +96,47 @@ def _multi_sigs(*metas: Any, outs: Any, **_: Any) -> list[Sig]:
     return [Sig((s,) * n_in, (s,) * len(outs)) for s in [broadcast] + [split(d) for d in range(ndim)]]
 
 
+FUSED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def adam_fused_(ps: list[torch.Tensor], gs: list[torch.Tensor], ms: list[torch.Tensor], vs: list[torch.Tensor],
+                maxs: list[torch.Tensor], steps: list[torch.Tensor], *, lr: float, beta1: float, beta2: float,
+                eps: float, weight_decay: float, decoupled: bool, maximize: bool) -> bool:
+    """Adam's update by torch's fused kernel (``_fused_adam_`` / ``_fused_adamw_``: one pass over each
+    parameter's memory, where the foreach sequence makes seven), when every tensor shares one device (cpu or
+    cuda) and one floating dtype, and the tensors written are contiguous. ``steps[i]``: parameter i's step
+    count as a tensor on that device (read, not advanced). ``maxs``: AMSGrad's running maxima, or empty.
+    Returns False, with nothing written, where the kernel does not apply. The moments come out bit-identical
+    to the foreach sequence's, the parameters within an ulp."""
+    if not ps:
+        return False
+    device, dtype = ps[0].device, ps[0].dtype
+    if device.type not in ("cpu", "cuda") or dtype not in FUSED_DTYPES:
+        return False
+    if any(t.device != device or t.dtype != dtype for ts in (ps, gs, ms, vs, maxs) for t in ts):
+        return False
+    if not all(t.is_contiguous() for ts in (ps, ms, vs, maxs) for t in ts):  # written in place, as flat memory
+        return False
+    gs = [g if g.is_contiguous() else g.contiguous() for g in gs]  # read as flat memory (a sum's grad is expanded)
+    kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
+    kernel(ps, gs, ms, vs, maxs, steps, lr=float(lr), beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=eps,
+           amsgrad=bool(maxs), maximize=maximize)
+    return True
+
+
 def adam_update_multi_(*args: Any, beta1: float, beta2: float, eps: float, weight_decay: float = 0.0,
                        decoupled: bool = False, maximize: bool = False,
                        workspace: dict[str, Any] | None = None) -> None:
     """In place on the parameters and moments: ``(p..., g..., m..., v..., lr, step)``, k of each, with eager
-    Adam's foreach sequence (:meth:`sbpflow.optim.Adam._update`). ``workspace``: a dict kept from one call to
-    the next, where the denominators live (allocated once instead of every step)."""
+    Adam's rule (:meth:`sbpflow.optim.Adam._update`): torch's fused kernel where it applies, else the foreach
+    sequence. ``workspace``: a dict kept from one call to the next, where the step tensor and the foreach
+    denominators live (allocated once instead of every step)."""
     *tensors, lr, step = args
     k = len(tensors) // 4
     ps, gs, ms, vs = (list(tensors[i * k:(i + 1) * k]) for i in range(4))
+    if adam_fused_(ps, gs, ms, vs, [], [_step_tensor(step, ps, workspace)] * k, lr=lr, beta1=beta1, beta2=beta2,
+                   eps=eps, weight_decay=weight_decay, decoupled=decoupled, maximize=maximize):
+        return
     if maximize:
         gs = list(torch._foreach_neg(gs))
     if weight_decay != 0:
@@ -118,6 +151,18 @@ def adam_update_multi_(*args: Any, beta1: float, beta2: float, eps: float, weigh
     torch._foreach_div_(denom, (1 - beta2**step) ** 0.5)
     torch._foreach_add_(denom, eps)
     torch._foreach_addcdiv_(ps, ms, denom, -(lr / (1 - beta1**step)))
+
+
+def _step_tensor(step: float, ps: list[torch.Tensor], workspace: dict[str, Any] | None) -> torch.Tensor:
+    """The step count as a 0-d float32 tensor on the parameters' device (the fused kernel's form); a
+    workspace's tensor is filled in place, which costs no host-device sync."""
+    device = ps[0].device if ps else torch.device("cpu")
+    if workspace is None:
+        return torch.tensor(float(step), dtype=torch.float32, device=device)
+    t = workspace.get("step")
+    if t is None or t.device != device:
+        t = workspace["step"] = torch.zeros((), dtype=torch.float32, device=device)
+    return t.fill_(float(step))
 
 
 def _sqrt(vs: list[torch.Tensor], workspace: dict[str, Any] | None) -> list[torch.Tensor]:

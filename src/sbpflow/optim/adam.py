@@ -1,4 +1,4 @@
-"""Adam and AdamW (torch.optim.Adam/AdamW's rules, run per shard with foreach kernels)."""
+"""Adam and AdamW (torch.optim.Adam/AdamW's rules, run per shard with torch's fused kernel, else foreach)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from ..errors import ArgumentError, SbpflowError
+from ..ops.optimizer import adam_fused_
 from .optimizer import Optimizer, ShardBatch
 
 
@@ -50,6 +51,11 @@ class Adam(Optimizer):
         if not params:  # this process holds no shard of them (another pipeline stage); foreach needs one tensor
             return
         exp_avgs, exp_avg_sqs = batch.state["exp_avg"], batch.state["exp_avg_sq"]
+        maxs = batch.state["max_exp_avg_sq"] if group["amsgrad"] else []
+        if adam_fused_(params, grads, exp_avgs, exp_avg_sqs, maxs, _step_tensors(steps, params[0].device), lr=lr,
+                       beta1=beta1, beta2=beta2, eps=eps, weight_decay=wd, decoupled=self.decoupled,
+                       maximize=group["maximize"]):
+            return
         if group["maximize"]:
             grads = list(torch._foreach_neg(grads))
         if wd != 0:
@@ -63,14 +69,13 @@ class Adam(Optimizer):
         step_size = [-(lr / (1 - beta1**s)) for s in steps]
         bias_correction2_sqrt = [(1 - beta2**s) ** 0.5 for s in steps]
         if group["amsgrad"]:
-            torch._foreach_maximum_(batch.state["max_exp_avg_sq"], exp_avg_sqs)
-            denom = torch._foreach_sqrt(batch.state["max_exp_avg_sq"])
+            torch._foreach_maximum_(maxs, exp_avg_sqs)
+            denom = torch._foreach_sqrt(maxs)
         else:
             denom = torch._foreach_sqrt(exp_avg_sqs)
         torch._foreach_div_(denom, bias_correction2_sqrt)
         torch._foreach_add_(denom, eps)
         torch._foreach_addcdiv_(params, exp_avgs, denom, step_size)
-
 
     def step_feeds(self, prefix: str, group: dict[str, Any]) -> list[tuple[str, float]]:
         first = next((p for p in group["params"] if p in self.state), None)
@@ -107,6 +112,12 @@ class Adam(Optimizer):
                 self._write_back(p, outs[j])
                 state["exp_avg"]._assign(outs[k + j])
                 state["exp_avg_sq"]._assign(outs[2 * k + j])
+
+
+def _step_tensors(steps: list[float], device: torch.device) -> list[torch.Tensor]:
+    """Each shard's step count as a 0-d float32 tensor on ``device``, one tensor per distinct count."""
+    made = {s: torch.tensor(s, dtype=torch.float32, device=device) for s in set(steps)}
+    return [made[s] for s in steps]
 
 
 class AdamW(Adam):
