@@ -59,10 +59,11 @@ def copy_weights(source: Any, target: torch.nn.Module) -> None:
 
 
 def adamw(params: list[torch.nn.Parameter], lr: float) -> torch.optim.AdamW:
-    """The demo trainer's AdamW in torch: weight decay on matrices only, nanoGPT's betas, foreach kernels."""
+    """The demo trainer's AdamW in torch: weight decay on matrices only, nanoGPT's betas, torch's fused kernel
+    (the one sbpflow's AdamW runs)."""
     groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": 0.1},
               {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), foreach=True)
+    return torch.optim.AdamW(groups, lr=lr, betas=(0.9, 0.95), fused=True)
 
 
 def tokens(cfg: GPTConfig, batch: int) -> tuple[np.ndarray, np.ndarray]:

@@ -137,7 +137,7 @@ def torch_mlp(reference: Any) -> tuple[torch.nn.Module, Callable[[torch.nn.Modul
     x, y = x_full.chunk(WORLD)[rank], y_full.chunk(WORLD)[rank]  # local (32, 1024)
 
     def contender(ddp: torch.nn.Module) -> Contender:
-        opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3, foreach=True)
+        opt = torch.optim.AdamW(ddp.parameters(), lr=1e-3, fused=True)
 
         def step(phases: Phases | None = None) -> float:
             phases = phases or Phases()

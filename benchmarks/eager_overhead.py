@@ -86,7 +86,7 @@ def torch_mlp(width: int, layers: int) -> Callable[[], object]:
     for _ in range(layers):
         mods += [torch.nn.Linear(width, width), torch.nn.ReLU()]
     model = torch.nn.Sequential(*mods, torch.nn.Linear(width, width))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
     x, y = torch.randn(64, width), torch.randn(64, width)
 
     def step() -> object:

@@ -140,8 +140,8 @@ def main() -> None:
         f"Worst ratio, {big}: **{ratios[big]:.3f}x** wall, **{cpu_ratios[big]:.3f}x** CPU (target: at most "
         f"1.05x); {tiny}: **{ratios[tiny]:.3f}x** wall, **{cpu_ratios[tiny]:.3f}x** CPU.",
         "",
-        "Ops dispatched per training step (forward, backward and clipping; the optimizer runs foreach kernels "
-        "on shards):",
+        "Ops dispatched per training step (forward, backward and clipping; the optimizer runs torch's fused "
+        "AdamW kernel on shards):",
         "",
         *dispatches,
     ])

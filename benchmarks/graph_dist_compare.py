@@ -38,6 +38,7 @@ import torch.distributed as dist
 from _report import machine, publish, run_or_launch
 from _torch_gpt import TorchBlock, TorchGPT, adamw, copy_weights
 from ddp_compare import MLP_BATCH, MLP_LAYERS, MLP_WIDTH, mlp_data, placed_mlp, timed_block, torch_mlp
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import sbpflow
@@ -131,9 +132,10 @@ def torch_gpt_dtensor(reference: Any) -> Step:
         parallelize_module(block, mesh, plan)
     ids, targets = (torch.from_numpy(a) for a in gpt_data())  # the whole batch on both ranks
     params = list(model.parameters())
-    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": 0.1},
-              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
-    opt = torch.optim.AdamW(groups, lr=LR, betas=(0.9, 0.95), foreach=False)  # DTensor and plain tensors mixed
+    # torch's fused AdamW (sbpflow's kernel) per group of one kind: a kernel call takes DTensors or plain tensors
+    groups = [{"params": [p for p in params if (p.ndim >= 2) == decay and isinstance(p, DTensor) == dt],
+               "weight_decay": 0.1 if decay else 0.0} for decay in (True, False) for dt in (True, False)]
+    opt = torch.optim.AdamW([g for g in groups if g["params"]], lr=LR, betas=(0.9, 0.95), fused=True)
     return _torch_step(lambda: model(ids, targets), opt)
 
 
@@ -151,7 +153,7 @@ def _torch_step(loss_fn: Callable[[], torch.Tensor], opt: torch.optim.Optimizer)
 def torch_mlp_ddp(reference: Any) -> Step:
     model, contender = torch_mlp(reference)
     ddp = DDP(model)
-    opt = torch.optim.AdamW(ddp.parameters(), lr=LR, foreach=True)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=LR, fused=True)
     x_full, y_full = mlp_data()
     x, y = (a.chunk(WORLD)[dist.get_rank()] for a in (x_full, y_full))
     return _torch_step(lambda: ((ddp(x) - y) ** 2).mean(), opt)
