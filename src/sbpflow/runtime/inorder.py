@@ -296,6 +296,8 @@ def _bind_segment(node: PNode, plan: PhysicalPlan, owned: list[int]) -> Act:
         values = [v[rank] for v in inputs]
         try:
             return functions[rank](*values)  # type: ignore[no-any-return]
+        except SbpflowError:  # sbpflow's own errors say what failed (as for an unfused node: _run_steps)
+            raise
         except Exception as e:  # name the original node, as the unfused plan would have
             raise _segment_error(node, codes[rank], e, values, micro) from e
 
