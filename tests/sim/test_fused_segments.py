@@ -83,7 +83,7 @@ def test_dropout_and_optimizer_nodes_stay_apart_and_collectives_split_segments()
     assert all(any(how in ("s", "k") for how, _ in n.args) or len(_run_of(graph.plan, n)) == 1 for n in kept)
     for rank in (0, 1):
         assert [n.name for n in graph.plan.collectives(rank)] == [n.name for n in plain.plan.collectives(rank)]
-    assert "physical nodes" in graph.explain()
+    assert "fused segments (graph.fuse): " in graph.explain() and "fused segments" not in plain.explain()
 
 
 def _run_of(plan: Any, node: Any) -> list[Any]:
