@@ -73,6 +73,34 @@ def test_gpt_with_fused_segments_trains_as_the_unfused_graph_and_eager(spec: str
         assert (stats.acts, stats.peak_slots) == (predicted.acts, predicted.peak_slots)
 
 
+def _gpt_with(spec: str, fused: bool, zero: int = 0, amp: Any = None, checkpointed: bool = False,
+              m: int = 1) -> tuple[Any, ...]:
+    trainer = build(CONFIG, spec, graph=True, zero=zero, amp=amp, micro_batches=m)
+    trainer.graph.config.enable_fused_segments(fused)
+    for block in trainer.graph.model.h:
+        block.config.activation_checkpointing = checkpointed
+    losses = [trainer.step(ids, targets) for ids, targets in random_batches(CONFIG.vocab_size, 2, 8, 8, seed=1)]
+    return losses, parameter_values(trainer), trainer.graph
+
+
+@pytest.mark.parametrize(("spec", "options"), [("dp=2", {"zero": 3}), ("dp=2", {"amp": torch.bfloat16}),
+                                               ("dp=2", {"checkpointed": True}), ("dp=2,tp=2", {}),
+                                               ("pp=2", {"m": 2})], ids=["zero3", "amp", "checkpointing", "tp2", "pp2"])
+def test_fused_segments_keep_the_numbers_of_every_strategy(spec: str, options: dict[str, Any]) -> None:
+    """ZeRO-3 (watched gathers, prefetch control edges), autocast casts, recomputation behind control edges and
+    tensor-parallel collectives: the same bits fused or not. A pipeline plan stays unfused."""
+    losses, params, plain = _gpt_with(spec, False, **options)
+    got_losses, got_params, graph = _gpt_with(spec, True, **options)
+    assert got_losses == losses
+    for name, value in params.items():
+        np.testing.assert_array_equal(got_params[name], value, err_msg=name)
+    assert graph._compiled().executor.stats.peak_bytes == graph.plan.peak_bytes
+    if spec == "pp=2":
+        assert _computes(graph.plan) == _computes(plain.plan)
+    else:
+        assert _computes(graph.plan) < _computes(plain.plan) // 2
+
+
 def test_dropout_and_optimizer_nodes_stay_apart_and_collectives_split_segments() -> None:
     """Nodes with per-step scalars (dropout keys, the learning rate) and communication end a run; the plan's
     collectives are those of the unfused plan, in the same order."""
