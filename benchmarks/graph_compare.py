@@ -54,8 +54,12 @@ def _data(cfg: GPTConfig, batch: int) -> tuple[np.ndarray, np.ndarray]:
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def sbpflow_step(graph: bool, executor: str = "actors") -> Callable[[], float]:
+def sbpflow_step(graph: bool, executor: str = "actors", fused: bool = False,
+                 torch_compile: bool = False) -> Callable[[], float]:
+    """The GPT step: eager, or compiled (``fused``: with fused segments, under torch.compile if asked)."""
     trainer = build(GPT, "dp=1", graph=graph, executor=executor)
+    if fused and trainer.graph is not None:
+        trainer.graph.config.enable_fused_segments(True, torch_compile=torch_compile)
     ids, targets = _data(GPT, BATCH)
     trainer.step(ids, targets)  # compile, fill caches and optimizer state
     return lambda: trainer.step(ids, targets)
@@ -96,11 +100,14 @@ def _sbpflow_mlp() -> nn.Module:
 
 
 class _MLPStep(nn.Graph):
-    def __init__(self, model: nn.Module, opt: optim.Optimizer, executor: str) -> None:
+    def __init__(self, model: nn.Module, opt: optim.Optimizer, executor: str, fused: bool = False,
+                 torch_compile: bool = False) -> None:
         super().__init__()
         self.model = model
         self.add_optimizer(opt)
         self.config.set_executor(executor)
+        if fused:
+            self.config.enable_fused_segments(True, torch_compile=torch_compile)
 
     def build(self, x: sbpflow.Tensor, y: sbpflow.Tensor) -> sbpflow.Tensor:
         loss = ((self.model(x) - y) ** 2).mean()
@@ -108,14 +115,15 @@ class _MLPStep(nn.Graph):
         return loss
 
 
-def sbpflow_mlp_step(executor: str | None) -> Callable[[], float]:
-    """The MLP on one rank (parameters B on [0]): eager steps (``executor`` None) or a compiled one."""
+def sbpflow_mlp_step(executor: str | None, fused: bool = False, torch_compile: bool = False) -> Callable[[], float]:
+    """The MLP on one rank (parameters B on [0]): eager steps (``executor`` None) or a compiled one (``fused``:
+    with fused segments, under torch.compile if asked)."""
     model = _sbpflow_mlp()
     opt = optim.AdamW(model.parameters(), lr=1e-3)
     place = sbpflow.placement("cpu", [0])
     x, y = (sbpflow.tensor(t, placement=place, sbp=S.broadcast) for t in _mlp_data())
     if executor is not None:
-        graph = _MLPStep(model, opt, executor)
+        graph = _MLPStep(model, opt, executor, fused, torch_compile)
         graph(x, y)
         return lambda: float(graph(x, y).item())
 
@@ -229,17 +237,32 @@ def kept_step_lines() -> list[str]:
     return found.group(1).split("\n")
 
 
-def step_lines(rounds: int) -> list[str]:
-    gpt = interleaved({"torch eager": torch_step(), "sbpflow eager (1 rank)": sbpflow_step(False),
-                       "sbpflow graph, actor runtime": sbpflow_step(True, "actors"),
-                       "sbpflow graph, in-order executor": sbpflow_step(True, "inorder")}, rounds)
-    mlp = interleaved({"torch eager": torch_mlp_step(), "sbpflow eager (1 rank)": sbpflow_mlp_step(None),
-                       "sbpflow graph, actor runtime": sbpflow_mlp_step("actors"),
-                       "sbpflow graph, in-order executor": sbpflow_mlp_step("inorder")}, rounds * 3)
+FUSED = "sbpflow graph, fused segments"
+COMPILED = "sbpflow graph, fused segments + torch.compile"
+
+
+def step_lines(rounds: int, torch_compile: bool = False) -> list[str]:
+    """The step tables; ``torch_compile`` adds the contenders whose segments run under torch.compile (they
+    compile for tens of seconds before the rounds)."""
+    gpt_steps = {"torch eager": torch_step(), "sbpflow eager (1 rank)": sbpflow_step(False),
+                 "sbpflow graph, actor runtime": sbpflow_step(True, "actors"),
+                 "sbpflow graph, in-order executor": sbpflow_step(True, "inorder"),
+                 FUSED: sbpflow_step(True, "actors", fused=True)}
+    mlp_steps = {"torch eager": torch_mlp_step(), "sbpflow eager (1 rank)": sbpflow_mlp_step(None),
+                 "sbpflow graph, actor runtime": sbpflow_mlp_step("actors"),
+                 "sbpflow graph, in-order executor": sbpflow_mlp_step("inorder"),
+                 FUSED: sbpflow_mlp_step("actors", fused=True)}
+    if torch_compile:
+        gpt_steps[COMPILED] = sbpflow_step(True, "actors", fused=True, torch_compile=True)
+        mlp_steps[COMPILED] = sbpflow_mlp_step("actors", fused=True, torch_compile=True)
+    gpt = interleaved(gpt_steps, rounds)
+    mlp = interleaved(mlp_steps, rounds * 3)
     lines = [
         f"`.venv/bin/python benchmarks/graph_compare.py --write` on {machine()}; medians of {rounds} "
         "interleaved rounds. Wall times carry the waits for the shared cores; the CPU columns (this process's CPU "
-        "time) leave them out, so on a loaded machine their ratios are the steadier ones.",
+        "time) leave them out, so on a loaded machine their ratios are the steadier ones. Fused segments: "
+        "`config.enable_fused_segments(True)`, each run of compute nodes one node of generated Python "
+        "(sbpflow.graph.fuse), on the actor runtime.",
         "",
         f"GPT step on one rank ({GPT.n_layer} layers, width {GPT.n_embd}, sequence {GPT.block_size}, batch {BATCH}, "
         "AdamW, clipping):",
@@ -262,6 +285,8 @@ def main() -> None:
                         help="GPT depths for the ilp-unmerged rows (one compile each; empty for none): about 1 s and "
                              "3.5 s at 24 layers, but minutes where the overlap of gradient all-reduces with backward "
                              "binds (slow links): the program is then a knapsack over every layer's choices")
+    parser.add_argument("--torch-compile", action="store_true",
+                        help="also time fused segments under torch.compile (tens of seconds of compiling first)")
     parser.add_argument("--compile-only", action="store_true",
                         help="measure only the compile table; a written section keeps the step times it had")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # LAYERS:SPEC:METHOD, one compile, JSON out
@@ -272,7 +297,7 @@ def main() -> None:
         print(json.dumps(compile_once(int(n_layer), spec, method)))
         return
     lines = ["## Compiled steps (nn.Graph, issue 8)", ""]
-    lines += kept_step_lines() if args.compile_only else step_lines(args.rounds)
+    lines += kept_step_lines() if args.compile_only else step_lines(args.rounds, args.torch_compile)
     if args.compile_only:
         lines += ["", "(Step times as last measured by a full run; the compile table below was re-measured alone.)"]
     lines += ["", "Compile time per pass in seconds (GPT width 64, sequence 32, AdamW and clipping in the graph), "

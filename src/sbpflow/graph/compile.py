@@ -1,5 +1,5 @@
 """The compiler's passes, in order: dead code -> ZeRO-3 prefetch window -> SBP selection -> lowering (boxing
-nodes) -> pipeline -> verification.
+nodes) -> pipeline -> fused segments (opt-in) -> verification.
 
 Each pass is a function with a clear input and output; :func:`compile_graph` runs them and times each one,
 since compile time is where users of graph compilers suffer first.
@@ -16,6 +16,7 @@ from typing import Any
 
 from .. import boxing
 from .bucket import bucket_all_reduces
+from .fuse import fuse_segments
 from .ir import LogicalGraph
 from .lower import donate_inputs, lower
 from .physical import PhysicalPlan
@@ -83,11 +84,13 @@ def eliminate_dead_code(g: LogicalGraph) -> int:
 def compile_graph(g: LogicalGraph, method: str = "ilp", model: boxing.CostModel | None = None,
                   factors: tuple[Any, ...] | None = None,
                   agree: Callable[[Any], Any] | None = None,
-                  schedule: str = "1f1b", prefetch: int = 1) -> tuple[PhysicalPlan, LogicalGraph, CompileReport]:
+                  schedule: str = "1f1b", prefetch: int = 1, fused_segments: bool = False,
+                  torch_compile: bool = False) -> tuple[PhysicalPlan, LogicalGraph, CompileReport]:
     """Runs every pass on ``g`` (modified in place) and returns the verified physical plan; ``agree`` (see
     :func:`select`) lets processes adopt one shared SBP choice; ``schedule`` is the pipeline schedule when the
     plan has several stages (``graph.pipeline``); ``prefetch`` is the window of ZeRO-3 gathers
-    (``graph.prefetch``; used only when tracing recorded gathers)."""
+    (``graph.prefetch``; used only when tracing recorded gathers); ``fused_segments`` makes each run of plain
+    compute nodes one node of generated code (``graph.fuse``; ``torch_compile``: run under torch.compile)."""
     from ..comm.torch_dist import TARGET_COST_FACTORS
 
     model = model or boxing.get_cost_model()
@@ -107,6 +110,9 @@ def compile_graph(g: LogicalGraph, method: str = "ilp", model: boxing.CostModel 
             plan = donate_inputs(bucket_all_reduces(plan, model, factors))
         with report.timing("pipeline"):
             plan_pipeline(plan, seed_buffers(plan, g), schedule)
+        if fused_segments:
+            with report.timing("fused segments"):
+                plan = fuse_segments(plan, torch_compile)
         with report.timing("verify"):
             verify(plan)
     report.physical_nodes = len(plan.nodes)

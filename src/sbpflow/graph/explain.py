@@ -9,6 +9,7 @@ from typing import Any
 
 from ..boxing import get_cost_model
 from ..sbp import format_nd
+from .fuse import FUSED, sub_nodes
 from .ir import LogicalGraph
 from .physical import PhysicalPlan, PNode
 
@@ -36,6 +37,10 @@ def explain(g: LogicalGraph, plan: PhysicalPlan, report: Any, rank: int | None =
     m = plan.micro_batches
     lines = [f"compiled step: {len(g.nodes)} logical nodes ({report.removed_nodes} dead removed), "
              f"{len(plan.nodes)} physical nodes, {m} micro-batch{'es' if m > 1 else ''}"]
+    fused = [n for n in plan.for_rank(rank) if n.op == FUSED]
+    if fused:
+        lines.append(f"fused segments (graph.fuse): {len(fused)} nodes of rank {rank} run "
+                     f"{sum(len(sub_nodes(n)) for n in fused)} compute nodes as generated code")
     sel = report.selection
     if sel is not None:
         lines.append(f"sbp selection: {sel.method}, estimated {sel.chosen_cost * 1e3:.3f} ms "

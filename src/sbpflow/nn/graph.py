@@ -72,6 +72,8 @@ class GraphConfig:
         self.amp_dtype: torch.dtype | None = None  # the autocast dtype of build() (enable_amp); None: off
         self.grad_comm_dtype: torch.dtype | None = None  # the dtype gradients are reduced in; None: their own
         self.loss_scaler: Any = None  # an amp.GradScaler whose rules run inside the step (fp16); None: off
+        self.fused_segments = False  # runs of plain compute nodes become one node of generated code (graph.fuse)
+        self.segment_torch_compile = False  # and that code runs under torch.compile
 
     def enable_zero(self, stage: int = 1, *, prefetch: int = 1, **options: Any) -> None:
         """Shards optimizer state (1), gradients (2) and parameters (3) on the data axis, as
@@ -107,6 +109,28 @@ class GraphConfig:
                                f"{loss_scaler!r}")
         self.amp_dtype, self.grad_comm_dtype = dtype, grad_comm_dtype
         self.loss_scaler = loss_scaler if loss_scaler is not None and loss_scaler.enabled else None
+
+    def enable_fused_segments(self, enabled: bool = True, *, torch_compile: bool = False) -> None:
+        """Makes each run of consecutive plain compute nodes between communication nodes one plan node whose
+        kernel is straight-line Python generated from the run (:mod:`sbpflow.graph.fuse`): no per-node dispatch
+        inside it, and its intermediates never reach the executor. ``torch_compile=True`` runs each segment's
+        function under ``torch.compile(fn, dynamic=False)`` (compiled at the first step: slow to start).
+        Numbers are those of the unfused plan (the same kernels in the same order) unless torch.compile fuses
+        kernels. Off by default; a plan with several pipeline stages is left unfused.
+
+        >>> import sbpflow
+        >>> g = sbpflow.nn.Graph()
+        >>> g.config.enable_fused_segments(True)
+        >>> g.config.fused_segments, g.config.segment_torch_compile
+        (True, False)
+        """
+        if not isinstance(enabled, bool) or not isinstance(torch_compile, bool):
+            raise SbpflowError(f"enable_fused_segments takes booleans, but got enabled={enabled!r}, "
+                               f"torch_compile={torch_compile!r}")
+        if torch_compile and not enabled:
+            raise SbpflowError("enable_fused_segments(False, torch_compile=True): torch.compile applies to fused "
+                               "segments, so it needs enabled=True")
+        self.fused_segments, self.segment_torch_compile = enabled, torch_compile
 
     def set_gradient_accumulation_steps(self, steps: int) -> None:
         """Splits dim 0 of every input into ``steps`` micro-batches; gradients accumulate over them."""
@@ -345,7 +369,9 @@ class Graph:
         trace_s, trace_cpu = time.perf_counter() - start, time.process_time() - cpu_start
         plan, logical, report = compile_graph(tracer.graph, self.config.sbp_selection, agree=_rank0_choice,
                                               schedule=self.config.pipeline_schedule,
-                                              prefetch=self.config.zero_prefetch)
+                                              prefetch=self.config.zero_prefetch,
+                                              fused_segments=self.config.fused_segments,
+                                              torch_compile=self.config.segment_torch_compile)
         with report.timing("memory plan"):
             plan.peak_bytes = _memory_plan(plan)
         report.times = {"trace": trace_s, **report.times}

@@ -29,6 +29,7 @@ from ..boxing.execute import InFlight, execute_async, runs_async
 from ..comm import Backend, get_backend
 from ..distributed import activity
 from ..errors import SbpflowError
+from ..graph import fuse
 from ..graph.physical import PHASES, PhysicalPlan, PNode
 from ..ops.inplace import OVERWRITING
 from ..ops.optimizer import IN_PLACE
@@ -248,6 +249,8 @@ def _arguments(node: PNode, owned: list[int]) -> Callable[[Sequence[Any], StepSt
 
 
 def _bind_compute(node: PNode, plan: PhysicalPlan, owned: list[int]) -> Act:
+    if node.op == fuse.FUSED:
+        return _bind_segment(node, plan, owned)
     opdef = REGISTRY[node.op or node.name]
     kernel, attrs, n_out = opdef.kernel, dict(node.attrs), len(node.outputs)
     arguments = _arguments(node, owned)
@@ -277,6 +280,67 @@ def _bind_compute(node: PNode, plan: PhysicalPlan, owned: list[int]) -> Act:
             return _split_results(results, n_out)
 
     return run
+
+
+def _bind_segment(node: PNode, plan: PhysicalPlan, owned: list[int]) -> Act:
+    """A fused segment (:mod:`sbpflow.graph.fuse`): its generated function on each owned rank's shards (under
+    ``torch.compile`` where the node asks for it). A failure names the sub-node that raised. With shard-aware
+    sub-nodes each rank has a function of its own (their ``ShardCtx`` are its constants), else ranks share one."""
+    aware, subs = fuse.shard_aware_subs(node), fuse.sub_nodes(node)
+    shared = None if aware else fuse.codegen(node)
+    codes = {r: shared or fuse.codegen(node, {k: _shard_ctx(subs[k], plan, r) for k in aware}) for r in owned}
+    compiled = fuse.uses_torch_compile(node)
+    functions = {r: torch.compile(c.function, dynamic=False) if compiled else c.function for r, c in codes.items()}
+
+    def on_rank(rank: int, inputs: Sequence[Any], micro: int) -> tuple[Any, ...]:
+        values = [v[rank] for v in inputs]
+        try:
+            return functions[rank](*values)  # type: ignore[no-any-return]
+        except SbpflowError:  # sbpflow's own errors say what failed (as for an unfused node: _run_steps)
+            raise
+        except Exception as e:  # name the original node, as the unfused plan would have
+            raise _segment_error(node, codes[rank], e, values, micro) from e
+
+    if len(owned) == 1:
+        rank = owned[0]
+        return lambda inputs, state, micro: [{rank: t} for t in on_rank(rank, inputs, micro)]
+
+    def run(inputs: Sequence[Any], state: StepState, micro: int) -> list[Any]:
+        results = {r: on_rank(r, inputs, micro) for r in owned}
+        return [{r: res[j] for r, res in results.items()} for j in range(len(node.outputs))]
+
+    return run
+
+
+def _segment_error(node: PNode, code: fuse.SegmentCode, error: Exception, values: list[Any],
+                   micro: int) -> ExecutionError:
+    """An :class:`ExecutionError` naming the sub-node of fused ``node`` that raised ``error``: found from the
+    traceback's line in the generated code, or (under torch.compile, whose frames are not that code) by running
+    the plain generated function again on the same inputs (only to find the line: an in-place add may have
+    written one of them)."""
+    sub, cause = _failing_line(code, error), error
+    if sub is None:
+        try:
+            code.function(*values)
+        except Exception as plain:  # noqa: BLE001 - any error locates the sub-node
+            sub, cause = _failing_line(code, plain), plain
+    where = f"{node.label()} (micro-batch {micro})"
+    if sub is None:  # the plain function runs: torch.compile itself failed
+        ops = ", ".join(s.op or s.name for s in fuse.sub_nodes(node))
+        return ExecutionError(f"{where}: torch.compile of the segment [{ops}] failed: {type(error).__name__}: {error}")
+    return ExecutionError(f"{where}: its node {sub.label()} (op {sub.op or sub.name}) failed: "
+                          f"{type(cause).__name__}: {cause}")
+
+
+def _failing_line(code: fuse.SegmentCode, error: BaseException) -> PNode | None:
+    """The sub-node whose line of the generated code ``error``'s traceback passes through, if any."""
+    tb = error.__traceback__
+    found = None
+    while tb is not None:
+        if tb.tb_frame.f_code is code.function.__code__:
+            found = code.node_at(tb.tb_lineno)
+        tb = tb.tb_next
+    return found
 
 
 def _split_results(results: dict[int, Any], n_out: int) -> list[Any]:

@@ -1,0 +1,268 @@
+"""Fused segments (opt-in, ``GraphConfig.enable_fused_segments``): each maximal run of plain compute nodes of a
+plan becomes one compute node whose kernel is straight-line Python generated from the run.
+
+A compiled plan already binds each node's kernel once (``runtime.inorder.Program``); what a step still pays per
+node is the executor's loop: one act, its inputs looked up, its outputs stored, its register claimed and freed.
+This pass removes that between communication nodes, as torch.fx's ``GraphModule`` does for a traced graph: the
+run ``matmul -> add -> gelu`` becomes one node of op :data:`FUSED` whose kernel is ::
+
+    def segment(b3, b7):              # the run's inputs, in order of first use
+        b9 = k0(b3, **a0)             # k0: REGISTRY["matmul"].kernel, a0: its attributes
+        b10 = k1(b9, b7)
+        del b9                        # an intermediate dies after its last reader
+        b11 = k2(b10)
+        return (b11,)                 # what nodes outside the run read
+
+compiled with Python's ``compile()`` (:func:`codegen`), so each segment has a code object of its own (what
+``torch.compile`` caches on, with ``torch_compile=True``). Intermediates never reach the executor: no register,
+no act, no buffer lookup.
+
+What fuses. Consecutive nodes of the plan list (same phase, same ranks) of kind ``compute`` on the compute stream
+with only tensor and constant arguments (no per-step scalar: the learning rate, a dropout key, which the executor
+looks up per step). Shard-aware kernels get their ``ShardCtx`` as a constant of the rank's code (``contexts``
+of :func:`codegen`), and a node with ``overwrites`` calls its in-place form (``ops.inplace``): it is its input's
+only reader, inside the segment or not. Any other node (communication, boxing, update, ...) ends the run; runs of
+one node are left as they are. A plan with several pipeline stages is left as it is (its schedule keys nodes by
+id and parts F/B/W, which a run may mix).
+
+The fused node is an ordinary compute node for the executors, ``explain()`` and the verifier: its inputs and
+outputs are buffers of the plan, its control edges the runs' edges from outside it, and ``attrs`` holds the
+sub-nodes themselves (pure data, see :func:`sub_nodes`), so an error inside it names the original node.
+
+Memory. The memory plan (``plan.peak_bytes``) counts registers: a fused node's inputs and outputs, as for any
+node. Its intermediates live only inside its act, like a kernel's own workspace, and are not counted there;
+:func:`transient_bytes` gives their peak on a rank (what the act may hold on top of its registers).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import linecache
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from ..ops.inplace import OVERWRITING
+from ..ops.registry import REGISTRY
+from .physical import COMPUTE_STREAM, PhysicalPlan, PNode, Register
+
+FUSED = "fused_segment"  # the op (and name) of a fused node
+STATIC_ARGS = ("t", "c")  # argument kinds a fused kernel takes: tensor inputs and constants
+
+
+def fusable(node: PNode) -> bool:
+    """Whether ``node`` may join a segment (see the module docstring)."""
+    return (node.kind == "compute" and node.stream == COMPUTE_STREAM and node.op is not None and node.op != FUSED
+            and all(how in STATIC_ARGS for how, _ in node.args))
+
+
+def fuse_segments(plan: PhysicalPlan, torch_compile: bool = False) -> PhysicalPlan:
+    """``plan`` with each run of two or more fusable nodes made one :data:`FUSED` node; ``torch_compile`` is
+    recorded on those nodes for the executor (``torch.compile(kernel, dynamic=False)``). Node ids are renumbered
+    to list positions; registers of buffers that became internal are dropped."""
+    if plan.pipeline is not None:
+        return plan
+    runs = _runs(plan.nodes)
+    if not runs:
+        return plan
+    readers = _readers(plan.nodes)
+    watched = {b for bufs in plan.watch.values() for b in bufs}
+    first = {run[0].id: run for run in runs}
+    inside = {n.id for run in runs for n in run}
+    nodes: list[PNode] = []
+    for n in plan.nodes:
+        if n.id in first:
+            nodes.append(_fused(first[n.id], readers, watched, torch_compile))
+        elif n.id not in inside:
+            nodes.append(n)
+    owner = {n.id: f.id for f in nodes if f.op == FUSED for n in sub_nodes(f)}
+    renumber = {n.id: i for i, n in enumerate(nodes)}
+    nodes = [_renumbered(n, renumber, owner) for n in nodes]
+    out = dataclasses.replace(plan, nodes=nodes, registers={})
+    out.registers = _registers(plan, nodes)
+    return out
+
+
+def _runs(nodes: list[PNode]) -> list[list[PNode]]:
+    """The maximal runs of consecutive fusable nodes with one phase and one rank set, of two nodes or more."""
+    runs: list[list[PNode]] = []
+    run: list[PNode] = []
+    for n in nodes:
+        if run and not (fusable(n) and (n.phase, n.ranks) == (run[0].phase, run[0].ranks)):
+            runs.append(run)
+            run = []
+        if fusable(n):
+            run.append(n)
+    runs.append(run)
+    return [r for r in runs if len(r) > 1]
+
+
+def _readers(nodes: list[PNode]) -> dict[int, list[int]]:
+    out: dict[int, list[int]] = {}
+    for n in nodes:
+        for b in n.inputs:
+            out.setdefault(b, []).append(n.id)
+    return out
+
+
+def _fused(run: list[PNode], readers: dict[int, list[int]], watched: set[int], torch_compile: bool) -> PNode:
+    """One node for ``run``: inputs in order of first read, outputs the buffers read outside the run (or watched),
+    control the run's edges from outside it."""
+    ids = {n.id for n in run}
+    made = [b for n in run for b in n.outputs]
+    made_set = set(made)
+    inputs = tuple(dict.fromkeys(b for n in run for b in n.inputs if b not in made_set))
+    outputs = tuple(b for b in made if b in watched or any(r not in ids for r in readers.get(b, ())))
+    control = tuple(sorted({c for n in run for c in n.control if c not in ids}))
+    head = run[0]
+    sbp_of = {b: s for n in run for b, s in zip(n.inputs, n.in_sbps, strict=False)}
+    sbp_of.update({b: s for n in run for b, s in zip(n.outputs, n.out_sbps, strict=False)})
+    return PNode(head.id, "compute", FUSED, inputs, outputs, head.ranks, head.phase, op=FUSED,
+                 args=tuple(("t", i) for i in range(len(inputs))),
+                 attrs=(("nodes", tuple(run)), ("torch_compile", torch_compile)),
+                 in_sbps=tuple(sbp_of.get(b) for b in inputs), out_sbps=tuple(sbp_of.get(b) for b in outputs),
+                 control=control, logical=head.logical)
+
+
+def _renumbered(n: PNode, renumber: dict[int, int], owner: dict[int, int]) -> PNode:
+    """``n`` with its id and control edges in the new numbering (an edge to a fused node's member goes to it).
+    Control leads stay per edge; two edges that now meet one fused node keep the larger lead."""
+    edges: dict[int, int] = {}
+    leads = n.control_lead or (0,) * len(n.control)
+    for c, lead in zip(n.control, leads, strict=True):
+        target = renumber[owner.get(c, c)]
+        edges[target] = max(lead, edges.get(target, lead))
+    control = tuple(sorted(edges))
+    control_lead = tuple(edges[c] for c in control) if n.control_lead else ()
+    return dataclasses.replace(n, id=renumber[n.id], control=control, control_lead=control_lead)
+
+
+def _registers(plan: PhysicalPlan, nodes: list[PNode]) -> dict[int, Register]:
+    """The registers of buffers the new nodes still pass between them, with their new consumers (register
+    counts and bytes as they were)."""
+    consumers: dict[int, list[int]] = {}
+    for n in nodes:
+        for b in n.inputs:
+            consumers.setdefault(b, []).append(n.id)
+    live = {b for n in nodes for b in (*n.inputs, *n.outputs)}
+    return {b: dataclasses.replace(reg, consumers=tuple(consumers.get(b, ())))
+            for b, reg in plan.registers.items() if b in live}
+
+
+def sub_nodes(node: PNode) -> tuple[PNode, ...]:
+    """The original nodes of a fused node, in order (empty for any other node)."""
+    if node.op != FUSED:
+        return ()
+    return dict(node.attrs)["nodes"]  # type: ignore[no-any-return]
+
+
+def uses_torch_compile(node: PNode) -> bool:
+    return bool(dict(node.attrs).get("torch_compile", False))
+
+
+# ----------------------------------------------------------------------------- code generation
+
+
+@dataclass(frozen=True)
+class SegmentCode:
+    """A fused node's generated kernel: ``function(*input shards of one rank) -> tuple of output shards``."""
+
+    function: Callable[..., tuple[Any, ...]]
+    source: str
+    line_node: dict[int, PNode]  # source line number -> the sub-node it runs (for errors)
+
+    def node_at(self, lineno: int) -> PNode | None:
+        return self.line_node.get(lineno)
+
+
+def shard_aware_subs(node: PNode) -> list[int]:
+    """The positions of a fused node's sub-nodes whose kernel takes a ``ShardCtx`` first."""
+    return [k for k, sub in enumerate(sub_nodes(node))
+            if sub.overwrites is None and REGISTRY[sub.op or sub.name].shard_aware]
+
+
+def codegen(node: PNode, contexts: dict[int, Any] | None = None) -> SegmentCode:
+    """The straight-line function of fused node ``node`` (see the module docstring), compiled with its own
+    code object; its source is registered with :mod:`linecache`, so tracebacks show the failing line.
+    ``contexts``: sub-node position -> the ``ShardCtx`` of one rank, for each of :func:`shard_aware_subs`
+    (the function is then that rank's)."""
+    subs = sub_nodes(node)
+    contexts = contexts or {}
+    missing = [k for k in shard_aware_subs(node) if k not in contexts]
+    if missing:
+        raise ValueError(f"{node.label()}: codegen needs the ShardCtx of its shard-aware sub-nodes {missing}")
+    if not subs:
+        raise ValueError(f"{node.label()} is not a fused segment (op {node.op!r})")
+    names: dict[str, Any] = {}
+    lines = [f"def segment({', '.join(f'b{b}' for b in node.inputs)}):"]
+    line_node: dict[int, PNode] = {}
+    last_read = _last_reads(subs)
+    keep = set(node.inputs) | set(node.outputs)
+    for k, sub in enumerate(subs):
+        for text in _call_lines(k, sub, names, keep, last_read, contexts.get(k)):
+            lines.append(text)
+            line_node[len(lines)] = sub
+    lines.append(f"    return ({''.join(f'b{b}, ' for b in node.outputs)})")
+    source = "\n".join(lines) + "\n"
+    filename = f"<sbpflow {FUSED} #{node.id}>"
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    exec(compile(source, filename, "exec"), names)  # noqa: S102 - our own generated source, no user text
+    return SegmentCode(names["segment"], source, line_node)
+
+
+def _last_reads(subs: Iterable[PNode]) -> dict[int, int]:
+    """Buffer id -> the sub-node (index) that reads it last."""
+    out: dict[int, int] = {}
+    for k, sub in enumerate(subs):
+        for b in sub.inputs:
+            out[b] = k
+    return out
+
+
+def _call_lines(k: int, sub: PNode, names: dict[str, Any], keep: set[int], last_read: dict[int, int],
+                context: Any) -> list[str]:
+    """Sub-node ``k``'s lines: the kernel call, its outputs bound, then ``del`` of the intermediates it read last
+    (``keep``: the segment's inputs and outputs, which outlive it anyway)."""
+    args = []
+    if sub.overwrites is not None:  # into input i's storage, as the executor's own act (runtime.inorder)
+        names[f"k{k}"] = OVERWRITING[sub.op or sub.name]
+        sub = dataclasses.replace(sub, args=(("t", sub.overwrites), ("t", 1 - sub.overwrites)), attrs=())
+    else:
+        names[f"k{k}"] = REGISTRY[sub.op or sub.name].kernel
+    if context is not None:
+        names[f"x{k}"] = context
+        args.append(f"x{k}")
+    for j, (how, v) in enumerate(sub.args):
+        if how == "t":
+            args.append(f"b{sub.inputs[v]}")
+        else:
+            names[f"c{k}_{j}"] = v
+            args.append(f"c{k}_{j}")
+    if sub.attrs:
+        names[f"a{k}"] = dict(sub.attrs)
+        args.append(f"**a{k}")
+    call = f"k{k}({', '.join(args)})"
+    outs = [f"b{b}" if b in keep or b in last_read else "_" for b in sub.outputs]
+    if len(outs) == 1:
+        lines = [f"    {outs[0]} = {call}"]
+    else:  # a kernel of several outputs returns a sequence (the executor reads its first len(outputs) items)
+        lines = [f"    _t = {call}", *(f"    {o} = _t[{j}]" for j, o in enumerate(outs) if o != "_"), "    del _t"]
+    dead = [b for b in dict.fromkeys(sub.inputs) if last_read.get(b) == k and b not in keep]
+    if dead:
+        lines.append(f"    del {', '.join(f'b{b}' for b in dead)}")
+    return lines
+
+
+def transient_bytes(plan: PhysicalPlan, node: PNode, rank: int) -> int:
+    """The most bytes a fused node's intermediates (buffers made and read inside it) hold at once on ``rank``:
+    what its act holds besides its registers. 0 for any other node."""
+    subs = sub_nodes(node)
+    exposed, inputs = set(node.outputs), set(node.inputs)
+    last_read = _last_reads(subs)
+    live = peak = 0
+    for k, sub in enumerate(subs):
+        live += sum(plan.bufs[b].nbytes(rank) for b in sub.outputs if b not in exposed and b in last_read)
+        peak = max(peak, live)
+        live -= sum(plan.bufs[b].nbytes(rank) for b in set(sub.inputs)
+                    if last_read[b] == k and b not in exposed and b not in inputs)
+    return peak

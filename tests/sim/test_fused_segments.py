@@ -1,0 +1,272 @@
+"""Fused segments (``config.enable_fused_segments``, :mod:`sbpflow.graph.fuse`): runs of compute nodes become one
+node of generated straight-line Python; training numbers stay those of the unfused plan, bit for bit (the same
+kernels in the same order), and of eager mode.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import sbpflow
+from sbpflow import nn, sbp
+from sbpflow.comm import SimulatedBackend
+from sbpflow.demo.train_gpt import build, parameter_values, random_batches
+from sbpflow.graph.fuse import FUSED, codegen, fuse_segments, sub_nodes, transient_bytes
+from sbpflow.graph.verify import verify
+from sbpflow.models.gpt import GPTConfig
+from sbpflow.runtime import ActorRuntime, ExecutionError, run_plan
+from sbpflow.runtime.board import dry_run
+from sbpflow.runtime.builder import Const, PlanBuilder
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+P1 = sbpflow.placement("cpu", [0])
+P2 = sbpflow.placement("cpu", [0, 1])
+B = sbp.broadcast
+CONFIG = GPTConfig(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=16, dropout=0.1)
+STEPS = 3
+
+
+def _computes(plan: Any) -> int:
+    return sum(1 for n in plan.nodes if n.kind == "compute")
+
+
+# ----------------------------------------------------------------------------- GPT
+
+
+def _gpt(spec: str | None, fused: bool | None, executor: str = "actors", m: int = 1) -> tuple[Any, ...]:
+    """Three AdamW steps of the GPT: eager (``fused`` None) or compiled with or without fused segments."""
+    trainer = build(CONFIG, spec, graph=fused is not None, executor=executor, micro_batches=m)
+    if fused:
+        trainer.graph.config.enable_fused_segments(True)
+    losses = [trainer.step(ids, targets) for ids, targets in random_batches(CONFIG.vocab_size, STEPS, 8, 8, seed=1)]
+    return losses, parameter_values(trainer), trainer.graph
+
+
+@pytest.mark.parametrize(("spec", "m", "executor"), [("dp=1", 1, "actors"), ("dp=1", 1, "inorder"),
+                                                     ("dp=2", 1, "actors"), ("dp=2", 2, "actors"),
+                                                     ("dp=2", 2, "inorder")])
+def test_gpt_with_fused_segments_trains_as_the_unfused_graph_and_eager(spec: str, m: int, executor: str) -> None:
+    losses, params, plain = _gpt(spec, False, executor, m)
+    got_losses, got_params, graph = _gpt(spec, True, executor, m)
+    assert got_losses == losses  # the same kernels in the same order: the same bits
+    for name, value in params.items():
+        np.testing.assert_array_equal(got_params[name], value, err_msg=name)
+    if m == 1:  # eager on one device (local tensors) draws the same dropout masks as one micro-batch
+        eager_losses, eager_params, _ = _gpt(None, None)
+        np.testing.assert_allclose(got_losses, eager_losses, rtol=1e-5)
+        for name, value in eager_params.items():  # AdamW scales rounding noise of about-zero gradients up to ~lr
+            np.testing.assert_allclose(got_params[name], value, rtol=1e-5, atol=3e-5, err_msg=name)
+    fused = [n for n in graph.plan.nodes if n.op == FUSED]
+    assert fused and _computes(graph.plan) < _computes(plain.plan) // 4
+    assert sum(len(sub_nodes(n)) for n in fused) + _computes(graph.plan) - len(fused) == _computes(plain.plan)
+    assert [n.id for n in graph.plan.nodes] == list(range(len(graph.plan.nodes)))
+    verify(graph.plan)
+    if executor == "actors":  # the register protocol still predicts what the runtime measures
+        stats = graph._compiled().executor.stats
+        assert stats.peak_bytes == graph.plan.peak_bytes
+        predicted = dry_run(graph.plan, SimulatedBackend())
+        assert (stats.acts, stats.peak_slots) == (predicted.acts, predicted.peak_slots)
+
+
+def _gpt_with(spec: str, fused: bool, zero: int = 0, amp: Any = None, checkpointed: bool = False,
+              m: int = 1) -> tuple[Any, ...]:
+    trainer = build(CONFIG, spec, graph=True, zero=zero, amp=amp, micro_batches=m)
+    trainer.graph.config.enable_fused_segments(fused)
+    for block in trainer.graph.model.h:
+        block.config.activation_checkpointing = checkpointed
+    losses = [trainer.step(ids, targets) for ids, targets in random_batches(CONFIG.vocab_size, 2, 8, 8, seed=1)]
+    return losses, parameter_values(trainer), trainer.graph
+
+
+@pytest.mark.parametrize(("spec", "options"), [("dp=2", {"zero": 3}), ("dp=2", {"amp": torch.bfloat16}),
+                                               ("dp=2", {"checkpointed": True}), ("dp=2,tp=2", {}),
+                                               ("pp=2", {"m": 2})], ids=["zero3", "amp", "checkpointing", "tp2", "pp2"])
+def test_fused_segments_keep_the_numbers_of_every_strategy(spec: str, options: dict[str, Any]) -> None:
+    """ZeRO-3 (watched gathers, prefetch control edges), autocast casts, recomputation behind control edges and
+    tensor-parallel collectives: the same bits fused or not. A pipeline plan stays unfused."""
+    losses, params, plain = _gpt_with(spec, False, **options)
+    got_losses, got_params, graph = _gpt_with(spec, True, **options)
+    assert got_losses == losses
+    for name, value in params.items():
+        np.testing.assert_array_equal(got_params[name], value, err_msg=name)
+    assert graph._compiled().executor.stats.peak_bytes == graph.plan.peak_bytes
+    if spec == "pp=2":
+        assert _computes(graph.plan) == _computes(plain.plan)
+    else:
+        assert _computes(graph.plan) < _computes(plain.plan) // 2
+
+
+def test_dropout_and_optimizer_nodes_stay_apart_and_collectives_split_segments() -> None:
+    """Nodes with per-step scalars (dropout keys, the learning rate) and communication end a run; the plan's
+    collectives are those of the unfused plan, in the same order."""
+    _, _, plain = _gpt("dp=2", False)
+    _, _, graph = _gpt("dp=2", True)
+    kept = [n for n in graph.plan.nodes if n.kind == "compute" and n.op != FUSED]
+    assert {n.op for n in kept} >= {"dropout"}
+    assert all(any(how in ("s", "k") for how, _ in n.args) or len(_run_of(graph.plan, n)) == 1 for n in kept)
+    for rank in (0, 1):
+        assert [n.name for n in graph.plan.collectives(rank)] == [n.name for n in plain.plan.collectives(rank)]
+    assert "fused segments (graph.fuse): " in graph.explain() and "fused segments" not in plain.explain()
+
+
+def _run_of(plan: Any, node: Any) -> list[Any]:
+    """The consecutive compute nodes around ``node`` with its phase and ranks (itself included)."""
+    i = plan.nodes.index(node)
+    same = lambda n: n.kind == "compute" and (n.phase, n.ranks) == (node.phase, node.ranks)  # noqa: E731
+    lo, hi = i, i
+    while lo > 0 and same(plan.nodes[lo - 1]):
+        lo -= 1
+    while hi + 1 < len(plan.nodes) and same(plan.nodes[hi + 1]):
+        hi += 1
+    return plan.nodes[lo:hi + 1]
+
+
+def test_off_by_default_and_off_leaves_the_plan_as_it_was() -> None:
+    _, _, default = _gpt("dp=1", False)
+    assert not default.config.fused_segments
+    assert not any(n.op == FUSED for n in default.plan.nodes)
+    trainer = build(CONFIG, "dp=1", graph=True)
+    trainer.graph.config.enable_fused_segments(False)
+    for ids, targets in random_batches(CONFIG.vocab_size, 1, 8, 8, seed=1):
+        trainer.step(ids, targets)
+    assert [(n.kind, n.name, n.inputs, n.outputs) for n in trainer.graph.plan.nodes] == \
+        [(n.kind, n.name, n.inputs, n.outputs) for n in default.plan.nodes]
+
+
+def test_config_refuses_bad_values() -> None:
+    config = nn.Graph().config
+    with pytest.raises(sbpflow.SbpflowError, match="enable_fused_segments takes booleans"):
+        config.enable_fused_segments(1)  # type: ignore[arg-type]
+    with pytest.raises(sbpflow.SbpflowError, match="needs enabled=True"):
+        config.enable_fused_segments(False, torch_compile=True)
+
+
+# ----------------------------------------------------------------------------- MLP
+
+
+class Mlp(nn.Module):
+    def __init__(self, placement: Any) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(6, 16, placement=placement, sbp=B)
+        self.fc2 = nn.Linear(16, 16, placement=placement, sbp=B)
+        self.fc3 = nn.Linear(16, 3, placement=placement, sbp=B)
+
+    def forward(self, x: Any) -> Any:
+        return self.fc3(nn.functional.gelu(self.fc2(self.fc1(x).relu())))
+
+
+class MlpStep(nn.Graph):
+    def __init__(self, model: nn.Module, opt: Any, m: int, fused: bool, torch_compile: bool = False) -> None:
+        super().__init__()
+        self.model = model
+        self.add_optimizer(opt, clip_grad_max_norm=1.0)
+        self.config.set_gradient_accumulation_steps(m)
+        if fused:
+            self.config.enable_fused_segments(True, torch_compile=torch_compile)
+
+    def build(self, x: Any, y: Any) -> Any:
+        loss = (self.model(x) - y).square().mean()
+        loss.backward()
+        return loss
+
+
+def _mlp(placement: Any, fused: bool | None, m: int = 1, torch_compile: bool = False) -> tuple[Any, ...]:
+    """Three AdamW steps of the MLP (data split on dim 0): eager (``fused`` None) or compiled."""
+    sbpflow.manual_seed(0)
+    model = Mlp(placement)
+    opt = sbpflow.optim.AdamW(model.parameters(), lr=1e-2)
+    step = MlpStep(model, opt, m, fused, torch_compile) if fused is not None else None
+    losses = []
+    for i in range(STEPS):
+        sbpflow.manual_seed(100 + i)
+        x = sbpflow.randn(8, 6, placement=placement, sbp=sbp.split(0))
+        y = sbpflow.randn(8, 3, placement=placement, sbp=sbp.split(0))
+        if step is not None:
+            losses.append(step(x, y).item())
+            continue
+        opt.zero_grad()
+        loss = (model(x) - y).square().mean()
+        loss.backward()
+        nn.utils.clip_grad_norm_(list(model.parameters()), 1.0)
+        opt.step()
+        losses.append(loss.item())
+    return losses, {n: p.numpy() for n, p in model.named_parameters()}, step
+
+
+@pytest.mark.parametrize(("placement", "m"), [(P1, 1), (P2, 1), (P2, 2)], ids=["one-rank", "dp2", "dp2-m2"])
+def test_mlp_with_fused_segments_trains_as_the_unfused_graph_and_eager(placement: Any, m: int) -> None:
+    losses, params, plain = _mlp(placement, False, m)
+    got_losses, got_params, step = _mlp(placement, True, m)
+    assert got_losses == losses
+    for name, value in params.items():
+        np.testing.assert_array_equal(got_params[name], value, err_msg=name)
+    eager_losses, eager_params, _ = _mlp(placement, None)
+    np.testing.assert_allclose(got_losses, eager_losses, rtol=1e-6)
+    for name, value in eager_params.items():
+        np.testing.assert_allclose(got_params[name], value, rtol=1e-5, atol=1e-6, err_msg=name)
+    assert _computes(step.plan) < _computes(plain.plan)
+    assert step._compiled().executor.stats.peak_bytes == step.plan.peak_bytes
+
+
+@pytest.mark.slow
+def test_torch_compile_segments_train_as_the_unfused_graph() -> None:
+    """``torch_compile=True``: each segment's function runs under torch.compile (inductor may fuse kernels, so
+    the numbers agree to rounding, not bit for bit)."""
+    losses, params, _ = _mlp(P1, False)
+    got_losses, got_params, step = _mlp(P1, True, torch_compile=True)
+    np.testing.assert_allclose(got_losses, losses, rtol=1e-5)
+    for name, value in params.items():
+        np.testing.assert_allclose(got_params[name], value, rtol=1e-5, atol=1e-6, err_msg=name)
+    assert any(n.op == FUSED and dict(n.attrs)["torch_compile"] for n in step.plan.nodes)
+
+
+# ----------------------------------------------------------------------------- the pass and its code
+
+
+def _chain() -> Any:
+    """x (fed, 4 x 3) -> relu -> matmul w (3 x 5) -> neg -> mul 2 -> out: four compute nodes on two ranks."""
+    b = PlanBuilder()
+    x = b.input("x", (4, 3), P2, (B,))
+    w = b.variable("w", (3, 5), P2, (B,))
+    h = b.compute("matmul", b.compute("relu", x), w)
+    b.output("out", b.compute("mul", b.compute("neg", h), Const(2.0)))
+    return b.build()
+
+
+def test_a_chain_becomes_one_node_of_generated_code() -> None:
+    plan = _chain()
+    fused = fuse_segments(plan)
+    verify(fused)
+    (node,) = [n for n in fused.nodes if n.kind == "compute"]
+    assert node.op == FUSED and [s.op for s in sub_nodes(node)] == ["relu", "matmul", "neg", "mul"]
+    code = codegen(node)
+    assert code.source.count("del ") == 3  # each intermediate dies after its last reader
+    assert code.function.__code__.co_filename == f"<sbpflow {FUSED} #{node.id}>"  # its own code object
+    assert set(fused.registers) == {b for n in fused.nodes for b in (*n.inputs, *n.outputs)}
+    x, w = torch.randn(4, 3), torch.randn(3, 5)
+    feeds, variables = {"x": {r: x for r in (0, 1)}}, {"w": {r: w for r in (0, 1)}}
+    expected = run_plan(plan, feeds, variables, SimulatedBackend())
+    got = run_plan(fused, feeds, variables, SimulatedBackend())
+    for r in (0, 1):
+        assert torch.equal(got["out"][r], expected["out"][r])
+    # relu's (48 B) and matmul's output (80 B) live at once inside the act, then neg's (80 B) with matmul's
+    assert transient_bytes(fused, node, 0) == 48 + 80 + 80 - 48
+
+
+@pytest.mark.parametrize("executor", ["inorder", "actors"])
+def test_an_error_inside_a_segment_names_the_original_node(executor: str) -> None:
+    fused = fuse_segments(_chain())
+    feeds = {"x": {r: torch.randn(4, 4) for r in (0, 1)}}  # 4 columns, not 3: matmul fails
+    variables = {"w": {r: torch.randn(3, 5) for r in (0, 1)}}
+    match = r"compute fused_segment \(micro-batch 0\): its node #\d+ compute matmul \(op matmul\) failed: RuntimeError"
+    with pytest.raises(ExecutionError, match=match):
+        if executor == "inorder":
+            run_plan(fused, feeds, variables, SimulatedBackend())
+        else:
+            with ActorRuntime(fused, SimulatedBackend(), timeout=20.0) as rt:
+                rt.run(feeds, variables)
