@@ -176,6 +176,44 @@ def test_a_tied_weight_goes_to_the_last_stage_once_per_step() -> None:
     assert not any(n.kind == "repeat" for n in plan.nodes)
 
 
+TIED_CASES = [("1f1b", "pp=2", 8), ("1f1b", "pp=4", 8), ("gpipe", "pp=4", 4), ("zero_bubble", "pp=4", 8),
+              ("1f1b", "dp=2,tp=2,pp=2", 4)]
+
+
+@pytest.mark.parametrize(("schedule", "spec", "m"), TIED_CASES, ids=[f"{s}-{p}-m{m}" for s, p, m in TIED_CASES])
+def test_a_tied_weights_gradient_goes_back_once_per_step(schedule: str, spec: str, m: int, one_device: Any) -> None:
+    """The head's part of the tied weight's gradient is accumulated on the last stage and crosses to the first
+    once, after the micro-batches (graph.accumulate), not once per micro-batch; the numbers stay one device's."""
+    losses, params, trainer = _train(spec, m, schedule)
+    _assert_close((losses, params), one_device)
+    plan = trainer.graph.plan
+    first, last = plan.pipeline.stages[0], plan.pipeline.stages[-1]
+    shape = tuple(CONFIG_WTE)
+    back = [n for n in plan.nodes if n.kind == "boxing" and set(_placement_of(plan, n.inputs[0])) <= set(last)
+            and set(_placement_of(plan, n.outputs[0])) <= set(first)]
+    gradient = [n for n in back if plan.bufs[n.inputs[0]].shape == shape]
+    assert [n.phase for n in gradient] == ["post"]
+    assert not any(plan.bufs[n.inputs[0]].shape == shape for n in back if n.phase == "micro")
+
+
+def test_a_tied_weights_gradient_is_one_message_per_step_at_run_time() -> None:
+    """Counted on the wire: two pp=4 steps of 8 micro-batches send the tied weight's bytes 4 times (per step: the
+    weight to the last stage, its gradient back), where every micro-batch used to send the gradient."""
+    from sbpflow.comm import record
+
+    trainer = build(CONFIG, "pp=4", graph=True, micro_batches=8, schedule="1f1b")
+    wte = CONFIG.vocab_size * CONFIG.n_embd * 4
+    with record() as log:
+        for ids, targets in random_batches(CONFIG.vocab_size, STEPS, BATCH, CONFIG.block_size, seed=1):
+            trainer.step(ids, targets)
+    sends = [e for e in log.events if e.kind == "send_recv" and e.bytes == wte]
+    assert len(sends) == 2 * STEPS
+    assert {e.ranks for e in sends} == {(0, 3)}
+
+
+CONFIG_WTE = (CONFIG.vocab_size, CONFIG.n_embd)
+
+
 def _placement_of(plan: Any, buf: int) -> tuple[int, ...]:
     return tuple(plan.bufs[buf].layout.placement.flat_ranks)
 

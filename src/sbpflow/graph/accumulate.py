@@ -16,10 +16,12 @@ far part crosses once, after the micro-batches (Megatron sums a tied embedding's
             B = accumulate(b)       # on stage j
             g = add(A, to_global(B))
 
-The rewrite runs on the logical graph before SBP selection, so the new post-phase nodes get their SBPs (and
-their boxing) like any other. It repeats until nothing matches, so a parameter read on three stages
-(add(add(a, to_global(b)), to_global(c))) sends both far parts once. Only conversions between disjoint
-placements are rewritten (pipeline stages); the sums differ from the original only by rounding.
+Autograd may convert the sum to the parameter's own layout on its placement (``accumulate(to_global(c))``);
+that conversion moves after the accumulation too. The rewrite runs on the logical graph before SBP selection,
+so the new post-phase nodes get their SBPs (and their boxing) like any other. It repeats until nothing
+matches, so a parameter read on three stages (add(add(a, to_global(b)), to_global(c))) sends both far parts
+once. Only conversions between disjoint placements are rewritten (pipeline stages); the sums differ from the
+original only by rounding.
 
 >>> from sbpflow.graph.ir import LogicalGraph
 >>> accumulate_before_send(LogicalGraph(micro_batches=4))
@@ -38,12 +40,14 @@ ADD_ARGS = (("t", 0), ("t", 1))
 
 @dataclass(frozen=True)
 class _Match:
-    """One ``accumulate(add(a, to_global(b)))`` whose to_global crosses placements; ``far`` is u's position."""
+    """One ``accumulate([to_global](add(a, to_global(b))))`` whose inner to_global crosses placements; ``far``
+    is its output's position in the add, ``layout`` the outer conversion on the add's placement (if any)."""
 
     accumulate: LNode
     add: LNode
     send: LNode  # the to_global node
     far: int
+    layout: LNode | None
 
 
 def accumulate_before_send(g: LogicalGraph) -> int:
@@ -63,15 +67,27 @@ def _matches(g: LogicalGraph) -> list[_Match]:
     consumers = g.consumers()
     out = []
     for acc in g.of_kind("accumulate"):
-        add = _producer(g, acc.inputs[0])
-        if acc.name != "sum" or add is None or not _is_micro_add(add) or consumers[add.outputs[0]] != [acc.id]:
+        layout, add = _through_layout(g, acc, consumers)
+        reader = layout or acc
+        if acc.name != "sum" or add is None or not _is_micro_add(add) or consumers[add.outputs[0]] != [reader.id]:
             continue
         for far, u in enumerate(add.inputs):
             send = _producer(g, u)
             if send is not None and consumers[u] == [add.id] and _crosses_stages(g, send):
-                out.append(_Match(acc, add, send, far))
+                out.append(_Match(acc, add, send, far, layout))
                 break
     return out
+
+
+def _through_layout(g: LogicalGraph, acc: LNode, consumers: dict[int, list[int]]) -> tuple[LNode | None, LNode | None]:
+    """The accumulated value's producer, seen through one micro-batch ``to_global`` on its own placement (autograd
+    converting a gradient to its parameter's layout): (that to_global or None, the producer behind it)."""
+    n = _producer(g, acc.inputs[0])
+    if n is None or n.kind != "to_global" or n.phase != "micro" or n.control or consumers[n.outputs[0]] != [acc.id]:
+        return None, n
+    if g.values[n.inputs[0]].placement != g.values[n.outputs[0]].placement:
+        return None, n
+    return n, _producer(g, n.inputs[0])
 
 
 def _producer(g: LogicalGraph, vid: int) -> LNode | None:
@@ -99,9 +115,10 @@ def _crosses_stages(g: LogicalGraph, n: LNode) -> bool:
 def _rewrite(g: LogicalGraph, matches: list[_Match]) -> None:
     """Puts each match's post-phase nodes where its accumulate was; drops its micro add and to_global."""
     replaced = {m.accumulate.id: _post_nodes(g, m) for m in matches}
-    dropped = {n.id for m in matches for n in (m.add, m.send)}
-    for m in matches:
-        for vid in (*m.add.outputs, *m.send.outputs):
+    gone = [n for m in matches for n in (m.add, m.send, m.layout) if n is not None]
+    dropped = {n.id for n in gone}
+    for n in gone:
+        for vid in n.outputs:
             del g.values[vid]
     nodes: list[LNode] = []
     for n in g.nodes:
@@ -116,19 +133,28 @@ def _rewrite(g: LogicalGraph, matches: list[_Match]) -> None:
 
 
 def _post_nodes(g: LogicalGraph, m: _Match) -> list[LNode]:
-    """accumulate(a), accumulate(b), to_global(B) and add(A, U) (in the add's argument order), in post."""
+    """accumulate(a), accumulate(b), to_global(B), add(A, U) (in the add's argument order) and the conversion to
+    the parameter's layout, if any, in post."""
     near = m.add.inputs[1 - m.far]
     sum_near, sum_far = _like(g, near), _like(g, m.send.inputs[0])
     sent = _like(g, m.send.outputs[0])
+    total = _like(g, m.add.outputs[0]).id if m.layout is not None else m.accumulate.outputs[0]
     ins = [0, 0]
     ins[m.far], ins[1 - m.far] = sent.id, sum_near.id
-    return [
+    nodes = [
         LNode(0, "accumulate", "sum", (near,), (sum_near.id,), phase="post", fixed=True),
         LNode(0, "accumulate", "sum", (m.send.inputs[0],), (sum_far.id,), phase="post", fixed=True),
-        LNode(0, "to_global", m.send.name, (sum_far.id,), (sent.id,), phase="post", where=m.send.where, fixed=True),
-        LNode(0, "op", "add", (ins[0], ins[1]), m.accumulate.outputs, args=m.add.args, in_sbps=m.add.in_sbps,
+        _to_global(m.send, sum_far.id, sent.id),
+        LNode(0, "op", "add", (ins[0], ins[1]), (total,), args=m.add.args, in_sbps=m.add.in_sbps,
               phase="post", where=m.add.where),
     ]
+    if m.layout is not None:
+        nodes.append(_to_global(m.layout, total, m.accumulate.outputs[0]))
+    return nodes
+
+
+def _to_global(like: LNode, src: int, out: int) -> LNode:
+    return LNode(0, "to_global", like.name, (src,), (out,), phase="post", where=like.where, fixed=True)
 
 
 def _like(g: LogicalGraph, vid: int) -> Value:
