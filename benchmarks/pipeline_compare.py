@@ -8,7 +8,8 @@ clipping 1.0) is split by blocks into p = world stages, one per process. sbpflow
 ``pipeline_schedule`` 1f1b (registers make the schedule; the actor runtime runs it). torch:
 ``PipelineStage`` with ``Schedule1F1B`` and ``ScheduleGPipe``; the head is tied to the embedding as in
 sbpflow's model, so its gradient is summed between the first and last stage (Megatron's way), and the
-clipping norm is summed over stages. Timed rounds alternate between the contenders; each round's time is
+clipping norm is summed over stages. Both take the batch as tensors laid out once and give the loss on the last
+stage. Timed rounds alternate between the contenders; each round's time is
 the slowest process's, and the table reports medians. The first steps' losses are compared too.
 """
 
@@ -55,10 +56,20 @@ def data() -> tuple[np.ndarray, np.ndarray]:
 
 
 def sbpflow_step(p: int) -> tuple[Callable[[], float], Any]:
-    """The demo's trainer under pp=p with 8 micro-batches, compiled; returns its step and trainer."""
+    """The demo's trainer under pp=p with 8 micro-batches, compiled; returns its step and trainer.
+
+    Like torch's step below: the batch is laid out once (the ids on the first stage, the targets on the last), and
+    the loss is read where it is, on the last stage (``trainer.step`` would lay the arrays out again at every step
+    and send the loss to every process, a synchronisation torch's contender does not have)."""
     trainer = build(CONFIG, f"pp={p}", lr=LR, clip=CLIP, graph=True, micro_batches=MICRO, schedule="1f1b")
-    ids, targets = data()
-    return (lambda: trainer.step(ids, targets)), trainer
+    ids, targets = trainer.inputs(*data())
+    last = dist.get_rank() in trainer.strategy.stages[-1].flat_ranks
+
+    def step() -> float:
+        loss = trainer.graph(ids, targets)
+        return float(loss.to_local()) if last else float("nan")
+
+    return step, trainer
 
 
 # ----------------------------------------------------------------------------- torch
