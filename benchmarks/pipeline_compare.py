@@ -8,7 +8,8 @@ clipping 1.0) is split by blocks into p = world stages, one per process. sbpflow
 ``pipeline_schedule`` 1f1b (registers make the schedule; the actor runtime runs it). torch:
 ``PipelineStage`` with ``Schedule1F1B`` and ``ScheduleGPipe``; the head is tied to the embedding as in
 sbpflow's model, so its gradient is summed between the first and last stage (Megatron's way), and the
-clipping norm is summed over stages. Timed rounds alternate between the contenders; each round's time is
+clipping norm is summed over stages. Both take the batch as tensors laid out once and give the loss on the last
+stage. Timed rounds alternate between the contenders; each round's time is
 the slowest process's, and the table reports medians. The first steps' losses are compared too.
 """
 
@@ -55,10 +56,20 @@ def data() -> tuple[np.ndarray, np.ndarray]:
 
 
 def sbpflow_step(p: int) -> tuple[Callable[[], float], Any]:
-    """The demo's trainer under pp=p with 8 micro-batches, compiled; returns its step and trainer."""
+    """The demo's trainer under pp=p with 8 micro-batches, compiled; returns its step and trainer.
+
+    Like torch's step below: the batch is laid out once (the ids on the first stage, the targets on the last), and
+    the loss is read where it is, on the last stage (``trainer.step`` would lay the arrays out again at every step
+    and send the loss to every process, a synchronisation torch's contender does not have)."""
     trainer = build(CONFIG, f"pp={p}", lr=LR, clip=CLIP, graph=True, micro_batches=MICRO, schedule="1f1b")
-    ids, targets = data()
-    return (lambda: trainer.step(ids, targets)), trainer
+    ids, targets = trainer.inputs(*data())
+    last = dist.get_rank() in trainer.strategy.stages[-1].flat_ranks
+
+    def step() -> float:
+        loss = trainer.graph(ids, targets)
+        return float(loss.to_local()) if last else float("nan")
+
+    return step, trainer
 
 
 # ----------------------------------------------------------------------------- torch
@@ -263,15 +274,17 @@ def _clip(params: list[torch.Tensor], module: TorchStage, rank: int, p: int) -> 
 # ----------------------------------------------------------------------------- timing
 
 
-def timed(fn: Callable[[], object], steps: int) -> float:
-    """Seconds per step over ``steps`` steps, as the slowest process saw them."""
+def timed(fn: Callable[[], object], steps: int) -> tuple[float, float]:
+    """Seconds per step over ``steps`` steps as the slowest process saw them, and the CPU seconds per step of the
+    busiest process (all its threads: on a machine shared with other jobs, less disturbed than the wall clock)."""
     dist.barrier()
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     for _ in range(steps):
         fn()
-    elapsed = torch.tensor([(time.perf_counter() - start) / steps], dtype=torch.float64)
+    elapsed = torch.tensor([(time.perf_counter() - start) / steps, (time.process_time() - cpu) / steps],
+                           dtype=torch.float64)
     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-    return float(elapsed)
+    return float(elapsed[0]), float(elapsed[1])
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -290,11 +303,12 @@ def worker(args: argparse.Namespace) -> None:
                   "torch ScheduleGPipe": torch_step(p, ScheduleGPipe, reference, block_stage, saved,
                                                     "torch ScheduleGPipe")}
     first = {name: [fn() for _ in range(2)] for name, fn in contenders.items()}  # warm-up; losses compared
-    samples: dict[str, list[float]] = {name: [] for name in contenders}
+    samples: dict[str, list[tuple[float, float]]] = {name: [] for name in contenders}
     for _ in range(args.rounds):
         for name, fn in contenders.items():
             samples[name].append(timed(fn, args.steps))
-    medians = {name: statistics.median(v) for name, v in samples.items()}
+    medians = {name: statistics.median(wall for wall, _ in v) for name, v in samples.items()}
+    cpu = {name: statistics.median(c for _, c in v) for name, v in samples.items()}
     compiled = trainer.graph._compiled()
     peaks = activation_peaks(compiled.plan.pipeline, compiled.executor.stats.peak_slots)
     mine = peaks.get(dist.get_rank(), 0)
@@ -303,18 +317,22 @@ def worker(args: argparse.Namespace) -> None:
     gathered: list[Any] = [None] * p
     dist.all_gather_object(gathered, (first, mine, compiled.executor.stats.peak_bytes, memory))
     if dist.get_rank() == 0:
-        print(report(p, medians, gathered, args.rounds, args.steps), flush=True)
+        print(report(p, medians, cpu, gathered, args.rounds, args.steps), flush=True)
 
 
-def report(p: int, medians: dict[str, float], gathered: list[Any], rounds: int, steps: int) -> str:
-    base = medians["torch Schedule1F1B"]
+def report(p: int, medians: dict[str, float], cpu: dict[str, float], gathered: list[Any], rounds: int,
+           steps: int) -> str:
+    base, base_cpu = medians["torch Schedule1F1B"], cpu["torch Schedule1F1B"]
     stages = " | ".join(f"stage {s} activations (MiB)" for s in range(p))
     lines = [f"### pp={p} on {p} gloo processes, {MICRO} micro-batches", "",
-             f"| contender | step (ms, median) | vs torch Schedule1F1B | {stages} |",
-             "|---|---|---|" + "---|" * p]
+             f"| contender | step (ms, median) | vs torch Schedule1F1B | CPU (ms/step, busiest process) | CPU vs torch "
+             f"| {stages} |",
+             "|---|---|---|---|---|" + "---|" * p]
     for name, t in medians.items():
         held = " | ".join(f"{g[3][name] / 2**20:.2f}" for g in gathered)
-        lines.append(f"| {name} | {t * 1e3:.1f} | {t / base:.2f}x | {held} |")
+        used = cpu[name]
+        lines.append(f"| {name} | {t * 1e3:.1f} | {t / base:.2f}x | {used * 1e3:.1f} | {used / base_cpu:.2f}x "
+                     f"| {held} |")
     last = gathered[p - 1][0]
     losses = ", ".join(f"{name}: {' '.join(f'{v:.5f}' for v in vals)}" for name, vals in last.items())
     peaks = ", ".join(f"stage {s}: {g[1]}" for s, g in enumerate(gathered))
@@ -327,6 +345,7 @@ def report(p: int, medians: dict[str, float], gathered: list[Any], rounds: int, 
               "the step), "
               "sbpflow's activation registers (one micro-batch's storages, from one watched step, times the most "
               "micro-batches its register counters saw held at once).",
+              "CPU: process time (every thread of the process) per step, of the process that used the most.",
               f"{rounds} rounds of {steps} steps per contender, interleaved."]
     return "\n".join(lines)
 

@@ -37,7 +37,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -240,7 +240,23 @@ class activity:
 
 def current_activity() -> str:
     """What this thread is doing, outermost first, e.g. ``"op 'matmul' > boxing step 1/2: all_gather ..."``."""
-    stack = getattr(_activity, "stack", None)
+    return _describe(getattr(_activity, "stack", None))
+
+
+def activity_now() -> Callable[[], str]:
+    """:func:`current_activity` as of now, formatted only when called (a collective in flight keeps it for the
+    error its wait may raise: formatting a boxing step's name at every issue would cost more than the issue).
+
+    >>> with activity(lambda: "boxing step 1/1: send_recv"):
+    ...     issued = activity_now()
+    >>> issued()
+    'boxing step 1/1: send_recv'
+    """
+    stack = tuple(getattr(_activity, "stack", None) or ())
+    return lambda: _describe(stack)
+
+
+def _describe(stack: Sequence[str | Callable[[], str]] | None) -> str:
     if not stack:
         return "no sbpflow op (a direct comm call)"
     return " > ".join(w if isinstance(w, str) else w() for w in stack)

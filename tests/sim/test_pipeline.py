@@ -140,9 +140,10 @@ def test_zero_bubble_splits_weight_gradients_from_the_backward() -> None:
     pipe = plan.pipeline
     ops = {(pipe.part_of[n.id], n.op) for n in plan.nodes if n.id in pipe.part_of and n.kind == "compute"}
     assert ("W", "linear_weight_grad") in ops and ("W", "embedding_backward") in ops and ("B", "matmul_nd") in ops
-    # one weight gradient stays in B: the tied head's, which goes back to the embedding's stage (a send)
+    # the tied head's too: it is accumulated on the last stage and sent once after the micro-batches
+    # (graph.accumulate), so no weight gradient stays in B
     in_b = [n for n in plan.nodes if n.op == "linear_weight_grad" and pipe.part_of.get(n.id) == "B"]
-    assert len(in_b) == 1 and pipe.stage_of[in_b[0].id] == 3
+    assert not in_b
     assert not any(pipe.stage_of[n] == 0 and part == "B" for n, part in pipe.part_of.items())
     assert any(pipe.stage_of[n] == 1 and part == "B" for n, part in pipe.part_of.items())
 
@@ -175,12 +176,51 @@ def test_a_tied_weight_goes_to_the_last_stage_once_per_step() -> None:
     assert not any(n.kind == "repeat" for n in plan.nodes)
 
 
+TIED_CASES = [("1f1b", "pp=2", 8), ("1f1b", "pp=4", 8), ("gpipe", "pp=4", 4), ("zero_bubble", "pp=4", 8),
+              ("1f1b", "dp=2,tp=2,pp=2", 4)]
+
+
+@pytest.mark.parametrize(("schedule", "spec", "m"), TIED_CASES, ids=[f"{s}-{p}-m{m}" for s, p, m in TIED_CASES])
+def test_a_tied_weights_gradient_goes_back_once_per_step(schedule: str, spec: str, m: int, one_device: Any) -> None:
+    """The head's part of the tied weight's gradient is accumulated on the last stage and crosses to the first
+    once, after the micro-batches (graph.accumulate), not once per micro-batch; the numbers stay one device's."""
+    losses, params, trainer = _train(spec, m, schedule)
+    _assert_close((losses, params), one_device)
+    plan = trainer.graph.plan
+    first, last = plan.pipeline.stages[0], plan.pipeline.stages[-1]
+    shape = tuple(CONFIG_WTE)
+    back = [n for n in plan.nodes if n.kind == "boxing" and set(_placement_of(plan, n.inputs[0])) <= set(last)
+            and set(_placement_of(plan, n.outputs[0])) <= set(first)]
+    gradient = [n for n in back if plan.bufs[n.inputs[0]].shape == shape]
+    assert [n.phase for n in gradient] == ["post"]
+    assert not any(plan.bufs[n.inputs[0]].shape == shape for n in back if n.phase == "micro")
+
+
+def test_a_tied_weights_gradient_is_one_message_per_step_at_run_time() -> None:
+    """Counted on the wire: two pp=4 steps of 8 micro-batches send the tied weight's bytes 4 times (per step: the
+    weight to the last stage, its gradient back), where every micro-batch used to send the gradient."""
+    from sbpflow.comm import record
+
+    trainer = build(CONFIG, "pp=4", graph=True, micro_batches=8, schedule="1f1b")
+    wte = CONFIG.vocab_size * CONFIG.n_embd * 4
+    with record() as log:
+        for ids, targets in random_batches(CONFIG.vocab_size, STEPS, BATCH, CONFIG.block_size, seed=1):
+            trainer.step(ids, targets)
+    sends = [e for e in log.events if e.kind == "send_recv" and e.bytes == wte]
+    assert len(sends) == 2 * STEPS
+    assert {e.ranks for e in sends} == {(0, 3)}
+
+
+CONFIG_WTE = (CONFIG.vocab_size, CONFIG.n_embd)
+
+
 def _placement_of(plan: Any, buf: int) -> tuple[int, ...]:
     return tuple(plan.bufs[buf].layout.placement.flat_ranks)
 
 
 def test_register_counts_follow_the_schedule() -> None:
-    """1F1B: activations p - s, cross-stage buffers their stage distance (the tied embedding goes 0 -> 3),
+    """1F1B: activations p - s, cross-stage buffers their stage distance (every micro-batch message goes to the
+    next stage: the tied embedding goes 0 -> 3 before the micro-batches, its gradient back after them),
     everything else 1."""
     _, _, trainer = _train("pp=4", 4, "1f1b")  # the run of the equivalence test
     plan = trainer.graph.plan
@@ -190,7 +230,7 @@ def test_register_counts_follow_the_schedule() -> None:
         assert bufs and all(counts[b] == max(4 - s, 1) for b in bufs if b not in _cross_stage(plan))
     distances = {abs(_stage(pipe, plan, n.outputs[0]) - _stage(pipe, plan, n.inputs[0]))
                  for n in plan.nodes if n.kind == "boxing" and n.phase == "micro"}
-    assert 3 in distances
+    assert distances == {1}
     held = {b for bufs in pipe.held.values() for b in bufs} | _cross_stage(plan)
     assert {counts[b] for b in counts if b not in held} == {1}
 

@@ -53,7 +53,7 @@ import torch
 import torch.distributed as dist
 
 from .._layout import numel
-from ..distributed import Config, activity, current_activity
+from ..distributed import Config, activity, activity_now, current_activity
 from ..errors import CommError, PlacementError
 from ..sbp import Broadcast
 from .base import WIDENED_SUMS, Backend, Completed, Shape, Transfer
@@ -401,7 +401,12 @@ class TorchDistBackend(Backend):
             batch = [dist.P2POp(dist.isend if kind == "send" else dist.irecv, buf, peer, group=pg)
                      for kind, peer, buf, _ in ops]
             return dist.batch_isend_irecv(batch)
-        return [(dist.isend if kind == "send" else dist.irecv)(buf, peer, tag=i) for kind, peer, buf, i in ops]
+        # the default group's own send/recv (peers are global ranks, the default group's): dist.isend and irecv
+        # add checks and look-ups that cost about as much as posting a small message
+        pg = dist.group.WORLD
+        assert pg is not None  # prepare() ran: the process group exists
+        return [pg.send([_wire(buf)], peer, i) if kind == "send" else pg.recv([_wire(buf)], peer, i)
+                for kind, peer, buf, i in ops]
 
     # -- local_to_global --------------------------------------------------------------------
 
@@ -449,13 +454,15 @@ class _Pending:
     they wrote. Errors surface in ``wait()``, naming what was running when it was issued."""
 
     __slots__ = ("backend", "what", "group", "works", "finish", "call", "issued_in", "result", "done")
+    issued_in: Callable[[], str] | None
 
     def __init__(self, backend: TorchDistBackend, what: str, group: Group, works: Sequence[Any],
                  finish: Callable[[], Any], call: str | None = None, blocking: bool = False) -> None:
         self.backend, self.what, self.group, self.works, self.finish = backend, what, group, works, finish
         self.call = call or f"{what.split()[-1]} (async)"  # the name comm errors give the wait
-        # what was running when it was issued (waited for at once when blocking: the same, named when needed)
-        self.issued_in = None if blocking else current_activity()
+        # what was running when it was issued (waited for at once when blocking: the same), formatted only for an
+        # error: naming a boxing step costs more than posting a small send
+        self.issued_in = None if blocking else activity_now()
         self.result: Any = None
         self.done = False
 
@@ -467,7 +474,8 @@ class _Pending:
                     for work in works:
                         work.wait(backend.timeout)
 
-                with activity(f"waiting for {self.what} issued in {self.issued_in or current_activity()}"):
+                issued, what = self.issued_in or activity_now(), self.what
+                with activity(lambda: f"waiting for {what} issued in {issued()}"):
                     backend._call(self.call, self.group, finish)
             self.result, self.done, self.works = self.finish(), True, []
         return self.result
@@ -514,6 +522,11 @@ def _reduction_buffer(t: torch.Tensor, op: str) -> tuple[torch.Tensor, Any]:
     if op == "sum" and t.dtype in WIDENED_SUMS:
         return t.float(), _OPS[op]
     return _reducible(t, op)
+
+
+def _wire(t: torch.Tensor) -> torch.Tensor:
+    """What gloo moves for ``t``: complex values as pairs of reals (a view: a receive lands in ``t``)."""
+    return torch.view_as_real(t) if t.is_complex() else t
 
 
 def _recv_buffer(t: Transfer, device: torch.device) -> torch.Tensor:

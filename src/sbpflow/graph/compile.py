@@ -1,5 +1,6 @@
-"""The compiler's passes, in order: dead code -> ZeRO-3 prefetch window -> SBP selection -> lowering (boxing
-nodes) -> pipeline -> fused segments (opt-in) -> verification.
+"""The compiler's passes, in order: dead code -> accumulate before send (cross-stage gradient sums) -> ZeRO-3
+prefetch window -> SBP selection -> lowering (boxing nodes) -> pipeline -> fused segments (opt-in) ->
+verification.
 
 Each pass is a function with a clear input and output; :func:`compile_graph` runs them and times each one,
 since compile time is where users of graph compilers suffer first.
@@ -15,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import boxing
+from .accumulate import accumulate_before_send
 from .bucket import bucket_all_reduces
 from .fuse import fuse_segments
 from .ir import LogicalGraph
@@ -99,6 +101,8 @@ def compile_graph(g: LogicalGraph, method: str = "ilp", model: boxing.CostModel 
     with gc_paused():
         with report.timing("dead code"):
             report.removed_nodes = eliminate_dead_code(g)
+        with report.timing("accumulate before send"):
+            accumulate_before_send(g)
         if g.gathers:
             with report.timing("prefetch"):
                 window_gathers(g, prefetch)
