@@ -1,6 +1,6 @@
 """Fused segments on real processes (gloo): a data-parallel GPT step whose segments read gradient all-reduces
-issued in flight (their readers wait inside the fused node's act) trains as on virtual ranks, and as the unfused
-plan on the same processes.
+issued in flight (their readers wait inside the fused node's act), and a 1F1B pipeline whose segments read
+activations received in flight, train as on virtual ranks, and as the unfused plan on the same processes.
 """
 
 from __future__ import annotations
@@ -22,22 +22,23 @@ STEPS = 3
 RTOL, ATOL = 1e-5, 4e-5  # gloo sums in its own order (see tests/proc/test_graph_proc.py)
 
 
-def train(fused: bool) -> tuple[list[float], dict[str, np.ndarray], int]:
+def train(fused: bool, spec: str = "dp=2") -> tuple[list[float], dict[str, np.ndarray], int]:
     torch.set_num_threads(1)
-    trainer = build(CONFIG, "dp=2", graph=True, micro_batches=2)
+    trainer = build(CONFIG, spec, graph=True, micro_batches=2)
     trainer.graph.config.enable_fused_segments(fused)
     losses = [trainer.step(ids, targets) for ids, targets in random_batches(CONFIG.vocab_size, STEPS, 8, 16, seed=1)]
     return losses, parameter_values(trainer), sum(n.op == FUSED for n in trainer.graph.plan.nodes)
 
 
-def job() -> dict[str, Any]:
-    return {"rank": sbpflow.rank(), "fused": train(True), "plain": train(False)}
+def job(spec: str) -> dict[str, Any]:
+    return {"rank": sbpflow.rank(), "fused": train(True, spec), "plain": train(False, spec)}
 
 
 @pytest.mark.usefixtures("one_torch_thread")
-def test_fused_segments_on_two_processes_train_as_on_virtual_ranks() -> None:
-    per_rank = run_ranks(job, 2, timeout=180)
-    losses, params, segments = train(True)
+@pytest.mark.parametrize("spec", ["dp=2", "pp=2"])
+def test_fused_segments_on_two_processes_train_as_on_virtual_ranks(spec: str) -> None:
+    per_rank = run_ranks(job, 2, args=(spec,), timeout=180)
+    losses, params, segments = train(True, spec)
     assert segments > 0
     for out in per_rank:
         got_losses, got_params, got_segments = out["fused"]

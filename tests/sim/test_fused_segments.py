@@ -5,6 +5,7 @@ kernels in the same order), and of eager mode.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
@@ -88,17 +89,45 @@ def _gpt_with(spec: str, fused: bool, zero: int = 0, amp: Any = None, checkpoint
                                                ("pp=2", {"m": 2})], ids=["zero3", "amp", "checkpointing", "tp2", "pp2"])
 def test_fused_segments_keep_the_numbers_of_every_strategy(spec: str, options: dict[str, Any]) -> None:
     """ZeRO-3 (watched gathers, prefetch control edges), autocast casts, recomputation behind control edges and
-    tensor-parallel collectives: the same bits fused or not. A pipeline plan stays unfused."""
+    tensor-parallel collectives, pipeline stages: the same bits fused or not."""
     losses, params, plain = _gpt_with(spec, False, **options)
     got_losses, got_params, graph = _gpt_with(spec, True, **options)
     assert got_losses == losses
     for name, value in params.items():
         np.testing.assert_array_equal(got_params[name], value, err_msg=name)
     assert graph._compiled().executor.stats.peak_bytes == graph.plan.peak_bytes
-    if spec == "pp=2":
-        assert _computes(graph.plan) == _computes(plain.plan)
-    else:
-        assert _computes(graph.plan) < _computes(plain.plan) // 2
+    assert _computes(graph.plan) < _computes(plain.plan) // 2
+
+
+@pytest.mark.parametrize(("spec", "schedule", "virtual"), [
+    ("pp=2", "1f1b", 1), ("pp=2", "gpipe", 1), ("pp=2", "zero_bubble", 1), ("pp=4", "1f1b", 1),
+    ("pp=2,dp=2", "1f1b", 1), ("pp=2", "interleaved_1f1b", 2)])
+def test_pipelines_fuse_within_a_stage_and_part_and_keep_their_schedule(spec: str, schedule: str,
+                                                                        virtual: int) -> None:
+    """A run keeps to one stage and one part (F, B, W): the schedule's activation bounds and its numbers hold."""
+    from sbpflow.graph.pipeline import activation_peaks
+
+    config = dataclasses.replace(CONFIG, n_layer=4)
+    results = []
+    for fused in (False, True):
+        trainer = build(config, spec, graph=True, micro_batches=4, schedule=schedule, virtual_stages=virtual)
+        trainer.graph.config.enable_fused_segments(fused)
+        losses = [trainer.step(ids, targets) for ids, targets in random_batches(config.vocab_size, 2, 8, 8, seed=1)]
+        compiled = trainer.graph._compiled()
+        pipe = compiled.plan.pipeline
+        assert pipe is not None
+        micro = [n for n in compiled.plan.nodes if n.op == FUSED and n.phase == "micro"]
+        assert bool(micro) == fused  # each has the stage and part its members had
+        assert all(n.id in pipe.stage_of and n.id in pipe.part_of for n in micro)
+        results.append((losses, parameter_values(trainer), compiled,
+                        activation_peaks(pipe, compiled.executor.stats.peak_slots)))
+    (losses, params, plain, peaks), (got_losses, got_params, compiled, got_peaks) = results
+    assert got_losses == losses
+    for name, value in params.items():
+        np.testing.assert_array_equal(got_params[name], value, err_msg=name)
+    assert got_peaks == peaks
+    assert _computes(compiled.plan) < _computes(plain.plan) // 2
+    verify(compiled.plan)
 
 
 def test_dropout_and_optimizer_nodes_stay_apart_and_collectives_split_segments() -> None:

@@ -22,8 +22,9 @@ with only tensor and constant arguments (no per-step scalar: the learning rate, 
 looks up per step). Shard-aware kernels get their ``ShardCtx`` as a constant of the rank's code (``contexts``
 of :func:`codegen`), and a node with ``overwrites`` calls its in-place form (``ops.inplace``): it is its input's
 only reader, inside the segment or not. Any other node (communication, boxing, update, ...) ends the run; runs of
-one node are left as they are. A plan with several pipeline stages is left as it is (its schedule keys nodes by
-id and parts F/B/W, which a run may mix).
+one node are left as they are. In a plan with several pipeline stages a run also keeps to one stage and one part
+of the schedule (F, B or W), and the pipeline's maps from node ids to stages and parts follow the renumbering:
+the schedule orders a fused node's acts as it ordered its members'.
 
 The fused node is an ordinary compute node for the executors, ``explain()`` and the verifier: its inputs and
 outputs are buffers of the plan, its control edges the runs' edges from outside it, and ``attrs`` holds the
@@ -60,9 +61,8 @@ def fuse_segments(plan: PhysicalPlan, torch_compile: bool = False) -> PhysicalPl
     """``plan`` with each run of two or more fusable nodes made one :data:`FUSED` node; ``torch_compile`` is
     recorded on those nodes for the executor (``torch.compile(kernel, dynamic=False)``). Node ids are renumbered
     to list positions; registers of buffers that became internal are dropped."""
-    if plan.pipeline is not None:
-        return plan
-    runs = _runs(plan.nodes)
+    pipe = plan.pipeline
+    runs = _runs(plan.nodes, _place_in_schedule(pipe))
     if not runs:
         return plan
     readers = _readers(plan.nodes)
@@ -80,15 +80,25 @@ def fuse_segments(plan: PhysicalPlan, torch_compile: bool = False) -> PhysicalPl
     nodes = [_renumbered(n, renumber, owner) for n in nodes]
     out = dataclasses.replace(plan, nodes=nodes, registers={})
     out.registers = _registers(plan, nodes)
+    if pipe is not None:
+        out.pipeline = _renumbered_pipeline(pipe, renumber, owner)
     return out
 
 
-def _runs(nodes: list[PNode]) -> list[list[PNode]]:
-    """The maximal runs of consecutive fusable nodes with one phase and one rank set, of two nodes or more."""
+def _place_in_schedule(pipe: Any) -> Callable[[PNode], Any]:
+    """A node's (stage, part) in a pipeline's schedule, which a run keeps to (nothing without a pipeline)."""
+    if pipe is None:
+        return lambda n: None
+    return lambda n: (pipe.stage_of.get(n.id), pipe.part_of.get(n.id))
+
+
+def _runs(nodes: list[PNode], place: Callable[[PNode], Any]) -> list[list[PNode]]:
+    """The maximal runs of consecutive fusable nodes with one phase, one rank set and one ``place`` (pipeline
+    stage and part), of two nodes or more."""
     runs: list[list[PNode]] = []
     run: list[PNode] = []
     for n in nodes:
-        if run and not (fusable(n) and (n.phase, n.ranks) == (run[0].phase, run[0].ranks)):
+        if run and not (fusable(n) and (n.phase, n.ranks, place(n)) == (run[0].phase, run[0].ranks, place(run[0]))):
             runs.append(run)
             run = []
         if fusable(n):
@@ -135,6 +145,15 @@ def _renumbered(n: PNode, renumber: dict[int, int], owner: dict[int, int]) -> PN
     control = tuple(sorted(edges))
     control_lead = tuple(edges[c] for c in control) if n.control_lead else ()
     return dataclasses.replace(n, id=renumber[n.id], control=control, control_lead=control_lead)
+
+
+def _renumbered_pipeline(pipe: Any, renumber: dict[int, int], owner: dict[int, int]) -> Any:
+    """``pipe`` with its node-keyed maps (stage, part) in the new numbering: a fused node takes its members'
+    stage and part (one run keeps to one of each). Buffer-keyed fields are unchanged."""
+    def moved(by_id: dict[int, Any]) -> dict[int, Any]:
+        return {renumber[owner.get(i, i)]: v for i, v in by_id.items() if owner.get(i, i) in renumber}
+
+    return dataclasses.replace(pipe, stage_of=moved(pipe.stage_of), part_of=moved(pipe.part_of))
 
 
 def _registers(plan: PhysicalPlan, nodes: list[PNode]) -> dict[int, Register]:

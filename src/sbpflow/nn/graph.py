@@ -116,7 +116,7 @@ class GraphConfig:
         inside it, and its intermediates never reach the executor. ``torch_compile=True`` runs each segment's
         function under ``torch.compile(fn, dynamic=False)`` (compiled at the first step: slow to start).
         Numbers are those of the unfused plan (the same kernels in the same order) unless torch.compile fuses
-        kernels. Off by default; a plan with several pipeline stages is left unfused.
+        kernels. Off by default. In a pipeline a run keeps to one stage and one part of the schedule (F, B, W).
 
         >>> import sbpflow
         >>> g = sbpflow.nn.Graph()
