@@ -55,13 +55,15 @@ def data() -> tuple[np.ndarray, np.ndarray]:
 # ----------------------------------------------------------------------------- sbpflow
 
 
-def sbpflow_step(p: int) -> tuple[Callable[[], float], Any]:
-    """The demo's trainer under pp=p with 8 micro-batches, compiled; returns its step and trainer.
+def sbpflow_step(p: int, fused: bool = False) -> tuple[Callable[[], float], Any]:
+    """The demo's trainer under pp=p with 8 micro-batches, compiled (``fused``: with fused segments, one act per
+    run of compute nodes of a stage and part); returns its step and trainer.
 
     Like torch's step below: the batch is laid out once (the ids on the first stage, the targets on the last), and
     the loss is read where it is, on the last stage (``trainer.step`` would lay the arrays out again at every step
     and send the loss to every process, a synchronisation torch's contender does not have)."""
     trainer = build(CONFIG, f"pp={p}", lr=LR, clip=CLIP, graph=True, micro_batches=MICRO, schedule="1f1b")
+    trainer.graph.config.enable_fused_segments(fused)
     ids, targets = trainer.inputs(*data())
     last = dist.get_rank() in trainer.strategy.stages[-1].flat_ranks
 
@@ -287,17 +289,21 @@ def timed(fn: Callable[[], object], steps: int) -> tuple[float, float]:
     return float(elapsed[0]), float(elapsed[1])
 
 
+FUSED = "sbpflow 1f1b (graph, fused segments)"
+
+
 def worker(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     sbpflow.distributed.init()
     p = dist.get_world_size()
     sbp_step, trainer = sbpflow_step(p)
+    fused_step, fused_trainer = sbpflow_step(p, fused=True)
     reference = {n: t.detach().to_global(placement=trainer.strategy.everywhere,
                                          sbp=sbpflow.sbp.broadcast).numpy()
                  for n, t in trainer.model.named_parameters()}
     block_stage = trainer.strategy.block_stage
     saved: dict[str, SavedBytes] = {}
-    contenders = {"sbpflow 1f1b (graph)": sbp_step,
+    contenders = {"sbpflow 1f1b (graph)": sbp_step, FUSED: fused_step,
                   "torch Schedule1F1B": torch_step(p, Schedule1F1B, reference, block_stage, saved,
                                                    "torch Schedule1F1B"),
                   "torch ScheduleGPipe": torch_step(p, ScheduleGPipe, reference, block_stage, saved,
@@ -313,6 +319,7 @@ def worker(args: argparse.Namespace) -> None:
     peaks = activation_peaks(compiled.plan.pipeline, compiled.executor.stats.peak_slots)
     mine = peaks.get(dist.get_rank(), 0)
     memory = {"sbpflow 1f1b (graph)": sbpflow_activation_bytes(trainer, dist.get_rank(), sbp_step),
+              FUSED: sbpflow_activation_bytes(fused_trainer, dist.get_rank(), fused_step),
               **{name: counter.peak for name, counter in saved.items()}}
     gathered: list[Any] = [None] * p
     dist.all_gather_object(gathered, (first, mine, compiled.executor.stats.peak_bytes, memory))
