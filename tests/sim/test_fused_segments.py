@@ -96,7 +96,7 @@ def test_fused_segments_keep_the_numbers_of_every_strategy(spec: str, options: d
     for name, value in params.items():
         np.testing.assert_array_equal(got_params[name], value, err_msg=name)
     assert graph._compiled().executor.stats.peak_bytes == graph.plan.peak_bytes
-    assert _computes(graph.plan) < _computes(plain.plan) // 2
+    assert _computes(graph.plan) < _computes(plain.plan) * 3 // 5
 
 
 @pytest.mark.parametrize(("spec", "schedule", "virtual"), [
@@ -131,8 +131,9 @@ def test_pipelines_fuse_within_a_stage_and_part_and_keep_their_schedule(spec: st
 
 
 def test_dropout_and_optimizer_nodes_stay_apart_and_collectives_split_segments() -> None:
-    """Nodes with per-step scalars (dropout keys, the learning rate) and communication end a run; the plan's
-    collectives are those of the unfused plan, in the same order."""
+    """Nodes with per-step scalars (dropout keys, the learning rate) and communication end a run, and a reader of
+    a collective's output starts one (so what comes before it overlaps the transfer); the plan's collectives are
+    those of the unfused plan, in the same order."""
     _, _, plain = _gpt("dp=2", False)
     _, _, graph = _gpt("dp=2", True)
     kept = [n for n in graph.plan.nodes if n.kind == "compute" and n.op != FUSED]
@@ -141,6 +142,10 @@ def test_dropout_and_optimizer_nodes_stay_apart_and_collectives_split_segments()
     for rank in (0, 1):
         assert [n.name for n in graph.plan.collectives(rank)] == [n.name for n in plain.plan.collectives(rank)]
     assert "fused segments (graph.fuse): " in graph.explain() and "fused segments" not in plain.explain()
+    communicated = {b for n in graph.plan.nodes if n.kind == "boxing" for b in n.outputs}
+    for node in (n for n in graph.plan.nodes if n.op == FUSED):  # only a run's first node waits for a transfer
+        assert all(communicated.isdisjoint(sub.inputs) for sub in sub_nodes(node)[1:]), node.label()
+    assert any(not communicated.isdisjoint(sub_nodes(n)[0].inputs) for n in graph.plan.nodes if n.op == FUSED)
 
 
 def _run_of(plan: Any, node: Any) -> list[Any]:

@@ -21,10 +21,12 @@ What fuses. Consecutive nodes of the plan list (same phase, same ranks) of kind 
 with only tensor and constant arguments (no per-step scalar: the learning rate, a dropout key, which the executor
 looks up per step). Shard-aware kernels get their ``ShardCtx`` as a constant of the rank's code (``contexts``
 of :func:`codegen`), and a node with ``overwrites`` calls its in-place form (``ops.inplace``): it is its input's
-only reader, inside the segment or not. Any other node (communication, boxing, update, ...) ends the run; runs of
-one node are left as they are. In a plan with several pipeline stages a run also keeps to one stage and one part
-of the schedule (F, B or W), and the pipeline's maps from node ids to stages and parts follow the renumbering:
-the schedule orders a fused node's acts as it ordered its members'.
+only reader, inside the segment or not. Any other node (communication, boxing, update, ...) ends the run, and a
+reader of a communication node's output starts one (the executor waits for a collective in flight where its
+reader acts, so the nodes before it keep overlapping the transfer); runs of one node are left as they are. In a
+plan with several pipeline stages a run also keeps to one stage and one part of the schedule (F, B or W), and the
+pipeline's maps from node ids to stages and parts follow the renumbering: the schedule orders a fused node's acts
+as it ordered its members'.
 
 The fused node is an ordinary compute node for the executors, ``explain()`` and the verifier: its inputs and
 outputs are buffers of the plan, its control edges the runs' edges from outside it, and ``attrs`` holds the
@@ -94,11 +96,15 @@ def _place_in_schedule(pipe: Any) -> Callable[[PNode], Any]:
 
 def _runs(nodes: list[PNode], place: Callable[[PNode], Any]) -> list[list[PNode]]:
     """The maximal runs of consecutive fusable nodes with one phase, one rank set and one ``place`` (pipeline
-    stage and part), of two nodes or more."""
+    stage and part), of two nodes or more. A node that reads what a communication node made starts a run: a
+    collective may still be in flight when its reader acts (the executor waits there), and the nodes before the
+    reader keep computing meanwhile, as unfused."""
+    communicated = {b for n in nodes if n.kind in ("boxing", "route") for b in n.outputs}
     runs: list[list[PNode]] = []
     run: list[PNode] = []
     for n in nodes:
-        if run and not (fusable(n) and (n.phase, n.ranks, place(n)) == (run[0].phase, run[0].ranks, place(run[0]))):
+        same = (n.phase, n.ranks, place(n)) == (run[0].phase, run[0].ranks, place(run[0])) if run else True
+        if run and not (fusable(n) and same and communicated.isdisjoint(n.inputs)):
             runs.append(run)
             run = []
         if fusable(n):
