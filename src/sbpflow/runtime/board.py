@@ -472,10 +472,9 @@ class Board:
         acts = finished = 0
 
         def offer(actor: Actor) -> None:
-            """Queues ``actor`` if it can act (callers checked busy and done): :meth:`ready` written out."""
+            """Queues ``actor`` if it can act (callers checked that no input is missing, and busy and done):
+            :meth:`ready` written out."""
             nonlocal ahead, ahead_code
-            if actor.missing:
-                return
             step = actor.step
             if not actor.fast:  # a fast actor has no comm turn and no control edge to check
                 if actor.comm:
@@ -522,7 +521,7 @@ class Board:
                         offer(other)
 
         for actor in self._starters:
-            if not actor.busy and actor.step < actor.steps:
+            if not actor.missing and not actor.busy and actor.step < actor.steps:
                 offer(actor)
         step = 0
         try:
@@ -663,7 +662,7 @@ class Board:
                     for edge in actor.control_out:
                         edge.queue.append(Slot(None, step, 1, None))
                         other = edge.consumer
-                        if not other.busy and other.step < other.steps:
+                        if not other.missing and not other.busy and other.step < other.steps:
                             offer(other)
                 for edge in fed:
                     if edge.reads_per_slot > 1:
