@@ -87,7 +87,7 @@ def interleaved(contenders: dict[str, Callable[[], object]], inner: int, rounds:
     ranks, one torch thread), so CPU time is their cost, and time the scheduler gives other jobs is not counted;
     a round's two timings are taken back to back, so their ratio cancels slower drifts of the machine's load, and
     in turns (AB, BA, AB, ...): the one that runs right after the other (its caches holding the other's data)
-    is not always the same one (on a shared machine that order alone moved the GPT rows' ratio by 2-3%)."""
+    is not always the same one (on this shared machine that order alone moved a GPT row's ratio by several percent)."""
     samples: dict[str, list[float]] = {k: [] for k in contenders}
     for fn in contenders.values():
         fn()
