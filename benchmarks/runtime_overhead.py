@@ -85,12 +85,16 @@ def interleaved(contenders: dict[str, Callable[[], object]], inner: int, rounds:
     """Median CPU seconds of this process per call, and (key "ratio") the median over rounds of the second
     contender's time over the first's in the same round. Both executors run on the caller's thread here (virtual
     ranks, one torch thread), so CPU time is their cost, and time the scheduler gives other jobs is not counted;
-    a round's two timings are taken back to back, so their ratio cancels slower drifts of the machine's load."""
+    a round's two timings are taken back to back, so their ratio cancels slower drifts of the machine's load, and
+    in turns (AB, BA, AB, ...): the one that runs right after the other (its caches holding the other's data)
+    is not always the same one (on this shared machine that order alone moved a GPT row's ratio by several percent)."""
     samples: dict[str, list[float]] = {k: [] for k in contenders}
     for fn in contenders.values():
         fn()
-    for _ in range(rounds):
-        for name, fn in contenders.items():
+    names = list(contenders)
+    for k in range(rounds):
+        for name in names if k % 2 == 0 else names[::-1]:
+            fn = contenders[name]
             start = time.process_time()
             for _ in range(inner):
                 fn()

@@ -253,10 +253,23 @@ def _variables(m: int, register_num: int) -> PhysicalPlan:
     return b.build(register_num)
 
 
+def _fanout(m: int, register_num: int) -> PhysicalPlan:
+    """A value with three readers, an op with two outputs both read (one of them twice), accumulate and pack: with
+    one slot every act takes Board.play's short path; with two, the shared values go through Slots."""
+    b = PlanBuilder(micro_batches=m)
+    h = b.compute("relu", b.unpack(b.input("x", (8, 2), P2, (S.split(0),))))
+    top, where = b.compute_n("max_dim", b.compute("add", h, h), dim=1)
+    b.output("y", b.pack(b.compute("mul", top, b.compute("sum", h, dim=(1,)))))
+    b.output("i", b.pack(where))
+    b.output("g", b.accumulate(b.compute("neg", top)))
+    return b.build(register_num)
+
+
 @pytest.mark.parametrize("plan", [chain(4, 1), chain(4, 3), _comm_chain(4, 1), _comm_chain(4, 2), _comm_chain(1, 1),
-                                  _with_lead(chain(4, 4), 3), _variables(4, 1), _variables(4, 2), _variables(1, 1)],
+                                  _with_lead(chain(4, 4), 3), _variables(4, 1), _variables(4, 2), _variables(1, 1),
+                                  _fanout(4, 1), _fanout(4, 2), _fanout(1, 1)],
                          ids=["chain k=1", "chain k=3", "comm k=1", "comm k=2", "comm m=1", "lead 3", "variables k=1",
-                              "variables k=2", "variables m=1"])
+                              "variables k=2", "variables m=1", "fanout k=1", "fanout k=2", "fanout m=1"])
 def test_play_sends_the_same_messages_as_take_and_finish_one_by_one(plan: PhysicalPlan) -> None:
     expected, reference = _one_by_one(plan)
     b = board(plan)
@@ -272,6 +285,21 @@ def test_play_sends_the_same_messages_as_take_and_finish_one_by_one(plan: Physic
     assert b.stats.acts == reference.stats.acts == len(order)
     assert b.stats.peak_bytes == reference.stats.peak_bytes and b.stats.peak_slots == reference.stats.peak_slots
     assert b.live_bytes == reference.live_bytes == b.resident
+
+
+def test_play_takes_its_short_path_only_where_values_pass_without_slots() -> None:
+    """The plans above cover both of Board.play's paths: with one slot per register every actor of ``_fanout``
+    takes the short one (a two-output op and a value with three readers included); with two, an actor that reads
+    or writes a shared value through a Slot takes the general one, and the comm stream's actors always do."""
+    one = board(_fanout(4, 1))
+    assert all(a.fast for a in one.actors)
+    assert any(len(a.outputs) == 2 for a in one.actors) and any(len(r.readers) == 3 for r in one.registers.values())
+    two = board(_fanout(4, 2))
+    relu = by_kind(two, "compute", "relu")
+    assert not relu.fast and not relu.outputs[0].direct
+    assert all(not edge.consumer.fast for edge in relu.outputs[0].readers)
+    assert by_kind(two, "unpack").fast  # its one reader gets the value itself, whatever the slots
+    assert all(not a.fast for a in board(_comm_chain(4, 1)).actors if a.comm)
 
 
 def test_play_keeps_a_comm_stream_in_turn_where_a_receiver_has_no_input_to_wait_for() -> None:

@@ -32,8 +32,11 @@ against a kernel of a few microseconds; ``benchmarks/runtime_overhead.py``): eac
 an empty queue (``missing``), so readiness is one check, not a scan of every input (an optimizer update reads
 a hundred buffers, and each of them wakes it); an actor is offered only when a message may have made it ready;
 where at most one value of a register can be live for its readers (one reader, or one slot), the queues hold
-the value itself and the register counts the reads (no :class:`Slot` object); a run of variables next to each
-other in the plan is one pick (they would be picked one after the other anyway); and the heap holds ints.
+the value itself and the register counts the reads (no :class:`Slot` object); an act with such values only, no
+control edge and no comm turn (most acts) walks tuples built once (:func:`_prepare_play`) and tests no flag that
+cannot be set for it; claims and frees are logged and counted (bytes and slots, and their peaks) only when first
+asked for; a run of variables next to each other in the plan is one pick (they would be picked one after the
+other anyway); and the heap holds ints.
 The messages, the schedule and every count are the same as :meth:`Board.take` and :meth:`Board.finish` give
 (``tests/logic/test_runtime_actors.py`` plays both side by side).
 """
@@ -41,6 +44,7 @@ The messages, the schedule and every count are the same as :meth:`Board.take` an
 from __future__ import annotations
 
 import heapq
+import operator
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -77,17 +81,17 @@ class RegisterState:
     resident: dict[int, int] = field(default_factory=dict)  # a variable's bytes: live for the whole step
     watch: tuple[str, ...] = ()  # the plan.watch sets this buffer belongs to
     sizes: tuple[tuple[int, int], ...] = ()  # bytes_by_rank's items, for the per-act count (set by Board)
-    peak: int = 0  # most slots live at once in this run (mirrored into Stats.peak_slots when it grows)
     release: _Release = field(init=False)  # this register's entry for a free in Board.play's log
     spare: list[Slot] = field(default_factory=list)  # Board.play: slot objects freed by all readers, for reuse
     # set by Board once wired, read by play where a check of a list or another object would cost a memory access:
-    counted: bool = False  # it has bytes to count (``sizes`` is not empty)
     again: bool = False  # its producer acts more than once: a freed slot may let it act again
     # Board.play queues a value itself (no Slot) when only one can be live for its readers: one reader, or one slot
     # (all readers then read the same value, so the register counts their reads in ``left``)
     direct: bool = False
     shared: bool = False  # direct with several readers (so one slot): ``left`` counts the reads to come
     left: int = 0
+    fanout: int = 0  # len(readers)
+    targets: tuple[tuple[deque[Any], Actor], ...] = ()  # Board.play: each reader's (queue, actor), for a direct send
 
     def __post_init__(self) -> None:
         self.release = _Release(self)
@@ -170,7 +174,13 @@ class Actor:
     missing: int = 0
     arity: int = -1  # len(inputs) when every input is fed (the usual case: Board.play reads them without a loop)
     gated: bool = False  # it has control inputs
-    codes: tuple[int, ...] | None = None  # Board.play's heap entry per step: key * len(plan.nodes) + position
+    codes: tuple[int, ...] = ()  # Board.play's heap entry per step: key * len(plan.nodes) + position (key 0: none)
+    # Board.play's short path (see Board._prepare_play): an act with no comm turn, control edge, Slot or absent input
+    fast: bool = False
+    queues: tuple[deque[Any], ...] = ()  # its inputs' queues, in input order (a fast actor's inputs are all fed)
+    drops: tuple[tuple[deque[Any], RegisterState], ...] = ()  # (queue, register) of inputs read once per slot
+    repeats: tuple[InEdge, ...] = ()  # inputs read on several steps (reads_per_slot > 1): counted per read
+    single: RegisterState | None = None  # its one output register, if it has exactly one
     # Board.play: the run of variables this one leads, each with its register
     # (see Board._group_sources)
     sources: list[tuple[Actor, RegisterState]] | None = None
@@ -251,10 +261,11 @@ class Board:
                 edge.register = self.registers[edge.buf]  # type: ignore[index]  # fed: written here
         for reg in self.registers.values():
             reg.sizes = tuple(reg.bytes_by_rank.items())
-            reg.counted = bool(reg.sizes)
             reg.again = reg.producer.steps > 1
             reg.direct = bool(reg.readers) and (len(reg.readers) == 1 or reg.capacity == 1)
             reg.shared = reg.direct and len(reg.readers) > 1
+            reg.fanout = len(reg.readers)
+            reg.targets = tuple((edge.queue, edge.consumer) for edge in reg.readers)
             for edge in reg.readers:
                 edge.direct = reg.direct
         self.resident = self._resident_bytes()
@@ -272,12 +283,18 @@ class Board:
         self._register_num = {b: r.capacity for b, r in self.registers.items()}
         span = len(plan.nodes)
         for actor in self.actors:
-            if actor.keys is not None:
-                actor.codes = tuple(key * span + actor.position for key in actor.keys)
+            keys = actor.keys if actor.keys is not None else (0,) * actor.steps
+            actor.codes = tuple(key * span + actor.position for key in keys)
         self._by_position: list[Actor | None] = [None] * span
         for actor in self.actors:
             self._by_position[actor.position] = actor
         self._group_sources()
+        for actor in self.actors:
+            _prepare_play(actor)
+        # play's first offers: after a reset, an actor with an input from here waits for it (and a led one is acted
+        # by its run's leader)
+        self._starters = [a for a in self.actors if not a.fed and not a.blocked and not a.led]
+        self._gathering = [a for a in self.actors if a.gathers]
 
     def issue_comm_first(self, flying: set[int]) -> None:
         """:meth:`play` acts a comm actor as soon as it is ready (its stream's turn and its inputs there), before
@@ -396,7 +413,9 @@ class Board:
         queue emptied): only the steps and the peaks start again."""
         settled = self.finished == self.count and self.failed is None and self._stats.acts > 0
         for actor in self.actors:
-            actor.step, actor.partial = 0, None
+            actor.step = 0
+        for actor in self._gathering:
+            actor.partial = None
         if not settled:
             for actor in self.actors:
                 actor.busy = False
@@ -407,8 +426,6 @@ class Board:
                         edge.reads = 0
             for reg in self.registers.values():
                 reg.free = reg.capacity
-        for reg in self.registers.values():
-            reg.peak = 0
         self._unsettled = None  # the last run's log: its counts went with its Stats
         self._live_bytes = dict(self.resident)
         self.watch_live = {name: dict.fromkeys(self.owned_ranks, 0) for name in self.plan.watch}
@@ -424,52 +441,61 @@ class Board:
         merged by priority (schedule key, plan position, step). ``perform(actor, step, inputs)`` runs one act and
         returns its output values, or, for an actor whose ``run`` is set, ``actor.run(inputs, state, step)`` does
         (one call instead of the runtime's wrappers); an exception from either ends the play, and :attr:`failed`
-        then says which (actor, step) raised it. The caller checks :attr:`all_done`.
+        then says which (actor, step) raised it. The caller checks :attr:`all_done`. Call it once per
+        :meth:`reset` (its log of claims starts from every slot free).
 
         The same messages as :meth:`take` and :meth:`finish`, written out in one loop (this is the runtime's hot
         path on one thread: a call costs as much as a message here). One heap holds every ready act (a comm
         stream offers only its head); priorities are unique (one entry per actor, positions differ), so actors
         are never compared. An actor is offered to the heap only when a message may have made it ready: its
         last missing input arrived (:attr:`Actor.missing` fell to 0), a register of its went from full to one
-        free slot, a control token came, its own act ended, or its comm stream's turn came to it. Live bytes are
-        logged per claim and free and summed when first read (:attr:`stats`, :attr:`live_bytes`;
-        :meth:`_count_bytes`): the same peaks as counting on every claim.
+        free slot, a control token came, its own act ended, or its comm stream's turn came to it. Claims and
+        frees are logged and counted when first read (:attr:`stats`, :attr:`live_bytes`; :meth:`_count_bytes`):
+        the same peaks of bytes and of slots as counting on every claim.
+
+        Most acts take the short path (:attr:`Actor.fast`, set by :func:`_prepare_play`): inputs and outputs
+        passed as values, no control edge, no comm turn, so that an act walks tuples built once (its input
+        queues, (queue, register) pairs to free, each output's (queue, reader) pairs) and tests no flag that
+        cannot be set for it. The others (a comm stream's acts, control edges, :class:`Slot` registers, inputs
+        from another process, a run of variables) take the general path below it: the same messages.
         """
         heap: list[int] = []  # codes (key * span + position): unique, as one actor is in the heap at most once
         # the ready act with the lowest code offered since the last pick, in front of the heap: an act that readies
-        # only its reader (a chain) hands it over without a push and a pop; [actor or None, its code]
-        ahead: list[Any] = [None, 0]
+        # only its reader (a chain) hands it over without a push and a pop
+        ahead: Actor | None = None
+        ahead_code = 0
         streams, heads, push, pop = self.streams, self.heads, heapq.heappush, heapq.heappop
         by_position, span = self._by_position, len(self._by_position)
-        peak_slots = self._stats.peak_slots
-        log: list[Any] = []  # claims (and frees, as their register's ``release`` twin) with bytes
+        log: list[Any] = []  # claims (a register) and frees (its ``release`` twin)
         note = log.append
+        first = operator.itemgetter(0)
         acts = finished = 0
 
         def offer(actor: Actor) -> None:
-            """Queues ``actor`` if it can act (callers checked busy and done): :meth:`ready` written out."""
-            if actor.missing:
-                return
-            if actor.comm:
-                seq, i = streams[actor.lane], heads[actor.lane]
-                if i >= len(seq) or seq[i][0] is not actor:
-                    return
+            """Queues ``actor`` if it can act (callers checked that no input is missing, and busy and done):
+            :meth:`ready` written out."""
+            nonlocal ahead, ahead_code
             step = actor.step
-            if actor.gated:
-                for edge in actor.controls:
-                    if len(edge.queue) < edge.tokens_needed():
+            if not actor.fast:  # a fast actor has no comm turn and no control edge to check
+                if actor.comm:
+                    seq, i = streams[actor.lane], heads[actor.lane]
+                    if i >= len(seq) or seq[i][0] is not actor:
                         return
+                if actor.gated:
+                    for edge in actor.controls:
+                        if len(edge.queue) < edge.tokens_needed():
+                            return
             if not actor.gathers or step == 0:
                 for reg in actor.outputs:
                     if reg.free <= 0:
                         return
             actor.busy = True
-            code = actor.codes[step] if actor.codes is not None else actor.position
-            if ahead[0] is None:
-                ahead[0], ahead[1] = actor, code
-            elif code < ahead[1]:
-                push(heap, ahead[1])
-                ahead[0], ahead[1] = actor, code
+            code = actor.codes[step]
+            if ahead is None:
+                ahead, ahead_code = actor, code
+            elif code < ahead_code:
+                push(heap, ahead_code)
+                ahead, ahead_code = actor, code
             else:
                 push(heap, code)
 
@@ -478,8 +504,7 @@ class Board:
             readers = reg.readers
             if not readers:
                 reg.free += 1  # nobody here reads it: the slot is free again at once
-                if reg.counted:
-                    note(reg.release)
+                note(reg.release)
                 return
             if reg.direct:
                 reg.left = len(readers)
@@ -495,87 +520,149 @@ class Board:
                     if not other.missing and not other.busy and other.step < other.steps:
                         offer(other)
 
-        for actor in self.actors:
-            if not actor.busy and actor.step < actor.steps and not actor.led:
+        for actor in self._starters:
+            if not actor.missing and not actor.busy and actor.step < actor.steps:
                 offer(actor)
         step = 0
         try:
             while True:
-                actor = ahead[0]
-                if actor is not None and (not heap or ahead[1] < heap[0]):
-                    ahead[0] = None
+                actor = ahead  # type: ignore[assignment]
+                if actor is not None and (not heap or ahead_code < heap[0]):
+                    ahead = None
                 elif heap:
                     actor = by_position[pop(heap) % span]  # type: ignore[assignment]  # only actors are pushed
                 else:
                     break
                 step = actor.step
+                gathers, outputs = actor.gathers, actor.outputs
+                if actor.fast:
+                    # take: claim the output slots, read the inputs (each queue's head is the value itself)
+                    if not gathers or step == 0:
+                        for reg in outputs:
+                            reg.free -= 1
+                            note(reg)
+                    queues = actor.queues
+                    arity = actor.arity
+                    if arity == 1:
+                        inputs = [queues[0][0]]
+                    elif arity == 2:
+                        inputs = [queues[0][0], queues[1][0]]
+                    else:
+                        inputs = [*map(first, queues)]
+                    run = actor.run
+                    values = run(inputs, state, step) if run is not None else perform(actor, step, inputs)
+                    # finish: "ready" to the consumers, "free" to the producers; offers follow the messages that may
+                    # make an actor ready (the module docstring's rules), after the state they read is written
+                    if outputs and (not gathers or step == actor.steps - 1):
+                        if len(values) != len(outputs):
+                            raise ExecutionError(f"{actor.label()} returned {len(values)} values for its "
+                                                 f"{len(outputs)} outputs")
+                        reg = actor.single  # type: ignore[assignment]
+                        if reg is not None:  # the usual case: one output, its value put in each reader's queue
+                            reg.left = reg.fanout  # read only where shared: a store costs less than a check
+                            value = values[0]
+                            for queue, other in reg.targets:
+                                queue.append(value)
+                                if len(queue) == 1:
+                                    other.missing -= 1
+                                    if not other.missing and not other.busy and other.step < other.steps:
+                                        offer(other)
+                        else:  # (zip(strict=True) would cost more than this whole block: the lengths were checked)
+                            for reg, value in zip(outputs, values, strict=False):
+                                reg.left = reg.fanout
+                                for queue, other in reg.targets:
+                                    queue.append(value)
+                                    if len(queue) == 1:
+                                        other.missing -= 1
+                                        if not other.missing and not other.busy and other.step < other.steps:
+                                            offer(other)
+                    missing = 0  # every queue had a value at the pick; count the ones emptied now
+                    for queue, reg in actor.drops:
+                        queue.popleft()
+                        if not queue:
+                            missing += 1
+                        if reg.shared:
+                            reg.left -= 1
+                            if reg.left:
+                                continue
+                        reg.free += 1
+                        note(reg.release)
+                        if reg.again and reg.free == 1:  # was full: its producer may act again
+                            other = reg.producer
+                            if not other.missing and not other.busy and other.step < other.steps:
+                                offer(other)
+                    for edge in actor.repeats:  # a value read on every micro-batch: freed after its last read
+                        edge.reads += 1
+                        if edge.reads < edge.reads_per_slot:
+                            continue
+                        edge.reads = 0
+                        queue = edge.queue
+                        queue.popleft()
+                        if not queue:
+                            missing += 1
+                        reg = edge.register  # type: ignore[assignment]  # a fed edge has one
+                        if reg.shared:
+                            reg.left -= 1
+                            if reg.left:
+                                continue
+                        reg.free += 1
+                        note(reg.release)
+                        if reg.again and reg.free == 1:
+                            other = reg.producer
+                            if not other.missing and not other.busy and other.step < other.steps:
+                                offer(other)
+                    actor.missing = missing
+                    actor.step = step = step + 1
+                    actor.busy = False
+                    acts += 1
+                    if step >= actor.steps:
+                        finished += 1
+                    elif not missing:
+                        offer(actor)
+                    continue
                 sources = actor.sources
                 if sources is not None:  # a run of variables (_group_sources): each one's act, in plan order
                     for actor, reg in sources:
                         reg.free -= 1
-                        if reg.capacity - reg.free > reg.peak:
-                            reg.peak = peak_slots[reg.buf] = reg.capacity - reg.free
-                        if reg.counted:
-                            note(reg)
+                        note(reg)
                         run = actor.run
                         value = (run([], state, 0) if run is not None else perform(actor, 0, []))[0]
                         actor.step = 1
-                        send(reg, value, 0)
+                        if not reg.direct:
+                            send(reg, value, 0)
+                            continue
+                        reg.left = reg.fanout
+                        for queue, other in reg.targets:
+                            queue.append(value)
+                            if len(queue) == 1:
+                                other.missing -= 1
+                                if not other.missing and not other.busy and other.step < other.steps:
+                                    offer(other)
                     sources[0][0].busy = False  # the leader: the others were never offered
                     acts += len(sources)
                     finished += len(sources)
                     continue
-                # take: claim the output slots, read the inputs
-                gathers, outputs = actor.gathers, actor.outputs
+                # the general path: the short path's messages, and Slots, control tokens, comm turns, absent inputs
                 if outputs and (not gathers or step == 0):
                     for reg in outputs:
                         reg.free -= 1
-                        if reg.capacity - reg.free > reg.peak:
-                            reg.peak = peak_slots[reg.buf] = reg.capacity - reg.free
-                        if reg.counted:
-                            note(reg)
+                        note(reg)
                 fed = actor.fed
-                arity = actor.arity
-                if arity == 0:
-                    inputs = []
-                elif arity == 1:
-                    edge = fed[0]
-                    inputs = [edge.queue[0] if edge.direct else edge.queue[0].value]
-                elif arity == 2:  # no list comprehension (a call of its own)
-                    edge, other_edge = fed
-                    inputs = [edge.queue[0] if edge.direct else edge.queue[0].value,
-                              other_edge.queue[0] if other_edge.direct else other_edge.queue[0].value]
-                else:
-                    inputs = [(e.queue[0] if e.direct else e.queue[0].value) if e.producer is not None else {}
-                              for e in actor.inputs]
+                inputs = [(e.queue[0] if e.direct else e.queue[0].value) if e.producer is not None else {}
+                          for e in actor.inputs]
                 run = actor.run
                 values = run(inputs, state, step) if run is not None else perform(actor, step, inputs)
-                # finish: "ready" to the consumers, "free" to the producers; offers follow the messages that may
-                # make an actor ready (the module docstring's rules), after the state they read is written
                 if outputs and (not gathers or step == actor.steps - 1):
                     if len(values) != len(outputs):
                         raise ExecutionError(f"{actor.label()} returned {len(values)} values for its "
                                              f"{len(outputs)} outputs")
-                    reg = outputs[0]
-                    if len(outputs) == 1 and reg.direct:  # the usual case: the value itself goes in the queues
-                        readers = reg.readers
-                        reg.left = len(readers)
-                        for edge in readers:
-                            queue = edge.queue
-                            queue.append(values[0])
-                            if len(queue) == 1:
-                                other = edge.consumer
-                                other.missing -= 1
-                                if not other.missing and not other.busy and other.step < other.steps:
-                                    offer(other)
-                    else:  # (zip(strict=True) would cost more than this whole block: the lengths were checked)
-                        for reg, value in zip(outputs, values, strict=False):
-                            send(reg, value, 0 if gathers else step)
+                    for reg, value in zip(outputs, values, strict=False):
+                        send(reg, value, 0 if gathers else step)
                 if actor.control_out:
                     for edge in actor.control_out:
                         edge.queue.append(Slot(None, step, 1, None))
                         other = edge.consumer
-                        if not other.busy and other.step < other.steps:
+                        if not other.missing and not other.busy and other.step < other.steps:
                             offer(other)
                 for edge in fed:
                     if edge.reads_per_slot > 1:
@@ -604,8 +691,7 @@ class Board:
                         slot.value = None  # the value may be freed now
                         reg.spare.append(slot)
                     reg.free += 1
-                    if reg.counted:
-                        note(reg.release)
+                    note(reg.release)
                     if reg.again and reg.free == 1:  # was full: its producer may act again
                         other = reg.producer
                         if not other.missing and not other.busy and other.step < other.steps:
@@ -641,12 +727,15 @@ class Board:
             self._unsettled = log  # counted when stats or live_bytes are read (most steps, nobody asks)
 
     def _count_bytes(self, log: list[Any]) -> None:
-        """Replays :meth:`play`'s log of claims (a register) and frees (its ``release`` twin) into live bytes
-        and their peaks: the live bytes after every claim, as :meth:`_claim` counts them one by one."""
-        live, peak = self._live_bytes, self._stats.peak_bytes
+        """Replays :meth:`play`'s log of claims (a register) and frees (its ``release`` twin) into live bytes, live
+        slots and their peaks: the counts after every claim, as :meth:`_claim` makes them one by one (the log
+        starts at a reset, with every slot free)."""
+        live, peak, peak_slots = self._live_bytes, self._stats.peak_bytes, self._stats.peak_slots
+        held: dict[int, int] = {}  # buf id -> slots live now
         for entry in log:
             if entry.__class__ is _Release:
                 reg = entry.register
+                held[reg.buf] -= 1
                 for r, n in reg.sizes:
                     live[r] -= n
                 for name in reg.watch:
@@ -654,6 +743,9 @@ class Board:
                     for r, n in reg.sizes:
                         watched[r] -= n
                 continue
+            slots = held[entry.buf] = held.get(entry.buf, 0) + 1
+            if slots > peak_slots.get(entry.buf, 0):
+                peak_slots[entry.buf] = slots
             for r, n in entry.sizes:
                 now = live[r] = live[r] + n
                 if now > peak.get(r, -1):
@@ -758,9 +850,9 @@ class Board:
 
     def _claim(self, reg: RegisterState) -> None:
         reg.free -= 1
-        live = reg.capacity - reg.free
-        if live > reg.peak:
-            reg.peak = self._stats.peak_slots[reg.buf] = live
+        live, peak_slots = reg.capacity - reg.free, self._stats.peak_slots
+        if live > peak_slots.get(reg.buf, 0):
+            peak_slots[reg.buf] = live
         if reg.sizes:
             live_bytes, peak = self._live_bytes, self._stats.peak_bytes
             for r, n in reg.sizes:
@@ -818,6 +910,20 @@ def _plain_source(actor: Actor) -> bool:
     """A variable acted once, with one register, nothing to wait for and no control token to send."""
     return (actor.node.kind == "variable" and actor.steps == 1 and not actor.inputs and not actor.controls
             and not actor.control_out and len(actor.outputs) == 1 and actor.keys is None and not actor.comm)
+
+
+def _prepare_play(actor: Actor) -> None:
+    """The lists :meth:`Board.play`'s short path walks, and whether ``actor`` may take it: every input written by an
+    actor of this process (no ``{}``, no orphan), each passed as the value itself (``direct``: no :class:`Slot`),
+    every output direct with a reader here, no control edge and no comm stream's turn to keep."""
+    fed = actor.fed
+    actor.queues = tuple(edge.queue for edge in fed)
+    actor.drops = tuple((edge.queue, edge.register) for edge in fed if edge.reads_per_slot == 1)  # type: ignore[misc]
+    actor.repeats = tuple(edge for edge in fed if edge.reads_per_slot > 1)
+    actor.single = actor.outputs[0] if len(actor.outputs) == 1 else None
+    actor.fast = (len(fed) == len(actor.inputs) and all(edge.direct for edge in fed)
+                  and all(reg.direct for reg in actor.outputs) and not actor.controls and not actor.control_out
+                  and not actor.comm and actor.sources is None)
 
 
 def lane_for(node: PNode, plan: PhysicalPlan, owned: list[int]) -> str:
