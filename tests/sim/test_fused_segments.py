@@ -131,9 +131,10 @@ def test_pipelines_fuse_within_a_stage_and_part_and_keep_their_schedule(spec: st
 
 
 def test_dropout_and_optimizer_nodes_stay_apart_and_collectives_split_segments() -> None:
-    """Nodes with per-step scalars (dropout keys, the learning rate) and communication end a run, and a reader of
-    a collective's output starts one (so what comes before it overlaps the transfer); the plan's collectives are
-    those of the unfused plan, in the same order."""
+    """Nodes with per-step scalars (dropout keys, the learning rate) and communication end a run; so does the
+    maker of what a collective sends (it is issued at once), and a reader of a collective's output starts one (so
+    what comes before it overlaps the transfer); the plan's collectives are those of the unfused plan, in the same
+    order."""
     _, _, plain = _gpt("dp=2", False)
     _, _, graph = _gpt("dp=2", True)
     kept = [n for n in graph.plan.nodes if n.kind == "compute" and n.op != FUSED]
@@ -143,9 +144,13 @@ def test_dropout_and_optimizer_nodes_stay_apart_and_collectives_split_segments()
         assert [n.name for n in graph.plan.collectives(rank)] == [n.name for n in plain.plan.collectives(rank)]
     assert "fused segments (graph.fuse): " in graph.explain() and "fused segments" not in plain.explain()
     communicated = {b for n in graph.plan.nodes if n.kind == "boxing" for b in n.outputs}
-    for node in (n for n in graph.plan.nodes if n.op == FUSED):  # only a run's first node waits for a transfer
+    sent = {b for n in graph.plan.nodes if n.kind == "boxing" for b in n.inputs}
+    fused = [n for n in graph.plan.nodes if n.op == FUSED]
+    for node in fused:  # only a run's first node waits for a transfer, only its last one makes what is sent
         assert all(communicated.isdisjoint(sub.inputs) for sub in sub_nodes(node)[1:]), node.label()
-    assert any(not communicated.isdisjoint(sub_nodes(n)[0].inputs) for n in graph.plan.nodes if n.op == FUSED)
+        assert all(sent.isdisjoint(sub.outputs) for sub in sub_nodes(node)[:-1]), node.label()
+    assert any(not communicated.isdisjoint(sub_nodes(n)[0].inputs) for n in fused)
+    assert any(not sent.isdisjoint(sub_nodes(n)[-1].outputs) for n in fused)
 
 
 def _run_of(plan: Any, node: Any) -> list[Any]:

@@ -21,9 +21,11 @@ What fuses. Consecutive nodes of the plan list (same phase, same ranks) of kind 
 with only tensor and constant arguments (no per-step scalar: the learning rate, a dropout key, which the executor
 looks up per step). Shard-aware kernels get their ``ShardCtx`` as a constant of the rank's code (``contexts``
 of :func:`codegen`), and a node with ``overwrites`` calls its in-place form (``ops.inplace``): it is its input's
-only reader, inside the segment or not. Any other node (communication, boxing, update, ...) ends the run, and a
-reader of a communication node's output starts one (the executor waits for a collective in flight where its
-reader acts, so the nodes before it keep overlapping the transfer); runs of one node are left as they are. In a
+only reader, inside the segment or not. Any other node (communication, boxing, update, ...) ends the run. Around
+communication the runs keep the overlap unfused nodes have: a node making what a collective sends ends a run (the
+collective is issued once its input is made), and a reader of a collective's output starts one (the executor
+waits for a collective in flight where its reader acts, so the nodes before it overlap the transfer); runs of one
+node are left as they are. In a
 plan with several pipeline stages a run also keeps to one stage and one part of the schedule (F, B or W), and the
 pipeline's maps from node ids to stages and parts follow the renumbering: the schedule orders a fused node's acts
 as it ordered its members'.
@@ -96,10 +98,14 @@ def _place_in_schedule(pipe: Any) -> Callable[[PNode], Any]:
 
 def _runs(nodes: list[PNode], place: Callable[[PNode], Any]) -> list[list[PNode]]:
     """The maximal runs of consecutive fusable nodes with one phase, one rank set and one ``place`` (pipeline
-    stage and part), of two nodes or more. A node that reads what a communication node made starts a run: a
-    collective may still be in flight when its reader acts (the executor waits there), and the nodes before the
-    reader keep computing meanwhile, as unfused."""
-    communicated = {b for n in nodes if n.kind in ("boxing", "route") for b in n.outputs}
+    stage and part), of two nodes or more. Around communication, runs stop where unfused nodes would let the
+    transfer overlap compute: a node that makes what a communication node sends ends a run (the collective is
+    issued as soon as its input is made, not after the rest of the run), and a node that reads what one made
+    starts a run (a collective may still be in flight when its reader acts; the executor waits there, and the
+    nodes before the reader keep computing meanwhile)."""
+    comm = [n for n in nodes if n.kind in ("boxing", "route")]
+    communicated = {b for n in comm for b in n.outputs}
+    sent = {b for n in comm for b in n.inputs}
     runs: list[list[PNode]] = []
     run: list[PNode] = []
     for n in nodes:
@@ -109,6 +115,9 @@ def _runs(nodes: list[PNode], place: Callable[[PNode], Any]) -> list[list[PNode]
             run = []
         if fusable(n):
             run.append(n)
+            if not sent.isdisjoint(n.outputs):
+                runs.append(run)
+                run = []
     runs.append(run)
     return [r for r in runs if len(r) > 1]
 
