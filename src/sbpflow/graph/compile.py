@@ -1,6 +1,6 @@
 """The compiler's passes, in order: dead code -> accumulate before send (cross-stage gradient sums) -> ZeRO-3
-prefetch window -> SBP selection -> lowering (boxing nodes) -> pipeline -> fused segments (opt-in) ->
-verification.
+prefetch window -> SBP selection -> lowering (boxing nodes) -> gradient buckets -> pipeline -> collectives on
+data alone first (no pipeline) -> fused segments (opt-in) -> verification.
 
 Each pass is a function with a clear input and output; :func:`compile_graph` runs them and times each one,
 since compile time is where users of graph compilers suffer first.
@@ -19,6 +19,7 @@ from .. import boxing
 from .accumulate import accumulate_before_send
 from .bucket import bucket_all_reduces
 from .fuse import fuse_segments
+from .hoist import issue_data_collectives
 from .ir import LogicalGraph
 from .lower import donate_inputs, lower
 from .physical import PhysicalPlan
@@ -114,6 +115,9 @@ def compile_graph(g: LogicalGraph, method: str = "ilp", model: boxing.CostModel 
             plan = donate_inputs(bucket_all_reduces(plan, model, factors))
         with report.timing("pipeline"):
             plan_pipeline(plan, seed_buffers(plan, g), schedule)
+        if plan.pipeline is None:  # a pipeline's registers and schedule are sized on its order as it is
+            with report.timing("data collectives first"):
+                plan = issue_data_collectives(plan)
         if fused_segments:
             with report.timing("fused segments"):
                 plan = fuse_segments(plan, torch_compile)
