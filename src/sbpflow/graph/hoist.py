@@ -23,10 +23,10 @@ micro-batches on it) is the one the plan had; what moves is compute. Every other
 
 from __future__ import annotations
 
-import heapq
 from dataclasses import replace
 
 from .lower import registers
+from .order import keyed_order
 from .physical import PHASES, PhysicalPlan, PNode
 
 SOURCES = ("input", "unpack")  # what the step's data enters by
@@ -54,29 +54,9 @@ def _ordered(nodes: list[PNode]) -> list[PNode]:
     comm = [n.id for n in nodes if n.kind in COMMUNICATING]
     for before, after in zip(comm, comm[1:], strict=False):  # collectives keep their order: only compute moves
         deps[after].add(before)
-    waiting = {i: len(d) for i, d in deps.items()}
-    readers: dict[int, list[int]] = {}
-    for i, d in deps.items():
-        for j in d:
-            readers.setdefault(j, []).append(i)
     by_id = {n.id: n for n in nodes}
-
-    def key(i: int) -> tuple[int, int, int]:
-        return PHASES.index(by_id[i].phase), 0 if i in early else 1, position[i]
-
-    ready = [key(i) for i, k in waiting.items() if k == 0]
-    heapq.heapify(ready)
-    order: list[PNode] = []
-    while ready:
-        *_, pos = heapq.heappop(ready)
-        node = nodes[pos]
-        order.append(node)
-        for r in readers.get(node.id, ()):
-            waiting[r] -= 1
-            if waiting[r] == 0:
-                heapq.heappush(ready, key(r))
-    assert len(order) == len(nodes), "the plan's dependencies have a cycle (graph.verify names it)"
-    return order
+    return [by_id[i] for i in keyed_order(
+        deps, lambda i: (PHASES.index(by_id[i].phase), 0 if i in early else 1, position[i]))]
 
 
 def _early(nodes: list[PNode]) -> set[int]:

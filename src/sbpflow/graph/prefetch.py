@@ -26,10 +26,9 @@ cycle (a gate that reads a later value is left out: that part of the bound is th
 
 from __future__ import annotations
 
-import heapq
-
 from ..errors import SbpflowError
 from .ir import Gather, LNode, LogicalGraph
+from .order import keyed_order
 
 
 def window_gathers(g: LogicalGraph, window: int) -> None:
@@ -89,23 +88,10 @@ def _reorder(g: LogicalGraph, early: set[int]) -> None:
     """A topological order of ``g`` that keeps program order, except that the ``early`` nodes come as soon as
     their inputs and control values exist; node ids are renumbered to the new positions."""
     deps = {n.id: {g.values[v].producer for v in (*n.inputs, *n.control)} for n in g.nodes}
-    users: dict[int, list[int]] = {n.id: [] for n in g.nodes}
-    for nid, ds in deps.items():
-        for d in ds:
-            users[d].append(nid)
-    waiting = {nid: len(ds) for nid, ds in deps.items()}
-    ready = [(-1 if nid in early else nid, nid) for nid, k in waiting.items() if k == 0]
-    heapq.heapify(ready)
-    order: list[LNode] = []
-    while ready:
-        nid = heapq.heappop(ready)[1]
-        order.append(g.nodes[nid])
-        for u in users[nid]:
-            waiting[u] -= 1
-            if waiting[u] == 0:
-                heapq.heappush(ready, (-1 if u in early else u, u))
-    if len(order) != len(g.nodes):
-        raise AssertionError("the prefetch pass closed a cycle of control edges")
+    try:
+        order = [g.nodes[i] for i in keyed_order(deps, lambda i: (-1 if i in early else i,))]
+    except AssertionError:
+        raise AssertionError("the prefetch pass closed a cycle of control edges") from None
     renumber(g, order)
 
 
