@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .errors import AutogradError
+from .host_memory import keep_freed_host_memory
 from .sbp import Partial, broadcast, partial_sum
 
 if TYPE_CHECKING:
@@ -247,6 +248,7 @@ def zero_grads(params: Iterable[Tensor], set_to_none: bool = True) -> None:
 def backward(roots: Sequence[Tensor], grads: Sequence[Tensor | None], retain_graph: bool = False) -> None:
     """Accumulates d(roots)/d(leaf) into every reachable leaf's ``.grad``."""
     F = _FUNCTIONAL or _functional()
+    keep_freed_host_memory()  # the next step's activations reuse this one's pages
     with _set_grad(False):
         for leaf, grad in _leaf_gradients(roots, grads, retain_graph, _mode.coalesce):
             _accumulate_leaf(leaf, grad, F)

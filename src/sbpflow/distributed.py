@@ -62,6 +62,7 @@ class Config:
     timeout: float  # seconds a collective waits for its peers before CommError (SBPFLOW_TIMEOUT)
     debug: bool  # compare every collective's fingerprint across its group first (SBPFLOW_DEBUG=1)
     error_file: str | None = None  # where torchrun wants a failed worker's error (TORCHELASTIC_ERROR_FILE)
+    host_cache: bool = True  # malloc keeps freed host memory for the next step (SBPFLOW_HOST_CACHE=0: not)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Config:
@@ -76,9 +77,17 @@ class Config:
             master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
             master_port=_int(env, "MASTER_PORT", 29500),
             timeout=_float(env, "SBPFLOW_TIMEOUT", DEFAULT_TIMEOUT),
-            debug=env.get("SBPFLOW_DEBUG", "0").strip().lower() not in ("", "0", "false", "no", "off"),
+            debug=_flag(env, "SBPFLOW_DEBUG", False),
             error_file=env.get("TORCHELASTIC_ERROR_FILE") or None,
+            host_cache=_flag(env, "SBPFLOW_HOST_CACHE", True),
         )
+
+
+def _flag(env: Mapping[str, str], name: str, default: bool) -> bool:
+    text = env.get(name)
+    if text is None:
+        return default
+    return text.strip().lower() not in ("", "0", "false", "no", "off")
 
 
 def _int(env: Mapping[str, str], name: str, default: int) -> int:

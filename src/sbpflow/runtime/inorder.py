@@ -31,6 +31,7 @@ from ..distributed import activity
 from ..errors import SbpflowError
 from ..graph import fuse
 from ..graph.physical import PHASES, PhysicalPlan, PNode
+from ..host_memory import keep_freed_host_memory
 from ..ops.inplace import OVERWRITING
 from ..ops.optimizer import IN_PLACE
 from ..ops.registry import REGISTRY, Meta, ShardCtx
@@ -89,6 +90,7 @@ def program(plan: PhysicalPlan, backend: Backend, p2p: bool = True) -> Program:
     if cached is not None and cached[0] is backend and cached[3] == p2p and len(cached[1]) == len(plan.nodes) and \
             all(map(operator.is_, cached[1], plan.nodes)):
         return cached[2]
+    keep_freed_host_memory()  # a step's activations reuse the last step's pages (no page faults)
     prepared = _prepare(plan, backend, p2p)
     plan._program = (backend, list(plan.nodes), prepared, p2p)  # type: ignore[attr-defined]
     return prepared
