@@ -1,4 +1,5 @@
-"""What every benchmark shares: the machine line of its figures, and writing its section of docs/benchmarks.md.
+"""What every benchmark shares: the machine line of its figures, writing its section of docs/benchmarks.md, and
+one host allocator setting for every contender (sbpflow.host_memory).
 
 Scripts print their tables; only ``--write`` replaces their section in docs/benchmarks.md (between markers,
 keeping the other sections), so stale figures are replaced rather than appended.
@@ -19,6 +20,13 @@ from typing import Any
 
 import torch
 
+from sbpflow.host_memory import freed_host_memory_kept, keep_freed_host_memory
+
+# every contender of every benchmark, torch's peers included, runs on the same host allocator settings: the
+# ones sbpflow sets when it prepares a plan or runs a backward (sbpflow.host_memory), applied here at import so
+# that a process running only torch gets them too
+keep_freed_host_memory()
+
 DOC = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"
 HEADER = "# Benchmarks\n\nEach section is written by its script; rerun the command it names to refresh it.\n"
 
@@ -34,8 +42,9 @@ def machine(threads: int = 1, processes: int = 1) -> str:
     shared = f", shared with other jobs (load average {load:.1f} at start)" if load > 0.5 * cores else ""
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     procs = f"{processes} processes x " if processes > 1 else ""
+    cache = ", freed host memory kept for every contender" if freed_host_memory_kept() else ""
     return (f"{platform.processor() or platform.machine()}, {cores} cores{shared}, {procs}{threads} torch "
-            f"thread{'s' if threads > 1 else ''}, torch {torch.__version__}, {when}")
+            f"thread{'s' if threads > 1 else ''}, torch {torch.__version__}{cache}, {when}")
 
 
 def add_write_flag(parser: argparse.ArgumentParser) -> None:
