@@ -158,10 +158,15 @@ def torch_mlp_step() -> Callable[[], float]:
     return step
 
 
-def interleaved(contenders: dict[str, Callable[[], float]], rounds: int) -> dict[str, tuple[float, float]]:
-    """Median (wall, CPU) seconds per step of each contender, rounds interleaved. CPU time is this process's
-    (one torch thread; the actor runtime acts in the caller's thread on virtual ranks): on a shared machine it
-    leaves out the time other jobs held the cores."""
+Timing = tuple[float, float, float, float]  # median wall s, median CPU s, and their medians of per-round ratios
+
+
+def interleaved(contenders: dict[str, Callable[[], float]], rounds: int) -> dict[str, Timing]:
+    """Per contender: median wall and CPU seconds per step, and the medians over rounds of its wall and CPU time
+    over the first contender's (torch eager's) in the same round; rounds interleave the contenders, so a round's
+    ratio cancels the machine's slower drifts. CPU time is this process's (one torch thread; the actor runtime
+    acts in the caller's thread on virtual ranks): on a shared machine it leaves out the time other jobs held
+    the cores."""
     wall: dict[str, list[float]] = {k: [] for k in contenders}
     cpu: dict[str, list[float]] = {k: [] for k in contenders}
     for _ in range(rounds):
@@ -170,7 +175,13 @@ def interleaved(contenders: dict[str, Callable[[], float]], rounds: int) -> dict
             fn()
             wall[name].append(time.perf_counter() - start)
             cpu[name].append(time.process_time() - start_cpu)
-    return {k: (statistics.median(wall[k]), statistics.median(cpu[k])) for k in contenders}
+    first = next(iter(contenders))
+
+    def ratio(samples: dict[str, list[float]], k: str) -> float:
+        return statistics.median(a / b for a, b in zip(samples[k], samples[first], strict=True))
+
+    return {k: (statistics.median(wall[k]), statistics.median(cpu[k]), ratio(wall, k), ratio(cpu, k))
+            for k in contenders}
 
 
 PASSES = ("trace", "sbp selection", "lowering", "verify")
@@ -217,14 +228,13 @@ def compile_table(layers: list[int], repeats: int, unmerged: list[int]) -> list[
     return lines
 
 
-HEADER = ["| contender | ms/step (wall) | vs torch eager | CPU ms/step | vs torch eager (CPU) |",
+HEADER = ["| contender | ms/step (wall) | vs torch eager (median of per-round ratios) | CPU ms/step | vs torch eager "
+          "(CPU, same) |",
           "|---|---|---|---|---|"]
 
 
-def _rows(medians: dict[str, tuple[float, float]]) -> list[str]:
-    wall, cpu = medians["torch eager"]
-    return [f"| {k} | {w * 1e3:.1f} | {w / wall:.3f} | {c * 1e3:.1f} | {c / cpu:.3f} |"
-            for k, (w, c) in medians.items()]
+def _rows(medians: dict[str, Timing]) -> list[str]:
+    return [f"| {k} | {w * 1e3:.1f} | {rw:.3f} | {c * 1e3:.1f} | {rc:.3f} |" for k, (w, c, rw, rc) in medians.items()]
 
 
 def kept_step_lines() -> list[str]:
@@ -234,6 +244,15 @@ def kept_step_lines() -> list[str]:
                       r"\n\nCompile time", text, flags=re.S)
     if found is None:
         return ["(step times not measured yet: run without --compile-only)"]
+    return found.group(1).split("\n")
+
+
+def kept_compile_lines() -> list[str]:
+    """The compile-table part of the written section, as last measured (``--steps-only`` keeps it)."""
+    text = DOC.read_text() if DOC.exists() else ""
+    found = re.search(r"<!-- graph:start -->.*?(\n\nCompile time.*?)\n<!-- graph:end -->", text, flags=re.S)
+    if found is None:
+        return ["", "(compile table not measured yet: run without --steps-only)"]
     return found.group(1).split("\n")
 
 
@@ -289,6 +308,8 @@ def main() -> None:
                         help="also time fused segments under torch.compile (tens of seconds of compiling first)")
     parser.add_argument("--compile-only", action="store_true",
                         help="measure only the compile table; a written section keeps the step times it had")
+    parser.add_argument("--steps-only", action="store_true",
+                        help="measure only the step tables; a written section keeps the compile table it had")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # LAYERS:SPEC:METHOD, one compile, JSON out
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -300,6 +321,9 @@ def main() -> None:
     lines += kept_step_lines() if args.compile_only else step_lines(args.rounds, args.torch_compile)
     if args.compile_only:
         lines += ["", "(Step times as last measured by a full run; the compile table below was re-measured alone.)"]
+    if args.steps_only:
+        lines += kept_compile_lines()
+        return finish(lines, args.write)
     lines += ["", "Compile time per pass in seconds (GPT width 64, sequence 32, AdamW and clipping in the graph), "
               f"measured on {machine()}: each compile in a fresh process, medians of {args.repeats} "
               "(the per-node rows: one). Passes and total in wall-clock seconds; total (CPU): the process's CPU "
@@ -308,9 +332,13 @@ def main() -> None:
               "time over the greedy (traced) plan's.", ""]
     unmerged = [int(x) for x in args.unmerged_layers.split(",") if x]
     lines += compile_table([int(x) for x in args.layers.split(",")], args.repeats, unmerged)
+    finish(lines, args.write)
+
+
+def finish(lines: list[str], write: bool) -> None:
     text = "\n".join(lines)
     print(text)
-    if args.write:
+    if write:
         write_section("graph", text)
 
 
