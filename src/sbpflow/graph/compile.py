@@ -1,6 +1,7 @@
 """The compiler's passes, in order: dead code -> accumulate before send (cross-stage gradient sums) -> ZeRO-3
-prefetch window -> SBP selection -> lowering (boxing nodes) -> gradient buckets -> pipeline -> collectives on
-data alone first (no pipeline) -> fused segments (opt-in) -> verification.
+prefetch window -> SBP selection -> lowering (boxing nodes) -> gradient buckets -> pipeline -> grouped
+accumulation (one node per act's gradients) -> collectives on data alone first (no pipeline) -> fused segments
+(opt-in) -> verification.
 
 Each pass is a function with a clear input and output; :func:`compile_graph` runs them and times each one,
 since compile time is where users of graph compilers suffer first.
@@ -19,6 +20,7 @@ from .. import boxing
 from .accumulate import accumulate_before_send
 from .bucket import bucket_all_reduces
 from .fuse import fuse_segments
+from .group import group_accumulates
 from .hoist import issue_data_collectives
 from .ir import LogicalGraph
 from .lower import donate_inputs, lower
@@ -88,12 +90,14 @@ def compile_graph(g: LogicalGraph, method: str = "ilp", model: boxing.CostModel 
                   factors: tuple[Any, ...] | None = None,
                   agree: Callable[[Any], Any] | None = None,
                   schedule: str = "1f1b", prefetch: int = 1, fused_segments: bool = False,
-                  torch_compile: bool = False) -> tuple[PhysicalPlan, LogicalGraph, CompileReport]:
+                  torch_compile: bool = False,
+                  group: bool = True) -> tuple[PhysicalPlan, LogicalGraph, CompileReport]:
     """Runs every pass on ``g`` (modified in place) and returns the verified physical plan; ``agree`` (see
     :func:`select`) lets processes adopt one shared SBP choice; ``schedule`` is the pipeline schedule when the
     plan has several stages (``graph.pipeline``); ``prefetch`` is the window of ZeRO-3 gathers
     (``graph.prefetch``; used only when tracing recorded gathers); ``fused_segments`` makes each run of plain
-    compute nodes one node of generated code (``graph.fuse``; ``torch_compile``: run under torch.compile)."""
+    compute nodes one node of generated code (``graph.fuse``; ``torch_compile``: run under torch.compile);
+    ``group`` sums the gradients one act of the schedule makes with one accumulate node (``graph.group``)."""
     from ..comm.torch_dist import TARGET_COST_FACTORS
 
     model = model or boxing.get_cost_model()
@@ -115,6 +119,9 @@ def compile_graph(g: LogicalGraph, method: str = "ilp", model: boxing.CostModel 
             plan = donate_inputs(bucket_all_reduces(plan, model, factors))
         with report.timing("pipeline"):
             plan_pipeline(plan, seed_buffers(plan, g), schedule)
+        if group:
+            with report.timing("grouped accumulation"):
+                plan = group_accumulates(plan)
         if plan.pipeline is None:  # a pipeline's registers and schedule are sized on its order as it is
             with report.timing("data collectives first"):
                 plan = issue_data_collectives(plan)

@@ -10,6 +10,7 @@ from typing import Any
 from ..boxing import get_cost_model
 from ..sbp import format_nd
 from .fuse import FUSED, sub_nodes
+from .group import members
 from .ir import LogicalGraph
 from .physical import PhysicalPlan, PNode
 
@@ -41,6 +42,7 @@ def explain(g: LogicalGraph, plan: PhysicalPlan, report: Any, rank: int | None =
     if fused:
         lines.append(f"fused segments (graph.fuse): {len(fused)} nodes of rank {rank} run "
                      f"{sum(len(sub_nodes(n)) for n in fused)} compute nodes as generated code")
+    lines += accumulate_text(plan, rank)
     sel = report.selection
     if sel is not None:
         lines.append(f"sbp selection: {sel.method}, estimated {sel.chosen_cost * 1e3:.3f} ms "
@@ -79,6 +81,30 @@ def explain(g: LogicalGraph, plan: PhysicalPlan, report: Any, rank: int | None =
     if plan.pipeline is not None:
         lines += ["", pipeline_text(plan)]
     return "\n".join(lines)
+
+
+def accumulate_text(plan: PhysicalPlan, rank: int, width: int = 110) -> list[str]:
+    """Rank ``rank``'s grouped accumulates (``graph.group``): acts per step, and each group's members."""
+    accs = [n for n in plan.for_rank(rank) if n.kind == "accumulate"]
+    groups = [n for n in accs if len(n.inputs) > 1]
+    if not groups:
+        return []
+    m = plan.micro_batches
+    gradients = sum(len(n.inputs) for n in accs)
+    lines = [f"grouped accumulation (graph.group): rank {rank} sums {gradients} gradients with {len(accs)} "
+             f"accumulate nodes, {len(accs) * m} acts per step (one per gradient: {gradients * m})"]
+    for n in groups:
+        head = f"  #{n.id} {n.name}:"
+        line = head
+        for member in members(n):
+            buf = plan.bufs[member.outputs[0]]
+            item = f" %{member.inputs[0]}->%{buf.id} {list(buf.shape)}"
+            if len(line) + len(item) > width:
+                lines.append(line)
+                line = " " * len(head)
+            line += item
+        lines.append(line)
+    return lines
 
 
 def pipeline_text(plan: PhysicalPlan) -> str:

@@ -21,7 +21,9 @@ Node kinds (``PNode.kind``) and what an executor does with them::
     compute     (...)  -> (...)     REGISTRY[op].kernel(*args, **attrs) on local shards
     boxing      (a,)   -> (b,)      boxing.execute(node.boxing, shards): one planner step, a collective
                                     on node.stream's process group, or a local slice/pad/zero
-    accumulate  (a,)   -> (b,)      sum of a over the m micro-batches (a gradient)
+    accumulate  (a..)  -> (b..)     sum of each a_i over the m micro-batches into b_i (gradients): one running
+                                    sum per input, a copy of micro-batch 0 then one torch._foreach_add_ per
+                                    micro-batch (several inputs: the gradients of one schedule act, graph.group)
     pack        (a,)   -> (b,)      the m micro-batch values combined: mean (0-d losses) or cat on dim 0
     assign      (a,)   -> ()        on success of the whole step: copy a into variables[node.name]
     update      (...)  -> ()        on success of the whole step: IN_PLACE[op].kernel(*args, **attrs), which

@@ -74,6 +74,9 @@ class GraphConfig:
         self.loss_scaler: Any = None  # an amp.GradScaler whose rules run inside the step (fp16); None: off
         self.fused_segments = False  # runs of plain compute nodes become one node of generated code (graph.fuse)
         self.segment_torch_compile = False  # and that code runs under torch.compile
+        # the gradients one act of the schedule makes are summed by one accumulate node (graph.group); False: one
+        # node per gradient (the numbers are the same)
+        self.group_accumulates = True
 
     def enable_zero(self, stage: int = 1, *, prefetch: int = 1, **options: Any) -> None:
         """Shards optimizer state (1), gradients (2) and parameters (3) on the data axis, as
@@ -371,7 +374,8 @@ class Graph:
                                               schedule=self.config.pipeline_schedule,
                                               prefetch=self.config.zero_prefetch,
                                               fused_segments=self.config.fused_segments,
-                                              torch_compile=self.config.segment_torch_compile)
+                                              torch_compile=self.config.segment_torch_compile,
+                                              group=self.config.group_accumulates)
         with report.timing("memory plan"):
             plan.peak_bytes = _memory_plan(plan)
         report.times = {"trace": trace_s, **report.times}

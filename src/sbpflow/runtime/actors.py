@@ -70,6 +70,7 @@ from .inorder import (
     Program,
     Shards,
     StepState,
+    add_into,
     commit,
     in_flight_collectives,
     prepare_groups,
@@ -525,10 +526,11 @@ class ActorRuntime:
         return self._prog.acts[actor.node.id](inputs, state, step)
 
     def _gather(self, actor: Actor, step: int, inputs: list[Any], state: StepState) -> list[Any]:
-        """accumulate (a running sum) or pack (the values so far) takes one micro-batch; writes on the last."""
+        """accumulate (running sums, one per input) or pack (the values so far) takes one micro-batch; writes on
+        the last."""
         if actor.node.kind == "accumulate":
-            actor.partial = _add_into(actor.partial, inputs[0])
-            return [actor.partial] if actor.emits(step) else []
+            actor.partial = add_into(actor.partial, inputs)
+            return actor.partial if actor.emits(step) else []
         actor.partial = [*(actor.partial or []), inputs[0]]
         return self._prog.acts[actor.node.id]([actor.partial], state, step) if actor.emits(step) else []
 
@@ -604,8 +606,8 @@ def _bound(actor: Actor, prog: Program, inline: bool) -> Callable[[list[Any], St
         last = actor.steps - 1
 
         def accumulate(inputs: list[Any], state: StepState, step: int) -> list[Any]:
-            actor.partial = _add_into(actor.partial, inputs[0])  # a running sum: each input slot is freed at once
-            return [actor.partial] if step == last else []
+            actor.partial = add_into(actor.partial, inputs)  # running sums: each input slot is freed at once
+            return actor.partial if step == last else []
         return accumulate
     if actor.node.kind == "pack":
         last = actor.steps - 1
@@ -626,11 +628,3 @@ def _named_error(actor: Actor, step: int, error: Exception) -> ExecutionError:
     kind = "" if isinstance(error, SbpflowError) else " (a kernel's own error)"
     return ExecutionError(f"actor {actor.label()} failed on micro-batch {step}{kind}: {type(error).__name__}: {error}")
 
-
-def _add_into(total: Shards | None, value: Shards) -> Shards:
-    """Accumulates one micro-batch: a copy of the first value, then in-place sums (as run_plan's accumulate)."""
-    if total is None:
-        return {r: t.clone() for r, t in value.items()}
-    for r, t in value.items():
-        total[r] += t
-    return total

@@ -162,7 +162,7 @@ class Actor:
     control_out: list[InEdge] = field(default_factory=list)
     step: int = 0  # the next step to act
     busy: bool = False  # acting now, or queued on its thread
-    partial: Any = None  # accumulate: the running sum; pack: the values so far
+    partial: Any = None  # accumulate: the running sums (one per input); pack: the values so far
     keys: tuple[int, ...] | None = None  # per step: its pipeline schedule priority (plan.pipeline), lower first
     gathers: bool = field(init=False)  # accumulate or pack: m reads, one write (checked on every act)
     # Precomputed by Board once wired, so that the per-act checks walk plain lists:

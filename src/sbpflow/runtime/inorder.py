@@ -63,7 +63,7 @@ Act = Callable[[Sequence[Any], StepState, int], list[Any]]
 
 def act(node: PNode, inputs: Sequence[Any], state: StepState, micro: int, backend: Backend) -> list[Any]:
     """Runs ``node`` once (micro-batch ``micro``); ``inputs`` are its input values: shards, or for
-    ``accumulate``/``pack`` the list of the m micro-batch shards. Returns its output values."""
+    ``accumulate``/``pack`` per input the list of its m micro-batch shards. Returns its output values."""
     cached = getattr(state.plan, "_program", None)  # the hot path: one check of this node, not of the whole plan
     if cached is None or cached[0] is not backend or cached[2].nodes.get(node.id) is not node:
         cached = (backend, None, program(state.plan, backend))
@@ -107,7 +107,7 @@ def _prepare(plan: PhysicalPlan, backend: Backend, p2p: bool) -> Program:
     mine = [n for n in plan.nodes if any(backend.owns(r) for r in n.ranks)]
     drops, after_micro = _last_reads(plan, mine)
     phases = [(phase, [(n, acts[n.id], drops.get(n.id, ())) for n in mine if n.phase == phase]) for phase in PHASES]
-    gathered = frozenset(n.inputs[0] for n in plan.nodes if n.kind in GATHERING)
+    gathered = frozenset(b for n in plan.nodes if n.kind in GATHERING for b in n.inputs)
     return Program({n.id: n for n in plan.nodes}, acts, phases, after_micro, gathered)
 
 
@@ -183,7 +183,7 @@ def _bind(node: PNode, plan: PhysicalPlan, backend: Backend, in_flight: bool = F
     if kind == "boxing":
         return _bind_boxing(node, backend, in_flight)
     if kind == "accumulate":
-        return lambda inputs, state, micro: [_accumulate(inputs[0])]
+        return lambda inputs, state, micro: _accumulate(inputs)
     if kind == "pack":
         return lambda inputs, state, micro: [_pack(node, inputs[0])]
     if kind == "route":
@@ -379,12 +379,28 @@ def _shard_ctx(node: PNode, plan: PhysicalPlan, rank: int) -> ShardCtx:
     )
 
 
-def _accumulate(values: Sequence[Shards]) -> Shards:
-    total = {r: t.clone() for r, t in values[0].items()}
-    for v in values[1:]:
-        for r, t in v.items():
-            total[r] += t
-    return total
+def _accumulate(per_input: Sequence[Sequence[Shards]]) -> list[Shards]:
+    """Each input's sum over its m micro-batch values, in micro-batch order (as the actor runtime's running sums)."""
+    totals = add_into(None, [values[0] for values in per_input])
+    for k in range(1, len(per_input[0])):
+        add_into(totals, [values[k] for values in per_input])
+    return totals
+
+
+def add_into(totals: list[Shards] | None, values: Sequence[Shards]) -> list[Shards]:
+    """One micro-batch of an accumulate node's k inputs added into its k running sums: copies of the first values
+    (a sum never aliases its input's register), then one ``torch._foreach_add_`` over every owned shard of every
+    input (the same additions as one ``add_`` each, in one call)."""
+    if totals is None:
+        return [{r: t.clone() for r, t in value.items()} for value in values]
+    if len(totals) == 1:  # a single accumulate: its shards' add_ (no lists to build)
+        value = values[0]
+        for r, t in totals[0].items():
+            t.add_(value[r])
+        return totals
+    torch._foreach_add_([t for total in totals for t in total.values()],
+                        [value[r] for total, value in zip(totals, values, strict=True) for r in total])
+    return totals
 
 
 def _pack(node: PNode, values: Sequence[Shards]) -> Shards:
@@ -445,7 +461,7 @@ def _run_steps(steps: list[tuple[PNode, Act, tuple[int, ...]]], values: dict[int
     try:
         for node, run, drop in steps:
             if node.kind in GATHERING:
-                inputs: list[Any] = [gathered[node.inputs[0]]]
+                inputs: list[Any] = [gathered[b] for b in node.inputs]
             else:  # a buffer made by another process's node holds no shard here
                 inputs = [values.get(b, _EMPTY) for b in node.inputs]
             outs = run(inputs, state, micro)
