@@ -55,15 +55,17 @@ def data() -> tuple[np.ndarray, np.ndarray]:
 # ----------------------------------------------------------------------------- sbpflow
 
 
-def sbpflow_step(p: int, fused: bool = False) -> tuple[Callable[[], float], Any]:
+def sbpflow_step(p: int, fused: bool = False, group: bool = True) -> tuple[Callable[[], float], Any]:
     """The demo's trainer under pp=p with 8 micro-batches, compiled (``fused``: with fused segments, one act per
-    run of compute nodes of a stage and part); returns its step and trainer.
+    run of compute nodes of a stage and part; ``group=False``: one accumulate node per gradient instead of one per
+    stage's backward, ``graph.group``); returns its step and trainer.
 
     Like torch's step below: the batch is laid out once (the ids on the first stage, the targets on the last), and
     the loss is read where it is, on the last stage (``trainer.step`` would lay the arrays out again at every step
     and send the loss to every process, a synchronisation torch's contender does not have)."""
     trainer = build(CONFIG, f"pp={p}", lr=LR, clip=CLIP, graph=True, micro_batches=MICRO, schedule="1f1b")
     trainer.graph.config.enable_fused_segments(fused)
+    trainer.graph.config.group_accumulates = group
     ids, targets = trainer.inputs(*data())
     last = dist.get_rank() in trainer.strategy.stages[-1].flat_ranks
 
@@ -290,6 +292,7 @@ def timed(fn: Callable[[], object], steps: int) -> tuple[float, float]:
 
 
 FUSED = "sbpflow 1f1b (graph, fused segments)"
+UNGROUPED = "sbpflow 1f1b (graph, one accumulate per gradient)"
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -308,6 +311,9 @@ def worker(args: argparse.Namespace) -> None:
                                                    "torch Schedule1F1B"),
                   "torch ScheduleGPipe": torch_step(p, ScheduleGPipe, reference, block_stage, saved,
                                                     "torch ScheduleGPipe")}
+    if args.ungrouped:  # before graph.group: the same plan with one accumulate node per gradient
+        ungrouped_step, ungrouped_trainer = sbpflow_step(p, group=False)
+        contenders[UNGROUPED] = ungrouped_step
     first = {name: [fn() for _ in range(2)] for name, fn in contenders.items()}  # warm-up; losses compared
     samples: dict[str, list[tuple[float, float]]] = {name: [] for name in contenders}
     for _ in range(args.rounds):
@@ -321,6 +327,8 @@ def worker(args: argparse.Namespace) -> None:
     memory = {"sbpflow 1f1b (graph)": sbpflow_activation_bytes(trainer, dist.get_rank(), sbp_step),
               FUSED: sbpflow_activation_bytes(fused_trainer, dist.get_rank(), fused_step),
               **{name: counter.peak for name, counter in saved.items()}}
+    if args.ungrouped:
+        memory[UNGROUPED] = sbpflow_activation_bytes(ungrouped_trainer, dist.get_rank(), ungrouped_step)
     gathered: list[Any] = [None] * p
     dist.all_gather_object(gathered, (first, mine, compiled.executor.stats.peak_bytes, memory))
     if dist.get_rank() == 0:
@@ -363,14 +371,17 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--write", action="store_true", help="write the tables into docs/benchmarks.md")
+    parser.add_argument("--ungrouped", action="store_true",
+                        help="also time sbpflow with one accumulate node per gradient (graph.group off)")
     args = parser.parse_args()
     if "RANK" in os.environ:
         worker(args)
         return 0
     tables = []
     for world in args.worlds:
-        out = launch_self(__file__, world, ["--rounds", str(args.rounds), "--steps", str(args.steps)], check=True,
-                          capture_output=True).stdout
+        extra = ["--ungrouped"] if args.ungrouped else []
+        out = launch_self(__file__, world, ["--rounds", str(args.rounds), "--steps", str(args.steps), *extra],
+                          check=True, capture_output=True).stdout
         print(out, flush=True)
         tables.append(out[out.index("### "):].strip() if "### " in out else out.strip())
     if args.write:

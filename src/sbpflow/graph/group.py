@@ -171,14 +171,17 @@ def _holds_less_later(pipe: Any, act: tuple[int, str]) -> bool:
 
 
 def _collectives_reached(plan: PhysicalPlan) -> dict[int, frozenset[int]]:
-    """Buffer -> the communication nodes its value reaches through compute nodes alone (the first ones on each
-    path: a collective's output is not followed)."""
+    """Post-phase buffer (an accumulate's sum, what is computed from sums) -> the communication nodes its value
+    reaches through compute nodes alone (the first ones on each path: a collective's output is not followed). Only
+    post nodes read post buffers, so the micro-batch graph is not walked."""
     readers: dict[int, list[PNode]] = {}
-    for n in plan.nodes:
+    for n in plan.phase("post"):
         for b in n.inputs:
             readers.setdefault(b, []).append(n)
     reached: dict[int, frozenset[int]] = {}
     for n in reversed(plan.nodes):  # readers come after their producers in the plan
+        if n.phase != "post":
+            continue
         for b in n.outputs:
             found: set[int] = set()
             for r in readers.get(b, ()):
