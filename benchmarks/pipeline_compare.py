@@ -311,9 +311,11 @@ def worker(args: argparse.Namespace) -> None:
                                                    "torch Schedule1F1B"),
                   "torch ScheduleGPipe": torch_step(p, ScheduleGPipe, reference, block_stage, saved,
                                                     "torch ScheduleGPipe")}
-    if args.ungrouped:  # before graph.group: the same plan with one accumulate node per gradient
+    if args.ungrouped:  # before graph.group: the same plan with one accumulate node per gradient, timed second
         ungrouped_step, ungrouped_trainer = sbpflow_step(p, group=False)
-        contenders[UNGROUPED] = ungrouped_step
+        names = list(contenders)
+        contenders = {names[0]: contenders[names[0]], UNGROUPED: ungrouped_step,
+                      **{name: contenders[name] for name in names[1:]}}
     first = {name: [fn() for _ in range(2)] for name, fn in contenders.items()}  # warm-up; losses compared
     samples: dict[str, list[tuple[float, float]]] = {name: [] for name in contenders}
     for _ in range(args.rounds):
