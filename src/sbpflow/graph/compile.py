@@ -1,5 +1,6 @@
 """The compiler's passes, in order: dead code -> accumulate before send (cross-stage gradient sums) -> ZeRO-3
-prefetch window -> SBP selection -> lowering (boxing nodes) -> gradient buckets -> pipeline -> grouped
+prefetch window -> SBP selection -> lowering (boxing nodes) -> reduce after accumulating (a data-parallel
+gradient reduced once a step, not per micro-batch) -> gradient buckets -> pipeline -> grouped
 accumulation (one node per act's gradients) -> collectives on data alone first (no pipeline) -> fused segments
 (opt-in) -> verification.
 
@@ -23,6 +24,7 @@ from .fuse import fuse_segments
 from .group import group_accumulates
 from .hoist import issue_data_collectives
 from .ir import LogicalGraph
+from .late_reduce import reduce_after_accumulating
 from .lower import donate_inputs, lower
 from .physical import PhysicalPlan
 from .pipeline import plan_pipeline
@@ -91,13 +93,15 @@ def compile_graph(g: LogicalGraph, method: str = "ilp", model: boxing.CostModel 
                   agree: Callable[[Any], Any] | None = None,
                   schedule: str = "1f1b", prefetch: int = 1, fused_segments: bool = False,
                   torch_compile: bool = False,
-                  group: bool = True) -> tuple[PhysicalPlan, LogicalGraph, CompileReport]:
+                  group: bool = True, late_reduce: bool = True) -> tuple[PhysicalPlan, LogicalGraph, CompileReport]:
     """Runs every pass on ``g`` (modified in place) and returns the verified physical plan; ``agree`` (see
     :func:`select`) lets processes adopt one shared SBP choice; ``schedule`` is the pipeline schedule when the
     plan has several stages (``graph.pipeline``); ``prefetch`` is the window of ZeRO-3 gathers
     (``graph.prefetch``; used only when tracing recorded gathers); ``fused_segments`` makes each run of plain
     compute nodes one node of generated code (``graph.fuse``; ``torch_compile``: run under torch.compile);
-    ``group`` sums the gradients one act of the schedule makes with one accumulate node (``graph.group``)."""
+    ``group`` sums the gradients one act of the schedule makes with one accumulate node (``graph.group``);
+    ``late_reduce`` all-reduces a data-parallel gradient once a step, after its micro-batches are summed
+    (``graph.late_reduce``)."""
     from ..comm.torch_dist import TARGET_COST_FACTORS
 
     model = model or boxing.get_cost_model()
@@ -115,6 +119,9 @@ def compile_graph(g: LogicalGraph, method: str = "ilp", model: boxing.CostModel 
             report.selection = select(g, model, factors, method, agree=agree)
         with report.timing("lowering"):
             plan = lower(g, model, factors)
+        if late_reduce:
+            with report.timing("reduce after accumulating"):
+                plan = reduce_after_accumulating(plan)
         with report.timing("gradient buckets"):
             plan = donate_inputs(bucket_all_reduces(plan, model, factors))
         with report.timing("pipeline"):

@@ -77,6 +77,9 @@ class GraphConfig:
         # the gradients one act of the schedule makes are summed by one accumulate node (graph.group); False: one
         # node per gradient (the numbers are the same)
         self.group_accumulates = True
+        # a data-parallel gradient stays P(sum) over the micro-batches and is all-reduced once a step
+        # (graph.late_reduce); False: once per micro-batch, as autograd's conversion reads
+        self.reduce_after_accumulating = True
 
     def enable_zero(self, stage: int = 1, *, prefetch: int = 1, **options: Any) -> None:
         """Shards optimizer state (1), gradients (2) and parameters (3) on the data axis, as
@@ -375,7 +378,8 @@ class Graph:
                                               prefetch=self.config.zero_prefetch,
                                               fused_segments=self.config.fused_segments,
                                               torch_compile=self.config.segment_torch_compile,
-                                              group=self.config.group_accumulates)
+                                              group=self.config.group_accumulates,
+                                              late_reduce=self.config.reduce_after_accumulating)
         with report.timing("memory plan"):
             plan.peak_bytes = _memory_plan(plan)
         report.times = {"trace": trace_s, **report.times}
