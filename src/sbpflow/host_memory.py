@@ -46,6 +46,8 @@ def keep_freed_host_memory() -> bool:
     """Sets glibc's thresholds once per process (see the module docstring); True if malloc now keeps freed
     host memory. Later calls return the first call's answer."""
     global _applied
+    if _applied is not None:  # every eager backward asks: no lock once answered
+        return _applied
     with _lock:
         if _applied is None:
             _applied = _configure()
