@@ -31,9 +31,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from ..sbp import Partial, Split
 from .lower import registers
 from .physical import Buf, PhysicalPlan, PNode
+from .select import gradient_all_reduce
 
 
 def reduce_after_accumulating(plan: PhysicalPlan) -> PhysicalPlan:
@@ -91,8 +91,5 @@ def _sum_all_reduce(n: PNode) -> bool:
     if n.kind != "boxing" or n.boxing is None or n.phase != "micro" or n.control or len(n.boxing.steps) != 1:
         return False
     step = n.boxing.steps[0]
-    if step.kind != "all_reduce" or step.src.placement != step.dst.placement:
-        return False
-    changed = [a for a, b in zip(step.src.sbp, step.dst.sbp, strict=True) if a != b]
-    whole = not any(isinstance(s, Split) for s in (*step.src.sbp, *step.dst.sbp))
-    return whole and len(changed) == 1 and isinstance(changed[0], Partial) and changed[0].op == "sum"
+    return (step.kind == "all_reduce" and step.src.placement == step.dst.placement
+            and gradient_all_reduce(step.src.sbp, step.dst.sbp))
