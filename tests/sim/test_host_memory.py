@@ -18,7 +18,7 @@ from sbpflow.distributed import Config
 SRC = str(Path(__file__).resolve().parents[2] / "src")
 
 # a one-rank MLP step (activations 8 MiB, weights up to 16 MiB), compiled by nn.Graph or eager (argv[1]);
-# prints whether the step made malloc keep freed memory, and the page faults per steady step
+# prints whether the step made malloc keep freed memory, and the fewest page faults of six steady steps
 STEP = """
 import resource
 import sys
@@ -54,14 +54,16 @@ rng = np.random.default_rng(0)
 x, y = (sbpflow.tensor(rng.random((1024, 256), dtype=np.float32), placement=place, sbp=b) for _ in range(2))
 for _ in range(3):
     step(x, y)
-before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-for _ in range(5):
+faults = []
+for _ in range(6):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     step(x, y)
-print(freed_host_memory_kept(), (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 5)
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+print(freed_host_memory_kept(), min(faults))
 """
 
 
-def _faults_per_step(mode: str, host_cache: str) -> tuple[bool, float]:
+def _fewest_faults(mode: str, host_cache: str) -> tuple[bool, float]:
     env = {**os.environ, "PYTHONPATH": SRC, "SBPFLOW_HOST_CACHE": host_cache}
     env.pop("RANK", None)
     out = subprocess.run([sys.executable, "-c", STEP, mode], env=env, capture_output=True, text=True, timeout=240)
@@ -74,13 +76,14 @@ def _faults_per_step(mode: str, host_cache: str) -> tuple[bool, float]:
 @pytest.mark.parametrize("mode", ["graph", "eager"])
 def test_a_steady_step_takes_no_page_faults_with_the_host_cache(mode: str):
     """With glibc's defaults the graph step took 13792 faults per step in some processes and none in others
-    (it depends on the order of frees), so only the kept arm's count is asserted. What it may take comes from
-    memory malloc does not manage (Python's object arenas are mapped by Python): 0 to 700 faults per step
-    here, varying from process to process."""
-    kept, faults = _faults_per_step(mode, "1")
+    (it depends on the order of frees), so only the kept arm's count is asserted. Memory malloc does not manage
+    (Python's object arenas) or a heap still growing into its steady size can fault on some steps (up to 1600
+    pages in one CI run), so the fewest faults of six steps is what must be near zero: every step faults
+    where freed blocks go back to the kernel."""
+    kept, faults = _fewest_faults(mode, "1")
     assert kept
-    assert faults < 1500
-    off_kept, _ = _faults_per_step(mode, "0")
+    assert faults < 100
+    off_kept, _ = _fewest_faults(mode, "0")
     assert not off_kept
 
 
