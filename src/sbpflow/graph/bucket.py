@@ -111,11 +111,13 @@ class _Sizes:
 
 def _candidates(plan: PhysicalPlan, producer: dict[int, int], position: dict[int, int]) -> list[PNode]:
     """All-reduces of whole tensors, in the order their inputs are made."""
-    found = [n for n in plan.nodes if _whole_all_reduce(n) and n.inputs[0] in producer]
+    found = [n for n in plan.nodes if whole_all_reduce(n) and n.inputs[0] in producer]
     return sorted(found, key=lambda n: (position[producer[n.inputs[0]]], position[n.id]))
 
 
-def _whole_all_reduce(n: PNode) -> bool:
+def whole_all_reduce(n: PNode) -> bool:
+    """A boxing node that is one all-reduce of whole tensors (no split on either side), on one placement and
+    with no control edge: what a bucket may pack (and graph.late_reduce may move after an accumulate)."""
     if n.kind != "boxing" or n.boxing is None or n.control or len(n.boxing.steps) != 1:
         return False
     step = n.boxing.steps[0]

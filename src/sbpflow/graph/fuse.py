@@ -79,13 +79,20 @@ def fuse_segments(plan: PhysicalPlan, torch_compile: bool = False) -> PhysicalPl
             nodes.append(_fused(first[n.id], readers, watched, torch_compile))
         elif n.id not in inside:
             nodes.append(n)
-    owner = {n.id: f.id for f in nodes if f.op == FUSED for n in sub_nodes(f)}
+    return with_merged_nodes(plan, nodes, {n.id: f.id for f in nodes if f.op == FUSED for n in sub_nodes(f)})
+
+
+def with_merged_nodes(plan: PhysicalPlan, nodes: list[PNode], owner: dict[int, int]) -> PhysicalPlan:
+    """``plan`` with its node list replaced by ``nodes``, where some nodes stand for several old ones (``owner``:
+    old node id -> the id of the node now standing for it): ids renumbered to list positions, control edges and
+    the pipeline's node maps following, registers kept for the buffers still passed between nodes. Used by the
+    passes that merge nodes (fused segments, grouped accumulation)."""
     renumber = {n.id: i for i, n in enumerate(nodes)}
     nodes = [_renumbered(n, renumber, owner) for n in nodes]
     out = dataclasses.replace(plan, nodes=nodes, registers={})
     out.registers = _registers(plan, nodes)
-    if pipe is not None:
-        out.pipeline = _renumbered_pipeline(pipe, renumber, owner)
+    if plan.pipeline is not None:
+        out.pipeline = _renumbered_pipeline(plan.pipeline, renumber, owner)
     return out
 
 

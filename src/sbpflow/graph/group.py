@@ -42,11 +42,10 @@ the plan without groups (``tests/sim/test_grouped_accumulate.py`` compares them)
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from .fuse import _registers, _renumbered, _renumbered_pipeline
+from .fuse import with_merged_nodes
 from .physical import PhysicalPlan, PNode
 from .schedule import COMPUTE
 
@@ -67,14 +66,7 @@ def group_accumulates(plan: PhysicalPlan) -> PhysicalPlan:
         if n.id not in inside:
             nodes.append(n)
     nodes.extend(n for i in sorted(slots) for n in slots[i])
-    owner = {n.id: g.members[0].id for g in groups for n in g.members}
-    renumber = {n.id: i for i, n in enumerate(nodes)}
-    nodes = [_renumbered(n, renumber, owner) for n in nodes]
-    out = dataclasses.replace(plan, nodes=nodes, registers={})
-    out.registers = _registers(plan, nodes)
-    if plan.pipeline is not None:
-        out.pipeline = _renumbered_pipeline(plan.pipeline, renumber, owner)
-    return out
+    return with_merged_nodes(plan, nodes, {n.id: g.members[0].id for g in groups for n in g.members})
 
 
 def members(node: PNode) -> tuple[PNode, ...]:

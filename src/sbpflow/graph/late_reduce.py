@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from .bucket import whole_all_reduce
 from .lower import registers
 from .physical import Buf, PhysicalPlan, PNode
 from .select import gradient_all_reduce
@@ -88,8 +89,5 @@ def _pairs(plan: PhysicalPlan) -> dict[int, PNode]:
 
 def _sum_all_reduce(n: PNode) -> bool:
     """A micro-batch node that is one all-reduce of whole tensors from P(sum), with nothing else tied to it."""
-    if n.kind != "boxing" or n.boxing is None or n.phase != "micro" or n.control or len(n.boxing.steps) != 1:
-        return False
-    step = n.boxing.steps[0]
-    return (step.kind == "all_reduce" and step.src.placement == step.dst.placement
-            and gradient_all_reduce(step.src.sbp, step.dst.sbp))
+    return (n.phase == "micro" and whole_all_reduce(n) and n.boxing is not None
+            and gradient_all_reduce(n.boxing.steps[0].src.sbp, n.boxing.steps[0].dst.sbp))
