@@ -160,8 +160,8 @@ def explain(x: Tensor, placement: Placement | None = None, sbp: object = None) -
     >>> x = sbpflow.zeros(4, 4, placement=p, sbp=sbpflow.sbp.split(0))
     >>> text = sbpflow.explain(x, sbp=sbpflow.sbp.broadcast)
     boxing (4, 4) float32: cpu:[0, 1] (S(0)) -> cpu:[0, 1] (B)
-      1. all_gather axis 0            (S(0)) -> (B)  32 B/rank, 64 B total, 20.0 us
-      total: 32 B/rank, 64 B, 20.0 us
+      1. all_gather axis 0            (S(0)) -> (B)  32 B/rank, 64 B total, 100.0 us
+      total: 32 B/rank, 64 B, 100.0 us
     """
     from .sbp import normalize
 

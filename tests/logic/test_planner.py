@@ -26,7 +26,8 @@ S0, S1 = S.split(0), S.split(1)
 P4 = sbpflow.placement("cpu", [0, 1, 2, 3])
 MESH = sbpflow.placement("cpu", [[0, 1], [2, 3]])
 F32 = torch.float32
-ALPHA, BETA = 20e-6, 1 / 5e9  # the default cost model's cpu intra-node link
+ALPHA, BETA = 100e-6, 1 / 2e9  # the default cost model's cpu intra-node link (gloo over TCP)
+INTER_ALPHA, INTER_BETA = 200e-6, 1 / 1.25e9  # and its inter-node link
 
 
 def _plan(src: object, dst: object, src_pl: sbpflow.Placement = P4, dst_pl: sbpflow.Placement | None = None,
@@ -236,13 +237,13 @@ def test_cost_model_context_applies_inside_the_block_only() -> None:
 
 def test_ranks_across_nodes_pay_the_inter_node_link() -> None:
     inter = CostModel(ranks_per_node=2)  # ranks 0, 1 on node 0; 2, 3 on node 1
-    assert _plan(S0, B, model=inter).time == pytest.approx(3 * 50e-6 + 192 / 1.25e9)
+    assert _plan(S0, B, model=inter).time == pytest.approx(3 * INTER_ALPHA + 192 * INTER_BETA)
     two = sbpflow.placement("cpu", [0, 1])
     assert _plan(S0, B, two, model=inter).time == pytest.approx(ALPHA + 128 * BETA)
     # On a 2x2 mesh, axis 0 groups (0, 2), (1, 3) cross nodes; axis 1 groups (0, 1), (2, 3) do not.
     gather_outer = _plan((S0, B), (B, B), MESH, model=inter).steps[0]
     gather_inner = _plan((B, S0), (B, B), MESH, model=inter).steps[0]
-    assert gather_outer.time == pytest.approx(50e-6 + 128 / 1.25e9)
+    assert gather_outer.time == pytest.approx(INTER_ALPHA + 128 * INTER_BETA)
     assert gather_inner.time == pytest.approx(ALPHA + 128 * BETA)
 
 
@@ -268,7 +269,7 @@ def test_cost_models_are_values() -> None:
 def test_plans_print_steps_bytes_and_time() -> None:
     text = str(_plan(S0, B))
     assert text.splitlines()[0] == "boxing (8, 8) float32: cpu:[0, 1, 2, 3] (S(0)) -> cpu:[0, 1, 2, 3] (B)"
-    assert "1. all_gather axis 0" in text and "192 B/rank, 768 B total, 60.0 us" in text
+    assert "1. all_gather axis 0" in text and "192 B/rank, 768 B total, 300.1 us" in text
 
 
 # -- determinism ---------------------------------------------------------------------------------

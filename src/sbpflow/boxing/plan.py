@@ -75,11 +75,18 @@ class CostModel:
     ``links`` maps ``(device_type, "intra" | "inter")`` to a :class:`LinkCost`.
     A step whose ranks span more than one node (``rank // ranks_per_node``) pays
     the inter-node cost.
+
+    The cpu links are gloo's over TCP, what torch.distributed runs cpu tensors on: ``sbpflow calibrate`` on a
+    2-core VM fits an all-reduce of 2 local processes at α 125 µs and 1.9 GB/s (a 4-byte all-reduce takes
+    0.2-0.5 ms). Shared-memory figures (α of a few µs) made every collective look nearly free next to compute,
+    so plans moved small tensors often (all-to-alls, all-gathers) and sent gradients of 400 KB and up alone,
+    each paying gloo's real latency. A calibrated profile (``sbpflow calibrate``, ``boxing.cost_model``)
+    replaces these defaults for a given cluster.
     """
 
     links: tuple[tuple[tuple[str, str], LinkCost], ...] = (
-        (("cpu", "intra"), LinkCost(alpha=20e-6, beta=1 / 5e9)),
-        (("cpu", "inter"), LinkCost(alpha=50e-6, beta=1 / 1.25e9)),
+        (("cpu", "intra"), LinkCost(alpha=100e-6, beta=1 / 2e9)),
+        (("cpu", "inter"), LinkCost(alpha=200e-6, beta=1 / 1.25e9)),
         (("cuda", "intra"), LinkCost(alpha=5e-6, beta=1 / 100e9)),
         (("cuda", "inter"), LinkCost(alpha=10e-6, beta=1 / 12.5e9)),
     )

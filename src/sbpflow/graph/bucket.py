@@ -21,9 +21,9 @@ elementwise the same as the members' own all-reduces. The verifier then checks t
 
 The cap. DDP's 25 MiB suits a framework that cannot see the step: here the plan is known, and a bucket need
 only be big enough that its latency is a small share of its transfer (:data:`LATENCY_SHARE`: ``cap`` is
-``alpha / beta / LATENCY_SHARE`` bytes of the group's link, 2 MiB on the CPU model, 10 MiB on NVLink's).
+``alpha / beta / LATENCY_SHARE`` bytes of the group's link, 4 MB on the CPU model, 10 MB on NVLink's).
 Smaller buckets go out earlier, and the one that goes out after backward, which nothing hides, is smaller.
-A gradient whose copy into a bucket would take longer than a collective's latency (:func:`solo_bytes`: 400 KB
+A gradient whose copy into a bucket would take longer than a collective's latency (:func:`solo_bytes`: 2 MB
 on the CPU model) is not copied: it goes out alone, right after it is made.
 """
 

@@ -190,7 +190,8 @@ class _Costs:
             with boxing.target_factors(self.factors):
                 latency = self._latency[key] = transition_time((1,), v.dtype, Layout(v.placement, src),
                                                                Layout(v.placement, dst), self.model)
-        return seconds - latency * (1 - nbytes / FIRST_BUCKET), 4 * nbytes * MEM_SECONDS_PER_BYTE
+        # a tensor of at least a first bucket's bytes fills a bucket by itself: it pays the whole latency
+        return seconds - latency * max(0.0, 1 - nbytes / FIRST_BUCKET), 4 * nbytes * MEM_SECONDS_PER_BYTE
 
     def synced_matrix(self, vid: int, srcs: tuple[NdSbp, ...], dsts: tuple[NdSbp, ...]) -> tuple[np.ndarray,
                                                                                                   np.ndarray]:
