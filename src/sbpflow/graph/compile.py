@@ -30,6 +30,7 @@ from .physical import PhysicalPlan
 from .pipeline import plan_pipeline
 from .prefetch import renumber, window_gathers
 from .select import Selection, select
+from .update_split import update_per_bucket
 from .verify import verify
 
 ROOT_KINDS = ("assign", "output")
@@ -93,7 +94,8 @@ def compile_graph(g: LogicalGraph, method: str = "ilp", model: boxing.CostModel 
                   agree: Callable[[Any], Any] | None = None,
                   schedule: str = "1f1b", prefetch: int = 1, fused_segments: bool = False,
                   torch_compile: bool = False,
-                  group: bool = True, late_reduce: bool = True) -> tuple[PhysicalPlan, LogicalGraph, CompileReport]:
+                  group: bool = True, late_reduce: bool = True,
+                  split_updates: bool = True) -> tuple[PhysicalPlan, LogicalGraph, CompileReport]:
     """Runs every pass on ``g`` (modified in place) and returns the verified physical plan; ``agree`` (see
     :func:`select`) lets processes adopt one shared SBP choice; ``schedule`` is the pipeline schedule when the
     plan has several stages (``graph.pipeline``); ``prefetch`` is the window of ZeRO-3 gathers
@@ -101,7 +103,8 @@ def compile_graph(g: LogicalGraph, method: str = "ilp", model: boxing.CostModel 
     compute nodes one node of generated code (``graph.fuse``; ``torch_compile``: run under torch.compile);
     ``group`` sums the gradients one act of the schedule makes with one accumulate node (``graph.group``);
     ``late_reduce`` all-reduces a data-parallel gradient once a step, after its micro-batches are summed
-    (``graph.late_reduce``)."""
+    (``graph.late_reduce``); ``split_updates`` cuts a multi-tensor optimizer update by the gradient collective
+    each parameter waits for (``graph.update_split``)."""
     from ..comm.torch_dist import TARGET_COST_FACTORS
 
     model = model or boxing.get_cost_model()
@@ -124,6 +127,9 @@ def compile_graph(g: LogicalGraph, method: str = "ilp", model: boxing.CostModel 
                 plan = reduce_after_accumulating(plan)
         with report.timing("gradient buckets"):
             plan = donate_inputs(bucket_all_reduces(plan, model, factors))
+        if split_updates:
+            with report.timing("updates per bucket"):
+                plan = update_per_bucket(plan)
         with report.timing("pipeline"):
             plan_pipeline(plan, seed_buffers(plan, g), schedule)
         if group:

@@ -80,6 +80,10 @@ class GraphConfig:
         # a data-parallel gradient stays P(sum) over the micro-batches and is all-reduced once a step
         # (graph.late_reduce); False: once per micro-batch, as autograd's conversion reads
         self.reduce_after_accumulating = True
+        # a multi-tensor optimizer update is cut by the gradient collective (bucket) each parameter waits for, so
+        # early buckets' parameters update while the last bucket is on the wire (graph.update_split); False:
+        # one update per parameter group (the numbers are the same)
+        self.update_per_bucket = True
 
     def enable_zero(self, stage: int = 1, *, prefetch: int = 1, **options: Any) -> None:
         """Shards optimizer state (1), gradients (2) and parameters (3) on the data axis, as
@@ -379,7 +383,8 @@ class Graph:
                                               fused_segments=self.config.fused_segments,
                                               torch_compile=self.config.segment_torch_compile,
                                               group=self.config.group_accumulates,
-                                              late_reduce=self.config.reduce_after_accumulating)
+                                              late_reduce=self.config.reduce_after_accumulating,
+                                              split_updates=self.config.update_per_bucket)
         with report.timing("memory plan"):
             plan.peak_bytes = _memory_plan(plan)
         report.times = {"trace": trace_s, **report.times}
