@@ -50,6 +50,7 @@ from sbpflow.runtime.trace import load, trace_path
 
 WORLD = 2
 FUSED = "fused segments"
+COMPILED = "fused segments + torch.compile"
 GPT = GPTConfig(vocab_size=256, block_size=128, n_layer=4, n_head=4, n_embd=256, dropout=0.0)
 GPT_BATCH, LR = 8, 1e-3
 Step = Callable[[], Any]
@@ -72,11 +73,12 @@ class MLPStep(nn.Graph):
         return loss
 
 
-def sbpflow_mlp(fused: bool = False) -> tuple[Step, Any]:
-    """The MLP's compiled step (``fused``: with fused segments, one act per run of compute nodes)."""
+def sbpflow_mlp(fused: bool = False, torch_compile: bool = False) -> tuple[Step, Any]:
+    """The MLP's compiled step (``fused``: with fused segments, one act per run of compute nodes;
+    ``torch_compile``: each segment under torch.compile)."""
     model, x, y = placed_mlp()
     graph = MLPStep(model, optim.AdamW(model.parameters(), lr=LR))
-    graph.config.enable_fused_segments(fused)
+    graph.config.enable_fused_segments(fused or torch_compile, torch_compile=torch_compile)
     return (lambda: graph(x, y)), graph
 
 
@@ -86,11 +88,12 @@ def gpt_data() -> tuple[np.ndarray, np.ndarray]:
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def sbpflow_gpt(strategy: str, trace: str | None = None, fused: bool = False) -> tuple[Step, Any]:
+def sbpflow_gpt(strategy: str, trace: str | None = None, fused: bool = False,
+                torch_compile: bool = False) -> tuple[Step, Any]:
     """The demo's compiled training step (AdamW, decay on matrices) under ``strategy``, no clipping (``fused``:
-    with fused segments)."""
+    with fused segments; ``torch_compile``: each segment under torch.compile)."""
     trainer = build(GPT, strategy, lr=LR, clip=None, graph=True)
-    trainer.graph.config.enable_fused_segments(fused)
+    trainer.graph.config.enable_fused_segments(fused or torch_compile, torch_compile=torch_compile)
     if trace is not None:
         trainer.graph.config.trace_path = trace
     ids, targets = trainer.inputs(*gpt_data())
@@ -249,23 +252,24 @@ def worker(args: argparse.Namespace) -> None:
     sbpflow.distributed.init()
     results = []
     mlp_step, mlp_graph = sbpflow_mlp()
-    results.append(compare(
-        f"MLP {MLP_WIDTH}x{MLP_LAYERS}, batch {MLP_BATCH}, dp2",
-        {"nn.Graph dp2": (mlp_step, False), f"nn.Graph dp2, {FUSED}": (sbpflow_mlp(fused=True)[0], False),
-         "DDP": (torch_mlp_ddp(mlp_graph.model), True)},
-        args.steps, args.rounds, {"nn.Graph dp2": sbpflow_counts}))
-    dp_step, dp_trainer = sbpflow_gpt(f"dp={WORLD}")
-    results.append(compare(
-        f"GPT {GPT.n_layer}x{GPT.n_embd}, {GPT.block_size} tokens, batch {GPT_BATCH}, dp2",
-        {"nn.Graph dp2": (dp_step, False), f"nn.Graph dp2, {FUSED}": (sbpflow_gpt(f"dp={WORLD}", fused=True)[0], False),
-         "DDP": (torch_gpt_ddp(dp_trainer.model), True)},
-        args.steps, args.rounds, {"nn.Graph dp2": sbpflow_counts}))
-    tp_step, tp_trainer = sbpflow_gpt(f"tp={WORLD}")
-    results.append(compare(
-        f"GPT {GPT.n_layer}x{GPT.n_embd}, {GPT.block_size} tokens, batch {GPT_BATCH}, tp2",
-        {"nn.Graph tp2": (tp_step, False), f"nn.Graph tp2, {FUSED}": (sbpflow_gpt(f"tp={WORLD}", fused=True)[0], False),
-         "DTensor tp2": (torch_gpt_dtensor(tp_trainer.model), False)},
-        args.steps, args.rounds, {"nn.Graph tp2": sbpflow_counts, "DTensor tp2": dtensor_counts}))
+    mlp = {"nn.Graph dp2": (mlp_step, False), f"nn.Graph dp2, {FUSED}": (sbpflow_mlp(fused=True)[0], False)}
+    if args.torch_compile:
+        mlp[f"nn.Graph dp2, {COMPILED}"] = (sbpflow_mlp(torch_compile=True)[0], False)
+    results.append(compare(f"MLP {MLP_WIDTH}x{MLP_LAYERS}, batch {MLP_BATCH}, dp2",
+                           {**mlp, "DDP": (torch_mlp_ddp(mlp_graph.model), True)},
+                           args.steps, args.rounds, {"nn.Graph dp2": sbpflow_counts}))
+    for kind in ("dp", "tp"):
+        strategy = f"{kind}={WORLD}"
+        step, trainer = sbpflow_gpt(strategy)
+        ours = {f"nn.Graph {kind}2": (step, False),
+                f"nn.Graph {kind}2, {FUSED}": (sbpflow_gpt(strategy, fused=True)[0], False)}
+        if args.torch_compile:
+            ours[f"nn.Graph {kind}2, {COMPILED}"] = (sbpflow_gpt(strategy, torch_compile=True)[0], False)
+        peer = ({"DDP": (torch_gpt_ddp(trainer.model), True)} if kind == "dp"
+                else {"DTensor tp2": (torch_gpt_dtensor(trainer.model), False)})
+        counts = {f"nn.Graph {kind}2": sbpflow_counts, **({"DTensor tp2": dtensor_counts} if kind == "tp" else {})}
+        results.append(compare(f"GPT {GPT.n_layer}x{GPT.n_embd}, {GPT.block_size} tokens, batch {GPT_BATCH}, "
+                               f"{kind}2", {**ours, **peer}, args.steps, args.rounds, counts))
     with tempfile.TemporaryDirectory() as tmp:
         base = str(Path(tmp) / "dp2.json")
         traced, traced_trainer = sbpflow_gpt(f"dp={WORLD}", trace=base)
@@ -326,6 +330,8 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=7, help="interleaved timing rounds (default 7)")
     parser.add_argument("--steps", type=int, default=3, help="steps per contender per round (default 3)")
     parser.add_argument("--write", action="store_true", help="replace the graph_dist section of docs/benchmarks.md")
+    parser.add_argument("--torch-compile", action="store_true",
+                        help="also time fused segments under torch.compile (tens of seconds of compiling first)")
     return run_or_launch(__file__, WORLD, worker, parser.parse_args())
 
 
