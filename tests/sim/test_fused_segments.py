@@ -297,6 +297,27 @@ def test_a_chain_becomes_one_node_of_generated_code() -> None:
     assert transient_bytes(fused, node, 0) == 48 + 80 + 80 - 48
 
 
+@pytest.mark.parametrize("threads", [False, True], ids=["play", "worker-threads"])
+def test_a_fused_acts_intermediates_count_in_the_memory_plan_and_the_runtime(threads: bool) -> None:
+    """The memory plan (the dry run) and the runtime count a fused act's intermediates while it runs, on top of
+    its registers: the chain's act holds x (48 B), w (60 B, resident), its output (80 B) and 160 B inside."""
+    fused = fuse_segments(_chain())
+    (node,) = [n for n in fused.nodes if n.op == FUSED]
+    predicted = dry_run(fused, SimulatedBackend())
+    registers_only = 48 + 60 + 80
+    assert predicted.peak_bytes == {0: registers_only + 160, 1: registers_only + 160}
+    assert transient_bytes(fused, node, 1) == 160
+    assert -1 - node.id not in predicted.peak_slots  # the intermediates are no register of the plan
+    x, w = torch.randn(4, 3), torch.randn(3, 5)
+    runtime = ActorRuntime(fused, SimulatedBackend(), threads=threads)
+    assert runtime.threaded == threads
+    runtime.run({"x": {r: x for r in (0, 1)}}, {"w": {r: w for r in (0, 1)}})
+    assert runtime.stats.peak_bytes == predicted.peak_bytes
+    runtime.run({"x": {r: x for r in (0, 1)}}, {"w": {r: w for r in (0, 1)}})  # a second step counts the same
+    assert runtime.stats.peak_bytes == predicted.peak_bytes
+    runtime.close()
+
+
 @pytest.mark.parametrize("executor", ["inorder", "actors"])
 def test_an_error_inside_a_segment_names_the_original_node(executor: str) -> None:
     fused = fuse_segments(_chain())

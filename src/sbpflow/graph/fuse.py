@@ -34,9 +34,9 @@ The fused node is an ordinary compute node for the executors, ``explain()`` and 
 outputs are buffers of the plan, its control edges the runs' edges from outside it, and ``attrs`` holds the
 sub-nodes themselves (pure data, see :func:`sub_nodes`), so an error inside it names the original node.
 
-Memory. The memory plan (``plan.peak_bytes``) counts registers: a fused node's inputs and outputs, as for any
-node. Its intermediates live only inside its act, like a kernel's own workspace, and are not counted there;
-:func:`transient_bytes` gives their peak on a rank (what the act may hold on top of its registers).
+Memory. A fused node's inputs and outputs are registers, as for any node. Its intermediates live only inside
+its act, like a kernel's own workspace: :func:`transient_bytes` gives their peak on a rank, and the runtime's
+count and the memory plan (``plan.peak_bytes``, its dry run) add it while the act runs, on top of its registers.
 """
 
 from __future__ import annotations

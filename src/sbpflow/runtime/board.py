@@ -18,7 +18,8 @@ until the m-th read. ``control`` edges are slots with no value and no bound: ord
 
 Memory. A slot's bytes count from the moment its producer claims it (before the act, so an act's inputs
 and outputs are live together) until its last reader frees it; variables count for the whole step,
-since their shards live on between steps. :func:`dry_run` plays a step without threads or kernels:
+since their shards live on between steps. A fused segment's intermediates (graph.fuse) count while its act
+runs, on top of its inputs and outputs. :func:`dry_run` plays a step without threads or kernels:
 the same accounting, for the compiler's memory plan.
 
 A buffer whose producer this process does not run (the source side of a cross-placement boxing
@@ -51,6 +52,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..comm import Backend
+from ..graph.fuse import FUSED, transient_bytes
 from ..graph.physical import COMPUTE_STREAM, PhysicalPlan, PNode
 from .inorder import ExecutionError
 
@@ -190,6 +192,9 @@ class Actor:
     # set by the runtime for a run: the node's bound kernel, ``run(inputs, state, step)``, when an act needs nothing
     # around it (no collective to name, no gathering, no timeline, no synthetic time); None: the runtime's own path
     run: Callable[[list[Any], Any, int], list[Any]] | None = None
+    # a fused segment's intermediates (graph.fuse.transient_bytes): bytes its act holds besides its registers,
+    # counted as a register claimed for the act alone (buf id -1 - node id, never a slot of the plan); None: none
+    transient: RegisterState | None = None
 
     def __post_init__(self) -> None:
         self.gathers = self.node.kind in GATHERING
@@ -247,6 +252,7 @@ class Board:
         self.registers: dict[int, RegisterState] = {}
         for actor in self.actors:
             self._add_registers(actor, backend)
+            actor.transient = _transient(actor, plan, backend)
         producers = plan.producers()
         for actor in self.actors:
             self._wire(actor, producers, by_node)
@@ -426,6 +432,9 @@ class Board:
                         edge.reads = 0
             for reg in self.registers.values():
                 reg.free = reg.capacity
+            for actor in self.actors:
+                if actor.transient is not None:
+                    actor.transient.free = actor.transient.capacity
         self._unsettled = None  # the last run's log: its counts went with its Stats
         self._live_bytes = dict(self.resident)
         self.watch_live = {name: dict.fromkeys(self.owned_ranks, 0) for name in self.plan.watch}
@@ -651,7 +660,11 @@ class Board:
                 inputs = [(e.queue[0] if e.direct else e.queue[0].value) if e.producer is not None else {}
                           for e in actor.inputs]
                 run = actor.run
+                if actor.transient is not None:
+                    note(actor.transient)
                 values = run(inputs, state, step) if run is not None else perform(actor, step, inputs)
+                if actor.transient is not None:
+                    note(actor.transient.release)
                 if outputs and (not gathers or step == actor.steps - 1):
                     if len(values) != len(outputs):
                         raise ExecutionError(f"{actor.label()} returned {len(values)} values for its "
@@ -744,7 +757,7 @@ class Board:
                         watched[r] -= n
                 continue
             slots = held[entry.buf] = held.get(entry.buf, 0) + 1
-            if slots > peak_slots.get(entry.buf, 0):
+            if slots > peak_slots.get(entry.buf, 0) and entry.buf >= 0:  # (< 0: an act's transient bytes)
                 peak_slots[entry.buf] = slots
             for r, n in entry.sizes:
                 now = live[r] = live[r] + n
@@ -798,6 +811,8 @@ class Board:
         if actor.outputs and (not actor.gathers or actor.step == 0):
             for reg in actor.outputs:
                 self._claim(reg)
+        if actor.transient is not None:
+            self._claim(actor.transient)
         return [edge.queue[0].value if edge.producer is not None else {} for edge in actor.inputs]
 
     def input_slots(self, actor: Actor) -> list[Slot]:
@@ -808,6 +823,8 @@ class Board:
         (``actor`` first; some may repeat)."""
         step = actor.step
         woken = [actor]
+        if actor.transient is not None:
+            self._free(actor.transient)
         if not actor.gathers or step == actor.steps - 1:
             micro = 0 if actor.gathers else step
             for reg, value in zip(actor.outputs, values, strict=True):
@@ -851,7 +868,7 @@ class Board:
     def _claim(self, reg: RegisterState) -> None:
         reg.free -= 1
         live, peak_slots = reg.capacity - reg.free, self._stats.peak_slots
-        if live > peak_slots.get(reg.buf, 0):
+        if live > peak_slots.get(reg.buf, 0) and reg.buf >= 0:  # (< 0: an act's transient bytes)
             peak_slots[reg.buf] = live
         if reg.sizes:
             live_bytes, peak = self._live_bytes, self._stats.peak_bytes
@@ -923,7 +940,19 @@ def _prepare_play(actor: Actor) -> None:
     actor.single = actor.outputs[0] if len(actor.outputs) == 1 else None
     actor.fast = (len(fed) == len(actor.inputs) and all(edge.direct for edge in fed)
                   and all(reg.direct for reg in actor.outputs) and not actor.controls and not actor.control_out
-                  and not actor.comm and actor.sources is None)
+                  and not actor.comm and actor.sources is None and actor.transient is None)
+
+
+def _transient(actor: Actor, plan: PhysicalPlan, backend: Backend) -> RegisterState | None:
+    """A fused segment's intermediates as a register its act claims and frees (see :attr:`Actor.transient`)."""
+    if actor.node.op != FUSED:
+        return None
+    sizes = {r: n for r in backend.owned(actor.node.ranks) if (n := transient_bytes(plan, actor.node, r))}
+    if not sizes:
+        return None
+    reg = RegisterState(-1 - actor.node.id, 1 << 30, sizes, actor)
+    reg.sizes, reg.free = tuple(sizes.items()), reg.capacity
+    return reg
 
 
 def lane_for(node: PNode, plan: PhysicalPlan, owned: list[int]) -> str:
