@@ -284,8 +284,13 @@ def sbpflow_bytes(contender: Contender) -> tuple[int, int, dict[str, int]]:
     return payload, log.counts().get("all_reduce", 0), log.counts()
 
 
-def timed_block(fn: Callable[[], object], steps: int) -> float:
-    """Seconds per step of ``steps`` steps, as the slower process saw them (both start together)."""
+def timed_block(fn: Callable[[], object], steps: int, warmup: int = 1) -> float:
+    """Seconds per step of ``steps`` steps, as the slower process saw them (both start together), after
+    ``warmup`` untimed steps: interleaved contenders share the caches, and the first step after a switch pays
+    for the previous contender's working set (steady-state training never switches)."""
+    dist.barrier()
+    for _ in range(warmup):
+        fn()
     dist.barrier()
     start = time.perf_counter()
     for _ in range(steps):
@@ -384,7 +389,9 @@ def report(results: list[dict[str, Any]], rounds: int) -> str:
         f"`.venv/bin/python benchmarks/ddp_compare.py --write` on {_machine()}: 2 processes (`sbpflow launch -n 2`), "
         "gloo "
         "on 127.0.0.1, one torch thread per process, eager mode. The contenders run in the same processes with "
-        f"the same weights, data and AdamW; {rounds} interleaved rounds, median step time of the slower process. "
+        f"the same weights, data and AdamW; {rounds} interleaved rounds (each block after one untimed step), "
+        "median step time of the slower "
+        "process. "
         f"*{SBP}*: the default, flat all-reduces of DDP-sized buckets (1 MiB first, then 25 MiB) issued "
         f"asynchronously during backward as their gradients become final; *{SBP_PER_LEAF}*: the opt-out, "
         "backward under `sbpflow.autograd.coalesce_grad_reductions(False)`, one all-reduce per parameter gradient; "

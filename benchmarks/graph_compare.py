@@ -166,11 +166,13 @@ def interleaved(contenders: dict[str, Callable[[], float]], rounds: int) -> dict
     over the first contender's (torch eager's) in the same round; rounds interleave the contenders, so a round's
     ratio cancels the machine's slower drifts. CPU time is this process's (one torch thread; the actor runtime
     acts in the caller's thread on virtual ranks): on a shared machine it leaves out the time other jobs held
-    the cores."""
+    the cores. Each timed step follows an untimed one of the same contender: the first step after a switch pays
+    for the previous contender's working set in the caches, which steady-state training never does."""
     wall: dict[str, list[float]] = {k: [] for k in contenders}
     cpu: dict[str, list[float]] = {k: [] for k in contenders}
     for _ in range(rounds):
         for name, fn in contenders.items():
+            fn()
             start, start_cpu = time.perf_counter(), time.process_time()
             fn()
             wall[name].append(time.perf_counter() - start)
@@ -278,7 +280,8 @@ def step_lines(rounds: int, torch_compile: bool = False) -> list[str]:
     mlp = interleaved(mlp_steps, rounds * 3)
     lines = [
         f"`.venv/bin/python benchmarks/graph_compare.py --write` on {machine()}; medians of {rounds} "
-        "interleaved rounds. Wall times carry the waits for the shared cores; the CPU columns (this process's CPU "
+        "interleaved rounds, each timed step after an untimed one of the same contender. Wall times carry the "
+        "waits for the shared cores; the CPU columns (this process's CPU "
         "time) leave them out, so on a loaded machine their ratios are the steadier ones. Fused segments: "
         "`config.enable_fused_segments(True)`, each run of compute nodes one node of generated Python "
         "(sbpflow.graph.fuse), on the actor runtime.",

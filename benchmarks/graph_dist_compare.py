@@ -288,7 +288,8 @@ def report(results: list[dict[str, Any]], timeline: tuple[float, float, float], 
         "",
         f"`.venv/bin/python benchmarks/graph_dist_compare.py --write` on {machine(threads=1, processes=WORLD)}: "
         "gloo on 127.0.0.1; each model's contenders run in the same 2 processes with the same weights, data and "
-        f"AdamW (no clipping), {args.rounds} interleaved rounds of {args.steps} steps, median step time of the slower "
+        f"AdamW (no clipping), {args.rounds} interleaved rounds of {args.steps} steps (each after one untimed step), "
+        "median step time of the slower "
         "process. sbpflow runs the compiled step (`nn.Graph`) on the actor runtime: all-reduces and all-gathers of "
         "cpu shards are issued in flight and their readers wait, so where a process has no other collective (dp2) "
         "its actors run on the caller's thread alone while gloo's threads move the bytes; tp2's all-to-alls get a "

@@ -280,7 +280,10 @@ def _clip(params: list[torch.Tensor], module: TorchStage, rank: int, p: int) -> 
 
 def timed(fn: Callable[[], object], steps: int) -> tuple[float, float]:
     """Seconds per step over ``steps`` steps as the slowest process saw them, and the CPU seconds per step of the
-    busiest process (all its threads: on a machine shared with other jobs, less disturbed than the wall clock)."""
+    busiest process (all its threads: on a machine shared with other jobs, less disturbed than the wall clock),
+    after one untimed step (the first after a switch pays for the previous contender's working set)."""
+    dist.barrier()
+    fn()
     dist.barrier()
     start, cpu = time.perf_counter(), time.process_time()
     for _ in range(steps):
@@ -363,7 +366,7 @@ def report(p: int, medians: dict[str, float], cpu: dict[str, float], gathered: l
               "sbpflow's activation registers (one micro-batch's storages, from one watched step, times the most "
               "micro-batches its register counters saw held at once).",
               "CPU: process time (every thread of the process) per step, of the process that used the most.",
-              f"{rounds} rounds of {steps} steps per contender, interleaved."]
+              f"{rounds} rounds of {steps} steps per contender (each after one untimed step), interleaved."]
     return "\n".join(lines)
 
 
