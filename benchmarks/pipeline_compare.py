@@ -16,6 +16,7 @@ the slowest process's, and the table reports medians. The first steps' losses ar
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -338,6 +339,8 @@ def worker(args: argparse.Namespace) -> None:
     dist.all_gather_object(gathered, (first, mine, compiled.executor.stats.peak_bytes, memory))
     if dist.get_rank() == 0:
         print(report(p, medians, cpu, gathered, args.rounds, args.steps), flush=True)
+        base = medians["torch Schedule1F1B"]
+        print(RATIOS + json.dumps({name: t / base for name, t in medians.items()}), flush=True)
 
 
 def report(p: int, medians: dict[str, float], cpu: dict[str, float], gathered: list[Any], rounds: int,
@@ -370,12 +373,33 @@ def report(p: int, medians: dict[str, float], cpu: dict[str, float], gathered: l
     return "\n".join(lines)
 
 
+RATIOS = "ratios to torch Schedule1F1B: "  # a worker's machine-readable line (see main)
+
+
+def spread(ratios: list[dict[str, float]]) -> str:
+    """Each launch's step-time ratio to torch's 1F1B per contender, and their median: within a launch the rounds
+    interleave the contenders, which cancels the machine's drifts but not what a launch fixes for its whole life
+    (where each tensor landed, which core each process got); on this shared 2-core machine those moved a ratio
+    by several percent from one launch to the next."""
+    lines = [f"Step time vs torch Schedule1F1B over {len(ratios)} launches (fresh processes, one after another; "
+             "the table above is the first):", ""]
+    for name in ratios[0]:
+        if name != "torch Schedule1F1B":
+            values = [r[name] for r in ratios]
+            lines.append(f"- {name}: {', '.join(f'{v:.2f}x' for v in values)}; median "
+                         f"**{statistics.median(values):.2f}x**")
+    return "\n".join(lines)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--write", action="store_true", help="write the tables into docs/benchmarks.md")
+    parser.add_argument("--launches", type=int, default=1,
+                        help="run each world this many times in fresh processes (the first launch's table is "
+                             "written, with every launch's step-time ratio and their median)")
     parser.add_argument("--ungrouped", action="store_true",
                         help="also time sbpflow with one accumulate node per gradient (graph.group off)")
     args = parser.parse_args()
@@ -385,15 +409,24 @@ def main() -> int:
     tables = []
     for world in args.worlds:
         extra = ["--ungrouped"] if args.ungrouped else []
-        out = launch_self(__file__, world, ["--rounds", str(args.rounds), "--steps", str(args.steps), *extra],
-                          check=True, capture_output=True).stdout
-        print(out, flush=True)
-        tables.append(out[out.index("### "):].strip() if "### " in out else out.strip())
+        ratios: list[dict[str, float]] = []
+        for launch in range(args.launches):
+            out = launch_self(__file__, world, ["--rounds", str(args.rounds), "--steps", str(args.steps), *extra],
+                              check=True, capture_output=True).stdout
+            print(out, flush=True)
+            lines = out.splitlines()
+            ratios.append(json.loads(next(x for x in lines if x.startswith(RATIOS))[len(RATIOS):]))
+            if launch == 0:
+                table = "\n".join(x for x in lines if not x.startswith(RATIOS))
+                tables.append(table[table.index("### "):].strip() if "### " in table else table.strip())
+        if args.launches > 1:
+            tables[-1] += "\n\n" + spread(ratios)
     if args.write:
         from _report import machine, write_section
 
         head = ["## Pipeline parallelism vs torch.distributed.pipelining", "",
-                f"`PYTHONPATH=src python benchmarks/pipeline_compare.py --write` on {machine()}. "
+                f"`PYTHONPATH=src python benchmarks/pipeline_compare.py"
+                f"{f' --launches {args.launches}' if args.launches > 1 else ''} --write` on {machine()}. "
                 + " ".join(__doc__.split("\n\n")[2].split()), ""]
         write_section(SECTION, "\n".join(head) + "\n" + "\n\n".join(tables))
     return 0
