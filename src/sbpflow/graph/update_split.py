@@ -48,13 +48,15 @@ def update_per_bucket(plan: PhysicalPlan) -> PhysicalPlan:
     for n in plan.nodes:
         for b in n.inputs:
             readers.setdefault(b, []).append(n)
+    by_id = {n.id: n for n in plan.nodes}
+    reached: dict[int, PNode | None] = {}  # a reader of another phase -> the node it orders a piece through
     next_id = max((n.id for n in plan.nodes), default=-1) + 1
     after: dict[int, list[tuple[int, PNode]]] = {}  # plan position -> (what it waits for, piece) placed after it
     renamed: dict[int, tuple[int, ...]] = {}
     for node in plan.nodes:
         groups = _pieces(node, producer, position)
         pieces = [_piece(node, members, next_id + i) for i, members in enumerate(groups)]
-        guarded = [_guarded(p, node, plan, readers, position) for p in pieces]
+        guarded = [_guarded(p, node, plan, readers, position, reached) for p in pieces]
         if len(pieces) < 2 or any(p is None for p in guarded):
             continue
         next_id += len(pieces)
@@ -62,7 +64,7 @@ def update_per_bucket(plan: PhysicalPlan) -> PhysicalPlan:
         floor = _tail(plan, position[node.id]) - 1
         for piece in guarded:
             assert piece is not None
-            piece = _early_phase(piece, plan, producer)
+            piece = _early_phase(piece, plan, producer, by_id)
             last = max([position[producer[b].id] for b in piece.inputs if b in producer]
                        + [position[c] for c in piece.control])
             after.setdefault(max(last, floor), []).append((last, piece))
@@ -89,7 +91,7 @@ def _tail(plan: PhysicalPlan, at: int) -> int:
 
 
 def _guarded(piece: PNode, whole: PNode, plan: PhysicalPlan, readers: dict[int, list[PNode]],
-             position: dict[int, int]) -> PNode | None:
+             position: dict[int, int], reached: dict[int, PNode | None]) -> PNode | None:
     """``piece`` with control edges from every other reader of the buffers it writes in place (its parameters
     and moments), so that it overwrites nothing a forward or backward act has yet to read: the whole update
     was ordered after them by waiting for every gradient, a piece waits for fewer. A reader of another phase
@@ -103,8 +105,12 @@ def _guarded(piece: PNode, whole: PNode, plan: PhysicalPlan, readers: dict[int, 
         for reader in readers.get(b, ()):
             if reader.id == whole.id:
                 continue
-            same = _steps(reader, plan) == _steps(piece, plan)
-            found = reader if same else _reached(reader, piece, readers, plan)
+            if _steps(reader, plan) == _steps(piece, plan):
+                found: PNode | None = reader
+            else:
+                if reader.id not in reached:
+                    reached[reader.id] = _reached(reader, piece, readers, plan)
+                found = reached[reader.id]
             if found is None:
                 return None
             sources.add(found.id)
@@ -118,11 +124,10 @@ def _written(piece: PNode) -> tuple[int, ...]:
     return piece.inputs[:GRADIENTS * k] + piece.inputs[(GRADIENTS + 1) * k:]
 
 
-def _early_phase(piece: PNode, plan: PhysicalPlan, producer: dict[int, PNode]) -> PNode:
+def _early_phase(piece: PNode, plan: PhysicalPlan, producer: dict[int, PNode], by_id: dict[int, PNode]) -> PNode:
     """``piece`` in the micro phase when there is one micro-batch and all it waits for is in it: the executors
     run a phase's nodes in plan order (the in-order one) or by plan position among those ready (the actor
     runtime), and only there does a piece come before the next bucket's split."""
-    by_id = {n.id: n for n in plan.nodes}
     waits = [producer[b] for b in piece.inputs if b in producer] + [by_id[c] for c in piece.control]
     if plan.micro_batches != 1 or piece.phase != "post" or any(n.phase == "post" for n in waits):
         return piece
@@ -178,8 +183,8 @@ def _collective(made_by: PNode | None) -> int | None:
     """The node whose end a gradient waits for: a bucket's split or a communication node; None otherwise."""
     if made_by is None:
         return None
-    if made_by.op == "bucket_split" or made_by.is_comm or made_by.kind == "boxing" and made_by.boxing is not None \
-            and bool(made_by.boxing.collectives()):
+    collective = made_by.kind == "boxing" and made_by.boxing is not None and bool(made_by.boxing.collectives())
+    if made_by.op == "bucket_split" or made_by.is_comm or collective:
         return made_by.id
     return None
 
@@ -201,5 +206,7 @@ def _follow(n: PNode, renamed: dict[int, tuple[int, ...]]) -> PNode:
     """``n`` with control edges on a cut update made edges on all its pieces."""
     if not any(c in renamed for c in n.control):
         return n
-    control = tuple(sorted({p for c in n.control for p in renamed.get(c, (c,))}))
-    return dataclasses.replace(n, control=control, control_lead=())
+    leads = n.control_lead or (0,) * len(n.control)
+    edges = [(p, lead) for c, lead in zip(n.control, leads, strict=True) for p in renamed.get(c, (c,))]
+    return dataclasses.replace(n, control=tuple(p for p, _ in edges),
+                               control_lead=tuple(lead for _, lead in edges) if n.control_lead else ())
