@@ -22,6 +22,7 @@ from sbpflow.models.gpt import GPTConfig
 from sbpflow.runtime import ActorRuntime, ExecutionError, run_plan
 from sbpflow.runtime.board import dry_run
 from sbpflow.runtime.builder import Const, PlanBuilder
+from sbpflow.runtime.trace import load
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -295,6 +296,49 @@ def test_a_chain_becomes_one_node_of_generated_code() -> None:
         assert torch.equal(got["out"][r], expected["out"][r])
     # relu's (48 B) and matmul's output (80 B) live at once inside the act, then neg's (80 B) with matmul's
     assert transient_bytes(fused, node, 0) == 48 + 80 + 80 - 48
+
+
+@pytest.mark.parametrize("threads", [False, True], ids=["play", "worker-threads"])
+def test_the_timeline_has_a_span_per_op_inside_a_fused_act(threads: bool, tmp_path: Any) -> None:
+    """With a timeline, a fused act's span holds one span per sub-node per rank, in order and inside it; the
+    numbers are those of the untimed code."""
+    plan = _chain()
+    fused = fuse_segments(plan)
+    (node,) = [n for n in fused.nodes if n.op == FUSED]
+    x, w = torch.randn(4, 3), torch.randn(3, 5)
+    feeds, variables = {"x": {r: x for r in (0, 1)}}, {"w": {r: w for r in (0, 1)}}
+    path = str(tmp_path / "trace.json")
+    runtime = ActorRuntime(fused, SimulatedBackend(), trace=path, threads=threads)
+    got = runtime.run(feeds, variables)
+    runtime.close()
+    expected = run_plan(plan, feeds, variables, SimulatedBackend())
+    assert all(torch.equal(got["out"][r], expected["out"][r]) for r in (0, 1))
+    spans = [e for e in load(path) if e["ph"] == "X"]
+    (act,) = [e for e in spans if e["name"] == node.label()]
+    inner = [e for e in spans if e["name"].startswith(f"{node.label()}: ")]
+    ops = ["relu", "matmul", "neg", "mul"]
+    assert [e["name"] for e in inner] == [f"{node.label()}: {op} rank {r}" for r in (0, 1) for op in ops]
+    assert [e["args"]["op"] for e in inner] == ops * 2
+    assert all(e["tid"] == act["tid"] for e in inner)
+    ends = [e["ts"] + e["dur"] for e in inner]
+    assert act["ts"] <= inner[0]["ts"] and max(ends) <= act["ts"] + act["dur"] + 1  # (rounding to 1 us)
+    assert all(a["ts"] + a["dur"] <= b["ts"] + 1 for a, b in zip(inner, inner[1:], strict=False))
+
+
+def test_without_a_timeline_a_fused_act_reads_no_clock() -> None:
+    """The timed code runs only while a timeline is written: a plain run leaves no marks behind."""
+    from sbpflow.runtime.inorder import SEGMENT_MARKS
+
+    fused = fuse_segments(_chain())
+    x, w = torch.randn(4, 3), torch.randn(3, 5)
+    runtime = ActorRuntime(fused, SimulatedBackend())
+    runtime.run({"x": {r: x for r in (0, 1)}}, {"w": {r: w for r in (0, 1)}})
+    runtime.close()
+    assert getattr(SEGMENT_MARKS, "spans", None) is None
+    (node,) = [n for n in fused.nodes if n.op == FUSED]
+    code = codegen(node)
+    marks: list[float] = [0.0]
+    assert torch.equal(code.timed(marks, x, w)[0], code.function(x, w)[0]) and len(marks) == 5
 
 
 @pytest.mark.parametrize("threads", [False, True], ids=["play", "worker-threads"])

@@ -30,6 +30,9 @@ plan with several pipeline stages a run also keeps to one stage and one part of 
 pipeline's maps from node ids to stages and parts follow the renumbering: the schedule orders a fused node's acts
 as it ordered its members'.
 
+While the actor runtime writes a timeline (``SBPFLOW_TRACE``), a fused act runs a twin of its code that reads the
+clock after each sub-node (``SegmentCode.timed``), and the timeline shows one span per sub-node inside the act's.
+
 The fused node is an ordinary compute node for the executors, ``explain()`` and the verifier: its inputs and
 outputs are buffers of the plan, its control edges the runs' edges from outside it, and ``attrs`` holds the
 sub-nodes themselves (pure data, see :func:`sub_nodes`), so an error inside it names the original node.
@@ -43,6 +46,7 @@ from __future__ import annotations
 
 import dataclasses
 import linecache
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -211,6 +215,9 @@ class SegmentCode:
     function: Callable[..., tuple[Any, ...]]
     source: str
     line_node: dict[int, PNode]  # source line number -> the sub-node it runs (for errors)
+    # the same code with a clock read after each sub-node: ``timed(marks, *inputs)`` appends one time.time() per
+    # sub-node to ``marks`` (the caller puts the start first), for the timeline's per-op spans
+    timed: Callable[..., tuple[Any, ...]] | None = None
 
     def node_at(self, lineno: int) -> PNode | None:
         return self.line_node.get(lineno)
@@ -235,7 +242,8 @@ def codegen(node: PNode, contexts: dict[int, Any] | None = None) -> SegmentCode:
     if not subs:
         raise ValueError(f"{node.label()} is not a fused segment (op {node.op!r})")
     names: dict[str, Any] = {}
-    lines = [f"def segment({', '.join(f'b{b}' for b in node.inputs)}):"]
+    params = ", ".join(f"b{b}" for b in node.inputs)
+    lines, timed = [f"def segment({params}):"], [f"def segment_timed(_marks, {params}):"]
     line_node: dict[int, PNode] = {}
     last_read = _last_reads(subs)
     keep = set(node.inputs) | set(node.outputs)
@@ -243,12 +251,16 @@ def codegen(node: PNode, contexts: dict[int, Any] | None = None) -> SegmentCode:
         for text in _call_lines(k, sub, names, keep, last_read, contexts.get(k)):
             lines.append(text)
             line_node[len(lines)] = sub
-    lines.append(f"    return ({''.join(f'b{b}, ' for b in node.outputs)})")
-    source = "\n".join(lines) + "\n"
+            timed.append(text)
+        timed.append("    _marks.append(_clock())")
+    ret = f"    return ({''.join(f'b{b}, ' for b in node.outputs)})"
+    source = "\n".join([*lines, ret]) + "\n"
     filename = f"<sbpflow {FUSED} #{node.id}>"
     linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
     exec(compile(source, filename, "exec"), names)  # noqa: S102 - our own generated source, no user text
-    return SegmentCode(names["segment"], source, line_node)
+    names["_clock"] = time.time
+    exec(compile("\n".join([*timed, ret]) + "\n", f"{filename} (timed)", "exec"), names)  # noqa: S102
+    return SegmentCode(names["segment"], source, line_node, names["segment_timed"])
 
 
 def _last_reads(subs: Iterable[PNode]) -> dict[int, int]:

@@ -61,11 +61,13 @@ from ..comm import Backend, SimulatedBackend, get_backend
 from ..comm.record import CommLog, current_logs, recording_into
 from ..distributed import activity, config
 from ..errors import CommError, SbpflowError
+from ..graph.fuse import FUSED, sub_nodes
 from ..graph.physical import PhysicalPlan, PNode
 from . import trace as _trace
 from ._agree import check_same_plan
 from .board import Actor, Board, Stats
 from .inorder import (
+    SEGMENT_MARKS,
     ExecutionError,
     Program,
     Shards,
@@ -86,7 +88,8 @@ class _Job:
     """One act taken by a worker: the actor's step, its input values and slots, the run it belongs to; then
     what the act gave (its values, CUDA event, wall-clock span for the timeline, or its error)."""
 
-    __slots__ = ("actor", "step", "inputs", "read", "state", "gen", "values", "event", "start", "end", "error")
+    __slots__ = ("actor", "step", "inputs", "read", "state", "gen", "values", "event", "start", "end", "error",
+                 "marks")
 
     def __init__(self, actor: Actor, step: int, inputs: list[Any], read: list[Any], state: StepState,
                  gen: int) -> None:
@@ -95,6 +98,22 @@ class _Job:
         self.event: Any = None
         self.start = self.end = 0.0
         self.error: BaseException | None = None
+        self.marks: list[Any] | None = None  # a fused act's per-rank clock reads, while a timeline is written
+
+
+@contextlib.contextmanager
+def _segment_marks(actor: Actor) -> Any:
+    """Around a fused act while a timeline is written: the list its per-rank clock reads go to (see
+    ``inorder.SEGMENT_MARKS``); None for any other act."""
+    if actor.node.op != FUSED:
+        yield None
+        return
+    marks: list[Any] = []
+    SEGMENT_MARKS.spans = marks
+    try:
+        yield marks
+    finally:
+        SEGMENT_MARKS.spans = None
 
 
 class DeadlockError(ExecutionError):
@@ -338,8 +357,9 @@ class ActorRuntime:
             if trace is None:
                 return perform(actor, step, inputs, state)
             start = time.time()
-            values = perform(actor, step, inputs, state)
-            self._trace_span(workers[actor.lane], actor, step, start, time.time(), values)
+            with _segment_marks(actor) as marks:
+                values = perform(actor, step, inputs, state)
+            self._trace_span(workers[actor.lane], actor, step, start, time.time(), values, marks)
             return values
 
         try:
@@ -441,6 +461,8 @@ class ActorRuntime:
         clock = time.time if self._trace is not None else _no_clock  # wall-clock times only for the timeline
         job.start = clock()
         try:
+            if self._trace is not None and job.actor.node.op == FUSED:
+                job.marks = SEGMENT_MARKS.spans = []
             run = job.actor.run
             if run is not None and worker.cuda is None:
                 try:
@@ -456,6 +478,8 @@ class ActorRuntime:
                     lambda: self._perform(job.actor, job.step, job.inputs, job.state), job.read, job.actor.signals)
         except BaseException as e:  # noqa: BLE001 - any failure stops the step; the caller re-raises it
             job.error = e
+        finally:
+            SEGMENT_MARKS.spans = None
         job.end = clock()
         return job
 
@@ -474,7 +498,7 @@ class ActorRuntime:
         worker.last = (job.actor, job.step, time.monotonic())
         self._progress = worker.last[2]
         if self._trace is not None:
-            self._trace_span(worker, job.actor, job.step, job.start, job.end, job.values)
+            self._trace_span(worker, job.actor, job.step, job.start, job.end, job.values, job.marks)
         workers, board = self._workers, self.board
         for other in woken:
             if not other.busy and other.step < other.steps:  # most wake-ups end here
@@ -483,9 +507,11 @@ class ActorRuntime:
             self._notify_done()
 
     def _trace_span(self, worker: Worker, actor: Actor, step: int, start: float, end: float,
-                    values: Sequence[Any] = ()) -> None:
+                    values: Sequence[Any] = (), marks: list[Any] | None = None) -> None:
         """The act's span on its lane; a collective issued in flight spans from its issue to the moment a reader
-        has its result (an upper bound of its time on the wire: the reader may come after it ended)."""
+        has its result (an upper bound of its time on the wire: the reader may come after it ended). A fused
+        act's ``marks`` (per rank: its start, then the end of each sub-node) add one span per sub-node inside
+        the act's, named after the act and the sub-node's op (and the rank, where the act ran several)."""
         trace = self._trace
         assert trace is not None
         nbytes = sum(sum(r.bytes_by_rank.values()) for r in actor.outputs) if actor.emits(step) else 0
@@ -495,6 +521,14 @@ class ActorRuntime:
                                                   end=time.time(), nbytes=nbytes)
             return
         trace.span(lane, name, op, micro=step, start=start, end=end, nbytes=nbytes)
+        if marks:
+            subs = sub_nodes(actor.node)
+            for rank, times in marks:
+                where = f" rank {rank}" if len(marks) > 1 else ""
+                for k, sub in enumerate(subs):
+                    sub_op = sub.op or sub.kind
+                    trace.span(lane, f"{name}: {sub_op}{where}", sub_op, micro=step, start=times[k],
+                               end=times[k + 1], nbytes=0)
 
     def _wake(self, actor: Actor) -> None:
         self._workers[actor.lane].wake(actor, self.board)

@@ -17,6 +17,8 @@ after its last reader, so the allocator reuses the memory within the step.
 from __future__ import annotations
 
 import operator
+import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -284,6 +286,12 @@ def _bind_compute(node: PNode, plan: PhysicalPlan, owned: list[int]) -> Act:
     return run
 
 
+# Set by the actor runtime around a fused act while it writes a timeline: ``SEGMENT_MARKS.spans`` is then a list, and
+# the act appends ``(rank, [start, end of sub-node 0, end of sub-node 1, ...])`` per rank it ran (graph.fuse's timed
+# code; not under torch.compile, whose code is not ours), for the timeline's per-op spans inside the act.
+SEGMENT_MARKS = threading.local()
+
+
 def _bind_segment(node: PNode, plan: PhysicalPlan, owned: list[int]) -> Act:
     """A fused segment (:mod:`sbpflow.graph.fuse`): its generated function on each owned rank's shards (under
     ``torch.compile`` where the node asks for it). A failure names the sub-node that raised. With shard-aware
@@ -297,6 +305,13 @@ def _bind_segment(node: PNode, plan: PhysicalPlan, owned: list[int]) -> Act:
     def on_rank(rank: int, inputs: Sequence[Any], micro: int) -> tuple[Any, ...]:
         values = [v[rank] for v in inputs]
         try:
+            spans = getattr(SEGMENT_MARKS, "spans", None)
+            timed = codes[rank].timed
+            if spans is not None and timed is not None and not compiled:
+                marks = [time.time()]
+                out = timed(marks, *values)
+                spans.append((rank, marks))
+                return out  # type: ignore[no-any-return]
             return functions[rank](*values)  # type: ignore[no-any-return]
         except SbpflowError:  # sbpflow's own errors say what failed (as for an unfused node: _run_steps)
             raise
