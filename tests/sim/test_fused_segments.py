@@ -339,6 +339,13 @@ def test_without_a_timeline_a_fused_act_reads_no_clock() -> None:
     code = codegen(node)
     marks: list[float] = [0.0]
     assert torch.equal(code.timed(marks, x, w)[0], code.function(x, w)[0]) and len(marks) == 5
+    # an error inside the timed twin is placed by its own lines (no second run of the plain code to find it)
+    from sbpflow.runtime.inorder import _failing_line
+
+    with pytest.raises(RuntimeError) as caught:
+        code.timed([0.0], torch.randn(4, 4), w)
+    failed = _failing_line(code, caught.value)
+    assert failed is not None and failed.op == "matmul"
 
 
 @pytest.mark.parametrize("threads", [False, True], ids=["play", "worker-threads"])
@@ -362,8 +369,8 @@ def test_a_fused_acts_intermediates_count_in_the_memory_plan_and_the_runtime(thr
     runtime.close()
 
 
-@pytest.mark.parametrize("executor", ["inorder", "actors"])
-def test_an_error_inside_a_segment_names_the_original_node(executor: str) -> None:
+@pytest.mark.parametrize("executor", ["inorder", "actors", "actors-timeline"])
+def test_an_error_inside_a_segment_names_the_original_node(executor: str, tmp_path: Any) -> None:
     fused = fuse_segments(_chain())
     feeds = {"x": {r: torch.randn(4, 4) for r in (0, 1)}}  # 4 columns, not 3: matmul fails
     variables = {"w": {r: torch.randn(3, 5) for r in (0, 1)}}
@@ -371,6 +378,7 @@ def test_an_error_inside_a_segment_names_the_original_node(executor: str) -> Non
     with pytest.raises(ExecutionError, match=match):
         if executor == "inorder":
             run_plan(fused, feeds, variables, SimulatedBackend())
-        else:
-            with ActorRuntime(fused, SimulatedBackend(), timeout=20.0) as rt:
+        else:  # with a timeline the timed twin of the code runs, and its lines name the sub-node too
+            trace = str(tmp_path / "t.json") if executor == "actors-timeline" else None
+            with ActorRuntime(fused, SimulatedBackend(), timeout=20.0, trace=trace) as rt:
                 rt.run(feeds, variables)

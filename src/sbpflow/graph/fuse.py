@@ -218,9 +218,10 @@ class SegmentCode:
     # the same code with a clock read after each sub-node: ``timed(marks, *inputs)`` appends one time.time() per
     # sub-node to ``marks`` (the caller puts the start first), for the timeline's per-op spans
     timed: Callable[..., tuple[Any, ...]] | None = None
+    timed_line_node: dict[int, PNode] = dataclasses.field(default_factory=dict)  # the same for ``timed``
 
-    def node_at(self, lineno: int) -> PNode | None:
-        return self.line_node.get(lineno)
+    def node_at(self, lineno: int, timed: bool = False) -> PNode | None:
+        return (self.timed_line_node if timed else self.line_node).get(lineno)
 
 
 def shard_aware_subs(node: PNode) -> list[int]:
@@ -245,6 +246,7 @@ def codegen(node: PNode, contexts: dict[int, Any] | None = None) -> SegmentCode:
     params = ", ".join(f"b{b}" for b in node.inputs)
     lines, timed = [f"def segment({params}):"], [f"def segment_timed(_marks, {params}):"]
     line_node: dict[int, PNode] = {}
+    timed_line_node: dict[int, PNode] = {}
     last_read = _last_reads(subs)
     keep = set(node.inputs) | set(node.outputs)
     for k, sub in enumerate(subs):
@@ -252,6 +254,7 @@ def codegen(node: PNode, contexts: dict[int, Any] | None = None) -> SegmentCode:
             lines.append(text)
             line_node[len(lines)] = sub
             timed.append(text)
+            timed_line_node[len(timed)] = sub
         timed.append("    _marks.append(_clock())")
     ret = f"    return ({''.join(f'b{b}, ' for b in node.outputs)})"
     source = "\n".join([*lines, ret]) + "\n"
@@ -260,7 +263,7 @@ def codegen(node: PNode, contexts: dict[int, Any] | None = None) -> SegmentCode:
     exec(compile(source, filename, "exec"), names)  # noqa: S102 - our own generated source, no user text
     names["_clock"] = time.time
     exec(compile("\n".join([*timed, ret]) + "\n", f"{filename} (timed)", "exec"), names)  # noqa: S102
-    return SegmentCode(names["segment"], source, line_node, names["segment_timed"])
+    return SegmentCode(names["segment"], source, line_node, names["segment_timed"], timed_line_node)
 
 
 def _last_reads(subs: Iterable[PNode]) -> dict[int, int]:

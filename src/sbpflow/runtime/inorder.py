@@ -353,9 +353,12 @@ def _failing_line(code: fuse.SegmentCode, error: BaseException) -> PNode | None:
     """The sub-node whose line of the generated code ``error``'s traceback passes through, if any."""
     tb = error.__traceback__
     found = None
+    timed = code.timed.__code__ if code.timed is not None else None
     while tb is not None:
         if tb.tb_frame.f_code is code.function.__code__:
             found = code.node_at(tb.tb_lineno)
+        elif tb.tb_frame.f_code is timed:  # the timed twin (a timeline is written)
+            found = code.node_at(tb.tb_lineno, timed=True)
         tb = tb.tb_next
     return found
 
