@@ -4,6 +4,7 @@ numbers."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
@@ -150,6 +151,20 @@ def test_the_pass_leaves_a_plan_without_collectives_alone_and_verifies() -> None
     split = update_per_bucket(whole)
     verify(split)
     assert len(_updates(split)) > len(_updates(whole))
+
+
+def test_an_update_that_another_node_waits_for_stays_whole() -> None:
+    """A control edge on the update (none of today's passes makes one) would have no single node to point at
+    once it is cut: such an update is left as it is."""
+    _, _, whole = _train("dp=2", 1, split=False)
+    updates = _updates(whole)
+    last = whole.nodes[-1]
+    waiting = dataclasses.replace(last, control=(*last.control, updates[0].id))
+    plan = dataclasses.replace(whole, nodes=[*whole.nodes[:-1], waiting])
+    split = update_per_bucket(plan)
+    assert updates[0].id in {n.id for n in split.nodes}  # kept whole
+    assert len(_updates(split)) > len(updates)  # the other group's update is still cut
+    verify(split)
 
 
 def test_matches_one_device() -> None:

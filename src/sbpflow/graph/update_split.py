@@ -53,8 +53,9 @@ def update_per_bucket(plan: PhysicalPlan) -> PhysicalPlan:
     next_id = max((n.id for n in plan.nodes), default=-1) + 1
     after: dict[int, list[tuple[int, PNode]]] = {}  # plan position -> (what it waits for, piece) placed after it
     renamed: dict[int, tuple[int, ...]] = {}
+    waited = {c for n in plan.nodes for c in n.control}  # an update another node waits for stays whole
     for node in plan.nodes:
-        groups = _pieces(node, producer, position)
+        groups = _pieces(node, producer, position) if node.id not in waited else []
         pieces = [_piece(node, members, next_id + i) for i, members in enumerate(groups)]
         guarded = [_guarded(p, node, plan, readers, position, reached) for p in pieces]
         if len(pieces) < 2 or any(p is None for p in guarded):
@@ -73,7 +74,7 @@ def update_per_bucket(plan: PhysicalPlan) -> PhysicalPlan:
     nodes: list[PNode] = []
     for i, n in enumerate(plan.nodes):
         if n.id not in renamed:
-            nodes.append(_follow(n, renamed))
+            nodes.append(n)
         nodes.extend(piece for _, piece in sorted(after.get(i, []), key=lambda x: x[0]))
     out = dataclasses.replace(plan, nodes=nodes, registers={})
     out.registers = registers(out)
@@ -200,13 +201,3 @@ def _piece(node: PNode, members: list[int], node_id: int) -> PNode:
     in_sbps = tuple(node.in_sbps[i] for i in old) if node.in_sbps else ()
     args = tuple(("t", j) for j in range(len(picked))) + tuple(a for a in node.args if a[0] != "t")
     return dataclasses.replace(node, id=node_id, inputs=inputs, args=args, in_sbps=in_sbps)
-
-
-def _follow(n: PNode, renamed: dict[int, tuple[int, ...]]) -> PNode:
-    """``n`` with control edges on a cut update made edges on all its pieces."""
-    if not any(c in renamed for c in n.control):
-        return n
-    leads = n.control_lead or (0,) * len(n.control)
-    edges = [(p, lead) for c, lead in zip(n.control, leads, strict=True) for p in renamed.get(c, (c,))]
-    return dataclasses.replace(n, control=tuple(p for p, _ in edges),
-                               control_lead=tuple(lead for _, lead in edges) if n.control_lead else ())
