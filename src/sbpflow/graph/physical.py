@@ -80,6 +80,7 @@ KINDS = ("input", "variable", "unpack", "repeat", "compute", "boxing", "accumula
          "route", "update")
 PHASES = ("pre", "micro", "post")
 COMPUTE_STREAM = "compute"
+GATHERING = ("accumulate", "pack")  # kinds that take the m micro-batch values of their input and write one output
 
 
 @dataclass(frozen=True)
@@ -181,6 +182,11 @@ class PhysicalPlan:
             cache = {n.id: n for n in self.nodes}
             self._index = cache
         return cache
+
+    def steps(self, node: PNode) -> int:
+        """How many times ``node`` acts in a step: m for a micro-phase node and for an accumulate or pack (one
+        micro-batch value taken per act), else 1."""
+        return self.micro_batches if node.phase == "micro" or node.kind in GATHERING else 1
 
     def producers(self) -> dict[int, int]:
         """Buf id -> the node that writes it."""

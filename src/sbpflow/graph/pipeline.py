@@ -43,10 +43,9 @@ import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from .physical import PhysicalPlan, PNode, Register
+from .physical import GATHERING, PhysicalPlan, PNode, Register
 from .schedule import Schedule, ScheduleError, action_steps, bubble_theory, check, grid, make
 
-GATHERING = ("accumulate", "pack")
 LAST = 1 << 30  # the priority of post-phase steps: after every micro-batch
 
 

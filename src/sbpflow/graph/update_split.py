@@ -33,7 +33,6 @@ import dataclasses
 
 from .lower import registers
 from .physical import PhysicalPlan, PNode
-from .pipeline import GATHERING
 
 SPLITTABLE = {"adam_update_multi": 4}  # multi-tensor update op -> tensor lists per parameter (p, g, m, v)
 GRADIENTS = 1  # the index of the gradient list among them
@@ -106,7 +105,7 @@ def _guarded(piece: PNode, whole: PNode, plan: PhysicalPlan, readers: dict[int, 
         for reader in readers.get(b, ()):
             if reader.id == whole.id:
                 continue
-            if _steps(reader, plan) == _steps(piece, plan):
+            if plan.steps(reader) == plan.steps(piece):  # a node sends a control token per act
                 found: PNode | None = reader
             else:
                 if reader.id not in reached:
@@ -135,12 +134,6 @@ def _early_phase(piece: PNode, plan: PhysicalPlan, producer: dict[int, PNode], b
     return dataclasses.replace(piece, phase="micro")
 
 
-def _steps(n: PNode, plan: PhysicalPlan) -> int:
-    """How many times ``n`` acts in a step, so how many control tokens it sends (an accumulate or a pack sends
-    one per micro-batch it takes in)."""
-    return plan.micro_batches if n.phase == "micro" or n.kind in GATHERING else 1
-
-
 def _reached(start: PNode, piece: PNode, readers: dict[int, list[PNode]], plan: PhysicalPlan) -> PNode | None:
     """The first node of ``piece``'s phase and step count that ``start`` reaches through data edges (breadth
     first)."""
@@ -152,7 +145,7 @@ def _reached(start: PNode, piece: PNode, readers: dict[int, list[PNode]], plan: 
                 for r in readers.get(b, ()):
                     if r.id in seen:
                         continue
-                    if _steps(r, plan) == _steps(piece, plan) and r.phase == piece.phase and r.kind != "update":
+                    if plan.steps(r) == plan.steps(piece) and r.phase == piece.phase and r.kind != "update":
                         return r  # (an update is being cut here too: not one to wait for)
                     seen.add(r.id)
                     nxt.append(r)

@@ -479,7 +479,8 @@ class ActorRuntime:
         except BaseException as e:  # noqa: BLE001 - any failure stops the step; the caller re-raises it
             job.error = e
         finally:
-            SEGMENT_MARKS.spans = None
+            if job.marks is not None:
+                SEGMENT_MARKS.spans = None
         job.end = clock()
         return job
 

@@ -53,10 +53,8 @@ from typing import Any
 
 from ..comm import Backend
 from ..graph.fuse import FUSED, transient_bytes
-from ..graph.physical import COMPUTE_STREAM, PhysicalPlan, PNode
+from ..graph.physical import COMPUTE_STREAM, GATHERING, PhysicalPlan, PNode
 from .inorder import ExecutionError
-
-GATHERING = ("accumulate", "pack")  # kinds that take m micro-batch inputs and write one output
 
 
 @dataclass(eq=False, slots=True)
@@ -244,8 +242,7 @@ class Board:
             owned = backend.owned(node.ranks)
             if not owned:
                 continue
-            steps = m if node.phase == "micro" or node.kind in GATHERING else 1
-            actor = Actor(node, position, steps, lane_for(node, plan, owned))
+            actor = Actor(node, position, plan.steps(node), lane_for(node, plan, owned))
             self.actors.append(actor)
             by_node[node.id] = actor
         self.owned_ranks = sorted({r for a in self.actors for r in backend.owned(a.node.ranks)})

@@ -32,7 +32,7 @@ from ..comm import Backend, get_backend
 from ..distributed import activity
 from ..errors import SbpflowError
 from ..graph import fuse
-from ..graph.physical import PHASES, PhysicalPlan, PNode
+from ..graph.physical import GATHERING, PHASES, PhysicalPlan, PNode
 from ..host_memory import keep_freed_host_memory
 from ..ops.inplace import OVERWRITING
 from ..ops.optimizer import IN_PLACE
@@ -41,7 +41,6 @@ from ..random import mix_key
 
 Shards = dict[int, torch.Tensor]
 RANDOM_FEED = "__random__"  # feeds[RANDOM_FEED] = (seed, counter at step start, keys drawn per micro-batch)
-GATHERING = ("accumulate", "pack")  # kinds that read the m micro-batch values of their input
 
 
 class ExecutionError(SbpflowError):
