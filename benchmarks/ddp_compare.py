@@ -288,16 +288,22 @@ def timed_block(fn: Callable[[], object], steps: int, warmup: int = 1) -> float:
     """Seconds per step of ``steps`` steps, as the slower process saw them (both start together), after
     ``warmup`` untimed steps: interleaved contenders share the caches, and the first step after a switch pays
     for the previous contender's working set (steady-state training never switches)."""
+    return timed_block_cpu(fn, steps, warmup)[0]
+
+
+def timed_block_cpu(fn: Callable[[], object], steps: int, warmup: int = 1) -> tuple[float, float]:
+    """:func:`timed_block`, and the CPU seconds per step (every thread of the process: communication threads
+    included) of the process that used the most."""
     dist.barrier()
     for _ in range(warmup):
         fn()
     dist.barrier()
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     for _ in range(steps):
         fn()
-    elapsed = torch.tensor([(time.perf_counter() - start) / steps], dtype=torch.float64)
-    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-    return float(elapsed)
+    spent = torch.tensor([time.perf_counter() - start, time.process_time() - cpu], dtype=torch.float64) / steps
+    dist.all_reduce(spent, op=dist.ReduceOp.MAX)
+    return float(spent[0]), float(spent[1])
 
 
 def interleaved(contenders: dict[str, Contender], steps: int, rounds: int) -> dict[str, float]:
