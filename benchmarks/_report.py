@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import json
 import os
 import platform
 import re
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -71,6 +73,23 @@ def launch_self(script: str, world: int, args: list[str], **run: Any) -> subproc
     env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
     cmd = [sys.executable, "-m", "sbpflow.cli", "launch", "-n", str(world), str(Path(script).resolve()), *args]
     return subprocess.run(cmd, env=env, text=True, **run)
+
+
+def launch_runs(script: str, world: int, args: list[str], launches: int) -> list[Any]:
+    """``script`` run ``launches`` times as ``world`` fresh processes, one after another, each given ``--json
+    PATH`` where its rank 0 writes what it measured; their JSON values, in launch order (a failed launch raises).
+
+    Within one launch a benchmark's rounds interleave its contenders, which cancels the machine's drifts, but not
+    what a launch fixes for its whole life (where each tensor landed, which core each process got): on a shared
+    2-core machine the same contender's ratio moved by 5-10% from one launch to the next, so multi-process
+    benchmarks report each launch's ratio and their median."""
+    runs = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in range(launches):
+            path = Path(tmp) / f"launch{i}.json"
+            launch_self(script, world, [*args, "--json", str(path)], check=True)
+            runs.append(json.loads(path.read_text()))
+    return runs
 
 
 def publish(name: str, body: str, write: bool) -> None:

@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-from _report import launch_self, machine, publish, run_or_launch
+from _report import launch_runs, machine, publish, run_or_launch
 from _torch_gpt import TorchBlock, TorchGPT, adamw, copy_weights
 from ddp_compare import MLP_BATCH, MLP_LAYERS, MLP_WIDTH, mlp_data, placed_mlp, timed_block_cpu, torch_mlp
 from torch.distributed.tensor import DTensor
@@ -298,22 +298,13 @@ def worker(args: argparse.Namespace) -> None:
 
 
 def launches(args: argparse.Namespace) -> int:
-    """``--launches N``: the benchmark as N fresh pairs of processes, one after another. Within one launch the
-    rounds interleave the contenders, which cancels the machine's drifts, but not what a launch fixes for its
-    whole life (where each tensor landed, which core each process got): on this shared 2-core machine the same
-    contender's ratio moved by 5-10% from one launch to the next. The report gives each launch's ratio and their
-    median, which the targets read; the rest (times, counts, timeline) is the first launch's."""
-    runs = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for i in range(args.launches):
-            path = Path(tmp) / f"launch{i}.json"
-            forwarded = ["--rounds", str(args.rounds), "--steps", str(args.steps), "--json", str(path)]
-            if args.torch_compile:
-                forwarded.append("--torch-compile")
-            done = launch_self(__file__, WORLD, forwarded, check=False)
-            if done.returncode:
-                return done.returncode
-            runs.append(json.loads(path.read_text()))
+    """``--launches N``: the benchmark as N fresh pairs of processes (:func:`_report.launch_runs`); the report
+    gives each launch's ratio and their median, which the targets read; the rest (times, counts, timeline) is
+    the first launch's."""
+    forwarded = ["--rounds", str(args.rounds), "--steps", str(args.steps)]
+    if args.torch_compile:
+        forwarded.append("--torch-compile")
+    runs = launch_runs(__file__, WORLD, forwarded, args.launches)
     first = runs[0]
     for k, r in enumerate(first["results"]):
         per_launch = {who: [run["results"][k]["ratios"][who] for run in runs] for who in r["ratios"]}

@@ -34,7 +34,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from _report import launch_self  # noqa: E402
+from _report import launch_runs  # noqa: E402
 from _torch_gpt import TorchBlock  # noqa: E402
 
 import sbpflow  # noqa: E402
@@ -338,9 +338,12 @@ def worker(args: argparse.Namespace) -> None:
     gathered: list[Any] = [None] * p
     dist.all_gather_object(gathered, (first, mine, compiled.executor.stats.peak_bytes, memory))
     if dist.get_rank() == 0:
-        print(report(p, medians, cpu, gathered, args.rounds, args.steps), flush=True)
+        table = report(p, medians, cpu, gathered, args.rounds, args.steps)
+        print(table, flush=True)
         base = medians["torch Schedule1F1B"]
-        print(RATIOS + json.dumps({name: t / base for name, t in medians.items()}), flush=True)
+        if args.json:  # one launch of several (see main): the parent reports
+            ratios = {name: t / base for name, t in medians.items()}
+            Path(args.json).write_text(json.dumps({"table": table, "ratios": ratios}))
 
 
 def report(p: int, medians: dict[str, float], cpu: dict[str, float], gathered: list[Any], rounds: int,
@@ -373,7 +376,6 @@ def report(p: int, medians: dict[str, float], cpu: dict[str, float], gathered: l
     return "\n".join(lines)
 
 
-RATIOS = "ratios to torch Schedule1F1B: "  # a worker's machine-readable line (see main)
 
 
 def spread(ratios: list[dict[str, float]]) -> str:
@@ -400,6 +402,7 @@ def main() -> int:
     parser.add_argument("--launches", type=int, default=1,
                         help="run each world this many times in fresh processes (the first launch's table is "
                              "written, with every launch's step-time ratio and their median)")
+    parser.add_argument("--json", help=argparse.SUPPRESS)  # a launched worker's rank 0 writes its results here
     parser.add_argument("--ungrouped", action="store_true",
                         help="also time sbpflow with one accumulate node per gradient (graph.group off)")
     args = parser.parse_args()
@@ -409,18 +412,12 @@ def main() -> int:
     tables = []
     for world in args.worlds:
         extra = ["--ungrouped"] if args.ungrouped else []
-        ratios: list[dict[str, float]] = []
-        for launch in range(args.launches):
-            out = launch_self(__file__, world, ["--rounds", str(args.rounds), "--steps", str(args.steps), *extra],
-                              check=True, capture_output=True).stdout
-            print(out, flush=True)
-            lines = out.splitlines()
-            ratios.append(json.loads(next(x for x in lines if x.startswith(RATIOS))[len(RATIOS):]))
-            if launch == 0:
-                table = "\n".join(x for x in lines if not x.startswith(RATIOS))
-                tables.append(table[table.index("### "):].strip() if "### " in table else table.strip())
+        runs = launch_runs(__file__, world, ["--rounds", str(args.rounds), "--steps", str(args.steps), *extra],
+                           args.launches)
+        table = runs[0]["table"]
+        tables.append(table[table.index("### "):].strip() if "### " in table else table.strip())
         if args.launches > 1:
-            tables[-1] += "\n\n" + spread(ratios)
+            tables[-1] += "\n\n" + spread([run["ratios"] for run in runs])
     if args.write:
         from _report import machine, write_section
 
