@@ -15,6 +15,10 @@ the slower process's, and the table reports medians.
   ``ColwiseParallel`` on q, k, v and the MLP's first linear, ``RowwiseParallel`` on both output projections
   (Megatron's layout; embeddings, LayerNorms and the tied head replicated). Collective counts per step: sbpflow's
   from ``sbpflow.comm.record()``, DTensor's from torch's ``CommDebugMode``.
+* The dp rows also time a bound: DDP's model, kernels and AdamW on each rank's half batch with no DDP and no
+  collective (timing only; the two copies drift apart). It shares the 2 cores as every contender does, so a
+  data-parallel step cannot beat it; with each contender's CPU per step (``process_time``, every thread), it
+  shows what communication costs in CPU on these cores.
 
 No gradient clipping on either side (DTensor's clip over a mix of DTensor and replicated tensors is not what is
 measured here). The overlap line reads the dp2 GPT step's actor timeline (``SBPFLOW_TRACE`` format): each
