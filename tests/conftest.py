@@ -24,3 +24,12 @@ def one_torch_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(previous)
+
+
+@pytest.fixture
+def native_collectives() -> Iterator[None]:
+    """Plans and eager dispatch cost collectives for transports that have every one natively (NCCL), instead of
+    the cpu target's gloo, which runs a reduce-scatter as an all-reduce (``comm.base.TARGET_COST_FACTORS``):
+    for tests of what the α-β table alone prefers, such as reduce-scatter over all-reduce + slice."""
+    with sbpflow.boxing.target_factors(()):
+        yield

@@ -20,6 +20,7 @@ import sbpflow
 from sbpflow import boxing
 from sbpflow import sbp as S
 from sbpflow.boxing import CostModel, Layout
+from sbpflow.comm.base import TARGET_COST_FACTORS
 
 B, PSUM, PMAX, PMIN = S.broadcast, S.partial_sum, S.partial_max, S.partial_min
 S0, S1 = S.split(0), S.split(1)
@@ -28,6 +29,11 @@ MESH = sbpflow.placement("cpu", [[0, 1], [2, 3]])
 F32 = torch.float32
 ALPHA, BETA = 100e-6, 1 / 2e9  # the default cost model's cpu intra-node link (gloo over TCP)
 INTER_ALPHA, INTER_BETA = 200e-6, 1 / 1.25e9  # and its inter-node link
+
+
+@pytest.fixture(autouse=True)
+def _table_as_written(native_collectives: None) -> None:
+    """These tests check the α-β table itself: every collective native (gloo's factor: its own test below)."""
 
 
 def _plan(src: object, dst: object, src_pl: sbpflow.Placement = P4, dst_pl: sbpflow.Placement | None = None,
@@ -94,6 +100,18 @@ def test_cheapest_plan_wins_over_the_obvious_detours() -> None:
     assert rs.time < ar.time and rs.bytes < ar.bytes
     # P(max) -> P(sum) goes through S (a reduce-scatter), not B (an all-reduce), then pads locally.
     assert _kinds(_plan(PMAX, PSUM)) == ["reduce_scatter", "local"]
+
+
+def test_gloo_target_prices_a_reduce_scatter_as_the_all_reduce_it_runs() -> None:
+    # the cpu target (comm.base.TARGET_COST_FACTORS, every backend's default): gloo runs a reduce-scatter as one
+    # all-reduce, so P -> S costs what P -> B costs, bytes and time, twice the table's ring reduce-scatter
+    with boxing.target_factors(TARGET_COST_FACTORS):
+        rs, ar = _plan(PSUM, S0), _plan(PSUM, B)
+    native = _plan(PSUM, S0)
+    assert (rs.bytes, rs.bytes_per_rank) == (ar.bytes, ar.bytes_per_rank)
+    assert (rs.bytes, rs.bytes_per_rank) == (2 * native.bytes, 2 * native.bytes_per_rank)
+    assert rs.time == pytest.approx(ar.time) and rs.time > native.time
+    assert boxing.current_factors() == ()  # the fixture's block, inside which the test's own block nested
 
 
 def test_all_reduce_beats_its_two_step_equivalent_on_equal_time() -> None:

@@ -27,7 +27,7 @@ from procrun import run_ranks
 
 import sbpflow
 from sbpflow.autograd import coalesce_grad_reductions
-from sbpflow.comm import CommEvent, SimulatedBackend, get_backend, record, set_backend
+from sbpflow.comm import CommEvent, SimulatedBackend, get_backend, record
 from sbpflow.demo.train_gpt import PhaseLog, build, random_batches, train_gpt
 from sbpflow.models.cnn import train_cnn
 from sbpflow.models.gpt import GPTConfig
@@ -101,21 +101,12 @@ def training_job(world: int) -> dict[str, Any]:
 # ----------------------------------------------------------------------------- the tests
 
 
-class GlooCostedSimulated(SimulatedBackend):
-    """Virtual ranks that cost collectives as gloo does (its reduce-scatter is an all-reduce: factor 2), so the
-    planner and dispatch choose here exactly what they choose on real processes, and the numbers can agree."""
-
-    def cost_factors(self) -> tuple[tuple[tuple[str, str], float], ...]:
-        return ((("cpu", "reduce_scatter"), 2.0),)
-
-
 def simulated_job(world: int) -> dict[str, Any]:
-    sbpflow.distributed.init()  # first: a later lazy init would install the plain simulated backend over ours
-    previous = set_backend(GlooCostedSimulated())
-    try:
-        return training_job(world)
-    finally:
-        set_backend(previous)
+    """The same job on virtual ranks, on the default simulated backend: it costs collectives with the target's
+    factors (gloo's reduce-scatter is an all-reduce), so dispatch chooses here what it chooses on processes."""
+    sbpflow.distributed.init()
+    assert isinstance(get_backend(), SimulatedBackend)
+    return training_job(world)
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

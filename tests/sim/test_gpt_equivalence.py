@@ -185,6 +185,7 @@ def test_data_parallel_step_opting_out_of_buckets_all_reduces_each_gradient_once
     assert _phase(counts, "backward") == {"all_reduce": N_PARAMS}  # one per parameter gradient
 
 
+@pytest.mark.usefixtures("native_collectives")  # gloo's target runs reduce-scatter as an all-reduce: no SP there
 def test_tensor_parallel_step_reduces_each_partial_sum_once_where_the_layernorm_needs_it() -> None:
     counts = _one_step_log("tp=2")
     # The vocab-parallel embedding and the two row-parallel c_proj layers of each block give partial

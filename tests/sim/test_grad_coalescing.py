@@ -51,6 +51,7 @@ def _mlp_grads(placement: Any, coalesce: bool, batch: int = 7) -> tuple[dict[str
     return grads, log.counts(), {k: _sbp(p) for k, p in params.items()}
 
 
+@pytest.mark.usefixtures("native_collectives")  # the 2x2 mesh's hierarchical plan reduce-scatters first
 @pytest.mark.parametrize("name", ["2", "3", "2x2"])
 def test_mlp_gradients_equal_per_leaf_reductions_with_one_all_reduce(name: str) -> None:
     placement = PLACEMENTS[name]

@@ -15,7 +15,7 @@ import sbpflow
 from sbpflow import boxing
 from sbpflow import sbp as S
 from sbpflow.comm import SimulatedBackend
-from sbpflow.comm.torch_dist import TARGET_COST_FACTORS
+from sbpflow.comm.base import TARGET_COST_FACTORS
 from sbpflow.graph.bucket import bucket_all_reduces
 from sbpflow.graph.lower import donate_inputs
 from sbpflow.graph.physical import PhysicalPlan

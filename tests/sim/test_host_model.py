@@ -15,9 +15,7 @@ from sbpflow import optim
 from sbpflow.autoparallel import ParallelPlan
 from sbpflow.autoparallel.apply import gpt_spec
 from sbpflow.autoparallel.host import DISPATCH_FIXED, DISPATCH_PER_BLOCK, stage_work
-from sbpflow.comm import get_backend, record, set_backend
-from sbpflow.comm.simulated import SimulatedBackend
-from sbpflow.comm.torch_dist import TARGET_COST_FACTORS
+from sbpflow.comm import record
 from sbpflow.demo.train_gpt import Trainer
 from sbpflow.models.gpt import GPT, GPTConfig, parallelize
 from sbpflow.ops import registry
@@ -25,21 +23,6 @@ from sbpflow.ops import registry
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 BATCH = 8
-
-
-class GlooPriced(SimulatedBackend):
-    """Virtual ranks that price collectives as the gloo backend does (its reduce-scatter is an all-reduce)."""
-
-    def cost_factors(self) -> tuple[tuple[tuple[str, str], float], ...]:
-        return TARGET_COST_FACTORS
-
-
-@pytest.fixture
-def gloo_priced() -> Any:
-    previous = get_backend()
-    set_backend(GlooPriced())
-    yield
-    set_backend(previous)
 
 
 def _trainer(layers: int, tp: int = 1, cuts: tuple[int, ...] | None = None, dp: int = 1) -> Trainer:
@@ -80,7 +63,7 @@ def test_dispatch_counts_per_block_and_fixed(layers):
 # the validation GPT).
 @pytest.mark.parametrize("tp,cuts,dp", [(1, (4,), 4), (2, (4,), 2), (4, (4,), 1), (1, (2, 2), 2), (2, (4,), 1),
                                         (1, (1, 3), 2)])
-def test_collectives_per_rank_match_a_recorded_step(gloo_priced, tp, cuts, dp):
+def test_collectives_per_rank_match_a_recorded_step(tp, cuts, dp):
     t = _trainer(4, tp, cuts, dp)
     ids, targets = _data()
     t.step(ids, targets)

@@ -200,6 +200,7 @@ def test_partial_sum_stays_partial_through_linear_ops() -> None:
     np.testing.assert_allclose(z.numpy(), (-(a @ b * 3.0) / 3.0).numpy(), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.usefixtures("native_collectives")  # on gloo's target reduce-scatter and all-reduce + slice tie
 def test_partial_sum_reduced_once_by_the_cheapest_boxing() -> None:
     p = PLACEMENTS["2"]
     a, b = randn(4, 6), randn(6, 3, seed=1)

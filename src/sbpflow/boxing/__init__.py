@@ -14,6 +14,7 @@ from .plan import (
     Plan,
     Step,
     cost_model,
+    current_factors,
     get_cost_model,
     plan,
     target_factors,
@@ -21,5 +22,5 @@ from .plan import (
 
 __all__ = [
     "CostModel", "Layout", "LinkCost", "Plan", "Step", "cost_model", "get_cost_model", "plan", "execute",
-    "target_factors", "identity_element",
+    "target_factors", "current_factors", "identity_element",
 ]

@@ -118,6 +118,12 @@ def target_factors(factors: tuple[tuple[tuple[str, str], float], ...]) -> Iterat
         _target_factors.pop()
 
 
+def current_factors() -> tuple[tuple[tuple[str, str], float], ...]:
+    """The collective cost factors plans use now: the innermost :func:`target_factors` block's, else the
+    installed backend's (every backend gives the target cluster's, ``comm.base.TARGET_COST_FACTORS``)."""
+    return _target_factors[-1] if _target_factors else get_backend().cost_factors()
+
+
 def get_cost_model() -> CostModel:
     return _cost_model[-1]
 
@@ -220,7 +226,7 @@ def plan(
     the composition really moves (``Backend.cost_factors``; e.g. gloo's
     reduce-scatter is an all-reduce, twice the bytes).
     """
-    factors = _target_factors[-1] if _target_factors else get_backend().cost_factors()
+    factors = current_factors()
     return _plan_cached(tuple(shape), dtype, src, dst, model or get_cost_model(), factors)
 
 
@@ -240,7 +246,7 @@ def transition_time(shape: Shape, dtype: torch.dtype, src: Layout, dst: Layout, 
     Used by whole-graph SBP selection, which prices many thousands of pairs."""
     if src == dst:
         return 0.0
-    factors = _target_factors[-1] if _target_factors else get_backend().cost_factors()
+    factors = current_factors()
     if src.placement == dst.placement:
         mesh = src.placement.hierarchy
         # one-rank axes are relabelled for free: compare only the others

@@ -80,6 +80,12 @@ class Completed:
         return self.result
 
 
+# How the cluster's transports compose collectives the planner prices as one step: gloo (cpu) has no
+# reduce-scatter, torch.distributed runs it as an all-reduce, twice the bytes (NCCL has one). Every backend costs
+# with these (Backend.cost_factors), so a plan made on virtual ranks is the cluster's plan.
+TARGET_COST_FACTORS: tuple[tuple[tuple[str, str], float], ...] = ((("cpu", "reduce_scatter"), 2.0),)
+
+
 class Backend(ABC):
     """Base class of comm backends; subclasses implement the ``_``-prefixed primitives."""
 
@@ -104,8 +110,10 @@ class Backend(ABC):
 
     def cost_factors(self) -> tuple[tuple[tuple[str, str], float], ...]:
         """``((device_type, step kind), factor)``: how many times the planner's α-β time and bytes a step
-        really costs here, for collectives this backend composes from others (see TorchDistBackend)."""
-        return ()
+        costs on the cluster's transports, for collectives they compose from others (:data:`TARGET_COST_FACTORS`).
+        Every backend gives the target's factors, virtual ranks included: eager dispatch and compiled plans then
+        choose the same collectives on a laptop as on the cluster, whichever backend executes them."""
+        return TARGET_COST_FACTORS
 
     def cost_factor(self, kind: str, device_type: str) -> float:
         for key, factor in self.cost_factors():

@@ -19,8 +19,9 @@ primitive of the boxing planner maps onto torch.distributed:
 gloo has no reduce-scatter of its own (torch's gloo ``reduce_scatter`` runs one
 all-reduce per destination), so sbpflow runs a single all-reduce: the bytes and
 rounds of an all-reduce, twice the ring reduce-scatter the planner assumes.
-:meth:`TorchDistBackend.cost_factors` says so, and the planner multiplies that
-step's cost by it (and the recorder counts the real bytes).
+:data:`~sbpflow.comm.base.TARGET_COST_FACTORS` says so (every backend costs with it,
+virtual ranks too), and the planner multiplies that step's cost by it (and the
+recorder counts the real bytes).
 
 Process groups. A collective needs a process group per rank set, and creating
 one is collective over the whole job: every process must create the same groups
@@ -65,11 +66,6 @@ if TYPE_CHECKING:
 Group = tuple[int, ...]
 
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
-
-
-# gloo has no reduce-scatter: it is an all-reduce, twice the bytes (NCCL has it). Compiled plans cost collectives
-# with these factors whatever backend executes them, so a plan made on virtual ranks is the cluster's plan.
-TARGET_COST_FACTORS: tuple[tuple[tuple[str, str], float], ...] = ((("cpu", "reduce_scatter"), 2.0),)
 
 
 class TorchDistBackend(Backend):
@@ -131,9 +127,6 @@ class TorchDistBackend(Backend):
         if set(placement.flat_ranks) >= set(range(self.world_size)):
             return placement
         return Placement(placement.type, list(range(self.world_size)))
-
-    def cost_factors(self) -> tuple[tuple[tuple[str, str], float], ...]:
-        return TARGET_COST_FACTORS
 
     def barrier(self) -> None:
         """Waits (at most SBPFLOW_TIMEOUT) until every process of the job reaches the same barrier."""

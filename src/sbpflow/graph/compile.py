@@ -105,7 +105,7 @@ def compile_graph(g: LogicalGraph, method: str = "ilp", model: boxing.CostModel 
     ``late_reduce`` all-reduces a data-parallel gradient once a step, after its micro-batches are summed
     (``graph.late_reduce``); ``split_updates`` cuts a multi-tensor optimizer update by the gradient collective
     each parameter waits for (``graph.update_split``)."""
-    from ..comm.torch_dist import TARGET_COST_FACTORS
+    from ..comm.base import TARGET_COST_FACTORS
 
     model = model or boxing.get_cost_model()
     factors = TARGET_COST_FACTORS if factors is None else factors

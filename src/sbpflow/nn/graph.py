@@ -596,9 +596,9 @@ def _key_text(key: tuple[Any, ...]) -> str:
 
 
 def target_factors(args: Sequence[Any]) -> tuple[Any, ...]:
-    """The target cluster's collective cost factors: gloo composes reduce-scatter on CPU (see
-    :class:`sbpflow.comm.torch_dist.TorchDistBackend`), so CPU targets cost it so whatever runs the plan."""
-    from ..comm.torch_dist import TARGET_COST_FACTORS
+    """The target cluster's collective cost factors (:data:`sbpflow.comm.base.TARGET_COST_FACTORS`: gloo composes
+    reduce-scatter on CPU), whatever backend runs the plan."""
+    from ..comm.base import TARGET_COST_FACTORS
 
     return TARGET_COST_FACTORS
 

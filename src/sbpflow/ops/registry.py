@@ -422,8 +422,8 @@ class Decision:
     shard_ctxs: dict[int, ShardCtx] = field(default_factory=dict, compare=False, repr=False)
 
 
-# (op name, placement token, (shape, dtype, sbp token) or scalar type per arg, attrs, cost model, backend cost
-# factors) -> Decision
+# (op name, placement token, (shape, dtype, sbp token) or scalar type per arg, attrs, cost model, collective cost
+# factors in force) -> Decision
 _global_cache: dict[Any, Decision] = {}
 
 
@@ -434,9 +434,8 @@ def _apply_global(opdef: OpDef, args: Sequence[Any], attrs: dict[str, Any], key_
     if key_args is None:
         placement, where, key_args = _global_key(opdef, args)
     assert placement is not None  # apply() saw a global tensor
-    backend = _comm._backend or get_backend()
     key = (opdef.name, where, key_args, _attrs_key(attrs) if attrs else (), id(_cost_model_stack[-1]),
-           backend.cost_factors())
+           boxing.current_factors())
     decision = _global_cache.get(key)
     if decision is None:
         _keep_cost_model_alive()
