@@ -198,6 +198,16 @@ def test_tensor_parallel_step_reduces_each_partial_sum_once_where_the_layernorm_
     assert "optimizer" not in counts
 
 
+def test_tensor_parallel_step_on_the_cpu_target_reduces_each_partial_sum_once_by_an_all_reduce() -> None:
+    # The same partial sums on the default target (gloo: a reduce-scatter is an all-reduce, so sequence
+    # parallelism buys nothing): each is all-reduced once, by the LayerNorm that reads it, as on processes.
+    counts = _one_step_log("tp=2")
+    reduced_at = {w: k for w, k in counts.items() if w.startswith("forward") and w.endswith(("ln_1", "ln_2", "ln_f"))}
+    assert sum(k.get("all_reduce", 0) for k in reduced_at.values()) == 1 + 2 * CONFIG.n_layer
+    assert all(set(k) == {"all_reduce"} for k in reduced_at.values())
+    assert not {"reduce_scatter", "all_gather", "all_to_all"} & set(_phase(counts, "forward"))
+
+
 def test_pipeline_step_sends_activations_between_stages() -> None:
     counts = _one_step_log("pp=2")
     # forward: the activation after block 0 and the tied embedding go to stage 1; backward: their gradients
