@@ -359,6 +359,8 @@ def report(results: list[dict[str, Any]], timeline: tuple[float, float, float], 
     dp = [min(r["ratios"][k] for k in list(r["times"])[:-1] if k != BOUND) for r in results if "DDP" in r["times"]]
     bounds = [f"{r['name'].split(',')[0]} {r['ratios'][BOUND]:.3f}x" for r in results if BOUND in r["times"]]
     extra = [_communication_cpu(r) for r in results if BOUND in r["times"]]
+    saturation = ", ".join(f"{r['name'].split(',')[0]} {r['cpu'][BOUND] / r['times'][BOUND]:.0%}" for r in results
+                     if BOUND in r["times"])
     tp = [min(r["ratios"][k] for k in list(r["times"])[:-1]) for r in results if "DTensor tp2" in r["times"]]
     lines += [
         "",
@@ -372,8 +374,9 @@ def report(results: list[dict[str, Any]], timeline: tuple[float, float, float], 
         "",
         f"The bound ({BOUND}: DDP's kernels and optimizer on each half batch, every collective left out, in the "
         f"same rounds) against DDP: {', '.join(bounds)}. A data-parallel step running torch's kernels cannot go "
-        "below it on these 2 shared cores. The bound's CPU per step is its wall time (both cores busy); "
-        "communication adds CPU on the same cores (gloo's threads copy and reduce every byte), per step over the "
+        "below it on these 2 shared cores. The bound's CPU per step is this share of its wall time: "
+        f"{saturation} (each process keeps its core busy); communication adds CPU on the same cores (gloo's "
+        "threads copy and reduce every byte), per step over the "
         f"bound's, busier process: {'; '.join(extra)}. Overlap hides waiting, not CPU: what a collective costs in "
         "CPU is paid on the cores the compute threads need.",
         "",
