@@ -378,13 +378,13 @@ def report(p: int, medians: dict[str, float], cpu: dict[str, float], gathered: l
 
 
 
-def spread(ratios: list[dict[str, float]]) -> str:
+def spread(ratios: list[dict[str, float]], table: str = "the table above is the first") -> str:
     """Each launch's step-time ratio to torch's 1F1B per contender, and their median: within a launch the rounds
     interleave the contenders, which cancels the machine's drifts but not what a launch fixes for its whole life
     (where each tensor landed, which core each process got); on this shared 2-core machine those moved a ratio
     by several percent from one launch to the next."""
     lines = [f"Step time vs torch Schedule1F1B over {len(ratios)} launches (fresh processes, one after another; "
-             "the table above is the first):", ""]
+             f"{table}):", ""]
     for name in ratios[0]:
         if name != "torch Schedule1F1B":
             values = [r[name] for r in ratios]
@@ -399,9 +399,9 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--write", action="store_true", help="write the tables into docs/benchmarks.md")
-    parser.add_argument("--launches", type=int, default=1,
+    parser.add_argument("--launches", type=int, default=3,
                         help="run each world this many times in fresh processes (the first launch's table is "
-                             "written, with every launch's step-time ratio and their median)")
+                             "written, with every launch's step-time ratio and their median; default 3)")
     parser.add_argument("--json", help=argparse.SUPPRESS)  # a launched worker's rank 0 writes its results here
     parser.add_argument("--ungrouped", action="store_true",
                         help="also time sbpflow with one accumulate node per gradient (graph.group off)")
@@ -418,6 +418,7 @@ def main() -> int:
         tables.append(table[table.index("### "):].strip() if "### " in table else table.strip())
         if args.launches > 1:
             tables[-1] += "\n\n" + spread([run["ratios"] for run in runs])
+            print(spread([run["ratios"] for run in runs], "each launch printed its table above"), flush=True)
     if args.write:
         from _report import machine, write_section
 
