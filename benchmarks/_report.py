@@ -16,11 +16,13 @@ import re
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from sbpflow.host_memory import freed_host_memory_kept, keep_freed_host_memory
 
@@ -90,6 +92,23 @@ def launch_runs(script: str, world: int, args: list[str], launches: int) -> list
             launch_self(script, world, [*args, "--json", str(path)], check=True)
             runs.append(json.loads(path.read_text()))
     return runs
+
+
+def timed_block_cpu(fn: Callable[[], object], steps: int, warmup: int = 1) -> tuple[float, float]:
+    """Seconds per step of ``steps`` steps as the slower process saw them (all start together), and the CPU
+    seconds per step (every thread of the process: communication threads included) of the process that used the
+    most, after ``warmup`` untimed steps: interleaved contenders share the caches, and the first step after a
+    switch pays for the previous contender's working set (steady-state training never switches)."""
+    dist.barrier()
+    for _ in range(warmup):
+        fn()
+    dist.barrier()
+    start, cpu = time.perf_counter(), time.process_time()
+    for _ in range(steps):
+        fn()
+    spent = torch.tensor([time.perf_counter() - start, time.process_time() - cpu], dtype=torch.float64) / steps
+    dist.all_reduce(spent, op=dist.ReduceOp.MAX)
+    return float(spent[0]), float(spent[1])
 
 
 def publish(name: str, body: str, write: bool) -> None:

@@ -39,7 +39,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-from _report import machine, publish, run_or_launch  # noqa: E402
+from _report import machine, publish, run_or_launch, timed_block_cpu  # noqa: E402
 from _torch_gpt import TorchGPT, adamw, copy_weights
 from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -285,25 +285,8 @@ def sbpflow_bytes(contender: Contender) -> tuple[int, int, dict[str, int]]:
 
 
 def timed_block(fn: Callable[[], object], steps: int, warmup: int = 1) -> float:
-    """Seconds per step of ``steps`` steps, as the slower process saw them (both start together), after
-    ``warmup`` untimed steps: interleaved contenders share the caches, and the first step after a switch pays
-    for the previous contender's working set (steady-state training never switches)."""
+    """Seconds per step of ``steps`` steps, as the slower process saw them (:func:`_report.timed_block_cpu`)."""
     return timed_block_cpu(fn, steps, warmup)[0]
-
-
-def timed_block_cpu(fn: Callable[[], object], steps: int, warmup: int = 1) -> tuple[float, float]:
-    """:func:`timed_block`, and the CPU seconds per step (every thread of the process: communication threads
-    included) of the process that used the most."""
-    dist.barrier()
-    for _ in range(warmup):
-        fn()
-    dist.barrier()
-    start, cpu = time.perf_counter(), time.process_time()
-    for _ in range(steps):
-        fn()
-    spent = torch.tensor([time.perf_counter() - start, time.process_time() - cpu], dtype=torch.float64) / steps
-    dist.all_reduce(spent, op=dist.ReduceOp.MAX)
-    return float(spent[0]), float(spent[1])
 
 
 def interleaved(contenders: dict[str, Contender], steps: int, rounds: int) -> dict[str, float]:

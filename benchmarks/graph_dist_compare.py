@@ -41,9 +41,9 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-from _report import launch_runs, machine, publish, run_or_launch
+from _report import launch_runs, machine, publish, run_or_launch, timed_block_cpu
 from _torch_gpt import TorchBlock, TorchGPT, adamw, copy_weights
-from ddp_compare import MLP_BATCH, MLP_LAYERS, MLP_WIDTH, mlp_data, placed_mlp, timed_block_cpu, torch_mlp
+from ddp_compare import MLP_BATCH, MLP_LAYERS, MLP_WIDTH, mlp_data, placed_mlp, torch_mlp
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 

@@ -20,7 +20,6 @@ import json
 import os
 import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -34,7 +33,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from _report import launch_runs  # noqa: E402
+from _report import launch_runs, timed_block_cpu  # noqa: E402
 from _torch_gpt import TorchBlock  # noqa: E402
 
 import sbpflow  # noqa: E402
@@ -279,22 +278,6 @@ def _clip(params: list[torch.Tensor], module: TorchStage, rank: int, p: int) -> 
 # ----------------------------------------------------------------------------- timing
 
 
-def timed(fn: Callable[[], object], steps: int) -> tuple[float, float]:
-    """Seconds per step over ``steps`` steps as the slowest process saw them, and the CPU seconds per step of the
-    busiest process (all its threads: on a machine shared with other jobs, less disturbed than the wall clock),
-    after one untimed step (the first after a switch pays for the previous contender's working set)."""
-    dist.barrier()
-    fn()
-    dist.barrier()
-    start, cpu = time.perf_counter(), time.process_time()
-    for _ in range(steps):
-        fn()
-    elapsed = torch.tensor([(time.perf_counter() - start) / steps, (time.process_time() - cpu) / steps],
-                           dtype=torch.float64)
-    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-    return float(elapsed[0]), float(elapsed[1])
-
-
 FUSED = "sbpflow 1f1b (graph, fused segments)"
 UNGROUPED = "sbpflow 1f1b (graph, one accumulate per gradient)"
 
@@ -324,7 +307,7 @@ def worker(args: argparse.Namespace) -> None:
     samples: dict[str, list[tuple[float, float]]] = {name: [] for name in contenders}
     for _ in range(args.rounds):
         for name, fn in contenders.items():
-            samples[name].append(timed(fn, args.steps))
+            samples[name].append(timed_block_cpu(fn, args.steps))
     medians = {name: statistics.median(wall for wall, _ in v) for name, v in samples.items()}
     cpu = {name: statistics.median(c for _, c in v) for name, v in samples.items()}
     compiled = trainer.graph._compiled()
