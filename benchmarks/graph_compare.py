@@ -58,8 +58,8 @@ def sbpflow_step(graph: bool, executor: str = "actors", fused: bool = False,
                  torch_compile: bool = False) -> Callable[[], float]:
     """The GPT step: eager, or compiled (``fused``: with fused segments, under torch.compile if asked)."""
     trainer = build(GPT, "dp=1", graph=graph, executor=executor)
-    if fused and trainer.graph is not None:
-        trainer.graph.config.enable_fused_segments(True, torch_compile=torch_compile)
+    if trainer.graph is not None:
+        trainer.graph.config.enable_fused_segments(fused, torch_compile=torch_compile)
     ids, targets = _data(GPT, BATCH)
     trainer.step(ids, targets)  # compile, fill caches and optimizer state
     return lambda: trainer.step(ids, targets)
@@ -106,8 +106,7 @@ class _MLPStep(nn.Graph):
         self.model = model
         self.add_optimizer(opt)
         self.config.set_executor(executor)
-        if fused:
-            self.config.enable_fused_segments(True, torch_compile=torch_compile)
+        self.config.enable_fused_segments(fused, torch_compile=torch_compile)
 
     def build(self, x: sbpflow.Tensor, y: sbpflow.Tensor) -> sbpflow.Tensor:
         loss = ((self.model(x) - y) ** 2).mean()
@@ -282,9 +281,10 @@ def step_lines(rounds: int, torch_compile: bool = False) -> list[str]:
         f"`.venv/bin/python benchmarks/graph_compare.py --write` on {machine()}; medians of {rounds} "
         "interleaved rounds, each timed step after an untimed one of the same contender. Wall times carry the "
         "waits for the shared cores; the CPU columns (this process's CPU "
-        "time) leave them out, so on a loaded machine their ratios are the steadier ones. Fused segments: "
-        "`config.enable_fused_segments(True)`, each run of compute nodes one node of generated Python "
-        "(sbpflow.graph.fuse), on the actor runtime.",
+        "time) leave them out, so on a loaded machine their ratios are the steadier ones. Fused segments "
+        "(`config.enable_fused_segments`, on by default): each run of compute nodes one node of generated Python "
+        "(sbpflow.graph.fuse), on the actor runtime; the sbpflow graph contenders without the words turn them "
+        "off.",
         "",
         f"GPT step on one rank ({GPT.n_layer} layers, width {GPT.n_embd}, sequence {GPT.block_size}, batch {BATCH}, "
         "AdamW, clipping):",

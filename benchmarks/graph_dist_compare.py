@@ -368,9 +368,9 @@ def report(results: list[dict[str, Any]], timeline: tuple[float, float, float], 
         f"{busy:.1f} ms with a collective in flight (each from its issue to its first reader: an upper bound of "
         f"its time on the wire), {share:.0%} of that while compute acts ran (the rest of backward).",
         "",
-        "Fused segments (`config.enable_fused_segments`, opt-in): each run of compute nodes between "
-        "communication nodes is one act of generated straight-line Python. Targets count sbpflow's better "
-        "contender per model.",
+        "Fused segments (`config.enable_fused_segments`, on by default): each run of compute nodes between "
+        "communication nodes is one act of generated straight-line Python; the nn.Graph contenders without the "
+        "words turn them off. Targets count sbpflow's better contender per model.",
         "",
         f"The bound ({BOUND}: DDP's kernels and optimizer on each half batch, every collective left out, in the "
         f"same rounds) against DDP: {', '.join(bounds)}. A data-parallel step running torch's kernels cannot go "

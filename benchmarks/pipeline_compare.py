@@ -278,7 +278,8 @@ def _clip(params: list[torch.Tensor], module: TorchStage, rank: int, p: int) -> 
 # ----------------------------------------------------------------------------- timing
 
 
-FUSED = "sbpflow 1f1b (graph, fused segments)"
+FUSED = "sbpflow 1f1b (graph, fused segments)"  # the default
+PLAIN = "sbpflow 1f1b (graph, unfused)"  # enable_fused_segments(False)
 UNGROUPED = "sbpflow 1f1b (graph, one accumulate per gradient)"
 
 
@@ -293,7 +294,7 @@ def worker(args: argparse.Namespace) -> None:
                  for n, t in trainer.model.named_parameters()}
     block_stage = trainer.strategy.block_stage
     saved: dict[str, SavedBytes] = {}
-    contenders = {"sbpflow 1f1b (graph)": sbp_step, FUSED: fused_step,
+    contenders = {PLAIN: sbp_step, FUSED: fused_step,
                   "torch Schedule1F1B": torch_step(p, Schedule1F1B, reference, block_stage, saved,
                                                    "torch Schedule1F1B"),
                   "torch ScheduleGPipe": torch_step(p, ScheduleGPipe, reference, block_stage, saved,
@@ -313,7 +314,7 @@ def worker(args: argparse.Namespace) -> None:
     compiled = trainer.graph._compiled()
     peaks = activation_peaks(compiled.plan.pipeline, compiled.executor.stats.peak_slots)
     mine = peaks.get(dist.get_rank(), 0)
-    memory = {"sbpflow 1f1b (graph)": sbpflow_activation_bytes(trainer, dist.get_rank(), sbp_step),
+    memory = {PLAIN: sbpflow_activation_bytes(trainer, dist.get_rank(), sbp_step),
               FUSED: sbpflow_activation_bytes(fused_trainer, dist.get_rank(), fused_step),
               **{name: counter.peak for name, counter in saved.items()}}
     if args.ungrouped:

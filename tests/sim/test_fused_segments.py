@@ -16,7 +16,7 @@ import sbpflow
 from sbpflow import nn, sbp
 from sbpflow.comm import SimulatedBackend
 from sbpflow.demo.train_gpt import build, parameter_values, random_batches
-from sbpflow.graph.fuse import FUSED, codegen, fuse_segments, sub_nodes, transient_bytes
+from sbpflow.graph.fuse import FUSED, codegen, fuse_segments, members, sub_nodes, transient_bytes
 from sbpflow.graph.verify import verify
 from sbpflow.models.gpt import GPTConfig
 from sbpflow.runtime import ActorRuntime, ExecutionError, run_plan
@@ -43,8 +43,8 @@ def _computes(plan: Any) -> int:
 def _gpt(spec: str | None, fused: bool | None, executor: str = "actors", m: int = 1) -> tuple[Any, ...]:
     """Three AdamW steps of the GPT: eager (``fused`` None) or compiled with or without fused segments."""
     trainer = build(CONFIG, spec, graph=fused is not None, executor=executor, micro_batches=m)
-    if fused:
-        trainer.graph.config.enable_fused_segments(True)
+    if fused is not None:
+        trainer.graph.config.enable_fused_segments(fused)
     losses = [trainer.step(ids, targets) for ids, targets in random_batches(CONFIG.vocab_size, STEPS, 8, 8, seed=1)]
     return losses, parameter_values(trainer), trainer.graph
 
@@ -166,16 +166,20 @@ def _run_of(plan: Any, node: Any) -> list[Any]:
     return plan.nodes[lo:hi + 1]
 
 
-def test_off_by_default_and_off_leaves_the_plan_as_it_was() -> None:
-    _, _, default = _gpt("dp=1", False)
-    assert not default.config.fused_segments
-    assert not any(n.op == FUSED for n in default.plan.nodes)
+def test_on_by_default_and_off_gives_the_plan_of_its_members() -> None:
+    """The default compiled plan fuses; turned off, the plan is the default's with each fused node replaced by the
+    nodes it runs, in order (the same buffers in and out)."""
     trainer = build(CONFIG, "dp=1", graph=True)
-    trainer.graph.config.enable_fused_segments(False)
+    assert trainer.graph.config.fused_segments
+    unfused = build(CONFIG, "dp=1", graph=True)
+    unfused.graph.config.enable_fused_segments(False)
     for ids, targets in random_batches(CONFIG.vocab_size, 1, 8, 8, seed=1):
         trainer.step(ids, targets)
-    assert [(n.kind, n.name, n.inputs, n.outputs) for n in trainer.graph.plan.nodes] == \
-        [(n.kind, n.name, n.inputs, n.outputs) for n in default.plan.nodes]
+        unfused.step(ids, targets)
+    default, off = trainer.graph.plan, unfused.graph.plan
+    assert any(n.op == FUSED for n in default.nodes) and not any(n.op == FUSED for n in off.nodes)
+    assert [(n.kind, n.name, n.inputs, n.outputs) for n in members(default.nodes)] == \
+        [(n.kind, n.name, n.inputs, n.outputs) for n in off.nodes]
 
 
 def test_config_refuses_bad_values() -> None:
@@ -206,8 +210,7 @@ class MlpStep(nn.Graph):
         self.model = model
         self.add_optimizer(opt, clip_grad_max_norm=1.0)
         self.config.set_gradient_accumulation_steps(m)
-        if fused:
-            self.config.enable_fused_segments(True, torch_compile=torch_compile)
+        self.config.enable_fused_segments(fused, torch_compile=torch_compile)
 
     def build(self, x: Any, y: Any) -> Any:
         loss = (self.model(x) - y).square().mean()

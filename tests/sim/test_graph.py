@@ -21,6 +21,7 @@ from sbpflow.comm import set_backend
 from sbpflow.comm.simulated import SimulatedBackend
 from sbpflow.demo.train_gpt import build, random_batches, train_gpt
 from sbpflow.graph.explain import collective_counts
+from sbpflow.graph.fuse import members
 from sbpflow.graph.trace import TraceError
 from sbpflow.graph.verify import PlanError, verify
 from sbpflow.models.cnn import train_cnn
@@ -237,9 +238,10 @@ def test_megatron_collectives_on_dp2_tp2() -> None:
         if step.kind == "all_reduce" and step.axis == 1 and isinstance(step.src.sbp[1], sbpflow.sbp.Partial):
             tensor_axis_reduces += 1
         if step.kind == "all_reduce" and step.axis == 0:
-            source = plan.node(producer[n.inputs[0]])
-            in_bucket = source.op == "bucket_flatten"
-            dp_reduced += len(source.inputs) if in_bucket else 1
+            source = plan.node(producer[n.inputs[0]])  # a fused node: the sub-node that writes it
+            maker = next(m for m in members([source]) if n.inputs[0] in m.outputs)
+            in_bucket = maker.op == "bucket_flatten"
+            dp_reduced += len(maker.inputs) if in_bucket else 1
             buckets += in_bucket
     n_params = len(list(trainer.model.parameters()))
     assert tensor_axis_reduces == 4 * config.n_layer

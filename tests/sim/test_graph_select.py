@@ -22,6 +22,7 @@ from sbpflow.demo.train_gpt import build, random_batches
 from sbpflow.graph import select
 from sbpflow.graph.bucket import solo_bytes
 from sbpflow.graph.explain import collective_counts
+from sbpflow.graph.fuse import members
 from sbpflow.graph.physical import PhysicalPlan
 from sbpflow.models.gpt import GPTConfig
 
@@ -51,14 +52,16 @@ def _signatures(step: nn.Graph, op: str) -> set[tuple[Any, ...]]:
 
 def _gradient_reductions(plan: PhysicalPlan) -> list[tuple[int, int]]:
     """Per all-reduce of rank 0, in plan order: (tensors it reduces, plan position of the node that makes its
-    input); a bucket's input is made by its flatten, right after the last member's producer."""
+    input); a bucket's input is made by its flatten, right after the last member's producer (in a fused node,
+    the sub-node that writes it)."""
     producer = plan.producers()
     position = {n.id: i for i, n in enumerate(plan.nodes)}
     out = []
     for n in plan.collectives(0):
         if n.boxing.steps[0].kind == "all_reduce":
             source = plan.node(producer[n.inputs[0]])
-            out.append((len(source.inputs) if source.op == "bucket_flatten" else 1, position[source.id]))
+            maker = next(m for m in members([source]) if n.inputs[0] in m.outputs)
+            out.append((len(maker.inputs) if maker.op == "bucket_flatten" else 1, position[source.id]))
     return out
 
 
@@ -96,7 +99,8 @@ def test_dp2_mlp_is_data_parallel_with_the_last_weight_gradient_made_whole() -> 
     assert sum(k for k, _ in reductions) == len(list(step.model.parameters())) - 1  # all but the whole one
     _assert_issued_when_made(plan)
     first_update = next(i for i, n in enumerate(plan.nodes) if n.kind == "update")
-    backward_ops = [i for i, n in enumerate(plan.nodes) if n.op in ("matmul_nd", "linear_weight_grad")]
+    backward_ops = [i for i, n in enumerate(plan.nodes)
+                    if any(m.op in ("matmul_nd", "linear_weight_grad") for m in members([n]))]
     assert reductions[0][1] < backward_ops[-1] < first_update  # the first goes out while backward goes on
 
 

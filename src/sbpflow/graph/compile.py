@@ -2,7 +2,7 @@
 prefetch window -> SBP selection -> lowering (boxing nodes) -> reduce after accumulating (a data-parallel
 gradient reduced once a step, not per micro-batch) -> gradient buckets -> pipeline -> grouped
 accumulation (one node per act's gradients) -> collectives on data alone first (no pipeline) -> fused segments
-(opt-in) -> verification.
+(on by default) -> verification.
 
 Each pass is a function with a clear input and output; :func:`compile_graph` runs them and times each one,
 since compile time is where users of graph compilers suffer first.

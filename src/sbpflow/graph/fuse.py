@@ -1,4 +1,4 @@
-"""Fused segments (opt-in, ``GraphConfig.enable_fused_segments``): each maximal run of plain compute nodes of a
+"""Fused segments (on by default, ``GraphConfig.enable_fused_segments``): each maximal run of plain compute nodes of a
 plan becomes one compute node whose kernel is straight-line Python generated from the run.
 
 A compiled plan already binds each node's kernel once (``runtime.inorder.Program``); what a step still pays per
@@ -199,6 +199,12 @@ def sub_nodes(node: PNode) -> tuple[PNode, ...]:
     if node.op != FUSED:
         return ()
     return dict(node.attrs)["nodes"]  # type: ignore[no-any-return]
+
+
+def members(nodes: Iterable[PNode]) -> list[PNode]:
+    """``nodes`` with each fused node replaced by its sub-nodes: the plan's nodes as the passes before fusion left
+    them, in order (their buffers are the plan's; their ids are those from before renumbering)."""
+    return [m for n in nodes for m in (sub_nodes(n) if n.op == FUSED else (n,))]
 
 
 def uses_torch_compile(node: PNode) -> bool:

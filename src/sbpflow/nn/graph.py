@@ -72,7 +72,7 @@ class GraphConfig:
         self.amp_dtype: torch.dtype | None = None  # the autocast dtype of build() (enable_amp); None: off
         self.grad_comm_dtype: torch.dtype | None = None  # the dtype gradients are reduced in; None: their own
         self.loss_scaler: Any = None  # an amp.GradScaler whose rules run inside the step (fp16); None: off
-        self.fused_segments = False  # runs of plain compute nodes become one node of generated code (graph.fuse)
+        self.fused_segments = True  # runs of plain compute nodes become one node of generated code (graph.fuse)
         self.segment_torch_compile = False  # and that code runs under torch.compile
         # the gradients one act of the schedule makes are summed by one accumulate node (graph.group); False: one
         # node per gradient (the numbers are the same)
@@ -126,13 +126,15 @@ class GraphConfig:
         inside it, and its intermediates never reach the executor. ``torch_compile=True`` runs each segment's
         function under ``torch.compile(fn, dynamic=False)`` (compiled at the first step: slow to start).
         Numbers are those of the unfused plan (the same kernels in the same order) unless torch.compile fuses
-        kernels. Off by default. In a pipeline a run keeps to one stage and one part of the schedule (F, B, W).
+        kernels. On by default. In a pipeline a run keeps to one stage and one part of the schedule (F, B, W).
 
         >>> import sbpflow
         >>> g = sbpflow.nn.Graph()
-        >>> g.config.enable_fused_segments(True)
         >>> g.config.fused_segments, g.config.segment_torch_compile
         (True, False)
+        >>> g.config.enable_fused_segments(False)  # one plan node per compute node
+        >>> g.config.fused_segments
+        False
         """
         if not isinstance(enabled, bool) or not isinstance(torch_compile, bool):
             raise SbpflowError(f"enable_fused_segments takes booleans, but got enabled={enabled!r}, "
