@@ -6,7 +6,8 @@ Each step kind below is one row of the table in :mod:`sbpflow.boxing.plan`.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -84,10 +85,7 @@ def execute_async(plan: Plan, shards: Shards, backend: Backend, donate: bool = F
     backend.prepare(plan)
     step = plan.steps[0]
     if step.kind == "send_recv":
-        with activity(_StepName(plan, 0)):
-            pieces, transfers, payloads = _transfers(plan.shape, plan.dtype, step, shards, backend)
-            return InFlight([backend.send_recv_async(transfers, payloads)],
-                            partial(_assemble, plan.shape, step, pieces, dtype=plan.dtype, backend=backend))
+        return _send_recv_async(plan, Route.of(plan.shape, plan.dtype, step, backend), shards, backend)
     source, groups = step.src.sbp[step.axis], _groups(step, backend)  # type: ignore[index]
     with activity(_StepName(plan, 0)):
         if isinstance(source, Partial):
@@ -97,6 +95,29 @@ def execute_async(plan: Plan, shards: Shards, backend: Backend, donate: bool = F
         shapes = {g: [box_shape(_box(plan.shape, step.src, r)) for r in g] for g in groups}
         return InFlight([backend.all_gather_async(g, {r: shards[r] for r in backend.owned(g)}, shapes[g], plan.dtype)
                          for g in groups], partial(_joined, source.dim))
+
+
+def bind_async(plan: Plan, backend: Backend, donate: bool = False) -> Callable[[Shards], InFlight]:
+    """``execute_async(plan, shards, backend, donate)`` as a function of ``shards``, for a plan that runs every
+    micro-batch (a compiled boxing node): a send/recv works out its :class:`Route` at its first call, not at
+    every one."""
+    assert runs_async(plan), plan
+    if plan.steps[0].kind != "send_recv":
+        return lambda shards: execute_async(plan, shards, backend, donate)
+    routes: list[Route] = []
+
+    def send_recv(shards: Shards) -> InFlight:
+        backend.prepare(plan)  # at the call, as execute_async: every process sets up groups in plan order
+        if not routes:
+            routes.append(Route.of(plan.shape, plan.dtype, plan.steps[0], backend))
+        return _send_recv_async(plan, routes[0], shards, backend)
+
+    return send_recv
+
+
+def _send_recv_async(plan: Plan, route: Route, shards: Shards, backend: Backend) -> InFlight:
+    with activity(_StepName(plan, 0)):
+        return InFlight([backend.send_recv_async(route.transfers, route.payloads(shards))], route.assemble)
 
 
 def _same(result: Shards) -> Shards:
@@ -255,30 +276,73 @@ def _a2a_bytes(shape: Shape, step: Step, group: tuple[int, ...], dtype: torch.dt
 
 
 def _run_send_recv(step: Step, shape: Shape, dtype: torch.dtype, shards: Shards, backend: Backend) -> Shards:
-    pieces, transfers, payloads = _transfers(shape, dtype, step, shards, backend)
+    route = Route.of(shape, dtype, step, backend)
     both_cuda = step.src.placement.type == step.dst.placement.type == "cuda"
-    received = backend.send_recv(transfers, payloads, device_type="cuda" if both_cuda else "cpu")
-    return _assemble(shape, step, pieces, received, dtype, backend)
+    received = backend.send_recv(route.transfers, route.payloads(shards), device_type="cuda" if both_cuda else "cpu")
+    return route.assemble(received)
 
 
-def _transfers(shape: Shape, dtype: torch.dtype, step: Step, shards: Shards,
-               backend: Backend) -> tuple[Sequence[tuple[int, int, Box]], list[Transfer], dict[int, torch.Tensor]]:
-    """A send/recv step's pieces (src, dst, box), its transfers, and the payloads of the sources owned here."""
-    pieces: Sequence[tuple[int, int, Box]]
-    if step.detail == "pairwise":
-        pieces = _pairwise_pieces(shape, step)
-    else:
-        pieces = transfer_pieces(shape, step.src, step.dst)
-    transfers, payloads = [], {}
-    for i, (src, dst, box) in enumerate(pieces):
-        transfers.append(Transfer(src, dst, box_shape(box), dtype))
-        if backend.owns(src) and src in shards:
-            payloads[i] = shards[src][relative(box, _src_box(shape, step, src))].contiguous()
-    return pieces, transfers, payloads
+Cut = tuple[slice, ...] | None  # where a piece sits in a shard; None: it is the whole shard
 
 
-def _src_box(shape: Shape, step: Step, rank: int) -> Box:
-    return _box(shape, step.src, rank)
+@dataclass(frozen=True, slots=True)
+class Route:
+    """A send/recv step as one process runs it, worked out from the step alone: its transfers, which pieces this
+    process sends (from which of its shards, cut where), and how its destination shards are put together from the
+    pieces it receives. A compiled plan's boxing node sends every micro-batch of every step, so it works this out
+    once (:func:`bind_async`); eager boxing, once per call."""
+
+    transfers: tuple[Transfer, ...]
+    sends: tuple[tuple[int, int, Cut], ...]  # (piece, owned source rank, cut of its shard)
+    # (owned destination rank, its device, its shape, its pieces as (piece, cut of the shard)): one piece cut None
+    # is the shard itself, received whole
+    takes: tuple[tuple[int, torch.device, Shape, tuple[tuple[int, Cut], ...]], ...]
+    dtype: torch.dtype
+
+    @staticmethod
+    def of(shape: Shape, dtype: torch.dtype, step: Step, backend: Backend) -> Route:
+        pieces = _pairwise_pieces(shape, step) if step.detail == "pairwise" else transfer_pieces(shape, step.src,
+                                                                                                   step.dst)
+        sends = []
+        for i, (src, _, box) in enumerate(pieces):
+            if backend.owns(src):
+                held = _box(shape, step.src, src)
+                sends.append((i, src, None if box == held else relative(box, held)))
+        by_dst: dict[int, list[tuple[int, Box]]] = {}  # grouped once: a scan per destination is quadratic in ranks
+        for i, (_, dst, box) in enumerate(pieces):
+            by_dst.setdefault(dst, []).append((i, box))
+        dst_pl, takes = step.dst.placement, []
+        for d in backend.owned(dst_pl.flat_ranks):
+            want, mine = _box(shape, step.dst, d), by_dst.get(d, [])
+            if step.detail == "pairwise":  # the piece from the source at the same mesh coordinates
+                src_r = step.src.placement.rank_at(dst_pl.coords(d))
+                mine = [(i, want) for i, _ in mine if pieces[i][0] == src_r]
+            cuts = tuple((i, None if box == want else relative(box, want)) for i, box in mine)
+            takes.append((d, backend.device_for(dst_pl.type, d), box_shape(want), cuts))
+        transfers = tuple(Transfer(src, dst, box_shape(box), dtype) for src, dst, box in pieces)
+        return Route(transfers, tuple(sends), tuple(takes), dtype)
+
+    def payloads(self, shards: Shards) -> dict[int, torch.Tensor]:
+        """The pieces this process sends, by piece index (a source it owns with no shard here sends nothing)."""
+        out = {}
+        for i, src, cut in self.sends:
+            shard = shards.get(src)
+            if shard is not None:
+                out[i] = shard if cut is None else shard[cut].contiguous()
+        return out
+
+    def assemble(self, received: dict[int, torch.Tensor]) -> Shards:
+        """This process's destination shards from the pieces it received (by piece index)."""
+        out: Shards = {}
+        for d, device, shape, cuts in self.takes:
+            if len(cuts) == 1 and cuts[0][1] is None:
+                out[d] = received[cuts[0][0]].to(device)
+                continue
+            full = torch.empty(shape, dtype=self.dtype, device=device)
+            for i, cut in cuts:
+                full[cut] = received[i].to(device)
+            out[d] = full
+        return out
 
 
 def _pairwise_pieces(shape: Shape, step: Step) -> list[tuple[int, int, Box]]:
@@ -288,40 +352,6 @@ def _pairwise_pieces(shape: Shape, step: Step) -> list[tuple[int, int, Box]]:
         coords = src_pl.coords(r)
         out.append((r, dst_pl.rank_at(coords), _box(shape, step.src, r)))
     return out
-
-
-def _assemble(
-    shape: Shape, step: Step, pieces, received: dict[int, torch.Tensor], dtype: torch.dtype, backend: Backend
-) -> Shards:  # type: ignore[no-untyped-def]
-    out: Shards = {}
-    dst_pl = step.dst.placement
-    by_dst: dict[int, list[tuple[int, Box]]] = {}  # grouped once: a scan per destination is quadratic in ranks
-    for i, (_, dst, box) in enumerate(pieces):
-        by_dst.setdefault(dst, []).append((i, box))
-    for d in backend.owned(dst_pl.flat_ranks):
-        device = backend.device_for(dst_pl.type, d)
-        want = _box(shape, step.dst, d)
-        if step.detail == "pairwise":
-            src_r = step.src.placement.rank_at(dst_pl.coords(d))
-            out[d] = _pairwise_result(pieces, by_dst.get(d, []), received, src_r).to(device)
-            continue
-        mine = by_dst.get(d, [])
-        if len(mine) == 1 and mine[0][1] == want:
-            out[d] = received[mine[0][0]].to(device)
-            continue
-        full = torch.empty(box_shape(want), dtype=dtype, device=device)
-        for i, box in mine:
-            full[relative(box, want)] = received[i].to(device)
-        out[d] = full
-    return out
-
-
-def _pairwise_result(pieces, mine, received, src_rank: int) -> torch.Tensor:  # type: ignore[no-untyped-def]
-    """The piece from ``src_rank`` among ``mine``, the (index, box) pairs sent to this destination."""
-    for i, _ in mine:
-        if pieces[i][0] == src_rank:
-            return received[i]
-    raise KeyError(src_rank)
 
 
 def _run_broadcast(step: Step, shape: Shape, dtype: torch.dtype, shards: Shards, backend: Backend) -> Shards:

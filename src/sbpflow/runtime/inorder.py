@@ -27,7 +27,7 @@ import torch
 
 from .. import boxing
 from .._layout import shard_box
-from ..boxing.execute import InFlight, execute_async, runs_async
+from ..boxing.execute import InFlight, bind_async, runs_async
 from ..comm import Backend, get_backend
 from ..distributed import activity
 from ..errors import SbpflowError
@@ -207,9 +207,11 @@ def _bind_boxing(node: PNode, backend: Backend, in_flight: bool) -> Act:
     assert node.boxing is not None
     plan_step, donate = node.boxing, node.overwrites == 0  # donated: the only reader of a fresh input
     if in_flight:
+        start = bind_async(plan_step, backend, donate)
+
         def issue(inputs: Sequence[Any], state: StepState, micro: int) -> list[Any]:
             with activity(lambda: f"{node.label()} (micro-batch {micro})"):
-                return [execute_async(plan_step, inputs[0], backend, donate)]
+                return [start(inputs[0])]
         return issue
 
     def run(inputs: Sequence[Any], state: StepState, micro: int) -> list[Any]:
