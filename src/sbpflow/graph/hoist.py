@@ -4,14 +4,17 @@ Some collectives read nothing but the step's inputs: the global mean of a loss w
 kept labels of every rank (an all-gather or all-reduce of a mask made from the targets), whatever the model
 computes. Traced in place, such a collective sits at the end of the forward pass, and its reader waits there for
 the slowest rank to reach it: a synchronisation in the middle of every step, which data parallelism otherwise has
-only at its end (a rank that ran ahead idles, and the jitter of both halves of the step adds up). Issued as soon
-as its inputs exist, it is done long before it is read.
+only at its end (a rank that ran ahead idles, and the jitter of both halves of the step adds up). Likewise a
+batch the selection gathers for a weight gradient (the dp2 MLP's first layer, computed whole from the gathered
+batch and gradient): traced in place, it goes out at the end of backward, queued with the gradient all-reduces
+and the other gather. Issued as soon as its inputs exist, such a collective is done long before it is read.
 
 :func:`issue_data_collectives` moves every micro-batch collective whose inputs derive from inputs alone, with the
-nodes that make them, to the earliest place their dependencies allow, but never ahead of another communication
-node: the collectives keep their order, so every stream's sequence (and a pipeline's interleaving of
-micro-batches on it) is the one the plan had; what moves is compute. Every other node keeps its relative order
-(a topological sort that prefers those nodes, then plan order).
+nodes that make them, to the earliest place their dependencies allow: ahead of the other collectives, which keep
+their order among themselves, as these do. The plan is every process's, so every group's members still issue one
+sequence (the verifier checks it). Every other node keeps its relative order (a topological sort that prefers
+those nodes, then plan order). The pass runs on plans without a pipeline, whose streams' sequences the schedule
+fixes.
 
 >>> from sbpflow.graph.physical import Buf, PNode
 >>> nodes = [PNode(0, "input", "y", (), (0,), (0, 1)), PNode(1, "compute", "w", (), (1,), (0, 1)),
@@ -51,9 +54,10 @@ def _ordered(nodes: list[PNode]) -> list[PNode]:
     producer = {b: n.id for n in nodes for b in n.outputs}
     position = {n.id: i for i, n in enumerate(nodes)}
     deps = {n.id: {producer[b] for b in n.inputs if b in producer} | set(n.control) for n in nodes}
-    comm = [n.id for n in nodes if n.kind in COMMUNICATING]
-    for before, after in zip(comm, comm[1:], strict=False):  # collectives keep their order: only compute moves
-        deps[after].add(before)
+    for chain in ([n.id for n in nodes if n.kind in COMMUNICATING and (n.id in early) == first]
+                  for first in (True, False)):
+        for before, after in zip(chain, chain[1:], strict=False):  # each kind keeps its order
+            deps[after].add(before)
     by_id = {n.id: n for n in nodes}
     return [by_id[i] for i in keyed_order(
         deps, lambda i: (PHASES.index(by_id[i].phase), 0 if i in early else 1, position[i]))]
