@@ -166,11 +166,16 @@ def interleaved(contenders: dict[str, Callable[[], float]], rounds: int) -> dict
     ratio cancels the machine's slower drifts. CPU time is this process's (one torch thread; the actor runtime
     acts in the caller's thread on virtual ranks): on a shared machine it leaves out the time other jobs held
     the cores. Each timed step follows an untimed one of the same contender: the first step after a switch pays
-    for the previous contender's working set in the caches, which steady-state training never does."""
+    for the previous contender's working set in the caches, which steady-state training never does. The order
+    turns by one contender each round (callers give a multiple of the contenders: :func:`whole_turns`), so that
+    each takes every place in a round as often: a place moved a step by a few percent here (the fused and unfused
+    GPT graphs alone, timed in both orders: 0.964 and 1.031 of each other)."""
     wall: dict[str, list[float]] = {k: [] for k in contenders}
     cpu: dict[str, list[float]] = {k: [] for k in contenders}
-    for _ in range(rounds):
-        for name, fn in contenders.items():
+    names = list(contenders)
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            fn = contenders[name]
             fn()
             start, start_cpu = time.perf_counter(), time.process_time()
             fn()
@@ -183,6 +188,11 @@ def interleaved(contenders: dict[str, Callable[[], float]], rounds: int) -> dict
 
     return {k: (statistics.median(wall[k]), statistics.median(cpu[k]), ratio(wall, k), ratio(cpu, k))
             for k in contenders}
+
+
+def whole_turns(rounds: int, contenders: int) -> int:
+    """``rounds`` rounded up to a multiple of ``contenders``: every contender takes each place as often."""
+    return -(-rounds // contenders) * contenders
 
 
 PASSES = ("trace", "sbp selection", "lowering", "verify")
@@ -275,11 +285,13 @@ def step_lines(rounds: int, torch_compile: bool = False) -> list[str]:
     if torch_compile:
         gpt_steps[COMPILED] = sbpflow_step(True, "actors", fused=True, torch_compile=True)
         mlp_steps[COMPILED] = sbpflow_mlp_step("actors", fused=True, torch_compile=True)
-    gpt = interleaved(gpt_steps, rounds)
-    mlp = interleaved(mlp_steps, rounds * 3)
+    gpt_rounds, mlp_rounds = whole_turns(rounds, len(gpt_steps)), whole_turns(rounds * 3, len(mlp_steps))
+    gpt = interleaved(gpt_steps, gpt_rounds)
+    mlp = interleaved(mlp_steps, mlp_rounds)
     lines = [
-        f"`.venv/bin/python benchmarks/graph_compare.py --write` on {machine()}; medians of {rounds} "
-        "interleaved rounds, each timed step after an untimed one of the same contender. Wall times carry the "
+        f"`.venv/bin/python benchmarks/graph_compare.py --write` on {machine()}; medians of {gpt_rounds} "
+        "interleaved rounds (the contenders' order turned by one each round), each timed step after an untimed "
+        "one of the same contender. Wall times carry the "
         "waits for the shared cores; the CPU columns (this process's CPU "
         "time) leave them out, so on a loaded machine their ratios are the steadier ones. Fused segments "
         "(`config.enable_fused_segments`, on by default): each run of compute nodes one node of generated Python "
@@ -293,7 +305,7 @@ def step_lines(rounds: int, torch_compile: bool = False) -> list[str]:
     ]
     lines += _rows(gpt)
     lines += ["", f"MLP step on one rank (width {MLP_WIDTH}, {MLP_LAYERS} hidden layers, batch {MLP_BATCH}, MSE, "
-              f"AdamW; {rounds * 3} rounds):", "", *HEADER]
+              f"AdamW; {mlp_rounds} rounds):", "", *HEADER]
     return lines + _rows(mlp)
 
 
