@@ -3,6 +3,7 @@ and on every process the activation bound of its stage, read from its own runtim
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import numpy as np
@@ -18,15 +19,25 @@ from sbpflow.models.gpt import GPTConfig
 CONFIG = GPTConfig(vocab_size=64, block_size=8, n_layer=4, n_head=2, n_embd=32, dropout=0.0)
 STEPS = 2
 BATCH = 16
-CASES = [("pp=4", 4, "1f1b"), ("pp=2", 4, "gpipe"), ("dp=2,pp=2", 4, "1f1b"), ("pp=4", 4, "zero_bubble"),
-         ("dp=2,pp=2", 4, "interleaved_1f1b")]  # interleaved: 2 stages per placement, one block each
+SCHEDULES = ("1f1b", "gpipe", "zero_bubble", "interleaved_1f1b")  # interleaved: 2 stages per placement
+# every schedule at pp=2 and pp=4 with 4 and 8 micro-batches (pp=2 leaves processes 2 and 3 idle), and stages of
+# two data-parallel ranks
+CASES = [(f"pp={p}", m, schedule) for schedule in SCHEDULES for p in (2, 4) for m in (4, 8)]
+CASES += [("dp=2,pp=2", 4, "1f1b"), ("dp=2,pp=2", 4, "interleaved_1f1b")]
 RTOL, ATOL = 1e-5, 4e-5  # gloo sums in its own order; AdamW turns that noise on about-zero gradients into lr steps
 TIMEOUT = 300.0
 
 
-def _train(spec: str | None, m: int = 1, schedule: str | None = None) -> tuple[list[float], dict[str, Any], Any]:
+def _config(spec: str | None, schedule: str | None) -> GPTConfig:
+    """One block per stage at least: interleaved pp=4 has 8 stages."""
+    stages = int(spec.split("pp=")[1]) * (2 if schedule == "interleaved_1f1b" else 1) if spec else 1
+    return dataclasses.replace(CONFIG, n_layer=max(CONFIG.n_layer, stages))
+
+
+def _train(spec: str | None, m: int = 1, schedule: str | None = None,
+           config: GPTConfig = CONFIG) -> tuple[list[float], dict[str, Any], Any]:
     virtual = 2 if schedule == "interleaved_1f1b" else 1
-    trainer = build(CONFIG, spec, graph=spec is not None, micro_batches=m, schedule=schedule, virtual_stages=virtual)
+    trainer = build(config, spec, graph=spec is not None, micro_batches=m, schedule=schedule, virtual_stages=virtual)
     losses = [trainer.step(ids, targets)
               for ids, targets in random_batches(CONFIG.vocab_size, STEPS, BATCH, CONFIG.block_size, seed=1)]
     return losses, parameter_values(trainer), trainer
@@ -39,7 +50,7 @@ def pipeline_job() -> dict[str, Any]:
     rank = sbpflow.rank()
     out: dict[str, Any] = {"rank": rank, "train": {}, "peaks": {}, "bounds": {}, "threaded": {}}
     for case in CASES:
-        losses, params, trainer = _train(*case)
+        losses, params, trainer = _train(*case, config=_config(case[0], case[2]))
         compiled = trainer.graph._compiled()
         pipe = compiled.plan.pipeline
         placement = next((s for s, ranks in enumerate(pipe.stages) if rank in ranks), None)  # None: rank not used
@@ -62,9 +73,11 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def test_schedules_match_one_device(per_rank: list[dict[str, Any]]) -> None:
-    want_losses, want_params, _ = _train(None)
+    wanted = {case: _train(None, config=_config(case[0], case[2]))[:2] for case in CASES}
     for out in per_rank:
+        assert list(out["train"]) == CASES
         for case, (losses, params) in out["train"].items():
+            want_losses, want_params = wanted[case]
             np.testing.assert_allclose(losses, want_losses, rtol=RTOL, err_msg=f"{case} rank {out['rank']}")
             for name, value in want_params.items():
                 np.testing.assert_allclose(params[name], value, rtol=RTOL, atol=ATOL,
@@ -86,6 +99,16 @@ def test_each_process_holds_its_stages_bound(per_rank: list[dict[str, Any]]) -> 
             assert all(got[0] <= bound[0] for got, bound in zip(peaks, by_rank, strict=True)), (case, peaks)
         else:
             assert peaks == by_rank, case
+    for case in CASES:  # and every case holds the bounds its schedule states, on each process of a stage
+        for out in per_rank:
+            got, bound = out["peaks"].get(case), out["bounds"].get(case)
+            assert (got is None) == (bound is None), (case, out["rank"])
+            if got is None:
+                continue
+            if case[2] == "zero_bubble":
+                assert all(g <= b for g, b in zip(got, bound, strict=True)), (case, out["rank"], got, bound)
+            else:
+                assert got == bound, (case, out["rank"], got, bound)
 
 
 
