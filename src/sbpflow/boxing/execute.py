@@ -99,18 +99,16 @@ def execute_async(plan: Plan, shards: Shards, backend: Backend, donate: bool = F
 
 def bind_async(plan: Plan, backend: Backend, donate: bool = False) -> Callable[[Shards], InFlight]:
     """``execute_async(plan, shards, backend, donate)`` as a function of ``shards``, for a plan that runs every
-    micro-batch (a compiled boxing node): a send/recv works out its :class:`Route` at its first call, not at
-    every one."""
+    micro-batch (a compiled boxing node): a send/recv works out its :class:`Route` here, once, not at every
+    call."""
     assert runs_async(plan), plan
     if plan.steps[0].kind != "send_recv":
         return lambda shards: execute_async(plan, shards, backend, donate)
-    routes: list[Route] = []
+    route = Route.of(plan.shape, plan.dtype, plan.steps[0], backend)  # no communication: safe at bind time
 
     def send_recv(shards: Shards) -> InFlight:
         backend.prepare(plan)  # at the call, as execute_async: every process sets up groups in plan order
-        if not routes:
-            routes.append(Route.of(plan.shape, plan.dtype, plan.steps[0], backend))
-        return _send_recv_async(plan, routes[0], shards, backend)
+        return _send_recv_async(plan, route, shards, backend)
 
     return send_recv
 

@@ -92,7 +92,7 @@ def eliminate_dead_code(g: LogicalGraph) -> int:
 def compile_graph(g: LogicalGraph, method: str = "ilp", model: boxing.CostModel | None = None,
                   factors: tuple[Any, ...] | None = None,
                   agree: Callable[[Any], Any] | None = None,
-                  schedule: str = "1f1b", prefetch: int = 1, fused_segments: bool = False,
+                  schedule: str = "1f1b", prefetch: int = 1, fused_segments: bool = True,
                   torch_compile: bool = False,
                   group: bool = True, late_reduce: bool = True,
                   split_updates: bool = True) -> tuple[PhysicalPlan, LogicalGraph, CompileReport]:

@@ -13,8 +13,8 @@ and the other gather. Issued as soon as its inputs exist, such a collective is d
 nodes that make them, to the earliest place their dependencies allow: ahead of the other collectives, which keep
 their order among themselves, as these do. The plan is every process's, so every group's members still issue one
 sequence (the verifier checks it). Every other node keeps its relative order (a topological sort that prefers
-those nodes, then plan order). The pass runs on plans without a pipeline, whose streams' sequences the schedule
-fixes.
+those nodes, then plan order). It runs only on plans without a pipeline: a pipeline's schedule fixes the order
+of its streams' acts.
 
 >>> from sbpflow.graph.physical import Buf, PNode
 >>> nodes = [PNode(0, "input", "y", (), (0,), (0, 1)), PNode(1, "compute", "w", (), (1,), (0, 1)),
