@@ -34,7 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from _report import DOC, machine, write_section  # noqa: E402
+from _report import DOC, machine, turned, whole_turns, write_section  # noqa: E402
 from _torch_gpt import TorchGPT, adamw, copy_weights  # noqa: E402
 
 import sbpflow  # noqa: E402
@@ -167,14 +167,11 @@ def interleaved(contenders: dict[str, Callable[[], float]], rounds: int) -> dict
     acts in the caller's thread on virtual ranks): on a shared machine it leaves out the time other jobs held
     the cores. Each timed step follows an untimed one of the same contender: the first step after a switch pays
     for the previous contender's working set in the caches, which steady-state training never does. The order
-    turns by one contender each round (callers give a multiple of the contenders: :func:`whole_turns`), so that
-    each takes every place in a round as often: a place moved a step by a few percent here (the fused and unfused
-    GPT graphs alone, timed in both orders: 0.964 and 1.031 of each other)."""
+    turns each round (:func:`_report.turned`; callers give whole turns)."""
     wall: dict[str, list[float]] = {k: [] for k in contenders}
     cpu: dict[str, list[float]] = {k: [] for k in contenders}
-    names = list(contenders)
     for r in range(rounds):
-        for name in names[r % len(names):] + names[:r % len(names)]:
+        for name in turned(list(contenders), r):
             fn = contenders[name]
             fn()
             start, start_cpu = time.perf_counter(), time.process_time()
@@ -188,11 +185,6 @@ def interleaved(contenders: dict[str, Callable[[], float]], rounds: int) -> dict
 
     return {k: (statistics.median(wall[k]), statistics.median(cpu[k]), ratio(wall, k), ratio(cpu, k))
             for k in contenders}
-
-
-def whole_turns(rounds: int, contenders: int) -> int:
-    """``rounds`` rounded up to a multiple of ``contenders``: every contender takes each place as often."""
-    return -(-rounds // contenders) * contenders
 
 
 PASSES = ("trace", "sbp selection", "lowering", "verify")

@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-from _report import launch_runs, machine, publish, run_or_launch, timed_block_cpu
+from _report import launch_runs, machine, publish, run_or_launch, timed_block_cpu, turned
 from _torch_gpt import TorchBlock, TorchGPT, adamw, copy_weights
 from ddp_compare import MLP_BATCH, MLP_LAYERS, MLP_WIDTH, mlp_data, placed_mlp, torch_mlp
 from torch.distributed.tensor import DTensor
@@ -195,11 +195,12 @@ def interleaved(steps: dict[str, Step], per_round: int, rounds: int
                 ) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
     """Median seconds per step of each contender, per contender the median over rounds of its time over the
     last contender's, torch's (a round's timings are back to back, so their ratio cancels slower drifts of the
-    load), and median CPU seconds per step of the busier process."""
+    load), and median CPU seconds per step of the busier process. The order turns each round
+    (:func:`_report.turned`)."""
     samples: dict[str, list[tuple[float, float]]] = {k: [] for k in steps}
-    for _ in range(rounds):
-        for name, fn in steps.items():
-            samples[name].append(timed_block_cpu(fn, per_round))
+    for r in range(rounds):
+        for name in turned(list(steps), r):
+            samples[name].append(timed_block_cpu(steps[name], per_round))
     theirs = samples[list(steps)[-1]]
     ratios = {k: statistics.median(a / b for (a, _), (b, _) in zip(v, theirs, strict=True))
               for k, v in samples.items()}
@@ -326,8 +327,8 @@ def report(results: list[dict[str, Any]], timeline: tuple[float, float, float], 
         f"`.venv/bin/python benchmarks/graph_dist_compare.py{launched} --write` on "
         f"{machine(threads=1, processes=WORLD)}: "
         "gloo on 127.0.0.1; each model's contenders run in the same 2 processes with the same weights, data and "
-        f"AdamW (no clipping), {args.rounds} interleaved rounds of {args.steps} steps (each after one untimed step), "
-        "median step time of the slower "
+        f"AdamW (no clipping), {args.rounds} interleaved rounds (the order turned by one each round) of "
+        f"{args.steps} steps (each after one untimed step), median step time of the slower "
         "process. sbpflow runs the compiled step (`nn.Graph`) on the actor runtime: all-reduces and all-gathers of "
         "cpu shards are issued in flight and their readers wait, so where a process has no other collective (dp2) "
         "its actors run on the caller's thread alone while gloo's threads move the bytes; tp2's all-to-alls get a "

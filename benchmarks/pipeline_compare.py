@@ -33,7 +33,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from _report import launch_runs, timed_block_cpu  # noqa: E402
+from _report import launch_runs, timed_block_cpu, turned  # noqa: E402
 from _torch_gpt import TorchBlock  # noqa: E402
 
 import sbpflow  # noqa: E402
@@ -306,9 +306,9 @@ def worker(args: argparse.Namespace) -> None:
                       **{name: contenders[name] for name in names[1:]}}
     first = {name: [fn() for _ in range(2)] for name, fn in contenders.items()}  # warm-up; losses compared
     samples: dict[str, list[tuple[float, float]]] = {name: [] for name in contenders}
-    for _ in range(args.rounds):
-        for name, fn in contenders.items():
-            samples[name].append(timed_block_cpu(fn, args.steps))
+    for r in range(args.rounds):
+        for name in turned(list(contenders), r):  # a contender's place in the round turns too
+            samples[name].append(timed_block_cpu(contenders[name], args.steps))
     medians = {name: statistics.median(wall for wall, _ in v) for name, v in samples.items()}
     cpu = {name: statistics.median(c for _, c in v) for name, v in samples.items()}
     compiled = trainer.graph._compiled()
@@ -356,7 +356,8 @@ def report(p: int, medians: dict[str, float], cpu: dict[str, float], gathered: l
               "sbpflow's activation registers (one micro-batch's storages, from one watched step, times the most "
               "micro-batches its register counters saw held at once).",
               "CPU: process time (every thread of the process) per step, of the process that used the most.",
-              f"{rounds} rounds of {steps} steps per contender (each after one untimed step), interleaved."]
+              f"{rounds} rounds of {steps} steps per contender (each after one untimed step), interleaved, the "
+              "contenders' order turned by one each round."]
     return "\n".join(lines)
 
 
