@@ -361,8 +361,6 @@ def report(p: int, medians: dict[str, float], cpu: dict[str, float], gathered: l
     return "\n".join(lines)
 
 
-
-
 def spread(ratios: list[dict[str, float]], table: str = "the table above is the first") -> str:
     """Each launch's step-time ratio to torch's 1F1B per contender, and their median: within a launch the rounds
     interleave the contenders, which cancels the machine's drifts but not what a launch fixes for its whole life

@@ -54,8 +54,8 @@ def _ordered(nodes: list[PNode]) -> list[PNode]:
     producer = {b: n.id for n in nodes for b in n.outputs}
     position = {n.id: i for i, n in enumerate(nodes)}
     deps = {n.id: {producer[b] for b in n.inputs if b in producer} | set(n.control) for n in nodes}
-    for chain in ([n.id for n in nodes if n.kind in COMMUNICATING and (n.id in early) == first]
-                  for first in (True, False)):
+    comm = [n.id for n in nodes if n.kind in COMMUNICATING]
+    for chain in ([i for i in comm if i in early], [i for i in comm if i not in early]):
         for before, after in zip(chain, chain[1:], strict=False):  # each kind keeps its order
             deps[after].add(before)
     by_id = {n.id: n for n in nodes}
