@@ -97,14 +97,32 @@ def _add_trace(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 
 def _add_plan(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser("plan", help="predict or search a tensor x pipeline x data plan for a GPT, without hardware",
-                       description="Predicts the step time, TFLOP/s and memory of a GPT's 3-D parallel plan on a "
+    p = sub.add_parser("plan", help="predict or search a tensor x pipeline x data plan for a transformer, without "
+                                    "hardware",
+                       description="Predicts the step time, TFLOP/s and memory of a transformer's (GPT, Llama) 3-D "
+                                   "parallel plan on a "
                                    "cluster described by a device profile. Flags that are given fix that part of "
                                    "the plan; the rest is searched. With --tp, --pp, --dp and --micro-batch all "
                                    "given it predicts that plan (ZeRO 0 and full recompute unless given).")
+    sizes = p.add_argument_group("model sizes (or --hf-config)")
     for flag, what in (("layers", "transformer blocks"), ("hidden", "hidden size"), ("heads", "attention heads"),
-                       ("seq", "sequence length"), ("vocab", "vocabulary size"), ("batch", "global batch (sequences)"),
-                       ("devices", "number of devices")):
+                       ("seq", "sequence length"), ("vocab", "vocabulary size")):
+        sizes.add_argument(f"--{flag}", type=int, default=None, help=what)
+    sizes.add_argument("--ffn-hidden", type=int, default=0, help="the MLP's inner width (default 4 x hidden)")
+    sizes.add_argument("--kv-heads", type=int, default=0, help="key/value heads, grouped-query attention (default: "
+                                                               "heads)")
+    sizes.add_argument("--mlp", choices=("gelu", "swiglu"), default="gelu", help="MLP kind (default gelu)")
+    sizes.add_argument("--norm", choices=("layernorm", "rmsnorm"), default="layernorm", help="norm (default layernorm)")
+    sizes.add_argument("--position", choices=("learned", "rope"), default="learned",
+                       help="position embedding (default learned)")
+    sizes.add_argument("--no-bias", action="store_true", help="linear layers without biases")
+    sizes.add_argument("--untied", action="store_true", help="an output layer of its own (not the token embedding)")
+    sizes.add_argument("--vocab-multiple", type=int, default=128,
+                       help="pad the vocabulary to a multiple of this times tp, as Megatron-LM does (default 128)")
+    sizes.add_argument("--hf-config", default=None, metavar="CONFIG_JSON",
+                       help="a Hugging Face Llama-style config.json instead of the size flags (--seq overrides its "
+                            "max_position_embeddings)")
+    for flag, what in (("batch", "global batch (sequences)"), ("devices", "number of devices")):
         p.add_argument(f"--{flag}", type=int, required=True, help=what)
     p.add_argument("--device", default="a100-80gb", help="a100-40gb | a100-80gb | h100-80gb | a profile file "
                                                          "written by `sbpflow calibrate` (default a100-80gb)")

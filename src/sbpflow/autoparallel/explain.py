@@ -59,7 +59,8 @@ def _largest_memory(prediction: Prediction) -> str:
 
 
 def plan_line(p: Prediction) -> str:
-    return (f"{p.plan}  stages {_cuts(p.stage_layers)}  {seconds(p.step_time)}  {flops(p.tflops_per_device * 1e12)}  "
+    return (f"{p.plan}  stages {_cuts(p.stage_layers)}  {seconds(p.step_time)}  "
+            f"{flops(p.tflops_per_device * 1e12)} hardware, {flops(p.model_tflops_per_device * 1e12)} model  "
             f"{size(p.memory_per_device)}")
 
 
@@ -82,8 +83,9 @@ def explain(spec: TransformerSpec, cluster: Cluster, best: Prediction, result: S
 
 def _header(spec: TransformerSpec, cluster: Cluster, best: Prediction) -> str:
     nodes = -(-cluster.devices // cluster.gpus_per_node)
-    return (f"model: {spec.layers} layers, hidden {spec.hidden}, {spec.heads} heads, seq {spec.seq}, "
-            f"vocab {spec.vocab} ({_count(spec.params)} parameters), batch {best.batch}\n"
+    padded = spec.padded_vocab(best.plan.tp)
+    vocab = f" (padded to {padded})" if padded != spec.vocab else ""
+    return (f"model: {spec.describe()}{vocab}, {_count(spec.params)} parameters, batch {best.batch}\n"
             f"cluster: {cluster.devices} x {cluster.profile.name}, {cluster.gpus_per_node} per node ({nodes} nodes)")
 
 
@@ -98,8 +100,9 @@ def _count(n: float) -> str:
 def _chosen(p: Prediction) -> list[str]:
     micro_batches = p.batch // (p.plan.dp * p.plan.micro_batch)
     lines = [f"plan: {p.plan}, {micro_batches} micro-batches, stages {_cuts(p.stage_layers)} blocks",
-             f"  step {seconds(p.step_time)}   {flops(p.tflops_per_device * 1e12)} per device (Megatron's count)   "
-             f"MFU {p.mfu:.1%}",
+             f"  step {seconds(p.step_time)}   per device: {flops(p.tflops_per_device * 1e12)} hardware (the FLOPs "
+             f"this plan executes, recompute={p.plan.recompute} included), {flops(p.model_tflops_per_device * 1e12)}"
+             f" model (forward and backward alone)   MFU {p.mfu:.1%}",
              "  time by component (the slowest stage, times the micro-batches; bubble: the other stages' fill "
              "and drain):"]
     for key in TIME_KEYS:
@@ -161,6 +164,10 @@ def _assumptions(cluster: Cluster) -> list[str]:
         "  1F1B schedule; tensor parallel without sequence parallelism; gradient sync not overlapped; "
         "mixed-precision Adam (16 bytes/parameter before ZeRO)",
         f"  {size(prof.reserved_bytes)} per device reserved (context, fragmentation)",
+        "  activations kept for backward as Korthikanti et al. count them, per token and layer: fp16 inputs of "
+        "every norm and linear layer, Q, K, V and the MLP's activation input, 1-byte dropout masks; attention "
+        "scores stored (softmax output, its dropout mask and output: 5·heads·seq bytes; no fused/flash "
+        "attention), dropped by selective recompute; the last stage's fp32 logits and their gradient",
     ]
 
 
@@ -170,7 +177,9 @@ def to_json(spec: TransformerSpec, cluster: Cluster, best: Prediction, result: S
     out = _prediction_json(best)
     out.update(
         model={"layers": spec.layers, "hidden": spec.hidden, "heads": spec.heads, "seq": spec.seq,
-               "vocab": spec.vocab, "parameters": spec.params},
+               "vocab": spec.vocab, "parameters": spec.params, "ffn_hidden": spec.ffn, "kv_heads": spec.kv,
+               "mlp": spec.mlp, "norm": spec.norm, "position": spec.position, "bias": spec.bias,
+               "tied": spec.tied, "padded_vocab": spec.padded_vocab(best.plan.tp)},
         cluster={"devices": cluster.devices, "device": cluster.profile.name,
                  "gpus_per_node": cluster.gpus_per_node},
         batch=best.batch,
@@ -185,7 +194,8 @@ def _prediction_json(p: Prediction) -> dict[str, Any]:
     return {
         "tp": p.plan.tp, "pp": p.plan.pp, "dp": p.plan.dp, "micro_batch": p.plan.micro_batch,
         "zero": p.plan.zero, "recompute": p.plan.recompute, "stage_layers": list(p.stage_layers),
-        "step_time_s": p.step_time, "tflops_per_device": p.tflops_per_device, "mfu": p.mfu,
+        "step_time_s": p.step_time, "tflops_per_device": p.tflops_per_device,
+        "model_tflops_per_device": p.model_tflops_per_device, "mfu": p.mfu,
         "memory_per_device_gb": p.memory_per_device / GB, "fits": p.fits,
         "memory_gb": {k: v / GB for k, v in p.memory.items()},
         "breakdown": dict(p.breakdown),
@@ -208,6 +218,7 @@ _PLAN_FIELDS = {
     "zero": {"enum": [0, 1, 2, 3]}, "recompute": {"enum": ["none", "selective", "full"]},
     "stage_layers": {"type": "array", "items": {"type": "integer", "minimum": 1}, "minItems": 1},
     "step_time_s": {"type": "number", "exclusiveMinimum": 0}, "tflops_per_device": _NUMBER,
+    "model_tflops_per_device": _NUMBER,
     "mfu": {"type": "number", "minimum": 0, "maximum": 1}, "memory_per_device_gb": _NUMBER,
     "fits": {"type": "boolean"},
     "memory_gb": {"type": "object", "required": ["weights", "gradients", "optimizer", "activations"],

@@ -260,8 +260,8 @@ def _stage_comms(spec: TransformerSpec, plan: ParallelPlan, stage: int, layers: 
     first, last = stage == 0, stage == pp - 1
     h, tokens = spec.hidden, batch // dp * spec.seq
     comms: list[Comm] = []
-    per_block: dict[tuple[str, int], int] = {}
-    for kind, width in block_collectives(choices, tp):
+    per_block: dict[tuple[str, float], int] = {}
+    for kind, width in block_collectives(choices, tp, spec):
         per_block[(kind, width)] = per_block.get((kind, width), 0) + 1
     for (kind, width), n in per_block.items():
         comms.append(Comm(kind, tp, FP32 * tokens * width * h, n * layers, "tp_comm"))

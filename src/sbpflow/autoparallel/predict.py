@@ -99,8 +99,9 @@ class Prediction:
     breakdown: dict[str, float]  # seconds, summing to step_time
     memory: dict[str, float]  # bytes on the fullest device
     usable_memory: float
-    tflops_per_device: float  # Megatron's count (recompute included) / time / devices
-    mfu: float  # useful FLOPs (no recompute) / time / (devices · peak)
+    tflops_per_device: float  # hardware: the FLOPs the plan executes (recompute included) / time / devices
+    model_tflops_per_device: float  # forward and backward alone / time / devices
+    mfu: float  # model FLOPs / time / (devices · peak)
     notes: tuple[str, ...] = field(default=())
     block: BlockPlan | None = None  # the SBPs inside every block that this prediction priced
 
@@ -164,14 +165,15 @@ class PlanCosts:
 
 
 def fixed_params(spec: TransformerSpec, plan: ParallelPlan, stage: int) -> float:
-    """Parameters one rank of ``stage`` holds besides its blocks: the vocab-parallel token embedding and the
-    position embedding on the first stage, the final LayerNorm on the last (and the tied embedding again there
-    when pp > 1)."""
+    """Parameters one rank of ``stage`` holds besides its blocks: the vocab-parallel token embedding (and learned
+    positions) on the first stage, the final norm and the output layer on the last (a tied one is the embedding
+    again when pp > 1)."""
+    vocab_shard = spec.padded_vocab(plan.tp) * spec.hidden / plan.tp
     params = 0.0
     if stage == 0:
-        params += spec.vocab * spec.hidden / plan.tp + spec.seq * spec.hidden
+        params += vocab_shard + (spec.seq * spec.hidden if spec.position == "learned" else 0)
     if stage == plan.pp - 1:
-        params += 2 * spec.hidden + (spec.vocab * spec.hidden / plan.tp if plan.pp > 1 else 0)
+        params += spec.norm_params + (vocab_shard if plan.pp > 1 or not spec.tied else 0)
     return params
 
 
@@ -263,10 +265,12 @@ def _bound_block(spec: TransformerSpec, cluster: Cluster, plan: ParallelPlan) ->
 
 
 def min_block_params(spec: TransformerSpec, tp: int) -> float:
-    """The fewest parameters of one block a rank can hold: every linear layer's weight split, LayerNorms whole
-    (Megatron's choice: 12h²/t, the column layers' biases 7h/t, the rest 6h)."""
-    h = spec.hidden
-    return (12 * h * h + 7 * h) / tp + 6 * h
+    """The fewest parameters of one block a rank can hold: every linear layer's weight split, norms whole
+    (Megatron's choice; a GPT's: 12h²/t, the column layers' biases 7h/t, the rest 6h)."""
+    h, up = spec.hidden, 2 if spec.gated else 1
+    weights = h * spec.qkv_width + h * h + (up + 1) * h * spec.ffn
+    column_biases, row_biases = (spec.qkv_width + up * spec.ffn, 2 * h) if spec.bias else (0, 0)
+    return (weights + column_biases) / tp + row_biases + 2 * spec.norm_params
 
 
 def block_tp_time(spec: TransformerSpec, cluster: Cluster, plan: ParallelPlan,
@@ -274,7 +278,7 @@ def block_tp_time(spec: TransformerSpec, cluster: Cluster, plan: ParallelPlan,
     """One block's tensor-parallel collectives per micro-batch under the SBP ``choices``: each transition forward
     and its dual backward (``block_sbp.block_collectives``), and the forward ones again when full recompute reruns
     the forward. (The ``tokens`` layers' weight-gradient all-reduces are ``BlockPlan.weight_sync_s``.)"""
-    kinds = block_collectives(choices, plan.tp)
+    kinds = block_collectives(choices, plan.tp, spec)
     tokens, group = plan.micro_batch * spec.seq, tuple(range(plan.tp))
     times = [_coll(kind, group, ACT_BYTES * tokens * width * spec.hidden, cluster) for kind, width in kinds]
     forward = sum(times[0::2])  # (forward, backward) pairs
@@ -287,8 +291,9 @@ def check_plan(spec: TransformerSpec, cluster: Cluster, plan: ParallelPlan, batc
     if plan.tp * plan.pp * plan.dp != cluster.devices:
         raise PlanError(f"tp · pp · dp must equal the {cluster.devices} devices, but {plan} has "
                         f"{plan.tp * plan.pp * plan.dp}")
-    if spec.heads % plan.tp or spec.vocab % plan.tp:
-        raise PlanError(f"tp must divide heads ({spec.heads}) and vocab ({spec.vocab}), but got tp={plan.tp}")
+    if spec.heads % plan.tp or spec.kv % plan.tp:
+        raise PlanError(f"tensor parallelism splits whole attention heads, so tp must divide the {spec.heads} heads "
+                        f"and {spec.kv} key/value heads, but got tp={plan.tp}")
     if plan.pp > spec.layers:
         raise PlanError(f"every pipeline stage needs a block, but pp={plan.pp} > layers={spec.layers}")
     if plan.micro_batch < 1 or batch % (plan.dp * plan.micro_batch):
@@ -361,8 +366,9 @@ def predict_with_cuts(costs: PlanCosts, stage_layers: tuple[int, ...], batch: in
     return Prediction(
         plan=plan, batch=batch, stage_layers=tuple(stage_layers), step_time=step, breakdown=breakdown,
         memory=memory, usable_memory=costs.cluster.profile.usable_memory,
-        tflops_per_device=costs.spec.model_flops(batch) / step / devices / 1e12,
-        mfu=costs.spec.useful_flops(batch) / step / devices / costs.cluster.profile.peak_flops,
+        tflops_per_device=costs.spec.hardware_flops(batch, plan.recompute) / step / devices / 1e12,
+        model_tflops_per_device=costs.spec.model_flops(batch) / step / devices / 1e12,
+        mfu=costs.spec.model_flops(batch) / step / devices / costs.cluster.profile.peak_flops,
         block=costs.block,
     )
 

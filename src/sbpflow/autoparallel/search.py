@@ -36,6 +36,12 @@ class Fixed:
     micro_batches: int | None = None  # micro-batches per step (1: no pipelining of micro-batches, as eager runs)
     layout: str = "ilp"  # SBPs inside a block: the ILP's choice, or "megatron" (what parallelize applies)
 
+    def describe(self) -> str:
+        """What was fixed, in words: ``with tp=8, pp=16 fixed`` (empty when nothing was)."""
+        fields = ("tp", "pp", "dp", "micro_batch", "zero", "recompute", "micro_batches")
+        given = [f"{name.replace('_', '-')}={value}" for name in fields if (value := getattr(self, name)) is not None]
+        return f"with {', '.join(given)} fixed" if given else "(nothing fixed)"
+
 
 @dataclass
 class SearchResult:
@@ -56,7 +62,7 @@ def candidate_plans(spec: TransformerSpec, cluster: Cluster, batch: int, fixed: 
     all-reduces are on the critical path of every block); ZeRO stages are only distinct with dp > 1."""
     plans = []
     for tp in _choices(fixed.tp, _divisors(min(cluster.gpus_per_node, cluster.devices))):
-        if spec.heads % tp or spec.vocab % tp or cluster.devices % tp:
+        if spec.heads % tp or spec.kv % tp or cluster.devices % tp:
             continue
         for pp in _choices(fixed.pp, _divisors(cluster.devices // tp)):
             dp = cluster.devices // (tp * pp)
@@ -107,9 +113,11 @@ def search(spec: TransformerSpec, cluster: Cluster, batch: int, fixed: Fixed = F
     start = time.perf_counter()
     plans = candidate_plans(spec, cluster, batch, fixed)
     if not plans:
-        raise PlanError(f"a plan needs tp dividing heads, vocab and the devices (searched within a node), pp dividing "
-                        f"devices / tp and at most the layers, and the batch split into dp · micro-batch; no plan of "
-                        f"{spec} on {cluster.devices} devices agrees with {fixed} for batch {batch}")
+        raise PlanError(f"no plan of {spec.describe()} on {cluster.devices} devices "
+                        f"({cluster.gpus_per_node} per node) for a batch of {batch} {fixed.describe()}: a plan needs "
+                        f"tp dividing the {spec.heads} heads, {spec.kv} key/value heads and the devices (searched "
+                        f"within a node), pp dividing devices / tp and at most {spec.layers} (the layers), and the "
+                        f"batch split into dp replicas of whole micro-batches")
     bounded = sorted(((lower_bound(plan_costs(spec, cluster, p, batch, bound=True)), i, p)
                       for i, p in enumerate(plans)), key=lambda x: x[:2])
     good: list[Prediction] = []
@@ -124,9 +132,10 @@ def search(spec: TransformerSpec, cluster: Cluster, batch: int, fixed: Fixed = F
         good.sort(key=lambda p: p.step_time)
     if not good:
         smallest = min(too_big, key=lambda p: p.memory_per_device)
-        raise PlanError(f"no plan fits in memory: the smallest, {smallest.plan}, needs "
-                        f"{smallest.memory_per_device / 1e9:.1f} GB per device, but "
-                        f"{cluster.profile.usable_memory / 1e9:.1f} GB are usable")
+        where = ", ".join(f"{k} {v / 1e9:.1f}" for k, v in smallest.memory.items())
+        raise PlanError(f"no plan of {spec.describe()} on {cluster.devices} x {cluster.profile.name} fits in memory: "
+                        f"the smallest, {smallest.plan}, needs {smallest.memory_per_device / 1e9:.1f} GB per device "
+                        f"({where} GB), but {cluster.profile.usable_memory / 1e9:.1f} GB are usable")
     faster_too_big = sorted((p for p in too_big if p.step_time < good[0].step_time), key=lambda p: p.step_time)
     return SearchResult(good[0], good[1:keep], faster_too_big[:3], len(plans), costed,
                         time.perf_counter() - start, exhaustive, fixed)
