@@ -128,7 +128,8 @@ def _add_plan(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                                                          "written by `sbpflow calibrate` (default a100-80gb)")
     p.add_argument("--gpus-per-node", type=int, default=None, help="devices per node (default: the profile's, 8)")
     for flag, what in (("tp", "tensor-parallel degree"), ("pp", "pipeline stages"), ("dp", "data-parallel degree"),
-                       ("micro-batch", "sequences per micro-batch"), ("zero", "ZeRO stage 0-3")):
+                       ("micro-batch", "sequences per micro-batch"), ("zero", "ZeRO stage 0-3"),
+                       ("virtual", "model chunks per pipeline stage (interleaved 1F1B when > 1)")):
         p.add_argument(f"--{flag}", type=int, default=None, help=f"{what} (searched if not given)")
     p.add_argument("--recompute", choices=("none", "selective", "full"), default=None,
                    help="activation recomputation (searched if not given)")

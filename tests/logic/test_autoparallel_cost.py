@@ -53,8 +53,11 @@ def test_ring_all_reduce_by_hand():
     model = TOY.cost_model()
     n = 64e6  # 64 MB over 4 ranks of one node: 2*3 rounds of 10 us, 2*3/4 * 64 MB at 100 GB/s
     assert collective_time("all_reduce", range(4), n, model, "cpu") == pytest.approx(6 * 1e-5 + 1.5 * n / 100e9)
-    # 8 ranks over two nodes of 4: the inter-node link prices every round
-    assert collective_time("all_reduce", range(8), n, model, "cpu") == pytest.approx(14 * 1e-4 + 1.75 * n / 10e9)
+    # 8 ranks over two nodes of 4: one rank per node on the inter-node link prices every round
+    assert collective_time("all_reduce", (0, 4), n, model, "cpu") == pytest.approx(2 * 1e-4 + n / 10e9)
+    # all 4 ranks of each node: reduce-scatter inside, 4 all-reduces of n/4 across at once, all-gather inside
+    inside = 3 * 1e-5 + 0.75 * n / 100e9
+    assert collective_time("all_reduce", range(8), n, model, "cpu") == pytest.approx(2 * inside + 2e-4 + n / 4 / 10e9)
     assert collective_time("all_gather", range(4), n, model, "cpu") == pytest.approx(3 * 1e-5 + 0.75 * n / 100e9)
     assert collective_time("send_recv", (0, 4), n, model, "cpu") == pytest.approx(1e-4 + n / 10e9)
     assert collective_time("all_reduce", (3,), n, model, "cpu") == 0.0
@@ -212,3 +215,20 @@ def test_block_shapes_follow_the_model():
     assert block.params == (h * qkv + h * h + 3 * h * f) / t + 2 * h  # weights split, the two RMSNorms whole
     assert block.params == min_block_params(llama, t)
     assert llama.layer_params == h * qkv + h * h + 3 * h * f + 2 * h
+
+
+def test_a_group_with_several_ranks_per_node_crosses_nodes_on_every_rail():
+    from sbpflow.autoparallel.cost import collective_time
+    from sbpflow.boxing.plan import CostModel, LinkCost
+
+    intra, inter = LinkCost(1e-6, 1 / 200e9), LinkCost(1e-5, 1 / 20e9)
+    model = CostModel(links=((("cuda", "inter"), inter), (("cuda", "intra"), intra)), ranks_per_node=8)
+    n, group = 1e9, tuple(range(32))  # 4 nodes of 8
+    local_rs = 7 * intra.alpha + 7 / 8 * n * intra.beta
+    across = 2 * 3 * inter.alpha + 2 * 3 / 4 * (n / 8) * inter.beta  # 8 all-reduces of n/8 at once, one per NIC
+    assert collective_time("all_reduce", group, n, model, "cuda") == pytest.approx(2 * local_rs + across)
+    assert collective_time("reduce_scatter", group, n, model, "cuda") == pytest.approx(local_rs + across / 2)
+    flat = 2 * 3 * inter.alpha + 2 * 3 / 4 * n * inter.beta  # one rank per node: its own NIC carries everything
+    assert collective_time("all_reduce", group[::8], n, model, "cuda") == pytest.approx(flat)
+    assert collective_time("all_reduce", range(8), n, model, "cuda") == pytest.approx(2 * 7 * intra.alpha
+                                                                                      + 2 * 7 / 8 * n * intra.beta)

@@ -80,7 +80,7 @@ def auto_parallel(model: object, devices: int, batch: int, device: str = "cpu",
     # parallelize lays every block out Megatron-style (models.gpt.BLOCK_PLAN: column/row styles, the residual
     # stream B on the tensor axis); the block ILP's other choices (sequence-parallel stream, replicated or
     # token-split layers) have no parallelize style, so plans that are applied are predicted with that layout.
-    fixed = Fixed(zero=0, recompute="none", micro_batches=micro_batches, layout="megatron")
+    fixed = Fixed(zero=0, recompute="none", micro_batches=micro_batches, layout="megatron", virtual=1)
     result = search(spec, cluster, batch, fixed)
     plan = result.best.plan
     strategy = parallelize(model, data=plan.dp, tensor=plan.tp,  # type: ignore[arg-type]

@@ -161,7 +161,8 @@ def _assumptions(cluster: Cluster) -> list[str]:
         f"{size(prof.mem_bandwidth)}/s x eta {prof.eta_memory:.2f}; {seconds(prof.launch_s)} per kernel",
         f"  collectives alpha-beta: intra-node {seconds(prof.intra_alpha)} + {size(intra)}/s, inter-node "
         f"{seconds(prof.inter_alpha)} + {size(inter)}/s per device; ring algorithms",
-        "  1F1B schedule; tensor parallel without sequence parallelism; gradient sync not overlapped; "
+        "  1F1B schedule (interleaved: bubble / v, v times the sends); tensor parallel without sequence "
+        "parallelism; gradient sync not overlapped, across nodes on every rank's NIC at once; "
         "mixed-precision Adam (16 bytes/parameter before ZeRO)",
         f"  {size(prof.reserved_bytes)} per device reserved (context, fragmentation)",
         "  activations kept for backward as Korthikanti et al. count them, per token and layer: fp16 inputs of "
@@ -193,7 +194,8 @@ def to_json(spec: TransformerSpec, cluster: Cluster, best: Prediction, result: S
 def _prediction_json(p: Prediction) -> dict[str, Any]:
     return {
         "tp": p.plan.tp, "pp": p.plan.pp, "dp": p.plan.dp, "micro_batch": p.plan.micro_batch,
-        "zero": p.plan.zero, "recompute": p.plan.recompute, "stage_layers": list(p.stage_layers),
+        "zero": p.plan.zero, "recompute": p.plan.recompute, "virtual": p.plan.virtual,
+        "stage_layers": list(p.stage_layers),
         "step_time_s": p.step_time, "tflops_per_device": p.tflops_per_device,
         "model_tflops_per_device": p.model_tflops_per_device, "mfu": p.mfu,
         "memory_per_device_gb": p.memory_per_device / GB, "fits": p.fits,
@@ -216,6 +218,7 @@ _PLAN_FIELDS = {
     "tp": {"type": "integer", "minimum": 1}, "pp": {"type": "integer", "minimum": 1},
     "dp": {"type": "integer", "minimum": 1}, "micro_batch": {"type": "integer", "minimum": 1},
     "zero": {"enum": [0, 1, 2, 3]}, "recompute": {"enum": ["none", "selective", "full"]},
+    "virtual": {"type": "integer", "minimum": 1},
     "stage_layers": {"type": "array", "items": {"type": "integer", "minimum": 1}, "minItems": 1},
     "step_time_s": {"type": "number", "exclusiveMinimum": 0}, "tflops_per_device": _NUMBER,
     "model_tflops_per_device": _NUMBER,

@@ -21,15 +21,16 @@ def plan_from_args(args: argparse.Namespace) -> tuple[TransformerSpec, Cluster, 
     cluster = Cluster(args.devices, profile, args.gpus_per_node or profile.gpus_per_node)
     _check_positive(args)
     if None not in (args.tp, args.pp, args.dp, args.micro_batch):
-        plan = ParallelPlan(args.tp, args.pp, args.dp, args.micro_batch, args.zero or 0, args.recompute or "full")
+        plan = ParallelPlan(args.tp, args.pp, args.dp, args.micro_batch, args.zero or 0, args.recompute or "full",
+                            virtual=args.virtual or 1)
         return spec, cluster, predict(spec, cluster, plan, args.batch), None
-    fixed = Fixed(args.tp, args.pp, args.dp, args.micro_batch, args.zero, args.recompute)
+    fixed = Fixed(args.tp, args.pp, args.dp, args.micro_batch, args.zero, args.recompute, virtual=args.virtual)
     result = search(spec, cluster, args.batch, fixed, keep=max(args.top, 1))
     return spec, cluster, result.best, result
 
 
 def _check_positive(args: argparse.Namespace) -> None:
-    for name in ("devices", "batch", "gpus_per_node", "tp", "pp", "dp", "micro_batch"):
+    for name in ("devices", "batch", "gpus_per_node", "tp", "pp", "dp", "micro_batch", "virtual"):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise PlanError(f"--{name.replace('_', '-')} must be at least 1, but got {value}")

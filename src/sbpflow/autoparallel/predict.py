@@ -66,10 +66,12 @@ class ParallelPlan:
     zero: int = 0
     recompute: str = "full"
     layout: str = "ilp"
+    virtual: int = 1  # model chunks per stage: > 1 is Megatron's interleaved 1F1B
 
     def __str__(self) -> str:
         return (f"tp{self.tp} pp{self.pp} dp{self.dp} micro-batch {self.micro_batch} zero{self.zero} "
-                f"recompute={self.recompute}" + ("" if self.layout == "ilp" else f" layout={self.layout}"))
+                f"recompute={self.recompute}" + ("" if self.layout == "ilp" else f" layout={self.layout}")
+                + (f" interleaved x{self.virtual}" if self.virtual > 1 else ""))
 
 
 @dataclass(frozen=True)
@@ -137,7 +139,8 @@ class PlanCosts:
 
     def stage_cost(self, stage: int, layers: int) -> StageCost:
         first, last = stage == 0, stage == self.plan.pp - 1
-        sends = (not last) + (not first)
+        # each of the v chunks receives and sends; only the model's first input and last output stay put
+        sends = 2 * self.plan.virtual - first - last
         extra = (self.embedding if first else 0.0) + (self.head if last else 0.0)
         return StageCost(layers, layers * self.layer_compute + extra, layers * self.layer_recompute,
                          layers * self.layer_tp, sends * self.p2p, layers * self.layer_zero)
@@ -151,7 +154,9 @@ class PlanCosts:
         flight (1F1B: stage ``i`` of ``p`` holds ``min(p - i, m)``, Narayanan et al. 2021 §2.2.1)."""
         plan, spec = self.plan, self.spec
         memory = model_state_bytes(self.stage_params(stage, layers), plan.dp, plan.zero)
-        in_flight = min(plan.pp - stage, self.micro_batches)
+        in_flight = float(min(plan.pp - stage, self.micro_batches))
+        if plan.virtual > 1:  # interleaved: the first chunks run ahead (Korthikanti et al. 2023, §4.2.3)
+            in_flight *= 1 + (plan.pp - 1) / (plan.pp * plan.virtual)
         # the block being rebuilt for backward (and ZeRO-3's gathered weights): ``block.working``
         head = head_activation_bytes(spec, plan.micro_batch, plan.tp) if stage == plan.pp - 1 else 0.0
         memory["activations"] = in_flight * layers * self.block.kept + self.block.working + head
@@ -305,6 +310,13 @@ def check_plan(spec: TransformerSpec, cluster: Cluster, plan: ParallelPlan, batc
         raise PlanError(f"ZeRO stage must be 0, 1, 2 or 3, but got {plan.zero!r}")
     if plan.layout not in LAYOUTS:
         raise PlanError(f"a plan's block layout must be one of {LAYOUTS}, but got {plan.layout!r}")
+    if plan.virtual < 1 or (plan.virtual > 1 and (plan.pp == 1 or spec.layers % (plan.pp * plan.virtual))):
+        raise PlanError(f"an interleaved pipeline gives each of the pp={plan.pp} stages {plan.virtual} equal chunks, "
+                        f"so pp · virtual must divide the {spec.layers} layers (and pp > 1)")
+    micro_batches = batch // (plan.dp * plan.micro_batch)
+    if plan.virtual > 1 and micro_batches % plan.pp:
+        raise PlanError(f"an interleaved pipeline runs micro-batches in groups of pp={plan.pp}, but the plan has "
+                        f"{micro_batches}")
 
 
 def dp_ranks(plan: ParallelPlan) -> tuple[int, ...]:
@@ -357,7 +369,7 @@ def predict_with_cuts(costs: PlanCosts, stage_layers: tuple[int, ...], batch: in
     breakdown = {
         "compute": m * slow.compute, "recompute": m * slow.recompute, "tp_comm": m * slow.tp_comm,
         "pp_comm": m * slow.pp_comm, "dp_comm": m * slow.dp_comm + syncs[last][0],
-        "bubble": sum(s.total for s in stages) - slow.total, "optimizer": syncs[last][1],
+        "bubble": (sum(s.total for s in stages) - slow.total) / plan.virtual, "optimizer": syncs[last][1],
     }
     memories = [costs.stage_memory(i, k) for i, k in enumerate(stage_layers)]
     memory = max(memories, key=lambda mem: sum(mem.values()))
@@ -393,4 +405,5 @@ def lower_bound(costs: PlanCosts) -> float:
     slowest = max(total / plan.pp, max(fixed) + per_layer)
     most = math.ceil(layers / plan.pp)
     sync = min(sum(costs.sync_time(i, most)) for i in {0, min(1, plan.pp - 1), plan.pp - 1})  # the kinds of stage
-    return total + (costs.micro_batches - 1) * slowest + sync
+    # m · max + (Σ - max) / v grows with max: the bound of max bounds the step
+    return costs.micro_batches * slowest + (total - slowest) / plan.virtual + sync

@@ -35,10 +35,11 @@ class Fixed:
     recompute: str | None = None
     micro_batches: int | None = None  # micro-batches per step (1: no pipelining of micro-batches, as eager runs)
     layout: str = "ilp"  # SBPs inside a block: the ILP's choice, or "megatron" (what parallelize applies)
+    virtual: int | None = None  # model chunks per pipeline stage (interleaved 1F1B when > 1)
 
     def describe(self) -> str:
         """What was fixed, in words: ``with tp=8, pp=16 fixed`` (empty when nothing was)."""
-        fields = ("tp", "pp", "dp", "micro_batch", "zero", "recompute", "micro_batches")
+        fields = ("tp", "pp", "dp", "micro_batch", "zero", "recompute", "micro_batches", "virtual")
         given = [f"{name.replace('_', '-')}={value}" for name in fields if (value := getattr(self, name)) is not None]
         return f"with {', '.join(given)} fixed" if given else "(nothing fixed)"
 
@@ -68,11 +69,18 @@ def candidate_plans(spec: TransformerSpec, cluster: Cluster, batch: int, fixed: 
             dp = cluster.devices // (tp * pp)
             if pp > spec.layers or tp * pp * dp != cluster.devices or fixed.dp not in (None, dp):
                 continue
-            plans += _knobs(tp, pp, dp, batch, fixed)
+            for virtual in _choices(fixed.virtual, _chunks(spec.layers, pp)):
+                if virtual == 1 or (pp > 1 and spec.layers % (pp * virtual) == 0):
+                    plans += _knobs(tp, pp, dp, batch, fixed, virtual)
     return plans
 
 
-def _knobs(tp: int, pp: int, dp: int, batch: int, fixed: Fixed) -> list[ParallelPlan]:
+def _chunks(layers: int, pp: int) -> tuple[int, ...]:
+    """Interleaving degrees to try: 1, and up to 8 equal chunks per stage when pp > 1."""
+    return (1,) if pp == 1 or layers % pp else tuple(v for v in _divisors(layers // pp) if v <= 8)
+
+
+def _knobs(tp: int, pp: int, dp: int, batch: int, fixed: Fixed, virtual: int = 1) -> list[ParallelPlan]:
     plans = []
     sizes = MICRO_BATCHES if fixed.micro_batches is None else (batch // (dp * fixed.micro_batches),)
     for micro_batch in _choices(fixed.micro_batch, sizes):
@@ -80,9 +88,11 @@ def _knobs(tp: int, pp: int, dp: int, batch: int, fixed: Fixed) -> list[Parallel
             continue
         if fixed.micro_batches is not None and batch != dp * micro_batch * fixed.micro_batches:
             continue
+        if virtual > 1 and (batch // (dp * micro_batch)) % pp:
+            continue
         for zero in _choices(fixed.zero, (0, 1, 2, 3) if dp > 1 else (0,)):
             for recompute in _choices(fixed.recompute, RECOMPUTE):
-                plans.append(ParallelPlan(tp, pp, dp, micro_batch, zero, recompute, fixed.layout))
+                plans.append(ParallelPlan(tp, pp, dp, micro_batch, zero, recompute, fixed.layout, virtual))
     return plans
 
 
@@ -96,7 +106,7 @@ def _divisors(n: int) -> tuple[int, ...]:
 
 def cost(costs: PlanCosts, batch: int) -> Prediction:
     """The plan with its best cuts; with no cut in memory, even cuts (and ``fits`` False)."""
-    cuts = cut_stages(costs)
+    cuts = cut_stages(costs) if costs.plan.virtual == 1 else None  # interleaved chunks are equal
     return predict_with_cuts(costs, cuts or even_cuts(costs.spec.layers, costs.plan.pp), batch)
 
 
