@@ -115,6 +115,9 @@ def _add_plan(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     sizes.add_argument("--norm", choices=("layernorm", "rmsnorm"), default="layernorm", help="norm (default layernorm)")
     sizes.add_argument("--position", choices=("learned", "rope"), default="learned",
                        help="position embedding (default learned)")
+    sizes.add_argument("--attention", choices=("unfused", "flash"), default="unfused",
+                       help="core attention: scores in memory (Megatron-LM 2021) or one fused kernel (default "
+                            "unfused; --hf-config: flash)")
     sizes.add_argument("--no-bias", action="store_true", help="linear layers without biases")
     sizes.add_argument("--untied", action="store_true", help="an output layer of its own (not the token embedding)")
     sizes.add_argument("--vocab-multiple", type=int, default=128,

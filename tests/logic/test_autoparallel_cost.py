@@ -232,3 +232,19 @@ def test_a_group_with_several_ranks_per_node_crosses_nodes_on_every_rail():
     assert collective_time("all_reduce", group[::8], n, model, "cuda") == pytest.approx(flat)
     assert collective_time("all_reduce", range(8), n, model, "cuda") == pytest.approx(2 * 7 * intra.alpha
                                                                                       + 2 * 7 / 8 * n * intra.beta)
+
+
+def test_flash_attention_keeps_no_scores_and_runs_at_gemm_speed():
+    unfused = TransformerSpec(layers=2, hidden=1024, heads=16, seq=4096, vocab=128)
+    flash = replace(unfused, attention="flash")
+    t = 2
+    a, b = (evaluate_block(s, 1, t, TOY, MEGATRON_CHOICES, "none") for s in (unfused, flash))
+    tokens, heads = 4096, 16
+    assert a.kept - b.kept == pytest.approx((5.0 * 4096 - 4.0) * heads * tokens / t)  # the scores, less the LSE
+    units, s, d = heads / t, 4096, 1024 // heads
+    gemm = 2 * (2.0 * s * s * d) * units / TOY.matmul_flops + TOY.launch_s
+    assert b.attention_s == pytest.approx(max(gemm - TOY.launch_s, 2 * units * 4 * s * d / TOY.memory_throughput)
+                                          + TOY.launch_s)
+    assert b.attention_s < a.attention_s
+    with pytest.raises(SbpflowError, match="attention is one of"):
+        replace(unfused, attention="paged")

@@ -120,7 +120,7 @@ def test_same_llama_by_flags_and_by_config(capsys, tmp_path):
     by_config = json.loads(capsys.readouterr()[0])
     flags = ["--layers", "80", "--hidden", "8192", "--heads", "64", "--seq", "8192", "--vocab", "128256",
              "--ffn-hidden", "28672", "--kv-heads", "8", "--mlp", "swiglu", "--norm", "rmsnorm", "--position",
-             "rope", "--no-bias", "--untied"]
+             "rope", "--no-bias", "--untied", "--attention", "flash"]
     assert main(["plan", *flags, *CLUSTER, *fixed]) == 0
     assert json.loads(capsys.readouterr()[0]) == by_config
 

@@ -239,14 +239,19 @@ def _op_terms(op: int, c: Choice, micro_batch: int, spec: TransformerSpec, tp: i
         column = c.split_weight and isinstance(c.out, Split)  # Megatron splits a column layer's bias too
         params = k * m / (tp if c.split_weight else 1) + (m / (tp if column else 1) if spec.bias else 0.0)
     elif kind == "attention":
-        forward = _attention_seconds(micro_batch * spec.heads / share, spec.seq, h // spec.heads, profile)
+        units = micro_batch * spec.heads / share
+        forward = (_flash_seconds if spec.attention == "flash" else _attention_seconds)(
+            units, spec.seq, h // spec.heads, profile)
     else:
         params = float(spec.norm_params) if kind == "norm" else 0.0  # whole in every choice
         read = op_shapes(spec)[producers[0]][0] if producers else width
         forward = 0.0 if kind == "stream" else roofline(0.0, _elementwise_bytes(kind, tokens, h, read, width) / share,
                                                         profile, matmul=False)
     out_share = tp if isinstance(c.out, Split) else 1
-    scores = 5.0 * spec.heads * spec.seq * tokens if kind == "attention" else 0.0
+    # unfused attention keeps the softmax output, its dropout mask and output (5 bytes a score); flash attention
+    # keeps only a row's log-sum-exp (fp32) and rebuilds the scores in backward
+    per_token = 5.0 * spec.seq if spec.attention == "unfused" else 4.0
+    scores = per_token * spec.heads * tokens if kind == "attention" else 0.0
     whole = (kept_units * tokens * h + scores) / out_share
     kept = {"none": whole, "selective": whole - scores / out_share, "full": whole if kind == "stream" else 0.0}
     return forward, sync, params, kept[recompute], whole - kept[recompute]
@@ -269,6 +274,12 @@ def _attention_seconds(units: float, s: int, d: int, profile: DeviceProfile) -> 
             + roofline(matmul_flops(s, d, s, 1) * units, ACT_BYTES * units * (s * s + 2 * s * d), profile)
             + roofline(0.0, 2 * ACT_BYTES * scores, profile, matmul=False)
             + roofline(0.0, 2 * ACT_BYTES * scores + scores, profile, matmul=False))
+
+
+def _flash_seconds(units: float, s: int, d: int, profile: DeviceProfile) -> float:
+    """The core attention as one fused kernel (FlashAttention): both products at GEMM speed, and only Q, K, V and
+    the output through memory."""
+    return roofline(matmul_flops(s, s, d, 1) * units * 2, ACT_BYTES * units * 4 * s * d, profile)
 
 
 def _elementwise_bytes(kind: str, tokens: int, h: int, read: float, width: float) -> float:

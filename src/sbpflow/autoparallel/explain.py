@@ -77,7 +77,7 @@ def explain(spec: TransformerSpec, cluster: Cluster, best: Prediction, result: S
         lines += _runners_up(result)
         lines.append(f"searched {result.candidates} plans, costed {result.costed} exactly (the rest bounded out) "
                      f"in {seconds(result.seconds)}")
-    lines += _assumptions(cluster)
+    lines += _assumptions(cluster, spec)
     return "\n".join(lines)
 
 
@@ -152,7 +152,7 @@ def _runners_up(result: SearchResult) -> list[str]:
     return lines
 
 
-def _assumptions(cluster: Cluster) -> list[str]:
+def _assumptions(cluster: Cluster, spec: TransformerSpec) -> list[str]:
     prof = cluster.profile
     intra, inter = prof.intra_bandwidth * prof.eta_intra, prof.inter_bandwidth * prof.eta_inter
     return [
@@ -166,9 +166,11 @@ def _assumptions(cluster: Cluster) -> list[str]:
         "mixed-precision Adam (16 bytes/parameter before ZeRO)",
         f"  {size(prof.reserved_bytes)} per device reserved (context, fragmentation)",
         "  activations kept for backward as Korthikanti et al. count them, per token and layer: fp16 inputs of "
-        "every norm and linear layer, Q, K, V and the MLP's activation input, 1-byte dropout masks; attention "
-        "scores stored (softmax output, its dropout mask and output: 5·heads·seq bytes; no fused/flash "
-        "attention), dropped by selective recompute; the last stage's fp32 logits and their gradient",
+        "every norm and linear layer, Q, K, V and the MLP's activation input, 1-byte dropout masks; "
+        + ("attention scores stored (softmax output, its dropout mask and output: 5·heads·seq bytes; unfused "
+           "attention), dropped by selective recompute" if spec.attention == "unfused" else
+           "no attention scores (flash attention: one fp32 log-sum-exp per head, scores rebuilt in backward)")
+        + "; the last stage's fp32 logits and their gradient",
     ]
 
 
@@ -180,7 +182,7 @@ def to_json(spec: TransformerSpec, cluster: Cluster, best: Prediction, result: S
         model={"layers": spec.layers, "hidden": spec.hidden, "heads": spec.heads, "seq": spec.seq,
                "vocab": spec.vocab, "parameters": spec.params, "ffn_hidden": spec.ffn, "kv_heads": spec.kv,
                "mlp": spec.mlp, "norm": spec.norm, "position": spec.position, "bias": spec.bias,
-               "tied": spec.tied, "padded_vocab": spec.padded_vocab(best.plan.tp)},
+               "tied": spec.tied, "attention": spec.attention, "padded_vocab": spec.padded_vocab(best.plan.tp)},
         cluster={"devices": cluster.devices, "device": cluster.profile.name,
                  "gpus_per_node": cluster.gpus_per_node},
         batch=best.batch,

@@ -44,7 +44,7 @@ def spec_from_args(args: argparse.Namespace) -> TransformerSpec:
     given = {name: getattr(args, name) for name in SIZES if getattr(args, name) is not None}
     shape: dict[str, Any] = {"ffn_hidden": args.ffn_hidden, "kv_heads": args.kv_heads, "mlp": args.mlp,
                              "norm": args.norm, "position": args.position, "bias": not args.no_bias,
-                             "tied": not args.untied}
+                             "tied": not args.untied, "attention": args.attention}
     if args.hf_config is not None:
         shape = spec_fields_from_hf(args.hf_config)
     missing = [f"--{name}" for name in SIZES if name not in given and name not in shape]
@@ -84,4 +84,4 @@ def spec_fields_from_hf(path: str | Path) -> dict[str, Any]:
             "vocab": config["vocab_size"], "ffn_hidden": config["intermediate_size"],
             "kv_heads": config.get("num_key_value_heads") or config["num_attention_heads"], "mlp": "swiglu",
             "norm": "rmsnorm", "position": "rope", "bias": bool(config.get("attention_bias") or config.get("mlp_bias")),
-            "tied": bool(config.get("tie_word_embeddings", False))}
+            "tied": bool(config.get("tie_word_embeddings", False)), "attention": "flash"}

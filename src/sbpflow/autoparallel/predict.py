@@ -310,9 +310,9 @@ def check_plan(spec: TransformerSpec, cluster: Cluster, plan: ParallelPlan, batc
         raise PlanError(f"ZeRO stage must be 0, 1, 2 or 3, but got {plan.zero!r}")
     if plan.layout not in LAYOUTS:
         raise PlanError(f"a plan's block layout must be one of {LAYOUTS}, but got {plan.layout!r}")
-    if plan.virtual < 1 or (plan.virtual > 1 and (plan.pp == 1 or spec.layers % (plan.pp * plan.virtual))):
-        raise PlanError(f"an interleaved pipeline gives each of the pp={plan.pp} stages {plan.virtual} equal chunks, "
-                        f"so pp · virtual must divide the {spec.layers} layers (and pp > 1)")
+    if plan.virtual < 1 or (plan.virtual > 1 and (plan.pp == 1 or spec.layers < plan.pp * plan.virtual)):
+        raise PlanError(f"an interleaved pipeline gives each of the pp={plan.pp} stages {plan.virtual} chunks of at "
+                        f"least one block, so it needs pp > 1 and pp · virtual <= {spec.layers} (the layers)")
     micro_batches = batch // (plan.dp * plan.micro_batch)
     if plan.virtual > 1 and micro_batches % plan.pp:
         raise PlanError(f"an interleaved pipeline runs micro-batches in groups of pp={plan.pp}, but the plan has "

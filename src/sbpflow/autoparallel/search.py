@@ -70,14 +70,14 @@ def candidate_plans(spec: TransformerSpec, cluster: Cluster, batch: int, fixed: 
             if pp > spec.layers or tp * pp * dp != cluster.devices or fixed.dp not in (None, dp):
                 continue
             for virtual in _choices(fixed.virtual, _chunks(spec.layers, pp)):
-                if virtual == 1 or (pp > 1 and spec.layers % (pp * virtual) == 0):
+                if virtual == 1 or (pp > 1 and spec.layers >= pp * virtual):
                     plans += _knobs(tp, pp, dp, batch, fixed, virtual)
     return plans
 
 
 def _chunks(layers: int, pp: int) -> tuple[int, ...]:
-    """Interleaving degrees to try: 1, and up to 8 equal chunks per stage when pp > 1."""
-    return (1,) if pp == 1 or layers % pp else tuple(v for v in _divisors(layers // pp) if v <= 8)
+    """Interleaving degrees to try: 1, and 2, 3, 4, 6 or 8 chunks per stage of at least one block when pp > 1."""
+    return (1,) if pp == 1 else tuple(v for v in (1, 2, 3, 4, 6, 8) if pp * v <= layers)
 
 
 def _knobs(tp: int, pp: int, dp: int, batch: int, fixed: Fixed, virtual: int = 1) -> list[ParallelPlan]:
@@ -106,7 +106,7 @@ def _divisors(n: int) -> tuple[int, ...]:
 
 def cost(costs: PlanCosts, batch: int) -> Prediction:
     """The plan with its best cuts; with no cut in memory, even cuts (and ``fits`` False)."""
-    cuts = cut_stages(costs) if costs.plan.virtual == 1 else None  # interleaved chunks are equal
+    cuts = cut_stages(costs) if costs.plan.virtual == 1 else None  # interleaved: blocks spread evenly
     return predict_with_cuts(costs, cuts or even_cuts(costs.spec.layers, costs.plan.pp), batch)
 
 

@@ -22,6 +22,7 @@ RECOMPUTE = ("none", "selective", "full")
 MLPS = ("gelu", "swiglu")
 NORMS = ("layernorm", "rmsnorm")
 POSITIONS = ("learned", "rope")
+ATTENTIONS = ("unfused", "flash")
 
 
 @dataclass(frozen=True)
@@ -30,7 +31,8 @@ class TransformerSpec:
 
     The defaults describe a GPT (MLP 4h with GeLU, learned positions, LayerNorms with biases, the output layer
     tied to the token embedding); a Llama sets ``ffn_hidden``, ``kv_heads`` (grouped-query attention),
-    ``mlp="swiglu"``, ``norm="rmsnorm"``, ``position="rope"``, ``bias=False`` and ``tied=False``. The vocabulary is
+    ``mlp="swiglu"``, ``norm="rmsnorm"``, ``position="rope"``, ``bias=False``, ``tied=False`` and usually
+    ``attention="flash"`` (no attention scores in memory). The vocabulary is
     padded as Megatron-LM pads it, to a multiple of ``vocab_multiple · tp``.
 
     >>> llama3_8b = TransformerSpec(layers=32, hidden=4096, heads=32, seq=8192, vocab=128256, ffn_hidden=14336,
@@ -52,6 +54,7 @@ class TransformerSpec:
     bias: bool = True  # linear layers have biases
     tied: bool = True  # the output layer is the token embedding
     vocab_multiple: int = 128  # Megatron's --make-vocab-size-divisible-by
+    attention: str = "unfused"  # "unfused": scores in memory (Megatron-LM 2021); "flash": one fused kernel
 
     def __post_init__(self) -> None:
         for name in ("layers", "hidden", "heads", "seq", "vocab", "vocab_multiple"):
@@ -66,7 +69,7 @@ class TransformerSpec:
         if self.heads % self.kv:
             raise SbpflowError(f"key/value heads must divide the attention heads, but got heads={self.heads}, "
                                f"kv_heads={self.kv_heads}")
-        for name, allowed in (("mlp", MLPS), ("norm", NORMS), ("position", POSITIONS)):
+        for name, allowed in (("mlp", MLPS), ("norm", NORMS), ("position", POSITIONS), ("attention", ATTENTIONS)):
             if getattr(self, name) not in allowed:
                 raise SbpflowError(f"a transformer's {name} is one of {allowed}, but got {getattr(self, name)!r}")
 
@@ -157,7 +160,8 @@ class TransformerSpec:
         shape = (f"{self.layers} layers, hidden {self.hidden}, {self.heads} heads"
                  + (f" ({self.kv} key/value)" if self.kv != self.heads else "")
                  + f", MLP {self.ffn} {self.mlp}, seq {self.seq}, vocab {self.vocab}")
-        return shape + ("" if self.tied else ", untied output layer")
+        return (shape + ("" if self.tied else ", untied output layer")
+                + (", flash attention" if self.attention == "flash" else ""))
 
 
 def head_cost(spec: TransformerSpec, micro_batch: int, tp: int, profile: DeviceProfile) -> float:
