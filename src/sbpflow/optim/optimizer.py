@@ -90,6 +90,10 @@ class ShardBatch:
 class Optimizer:
     """Base class: holds ``param_groups`` (dicts with ``"params"`` plus hyperparameters) and ``state``."""
 
+    # the hyperparameters a compiled step reads before every run (step_feeds); a traced step bakes in the others,
+    # so nn.Graph compiles again when one of those changes
+    fed_hyperparameters: tuple[str, ...] = ("lr",)
+
     def __init__(self, params: Iterable[Any], defaults: dict[str, Any]) -> None:
         self.defaults = defaults
         self.state = _StateByParam()
