@@ -46,7 +46,7 @@ from ..autograd import Node
 from ..boxing.plan import _cost_model as _cost_model_stack
 from ..comm import get_backend
 from ..distributed import activity
-from ..errors import AutocastWarning, OpError, SbpflowError
+from ..errors import AutocastWarning, LocalGlobalError, OpError, SbpflowError
 from ..graph import trace as _trace
 from ..placement import DEVICE_TYPES, Placement
 from ..sbp import SBP_TYPES, Broadcast, NdSbp, Partial, SbpParallel, Split, format_nd
@@ -208,7 +208,7 @@ def apply(opdef: OpDef, args: Sequence[Any], attrs: dict[str, Any]) -> Any:
             if is_global is None:
                 is_global = here
             elif here != is_global:
-                raise OpError(
+                raise LocalGlobalError(
                     f"op {opdef.name!r} got local and global tensors together: {_describe_args(args)}; "
                     "convert the local ones with .to_global(placement, sbp)"
                 )
