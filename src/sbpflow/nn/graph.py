@@ -23,7 +23,9 @@ The first call for a given input metadata (shape, dtype, placement, SBP) traces 
 tensors, selects SBPs for the whole graph, lowers it to a physical plan and verifies it; later calls
 only run the plan. Parameters, buffers and optimizer state are the graph's variables: the very tensors
 that ``model.state_dict()`` and the optimizer hold, updated in place after each successful step, so
-eager and compiled steps can alternate on one model.
+eager and compiled steps can alternate on one model. A plan also assumes what the trace saw of the model and
+optimizer (which tensors, ``requires_grad``, ``training``, hyperparameters but the lr): a call that finds any of it
+changed compiles again, with a :class:`GraphRecompileWarning` naming the change, as torch.compile's guards do.
 """
 
 from __future__ import annotations
@@ -648,63 +650,73 @@ def _state_guard(modules: dict[str, Module], optimizers: list[_OptimizerEntry],
 
 
 def _note(notes: list[tuple[str, Any]] | None, key: list[Any], label: str, obj: Any) -> None:
-    """Labels the entries appended to ``key`` since the last note (the slow path only)."""
-    if notes is not None:
-        notes.extend([(label, obj)] * (len(key) - len(notes)))
+    """Labels the entries appended to ``key`` since the last note (the slow path: callers test ``notes`` first, so
+    that the fast path builds no label)."""
+    assert notes is not None
+    notes.extend([(label, obj)] * (len(key) - len(notes)))
 
 
 def _module_guard(m: Module, name: str, key: list[Any], notes: list[tuple[str, Any]] | None) -> None:
-    key.append(id(m))
-    _note(notes, key, f"{name} is another module", m)
-    key.append(m.training)
-    _note(notes, key, f"{name}.training changed", m)
-    for pname, p in m._parameters.items():
-        key.append(id(p))
-        _note(notes, key, f"{name}.{pname} is another tensor", p)
-        key.append(p is not None and p.requires_grad)
-        _note(notes, key, f"{name}.{pname}.requires_grad changed", p)
-    for bname, b in m._buffers.items():
-        key.append(id(b))
-        _note(notes, key, f"{name}.{bname} is another tensor", b)
+    append = key.append
+    append(id(m))
+    append(m.training)
+    for p in m._parameters.values():  # (plain loops: faster here than map or comprehensions over 1-2 items)
+        append(id(p))
+        append(p is not None and p.requires_grad)
+    for b in m._buffers.values():
+        append(id(b))
     key.extend(m._pre_hooks)
     key.extend(m._forward_hooks)
     key.extend(m._backward_hooks)
-    key.append(len(m._modules))  # the hooks' ids are never reused; the count separates modules' entries
-    _note(notes, key, f"{name}'s hooks or submodules changed", m)
+    append(len(m._modules))  # the hooks' ids are never reused; the count separates modules' entries
+    if notes is not None:  # labels in the order of the entries above
+        notes.append((f"{name} is another module", m))
+        notes.append((f"{name}.training changed", m))
+        for pname, p in m._parameters.items():
+            notes.append((f"{name}.{pname} is another tensor", p))
+            notes.append((f"{name}.{pname}.requires_grad changed", p))
+        notes.extend((f"{name}.{bname} is another tensor", b) for bname, b in m._buffers.items())
+        _note(notes, key, f"{name}'s hooks or submodules changed", m)
     for child_name, child in m._modules.items():
         if child is not None:
-            _module_guard(child, f"{name}.{child_name}", key, notes)
+            _module_guard(child, f"{name}.{child_name}" if notes is not None else name, key, notes)
 
 
 def _optimizer_guard(opt: Any, name: str, key: list[Any], notes: list[tuple[str, Any]] | None) -> None:
-    key.append(id(opt))
-    _note(notes, key, f"{name} is another optimizer", opt)
+    append = key.append
+    append(id(opt))
+    if notes is not None:
+        _note(notes, key, f"{name} is another optimizer", opt)
     fed = opt.fed_hyperparameters
-    states = opt.state._by_id if hasattr(opt.state, "_by_id") else {}
+    states = opt.state._by_id
     for gi, group in enumerate(opt.param_groups):
-        key.append(len(group))
+        append(len(group))
         for hname, value in group.items():
             if hname == "params":
-                key.append(len(value))
-                _note(notes, key, f"{name}'s param group {gi} has other parameters", opt)
+                append(len(value))
+                if notes is not None:
+                    _note(notes, key, f"{name}'s param group {gi} has other parameters", opt)
                 for p in value:
-                    _param_state_guard(p, states.get(id(p)), f"{name}'s param group {gi}", key, notes)
+                    append(id(p))
+                    if notes is not None:
+                        _note(notes, key, f"a parameter of {name}'s param group {gi} is another tensor", p)
+                    entry = states.get(id(p))
+                    if entry is not None:  # the state tensors' identity: load_state_dict makes new ones
+                        _state_tensors_guard(entry[1], key, notes, f"{name}'s param group {gi}" if notes else "")
             elif hname not in fed:
-                key.append(hname)
-                key.append(value if isinstance(value, _PLAIN) else id(value))
-                _note(notes, key, f"{name}'s param group {gi} {hname!r} changed", value)
+                append(hname)
+                append(value if isinstance(value, _PLAIN) else id(value))
+                if notes is not None:
+                    _note(notes, key, f"{name}'s param group {gi} {hname!r} changed", value)
 
 
-def _param_state_guard(p: Any, entry: Any, where: str, key: list[Any], notes: list[tuple[str, Any]] | None) -> None:
-    """A parameter of a param group and the identity of its state tensors (``load_state_dict`` makes new ones)."""
-    key.append(id(p))
-    _note(notes, key, f"a parameter of {where} is another tensor", p)
-    if entry is None:
-        return
-    for sname, value in entry[1].items():
+def _state_tensors_guard(state: dict[str, Any], key: list[Any], notes: list[tuple[str, Any]] | None,
+                         where: str) -> None:
+    for sname, value in state.items():
         if isinstance(value, Tensor):
             key.append(id(value))
-            _note(notes, key, f"the optimizer state {sname!r} of a parameter of {where} is another tensor", value)
+            if notes is not None:
+                _note(notes, key, f"the optimizer state {sname!r} of a parameter of {where} is another tensor", value)
 
 
 def target_factors(args: Sequence[Any]) -> tuple[Any, ...]:
