@@ -203,3 +203,18 @@ def test_data_loader_load_state_dict_with_bad_input_changes_nothing() -> None:
         assert loader.state_dict() == before, bad
     assert loader.batch_indices(loader.epoch, loader.index) == DataLoader(
         TensorDataset(torch.arange(20.0).reshape(10, 2)), batch_size=2, shuffle=True, seed=3).batch_indices(1, 2)
+
+
+def test_grad_scaler_refuses_bad_gradients_before_dividing_any() -> None:
+    opt, params = _two_group_optimizer("sgd")
+    params[0].grad = sbpflow.full((4, 3), 8.0, placement=P2, sbp=sbp.broadcast)
+    params[1].grad = sbpflow.ones(3)  # local, for a global parameter
+    scaler = sbpflow.amp.GradScaler(init_scale=4.0)
+    before = _optimizer_state(opt)
+    with pytest.raises(sbpflow.LocalGlobalError, match=r"SGD.step: a gradient must be local or global"):
+        scaler.step(opt)
+    np.testing.assert_array_equal(params[0].grad.numpy(), np.full((4, 3), 8.0, np.float32))  # not divided by 4
+    _assert_same(before, _optimizer_state(opt))
+    params[1].grad = sbpflow.ones(3, placement=P2, sbp=sbp.split(0))
+    scaler.step(opt)  # not marked as unscaled by the refused call: this one unscales and steps
+    np.testing.assert_array_equal(params[0].grad.numpy(), np.full((4, 3), 2.0, np.float32))

@@ -143,22 +143,23 @@ class Optimizer:
         if closure is not None:
             with enable_grad():
                 loss = closure()
+        self.check_grads()  # every group before any parameter or state changes
         with no_grad():
-            todo = [(group, [p for p in group["params"] if p.grad is not None]) for group in self.param_groups]
-            for _, params in todo:  # every group checked before any parameter or state changes
-                self._check_grads(params)
-            for group, params in todo:
+            for group in self.param_groups:
+                params = [p for p in group["params"] if p.grad is not None]
                 if params:
                     self._step_params(group, params)
         return loss
 
-    def _check_grads(self, params: list[Tensor]) -> None:
+    def check_grads(self) -> None:
         """Refuses a gradient that cannot update its parameter: of another shape, or local for a global parameter
-        (or the other way round); and a partial parameter."""
+        (or the other way round); and a partial parameter. :meth:`step` (and ``GradScaler.unscale_``) call it
+        before changing anything."""
         who = f"{type(self).__name__}.step"
-        for p in params:
+        for p in self._all_params():
             grad = p.grad
-            assert grad is not None
+            if grad is None:
+                continue
             if grad.is_global != p.is_global:
                 raise LocalGlobalError(f"{who}: a gradient must be local or global as its parameter is, but the "
                                        f"parameter with {p._describe()} has a gradient with {grad._describe()}")
