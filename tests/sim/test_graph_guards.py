@@ -12,6 +12,7 @@ import time
 import warnings
 from typing import Any
 
+import numpy as np
 import pytest
 
 import sbpflow
@@ -84,3 +85,19 @@ def test_the_guard_is_cheap() -> None:
         step._guard()
     per_call = (time.perf_counter() - start) / 1000
     assert per_call < 1e-3, per_call  # generous bound for a loaded CI machine; benchmarks/graph_guard.py measures
+
+
+def test_a_forward_hook_added_later_compiles_again() -> None:
+    sbpflow.manual_seed(0)
+    model = Net(P2)
+    step = Step(model, sbpflow.optim.SGD(model.parameters(), lr=0.1))
+    x, y = batch(0, P2)
+    step(x, y)
+    handle = model.fc2.register_forward_hook(lambda m, args, out: out * 0.0)  # the model now predicts zeros
+    with pytest.warns(GraphRecompileWarning, match="model.fc2's hooks or submodules changed"):
+        loss = step(x, y).item()
+    np.testing.assert_allclose(loss, float((y.numpy() ** 2).mean()), rtol=1e-6)
+    handle.remove()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", GraphRecompileWarning)
+        assert step(x, y).item() != pytest.approx(loss)  # the hook-less plan again

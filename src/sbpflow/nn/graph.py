@@ -252,7 +252,6 @@ class Compiled:
     scaler: Any = None  # the amp.GradScaler traced into the step (its overflow flag is output FOUND_INF)
     guard: tuple[Any, ...] = ()  # the model and optimizer state the plan assumed (_state_guard)
     guarded: list[Any] = field(default_factory=list)  # the objects whose ids the guard holds, kept alive
-    guard_notes: list[str] = field(default_factory=list)  # what each guard entry is, for the recompile warning
 
 
 class Graph:
@@ -317,7 +316,6 @@ class Graph:
         # taken after compiling, which makes optimizer state (init_state): the next call finds that state
         compiled.guard = self._guard(notes)
         compiled.guarded = [obj for _, obj in notes]  # its ids stay unique while the plan is cached
-        compiled.guard_notes = [label for label, _ in notes]
         self._cache[(inputs, compiled.guard)] = compiled
         object.__setattr__(self, "_last", compiled)
         return compiled
@@ -327,10 +325,11 @@ class Graph:
         last = self._last
         if last is None or not any(key[0] == inputs for key in self._cache):
             return f"for new input metadata {_key_text(inputs)}"
-        now = self._guard()
-        was = last.guard
+        notes: list[tuple[str, Any]] = []
+        now, was = self._guard(notes), last.guard
         changed = next((i for i, (a, b) in enumerate(zip(was, now, strict=False)) if a != b), min(len(was), len(now)))
-        what = last.guard_notes[changed] if changed < len(last.guard_notes) else "the model's structure changed"
+        # the label of the entry as it is now (an added hook shifts the entries after it)
+        what = notes[changed][0] if changed < len(notes) else "the model's structure changed"
         return f"because {what} since the last compiled step (its plan assumed it)"
 
     def compile_only(self, *args: Any) -> Compiled:
