@@ -632,9 +632,9 @@ _PLAIN = (bool, int, float, str, tuple, type(None))  # hyperparameter values com
 
 def _state_guard(modules: dict[str, Module], optimizers: list[_OptimizerEntry],
                  notes: list[tuple[str, Any]] | None = None) -> tuple[Any, ...]:
-    """What a traced step bakes in besides its inputs, as a flat tuple: every module's identity and training mode,
-    every parameter's identity and ``requires_grad``, every buffer's identity and forward hook, each optimizer's
-    param groups (parameter and state tensor identities, hyperparameters other than the per-step fed ones).
+    """What a traced step bakes in besides its inputs, as a flat tuple: every module's identity, training mode and
+    hooks, every parameter's identity and ``requires_grad``, every buffer's identity, each optimizer's param groups
+    (parameter and state tensor identities, hyperparameters other than the per-step fed ones).
 
     torch.compile guards the same things. It runs every call, so it reads attributes and appends to one list
     (O(parameters), no names built); with ``notes`` it also records a label and the object of every entry, to
