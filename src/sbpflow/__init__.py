@@ -45,6 +45,7 @@ from .errors import (
     CommError,
     DTypeError,
     IndexOutOfRangeError,
+    LocalGlobalError,
     MetaTensorError,
     OpError,
     PlacementError,
@@ -175,7 +176,7 @@ def explain(x: Tensor, placement: Placement | None = None, sbp: object = None) -
 __all__ = [
     "auto_parallel",
     "ArgumentError", "AutocastWarning", "AutogradError", "BoxingError", "CheckpointError", "CommError", "DTypeError",
-    "IndexOutOfRangeError", "MetaTensorError", "OpError", "Placement",
+    "IndexOutOfRangeError", "LocalGlobalError", "MetaTensorError", "OpError", "Placement",
     "PlacementError", "SbpError", "SbpflowError", "ShapeError", "Tensor", "arange", "boxing", "comm", "enable_grad",
     "explain", "full", "full_like", "functional", "is_grad_enabled", "manual_seed", "models", "nn", "no_grad", "ones",
     "ones_like", "optim", "placement", "rand", "rand_like", "randint", "randn", "randn_like", "sbp", "tensor",

@@ -172,6 +172,7 @@ class GradScaler:
             return
         if id(optimizer) in self._found_inf:
             raise SbpflowError("GradScaler.unscale_() was already called for this optimizer since the last update()")
+        optimizer.check_grads()  # a step that would refuse them refuses before they are divided
         grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
         self._found_inf[id(optimizer)] = not _all_finite(grads)
         inv = 1.0 / self._scale

@@ -35,7 +35,6 @@ FIRST_BUCKET_MB = 1.0  # DDP's first bucket: small, so that communication starts
 
 
 class _Mode(threading.local):
-    grad_enabled = True
     coalesce = True  # see coalesce_grad_reductions: DDP-style buckets by default
     bucket_bytes = int(DEFAULT_BUCKET_MB * 2**20)
 
@@ -55,32 +54,44 @@ def note_output_hooks() -> None:
 
 
 def is_grad_enabled() -> bool:
-    return _mode.grad_enabled
+    """Whether ops record gradients. sbpflow's grad mode is torch's (thread-local, one C call to read), so
+    ``torch.no_grad()``, ``torch.inference_mode()`` and ``torch.set_grad_enabled`` turn it off as
+    :class:`no_grad` does, and each side's ``enable_grad`` turns it back on.
+
+    >>> import torch, sbpflow
+    >>> x = sbpflow.ones(2, requires_grad=True)
+    >>> with torch.no_grad():
+    ...     (x * 2).requires_grad
+    False
+    """
+    return torch.is_grad_enabled()
 
 
 @contextmanager
 def _set_grad(enabled: bool) -> Iterator[None]:
-    previous = _mode.grad_enabled
-    _mode.grad_enabled = enabled
+    previous = torch.is_grad_enabled()
+    torch.set_grad_enabled(enabled)
     try:
         yield
     finally:
-        _mode.grad_enabled = previous
+        torch.set_grad_enabled(previous)
 
 
 class no_grad:
-    """Context manager and decorator that turns off gradient recording."""
+    """Context manager and decorator that turns off gradient recording (``torch.no_grad()`` does too)."""
+
+    _enabled = False  # the grad mode inside
 
     def __enter__(self) -> None:
-        self._previous = _mode.grad_enabled
-        _mode.grad_enabled = False
+        self._previous = torch.is_grad_enabled()
+        torch.set_grad_enabled(self._enabled)
 
     def __exit__(self, *exc: object) -> None:
-        _mode.grad_enabled = self._previous
+        torch.set_grad_enabled(self._previous)
 
     def __call__(self, fn: Callable[..., Any]) -> Callable[..., Any]:
         def wrapped(*args: Any, **kwargs: Any) -> Any:
-            with _set_grad(False):
+            with _set_grad(self._enabled):
                 return fn(*args, **kwargs)
 
         wrapped.__name__ = getattr(fn, "__name__", "wrapped")
@@ -89,9 +100,9 @@ class no_grad:
 
 
 class enable_grad(no_grad):
-    def __enter__(self) -> None:
-        self._previous = _mode.grad_enabled
-        _mode.grad_enabled = True
+    """Context manager and decorator that turns gradient recording back on (``torch.enable_grad()`` does too)."""
+
+    _enabled = True
 
 
 @contextmanager

@@ -23,7 +23,9 @@ The first call for a given input metadata (shape, dtype, placement, SBP) traces 
 tensors, selects SBPs for the whole graph, lowers it to a physical plan and verifies it; later calls
 only run the plan. Parameters, buffers and optimizer state are the graph's variables: the very tensors
 that ``model.state_dict()`` and the optimizer hold, updated in place after each successful step, so
-eager and compiled steps can alternate on one model.
+eager and compiled steps can alternate on one model. A plan also assumes what the trace saw of the model and
+optimizer (which tensors, ``requires_grad``, ``training``, hyperparameters but the lr): a call that finds any of it
+changed compiles again, with a :class:`GraphRecompileWarning` naming the change, as torch.compile's guards do.
 """
 
 from __future__ import annotations
@@ -248,6 +250,8 @@ class Compiled:
     executor: Any = None
     steps: int = field(default=0)
     scaler: Any = None  # the amp.GradScaler traced into the step (its overflow flag is output FOUND_INF)
+    guard: tuple[Any, ...] = ()  # the model and optimizer state the plan assumed (_state_guard)
+    guarded: list[Any] = field(default_factory=list)  # the objects whose ids the guard holds, kept alive
 
 
 class Graph:
@@ -256,7 +260,7 @@ class Graph:
     config: GraphConfig
     _modules: dict[str, Module]
     _optimizers: list[_OptimizerEntry]
-    _cache: dict[tuple[Any, ...], Compiled]
+    _cache: dict[tuple[tuple[Any, ...], tuple[Any, ...]], Compiled]  # (input metadata, guard) -> plan
     _last: Compiled | None
 
     def __init__(self) -> None:
@@ -289,20 +293,44 @@ class Graph:
             from ..autoparallel.apply import plan_graph_inputs
 
             args = plan_graph_inputs(self, args)
-        key = _input_key(args)
-        compiled = self._cache.get(key)
+        inputs = _input_key(args)
+        compiled = self._cache.get((inputs, self._guard()))
         if compiled is None:
             if self._cache:
-                warnings.warn(f"{type(self).__name__}: compiling again for new input metadata {_key_text(key)}",
+                warnings.warn(f"{type(self).__name__}: compiling again {self._recompile_reason(inputs)}",
                               GraphRecompileWarning, stacklevel=2)
             with gc_paused():
-                compiled = self._compile(args)
-            self._cache[key] = compiled
-            object.__setattr__(self, "_last", compiled)
+                compiled = self._compile_and_cache(inputs, args)
             if SHOW:
                 self._show(*SHOW[-1])
         object.__setattr__(self, "_last", compiled)
         return self._run(compiled, args)
+
+    def _guard(self, notes: list[tuple[str, Any]] | None = None) -> tuple[Any, ...]:
+        """What a compiled step assumed besides its inputs' metadata, as one flat tuple (a cache key)."""
+        return _state_guard(self._modules, self._optimizers, notes)
+
+    def _compile_and_cache(self, inputs: tuple[Any, ...], args: Sequence[Any]) -> Compiled:
+        compiled = self._compile(args)
+        notes: list[tuple[str, Any]] = []
+        # taken after compiling, which makes optimizer state (init_state): the next call finds that state
+        compiled.guard = self._guard(notes)
+        compiled.guarded = [obj for _, obj in notes]  # its ids stay unique while the plan is cached
+        self._cache[(inputs, compiled.guard)] = compiled
+        object.__setattr__(self, "_last", compiled)
+        return compiled
+
+    def _recompile_reason(self, inputs: tuple[Any, ...]) -> str:
+        """Why no cached plan fits: new input metadata, or the first model or optimizer change since the last one."""
+        last = self._last
+        if last is None or not any(key[0] == inputs for key in self._cache):
+            return f"for new input metadata {_key_text(inputs)}"
+        notes: list[tuple[str, Any]] = []
+        now, was = self._guard(notes), last.guard
+        changed = next((i for i, (a, b) in enumerate(zip(was, now, strict=False)) if a != b), min(len(was), len(now)))
+        # the label of the entry as it is now (an added hook shifts the entries after it)
+        what = notes[changed][0] if changed < len(notes) else "the model's structure changed"
+        return f"because {what} since the last compiled step (its plan assumed it)"
 
     def compile_only(self, *args: Any) -> Compiled:
         """Traces and compiles the step for ``args``' metadata (shape, dtype, placement, SBP), running nothing.
@@ -315,11 +343,11 @@ class Graph:
         if self.config.auto_parallel is not None:
             raise SbpflowError(f"{type(self).__name__}.compile_only: enable_auto_parallel plans the model from "
                                "the first call's data; compile the planned model instead")
-        key = _input_key(args)
-        compiled = self._cache.get(key)
+        inputs = _input_key(args)
+        compiled = self._cache.get((inputs, self._guard()))
         if compiled is None:
             with gc_paused():
-                compiled = self._cache[key] = self._compile(args)
+                compiled = self._compile_and_cache(inputs, args)
         object.__setattr__(self, "_last", compiled)
         return compiled
 
@@ -424,6 +452,8 @@ class Graph:
             opt = entry.optimizer
             index = {id(p): i for i, p in enumerate(opt._all_params())}
             for p, state in opt.state.items():
+                if id(p) not in index:  # a parameter taken out of the param groups: its state is no variable
+                    continue
                 for sname, value in state.items():
                     if isinstance(value, Tensor) and id(value) not in seen:
                         seen.add(id(value))
@@ -574,7 +604,7 @@ class Graph:
 
 
 class GraphRecompileWarning(UserWarning):
-    """A graph met new input metadata and compiled again."""
+    """A graph met new input metadata, or a changed model or optimizer, and compiled again."""
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -595,6 +625,97 @@ def _input_key(args: Sequence[Any]) -> tuple[Any, ...]:
 
 def _key_text(key: tuple[Any, ...]) -> str:
     return ", ".join(f"{list(k[0])} {k[2]} {format_nd(k[3])}" if k[0] != "py" else repr(k[1]) for k in key)
+
+
+_PLAIN = (bool, int, float, str, tuple, type(None))  # hyperparameter values compared by value in the guard
+
+
+def _state_guard(modules: dict[str, Module], optimizers: list[_OptimizerEntry],
+                 notes: list[tuple[str, Any]] | None = None) -> tuple[Any, ...]:
+    """What a traced step bakes in besides its inputs, as a flat tuple: every module's identity, training mode and
+    hooks, every parameter's identity and ``requires_grad``, every buffer's identity, each optimizer's param groups
+    (parameter and state tensor identities, hyperparameters other than the per-step fed ones).
+
+    torch.compile guards the same things. It runs every call, so it reads attributes and appends to one list
+    (O(parameters), no names built); with ``notes`` it also records a label and the object of every entry, to
+    say what changed and to keep the objects (their ids) alive while a plan is cached.
+    """
+    key: list[Any] = []
+    for name, module in modules.items():
+        _module_guard(module, name, key, notes)
+    for k, entry in enumerate(optimizers):
+        _optimizer_guard(entry.optimizer, f"optimizer {k}", key, notes)
+    return tuple(key)
+
+
+def _note(notes: list[tuple[str, Any]] | None, key: list[Any], label: str, obj: Any) -> None:
+    """Labels the entries appended to ``key`` since the last note (the slow path: callers test ``notes`` first, so
+    that the fast path builds no label)."""
+    assert notes is not None
+    notes.extend([(label, obj)] * (len(key) - len(notes)))
+
+
+def _module_guard(m: Module, name: str, key: list[Any], notes: list[tuple[str, Any]] | None) -> None:
+    append = key.append
+    append(id(m))
+    append(m.training)
+    for p in m._parameters.values():  # (plain loops: faster here than map or comprehensions over 1-2 items)
+        append(id(p))
+        append(p is not None and p.requires_grad)
+    for b in m._buffers.values():
+        append(id(b))
+    key.extend(m._pre_hooks)
+    key.extend(m._forward_hooks)
+    key.extend(m._backward_hooks)
+    append(len(m._modules))  # the hooks' ids are never reused; the count separates modules' entries
+    if notes is not None:  # labels in the order of the entries above
+        notes.append((f"{name} is another module", m))
+        notes.append((f"{name}.training changed", m))
+        for pname, p in m._parameters.items():
+            notes.append((f"{name}.{pname} is another tensor", p))
+            notes.append((f"{name}.{pname}.requires_grad changed", p))
+        notes.extend((f"{name}.{bname} is another tensor", b) for bname, b in m._buffers.items())
+        _note(notes, key, f"{name}'s hooks or submodules changed", m)
+    for child_name, child in m._modules.items():
+        if child is not None:
+            _module_guard(child, f"{name}.{child_name}" if notes is not None else name, key, notes)
+
+
+def _optimizer_guard(opt: Any, name: str, key: list[Any], notes: list[tuple[str, Any]] | None) -> None:
+    append = key.append
+    append(id(opt))
+    if notes is not None:
+        _note(notes, key, f"{name} is another optimizer", opt)
+    fed = opt.fed_hyperparameters
+    states = opt.state._by_id
+    for gi, group in enumerate(opt.param_groups):
+        append(len(group))
+        for hname, value in group.items():
+            if hname == "params":
+                append(len(value))
+                if notes is not None:
+                    _note(notes, key, f"{name}'s param group {gi} has other parameters", opt)
+                for p in value:
+                    append(id(p))
+                    if notes is not None:
+                        _note(notes, key, f"a parameter of {name}'s param group {gi} is another tensor", p)
+                    entry = states.get(id(p))
+                    if entry is not None:  # the state tensors' identity: load_state_dict makes new ones
+                        _state_tensors_guard(entry[1], key, notes, f"{name}'s param group {gi}" if notes else "")
+            elif hname not in fed:
+                append(hname)
+                append(value if isinstance(value, _PLAIN) else id(value))
+                if notes is not None:
+                    _note(notes, key, f"{name}'s param group {gi} {hname!r} changed", value)
+
+
+def _state_tensors_guard(state: dict[str, Any], key: list[Any], notes: list[tuple[str, Any]] | None,
+                         where: str) -> None:
+    for sname, value in state.items():
+        if isinstance(value, Tensor):
+            key.append(id(value))
+            if notes is not None:
+                _note(notes, key, f"the optimizer state {sname!r} of a parameter of {where} is another tensor", value)
 
 
 def target_factors(args: Sequence[Any]) -> tuple[Any, ...]:

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from ..autograd import is_grad_enabled
-from ..errors import AutogradError, DTypeError, OpError, ShapeError
+from ..errors import AutogradError, DTypeError, LocalGlobalError, ShapeError
 from ..sbp import Partial
 from ..tensor import Tensor
 from . import _rules as R
@@ -149,7 +149,7 @@ def _check_inplace_result(name: str, self: Tensor, result: Tensor, any_dtype: bo
             f"into a tensor with {self._describe()}; use the out-of-place form"
         )
     if (result._local is None) != (self._local is None):
-        raise OpError(f"{name} got local and global tensors together: target {self._describe()}, "
+        raise LocalGlobalError(f"{name} got local and global tensors together: target {self._describe()}, "
                       f"result {result._describe()}")
 
 

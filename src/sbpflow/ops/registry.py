@@ -43,11 +43,10 @@ from .. import comm as _comm
 from .. import meta as _meta
 from .._layout import Box, shard_box
 from ..autograd import Node
-from ..autograd import _mode as _grad_mode
 from ..boxing.plan import _cost_model as _cost_model_stack
 from ..comm import get_backend
 from ..distributed import activity
-from ..errors import AutocastWarning, OpError, SbpflowError
+from ..errors import AutocastWarning, LocalGlobalError, OpError, SbpflowError
 from ..graph import trace as _trace
 from ..placement import DEVICE_TYPES, Placement
 from ..sbp import SBP_TYPES, Broadcast, NdSbp, Partial, SbpParallel, Split, format_nd
@@ -209,7 +208,7 @@ def apply(opdef: OpDef, args: Sequence[Any], attrs: dict[str, Any]) -> Any:
             if is_global is None:
                 is_global = here
             elif here != is_global:
-                raise OpError(
+                raise LocalGlobalError(
                     f"op {opdef.name!r} got local and global tensors together: {_describe_args(args)}; "
                     "convert the local ones with .to_global(placement, sbp)"
                 )
@@ -252,7 +251,7 @@ def apply(opdef: OpDef, args: Sequence[Any], attrs: dict[str, Any]) -> Any:
         outputs = _apply_global(opdef, args, attrs, key, placement, where_token)
     else:
         outputs = _apply_local(opdef, args, attrs, key, None if key is None else values)
-    if needs_grad and opdef.differentiable and _grad_mode.grad_enabled:
+    if needs_grad and opdef.differentiable and torch.is_grad_enabled():  # sbpflow's grad mode is torch's
         _record(opdef, args, attrs, outputs if isinstance(outputs, tuple) else (outputs,))
     return outputs
 
