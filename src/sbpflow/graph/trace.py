@@ -30,6 +30,7 @@ from ..placement import Placement
 from ..sbp import NdSbp, broadcast
 from ..tensor import Tensor
 from .ir import LNode, LogicalGraph, Value
+from .micro import DATA, SAME, Micro, join, propagate
 
 
 class TraceError(SbpflowError):
@@ -99,8 +100,10 @@ def user_line() -> str:
 class Tracer:
     """Builds one :class:`LogicalGraph` from a ``build()`` call."""
 
-    def __init__(self, micro_batches: int = 1, target_factors: tuple[Any, ...] = ()) -> None:
+    def __init__(self, micro_batches: int = 1, target_factors: tuple[Any, ...] = (), average: bool = False) -> None:
         self.graph = LogicalGraph(micro_batches=micro_batches)
+        # each value's layout over the micro-batches (graph.micro), when they join exactly (not averaged)
+        self.micro: dict[int, Micro] | None = {} if micro_batches > 1 and not average else None
         self.phase = "micro"
         self.target_factors = target_factors
         self.constants: dict[int, dict[int, torch.Tensor]] = {}  # value id -> captured shards
@@ -159,7 +162,22 @@ class Tracer:
                   sbp: NdSbp) -> Tensor:
         v = self.new_value(shape, dtype, placement, sbp)
         self.add_node(LNode(0, "input", name, outputs=(v.id,), fixed=True))
+        if self.micro is not None:
+            self.micro[v.id] = DATA
         return self.tensor_of(v)
+
+    def micro_of(self, vid: int) -> Micro:
+        """``vid``'s layout over the micro-batches (variables and constants: the same in each)."""
+        return SAME if self.micro is None else self.micro.get(vid, SAME)
+
+    def join_of(self, t: Tensor, what: str) -> tuple[str, int]:
+        """How the micro-batch values of ``t`` join into the step's: ("cat" | "sum" | "mean", scale); averaged
+        (scalars by their mean) when the micro-batches are not joined exactly."""
+        m = self.graph.micro_batches
+        if self.micro is None:
+            return ("mean" if t.ndim == 0 else "cat"), (m if t.ndim == 0 else 1)
+        assert t._lazy is not None
+        return join(self.micro_of(t._lazy.value.id), t.ndim, what, m)
 
     def add_variable(self, name: str, t: Tensor) -> Value:
         """Makes the real tensor ``t`` lazy for the trace (``restore`` puts its shards back)."""
@@ -206,10 +224,44 @@ def record_op(opdef: Any, args: Sequence[Any], attrs: dict[str, Any]) -> Any:
     template = _template(args)
     outs = tuple(tracer.new_value(m.shape, m.dtype, placement, s).id
                  for m, s in zip(decision.out_metas, decision.out_sbps, strict=True))
+    if tracer.micro is not None and tracer.phase == "micro":
+        layout = _micro_layout(tracer, opdef, args, attrs, inputs, decision.out_metas)
+        tracer.micro.update(dict.fromkeys(outs, layout))
     tracer.add_node(LNode(0, "op", opdef.name, inputs, outs, template, tuple(sorted(attrs.items())),
                           tuple(decision.in_sbps), where=user_line()))
     results = tuple(tracer.tensor_of(tracer.graph.values[v]) for v in outs)
     return results[0] if len(results) == 1 else results
+
+
+def _micro_layout(tracer: Tracer, opdef: Any, args: Sequence[Any], attrs: dict[str, Any], inputs: tuple[int, ...],
+                  out_metas: Any) -> Micro:
+    """The op's output layout over the micro-batches (graph.micro). Refusals are for the forward (grad mode on):
+    a backward is exact by its seed, so there an unmatched op only makes its outputs' join unknown."""
+    from ..autograd import is_grad_enabled
+    from ..ops.registry import _arg_meta
+
+    ins = tuple(tracer.micro_of(v) for v in inputs)
+    if all(i == SAME for i in ins):
+        return SAME
+    m = tracer.graph.micro_batches
+    strict = is_grad_enabled()
+    key = (opdef.name, tuple(_arg_meta(a) for a in args), repr(sorted(attrs.items())), ins, strict)
+    found = _MICRO.get(key)
+    if found is None:
+        # each micro-batch holds whole rows, so a split's pieces always divide (a reshape merging it): one "rank"
+        extra = {"mesh": (1,)} if opdef.mesh_aware else {}
+        sigs = opdef.sbp(*key[1], outs=out_metas, **extra, **attrs)
+        try:
+            found = propagate(opdef, sigs, ins, m, user_line())
+        except SbpflowError:
+            if strict:
+                raise
+            found = Micro(None, origin=opdef.name)
+        _MICRO[key] = found
+    return found
+
+
+_MICRO: dict[Any, Micro] = {}  # (op, arg metas, attrs, input layouts) -> output layout
 
 
 # (op, placement up to a shift by whole nodes, (shape, dtype, sbp) or type per arg, attrs, cost model, factors)
@@ -258,6 +310,8 @@ def record_to_global(x: Tensor, placement: Placement, sbp: NdSbp) -> Tensor:
     src = tracer.value_of(x, "to_global")
     v = tracer.new_value(tuple(x.shape), x.dtype, placement, sbp)
     tracer.add_node(LNode(0, "to_global", "to_global", (src,), (v.id,), fixed=True, where=user_line()))
+    if tracer.micro is not None:  # a move across placements or SBPs: the same rows of the same micro-batch
+        tracer.micro[v.id] = tracer.micro_of(src)
     return tracer.tensor_of(v)
 
 
@@ -280,9 +334,10 @@ def assign_lazy(target: Tensor, value: Tensor) -> Tensor:
 
 
 def ones_root(root: Tensor) -> Tensor:
-    """The implicit gradient of a scalar root while tracing: 1/m (m micro-batches), broadcast."""
+    """The implicit gradient of a scalar root while tracing, broadcast: 1 / s for a root that is the sum of its
+    micro-batch values divided by s (graph.micro: 1 for a sum over the batch, m for a mean), 1/m averaged."""
     tracer = ACTIVE[-1]
-    m = tracer.graph.micro_batches
+    _, m = tracer.join_of(root, "the loss backward() starts from")
     shape = tuple(root.shape)
     sbp = (broadcast,) * root.placement.ndim
     v = tracer.new_value(shape, root.dtype, root.placement, sbp)

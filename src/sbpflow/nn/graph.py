@@ -60,6 +60,9 @@ class GraphConfig:
 
     def __init__(self) -> None:
         self.micro_batches = 1
+        # False: micro-batches split the batch, and a step equals the full batch's for any loss (a sum loss sums,
+        # a mean divides by the whole batch); True: gradients and scalar results are averaged over them (OneFlow)
+        self.average_micro_batches = False
         self.executor = "actors"  # "actors" (the actor runtime) or "inorder" (the reference executor)
         self.threads: bool | None = None  # actor runtime: worker threads (None: under torch.distributed only)
         self.sbp_selection = "ilp"  # "ilp" (global, repeated layers tied), "ilp-unmerged" or "greedy" (eager's choice)
@@ -144,11 +147,20 @@ class GraphConfig:
                                "segments, so it needs enabled=True")
         self.fused_segments, self.segment_torch_compile = enabled, torch_compile
 
-    def set_gradient_accumulation_steps(self, steps: int) -> None:
-        """Splits dim 0 of every input into ``steps`` micro-batches; gradients accumulate over them."""
-        if not isinstance(steps, int) or steps < 1:
+    def set_gradient_accumulation_steps(self, steps: int, average: bool = False) -> None:
+        """Splits dim 0 of every input into ``steps`` micro-batches; gradients accumulate over them.
+
+        By default a step equals the full-batch step whatever the loss: a sum over the batch is summed over the
+        micro-batches, a mean divides by the whole batch's size, and per-row outputs are concatenated
+        (:mod:`sbpflow.graph.micro`; an op with no exact per-micro-batch form is refused by name). With
+        ``average=True`` the loss's gradient and every scalar output are averaged over the micro-batches, as
+        OneFlow's ``nn.Graph`` does (a sum loss then steps as ``loss / steps`` would on the full batch).
+        """
+        if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
             raise SbpflowError(f"set_gradient_accumulation_steps needs an int >= 1, but got {steps!r}")
-        self.micro_batches = steps
+        if not isinstance(average, bool):
+            raise SbpflowError(f"set_gradient_accumulation_steps(average=...) takes a bool, but got {average!r}")
+        self.micro_batches, self.average_micro_batches = steps, average
 
     def set_pipeline_schedule(self, name: str) -> None:
         """``"1f1b"`` (default: stage s holds p - s micro-batches of activations), ``"gpipe"`` (every forward,
@@ -354,7 +366,7 @@ class Graph:
         self._apply_zero()
         for entry in self._optimizers:
             entry.optimizer.init_state()
-        tracer = Tracer(m, target_factors(args))
+        tracer = Tracer(m, target_factors(args), self.config.average_micro_batches)
         scaler = self._scaler_variables()
         variables = self._variables()
         saved = {name: (t._shards, t.grad, t._version) for name, t in variables.items()}
@@ -464,7 +476,8 @@ class Graph:
             if out._lazy is None:
                 raise TraceError(f"build() must return tensors computed from its inputs, but output {i} is "
                                  f"{out._describe()}")
-            _micro_to_post(tracer, out, "mean" if out.ndim == 0 else "cat", f"output{i}", output=True)
+            how, _ = tracer.join_of(out, f"output {i} of build()")
+            _micro_to_post(tracer, out, how, f"output{i}", output=True)
         tracer.phase = "post"
         per_entry = []
         for entry in self._optimizers:
@@ -690,7 +703,7 @@ def _micro_to_post(tracer: Tracer, t: Tensor, how: str, name: str, output: bool 
     v = t._lazy.value
     shape = v.shape if how != "cat" else (v.shape[0] * tracer.graph.micro_batches, *v.shape[1:])
     out = tracer.new_value(shape, v.dtype, v.placement, v.sbp)
-    kind = "accumulate" if how == "sum" else "pack"
+    kind = "pack" if output else "accumulate"
     saved = tracer.phase
     tracer.phase = "post"
     tracer.add_node(LNode(0, kind, how, (v.id,), (out.id,), fixed=True))
