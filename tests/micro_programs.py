@@ -26,7 +26,9 @@ LAYOUTS = {  # name -> (first stage's ranks, second stage's ranks)
     "pp2": ([0], [1]),
     "pp2xdp2": ([0, 1], [2, 3]),
 }
-LOSSES = ("mean", "sum", "mse_mean", "mse_sum")
+# cross-entropy by mean and by sum; "padded": by mean over the kept targets, with rows of -100 (torch's
+# ignore_index) spread unevenly over the micro-batches; a squared error by mean and by sum
+LOSSES = ("mean", "sum", "padded", "mse_mean", "mse_sum")
 PARAMS = ("l1.weight", "l1.bias", "emb.weight", "l2.weight", "l2.bias", "head.weight", "head.bias")
 
 
@@ -52,15 +54,20 @@ class ResidualMLP(nn.Module):
 
 def _loss(kind: str, logits: Any, y: Any, f: Any) -> Any:
     """The loss by its reduction over the batch: cross-entropy or a squared error, by mean or by sum."""
-    if kind in ("mean", "sum"):
-        return f.cross_entropy(logits, y, reduction=kind)
+    if kind in ("mean", "sum", "padded"):
+        return f.cross_entropy(logits, y, reduction="sum" if kind == "sum" else "mean")
     return f.mse_loss(logits, logits.detach() * 0.5, reduction=kind.split("_")[1])
 
 
-def batches(seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+def batches(padded: bool = False, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """Inputs, ids and labels of each step; ``padded``: labels -100 on rows 0-2 of step 0 and rows 5 of step 1."""
     gen = torch.Generator().manual_seed(seed)
-    return [(torch.randn(BATCH, FEATURES, generator=gen), torch.randint(0, VOCAB, (BATCH,), generator=gen),
-             torch.randint(0, CLASSES, (BATCH,), generator=gen)) for _ in range(STEPS)]
+    out = [(torch.randn(BATCH, FEATURES, generator=gen), torch.randint(0, VOCAB, (BATCH,), generator=gen),
+            torch.randint(0, CLASSES, (BATCH,), generator=gen)) for _ in range(STEPS)]
+    if padded:
+        out[0][2][:3] = -100
+        out[1][2][5] = -100
+    return out
 
 
 def _placements(layout: str) -> tuple[sbpflow.Placement, sbpflow.Placement]:
@@ -100,7 +107,7 @@ def train_graph(layout: str, m: int, loss: str = "mean", average: bool = False, 
     graph, model = build_graph(layout, m, loss, average, dropout, executor)
     p0 = _placements(layout)[0]
     outs = []
-    for x, ids, y in batches():
+    for x, ids, y in batches(loss == "padded"):
         args = [sbpflow.tensor(t, placement=p0, sbp=S.split(0)) for t in (x, ids, y)]
         outs.append([o.numpy() for o in graph(*args)])
     return outs, parameter_values(model)
@@ -124,7 +131,7 @@ def train_torch(loss: str = "mean", scale: float = 1.0) -> tuple[list[list[np.nd
     w = {name: torch.tensor(v, requires_grad=True) for name, v in initial_values().items()}
     tf = torch.nn.functional
     outs = []
-    for x, ids, y in batches():
+    for x, ids, y in batches(loss == "padded"):
         h = tf.relu(x @ w["l1.weight"].T + w["l1.bias"])
         h = h + x + w["emb.weight"][ids]
         h = tf.relu(h @ w["l2.weight"].T + w["l2.bias"])

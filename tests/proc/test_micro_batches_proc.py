@@ -1,7 +1,7 @@
 """Micro-batches on 4 gloo processes: the residual MLP of tests/micro_programs.py, which moves its input, ids and
 labels to the second stage with ``to_global``, equals plain torch's full-batch step on every process (outputs and
-parameters after 2 SGD steps), for a mean and a sum loss, on pp2 (processes 2 and 3 idle) and pp2 x dp2, and with
-OneFlow's averaged accumulation."""
+parameters after 2 SGD steps), for mean and sum losses (a mean over unevenly padded targets too), on pp2
+(processes 2 and 3 idle) and pp2 x dp2, and with OneFlow's averaged accumulation."""
 
 from __future__ import annotations
 
@@ -10,14 +10,14 @@ from typing import Any
 
 import pytest
 import torch
-from micro_programs import assert_matches, train_graph, train_torch
 from procrun import run_ranks
 
 import sbpflow
+from micro_programs import assert_matches, train_graph, train_torch
 
 # (layout, micro-batches, loss, average): the bug's two cases first (pp2 m4 at pick, pp2 x dp2 m2 at send/recv)
 CASES = [("pp2", 4, "mean", False), ("pp2xdp2", 2, "mean", False), ("pp2xdp2", 4, "sum", False),
-         ("pp2xdp2", 2, "mse_sum", False), ("pp2xdp2", 4, "sum", True)]
+         ("pp2xdp2", 4, "padded", False), ("pp2xdp2", 2, "mse_sum", False), ("pp2xdp2", 4, "sum", True)]
 RTOL, ATOL = 1e-4, 1e-5
 TIMEOUT = 240.0
 

@@ -15,9 +15,9 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from micro_programs import LAYOUTS, LOSSES, assert_matches, build_graph, train_graph, train_torch
 
 import sbpflow
+from micro_programs import LAYOUTS, LOSSES, assert_matches, build_graph, train_graph, train_torch
 from sbpflow import nn
 from sbpflow import sbp as S
 from sbpflow.errors import SbpflowError
@@ -59,17 +59,20 @@ def test_the_reference_executor_agrees() -> None:
 
 def test_the_pipeline_cuts_an_input_read_only_on_the_second_stage() -> None:
     """The labels are read on stage 1 alone: their micro-batches are unpacked on stage 0 and sent one by one, never
-    sent whole before the micro-batches (as a step constant, a tied weight, is)."""
+    sent whole as a step constant (a tied weight) is. Only the loss's count of kept labels reads them whole, once,
+    before the micro-batches."""
     graph, _ = build_graph("pp2", 4)
     p0 = sbpflow.placement("cpu", [0])
     graph(sbpflow.ones(8, 4, placement=p0, sbp=S.split(0)),
           *[sbpflow.zeros(8, dtype=torch.int64, placement=p0, sbp=S.split(0)) for _ in range(2)])
     plan = graph.plan
     inputs = {n.outputs[0]: n.name for n in plan.nodes if n.kind == "input"}
-    assert sorted(n.name for n in plan.nodes if n.kind == "unpack") == sorted(inputs.values())
-    for n in plan.nodes:  # nothing reads a whole-step input but its unpack
-        for b in n.inputs:
-            assert b not in inputs or n.kind == "unpack", n.label()
+    assert sorted({n.name for n in plan.nodes if n.kind == "unpack"}) == sorted(set(inputs.values()))
+    for n in plan.nodes:
+        if n.phase == "micro" and n.kind != "unpack":
+            assert not set(n.inputs) & set(inputs), n.label()
+    whole = [n for n in plan.nodes if n.phase == "pre" and set(n.inputs) & set(inputs)]
+    assert [inputs[b] for n in whole for b in n.inputs] == ["input2"]  # the labels, for their count
 
 
 def test_dropout_keys_do_not_depend_on_the_pipeline() -> None:

@@ -92,10 +92,11 @@ class _Lowerer:
         return self.box(buf, layout, phase, label)
 
     def step_constant(self, vid: int) -> bool:
-        """Whether ``vid`` is the same in every micro-batch: a variable or constant, never a step input, whose
-        micro-batches are its own slices (an ``unpack`` each) wherever it is read, on this stage or another."""
+        """Whether ``vid`` is the same in every micro-batch: a variable, a constant or a value computed before the
+        micro-batches (a whole step's count), never a step input, whose micro-batches are its own slices (an
+        ``unpack`` each) wherever it is read, on this stage or another."""
         producer = self.g.values[vid].producer
-        return producer < 0 or self.g.nodes[producer].kind in ("variable", "constant")
+        return producer < 0 or (self.g.nodes[producer].phase == "pre" and self.g.nodes[producer].kind != "input")
 
     def at_phase(self, vid: int, phase: str) -> int:
         key = (vid, phase)

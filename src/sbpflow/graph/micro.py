@@ -9,8 +9,10 @@ m micro-batches were m ranks of one more mesh axis::
     B      the same in every micro-batch                 (variables)          joined by taking one
 
 A sum over a split dim gives ``P`` (scale 1); a mean gives ``P`` with scale m, since each micro-batch divides by
-its own m-times-smaller count. ``P / P`` of the same scale (a loss summed over rows, divided by the count of kept
-rows) is a ratio of partials: scale m, exact when each micro-batch counts as many rows. So a loss ``L`` whose
+its own m-times-smaller count. A reduction of step data alone (the count of kept targets) is traced again on the
+whole step's inputs before the micro-batches (``Tracer.whole_of``): ``B``, so a loss divided by it stays an exact
+partial. Where that fails, ``P / P`` of one scale is taken as a ratio of partials: scale m, exact when each
+micro-batch counts the same. So a loss ``L`` whose
 layout is ``P`` with scale s is ``sum_k L_k / s``: its backward is seeded with ``1 / s`` in every micro-batch, and
 the step returns that sum. Any other function of a ``P`` value (``sqrt``, a product of two) has no exact
 per-micro-batch form and is refused by name. ``"?"`` marks what an op without a matching signature made from

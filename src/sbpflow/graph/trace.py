@@ -27,7 +27,7 @@ import torch
 from .. import boxing
 from ..errors import SbpflowError
 from ..placement import Placement
-from ..sbp import NdSbp, broadcast
+from ..sbp import NdSbp, Partial, broadcast
 from ..tensor import Tensor
 from .ir import LNode, LogicalGraph, Value
 from .micro import DATA, SAME, Micro, join, propagate
@@ -104,6 +104,8 @@ class Tracer:
         self.graph = LogicalGraph(micro_batches=micro_batches)
         # each value's layout over the micro-batches (graph.micro), when they join exactly (not averaged)
         self.micro: dict[int, Micro] | None = {} if micro_batches > 1 and not average else None
+        self.data_only: set[int] = set()  # values computed from step inputs and constants alone (with micro)
+        self.whole: dict[int, Tensor | None] = {}  # value id -> its whole-step twin (pre phase), None: none
         self.phase = "micro"
         self.target_factors = target_factors
         self.constants: dict[int, dict[int, torch.Tensor]] = {}  # value id -> captured shards
@@ -154,6 +156,8 @@ class Tracer:
             self.add_node(LNode(0, "constant", f"const{v.id}", outputs=(v.id,), fixed=True, where=user_line()))
             vid = self._captured[key] = v.id
             self._keep.append(t)
+            if self.micro is not None:
+                self.data_only.add(vid)
         return vid
 
     # -- graph inputs and variables --------------------------------------------------------------
@@ -164,7 +168,35 @@ class Tracer:
         self.add_node(LNode(0, "input", name, outputs=(v.id,), fixed=True))
         if self.micro is not None:
             self.micro[v.id] = DATA
+            self.data_only.add(v.id)
         return self.tensor_of(v)
+
+    def whole_of(self, vid: int) -> Tensor | None:
+        """The whole-step twin of data-only value ``vid``, traced in the current (pre) phase: inputs at their
+        full batch, ops and conversions again on the twins; None where an op refuses the whole batch."""
+        if vid in self.whole:
+            return self.whole[vid]
+        v = self.graph.values[vid]
+        node = self.graph.nodes[v.producer]
+        twin: Tensor | None = None
+        if node.kind == "input":
+            full = self.new_value((v.shape[0] * self.graph.micro_batches, *v.shape[1:]), v.dtype, v.placement, v.sbp)
+            self.add_node(LNode(0, "input", node.name, outputs=(full.id,), fixed=True))
+            twin = self.tensor_of(full)
+        elif node.kind == "constant":
+            twin = self.tensor_of(v)
+        elif node.kind == "to_global":
+            src = self.whole_of(node.inputs[0])
+            twin = None if src is None else record_to_global(src, v.placement, v.sbp)
+        elif node.kind == "op":
+            from ..ops.registry import REGISTRY
+
+            srcs = [self.whole_of(i) for i in node.inputs]
+            if all(s is not None for s in srcs):
+                out = _replay(REGISTRY[node.name], node.args, dict(node.attrs), srcs)
+                twin = out[v.index] if isinstance(out, tuple) else out
+        self.whole[vid] = twin
+        return twin
 
     def micro_of(self, vid: int) -> Micro:
         """``vid``'s layout over the micro-batches (variables and constants: the same in each)."""
@@ -222,15 +254,59 @@ def record_op(opdef: Any, args: Sequence[Any], attrs: dict[str, Any]) -> Any:
         except SbpflowError as e:
             raise type(e)(f"{user_line()}: {e}") from None
     template = _template(args)
-    outs = tuple(tracer.new_value(m.shape, m.dtype, placement, s).id
-                 for m, s in zip(decision.out_metas, decision.out_sbps, strict=True))
+    layout = None
     if tracer.micro is not None and tracer.phase == "micro":
         layout = _micro_layout(tracer, opdef, args, attrs, inputs, decision.out_metas)
+        whole = _whole_step(tracer, opdef, args, attrs, inputs, template, layout)
+        if whole is not None:
+            return whole
+    outs = tuple(tracer.new_value(m.shape, m.dtype, placement, s).id
+                 for m, s in zip(decision.out_metas, decision.out_sbps, strict=True))
+    if tracer.micro is not None and layout is not None:
         tracer.micro.update(dict.fromkeys(outs, layout))
+        if all(v in tracer.data_only for v in inputs) and all(how in ("t", "c") for how, _ in template):
+            tracer.data_only.update(outs)
     tracer.add_node(LNode(0, "op", opdef.name, inputs, outs, template, tuple(sorted(attrs.items())),
                           tuple(decision.in_sbps), where=user_line()))
     results = tuple(tracer.tensor_of(tracer.graph.values[v]) for v in outs)
     return results[0] if len(results) == 1 else results
+
+
+def _whole_step(tracer: Tracer, opdef: Any, args: Sequence[Any], attrs: dict[str, Any], inputs: tuple[int, ...],
+                template: tuple[tuple[str, Any], ...], layout: Micro) -> Tensor | None:
+    """A reduction over the micro-batch split of step data alone (the count of kept targets that a mean loss
+    divides by) is computed once, on the whole step's inputs, before the micro-batches: each micro-batch then reads
+    the batch's value, and a loss divided by it is an exact partial. None where that does not apply."""
+    if not isinstance(layout.sbp, Partial) or not all(v in tracer.data_only for v in inputs) or \
+            any(how not in ("t", "c") for how, _ in template):
+        return None
+    saved = tracer.phase
+    tracer.phase = "pre"
+    try:
+        twins = [tracer.whole_of(v) for v in inputs]
+        if any(t is None for t in twins):
+            return None
+        result = _replay(opdef, template, attrs, twins)
+    finally:
+        tracer.phase = saved
+    if not isinstance(result, Tensor) or result._lazy is None:
+        return None
+    tracer.data_only.add(result._lazy.value.id)
+    return result
+
+
+def _replay(opdef: Any, template: tuple[tuple[str, Any], ...], attrs: dict[str, Any],
+            tensors: Sequence[Tensor | None]) -> Any:
+    """``opdef`` called again (no gradients) on ``tensors`` in place of its tensor arguments; None if it refuses
+    them (an attribute that holds the micro-batch's shape)."""
+    from ..autograd import no_grad
+
+    args = [tensors[v] if how == "t" else v for how, v in template]
+    try:
+        with no_grad():
+            return opdef(*args, **attrs)
+    except SbpflowError:
+        return None
 
 
 def _micro_layout(tracer: Tracer, opdef: Any, args: Sequence[Any], attrs: dict[str, Any], inputs: tuple[int, ...],
@@ -310,8 +386,10 @@ def record_to_global(x: Tensor, placement: Placement, sbp: NdSbp) -> Tensor:
     src = tracer.value_of(x, "to_global")
     v = tracer.new_value(tuple(x.shape), x.dtype, placement, sbp)
     tracer.add_node(LNode(0, "to_global", "to_global", (src,), (v.id,), fixed=True, where=user_line()))
-    if tracer.micro is not None:  # a move across placements or SBPs: the same rows of the same micro-batch
+    if tracer.micro is not None and tracer.phase == "micro":  # a move: the same rows of the same micro-batch
         tracer.micro[v.id] = tracer.micro_of(src)
+        if src in tracer.data_only:
+            tracer.data_only.add(v.id)
     return tracer.tensor_of(v)
 
 
