@@ -88,7 +88,9 @@ def test_dropout_keys_do_not_depend_on_the_pipeline() -> None:
 # ----------------------------------------------------------------------------- what cannot be exact
 
 
-def _step(m: int, loss_fn: Any, average: bool = False) -> tuple[nn.Graph, Any]:
+def _step(m: int, loss_fn: Any, average: bool = False,
+          labels: list[int] | None = None) -> tuple[nn.Graph, tuple[Any, ...]]:
+    """A linear model's step on dp2 with ``loss_fn(model, x, *labels)``; returns the graph and its arguments."""
     p = sbpflow.placement("cpu", [0, 1])
     model = nn.Linear(4, 3, placement=p, sbp=S.broadcast)
     opt = sbpflow.optim.SGD(model.parameters(), lr=LR_SMALL)
@@ -100,13 +102,14 @@ def _step(m: int, loss_fn: Any, average: bool = False) -> tuple[nn.Graph, Any]:
             self.add_optimizer(opt)
             self.config.set_gradient_accumulation_steps(m, average=average)
 
-        def build(self, x: Any) -> Any:
-            loss = loss_fn(self.model, x)
+        def build(self, x: Any, *rest: Any) -> Any:
+            loss = loss_fn(self.model, x, *rest)
             loss.backward()
             return loss
 
     x = sbpflow.tensor([[0.1 * (i + j) for j in range(4)] for i in range(8)], placement=p, sbp=S.split(0))
-    return Step(), x
+    rest = () if labels is None else (sbpflow.tensor(labels, placement=p, sbp=S.split(0)),)
+    return Step(), (x, *rest)
 
 
 LR_SMALL = 0.05
@@ -124,13 +127,13 @@ def _sum_plus_mean(model: Any, x: Any) -> Any:
 @pytest.mark.parametrize(("loss_fn", "op", "why"), [(_sqrt_of_sum, "sqrt", "not linear"),
                                                     (_sum_plus_mean, "add", "different scales")])
 def test_a_loss_with_no_exact_micro_batch_form_is_refused_by_name(loss_fn: Any, op: str, why: str) -> None:
-    graph, x = _step(2, loss_fn)
+    graph, args = _step(2, loss_fn)
     with pytest.raises(MicroBatchError, match=f"op '{op}' cannot be computed exactly per micro-batch.*{why}"):
-        graph(x)
+        graph(*args)
     assert graph._last is None  # nothing compiled, nothing ran
     for m, average in ((1, False), (2, True)):  # one micro-batch is the batch; averaging is a convention
-        graph, x = _step(m, loss_fn, average)
-        graph(x)
+        graph, args = _step(m, loss_fn, average)
+        graph(*args)
 
 
 def test_a_mean_loss_plus_a_weight_penalty_is_exact() -> None:
@@ -139,7 +142,7 @@ def test_a_mean_loss_plus_a_weight_penalty_is_exact() -> None:
     def loss_fn(model: Any, x: Any) -> Any:
         return model(x).square().mean() + model.weight.square().sum() * 0.1
 
-    graph, x = _step(4, loss_fn)
+    graph, (x,) = _step(4, loss_fn)
     w0, b0 = (torch.tensor(t.numpy(), requires_grad=True) for t in (graph.model.weight, graph.model.bias))
     got = graph(x).numpy()
     xt = torch.tensor(x.numpy())
@@ -159,3 +162,47 @@ def test_gradient_accumulation_steps_are_checked() -> None:
     with pytest.raises(SbpflowError, match="average=.*bool"):
         config.set_gradient_accumulation_steps(2, average=1)  # type: ignore[arg-type]
     assert (config.micro_batches, config.average_micro_batches) == (1, False)
+
+
+def test_a_gpt_with_padded_targets_steps_as_the_full_batch() -> None:
+    """nanoGPT's loss reshapes the targets to (B*T,) and divides by the kept ones: with padding (-100) spread
+    unevenly over 4 micro-batches on dp2 x pp2, the count is the whole step's (traced again before the
+    micro-batches), and losses and parameters are one device's full-batch ones."""
+    from sbpflow.demo.train_gpt import build, parameter_values, random_batches
+    from sbpflow.models.gpt import GPTConfig
+
+    config = GPTConfig(vocab_size=64, block_size=8, n_layer=2, n_head=2, n_embd=32, dropout=0.0)
+    runs = []
+    for spec, m in ((None, 1), ("dp=2,pp=2", 4)):
+        trainer = build(config, spec, graph=spec is not None, micro_batches=m)
+        losses = []
+        for i, (ids, targets) in enumerate(random_batches(64, 2, 8, 8, seed=1)):
+            targets = np.array(targets)
+            targets[:3 + i, 2:] = -100  # micro-batches of 2 rows: 2, 1, 0, 0 rows padded (3, 1, 0, 0 next step)
+            losses.append(trainer.step(ids, targets))
+        runs.append((losses, parameter_values(trainer)))
+    (want_losses, want), (losses, got) = runs
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+    for name, value in want.items():
+        np.testing.assert_allclose(got[name], value, rtol=1e-5, atol=2e-6, err_msg=name)
+
+
+def test_class_weights_divide_by_each_micro_batch_s_weight_sum() -> None:
+    """A weighted mean divides by the kept targets' weights, picked from the class weights expanded to the rows
+    (the same in every micro-batch, read with the split targets): no whole-step count, so each micro-batch divides
+    by its own, as a ratio of partials (docs/api.md), which is exact when the micro-batches weigh the same."""
+    p = sbpflow.placement("cpu", [0, 1])
+    class_weight = [0.5, 1.0, 2.0]
+    labels = [0, 2, 2, 0, 1, 1, 1, 1]  # rank 0 holds rows 0-3, rank 1 rows 4-7; micro-batch k: each one's chunk k
+
+    def loss_fn(model: Any, x: Any, y: Any) -> Any:
+        weight = sbpflow.tensor(class_weight, placement=p, sbp=S.broadcast)
+        return nn.functional.cross_entropy(model(x), y, weight=weight)
+
+    for m, exact in ((2, True), (4, False)):  # m = 2: rows {0, 1, 4, 5} and {2, 3, 6, 7} weigh 4.5 each; m = 4: not
+        graph, (x, y) = _step(m, loss_fn, labels=labels)
+        w0, b0 = (torch.tensor(t.numpy(), requires_grad=True) for t in (graph.model.weight, graph.model.bias))
+        got = graph(x, y).numpy()
+        logits = torch.tensor(x.numpy()) @ w0.T + b0
+        want = torch.nn.functional.cross_entropy(logits, torch.tensor(labels), weight=torch.tensor(class_weight))
+        assert np.isclose(got, want.item(), rtol=1e-5) == exact, (m, got, want.item())

@@ -27,7 +27,7 @@ import torch
 from .. import boxing
 from ..errors import SbpflowError
 from ..placement import Placement
-from ..sbp import NdSbp, Partial, broadcast
+from ..sbp import Broadcast, NdSbp, Partial, Split, broadcast
 from ..tensor import Tensor
 from .ir import LNode, LogicalGraph, Value
 from .micro import DATA, SAME, Micro, join, propagate
@@ -188,15 +188,45 @@ class Tracer:
         elif node.kind == "to_global":
             src = self.whole_of(node.inputs[0])
             twin = None if src is None else record_to_global(src, v.placement, v.sbp)
-        elif node.kind == "op":
+        elif node.kind == "op" and not self._mixes_rows(node):
             from ..ops.registry import REGISTRY
 
             srcs = [self.whole_of(i) for i in node.inputs]
             if all(s is not None for s in srcs):
-                out = _replay(REGISTRY[node.name], node.args, dict(node.attrs), srcs)
+                out = None
+                for attrs in self._whole_attrs(node, vid):
+                    out = _replay(REGISTRY[node.name], node.args, attrs, srcs)
+                    if out is not None:
+                        break
                 twin = out[v.index] if isinstance(out, tuple) else out
+        if twin is not None and tuple(twin.shape) != self._whole_shape(vid):
+            twin = None  # an op that took the micro-batch's shape from an attribute: no whole-step twin
         self.whole[vid] = twin
         return twin
+
+    def _mixes_rows(self, node: LNode) -> bool:
+        """Whether ``node`` reads a value split over the micro-batches with one that is the same in each (a class
+        weight expanded to the micro-batch's rows): its whole-step twin would need that one tiled, so it has none."""
+        layouts = [self.micro_of(i).sbp for i in node.inputs]
+        return any(isinstance(s, Split) for s in layouts) and any(isinstance(s, Broadcast) for s in layouts)
+
+    def _whole_shape(self, vid: int) -> tuple[int, ...]:
+        """``vid``'s shape over the whole step: its split dim over the micro-batches m times larger."""
+        v, sbp = self.graph.values[vid], self.micro_of(vid).sbp
+        if not isinstance(sbp, Split):
+            return v.shape
+        return tuple(n * self.graph.micro_batches if d == sbp.dim else n for d, n in enumerate(v.shape))
+
+    def _whole_attrs(self, node: LNode, vid: int) -> list[dict[str, Any]]:
+        """The attributes to replay ``node`` with on the whole step: its own, then, for an op whose ``shape`` is its
+        output's (a reshape of the targets, an expand), that shape with the micro-batch split dim m times larger."""
+        attrs = dict(node.attrs)
+        layout = self.micro_of(vid)
+        if node.name not in WHOLE_SHAPES or "shape" not in attrs or not isinstance(layout.sbp, Split):
+            return [attrs]
+        shape = list(attrs["shape"])
+        shape[layout.sbp.dim] *= self.graph.micro_batches
+        return [attrs, {**attrs, "shape": tuple(shape)}]
 
     def micro_of(self, vid: int) -> Micro:
         """``vid``'s layout over the micro-batches (variables and constants: the same in each)."""
@@ -257,7 +287,7 @@ def record_op(opdef: Any, args: Sequence[Any], attrs: dict[str, Any]) -> Any:
     layout = None
     if tracer.micro is not None and tracer.phase == "micro":
         layout = _micro_layout(tracer, opdef, args, attrs, inputs, decision.out_metas)
-        whole = _whole_step(tracer, opdef, args, attrs, inputs, template, layout)
+        whole = _whole_step(tracer, opdef, args, attrs, inputs, template, layout, decision.out_metas)
         if whole is not None:
             return whole
     outs = tuple(tracer.new_value(m.shape, m.dtype, placement, s).id
@@ -273,7 +303,7 @@ def record_op(opdef: Any, args: Sequence[Any], attrs: dict[str, Any]) -> Any:
 
 
 def _whole_step(tracer: Tracer, opdef: Any, args: Sequence[Any], attrs: dict[str, Any], inputs: tuple[int, ...],
-                template: tuple[tuple[str, Any], ...], layout: Micro) -> Tensor | None:
+                template: tuple[tuple[str, Any], ...], layout: Micro, out_metas: Any) -> Tensor | None:
     """A reduction over the micro-batch split of step data alone (the count of kept targets that a mean loss
     divides by) is computed once, on the whole step's inputs, before the micro-batches: each micro-batch then reads
     the batch's value, and a loss divided by it is an exact partial. None where that does not apply."""
@@ -289,7 +319,8 @@ def _whole_step(tracer: Tracer, opdef: Any, args: Sequence[Any], attrs: dict[str
         result = _replay(opdef, template, attrs, twins)
     finally:
         tracer.phase = saved
-    if not isinstance(result, Tensor) or result._lazy is None:
+    if not isinstance(result, Tensor) or result._lazy is None or len(out_metas) != 1 or \
+            tuple(result.shape) != tuple(out_metas[0].shape):
         return None
     tracer.data_only.add(result._lazy.value.id)
     return result
@@ -337,6 +368,7 @@ def _micro_layout(tracer: Tracer, opdef: Any, args: Sequence[Any], attrs: dict[s
     return found
 
 
+WHOLE_SHAPES = ("reshape", "expand", "permute_reshape")  # ops whose ``shape`` attribute is their output's shape
 _MICRO: dict[Any, Micro] = {}  # (op, arg metas, attrs, input layouts) -> output layout
 
 
