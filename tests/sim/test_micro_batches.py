@@ -124,8 +124,14 @@ def _sum_plus_mean(model: Any, x: Any) -> Any:
     return y.sum() + y.mean()
 
 
+def _ratio_of_sums(model: Any, x: Any) -> Any:
+    y = model(x)
+    return y.sum() / y.abs().sum()  # both sums depend on the model: no whole-step value before the micro-batches
+
+
 @pytest.mark.parametrize(("loss_fn", "op", "why"), [(_sqrt_of_sum, "sqrt", "not linear"),
-                                                    (_sum_plus_mean, "add", "different scales")])
+                                                    (_sum_plus_mean, "add", "different scales"),
+                                                    (_ratio_of_sums, "div", "not linear")])
 def test_a_loss_with_no_exact_micro_batch_form_is_refused_by_name(loss_fn: Any, op: str, why: str) -> None:
     graph, args = _step(2, loss_fn)
     with pytest.raises(MicroBatchError, match=f"op '{op}' cannot be computed exactly per micro-batch.*{why}"):
@@ -187,22 +193,25 @@ def test_a_gpt_with_padded_targets_steps_as_the_full_batch() -> None:
         np.testing.assert_allclose(got[name], value, rtol=1e-5, atol=2e-6, err_msg=name)
 
 
-def test_class_weights_divide_by_each_micro_batch_s_weight_sum() -> None:
-    """A weighted mean divides by the kept targets' weights, picked from the class weights expanded to the rows
-    (the same in every micro-batch, read with the split targets): no whole-step count, so each micro-batch divides
-    by its own, as a ratio of partials (docs/api.md), which is exact when the micro-batches weigh the same."""
+def test_class_weights_with_uneven_padding_are_exact() -> None:
+    """A weighted mean divides by the kept targets' weights, picked from the class weights expanded to the rows:
+    the whole step's count expands them to the batch's rows (m copies of equal rows), so micro-batches of unequal
+    weight still give torch's full-batch loss and step."""
     p = sbpflow.placement("cpu", [0, 1])
     class_weight = [0.5, 1.0, 2.0]
-    labels = [0, 2, 2, 0, 1, 1, 1, 1]  # rank 0 holds rows 0-3, rank 1 rows 4-7; micro-batch k: each one's chunk k
+    labels = [0, -100, 2, 1, -100, -100, 2, 0]  # rank 0 holds rows 0-3, rank 1 rows 4-7; micro-batch k: their row k
 
     def loss_fn(model: Any, x: Any, y: Any) -> Any:
         weight = sbpflow.tensor(class_weight, placement=p, sbp=S.broadcast)
         return nn.functional.cross_entropy(model(x), y, weight=weight)
 
-    for m, exact in ((2, True), (4, False)):  # m = 2: rows {0, 1, 4, 5} and {2, 3, 6, 7} weigh 4.5 each; m = 4: not
-        graph, (x, y) = _step(m, loss_fn, labels=labels)
-        w0, b0 = (torch.tensor(t.numpy(), requires_grad=True) for t in (graph.model.weight, graph.model.bias))
-        got = graph(x, y).numpy()
-        logits = torch.tensor(x.numpy()) @ w0.T + b0
-        want = torch.nn.functional.cross_entropy(logits, torch.tensor(labels), weight=torch.tensor(class_weight))
-        assert np.isclose(got, want.item(), rtol=1e-5) == exact, (m, got, want.item())
+    graph, (x, y) = _step(4, loss_fn, labels=labels)
+    w0, b0 = (torch.tensor(t.numpy(), requires_grad=True) for t in (graph.model.weight, graph.model.bias))
+    got = graph(x, y).numpy()
+    logits = torch.tensor(x.numpy()) @ w0.T + b0
+    want = torch.nn.functional.cross_entropy(logits, torch.tensor(labels), weight=torch.tensor(class_weight))
+    want.backward()
+    np.testing.assert_allclose(got, want.item(), rtol=1e-5)
+    assert w0.grad is not None
+    np.testing.assert_allclose(graph.model.weight.numpy(), (w0 - LR_SMALL * w0.grad).detach().numpy(), rtol=1e-5,
+                               atol=1e-6)

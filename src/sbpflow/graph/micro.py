@@ -11,8 +11,8 @@ m micro-batches were m ranks of one more mesh axis::
 A sum over a split dim gives ``P`` (scale 1); a mean gives ``P`` with scale m, since each micro-batch divides by
 its own m-times-smaller count. A reduction of step data alone (the count of kept targets) is traced again on the
 whole step's inputs before the micro-batches (``Tracer.whole_of``): ``B``, so a loss divided by it stays an exact
-partial. Where that fails, ``P / P`` of one scale is taken as a ratio of partials: scale m, exact when each
-micro-batch counts the same. So a loss ``L`` whose
+partial. A ratio of two partials that remain (a count the whole step cannot trace, or one the model computes) is
+refused like any other non-linear function of them. So a loss ``L`` whose
 layout is ``P`` with scale s is ``sum_k L_k / s``: its backward is seeded with ``1 / s`` in every micro-batch, and
 the step returns that sum. Any other function of a ``P`` value (``sqrt``, a product of two) has no exact
 per-micro-batch form and is refused by name. ``"?"`` marks what an op without a matching signature made from
@@ -22,7 +22,7 @@ split data: joined as before (cat, or the mean of scalars), and refused where it
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import SbpflowError
@@ -41,6 +41,7 @@ class Micro:
     sbp: SbpParallel | None
     scale: int = 1
     origin: str = ""  # the op that made it (for messages)
+    reads: tuple[SbpParallel, ...] = field(default=(), compare=False)  # how that op read its inputs (its signature)
 
     def __str__(self) -> str:
         if self.sbp is None:
@@ -51,7 +52,6 @@ class Micro:
 SAME = Micro(Broadcast())
 DATA = Micro(Split(0), origin="input")
 MEANS = ("mean",)  # reductions that divide by the (micro-batch's) count of what they reduce
-RATIOS = ("div",)  # P / P of one scale: a ratio of partials (a sum over rows divided by their count)
 
 
 def propagate(opdef: Any, sigs: Sequence[Any], ins: Sequence[Micro], m: int, where: str) -> Micro:
@@ -68,27 +68,27 @@ def propagate(opdef: Any, sigs: Sequence[Any], ins: Sequence[Micro], m: int, whe
         raise _refuse(opdef.name, ins, where, "it combines partials of different scales (a sum over the "
                       "micro-batch split with a mean over it)")
     scale = scales.pop() if scales else 1
-    if opdef.name in RATIOS and len(partials) == 2 and len(ins) == 2:
-        return Micro(Partial("sum"), m, opdef.name)
-    out = _match(sigs, ins, scale, m)
-    if out is None:
+    found = _match(sigs, ins, scale, m)
+    if found is None:
         if partials:
             raise _refuse(opdef.name, ins, where, "no signature of the op keeps that partial a partial: the op is "
                           "not linear in it, so the micro-batches' results cannot be joined into the full batch's")
         return Micro(None, origin=opdef.name)
+    out, reads = found
     if isinstance(out, Partial):
         if out.op != "sum":
             return Micro(None, origin=opdef.name)
         if not partials:  # a reduction over the split dim
             scale = m if opdef.name in MEANS else 1
-        return Micro(out, scale, opdef.name)
-    return Micro(out, origin=opdef.name)
+        return Micro(out, scale, opdef.name, reads)
+    return Micro(out, 1, opdef.name, reads)
 
 
-def _match(sigs: Sequence[Any], ins: Sequence[Micro], scale: int, m: int) -> SbpParallel | None:
-    """The first output SBP of the signature needing the fewest conversions: B reads as any split of itself (the
-    same rows in each micro-batch) and, beside partials of scale m (averages), as a partial of itself."""
-    best: tuple[int, SbpParallel] | None = None
+def _match(sigs: Sequence[Any], ins: Sequence[Micro], scale: int,
+           m: int) -> tuple[SbpParallel, tuple[SbpParallel, ...]] | None:
+    """The output SBP and input SBPs of the signature needing the fewest conversions: B reads as any split of itself
+    (the same rows in each micro-batch) and, beside partials of scale m (averages), as a partial of itself."""
+    best: tuple[int, SbpParallel, tuple[SbpParallel, ...]] | None = None
     for sig in sigs:
         cost = 0
         for have, want in zip(ins, sig.ins, strict=True):
@@ -101,8 +101,8 @@ def _match(sigs: Sequence[Any], ins: Sequence[Micro], scale: int, m: int) -> Sbp
             break
         else:
             if sig.outs and (best is None or cost < best[0]):
-                best = (cost, sig.outs[0])
-    return None if best is None else best[1]
+                best = (cost, sig.outs[0], tuple(sig.ins))
+    return None if best is None else (best[1], best[2])
 
 
 def _refuse(op: str, ins: Sequence[Micro], where: str, why: str) -> MicroBatchError:

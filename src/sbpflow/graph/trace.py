@@ -188,10 +188,10 @@ class Tracer:
         elif node.kind == "to_global":
             src = self.whole_of(node.inputs[0])
             twin = None if src is None else record_to_global(src, v.placement, v.sbp)
-        elif node.kind == "op" and not self._mixes_rows(node):
+        elif node.kind == "op":
             from ..ops.registry import REGISTRY
 
-            srcs = [self.whole_of(i) for i in node.inputs]
+            srcs = self._tiled([self.whole_of(i) for i in node.inputs], node, vid)
             if all(s is not None for s in srcs):
                 out = None
                 for attrs in self._whole_attrs(node, vid):
@@ -204,11 +204,35 @@ class Tracer:
         self.whole[vid] = twin
         return twin
 
-    def _mixes_rows(self, node: LNode) -> bool:
-        """Whether ``node`` reads a value split over the micro-batches with one that is the same in each (a class
-        weight expanded to the micro-batch's rows): its whole-step twin would need that one tiled, so it has none."""
-        layouts = [self.micro_of(i).sbp for i in node.inputs]
-        return any(isinstance(s, Split) for s in layouts) and any(isinstance(s, Broadcast) for s in layouts)
+    def _tiled(self, twins: list[Tensor | None], node: LNode, vid: int) -> list[Tensor | None]:
+        """The twins of ``node``'s inputs as it reads them. One that is the same in every micro-batch but read as
+        split must be the whole step's rows: an expansion along that dim (class weights expanded to the rows) is
+        its rows m times over; any other (rows that differ, in an order the ranks' shards interleave) has none."""
+        from ..ops.indexing import cat
+
+        reads = self.micro_of(vid).reads
+        out = list(twins)
+        for k, (i, twin) in enumerate(zip(node.inputs, twins, strict=True)):
+            want = reads[k] if k < len(reads) else None
+            if twin is None or not isinstance(self.micro_of(i).sbp, Broadcast) or not isinstance(want, Split):
+                continue
+            out[k] = None
+            if self._expanded_along(i, want.dim):
+                try:
+                    out[k] = cat([twin] * self.graph.micro_batches, dim=want.dim)
+                except SbpflowError:
+                    pass
+        return out
+
+    def _expanded_along(self, vid: int, dim: int) -> bool:
+        """Whether ``vid`` is an ``expand`` that repeats one value along ``dim`` (all its rows there are equal)."""
+        v = self.graph.values[vid]
+        node = self.graph.nodes[v.producer] if v.producer >= 0 else None
+        if node is None or node.kind != "op" or node.name != "expand":
+            return False
+        src = self.graph.values[node.inputs[0]].shape
+        at = dim - (len(v.shape) - len(src))
+        return at < 0 or src[at] == 1
 
     def _whole_shape(self, vid: int) -> tuple[int, ...]:
         """``vid``'s shape over the whole step: its split dim over the micro-batches m times larger."""
