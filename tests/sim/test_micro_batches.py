@@ -215,3 +215,19 @@ def test_class_weights_with_uneven_padding_are_exact() -> None:
     assert w0.grad is not None
     np.testing.assert_allclose(graph.model.weight.numpy(), (w0 - LR_SMALL * w0.grad).detach().numpy(), rtol=1e-5,
                                atol=1e-6)
+
+
+def test_a_scaled_fp16_sum_loss_steps_as_its_full_batch() -> None:
+    """The loss scale multiplies each micro-batch's seed (1 for a sum loss, not 1/m): with 4 micro-batches an fp16
+    step under a GradScaler moves the weights and the scale as one micro-batch does (fp16 tolerance)."""
+    runs = []
+    for m in (1, 4):
+        sbpflow.manual_seed(0)
+        graph, (x,) = _step(m, lambda model, x: model(x).square().sum())
+        graph.config.enable_amp(torch.float16, loss_scaler=sbpflow.GradScaler(init_scale=2.0**10, growth_interval=1))
+        losses = [float(graph(x).numpy()) for _ in range(2)]
+        runs.append((losses, graph.model.weight.numpy().copy(), graph.config.loss_scaler.get_scale()))
+    (losses, weight, scale), (want_losses, want_weight, want_scale) = runs[1], runs[0]
+    np.testing.assert_allclose(losses, want_losses, rtol=2e-3)
+    np.testing.assert_allclose(weight, want_weight, rtol=2e-3, atol=1e-3)
+    assert scale == want_scale == 2.0**12
