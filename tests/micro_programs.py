@@ -76,7 +76,7 @@ def _placements(layout: str) -> tuple[sbpflow.Placement, sbpflow.Placement]:
 
 
 def build_graph(layout: str, m: int, loss: str = "mean", average: bool = False, dropout: float = 0.0,
-                executor: str = "actors") -> tuple[nn.Graph, ResidualMLP]:
+                executor: str = "actors", schedule: str = "1f1b") -> tuple[nn.Graph, ResidualMLP]:
     sbpflow.manual_seed(0)
     p0, p1 = _placements(layout)
     model = ResidualMLP(p0, p1, dropout)
@@ -89,6 +89,7 @@ def build_graph(layout: str, m: int, loss: str = "mean", average: bool = False, 
             self.add_optimizer(opt)
             self.config.set_gradient_accumulation_steps(m, average=average)
             self.config.executor = executor
+            self.config.set_pipeline_schedule(schedule)
 
         def build(self, x: Any, ids: Any, y: Any) -> Any:
             logits = self.model(x, ids)
@@ -102,9 +103,9 @@ def build_graph(layout: str, m: int, loss: str = "mean", average: bool = False, 
 
 
 def train_graph(layout: str, m: int, loss: str = "mean", average: bool = False, dropout: float = 0.0,
-                executor: str = "actors") -> tuple[list[list[np.ndarray]], dict[str, np.ndarray]]:
+                executor: str = "actors", schedule: str = "1f1b") -> tuple[list[list[np.ndarray]], dict[str, Any]]:
     """Per step the outputs (loss, per-row losses, logits), and the parameters after the steps."""
-    graph, model = build_graph(layout, m, loss, average, dropout, executor)
+    graph, model = build_graph(layout, m, loss, average, dropout, executor, schedule)
     p0 = _placements(layout)[0]
     outs = []
     for x, ids, y in batches(loss == "padded"):

@@ -57,6 +57,12 @@ def test_the_reference_executor_agrees() -> None:
     assert_matches(train_graph("pp2", 4, "sum", executor="inorder"), _torch("sum"))
 
 
+@pytest.mark.parametrize("schedule", ["gpipe", "zero_bubble"])
+@pytest.mark.parametrize("loss", ["sum", "padded"])
+def test_every_schedule_has_the_full_batch_step(schedule: str, loss: str) -> None:
+    assert_matches(train_graph("pp2xdp2", 4, loss, schedule=schedule), _torch(loss), what=schedule)
+
+
 def test_the_pipeline_cuts_an_input_read_only_on_the_second_stage() -> None:
     """The labels are read on stage 1 alone: their micro-batches are unpacked on stage 0 and sent one by one, never
     sent whole as a step constant (a tied weight) is. Only the loss's count of kept labels reads them whole, once,
