@@ -10,7 +10,7 @@ m micro-batches were m ranks of one more mesh axis::
 
 A sum over a split dim gives ``P`` (scale 1); a mean gives ``P`` with scale m, since each micro-batch divides by
 its own m-times-smaller count. A reduction of step data alone (the count of kept targets) is traced again on the
-whole step's inputs before the micro-batches (``Tracer.whole_of``): ``B``, so a loss divided by it stays an exact
+whole step's inputs before the micro-batches (``graph.trace._whole_of``): ``B``, so a loss divided by it stays an exact
 partial. A ratio of two partials that remain (a count the whole step cannot trace, or one the model computes) is
 refused like any other non-linear function of them. So a loss ``L`` whose
 layout is ``P`` with scale s is ``sum_k L_k / s``: its backward is seeded with ``1 / s`` in every micro-batch, and

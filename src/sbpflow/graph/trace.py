@@ -171,87 +171,6 @@ class Tracer:
             self.data_only.add(v.id)
         return self.tensor_of(v)
 
-    def whole_of(self, vid: int) -> Tensor | None:
-        """The whole-step twin of data-only value ``vid``, traced in the current (pre) phase: inputs at their
-        full batch, ops and conversions again on the twins; None where an op refuses the whole batch."""
-        if vid in self.whole:
-            return self.whole[vid]
-        v = self.graph.values[vid]
-        node = self.graph.nodes[v.producer]
-        twin: Tensor | None = None
-        if node.kind == "input":
-            full = self.new_value((v.shape[0] * self.graph.micro_batches, *v.shape[1:]), v.dtype, v.placement, v.sbp)
-            self.add_node(LNode(0, "input", node.name, outputs=(full.id,), fixed=True))
-            twin = self.tensor_of(full)
-        elif node.kind == "constant":
-            twin = self.tensor_of(v)
-        elif node.kind == "to_global":
-            src = self.whole_of(node.inputs[0])
-            twin = None if src is None else record_to_global(src, v.placement, v.sbp)
-        elif node.kind == "op":
-            from ..ops.registry import REGISTRY
-
-            srcs = self._tiled([self.whole_of(i) for i in node.inputs], node, vid)
-            if all(s is not None for s in srcs):
-                out = None
-                for attrs in self._whole_attrs(node, vid):
-                    out = _replay(REGISTRY[node.name], node.args, attrs, srcs)
-                    if out is not None:
-                        break
-                twin = out[v.index] if isinstance(out, tuple) else out
-        if twin is not None and tuple(twin.shape) != self._whole_shape(vid):
-            twin = None  # an op that took the micro-batch's shape from an attribute: no whole-step twin
-        self.whole[vid] = twin
-        return twin
-
-    def _tiled(self, twins: list[Tensor | None], node: LNode, vid: int) -> list[Tensor | None]:
-        """The twins of ``node``'s inputs as it reads them. One that is the same in every micro-batch but read as
-        split must be the whole step's rows: an expansion along that dim (class weights expanded to the rows) is
-        its rows m times over; any other (rows that differ, in an order the ranks' shards interleave) has none."""
-        from ..ops.indexing import cat
-
-        reads = self.micro_of(vid).reads
-        out = list(twins)
-        for k, (i, twin) in enumerate(zip(node.inputs, twins, strict=True)):
-            want = reads[k] if k < len(reads) else None
-            if twin is None or not isinstance(self.micro_of(i).sbp, Broadcast) or not isinstance(want, Split):
-                continue
-            out[k] = None
-            if self._expanded_along(i, want.dim):
-                try:
-                    out[k] = cat([twin] * self.graph.micro_batches, dim=want.dim)
-                except SbpflowError:
-                    pass
-        return out
-
-    def _expanded_along(self, vid: int, dim: int) -> bool:
-        """Whether ``vid`` is an ``expand`` that repeats one value along ``dim`` (all its rows there are equal)."""
-        v = self.graph.values[vid]
-        node = self.graph.nodes[v.producer] if v.producer >= 0 else None
-        if node is None or node.kind != "op" or node.name != "expand":
-            return False
-        src = self.graph.values[node.inputs[0]].shape
-        at = dim - (len(v.shape) - len(src))
-        return at < 0 or src[at] == 1
-
-    def _whole_shape(self, vid: int) -> tuple[int, ...]:
-        """``vid``'s shape over the whole step: its split dim over the micro-batches m times larger."""
-        v, sbp = self.graph.values[vid], self.micro_of(vid).sbp
-        if not isinstance(sbp, Split):
-            return v.shape
-        return tuple(n * self.graph.micro_batches if d == sbp.dim else n for d, n in enumerate(v.shape))
-
-    def _whole_attrs(self, node: LNode, vid: int) -> list[dict[str, Any]]:
-        """The attributes to replay ``node`` with on the whole step: its own, then, for an op whose ``shape`` is its
-        output's (a reshape of the targets, an expand), that shape with the micro-batch split dim m times larger."""
-        attrs = dict(node.attrs)
-        layout = self.micro_of(vid)
-        if node.name not in WHOLE_SHAPES or "shape" not in attrs or not isinstance(layout.sbp, Split):
-            return [attrs]
-        shape = list(attrs["shape"])
-        shape[layout.sbp.dim] *= self.graph.micro_batches
-        return [attrs, {**attrs, "shape": tuple(shape)}]
-
     def micro_of(self, vid: int) -> Micro:
         """``vid``'s layout over the micro-batches (variables and constants: the same in each)."""
         return SAME if self.micro is None else self.micro.get(vid, SAME)
@@ -326,6 +245,93 @@ def record_op(opdef: Any, args: Sequence[Any], attrs: dict[str, Any]) -> Any:
     return results[0] if len(results) == 1 else results
 
 
+# ----------------------------------------------------------------------------- whole-step values
+
+WHOLE_SHAPES = ("reshape", "expand", "permute_reshape")  # ops whose ``shape`` attribute is their output's shape
+
+
+def _whole_of(tracer: Tracer, vid: int) -> Tensor | None:
+    """The whole-step twin of data-only value ``vid``, traced in the current (pre) phase: inputs at their
+    full batch, ops and conversions again on the twins; None where an op refuses the whole batch."""
+    if vid in tracer.whole:
+        return tracer.whole[vid]
+    v = tracer.graph.values[vid]
+    node = tracer.graph.nodes[v.producer]
+    twin: Tensor | None = None
+    if node.kind == "input":
+        full = tracer.new_value((v.shape[0] * tracer.graph.micro_batches, *v.shape[1:]), v.dtype, v.placement, v.sbp)
+        tracer.add_node(LNode(0, "input", node.name, outputs=(full.id,), fixed=True))
+        twin = tracer.tensor_of(full)
+    elif node.kind == "constant":
+        twin = tracer.tensor_of(v)
+    elif node.kind == "to_global":
+        src = _whole_of(tracer, node.inputs[0])
+        twin = None if src is None else record_to_global(src, v.placement, v.sbp)
+    elif node.kind == "op":
+        from ..ops.registry import REGISTRY
+
+        srcs = _tiled(tracer, [_whole_of(tracer, i) for i in node.inputs], node, vid)
+        if all(s is not None for s in srcs):
+            out = None
+            for attrs in _whole_attrs(tracer, node, vid):
+                out = _replay(REGISTRY[node.name], node.args, attrs, srcs)
+                if out is not None:
+                    break
+            twin = out[v.index] if isinstance(out, tuple) else out
+    if twin is not None and tuple(twin.shape) != _whole_shape(tracer, vid):
+        twin = None  # an op that took the micro-batch's shape from an attribute: no whole-step twin
+    tracer.whole[vid] = twin
+    return twin
+
+def _tiled(tracer: Tracer, twins: list[Tensor | None], node: LNode, vid: int) -> list[Tensor | None]:
+    """The twins of ``node``'s inputs as it reads them. One that is the same in every micro-batch but read as
+    split must be the whole step's rows: an expansion along that dim (class weights expanded to the rows) is
+    its rows m times over; any other (rows that differ, in an order the ranks' shards interleave) has none."""
+    from ..ops.indexing import cat
+
+    reads = tracer.micro_of(vid).reads
+    out = list(twins)
+    for k, (i, twin) in enumerate(zip(node.inputs, twins, strict=True)):
+        want = reads[k] if k < len(reads) else None
+        if twin is None or not isinstance(tracer.micro_of(i).sbp, Broadcast) or not isinstance(want, Split):
+            continue
+        out[k] = None
+        if _expanded_along(tracer, i, want.dim):
+            try:
+                out[k] = cat([twin] * tracer.graph.micro_batches, dim=want.dim)
+            except SbpflowError:
+                pass
+    return out
+
+def _expanded_along(tracer: Tracer, vid: int, dim: int) -> bool:
+    """Whether ``vid`` is an ``expand`` that repeats one value along ``dim`` (all its rows there are equal)."""
+    v = tracer.graph.values[vid]
+    node = tracer.graph.nodes[v.producer] if v.producer >= 0 else None
+    if node is None or node.kind != "op" or node.name != "expand":
+        return False
+    src = tracer.graph.values[node.inputs[0]].shape
+    at = dim - (len(v.shape) - len(src))
+    return at < 0 or src[at] == 1
+
+def _whole_shape(tracer: Tracer, vid: int) -> tuple[int, ...]:
+    """``vid``'s shape over the whole step: its split dim over the micro-batches m times larger."""
+    v, sbp = tracer.graph.values[vid], tracer.micro_of(vid).sbp
+    if not isinstance(sbp, Split):
+        return v.shape
+    return tuple(n * tracer.graph.micro_batches if d == sbp.dim else n for d, n in enumerate(v.shape))
+
+def _whole_attrs(tracer: Tracer, node: LNode, vid: int) -> list[dict[str, Any]]:
+    """The attributes to replay ``node`` with on the whole step: its own, then, for an op whose ``shape`` is its
+    output's (a reshape of the targets, an expand), that shape with the micro-batch split dim m times larger."""
+    attrs = dict(node.attrs)
+    layout = tracer.micro_of(vid)
+    if node.name not in WHOLE_SHAPES or "shape" not in attrs or not isinstance(layout.sbp, Split):
+        return [attrs]
+    shape = list(attrs["shape"])
+    shape[layout.sbp.dim] *= tracer.graph.micro_batches
+    return [attrs, {**attrs, "shape": tuple(shape)}]
+
+
 def _whole_step(tracer: Tracer, opdef: Any, args: Sequence[Any], attrs: dict[str, Any], inputs: tuple[int, ...],
                 template: tuple[tuple[str, Any], ...], layout: Micro, out_metas: Any) -> Tensor | None:
     """A reduction over the micro-batch split of step data alone (the count of kept targets that a mean loss
@@ -337,7 +343,7 @@ def _whole_step(tracer: Tracer, opdef: Any, args: Sequence[Any], attrs: dict[str
     saved = tracer.phase
     tracer.phase = "pre"
     try:
-        twins = [tracer.whole_of(v) for v in inputs]
+        twins = [_whole_of(tracer, v) for v in inputs]
         if any(t is None for t in twins):
             return None
         result = _replay(opdef, template, attrs, twins)
@@ -362,6 +368,9 @@ def _replay(opdef: Any, template: tuple[tuple[str, Any], ...], attrs: dict[str, 
             return opdef(*args, **attrs)
     except SbpflowError:
         return None
+
+
+# ----------------------------------------------------------------------------- layouts over micro-batches
 
 
 def _micro_layout(tracer: Tracer, opdef: Any, args: Sequence[Any], attrs: dict[str, Any], inputs: tuple[int, ...],
@@ -392,7 +401,6 @@ def _micro_layout(tracer: Tracer, opdef: Any, args: Sequence[Any], attrs: dict[s
     return found
 
 
-WHOLE_SHAPES = ("reshape", "expand", "permute_reshape")  # ops whose ``shape`` attribute is their output's shape
 _MICRO: dict[Any, Micro] = {}  # (op, arg metas, attrs, input layouts) -> output layout
 
 
