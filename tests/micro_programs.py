@@ -76,7 +76,7 @@ def _placements(layout: str) -> tuple[sbpflow.Placement, sbpflow.Placement]:
 
 
 def build_graph(layout: str, m: int, loss: str = "mean", average: bool = False, dropout: float = 0.0,
-                executor: str = "actors", schedule: str = "1f1b") -> tuple[nn.Graph, ResidualMLP]:
+                executor: str = "actors", schedule: str = "1f1b", zero: int = 0) -> tuple[nn.Graph, ResidualMLP]:
     sbpflow.manual_seed(0)
     p0, p1 = _placements(layout)
     model = ResidualMLP(p0, p1, dropout)
@@ -90,6 +90,8 @@ def build_graph(layout: str, m: int, loss: str = "mean", average: bool = False, 
             self.config.set_gradient_accumulation_steps(m, average=average)
             self.config.executor = executor
             self.config.set_pipeline_schedule(schedule)
+            if zero:
+                self.config.enable_zero(zero, min_shard_numel=1)
 
         def build(self, x: Any, ids: Any, y: Any) -> Any:
             logits = self.model(x, ids)
@@ -103,13 +105,16 @@ def build_graph(layout: str, m: int, loss: str = "mean", average: bool = False, 
 
 
 def train_graph(layout: str, m: int, loss: str = "mean", average: bool = False, dropout: float = 0.0,
-                executor: str = "actors", schedule: str = "1f1b") -> tuple[list[list[np.ndarray]], dict[str, Any]]:
-    """Per step the outputs (loss, per-row losses, logits), and the parameters after the steps."""
-    graph, model = build_graph(layout, m, loss, average, dropout, executor, schedule)
+                executor: str = "actors", schedule: str = "1f1b", zero: int = 0,
+                label_sbp: Any = None) -> tuple[list[list[np.ndarray]], dict[str, Any]]:
+    """Per step the outputs (loss, per-row losses, logits), and the parameters after the steps; ``label_sbp``: the
+    labels' SBP (default S(0), as the other inputs)."""
+    graph, model = build_graph(layout, m, loss, average, dropout, executor, schedule, zero)
     p0 = _placements(layout)[0]
     outs = []
     for x, ids, y in batches(loss == "padded"):
-        args = [sbpflow.tensor(t, placement=p0, sbp=S.split(0)) for t in (x, ids, y)]
+        args = [sbpflow.tensor(t, placement=p0, sbp=S.split(0)) for t in (x, ids)]
+        args.append(sbpflow.tensor(y, placement=p0, sbp=S.split(0) if label_sbp is None else label_sbp))
         outs.append([o.numpy() for o in graph(*args)])
     return outs, parameter_values(model)
 

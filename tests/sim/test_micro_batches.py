@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import sbpflow
-from micro_programs import LAYOUTS, LOSSES, assert_matches, build_graph, train_graph, train_torch
+from micro_programs import LAYOUTS, LOSSES, assert_matches, batches, build_graph, train_graph, train_torch
 from sbpflow import nn
 from sbpflow import sbp as S
 from sbpflow.errors import SbpflowError
@@ -55,6 +55,36 @@ def test_average_accumulates_as_oneflow(loss: str, m: int) -> None:
 
 def test_the_reference_executor_agrees() -> None:
     assert_matches(train_graph("pp2", 4, "sum", executor="inorder"), _torch("sum"))
+
+
+@pytest.mark.parametrize("zero", [1, 2, 3])
+def test_per_row_outputs_keep_the_batch_order_under_zero(zero: int) -> None:
+    """Per-row outputs are pinned to the inputs' blocks of rows: under ZeRO-2 the selection once chose B logits on
+    dp2, whose micro-batch pieces then joined as rows 0, 1, 4, 5, 2, 3, 6, 7."""
+    assert_matches(train_graph("dp2", 2, "padded", zero=zero), _torch("padded"), what=f"zero {zero}")
+
+
+@pytest.mark.parametrize("layout", ["dp2", "pp2xdp2"])
+def test_labels_broadcast_beside_split_data_make_the_same_micro_batches(layout: str) -> None:
+    """Labels given B while the data is S(0): micro-batch k must hold the same rows of both (chunk k of each data
+    shard), so the labels take the data's split of dim 0 at the call (a local slice): the step is torch's."""
+    got = train_graph(layout, 2, "sum", label_sbp=S.broadcast)
+    assert_matches(got, _torch("sum"), what=layout)
+
+
+def test_an_input_that_cannot_hold_the_first_inputs_rows_is_refused() -> None:
+    """Data S(0) on 2 ranks and labels on 1 rank: no SBP of the labels' placement holds the data's two blocks of rows
+    as its shards, so micro-batches would pair rows wrongly; the call is refused before anything runs."""
+    graph, model = build_graph("pp2xdp2", 2)
+    before = {name: p.numpy().copy() for name, p in model.named_parameters()}
+    x, ids, y = batches()[0]
+    p0 = sbpflow.placement("cpu", [0, 1])
+    args = [sbpflow.tensor(t, placement=p0, sbp=S.split(0)) for t in (x, ids)]
+    with pytest.raises(SbpflowError, match=r"input 2 .* has no SBP on its placement"):
+        graph(*args, sbpflow.tensor(y, placement=sbpflow.placement("cpu", [2]), sbp=S.broadcast))
+    assert graph._last is None
+    for name, p in model.named_parameters():
+        np.testing.assert_array_equal(p.numpy(), before[name])
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "zero_bubble"])
