@@ -14,10 +14,13 @@ from procrun import run_ranks
 
 import sbpflow
 from micro_programs import assert_matches, train_graph, train_torch
+from sbpflow import sbp as S
 
-# (layout, micro-batches, loss, average): the bug's two cases first (pp2 m4 at pick, pp2 x dp2 m2 at send/recv)
-CASES = [("pp2", 4, "mean", False), ("pp2xdp2", 2, "mean", False), ("pp2xdp2", 4, "sum", False),
-         ("pp2xdp2", 4, "padded", False), ("pp2xdp2", 2, "mse_sum", False), ("pp2xdp2", 4, "sum", True)]
+# (layout, micro-batches, loss, average, labels B): the bug's two cases first (pp2 m4 at pick, pp2 x dp2 m2 at
+# send/recv); the last gives the labels B beside S(0) data
+CASES = [("pp2", 4, "mean", False, False), ("pp2xdp2", 2, "mean", False, False), ("pp2xdp2", 4, "sum", False, False),
+         ("pp2xdp2", 4, "padded", False, False), ("pp2xdp2", 2, "mse_sum", False, False),
+         ("pp2xdp2", 4, "sum", True, False), ("pp2xdp2", 2, "padded", False, True)]
 RTOL, ATOL = 1e-4, 1e-5
 TIMEOUT = 240.0
 
@@ -26,7 +29,9 @@ def job() -> dict[str, Any]:
     torch.set_num_threads(1)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        return {"rank": sbpflow.rank(), "runs": {case: train_graph(*case[:3], average=case[3]) for case in CASES}}
+        return {"rank": sbpflow.rank(),
+                "runs": {case: train_graph(*case[:3], average=case[3], label_sbp=S.broadcast if case[4] else None)
+                         for case in CASES}}
 
 
 @pytest.fixture(scope="module")
@@ -38,8 +43,8 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def test_every_process_has_the_full_batch_step(per_rank: list[dict[str, Any]]) -> None:
-    for layout, m, loss, average in CASES:
+    for case in CASES:
+        layout, m, loss, average, _ = case
         want = train_torch(loss, 1.0 / m if average and loss == "sum" else 1.0)
         for out in per_rank:
-            assert_matches(out["runs"][(layout, m, loss, average)], want, RTOL, ATOL,
-                           what=f"{layout} m={m} {loss} average={average} rank {out['rank']}")
+            assert_matches(out["runs"][case], want, RTOL, ATOL, what=f"{case} rank {out['rank']}")
