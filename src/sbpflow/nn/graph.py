@@ -668,7 +668,7 @@ def _rank0_choice(choice: Any) -> Any:
 
 
 def _trace_inputs(tracer: Tracer, args: Sequence[Any], m: int) -> tuple[list[Any], list[str], list[Any], Any]:
-    """Lazy micro-batch inputs; with their SBPs in the plan and the row blocks of the first (None with m = 1).
+    """Lazy micro-batch inputs, their SBPs in the plan, and input 0's layout (placement, SBP; None with m = 1).
 
     Micro-batch k is chunk k of each shard's rows, so every input must cut dim 0 into the same blocks of rows (the
     same rows make micro-batch k in each): an input that does not (labels B beside data S(0)) gets the first
@@ -687,7 +687,7 @@ def _trace_inputs(tracer: Tracer, args: Sequence[Any], m: int) -> tuple[list[Any
                                    f"input {i} is 0-d ({a._describe()})")
             if rows is None:
                 rows = (a.placement, a.sbp)
-            sbp = _same_rows(a, i, rows, m, what=f"input {i}")
+            sbp = _same_rows(a, rows, m, what=f"input {i}")
             _check_micro_split(a, m, i, sbp)
             shape = (shape[0] // m, *shape[1:])
         name = f"input{i}"
@@ -704,7 +704,7 @@ def _row_blocks(n: int, placement: Any, sbp: Any) -> tuple[tuple[int, int], ...]
     return tuple(sorted({shard_box((n,), placement, tuple(sbp), r)[0] for r in placement.flat_ranks}))
 
 
-def _same_rows(t: Tensor, i: int, rows: Any, m: int, what: str, n: int | None = None) -> Any:
+def _same_rows(t: Tensor, rows: Any, m: int, what: str, n: int | None = None) -> Any:
     """An SBP for ``t`` on its placement whose shards hold the same blocks of rows as the first input's layout
     ``rows`` (for a tensor of ``n`` rows over the whole step): its own, else the first input's splits of dim 0
     with its own other axes; refused if there is none."""
@@ -732,7 +732,7 @@ def _same_rows(t: Tensor, i: int, rows: Any, m: int, what: str, n: int | None = 
 def _rows_like_inputs(out: Tensor, i: int, rows: Any, m: int) -> Tensor:
     """A per-row output pinned (to_global) to a layout holding the inputs' blocks of rows, so that joining each
     rank's micro-batch pieces in order gives the batch's rows in order, whatever layout SBP selection picks."""
-    sbp = _same_rows(out, i, rows, m, what=f"output {i} of build()", n=out.shape[0] * m)
+    sbp = _same_rows(out, rows, m, what=f"output {i} of build()", n=out.shape[0] * m)
     return record_to_global(out, out.placement, sbp)  # recorded even if unchanged: a constraint for selection
 
 
