@@ -143,7 +143,7 @@ class PNode:
     control: tuple[int, ...] = ()  # node ids that must act first (no data flows)
     control_lead: tuple[int, ...] = ()  # per control edge: step k waits for the source's step k + lead (default 0)
     logical: int | None = None  # the logical node it came from, for messages
-    mode: str = ""  # pack: "mean" or "cat"; route: "dispatch", "combine" or "redispatch"
+    mode: str = ""  # pack: "mean", "sum" or "cat"; route: "dispatch", "combine" or "redispatch"
     overwrites: int | None = None  # the input whose storage it writes its output into (ops.inplace; boxing: 0)
 
     def __post_init__(self) -> None:

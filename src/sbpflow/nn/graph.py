@@ -47,7 +47,7 @@ from ..graph.compile import CompileReport, compile_graph, gc_paused
 from ..graph.ir import LogicalGraph
 from ..graph.physical import PhysicalPlan
 from ..graph.select import METHODS
-from ..graph.trace import ACTIVE, TraceError, Tracer, user_line
+from ..graph.trace import ACTIVE, TraceError, Tracer, record_to_global, user_line
 from ..runtime.inorder import RANDOM_FEED, run_plan
 from ..sbp import format_nd
 from ..tensor import Tensor
@@ -62,6 +62,9 @@ class GraphConfig:
 
     def __init__(self) -> None:
         self.micro_batches = 1
+        # False: micro-batches split the batch, and a step equals the full batch's for any loss (a sum loss sums,
+        # a mean divides by the whole batch); True: gradients and scalar results are averaged over them (OneFlow)
+        self.average_micro_batches = False
         self.executor = "actors"  # "actors" (the actor runtime) or "inorder" (the reference executor)
         self.threads: bool | None = None  # actor runtime: worker threads (None: under torch.distributed only)
         self.sbp_selection = "ilp"  # "ilp" (global, repeated layers tied), "ilp-unmerged" or "greedy" (eager's choice)
@@ -146,11 +149,20 @@ class GraphConfig:
                                "segments, so it needs enabled=True")
         self.fused_segments, self.segment_torch_compile = enabled, torch_compile
 
-    def set_gradient_accumulation_steps(self, steps: int) -> None:
-        """Splits dim 0 of every input into ``steps`` micro-batches; gradients accumulate over them."""
-        if not isinstance(steps, int) or steps < 1:
+    def set_gradient_accumulation_steps(self, steps: int, average: bool = False) -> None:
+        """Splits dim 0 of every input into ``steps`` micro-batches; gradients accumulate over them.
+
+        By default a step equals the full-batch step whatever the loss: a sum over the batch is summed over the
+        micro-batches, a mean divides by the whole batch's size, and per-row outputs are concatenated
+        (:mod:`sbpflow.graph.micro`; an op with no exact per-micro-batch form is refused by name). With
+        ``average=True`` the loss's gradient and every scalar output are averaged over the micro-batches, as
+        OneFlow's ``nn.Graph`` does (a sum loss then steps as ``loss / steps`` would on the full batch).
+        """
+        if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
             raise SbpflowError(f"set_gradient_accumulation_steps needs an int >= 1, but got {steps!r}")
-        self.micro_batches = steps
+        if not isinstance(average, bool):
+            raise SbpflowError(f"set_gradient_accumulation_steps(average=...) takes a bool, but got {average!r}")
+        self.micro_batches, self.average_micro_batches = steps, average
 
     def set_pipeline_schedule(self, name: str) -> None:
         """``"1f1b"`` (default: stage s holds p - s micro-batches of activations), ``"gpipe"`` (every forward,
@@ -252,6 +264,7 @@ class Compiled:
     scaler: Any = None  # the amp.GradScaler traced into the step (its overflow flag is output FOUND_INF)
     guard: tuple[Any, ...] = ()  # the model and optimizer state the plan assumed (_state_guard)
     guarded: list[Any] = field(default_factory=list)  # the objects whose ids the guard holds, kept alive
+    input_sbps: list[Any] = field(default_factory=list)  # each tensor input's SBP in the plan (_trace_inputs)
 
 
 class Graph:
@@ -382,7 +395,7 @@ class Graph:
         self._apply_zero()
         for entry in self._optimizers:
             entry.optimizer.init_state()
-        tracer = Tracer(m, target_factors(args))
+        tracer = Tracer(m, target_factors(args), self.config.average_micro_batches)
         scaler = self._scaler_variables()
         variables = self._variables()
         saved = {name: (t._shards, t.grad, t._version) for name, t in variables.items()}
@@ -393,12 +406,12 @@ class Graph:
                 tracer.add_variable(name, t)
                 t._shards = None
                 t.grad = None
-            lazy_args, inputs = _trace_inputs(tracer, args, m)
+            lazy_args, inputs, input_sbps, rows = _trace_inputs(tracer, args, m)
             tracer.loss_seed = scaler.loss_seed if scaler is not None else None
             with enable_grad(), self._amp(), _checkpointed_modules(list(self._modules.values())):
                 result = self.build(*lazy_args)
             outputs, tree = _flatten_outputs(result)
-            feeds = self._trace_post(tracer, outputs, scaler)
+            feeds = self._trace_post(tracer, outputs, scaler, rows)
             _emit_assigns(tracer)
         finally:
             ACTIVE.pop()
@@ -422,7 +435,7 @@ class Graph:
         out_bufs = [(n.name, plan.bufs[n.inputs[0]]) for n in plan.nodes if n.kind == "output" and n.name != FOUND_INF]
         constants = {f"const{vid}": shards for vid, shards in tracer.constants.items()}
         return Compiled(logical, plan, report, inputs, out_bufs, tree, variables, constants, feeds,
-                        tracer.random_keys, scaler=scaler)
+                        tracer.random_keys, scaler=scaler, input_sbps=input_sbps)
 
     def _scaler_variables(self) -> Any:
         """The loss scaler (if any), its scale and tracker made graph variables on the first parameter's placement."""
@@ -486,15 +499,18 @@ class Graph:
         stack.enter_context(amp.gradient_communication(self.config.grad_comm_dtype))
         return stack
 
-    def _trace_post(self, tracer: Tracer, outputs: list[Tensor],
-                    scaler: Any = None) -> list[Callable[[], list[tuple[str, float]]]]:
+    def _trace_post(self, tracer: Tracer, outputs: list[Tensor], scaler: Any = None,
+                    rows: Any = None) -> list[Callable[[], list[tuple[str, float]]]]:
         """Outputs, gradient accumulation, loss-scale checks, clipping and optimizer updates (once per step, on
         the whole batch)."""
         for i, out in enumerate(outputs):
             if out._lazy is None:
                 raise TraceError(f"build() must return tensors computed from its inputs, but output {i} is "
                                  f"{out._describe()}")
-            _micro_to_post(tracer, out, "mean" if out.ndim == 0 else "cat", f"output{i}", output=True)
+            how, _ = tracer.join_of(out, f"output {i} of build()")
+            if how == "cat" and rows is not None:
+                out = _rows_like_inputs(out, i, rows, tracer.graph.micro_batches)
+            _micro_to_post(tracer, out, how, f"output{i}", output=True)
         tracer.phase = "post"
         per_entry = []
         for entry in self._optimizers:
@@ -772,31 +788,80 @@ def _rank0_choice(choice: Any) -> Any:
     return box[0]
 
 
-def _trace_inputs(tracer: Tracer, args: Sequence[Any], m: int) -> tuple[list[Any], list[str]]:
+def _trace_inputs(tracer: Tracer, args: Sequence[Any], m: int) -> tuple[list[Any], list[str], list[Any], Any]:
+    """Lazy micro-batch inputs, their SBPs in the plan, and input 0's layout (placement, SBP; None with m = 1).
+
+    Micro-batch k is chunk k of each shard's rows, so every input must cut dim 0 into the same blocks of rows (the
+    same rows make micro-batch k in each): an input that does not (labels B beside data S(0)) gets the first
+    input's splits of dim 0 on its own placement, converted at each call (a B input: a local slice)."""
     lazy: list[Any] = []
-    names = []
+    names, sbps = [], []
+    rows = None
     for i, a in enumerate(args):
         if not isinstance(a, Tensor):
             lazy.append(a)
             continue
-        shape = tuple(a.shape)
+        shape, sbp = tuple(a.shape), a.sbp
         if m > 1:
-            _check_micro_split(a, m, i)
+            if a.ndim == 0:
+                raise SbpflowError(f"gradient accumulation over {m} micro-batches splits dim 0 of every input, but "
+                                   f"input {i} is 0-d ({a._describe()})")
+            if rows is None:
+                rows = (a.placement, a.sbp)
+            sbp = _same_rows(a, rows, m, what=f"input {i}")
+            _check_micro_split(a, m, i, sbp)
             shape = (shape[0] // m, *shape[1:])
         name = f"input{i}"
         names.append(name)
-        lazy.append(tracer.add_input(name, shape, a.dtype, a.placement, a.sbp))
-    return lazy, names
+        sbps.append(sbp)
+        lazy.append(tracer.add_input(name, shape, a.dtype, a.placement, sbp))
+    return lazy, names, sbps, rows
 
 
-def _check_micro_split(a: Tensor, m: int, i: int) -> None:
+def _row_blocks(n: int, placement: Any, sbp: Any) -> tuple[tuple[int, int], ...]:
+    """The distinct row ranges (dim 0, of ``n`` rows) of a layout's shards."""
+    from .._layout import shard_box
+
+    return tuple(sorted({shard_box((n,), placement, tuple(sbp), r)[0] for r in placement.flat_ranks}))
+
+
+def _same_rows(t: Tensor, rows: Any, m: int, what: str, n: int | None = None) -> Any:
+    """An SBP for ``t`` on its placement whose shards hold the same blocks of rows as the first input's layout
+    ``rows`` (for a tensor of ``n`` rows over the whole step): its own, else the first input's splits of dim 0
+    with its own other axes; refused if there is none."""
+    from ..sbp import Partial, Split, broadcast
+
+    n = t.shape[0] if n is None else n
+    want = _row_blocks(n, *rows)
+    dim0 = tuple(s if isinstance(s, Split) and s.dim == 0 else broadcast for s in t.sbp)
+    if _row_blocks(n, t.placement, dim0) == want:
+        return t.sbp
+    ref_placement, ref_sbp = rows
+    if t.placement.hierarchy == ref_placement.hierarchy:
+        candidate = tuple(Split(0) if isinstance(r, Split) and r.dim == 0 else
+                          (broadcast if isinstance(s, (Split, Partial)) and getattr(s, "dim", None) == 0 else s)
+                          for r, s in zip(ref_sbp, t.sbp, strict=True))
+        if _row_blocks(n, t.placement, candidate) == want:
+            return candidate
+    raise SbpflowError(
+        f"gradient accumulation over {m} micro-batches makes micro-batch k of chunk k of each shard's rows, so every "
+        f"input and per-row output must hold the same blocks of rows as input 0 ({format_nd(ref_sbp)} on "
+        f"{ref_placement}: rows {list(want)}), but {what} ({t._describe()}) has no SBP on its placement that does; "
+        "give it input 0's split of dim 0")
+
+
+def _rows_like_inputs(out: Tensor, i: int, rows: Any, m: int) -> Tensor:
+    """A per-row output pinned (to_global) to a layout holding the inputs' blocks of rows, so that joining each
+    rank's micro-batch pieces in order gives the batch's rows in order, whatever layout SBP selection picks."""
+    sbp = _same_rows(out, rows, m, what=f"output {i} of build()", n=out.shape[0] * m)
+    return record_to_global(out, out.placement, sbp)  # recorded even if unchanged: a constraint for selection
+
+
+def _check_micro_split(a: Tensor, m: int, i: int, sbp: Any) -> None:
     from .._layout import shard_shape
 
-    if a.ndim == 0:
-        raise SbpflowError(f"gradient accumulation over {m} micro-batches splits dim 0 of every input, but input "
-                           f"{i} is 0-d ({a._describe()})")
     for r in a.placement.flat_ranks:
-        local = shard_shape(tuple(a.shape), a.placement, a.sbp, r)
+        local = shard_shape(tuple(a.shape), a.placement, sbp, r)
         if local[0] % m:
             raise SbpflowError(
                 f"gradient accumulation over {m} micro-batches cuts every rank's shard of input {i} along dim 0, "
@@ -811,7 +876,7 @@ def _micro_to_post(tracer: Tracer, t: Tensor, how: str, name: str, output: bool 
     v = t._lazy.value
     shape = v.shape if how != "cat" else (v.shape[0] * tracer.graph.micro_batches, *v.shape[1:])
     out = tracer.new_value(shape, v.dtype, v.placement, v.sbp)
-    kind = "accumulate" if how == "sum" else "pack"
+    kind = "pack" if output else "accumulate"
     saved = tracer.phase
     tracer.phase = "post"
     tracer.add_node(LNode(0, kind, how, (v.id,), (out.id,), fixed=True))
@@ -887,7 +952,9 @@ def _refuse_meta(compiled: Compiled, args: Sequence[Any]) -> None:
 def _input_feeds(compiled: Compiled, args: Sequence[Any]) -> dict[str, Any]:
     feeds: dict[str, Any] = {}
     tensors = [a for a in args if isinstance(a, Tensor)]
-    for name, t in zip(compiled.inputs, tensors, strict=True):
+    for k, (name, t) in enumerate(zip(compiled.inputs, tensors, strict=True)):
+        if k < len(compiled.input_sbps) and compiled.input_sbps[k] != t.sbp:  # the rows of input 0's shards
+            t = t.to_global(placement=t.placement, sbp=compiled.input_sbps[k])
         feeds[name] = t._shards or {}
     return feeds
 

@@ -78,11 +78,13 @@ def _reshape_sigs(x: Meta, outs: tuple[Meta, ...], shape: Any = None, mesh: tupl
     for ga, gb in _groups(x.shape, out.shape):
         da = next((d for d in ga if x.shape[d] != 1), None)
         db = next((d for d in gb if out.shape[d] != 1), None)
+        if ranks == 1:  # one piece (one rank, or whole rows of a micro-batch): a group's outermost dims map
+            sigs.append(Sig((Split(ga[0]),), (Split(gb[0]),)))
         if da is None or db is None:
             continue
         na, nb = x.shape[da], out.shape[db]
         small, big = min(na, nb), max(na, nb)
-        if na == nb or (small % ranks == 0 and big % small == 0):
+        if (na == nb or (small % ranks == 0 and big % small == 0)) and Sig((Split(da),), (Split(db),)) not in sigs:
             sigs.append(Sig((Split(da),), (Split(db),)))
     return sigs
 

@@ -426,6 +426,8 @@ def add_into(totals: list[Shards] | None, values: Sequence[Shards]) -> list[Shar
 def _pack(node: PNode, values: Sequence[Shards]) -> Shards:
     if node.mode == "mean":
         return {r: torch.stack([v[r] for v in values]).mean(0) for r in values[0]}
+    if node.mode == "sum":  # a partial over the micro-batches (graph.micro): a sum over the batch
+        return {r: torch.stack([v[r] for v in values]).sum(0) for r in values[0]}
     return {r: torch.cat([v[r] for v in values], 0) for r in values[0]}
 
 
