@@ -14,7 +14,7 @@ axis; ops pick SBP signatures and the framework inserts the data movement.
 
 from __future__ import annotations
 
-from . import amp, boxing, checkpoint, comm, models, nn, optim, sbp, utils
+from . import amp, boxing, checkpoint, comm, nn, optim, sbp, utils
 from .amp import GradScaler, autocast
 from .autograd import enable_grad, is_grad_enabled, no_grad
 from .autoparallel.apply import auto_parallel
@@ -177,7 +177,7 @@ __all__ = [
     "ArgumentError", "AutocastWarning", "AutogradError", "BoxingError", "CheckpointError", "CommError", "DTypeError",
     "IndexOutOfRangeError", "MetaTensorError", "OpError", "Placement",
     "PlacementError", "SbpError", "SbpflowError", "ShapeError", "Tensor", "arange", "boxing", "comm", "enable_grad",
-    "explain", "full", "full_like", "functional", "is_grad_enabled", "manual_seed", "models", "nn", "no_grad", "ones",
+    "explain", "full", "full_like", "functional", "is_grad_enabled", "manual_seed", "nn", "no_grad", "ones",
     "ones_like", "optim", "placement", "rand", "rand_like", "randint", "randn", "randn_like", "sbp", "tensor",
     "uniform", "zeros", "zeros_like", "print0", "rank", "world_size",
     "checkpoint", "load", "save", "meta_init", "meta_tensor", "utils", "amp", "autocast", "GradScaler",

@@ -45,6 +45,7 @@ from ..sbp import Broadcast, Partial, SbpParallel, Split, broadcast, partial_sum
 from .cost import collective_time, matmul_flops, roofline
 from .profiles import DeviceProfile
 from .transformer import ACT_BYTES, TransformerSpec
+from .units import seconds, size
 
 B, S0, S1, P = broadcast, split(0), split(1), partial_sum
 PARAM_BYTES = 16  # mixed-precision Adam: fp16 weight and gradient, fp32 master, momentum, variance
@@ -146,8 +147,6 @@ class BlockPlan:
 
     def __str__(self) -> str:
         ops = ", ".join(f"{op} {choice}" for op, choice in self.choices if op != "x")
-        from .explain import seconds, size
-
         return (f"stream {dict(self.choices)['x']}; {ops}: {seconds(self.seconds)} per block "
                 f"({seconds(self.comm_seconds)} communication), {size(self.memory)} per rank")
 

@@ -34,11 +34,10 @@ from ..boxing import Layout
 from ..boxing.plan import transition_time
 from ..ops.registry import REGISTRY, Meta, Scalar, Sig, _sig_fits
 from ..sbp import NdSbp, Partial, Split, broadcast
+from .costs import FIRST_BUCKET, MEM_SECONDS_PER_BYTE, SECONDS_PER_FLOP
 from .ir import LNode, LogicalGraph
 from .repeat import op_classes
 
-MEM_SECONDS_PER_BYTE = 1 / 20e9  # local compute: bytes through memory (a CPU core's stream bandwidth)
-SECONDS_PER_FLOP = 1 / 50e9  # matmul throughput
 # ops whose time is their FLOPs (a linear's input and weight gradients, attention), see :func:`flops`
 MATMUL_OPS = ("matmul", "linear", "bmm", "matmul_nd")
 METHODS = ("ilp", "ilp-unmerged", "greedy")
@@ -177,7 +176,6 @@ class _Costs:
         per tensor, a data-parallel step's dozens of small gradients (biases, norms) each paid a whole latency, and
         the selection computed weight gradients whole on every rank to avoid them.
         """
-        from .bucket import FIRST_BUCKET  # bucket.py imports this module
 
         v = self.g.values[vid]
         seconds = self.boxing(vid, src, dst)

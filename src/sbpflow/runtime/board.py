@@ -54,7 +54,7 @@ from typing import Any
 from ..comm import Backend
 from ..graph.fuse import FUSED, transient_bytes
 from ..graph.physical import COMPUTE_STREAM, GATHERING, PhysicalPlan, PNode
-from .inorder import ExecutionError
+from .errors import ExecutionError
 
 
 @dataclass(eq=False, slots=True)

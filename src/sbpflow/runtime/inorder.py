@@ -38,13 +38,11 @@ from ..ops.inplace import OVERWRITING
 from ..ops.optimizer import IN_PLACE
 from ..ops.registry import REGISTRY, Meta, ShardCtx
 from ..random import mix_key
+from . import route
+from .errors import ExecutionError
 
 Shards = dict[int, torch.Tensor]
 RANDOM_FEED = "__random__"  # feeds[RANDOM_FEED] = (seed, counter at step start, keys drawn per micro-batch)
-
-
-class ExecutionError(SbpflowError):
-    """A node of a physical plan failed; the message names the node and its op."""
 
 
 class StepState:
@@ -188,8 +186,6 @@ def _bind(node: PNode, plan: PhysicalPlan, backend: Backend, in_flight: bool = F
     if kind == "pack":
         return lambda inputs, state, micro: [_pack(node, inputs[0])]
     if kind == "route":
-        from . import route
-
         return lambda inputs, state, micro: route.act(node, list(inputs), backend)
     if kind == "assign":
         return lambda inputs, state, micro: _record(state.assigns, node.name, inputs[0])
@@ -444,7 +440,6 @@ def commit(state: StepState) -> None:
 def prepare_groups(plan: PhysicalPlan, backend: Backend) -> None:
     """Creates the process groups of every communication node, in plan order, on every process: group creation
     is collective over the whole job, also for processes outside the group (torch.distributed)."""
-    from . import route
 
     for node in plan.nodes:
         if node.kind == "boxing" and node.boxing is not None and not node.boxing.is_relabel:
