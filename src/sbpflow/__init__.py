@@ -17,12 +17,14 @@ from __future__ import annotations
 from . import amp, boxing, checkpoint, comm, nn, optim, sbp, utils
 from .amp import GradScaler, autocast
 from .autograd import enable_grad, is_grad_enabled, no_grad
+from .autograd import engine as _engine  # noqa: F401  # binds Tensor.backward
 from .autoparallel.apply import auto_parallel
 from .checkpoint import load, save
 from .creation import (
     arange,
     full,
     full_like,
+    meta_tensor,
     ones,
     ones_like,
     rand,
@@ -52,7 +54,7 @@ from .errors import (
     SbpflowError,
     ShapeError,
 )
-from .meta import meta_init, meta_tensor
+from .meta import meta_init
 from .ops import functional
 
 # the tensor functions at the top level, where torch.* and oneflow.* have them with the same arguments (losses,

@@ -313,3 +313,17 @@ def rand_like(x: Tensor, dtype: torch.dtype | None = None) -> Tensor:
 def _no_grad_check(requires_grad: bool, dtype: torch.dtype) -> None:
     if requires_grad and not dtype.is_floating_point:
         raise AutogradError(f"only floating-point tensors can require gradients, but got dtype {dtype}")
+
+
+def meta_tensor(*size: Any, dtype: torch.dtype | None = None, placement: Any = None, sbp: Any = None,
+                requires_grad: bool = False) -> Tensor:
+    """A meta tensor of logical shape ``size`` (a graph input's metadata for ``compile_only``).
+
+    >>> import sbpflow
+    >>> x = sbpflow.meta_tensor(8, 2048, dtype=torch.int64, placement=sbpflow.placement("cpu", [0, 1]),
+    ...                         sbp=sbpflow.sbp.split(0))
+    >>> x
+    MetaTensor(shape [8, 2048] int64 on cpu:[0, 1] sbp (S(0)))
+    """
+    with _meta.meta_init():
+        return zeros(*size, dtype=dtype, placement=placement, sbp=sbp, requires_grad=requires_grad)

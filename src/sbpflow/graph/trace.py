@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +28,7 @@ import torch
 from .. import boxing
 from ..errors import SbpflowError
 from ..placement import Placement
+from ..random import KEY_HOOKS
 from ..sbp import NdSbp, broadcast
 from ..tensor import Tensor
 from .ir import LNode, LogicalGraph, Value
@@ -109,6 +111,29 @@ class Tracer:
         self.variables: dict[str, tuple[Tensor, int]] = {}  # name -> (tensor, initial value id)
         self.random_keys = 0
         self.loss_seed: Any = None  # loss scaling: maps the backward's implicit gradient to it times the scale
+
+    @contextmanager
+    def active(self) -> Iterator[None]:
+        """Traces inside the block: ops record nodes here, random draws become the step's keys."""
+        self.push()
+        try:
+            yield
+        finally:
+            self.pop()
+
+    def push(self) -> None:
+        ACTIVE.append(self)
+        KEY_HOOKS.append(self)
+
+    def pop(self) -> None:
+        KEY_HOOKS.pop()
+        ACTIVE.pop()
+
+    def next_random_key(self, value: int) -> int:
+        """A draw's key while tracing: it stands for 'the n-th draw of this micro-batch' (sbpflow.random)."""
+        key = RandomKey(value, self.random_keys)
+        self.random_keys += 1
+        return key
 
     # -- values and nodes ------------------------------------------------------------------------
 
@@ -298,9 +323,4 @@ def ones_root(root: Tensor) -> Tensor:
     return seed if tracer.loss_seed is None else tracer.loss_seed(seed)
 
 
-def next_random_key(value: int) -> int:
-    """Called by sbpflow.random while tracing: the key stands for 'the n-th draw of this micro-batch'."""
-    tracer = ACTIVE[-1]
-    key = RandomKey(value, tracer.random_keys)
-    tracer.random_keys += 1
-    return key
+

@@ -45,7 +45,7 @@ from ..graph.compile import CompileReport, compile_graph, gc_paused
 from ..graph.ir import LogicalGraph
 from ..graph.physical import PhysicalPlan
 from ..graph.select import METHODS
-from ..graph.trace import ACTIVE, TraceError, Tracer, user_line
+from ..graph.trace import TraceError, Tracer, user_line
 from ..runtime.inorder import RANDOM_FEED, run_plan
 from ..sbp import format_nd
 from ..tensor import Tensor
@@ -359,7 +359,7 @@ class Graph:
         variables = self._variables()
         saved = {name: (t._shards, t.grad, t._version) for name, t in variables.items()}
         draws = sbp_random.counter()
-        ACTIVE.append(tracer)
+        tracer.push()
         try:
             for name, t in variables.items():
                 tracer.add_variable(name, t)
@@ -373,7 +373,7 @@ class Graph:
             feeds = self._trace_post(tracer, outputs, scaler)
             _emit_assigns(tracer)
         finally:
-            ACTIVE.pop()
+            tracer.pop()
             sbp_random.set_counter(draws)
             for name, t in variables.items():
                 t._shards, t.grad, t._version = saved[name]

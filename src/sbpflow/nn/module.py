@@ -25,7 +25,8 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from ..autograd import is_grad_enabled, no_grad, zero_grads
+from ..autograd import is_grad_enabled, no_grad
+from ..autograd.engine import zero_grads
 from ..errors import AutogradError, SbpError, SbpflowError, ShapeError
 from ..placement import Placement
 from ..sbp import NdSbp, broadcast, normalize

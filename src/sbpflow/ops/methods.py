@@ -16,8 +16,9 @@ from typing import Any
 import torch
 
 from ..autograd import is_grad_enabled
-from ..errors import AutogradError, DTypeError, OpError, ShapeError
-from ..sbp import Partial
+from ..errors import AutogradError, DTypeError, OpError, SbpError, ShapeError
+from ..placement import Placement
+from ..sbp import Partial, format_nd, normalize
 from ..tensor import Tensor
 from . import _rules as R
 from . import functional as F
@@ -223,3 +224,42 @@ bind_methods({
 })
 Tensor.T = property(lambda self: _permute(self, tuple(reversed(range(self.ndim)))))  # type: ignore[attr-defined]
 Tensor.mT = property(lambda self: _transpose(self, -1, -2))  # type: ignore[attr-defined]
+
+
+def _to_global(self: Tensor, placement: Placement | None = None, sbp: Any = None, *, grad_sbp: Any = None) -> Tensor:
+    """Converts to ``placement`` and ``sbp``; an omitted argument keeps the current value.
+
+    ``grad_sbp`` (global tensors) is the SBP, on this tensor's placement, that this tensor's gradient gets
+    in backward (by default its own): ``partial_sum`` defers the gradient's reduction to its consumer.
+
+    On a local tensor, the local tensor becomes this rank's shard: every rank
+    contributes its local tensor and the SBP says what the contributions mean
+    (split axes concatenate, ``B`` keeps the replica, ``P(sum)`` adds them up).
+    Every virtual rank of this process contributes the same local tensor, so
+    the numbers match one process per rank each passing that tensor:
+
+    >>> import sbpflow
+    >>> p = sbpflow.placement("cpu", [0, 1])
+    >>> sbpflow.tensor([1.0, 1.0]).to_global(p, sbpflow.sbp.partial_sum).tolist()
+    [2.0, 2.0]
+    """
+    if self._local is not None:
+        if placement is None or sbp is None:
+            raise SbpError("to_global() of a local tensor needs both placement= and sbp=")
+        if grad_sbp is not None:
+            raise SbpError(f"to_global(grad_sbp=...) sets the SBP of a global tensor's gradient, but the input is "
+                           f"a {self._describe()}: its gradient is local")
+        return F.local_to_global(self, placement, sbp)
+    placement = self.placement if placement is None else placement
+    if not isinstance(placement, Placement):
+        raise SbpError(f"to_global(placement=...) needs an sbpflow.placement, but got {placement!r}")
+    nd = self.sbp if sbp is None else normalize(sbp, placement, self.ndim, what=f"tensor with {self._describe()}")
+    if sbp is None and placement.ndim != len(nd):
+        raise SbpError(
+            f"to_global() onto {placement} ({placement.ndim} mesh axes) needs sbp=, since the tensor's sbp "
+            f"{format_nd(self.sbp)} has {len(self.sbp)} entries"
+        )
+    return F.to_global(self, placement, nd, grad_sbp)
+
+
+Tensor.to_global = _to_global  # type: ignore[method-assign]

@@ -42,8 +42,8 @@ from .. import amp, boxing
 from .. import comm as _comm
 from .. import meta as _meta
 from .._layout import Box, shard_box
-from ..autograd import Node
 from ..autograd import _mode as _grad_mode
+from ..autograd.node import Node
 from ..boxing.plan import _cost_model as _cost_model_stack
 from ..comm import get_backend
 from ..distributed import activity

@@ -33,7 +33,8 @@ from typing import Any
 
 import torch
 
-from ..autograd import enable_grad, no_grad, zero_grads
+from ..autograd import enable_grad, no_grad
+from ..autograd.engine import zero_grads
 from ..creation import zeros
 from ..errors import SbpError, SbpflowError
 from ..meta import meta_init

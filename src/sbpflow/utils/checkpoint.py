@@ -30,7 +30,8 @@ from collections.abc import Callable
 from typing import Any
 
 from .. import random
-from ..autograd import enable_grad, grad, is_grad_enabled
+from ..autograd import enable_grad, is_grad_enabled
+from ..autograd.engine import grad
 from ..errors import AutogradError
 from ..graph import trace
 from ..nn.module import Module
