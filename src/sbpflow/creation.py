@@ -26,7 +26,7 @@ from .comm import get_backend
 from .errors import ArgumentError, AutogradError, DTypeError, SbpError, ShapeError
 from .placement import Placement
 from .sbp import NdSbp, Partial, broadcast, normalize
-from .tensor import Tensor, shards_from_full
+from .tensor import Tensor, logical_value, shards_from_full
 
 
 def _shape_arg(size: Sequence[Any]) -> tuple[int, ...]:
@@ -140,8 +140,6 @@ def _meta_of(shape: tuple[int, ...], dtype: torch.dtype, placement: Placement | 
 
 def _to_torch(data: Any, dtype: torch.dtype | None) -> torch.Tensor:
     if isinstance(data, Tensor):
-        from .tensor import logical_value
-
         data = logical_value(data)
     if isinstance(data, torch.Tensor):
         return data.detach().to(dtype) if dtype is not None else data.detach()
@@ -266,15 +264,6 @@ def rand(*size: Any, placement: Placement | None = None, sbp: Any = None, dtype:
 def uniform(*size: Any, low: float = 0.0, high: float = 1.0, placement: Placement | None = None, sbp: Any = None,
             dtype: torch.dtype | None = None, requires_grad: bool = False, device: Any = None) -> Tensor:
     return _random("uniform", size, placement, sbp, dtype, requires_grad, low, high, device=device)
-
-
-def randint(low: int, high: int, size: Sequence[int], *, placement: Placement | None = None, sbp: Any = None,
-            dtype: torch.dtype = torch.int64) -> Tensor:
-    """Integers on [low, high), from the same placement-independent stream."""
-    u = uniform(*size, low=float(low), high=float(high), placement=placement, sbp=sbp, dtype=torch.float64)
-    from .ops import functional as F
-
-    return F.cast(F.floor(u), dtype)
 
 
 # -- like --------------------------------------------------------------------------------------

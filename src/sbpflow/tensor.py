@@ -398,10 +398,9 @@ class Tensor:
 
     def _assign(self, value: Tensor) -> Tensor:
         """Copies ``value`` (already in this tensor's layout) into this tensor's storage."""
-        if self._lazy is not None or value._lazy is not None:
-            from .graph.trace import assign_lazy
-
-            return assign_lazy(self, value)
+        if self._lazy is not None or value._lazy is not None:  # traced: the lazy handle (graph.trace.Lazy) records it
+            lazy = self._lazy if self._lazy is not None else value._lazy
+            return lazy.assign(self, value)  # type: ignore[no-any-return]
         if self.is_meta:  # metadata only: nothing to write (an initialiser under meta_init)
             self._version += 1
             return self
@@ -458,10 +457,8 @@ def logical_value(t: Tensor) -> torch.Tensor:
 
 
 def _refresh_view(t: Tensor) -> None:
-    """A view whose base was written since it was taken shows the base's new values (see ops.views)."""
-    from .ops.views import refresh
-
-    refresh(t)
+    """A view whose base was written since it was taken shows the base's new values (ops.views.Link.refresh)."""
+    t._view_of.refresh(t)
 
 
 def _layout(t: Tensor) -> boxing.Layout:

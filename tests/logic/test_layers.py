@@ -11,22 +11,14 @@ assert _spec is not None and _spec.loader is not None
 import_graph = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(import_graph)
 
-# The core circle (tensor, creation, autograd, amp, meta, random, graph.trace, ops) is issue 30's part 3:
-# until it is broken, no other circle may form, and no module may join it.
-CORE = {"sbpflow.amp", "sbpflow.autograd", "sbpflow.creation", "sbpflow.graph.trace", "sbpflow.meta",
-        "sbpflow.random", "sbpflow.tensor"}
-
-
 def _circles() -> list[list[str]]:
     modules = {import_graph.module_name(p): p for p in sorted(import_graph.SRC.rglob("*.py"))}
     edges, _, _ = import_graph.imports(modules)
     return import_graph.circles(edges)
 
 
-def test_no_circle_outside_the_core():
-    for circle in _circles():
-        outside = [m for m in circle if m not in CORE and not m.startswith("sbpflow.ops.")]
-        assert not outside, f"an import circle holds {outside} (all of it: {circle})"
+def test_no_import_circle():
+    assert _circles() == []
 
 
 def test_circles_are_found():

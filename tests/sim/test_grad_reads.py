@@ -24,7 +24,7 @@ from sbpflow import sbp as S
 from sbpflow.demo.train_gpt import build
 from sbpflow.errors import MetaTensorError
 from sbpflow.models.gpt import GPTConfig
-from sbpflow.ops.registry import REGISTRY
+from sbpflow.ops.schema import REGISTRY
 
 SHELLING = [c for c in CASES if REGISTRY[c.op].grad_reads is not None and REGISTRY[c.op].backward_fn is not None]
 

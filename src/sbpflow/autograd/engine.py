@@ -24,9 +24,9 @@ from ..comm import get_backend
 from ..creation import zeros
 from ..distributed import activity
 from ..errors import AutogradError
-from ..graph.trace import ones_root
 from ..host_memory import keep_freed_host_memory
 from ..ops import functional as F
+from ..ops.dispatch import INTERPRETERS
 from ..ops.elementwise import comm_cast
 from ..sbp import Partial, broadcast, partial_sum
 from ..tensor import Tensor
@@ -173,9 +173,8 @@ def _ones_broadcast(root: Tensor) -> Tensor:
 
     if root._local is not None:
         return Tensor._from_local(torch.ones_like(root._local))
-    if root._lazy is not None:
-
-        return ones_root(root)
+    if root._lazy is not None:  # traced: the tracer in force makes the seed
+        return INTERPRETERS[-1].root_grad(root)
     shape = tuple(root.shape)
     shards = {r: torch.ones(shape, dtype=root.dtype, device=t.device) for r, t in (root._shards or {}).items()}
     return Tensor._from_shards(shape, root.dtype, root.placement, (broadcast,) * root.placement.ndim, shards)

@@ -62,7 +62,7 @@ def _dispatch(dist: Any) -> tuple[float, float]:
     import sbpflow
     from sbpflow import optim
     from sbpflow.models.gpt import GPT, GPTConfig, parallelize
-    from sbpflow.ops import registry
+    from sbpflow.ops import schema
 
     cfg = GPTConfig(vocab_size=16, block_size=8, n_layer=2, n_head=2, n_embd=16)
     sbpflow.manual_seed(0)
@@ -80,18 +80,18 @@ def _dispatch(dist: Any) -> tuple[float, float]:
         opt.step()
 
     count = [0]
-    inner = registry.apply
+    inner = schema.apply
 
     def counting(opdef: Any, args: Any, attrs: Any) -> Any:
         count[0] += 1
         return inner(opdef, args, attrs)
 
     step()
-    registry.apply = counting  # type: ignore[assignment]
+    schema.apply = counting  # type: ignore[assignment]
     try:
         step()
     finally:
-        registry.apply = inner  # type: ignore[assignment]
+        schema.apply = inner  # type: ignore[assignment]
     dist.barrier()
     per_op = _cpu_per_call(step, 10) / count[0]
     everyone = _gather(dist, per_op)

@@ -32,7 +32,8 @@ from .. import boxing
 from .._layout import shard_shape
 from ..boxing import Layout
 from ..boxing.plan import transition_time
-from ..ops.registry import REGISTRY, Meta, Scalar, Sig, _sig_fits
+from ..ops.propagation import sig_fits
+from ..ops.schema import REGISTRY, Meta, Scalar, Sig
 from ..sbp import NdSbp, Partial, Split, broadcast
 from .costs import FIRST_BUCKET, MEM_SECONDS_PER_BYTE, SECONDS_PER_FLOP
 from .ir import LNode, LogicalGraph
@@ -105,7 +106,7 @@ def _candidates(g: LogicalGraph, n: LNode, current: Candidate, free_axis: int | 
     extra = {"mesh": placement.hierarchy} if opdef.mesh_aware else {}
     in_metas = [m for m in metas if isinstance(m, Meta)]
     sigs = [s for s in opdef.sbp(*metas, outs=out_metas, **extra, **dict(n.attrs))
-            if _sig_fits(s, in_metas, out_metas)]  # type: ignore[arg-type]
+            if sig_fits(s, in_metas, out_metas)]  # type: ignore[arg-type]
     per_axis = []
     for axis, size in enumerate(placement.hierarchy):
         if size == 1 or (free_axis is not None and axis != free_axis):

@@ -2,7 +2,7 @@
 
 A lazy tensor is an ordinary :class:`~sbpflow.tensor.Tensor` without shards whose
 ``_lazy`` handle names an SSA :class:`~sbpflow.graph.ir.Value`. Ops reach
-:func:`record_op` from the registry's dispatch instead of running kernels:
+:func:`record_op` from dispatch (the tracer is on its interpreter stack) instead of running kernels:
 meta inference and the eager SBP choice (``decide``, the greedy baseline) run
 on metadata, and a node is appended to the graph. Autograd records lazy ops
 like any others, so ``loss.backward()`` traces each op's ``@op.grad`` into the
@@ -25,8 +25,10 @@ from typing import Any
 
 import torch
 
-from .. import boxing
+from ..comm import get_backend
 from ..errors import SbpflowError
+from ..ops.dispatch import INTERPRETERS
+from ..ops.propagation import decide_traced, describe_args
 from ..placement import Placement
 from ..random import KEY_HOOKS
 from ..sbp import NdSbp, broadcast
@@ -40,7 +42,7 @@ class TraceError(SbpflowError):
 
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-ACTIVE: list[Tracer] = []  # the tracer in force (at most one); checked by ops.registry on every global op
+ACTIVE: list[Tracer] = []  # the tracer in force (at most one), also on ops.dispatch.INTERPRETERS while it traces
 
 
 class StepScalar(float):
@@ -77,6 +79,10 @@ class Lazy:
 
     def tensor(self) -> Tensor:
         return self.tracer.tensor_of(self.value)
+
+    def assign(self, target: Tensor, value: Tensor) -> Tensor:
+        """An in-place write of ``value`` into ``target`` while tracing (Tensor._assign asks the lazy handle)."""
+        return assign_lazy(target, value)
 
     def refuse_data(self, what: str) -> None:
         raise TraceError(
@@ -123,11 +129,23 @@ class Tracer:
 
     def push(self) -> None:
         ACTIVE.append(self)
+        INTERPRETERS.append(self)
         KEY_HOOKS.append(self)
 
     def pop(self) -> None:
         KEY_HOOKS.pop()
+        INTERPRETERS.pop()
         ACTIVE.pop()
+
+    # dispatch's interpreter interface (ops.dispatch.Interpreter): while pushed, ops record nodes here
+    def apply_global(self, opdef: Any, args: Sequence[Any], attrs: dict[str, Any]) -> Any:
+        return record_op(opdef, args, attrs)
+
+    def to_global(self, x: Tensor, placement: Placement, sbp: NdSbp) -> Tensor:
+        return record_to_global(x, placement, sbp)
+
+    def root_grad(self, root: Tensor) -> Tensor:
+        return ones_root(root)
 
     def next_random_key(self, value: int) -> int:
         """A draw's key while tracing: it stands for 'the n-th draw of this micro-batch' (sbpflow.random)."""
@@ -203,9 +221,7 @@ def tracing() -> Tracer | None:
 
 
 def record_op(opdef: Any, args: Sequence[Any], attrs: dict[str, Any]) -> Any:
-    """The lazy counterpart of ``ops.registry._apply_global``: meta, the greedy signature, a node."""
-    from ..ops.registry import decide
-
+    """The lazy counterpart of ``ops.dispatch._apply_global``: meta, the greedy signature, a node."""
     tracer = ACTIVE[-1]
     try:
         opdef.check_traceable()
@@ -215,19 +231,13 @@ def record_op(opdef: Any, args: Sequence[Any], attrs: dict[str, Any]) -> Any:
     placement = tensors[0].placement
     for t in tensors[1:]:
         if t.placement != placement:
-            from ..ops.registry import _describe_args
-
             raise TraceError(f"{user_line()}: op {opdef.name!r} needs all inputs on one placement, but got "
-                             f"{_describe_args(args)}; move one with .to_global(placement=...)")
+                             f"{describe_args(args)}; move one with .to_global(placement=...)")
     inputs = tuple(tracer.value_of(t, opdef.name) for t in tensors)
-    key = _decision_key(opdef, args, attrs, placement, tracer.target_factors)
-    decision = _DECISIONS.get(key)
-    if decision is None:
-        try:
-            with boxing.target_factors(tracer.target_factors):
-                decision = _DECISIONS[key] = decide(opdef, args, attrs, placement)
-        except SbpflowError as e:
-            raise type(e)(f"{user_line()}: {e}") from None
+    try:
+        decision = decide_traced(opdef, args, attrs, placement, tracer.target_factors)
+    except SbpflowError as e:
+        raise type(e)(f"{user_line()}: {e}") from None
     template = _template(args)
     outs = tuple(tracer.new_value(m.shape, m.dtype, placement, s).id
                  for m, s in zip(decision.out_metas, decision.out_sbps, strict=True))
@@ -235,30 +245,6 @@ def record_op(opdef: Any, args: Sequence[Any], attrs: dict[str, Any]) -> Any:
                           tuple(decision.in_sbps), where=user_line()))
     results = tuple(tracer.tensor_of(tracer.graph.values[v]) for v in outs)
     return results[0] if len(results) == 1 else results
-
-
-# (op, placement up to a shift by whole nodes, (shape, dtype, sbp) or type per arg, attrs, cost model, factors)
-# -> Decision. Tracing keeps only a decision's metadata and SBPs, which a shift of every rank by whole nodes
-# leaves alone (the cost model tells links apart by node only): repeated layers on the stages of a pipeline
-# (each its own placement) decide once. Of the decision's boxing plans, which name the placement, nothing is used.
-_DECISIONS: dict[Any, Any] = {}
-
-
-def _decision_key(opdef: Any, args: Sequence[Any], attrs: dict[str, Any], placement: Placement,
-                  factors: tuple[Any, ...]) -> tuple[Any, ...]:
-    from ..ops.registry import _attrs_key
-
-    model = boxing.get_cost_model()
-    key_args = tuple((a._shape, a._dtype, a._sbp) if isinstance(a, Tensor) else type(a) for a in args)
-    return (opdef.name, _shape_of_placement(placement, model.ranks_per_node), key_args, _attrs_key(attrs),
-            model, factors)
-
-
-def _shape_of_placement(placement: Placement, ranks_per_node: int) -> tuple[Any, ...]:
-    """``placement`` with its ranks shifted down by whole nodes: what the cost of a boxing on it depends on."""
-    ranks = placement.flat_ranks
-    base = min(ranks) // ranks_per_node * ranks_per_node
-    return (placement.type, placement.hierarchy, tuple(r - base for r in ranks))
 
 
 def _template(args: Sequence[Any]) -> tuple[tuple[str, Any], ...]:
@@ -311,8 +297,6 @@ def ones_root(root: Tensor) -> Tensor:
     shape = tuple(root.shape)
     sbp = (broadcast,) * root.placement.ndim
     v = tracer.new_value(shape, root.dtype, root.placement, sbp)
-    from ..comm import get_backend
-
     backend = get_backend()
     tracer.constants[v.id] = {r: torch.full(shape, 1.0 / m, dtype=root.dtype,
                                             device=backend.device_for(root.placement.type, r))

@@ -34,14 +34,18 @@ from typing import Any
 
 import torch
 
-from .._layout import Box, box_shape
-from ..errors import DTypeError, IndexOutOfRangeError, OpError, ShapeError
+from .._layout import Box, box_shape, shard_box
+from ..autograd import is_grad_enabled
+from ..creation import tensor as make_tensor
+from ..errors import AutogradError, DTypeError, IndexOutOfRangeError, OpError, ShapeError
 from ..sbp import Partial, Split, broadcast, format_nd
 from ..tensor import Tensor
 from . import _rules as R
+from . import elementwise as E
 from . import shape as SH
-from .registry import DYNAMIC, Meta, ShardCtx, Sig, op
-from .views import mark_view, setitem_writer
+from .convert import to_global
+from .schema import DYNAMIC, Meta, ShardCtx, Sig, op
+from .views import Writer, mark_view, refresh, write_back
 
 __all__ = ["narrow", "slice_", "getitem", "setitem", "index_select", "gather", "cat", "stack", "split", "chunk",
            "masked_select"]
@@ -315,8 +319,6 @@ def _region(x: Tensor, key: Any) -> tuple[Region, tuple[int, ...]]:
 def _value_per_rank(x: Tensor, value: Any, counts: tuple[int, ...], shape: tuple[int, ...]) -> dict[int, Any]:
     """The value for the whole region on every rank x's process owns: a Python scalar, or a tensor of
     ``counts`` (the region's extent on every dim of x) broadcast from ``value`` by torch's rules."""
-    from .convert import to_global
-
     ranks = list(x.local_tensors())
     if isinstance(value, (bool, int, float)):
         return dict.fromkeys(ranks, value)
@@ -424,8 +426,6 @@ def masked_select(x: Tensor, mask: Tensor) -> Tensor:
 
 def _write_region(x: Tensor, region: Region, values: dict[int, Any]) -> None:
     """Each owned shard takes the part of ``region`` inside its box."""
-    from .._layout import shard_box
-
     for r, shard in x.local_tensors().items():
         box = shard_box(tuple(x.shape), x.placement, x.sbp, r) if x.is_global else tuple((0, n) for n in x.shape)
         dst, src = [], []
@@ -463,9 +463,6 @@ def _with_region(x: Tensor, region: Region, shape: tuple[int, ...], value: Any) 
     """``x`` with ``value`` written over ``region``, out of place (how nn.Graph traces ``x[key] = value``): the
     value, broadcast to the view's shape, is placed into zeros of x's shape by the slicing gradient, then chosen
     where the region is."""
-    from . import functional as F
-    from .elementwise import cast
-
     counts = tuple(len(range(*r)) for r in region)  # the region's shape: an int index keeps its dim as 1
     where = torch.zeros(tuple(x.shape), dtype=torch.bool)
     where[tuple(slice(*r) for r in region)] = True
@@ -473,30 +470,27 @@ def _with_region(x: Tensor, region: Region, shape: tuple[int, ...], value: Any) 
     if isinstance(value, torch.Tensor) and not isinstance(value, Tensor):
         value = _broadcast_on(x, value)
     if not isinstance(value, Tensor) or value.ndim == 0 and not value.is_global:
-        return _in_layout_of(x, F.where(mask, value if not isinstance(value, Tensor) else value.item(), x))
+        return _in_layout_of(x, E.where(mask, value if not isinstance(value, Tensor) else value.item(), x))
     if tuple(value.shape) != shape:
         if not _broadcasts_to(tuple(value.shape), shape):
             raise ShapeError(f"x[...] = value: a value of shape {list(value.shape)} does not broadcast to the "
                              f"indexed shape {list(shape)}; target {x._describe()}")
-        value = F.expand(value, *shape)
-    placed = F.reshape(cast(value, dtype=x.dtype), counts)  # logical region shape
+        value = SH.expand(value, shape=tuple(shape))
+    cast_value = E.cast(value, dtype=x.dtype)
+    placed = cast_value if counts == tuple(cast_value.shape) else SH.reshape(cast_value, shape=counts)  # logical region
     for d, (start, stop, step) in enumerate(region):
         if counts[d] != x.shape[d]:
             placed = slice_backward(placed, dim=d, start=start, stop=stop, step=step, size=x.shape[d])
-    return _in_layout_of(x, F.where(mask, placed, x))
+    return _in_layout_of(x, E.where(mask, placed, x))
 
 
 def _in_layout_of(x: Tensor, new: Tensor) -> Tensor:
-    from . import functional as F
-
     if (new.placement, new.sbp) != (x.placement, x.sbp):
-        new = F.to_global(new, x.placement, x.sbp)
+        new = to_global(new, x.placement, x.sbp)
     return new
 
 
 def _broadcast_on(x: Tensor, value: torch.Tensor) -> Tensor:
-    from ..creation import tensor as make_tensor
-
     return make_tensor(value, placement=x.placement, sbp=(broadcast,) * x.placement.ndim)
 
 
@@ -517,10 +511,6 @@ def setitem(x: Tensor, key: Any, value: Any) -> None:
     >>> x.tolist()
     [[0.0, 5.0, 6.0, 0.0], [9.0, 9.0, 9.0, 9.0]]
     """
-    from ..autograd import is_grad_enabled
-    from ..errors import AutogradError
-    from .views import refresh, write_back
-
     wants_grad = x.requires_grad or (isinstance(value, (Tensor, torch.Tensor)) and value.requires_grad)
     if is_grad_enabled() and wants_grad:
         raise AutogradError(f"x[...] = value writes in place while gradients are recorded (target {x._describe()}); "
@@ -759,13 +749,11 @@ def _cat(*xs: torch.Tensor, dim: int) -> torch.Tensor:
 
 @_cat.grad
 def _cat_grad(ctx: Any, dy: Any) -> Any:
-    from .elementwise import cast
-
     dim, grads, offset = ctx.attrs["dim"], [], 0
     for x, needed in zip(ctx.inputs, ctx.needs_input_grad, strict=True):
         n = x.shape[dim]
         g = slice_(dy, dim=dim, start=offset, stop=offset + n, step=1) if needed else None
-        grads.append(cast(g, dtype=x.dtype) if g is not None and g.dtype != x.dtype else g)
+        grads.append(E.cast(g, dtype=x.dtype) if g is not None and g.dtype != x.dtype else g)
         offset += n
     return tuple(grads)
 
@@ -876,3 +864,12 @@ Tensor.chunk = lambda x, chunks, dim=0: _pieces_as_views(x, "chunk", chunks, dim
 Tensor.masked_select = masked_select  # type: ignore[attr-defined]
 Tensor.__getitem__ = getitem  # type: ignore[attr-defined,misc]
 Tensor.__setitem__ = setitem  # type: ignore[attr-defined,index]
+
+
+def setitem_writer(key: Any) -> Writer:
+    """Writer of basic indexing ``x[key]``: ``base[key] = view``."""
+
+    def write(base: Tensor, view: Tensor) -> None:
+        setitem(base, key, view)
+
+    return write

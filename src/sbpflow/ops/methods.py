@@ -10,6 +10,7 @@ mark their output so that in-place writes into it reach the input (``ops.views``
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -21,9 +22,12 @@ from ..placement import Placement
 from ..sbp import Partial, format_nd, normalize
 from ..tensor import Tensor
 from . import _rules as R
+from . import convert as _convert
+from . import elementwise as _elementwise
 from . import functional as F
-from .registry import OpDef
-from .views import Writer, mark_view, not_writable, permuted, refresh, reshaped, write_back
+from . import shape as _shape
+from .schema import OpDef
+from .views import Writer, mark_view, not_writable, refresh, write_back
 
 
 def bind_methods(table: dict[str, Callable[..., Any]]) -> None:
@@ -185,6 +189,36 @@ bind_methods({
 
 
 # -- views -----------------------------------------------------------------------------------------
+
+
+# -- view writers: carry a view's new value back into its base (ops.views.write_back runs them) ----------
+
+
+def assign_into(base: Tensor, value: Tensor) -> None:
+    """Writes ``value`` (of ``base``'s shape) into ``base`` in its own layout and dtype, then on to its base."""
+    if base.is_global and (value.placement, value.sbp) != (base.placement, base.sbp):
+        value = _convert.to_global(value, base.placement, base.sbp)
+    if value.dtype != base.dtype:
+        value = _elementwise.cast(value, dtype=base.dtype)
+    base._assign(value)
+    write_back(base)
+
+
+def reshaped(base: Tensor, view: Tensor) -> None:
+    """Writer of view/reshape/flatten/squeeze/unsqueeze: the same elements in row-major order."""
+    assign_into(base, _shape.reshape(view, shape=tuple(base.shape)) if view.shape != base.shape else view)
+
+
+@functools.cache
+def permuted(dims: tuple[int, ...]) -> Writer:
+    """Writer of permute/transpose/t/T/mT: the inverse permutation (one writer per ``dims``, made once: every
+    transpose of a forward pass asks for one)."""
+    inverse = tuple(sorted(range(len(dims)), key=lambda i: dims[i]))
+
+    def write(base: Tensor, view: Tensor) -> None:
+        assign_into(base, _shape.permute(view, dims=inverse))
+
+    return write
 
 
 def _viewing(name: str, fn: Callable[..., Tensor], write: Writer) -> Callable[..., Tensor]:

@@ -36,7 +36,7 @@ from ..graph.physical import GATHERING, PHASES, PhysicalPlan, PNode
 from ..host_memory import keep_freed_host_memory
 from ..ops.inplace import OVERWRITING
 from ..ops.optimizer import IN_PLACE
-from ..ops.registry import REGISTRY, Meta, ShardCtx
+from ..ops.schema import REGISTRY, Meta, ShardCtx
 from ..random import mix_key
 from . import route
 from .errors import ExecutionError

@@ -35,7 +35,8 @@ from ..autograd.engine import grad
 from ..errors import AutogradError
 from ..graph import trace
 from ..nn.module import Module
-from ..ops.registry import OpDef, _record
+from ..ops.dispatch import record
+from ..ops.schema import OpDef
 from ..tensor import Tensor
 
 # not a registered op: it never dispatches, it only records the node whose gradient recomputes the segment
@@ -62,7 +63,7 @@ def checkpoint(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     results = tuple(o.detach() for o in outs)
     attrs = {"fn": fn, "args": args, "kwargs": kwargs, "rng": rng, "n_args": len(arg_inputs), "leaves": leaves}
     differentiable = tuple(r for r, o in zip(results, outs, strict=True) if o.requires_grad)
-    _record(_checkpoint_def, arg_inputs + leaves, attrs, differentiable)
+    record(_checkpoint_def, arg_inputs + leaves, attrs, differentiable)
     return _rebuild(out, outs, results)
 
 
