@@ -149,6 +149,7 @@ from .ops.views import (  # the view functions: like torch's, their results pass
 )
 from .placement import Placement, placement
 from .random import manual_seed
+from .sbp import normalize as _normalize_sbp  # explain()'s sbp argument shadows the sbp module
 from .tensor import Tensor
 
 __version__ = "0.1.0"
@@ -165,10 +166,8 @@ def explain(x: Tensor, placement: Placement | None = None, sbp: object = None) -
       1. all_gather axis 0            (S(0)) -> (B)  32 B/rank, 64 B total, 100.0 us
       total: 32 B/rank, 64 B, 100.0 us
     """
-    from .sbp import normalize
-
     placement = placement or x.placement
-    nd = x.sbp if sbp is None else normalize(sbp, placement, x.ndim)
+    nd = x.sbp if sbp is None else _normalize_sbp(sbp, placement, x.ndim)
     text = str(boxing.plan(tuple(x.shape), x.dtype, boxing.Layout(x.placement, x.sbp), boxing.Layout(placement, nd)))
     print(text)
     return text

@@ -41,7 +41,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .errors import SbpflowError
+from .errors import CommError, SbpflowError
 
 if TYPE_CHECKING:
     from .comm.base import Backend
@@ -294,8 +294,6 @@ PEER_FAILURE_GRACE = 5.0  # seconds a rank that only saw a peer fail waits befor
 
 def peer_failed(error: BaseException) -> bool:
     """Whether ``error`` says another process went away (a consequence, not the cause, of a failed job)."""
-    from .errors import CommError
-
     return isinstance(error, CommError) and getattr(error, "peer_failed", False)
 
 

@@ -29,7 +29,7 @@ from .comm import get_backend
 from .distributed import activity
 from .errors import AutogradError, SbpflowError
 from .placement import Placement
-from .sbp import NdSbp, broadcast, format_nd
+from .sbp import NdSbp, Partial, broadcast, format_nd
 
 if TYPE_CHECKING:
     from .autograd.node import Node
@@ -469,8 +469,6 @@ def shards_from_full(
     value: torch.Tensor, placement: Placement, nd_sbp: NdSbp, ranks: Sequence[int] | None = None
 ) -> dict[int, torch.Tensor]:
     """Cuts a full logical value into the shards this process owns (each its own memory)."""
-    from .sbp import Partial
-
     backend = get_backend()
     out = {}
     shape = tuple(value.shape)

@@ -41,6 +41,7 @@ import torch
 
 from ..boxing.plan import CostModel, Layout, LinkCost, target_factors, transition_time
 from ..errors import PlanError
+from ..placement import Placement
 from ..sbp import Broadcast, Partial, SbpParallel, Split, broadcast, partial_sum, split
 from .cost import collective_time, matmul_flops, roofline
 from .profiles import DeviceProfile
@@ -282,8 +283,6 @@ def _transition(shape: tuple[int, int], a: SbpParallel, b: SbpParallel, tp: int,
 @lru_cache(maxsize=4096)
 def _transition_cached(shape: tuple[int, int], a: SbpParallel, b: SbpParallel, tp: int,
                        key: tuple[float, float, float, float], ranks_per_node: int) -> float:
-    from ..placement import Placement
-
     placement = Placement("cpu", list(range(tp)))
     model = _model_from_key(key, ranks_per_node)
     with target_factors(()):
@@ -517,8 +516,6 @@ def _pick(options: tuple[Choice, ...], name: str) -> Choice:
 
 def _transition_kinds(src: SbpParallel, dst: SbpParallel) -> list[str]:
     """The collectives of one SBP change on a 1-D group, as the boxing table composes them for gloo."""
-    from ..sbp import Split
-
     if src == dst or isinstance(dst, Partial):
         return []
     if isinstance(src, Partial):

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import boxing
+from ..comm.base import TARGET_COST_FACTORS
 from .accumulate import accumulate_before_send
 from .bucket import bucket_all_reduces
 from .fuse import fuse_segments
@@ -105,8 +106,6 @@ def compile_graph(g: LogicalGraph, method: str = "ilp", model: boxing.CostModel 
     ``late_reduce`` all-reduces a data-parallel gradient once a step, after its micro-batches are summed
     (``graph.late_reduce``); ``split_updates`` cuts a multi-tensor optimizer update by the gradient collective
     each parameter waits for (``graph.update_split``)."""
-    from ..comm.base import TARGET_COST_FACTORS
-
     model = model or boxing.get_cost_model()
     factors = TARGET_COST_FACTORS if factors is None else factors
     report = CompileReport(logical_nodes=len(g.nodes))

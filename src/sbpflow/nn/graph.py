@@ -37,18 +37,32 @@ from typing import Any
 
 import torch
 
+from .. import amp
 from .. import random as sbp_random
+from .._layout import shard_shape
+from ..amp import GradScaler, trace_masked_updates
 from ..autograd import enable_grad
+from ..autoparallel.apply import plan_graph_inputs
+from ..comm import get_backend
+from ..comm.base import TARGET_COST_FACTORS
 from ..comm.simulated import SimulatedBackend
 from ..errors import SbpflowError
 from ..graph.compile import CompileReport, compile_graph, gc_paused
-from ..graph.ir import LogicalGraph
+from ..graph.explain import explain, save_dot
+from ..graph.ir import LNode, LogicalGraph
 from ..graph.physical import PhysicalPlan
+from ..graph.schedule import SCHEDULES
 from ..graph.select import METHODS
 from ..graph.trace import TraceError, Tracer, user_line
+from ..meta import refuse
+from ..optim.clip import clip_grad_norm_
+from ..optim.zero import zero
+from ..runtime import actors
+from ..runtime.board import dry_run
 from ..runtime.inorder import RANDOM_FEED, run_plan
 from ..sbp import format_nd
 from ..tensor import Tensor
+from ..utils.checkpoint import checkpoint
 from .module import Module
 
 FOUND_INF = "amp.found_inf"  # the hidden output of a loss-scaled step: whether its gradients overflowed
@@ -108,8 +122,6 @@ class GraphConfig:
         state unchanged on overflow (``where``, no Python branch) and updates the scale, all as graph ops. The
         host reads the overflow flag after the run only to leave step counts unadvanced, as torch does;
         ``loss_scaler.get_scale()`` follows the graph's scale."""
-        from ..amp import GradScaler
-
         if dtype not in (torch.bfloat16, torch.float16):
             raise SbpflowError(f"enable_amp(dtype=...) takes torch.bfloat16 or torch.float16, but got {dtype}")
         if isinstance(loss_scaler, str) and loss_scaler == "auto":
@@ -156,8 +168,6 @@ class GraphConfig:
         bubble; p on every stage) or ``"interleaved_1f1b"`` (Megatron's: a model whose forward visits the p
         placements v times has v·p stages, stage k on placement k mod p; bubble (p - 1) / (v m + p - 1), m a
         multiple of p). Applies when the model's modules sit on several placements."""
-        from ..graph.schedule import SCHEDULES
-
         if name not in SCHEDULES:
             raise SbpflowError(f"pipeline schedule must be one of {SCHEDULES}, but got {name!r}")
         self.pipeline_schedule = name
@@ -209,8 +219,6 @@ def _attach_module_configs(module: Module) -> None:
 @contextmanager
 def _checkpointed_modules(modules: Sequence[Module]) -> Iterator[None]:
     """While tracing, the forward of every module asking for activation checkpointing runs as a segment."""
-    from ..utils.checkpoint import checkpoint
-
     marked = [m for root in modules for m in root.modules()
               if isinstance(m.__dict__.get("config"), ModuleConfig) and m.config.activation_checkpointing]
     for m in marked:
@@ -286,8 +294,6 @@ class Graph:
 
     def __call__(self, *args: Any) -> Any:
         if self.config.auto_parallel is not None:
-            from ..autoparallel.apply import plan_graph_inputs
-
             args = plan_graph_inputs(self, args)
         key = _input_key(args)
         compiled = self._cache.get(key)
@@ -432,8 +438,6 @@ class Graph:
 
     def _apply_zero(self) -> None:
         """Turns the optimizers into ZeRO ones once (a recompile finds them already sharded)."""
-        from ..optim.zero import zero
-
         stage = self.config.zero_stage
         if not stage:
             return
@@ -447,8 +451,6 @@ class Graph:
 
     def _amp(self) -> Any:
         from contextlib import ExitStack
-
-        from .. import amp
 
         stack = ExitStack()
         if self.config.amp_dtype is not None:
@@ -478,14 +480,10 @@ class Graph:
         feeds: list[Callable[[], list[tuple[str, float]]]] = []
         for k, (entry, params) in enumerate(zip(self._optimizers, per_entry, strict=True)):
             if entry.clip_grad_max_norm is not None:
-                from ..optim.clip import clip_grad_norm_
-
                 clip_grad_norm_(params, entry.clip_grad_max_norm, entry.clip_grad_norm_type)
             entry.optimizer.trace_step(f"optim{k}")
             feeds.append(_feed_fn(entry.optimizer, f"optim{k}"))
         if found is not None:
-            from ..amp import trace_masked_updates
-
             changed = [(t, tracer.tensor_of(tracer.graph.values[before[name]]))
                        for name, (t, _) in tracer.variables.items()
                        if t._lazy is not None and name in before and t._lazy.value.id != before[name]]
@@ -523,8 +521,6 @@ class Graph:
 
     def _executor(self, compiled: Compiled) -> Any:
         if compiled.executor is None:
-            from ..runtime import actors
-
             compiled.executor = actors.ActorRuntime(compiled.plan, trace=self.config.trace_path,
                                                     threads=self.config.threads)
         return compiled.executor
@@ -546,16 +542,12 @@ class Graph:
 
     def explain(self, rank: int | None = None) -> str:
         """Each op's signature, every boxing node with bytes and time, and per-step totals (also printed)."""
-        from ..graph.explain import explain
-
         text = explain(self._compiled().logical, self._compiled().plan, self._compiled().report, rank)
         print(text)
         return text
 
     def save_dot(self, path: str, rank: int | None = None) -> list[str]:
         """Writes the logical graph and one rank's physical graph as Graphviz files (SVG too if dot exists)."""
-        from ..graph.explain import save_dot
-
         return save_dot(self._compiled().logical, self._compiled().plan, path, rank)
 
     def _show(self, folder: str, rank: int | None) -> None:
@@ -600,8 +592,6 @@ def _key_text(key: tuple[Any, ...]) -> str:
 def target_factors(args: Sequence[Any]) -> tuple[Any, ...]:
     """The target cluster's collective cost factors (:data:`sbpflow.comm.base.TARGET_COST_FACTORS`: gloo composes
     reduce-scatter on CPU), whatever backend runs the plan."""
-    from ..comm.base import TARGET_COST_FACTORS
-
     return TARGET_COST_FACTORS
 
 
@@ -609,8 +599,6 @@ def _memory_plan(plan: PhysicalPlan) -> dict[int, int]:
     """Predicted peak bytes of every rank: the register protocol played without kernels (every rank, whatever
     this process owns), the same accounting the actor runtime reports after a real step. Ranks of one class
     (``plan.rank_classes``: the same nodes and bytes) peak alike, so one rank per class is played."""
-    from ..runtime.board import dry_run
-
     classes = plan.rank_classes()
     peaks = dry_run(plan, _Representatives(frozenset(classes))).peak_bytes
     return {r: peaks.get(rep, 0) for rep, members in classes.items() for r in members}
@@ -638,8 +626,6 @@ class _Representatives(SimulatedBackend):
 def _rank0_choice(choice: Any) -> Any:
     """Every process adopts process 0's SBP choice (one broadcast at compile time): processes compile their plans
     independently and must run one plan, even where the solver breaks a tie differently on a busy machine."""
-    from ..comm import get_backend
-
     if get_backend().name != "torch.distributed":
         return choice
     import torch.distributed as dist
@@ -669,8 +655,6 @@ def _trace_inputs(tracer: Tracer, args: Sequence[Any], m: int) -> tuple[list[Any
 
 
 def _check_micro_split(a: Tensor, m: int, i: int) -> None:
-    from .._layout import shard_shape
-
     if a.ndim == 0:
         raise SbpflowError(f"gradient accumulation over {m} micro-batches splits dim 0 of every input, but input "
                            f"{i} is 0-d ({a._describe()})")
@@ -684,8 +668,6 @@ def _check_micro_split(a: Tensor, m: int, i: int) -> None:
 
 
 def _micro_to_post(tracer: Tracer, t: Tensor, how: str, name: str, output: bool = False) -> Tensor:
-    from ..graph.ir import LNode
-
     assert t._lazy is not None
     v = t._lazy.value
     shape = v.shape if how != "cat" else (v.shape[0] * tracer.graph.micro_batches, *v.shape[1:])
@@ -703,8 +685,6 @@ def _micro_to_post(tracer: Tracer, t: Tensor, how: str, name: str, output: bool 
 def _trace_unscale(tracer: Tracer, scaler: Any, params: list[Tensor]) -> Tensor | None:
     """Loss scaling: the accumulated gradients divided by the scale; returns the overflow flag (also a hidden
     output, FOUND_INF), or None without a scaler."""
-    from ..graph.ir import LNode
-
     if scaler is None:
         return None
     grads = [p.grad for p in params if p.grad is not None]
@@ -717,8 +697,6 @@ def _trace_unscale(tracer: Tracer, scaler: Any, params: list[Tensor]) -> Tensor 
 
 
 def _emit_assigns(tracer: Tracer) -> None:
-    from ..graph.ir import LNode
-
     for name, (t, initial) in tracer.variables.items():
         assert t._lazy is not None
         v = t._lazy.value
@@ -753,8 +731,6 @@ def _feed_fn(optimizer: Any, prefix: str) -> Callable[[], list[tuple[str, float]
 
 def _refuse_meta(compiled: Compiled, args: Sequence[Any]) -> None:
     """A step cannot run on meta tensors (sbpflow.meta_init): the first one, input or variable, is named."""
-    from ..meta import refuse
-
     for i, a in enumerate(args):
         if isinstance(a, Tensor) and a.is_meta:
             refuse(a, f"running the compiled step on input {i}")

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from ..boxing import identity_element
 from ..errors import IndexOutOfRangeError
 from ..sbp import Partial, Split, broadcast
 from . import _rules as R
@@ -100,7 +101,6 @@ def _minmax(fn: Any):  # type: ignore[no-untyped-def]
     def kernel(x: torch.Tensor, dim: Any = None, keepdim: bool = False) -> torch.Tensor:
         dims = R.normalize_dims(dim, x.dim())
         if x.numel() == 0:  # an empty shard holds the reduction's identity
-            from ..boxing import identity_element
 
             shape = _reduced_shape(Meta(tuple(x.shape), x.dtype), dims, keepdim)
             return torch.full(shape, identity_element("max" if fn is torch.amax else "min", x.dtype), dtype=x.dtype,

@@ -18,6 +18,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from ._cuda import CudaLane
 from .board import Actor, Board, stream_order
 
 
@@ -173,6 +174,4 @@ class CommWorker(Worker):
 def _cuda_lane(device: Any) -> Any:
     if device is None:
         return None
-    from ._cuda import CudaLane
-
     return CudaLane(device)
