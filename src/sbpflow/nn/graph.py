@@ -58,8 +58,8 @@ from ..meta import refuse
 from ..optim.clip import clip_grad_norm_
 from ..optim.zero import zero
 from ..runtime import actors
-from ..runtime.board import dry_run
 from ..runtime.inorder import RANDOM_FEED, run_plan
+from ..runtime.memory import dry_run
 from ..sbp import format_nd
 from ..tensor import Tensor
 from ..utils.checkpoint import checkpoint

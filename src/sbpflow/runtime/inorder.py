@@ -120,7 +120,7 @@ def in_flight_collectives(plan: PhysicalPlan, p2p: bool = True) -> dict[int, int
 
     ``p2p=False`` leaves send/recv out (it blocks): for the actor runtime's threads, whose compute thread would
     commit to an act as soon as its input is posted and wait in it, while a peer waits for an act behind it (the
-    one-thread runtime posts every ready transfer first instead: :meth:`~sbpflow.runtime.board.Board.play`)."""
+    one-thread runtime posts every ready transfer first instead: :meth:`~sbpflow.runtime.board.play.play`)."""
     gathering = {b for n in plan.nodes if n.kind in GATHERING for b in n.inputs}
     return {n.id: n.outputs[0] for n in plan.nodes
             if n.kind == "boxing" and n.boxing is not None and runs_async(n.boxing) and n.outputs[0] not in gathering

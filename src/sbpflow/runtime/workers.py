@@ -79,7 +79,7 @@ class Worker:
         raise NotImplementedError
 
     def seek(self, head: int) -> None:
-        """Sets a comm stream's next act (after :meth:`Board.play` acted for it); nothing on a compute lane."""
+        """Sets a comm stream's next act (after :func:`.play.play` acted for it); nothing on a compute lane."""
 
     def turn(self, actor: Actor) -> list[str]:
         """Why ``actor`` is not this thread's next act although it may be ready (a comm stream's order)."""
