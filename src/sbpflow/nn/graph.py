@@ -47,7 +47,7 @@ from ..comm import get_backend
 from ..comm.base import TARGET_COST_FACTORS
 from ..comm.simulated import SimulatedBackend
 from ..errors import SbpflowError
-from ..graph.compile import CompileReport, compile_graph, gc_paused
+from ..graph.compile import CompileOptions, CompileReport, compile_graph, gc_paused
 from ..graph.explain import explain, save_dot
 from ..graph.ir import LNode, LogicalGraph
 from ..graph.physical import PhysicalPlan
@@ -385,14 +385,13 @@ class Graph:
                 t._shards, t.grad, t._version = saved[name]
                 t._lazy = None
         trace_s, trace_cpu = time.perf_counter() - start, time.process_time() - cpu_start
-        plan, logical, report = compile_graph(tracer.graph, self.config.sbp_selection, agree=_rank0_choice,
-                                              schedule=self.config.pipeline_schedule,
-                                              prefetch=self.config.zero_prefetch,
-                                              fused_segments=self.config.fused_segments,
-                                              torch_compile=self.config.segment_torch_compile,
-                                              group=self.config.group_accumulates,
-                                              late_reduce=self.config.reduce_after_accumulating,
-                                              split_updates=self.config.update_per_bucket)
+        options = CompileOptions(method=self.config.sbp_selection, schedule=self.config.pipeline_schedule,
+                                 prefetch=self.config.zero_prefetch, fused_segments=self.config.fused_segments,
+                                 torch_compile=self.config.segment_torch_compile,
+                                 group=self.config.group_accumulates,
+                                 late_reduce=self.config.reduce_after_accumulating,
+                                 split_updates=self.config.update_per_bucket)
+        plan, logical, report = compile_graph(tracer.graph, options, agree=_rank0_choice)
         with report.timing("memory plan"):
             plan.peak_bytes = _memory_plan(plan)
         report.times = {"trace": trace_s, **report.times}
