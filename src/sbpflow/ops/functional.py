@@ -29,6 +29,7 @@ from .convert import local_to_global, to_global
 from .indexing import *  # noqa: F401,F403
 from .loss import *  # noqa: F401,F403
 from .normalization import *  # noqa: F401,F403
+from .subscript import getitem, setitem  # noqa: F401
 
 Scalar = int | float | bool
 
