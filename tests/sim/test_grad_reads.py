@@ -1,4 +1,4 @@
-"""Eager autograd keeps only what gradients read (``grad_reads`` in ``sbpflow.ops.registry.op``).
+"""Eager autograd keeps only what gradients read (``grad_reads`` in ``sbpflow.ops.schema.op``).
 
 An op whose gradient reads no value of some input (add, views, casts, log_softmax, ...) keeps that input as a
 shell: metadata and autograd identity, no data. Then the input's memory is freed as soon as nothing else holds
