@@ -1,17 +1,6 @@
 """The play loop: one thread acts for every lane of a :class:`~.board.Board`, the board's messages in one loop.
 
-What :func:`play` keeps cheap (it is the runtime on virtual ranks, where an act's bookkeeping is set
-against a kernel of a few microseconds; ``benchmarks/runtime_overhead.py``): each actor counts its inputs with
-an empty queue (``missing``), so readiness is one check, not a scan of every input (an optimizer update reads
-a hundred buffers, and each of them wakes it); an actor is offered only when a message may have made it ready;
-where at most one value of a register can be live for its readers (one reader, or one slot), the queues hold
-the value itself and the register counts the reads (no :class:`Slot` object); an act with such values only, no
-control edge and no comm turn (most acts) walks tuples built once (:func:`_prepare_play`) and tests no flag that
-cannot be set for it; claims and frees are logged and counted (bytes and slots, and their peaks) only when first
-asked for; a run of variables next to each other in the plan is one pick (they would be picked one after the
-other anyway); and the heap holds ints.
-The messages, the schedule and every count are the same as :meth:`Board.take` and :meth:`Board.finish` give
-(``tests/logic/test_runtime_actors.py`` plays both side by side).
+It is the runtime on virtual ranks, where an act's bookkeeping is set against a kernel of a few microseconds.
 """
 
 from __future__ import annotations
@@ -24,31 +13,35 @@ from typing import Any
 from .board import Actor, Board, RegisterState, Slot, _slot
 from .errors import ExecutionError
 
+# What play keeps cheap (benchmarks/runtime_overhead.py): each actor counts its inputs with an empty queue
+# (`missing`), so readiness is one check, not a scan of every input (an optimizer update reads a hundred buffers,
+# and each of them wakes it); an actor is offered only when a message may have made it ready; where at most one
+# value of a register can be live for its readers (one reader, or one slot), the queues hold the value itself and
+# the register counts the reads (no Slot object); an act with such values only, no control edge and no comm turn
+# (most acts) walks tuples built once (board._prepare_play) and tests no flag that cannot be set for it; claims
+# and frees are logged and counted (bytes and slots, and their peaks) only when first asked for; a run of
+# variables next to each other in the plan is one pick; and the heap holds ints. The messages, the schedule and
+# every count are the ones Board.take and Board.finish give (tests/logic/test_runtime_actors.py plays both).
+
 
 def play(board: Board, perform: Callable[[Actor, int, list[Any]], list[Any]], state: Any = None) -> None:
-    """Acts every actor that can act on the calling thread, one at a time, until none can: each thread's pick
-    rule is kept (compute: earliest plan position first; a comm stream: its fixed order) and the threads are
-    merged by priority (schedule key, plan position, step). ``perform(actor, step, inputs)`` runs one act and
-    returns its output values, or, for an actor whose ``run`` is set, ``actor.run(inputs, state, step)`` does
-    (one call instead of the runtime's wrappers); an exception from either ends the play, and :attr:`Board.failed`
-    then says which (actor, step) raised it. The caller checks :attr:`all_done`. Call it once per
-    :meth:`Board.reset` (its log of claims starts from every slot free).
-
-    The same messages as :meth:`Board.take` and :meth:`Board.finish`, written out in one loop (this is the runtime's hot
-    path on one thread: a call costs as much as a message here). One heap holds every ready act (a comm
-    stream offers only its head); priorities are unique (one entry per actor, positions differ), so actors
-    are never compared. An actor is offered to the heap only when a message may have made it ready: its
-    last missing input arrived (:attr:`Actor.missing` fell to 0), a register of its went from full to one
-    free slot, a control token came, its own act ended, or its comm stream's turn came to it. Claims and
-    frees are logged and counted when first read (:attr:`stats`, :attr:`live_bytes`; :meth:`Board._count_bytes`):
-    the same peaks of bytes and of slots as counting on every claim.
-
-    Most acts take the short path (:attr:`Actor.fast`, set by :func:`_prepare_play`): inputs and outputs
-    passed as values, no control edge, no comm turn, so that an act walks tuples built once (its input
-    queues, (queue, register) pairs to free, each output's (queue, reader) pairs) and tests no flag that
-    cannot be set for it. The others (a comm stream's acts, control edges, :class:`Slot` registers, inputs
-    from another process, a run of variables) take the general path below it: the same messages.
-    """
+    """Acts every ready actor on the calling thread until none can, lanes merged by priority (schedule key, plan
+    position, step); ``perform(actor, step, inputs)`` (or ``actor.run``) runs an act. An exception ends the play
+    (:attr:`Board.failed` says where); the caller checks :attr:`Board.all_done`; once per :meth:`Board.reset`."""
+    # The same messages as :meth:`Board.take` and :meth:`Board.finish`, written out in one loop (this is the
+    # runtime's hot path on one thread: a call costs as much as a message here). One heap holds every ready act (a
+    # comm stream offers only its head); priorities are unique (one entry per actor, positions differ), so actors
+    # are never compared. An actor is offered to the heap only when a message may have made it ready: its last
+    # missing input arrived (:attr:`Actor.missing` fell to 0), a register of its went from full to one free slot, a
+    # control token came, its own act ended, or its comm stream's turn came to it. Claims and frees are logged and
+    # counted when first read (:attr:`stats`, :attr:`live_bytes`; :meth:`Board._count_bytes`): the same peaks of
+    # bytes and of slots as counting on every claim.
+    #
+    # Most acts take the short path (:attr:`Actor.fast`, set by :func:`_prepare_play`): inputs and outputs passed as
+    # values, no control edge, no comm turn, so that an act walks tuples built once (its input queues, (queue,
+    # register) pairs to free, each output's (queue, reader) pairs) and tests no flag that cannot be set for it. The
+    # others (a comm stream's acts, control edges, :class:`Slot` registers, inputs from another process, a run of
+    # variables) take the general path below it: the same messages.
     heap: list[int] = []  # codes (key * span + position): unique, as one actor is in the heap at most once
     # the ready act with the lowest code offered since the last pick, in front of the heap: an act that readies
     # only its reader (a chain) hands it over without a push and a pop
