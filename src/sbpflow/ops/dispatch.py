@@ -17,6 +17,7 @@ from typing import Any, Protocol
 import torch
 
 from .. import boxing
+from .._layout import Box
 from ..autograd import _mode as _grad_mode
 from ..autograd.node import Node
 from ..boxing.plan import _cost_model as _cost_model_stack
@@ -29,7 +30,7 @@ from ..tensor import Tensor
 from . import schema
 from .execution import from_shards, meta_outputs, owned_ranks, run, shard_ctx, token, tokens
 from .propagation import Decision, arg_meta, attrs_key, decide, describe_args, infer
-from .schema import Box, Meta, OpDef, ShardCtx
+from .schema import Meta, OpDef, ShardCtx
 from .views import refresh
 
 
