@@ -6,6 +6,16 @@ import argparse
 import sys
 from typing import Any
 
+from .autoparallel.calibrate import calibrate, describe
+from .autoparallel.explain import explain, to_json
+from .autoparallel.from_trace import calibrate_from_trace
+from .autoparallel.planning import plan_from_args
+from .autoparallel.profiles import get_profile, save_profile
+from .demo.train_gpt import DESCRIPTION, add_arguments, run_from_args
+from .errors import SbpflowError
+from .nn import graph
+from .runtime.trace import merge
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="sbpflow", description="sbpflow: distribution as a property of tensors")
@@ -28,8 +38,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "trace":
         return trace_merge(args)
     if args.command == "demo":
-        from .demo.train_gpt import run_from_args
-
         run_from_args(args)
         return 0
     return 0
@@ -50,8 +58,6 @@ def show_graphs(args: argparse.Namespace) -> int:
     import os
     import runpy
 
-    from .nn import graph
-
     os.makedirs(args.out, exist_ok=True)
     graph.SHOW.append((args.out, args.rank))
     saved = sys.argv
@@ -65,8 +71,6 @@ def show_graphs(args: argparse.Namespace) -> int:
 
 
 def _add_demo(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    from .demo.train_gpt import DESCRIPTION, add_arguments
-
     add_arguments(sub.add_parser("demo", help="train a small GPT on virtual CPU devices (data x tensor x pipeline)",
                                  description=DESCRIPTION))
 
@@ -144,10 +148,6 @@ def plan_command(args: argparse.Namespace) -> int:
     """``sbpflow plan``: explain (or ``--json``) the best plan, or the one the flags fix completely."""
     import json
 
-    from .autoparallel.explain import explain, to_json
-    from .autoparallel.planning import plan_from_args
-    from .errors import SbpflowError
-
     try:
         spec, cluster, best, result = plan_from_args(args)
     except SbpflowError as e:
@@ -174,11 +174,6 @@ def _add_calibrate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
 
 def calibrate_command(args: argparse.Namespace) -> int:
     """``sbpflow calibrate``: measure, print what was measured, write the profile."""
-    from .autoparallel.calibrate import calibrate, describe
-    from .autoparallel.from_trace import calibrate_from_trace
-    from .autoparallel.profiles import get_profile, save_profile
-    from .errors import SbpflowError
-
     if args.from_trace:
         try:
             result = calibrate_from_trace(get_profile(args.profile), args.from_trace)
@@ -197,8 +192,6 @@ def calibrate_command(args: argparse.Namespace) -> int:
 
 def trace_merge(args: argparse.Namespace) -> int:
     """``sbpflow trace merge a.json b.json -o out.json``: one timeline with a process lane group per rank."""
-    from .runtime.trace import merge
-
     spans = merge(args.files, args.output)
     print(f"sbpflow trace: {spans} spans from {len(args.files)} files -> {args.output}")
     return 0

@@ -41,10 +41,12 @@ import torch
 
 from ..boxing.plan import CostModel, Layout, LinkCost, target_factors, transition_time
 from ..errors import PlanError
+from ..placement import Placement
 from ..sbp import Broadcast, Partial, SbpParallel, Split, broadcast, partial_sum, split
 from .cost import collective_time, matmul_flops, roofline
 from .profiles import DeviceProfile
 from .transformer import ACT_BYTES, TransformerSpec
+from .units import seconds, size
 
 B, S0, S1, P = broadcast, split(0), split(1), partial_sum
 PARAM_BYTES = 16  # mixed-precision Adam: fp16 weight and gradient, fp32 master, momentum, variance
@@ -160,8 +162,6 @@ class BlockPlan:
 
     def __str__(self) -> str:
         ops = ", ".join(f"{op} {choice}" for op, choice in self.choices if op != "x")
-        from .explain import seconds, size
-
         return (f"stream {dict(self.choices)['x']}; {ops}: {seconds(self.seconds)} per block "
                 f"({seconds(self.comm_seconds)} communication), {size(self.memory)} per rank")
 
@@ -311,8 +311,6 @@ def _transition(shape: tuple[int, int], a: SbpParallel, b: SbpParallel, tp: int,
 @lru_cache(maxsize=4096)
 def _transition_cached(shape: tuple[int, int], a: SbpParallel, b: SbpParallel, tp: int,
                        key: tuple[float, float, float, float], ranks_per_node: int) -> float:
-    from ..placement import Placement
-
     placement = Placement("cpu", list(range(tp)))
     model = _model_from_key(key, ranks_per_node)
     with target_factors(()):
@@ -549,8 +547,6 @@ def _pick(options: tuple[Choice, ...], name: str) -> Choice:
 
 def _transition_kinds(src: SbpParallel, dst: SbpParallel) -> list[str]:
     """The collectives of one SBP change on a 1-D group, as the boxing table composes them for gloo."""
-    from ..sbp import Split
-
     if src == dst or isinstance(dst, Partial):
         return []
     if isinstance(src, Partial):

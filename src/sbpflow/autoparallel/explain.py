@@ -5,33 +5,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from .block_sbp import megatron
 from .predict import TIME_KEYS, Cluster, Prediction
 from .search import SearchResult
 from .transformer import TransformerSpec
+from .units import seconds, size
 
 GB = 1e9
-
-
-def seconds(value: float) -> str:
-    """A duration in the unit that keeps it readable: ``2.500 s``, ``12.0 ms``, ``40.0 us``.
-
-    >>> seconds(2.5), seconds(0.012), seconds(-4e-5)
-    ('2.500 s', '12.00 ms', '-40.0 us')
-    """
-    size = abs(value)
-    if size >= 1:
-        return f"{value:.3f} s"
-    if size >= 1e-3:
-        return f"{value * 1e3:.2f} ms"
-    return f"{value * 1e6:.1f} us"
-
-
-def size(nbytes: float) -> str:
-    """``69.0 GB``, ``12.5 MB``, ``3.0 KB``."""
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
-        if abs(nbytes) >= scale:
-            return f"{nbytes / scale:.1f} {unit}"
-    return f"{nbytes:.0f} B"
 
 
 def flops(rate: float) -> str:
@@ -128,8 +108,6 @@ def _block_lines(spec: TransformerSpec, cluster: Cluster, p: Prediction) -> list
 
 def block_source(p: Prediction) -> str:
     """Where a prediction's block SBPs came from, and whether they are Megatron-LM's."""
-    from .block_sbp import megatron
-
     assert p.block is not None
     kind = "Megatron-LM's column/row layers" if megatron(p.block) else "not Megatron-LM's layers"
     if p.block.method == "given":
@@ -210,8 +188,6 @@ def _prediction_json(p: Prediction) -> dict[str, Any]:
 
 
 def _is_megatron(p: Prediction) -> bool:
-    from .block_sbp import megatron
-
     return p.block is not None and megatron(p.block)
 
 

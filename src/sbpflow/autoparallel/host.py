@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from ..errors import PlanError, SbpflowError
 from .block_sbp import block_collectives
 from .predict import ParallelPlan
+from .stages import all_cuts
 from .transformer import TransformerSpec
 
 FP32 = 4
@@ -404,8 +405,6 @@ def predict_host(spec: TransformerSpec, plan: ParallelPlan, stage_layers: tuple[
 def host_plans(spec: TransformerSpec, processes: int, batch: int) -> list[tuple[ParallelPlan, tuple[int, ...]]]:
     """Every plan sbpflow's eager GPT can run on ``processes`` processes: tp dividing heads and vocabulary,
     dp dividing the batch, and every stage cut (one micro-batch: ZeRO 0, no recompute)."""
-    from .stages import all_cuts
-
     out = []
     for tp in range(1, processes + 1):
         if processes % tp or spec.heads % tp or spec.vocab % tp:

@@ -2,7 +2,7 @@
 
 A lazy tensor is an ordinary :class:`~sbpflow.tensor.Tensor` without shards whose
 ``_lazy`` handle names an SSA :class:`~sbpflow.graph.ir.Value`. Ops reach
-:func:`record_op` from the registry's dispatch instead of running kernels:
+:func:`record_op` from dispatch (the tracer is on its interpreter stack) instead of running kernels:
 meta inference and the eager SBP choice (``decide``, the greedy baseline) run
 on metadata, and a node is appended to the graph. Autograd records lazy ops
 like any others, so ``loss.backward()`` traces each op's ``@op.grad`` into the
@@ -18,15 +18,22 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from .. import boxing
+from ..autograd import is_grad_enabled, no_grad
+from ..comm import get_backend
 from ..errors import SbpflowError
+from ..ops.dispatch import INTERPRETERS
+from ..ops.indexing import cat
+from ..ops.propagation import arg_meta, decide_traced, describe_args
+from ..ops.schema import REGISTRY
 from ..placement import Placement
+from ..random import KEY_HOOKS
 from ..sbp import Broadcast, NdSbp, Partial, Split, broadcast
 from ..tensor import Tensor
 from .ir import LNode, LogicalGraph, Value
@@ -39,7 +46,7 @@ class TraceError(SbpflowError):
 
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-ACTIVE: list[Tracer] = []  # the tracer in force (at most one); checked by ops.registry on every global op
+ACTIVE: list[Tracer] = []  # the tracer in force (at most one), also on ops.dispatch.INTERPRETERS while it traces
 
 
 class StepScalar(float):
@@ -76,6 +83,10 @@ class Lazy:
 
     def tensor(self) -> Tensor:
         return self.tracer.tensor_of(self.value)
+
+    def assign(self, target: Tensor, value: Tensor) -> Tensor:
+        """An in-place write of ``value`` into ``target`` while tracing (Tensor._assign asks the lazy handle)."""
+        return assign_lazy(target, value)
 
     def refuse_data(self, what: str) -> None:
         raise TraceError(
@@ -114,6 +125,41 @@ class Tracer:
         self.variables: dict[str, tuple[Tensor, int]] = {}  # name -> (tensor, initial value id)
         self.random_keys = 0
         self.loss_seed: Any = None  # loss scaling: maps the backward's implicit gradient to it times the scale
+
+    @contextmanager
+    def active(self) -> Iterator[None]:
+        """Traces inside the block: ops record nodes here, random draws become the step's keys."""
+        self.push()
+        try:
+            yield
+        finally:
+            self.pop()
+
+    def push(self) -> None:
+        ACTIVE.append(self)
+        INTERPRETERS.append(self)
+        KEY_HOOKS.append(self)
+
+    def pop(self) -> None:
+        KEY_HOOKS.pop()
+        INTERPRETERS.pop()
+        ACTIVE.pop()
+
+    # dispatch's interpreter interface (ops.dispatch.Interpreter): while pushed, ops record nodes here
+    def apply_global(self, opdef: Any, args: Sequence[Any], attrs: dict[str, Any]) -> Any:
+        return record_op(opdef, args, attrs)
+
+    def to_global(self, x: Tensor, placement: Placement, sbp: NdSbp) -> Tensor:
+        return record_to_global(x, placement, sbp)
+
+    def root_grad(self, root: Tensor) -> Tensor:
+        return ones_root(root)
+
+    def next_random_key(self, value: int) -> int:
+        """A draw's key while tracing: it stands for 'the n-th draw of this micro-batch' (sbpflow.random)."""
+        key = RandomKey(value, self.random_keys)
+        self.random_keys += 1
+        return key
 
     # -- values and nodes ------------------------------------------------------------------------
 
@@ -201,9 +247,7 @@ def tracing() -> Tracer | None:
 
 
 def record_op(opdef: Any, args: Sequence[Any], attrs: dict[str, Any]) -> Any:
-    """The lazy counterpart of ``ops.registry._apply_global``: meta, the greedy signature, a node."""
-    from ..ops.registry import decide
-
+    """The lazy counterpart of ``ops.dispatch._apply_global``: meta, the greedy signature, a node."""
     tracer = ACTIVE[-1]
     try:
         opdef.check_traceable()
@@ -213,19 +257,13 @@ def record_op(opdef: Any, args: Sequence[Any], attrs: dict[str, Any]) -> Any:
     placement = tensors[0].placement
     for t in tensors[1:]:
         if t.placement != placement:
-            from ..ops.registry import _describe_args
-
             raise TraceError(f"{user_line()}: op {opdef.name!r} needs all inputs on one placement, but got "
-                             f"{_describe_args(args)}; move one with .to_global(placement=...)")
+                             f"{describe_args(args)}; move one with .to_global(placement=...)")
     inputs = tuple(tracer.value_of(t, opdef.name) for t in tensors)
-    key = _decision_key(opdef, args, attrs, placement, tracer.target_factors)
-    decision = _DECISIONS.get(key)
-    if decision is None:
-        try:
-            with boxing.target_factors(tracer.target_factors):
-                decision = _DECISIONS[key] = decide(opdef, args, attrs, placement)
-        except SbpflowError as e:
-            raise type(e)(f"{user_line()}: {e}") from None
+    try:
+        decision = decide_traced(opdef, args, attrs, placement, tracer.target_factors)
+    except SbpflowError as e:
+        raise type(e)(f"{user_line()}: {e}") from None
     template = _template(args)
     layout = None
     if tracer.micro is not None and tracer.phase == "micro":
@@ -268,8 +306,6 @@ def _whole_of(tracer: Tracer, vid: int) -> Tensor | None:
         src = _whole_of(tracer, node.inputs[0])
         twin = None if src is None else record_to_global(src, v.placement, v.sbp)
     elif node.kind == "op":
-        from ..ops.registry import REGISTRY
-
         srcs = _tiled(tracer, [_whole_of(tracer, i) for i in node.inputs], node, vid)
         if all(s is not None for s in srcs):
             out = None
@@ -287,8 +323,6 @@ def _tiled(tracer: Tracer, twins: list[Tensor | None], node: LNode, vid: int) ->
     """The twins of ``node``'s inputs as it reads them. One that is the same in every micro-batch but read as
     split must be the whole step's rows: an expansion along that dim (class weights expanded to the rows) is
     its rows m times over; any other (rows that differ, in an order the ranks' shards interleave) has none."""
-    from ..ops.indexing import cat
-
     reads = tracer.micro_of(vid).reads
     out = list(twins)
     for k, (i, twin) in enumerate(zip(node.inputs, twins, strict=True)):
@@ -360,8 +394,6 @@ def _replay(opdef: Any, template: tuple[tuple[str, Any], ...], attrs: dict[str, 
             tensors: Sequence[Tensor | None]) -> Any:
     """``opdef`` called again (no gradients) on ``tensors`` in place of its tensor arguments; None if it refuses
     them (an attribute that holds the micro-batch's shape)."""
-    from ..autograd import no_grad
-
     args = [tensors[v] if how == "t" else v for how, v in template]
     try:
         with no_grad():
@@ -377,15 +409,12 @@ def _micro_layout(tracer: Tracer, opdef: Any, args: Sequence[Any], attrs: dict[s
                   out_metas: Any) -> Micro:
     """The op's output layout over the micro-batches (graph.micro). Refusals are for the forward (grad mode on):
     a backward is exact by its seed, so there an unmatched op only makes its outputs' join unknown."""
-    from ..autograd import is_grad_enabled
-    from ..ops.registry import _arg_meta
-
     ins = tuple(tracer.micro_of(v) for v in inputs)
     if all(i == SAME for i in ins):
         return SAME
     m = tracer.graph.micro_batches
     strict = is_grad_enabled()
-    key = (opdef.name, tuple(_arg_meta(a) for a in args), repr(sorted(attrs.items())), ins, strict)
+    key = (opdef.name, tuple(arg_meta(a) for a in args), repr(sorted(attrs.items())), ins, strict)
     found = _MICRO.get(key)
     if found is None:
         # each micro-batch holds whole rows, so a split's pieces always divide (a reshape merging it): one "rank"
@@ -402,30 +431,6 @@ def _micro_layout(tracer: Tracer, opdef: Any, args: Sequence[Any], attrs: dict[s
 
 
 _MICRO: dict[Any, Micro] = {}  # (op, arg metas, attrs, input layouts) -> output layout
-
-
-# (op, placement up to a shift by whole nodes, (shape, dtype, sbp) or type per arg, attrs, cost model, factors)
-# -> Decision. Tracing keeps only a decision's metadata and SBPs, which a shift of every rank by whole nodes
-# leaves alone (the cost model tells links apart by node only): repeated layers on the stages of a pipeline
-# (each its own placement) decide once. Of the decision's boxing plans, which name the placement, nothing is used.
-_DECISIONS: dict[Any, Any] = {}
-
-
-def _decision_key(opdef: Any, args: Sequence[Any], attrs: dict[str, Any], placement: Placement,
-                  factors: tuple[Any, ...]) -> tuple[Any, ...]:
-    from ..ops.registry import _attrs_key
-
-    model = boxing.get_cost_model()
-    key_args = tuple((a._shape, a._dtype, a._sbp) if isinstance(a, Tensor) else type(a) for a in args)
-    return (opdef.name, _shape_of_placement(placement, model.ranks_per_node), key_args, _attrs_key(attrs),
-            model, factors)
-
-
-def _shape_of_placement(placement: Placement, ranks_per_node: int) -> tuple[Any, ...]:
-    """``placement`` with its ranks shifted down by whole nodes: what the cost of a boxing on it depends on."""
-    ranks = placement.flat_ranks
-    base = min(ranks) // ranks_per_node * ranks_per_node
-    return (placement.type, placement.hierarchy, tuple(r - base for r in ranks))
 
 
 def _template(args: Sequence[Any]) -> tuple[tuple[str, Any], ...]:
@@ -483,8 +488,6 @@ def ones_root(root: Tensor) -> Tensor:
     shape = tuple(root.shape)
     sbp = (broadcast,) * root.placement.ndim
     v = tracer.new_value(shape, root.dtype, root.placement, sbp)
-    from ..comm import get_backend
-
     backend = get_backend()
     tracer.constants[v.id] = {r: torch.full(shape, 1.0 / m, dtype=root.dtype,
                                             device=backend.device_for(root.placement.type, r))
@@ -495,9 +498,4 @@ def ones_root(root: Tensor) -> Tensor:
     return seed if tracer.loss_seed is None else tracer.loss_seed(seed)
 
 
-def next_random_key(value: int) -> int:
-    """Called by sbpflow.random while tracing: the key stands for 'the n-th draw of this micro-batch'."""
-    tracer = ACTIVE[-1]
-    key = RandomKey(value, tracer.random_keys)
-    tracer.random_keys += 1
-    return key
+

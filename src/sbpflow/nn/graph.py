@@ -39,18 +39,32 @@ from typing import Any
 
 import torch
 
+from .. import amp
 from .. import random as sbp_random
+from .._layout import shard_box, shard_shape
+from ..amp import GradScaler, trace_masked_updates
 from ..autograd import enable_grad
+from ..autoparallel.apply import plan_graph_inputs
+from ..comm import get_backend
+from ..comm.base import TARGET_COST_FACTORS
 from ..comm.simulated import SimulatedBackend
 from ..errors import SbpflowError
-from ..graph.compile import CompileReport, compile_graph, gc_paused
-from ..graph.ir import LogicalGraph
+from ..graph.compile import CompileOptions, CompileReport, compile_graph, gc_paused
+from ..graph.explain import explain, save_dot
+from ..graph.ir import LNode, LogicalGraph
 from ..graph.physical import PhysicalPlan
+from ..graph.schedule import SCHEDULES
 from ..graph.select import METHODS
-from ..graph.trace import ACTIVE, TraceError, Tracer, record_to_global, user_line
+from ..graph.trace import TraceError, Tracer, record_to_global, user_line
+from ..meta import refuse
+from ..optim.clip import clip_grad_norm_
+from ..optim.zero import zero
+from ..runtime import actors
 from ..runtime.inorder import RANDOM_FEED, run_plan
-from ..sbp import format_nd
+from ..runtime.memory import dry_run
+from ..sbp import Partial, Split, broadcast, format_nd
 from ..tensor import Tensor
+from ..utils.checkpoint import checkpoint
 from .module import Module
 
 FOUND_INF = "amp.found_inf"  # the hidden output of a loss-scaled step: whether its gradients overflowed
@@ -113,8 +127,6 @@ class GraphConfig:
         state unchanged on overflow (``where``, no Python branch) and updates the scale, all as graph ops. The
         host reads the overflow flag after the run only to leave step counts unadvanced, as torch does;
         ``loss_scaler.get_scale()`` follows the graph's scale."""
-        from ..amp import GradScaler
-
         if dtype not in (torch.bfloat16, torch.float16):
             raise SbpflowError(f"enable_amp(dtype=...) takes torch.bfloat16 or torch.float16, but got {dtype}")
         if isinstance(loss_scaler, str) and loss_scaler == "auto":
@@ -170,8 +182,6 @@ class GraphConfig:
         bubble; p on every stage) or ``"interleaved_1f1b"`` (Megatron's: a model whose forward visits the p
         placements v times has v·p stages, stage k on placement k mod p; bubble (p - 1) / (v m + p - 1), m a
         multiple of p). Applies when the model's modules sit on several placements."""
-        from ..graph.schedule import SCHEDULES
-
         if name not in SCHEDULES:
             raise SbpflowError(f"pipeline schedule must be one of {SCHEDULES}, but got {name!r}")
         self.pipeline_schedule = name
@@ -223,8 +233,6 @@ def _attach_module_configs(module: Module) -> None:
 @contextmanager
 def _checkpointed_modules(modules: Sequence[Module]) -> Iterator[None]:
     """While tracing, the forward of every module asking for activation checkpointing runs as a segment."""
-    from ..utils.checkpoint import checkpoint
-
     marked = [m for root in modules for m in root.modules()
               if isinstance(m.__dict__.get("config"), ModuleConfig) and m.config.activation_checkpointing]
     for m in marked:
@@ -303,8 +311,6 @@ class Graph:
 
     def __call__(self, *args: Any) -> Any:
         if self.config.auto_parallel is not None:
-            from ..autoparallel.apply import plan_graph_inputs
-
             args = plan_graph_inputs(self, args)
         inputs = _input_key(args)
         compiled = self._cache.get((inputs, self._guard()))
@@ -400,7 +406,7 @@ class Graph:
         variables = self._variables()
         saved = {name: (t._shards, t.grad, t._version) for name, t in variables.items()}
         draws = sbp_random.counter()
-        ACTIVE.append(tracer)
+        tracer.push()
         try:
             for name, t in variables.items():
                 tracer.add_variable(name, t)
@@ -414,20 +420,19 @@ class Graph:
             feeds = self._trace_post(tracer, outputs, scaler, rows)
             _emit_assigns(tracer)
         finally:
-            ACTIVE.pop()
+            tracer.pop()
             sbp_random.set_counter(draws)
             for name, t in variables.items():
                 t._shards, t.grad, t._version = saved[name]
                 t._lazy = None
         trace_s, trace_cpu = time.perf_counter() - start, time.process_time() - cpu_start
-        plan, logical, report = compile_graph(tracer.graph, self.config.sbp_selection, agree=_rank0_choice,
-                                              schedule=self.config.pipeline_schedule,
-                                              prefetch=self.config.zero_prefetch,
-                                              fused_segments=self.config.fused_segments,
-                                              torch_compile=self.config.segment_torch_compile,
-                                              group=self.config.group_accumulates,
-                                              late_reduce=self.config.reduce_after_accumulating,
-                                              split_updates=self.config.update_per_bucket)
+        options = CompileOptions(method=self.config.sbp_selection, schedule=self.config.pipeline_schedule,
+                                 prefetch=self.config.zero_prefetch, fused_segments=self.config.fused_segments,
+                                 torch_compile=self.config.segment_torch_compile,
+                                 group=self.config.group_accumulates,
+                                 late_reduce=self.config.reduce_after_accumulating,
+                                 split_updates=self.config.update_per_bucket)
+        plan, logical, report = compile_graph(tracer.graph, options, agree=_rank0_choice)
         with report.timing("memory plan"):
             plan.peak_bytes = _memory_plan(plan)
         report.times = {"trace": trace_s, **report.times}
@@ -475,8 +480,6 @@ class Graph:
 
     def _apply_zero(self) -> None:
         """Turns the optimizers into ZeRO ones once (a recompile finds them already sharded)."""
-        from ..optim.zero import zero
-
         stage = self.config.zero_stage
         if not stage:
             return
@@ -490,8 +493,6 @@ class Graph:
 
     def _amp(self) -> Any:
         from contextlib import ExitStack
-
-        from .. import amp
 
         stack = ExitStack()
         if self.config.amp_dtype is not None:
@@ -524,14 +525,10 @@ class Graph:
         feeds: list[Callable[[], list[tuple[str, float]]]] = []
         for k, (entry, params) in enumerate(zip(self._optimizers, per_entry, strict=True)):
             if entry.clip_grad_max_norm is not None:
-                from ..optim.clip import clip_grad_norm_
-
                 clip_grad_norm_(params, entry.clip_grad_max_norm, entry.clip_grad_norm_type)
             entry.optimizer.trace_step(f"optim{k}")
             feeds.append(_feed_fn(entry.optimizer, f"optim{k}"))
         if found is not None:
-            from ..amp import trace_masked_updates
-
             changed = [(t, tracer.tensor_of(tracer.graph.values[before[name]]))
                        for name, (t, _) in tracer.variables.items()
                        if t._lazy is not None and name in before and t._lazy.value.id != before[name]]
@@ -569,8 +566,6 @@ class Graph:
 
     def _executor(self, compiled: Compiled) -> Any:
         if compiled.executor is None:
-            from ..runtime import actors
-
             compiled.executor = actors.ActorRuntime(compiled.plan, trace=self.config.trace_path,
                                                     threads=self.config.threads)
         return compiled.executor
@@ -592,16 +587,12 @@ class Graph:
 
     def explain(self, rank: int | None = None) -> str:
         """Each op's signature, every boxing node with bytes and time, and per-step totals (also printed)."""
-        from ..graph.explain import explain
-
         text = explain(self._compiled().logical, self._compiled().plan, self._compiled().report, rank)
         print(text)
         return text
 
     def save_dot(self, path: str, rank: int | None = None) -> list[str]:
         """Writes the logical graph and one rank's physical graph as Graphviz files (SVG too if dot exists)."""
-        from ..graph.explain import save_dot
-
         return save_dot(self._compiled().logical, self._compiled().plan, path, rank)
 
     def _show(self, folder: str, rank: int | None) -> None:
@@ -737,8 +728,6 @@ def _state_tensors_guard(state: dict[str, Any], key: list[Any], notes: list[tupl
 def target_factors(args: Sequence[Any]) -> tuple[Any, ...]:
     """The target cluster's collective cost factors (:data:`sbpflow.comm.base.TARGET_COST_FACTORS`: gloo composes
     reduce-scatter on CPU), whatever backend runs the plan."""
-    from ..comm.base import TARGET_COST_FACTORS
-
     return TARGET_COST_FACTORS
 
 
@@ -746,8 +735,6 @@ def _memory_plan(plan: PhysicalPlan) -> dict[int, int]:
     """Predicted peak bytes of every rank: the register protocol played without kernels (every rank, whatever
     this process owns), the same accounting the actor runtime reports after a real step. Ranks of one class
     (``plan.rank_classes``: the same nodes and bytes) peak alike, so one rank per class is played."""
-    from ..runtime.board import dry_run
-
     classes = plan.rank_classes()
     peaks = dry_run(plan, _Representatives(frozenset(classes))).peak_bytes
     return {r: peaks.get(rep, 0) for rep, members in classes.items() for r in members}
@@ -775,8 +762,6 @@ class _Representatives(SimulatedBackend):
 def _rank0_choice(choice: Any) -> Any:
     """Every process adopts process 0's SBP choice (one broadcast at compile time): processes compile their plans
     independently and must run one plan, even where the solver breaks a tie differently on a busy machine."""
-    from ..comm import get_backend
-
     if get_backend().name != "torch.distributed":
         return choice
     import torch.distributed as dist
@@ -820,8 +805,6 @@ def _trace_inputs(tracer: Tracer, args: Sequence[Any], m: int) -> tuple[list[Any
 
 def _row_blocks(n: int, placement: Any, sbp: Any) -> tuple[tuple[int, int], ...]:
     """The distinct row ranges (dim 0, of ``n`` rows) of a layout's shards."""
-    from .._layout import shard_box
-
     return tuple(sorted({shard_box((n,), placement, tuple(sbp), r)[0] for r in placement.flat_ranks}))
 
 
@@ -829,8 +812,6 @@ def _same_rows(t: Tensor, rows: Any, m: int, what: str, n: int | None = None) ->
     """An SBP for ``t`` on its placement whose shards hold the same blocks of rows as the first input's layout
     ``rows`` (for a tensor of ``n`` rows over the whole step): its own, else the first input's splits of dim 0
     with its own other axes; refused if there is none."""
-    from ..sbp import Partial, Split, broadcast
-
     n = t.shape[0] if n is None else n
     want = _row_blocks(n, *rows)
     dim0 = tuple(s if isinstance(s, Split) and s.dim == 0 else broadcast for s in t.sbp)
@@ -858,8 +839,6 @@ def _rows_like_inputs(out: Tensor, i: int, rows: Any, m: int) -> Tensor:
 
 
 def _check_micro_split(a: Tensor, m: int, i: int, sbp: Any) -> None:
-    from .._layout import shard_shape
-
     for r in a.placement.flat_ranks:
         local = shard_shape(tuple(a.shape), a.placement, sbp, r)
         if local[0] % m:
@@ -870,8 +849,6 @@ def _check_micro_split(a: Tensor, m: int, i: int, sbp: Any) -> None:
 
 
 def _micro_to_post(tracer: Tracer, t: Tensor, how: str, name: str, output: bool = False) -> Tensor:
-    from ..graph.ir import LNode
-
     assert t._lazy is not None
     v = t._lazy.value
     shape = v.shape if how != "cat" else (v.shape[0] * tracer.graph.micro_batches, *v.shape[1:])
@@ -889,8 +866,6 @@ def _micro_to_post(tracer: Tracer, t: Tensor, how: str, name: str, output: bool 
 def _trace_unscale(tracer: Tracer, scaler: Any, params: list[Tensor]) -> Tensor | None:
     """Loss scaling: the accumulated gradients divided by the scale; returns the overflow flag (also a hidden
     output, FOUND_INF), or None without a scaler."""
-    from ..graph.ir import LNode
-
     if scaler is None:
         return None
     grads = [p.grad for p in params if p.grad is not None]
@@ -903,8 +878,6 @@ def _trace_unscale(tracer: Tracer, scaler: Any, params: list[Tensor]) -> Tensor 
 
 
 def _emit_assigns(tracer: Tracer) -> None:
-    from ..graph.ir import LNode
-
     for name, (t, initial) in tracer.variables.items():
         assert t._lazy is not None
         v = t._lazy.value
@@ -939,8 +912,6 @@ def _feed_fn(optimizer: Any, prefix: str) -> Callable[[], list[tuple[str, float]
 
 def _refuse_meta(compiled: Compiled, args: Sequence[Any]) -> None:
     """A step cannot run on meta tensors (sbpflow.meta_init): the first one, input or variable, is named."""
-    from ..meta import refuse
-
     for i, a in enumerate(args):
         if isinstance(a, Tensor) and a.is_meta:
             refuse(a, f"running the compiled step on input {i}")

@@ -25,8 +25,10 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from ..autograd import is_grad_enabled, no_grad, zero_grads
+from ..autograd import is_grad_enabled, no_grad
+from ..autograd.engine import zero_grads
 from ..errors import AutogradError, LocalGlobalError, PlacementError, SbpError, SbpflowError, ShapeError
+from ..ops import functional as F
 from ..placement import Placement
 from ..sbp import NdSbp, broadcast, normalize
 from ..tensor import Tensor, logical_value, shards_from_full
@@ -479,8 +481,6 @@ def _checked_source(target: Tensor, value: Any, name: str) -> Any:
 
 def _in_layout_of(target: Tensor, source: Any) -> Tensor:
     """``source`` (sbpflow or torch tensor) as an sbpflow tensor with ``target``'s layout and dtype."""
-    from ..ops import functional as F
-
     if isinstance(source, Tensor):
         if target.is_global and source.is_global:
             source = F.cast(source, target.dtype) if source.dtype != target.dtype else source

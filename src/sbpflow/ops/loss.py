@@ -28,7 +28,7 @@ from . import elementwise as E
 from . import reduction as RD
 from . import shape as SH
 from .normalization import _log_softmax, _reduce_partials
-from .registry import Meta, ShardCtx, Sig, op
+from .schema import Meta, ShardCtx, Sig, op
 
 B = broadcast
 PSUM = Partial("sum")

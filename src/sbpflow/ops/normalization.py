@@ -33,7 +33,8 @@ from . import elementwise as E
 from . import reduction as RD
 from . import shape as SH
 from .convert import to_global
-from .registry import Meta, OpDef, ShardCtx, Sig, _record, op
+from .dispatch import record
+from .schema import Meta, OpDef, ShardCtx, Sig, op
 
 B = broadcast
 PSUM = Partial("sum")
@@ -63,7 +64,7 @@ def _reduce_partials(t: Tensor) -> Tensor:
     with no_grad():
         out = to_global(t, t.placement, target)
     if is_grad_enabled() and t.requires_grad:
-        _record(_reduce_partials_def, (t,), {}, (out,))
+        record(_reduce_partials_def, (t,), {}, (out,))
     return out
 
 

@@ -33,10 +33,12 @@ from typing import Any
 
 import torch
 
-from ..autograd import enable_grad, no_grad, zero_grads
+from ..autograd import enable_grad, no_grad
+from ..autograd.engine import zero_grads
 from ..creation import zeros
 from ..errors import LocalGlobalError, SbpError, SbpflowError, ShapeError
 from ..meta import meta_init
+from ..ops.functional import cast
 from ..sbp import NdSbp, Partial, format_nd
 from ..tensor import Tensor, logical_value, shards_from_full
 
@@ -404,8 +406,6 @@ def _check_not_partial(p: Tensor, who: str) -> None:
 
 def _master_grad(grad: Tensor, master: Tensor) -> Tensor:
     """A low-precision gradient in its master weight's layout and dtype."""
-    from ..ops.functional import cast
-
     if grad.is_global and (grad.placement, grad.sbp) != (master.placement, master.sbp):
         grad = grad.to_global(master.placement, master.sbp)
     return cast(grad, master.dtype) if grad.dtype != master.dtype else grad
@@ -414,8 +414,6 @@ def _master_grad(grad: Tensor, master: Tensor) -> Tensor:
 def _written_back(view: Tensor, p: Tensor) -> Tensor:
     """An updated view (a ZeRO slice, or a master weight) in ``p``'s dtype and layout: cast first, so the
     all-gather of a sharded update moves ``p``'s own (2-byte) dtype."""
-    from ..ops.functional import cast
-
     value = cast(view, p.dtype) if view.dtype != p.dtype else view
     if not p.is_global:
         return value

@@ -8,6 +8,8 @@ from typing import Any
 import torch
 
 from ..errors import ArgumentError
+from ..graph.trace import StepScalar
+from ..ops.optimizer import sgd_momentum_update, sgd_update
 from .optimizer import Optimizer, ShardBatch
 
 
@@ -95,9 +97,6 @@ class SGD(Optimizer):
             self._trace_update(group, prefix, p, grad, index[id(p)])
 
     def _trace_update(self, group: dict[str, Any], prefix: str, p: Any, grad: Any, index: int = 0) -> None:
-        from ..graph.trace import StepScalar
-        from ..ops.optimizer import sgd_momentum_update, sgd_update
-
         lr = StepScalar(group["lr"], f"{prefix}.lr")
         if group["momentum"] == 0:
             self._write_back(p, sgd_update(self._param_view(p), grad, lr, weight_decay=group["weight_decay"],
