@@ -226,6 +226,11 @@ def _matrix_cases() -> list[OpCase]:
         OpCase("linear-empty-shard", "linear", lambda g: (_r(g, 3, 2), _r(g, 5, 2), _r(g, 5)), {},
                ("P(sum) B P(sum) -> P(sum)", "S(1) S(1) P(sum) -> P(sum)")),
         OpCase("linear-nobias", "linear", lambda g: (_r(g, 3, 4), _r(g, 5, 4)), {}, ("P(sum) B -> P(sum)",)),
+        OpCase("tril", "triangle", lambda g: (_r(g, 2, 3, 4),), {"diagonal": 0, "upper": False}, ALL3),
+        OpCase("triu", "triangle", lambda g: (_r(g, 4, 4),), {"diagonal": 1, "upper": True}, ALL3),
+        OpCase("einsum", "einsum", lambda g: (_r(g, 3, 4), _r(g, 5, 4)), {"equation": "ik,jk->ij"}, both),
+        OpCase("einsum-3", "einsum", lambda g: (_r(g, 2, 3), _r(g, 3, 4), _r(g, 2, 4)), {"equation": "bi,ij,bj->b"},
+               ("P(sum) B B -> P(sum)", "B P(sum) B -> P(sum)", "B B P(sum) -> P(sum)")),
         OpCase("matmul_nd", "matmul_nd", lambda g: (_r(g, 2, 3, 5), _r(g, 5, 4)), {}, both),
         OpCase("linear_weight_grad", "linear_weight_grad", lambda g: (_r(g, 2, 3, 5), _r(g, 2, 3, 4)), {}, both),
         # linear's whole gradient (dy, w, x -> dx, dw, db): each output linear in dy, dx in w, dw in x

@@ -14,13 +14,17 @@ axis; ops pick SBP signatures and the framework inserts the data movement.
 
 from __future__ import annotations
 
-from . import amp, boxing, checkpoint, comm, models, nn, optim, sbp, utils
+import torch
+
+from . import amp, boxing, checkpoint, comm, cuda, env, models, nn, optim, sbp, utils
 from .amp import GradScaler, autocast
 from .autograd import enable_grad, is_grad_enabled, no_grad
 from .autoparallel.apply import auto_parallel
 from .checkpoint import load, save
 from .creation import (
     arange,
+    as_tensor,
+    from_numpy,
     full,
     full_like,
     ones,
@@ -66,6 +70,7 @@ from .ops.functional import (
     any,
     argmax,
     argmin,
+    argsort,
     bmm,
     cast,
     cat,
@@ -78,9 +83,11 @@ from .ops.functional import (
     cumsum,
     div,
     dropout,
+    einsum,
     eq,
     erf,
     exp,
+    flip,
     floor,
     gather,
     ge,
@@ -96,6 +103,7 @@ from .ops.functional import (
     logical_and,
     logical_not,
     logical_or,
+    logsumexp,
     lt,
     masked_fill,
     masked_select,
@@ -110,9 +118,13 @@ from .ops.functional import (
     mul,
     ne,
     neg,
+    norm,
+    outer,
     pow,
     relu,
+    repeat,
     rms_norm,
+    roll,
     round,
     rsqrt,
     sigmoid,
@@ -120,6 +132,7 @@ from .ops.functional import (
     silu,
     sin,
     softmax,
+    sort,
     sqrt,
     square,
     stack,
@@ -129,6 +142,8 @@ from .ops.functional import (
     tanh,
     to_global,
     topk,
+    tril,
+    triu,
     var,
     where,
 )
@@ -147,29 +162,46 @@ from .ops.views import (  # the view functions: like torch's, their results pass
 )
 from .placement import Placement, placement
 from .random import manual_seed
+from .sbp import normalize
 from .tensor import Tensor
 
 __version__ = "0.1.0"
 
+# dtypes and devices under torch's and OneFlow's names (they are torch's own objects)
+float32 = float = torch.float32
+float64 = double = torch.float64
+float16 = half = torch.float16
+bfloat16 = torch.bfloat16
+int8, uint8, int16 = torch.int8, torch.uint8, torch.int16
+int32 = int = torch.int32
+int64 = long = torch.int64
+bool = torch.bool
+device = torch.device
 
-def explain(x: Tensor, placement: Placement | None = None, sbp: object = None) -> str:
-    """The boxing plan that ``x.to_global(placement, sbp)`` would run, as text (also printed).
+
+class Explanation(str):
+    """Text that a REPL shows as itself (its repr is the text, not a quoted string)."""
+
+    def __repr__(self) -> str:
+        return str(self)
+
+
+def explain(x: Tensor, placement: Placement | None = None, sbp: object = None) -> Explanation:
+    """The boxing plan that ``x.to_global(placement, sbp)`` would run, as text: a ``str`` whose repr is the text
+    itself, so that a REPL shows it once and readably (print it in a script).
 
     >>> import sbpflow
     >>> p = sbpflow.placement("cpu", [0, 1])
     >>> x = sbpflow.zeros(4, 4, placement=p, sbp=sbpflow.sbp.split(0))
-    >>> text = sbpflow.explain(x, sbp=sbpflow.sbp.broadcast)
+    >>> sbpflow.explain(x, sbp=sbpflow.sbp.broadcast)
     boxing (4, 4) float32: cpu:[0, 1] (S(0)) -> cpu:[0, 1] (B)
       1. all_gather axis 0            (S(0)) -> (B)  32 B/rank, 64 B total, 100.0 us
       total: 32 B/rank, 64 B, 100.0 us
     """
-    from .sbp import normalize
-
     placement = placement or x.placement
     nd = x.sbp if sbp is None else normalize(sbp, placement, x.ndim)
-    text = str(boxing.plan(tuple(x.shape), x.dtype, boxing.Layout(x.placement, x.sbp), boxing.Layout(placement, nd)))
-    print(text)
-    return text
+    plan = boxing.plan(tuple(x.shape), x.dtype, boxing.Layout(x.placement, x.sbp), boxing.Layout(placement, nd))
+    return Explanation(str(plan))
 
 
 __all__ = [
@@ -180,6 +212,9 @@ __all__ = [
     "explain", "full", "full_like", "functional", "is_grad_enabled", "manual_seed", "models", "nn", "no_grad", "ones",
     "ones_like", "optim", "placement", "rand", "rand_like", "randint", "randn", "randn_like", "sbp", "tensor",
     "uniform", "zeros", "zeros_like", "print0", "rank", "world_size",
+    "as_tensor", "from_numpy", "cuda", "env", "device", "Explanation", "float32", "float", "float64", "double",
+    "float16", "half", "bfloat16", "int8", "uint8", "int16", "int32", "int", "int64", "long", "bool",
+    "argsort", "einsum", "flip", "logsumexp", "norm", "outer", "repeat", "roll", "sort", "tril", "triu",
     "checkpoint", "load", "save", "meta_init", "meta_tensor", "utils", "amp", "autocast", "GradScaler",
     # tensor functions
     "abs", "add", "all", "amax", "amin", "any", "argmax", "argmin", "bmm", "cast", "cat", "ceil", "chunk", "clamp",

@@ -131,6 +131,28 @@ def tensor(data: Any, *, placement: Placement | None = None, sbp: Any = None, dt
     return _finish(Tensor._from_shards(tuple(value.shape), value.dtype, placement, nd, shards), requires_grad)
 
 
+def as_tensor(data: Any, dtype: torch.dtype | None = None, device: Any = None) -> Tensor:
+    """``data`` itself when it is an sbpflow tensor of that dtype, else a new local tensor, as ``torch.as_tensor``.
+
+    >>> import sbpflow
+    >>> x = sbpflow.tensor(3.0)
+    >>> sbpflow.as_tensor(x) is x, sbpflow.as_tensor(2).tolist()
+    (True, 2)
+    """
+    if isinstance(data, Tensor) and (dtype is None or dtype == data.dtype) and device is None:
+        return data
+    if isinstance(data, Tensor) and data.is_global:
+        return data if dtype is None else data.to(dtype)  # type: ignore[attr-defined]
+    return tensor(data, dtype=dtype, device=device)
+
+
+def from_numpy(array: np.ndarray) -> Tensor:
+    """A local tensor of ``array``'s values, as ``torch.from_numpy`` (it shares the array's memory)."""
+    if not isinstance(array, np.ndarray):
+        raise ArgumentError(f"from_numpy needs a NumPy array, but got {type(array).__name__}")
+    return Tensor._from_local(torch.from_numpy(array))
+
+
 def _meta_of(shape: tuple[int, ...], dtype: torch.dtype, placement: Placement | None, nd: NdSbp | None) -> Tensor:
     """A meta tensor (see :mod:`sbpflow.meta`): local without a placement, else global without shards."""
     if placement is None or nd is None:

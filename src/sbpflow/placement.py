@@ -15,6 +15,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .distributed import world_size
 from .errors import PlacementError
 
 DEVICE_TYPES = ("cpu", "cuda")
@@ -64,6 +65,16 @@ class Placement:
     # hash (a placement keys the shard_box and dispatch caches; hashing the nested rank tuples is O(ranks)).
     _index: dict[int, int] = field(init=False, compare=False, repr=False)
     _hash: int = field(init=False, compare=False, repr=False)
+
+    @classmethod
+    def all(cls, type: str) -> Placement:
+        """Every process of the job, as OneFlow's ``placement.all("cuda")``: ``[0]`` in a plain one-process run.
+
+        >>> import sbpflow
+        >>> sbpflow.placement.all("cpu")
+        placement(type='cpu', ranks=[0])
+        """
+        return cls(type, range(world_size()))
 
     def __init__(self, type: str, ranks: Sequence[Any] | int | range) -> None:
         if type not in DEVICE_TYPES:

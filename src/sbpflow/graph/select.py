@@ -18,10 +18,13 @@ evaluated in the same model, and the solver's result is kept only when it is not
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
+import os
+import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -625,6 +628,21 @@ def _columnwise(rows: np.ndarray, cols: np.ndarray, vals: np.ndarray,
     return start, rows[order], vals[order]
 
 
+@contextlib.contextmanager
+def _stdout_silenced() -> Iterator[None]:
+    """File descriptor 1 pointed at /dev/null for a while: what C++ code writes to stdout is dropped."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 1)
+        yield
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+        os.close(devnull)
+
+
 def _highs(cost: np.ndarray, matrix: tuple[np.ndarray, np.ndarray, np.ndarray], lo: np.ndarray, hi: np.ndarray,
            upper: np.ndarray, n_choice: int, twins: np.ndarray, time_limit: float) -> np.ndarray | None:
     """Minimises ``cost @ x`` over ``lo <= matrix @ x <= hi`` (``matrix`` by columns) and ``0 <= x <= upper``,
@@ -644,7 +662,8 @@ def _highs(cost: np.ndarray, matrix: tuple[np.ndarray, np.ndarray, np.ndarray], 
     lp.row_lower_, lp.row_upper_ = lo, hi
     lp.a_matrix_.format_ = highspy.MatrixFormat.kColwise
     lp.a_matrix_.start_, lp.a_matrix_.index_, lp.a_matrix_.value_ = matrix
-    solver = highspy.Highs()
+    with _stdout_silenced():  # HiGHS's constructor prints its banner from C++, before any option can stop it
+        solver = highspy.Highs()
     solver.setOptionValue("output_flag", False)
     # a node limit, not a time limit: the result must not depend on how busy the machine is, since every
     # process compiles its own copy of the plan and all must agree

@@ -251,6 +251,7 @@ def getitem(x: Tensor, key: Any) -> Tensor:
     if isinstance(key, Tensor) and key.dtype == torch.bool:
         return _mask_rows(x, key)
     key = key if isinstance(key, tuple) else (key,)
+    key = tuple(_list_index(x, k) if isinstance(k, list) else k for k in key)
     if any(isinstance(k, Tensor) and k.dtype == torch.bool for k in key):
         raise OpError(f"x[...] takes a bool mask only alone (x[mask]), but got key {key!r}; input {x._describe()}")
     if sum(1 for k in key if isinstance(k, Tensor)) > 1:
@@ -270,6 +271,17 @@ def getitem(x: Tensor, key: Any) -> Tensor:
             out = _index_tensor(out, d, k)
             d += 0 if k.ndim == 0 else 1
     return mark_view(out, x, setitem_writer(key), "__getitem__", key) if basic else out  # a tensor index copies
+
+
+def _list_index(x: Tensor, k: list[Any]) -> Tensor:
+    """``x[[0, 2]]``: a list of ints indexes as torch's int tensor would (on ``x``'s placement, broadcast)."""
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in k):
+        raise OpError(f"x[...] takes a list of ints as an index, but got {k!r}; input {x._describe()}")
+    index = torch.tensor(k, dtype=torch.int64)
+    if x.is_global:
+        return Tensor._from_shards(tuple(index.shape), index.dtype, x.placement, (B,) * len(x.sbp),
+                                   {r: index.to(x.device) for r in x.local_tensors()})
+    return Tensor._from_local(index.to(x.device))
 
 
 # -- x[key] = value ----------------------------------------------------------------------------------

@@ -223,3 +223,50 @@ bind_methods({
 })
 Tensor.T = property(lambda self: _permute(self, tuple(reversed(range(self.ndim)))))  # type: ignore[attr-defined]
 Tensor.mT = property(lambda self: _transpose(self, -1, -2))  # type: ignore[attr-defined]
+
+
+# -- the methods ported model files call (issue 32) --------------------------------------------------------------
+
+
+def _new(fill: Any) -> Callable[..., Tensor]:
+    """``x.new_zeros(size)`` and the like: a tensor of ``x``'s dtype (unless given) on ``x``'s placement (broadcast),
+    or local where ``x`` is."""
+
+    def method(self: Tensor, *size: Any, dtype: torch.dtype | None = None, **_: Any) -> Tensor:
+        shape = tuple(size[0]) if len(size) == 1 and isinstance(size[0], (tuple, list, torch.Size)) else size
+        out = F.new_full(self, shape, fill)
+        return F.cast(out, dtype) if dtype is not None and dtype != out.dtype else out
+
+    return method
+
+
+def _new_full(self: Tensor, size: Any, fill_value: Any, dtype: torch.dtype | None = None, **_: Any) -> Tensor:
+    return _new(fill_value)(self, tuple(size), dtype=dtype)
+
+
+_TYPE_NAMES = {
+    torch.float32: "torch.FloatTensor", torch.float64: "torch.DoubleTensor", torch.float16: "torch.HalfTensor",
+    torch.bfloat16: "torch.BFloat16Tensor", torch.int64: "torch.LongTensor", torch.int32: "torch.IntTensor",
+    torch.bool: "torch.BoolTensor", torch.int8: "torch.CharTensor", torch.uint8: "torch.ByteTensor",
+}
+
+
+def _type(self: Tensor, dtype: Any = None) -> Any:
+    """``x.type()`` names the dtype as torch does; ``x.type(torch.float64)`` casts."""
+    if dtype is None:
+        return _TYPE_NAMES.get(self.dtype, str(self.dtype))
+    if isinstance(dtype, str):
+        names = {v: k for k, v in _TYPE_NAMES.items()}
+        if dtype not in names:
+            raise DTypeError(f"type() takes a dtype or one of {sorted(names)}, but got {dtype!r}")
+        dtype = names[dtype]
+    return F.cast(self, dtype) if dtype != self.dtype else self
+
+
+bind_methods({
+    "repeat": F.repeat, "tril": F.tril, "triu": F.triu, "norm": F.norm, "sort": F.sort, "argsort": F.argsort,
+    "flip": F.flip, "roll": F.roll, "logsumexp": F.logsumexp, "type": _type, "new_zeros": _new(0),
+    "new_ones": _new(1), "new_full": _new_full, "new_empty": _new(0),
+    "cpu": lambda self: self,  # sbpflow tensors already live where their placement says; CPU runs keep them
+    "outer": F.outer, "softmax": F.softmax, "log_softmax": F.log_softmax,
+})
