@@ -327,6 +327,55 @@ class Module:
         """Clears every parameter's gradient (``None`` by default, else zeros in the grad's layout)."""
         zero_grads(self.parameters(), set_to_none)
 
+    # -- dtype and device (torch's Module.to, .float(), .half() ...) ------------------------------
+
+    def to(self, *args: Any, **kwargs: Any) -> Module:
+        """``m.to(torch.float16)``, ``m.to("cpu")``, ``m.to(device, dtype)``: converts the floating-point
+        parameters and buffers (and gradients) in place, shard by shard, keeping their layouts and identities.
+
+        A global tensor's device comes from its placement: ``to("cuda")`` moves local tensors only and asks
+        for ``to_global(sbpflow.placement("cuda", ...))`` for global ones.
+
+        >>> import sbpflow, torch
+        >>> m = sbpflow.nn.Linear(2, 2).to(torch.float64)
+        >>> m.weight.dtype, m(sbpflow.randn(1, 2, dtype=torch.float64)).dtype
+        (torch.float64, torch.float64)
+        """
+        dtype, device = kwargs.get("dtype"), kwargs.get("device")
+        for a in args:
+            if isinstance(a, torch.dtype):
+                dtype = a
+            elif isinstance(a, (str, torch.device)):
+                device = torch.device(a)
+            elif isinstance(a, Tensor):
+                dtype = a.dtype
+            else:
+                raise SbpflowError(f"Module.to() takes a dtype, a device or a tensor, but got {a!r}")
+        device = torch.device(device) if device is not None else None
+        tensors = list(self.parameters()) + [b for b in self.buffers() if b is not None]
+        for t in tensors:
+            _check_device_move(t, device)
+        for t in tensors:
+            for holder in (t, t.grad):
+                if holder is not None and (holder.dtype.is_floating_point or holder.dtype.is_complex):
+                    _convert(holder, dtype, device)
+        return self
+
+    def float(self) -> Module:
+        return self.to(torch.float32)
+
+    def double(self) -> Module:
+        return self.to(torch.float64)
+
+    def half(self) -> Module:
+        return self.to(torch.float16)
+
+    def bfloat16(self) -> Module:
+        return self.to(torch.bfloat16)
+
+    def cpu(self) -> Module:
+        return self.to("cpu")
+
     # -- layout ----------------------------------------------------------------------------------
 
     def to_global(self, placement: Placement, sbp: Any = None) -> Module:
@@ -409,6 +458,24 @@ class Module:
 
     def __dir__(self) -> list[str]:
         return sorted(set(super().__dir__()) | set(self._parameters) | set(self._buffers) | set(self._modules))
+
+
+def _check_device_move(t: Tensor, device: torch.device | None) -> None:
+    if device is not None and t.is_global and t.placement.type != device.type:
+        raise SbpflowError(f"Module.to({str(device)!r}) cannot move a global tensor ({t._describe()}): its placement "
+                           f"says where it lives; use module.to_global(sbpflow.placement({device.type!r}, ranks))")
+
+
+def _convert(t: Tensor, dtype: torch.dtype | None, device: torch.device | None) -> None:
+    """``t``'s shards converted in place (same object, same layout)."""
+    def move(x: torch.Tensor) -> torch.Tensor:
+        return x.to(device=device if t._local is not None else None, dtype=dtype)
+
+    if t._local is not None:
+        t._take_storage(Tensor._from_local(move(t._local)))
+    elif t._shards is not None:
+        shards = {r: move(x) for r, x in t._shards.items()}
+        t._take_storage(Tensor._from_shards(tuple(t.shape), dtype or t.dtype, t.placement, t.sbp, shards))
 
 
 def _indent(text: str) -> str:

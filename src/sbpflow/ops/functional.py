@@ -606,6 +606,27 @@ def binary_cross_entropy_with_logits(x: Tensor, target: Tensor, weight: Tensor |
     return sum(loss) if reduction == "sum" else loss
 
 
+
+def group_norm(x: Tensor, num_groups: int, weight: Tensor | None = None, bias: Tensor | None = None,
+               eps: float = 1e-5) -> Tensor:
+    """torch's F.group_norm over (N, C, *): the channels in ``num_groups`` groups, each normalised over its channels
+    and positions. Built from reshape and mean, so a channel split reduces across the ranks that share a group."""
+    if x.ndim < 2 or x.shape[1] % num_groups:
+        raise ShapeError(f"group_norm needs (N, C, ...) with C divisible by num_groups {num_groups}, but got shape "
+                         f"{list(x.shape)}")
+    n, c = x.shape[0], x.shape[1]
+    grouped = reshape(x, (n, num_groups, -1))  # (N, G, C/G * spatial), global
+    centred = sub(grouped, mean(grouped, dim=2, keepdim=True))
+    var = mean(mul(centred, centred), dim=2, keepdim=True)
+    out = reshape(mul(centred, rsqrt(add(var, eps))), tuple(x.shape))
+    per_channel = (1, c) + (1,) * (x.ndim - 2)
+    if weight is not None:
+        out = mul(out, reshape(weight, per_channel))
+    if bias is not None:
+        out = add(out, reshape(bias, per_channel))
+    return out
+
+
 __all__ = [n for n in dir() if not n.startswith("_") and n not in {"Any", "Sequence", "annotations", "builtins",
                                                                      "torch", "Tensor", "R", "E", "M", "RD", "SH"}]
 _ = (builtins, full_like, ones_like, rand_like, randn_like, zeros_like, local_to_global, to_global)
