@@ -15,8 +15,9 @@ axis; ops pick SBP signatures and the framework inserts the data movement.
 from __future__ import annotations
 
 import torch
+from torch import backends
 
-from . import amp, boxing, checkpoint, comm, cuda, env, models, nn, optim, sbp, utils
+from . import amp, boxing, checkpoint, comm, cuda, distributed, env, jit, models, nn, optim, sbp, utils
 from .amp import GradScaler, autocast
 from .autograd import enable_grad, is_grad_enabled, no_grad
 from .autoparallel.apply import auto_parallel
@@ -24,9 +25,12 @@ from .checkpoint import load, save
 from .creation import (
     arange,
     as_tensor,
+    empty,
+    empty_like,
     from_numpy,
     full,
     full_like,
+    multinomial,
     ones,
     ones_like,
     rand,
@@ -71,6 +75,7 @@ from .ops.functional import (
     argmax,
     argmin,
     argsort,
+    baddbmm,
     bmm,
     cast,
     cat,
@@ -92,7 +97,10 @@ from .ops.functional import (
     gather,
     ge,
     gelu,
+    greater,
     gt,
+    histc,
+    index_add,
     index_select,
     isfinite,
     isnan,
@@ -118,15 +126,18 @@ from .ops.functional import (
     mul,
     ne,
     neg,
+    nonzero,
     norm,
     outer,
     pow,
     relu,
     repeat,
+    repeat_interleave,
     rms_norm,
     roll,
     round,
     rsqrt,
+    scatter_add,
     sigmoid,
     sign,
     silu,
@@ -179,6 +190,38 @@ bool = torch.bool
 device = torch.device
 
 
+class _TypedTensor(Tensor):
+    """``torch.LongTensor`` and the like: names for annotations (``x: torch.LongTensor``), and ``LongTensor([1, 2])``
+    builds a local tensor of that dtype."""
+
+    dtype_of: torch.dtype = torch.float32
+    __slots__ = ()
+
+    def __new__(cls, *data: object) -> Tensor:  # type: ignore[misc]
+        return Tensor(*data).to(cls.dtype_of)  # type: ignore[attr-defined,no-any-return]
+
+
+class FloatTensor(_TypedTensor):
+    __slots__ = ()
+
+
+class LongTensor(_TypedTensor):
+    __slots__ = ()
+    dtype_of = torch.int64
+
+
+class BoolTensor(_TypedTensor):
+    __slots__ = ()
+    dtype_of = torch.bool
+
+
+def compile(model: object, *args: object, **kwargs: object) -> object:
+    """torch.compile's place in a ported script: returns ``model`` unchanged, to run eagerly. sbpflow compiles
+    with ``nn.Graph`` (a plan over the whole placement, with its own SBP choice), which needs a build function and
+    an optimizer, not a model alone; see docs/api.md."""
+    return model
+
+
 class Explanation(str):
     """Text that a REPL shows as itself (its repr is the text, not a quoted string)."""
 
@@ -212,7 +255,9 @@ __all__ = [
     "explain", "full", "full_like", "functional", "is_grad_enabled", "manual_seed", "models", "nn", "no_grad", "ones",
     "ones_like", "optim", "placement", "rand", "rand_like", "randint", "randn", "randn_like", "sbp", "tensor",
     "uniform", "zeros", "zeros_like", "print0", "rank", "world_size",
-    "as_tensor", "from_numpy", "cuda", "env", "device", "Explanation", "float32", "float", "float64", "double",
+    "as_tensor", "from_numpy", "backends", "distributed", "jit", "compile", "FloatTensor", "LongTensor", "BoolTensor",
+    "empty", "empty_like", "multinomial", "baddbmm", "greater", "histc", "index_add", "nonzero", "repeat_interleave",
+    "scatter_add", "cuda", "env", "device", "Explanation", "float32", "float", "float64", "double",
     "float16", "half", "bfloat16", "int8", "uint8", "int16", "int32", "int", "int64", "long", "bool",
     "argsort", "einsum", "flip", "logsumexp", "norm", "outer", "repeat", "roll", "sort", "tril", "triu",
     "checkpoint", "load", "save", "meta_init", "meta_tensor", "utils", "amp", "autocast", "GradScaler",

@@ -26,7 +26,7 @@ from .comm import get_backend
 from .errors import ArgumentError, AutogradError, DTypeError, SbpError, ShapeError
 from .placement import Placement
 from .sbp import NdSbp, Partial, broadcast, normalize
-from .tensor import Tensor, shards_from_full
+from .tensor import Tensor, logical_value, shards_from_full
 
 
 def _shape_arg(size: Sequence[Any]) -> tuple[int, ...]:
@@ -300,6 +300,37 @@ def randint(low: int, high: int, size: Sequence[int], *, placement: Placement | 
 
 
 # -- like --------------------------------------------------------------------------------------
+
+
+def empty(*size: Any, placement: Placement | None = None, sbp: Any = None, dtype: torch.dtype | None = None,
+          requires_grad: bool = False, device: Any = None) -> Tensor:
+    """torch.empty: sbpflow fills it with zeros (uninitialised memory would differ between replicas of a B tensor)."""
+    return zeros(*size, placement=placement, sbp=sbp, dtype=dtype, requires_grad=requires_grad, device=device)
+
+
+def empty_like(x: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+    return zeros_like(x, dtype=dtype)
+
+
+def multinomial(probs: Tensor, num_samples: int, replacement: bool = False, *, generator: Any = None) -> Tensor:
+    """Indices drawn from each row of ``probs`` (weights, not necessarily summing to one), as torch.multinomial.
+
+    The draw comes from sbpflow's stream (the same on every process), over the logical value; the result is
+    broadcast on ``probs``' placement, or local for a local ``probs``.
+
+    >>> import sbpflow
+    >>> sbpflow.multinomial(sbpflow.tensor([[0.0, 1.0, 0.0]]), 1).tolist()
+    [[1]]
+    """
+    key = _rng.next_key()
+    gen = torch.Generator().manual_seed(key % (2**63))
+    value = logical_value(probs).detach().cpu().to(torch.float64)
+    drawn = torch.multinomial(value, num_samples, replacement, generator=gen)
+    if not probs.is_global:
+        return Tensor._from_local(drawn.to(probs.device))
+    nd = (broadcast,) * probs.placement.ndim
+    return Tensor._from_shards(tuple(drawn.shape), drawn.dtype, probs.placement, nd,
+                               shards_from_full(drawn.to(probs.device), probs.placement, nd))
 
 
 def _like_layout(x: Tensor) -> tuple[Placement | None, Any]:

@@ -183,6 +183,25 @@ def shutdown() -> None:
             close()
 
 
+def init_process_group(backend: str | None = None, **_: Any) -> None:
+    """torch's name for :func:`init`: the backend follows the launcher and the placements (gloo, NCCL for cuda), so
+    ``backend`` and torch's other arguments (init_method, rank, world_size from the environment) are not needed."""
+    init()
+
+
+def destroy_process_group() -> None:
+    """torch's name for :func:`shutdown`."""
+    shutdown()
+
+
+def get_rank() -> int:
+    return rank()
+
+
+def get_world_size() -> int:
+    return world_size()
+
+
 def rank() -> int:
     """This process's global rank: 0 in a plain (simulated) run.
 

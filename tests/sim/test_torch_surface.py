@@ -240,3 +240,124 @@ def test_autocast_warning_is_shown_once_under_the_default_filter() -> None:
             y = y + 1
             y = y.sum()
     assert [w.category for w in seen] == [sbpflow.AutocastWarning]
+
+
+# -- what the coverage benchmark found missing in transformers, torchvision and nanoGPT ---------------------------
+
+
+@pytest.mark.parametrize("mode,kw", [("nearest", {}), ("bilinear", {"align_corners": False}),
+                                     ("bicubic", {"align_corners": False}), ("bilinear", {"align_corners": True})])
+def test_interpolate_keeps_batch_and_channel_splits_and_partials(mode: str, kw: dict[str, object]) -> None:
+    x = randn(2, 4, 5, 6)
+    fn = lambda t: F.interpolate(t, size=(7, 4), mode=mode, **kw)  # noqa: E731
+    ref = lambda t: torch.nn.functional.interpolate(t, size=(7, 4), mode=mode, **kw)  # noqa: E731
+    check(fn, ref, [x], None)
+    for sbp in [(S0,), (S1,)]:
+        r = check(fn, ref, [x], PLACEMENTS["2"], [sbp])
+        assert r.out.sbp == sbp and r.forward_log.counts() == {} and r.backward_log.counts() == {}
+    out, log = check_pieces(fn, ref, [x], "2x2", [(PSUM, S1)])
+    assert log.counts() == {} and out.sbp == (PSUM, S1)
+    up = lambda t: F.interpolate(t, scale_factor=2, mode=mode, **kw)  # noqa: E731
+    check(up, lambda t: torch.nn.functional.interpolate(t, scale_factor=2, mode=mode, **kw), [x], None)
+
+
+def test_pixel_shuffle_repeat_interleave_baddbmm_l1_against_torch() -> None:
+    x = randn(2, 8, 3, 3)
+    check(nn_pixel_shuffle := sbpflow.nn.PixelShuffle(2), torch.nn.PixelShuffle(2), [x], PLACEMENTS["2"], [(S0,)])
+    assert nn_pixel_shuffle.upscale_factor == 2
+    y = randn(3, 4)
+    for dim in [None, 0, 1]:
+        check(lambda t, d=dim: t.repeat_interleave(2, d), lambda t, d=dim: t.repeat_interleave(2, d), [y], None)
+    r = check(lambda t: t.repeat_interleave(3, 1), lambda t: t.repeat_interleave(3, 1), [y], PLACEMENTS["2"], [(S0,)])
+    assert r.out.sbp == (S0,) and r.forward_log.counts() == {}
+    a, b, c = randn(4, 3, 5), randn(4, 3, 2, seed=1), randn(4, 2, 5, seed=2)
+    for beta, alpha in [(1.0, 1.0), (0.0, 0.5), (0.5, 2.0)]:
+        check(lambda i, p, q, be=beta, al=alpha: sbpflow.baddbmm(i, p, q, beta=be, alpha=al),
+              lambda i, p, q, be=beta, al=alpha: torch.baddbmm(i, p, q, beta=be, alpha=al), [a, b, c],
+              PLACEMENTS["2"], [(S0,), (S0,), (S0,)], grad=[beta != 0, True, True])  # beta=0: input unused
+    for reduction in ["mean", "sum", "none"]:
+        check(lambda p, q, r=reduction: F.l1_loss(p, q, reduction=r),
+              lambda p, q, r=reduction: torch.nn.functional.l1_loss(p, q, reduction=r), [y, randn(3, 4, seed=3)],
+              PLACEMENTS["2"], [(S1,), (B,)])
+
+
+def test_index_add_scatter_add_histc_nonzero_as_mixtral_uses_them() -> None:
+    base, rows, index = randn(5, 3), randn(4, 3, seed=1), torch.tensor([0, 2, 2, 4])
+    for pname, sbp in [(None, None), ("2", (S1,)), ("2", (B,))]:
+        p = PLACEMENTS[pname] if pname else None
+        ours = sbpflow.tensor(base, placement=p, sbp=sbp)
+        with sbpflow.no_grad():
+            ours.index_add_(0, sbpflow.tensor(index, placement=p, sbp=(B,) if p else None),
+                            sbpflow.tensor(rows, placement=p, sbp=sbp))
+        np.testing.assert_allclose(ours.numpy(), base.clone().index_add_(0, index, rows).numpy(), rtol=1e-6)
+        assert ours.sbp == sbp if p else ours.is_local
+    experts = torch.tensor([1, 3, 3, 0, 1, 1])
+    counts = sbpflow.zeros(4).scatter_add_(0, sbpflow.tensor(experts), sbpflow.ones(6))
+    np.testing.assert_array_equal(counts.numpy(), torch.zeros(4).scatter_add_(0, experts, torch.ones(6)).numpy())
+    values = experts.float()
+    np.testing.assert_array_equal(sbpflow.histc(sbpflow.tensor(values, placement=PLACEMENTS["2"], sbp=S0), bins=4,
+                                                min=0, max=4).numpy(), torch.histc(values, bins=4, min=0, max=4))
+    np.testing.assert_array_equal(sbpflow.histc(sbpflow.tensor(randn(20)), bins=5).numpy(),
+                                  torch.histc(randn(20), bins=5).numpy())
+    mask = torch.tensor([[0, 1, 0], [2, 0, 3]])
+    for p in [None, PLACEMENTS["2"]]:
+        hit = sbpflow.tensor(mask, placement=p, sbp=S0 if p else None).nonzero()
+        np.testing.assert_array_equal(hit.numpy(), mask.nonzero().numpy())
+    assert [t.tolist() for t in sbpflow.tensor(mask).nonzero(as_tuple=True)] == [[0, 1, 1], [1, 0, 2]]
+    assert sbpflow.greater(sbpflow.tensor([1, 3]), 2).tolist() == [False, True]
+
+
+def test_multinomial_empty_and_in_place_draws() -> None:
+    probs = torch.tensor([[0.0, 0.0, 1.0, 0.0], [0.5, 0.0, 0.0, 0.5]])
+    sbpflow.manual_seed(3)
+    drawn = sbpflow.multinomial(sbpflow.tensor(probs, placement=PLACEMENTS["2"], sbp=S0), 1)
+    assert drawn.sbp == (B,) and drawn.numpy()[0, 0] == 2 and drawn.numpy()[1, 0] in (0, 3)
+    sbpflow.manual_seed(3)
+    assert sbpflow.multinomial(sbpflow.tensor(probs), 1).tolist() == drawn.tolist()  # the layout does not matter
+    many = sbpflow.multinomial(sbpflow.tensor([0.2, 0.8]), 4000, replacement=True)
+    assert abs(many.float().mean().item() - 0.8) < 0.03
+    assert sbpflow.empty(2, 3).shape == (2, 3) and sbpflow.empty_like(sbpflow.ones(2)).tolist() == [0.0, 0.0]
+    w = sbpflow.zeros(300, 200, placement=PLACEMENTS["2"], sbp=S1)
+    assert w.uniform_(-1.0, 3.0) is w and w.sbp == (S1,)
+    values = torch.as_tensor(w.numpy())
+    assert values.min() >= -1.0 and values.max() < 3.0 and abs(values.mean().item() - 1.0) < 0.03
+    w.normal_(2.0, 0.5)
+    values = torch.as_tensor(w.numpy())
+    assert abs(values.mean().item() - 2.0) < 0.01 and abs(values.std().item() - 0.5) < 0.01
+
+
+def test_buffer_and_typed_tensor_names() -> None:
+    m = sbpflow.nn.Module()
+    m.inv_freq = sbpflow.nn.Buffer(sbpflow.arange(3.0), persistent=False)
+    m.table = sbpflow.nn.Buffer(sbpflow.ones(2))
+    assert [n for n, _ in m.named_buffers()] == ["inv_freq", "table"] and list(m.state_dict()) == ["table"]
+    m.to_global(PLACEMENTS["2"])
+    assert m.inv_freq.placement == PLACEMENTS["2"]
+    assert sbpflow.LongTensor([1, 2]).dtype == torch.int64 and sbpflow.BoolTensor([1, 0]).tolist() == [True, False]
+    assert sbpflow.FloatTensor([[1, 2]]).dtype == torch.float32
+
+
+def test_torch_module_names_that_training_scripts_call() -> None:
+    assert sbpflow.jit.is_tracing() is False and sbpflow.jit.is_scripting() is False
+    seen = []
+
+    class Probe(sbpflow.nn.Module):
+        def forward(self, x: sbpflow.Tensor) -> sbpflow.Tensor:
+            seen.append(sbpflow.jit.is_tracing())
+            return x * 2
+
+    class G(sbpflow.nn.Graph):
+        def __init__(self) -> None:
+            super().__init__()
+            self.m = Probe()
+
+        def build(self, x: sbpflow.Tensor) -> sbpflow.Tensor:
+            return self.m(x)
+
+    x = sbpflow.ones(2, placement=PLACEMENTS["2"], sbp=B)
+    assert G()(x).tolist() == [2.0, 2.0] and seen == [True]
+    model = sbpflow.nn.Linear(2, 2)
+    assert sbpflow.compile(model) is model
+    assert sbpflow.backends.cuda.matmul is torch.backends.cuda.matmul
+    assert sbpflow.distributed.get_rank() == 0 and sbpflow.distributed.get_world_size() == 1
+    assert sbpflow.cuda.amp.GradScaler is sbpflow.GradScaler and isinstance(sbpflow.cuda.is_bf16_supported(), bool)

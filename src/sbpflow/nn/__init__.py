@@ -21,6 +21,7 @@ from .layers import (
     Identity,
     LeakyReLU,
     Linear,
+    PixelShuffle,
     ReLU,
     Sigmoid,
     SiLU,
@@ -29,7 +30,7 @@ from .layers import (
     Unflatten,
 )
 from .loss import BCEWithLogitsLoss, CrossEntropyLoss, MSELoss, NLLLoss
-from .module import Module, Parameter
+from .module import Buffer, Module, Parameter
 from .normalization import BatchNorm1d, BatchNorm2d, GroupNorm, LayerNorm, RMSNorm
 
 __all__ = [
@@ -38,5 +39,5 @@ __all__ = [
     "Embedding", "Flatten", "Identity", "LayerNorm", "Linear", "MSELoss", "MaxPool2d", "Module", "ModuleDict",
     "ModuleList", "Parameter", "RMSNorm", "ReLU", "Sequential", "SiLU", "Tanh", "functional", "init", "parallel",
     "utils", "BCEWithLogitsLoss", "Conv1d", "GroupNorm", "LeakyReLU", "NLLLoss", "ParameterList", "Sigmoid", "Softmax",
-    "Unflatten",
+    "Unflatten", "Buffer", "PixelShuffle",
 ]

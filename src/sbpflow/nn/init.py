@@ -25,6 +25,7 @@ from ..autograd import no_grad
 from ..creation import full, randn, uniform
 from ..errors import ShapeError
 from ..ops import functional as F
+from ..ops.methods import bind_methods
 from ..tensor import Tensor
 
 
@@ -155,6 +156,11 @@ def default_linear_(weight: Tensor, bias: Tensor | None) -> None:
         bound = 1 / math.sqrt(fan_in) if fan_in > 0 else 0.0
         uniform_(bias, -bound, bound)
 
+
+bind_methods({  # x.normal_(), x.uniform_(): the initialisers, as torch's in-place draws
+    "normal_": lambda self, mean=0.0, std=1.0, *, generator=None: normal_(self, mean, std),
+    "uniform_": lambda self, a=0.0, b=1.0, *, generator=None: uniform_(self, a, b),
+})
 
 __all__ = [
     "default_linear_",

@@ -71,6 +71,32 @@ class Parameter(Tensor):
     __str__ = __repr__
 
 
+class Buffer(Tensor):
+    """A tensor that a Module registers as a buffer when assigned (torch's ``nn.Buffer``): state, not a parameter.
+
+    >>> import sbpflow
+    >>> m = sbpflow.nn.Module()
+    >>> m.scale = sbpflow.nn.Buffer(sbpflow.ones(2), persistent=False)
+    >>> [n for n, _ in m.named_buffers()], list(m.state_dict())
+    (['scale'], [])
+    """
+
+    __slots__ = ("persistent",)
+    persistent: bool
+
+    def __new__(cls, data: Tensor, persistent: bool = True) -> Buffer:
+        if not isinstance(data, Tensor):
+            raise SbpflowError(f"nn.Buffer needs an sbpflow Tensor, but got {type(data).__name__}")
+        self: Buffer = object.__new__(cls)
+        self._take_storage(data.detach())
+        self._init_autograd(False)
+        self.persistent = persistent
+        return self
+
+    def __init__(self, data: Tensor, persistent: bool = True) -> None:
+        pass  # everything happens in __new__
+
+
 def relayout_(t: Tensor, placement: Placement, sbp: Any) -> Tensor:
     """Re-lays out leaf ``t`` in place to ``(placement, sbp)``, keeping its logical value and identity.
 
@@ -190,6 +216,8 @@ class Module:
         elif isinstance(value, Module):
             self._forget(name, keep=modules)
             modules[name] = value
+        elif isinstance(value, Buffer):
+            self.register_buffer(name, value, value.persistent)
         elif name in params:
             if value is not None:
                 raise SbpflowError(

@@ -35,7 +35,7 @@ from . import _rules as R
 from .reduction import sum_
 from .registry import Meta, ShardCtx, Sig, op
 
-__all__ = ["conv2d", "max_pool2d", "avg_pool2d", "adaptive_avg_pool2d"]
+__all__ = ["conv2d", "max_pool2d", "avg_pool2d", "adaptive_avg_pool2d", "interpolate"]
 
 B = broadcast
 PSUM, PMAX = Partial("sum"), Partial("max")
@@ -332,3 +332,68 @@ def adaptive_avg_pool2d(x: Tensor, output_size: Any) -> Tensor:
         raise ShapeError(f"adaptive_avg_pool2d needs an input of shape (N, C, H, W) or (C, H, W), got {x._describe()}")
     full = tuple(x.shape[-2 + i] if s is None else s for i, s in enumerate(sizes))
     return _adaptive_avg_pool2d(x, output_size=full)
+
+
+# -- interpolate ---------------------------------------------------------------------------------------------------
+#
+# Resizing the spatial dims of (N, C, *spatial) is linear in the input and works plane by plane: the batch and channel
+# dims may be split, and a P(sum) passes (each piece resized, the pieces still add up). Its gradient is the adjoint
+# resize, with the same signatures.
+
+
+def _interpolate_meta(x: Meta, size: tuple[int, ...], mode: str, align_corners: bool | None) -> Meta:
+    if x.ndim != len(size) + 2:
+        raise ShapeError(f"interpolate needs (N, C, *spatial) with {len(size)} spatial dims, but got shape "
+                         f"{list(x.shape)}")
+    if not x.dtype.is_floating_point:
+        raise DTypeError(f"interpolate needs a floating-point input, but got {str(x.dtype).replace('torch.', '')}")
+    return Meta(x.shape[:2] + tuple(size), x.dtype)
+
+
+def _interpolate_sigs(x: Meta, outs: tuple[Meta, ...], **_: Any) -> list[Sig]:
+    return [Sig((B,), (B,)), Sig((Split(0),), (Split(0),)), Sig((Split(1),), (Split(1),)), Sig((PSUM,), (PSUM,))]
+
+
+@op("interpolate", meta=_interpolate_meta, sbp=_interpolate_sigs, grad_reads=())
+def _interpolate(x: torch.Tensor, size: tuple[int, ...], mode: str, align_corners: bool | None) -> torch.Tensor:
+    return TF.interpolate(x, size=size, mode=mode, align_corners=align_corners)
+
+
+def _interpolate_backward_meta(dy: Meta, input_shape: tuple[int, ...], **_: Any) -> Meta:
+    return Meta(tuple(input_shape), dy.dtype)
+
+
+@op("interpolate_backward", meta=_interpolate_backward_meta, sbp=_interpolate_sigs, shard_aware=True,
+    differentiable=False)
+def interpolate_backward(ctx: ShardCtx, dy: torch.Tensor, input_shape: tuple[int, ...], size: tuple[int, ...],
+                         mode: str, align_corners: bool | None) -> torch.Tensor:
+    """The adjoint of the resize on this shard (torch's own backward, through a vjp of its kernel)."""
+    shard = torch.zeros(box_shape(ctx.out_boxes[0]), dtype=dy.dtype, device=dy.device)
+    adjoint = torch.func.vjp(lambda t: TF.interpolate(t, size=size, mode=mode, align_corners=align_corners), shard)[1]
+    return adjoint(dy)[0]
+
+
+@_interpolate.grad
+def _interpolate_grad(ctx: Any, dy: Any) -> Any:
+    return (interpolate_backward(dy, input_shape=tuple(ctx.inputs[0].shape), **ctx.attrs),)
+
+
+def interpolate(x: Tensor, size: Any = None, scale_factor: Any = None, mode: str = "nearest",
+                align_corners: bool | None = None, recompute_scale_factor: bool | None = None,
+                antialias: bool = False) -> Tensor:
+    """torch's F.interpolate by ``size`` or ``scale_factor`` (nearest, linear, bilinear, bicubic, trilinear, area).
+
+    >>> import sbpflow
+    >>> sbpflow.nn.functional.interpolate(sbpflow.ones(1, 2, 3, 3), scale_factor=2, mode="bicubic").shape
+    torch.Size([1, 2, 6, 6])
+    """
+    spatial = x.ndim - 2
+    if antialias:
+        raise ShapeError("interpolate(antialias=True) is not supported; resize without it")
+    if size is None:
+        if scale_factor is None:
+            raise ShapeError("interpolate needs size= or scale_factor=")
+        factors = scale_factor if isinstance(scale_factor, (tuple, list)) else (scale_factor,) * spatial
+        size = tuple(int(n * f) for n, f in zip(x.shape[2:], factors, strict=True))  # floor, as torch
+    size = (size,) * spatial if isinstance(size, int) else tuple(int(n) for n in size)
+    return _interpolate(x, size=size, mode=mode, align_corners=align_corners)

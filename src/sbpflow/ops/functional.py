@@ -19,7 +19,7 @@ from ..creation import full as _full
 from ..creation import full_like, ones_like, rand_like, randn_like, zeros_like
 from ..errors import ShapeError
 from ..sbp import broadcast
-from ..tensor import Tensor
+from ..tensor import Tensor, logical_value
 from . import _rules as R
 from . import elementwise as E
 from . import matrix as M
@@ -29,7 +29,7 @@ from .attention import *  # noqa: F401,F403
 from .conv import *  # noqa: F401,F403
 from .convert import local_to_global, to_global
 from .indexing import *  # noqa: F401,F403
-from .indexing import cat, index_select, narrow
+from .indexing import cat, gather_backward, index_select, index_select_backward, narrow
 from .loss import *  # noqa: F401,F403
 from .normalization import *  # noqa: F401,F403
 
@@ -627,6 +627,85 @@ def group_norm(x: Tensor, num_groups: int, weight: Tensor | None = None, bias: T
     return out
 
 
+
+def baddbmm(input: Any, batch1: Tensor, batch2: Tensor, *, beta: float = 1.0, alpha: float = 1.0) -> Tensor:
+    """``beta * input + alpha * batch1 @ batch2`` (``beta=0`` ignores ``input``, NaNs included, as torch)."""
+    product = bmm(batch1, batch2)
+    product = mul(product, alpha) if alpha != 1.0 else product
+    return product if beta == 0 else add(mul(input, beta) if beta != 1.0 else input, product)
+
+
+greater = gt
+
+
+def l1_loss(input: Tensor, target: Tensor, reduction: str = "mean") -> Tensor:
+    loss = abs(sub(input, target))
+    if reduction == "none":
+        return loss
+    return mean(loss) if reduction == "mean" else sum(loss)
+
+
+def pixel_shuffle(x: Tensor, upscale_factor: int) -> Tensor:
+    """(N, C*r*r, H, W) -> (N, C, H*r, W*r), as torch's F.pixel_shuffle (a reshape, a permute and a reshape)."""
+    r = upscale_factor
+    n, c, h, w = x.shape[0], x.shape[1] // (r * r), x.shape[2], x.shape[3]
+    x = reshape(x, (n, c, r, r, h, w))
+    return reshape(permute(x, (0, 1, 4, 2, 5, 3)), (n, c, h * r, w * r))
+
+
+def repeat_interleave(x: Tensor, repeats: int, dim: int | None = None) -> Tensor:
+    """Each element ``repeats`` times in a row along ``dim`` (the flattened tensor by default): an int count."""
+    if not isinstance(repeats, int):
+        raise ShapeError(f"repeat_interleave takes an int count (a tensor of counts gives a data-dependent shape), "
+                         f"but got {type(repeats).__name__}; tensor {x._describe()}")
+    if dim is None:
+        x, dim = reshape(x, (-1,)), 0
+    d = R.normalize_dim(dim, x.ndim)
+    spread = expand(unsqueeze(x, d + 1), tuple(x.shape[: d + 1]) + (repeats,) + tuple(x.shape[d + 1 :]))
+    return reshape(spread, tuple(x.shape[:d]) + (x.shape[d] * repeats,) + tuple(x.shape[d + 1 :]))
+
+
+def index_add(x: Tensor, dim: int, index: Tensor, source: Tensor, alpha: float = 1.0) -> Tensor:
+    """``x`` with the slices of ``source`` added at ``index`` along ``dim`` (repeated indices add up)."""
+    d = R.normalize_dim(dim, x.ndim)
+    source = mul(source, alpha) if alpha != 1.0 else source
+    return add(x, index_select_backward(source, index, dim=d, size=x.shape[d]))
+
+
+def scatter_add(x: Tensor, dim: int, index: Tensor, src: Tensor) -> Tensor:
+    """``x`` with ``src[i][j]`` added at ``x[index[i][j]][j]`` (for ``dim=0``), as torch.scatter_add."""
+    return add(x, gather_backward(src, index, dim=R.normalize_dim(dim, x.ndim), shape=tuple(x.shape)))
+
+
+def histc(x: Tensor, bins: int = 100, min: float = 0.0, max: float = 0.0) -> Tensor:
+    """Counts of ``x`` in ``bins`` equal bins over ``[min, max]`` (the data's range when both are 0); values
+    outside are left out, as torch.histc. A compare with each bin and a sum: a split input gives partial counts."""
+    lo, hi = (float(amin(x).item()), float(amax(x).item())) if min == 0 and max == 0 else (float(min), float(max))
+    if lo == hi:
+        lo, hi = lo - 1, hi + 1
+    flat = reshape(x, (-1,))
+    inside = logical_and(ge(flat, lo), le(flat, hi))
+    position = clamp(floor(mul(sub(flat, lo), bins / (hi - lo))), 0, bins - 1)  # the top edge joins the last bin
+    hits = logical_and(eq(unsqueeze(position, 1), torch.arange(bins, dtype=position.dtype)), unsqueeze(inside, 1))
+    return sum(hits, dim=0, dtype=x.dtype)
+
+
+def nonzero(x: Tensor, as_tuple: bool = False) -> Any:
+    """The indices of the non-zero entries, (count, ndim) int64, as torch.nonzero; the count depends on the data,
+    so the result is a broadcast value (local for a local input)."""
+    found = torch.nonzero(x.to_local() if x.is_local else logical_value(x))
+    out = new_full(x, tuple(found.shape), 0)
+    out = cast(out, torch.int64)
+    for t in out.local_tensors().values():
+        t.copy_(found)
+    return tuple(_column(out, i) for i in range(x.ndim)) if as_tuple else out
+
+
+def _column(x: Tensor, i: int) -> Tensor:
+    return squeeze(narrow(x, 1, i, 1), 1)
+
+
 __all__ = [n for n in dir() if not n.startswith("_") and n not in {"Any", "Sequence", "annotations", "builtins",
-                                                                     "torch", "Tensor", "R", "E", "M", "RD", "SH"}]
+                                                                     "torch", "Tensor", "R", "E", "M", "RD", "SH",
+                                                                     "broadcast", "logical_value", "no_grad"}]
 _ = (builtins, full_like, ones_like, rand_like, randn_like, zeros_like, local_to_global, to_global)

@@ -270,3 +270,19 @@ bind_methods({
     "cpu": lambda self: self,  # sbpflow tensors already live where their placement says; CPU runs keep them
     "outer": F.outer, "softmax": F.softmax, "log_softmax": F.log_softmax,
 })
+
+
+def _scatter_add(self: Tensor, dim: int, index: Tensor, src: Tensor) -> Tensor:
+    return F.scatter_add(self, dim, index, src)
+
+
+def _index_add(self: Tensor, dim: int, index: Tensor, source: Tensor, alpha: float = 1.0) -> Tensor:
+    return F.index_add(self, dim, index, source, alpha=alpha)
+
+
+bind_methods({
+    "repeat_interleave": F.repeat_interleave, "nonzero": F.nonzero, "index_add": _index_add,
+    "index_add_": _inplace("index_add_", _index_add), "scatter_add": _scatter_add,
+    "scatter_add_": _inplace("scatter_add_", _scatter_add), "histc": F.histc, "baddbmm": F.baddbmm,
+    "pin_memory": lambda self: self,  # shards are host tensors already on CPU; a CUDA copy reads them directly
+})
