@@ -357,18 +357,21 @@ class Module:
 
     # -- dtype and device (torch's Module.to, .float(), .half() ...) ------------------------------
 
-    def to(self, *args: Any, **kwargs: Any) -> Module:
+    def to(self, *args: Any, **kwargs: Any) -> Any:
         """``m.to(torch.float16)``, ``m.to("cpu")``, ``m.to(device, dtype)``: converts the floating-point
         parameters and buffers (and gradients) in place, shard by shard, keeping their layouts and identities.
 
         A global tensor's device comes from its placement: ``to("cuda")`` moves local tensors only and asks
-        for ``to_global(sbpflow.placement("cuda", ...))`` for global ones.
+        for ``to_global(sbpflow.placement("cuda", ...))`` for global ones. ``m.to(nn.graph.GraphModule)`` is
+        OneFlow's way to reach the module's graph options (``.activation_checkpointing``, ``.set_stage``).
 
         >>> import sbpflow, torch
         >>> m = sbpflow.nn.Linear(2, 2).to(torch.float64)
         >>> m.weight.dtype, m(sbpflow.randn(1, 2, dtype=torch.float64)).dtype
         (torch.float64, torch.float64)
         """
+        if len(args) == 1 and isinstance(args[0], type) and hasattr(args[0], "of_module"):
+            return args[0].of_module(self)  # type: ignore[no-any-return]  # OneFlow's module.to(nn.graph.GraphModule)
         dtype, device = kwargs.get("dtype"), kwargs.get("device")
         for a in args:
             if isinstance(a, torch.dtype):
