@@ -361,3 +361,30 @@ def test_torch_module_names_that_training_scripts_call() -> None:
     assert sbpflow.backends.cuda.matmul is torch.backends.cuda.matmul
     assert sbpflow.distributed.get_rank() == 0 and sbpflow.distributed.get_world_size() == 1
     assert sbpflow.cuda.amp.GradScaler is sbpflow.GradScaler and isinstance(sbpflow.cuda.is_bf16_supported(), bool)
+
+
+def test_the_first_compile_prints_nothing(tmp_path: object) -> None:
+    """HiGHS printed its banner from C++ at the first SBP selection of every process; a fresh process shows it."""
+    import os
+    import subprocess
+    import sys
+
+    script = (
+        "import sbpflow\n"
+        "from sbpflow import nn\n"
+        "p = sbpflow.placement('cpu', [0, 1])\n"
+        "m = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)).to_global(p)\n"
+        "class G(nn.Graph):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.m = m\n"
+        "    def build(self, x):\n"
+        "        return self.m(x)\n"
+        "g = G()\n"
+        "g(sbpflow.randn(6, 4, placement=p, sbp=sbpflow.sbp.split(0)))\n"
+        "print('done')\n"
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == "done\n"
