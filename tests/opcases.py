@@ -257,6 +257,9 @@ def _conv_cases() -> list[OpCase]:
     conv_keeps = ("P(sum) B P(sum) -> P(sum)", "B P(sum) P(sum) -> P(sum)", "S(1) S(1) P(sum) -> P(sum)")
     return [
         OpCase("conv2d", "conv2d", conv_args, _CONV, conv_keeps),
+        OpCase("conv_transpose2d", "conv_transpose2d", lambda g: (_r(g, 2, 4, 3, 3), _r(g, 4, 3, 3, 3), _r(g, 3)),
+               {"stride": (2, 2), "padding": (1, 1), "output_padding": (1, 1), "groups": 1, "dilation": (1, 1)},
+               ("P(sum) B P(sum) -> P(sum)", "B P(sum) P(sum) -> P(sum)", "S(1) S(0) P(sum) -> P(sum)")),
         # 2 input channels split over 3 ranks: one rank holds none (an empty shard)
         OpCase("conv2d-empty-shard", "conv2d", lambda g: (_r(g, 1, 2, 4, 4), _r(g, 3, 2, 3, 3), _r(g, 3)), _CONV,
                conv_keeps),

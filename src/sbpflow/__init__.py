@@ -131,7 +131,6 @@ from .ops.functional import (
     outer,
     pow,
     relu,
-    repeat,
     repeat_interleave,
     rms_norm,
     roll,
@@ -259,7 +258,7 @@ __all__ = [
     "empty", "empty_like", "multinomial", "baddbmm", "greater", "histc", "index_add", "nonzero", "repeat_interleave",
     "scatter_add", "cuda", "env", "device", "Explanation", "float32", "float", "float64", "double",
     "float16", "half", "bfloat16", "int8", "uint8", "int16", "int32", "int", "int64", "long", "bool",
-    "argsort", "einsum", "flip", "logsumexp", "norm", "outer", "repeat", "roll", "sort", "tril", "triu",
+    "argsort", "einsum", "flip", "logsumexp", "norm", "outer", "roll", "sort", "tril", "triu",
     "checkpoint", "load", "save", "meta_init", "meta_tensor", "utils", "amp", "autocast", "GradScaler",
     # tensor functions
     "abs", "add", "all", "amax", "amin", "any", "argmax", "argmin", "bmm", "cast", "cat", "ceil", "chunk", "clamp",

@@ -188,3 +188,98 @@ def test_rmsprop_matches_torch(layout: str, kwargs: dict[str, Any]) -> None:
                          ids=["plain", "decay"])
 def test_adagrad_matches_torch(layout: str, kwargs: dict[str, Any]) -> None:
     _run(lambda ps: optim.Adagrad(ps, **kwargs), lambda ps: torch.optim.Adagrad(ps, **kwargs), layout)
+
+
+# -- MultiheadAttention, ConvTranspose2d, LSTM ---------------------------------------------------------------------
+
+
+class _FirstOut(nn.Module):
+    """The module's first output (the harness compares one tensor; attention and LSTM return tuples)."""
+
+    def __init__(self, inner: nn.Module, **kwargs: Any) -> None:
+        super().__init__()
+        self.inner, self.kwargs = inner, kwargs
+
+    def forward(self, *xs: Any) -> Any:
+        return self.inner(*xs, **self.kwargs)[0]
+
+
+class _TorchFirstOut(torch.nn.Module):
+    def __init__(self, inner: torch.nn.Module, **kwargs: Any) -> None:
+        super().__init__()
+        self.inner, self.kwargs = inner, kwargs
+
+    def forward(self, *xs: Any) -> Any:
+        return self.inner(*xs, **self.kwargs)[0]
+
+
+@pytest.mark.parametrize("batch_first", [True, False])
+def test_multihead_attention_against_torch(batch_first: bool) -> None:
+    torch.manual_seed(0)
+    theirs = torch.nn.MultiheadAttention(8, 2, batch_first=batch_first)
+    x = randn(3, 5, 8) if batch_first else randn(5, 3, 8)
+    mask = torch.ones(5, 5, dtype=torch.bool).triu(1)
+    compare(_FirstOut(nn.MultiheadAttention(8, 2, batch_first=batch_first)), _TorchFirstOut(theirs), [x, x, x])
+    theirs.zero_grad()
+    batch = (S0,) if batch_first else (S1,)
+    out, flog, _ = compare(_FirstOut(nn.MultiheadAttention(8, 2, batch_first=batch_first), need_weights=False),
+                           _TorchFirstOut(theirs, need_weights=False), [x, x, x], PLACEMENTS["2"], [batch] * 3)
+    assert out.sbp == batch and flog.counts() == {}  # per shard: the batch split runs without communication
+    ours = nn.MultiheadAttention(8, 2, batch_first=batch_first)
+    ours.load_state_dict(theirs.state_dict())
+    for kw in [{"attn_mask": mask}, {"is_causal": True, "attn_mask": mask}, {"average_attn_weights": False}]:
+        got = ours(*(sbpflow.tensor(x),) * 3, **{k: sbpflow.tensor(v) if isinstance(v, torch.Tensor) else v
+                                                for k, v in kw.items()})
+        want = theirs(x, x, x, **kw)
+        for g, w in zip(got, want, strict=True):
+            np.testing.assert_allclose(g.numpy(), w.detach().numpy(), rtol=1e-5, atol=1e-6)
+    pad = torch.tensor([[False] * 4 + [True]] * 3)
+    got = ours(*(sbpflow.tensor(x),) * 3, key_padding_mask=sbpflow.tensor(pad))
+    np.testing.assert_allclose(got[0].numpy(), theirs(x, x, x, key_padding_mask=pad)[0].detach().numpy(), rtol=1e-5,
+                               atol=1e-6)
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"stride": 2, "padding": 1, "output_padding": 1}, {"groups": 2}])
+def test_conv_transpose2d_against_torch(kwargs: dict[str, Any]) -> None:
+    torch.manual_seed(0)
+    theirs = torch.nn.ConvTranspose2d(4, 6, 3, **kwargs)
+    x = randn(2, 4, 5, 5)
+    compare(nn.ConvTranspose2d(4, 6, 3, **kwargs), theirs, [x])
+    theirs.zero_grad()
+    out, flog, _ = compare(nn.ConvTranspose2d(4, 6, 3, **kwargs), theirs, [x], PLACEMENTS["2"], [(S0,)])
+    assert out.sbp == (S0,) and flog.counts() == {}
+    if not kwargs.get("groups"):  # input channels with the weight's rows: a partial sum, reduced once
+        theirs.zero_grad()
+        out, _, _ = compare(nn.ConvTranspose2d(4, 6, 3, **kwargs), theirs, [x], PLACEMENTS["2"], [(S1,)],
+                            param_sbps={"weight": (S0,)})
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"num_layers": 2, "bidirectional": True, "batch_first": True}])
+def test_lstm_against_torch_and_per_shard_under_a_batch_split(kwargs: dict[str, Any]) -> None:
+    torch.manual_seed(0)
+    theirs = torch.nn.LSTM(5, 4, **kwargs)
+    x = randn(3, 6, 5)
+    compare(_FirstOut(nn.LSTM(5, 4, **kwargs)), _TorchFirstOut(theirs), [x])
+    theirs.zero_grad()
+    batch = (S0,) if kwargs.get("batch_first") else (S1,)
+    out, flog, _ = compare(_FirstOut(nn.LSTM(5, 4, **kwargs)), _TorchFirstOut(theirs), [x], PLACEMENTS["2"], [batch])
+    assert out.sbp == batch and flog.counts() == {}
+    ours = nn.LSTM(5, 4, **kwargs)
+    ours.load_state_dict(theirs.state_dict())
+    layers, batch_size = (4, 3) if kwargs else (1, 6)  # (layers x directions, batch): x is (N, L, in) batch first
+    h0 = randn(layers, batch_size, 4)
+    c0 = randn(*h0.shape, seed=1)
+    got = ours(sbpflow.tensor(x), (sbpflow.tensor(h0), sbpflow.tensor(c0)))
+    want = theirs(x, (h0, c0))
+    np.testing.assert_allclose(got[0].numpy(), want[0].detach().numpy(), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got[1][1].numpy(), want[1][1].detach().numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_lstm_refuses_layouts_other_than_a_batch_split() -> None:
+    lstm = nn.LSTM(5, 4).to_global(PLACEMENTS["2"])
+    x = sbpflow.tensor(randn(3, 6, 5), placement=PLACEMENTS["2"], sbp=S.split(2))
+    with pytest.raises(sbpflow.SbpError, match=r"LSTM runs per shard under batch splits only.*\(S\(2\)\)"):
+        lstm(x)
+    nn.module.relayout_(lstm.weight_hh_l0, PLACEMENTS["2"], S0)
+    with pytest.raises(sbpflow.SbpError, match="parameter shape \\[16, 4\\]"):
+        lstm(sbpflow.tensor(randn(3, 6, 5), placement=PLACEMENTS["2"], sbp=S1))

@@ -10,8 +10,9 @@ torch.Size([3, 2])
 from __future__ import annotations
 
 from . import functional, init, parallel, utils
+from .attention import LSTM, MultiheadAttention
 from .container import ModuleDict, ModuleList, ParameterList, Sequential
-from .conv import AdaptiveAvgPool2d, AvgPool2d, Conv1d, Conv2d, MaxPool2d
+from .conv import AdaptiveAvgPool2d, AvgPool2d, Conv1d, Conv2d, ConvTranspose2d, MaxPool2d
 from .graph import Graph, GraphConfig
 from .layers import (
     GELU,
@@ -39,5 +40,5 @@ __all__ = [
     "Embedding", "Flatten", "Identity", "LayerNorm", "Linear", "MSELoss", "MaxPool2d", "Module", "ModuleDict",
     "ModuleList", "Parameter", "RMSNorm", "ReLU", "Sequential", "SiLU", "Tanh", "functional", "init", "parallel",
     "utils", "BCEWithLogitsLoss", "Conv1d", "GroupNorm", "LeakyReLU", "NLLLoss", "ParameterList", "Sigmoid", "Softmax",
-    "Unflatten", "Buffer", "PixelShuffle",
+    "Unflatten", "Buffer", "PixelShuffle", "MultiheadAttention", "ConvTranspose2d", "LSTM",
 ]

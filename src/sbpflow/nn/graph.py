@@ -375,7 +375,7 @@ class Graph:
                     relayout_(t, placement, [broadcast])
                 elif t.placement != placement:
                     raise SbpflowError(f"{type(self).__name__} got local inputs, but its module holds a global "
-                                       f"tensor ({t._describe()}); pass global inputs for a global model")
+                                       f"tensor ({t._describe()}); a global model takes global tensors as inputs")
         return [a.to_global(placement, [broadcast]) if isinstance(a, Tensor) else a for a in args]
 
     def compile_only(self, *args: Any) -> Compiled:

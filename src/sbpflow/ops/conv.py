@@ -35,7 +35,7 @@ from . import _rules as R
 from .reduction import sum_
 from .registry import Meta, ShardCtx, Sig, op
 
-__all__ = ["conv2d", "max_pool2d", "avg_pool2d", "adaptive_avg_pool2d", "interpolate"]
+__all__ = ["conv2d", "conv_transpose2d", "max_pool2d", "avg_pool2d", "adaptive_avg_pool2d", "interpolate"]
 
 B = broadcast
 PSUM, PMAX = Partial("sum"), Partial("max")
@@ -397,3 +397,71 @@ def interpolate(x: Tensor, size: Any = None, scale_factor: Any = None, mode: str
         size = tuple(int(n * f) for n, f in zip(x.shape[2:], factors, strict=True))  # floor, as torch
     size = (size,) * spatial if isinstance(size, int) else tuple(int(n) for n in size)
     return _interpolate(x, size=size, mode=mode, align_corners=align_corners)
+
+
+# -- conv_transpose2d ----------------------------------------------------------------------------------------------
+#
+# The transposed convolution is conv2d's input gradient with weight (C_in, C_out / groups, kH, kW): the batch may be
+# split, the input channels with the weight's rows give P(sum), the weight's columns give output channels (groups
+# 1), and it is linear in the input and in the weight. Its gradients are conv2d (input) and conv2d's weight
+# gradient with the roles of input and output swapped.
+
+
+def _transpose_meta(x: Meta, w: Meta, *bias: Meta, stride: Pair, padding: Pair, output_padding: Pair, groups: int,
+                    dilation: Pair) -> Meta:
+    if x.ndim != 4 or w.ndim != 4 or x.shape[1] != w.shape[0]:
+        raise ShapeError(f"conv_transpose2d needs input (N, C, H, W) and weight (C, O/groups, kH, kW), but got input "
+                         f"{list(x.shape)} and weight {list(w.shape)}")
+    if bias and tuple(bias[0].shape) != (w.shape[1] * groups,):
+        raise ShapeError(f"conv_transpose2d needs bias of shape [{w.shape[1] * groups}], but got "
+                         f"{list(bias[0].shape)}")
+    R.check_dtypes_equal("conv_transpose2d", x, w, *bias)
+    shape = _meta_shape("conv_transpose2d", lambda a, b: TF.conv_transpose2d(a, b, None, stride, padding,
+                                                                            output_padding, groups, dilation),
+                        x.shape, w.shape)
+    return Meta(shape, x.dtype)
+
+
+def _transpose_sigs(x: Meta, w: Meta, *bias: Meta, outs: tuple[Meta, ...], groups: int, **_: Any) -> list[Sig]:
+    def sig(xs: Any, ws: Any, bs: Any, out: Any) -> Sig:
+        return Sig((xs, ws, bs) if bias else (xs, ws), (out,))
+
+    sigs = [sig(B, B, B, B), sig(Split(0), B, B, Split(0)), sig(PSUM, B, PSUM, PSUM), sig(B, PSUM, PSUM, PSUM)]
+    if groups == 1:
+        sigs += [sig(B, Split(1), Split(0), Split(1)), sig(Split(1), Split(0), PSUM, PSUM)]
+    return sigs
+
+
+@op("conv_transpose2d", meta=_transpose_meta, sbp=_transpose_sigs)
+def _conv_transpose2d(x: torch.Tensor, w: torch.Tensor, *bias: torch.Tensor, stride: Pair, padding: Pair,
+                      output_padding: Pair, groups: int, dilation: Pair) -> torch.Tensor:
+    return TF.conv_transpose2d(x, w, bias[0] if bias else None, stride, padding, output_padding, groups, dilation)
+
+
+@_conv_transpose2d.grad
+def _conv_transpose2d_grad(ctx: Any, dy: Any) -> Any:
+    x, w = ctx.inputs[:2]
+    a = ctx.attrs
+    conv = dict(stride=a["stride"], padding=a["padding"], dilation=a["dilation"], groups=a["groups"])
+    needs = ctx.needs_input_grad
+    dx = _conv2d(dy, w, **conv) if needs[0] else None
+    dw = conv2d_weight_grad(x, dy, weight_shape=tuple(w.shape), **conv) if needs[1] else None
+    if len(ctx.inputs) == 2:
+        return dx, dw
+    return dx, dw, sum_(dy, dim=(0, 2, 3)) if needs[2] else None
+
+
+def conv_transpose2d(x: Tensor, weight: Tensor, bias: Tensor | None = None, stride: Any = 1, padding: Any = 0,
+                     output_padding: Any = 0, groups: int = 1, dilation: Any = 1) -> Tensor:
+    """2-D transposed convolution of ``x`` (N, C, H, W) with ``weight`` (C, O/groups, kH, kW), as torch's.
+
+    >>> import sbpflow
+    >>> sbpflow.functional.conv_transpose2d(sbpflow.randn(1, 4, 5, 5), sbpflow.randn(4, 2, 3, 3), stride=2).shape
+    torch.Size([1, 2, 11, 11])
+    """
+    attrs = dict(stride=_pair("conv_transpose2d", "stride", stride),
+                 padding=_pair("conv_transpose2d", "padding", padding),
+                 output_padding=_pair("conv_transpose2d", "output_padding", output_padding), groups=int(groups),
+                 dilation=_pair("conv_transpose2d", "dilation", dilation))
+    args = (x, weight) if bias is None else (x, weight, bias)
+    return _conv_transpose2d(*args, **attrs)

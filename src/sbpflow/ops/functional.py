@@ -701,6 +701,11 @@ def nonzero(x: Tensor, as_tuple: bool = False) -> Any:
     return tuple(_column(out, i) for i in range(x.ndim)) if as_tuple else out
 
 
+def select_row(x: Tensor, i: int) -> Tensor:
+    """``x[i]`` along dim 0, without the view bookkeeping of indexing (a time step of a sequence)."""
+    return squeeze(narrow(x, 0, i, 1), 0)
+
+
 def _column(x: Tensor, i: int) -> Tensor:
     return squeeze(narrow(x, 1, i, 1), 1)
 
