@@ -115,6 +115,9 @@ class Dropout(Module):
 
 
 class ReLU(Module):
+    def __init__(self, inplace: bool = False) -> None:  # torchvision passes inplace=True: out of place here
+        super().__init__()
+
     def forward(self, x: Tensor) -> Tensor:
         return F.relu(x)
 
