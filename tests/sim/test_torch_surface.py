@@ -196,6 +196,8 @@ def test_type_and_cpu() -> None:
     assert x.type() == torch.tensor([1.5]).type() == "torch.FloatTensor"
     assert x.type(torch.int64).tolist() == [1, 2] and x.type("torch.DoubleTensor").dtype == torch.float64
     assert x.cpu() is x
+    with pytest.raises(sbpflow.OpError, match=r"x.cuda\(\) moves local tensors.*to_global"):
+        sbpflow.zeros(2, placement=PLACEMENTS["2"], sbp=B).cuda()
 
 
 # -- smaller habits ------------------------------------------------------------------------------------------------

@@ -407,6 +407,9 @@ class Module:
     def cpu(self) -> Module:
         return self.to("cpu")
 
+    def cuda(self, device: Any = None) -> Module:
+        return self.to(torch.device("cuda", device) if isinstance(device, int) else (device or "cuda"))
+
     # -- layout ----------------------------------------------------------------------------------
 
     def to_global(self, placement: Placement, sbp: Any = None) -> Module:

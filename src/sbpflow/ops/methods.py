@@ -285,4 +285,13 @@ bind_methods({
     "index_add_": _inplace("index_add_", _index_add), "scatter_add": _scatter_add,
     "scatter_add_": _inplace("scatter_add_", _scatter_add), "histc": F.histc, "baddbmm": F.baddbmm,
     "pin_memory": lambda self: self,  # shards are host tensors already on CPU; a CUDA copy reads them directly
+    "cuda": lambda self, device=None: _to_cuda(self, device),
 })
+
+
+def _to_cuda(self: Tensor, device: Any) -> Tensor:
+    """A local tensor copied to a CUDA device, as torch's ``x.cuda()``; a global one lives where its placement says."""
+    if self.is_global:
+        raise OpError(f"x.cuda() moves local tensors; a global tensor ({self._describe()}) lives on its placement: "
+                      "use x.to_global(sbpflow.placement('cuda', ranks))")
+    return Tensor._from_local(self.to_local().cuda(device), requires_grad=self.requires_grad)
