@@ -256,8 +256,9 @@ __all__ = [
     "uniform", "zeros", "zeros_like", "print0", "rank", "world_size",
     "as_tensor", "from_numpy", "backends", "distributed", "jit", "compile", "FloatTensor", "LongTensor", "BoolTensor",
     "empty", "empty_like", "multinomial", "baddbmm", "greater", "histc", "index_add", "nonzero", "repeat_interleave",
-    "scatter_add", "cuda", "env", "device", "Explanation", "float32", "float", "float64", "double",
-    "float16", "half", "bfloat16", "int8", "uint8", "int16", "int32", "int", "int64", "long", "bool",
+    "scatter_add", "cuda", "env", "device", "Explanation", "float32", "float64", "float16", "bfloat16",
+    "int8", "uint8", "int16", "int32", "int64",  # float, int, bool ... exist too, but a star import must not shadow
+    # the builtins
     "argsort", "einsum", "flip", "logsumexp", "norm", "outer", "roll", "sort", "tril", "triu",
     "checkpoint", "load", "save", "meta_init", "meta_tensor", "utils", "amp", "autocast", "GradScaler",
     # tensor functions
