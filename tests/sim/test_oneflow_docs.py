@@ -228,3 +228,23 @@ def test_pipeline_stages_set_as_oneflow_sets_them() -> None:
     ref = _torch_losses(twin, _batches(3), 0.1)
     # the graph returns each micro-batch's loss; their mean is the full batch's (equal halves of a mean loss)
     np.testing.assert_allclose([float(np.mean(loss.numpy())) for loss in losses], ref, rtol=1e-5)
+
+
+def test_save_and_load_as_the_cookbook_does(tmp_path: object) -> None:
+    """flow.save(model.state_dict(), path); state = flow.load(path); model.load_state_dict(state)."""
+    placement = flow.placement("cpu", [0, 1])
+    model = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3)).to_global(placement=placement, sbp=B)
+    model(flow.randn(6, 4, placement=placement, sbp=S0))  # running statistics move off their start
+    flow.save(model.state_dict(), f"{tmp_path}/model")
+    state = flow.load(f"{tmp_path}/model")
+    assert list(state) == list(model.state_dict()) and all(t.is_local for t in state.values())
+    fresh = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3))
+    fresh.load_state_dict(state)
+    for (name, ours), theirs in zip(fresh.state_dict().items(), model.state_dict().values(), strict=True):
+        np.testing.assert_array_equal(ours.numpy(), theirs.numpy(), err_msg=name)
+    nested = {"layers": [flow.ones(2), {"step": 3}], "lr": 0.5}
+    flow.save(nested, f"{tmp_path}/nested")
+    back = flow.load(f"{tmp_path}/nested")
+    assert back["layers"][0].tolist() == [1.0, 1.0] and back["layers"][1] == {"step": 3} and back["lr"] == 0.5
+    torch.save({"w": torch.arange(3.0)}, f"{tmp_path}/plain.pt")  # a torch file loads the same way
+    assert flow.load(f"{tmp_path}/plain.pt")["w"].tolist() == [0.0, 1.0, 2.0]
