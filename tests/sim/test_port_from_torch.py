@@ -41,3 +41,48 @@ def test_only_the_imports_differ() -> None:
     for source in (example.RESNET, example.VIT):  # type: ignore[attr-defined]
         ported = example.PORTED + source[len(example.IMPORTS):]  # type: ignore[attr-defined]
         assert ported.splitlines()[3:] == source.splitlines()[3:]
+
+
+def _module(name: str, source: str) -> dict[str, object]:
+    """``source`` run as module ``name`` (dataclasses look their module up in sys.modules)."""
+    import types
+
+    module = types.ModuleType(name)
+    sys.modules[name] = module
+    exec(compile(source, f"{name}.py", "exec"), module.__dict__)  # noqa: S102 (nanoGPT's file, as published)
+    return module.__dict__
+
+
+def test_nanogpt_model_file_with_only_its_imports_changed() -> None:
+    """karpathy/nanoGPT's model.py (kept as text in benchmarks/sources): the same loss, one AdamW step from its own
+    configure_optimizers to the same weights, and its generate() (top-k, multinomial, a mask write) running."""
+    import torch
+
+    import sbpflow
+
+    source = (EXAMPLE.parents[1] / "benchmarks" / "sources" / "nanogpt" / "model.py.txt").read_text()
+    imports = "import torch\nimport torch.nn as nn\nfrom torch.nn import functional as F"
+    assert source.count(imports) == 1
+    ported = source.replace(imports, "import sbpflow as torch\nimport sbpflow.nn as nn\n"
+                                     "from sbpflow.nn import functional as F")
+    theirs_ns, ours_ns = _module("nanogpt_torch", source), _module("nanogpt_sbpflow", ported)
+    config = dict(block_size=16, vocab_size=50, n_layer=2, n_head=2, n_embd=16, dropout=0.0, bias=True)
+    torch.manual_seed(0)
+    theirs = theirs_ns["GPT"](theirs_ns["GPTConfig"](**config))  # type: ignore[operator]
+    ours = ours_ns["GPT"](ours_ns["GPTConfig"](**config))  # type: ignore[operator]
+    ours.load_state_dict(theirs.state_dict())
+    idx, targets = torch.randint(0, 50, (4, 16)), torch.randint(0, 50, (4, 16))
+    _, loss = ours(sbpflow.tensor(idx), sbpflow.tensor(targets))
+    _, ref = theirs(idx, targets)
+    np.testing.assert_allclose(loss.item(), ref.item(), rtol=1e-6)
+    opt = ours.configure_optimizers(0.1, 1e-3, (0.9, 0.95), "cpu")
+    ref_opt = theirs.configure_optimizers(0.1, 1e-3, (0.9, 0.95), "cpu")
+    loss.backward()
+    ref.backward()
+    opt.step()
+    ref_opt.step()
+    for name, value in ours.state_dict().items():
+        np.testing.assert_allclose(value.numpy(), theirs.state_dict()[name].numpy(), rtol=1e-5, atol=1e-6,
+                                   err_msg=name)
+    sbpflow.manual_seed(0)
+    assert tuple(ours.generate(sbpflow.tensor(idx[:1, :4]), 3, top_k=5).shape) == (1, 7)

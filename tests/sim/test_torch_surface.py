@@ -220,6 +220,8 @@ def test_a_list_index_selects_rows_as_torch() -> None:
     check(lambda t: t[[0, 2, 4]], lambda t: t[[0, 2, 4]], [x], None)
     check(lambda t: t[:, [2, 0]], lambda t: t[:, [2, 0]], [x], PLACEMENTS["2"], [(S0,)])
     check(lambda t: t[[4, 1]], lambda t: t[[4, 1]], [x], PLACEMENTS["2"], [(S1,)])
+    check(lambda t: t[:, [-1]], lambda t: t[:, [-1]], [x], PLACEMENTS["2"], [(S0,)])  # nanoGPT's v[:, [-1]]
+    check(lambda t: t[None, ..., [-2, 0]], lambda t: t[None, ..., [-2, 0]], [x], None)
     with pytest.raises(sbpflow.OpError, match="a list of ints as an index"):
         sbpflow.tensor(x)[[0.5, 1]]
 
