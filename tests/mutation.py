@@ -67,6 +67,7 @@ _HOLDS: dict[str, tuple[str, ...]] = {
     "embedding": ("B P(sum) -> P(sum)", "B P(max) -> P(max)", "B P(min) -> P(min)"),  # rows of the weight
     "linear": ("B P(sum) -> P(sum)", "B B P(max) -> P(max)", "B B P(min) -> P(min)"),  # in w; in the bias
     "conv2d": ("B B P(max) -> P(max)", "B B P(min) -> P(min)"),  # monotone in the bias
+    "conv_transpose2d": ("B B P(max) -> P(max)", "B B P(min) -> P(min)"),  # monotone in the bias
     # monotone in the bias; mean and rstd do not depend on it, so they are B, and also P(max)/P(min) of equal pieces
     "layer_norm": ("B B P(max) -> P(max) B B", "B B P(min) -> P(min) B B", "B B P(max) -> P(max) P(max) P(max)",
                    "B B P(min) -> P(min) P(min) P(min)"),

@@ -226,6 +226,11 @@ def _matrix_cases() -> list[OpCase]:
         OpCase("linear-empty-shard", "linear", lambda g: (_r(g, 3, 2), _r(g, 5, 2), _r(g, 5)), {},
                ("P(sum) B P(sum) -> P(sum)", "S(1) S(1) P(sum) -> P(sum)")),
         OpCase("linear-nobias", "linear", lambda g: (_r(g, 3, 4), _r(g, 5, 4)), {}, ("P(sum) B -> P(sum)",)),
+        OpCase("tril", "triangle", lambda g: (_r(g, 2, 3, 4),), {"diagonal": 0, "upper": False}, ALL3),
+        OpCase("triu", "triangle", lambda g: (_r(g, 4, 4),), {"diagonal": 1, "upper": True}, ALL3),
+        OpCase("einsum", "einsum", lambda g: (_r(g, 3, 4), _r(g, 5, 4)), {"equation": "ik,jk->ij"}, both),
+        OpCase("einsum-3", "einsum", lambda g: (_r(g, 2, 3), _r(g, 3, 4), _r(g, 2, 4)), {"equation": "bi,ij,bj->b"},
+               ("P(sum) B B -> P(sum)", "B P(sum) B -> P(sum)", "B B P(sum) -> P(sum)")),
         OpCase("matmul_nd", "matmul_nd", lambda g: (_r(g, 2, 3, 5), _r(g, 5, 4)), {}, both),
         OpCase("linear_weight_grad", "linear_weight_grad", lambda g: (_r(g, 2, 3, 5), _r(g, 2, 3, 4)), {}, both),
         # linear's whole gradient (dy, w, x -> dx, dw, db): each output linear in dy, dx in w, dw in x
@@ -252,6 +257,9 @@ def _conv_cases() -> list[OpCase]:
     conv_keeps = ("P(sum) B P(sum) -> P(sum)", "B P(sum) P(sum) -> P(sum)", "S(1) S(1) P(sum) -> P(sum)")
     return [
         OpCase("conv2d", "conv2d", conv_args, _CONV, conv_keeps),
+        OpCase("conv_transpose2d", "conv_transpose2d", lambda g: (_r(g, 2, 4, 3, 3), _r(g, 4, 3, 3, 3), _r(g, 3)),
+               {"stride": (2, 2), "padding": (1, 1), "output_padding": (1, 1), "groups": 1, "dilation": (1, 1)},
+               ("P(sum) B P(sum) -> P(sum)", "B P(sum) P(sum) -> P(sum)", "S(1) S(0) P(sum) -> P(sum)")),
         # 2 input channels split over 3 ranks: one rank holds none (an empty shard)
         OpCase("conv2d-empty-shard", "conv2d", lambda g: (_r(g, 1, 2, 4, 4), _r(g, 3, 2, 3, 3), _r(g, 3)), _CONV,
                conv_keeps),
@@ -271,6 +279,10 @@ def _conv_cases() -> list[OpCase]:
         OpCase("avg_pool2d_backward-overlap", "avg_pool2d_backward", lambda g: (_r(g, 2, 3, 5, 5),),
                dict(_AVGPOOL, stride=(1, 1), input_shape=(2, 3, 6, 6)), (SUM,)),
         OpCase("adaptive_avg_pool2d", "adaptive_avg_pool2d", pool_args, {"output_size": (2, 2)}, (SUM,)),
+        OpCase("interpolate", "interpolate", lambda g: (_r(g, 2, 3, 4, 4),),
+               {"size": (6, 5), "mode": "bicubic", "align_corners": False}, (SUM,)),
+        OpCase("interpolate_backward", "interpolate_backward", lambda g: (_r(g, 2, 3, 6, 5),),
+               {"input_shape": (2, 3, 4, 4), "size": (6, 5), "mode": "bilinear", "align_corners": None}, (SUM,)),
         OpCase("adaptive_avg_pool2d_backward", "adaptive_avg_pool2d_backward", lambda g: (_r(g, 2, 3, 2, 2),),
                {"input_shape": (2, 3, 6, 6)}, (SUM,)),
         OpCase("adaptive_avg_pool2d_backward-overlap", "adaptive_avg_pool2d_backward", lambda g: (_r(g, 2, 3, 2, 2),),

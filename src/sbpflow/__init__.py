@@ -14,7 +14,10 @@ axis; ops pick SBP signatures and the framework inserts the data movement.
 
 from __future__ import annotations
 
-from . import amp, boxing, checkpoint, comm, nn, optim, sbp, utils
+import torch
+from torch import backends
+
+from . import amp, boxing, checkpoint, comm, cuda, distributed, env, jit, nn, optim, sbp, utils
 from .amp import GradScaler, autocast
 from .autograd import enable_grad, is_grad_enabled, no_grad
 from .autograd import engine as _engine  # noqa: F401  # binds Tensor.backward
@@ -22,9 +25,14 @@ from .autoparallel.apply import auto_parallel
 from .checkpoint import load, save
 from .creation import (
     arange,
+    as_tensor,
+    empty,
+    empty_like,
+    from_numpy,
     full,
     full_like,
     meta_tensor,
+    multinomial,
     ones,
     ones_like,
     rand,
@@ -68,6 +76,8 @@ from .ops.functional import (
     any,
     argmax,
     argmin,
+    argsort,
+    baddbmm,
     bmm,
     cast,
     cat,
@@ -80,14 +90,19 @@ from .ops.functional import (
     cumsum,
     div,
     dropout,
+    einsum,
     eq,
     erf,
     exp,
+    flip,
     floor,
     gather,
     ge,
     gelu,
+    greater,
     gt,
+    histc,
+    index_add,
     index_select,
     isfinite,
     isnan,
@@ -98,6 +113,7 @@ from .ops.functional import (
     logical_and,
     logical_not,
     logical_or,
+    logsumexp,
     lt,
     masked_fill,
     masked_select,
@@ -112,17 +128,24 @@ from .ops.functional import (
     mul,
     ne,
     neg,
+    nonzero,
+    norm,
+    outer,
     pow,
     randint,
     relu,
+    repeat_interleave,
     rms_norm,
+    roll,
     round,
     rsqrt,
+    scatter_add,
     sigmoid,
     sign,
     silu,
     sin,
     softmax,
+    sort,
     sqrt,
     square,
     stack,
@@ -132,6 +155,8 @@ from .ops.functional import (
     tanh,
     to_global,
     topk,
+    tril,
+    triu,
     var,
     where,
 )
@@ -155,23 +180,73 @@ from .tensor import Tensor
 
 __version__ = "0.1.0"
 
+# dtypes and devices under torch's and OneFlow's names (they are torch's own objects)
+float32 = float = torch.float32
+float64 = double = torch.float64
+float16 = half = torch.float16
+bfloat16 = torch.bfloat16
+int8, uint8, int16 = torch.int8, torch.uint8, torch.int16
+int32 = int = torch.int32
+int64 = long = torch.int64
+bool = torch.bool
+device = torch.device
 
-def explain(x: Tensor, placement: Placement | None = None, sbp: object = None) -> str:
-    """The boxing plan that ``x.to_global(placement, sbp)`` would run, as text (also printed).
+
+class _TypedTensor(Tensor):
+    """``torch.LongTensor`` and the like: names for annotations (``x: torch.LongTensor``), and ``LongTensor([1, 2])``
+    builds a local tensor of that dtype."""
+
+    dtype_of: torch.dtype = torch.float32
+    __slots__ = ()
+
+    def __new__(cls, *data: object) -> Tensor:  # type: ignore[misc]
+        return Tensor(*data).to(cls.dtype_of)  # type: ignore[attr-defined,no-any-return]
+
+
+class FloatTensor(_TypedTensor):
+    __slots__ = ()
+
+
+class LongTensor(_TypedTensor):
+    __slots__ = ()
+    dtype_of = torch.int64
+
+
+class BoolTensor(_TypedTensor):
+    __slots__ = ()
+    dtype_of = torch.bool
+
+
+def compile(model: object, *args: object, **kwargs: object) -> object:
+    """torch.compile's place in a ported script: returns ``model`` unchanged, to run eagerly. sbpflow compiles
+    with ``nn.Graph`` (a plan over the whole placement, with its own SBP choice), which needs a build function and
+    an optimizer, not a model alone; see docs/api.md."""
+    return model
+
+
+class Explanation(str):
+    """Text that a REPL shows as itself (its repr is the text, not a quoted string)."""
+
+    def __repr__(self) -> str:
+        return str(self)
+
+
+def explain(x: Tensor, placement: Placement | None = None, sbp: object = None) -> Explanation:
+    """The boxing plan that ``x.to_global(placement, sbp)`` would run, as text: a ``str`` whose repr is the text
+    itself, so that a REPL shows it once and readably (print it in a script).
 
     >>> import sbpflow
     >>> p = sbpflow.placement("cpu", [0, 1])
     >>> x = sbpflow.zeros(4, 4, placement=p, sbp=sbpflow.sbp.split(0))
-    >>> text = sbpflow.explain(x, sbp=sbpflow.sbp.broadcast)
+    >>> sbpflow.explain(x, sbp=sbpflow.sbp.broadcast)
     boxing (4, 4) float32: cpu:[0, 1] (S(0)) -> cpu:[0, 1] (B)
       1. all_gather axis 0            (S(0)) -> (B)  32 B/rank, 64 B total, 100.0 us
       total: 32 B/rank, 64 B, 100.0 us
     """
     placement = placement or x.placement
     nd = x.sbp if sbp is None else _normalize_sbp(sbp, placement, x.ndim)
-    text = str(boxing.plan(tuple(x.shape), x.dtype, boxing.Layout(x.placement, x.sbp), boxing.Layout(placement, nd)))
-    print(text)
-    return text
+    plan = boxing.plan(tuple(x.shape), x.dtype, boxing.Layout(x.placement, x.sbp), boxing.Layout(placement, nd))
+    return Explanation(str(plan))
 
 
 __all__ = [
@@ -182,6 +257,12 @@ __all__ = [
     "explain", "full", "full_like", "functional", "is_grad_enabled", "manual_seed", "nn", "no_grad", "ones",
     "ones_like", "optim", "placement", "rand", "rand_like", "randint", "randn", "randn_like", "sbp", "tensor",
     "uniform", "zeros", "zeros_like", "print0", "rank", "world_size",
+    "as_tensor", "from_numpy", "backends", "distributed", "jit", "compile", "FloatTensor", "LongTensor", "BoolTensor",
+    "empty", "empty_like", "multinomial", "baddbmm", "greater", "histc", "index_add", "nonzero", "repeat_interleave",
+    "scatter_add", "cuda", "env", "device", "Explanation", "float32", "float64", "float16", "bfloat16",
+    "int8", "uint8", "int16", "int32", "int64",  # float, int, bool ... exist too, but a star import must not shadow
+    # the builtins
+    "argsort", "einsum", "flip", "logsumexp", "norm", "outer", "roll", "sort", "tril", "triu",
     "checkpoint", "load", "save", "meta_init", "meta_tensor", "utils", "amp", "autocast", "GradScaler",
     # tensor functions
     "abs", "add", "all", "amax", "amin", "any", "argmax", "argmin", "bmm", "cast", "cat", "ceil", "chunk", "clamp",

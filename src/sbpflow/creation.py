@@ -131,6 +131,28 @@ def tensor(data: Any, *, placement: Placement | None = None, sbp: Any = None, dt
     return _finish(Tensor._from_shards(tuple(value.shape), value.dtype, placement, nd, shards), requires_grad)
 
 
+def as_tensor(data: Any, dtype: torch.dtype | None = None, device: Any = None) -> Tensor:
+    """``data`` itself when it is an sbpflow tensor of that dtype, else a new local tensor, as ``torch.as_tensor``.
+
+    >>> import sbpflow
+    >>> x = sbpflow.tensor(3.0)
+    >>> sbpflow.as_tensor(x) is x, sbpflow.as_tensor(2).tolist()
+    (True, 2)
+    """
+    if isinstance(data, Tensor) and (dtype is None or dtype == data.dtype) and device is None:
+        return data
+    if isinstance(data, Tensor) and data.is_global:
+        return data if dtype is None else data.to(dtype)  # type: ignore[attr-defined]
+    return tensor(data, dtype=dtype, device=device)
+
+
+def from_numpy(array: np.ndarray) -> Tensor:
+    """A local tensor of ``array``'s values, as ``torch.from_numpy`` (it shares the array's memory)."""
+    if not isinstance(array, np.ndarray):
+        raise ArgumentError(f"from_numpy needs a NumPy array, but got {type(array).__name__}")
+    return Tensor._from_local(torch.from_numpy(array))
+
+
 def _meta_of(shape: tuple[int, ...], dtype: torch.dtype, placement: Placement | None, nd: NdSbp | None) -> Tensor:
     """A meta tensor (see :mod:`sbpflow.meta`): local without a placement, else global without shards."""
     if placement is None or nd is None:
@@ -267,6 +289,37 @@ def uniform(*size: Any, low: float = 0.0, high: float = 1.0, placement: Placemen
 
 
 # -- like --------------------------------------------------------------------------------------
+
+
+def empty(*size: Any, placement: Placement | None = None, sbp: Any = None, dtype: torch.dtype | None = None,
+          requires_grad: bool = False, device: Any = None) -> Tensor:
+    """torch.empty: sbpflow fills it with zeros (uninitialised memory would differ between replicas of a B tensor)."""
+    return zeros(*size, placement=placement, sbp=sbp, dtype=dtype, requires_grad=requires_grad, device=device)
+
+
+def empty_like(x: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+    return zeros_like(x, dtype=dtype)
+
+
+def multinomial(probs: Tensor, num_samples: int, replacement: bool = False, *, generator: Any = None) -> Tensor:
+    """Indices drawn from each row of ``probs`` (weights, not necessarily summing to one), as torch.multinomial.
+
+    The draw comes from sbpflow's stream (the same on every process), over the logical value; the result is
+    broadcast on ``probs``' placement, or local for a local ``probs``.
+
+    >>> import sbpflow
+    >>> sbpflow.multinomial(sbpflow.tensor([[0.0, 1.0, 0.0]]), 1).tolist()
+    [[1]]
+    """
+    key = _rng.next_key()
+    gen = torch.Generator().manual_seed(key % (2**63))
+    value = logical_value(probs).detach().cpu().to(torch.float64)
+    drawn = torch.multinomial(value, num_samples, replacement, generator=gen)
+    if not probs.is_global:
+        return Tensor._from_local(drawn.to(probs.device))
+    nd = (broadcast,) * probs.placement.ndim
+    return Tensor._from_shards(tuple(drawn.shape), drawn.dtype, probs.placement, nd,
+                               shards_from_full(drawn.to(probs.device), probs.placement, nd))
 
 
 def _like_layout(x: Tensor) -> tuple[Placement | None, Any]:

@@ -42,6 +42,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from .errors import CommError, SbpflowError
+from .placement import WORLD_SIZE
 
 if TYPE_CHECKING:
     from .comm.base import Backend
@@ -199,6 +200,25 @@ def shutdown() -> None:
             close()
 
 
+def init_process_group(backend: str | None = None, **_: Any) -> None:
+    """torch's name for :func:`init`: the backend follows the launcher and the placements (gloo, NCCL for cuda), so
+    ``backend`` and torch's other arguments (init_method, rank, world_size from the environment) are not needed."""
+    init()
+
+
+def destroy_process_group() -> None:
+    """torch's name for :func:`shutdown`."""
+    shutdown()
+
+
+def get_rank() -> int:
+    return rank()
+
+
+def get_world_size() -> int:
+    return world_size()
+
+
 def rank() -> int:
     """This process's global rank: 0 in a plain (simulated) run.
 
@@ -213,6 +233,9 @@ def world_size() -> int:
     """The number of processes in the job: 1 in a plain run, where one process owns every rank."""
     init()
     return config().world_size if config().launched else 1
+
+
+WORLD_SIZE.append(world_size)  # placement.all(type): every process of the job
 
 
 def _this_rank() -> int:

@@ -11,13 +11,16 @@ it is validated when it is built.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import PlacementError
 
 DEVICE_TYPES = ("cpu", "cuda")
+# how many processes the job has: sbpflow.distributed registers its world_size here (placements are pure data,
+# below the process layer); without it, one process
+WORLD_SIZE: list[Callable[[], int]] = []
 MAX_MESH_NDIM = 3
 
 
@@ -64,6 +67,16 @@ class Placement:
     # hash (a placement keys the shard_box and dispatch caches; hashing the nested rank tuples is O(ranks)).
     _index: dict[int, int] = field(init=False, compare=False, repr=False)
     _hash: int = field(init=False, compare=False, repr=False)
+
+    @classmethod
+    def all(cls, type: str) -> Placement:
+        """Every process of the job, as OneFlow's ``placement.all("cuda")``: ``[0]`` in a plain one-process run.
+
+        >>> import sbpflow
+        >>> sbpflow.placement.all("cpu")
+        placement(type='cpu', ranks=[0])
+        """
+        return cls(type, range(WORLD_SIZE[-1]() if WORLD_SIZE else 1))
 
     def __init__(self, type: str, ranks: Sequence[Any] | int | range) -> None:
         if type not in DEVICE_TYPES:

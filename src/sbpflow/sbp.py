@@ -48,6 +48,10 @@ class Split:
 class Broadcast:
     """Each rank along the axis holds the whole value."""
 
+    def __call__(self) -> Broadcast:
+        """``sbp.broadcast()`` is ``sbp.broadcast``, as OneFlow's code calls it."""
+        return self
+
     def __str__(self) -> str:
         return "B"
 
@@ -64,6 +68,10 @@ class Partial:
 
     def __str__(self) -> str:
         return f"P({self.op})"
+
+    def __call__(self) -> Partial:
+        """``sbp.partial_sum()`` is ``sbp.partial_sum``, as OneFlow's code calls it."""
+        return self
 
 
 SbpParallel = Split | Broadcast | Partial

@@ -62,8 +62,19 @@ class Tensor:
     _view_of: Any  # an ops.views.Link when this tensor is a view of another (x[1:], x.view(12) ...), else None
     _grad_sbp: NdSbp | None  # a leaf's gradient layout when it differs from its own (ZeRO-2: S on the data axis)
 
-    def __init__(self) -> None:
-        raise TypeError("build tensors with sbpflow.tensor(...), sbpflow.randn(...) and friends")
+    def __new__(cls, *data: Any) -> Tensor:
+        """``sbpflow.Tensor([[1, 2], [3, 4]])`` (float32 values, as torch.Tensor and OneFlow's Tensor) or
+        ``sbpflow.Tensor(2, 3)`` (zeros of that shape): a local tensor."""
+        if len(data) == 1 and not isinstance(data[0], int):
+            value = data[0]
+            value = value.to_local() if isinstance(value, Tensor) and value._local is not None else value
+            return cls._from_local(torch.as_tensor(value, dtype=torch.get_default_dtype()).clone())
+        if not all(isinstance(n, int) and not isinstance(n, bool) for n in data):
+            raise TypeError(f"sbpflow.Tensor takes data (a list, array or tensor) or sizes, but got {data!r}")
+        return cls._from_local(torch.zeros(data))
+
+    def __init__(self, *data: Any) -> None:
+        pass  # built by __new__
 
     # -- construction from parts (internal) ----------------------------------------------
 
@@ -144,6 +155,10 @@ class Tensor:
     @property
     def is_global(self) -> bool:
         return self._placement is not None
+
+    @property
+    def is_local(self) -> bool:
+        return self._local is not None
 
     @property
     def shape(self) -> torch.Size:
@@ -232,7 +247,12 @@ class Tensor:
         return dict(self._shards or {})
 
     def to_local(self) -> torch.Tensor:
-        """This process's shard (or the tensor itself, for a local tensor)."""
+        """This process's shard (or the tensor itself, for a local tensor).
+
+        Where one process simulates several ranks, it is the shard of the lowest of them (what OneFlow's rank 0
+        prints); :meth:`local_tensors` gives them all. A process outside the placement gets an empty tensor, as
+        in OneFlow, so that code written for 2 processes runs on 4.
+        """
         if self._lazy is not None:
             self._lazy.refuse_data("to_local()")
         if self.is_meta:
@@ -242,18 +262,13 @@ class Tensor:
         if self._local is not None:
             return self._local
         shards = self._shards or {}
-        if len(shards) > 1:
-            raise SbpflowError(
-                f"to_local() needs one shard per process, but this process holds the {len(shards)} virtual ranks "
-                f"{sorted(shards)} of a tensor with {self._describe()}; use .local_tensors() for {{rank: shard}}"
-            )
         if not shards:
-            raise SbpflowError(f"this process holds no shard of the tensor with {self._describe()}")
-        return next(iter(shards.values()))
+            return torch.empty(0, dtype=self.dtype)
+        return shards[min(shards)]
 
     if TYPE_CHECKING:  # Tensor is data: sbpflow.ops.methods binds to_global, sbpflow.autograd.engine backward
         def to_global(self, placement: Placement | None = None, sbp: Any = None, *,
-                      grad_sbp: Any = None) -> Tensor: ...
+                      grad_sbp: Any = None, check_meta: bool = True) -> Tensor: ...
 
         def backward(self, gradient: Tensor | None = None, retain_graph: bool = False) -> None: ...
 

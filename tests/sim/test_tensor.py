@@ -145,11 +145,10 @@ def test_to_local_on_one_rank_returns_the_shard() -> None:
     assert local.to_local() is local.to_local()
 
 
-def test_to_local_with_several_virtual_ranks_points_to_local_tensors() -> None:
-    x = sbpflow.zeros(4, placement=P3, sbp=S.split(0))
-    with pytest.raises(SbpflowError, match=r"holds the 3 virtual ranks \[0, 1, 2\] of a tensor with shape \[4\] "
-                                           r"float32 on cpu:\[0, 1, 2\] sbp \(S\(0\)\); use .local_tensors\(\)"):
-        x.to_local()
+def test_to_local_with_several_virtual_ranks_is_the_lowest_ranks_shard() -> None:
+    """What OneFlow's rank 0 prints (issue 32); local_tensors() gives every virtual rank's shard."""
+    x = sbpflow.arange(4.0, placement=P3, sbp=S.split(0))
+    assert x.to_local().tolist() == [0.0, 1.0] and x.to_local() is x.local_tensors()[0]
 
 
 def test_local_tensors_is_a_fresh_dict_of_the_shards() -> None:

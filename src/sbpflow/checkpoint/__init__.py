@@ -29,8 +29,11 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import torch
+
 from ..errors import CheckpointError
-from ._index import Index
+from ..tensor import Tensor
+from ._index import Index, TensorEntry, dtype_of
 from ._load import LoadReport, load_sharded, read_index
 from ._save import SaveReport, save_sharded
 from ._torch_format import load_torch, save_torch
@@ -57,8 +60,11 @@ def save(state: Any, path: str | os.PathLike[str], *, format: str = "sbpflow") -
     return save_sharded(state, os.fspath(path))
 
 
-def load(state: Any, path: str | os.PathLike[str], *, verify: bool = True) -> LoadReport:
+def load(state: Any, path: str | os.PathLike[str] | None = None, *, verify: bool = True) -> Any:
     """Fills ``state`` in place from the checkpoint at ``path``; returns what this process read.
+
+    ``load(path)`` alone is OneFlow's and torch's form: it returns the saved state itself (nested dicts and
+    lists, tensors as local sbpflow tensors), ready for ``model.load_state_dict``.
 
     Tensors keep their own placement and SBP (the state decides the layout,
     as with torch DCP); Python scalars are replaced by the saved ones. Every
@@ -75,10 +81,51 @@ def load(state: Any, path: str | os.PathLike[str], *, verify: bool = True) -> Lo
         sbpflow.load(st, path)
         model.load_state_dict(st["model"]); opt.load_state_dict(st["optim"])
     """
+    if path is None:
+        return _load_whole(os.fspath(state), verify)
     path = os.fspath(path)
     if os.path.isfile(path):
         return load_torch(state, path)
     return load_sharded(state, path, verify)
+
+
+def _load_whole(path: str, verify: bool) -> Any:
+    """The saved state, rebuilt from the index: local tensors of the saved shapes and dtypes, then filled."""
+    if os.path.isfile(path):
+        return _as_sbpflow(torch.load(path, map_location="cpu", weights_only=True))
+    entries = list(read_index(path).entries.values())
+    if not entries:
+        return {}
+    root: Any = [] if isinstance(entries[0].path[0], int) else {}
+    for entry in entries:
+        node = root
+        for key, after in zip(entry.path[:-1], entry.path[1:], strict=True):
+            node = _child(node, key, [] if isinstance(after, int) else {})
+        leaf = Tensor._from_local(torch.zeros(entry.shape, dtype=dtype_of(entry.dtype))) if isinstance(
+            entry, TensorEntry) else None
+        _child(node, entry.path[-1], leaf)
+    load_sharded(root, path, verify)
+    return root
+
+
+def _child(node: Any, key: Any, empty: Any) -> Any:
+    """``node[key]``, set to ``empty`` first where it is missing (a list grows to take the index)."""
+    if isinstance(node, list):
+        node.extend([None] * (key + 1 - len(node)))
+        if node[key] is None:
+            node[key] = empty
+        return node[key]
+    return node.setdefault(key, empty)
+
+
+def _as_sbpflow(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return Tensor._from_local(value)
+    if isinstance(value, dict):
+        return {k: _as_sbpflow(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_as_sbpflow(v) for v in value)
+    return value
 
 
 __all__ = ["FORMATS", "Index", "LoadReport", "SaveReport", "load", "read_index", "save"]

@@ -6,6 +6,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -109,7 +113,8 @@ def solve(cost: np.ndarray, matrix: tuple[np.ndarray, np.ndarray, np.ndarray], l
     lp.row_lower_, lp.row_upper_ = lo, hi
     lp.a_matrix_.format_ = highspy.MatrixFormat.kColwise
     lp.a_matrix_.start_, lp.a_matrix_.index_, lp.a_matrix_.value_ = matrix
-    solver = highspy.Highs()
+    with _stdout_silenced():  # HiGHS's constructor prints its banner from C++, before any option can stop it
+        solver = highspy.Highs()
     solver.setOptionValue("output_flag", False)
     # a node limit, not a time limit: the result must not depend on how busy the machine is, since every
     # process compiles its own copy of the plan and all must agree
@@ -164,3 +169,18 @@ def neighbourhood(solver: Any, lp: Any, x: np.ndarray, fixed: np.ndarray) -> np.
     if not solver.getSolution().value_valid:
         return None
     return np.array(solver.getSolution().col_value)
+
+
+@contextlib.contextmanager
+def _stdout_silenced() -> Iterator[None]:
+    """File descriptor 1 pointed at /dev/null for a while: what C++ code writes to stdout is dropped."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 1)
+        yield
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
+        os.close(devnull)

@@ -1,4 +1,4 @@
-"""Containers: Sequential, ModuleList, ModuleDict."""
+"""Containers: Sequential, ModuleList, ModuleDict, ParameterList."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
-from .module import Module
+from .module import Module, Parameter
 
 
 class Sequential(Module):
@@ -116,3 +116,30 @@ class ModuleDict(Module):
 
     def items(self) -> Any:
         return self._modules.items()
+
+
+class ParameterList(Module):
+    """A list of parameters that the parent sees (names ``"0"``, ``"1"`` ...), as torch's ParameterList."""
+
+    def __init__(self, values: Iterable[Parameter] | None = None) -> None:
+        super().__init__()
+        for p in values or ():
+            self.append(p)
+
+    def append(self, value: Parameter) -> ParameterList:
+        self.register_parameter(str(len(self._parameters)), value)
+        return self
+
+    def extend(self, values: Iterable[Parameter]) -> ParameterList:
+        for p in values:
+            self.append(p)
+        return self
+
+    def __getitem__(self, index: int) -> Parameter:
+        return list(self._parameters.values())[index]  # type: ignore[return-value]
+
+    def __len__(self) -> int:
+        return len(self._parameters)
+
+    def __iter__(self) -> Iterator[Parameter]:
+        return iter(self._parameters.values())  # type: ignore[arg-type]

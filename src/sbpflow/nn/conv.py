@@ -11,7 +11,7 @@ from ..ops import functional as F
 from ..placement import Placement
 from ..tensor import Tensor
 from . import init
-from ._build import weight_and_bias
+from ._build import empty_param, weight_and_bias
 from .module import Module
 
 
@@ -98,3 +98,62 @@ class AdaptiveAvgPool2d(Module):
 
     def extra_repr(self) -> str:
         return f"output_size={self.output_size}"
+
+
+class Conv1d(Module):
+    """1-D convolution with weight (out, in / groups, k), run as a 2-D one over a height of 1 (torch's default init)."""
+
+    def __init__(self, in_channels: int, out_channels: int, kernel_size: int, stride: int = 1, padding: Any = 0,
+                 dilation: int = 1, groups: int = 1, bias: bool = True, *, placement: Placement | None = None,
+                 sbp: Any = None, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        if in_channels % groups or out_channels % groups:
+            raise ShapeError(f"Conv1d needs in_channels ({in_channels}) and out_channels ({out_channels}) divisible "
+                             f"by groups ({groups})")
+        self.in_channels, self.out_channels, self.groups = in_channels, out_channels, groups
+        self.kernel_size, self.stride, self.dilation = _single(kernel_size), _single(stride), _single(dilation)
+        self.padding = padding if isinstance(padding, str) else _single(padding)
+        weight_and_bias(self, (out_channels, in_channels // groups) + self.kernel_size, bias, placement, sbp,
+                        "Conv1d", dtype)
+        init.default_linear_(self.weight, self.bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        padding = self.padding if isinstance(self.padding, str) else (0, self.padding[0])
+        y = F.conv2d(F.unsqueeze(x, 2), F.unsqueeze(self.weight, 2), self.bias, (1, self.stride[0]), padding,
+                     (1, self.dilation[0]), self.groups)  # (N, out, 1, L'), global
+        return F.squeeze(y, 2)
+
+    def extra_repr(self) -> str:
+        return f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, stride={self.stride}"
+
+
+def _single(v: int | tuple[int, ...]) -> tuple[int]:
+    return (int(v),) if isinstance(v, int) else (int(tuple(v)[0]),)
+
+
+class ConvTranspose2d(Module):
+    """2-D transposed convolution with weight (in, out / groups, kh, kw); torch's default init."""
+
+    def __init__(self, in_channels: int, out_channels: int, kernel_size: int | tuple[int, int], stride: Any = 1,
+                 padding: Any = 0, output_padding: Any = 0, groups: int = 1, bias: bool = True, dilation: Any = 1, *,
+                 placement: Placement | None = None, sbp: Any = None, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        if in_channels % groups or out_channels % groups:
+            raise ShapeError(f"ConvTranspose2d needs in_channels ({in_channels}) and out_channels ({out_channels}) "
+                             f"divisible by groups ({groups})")
+        self.in_channels, self.out_channels, self.groups = in_channels, out_channels, groups
+        self.kernel_size, self.stride, self.dilation = _pair(kernel_size), _pair(stride), _pair(dilation)
+        self.padding, self.output_padding = _pair(padding), _pair(output_padding)
+        weight_and_bias(self, (in_channels, out_channels // groups) + self.kernel_size, False, placement, sbp,
+                        "ConvTranspose2d", dtype)
+        self.register_parameter("bias", None)
+        if bias:
+            self.bias = empty_param((out_channels,), "bias", placement, sbp, "ConvTranspose2d", dtype)
+        init.default_linear_(self.weight, self.bias)  # torch's fan_in here is weight.shape[1] * kh * kw, as ours
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.conv_transpose2d(x, self.weight, self.bias, self.stride, self.padding, self.output_padding,
+                                  self.groups, self.dilation)
+
+    def extra_repr(self) -> str:
+        return f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, stride={self.stride}"

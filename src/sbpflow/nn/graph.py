@@ -48,6 +48,7 @@ from ..autoparallel.apply import plan_graph_inputs
 from ..comm import get_backend
 from ..comm.base import TARGET_COST_FACTORS
 from ..comm.simulated import SimulatedBackend
+from ..distributed import rank
 from ..errors import SbpflowError
 from ..graph.compile import CompileOptions, CompileReport, compile_graph, gc_paused
 from ..graph.explain import explain, save_dot
@@ -59,13 +60,14 @@ from ..graph.trace import TraceError, Tracer, record_to_global, user_line
 from ..meta import refuse
 from ..optim.clip import clip_grad_norm_
 from ..optim.zero import zero
+from ..placement import Placement
 from ..runtime import actors
 from ..runtime.inorder import RANDOM_FEED, run_plan
 from ..runtime.memory import dry_run
 from ..sbp import Partial, Split, broadcast, format_nd
 from ..tensor import Tensor
 from ..utils.checkpoint import checkpoint
-from .module import Module
+from .module import Module, relayout_
 
 FOUND_INF = "amp.found_inf"  # the hidden output of a loss-scaled step: whether its gradients overflowed
 SHOW: list[tuple[str, int | None]] = []  # set by `sbpflow graph`: (folder, rank) to describe every compile in
@@ -104,20 +106,41 @@ class GraphConfig:
         # one update per parameter group (the numbers are the same)
         self.update_per_bucket = True
 
-    def enable_zero(self, stage: int = 1, *, prefetch: int = 1, **options: Any) -> None:
+    def enable_zero(self, mode: bool | int = True, *, stage: int | None = None, prefetch: int = 1,
+                    **options: Any) -> None:
         """Shards optimizer state (1), gradients (2) and parameters (3) on the data axis, as
         :func:`sbpflow.optim.zero` (``options``: ``axis``, ``min_shard_numel``, ``units``); the traced step then
         carries those SBPs as constraints (reduce-scatters and all-gathers instead of all-reduces). Stage 3
         gathers a unit's parameters up to ``prefetch`` units ahead of its use, so at most ``prefetch + 1``
-        units (besides the model itself) hold gathered copies at once (:mod:`sbpflow.graph.prefetch`)."""
+        units (besides the model itself) hold gathered copies at once (:mod:`sbpflow.graph.prefetch`).
+
+        OneFlow's spelling works too: ``enable_zero(True, stage=2)``, ``enable_zero(False)`` (off),
+        ``shard_min_size=`` (``min_shard_numel``); ``enable_zero()`` alone is stage 1 here (OneFlow's: 2).
+
+        >>> import sbpflow
+        >>> config = sbpflow.nn.Graph().config
+        >>> config.enable_zero(True, stage=2); config.zero_stage
+        2
+        >>> config.enable_zero(3); config.zero_stage
+        3
+        """
+        if isinstance(mode, bool):
+            stage = (1 if stage is None else stage) if mode else 0
+        elif stage is not None:
+            raise SbpflowError(f"enable_zero got the stage twice: {mode!r} and stage={stage!r}")
+        else:
+            stage = mode
+        if "shard_min_size" in options:
+            options["min_shard_numel"] = options.pop("shard_min_size")
+        options.pop("shard_restore_level", None)  # OneFlow's restore of sharded parameters: sbpflow's is exact
         if stage not in (0, 1, 2, 3):
             raise SbpflowError(f"enable_zero(stage=...) must be 0, 1, 2 or 3, but got {stage!r}")
         if not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 0:
             raise SbpflowError(f"enable_zero(prefetch=...) is a number of units >= 0, but got {prefetch!r}")
         self.zero_stage, self.zero_options, self.zero_prefetch = stage, options, prefetch
 
-    def enable_amp(self, dtype: torch.dtype = torch.bfloat16, *, grad_comm_dtype: torch.dtype | None = None,
-                   loss_scaler: Any = "auto") -> None:
+    def enable_amp(self, dtype: torch.dtype | bool = torch.bfloat16, *, grad_comm_dtype: torch.dtype | None = None,
+                   loss_scaler: Any = "auto", mode: bool | None = None) -> None:
         """Traces build() under ``sbpflow.autocast(dtype)`` (casts become graph ops; master weights stay fp32);
         ``grad_comm_dtype=torch.bfloat16`` also reduces gradients in bf16 (half the bytes in the plan).
 
@@ -126,7 +149,16 @@ class GraphConfig:
         divides the gradients by it, finds any inf/NaN (one reduction), keeps every parameter and optimizer
         state unchanged on overflow (``where``, no Python branch) and updates the scale, all as graph ops. The
         host reads the overflow flag after the run only to leave step counts unadvanced, as torch does;
-        ``loss_scaler.get_scale()`` follows the graph's scale."""
+        ``loss_scaler.get_scale()`` follows the graph's scale.
+
+        OneFlow's ``enable_amp(True)`` (or ``mode=True``) is bf16 here, ``enable_amp(False)`` turns it off;
+        OneFlow's default dtype is fp16: pass ``dtype=torch.float16`` for that."""
+        if isinstance(dtype, bool) or mode is not None:
+            if not (dtype if isinstance(dtype, bool) else mode):
+                self.amp_dtype, self.grad_comm_dtype, self.loss_scaler = None, None, None
+                return
+            dtype = torch.bfloat16 if isinstance(dtype, bool) else dtype
+
         if dtype not in (torch.bfloat16, torch.float16):
             raise SbpflowError(f"enable_amp(dtype=...) takes torch.bfloat16 or torch.float16, but got {dtype}")
         if isinstance(loss_scaler, str) and loss_scaler == "auto":
@@ -221,6 +253,31 @@ class ModuleConfig:
 
     def __init__(self) -> None:
         self.activation_checkpointing = False
+        self.stage_id: int | None = None
+        self._module: Module | None = None
+
+    @classmethod
+    def of_module(cls, module: Module) -> ModuleConfig:
+        """``module.to(nn.graph.GraphModule)`` (OneFlow's spelling): this module's config, made on first use."""
+        if not isinstance(module.__dict__.get("config"), ModuleConfig):
+            object.__setattr__(module, "config", cls())
+        config: ModuleConfig = module.__dict__["config"]
+        config._module = module
+        return config
+
+    def set_stage(self, stage_id: int, placement: Placement | None = None) -> None:
+        """OneFlow's pipeline stage of the module. sbpflow's stages follow placements (a module's parameters'
+        placement is its stage), so this lays the module's parameters out on ``placement`` (broadcast) where they
+        are elsewhere, and keeps ``stage_id`` for reading."""
+        self.stage_id = stage_id
+        if placement is None or self._module is None:
+            return
+        for t in list(self._module.parameters()) + [b for b in self._module.buffers() if b is not None]:
+            if not t.is_global or t.placement != placement:
+                relayout_(t, placement, [broadcast] * placement.ndim)
+
+
+GraphModule = ModuleConfig  # OneFlow's name, for module.to(nn.graph.GraphModule)
 
 
 def _attach_module_configs(module: Module) -> None:
@@ -310,6 +367,8 @@ class Graph:
     # -- calling ----------------------------------------------------------------------------------
 
     def __call__(self, *args: Any) -> Any:
+        if _all_local(args):  # OneFlow runs a graph of a local model on local tensors: one rank, this process's
+            return _local_outputs(self(*self._on_this_rank(args)))
         if self.config.auto_parallel is not None:
             args = plan_graph_inputs(self, args)
         inputs = _input_key(args)
@@ -350,6 +409,21 @@ class Graph:
         # the label of the entry as it is now (an added hook shifts the entries after it)
         what = notes[changed][0] if changed < len(notes) else "the model's structure changed"
         return f"because {what} since the last compiled step (its plan assumed it)"
+
+    def _on_this_rank(self, args: Sequence[Any]) -> list[Any]:
+        """Local inputs, and the local parameters and buffers of the graph's modules, laid out on a placement of
+        this process's rank alone (broadcast): the graph then compiles as any other. The modules keep their
+        tensors (same objects, now global on one rank: ``to_local()`` and ``numpy()`` read them as before)."""
+        device = next(a for a in args if isinstance(a, Tensor)).device
+        placement = Placement(device.type, [rank()])
+        for module in self._modules.values():
+            for t in list(module.parameters()) + [b for b in module.buffers() if b is not None]:
+                if not t.is_global:
+                    relayout_(t, placement, [broadcast])
+                elif t.placement != placement:
+                    raise SbpflowError(f"{type(self).__name__} got local inputs, but its module holds a global "
+                                       f"tensor ({t._describe()}); a global model takes global tensors as inputs")
+        return [a.to_global(placement, [broadcast]) if isinstance(a, Tensor) else a for a in args]
 
     def compile_only(self, *args: Any) -> Compiled:
         """Traces and compiles the step for ``args``' metadata (shape, dtype, placement, SBP), running nothing.
@@ -615,6 +689,20 @@ class GraphRecompileWarning(UserWarning):
 
 
 # ----------------------------------------------------------------------------- helpers
+
+
+def _all_local(args: Sequence[Any]) -> bool:
+    tensors = [a for a in args if isinstance(a, Tensor)]
+    return bool(tensors) and all(not a.is_global and not a.is_meta for a in tensors)
+
+
+def _local_outputs(result: Any) -> Any:
+    """A graph's outputs for local inputs: this rank's (whole) values as local tensors."""
+    if isinstance(result, Tensor):
+        return Tensor._from_local(result.to_local())
+    if isinstance(result, (tuple, list)):
+        return type(result)(_local_outputs(r) for r in result)
+    return result
 
 
 def _input_key(args: Sequence[Any]) -> tuple[Any, ...]:

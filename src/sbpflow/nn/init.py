@@ -25,6 +25,7 @@ from ..autograd import no_grad
 from ..creation import full, randn, uniform
 from ..errors import ShapeError
 from ..ops import functional as F
+from ..ops.methods import bind_methods
 from ..tensor import Tensor
 
 
@@ -107,6 +108,34 @@ def kaiming_uniform_(tensor: Tensor, a: float = 0.0, mode: str = "fan_in", nonli
     return uniform_(tensor, -bound, bound)
 
 
+def kaiming_normal_(tensor: Tensor, a: float = 0.0, mode: str = "fan_in", nonlinearity: str = "leaky_relu") -> Tensor:
+    """He normal: std ``gain / sqrt(fan)``."""
+    fan_in, fan_out = _calculate_fan_in_and_fan_out(tensor)
+    if mode not in ("fan_in", "fan_out"):
+        raise ValueError(f"kaiming_normal_ mode must be 'fan_in' or 'fan_out', but got {mode!r}")
+    fan = fan_in if mode == "fan_in" else fan_out
+    return normal_(tensor, 0.0, calculate_gain(nonlinearity, a) / math.sqrt(fan) if fan else 0.0)
+
+
+def trunc_normal_(tensor: Tensor, mean: float = 0.0, std: float = 1.0, a: float = -2.0, b: float = 2.0) -> Tensor:
+    """N(mean, std²) cut to ``[a, b]``, by torch's method: uniform draws between the two cut points' CDF values,
+    through the inverse CDF. The uniform draw is placement independent; the rest is elementwise on each shard."""
+    if tensor.is_meta:
+        return tensor
+    lo, hi = (_normal_cdf((a - mean) / std), _normal_cdf((b - mean) / std)) if std > 0 else (0.5, 0.5)
+    uniform_(tensor, 2 * lo - 1, 2 * hi - 1)
+    shards = [tensor.to_local()] if tensor.is_local else list(tensor.local_tensors().values())
+    with no_grad():
+        for shard in shards:
+            shard.erfinv_().mul_(std * math.sqrt(2.0)).add_(mean).clamp_(min=a, max=b)
+    tensor._version += 1
+    return tensor
+
+
+def _normal_cdf(x: float) -> float:
+    return (1.0 + math.erf(x / math.sqrt(2.0))) / 2.0
+
+
 def xavier_uniform_(tensor: Tensor, gain: float = 1.0) -> Tensor:
     """Glorot uniform: bound ``gain * sqrt(6 / (fan_in + fan_out))``."""
     fan_in, fan_out = _calculate_fan_in_and_fan_out(tensor)
@@ -128,8 +157,14 @@ def default_linear_(weight: Tensor, bias: Tensor | None) -> None:
         uniform_(bias, -bound, bound)
 
 
+bind_methods({  # x.normal_(), x.uniform_(): the initialisers, as torch's in-place draws
+    "normal_": lambda self, mean=0.0, std=1.0, *, generator=None: normal_(self, mean, std),
+    "uniform_": lambda self, a=0.0, b=1.0, *, generator=None: uniform_(self, a, b),
+})
+
 __all__ = [
     "default_linear_",
-    "calculate_gain", "constant_", "kaiming_uniform_", "normal_", "ones_", "uniform_", "xavier_normal_",
+    "calculate_gain", "constant_", "kaiming_normal_", "kaiming_uniform_", "trunc_normal_", "normal_", "ones_",
+    "uniform_", "xavier_normal_",
     "xavier_uniform_", "zeros_",
 ]

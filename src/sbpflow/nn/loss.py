@@ -48,3 +48,36 @@ class MSELoss(Module):
 
     def extra_repr(self) -> str:
         return f"reduction={self.reduction!r}"
+
+
+class NLLLoss(Module):
+    """Negative log likelihood of log-probabilities (N, C) against class indices."""
+
+    def __init__(self, weight: Tensor | None = None, ignore_index: int = -100, reduction: str = "mean") -> None:
+        super().__init__()
+        self.ignore_index = ignore_index
+        self.reduction = _check_reduction(reduction, "NLLLoss")
+        self.register_buffer("weight", weight)
+
+    def forward(self, logp: Tensor, target: Tensor) -> Tensor:
+        return F.nll_loss(logp, target, weight=self.weight, ignore_index=self.ignore_index, reduction=self.reduction)
+
+    def extra_repr(self) -> str:
+        return f"reduction={self.reduction!r}"
+
+
+class BCEWithLogitsLoss(Module):
+    """Binary cross entropy of logits, in the stable form (see ``functional.binary_cross_entropy_with_logits``)."""
+
+    def __init__(self, weight: Tensor | None = None, reduction: str = "mean", pos_weight: Tensor | None = None) -> None:
+        super().__init__()
+        self.reduction = _check_reduction(reduction, "BCEWithLogitsLoss")
+        self.register_buffer("weight", weight)
+        self.register_buffer("pos_weight", pos_weight)
+
+    def forward(self, logits: Tensor, target: Tensor) -> Tensor:
+        return F.binary_cross_entropy_with_logits(logits, target, weight=self.weight, reduction=self.reduction,
+                                                  pos_weight=self.pos_weight)
+
+    def extra_repr(self) -> str:
+        return f"reduction={self.reduction!r}"

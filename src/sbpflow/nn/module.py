@@ -73,6 +73,32 @@ class Parameter(Tensor):
     __str__ = __repr__
 
 
+class Buffer(Tensor):
+    """A tensor that a Module registers as a buffer when assigned (torch's ``nn.Buffer``): state, not a parameter.
+
+    >>> import sbpflow
+    >>> m = sbpflow.nn.Module()
+    >>> m.scale = sbpflow.nn.Buffer(sbpflow.ones(2), persistent=False)
+    >>> [n for n, _ in m.named_buffers()], list(m.state_dict())
+    (['scale'], [])
+    """
+
+    __slots__ = ("persistent",)
+    persistent: bool
+
+    def __new__(cls, data: Tensor, persistent: bool = True) -> Buffer:
+        if not isinstance(data, Tensor):
+            raise SbpflowError(f"nn.Buffer needs an sbpflow Tensor, but got {type(data).__name__}")
+        self: Buffer = object.__new__(cls)
+        self._take_storage(data.detach())
+        self._init_autograd(False)
+        self.persistent = persistent
+        return self
+
+    def __init__(self, data: Tensor, persistent: bool = True) -> None:
+        pass  # everything happens in __new__
+
+
 def relayout_(t: Tensor, placement: Placement, sbp: Any) -> Tensor:
     """Re-lays out leaf ``t`` in place to ``(placement, sbp)``, keeping its logical value and identity.
 
@@ -201,6 +227,8 @@ class Module:
         elif isinstance(value, Module):
             self._forget(name, keep=modules)
             modules[name] = value
+        elif isinstance(value, Buffer):
+            self.register_buffer(name, value, value.persistent)
         elif name in params:
             if value is not None:
                 raise SbpflowError(
@@ -338,6 +366,61 @@ class Module:
         """Clears every parameter's gradient (``None`` by default, else zeros in the grad's layout)."""
         zero_grads(self.parameters(), set_to_none)
 
+    # -- dtype and device (torch's Module.to, .float(), .half() ...) ------------------------------
+
+    def to(self, *args: Any, **kwargs: Any) -> Any:
+        """``m.to(torch.float16)``, ``m.to("cpu")``, ``m.to(device, dtype)``: converts the floating-point
+        parameters and buffers (and gradients) in place, shard by shard, keeping their layouts and identities.
+
+        A global tensor's device comes from its placement: ``to("cuda")`` moves local tensors only and asks
+        for ``to_global(sbpflow.placement("cuda", ...))`` for global ones. ``m.to(nn.graph.GraphModule)`` is
+        OneFlow's way to reach the module's graph options (``.activation_checkpointing``, ``.set_stage``).
+
+        >>> import sbpflow, torch
+        >>> m = sbpflow.nn.Linear(2, 2).to(torch.float64)
+        >>> m.weight.dtype, m(sbpflow.randn(1, 2, dtype=torch.float64)).dtype
+        (torch.float64, torch.float64)
+        """
+        if len(args) == 1 and isinstance(args[0], type) and hasattr(args[0], "of_module"):
+            return args[0].of_module(self)  # type: ignore[no-any-return]  # OneFlow's module.to(nn.graph.GraphModule)
+        dtype, device = kwargs.get("dtype"), kwargs.get("device")
+        for a in args:
+            if isinstance(a, torch.dtype):
+                dtype = a
+            elif isinstance(a, (str, torch.device)):
+                device = torch.device(a)
+            elif isinstance(a, Tensor):
+                dtype = a.dtype
+            else:
+                raise SbpflowError(f"Module.to() takes a dtype, a device or a tensor, but got {a!r}")
+        device = torch.device(device) if device is not None else None
+        tensors = list(self.parameters()) + [b for b in self.buffers() if b is not None]
+        for t in tensors:
+            _check_device_move(t, device)
+        for t in tensors:
+            for holder in (t, t.grad):
+                if holder is not None and (holder.dtype.is_floating_point or holder.dtype.is_complex):
+                    _convert(holder, dtype, device)
+        return self
+
+    def float(self) -> Module:
+        return self.to(torch.float32)
+
+    def double(self) -> Module:
+        return self.to(torch.float64)
+
+    def half(self) -> Module:
+        return self.to(torch.float16)
+
+    def bfloat16(self) -> Module:
+        return self.to(torch.bfloat16)
+
+    def cpu(self) -> Module:
+        return self.to("cpu")
+
+    def cuda(self, device: Any = None) -> Module:
+        return self.to(torch.device("cuda", device) if isinstance(device, int) else (device or "cuda"))
+
     # -- layout ----------------------------------------------------------------------------------
 
     def to_global(self, placement: Placement, sbp: Any = None) -> Module:
@@ -453,6 +536,24 @@ def check_input_layout(module: Module, x: Tensor) -> None:
         if t.is_global and t.placement != x.placement:
             raise PlacementError(f"{type(module).__name__} holds tensors on {t.placement} ({t._describe()}), but got "
                                  f"input {x._describe()}; move the input with .to_global(placement={t.placement})")
+
+
+def _check_device_move(t: Tensor, device: torch.device | None) -> None:
+    if device is not None and t.is_global and t.placement.type != device.type:
+        raise SbpflowError(f"Module.to({str(device)!r}) cannot move a global tensor ({t._describe()}): its placement "
+                           f"says where it lives; use module.to_global(sbpflow.placement({device.type!r}, ranks))")
+
+
+def _convert(t: Tensor, dtype: torch.dtype | None, device: torch.device | None) -> None:
+    """``t``'s shards converted in place (same object, same layout)."""
+    def move(x: torch.Tensor) -> torch.Tensor:
+        return x.to(device=device if t._local is not None else None, dtype=dtype)
+
+    if t._local is not None:
+        t._take_storage(Tensor._from_local(move(t._local)))
+    elif t._shards is not None:
+        shards = {r: move(x) for r, x in t._shards.items()}
+        t._take_storage(Tensor._from_shards(tuple(t.shape), dtype or t.dtype, t.placement, t.sbp, shards))
 
 
 def _indent(text: str) -> str:

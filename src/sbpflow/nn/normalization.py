@@ -145,3 +145,28 @@ class BatchNorm2d(_BatchNorm):
     """BatchNorm over (N, C, H, W) inputs."""
 
     expected_ndims = (4,)
+
+
+class GroupNorm(Module):
+    """Normalises each of ``num_groups`` channel groups of (N, C, *) over its channels and positions, then scales and
+    shifts per channel (see ``functional.group_norm``: a channel split reduces across the ranks of a group)."""
+
+    def __init__(self, num_groups: int, num_channels: int, eps: float = 1e-5, affine: bool = True, *,
+                 placement: Placement | None = None, sbp: Any = None, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        if num_channels % num_groups:
+            raise ShapeError(f"GroupNorm needs num_channels ({num_channels}) divisible by num_groups ({num_groups})")
+        self.num_groups, self.num_channels, self.eps, self.affine = num_groups, num_channels, eps, affine
+        self.register_parameter("weight", None)
+        self.register_parameter("bias", None)
+        if affine:
+            self.weight = empty_param((num_channels,), "weight", placement, sbp, "GroupNorm", dtype)
+            self.bias = empty_param((num_channels,), "bias", placement, sbp, "GroupNorm", dtype)
+            init.ones_(self.weight)
+            init.zeros_(self.bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.group_norm(x, self.num_groups, self.weight, self.bias, self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_groups}, {self.num_channels}, eps={self.eps}, affine={self.affine}"

@@ -35,9 +35,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from ..autograd import no_grad
+from ..distributed import rank, world_size
 from ..errors import AutogradError, SbpError
+from ..ops import functional as F
 from ..placement import Placement
-from ..sbp import Broadcast, SbpParallel, Split, broadcast, normalize
+from ..sbp import Broadcast, SbpParallel, Split, broadcast, normalize, partial_sum
 from ..tensor import Tensor, shards_from_full
 from .conv import Conv2d
 from .layers import Embedding, Linear
@@ -200,5 +203,55 @@ def data_parallel_input(placement: Placement, dim: int = 0, mesh_axis: int = 0) 
 
 __all__ = [
     "ColwiseParallel", "DataParallelInput", "Replicate", "RowwiseParallel", "Style", "VocabParallelEmbedding",
-    "apply_plan", "data_parallel_input",
+    "apply_plan", "data_parallel_input", "DistributedDataParallel",
 ]
+
+
+class DistributedDataParallel(Module):
+    """OneFlow's and torch's data parallel wrapper over a *local* model: every process runs the model on its own
+    local batch, and each gradient is averaged over the processes when backward computes it.
+
+    The averaging is sbpflow's own boxing: a process's local gradient becomes its piece of a ``P(sum)`` tensor on
+    every process (``placement.all``), which goes to ``B`` (one all-reduce) and is divided by the process count.
+    At construction every parameter and buffer takes process 0's value the same way. On one process (virtual
+    ranks included) it changes nothing. For a model laid out globally, pass global batches instead (``S(0)``):
+    sbpflow reduces those gradients by itself.
+
+    >>> import sbpflow
+    >>> ddp = sbpflow.nn.parallel.DistributedDataParallel(sbpflow.nn.Linear(3, 2))
+    >>> ddp(sbpflow.ones(4, 3)).shape
+    torch.Size([4, 2])
+    """
+
+    def __init__(self, module: Module, **_: Any) -> None:  # torch's and OneFlow's options (buckets ...) ignored
+        super().__init__()
+        tensors = list(module.parameters()) + [b for b in module.buffers() if b is not None]
+        glob = [t for t in tensors if t.is_global]
+        if glob:
+            raise SbpError(f"DistributedDataParallel wraps a local model, but it holds a global tensor "
+                           f"({glob[0]._describe()}); a global model is data parallel through its inputs' S(0)")
+        self.module = module
+        self._processes = Placement(tensors[0].device.type if tensors else "cpu", range(world_size()))
+        with no_grad():  # every process starts from process 0's values, as torch's DDP
+            for t in tensors:
+                t._assign(self._from_first(t))
+        for p in module.parameters():
+            if p.requires_grad:
+                p.register_hook(self._averaged)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
+
+    def _from_first(self, t: Tensor) -> Tensor:
+        """``t``'s value on process 0, on every process (a P(sum) of process 0's value and zeros elsewhere)."""
+        piece = t.detach() if rank() == 0 else F.zeros_like(t.detach())
+        return _local(piece.to_global(self._processes, partial_sum).to_global(sbp=broadcast))
+
+    def _averaged(self, grad: Tensor) -> Tensor:
+        with no_grad():
+            total = grad.to_global(self._processes, partial_sum).to_global(sbp=broadcast)
+            return F.div(_local(total), self._processes.size)
+
+
+def _local(t: Tensor) -> Tensor:
+    return Tensor._from_local(t.to_local())

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from ..errors import ShapeError
 from . import _rules as R
 from . import elementwise as E
 from . import functional as F
@@ -193,3 +194,31 @@ def _expand_grad(ctx: Any, dy: Any) -> Any:
     sum_to = F.sum_to
 
     return (sum_to(dy, tuple(ctx.inputs[0].shape)),)
+
+
+# -- einsum: each operand's gradient is an einsum of dy with the others ----------------------------------------
+
+
+@M.einsum_.grad
+def _einsum_grad(ctx: Any, dy: Any) -> Any:
+    """Operand i's gradient is the einsum of dy with the other operands, onto i's subscripts; letters that only i
+    has (summed out of the forward) come back as an expansion."""
+    metas = tuple(M.Meta(tuple(t.shape), t.dtype) for t in ctx.inputs)
+    subs, out = M._einsum_parse(ctx.attrs["equation"], metas)
+    grads = []
+    for i, (s, x) in enumerate(zip(subs, ctx.inputs, strict=True)):
+        if len(set(s)) != len(s):
+            raise ShapeError(f"einsum {ctx.attrs['equation']!r}: no gradient for an operand with a repeated "
+                             f"subscript ({s!r})")
+        others = [(sub, t) for j, (sub, t) in enumerate(zip(subs, ctx.inputs, strict=True)) if j != i]
+        seen = set(out).union(*(set(sub) for sub, _ in others))
+        kept = "".join(c for c in s if c in seen)
+        g = M.einsum_(dy, *(t for _, t in others), equation=",".join([out] + [sub for sub, _ in others]) + "->" + kept)
+        for d, c in enumerate(s):
+            if c not in seen:
+                g = F.unsqueeze(g, d)
+        wider = tuple(d for d, (a, b) in enumerate(zip(g.shape, x.shape, strict=True)) if a > b)  # x broadcast
+        if wider:
+            g = F.sum(g, dim=wider, keepdim=True)
+        grads.append(F.expand(g, tuple(x.shape)) if tuple(g.shape) != tuple(x.shape) else g)
+    return tuple(grads)

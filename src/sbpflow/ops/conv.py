@@ -35,7 +35,7 @@ from . import _rules as R
 from .reduction import sum_
 from .schema import Meta, ShardCtx, Sig, op
 
-__all__ = ["conv2d", "max_pool2d", "avg_pool2d", "adaptive_avg_pool2d"]
+__all__ = ["conv2d", "conv_transpose2d", "max_pool2d", "avg_pool2d", "adaptive_avg_pool2d", "interpolate"]
 
 B = broadcast
 PSUM, PMAX = Partial("sum"), Partial("max")
@@ -332,3 +332,136 @@ def adaptive_avg_pool2d(x: Tensor, output_size: Any) -> Tensor:
         raise ShapeError(f"adaptive_avg_pool2d needs an input of shape (N, C, H, W) or (C, H, W), got {x._describe()}")
     full = tuple(x.shape[-2 + i] if s is None else s for i, s in enumerate(sizes))
     return _adaptive_avg_pool2d(x, output_size=full)
+
+
+# -- interpolate ---------------------------------------------------------------------------------------------------
+#
+# Resizing the spatial dims of (N, C, *spatial) is linear in the input and works plane by plane: the batch and channel
+# dims may be split, and a P(sum) passes (each piece resized, the pieces still add up). Its gradient is the adjoint
+# resize, with the same signatures.
+
+
+def _interpolate_meta(x: Meta, size: tuple[int, ...], mode: str, align_corners: bool | None) -> Meta:
+    if x.ndim != len(size) + 2:
+        raise ShapeError(f"interpolate needs (N, C, *spatial) with {len(size)} spatial dims, but got shape "
+                         f"{list(x.shape)}")
+    if not x.dtype.is_floating_point:
+        raise DTypeError(f"interpolate needs a floating-point input, but got {str(x.dtype).replace('torch.', '')}")
+    return Meta(x.shape[:2] + tuple(size), x.dtype)
+
+
+def _interpolate_sigs(x: Meta, outs: tuple[Meta, ...], **_: Any) -> list[Sig]:
+    return [Sig((B,), (B,)), Sig((Split(0),), (Split(0),)), Sig((Split(1),), (Split(1),)), Sig((PSUM,), (PSUM,))]
+
+
+@op("interpolate", meta=_interpolate_meta, sbp=_interpolate_sigs, grad_reads=())
+def _interpolate(x: torch.Tensor, size: tuple[int, ...], mode: str, align_corners: bool | None) -> torch.Tensor:
+    return TF.interpolate(x, size=size, mode=mode, align_corners=align_corners)
+
+
+def _interpolate_backward_meta(dy: Meta, input_shape: tuple[int, ...], **_: Any) -> Meta:
+    return Meta(tuple(input_shape), dy.dtype)
+
+
+@op("interpolate_backward", meta=_interpolate_backward_meta, sbp=_interpolate_sigs, shard_aware=True,
+    differentiable=False)
+def interpolate_backward(ctx: ShardCtx, dy: torch.Tensor, input_shape: tuple[int, ...], size: tuple[int, ...],
+                         mode: str, align_corners: bool | None) -> torch.Tensor:
+    """The adjoint of the resize on this shard (torch's own backward, through a vjp of its kernel)."""
+    shard = torch.zeros(box_shape(ctx.out_boxes[0]), dtype=dy.dtype, device=dy.device)
+    adjoint = torch.func.vjp(lambda t: TF.interpolate(t, size=size, mode=mode, align_corners=align_corners), shard)[1]
+    return adjoint(dy)[0]
+
+
+@_interpolate.grad
+def _interpolate_grad(ctx: Any, dy: Any) -> Any:
+    return (interpolate_backward(dy, input_shape=tuple(ctx.inputs[0].shape), **ctx.attrs),)
+
+
+def interpolate(x: Tensor, size: Any = None, scale_factor: Any = None, mode: str = "nearest",
+                align_corners: bool | None = None, recompute_scale_factor: bool | None = None,
+                antialias: bool = False) -> Tensor:
+    """torch's F.interpolate by ``size`` or ``scale_factor`` (nearest, linear, bilinear, bicubic, trilinear, area).
+
+    >>> import sbpflow
+    >>> sbpflow.nn.functional.interpolate(sbpflow.ones(1, 2, 3, 3), scale_factor=2, mode="bicubic").shape
+    torch.Size([1, 2, 6, 6])
+    """
+    spatial = x.ndim - 2
+    if antialias:
+        raise ShapeError("interpolate(antialias=True) is not supported; resize without it")
+    if size is None:
+        if scale_factor is None:
+            raise ShapeError("interpolate needs size= or scale_factor=")
+        factors = scale_factor if isinstance(scale_factor, (tuple, list)) else (scale_factor,) * spatial
+        size = tuple(int(n * f) for n, f in zip(x.shape[2:], factors, strict=True))  # floor, as torch
+    size = (size,) * spatial if isinstance(size, int) else tuple(int(n) for n in size)
+    return _interpolate(x, size=size, mode=mode, align_corners=align_corners)
+
+
+# -- conv_transpose2d ----------------------------------------------------------------------------------------------
+#
+# The transposed convolution is conv2d's input gradient with weight (C_in, C_out / groups, kH, kW): the batch may be
+# split, the input channels with the weight's rows give P(sum), the weight's columns give output channels (groups
+# 1), and it is linear in the input and in the weight. Its gradients are conv2d (input) and conv2d's weight
+# gradient with the roles of input and output swapped.
+
+
+def _transpose_meta(x: Meta, w: Meta, *bias: Meta, stride: Pair, padding: Pair, output_padding: Pair, groups: int,
+                    dilation: Pair) -> Meta:
+    if x.ndim != 4 or w.ndim != 4 or x.shape[1] != w.shape[0]:
+        raise ShapeError(f"conv_transpose2d needs input (N, C, H, W) and weight (C, O/groups, kH, kW), but got input "
+                         f"{list(x.shape)} and weight {list(w.shape)}")
+    if bias and tuple(bias[0].shape) != (w.shape[1] * groups,):
+        raise ShapeError(f"conv_transpose2d needs bias of shape [{w.shape[1] * groups}], but got "
+                         f"{list(bias[0].shape)}")
+    R.check_dtypes_equal("conv_transpose2d", x, w, *bias)
+    shape = _meta_shape("conv_transpose2d", lambda a, b: TF.conv_transpose2d(a, b, None, stride, padding,
+                                                                            output_padding, groups, dilation),
+                        x.shape, w.shape)
+    return Meta(shape, x.dtype)
+
+
+def _transpose_sigs(x: Meta, w: Meta, *bias: Meta, outs: tuple[Meta, ...], groups: int, **_: Any) -> list[Sig]:
+    def sig(xs: Any, ws: Any, bs: Any, out: Any) -> Sig:
+        return Sig((xs, ws, bs) if bias else (xs, ws), (out,))
+
+    sigs = [sig(B, B, B, B), sig(Split(0), B, B, Split(0)), sig(PSUM, B, PSUM, PSUM), sig(B, PSUM, PSUM, PSUM)]
+    if groups == 1:
+        sigs += [sig(B, Split(1), Split(0), Split(1)), sig(Split(1), Split(0), PSUM, PSUM)]
+    return sigs
+
+
+@op("conv_transpose2d", meta=_transpose_meta, sbp=_transpose_sigs)
+def _conv_transpose2d(x: torch.Tensor, w: torch.Tensor, *bias: torch.Tensor, stride: Pair, padding: Pair,
+                      output_padding: Pair, groups: int, dilation: Pair) -> torch.Tensor:
+    return TF.conv_transpose2d(x, w, bias[0] if bias else None, stride, padding, output_padding, groups, dilation)
+
+
+@_conv_transpose2d.grad
+def _conv_transpose2d_grad(ctx: Any, dy: Any) -> Any:
+    x, w = ctx.inputs[:2]
+    a = ctx.attrs
+    conv = dict(stride=a["stride"], padding=a["padding"], dilation=a["dilation"], groups=a["groups"])
+    needs = ctx.needs_input_grad
+    dx = _conv2d(dy, w, **conv) if needs[0] else None
+    dw = conv2d_weight_grad(x, dy, weight_shape=tuple(w.shape), **conv) if needs[1] else None
+    if len(ctx.inputs) == 2:
+        return dx, dw
+    return dx, dw, sum_(dy, dim=(0, 2, 3)) if needs[2] else None
+
+
+def conv_transpose2d(x: Tensor, weight: Tensor, bias: Tensor | None = None, stride: Any = 1, padding: Any = 0,
+                     output_padding: Any = 0, groups: int = 1, dilation: Any = 1) -> Tensor:
+    """2-D transposed convolution of ``x`` (N, C, H, W) with ``weight`` (C, O/groups, kH, kW), as torch's.
+
+    >>> import sbpflow
+    >>> sbpflow.functional.conv_transpose2d(sbpflow.randn(1, 4, 5, 5), sbpflow.randn(4, 2, 3, 3), stride=2).shape
+    torch.Size([1, 2, 11, 11])
+    """
+    attrs = dict(stride=_pair("conv_transpose2d", "stride", stride),
+                 padding=_pair("conv_transpose2d", "padding", padding),
+                 output_padding=_pair("conv_transpose2d", "output_padding", output_padding), groups=int(groups),
+                 dilation=_pair("conv_transpose2d", "dilation", dilation))
+    args = (x, weight) if bias is None else (x, weight, bias)
+    return _conv_transpose2d(*args, **attrs)

@@ -146,13 +146,18 @@ def _autocast_off() -> Iterator[None]:
         yield
 
 
+# the registry of the autocast warning: the same key for every call, so that the filters "default" and "once"
+# (IPython, pytest and -W default put "default" first) both show it once; warnings clears it when filters change
+_AUTOCAST_SEEN: dict[Any, Any] = {}
+
+
 def _warn_autocast() -> None:
     """torch.autocast only rewrites torch's own dispatch: sbpflow ops keep their dtypes, so say so instead of letting
     users believe they train in mixed precision. One message for every op, so that "once" means once."""
-    warnings.warn(
+    warnings.warn_explicit(
         "torch.autocast is active, but it has no effect on sbpflow ops: they run in their inputs' dtypes. "
         "Use sbpflow.autocast(dtype=torch.bfloat16) for mixed precision, or cast explicitly (x.bfloat16())",
-        AutocastWarning, stacklevel=3,
+        AutocastWarning, filename=__file__, lineno=1, module="sbpflow", registry=_AUTOCAST_SEEN,
     )
 
 

@@ -259,3 +259,81 @@ def linear_backward(dy: torch.Tensor, *rest: torch.Tensor, parts: tuple[str, ...
 
 
 del ShardCtx
+
+
+# -- einsum --------------------------------------------------------------------------------------------------------
+#
+# The signatures come from the subscripts, one letter at a time (ellipses are written out as letters first):
+#
+#     a letter kept in the output      every operand that has it S(its place)  ->  S(its place in the output)
+#     a letter summed over             every operand that has it S(its place)  ->  P(sum)
+#     linear in each operand           that operand P(sum), the others B       ->  P(sum)
+#
+# A letter that repeats inside one operand (a diagonal, "ii->i") or that some operand broadcasts (size 1) is not
+# split.
+
+
+def _einsum_parse(equation: str, metas: tuple[Meta, ...]) -> tuple[list[str], str]:
+    """The subscripts of each operand and of the output, ellipses replaced by capital letters."""
+    eq = equation.replace(" ", "")
+    lhs, arrow, rhs = eq.partition("->")
+    subs = lhs.split(",")
+    if len(subs) != len(metas):
+        raise ShapeError(f"einsum {equation!r} names {len(subs)} operand(s), but got {len(metas)}")
+    spare = [c for c in "ABCDEFGHIJKLMNOPQRSTUVWXYZ" if c not in eq]
+    widest = max((m.ndim - len(s.replace("...", "")) for s, m in zip(subs, metas, strict=True) if "..." in s),
+                 default=0)
+    ell = "".join(spare[:widest])
+    subs = [s.replace("...", ell[widest - (m.ndim - len(s.replace("...", ""))):]) if "..." in s else s
+            for s, m in zip(subs, metas, strict=True)]
+    for s, m in zip(subs, metas, strict=True):
+        if len(s) != m.ndim or (s and not s.isalpha()):
+            raise ShapeError(f"einsum {equation!r}: subscripts {s!r} do not fit an operand of shape {list(m.shape)}")
+    if arrow:
+        out = rhs.replace("...", ell)
+    else:
+        letters = "".join(subs)
+        out = ell + "".join(sorted(c for c in set(letters) if letters.count(c) == 1 and c not in ell))
+    return subs, out
+
+
+def _einsum_sizes(equation: str, subs: list[str], metas: tuple[Meta, ...]) -> dict[str, set[int]]:
+    sizes: dict[str, set[int]] = {}
+    for s, m in zip(subs, metas, strict=True):
+        for c, n in zip(s, m.shape, strict=True):
+            sizes.setdefault(c, set()).add(n)
+    return sizes
+
+
+def _einsum_meta(*metas: Meta, equation: str) -> Meta:
+    subs, out = _einsum_parse(equation, metas)
+    sizes = _einsum_sizes(equation, subs, metas)
+    for c, ns in sizes.items():
+        if len(ns - {1}) > 1:
+            raise ShapeError(f"einsum {equation!r}: subscript {c!r} has sizes {sorted(ns)} in operands of shapes "
+                             f"{[list(m.shape) for m in metas]}")
+    missing = [c for c in out if c not in sizes]
+    if missing:
+        raise ShapeError(f"einsum {equation!r}: output subscript {missing[0]!r} names no operand's dim")
+    R.check_dtypes_equal("einsum", *metas)
+    return Meta(tuple(max(sizes[c]) for c in out), metas[0].dtype)
+
+
+def _einsum_sigs(*metas: Meta, outs: tuple[Meta, ...], equation: str) -> list[Sig]:
+    subs, out = _einsum_parse(equation, metas)
+    sizes = _einsum_sizes(equation, subs, metas)
+    n = len(metas)
+    sigs = [Sig((broadcast,) * n, (broadcast,))]
+    for c, ns in sizes.items():
+        if len(ns) > 1 or any(s.count(c) > 1 for s in subs) or out.count(c) > 1:
+            continue
+        ins = tuple(Split(s.index(c)) if c in s else broadcast for s in subs)
+        sigs.append(Sig(ins, (Split(out.index(c)) if c in out else Partial("sum"),)))
+    for i in range(n):
+        sigs.append(Sig(tuple(Partial("sum") if j == i else broadcast for j in range(n)), (Partial("sum"),)))
+    return sigs
+
+
+@op("einsum", meta=_einsum_meta, sbp=_einsum_sigs)
+def einsum_(*operands: torch.Tensor, equation: str) -> torch.Tensor:
+    return torch.einsum(equation, *operands)

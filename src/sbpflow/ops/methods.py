@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from ..autograd import is_grad_enabled
-from ..errors import AutogradError, DTypeError, LocalGlobalError, SbpError, ShapeError
+from ..errors import AutogradError, DTypeError, LocalGlobalError, OpError, SbpError, ShapeError
 from ..placement import Placement
 from ..sbp import Partial, format_nd, normalize
 from ..tensor import Tensor
@@ -260,11 +260,14 @@ Tensor.T = property(lambda self: _permute(self, tuple(reversed(range(self.ndim))
 Tensor.mT = property(lambda self: _transpose(self, -1, -2))  # type: ignore[attr-defined]
 
 
-def _to_global(self: Tensor, placement: Placement | None = None, sbp: Any = None, *, grad_sbp: Any = None) -> Tensor:
+def _to_global(self: Tensor, placement: Placement | None = None, sbp: Any = None, *, grad_sbp: Any = None,
+               check_meta: bool = True) -> Tensor:
     """Converts to ``placement`` and ``sbp``; an omitted argument keeps the current value.
 
     ``grad_sbp`` (global tensors) is the SBP, on this tensor's placement, that this tensor's gradient gets
     in backward (by default its own): ``partial_sum`` defers the gradient's reduction to its consumer.
+    ``check_meta`` is OneFlow's flag (skip checking that every process passed the same shape); sbpflow
+    derives the logical shape the same way either way, so it changes nothing.
 
     On a local tensor, the local tensor becomes this rank's shard: every rank
     contributes its local tensor and the SBP says what the contributions mean
@@ -297,3 +300,75 @@ def _to_global(self: Tensor, placement: Placement | None = None, sbp: Any = None
 
 
 Tensor.to_global = _to_global  # type: ignore[method-assign]
+
+
+# -- the methods ported model files call (issue 32) --------------------------------------------------------------
+
+
+def _new(fill: Any) -> Callable[..., Tensor]:
+    """``x.new_zeros(size)`` and the like: a tensor of ``x``'s dtype (unless given) on ``x``'s placement (broadcast),
+    or local where ``x`` is."""
+
+    def method(self: Tensor, *size: Any, dtype: torch.dtype | None = None, **_: Any) -> Tensor:
+        shape = tuple(size[0]) if len(size) == 1 and isinstance(size[0], (tuple, list, torch.Size)) else size
+        out = F.new_full(self, shape, fill)
+        return F.cast(out, dtype) if dtype is not None and dtype != out.dtype else out
+
+    return method
+
+
+def _new_full(self: Tensor, size: Any, fill_value: Any, dtype: torch.dtype | None = None, **_: Any) -> Tensor:
+    return _new(fill_value)(self, tuple(size), dtype=dtype)
+
+
+_TYPE_NAMES = {
+    torch.float32: "torch.FloatTensor", torch.float64: "torch.DoubleTensor", torch.float16: "torch.HalfTensor",
+    torch.bfloat16: "torch.BFloat16Tensor", torch.int64: "torch.LongTensor", torch.int32: "torch.IntTensor",
+    torch.bool: "torch.BoolTensor", torch.int8: "torch.CharTensor", torch.uint8: "torch.ByteTensor",
+}
+
+
+def _type(self: Tensor, dtype: Any = None) -> Any:
+    """``x.type()`` names the dtype as torch does; ``x.type(torch.float64)`` casts."""
+    if dtype is None:
+        return _TYPE_NAMES.get(self.dtype, str(self.dtype))
+    if isinstance(dtype, str):
+        names = {v: k for k, v in _TYPE_NAMES.items()}
+        if dtype not in names:
+            raise DTypeError(f"type() takes a dtype or one of {sorted(names)}, but got {dtype!r}")
+        dtype = names[dtype]
+    return F.cast(self, dtype) if dtype != self.dtype else self
+
+
+bind_methods({
+    "repeat": F.repeat, "tril": F.tril, "triu": F.triu, "norm": F.norm, "sort": F.sort, "argsort": F.argsort,
+    "flip": F.flip, "roll": F.roll, "logsumexp": F.logsumexp, "type": _type, "new_zeros": _new(0),
+    "new_ones": _new(1), "new_full": _new_full, "new_empty": _new(0),
+    "cpu": lambda self: self,  # sbpflow tensors already live where their placement says; CPU runs keep them
+    "outer": F.outer, "softmax": F.softmax, "log_softmax": F.log_softmax,
+})
+
+
+def _scatter_add(self: Tensor, dim: int, index: Tensor, src: Tensor) -> Tensor:
+    return F.scatter_add(self, dim, index, src)
+
+
+def _index_add(self: Tensor, dim: int, index: Tensor, source: Tensor, alpha: float = 1.0) -> Tensor:
+    return F.index_add(self, dim, index, source, alpha=alpha)
+
+
+bind_methods({
+    "repeat_interleave": F.repeat_interleave, "nonzero": F.nonzero, "index_add": _index_add,
+    "index_add_": _inplace("index_add_", _index_add), "scatter_add": _scatter_add,
+    "scatter_add_": _inplace("scatter_add_", _scatter_add), "histc": F.histc, "baddbmm": F.baddbmm,
+    "pin_memory": lambda self: self,  # shards are host tensors already on CPU; a CUDA copy reads them directly
+    "cuda": lambda self, device=None: _to_cuda(self, device),
+})
+
+
+def _to_cuda(self: Tensor, device: Any) -> Tensor:
+    """A local tensor copied to a CUDA device, as torch's ``x.cuda()``; a global one lives where its placement says."""
+    if self.is_global:
+        raise OpError(f"x.cuda() moves local tensors; a global tensor ({self._describe()}) lives on its placement: "
+                      "use x.to_global(sbpflow.placement('cuda', ranks))")
+    return Tensor._from_local(self.to_local().cuda(device), requires_grad=self.requires_grad)

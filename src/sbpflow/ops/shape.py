@@ -273,3 +273,31 @@ def _permute_reshape_grad(ctx: Any, dy: Any) -> Any:
     dims = ctx.attrs["dims"]
     x_shape = tuple(ctx.inputs[0].shape)
     return (reshape_permute(dy, shape=tuple(x_shape[d] for d in dims), dims=_inverse(dims)),)
+
+
+# -- tril / triu ---------------------------------------------------------------------------------------------------
+#
+# One op for both triangles of the last two dims. Every entry either stays or becomes 0, the same on every piece,
+# so partial sums pass (zeros add to zero) and so do max and min (every piece holds the same 0 there). Batch dims
+# may be split; the two matrix dims are not (a shard would need its offset on the diagonal).
+
+
+def _triangle_meta(x: Meta, diagonal: int, upper: bool) -> Meta:
+    if x.ndim < 2:
+        raise ShapeError(f"{'triu' if upper else 'tril'} needs a tensor of 2 or more dims, but got shape "
+                         f"{list(x.shape)}")
+    return x
+
+
+def _triangle_sigs(x: Meta, outs: tuple[Meta, ...], diagonal: int, upper: bool) -> list[Sig]:
+    return _passthrough() + [Sig((Split(d),), (Split(d),)) for d in range(x.ndim - 2)]
+
+
+@op("triangle", meta=_triangle_meta, sbp=_triangle_sigs, grad_reads=())
+def triangle(x: torch.Tensor, diagonal: int, upper: bool) -> torch.Tensor:
+    return torch.triu(x, diagonal) if upper else torch.tril(x, diagonal)
+
+
+@triangle.grad
+def _triangle_grad(ctx: Any, dy: Any) -> Any:
+    return (triangle(dy, diagonal=ctx.attrs["diagonal"], upper=ctx.attrs["upper"]),)

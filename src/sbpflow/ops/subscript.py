@@ -90,6 +90,7 @@ def getitem(x: Tensor, key: Any) -> Tensor:
     if isinstance(key, Tensor) and key.dtype == torch.bool:
         return _mask_rows(x, key)
     key = key if isinstance(key, tuple) else (key,)
+    key = tuple(_list_index(x, k, _dim_of(x, key, i)) if isinstance(k, list) else k for i, k in enumerate(key))
     if any(isinstance(k, Tensor) and k.dtype == torch.bool for k in key):
         raise OpError(f"x[...] takes a bool mask only alone (x[mask]), but got key {key!r}; input {x._describe()}")
     if sum(1 for k in key if isinstance(k, Tensor)) > 1:
@@ -109,6 +110,28 @@ def getitem(x: Tensor, key: Any) -> Tensor:
             out = _index_tensor(out, d, k)
             d += 0 if k.ndim == 0 else 1
     return mark_view(out, x, setitem_writer(key), "__getitem__", key) if basic else out  # a tensor index copies
+
+
+def _dim_of(x: Tensor, key: tuple[Any, ...], i: int) -> int:
+    """The dim of ``x`` that entry ``i`` of ``key`` indexes (None adds no dim of x; ``...`` spans the rest)."""
+    before = key[:i]
+    if any(k is Ellipsis for k in before):
+        after = [k for k in key[i + 1 :] if k is not None]
+        return x.ndim - 1 - len(after)
+    return sum(1 for k in before if k is not None)
+
+
+def _list_index(x: Tensor, k: list[Any], dim: int) -> Tensor:
+    """``x[[0, 2]]``, ``x[:, [-1]]``: a list of ints indexes as torch's int tensor would (negative ints count from
+    the end of the dim; on ``x``'s placement, broadcast)."""
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in k):
+        raise OpError(f"x[...] takes a list of ints as an index, but got {k!r}; input {x._describe()}")
+    size = x.shape[dim] if dim < x.ndim else 0
+    index = torch.tensor([i + size if i < 0 else i for i in k], dtype=torch.int64)
+    if x.is_global:
+        return Tensor._from_shards(tuple(index.shape), index.dtype, x.placement, (broadcast,) * len(x.sbp),
+                                   {r: index.to(x.device) for r in x.local_tensors()})
+    return Tensor._from_local(index.to(x.device))
 
 
 # -- x[key] = value ----------------------------------------------------------------------------------

@@ -29,7 +29,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from .. import random
+from .. import amp, random
 from ..autograd import enable_grad, is_grad_enabled
 from ..autograd.engine import grad
 from ..errors import AutogradError
@@ -61,7 +61,8 @@ def checkpoint(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     if not arg_inputs and not leaves:
         return out  # nothing to differentiate: no node needed
     results = tuple(o.detach() for o in outs)
-    attrs = {"fn": fn, "args": args, "kwargs": kwargs, "rng": rng, "n_args": len(arg_inputs), "leaves": leaves}
+    attrs = {"fn": fn, "args": args, "kwargs": kwargs, "rng": rng, "n_args": len(arg_inputs), "leaves": leaves,
+             "amp": amp.active_dtype()}
     differentiable = tuple(r for r, o in zip(results, outs, strict=True) if o.requires_grad)
     record(_checkpoint_def, arg_inputs + leaves, attrs, differentiable)
     return _rebuild(out, outs, results)
@@ -73,7 +74,10 @@ def _checkpoint_grad(ctx: Any, *grads: Tensor) -> tuple[Tensor | None, ...]:
     detached = _detach_args(attrs["args"])
     tracer = trace.tracing()
     first = len(tracer.graph.nodes) if tracer is not None else 0
-    with random.replay(attrs["rng"]), enable_grad():
+    # the recomputation runs under the forward's autocast (backward turns autocast off), so that it casts as the
+    # forward did
+    low = attrs["amp"]
+    with random.replay(attrs["rng"]), enable_grad(), amp.autocast(low or amp.LOW_DTYPES[0], enabled=low is not None):
         out = attrs["fn"](*detached, **attrs["kwargs"])
     if tracer is not None:  # nn.Graph: the recomputed forward is a clone in backward, delayed by a control edge
         _delay(tracer, first, grads)
