@@ -32,6 +32,8 @@ from typing import Any
 from ..errors import CheckpointError
 from ._index import Index
 from ._load import LoadReport, load_sharded, read_index
+from ._manager import CheckpointManager
+from ._run import RunState, rng_state, run_state, set_rng_state
 from ._save import SaveReport, save_sharded
 from ._torch_format import load_torch, save_torch
 
@@ -81,4 +83,5 @@ def load(state: Any, path: str | os.PathLike[str], *, verify: bool = True) -> Lo
     return load_sharded(state, path, verify)
 
 
-__all__ = ["FORMATS", "Index", "LoadReport", "SaveReport", "load", "read_index", "save"]
+__all__ = ["FORMATS", "CheckpointManager", "Index", "LoadReport", "RunState", "SaveReport", "load", "read_index",
+           "rng_state", "run_state", "save", "set_rng_state"]
