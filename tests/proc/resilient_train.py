@@ -49,8 +49,9 @@ def main() -> None:
         if step + 1 == args.stop_at:
             break
     manager.wait()
+    values = parameter_values(trainer)  # collectives (gathers): every process reads them
     if sbpflow.rank() == 0:
-        np.savez(os.path.join(args.out, "params.npz"), **parameter_values(trainer))
+        np.savez(os.path.join(args.out, "params.npz"), **values)
 
 
 if __name__ == "__main__":

@@ -72,5 +72,24 @@ def test_a_checkpoint_resumes_on_another_number_of_processes(tmp_path: Path, bef
     for (_, _, s, loss), (_, _, s2, want) in zip(log[2:], straight[2:], strict=True):
         assert s == s2
         np.testing.assert_allclose(loss, want, rtol=1e-5)  # the first 2 steps summed in another order
+    # Adam's m / sqrt(v) turns a rounding difference in a near-zero gradient into up to lr (1e-2) of a step:
+    # parameters agree to a small fraction of the 4 steps' travel, not to rounding
     for name, value in _params(tmp_path / "straight").items():
-        np.testing.assert_allclose(_params(run)[name], value, rtol=1e-4, atol=1e-6, err_msg=name)
+        np.testing.assert_allclose(_params(run)[name], value, rtol=1e-3, atol=4e-4, err_msg=name)
+
+
+def test_max_restarts_reaches_torchrun_and_the_attempt_is_read_from_its_environment() -> None:
+    import argparse
+
+    from sbpflow.cli import torchrun_argv
+    from sbpflow.distributed import Config
+
+    args = argparse.Namespace(nproc_per_node=2, nnodes=1, node_rank=0, master_addr=None, master_port=None,
+                              max_restarts=3, script="t.py", script_args=[])
+    assert torchrun_argv(args)[:6] == ["--nproc-per-node", "2", "--nnodes", "1", "--max-restarts", "3"]
+    with pytest.raises(SystemExit, match="--max-restarts must be at least 0, but got -1"):
+        torchrun_argv(argparse.Namespace(**(vars(args) | {"max_restarts": -1})))
+    cfg = Config.from_env({"RANK": "1", "WORLD_SIZE": "2", "TORCHELASTIC_RESTART_COUNT": "2",
+                           "TORCHELASTIC_USE_AGENT_STORE": "True"})
+    assert (cfg.restart_count, cfg.agent_store) == (2, True)
+    assert (Config.from_env({}).restart_count, Config.from_env({}).agent_store) == (0, False)
