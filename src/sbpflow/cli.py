@@ -86,6 +86,9 @@ def _add_launch(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     p.add_argument("--node-rank", type=int, default=0, help="this node's index, 0..nnodes-1 (default 0)")
     p.add_argument("--master-addr", default=None, help="rendezvous host (needed with --nnodes > 1)")
     p.add_argument("--master-port", type=int, default=None, help="rendezvous port (default: a free one)")
+    p.add_argument("--max-restarts", type=int, default=0,
+                   help="restart the whole job up to N times after a failure (default 0); a script that restores "
+                        "with sbpflow.checkpoint.CheckpointManager resumes from its newest checkpoint")
     p.add_argument("script", help="the Python script to run")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
 
@@ -205,7 +208,11 @@ def torchrun_argv(args: argparse.Namespace) -> list[str]:
     ...                                  master_port=None, script="train.py", script_args=["--lr", "0.1"]))
     ['--nproc-per-node', '2', '--nnodes', '1', '--max-restarts', '0', '--standalone', 'train.py', '--lr', '0.1']
     """
-    argv = ["--nproc-per-node", str(args.nproc_per_node), "--nnodes", str(args.nnodes), "--max-restarts", "0"]
+    restarts = getattr(args, "max_restarts", 0)
+    if not isinstance(restarts, int) or restarts < 0:
+        raise SystemExit(f"sbpflow launch: --max-restarts must be at least 0, but got {restarts}")
+    argv = ["--nproc-per-node", str(args.nproc_per_node), "--nnodes", str(args.nnodes), "--max-restarts",
+            str(restarts)]
     if args.nnodes == 1 and args.master_addr is None and args.master_port is None:
         argv.append("--standalone")  # c10d rendezvous on localhost, on a free port
     else:

@@ -64,6 +64,8 @@ class Config:
     debug: bool  # compare every collective's fingerprint across its group first (SBPFLOW_DEBUG=1)
     error_file: str | None = None  # where torchrun wants a failed worker's error (TORCHELASTIC_ERROR_FILE)
     host_cache: bool = True  # malloc keeps freed host memory for the next step (SBPFLOW_HOST_CACHE=0: not)
+    restart_count: int = 0  # which attempt of a restarted job this is (TORCHELASTIC_RESTART_COUNT)
+    agent_store: bool = False  # torchrun's agent hosts the store, kept across restarts (TORCHELASTIC_USE_AGENT_STORE)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Config:
@@ -81,6 +83,8 @@ class Config:
             debug=_flag(env, "SBPFLOW_DEBUG", False),
             error_file=env.get("TORCHELASTIC_ERROR_FILE") or None,
             host_cache=_flag(env, "SBPFLOW_HOST_CACHE", True),
+            restart_count=_int(env, "TORCHELASTIC_RESTART_COUNT", 0),
+            agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
         )
 
 

@@ -95,14 +95,64 @@ def test_resume_mid_epoch_gives_the_remaining_batches(prefetch: int) -> None:
     assert head + tail == full
 
 
-def test_iter_yields_the_rest_of_the_epoch_and_state_crosses_epochs() -> None:
+def _torch_and_ours(n: int, bs: int, script: list[int]) -> tuple[list[list[list[int]]], list[list[list[int]]]]:
+    """Runs ``script`` on torch's DataLoader and ours (sequential order): each entry starts a new ``iter()`` and
+    takes that many batches (-1: to the end). The batches each iteration yielded, for both."""
+    ds = Counting(n)
+
+    def run(loader: Any) -> list[list[list[int]]]:
+        out = []
+        for take in script:
+            got = []
+            for batch in loader:
+                got.append(batch[1].tolist())
+                if len(got) == take:
+                    break
+            out.append(got)
+        return out
+
+    return run(tud.DataLoader(ds, bs)), run(DataLoader(ds, bs))
+
+
+@pytest.mark.parametrize("script", [[1, -1], [2, -1, 3, -1], [-1, 1, 1, -1], [5, -1]])
+def test_a_new_iter_starts_the_epoch_as_torch(script: list[int]) -> None:
+    theirs, ours = _torch_and_ours(17, 4, script)  # 5 batches: after a peek the loop yields 0..16, not 4..16
+    assert ours == theirs
+
+
+def test_a_break_then_a_new_loop_takes_the_next_epochs_order() -> None:
+    loader = DataLoader(Counting(20), 4, shuffle=True, seed=3)
+    reference = DataLoader(Counting(20), 4, shuffle=True, seed=3)
+    epoch0 = [ids(b) for b in reference]
+    epoch1 = [ids(b) for b in reference]
+    assert ids(next(iter(loader))) == epoch0[0]
+    assert loader.state_dict()["epoch"] == 0 and loader.state_dict()["index"] == 1  # one batch taken
+    assert [ids(b) for b in loader] == epoch1  # a whole epoch, in the next epoch's order
+    assert (loader.epoch, loader.index) == (2, 0)
+
+
+def test_only_a_restored_loader_continues_mid_epoch() -> None:
     loader = DataLoader(Counting(10), 4)
     it = iter(loader)
     assert ids(next(it)) == [0, 1, 2, 3]
     it.close()
-    assert loader.state_dict()["index"] == 1
-    assert [ids(b) for b in loader] == [[4, 5, 6, 7], [8, 9]]
-    assert (loader.epoch, loader.index) == (1, 0)
+    state = loader.state_dict()
+    assert (state["epoch"], state["index"]) == (0, 1)
+    restored = DataLoader(Counting(10), 4)
+    restored.load_state_dict(state)
+    assert [ids(b) for b in restored] == [[4, 5, 6, 7], [8, 9]]  # the rest of the saved epoch, once
+    assert (restored.epoch, restored.index) == (1, 0)
+    assert [ids(b) for b in restored] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]  # then whole epochs again
+    loader.load_state_dict(state)  # the same loader, restored in place
+    assert [ids(b) for b in loader][0] == [4, 5, 6, 7]
+
+
+def test_steps_continue_from_the_position_across_calls() -> None:
+    loader = DataLoader(Counting(10), 4)
+    first = [ids(b) for b in loader.batches(steps=2)]
+    second = [ids(b) for b in loader.batches(steps=2)]
+    assert first + second == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9], [0, 1, 2, 3]]
+    assert loader.state_dict()["epoch"] == 1 and loader.state_dict()["index"] == 1
 
 
 def test_load_state_dict_refuses_another_seed_or_dataset() -> None:
@@ -230,4 +280,4 @@ def test_an_abandoned_iteration_stops_its_source_thread() -> None:
     while source_threads() and time.monotonic() < deadline:
         time.sleep(0.01)
     assert not source_threads()
-    assert loader.state_dict()["index"] == 1 and [ids(b) for b in loader][0] == [2, 3]
+    assert loader.state_dict()["index"] == 1 and [ids(b) for b in loader][0] == [0, 1]  # a new loop: a new epoch

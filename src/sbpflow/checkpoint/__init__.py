@@ -35,6 +35,8 @@ from ..errors import CheckpointError
 from ..tensor import Tensor
 from ._index import Index, TensorEntry, dtype_of
 from ._load import LoadReport, load_sharded, read_index
+from ._manager import CheckpointManager
+from ._run import RunState, rng_state, run_state, set_rng_state
 from ._save import SaveReport, save_sharded
 from ._torch_format import load_torch, save_torch
 
@@ -128,4 +130,5 @@ def _as_sbpflow(value: Any) -> Any:
     return value
 
 
-__all__ = ["FORMATS", "Index", "LoadReport", "SaveReport", "load", "read_index", "save"]
+__all__ = ["FORMATS", "CheckpointManager", "Index", "LoadReport", "RunState", "SaveReport", "load", "read_index",
+           "rng_state", "run_state", "save", "set_rng_state"]

@@ -110,7 +110,21 @@ class Index:
         except (ValueError, KeyError, TypeError) as e:
             raise CheckpointError(f"the checkpoint index {where} is damaged or not an sbpflow index: "
                                   f"{type(e).__name__}: {e}") from None
+        named = set(files) | {b.file for e in entries.values() if isinstance(e, TensorEntry) for b in e.boxes}
+        for name in sorted(named):
+            check_file_name(name, where)
         return cls(entries, files)
+
+
+def check_file_name(name: str, where: str) -> None:
+    """A shard file named by an index is a plain file name inside the checkpoint's folder: no directory part
+    (``/``, ``\\``), no ``.`` or ``..``, not absolute, no NUL; anything else could read a file from elsewhere."""
+    plain = (name not in ("", ".", "..") and "/" not in name and "\\" not in name and "\0" not in name
+             and ":" not in name)
+    if not plain:
+        raise CheckpointError(f"the checkpoint index {where} names the shard file {name!r}, which is not a plain "
+                              "file name inside the checkpoint folder; refusing to read it (the index is damaged "
+                              "or crafted)")
 
 
 def _lines(mapping: dict[str, Any]) -> str:

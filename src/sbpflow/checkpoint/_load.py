@@ -156,6 +156,7 @@ class _Files:
         if record is None:
             raise CheckpointError(f"the checkpoint index places {wanted!r} in {file}, which it does not list; the "
                                   "index is damaged")
+        check_inside(where, self.root)
         check_file(where, record, self.verify)
         try:
             handle = self.stack.enter_context(safe_open(where, framework="pt"))
@@ -165,6 +166,16 @@ class _Files:
         self.handles[file] = handle
         self.report.files.append(file)
         return handle
+
+
+def check_inside(where: str, root: str) -> None:
+    """The file ``where`` resolves (symlinks followed) to a regular file inside the checkpoint folder ``root``."""
+    real, folder = os.path.realpath(where), os.path.realpath(root)
+    if os.path.dirname(real) != folder:
+        raise CheckpointError(f"the checkpoint file {where} resolves to {real}, outside the checkpoint folder "
+                              f"{folder}; refusing to read it")
+    if os.path.exists(real) and not os.path.isfile(real):
+        raise CheckpointError(f"the checkpoint file {where} is not a regular file; refusing to read it")
 
 
 def check_file(where: str, record: FileRecord, verify: bool) -> None:

@@ -26,6 +26,7 @@ import json
 import os
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import IO, Any
 
@@ -58,30 +59,73 @@ def save_sharded(state: Any, path: str) -> SaveReport:
     """See :func:`sbpflow.checkpoint.save`."""
     start = time.perf_counter()
     backend = get_backend()
+    staged = stage(state, path, backend)
+    report = write_files(staged)
+    backend.barrier()
+    if staged.lead:
+        publish(staged)
+    backend.barrier()
+    report.seconds = time.perf_counter() - start
+    return report
+
+
+@dataclass
+class Staged:
+    """A save between its collective part (done) and its file writing: the index's entries, the boxes this
+    process writes (``{rank: {name: tensor}}``), and where they go."""
+
+    final: str
+    index: Index
+    per_rank: dict[int, dict[str, torch.Tensor]]
+    lead: bool  # this process commits the directory
+    process: int
+    processes: int
+
+    @property
+    def partial(self) -> str:
+        return self.final + ".partial"
+
+
+def stage(state: Any, path: str, backend: Backend, copy: Callable[[int, str, torch.Tensor], torch.Tensor] | None
+          = None) -> Staged:
+    """Steps 1 and 2 up to the files (every process, collectively): ``PATH.partial`` made, partial tensors
+    reduced, each process's boxes chosen; ``copy(rank, name, box)`` (an asynchronous save's snapshot into
+    host memory) replaces each box this process writes."""
     final = os.path.abspath(path)
-    partial = final + ".partial"
     items = leaves(state)
     _check_replaceable(final)
     lead = backend.owns(0)
     if lead:
-        _fresh_dir(partial)
+        _fresh_dir(final + ".partial")
     backend.barrier()
     index, per_rank = _collect(items, backend)
-    report = SaveReport(final)
+    if copy is not None:
+        per_rank = {r: {name: copy(r, name, t) for name, t in tensors.items()} for r, tensors in per_rank.items()}
+    return Staged(final, index, per_rank, lead, rank(), world_size())
+
+
+def write_files(staged: Staged) -> SaveReport:
+    """Step 2's files: this process's shard files and its manifest in ``PATH.partial`` (no communication)."""
+    report = SaveReport(staged.final)
     records = {}
-    for r, tensors in sorted(per_rank.items()):
-        records[rank_file(r)] = write_safetensors(os.path.join(partial, rank_file(r)), tensors)
+    for r, tensors in sorted(staged.per_rank.items()):
+        records[rank_file(r)] = write_safetensors(os.path.join(staged.partial, rank_file(r)), tensors)
         report.files.append(rank_file(r))
         report.bytes_written += records[rank_file(r)].nbytes
-    _write_manifest(partial, rank(), records)
-    backend.barrier()
-    if lead:
-        index.files = _read_manifests(partial, world_size())
-        write_durably(os.path.join(partial, INDEX_FILE), index.to_json().encode())
-        commit(partial, final)
-    backend.barrier()
-    report.seconds = time.perf_counter() - start
+    _write_manifest(staged.partial, staged.process, records)
     return report
+
+
+def publish(staged: Staged) -> None:
+    """Step 3, on the lead process once every process's manifest is written: the index, then the rename."""
+    staged.index.files = _read_manifests(staged.partial, staged.processes)
+    write_durably(os.path.join(staged.partial, INDEX_FILE), staged.index.to_json().encode())
+    commit(staged.partial, staged.final)
+
+
+def manifests_written(partial: str, processes: int) -> bool:
+    """Whether every process's manifest is in ``partial`` (an asynchronous save's lead polls this)."""
+    return all(os.path.exists(os.path.join(partial, _manifest_name(p))) for p in range(processes))
 
 
 # ----------------------------------------------------------------------------- what this process writes
@@ -175,7 +219,9 @@ def _manifest_name(process: int) -> str:
 
 def _write_manifest(partial: str, process: int, records: dict[str, FileRecord]) -> None:
     body = {name: {"bytes": r.nbytes, "sha256": r.sha256} for name, r in records.items()}
-    write_durably(os.path.join(partial, _manifest_name(process)), json.dumps(body).encode())
+    where = os.path.join(partial, _manifest_name(process))
+    write_durably(where + ".tmp", json.dumps(body).encode())
+    os.replace(where + ".tmp", where)  # whole or absent: an asynchronous lead polls for it
 
 
 def _read_manifests(partial: str, processes: int) -> dict[str, FileRecord]:

@@ -88,9 +88,22 @@ class TorchDistBackend(Backend):
         if torch.cuda.is_available():
             torch.cuda.set_device(config.local_rank)
         if not dist.is_initialized():
-            # env:// lets torch find torchrun's agent store (TORCHELASTIC_USE_AGENT_STORE) or host its own
-            self._call("init_process_group", tuple(range(self.world_size)), lambda: dist.init_process_group(
-                "gloo", init_method="env://", rank=self.rank, world_size=self.world_size, timeout=self.timeout))
+            self._call("init_process_group", tuple(range(self.world_size)), self._init_process_group)
+
+    def _init_process_group(self) -> None:
+        """Joins the default gloo group. Under torchrun's agent store, which outlives a failed attempt of a job
+        restarted by ``--max-restarts``, the keys go under a prefix of this attempt: the previous attempt's keys
+        (the dead processes' addresses) must not be read. Otherwise env:// hosts a store on rank 0."""
+        cfg = self.config
+        if not cfg.agent_store:
+            dist.init_process_group("gloo", init_method="env://", rank=self.rank, world_size=self.world_size,
+                                    timeout=self.timeout)
+            return
+        agent = dist.TCPStore(cfg.master_addr, cfg.master_port, self.world_size, is_master=False,
+                              timeout=self.timeout)
+        store = dist.PrefixStore(f"sbpflow/attempt-{cfg.restart_count}", agent)
+        dist.init_process_group("gloo", store=store, rank=self.rank, world_size=self.world_size,
+                                timeout=self.timeout)
 
     def close(self) -> None:
         """Leaves every group and the default process group."""

@@ -3,7 +3,8 @@
 A run's state is more than its weights: the optimizer's moments and step
 counts, the LR schedule, the random stream (dropout masks) and how far the
 batch stream has gone. :func:`training_state` gathers all of it as one nested
-dict; :func:`save_training` writes it with :func:`sbpflow.save` and
+dict (the public :func:`sbpflow.checkpoint.run_state`, which a script uses with
+a :class:`sbpflow.checkpoint.CheckpointManager`); :func:`save_training` writes it with :func:`sbpflow.save` and
 :func:`resume_training` fills a freshly built run from it, in that run's own
 strategy (any other one works too, resharding on load).
 
@@ -29,37 +30,25 @@ import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 import sbpflow
-from sbpflow import random as sbp_random
+from sbpflow.checkpoint import RunState, run_state
 from sbpflow.utils.data import DataLoader
 
 if TYPE_CHECKING:  # train_gpt drives this module
     from .train_gpt import Trainer
 
 
-def rng_state() -> dict[str, Any]:
-    """sbpflow's random stream (seed and draws made) and torch's own generator."""
-    return {"seed": sbp_random.initial_seed(), "counter": sbp_random.counter(), "torch": torch.get_rng_state()}
-
-
-def set_rng_state(state: dict[str, Any]) -> None:
-    sbp_random.manual_seed(state["seed"])
-    sbp_random.set_counter(state["counter"])
-    torch.set_rng_state(state["torch"])
+def _run(trainer: Trainer, schedule: Any, step: int, loader: DataLoader | None) -> RunState:
+    return run_state(model=trainer.model, optimizer=trainer.optimizer, scheduler=schedule, loader=loader, step=step)
 
 
 def training_state(trainer: Trainer, schedule: Any, step: int, loader: DataLoader | None = None) -> dict[str, Any]:
-    """Everything a resumed run needs, as tensors (sharing the run's storage) and Python scalars."""
-    return {
-        "model": trainer.model.state_dict(),
-        "optim": trainer.optimizer.state_dict(),
-        "schedule": schedule.state_dict() if schedule is not None else {},
-        "rng": rng_state(),
-        "data": loader.state_dict() if loader is not None else {"batches": step},  # see the module docstring
-        "step": step,
-    }
+    """Everything a resumed run needs (:func:`sbpflow.checkpoint.run_state`'s tree), as tensors (sharing the
+    run's storage) and Python scalars."""
+    tree = _run(trainer, schedule, step, loader).tree()
+    if loader is None:
+        tree["data"] = {"batches": step}  # see the module docstring
+    return tree
 
 
 def save_training(path: str, trainer: Trainer, schedule: Any, step: int,
@@ -71,17 +60,10 @@ def save_training(path: str, trainer: Trainer, schedule: Any, step: int,
 def resume_training(path: str, trainer: Trainer, schedule: Any, loader: DataLoader | None = None) -> int:
     """Fills a freshly built run (and its loader's position) from the checkpoint at ``path``; returns the number
     of steps it had done."""
-    state = training_state(trainer, schedule, 0, loader)
-    state["rng"]["torch"] = torch.empty_like(state["rng"]["torch"])  # a buffer of the saved state's shape
-    sbpflow.load(state, path)
-    trainer.model.load_state_dict(state["model"])
-    trainer.optimizer.load_state_dict(state["optim"])
-    if schedule is not None:
-        schedule.load_state_dict(state["schedule"])
-    set_rng_state(state["rng"])
-    if loader is not None:
-        loader.load_state_dict(state["data"])
-    return int(state["step"])
+    run = _run(trainer, schedule, 0, loader)
+    tree = run.tree(fresh=True)
+    sbpflow.load(tree, path)
+    return run.apply(tree)
 
 
 def latest_checkpoint(path: str) -> str:

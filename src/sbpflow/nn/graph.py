@@ -446,7 +446,8 @@ class Graph:
 
     def iterate(self, loader: Any, steps: int | None = None) -> Iterator[Any]:
         """Runs one step per batch of ``loader`` (a :class:`sbpflow.utils.data.DataLoader`) and yields each step's
-        outputs: the rest of the loader's epoch, or ``steps`` steps across epochs.
+        outputs: one epoch (from its first batch, or the rest of a restored loader's), or ``steps`` steps
+        across epochs from the loader's position.
 
         The batches come from the loader's source actor, which loads the next ``prefetch`` batches while the
         current step computes; its spans are a lane of this graph's timeline (``SBPFLOW_TRACE``). A batch

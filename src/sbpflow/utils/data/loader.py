@@ -15,9 +15,18 @@ Order. With ``shuffle``, epoch e visits the samples in ``randperm(len(dataset))`
 seeded by (seed, e) alone: every process computes the same order, and a resumed loader the same one.
 
 Position. The loader counts the batches its consumer *took* (not those prefetched): ``state_dict()`` is
-(epoch, index of the next batch), plain integers that ``sbpflow.save`` writes with a checkpoint, and
-``load_state_dict`` continues from there bit-exactly. ``iter(loader)`` yields the rest of the current epoch;
-:meth:`DataLoader.batches` with ``steps`` runs across epochs.
+(epoch, index of the next batch), plain integers that ``sbpflow.save`` writes with a checkpoint.
+``iter(loader)`` starts an epoch, as torch's DataLoader does: a loop after a ``break`` or a peek at one batch
+starts again from the first batch (of the next epoch's order), never silently mid-epoch. Only a loader restored
+by ``load_state_dict`` continues: its next iteration yields the rest of the saved epoch, bit-exactly.
+:meth:`DataLoader.batches` with ``steps`` is a stream of steps across epochs: it always continues from the
+position (``Graph.iterate(loader, steps=N)`` twice runs 2N consecutive batches).
+
+>>> peek = DataLoader(TensorDataset(torch.arange(6.0)), batch_size=2)
+>>> next(iter(peek))[0].tolist()
+[0.0, 1.0]
+>>> [b[0].tolist() for b in peek]           # a new iter() starts the epoch
+[[0.0, 1.0], [2.0, 3.0], [4.0, 5.0]]
 
 Placement. With ``placement`` and ``sbp`` every tensor of a batch comes out as a global tensor of that layout,
 and each process reads (calls ``dataset[i]`` for) only the rows its ranks hold: S(0) on a mesh axis gives each
@@ -89,6 +98,7 @@ class DataLoader:
         self.index = 0  # the next batch the consumer takes in this epoch
         self._order: tuple[int, torch.Tensor] | None = None  # (epoch, its sample order): the last one made
         self._active: weakref.ref[Batches] | None = None  # the open iteration (weak: dropping it stops it)
+        self._restored = False  # set by load_state_dict: the next iteration continues the saved epoch
         self._stats: SourceStats | None = None  # the counters of the last batches() call's source actor
 
     # -- order and positions ------------------------------------------------------------------------
@@ -191,10 +201,16 @@ class DataLoader:
         return self.batches()
 
     def batches(self, steps: int | None = None) -> Batches:
-        """An iterator over the rest of this epoch (``steps=None``) or ``steps`` batches across epochs,
-        prefetched by a source actor; one at a time per loader (a new one closes the previous one)."""
-        self._close_active()
+        """An iterator over one epoch (``steps=None``) or ``steps`` batches across epochs from the position,
+        prefetched by a source actor; one at a time per loader (a new one closes the previous one).
+
+        An epoch starts at its first batch: a partly taken epoch is left (the next epoch's order starts), as a
+        new ``iter()`` of torch's DataLoader does, unless ``load_state_dict`` restored this position."""
         self._check_steps(steps)
+        self._close_active()
+        if steps is None and self.index > 0 and not self._restored:
+            self.epoch, self.index = self.epoch + 1, 0
+        self._restored = False
         batches = Batches(self, steps)
         self._active = weakref.ref(batches)
         self._stats = batches.source.stats
@@ -225,8 +241,8 @@ class DataLoader:
                 "samples": len(self.dataset), "shuffle": int(self.shuffle), "drop_last": int(self.drop_last)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continues from a saved position; the seed, batch size, dataset length, shuffle and drop_last must be the
-        saved ones (where saved)."""
+        """Continues from a saved position (the next iteration yields the rest of the saved epoch); the seed, batch
+        size, dataset length, shuffle and drop_last must be the saved ones (where saved)."""
         if not isinstance(state, dict) or "epoch" not in state or "index" not in state:
             raise SbpflowError(f"DataLoader.load_state_dict needs 'epoch' and 'index' (a state_dict() of a "
                                f"DataLoader), but got {sorted(state) if isinstance(state, dict) else type(state)}")
@@ -247,6 +263,7 @@ class DataLoader:
                                f"this loader's {len(self)} batches per epoch")
         self._close_active()
         self.epoch, self.index = epoch, index
+        self._restored = True
 
 
 class Batches:

@@ -1,0 +1,215 @@
+"""``CheckpointManager``: numbered checkpoints of a run in one folder, saved every N steps (asynchronously by
+default), pruned to the newest K, and the newest complete one restored.
+
+The folder holds ``step-00000020/``, ``step-00000040/``, ... (each an
+:func:`sbpflow.save` directory). A checkpoint exists once its directory has
+its name; one still being written is ``step-N.partial`` and is never restored,
+so a crash at any moment leaves the previous checkpoint the newest complete one.
+
+Asynchronous save: :meth:`CheckpointManager.save` does the collective part on
+the calling thread (partial tensors reduced) and copies this process's boxes
+into host staging buffers, reused from save to save; that snapshot is the only
+pause. A writer thread then writes the files and its manifest; the lead
+process's writer waits for every process's manifest, writes the index and
+renames the directory into place, then prunes. The writer communicates only
+through the files, so the next steps run (and communicate) meanwhile. The next
+save, :meth:`~CheckpointManager.wait` and :meth:`~CheckpointManager.restore`
+wait for a save in flight and raise its error, if it failed.
+
+>>> import tempfile, sbpflow
+>>> model = sbpflow.nn.Linear(2, 2)
+>>> state = sbpflow.checkpoint.run_state(model=model)
+>>> manager = CheckpointManager(tempfile.mkdtemp(), every=2, keep=1)
+>>> manager.restore(state)                  # nothing saved yet: start at step 0
+0
+>>> for step in range(1, 5):
+...     _ = manager.save(step, state)       # saves after steps 2 and 4
+>>> manager.wait(); manager.steps()
+[4]
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+import time
+from typing import Any
+
+import torch
+
+from ..comm import get_backend
+from ..errors import CheckpointError
+from ._index import INDEX_FILE
+from ._load import load_sharded
+from ._run import RunState
+from ._save import Staged, fsync_dir, manifests_written, publish, save_sharded, stage, write_durably, write_files
+
+PREFIX = "step-"
+PUBLISH_TIMEOUT_S = 600.0  # how long a lead's writer waits for the other processes' files
+
+
+def checkpoint_name(step: int) -> str:
+    return f"{PREFIX}{step:08d}"
+
+
+def _step_of(name: str) -> int | None:
+    digits = name[len(PREFIX):]
+    return int(digits) if name.startswith(PREFIX) and digits.isdigit() else None
+
+
+class CheckpointManager:
+    """Checkpoints of a run in ``folder``: :meth:`save` every ``every`` steps, the newest ``keep`` kept
+    (0: all), written by a writer thread when ``async_save``; :meth:`restore` fills a state from the newest.
+
+    ``state`` is a :func:`~sbpflow.checkpoint.run_state` (restored into its model, optimizer, scheduler,
+    scaler, loader and random stream) or any nested dict :func:`sbpflow.save` takes (filled in place).
+    """
+
+    def __init__(self, folder: str | os.PathLike[str], every: int = 1, keep: int = 2, async_save: bool = True,
+                 *, verify: bool = True) -> None:
+        for name, value, least in (("every", every, 1), ("keep", keep, 0)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < least:
+                raise CheckpointError(f"CheckpointManager({name}=...) must be an int >= {least}, but got {value!r}")
+        self.folder = os.path.abspath(os.fspath(folder))
+        if os.path.exists(self.folder) and not os.path.isdir(self.folder):
+            raise CheckpointError(f"CheckpointManager: {self.folder} is a file, not a folder of checkpoints")
+        self.every, self.keep, self.async_save, self.verify = every, keep, bool(async_save), verify
+        self._staging: dict[tuple[int, str], torch.Tensor] = {}  # host buffers, reused across saves
+        self._writer: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self.last_saved: int | None = None
+        self.pause_s = 0.0  # the last save's time on the calling thread (the snapshot, for an asynchronous one)
+
+    # -- which checkpoints exist -------------------------------------------------------------------
+
+    def steps(self) -> list[int]:
+        """The steps of the complete checkpoints in the folder, oldest first."""
+        if not os.path.isdir(self.folder):
+            return []
+        found = []
+        for name in os.listdir(self.folder):
+            step = _step_of(name)
+            if step is not None and os.path.isfile(os.path.join(self.folder, name, INDEX_FILE)):
+                found.append(step)
+        return sorted(found)
+
+    def path(self, step: int) -> str:
+        return os.path.join(self.folder, checkpoint_name(step))
+
+    # -- restore ----------------------------------------------------------------------------------
+
+    def restore(self, state: Any) -> int:
+        """Fills ``state`` from the newest complete checkpoint; returns its step (the first step to run), or 0
+        (``state`` untouched) when there is none."""
+        self.wait()
+        get_backend().barrier()  # every process sees the same folder
+        steps = self.steps()
+        if not steps:
+            return 0
+        step = steps[-1]
+        if isinstance(state, RunState):
+            tree = state.tree(fresh=True)
+            load_sharded(tree, self.path(step), self.verify)
+            state.apply(tree)
+        else:
+            load_sharded(state, self.path(step), self.verify)
+        self.last_saved = step
+        return step
+
+    # -- save -------------------------------------------------------------------------------------
+
+    def save(self, step: int, state: Any, force: bool = False) -> bool:
+        """Saves ``state`` as the checkpoint of ``step`` (the number of steps done) when ``step % every == 0``
+        or ``force``; returns whether it saved. Every process calls it alike."""
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise CheckpointError(f"CheckpointManager.save(step=...) must be an int >= 0, but got {step!r}")
+        if not force and step % self.every:
+            return False
+        if step == self.last_saved:
+            return False  # already saved (a forced save after the loop's last regular one)
+        start = time.perf_counter()
+        self.wait()
+        tree = self._tree(state, step)
+        os.makedirs(self.folder, exist_ok=True)
+        backend = get_backend()
+        if not self.async_save:
+            save_sharded(tree, self.path(step))
+            if backend.owns(0):
+                self._prune()
+            self.last_saved = step
+            self.pause_s = time.perf_counter() - start
+            return True
+        staged = stage(tree, self.path(step), backend, self._copy)
+        self._writer = threading.Thread(target=self._write, args=(staged,), name="sbpflow checkpoint writer")
+        self._writer.start()
+        self.last_saved = step
+        self.pause_s = time.perf_counter() - start
+        return True
+
+    def wait(self) -> None:
+        """Waits for the save in flight (if any); raises its error if it failed."""
+        writer, self._writer = self._writer, None
+        if writer is not None:
+            writer.join()
+        error, self._error = self._error, None
+        if error is not None:
+            raise CheckpointError(f"the asynchronous checkpoint save failed: {type(error).__name__}: {error}; "
+                                  f"the newest complete checkpoint in {self.folder} is the one before it") from error
+
+    @staticmethod
+    def _tree(state: Any, step: int) -> Any:
+        if isinstance(state, RunState):
+            state.step = step
+            return state.tree()
+        return state
+
+    def _copy(self, rank: int, name: str, t: torch.Tensor) -> torch.Tensor:
+        """The snapshot of one box, into its staging buffer (made once, reused while its shape and dtype hold)."""
+        t = t.detach()
+        buf = self._staging.get((rank, name))
+        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+            buf = torch.empty(t.shape, dtype=t.dtype, device="cpu")
+            self._staging[(rank, name)] = buf
+        buf.copy_(t)
+        return buf
+
+    def _write(self, staged: Staged) -> None:
+        try:
+            self._write_and_publish(staged)
+        except BaseException as e:  # noqa: BLE001 - handed to the thread that waits
+            self._error = e
+            try:
+                write_durably(os.path.join(staged.partial, f"_failed-{staged.process:05d}"), repr(e).encode())
+            except OSError:
+                pass
+
+    def _write_and_publish(self, staged: Staged) -> None:
+        write_files(staged)
+        if not staged.lead:
+            return
+        deadline = time.monotonic() + PUBLISH_TIMEOUT_S
+        while not manifests_written(staged.partial, staged.processes):
+            failed = [n for n in os.listdir(staged.partial) if n.startswith("_failed-")]
+            if failed:
+                raise CheckpointError(f"another process could not write its part of {staged.final} ({failed[0]})")
+            if time.monotonic() > deadline:
+                raise CheckpointError(f"the other processes did not write their part of {staged.final} within "
+                                      f"{PUBLISH_TIMEOUT_S:.0f} s")
+            time.sleep(0.005)
+        publish(staged)
+        self._prune()
+
+    def _prune(self) -> None:
+        """Removes the checkpoints beyond the newest ``keep`` and the leftovers of saves that stopped."""
+        steps = self.steps()
+        doomed = steps[:-self.keep] if self.keep else []
+        for step in doomed:
+            shutil.rmtree(self.path(step), ignore_errors=True)
+        newest = steps[-1] if steps else -1
+        for name in os.listdir(self.folder):
+            stem, _, suffix = name.rpartition(".")
+            left = _step_of(stem)
+            if left is not None and suffix in ("partial", "old") and left < newest:
+                shutil.rmtree(os.path.join(self.folder, name), ignore_errors=True)
+        fsync_dir(self.folder)

@@ -1,0 +1,58 @@
+"""A training script that survives: restores from its newest checkpoint, saves every 2 steps (asynchronously),
+and (first attempt only, with ``--kill-at K``) loses rank 1 by ``os._exit`` right after step K's save began.
+
+Run by tests/proc/test_restart_proc.py under ``sbpflow launch --max-restarts 1``. Rank 0 appends
+``attempt step loss`` lines to ``OUT/losses.txt`` and, at the end, the logical parameters to ``OUT/params.npz``.
+
+    python -m sbpflow.cli launch -n 2 --max-restarts 1 tests/proc/resilient_train.py dp=2 OUT --kill-at 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import numpy as np
+
+import sbpflow
+from sbpflow.checkpoint import CheckpointManager, run_state
+from sbpflow.demo.train_gpt import build, parameter_values, random_batches
+from sbpflow.models.gpt import GPTConfig
+
+CONFIG = GPTConfig(vocab_size=64, block_size=8, n_layer=2, n_head=4, n_embd=32, dropout=0.1)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("strategy")
+    parser.add_argument("out")
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--graph", action="store_true")
+    parser.add_argument("--micro-batches", type=int, default=1)
+    parser.add_argument("--kill-at", type=int, default=-1)
+    parser.add_argument("--stop-at", type=int, default=-1, help="end (cleanly) after this step's checkpoint")
+    args = parser.parse_args()
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    trainer = build(CONFIG, args.strategy, lr=1e-2, graph=args.graph, micro_batches=args.micro_batches)
+    state = run_state(model=trainer.model, optimizer=trainer.optimizer)
+    manager = CheckpointManager(os.path.join(args.out, "ckpt"), every=2, keep=2)
+    start = manager.restore(state)
+    batches = list(random_batches(CONFIG.vocab_size, args.steps, 8, 8, seed=1))
+    for step in range(start, args.steps):
+        loss = trainer.step(*batches[step])
+        if sbpflow.rank() == 0:
+            with open(os.path.join(args.out, "losses.txt"), "a") as f:
+                f.write(f"{attempt} {sbpflow.world_size()} {step} {loss!r}\n")
+        manager.save(step + 1, state)
+        if step + 1 == args.kill_at and attempt == 0 and sbpflow.rank() == 1:
+            os._exit(7)  # a rank lost mid-run, its writer thread with it
+        if step + 1 == args.stop_at:
+            break
+    manager.wait()
+    values = parameter_values(trainer)  # collectives (gathers): every process reads them
+    if sbpflow.rank() == 0:
+        np.savez(os.path.join(args.out, "params.npz"), **values)
+
+
+if __name__ == "__main__":
+    main()
