@@ -81,7 +81,7 @@ def _fill(param: Tensor, name: str, source: Any) -> None:
         for r in get_backend().owned(placement.flat_ranks):  # only this process's ranks: their boxes alone
             box = shard_box(shape, placement, sbp, r)
             piece = source[tuple(slice(a, b) for a, b in box)].to(param.dtype)
-            shards[r] = piece.to(get_backend().device_for(placement.type, r))
+            shards[r] = piece.to(get_backend().device_for(placement.type, r), copy=True)  # its own memory
         param._take_storage(Tensor._from_shards(shape, param.dtype, placement, sbp, shards))
     param._version += 1
 

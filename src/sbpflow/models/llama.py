@@ -130,12 +130,12 @@ def rope_tables(config: LlamaConfig, positions: torch.Tensor) -> tuple[torch.Ten
 
 def _rotate_half(x: Tensor) -> Tensor:
     half = x.shape[-1] // 2
-    return F.cat([-F.narrow(x, -1, half, half), F.narrow(x, -1, 0, half)], dim=-1)
+    return F.cat([F.neg(F.narrow(x, -1, half, half)), F.narrow(x, -1, 0, half)], dim=-1)
 
 
 def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """``x * cos + rotate_half(x) * sin`` over logical (B, H, T, hd) ``x`` and (T, hd) tables."""
-    return F.mul(x, cos) + F.mul(_rotate_half(x), sin)
+    return F.add(F.mul(x, cos), F.mul(_rotate_half(x), sin))
 
 
 # ----------------------------------------------------------------------------- modules
