@@ -87,11 +87,16 @@ def _fill(param: Tensor, name: str, source: Any) -> None:
 
 
 def save_folder(folder: str | Path, config: dict[str, Any], tensors: dict[str, Tensor]) -> None:
-    """Writes ``config.json`` and one ``model.safetensors`` of the tensors' logical values."""
+    """Writes ``config.json`` and one ``model.safetensors`` of the tensors' logical values.
+
+    Every process must call it (reading a global tensor's logical value is collective); process 0 writes.
+    """
+    values = {name: torch.from_numpy(t.detach().numpy()).contiguous() for name, t in tensors.items()}
+    if sbpflow.rank() != 0:
+        return
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True))
-    values = {name: torch.from_numpy(t.detach().numpy()).contiguous() for name, t in tensors.items()}
     save_file(values, str(folder / WEIGHTS), metadata={"format": "pt"})
 
 
