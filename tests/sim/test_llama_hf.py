@@ -188,7 +188,7 @@ def test_bad_folders_and_degrees_raise_clear_errors(tmp_path: Path) -> None:
     with pytest.raises(SbpflowError, match="config.json"):
         from_pretrained(tmp_path)
     (tmp_path / "config.json").write_text('{"model_type": "bert"}')
-    with pytest.raises(SbpflowError, match="model_type 'llama'.*'bert'"):
+    with pytest.raises(SbpflowError, match="model_type 'llama' and 'mixtral'.*'bert'"):
         from_pretrained(tmp_path)
     model = Llama(LlamaConfig(vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
                               num_attention_heads=4, num_key_value_heads=2))

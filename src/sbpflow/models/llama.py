@@ -229,6 +229,11 @@ class Llama(nn.Module):
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.strategy: Strategy | None = None
+        self._init_weights()
+
+    def _init_weights(self) -> None:
+        """N(0, initializer_range) for Linear and Embedding weights, zero biases (transformers' init)."""
+        config = self.config
         for module in self.modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(module.weight, 0.0, config.initializer_range)

@@ -16,12 +16,13 @@ from .graph import Graph, GraphConfig
 from .layers import GELU, Dropout, Embedding, Flatten, Identity, Linear, ReLU, SiLU, Tanh
 from .loss import CrossEntropyLoss, MSELoss
 from .module import Module, Parameter
+from .moe import MoE
 from .normalization import BatchNorm1d, BatchNorm2d, LayerNorm, RMSNorm
 
 __all__ = [
     "Graph", "GraphConfig",
     "GELU", "AdaptiveAvgPool2d", "AvgPool2d", "BatchNorm1d", "BatchNorm2d", "Conv2d", "CrossEntropyLoss", "Dropout",
-    "Embedding", "Flatten", "Identity", "LayerNorm", "Linear", "MSELoss", "MaxPool2d", "Module", "ModuleDict",
+    "Embedding", "Flatten", "Identity", "LayerNorm", "Linear", "MSELoss", "MaxPool2d", "MoE", "Module", "ModuleDict",
     "ModuleList", "Parameter", "RMSNorm", "ReLU", "Sequential", "SiLU", "Tanh", "functional", "init", "parallel",
     "utils",
 ]

@@ -1,0 +1,124 @@
+"""Mixtral (top-k routed SwiGLU experts) from a Hugging Face folder equals transformers' ``MixtralForCausalLM``.
+
+Logits, the loss with the load-balancing term, the auxiliary loss itself and
+every gradient (router and experts included) on one device and data parallel
+(virtual ranks), a ``save_pretrained`` round trip, and the capacity factor's drops.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import sbpflow  # noqa: E402
+from sbpflow import nn  # noqa: E402
+from sbpflow.errors import SbpflowError  # noqa: E402
+from sbpflow.models import from_pretrained  # noqa: E402
+from sbpflow.models.moe import expert_tokens  # noqa: E402
+
+RTOL, ATOL = 1e-4, 1e-5
+E, K = 4, 2
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture(scope="module")
+def hf_folder(tmp_path_factory: Any) -> tuple[Any, Path]:
+    config = transformers.MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=24, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=E,
+                                        num_experts_per_tok=K, output_router_logits=True, router_aux_loss_coef=0.1)
+    torch.manual_seed(0)
+    model = transformers.MixtralForCausalLM(config).float()
+    folder = tmp_path_factory.mktemp("mixtral")
+    model.save_pretrained(folder)
+    return model, folder
+
+
+def _batch() -> tuple[np.ndarray, np.ndarray]:
+    tokens = np.random.default_rng(1).integers(0, 64, size=(4, 11))
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def _reference(model: Any, ids: np.ndarray, targets: np.ndarray) -> dict[str, Any]:
+    model.zero_grad()
+    out = model(input_ids=torch.as_tensor(ids), output_router_logits=True)
+    ce = torch.nn.functional.cross_entropy(out.logits.reshape(-1, 64), torch.as_tensor(targets).reshape(-1))
+    loss = ce + model.config.router_aux_loss_coef * out.aux_loss
+    loss.backward()
+    grads = {n: p.grad.numpy().copy() for n, p in model.named_parameters()}
+    return {"logits": out.logits.detach().numpy(), "loss": float(loss.detach()), "aux": float(out.aux_loss.detach()),
+            "grads": grads}
+
+
+def _hf_grad_of(name: str, grads: dict[str, np.ndarray]) -> np.ndarray:
+    """transformers 5 stacks the experts (gate_up_proj, down_proj); the checkpoint and sbpflow keep w1/w2/w3."""
+    if ".experts." not in name:
+        return grads[name.replace("block_sparse_moe", "mlp")]
+    prefix, rest = name.split(".block_sparse_moe.experts.")
+    e, w = int(rest.split(".")[0]), rest.split(".")[1]
+    if w == "w2":
+        return grads[f"{prefix}.mlp.experts.down_proj"][e]
+    gate_up = grads[f"{prefix}.mlp.experts.gate_up_proj"][e]
+    half = gate_up.shape[0] // 2
+    return gate_up[:half] if w == "w1" else gate_up[half:]
+
+
+@pytest.mark.parametrize("parallel", [{}, {"data": 2}])
+def test_logits_loss_aux_loss_and_gradients_match_transformers(hf_folder: Any, parallel: dict[str, int]) -> None:
+    ref, folder = hf_folder
+    ids, targets = _batch()
+    want = _reference(ref, ids, targets)
+    model = from_pretrained(folder, **parallel)
+    x, y = model.strategy.shard_inputs(ids, targets) if parallel else (sbpflow.tensor(ids), sbpflow.tensor(targets))
+    logits, loss = model(x, y)
+    loss.backward()
+    np.testing.assert_allclose(logits.numpy(), want["logits"], rtol=RTOL, atol=ATOL)
+    np.testing.assert_allclose(float(loss.numpy()), want["loss"], rtol=RTOL)
+    np.testing.assert_allclose(float(model.aux_loss.numpy()), want["aux"], rtol=RTOL)
+    for name, p in model.named_parameters():
+        np.testing.assert_allclose(p.grad.numpy(), _hf_grad_of(name, want["grads"]), rtol=RTOL, atol=ATOL,
+                                   err_msg=name)
+    counts = expert_tokens(model)
+    assert len(counts) == 2 and all(int(c.sum()) == ids.size * K for c in counts)
+
+
+def test_save_pretrained_round_trips_through_transformers(hf_folder: Any, tmp_path: Path) -> None:
+    ref, folder = hf_folder
+    from_pretrained(folder).save_pretrained(tmp_path)
+    back = transformers.MixtralForCausalLM.from_pretrained(tmp_path)
+    want = ref.state_dict()
+    for name, value in back.state_dict().items():
+        np.testing.assert_array_equal(value.numpy(), want[name].numpy(), err_msg=name)
+
+
+def test_capacity_factor_drops_tokens_past_an_experts_capacity() -> None:
+    moe = nn.MoE(8, 16, num_experts=E, top_k=K, capacity_factor=0.5)
+    flat = sbpflow.randn(12, 8)
+    weights = moe.route(flat).numpy()  # (12, E)
+    probs = torch.softmax(torch.as_tensor(flat.numpy()) @ torch.as_tensor(moe.gate.weight.numpy()).T, -1)
+    top, index = probs.topk(K, -1)
+    top = top / top.sum(-1, keepdim=True)
+    capacity = 3  # ceil(0.5 * 12 * 2 / 4)
+    want, seen = np.zeros((12, E), np.float32), [0] * E
+    for t in range(12):  # first come, first served, in token order
+        for j in range(K):
+            e = int(index[t, j])
+            seen[e] += 1
+            want[t, e] = top[t, j] if seen[e] <= capacity else 0.0
+    np.testing.assert_allclose(weights, want, rtol=1e-6, atol=1e-7)
+    assert ((weights > 0).sum(0) <= capacity).all() and (weights > 0).sum() < 12 * K
+
+
+def test_moe_rejects_bad_settings_and_tensor_parallel_mixtral(hf_folder: Any) -> None:
+    with pytest.raises(SbpflowError, match="top_k <= num_experts.*top_k=5"):
+        nn.MoE(8, 16, num_experts=4, top_k=5)
+    with pytest.raises(SbpflowError, match="capacity_factor must be positive"):
+        nn.MoE(8, 16, num_experts=4, capacity_factor=0.0)
+    with pytest.raises(SbpflowError, match="Mixtral runs on one device or data parallel, but got tensor=2"):
+        from_pretrained(hf_folder[1], tensor=2)
