@@ -122,3 +122,24 @@ def test_moe_rejects_bad_settings_and_tensor_parallel_mixtral(hf_folder: Any) ->
         nn.MoE(8, 16, num_experts=4, capacity_factor=0.0)
     with pytest.raises(SbpflowError, match="Mixtral runs on one device or data parallel, but got tensor=2"):
         from_pretrained(hf_folder[1], tensor=2)
+
+
+def test_shared_experts_add_their_output_for_every_token() -> None:
+    """A shared expert sees every token unweighted; routed experts keep their routing (torch reference)."""
+    moe = nn.MoE(8, 16, num_experts=E, top_k=K, shared_experts=1)
+    x = sbpflow.randn(2, 5, 8)
+    got = moe(x).numpy()
+    flat = torch.as_tensor(x.numpy()).reshape(-1, 8)
+
+    def swiglu(expert: Any, h: torch.Tensor) -> torch.Tensor:
+        w1, w2, w3 = (torch.as_tensor(getattr(expert, n).weight.numpy()) for n in ("w1", "w2", "w3"))
+        return (torch.nn.functional.silu(h @ w1.T) * (h @ w3.T)) @ w2.T
+
+    probs = torch.softmax(flat @ torch.as_tensor(moe.gate.weight.numpy()).T, -1)
+    top, index = probs.topk(K, -1)
+    top = top / top.sum(-1, keepdim=True)
+    want = swiglu(moe.shared[0], flat)
+    for t in range(flat.shape[0]):
+        for j in range(K):
+            want[t] += top[t, j] * swiglu(moe.experts[int(index[t, j])], flat[t:t + 1])[0]
+    np.testing.assert_allclose(got.reshape(-1, 8), want.numpy(), rtol=1e-5, atol=1e-6)
