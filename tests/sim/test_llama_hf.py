@@ -18,6 +18,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import sbpflow  # noqa: E402
+from hf_train import train  # noqa: E402
 from sbpflow.errors import SbpflowError  # noqa: E402
 from sbpflow.models import from_pretrained  # noqa: E402
 from sbpflow.models.llama import Llama, LlamaConfig, parallelize  # noqa: E402
@@ -201,3 +202,11 @@ def test_bad_folders_and_degrees_raise_clear_errors(tmp_path: Path) -> None:
     (tmp_path / "ok" / "config.json").write_text(config)
     with pytest.raises(SbpflowError, match=r"checkpoint tensor model\.layers\.0\.mlp\.\w+\.weight has shape .*48.*40"):
         from_pretrained(tmp_path / "ok")
+
+
+def test_compiled_dp2_tp2_training_matches_eager(hf_folder: Any) -> None:
+    (losses, params), (ref_losses, ref_params) = (train(hf_folder[1], {"data": 2, "tensor": 2}, compiled)
+                                                  for compiled in (True, False))
+    np.testing.assert_allclose(losses, ref_losses, rtol=RTOL)
+    for name, value in ref_params.items():
+        np.testing.assert_allclose(params[name], value, rtol=RTOL, atol=1e-4, err_msg=name)

@@ -17,6 +17,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import sbpflow  # noqa: E402
+from hf_train import train  # noqa: E402
 from sbpflow import nn  # noqa: E402
 from sbpflow.errors import SbpflowError  # noqa: E402
 from sbpflow.models import from_pretrained  # noqa: E402
@@ -143,3 +144,11 @@ def test_shared_experts_add_their_output_for_every_token() -> None:
         for j in range(K):
             want[t] += top[t, j] * swiglu(moe.experts[int(index[t, j])], flat[t:t + 1])[0]
     np.testing.assert_allclose(got.reshape(-1, 8), want.numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_compiled_dp2_training_matches_one_device_eager(hf_folder: Any) -> None:
+    (losses, params), (ref_losses, ref_params) = (train(hf_folder[1], parallel, compiled)
+                                                  for parallel, compiled in (({"data": 2}, True), ({}, False)))
+    np.testing.assert_allclose(losses, ref_losses, rtol=RTOL)
+    for name, value in ref_params.items():
+        np.testing.assert_allclose(params[name], value, rtol=RTOL, atol=1e-4, err_msg=name)

@@ -115,10 +115,8 @@ def load_balancing_loss(stats: list[tuple[Tensor, Tensor]], num_experts: int, to
     probs = stats[0][1]
     for c, p in stats[1:]:
         counts, probs = F.add(counts, c), F.add(probs, p)
-    layers = len(stats)
-    tokens = float(F.sum(stats[0][0]).numpy()) / top_k  # tokens per layer
-    share = F.div(counts, layers * tokens)
-    return F.mul(F.sum(F.mul(share, F.div(probs, float(layers)))), float(num_experts))
+    share = F.div(F.mul(counts, float(top_k)), F.sum(counts))  # each token fills top_k slots in every layer
+    return F.mul(F.sum(F.mul(share, F.div(probs, float(len(stats))))), float(num_experts))
 
 
 __all__ = ["Expert", "MoE", "load_balancing_loss"]
