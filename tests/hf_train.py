@@ -12,10 +12,13 @@ from sbpflow.models import from_pretrained
 
 
 class TrainStep(sbpflow.nn.Graph):
-    def __init__(self, model: Any, opt: Any) -> None:
+    def __init__(self, model: Any, opt: Any, micro_batches: int = 1, schedule: str | None = None) -> None:
         super().__init__()
         self.model = model
         self.add_optimizer(opt)
+        self.config.set_gradient_accumulation_steps(micro_batches)
+        if schedule is not None:
+            self.config.set_pipeline_schedule(schedule)
 
     def build(self, ids: Any, targets: Any) -> Any:
         _, loss = self.model(ids, targets)
@@ -23,11 +26,12 @@ class TrainStep(sbpflow.nn.Graph):
         return loss
 
 
-def train(folder: Path, parallel: dict[str, int], compiled: bool, steps: int = 3) -> tuple[list[float], dict[str, Any]]:
+def train(folder: Path, parallel: dict[str, int], compiled: bool, steps: int = 3, micro_batches: int = 1,
+          schedule: str | None = None) -> tuple[list[float], dict[str, Any]]:
     """AdamW steps on random tokens, eager or as an nn.Graph; the losses and final parameters."""
     model = from_pretrained(folder, **parallel)
     opt = sbpflow.optim.AdamW(model.parameters(), lr=1e-2)
-    step = TrainStep(model, opt) if compiled else None
+    step = TrainStep(model, opt, micro_batches, schedule) if compiled else None
     rng = np.random.default_rng(2)
     losses = []
     for _ in range(steps):

@@ -33,7 +33,8 @@ VARIANTS = {
     # multi-head attention, plain rotary, tied head, biases on attention and MLP
     "tied_bias": {"num_key_value_heads": 4, "tie_word_embeddings": True, "attention_bias": True, "mlp_bias": True},
 }
-PARALLEL = {"one": {}, "tp2": {"tensor": 2}, "dp2_tp2": {"data": 2, "tensor": 2}}
+PARALLEL = {"one": {}, "tp2": {"tensor": 2}, "dp2_tp2": {"data": 2, "tensor": 2}, "pp2": {"pipeline": 2},
+            "dp2_tp2_pp2": {"data": 2, "tensor": 2, "pipeline": 2}}
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -207,6 +208,15 @@ def test_bad_folders_and_degrees_raise_clear_errors(tmp_path: Path) -> None:
 def test_compiled_dp2_tp2_training_matches_eager(hf_folder: Any) -> None:
     (losses, params), (ref_losses, ref_params) = (train(hf_folder[1], {"data": 2, "tensor": 2}, compiled)
                                                   for compiled in (True, False))
+    np.testing.assert_allclose(losses, ref_losses, rtol=RTOL)
+    for name, value in ref_params.items():
+        np.testing.assert_allclose(params[name], value, rtol=RTOL, atol=1e-4, err_msg=name)
+
+
+def test_compiled_pp2_1f1b_training_matches_one_device(hf_folder: Any) -> None:
+    """pp2 in graph mode, 1F1B over 2 micro-batches, against one device's eager full-batch steps."""
+    (losses, params), (ref_losses, ref_params) = (
+        train(hf_folder[1], {"pipeline": 2}, True, micro_batches=2, schedule="1f1b"), train(hf_folder[1], {}, False))
     np.testing.assert_allclose(losses, ref_losses, rtol=RTOL)
     for name, value in ref_params.items():
         np.testing.assert_allclose(params[name], value, rtol=RTOL, atol=1e-4, err_msg=name)

@@ -15,10 +15,11 @@ MODELS: dict[str, tuple[type[llama.LlamaConfig], Any]] = {
 }
 
 
-def from_pretrained(folder: str | Path, data: int = 1, tensor: int = 1, device: str = "cpu") -> llama.Llama:
+def from_pretrained(folder: str | Path, data: int = 1, tensor: int = 1, pipeline: int = 1,
+                    device: str = "cpu") -> llama.Llama:
     """Builds the model ``folder/config.json`` describes (Llama or Mixtral) and loads its safetensors weights.
 
-    With ``data`` or ``tensor`` above 1 the model is parallelized first (built
+    With ``data``, ``tensor`` or ``pipeline`` above 1 the model is parallelized first (built
     with no data under :func:`sbpflow.meta_init`), and each process then reads
     only the slices its ranks hold; ``model.strategy.shard_inputs`` lays out inputs.
     """
@@ -31,11 +32,11 @@ def from_pretrained(folder: str | Path, data: int = 1, tensor: int = 1, device: 
         raise SbpflowError(f"from_pretrained: Mixtral runs on one device or data parallel, but got tensor={tensor}")
     config_cls, model_cls = MODELS[kind]
     cfg = config_cls.from_dict(config)
-    parallel = data > 1 or tensor > 1
+    parallel = data > 1 or tensor > 1 or pipeline > 1
     with sbpflow.meta_init(parallel):
         model = model_cls(cfg)
     if parallel:
-        llama.parallelize(model, data=data, tensor=tensor, device=device)
+        llama.parallelize(model, data=data, tensor=tensor, pipeline=pipeline, device=device)
     hf.load_weights(model, folder, skip=["lm_head.weight"] if cfg.tie_word_embeddings else [])
     return model
 

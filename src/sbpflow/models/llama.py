@@ -35,7 +35,7 @@ import sbpflow
 from sbpflow import nn
 from sbpflow.errors import SbpflowError
 from sbpflow.models import hf
-from sbpflow.models.gpt import Strategy, stage_placements
+from sbpflow.models.gpt import Strategy, split_blocks, stage_placements
 from sbpflow.nn.parallel import ColwiseParallel, RowwiseParallel, VocabParallelEmbedding, apply_plan
 from sbpflow.ops import functional as F
 from sbpflow.sbp import broadcast
@@ -243,13 +243,18 @@ class Llama(nn.Module):
     def forward(self, ids: Tensor, targets: Tensor | None = None,
                 positions: Any = None) -> tuple[Tensor, Tensor | None]:
         b, t = ids.shape  # logical (B, T)
-        cos, sin = self._rope(ids, torch.arange(t) if positions is None else torch.as_tensor(positions))
+        angles = torch.arange(t) if positions is None else torch.as_tensor(positions)
         x = self.model.embed_tokens(ids)  # logical (B, T, C)
-        for layer in self.model.layers:
-            x = layer(x, cos, sin)
-        x = self.model.norm(x)
+        tables: dict[Any, tuple[Tensor, Tensor]] = {}  # the rotary tables of each pipeline stage
+        for i, layer in enumerate(self.model.layers):
+            x = self._to_stage(x, i)
+            where = x.placement if x.is_global else None
+            if where not in tables:
+                tables[where] = self._rope(x, angles)
+            x = layer(x, *tables[where])
+        x = self.model.norm(self._to_stage(x, -1))
         head = self.model.embed_tokens.weight if self.config.tie_word_embeddings else self.lm_head.weight
-        logits = F.linear(x, head)  # logical (B, T, V)
+        logits = F.linear(x, self._to_stage(head, -1))  # logical (B, T, V)
         if targets is None:
             return logits, None
         v = self.config.vocab_size
@@ -259,6 +264,13 @@ class Llama(nn.Module):
         """Writes ``config.json`` and ``model.safetensors`` that transformers' ``LlamaForCausalLM`` loads."""
         config = dict(self.config.to_dict(), architectures=["LlamaForCausalLM"], dtype="float32")
         hf.save_folder(folder, config, dict(self.named_parameters()))
+
+    def _to_stage(self, x: Tensor, layer: int) -> Tensor:
+        """Moves ``x`` to the pipeline stage of ``layer`` (-1: the last), its SBP kept; the gradient moves back."""
+        if self.strategy is None:
+            return x
+        target = self.strategy.stages[self.strategy.block_stage[layer] if layer >= 0 else -1]
+        return x if x.placement == target else x.to_global(placement=target)
 
     def _rope(self, ids: Tensor, positions: torch.Tensor) -> tuple[Tensor, Tensor]:
         """The (T, hd) cos and sin tables, broadcast where ``ids`` lives (a sequence split slices them)."""
@@ -283,8 +295,9 @@ LAYER_PLAN = {
 TENSOR_AXIS = 1  # mesh axes are (data, tensor)
 
 
-def parallelize(model: Llama, data: int = 1, tensor: int = 1, device: str = "cpu") -> Strategy:
-    """Places ``model``'s parameters on a (data, tensor) mesh: B over data, Megatron over tensor.
+def parallelize(model: Llama, data: int = 1, tensor: int = 1, pipeline: int = 1, device: str = "cpu") -> Strategy:
+    """Places ``model``'s parameters on (data, tensor) meshes: B over data, Megatron over tensor, and
+    ``pipeline`` stages of consecutive layers (the embedding on the first, the norm and head on the last).
 
     The embedding and an untied head are split over the vocabulary; a tied
     head reads the embedding's split. Returns the :class:`~sbpflow.models.gpt.Strategy`
@@ -297,24 +310,24 @@ def parallelize(model: Llama, data: int = 1, tensor: int = 1, device: str = "cpu
     >>> sbpflow.sbp.format_nd(model.model.layers[0].self_attn.o_proj.weight.sbp)
     '(B, S(1))'
     """
-    _check_degrees(model.config, data, tensor)
-    placement = stage_placements(data, tensor, 1, device)[0]
-    layers = len(model.model.layers)
-    strategy = Strategy(data, tensor, 1, device, (placement,), (0,) * layers)
+    _check_degrees(model.config, data, tensor, pipeline)
+    stages = stage_placements(data, tensor, pipeline, device)
+    strategy = Strategy(data, tensor, pipeline, device, stages, split_blocks(len(model.model.layers), pipeline))
     megatron = tensor > 1
-    apply_plan(model.model, {"embed_tokens": VocabParallelEmbedding()} if megatron else {}, placement, TENSOR_AXIS)
-    for layer in model.model.layers:
-        apply_plan(layer, LAYER_PLAN if megatron else {}, placement, TENSOR_AXIS)
+    apply_plan(model.model.embed_tokens, {"": VocabParallelEmbedding()} if megatron else {}, stages[0], TENSOR_AXIS)
+    for layer, stage in zip(model.model.layers, strategy.block_stage, strict=True):
+        apply_plan(layer, LAYER_PLAN if megatron else {}, stages[stage], TENSOR_AXIS)
+    apply_plan(model.model.norm, {}, stages[-1], TENSOR_AXIS)
     if not model.config.tie_word_embeddings:
-        apply_plan(model.lm_head, {"": ColwiseParallel()} if megatron else {}, placement, TENSOR_AXIS)
+        apply_plan(model.lm_head, {"": ColwiseParallel()} if megatron else {}, stages[-1], TENSOR_AXIS)
     for name, param in model.named_parameters():
-        strategy.params[name] = (0, param.sbp, tuple(param.shape))
+        strategy.params[name] = (stages.index(param.placement), param.sbp, tuple(param.shape))
     model.strategy = strategy
     return strategy
 
 
-def _check_degrees(config: LlamaConfig, data: int, tensor: int) -> None:
-    for what, n in (("data", data), ("tensor", tensor)):
+def _check_degrees(config: LlamaConfig, data: int, tensor: int, pipeline: int) -> None:
+    for what, n in (("data", data), ("tensor", tensor), ("pipeline", pipeline)):
         if not isinstance(n, int) or n < 1:
             raise SbpflowError(f"Llama parallelize needs {what} >= 1, but got {n!r}")
     if config.num_key_value_heads % tensor or config.vocab_size % tensor:
