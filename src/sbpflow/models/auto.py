@@ -28,8 +28,6 @@ def from_pretrained(folder: str | Path, data: int = 1, tensor: int = 1, pipeline
     if kind not in MODELS:
         raise SbpflowError(f"from_pretrained supports model_type {' and '.join(map(repr, MODELS))}, but "
                            f"{Path(folder) / 'config.json'} has {kind!r}")
-    if kind == "mixtral" and tensor > 1:
-        raise SbpflowError(f"from_pretrained: Mixtral runs on one device or data parallel, but got tensor={tensor}")
     config_cls, model_cls = MODELS[kind]
     cfg = config_cls.from_dict(config)
     parallel = data > 1 or tensor > 1 or pipeline > 1

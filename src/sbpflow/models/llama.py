@@ -221,6 +221,8 @@ class Llama(nn.Module):
     ``positions`` (logical (T,) ints, default ``0..T-1``) give each column's global position.
     """
 
+    layer_plan: dict[str, Any] = {}  # each decoder layer's tensor-parallel plan (set below the class)
+
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
         _check_config(config)
@@ -293,6 +295,7 @@ LAYER_PLAN = {
     "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(), "mlp.down_proj": RowwiseParallel(),
 }
 TENSOR_AXIS = 1  # mesh axes are (data, tensor)
+Llama.layer_plan = LAYER_PLAN
 
 
 def parallelize(model: Llama, data: int = 1, tensor: int = 1, pipeline: int = 1, device: str = "cpu") -> Strategy:
@@ -316,7 +319,7 @@ def parallelize(model: Llama, data: int = 1, tensor: int = 1, pipeline: int = 1,
     megatron = tensor > 1
     apply_plan(model.model.embed_tokens, {"": VocabParallelEmbedding()} if megatron else {}, stages[0], TENSOR_AXIS)
     for layer, stage in zip(model.model.layers, strategy.block_stage, strict=True):
-        apply_plan(layer, LAYER_PLAN if megatron else {}, stages[stage], TENSOR_AXIS)
+        apply_plan(layer, model.layer_plan if megatron else {}, stages[stage], TENSOR_AXIS)
     apply_plan(model.model.norm, {}, stages[-1], TENSOR_AXIS)
     if not model.config.tie_word_embeddings:
         apply_plan(model.lm_head, {"": ColwiseParallel()} if megatron else {}, stages[-1], TENSOR_AXIS)

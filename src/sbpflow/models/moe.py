@@ -26,6 +26,7 @@ import torch
 from sbpflow import nn
 from sbpflow.models import hf
 from sbpflow.models.llama import Llama, LlamaAttention, LlamaConfig
+from sbpflow.nn.parallel import ColwiseParallel, RowwiseParallel
 from sbpflow.ops import functional as F
 from sbpflow.tensor import Tensor
 
@@ -59,6 +60,13 @@ class Mixtral(Llama):
     """The causal MoE language model; after a forward, ``aux_loss`` holds the load-balancing loss."""
 
     config: MixtralConfig
+    # Megatron inside each expert (w1, w3 column-parallel, w2 row-parallel); the router stays whole on every rank
+    layer_plan = {
+        "self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
+        "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
+        "block_sparse_moe.experts.*.w1": ColwiseParallel(), "block_sparse_moe.experts.*.w3": ColwiseParallel(),
+        "block_sparse_moe.experts.*.w2": RowwiseParallel(),
+    }
 
     def __init__(self, config: MixtralConfig) -> None:
         super().__init__(config)
@@ -70,7 +78,9 @@ class Mixtral(Llama):
                 positions: Any = None) -> tuple[Tensor, Tensor | None]:
         logits, loss = super().forward(ids, targets, positions)
         c = self.config
-        stats = [layer.block_sparse_moe.aux_stats for layer in self.model.layers]
+        # each layer's routing statistics, gathered on the last pipeline stage (where the loss is)
+        stats = [(self._to_stage(counts, -1), self._to_stage(probs, -1))
+                 for counts, probs in (layer.block_sparse_moe.aux_stats for layer in self.model.layers)]
         self.aux_loss = nn.moe.load_balancing_loss(stats, c.num_local_experts, c.num_experts_per_tok)
         if loss is not None and c.output_router_logits:
             loss = F.add(loss, F.mul(self.aux_loss, c.router_aux_loss_coef))
