@@ -29,6 +29,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 import sbpflow
@@ -261,6 +262,22 @@ class Llama(nn.Module):
             return logits, None
         v = self.config.vocab_size
         return logits, F.cross_entropy(F.reshape(logits, (b * t, v)), F.reshape(targets, (b * t,)))
+
+    @sbpflow.no_grad()
+    def generate(self, ids: Tensor, max_new_tokens: int, temperature: float = 1.0, seed: int = 0) -> list[int]:
+        """Samples ``max_new_tokens`` ids after the single sequence ``ids`` (logical (1, T)); returns them all."""
+        rng = np.random.default_rng(seed)
+        tokens = [int(i) for i in np.asarray(ids.numpy()).reshape(-1)]
+        was_training = self.training
+        self.eval()
+        for _ in range(max_new_tokens):
+            window = np.asarray([tokens[-self.config.max_position_embeddings:]], dtype=np.int64)
+            x = self.strategy.shard_inputs(window)[0] if self.strategy is not None else sbpflow.tensor(window)
+            last = self(x)[0].numpy()[0, -1].astype(np.float64) / max(temperature, 1e-6)
+            probs = np.exp(last - last.max())
+            tokens.append(int(rng.choice(len(probs), p=probs / probs.sum())))
+        self.train(was_training)
+        return tokens
 
     def save_pretrained(self, folder: str | Path) -> None:
         """Writes ``config.json`` and ``model.safetensors`` that transformers' ``LlamaForCausalLM`` loads."""
