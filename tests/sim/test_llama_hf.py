@@ -220,3 +220,33 @@ def test_compiled_pp2_1f1b_training_matches_one_device(hf_folder: Any) -> None:
     np.testing.assert_allclose(losses, ref_losses, rtol=RTOL)
     for name, value in ref_params.items():
         np.testing.assert_allclose(params[name], value, rtol=RTOL, atol=1e-4, err_msg=name)
+
+
+def test_sbpflow_save_and_load_reshard_training_state(hf_folder: Any, tmp_path: Path) -> None:
+    """sbpflow.save under dp2 x tp2 and sbpflow.load into a pp2 model: the same parameters and AdamW moments."""
+    ref, folder = hf_folder
+    model = from_pretrained(folder, data=2, tensor=2)
+    opt = sbpflow.optim.AdamW(model.parameters(), lr=1e-2)
+    ids, targets = _batch()
+    _, loss = _run(model, ids, targets)
+    loss.backward()
+    opt.step()
+    sbpflow.save({"model": model.state_dict(), "optim": opt.state_dict()}, tmp_path / "ckpt")
+    other = from_pretrained(folder, pipeline=2)
+    other_opt = sbpflow.optim.AdamW(other.parameters(), lr=1e-2)
+    _, loss = _run(other, targets, ids)
+    loss.backward()
+    other_opt.step()  # other parameters and moments (another batch), to be overwritten
+    state = {"model": other.state_dict(), "optim": other_opt.state_dict()}
+    sbpflow.load(state, tmp_path / "ckpt")
+    other.load_state_dict(state["model"])
+    other_opt.load_state_dict(state["optim"])
+    for (name, p), q in zip(model.named_parameters(), other.parameters(), strict=True):
+        np.testing.assert_array_equal(q.numpy(), p.numpy(), err_msg=name)
+    for m, o in ((model, opt), (other, other_opt)):  # one more step: the loaded moments must match too
+        o.zero_grad()
+        _, loss = _run(m, ids, targets)
+        loss.backward()
+        o.step()
+    for (name, p), q in zip(model.named_parameters(), other.parameters(), strict=True):
+        np.testing.assert_allclose(q.numpy(), p.numpy(), rtol=RTOL, atol=ATOL, err_msg=name)
