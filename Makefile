@@ -17,6 +17,7 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks examples
 	$(VENV)/bin/mypy
+	$(VENV)/bin/lint-imports
 	$(PY) -m pytest src tests
 
 lint: $(STAMP)

@@ -25,7 +25,7 @@ from _torch_gpt import tokens, torch_step
 import sbpflow
 from sbpflow.demo.train_gpt import build
 from sbpflow.models.gpt import GPTConfig
-from sbpflow.ops import registry
+from sbpflow.ops import schema
 
 torch.set_num_threads(1)
 
@@ -72,19 +72,19 @@ def interleaved(contenders: dict[str, Callable[[], object]], inner: int,
 
 
 def count_ops(step: Callable[[], object]) -> collections.Counter[str]:
-    """Ops one step dispatches, by name (every call to ops.registry.apply)."""
+    """Ops one step dispatches, by name (every call to ops.schema.apply)."""
     counts: collections.Counter[str] = collections.Counter()
-    inner = registry.apply
+    inner = schema.apply
 
     def counting(opdef: Any, args: Any, attrs: Any) -> Any:
         counts[opdef.name] += 1
         return inner(opdef, args, attrs)
 
-    registry.apply = counting  # type: ignore[assignment]
+    schema.apply = counting  # type: ignore[assignment]
     try:
         step()
     finally:
-        registry.apply = inner  # type: ignore[assignment]
+        schema.apply = inner  # type: ignore[assignment]
     return counts
 
 

@@ -67,7 +67,7 @@ def graph_peaks(dp: int) -> list[str]:
     stage 3 the gathered parameters' own peak for prefetch windows 0 and 1 (memory plan and actor runtime)."""
     from sbpflow.comm import SimulatedBackend
     from sbpflow.optim.zero import GATHERED
-    from sbpflow.runtime.board import dry_run
+    from sbpflow.runtime.memory import dry_run
 
     rows = []
     for stage, prefetch in ((0, 1), (1, 1), (2, 1), (3, 0), (3, 1)):

@@ -18,8 +18,8 @@ from typing import Any
 
 from opcases import OpCase, data_positions, sig, sig_text
 from partial_checks import case_values, check_partial_inputs, check_table, declared, run_kernel_properties, run_local
-from sbpflow.ops import registry
-from sbpflow.ops.registry import REGISTRY, Meta, Sig
+from sbpflow.ops import dispatch
+from sbpflow.ops.schema import REGISTRY, Meta, Sig
 from sbpflow.sbp import Broadcast, Partial
 
 PATTERNS = [("sum", "sum"), ("max", "max"), ("min", "min"), ("max", "min"), ("min", "max")]  # (input, output)
@@ -153,14 +153,14 @@ def flipped(flip: Flip) -> Iterator[None]:
         fits = len(flip.sig.ins) == sum(isinstance(a, Meta) for a in args)
         return sigs + [flip.sig] if fits else sigs
 
-    cache = registry._global_cache
+    cache = dispatch._global_cache
     opdef.sbp = mutant
-    registry._global_cache = {}  # decisions made under the real rules must not answer for the mutant
+    dispatch._global_cache = {}  # decisions made under the real rules must not answer for the mutant
     try:
         yield
     finally:
         opdef.sbp = original
-        registry._global_cache = cache
+        dispatch._global_cache = cache
 
 
 def outcomes(case: OpCase) -> dict[str, str]:

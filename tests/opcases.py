@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from sbpflow.ops.registry import Sig
+from sbpflow.ops.schema import Sig
 from sbpflow.sbp import parse
 
 Args = tuple[Any, ...]

@@ -24,7 +24,7 @@ import sbpflow
 from harness import PLACEMENTS, global_tensor
 from opcases import OpCase, sig, sig_text
 from sbpflow.comm import record
-from sbpflow.ops.registry import REGISTRY, Meta, Scalar, Sig
+from sbpflow.ops.schema import REGISTRY, Meta, Scalar, Sig
 from sbpflow.sbp import Broadcast, Partial, Split
 from sbpflow.tensor import Tensor
 

@@ -14,20 +14,21 @@ axis; ops pick SBP signatures and the framework inserts the data movement.
 
 from __future__ import annotations
 
-from . import amp, boxing, checkpoint, comm, models, nn, optim, sbp, utils
+from . import amp, boxing, checkpoint, comm, nn, optim, sbp, utils
 from .amp import GradScaler, autocast
 from .autograd import enable_grad, is_grad_enabled, no_grad
+from .autograd import engine as _engine  # noqa: F401  # binds Tensor.backward
 from .autoparallel.apply import auto_parallel
 from .checkpoint import load, save
 from .creation import (
     arange,
     full,
     full_like,
+    meta_tensor,
     ones,
     ones_like,
     rand,
     rand_like,
-    randint,
     randn,
     randn_like,
     tensor,
@@ -45,6 +46,7 @@ from .errors import (
     CommError,
     DTypeError,
     IndexOutOfRangeError,
+    LocalGlobalError,
     MetaTensorError,
     OpError,
     PlacementError,
@@ -52,7 +54,7 @@ from .errors import (
     SbpflowError,
     ShapeError,
 )
-from .meta import meta_init, meta_tensor
+from .meta import meta_init
 from .ops import functional
 
 # the tensor functions at the top level, where torch.* and oneflow.* have them with the same arguments (losses,
@@ -111,6 +113,7 @@ from .ops.functional import (
     ne,
     neg,
     pow,
+    randint,
     relu,
     rms_norm,
     round,
@@ -147,6 +150,7 @@ from .ops.views import (  # the view functions: like torch's, their results pass
 )
 from .placement import Placement, placement
 from .random import manual_seed
+from .sbp import normalize as _normalize_sbp  # explain()'s sbp argument shadows the sbp module
 from .tensor import Tensor
 
 __version__ = "0.1.0"
@@ -163,10 +167,8 @@ def explain(x: Tensor, placement: Placement | None = None, sbp: object = None) -
       1. all_gather axis 0            (S(0)) -> (B)  32 B/rank, 64 B total, 100.0 us
       total: 32 B/rank, 64 B, 100.0 us
     """
-    from .sbp import normalize
-
     placement = placement or x.placement
-    nd = x.sbp if sbp is None else normalize(sbp, placement, x.ndim)
+    nd = x.sbp if sbp is None else _normalize_sbp(sbp, placement, x.ndim)
     text = str(boxing.plan(tuple(x.shape), x.dtype, boxing.Layout(x.placement, x.sbp), boxing.Layout(placement, nd)))
     print(text)
     return text
@@ -175,9 +177,9 @@ def explain(x: Tensor, placement: Placement | None = None, sbp: object = None) -
 __all__ = [
     "auto_parallel",
     "ArgumentError", "AutocastWarning", "AutogradError", "BoxingError", "CheckpointError", "CommError", "DTypeError",
-    "IndexOutOfRangeError", "MetaTensorError", "OpError", "Placement",
+    "IndexOutOfRangeError", "LocalGlobalError", "MetaTensorError", "OpError", "Placement",
     "PlacementError", "SbpError", "SbpflowError", "ShapeError", "Tensor", "arange", "boxing", "comm", "enable_grad",
-    "explain", "full", "full_like", "functional", "is_grad_enabled", "manual_seed", "models", "nn", "no_grad", "ones",
+    "explain", "full", "full_like", "functional", "is_grad_enabled", "manual_seed", "nn", "no_grad", "ones",
     "ones_like", "optim", "placement", "rand", "rand_like", "randint", "randn", "randn_like", "sbp", "tensor",
     "uniform", "zeros", "zeros_like", "print0", "rank", "world_size",
     "checkpoint", "load", "save", "meta_init", "meta_tensor", "utils", "amp", "autocast", "GradScaler",

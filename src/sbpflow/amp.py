@@ -36,7 +36,14 @@ from typing import Any
 
 import torch
 
+from .autograd import no_grad
+from .creation import full
 from .errors import SbpflowError
+from .ops import functional as F
+from .ops.dispatch import INPUT_HOOKS
+from .ops.functional import cast, clone
+from .sbp import broadcast
+from .tensor import Tensor
 
 LOWER = frozenset({"matmul", "matmul_nd", "linear", "conv2d", "scaled_dot_product_attention"})
 FP32 = frozenset({"sum", "mean", "cumsum", "softmax", "log_softmax", "layer_norm", "rms_norm", "exp", "log",
@@ -60,9 +67,11 @@ def autocast(dtype: torch.dtype = torch.bfloat16, enabled: bool = True) -> Itera
         raise SbpflowError(f"sbpflow.autocast(dtype=...) takes torch.bfloat16 or torch.float16, but got {dtype}")
     previous = _state.dtype
     _state.dtype = dtype if enabled else None
+    INPUT_HOOKS.stack.append(cast_inputs)
     try:
         yield
     finally:
+        INPUT_HOOKS.stack.pop()
         _state.dtype = previous
 
 
@@ -115,13 +124,11 @@ def grad_comm_dtype() -> torch.dtype | None:
 def cast_inputs(op_name: str, args: Sequence[Any]) -> Sequence[Any]:
     """``args`` with floating tensors cast as the policy says for ``op_name`` (the same args if it says nothing)."""
     low = _state.dtype
-    assert low is not None
+    if low is None:  # inside autocast(enabled=False), or suspended()
+        return args
     target = low if op_name in LOWER else torch.float32 if op_name in FP32 else None
     if target is None:
         return args
-    from .ops.functional import cast
-    from .tensor import Tensor
-
     if not any(isinstance(a, Tensor) and a.dtype.is_floating_point and a.dtype != target for a in args):
         return args
     with suspended():  # the casts themselves dispatch as ops
@@ -172,6 +179,7 @@ class GradScaler:
             return
         if id(optimizer) in self._found_inf:
             raise SbpflowError("GradScaler.unscale_() was already called for this optimizer since the last update()")
+        optimizer.check_grads()  # a step that would refuse them refuses before they are divided
         grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
         self._found_inf[id(optimizer)] = not _all_finite(grads)
         inv = 1.0 / self._scale
@@ -210,9 +218,6 @@ class GradScaler:
         """The scale and growth tracker as broadcast 0-d fp32 tensors on ``placement``: variables of a compiled
         step, which updates them in place; they are made once and refreshed from this scaler before each run."""
         if self._graph is None or self._graph.scale.placement != placement:
-            from .creation import full
-            from .sbp import broadcast
-
             def scalar() -> Any:
                 return full((), fill_value=0.0, placement=placement, sbp=(broadcast,) * placement.ndim)
 
@@ -253,8 +258,6 @@ class GradScaler:
         counts over every gradient, so at most one reduction across ranks) and the gradients divided by the scale."""
         import torch as _torch
 
-        from .ops import functional as F
-
         assert self._graph is not None
         scale = self._graph.scale
         inv = 1.0 / scale
@@ -273,8 +276,6 @@ class GradScaler:
     def trace_update(self, found: Any) -> None:
         """Traced: :meth:`update` as graph ops on the scale and tracker variables (torch's
         ``_amp_update_scale_``: back off on ``found``, grow after ``growth_interval`` clean steps if finite)."""
-        from .ops import functional as F
-
         assert self._graph is not None
         scale, tracker = self._graph.scale, self._graph.tracker
         zero = tracker * 0
@@ -317,9 +318,6 @@ def master_weights(optimizer: Any, dtype: torch.dtype = torch.bfloat16) -> Any:
     >>> opt.state[w]["master"].tolist(), w.tolist()  # the master moves by 1e-3; bf16 cannot show it
     ([0.9990000128746033, 0.9990000128746033], [1.0, 1.0])
     """
-    from .autograd import no_grad
-    from .ops.functional import cast, clone
-
     if dtype not in LOW_DTYPES:
         raise SbpflowError(f"master_weights(dtype=...) takes torch.bfloat16 or torch.float16, but got {dtype}")
     with no_grad():
@@ -341,8 +339,6 @@ def master_weights(optimizer: Any, dtype: torch.dtype = torch.bfloat16) -> Any:
 def trace_masked_updates(found: Any, updates: list[tuple[Any, Any]]) -> None:
     """Traced: each ``(variable, value before the optimizer)`` keeps its old value where ``found`` (a skipped
     step), as ``where(found, old, new)``; no Python branch on data."""
-    from .ops import functional as F
-
     on: dict[Any, Any] = {found.placement: found}  # the flag sent once to each placement (pipeline stages)
     for t, old in updates:
         if t.placement not in on:
@@ -359,8 +355,6 @@ class _GraphScale:
 
 
 def _broadcast() -> Any:
-    from .sbp import broadcast
-
     return broadcast
 
 
@@ -370,9 +364,6 @@ def _b(t: Any) -> tuple[Any, ...]:
 
 def _all_finite(grads: list[Any]) -> bool:
     """Whether every gradient is finite, the same answer on every process (one sbpflow reduction per gradient)."""
-    from .autograd import no_grad
-    from .ops import functional as F
-
     ok = True
     with no_grad():
         for g in grads:

@@ -6,6 +6,16 @@ import argparse
 import sys
 from typing import Any
 
+from .autoparallel.calibrate import calibrate, describe
+from .autoparallel.explain import explain, to_json
+from .autoparallel.from_trace import calibrate_from_trace
+from .autoparallel.planning import plan_from_args
+from .autoparallel.profiles import get_profile, save_profile
+from .demo.train_gpt import DESCRIPTION, add_arguments, run_from_args
+from .errors import SbpflowError
+from .nn import graph
+from .runtime.trace import merge
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="sbpflow", description="sbpflow: distribution as a property of tensors")
@@ -28,8 +38,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "trace":
         return trace_merge(args)
     if args.command == "demo":
-        from .demo.train_gpt import run_from_args
-
         run_from_args(args)
         return 0
     return 0
@@ -50,8 +58,6 @@ def show_graphs(args: argparse.Namespace) -> int:
     import os
     import runpy
 
-    from .nn import graph
-
     os.makedirs(args.out, exist_ok=True)
     graph.SHOW.append((args.out, args.rank))
     saved = sys.argv
@@ -65,8 +71,6 @@ def show_graphs(args: argparse.Namespace) -> int:
 
 
 def _add_demo(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    from .demo.train_gpt import DESCRIPTION, add_arguments
-
     add_arguments(sub.add_parser("demo", help="train a small GPT on virtual CPU devices (data x tensor x pipeline)",
                                  description=DESCRIPTION))
 
@@ -97,20 +101,42 @@ def _add_trace(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 
 def _add_plan(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser("plan", help="predict or search a tensor x pipeline x data plan for a GPT, without hardware",
-                       description="Predicts the step time, TFLOP/s and memory of a GPT's 3-D parallel plan on a "
+    p = sub.add_parser("plan", help="predict or search a tensor x pipeline x data plan for a transformer, without "
+                                    "hardware",
+                       description="Predicts the step time, TFLOP/s and memory of a transformer's (GPT, Llama) 3-D "
+                                   "parallel plan on a "
                                    "cluster described by a device profile. Flags that are given fix that part of "
                                    "the plan; the rest is searched. With --tp, --pp, --dp and --micro-batch all "
                                    "given it predicts that plan (ZeRO 0 and full recompute unless given).")
+    sizes = p.add_argument_group("model sizes (or --hf-config)")
     for flag, what in (("layers", "transformer blocks"), ("hidden", "hidden size"), ("heads", "attention heads"),
-                       ("seq", "sequence length"), ("vocab", "vocabulary size"), ("batch", "global batch (sequences)"),
-                       ("devices", "number of devices")):
+                       ("seq", "sequence length"), ("vocab", "vocabulary size")):
+        sizes.add_argument(f"--{flag}", type=int, default=None, help=what)
+    sizes.add_argument("--ffn-hidden", type=int, default=0, help="the MLP's inner width (default 4 x hidden)")
+    sizes.add_argument("--kv-heads", type=int, default=0, help="key/value heads, grouped-query attention (default: "
+                                                               "heads)")
+    sizes.add_argument("--mlp", choices=("gelu", "swiglu"), default="gelu", help="MLP kind (default gelu)")
+    sizes.add_argument("--norm", choices=("layernorm", "rmsnorm"), default="layernorm", help="norm (default layernorm)")
+    sizes.add_argument("--position", choices=("learned", "rope"), default="learned",
+                       help="position embedding (default learned)")
+    sizes.add_argument("--attention", choices=("unfused", "flash"), default="unfused",
+                       help="core attention: scores in memory (Megatron-LM 2021) or one fused kernel (default "
+                            "unfused; --hf-config: flash)")
+    sizes.add_argument("--no-bias", action="store_true", help="linear layers without biases")
+    sizes.add_argument("--untied", action="store_true", help="an output layer of its own (not the token embedding)")
+    sizes.add_argument("--vocab-multiple", type=int, default=128,
+                       help="pad the vocabulary to a multiple of this times tp, as Megatron-LM does (default 128)")
+    sizes.add_argument("--hf-config", default=None, metavar="CONFIG_JSON",
+                       help="a Hugging Face Llama-style config.json instead of the size flags (--seq overrides its "
+                            "max_position_embeddings)")
+    for flag, what in (("batch", "global batch (sequences)"), ("devices", "number of devices")):
         p.add_argument(f"--{flag}", type=int, required=True, help=what)
     p.add_argument("--device", default="a100-80gb", help="a100-40gb | a100-80gb | h100-80gb | a profile file "
                                                          "written by `sbpflow calibrate` (default a100-80gb)")
     p.add_argument("--gpus-per-node", type=int, default=None, help="devices per node (default: the profile's, 8)")
     for flag, what in (("tp", "tensor-parallel degree"), ("pp", "pipeline stages"), ("dp", "data-parallel degree"),
-                       ("micro-batch", "sequences per micro-batch"), ("zero", "ZeRO stage 0-3")):
+                       ("micro-batch", "sequences per micro-batch"), ("zero", "ZeRO stage 0-3"),
+                       ("virtual", "model chunks per pipeline stage (interleaved 1F1B when > 1)")):
         p.add_argument(f"--{flag}", type=int, default=None, help=f"{what} (searched if not given)")
     p.add_argument("--recompute", choices=("none", "selective", "full"), default=None,
                    help="activation recomputation (searched if not given)")
@@ -121,10 +147,6 @@ def _add_plan(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 def plan_command(args: argparse.Namespace) -> int:
     """``sbpflow plan``: explain (or ``--json``) the best plan, or the one the flags fix completely."""
     import json
-
-    from .autoparallel.explain import explain, to_json
-    from .autoparallel.planning import plan_from_args
-    from .errors import SbpflowError
 
     try:
         spec, cluster, best, result = plan_from_args(args)
@@ -152,11 +174,6 @@ def _add_calibrate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
 
 def calibrate_command(args: argparse.Namespace) -> int:
     """``sbpflow calibrate``: measure, print what was measured, write the profile."""
-    from .autoparallel.calibrate import calibrate, describe
-    from .autoparallel.from_trace import calibrate_from_trace
-    from .autoparallel.profiles import get_profile, save_profile
-    from .errors import SbpflowError
-
     if args.from_trace:
         try:
             result = calibrate_from_trace(get_profile(args.profile), args.from_trace)
@@ -175,8 +192,6 @@ def calibrate_command(args: argparse.Namespace) -> int:
 
 def trace_merge(args: argparse.Namespace) -> int:
     """``sbpflow trace merge a.json b.json -o out.json``: one timeline with a process lane group per rank."""
-    from .runtime.trace import merge
-
     spans = merge(args.files, args.output)
     print(f"sbpflow trace: {spans} spans from {len(args.files)} files -> {args.output}")
     return 0

@@ -26,7 +26,7 @@ from .comm import get_backend
 from .errors import ArgumentError, AutogradError, DTypeError, SbpError, ShapeError
 from .placement import Placement
 from .sbp import NdSbp, Partial, broadcast, normalize
-from .tensor import Tensor, shards_from_full
+from .tensor import Tensor, logical_value, shards_from_full
 
 
 def _shape_arg(size: Sequence[Any]) -> tuple[int, ...]:
@@ -140,8 +140,6 @@ def _meta_of(shape: tuple[int, ...], dtype: torch.dtype, placement: Placement | 
 
 def _to_torch(data: Any, dtype: torch.dtype | None) -> torch.Tensor:
     if isinstance(data, Tensor):
-        from .tensor import logical_value
-
         data = logical_value(data)
     if isinstance(data, torch.Tensor):
         return data.detach().to(dtype) if dtype is not None else data.detach()
@@ -268,15 +266,6 @@ def uniform(*size: Any, low: float = 0.0, high: float = 1.0, placement: Placemen
     return _random("uniform", size, placement, sbp, dtype, requires_grad, low, high, device=device)
 
 
-def randint(low: int, high: int, size: Sequence[int], *, placement: Placement | None = None, sbp: Any = None,
-            dtype: torch.dtype = torch.int64) -> Tensor:
-    """Integers on [low, high), from the same placement-independent stream."""
-    u = uniform(*size, low=float(low), high=float(high), placement=placement, sbp=sbp, dtype=torch.float64)
-    from .ops import functional as F
-
-    return F.cast(F.floor(u), dtype)
-
-
 # -- like --------------------------------------------------------------------------------------
 
 
@@ -313,3 +302,17 @@ def rand_like(x: Tensor, dtype: torch.dtype | None = None) -> Tensor:
 def _no_grad_check(requires_grad: bool, dtype: torch.dtype) -> None:
     if requires_grad and not dtype.is_floating_point:
         raise AutogradError(f"only floating-point tensors can require gradients, but got dtype {dtype}")
+
+
+def meta_tensor(*size: Any, dtype: torch.dtype | None = None, placement: Any = None, sbp: Any = None,
+                requires_grad: bool = False) -> Tensor:
+    """A meta tensor of logical shape ``size`` (a graph input's metadata for ``compile_only``).
+
+    >>> import sbpflow
+    >>> x = sbpflow.meta_tensor(8, 2048, dtype=torch.int64, placement=sbpflow.placement("cpu", [0, 1]),
+    ...                         sbp=sbpflow.sbp.split(0))
+    >>> x
+    MetaTensor(shape [8, 2048] int64 on cpu:[0, 1] sbp (S(0)))
+    """
+    with _meta.meta_init():
+        return zeros(*size, dtype=dtype, placement=placement, sbp=sbp, requires_grad=requires_grad)

@@ -41,7 +41,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from .errors import SbpflowError
+from .errors import CommError, SbpflowError
 
 if TYPE_CHECKING:
     from .comm.base import Backend
@@ -126,6 +126,29 @@ _state = _State()
 _init_lock = threading.Lock()
 
 
+@dataclass(frozen=True)
+class CommHooks:
+    """How `sbpflow.comm` makes and installs backends: comm sits above this module and registers these at import."""
+
+    make: Callable[[Config], Backend]  # a launched process's backend, or the simulated one
+    installed: Callable[[], Backend | None]  # the backend comm hands out now
+    install: Callable[[Backend | None], object]  # comm.set_backend
+
+
+_comm: CommHooks | None = None
+
+
+def register_comm(hooks: CommHooks) -> None:
+    global _comm
+    _comm = hooks
+
+
+def _hooks() -> CommHooks:
+    if _comm is None:
+        raise SbpflowError("sbpflow.comm is not imported: import sbpflow before starting up its processes")
+    return _comm
+
+
 def config() -> Config:
     """This process's :class:`Config` (the environment is read on the first call only)."""
     if _state.config is None:
@@ -140,29 +163,24 @@ def init(cfg: Config | None = None) -> Backend:
     get NCCL groups of their own) and binds cuda placements to GPU
     ``LOCAL_RANK``. Otherwise it installs the simulated backend.
     """
-    from . import comm
-
+    comm = _hooks()
     with _init_lock:
         if _state.backend is not None:
-            if comm._backend is None:  # someone cleared it with set_backend(None): put ours back
-                comm.set_backend(_state.backend)
+            if comm.installed() is None:  # someone cleared it with set_backend(None): put ours back
+                comm.install(_state.backend)
             return _state.backend
         if cfg is not None:
             _state.config = cfg
         cfg = config()
 
+        backend = comm.make(cfg)
         if cfg.launched:
-            from .comm.torch_dist import TorchDistBackend
-
-            backend: Backend = TorchDistBackend(cfg)
             _install_excepthook(cfg)
             # Leave the process group before the interpreter tears down: gloo's threads still joinable at
             # exit make the C++ runtime abort ("terminate called without an active exception", SIGABRT).
             atexit.register(shutdown)
-        else:
-            backend = comm.SimulatedBackend()
         _state.backend = backend
-        comm.set_backend(backend)
+        comm.install(backend)
         return backend
 
 
@@ -172,12 +190,10 @@ def is_initialized() -> bool:
 
 def shutdown() -> None:
     """Leaves the process group (if any) and goes back to the simulated backend; init() may run again."""
-    from . import comm
-
     with _init_lock:
         backend, _state.backend = _state.backend, None
         _state.config = None
-        comm.set_backend(None)
+        _hooks().install(None)
         close = getattr(backend, "close", None)
         if close is not None:
             close()
@@ -278,8 +294,6 @@ PEER_FAILURE_GRACE = 5.0  # seconds a rank that only saw a peer fail waits befor
 
 def peer_failed(error: BaseException) -> bool:
     """Whether ``error`` says another process went away (a consequence, not the cause, of a failed job)."""
-    from .errors import CommError
-
     return isinstance(error, CommError) and getattr(error, "peer_failed", False)
 
 

@@ -43,6 +43,12 @@ class OpError(SbpflowError, RuntimeError):
     """An op that cannot run on the given inputs (no rule, bad arguments)."""
 
 
+class LocalGlobalError(OpError):
+    """Local and global tensors given together to one op, module or optimizer (``module`` names the module)."""
+
+    module: str | None = None
+
+
 class AutogradError(SbpflowError, RuntimeError):
     """Misuse of reverse-mode differentiation."""
 

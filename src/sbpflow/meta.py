@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -60,19 +60,3 @@ def refuse(t: Tensor, what: str) -> None:
         "only, no data; meta tensors can be compiled (nn.Graph.compile_only), not run or read; build the model "
         "outside meta_init() (or load a checkpoint into a real one) to run it"
     )
-
-
-def meta_tensor(*size: Any, dtype: torch.dtype | None = None, placement: Any = None, sbp: Any = None,
-                requires_grad: bool = False) -> Tensor:
-    """A meta tensor of logical shape ``size`` (a graph input's metadata for ``compile_only``).
-
-    >>> import sbpflow
-    >>> x = sbpflow.meta_tensor(8, 2048, dtype=torch.int64, placement=sbpflow.placement("cpu", [0, 1]),
-    ...                         sbp=sbpflow.sbp.split(0))
-    >>> x
-    MetaTensor(shape [8, 2048] int64 on cpu:[0, 1] sbp (S(0)))
-    """
-    from .creation import zeros
-
-    with meta_init():
-        return zeros(*size, dtype=dtype, placement=placement, sbp=sbp, requires_grad=requires_grad)

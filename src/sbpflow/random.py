@@ -22,6 +22,7 @@ import math
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Protocol
 
 import torch
 
@@ -38,6 +39,17 @@ class _Stream(threading.local):
 
 
 _stream = _Stream()
+
+
+class KeyHook(Protocol):
+    """Who turns a draw's key into something else: nn.Graph's tracer makes it "the n-th draw of the step"."""
+
+    random_keys: int  # draws made under the hook
+
+    def next_random_key(self, key: int) -> int: ...
+
+
+KEY_HOOKS: list[KeyHook] = []  # the hook in force is the last (graph.trace.Tracer.active pushes the tracer)
 
 
 def manual_seed(seed: int) -> None:
@@ -64,9 +76,7 @@ def next_key() -> int:
     """The key of the next random call; every process draws the same sequence."""
     _stream.counter += 1
     key = _mix(_stream.seed, _stream.counter)
-    from .graph import trace
-
-    return trace.next_random_key(key) if trace.ACTIVE else key
+    return KEY_HOOKS[-1].next_random_key(key) if KEY_HOOKS else key
 
 
 def mix_key(seed: int, counter: int) -> int:
@@ -87,19 +97,13 @@ def get_state() -> tuple[int, int, int]:
     """``(seed, counter, traced draws)``: where the stream stands, for :func:`replay` (activation checkpointing).
 
     While nn.Graph traces, a draw is "the n-th of the step" (a RandomKey), so the tracer's count is part of it."""
-    from .graph import trace
-
-    tracer = trace.tracing()
-    return _stream.seed, _stream.counter, tracer.random_keys if tracer is not None else 0
+    return _stream.seed, _stream.counter, KEY_HOOKS[-1].random_keys if KEY_HOOKS else 0
 
 
 def _set_state(state: tuple[int, int, int]) -> None:
-    from .graph import trace
-
     _stream.seed, _stream.counter = state[0], state[1]
-    tracer = trace.tracing()
-    if tracer is not None:
-        tracer.random_keys = state[2]
+    if KEY_HOOKS:
+        KEY_HOOKS[-1].random_keys = state[2]
 
 
 @contextmanager

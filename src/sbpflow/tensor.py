@@ -24,14 +24,15 @@ import torch
 from . import boxing
 from . import meta as _metamod
 from ._layout import Shape, shard_box
+from .autograd.mode import note_output_hooks
 from .comm import get_backend
 from .distributed import activity
-from .errors import AutogradError, SbpError, SbpflowError
+from .errors import AutogradError, SbpflowError
 from .placement import Placement
-from .sbp import NdSbp, broadcast, format_nd, normalize
+from .sbp import NdSbp, Partial, broadcast, format_nd
 
 if TYPE_CHECKING:
-    from .autograd import Node
+    from .autograd.node import Node
 
 
 class Tensor:
@@ -250,42 +251,11 @@ class Tensor:
             raise SbpflowError(f"this process holds no shard of the tensor with {self._describe()}")
         return next(iter(shards.values()))
 
-    def to_global(self, placement: Placement | None = None, sbp: Any = None, *, grad_sbp: Any = None) -> Tensor:
-        """Converts to ``placement`` and ``sbp``; an omitted argument keeps the current value.
+    if TYPE_CHECKING:  # Tensor is data: sbpflow.ops.methods binds to_global, sbpflow.autograd.engine backward
+        def to_global(self, placement: Placement | None = None, sbp: Any = None, *,
+                      grad_sbp: Any = None) -> Tensor: ...
 
-        ``grad_sbp`` (global tensors) is the SBP, on this tensor's placement, that this tensor's gradient gets
-        in backward (by default its own): ``partial_sum`` defers the gradient's reduction to its consumer.
-
-        On a local tensor, the local tensor becomes this rank's shard: every rank
-        contributes its local tensor and the SBP says what the contributions mean
-        (split axes concatenate, ``B`` keeps the replica, ``P(sum)`` adds them up).
-        Every virtual rank of this process contributes the same local tensor, so
-        the numbers match one process per rank each passing that tensor:
-
-        >>> import sbpflow
-        >>> p = sbpflow.placement("cpu", [0, 1])
-        >>> sbpflow.tensor([1.0, 1.0]).to_global(p, sbpflow.sbp.partial_sum).tolist()
-        [2.0, 2.0]
-        """
-        from .ops import functional as F
-
-        if self._local is not None:
-            if placement is None or sbp is None:
-                raise SbpError("to_global() of a local tensor needs both placement= and sbp=")
-            if grad_sbp is not None:
-                raise SbpError(f"to_global(grad_sbp=...) sets the SBP of a global tensor's gradient, but the input is "
-                               f"a {self._describe()}: its gradient is local")
-            return F.local_to_global(self, placement, sbp)
-        placement = self.placement if placement is None else placement
-        if not isinstance(placement, Placement):
-            raise SbpError(f"to_global(placement=...) needs an sbpflow.placement, but got {placement!r}")
-        nd = self.sbp if sbp is None else normalize(sbp, placement, self.ndim, what=f"tensor with {self._describe()}")
-        if sbp is None and placement.ndim != len(nd):
-            raise SbpError(
-                f"to_global() onto {placement} ({placement.ndim} mesh axes) needs sbp=, since the tensor's sbp "
-                f"{format_nd(self.sbp)} has {len(self.sbp)} entries"
-            )
-        return F.to_global(self, placement, nd, grad_sbp)
+        def backward(self, gradient: Tensor | None = None, retain_graph: bool = False) -> None: ...
 
     def numpy(self) -> np.ndarray:
         """The logical value as a NumPy array (on every process)."""
@@ -344,11 +314,6 @@ class Tensor:
     __str__ = __repr__
 
     # -- autograd ------------------------------------------------------------------------
-
-    def backward(self, gradient: Tensor | None = None, retain_graph: bool = False) -> None:
-        from .autograd import backward
-
-        backward([self], [gradient], retain_graph=retain_graph)
 
     def detach(self) -> Tensor:
         """The same values, cut from the graph (shards are shared, as torch shares storage).
@@ -413,15 +378,11 @@ class Tensor:
         return self
 
     def retain_grad(self) -> None:
-        from .autograd import note_output_hooks
-
         note_output_hooks()  # backward looks for retained gradients from now on
         self._retains_grad = True
 
     def register_hook(self, hook: Callable[[Tensor], Tensor | None]) -> Callable[[], None]:
         """Calls ``hook(grad)`` when this tensor's gradient is computed; a returned tensor replaces it."""
-        from .autograd import note_output_hooks
-
         note_output_hooks()  # backward looks for hooks on op outputs from now on
         if self._hooks is None:
             self._hooks = []
@@ -437,10 +398,9 @@ class Tensor:
 
     def _assign(self, value: Tensor) -> Tensor:
         """Copies ``value`` (already in this tensor's layout) into this tensor's storage."""
-        if self._lazy is not None or value._lazy is not None:
-            from .graph.trace import assign_lazy
-
-            return assign_lazy(self, value)
+        if self._lazy is not None or value._lazy is not None:  # traced: the lazy handle (graph.trace.Lazy) records it
+            lazy = self._lazy if self._lazy is not None else value._lazy
+            return lazy.assign(self, value)  # type: ignore[no-any-return]
         if self.is_meta:  # metadata only: nothing to write (an initialiser under meta_init)
             self._version += 1
             return self
@@ -497,10 +457,8 @@ def logical_value(t: Tensor) -> torch.Tensor:
 
 
 def _refresh_view(t: Tensor) -> None:
-    """A view whose base was written since it was taken shows the base's new values (see ops.views)."""
-    from .ops.views import refresh
-
-    refresh(t)
+    """A view whose base was written since it was taken shows the base's new values (ops.views.Link.refresh)."""
+    t._view_of.refresh(t)
 
 
 def _layout(t: Tensor) -> boxing.Layout:
@@ -511,8 +469,6 @@ def shards_from_full(
     value: torch.Tensor, placement: Placement, nd_sbp: NdSbp, ranks: Sequence[int] | None = None
 ) -> dict[int, torch.Tensor]:
     """Cuts a full logical value into the shards this process owns (each its own memory)."""
-    from .sbp import Partial
-
     backend = get_backend()
     out = {}
     shape = tuple(value.shape)

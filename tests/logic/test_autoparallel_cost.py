@@ -53,8 +53,11 @@ def test_ring_all_reduce_by_hand():
     model = TOY.cost_model()
     n = 64e6  # 64 MB over 4 ranks of one node: 2*3 rounds of 10 us, 2*3/4 * 64 MB at 100 GB/s
     assert collective_time("all_reduce", range(4), n, model, "cpu") == pytest.approx(6 * 1e-5 + 1.5 * n / 100e9)
-    # 8 ranks over two nodes of 4: the inter-node link prices every round
-    assert collective_time("all_reduce", range(8), n, model, "cpu") == pytest.approx(14 * 1e-4 + 1.75 * n / 10e9)
+    # 8 ranks over two nodes of 4: one rank per node on the inter-node link prices every round
+    assert collective_time("all_reduce", (0, 4), n, model, "cpu") == pytest.approx(2 * 1e-4 + n / 10e9)
+    # all 4 ranks of each node: reduce-scatter inside, 4 all-reduces of n/4 across at once, all-gather inside
+    inside = 3 * 1e-5 + 0.75 * n / 100e9
+    assert collective_time("all_reduce", range(8), n, model, "cpu") == pytest.approx(2 * inside + 2e-4 + n / 4 / 10e9)
     assert collective_time("all_gather", range(4), n, model, "cpu") == pytest.approx(3 * 1e-5 + 0.75 * n / 100e9)
     assert collective_time("send_recv", (0, 4), n, model, "cpu") == pytest.approx(1e-4 + n / 10e9)
     assert collective_time("all_reduce", (3,), n, model, "cpu") == 0.0
@@ -135,8 +138,49 @@ def test_megatron_flops_and_gpt3_parameters():
     gpt3 = TransformerSpec(layers=96, hidden=12288, heads=96, seq=2048, vocab=51200)
     assert gpt3.params / 1e9 == pytest.approx(174.6, abs=0.1)  # "175B"
     by_hand = 96 * 1536 * 2048 * 96 * 12288**2 * (1 + 2048 / (6 * 12288) + 51200 / (16 * 96 * 12288))
-    assert gpt3.model_flops(1536) == pytest.approx(by_hand)
-    assert gpt3.useful_flops(1536) < gpt3.model_flops(1536) < 4 / 3 * gpt3.useful_flops(1536)
+    assert gpt3.hardware_flops(1536, "full") == pytest.approx(by_hand)  # Megatron's count: full recompute
+    forward_backward = 72 * 1536 * 2048 * 96 * 12288**2 * (1 + 2048 / (6 * 12288)) + 6 * 1536 * 2048 * 12288 * 51200
+    assert gpt3.model_flops(1536) == pytest.approx(forward_backward)
+    assert gpt3.hardware_flops(1536, "none") == gpt3.model_flops(1536)
+    attention_rerun = 4 * 1536 * 2048**2 * 12288 * 96  # Q·Kᵀ and probs·V once more per layer
+    assert gpt3.hardware_flops(1536, "selective") == pytest.approx(gpt3.model_flops(1536) + attention_rerun)
+
+
+LLAMA3_70B = TransformerSpec(layers=80, hidden=8192, heads=64, seq=8192, vocab=128256, ffn_hidden=28672, kv_heads=8,
+                             mlp="swiglu", norm="rmsnorm", position="rope", bias=False, tied=False)
+
+
+@pytest.mark.parametrize(("spec", "published"), [
+    (LLAMA3_70B, 70_553_706_496),  # transformers' LlamaForCausalLM(config of Llama-3-70B).num_parameters()
+    (TransformerSpec(layers=126, hidden=16384, heads=128, seq=8192, vocab=128256, ffn_hidden=53248, kv_heads=8,
+                     mlp="swiglu", norm="rmsnorm", position="rope", bias=False, tied=False), 405_853_388_800),
+    (TransformerSpec(layers=32, hidden=4096, heads=32, seq=8192, vocab=128256, ffn_hidden=14336, kv_heads=8,
+                     mlp="swiglu", norm="rmsnorm", position="rope", bias=False, tied=False), 8_030_261_248),
+])
+def test_llama_shapes_count_their_published_parameters(spec, published):
+    assert spec.params == published
+
+
+def test_llama_flops_count_gate_up_down_and_grouped_kv():
+    h, f, kv, s, layers, v = 8192, 28672, 1024, 8192, 80, 128256
+    per_token = 2 * (h * (h + 2 * kv) + h * h + 3 * h * f) + 4 * s * h  # forward: matmuls and core attention
+    assert LLAMA3_70B.model_flops(2) == pytest.approx(2 * s * (3 * layers * per_token + 6 * h * v))
+    # Kaplan et al.'s 6·N + 12·l·s·h per token, N the matmul weights (no input embedding, no norms)
+    weights = LLAMA3_70B.params - h * v - (2 * layers + 1) * h
+    assert LLAMA3_70B.model_flops(1) == pytest.approx(s * (6 * weights + 12 * layers * s * h))
+
+
+def test_vocab_is_padded_as_megatron_pads_it():
+    spec = TransformerSpec(layers=2, hidden=64, heads=8, seq=16, vocab=50257)
+    assert [spec.padded_vocab(t) for t in (1, 2, 8)] == [50304, 50432, 51200]
+    assert TransformerSpec(layers=2, hidden=64, heads=8, seq=16, vocab=50257, vocab_multiple=1).padded_vocab(8) == 50264
+
+
+def test_shape_errors_say_what_is_wrong():
+    with pytest.raises(SbpflowError, match="key/value heads must divide the attention heads.*kv_heads=3"):
+        TransformerSpec(layers=2, hidden=64, heads=8, seq=16, vocab=64, kv_heads=3)
+    with pytest.raises(SbpflowError, match="mlp is one of.*'relu'"):
+        TransformerSpec(layers=2, hidden=64, heads=8, seq=16, vocab=64, mlp="relu")
 
 
 def test_profiles_public_specs_and_files(tmp_path):
@@ -151,3 +195,56 @@ def test_profiles_public_specs_and_files(tmp_path):
         get_profile("v100")
     with pytest.raises(SbpflowError, match="eta_"):
         with_efficiency(TOY, peak_flops=1.0)
+
+
+def test_block_shapes_follow_the_model():
+    from sbpflow.autoparallel.block_sbp import KEPT, OPS, op_shapes
+    from sbpflow.autoparallel.predict import min_block_params
+
+    gpt = TransformerSpec(layers=2, hidden=64, heads=8, seq=16, vocab=128)
+    assert op_shapes(gpt) == tuple((float(w), None if wt is None else tuple(map(float, wt)), float(KEPT[name]))
+                                   for name, _, _, w, wt in OPS)  # a GPT's block is the table's
+    h, f, kv, t = 64, 160, 2, 4
+    llama = TransformerSpec(layers=2, hidden=h, heads=8, seq=16, vocab=128, ffn_hidden=f, kv_heads=kv, mlp="swiglu",
+                            norm="rmsnorm", position="rope", bias=False, tied=False)
+    qkv = h + 2 * kv * (h // 8)
+    shapes = dict(zip([op[0] for op in OPS], op_shapes(llama), strict=True))
+    assert shapes["qkv"][:2] == (qkv / h, (1.0, qkv / h)) and shapes["fc1"][1] == (1.0, 2 * f / h)
+    assert shapes["gelu"][0] == f / h and shapes["fc2"][1] == (f / h, 1.0)
+    block = evaluate_block(llama, 2, t, TOY, MEGATRON_CHOICES, "none")
+    assert block.params == (h * qkv + h * h + 3 * h * f) / t + 2 * h  # weights split, the two RMSNorms whole
+    assert block.params == min_block_params(llama, t)
+    assert llama.layer_params == h * qkv + h * h + 3 * h * f + 2 * h
+
+
+def test_a_group_with_several_ranks_per_node_crosses_nodes_on_every_rail():
+    from sbpflow.autoparallel.cost import collective_time
+    from sbpflow.boxing.plan import CostModel, LinkCost
+
+    intra, inter = LinkCost(1e-6, 1 / 200e9), LinkCost(1e-5, 1 / 20e9)
+    model = CostModel(links=((("cuda", "inter"), inter), (("cuda", "intra"), intra)), ranks_per_node=8)
+    n, group = 1e9, tuple(range(32))  # 4 nodes of 8
+    local_rs = 7 * intra.alpha + 7 / 8 * n * intra.beta
+    across = 2 * 3 * inter.alpha + 2 * 3 / 4 * (n / 8) * inter.beta  # 8 all-reduces of n/8 at once, one per NIC
+    assert collective_time("all_reduce", group, n, model, "cuda") == pytest.approx(2 * local_rs + across)
+    assert collective_time("reduce_scatter", group, n, model, "cuda") == pytest.approx(local_rs + across / 2)
+    flat = 2 * 3 * inter.alpha + 2 * 3 / 4 * n * inter.beta  # one rank per node: its own NIC carries everything
+    assert collective_time("all_reduce", group[::8], n, model, "cuda") == pytest.approx(flat)
+    assert collective_time("all_reduce", range(8), n, model, "cuda") == pytest.approx(2 * 7 * intra.alpha
+                                                                                      + 2 * 7 / 8 * n * intra.beta)
+
+
+def test_flash_attention_keeps_no_scores_and_runs_at_gemm_speed():
+    unfused = TransformerSpec(layers=2, hidden=1024, heads=16, seq=4096, vocab=128)
+    flash = replace(unfused, attention="flash")
+    t = 2
+    a, b = (evaluate_block(s, 1, t, TOY, MEGATRON_CHOICES, "none") for s in (unfused, flash))
+    tokens, heads = 4096, 16
+    assert a.kept - b.kept == pytest.approx((5.0 * 4096 - 4.0) * heads * tokens / t)  # the scores, less the LSE
+    units, s, d = heads / t, 4096, 1024 // heads
+    gemm = 2 * (2.0 * s * s * d) * units / TOY.matmul_flops + TOY.launch_s
+    assert b.attention_s == pytest.approx(max(gemm - TOY.launch_s, 2 * units * 4 * s * d / TOY.memory_throughput)
+                                          + TOY.launch_s)
+    assert b.attention_s < a.attention_s
+    with pytest.raises(SbpflowError, match="attention is one of"):
+        replace(unfused, attention="paged")

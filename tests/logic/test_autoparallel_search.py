@@ -115,7 +115,7 @@ def test_fixed_flags_restrict_the_search():
     result = search(SMALL, cluster, 64, Fixed(tp=2, recompute="selective"))
     for p in [result.best, *result.runners_up]:
         assert p.plan.tp == 2 and p.plan.recompute == "selective"
-    with pytest.raises(PlanError, match="agrees with"):
+    with pytest.raises(PlanError, match=r"no plan of .* for a batch of 64 with tp=3 fixed: a plan needs tp dividing"):
         search(SMALL, cluster, 64, Fixed(tp=3))
     one = search(SMALL, cluster, 64, Fixed(micro_batches=1))
     for p in [one.best, *one.runners_up]:
@@ -161,3 +161,29 @@ def test_gpt3_search_beats_megatron_hand_plan_in_under_a_minute():
     assert result.best.fits and result.best.step_time <= megatron.step_time
     assert all(p.step_time >= result.best.step_time for p in result.runners_up)
     assert all(not p.fits and p.step_time < result.best.step_time for p in result.too_big)
+
+
+def test_interleaving_divides_the_bubble_and_multiplies_the_sends():
+    cluster = Cluster(16, A100, 8)
+    spec = replace(SMALL, layers=16)
+    plain = predict(spec, cluster, ParallelPlan(2, 4, 2, 1), 64)
+    costs = plan_costs(spec, cluster, ParallelPlan(2, 4, 2, 1, virtual=4), 64)
+    interleaved = predict_with_cuts(costs, plain.stage_layers, 64)
+    assert plain.stage_layers == interleaved.stage_layers == (4, 4, 4, 4)
+    middle = plan_costs(spec, cluster, ParallelPlan(2, 4, 2, 1), 64)
+    assert costs.stage_cost(1, 4).pp_comm == 4 * middle.stage_cost(1, 4).pp_comm  # 2v sends instead of 2
+    assert costs.stage_cost(0, 4).pp_comm == 7 * costs.p2p  # the model's input is not received
+    extra_sends = (interleaved.breakdown["pp_comm"] - plain.breakdown["pp_comm"])
+    assert interleaved.breakdown["bubble"] == pytest.approx((plain.breakdown["bubble"] + extra_sends * 3 / 16) / 4,
+                                                            rel=0.05)
+    assert interleaved.memory["activations"] > plain.memory["activations"]  # the first chunks run ahead
+
+
+def test_interleaving_needs_a_block_per_chunk_and_whole_groups_of_micro_batches():
+    cluster = Cluster(16, A100, 8)
+    with pytest.raises(PlanError, match=r"pp · virtual <= 8 \(the layers\)"):
+        predict(SMALL, cluster, ParallelPlan(2, 4, 2, 1, virtual=3), 64)
+    with pytest.raises(PlanError, match="groups of pp=4, but the plan has 2"):
+        predict(SMALL, cluster, ParallelPlan(2, 4, 2, 16, virtual=2), 64)
+    assert {p.virtual for p in candidate_plans(SMALL, cluster, 64, Fixed(tp=2, pp=4))} == {1, 2}
+    assert search(SMALL, cluster, 64, Fixed(virtual=2)).best.plan.virtual == 2

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from opcases import CASES, OpCase, marked
 from partial_checks import PROPERTY_SETTINGS, check_kernel_properties, check_table
-from sbpflow.ops.registry import REGISTRY
+from sbpflow.ops.schema import REGISTRY
 
 
 @pytest.mark.parametrize("case", marked(CASES, "property"), ids=str)

@@ -17,8 +17,10 @@ from sbpflow.comm import SimulatedBackend
 from sbpflow.comm.base import Backend
 from sbpflow.graph.physical import PhysicalPlan
 from sbpflow.runtime import ExecutionError
-from sbpflow.runtime.board import Actor, Board, dry_run, lane_for
+from sbpflow.runtime.board import Actor, Board, lane_for
 from sbpflow.runtime.builder import PlanBuilder
+from sbpflow.runtime.memory import dry_run
+from sbpflow.runtime.play import play
 from sbpflow.runtime.workers import CommWorker
 
 P2 = sbpflow.placement("cpu", [0, 1])
@@ -213,7 +215,7 @@ def test_a_waiting_lead_edge_says_which_micro_batch_it_waits_for() -> None:
 
 def _one_by_one(plan: PhysicalPlan) -> tuple[list[tuple[int, int]], Board]:
     """The play's pick rule (earliest priority among ready actors, a comm stream's head only), message by message
-    through ``take`` and ``finish``: the reference that :meth:`Board.play`'s one-loop version must equal."""
+    through ``take`` and ``finish``: the reference that `play`'s one-loop version must equal."""
     b = board(plan)
     order = []
     while True:
@@ -240,7 +242,7 @@ def _comm_chain(m: int, register_num: int) -> PhysicalPlan:
 
 
 def _variables(m: int, register_num: int) -> PhysicalPlan:
-    """Three variables in a row (one pick of Board.play), read through repeat, directly by a micro actor (m reads
+    """Three variables in a row (one pick of play.play), read through repeat, directly by a micro actor (m reads
     of one slot) and by a pre output; a value with two readers; an op with an output nobody reads."""
     b = PlanBuilder(micro_batches=m)
     x = b.unpack(b.input("x", (8, 2), P2, (S.split(0),)))
@@ -255,7 +257,7 @@ def _variables(m: int, register_num: int) -> PhysicalPlan:
 
 def _fanout(m: int, register_num: int) -> PhysicalPlan:
     """A value with three readers, an op with two outputs both read (one of them twice), accumulate and pack: with
-    one slot every act takes Board.play's short path; with two, the shared values go through Slots."""
+    one slot every act takes play.play's short path; with two, the shared values go through Slots."""
     b = PlanBuilder(micro_batches=m)
     h = b.compute("relu", b.unpack(b.input("x", (8, 2), P2, (S.split(0),))))
     top, where = b.compute_n("max_dim", b.compute("add", h, h), dim=1)
@@ -279,7 +281,7 @@ def test_play_sends_the_same_messages_as_take_and_finish_one_by_one(plan: Physic
         order.append((actor.node.id, step))
         return [{0: ("value of", actor.node.id)}] * len(actor.outputs) if actor.emits(step) else []
 
-    b.play(perform)
+    play(b, perform)
     assert b.all_done and reference.all_done
     assert order == expected
     assert b.stats.acts == reference.stats.acts == len(order)
@@ -288,7 +290,7 @@ def test_play_sends_the_same_messages_as_take_and_finish_one_by_one(plan: Physic
 
 
 def test_play_takes_its_short_path_only_where_values_pass_without_slots() -> None:
-    """The plans above cover both of Board.play's paths: with one slot per register every actor of ``_fanout``
+    """The plans above cover both of play.play's paths: with one slot per register every actor of ``_fanout``
     takes the short one (a two-output op and a value with three readers included); with two, an actor that reads
     or writes a shared value through a Slot takes the general one, and the comm stream's actors always do."""
     one = board(_fanout(4, 1))
@@ -322,7 +324,7 @@ def test_play_keeps_a_comm_stream_in_turn_where_a_receiver_has_no_input_to_wait_
             acted.append((actor.node.id, step))
         return [{1: None}] * len(actor.outputs) if actor.emits(step) else []
 
-    mine.play(perform)
+    play(mine, perform)
     assert mine.all_done
     (lane, order), = mine.streams.items()
     assert acted == [(a.node.id, k) for a, k in order] == [(sends[0].node.id, 0), (sends[1].node.id, 0),

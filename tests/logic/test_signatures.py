@@ -1,4 +1,4 @@
-"""Signature lists and dispatch choices (registry.decide), without running kernels."""
+"""Signature lists and dispatch choices (dispatch.decide), without running kernels."""
 
 from __future__ import annotations
 
@@ -6,11 +6,12 @@ import torch
 
 import sbpflow
 from sbpflow import sbp as S
+from sbpflow.ops import dispatch, schema
 from sbpflow.ops import elementwise as E
 from sbpflow.ops import matrix as M
 from sbpflow.ops import reduction as RD
-from sbpflow.ops import registry
-from sbpflow.ops.registry import Meta, Sig, decide, op
+from sbpflow.ops.propagation import decide
+from sbpflow.ops.schema import Meta, Sig, op
 
 B, PSUM, PMAX = S.broadcast, S.partial_sum, S.partial_max
 P1 = sbpflow.placement("cpu", [0])
@@ -24,7 +25,7 @@ def _t(shape: tuple[int, ...], p: sbpflow.Placement, sbp: object) -> sbpflow.Ten
     return sbpflow.zeros(*shape, placement=p, sbp=sbp)
 
 
-def _sigs(opdef: registry.OpDef, *metas: Meta, **attrs: object) -> set[tuple[tuple[str, ...], tuple[str, ...]]]:
+def _sigs(opdef: schema.OpDef, *metas: Meta, **attrs: object) -> set[tuple[tuple[str, ...], tuple[str, ...]]]:
     outs = opdef.meta(*metas, **attrs)
     outs = outs if isinstance(outs, tuple) else (outs,)
     return {(tuple(map(str, s.ins)), tuple(map(str, s.outs))) for s in opdef.sbp(*metas, outs=outs, **attrs)}
@@ -118,7 +119,7 @@ def test_partial_reduced_only_for_a_consumer_that_needs_it() -> None:
 
 
 _ONLY_B = "test_signatures_only_b"
-if _ONLY_B not in registry.REGISTRY:
+if _ONLY_B not in schema.REGISTRY:
 
     @op(_ONLY_B, meta=lambda x: x, sbp=lambda x, outs: [Sig((B,), (B,))])
     def _only_b(x: torch.Tensor) -> torch.Tensor:
@@ -126,7 +127,7 @@ if _ONLY_B not in registry.REGISTRY:
 
 
 def test_an_op_without_a_rule_boxes_its_inputs_to_broadcast() -> None:
-    only_b = registry.REGISTRY[_ONLY_B]
+    only_b = schema.REGISTRY[_ONLY_B]
     for sbp, kind in ((S.split(0), "all_gather"), (PSUM, "all_reduce")):
         d = decide(only_b, (_t((5, 3), P2, sbp),), {}, P2)
         assert d.in_sbps == ((B,),) and d.plans[0].collectives() == [kind]
@@ -144,13 +145,13 @@ def test_mesh_signatures_are_products_of_1d_ones() -> None:
 
 def test_decisions_are_cached_per_op_and_metadata(monkeypatch) -> None:  # type: ignore[no-untyped-def]
     calls = []
-    real = registry.decide
+    real = dispatch.decide
 
     def counting(*args, **kwargs):  # type: ignore[no-untyped-def]
         calls.append(args[0].name)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(registry, "decide", counting)
+    monkeypatch.setattr(dispatch, "decide", counting)
     x = sbpflow.tensor(torch.ones(13, 3), placement=P2, sbp=S.split(0))  # a shape no other test uses
     for _ in range(3):
         x.tanh()

@@ -14,7 +14,7 @@ from sbpflow import nn
 from sbpflow import sbp as S
 from sbpflow.amp import FP32, LOWER
 from sbpflow.errors import SbpflowError
-from sbpflow.ops.registry import REGISTRY
+from sbpflow.ops.schema import REGISTRY
 
 D, H, V, N = 32, 64, 10, 16
 # torch.testing's default rtol for bf16 (1.6e-2) and fp16 (1e-3); the absolute slack is that rtol times the

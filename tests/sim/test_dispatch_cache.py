@@ -11,7 +11,6 @@ from harness import PLACEMENTS, B, randn
 from sbpflow import nn
 from sbpflow import sbp as S
 from sbpflow.comm import record
-from sbpflow.ops import registry
 
 P2 = sbpflow.placement("cpu", [0, 1])
 
@@ -58,19 +57,19 @@ def test_cost_model_in_force_keys_the_decision() -> None:
     with sbpflow.boxing.cost_model(slow_links):
         again = x @ w
     np.testing.assert_allclose(again.numpy(), default.numpy(), rtol=1e-5)
-    key_models = {id(m) for m in sbpflow.ops.registry._cost_models.values()}
+    key_models = {id(m) for m in sbpflow.ops.dispatch._cost_models.values()}
     assert id(slow_links) in key_models
 
 
 def _count_executes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     calls: list[int] = []
-    inner = registry.boxing.execute
+    inner = sbpflow.boxing.execute
 
     def counting(plan: object, shards: object, *rest: object) -> object:
         calls.append(1)
         return inner(plan, shards, *rest)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(registry.boxing, "execute", counting)
+    monkeypatch.setattr(sbpflow.boxing, "execute", counting)
     return calls
 
 

@@ -20,8 +20,8 @@ from sbpflow.graph.fuse import FUSED, codegen, fuse_segments, members, sub_nodes
 from sbpflow.graph.verify import verify
 from sbpflow.models.gpt import GPTConfig
 from sbpflow.runtime import ActorRuntime, ExecutionError, run_plan
-from sbpflow.runtime.board import dry_run
 from sbpflow.runtime.builder import Const, PlanBuilder
+from sbpflow.runtime.memory import dry_run
 from sbpflow.runtime.trace import load
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -1,4 +1,4 @@
-"""Eager autograd keeps only what gradients read (``grad_reads`` in ``sbpflow.ops.registry.op``).
+"""Eager autograd keeps only what gradients read (``grad_reads`` in ``sbpflow.ops.schema.op``).
 
 An op whose gradient reads no value of some input (add, views, casts, log_softmax, ...) keeps that input as a
 shell: metadata and autograd identity, no data. Then the input's memory is freed as soon as nothing else holds
@@ -24,7 +24,7 @@ from sbpflow import sbp as S
 from sbpflow.demo.train_gpt import build
 from sbpflow.errors import MetaTensorError
 from sbpflow.models.gpt import GPTConfig
-from sbpflow.ops.registry import REGISTRY
+from sbpflow.ops.schema import REGISTRY
 
 SHELLING = [c for c in CASES if REGISTRY[c.op].grad_reads is not None and REGISTRY[c.op].backward_fn is not None]
 

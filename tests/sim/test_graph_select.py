@@ -19,7 +19,7 @@ from harness import MeanSquareStep
 from sbpflow import nn, optim
 from sbpflow import sbp as S
 from sbpflow.demo.train_gpt import build, random_batches
-from sbpflow.graph import select
+from sbpflow.graph import milp, select
 from sbpflow.graph.bucket import solo_bytes
 from sbpflow.graph.explain import collective_counts
 from sbpflow.graph.fuse import members
@@ -151,20 +151,20 @@ def _slow_links(factor: float) -> Any:
 @pytest.mark.parametrize("n_layer", [2, 12])
 def test_neighbourhood_search_finds_the_whole_programs_plan(n_layer: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """Where the overlap column makes the relaxation fractional, the integer program over the mixed choices and
-    their twins (select._neighbourhood) chooses a plan as cheap as the branch and bound over every choice (the
+    their twins (milp.neighbourhood) chooses a plan as cheap as the branch and bound over every choice (the
     12-layer one: within 0.01 %), and much cheaper than greedy's."""
     calls: list[int] = []
-    search = select._neighbourhood
+    search = milp.neighbourhood
 
     def counted(*args: Any) -> Any:
         calls.append(len(args[3]))
         return search(*args)
 
-    monkeypatch.setattr(select, "_neighbourhood", counted)
+    monkeypatch.setattr(milp, "neighbourhood", counted)
     with _slow_links(30):
         fast = _selection("dp=2", n_layer)
         assert calls, "the relaxation came out whole: this case no longer exercises the neighbourhood search"
-        monkeypatch.setattr(select, "_neighbourhood", lambda *args: None)  # the branch and bound over everything
+        monkeypatch.setattr(milp, "neighbourhood", lambda *args: None)  # the branch and bound over everything
         whole = _selection("dp=2", n_layer)
     assert fast.greedy_cost == whole.greedy_cost
     assert fast.chosen_cost <= whole.chosen_cost * (1 + 1e-4)

@@ -24,9 +24,9 @@ from sbpflow.graph.pipeline import activation_peaks
 from sbpflow.graph.verify import verify
 from sbpflow.models.gpt import GPTConfig
 from sbpflow.runtime import ActorRuntime, run_plan
-from sbpflow.runtime.board import dry_run
 from sbpflow.runtime.builder import PlanBuilder
 from sbpflow.runtime.inorder import add_into
+from sbpflow.runtime.memory import dry_run
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -18,7 +18,7 @@ from sbpflow.autoparallel.host import DISPATCH_FIXED, DISPATCH_PER_BLOCK, stage_
 from sbpflow.comm import record
 from sbpflow.demo.train_gpt import Trainer
 from sbpflow.models.gpt import GPT, GPTConfig, parallelize
-from sbpflow.ops import registry
+from sbpflow.ops import schema
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -44,17 +44,17 @@ def test_dispatch_counts_per_block_and_fixed(layers):
     ids, targets = _data()
     t.step(ids, targets)
     counts: collections.Counter[str] = collections.Counter()
-    inner = registry.apply
+    inner = schema.apply
 
     def counting(opdef: Any, args: Any, attrs: Any) -> Any:
         counts[opdef.name] += 1
         return inner(opdef, args, attrs)
 
-    registry.apply = counting  # type: ignore[assignment]
+    schema.apply = counting  # type: ignore[assignment]
     try:
         t.step(ids, targets)
     finally:
-        registry.apply = inner  # type: ignore[assignment]
+        schema.apply = inner  # type: ignore[assignment]
     assert sum(counts.values()) == layers * DISPATCH_PER_BLOCK + DISPATCH_FIXED
 
 

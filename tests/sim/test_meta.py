@@ -154,7 +154,7 @@ def test_memory_plan_by_rank_class_equals_every_rank_played() -> None:
     """The memory plan plays one rank per class (same nodes, same bytes; one class per stage above); playing
     every rank gives the same peaks also with uneven shards (a vocabulary of 63 over tp=4: every rank its own)."""
     from sbpflow.comm.simulated import SimulatedBackend
-    from sbpflow.runtime.board import dry_run
+    from sbpflow.runtime.memory import dry_run
 
     cfg = GPTConfig(vocab_size=63, block_size=6, n_layer=2, n_head=4, n_embd=12, dropout=0.0)
     trainer = build(cfg, "tp=4,pp=2", graph=True, micro_batches=2, executor="inorder")

@@ -11,7 +11,7 @@ import pytest
 from mutation import TRUE_PROPERTIES, Flip, by_op, flipped, flips, judge, outcomes, sweep
 from opcases import BY_ID, CASES, sig_text
 from partial_checks import declared
-from sbpflow.ops import registry
+from sbpflow.ops import dispatch
 
 SUBSET = ["neg", "abs", "relu", "mul", "sum", "amax", "matmul", "slice"]
 GROUPS = by_op(CASES)
@@ -28,12 +28,12 @@ def test_every_flip_is_caught(op: str, one_torch_thread: None) -> None:
 
 def test_a_flip_is_undone() -> None:
     case = BY_ID["relu"]
-    before, cache = declared(case), registry._global_cache
+    before, cache = declared(case), dispatch._global_cache
     drop = Flip("relu", before[0], adds=False)
     with flipped(drop):
         assert drop.sig not in declared(case)
-        assert registry._global_cache is not cache
-    assert declared(case) == before and registry._global_cache is cache
+        assert dispatch._global_cache is not cache
+    assert declared(case) == before and dispatch._global_cache is cache
 
 
 @pytest.mark.slow

@@ -181,16 +181,16 @@ def test_linear_gradients_for_any_inputs_needing_them(where: str | None, needs: 
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """Local and one-rank backward runs linear_backward (one op) for the wanted gradients only; more ranks run the
     three ops. Either way the gradients are torch's, and None where not wanted."""
-    from sbpflow.ops import registry
+    from sbpflow.ops import schema
 
     dispatched: list[str] = []
-    inner = registry.apply
+    inner = schema.apply
 
     def counting(opdef, args, attrs):  # type: ignore[no-untyped-def]
         dispatched.append(opdef.name)
         return inner(opdef, args, attrs)
 
-    monkeypatch.setattr(registry, "apply", counting)
+    monkeypatch.setattr(schema, "apply", counting)
     values = [randn(2, 3, 6), randn(4, 6, seed=1), randn(4, seed=2)]
     theirs = [v.clone().requires_grad_(n) for v, n in zip(values, needs, strict=True)]
     torch.nn.functional.linear(*theirs).square().sum().backward()

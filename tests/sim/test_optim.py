@@ -325,7 +325,7 @@ def test_clip_grad_norm_local_and_empty() -> None:
 
 def test_clip_grad_norm_dispatches_per_layout_not_per_parameter(monkeypatch: pytest.MonkeyPatch) -> None:
     """Twelve gradients in two layouts on one placement: foreach norms per layout, one all-reduce (issue 14)."""
-    from sbpflow.ops import registry
+    from sbpflow.ops import schema
 
     p2 = PLACEMENTS["2"]
     ours, theirs = [], []
@@ -338,8 +338,8 @@ def test_clip_grad_norm_dispatches_per_layout_not_per_parameter(monkeypatch: pyt
         ours.append(p)
         theirs.append(q)
     dispatched = []
-    inner = registry.apply
-    monkeypatch.setattr(registry, "apply", lambda op, args, attrs: dispatched.append(op.name) or inner(op, args, attrs))
+    inner = schema.apply
+    monkeypatch.setattr(schema, "apply", lambda op, args, attrs: dispatched.append(op.name) or inner(op, args, attrs))
     with record() as log:
         total = nn.utils.clip_grad_norm_(ours, 0.5)
     assert total == pytest.approx(float(torch.nn.utils.clip_grad_norm_(theirs, 0.5)), rel=1e-5)

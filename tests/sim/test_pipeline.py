@@ -20,7 +20,8 @@ from sbpflow.graph.fuse import members
 from sbpflow.graph.pipeline import PipelineWarning, activation_peaks
 from sbpflow.graph.schedule import make
 from sbpflow.models.gpt import GPTConfig
-from sbpflow.runtime.board import dry_run, stream_order
+from sbpflow.runtime.board import stream_order
+from sbpflow.runtime.memory import dry_run
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

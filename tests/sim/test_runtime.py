@@ -22,8 +22,8 @@ from sbpflow.cli import main as cli_main
 from sbpflow.comm import SimulatedBackend, record
 from sbpflow.graph.physical import PhysicalPlan
 from sbpflow.runtime import ActorRuntime, DeadlockError, ExecutionError, run_plan
-from sbpflow.runtime.board import dry_run
 from sbpflow.runtime.builder import Const, PlanBuilder
+from sbpflow.runtime.memory import dry_run
 from sbpflow.runtime.trace import load
 
 P2 = sbpflow.placement("cpu", [0, 1])

@@ -16,7 +16,7 @@ import sbpflow
 from sbpflow import nn
 from sbpflow.comm import SimulatedBackend
 from sbpflow.models.gpt import GPT, GPTConfig, parallelize
-from sbpflow.runtime.board import dry_run
+from sbpflow.runtime.memory import dry_run
 
 STEPS = 3
 

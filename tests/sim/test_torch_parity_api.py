@@ -17,7 +17,7 @@ from sbpflow import nn
 from sbpflow import sbp as S
 from sbpflow.comm import record
 from sbpflow.ops import REGISTRY, OpDef, Sig
-from sbpflow.ops.registry import DYNAMIC, Meta
+from sbpflow.ops.schema import DYNAMIC, Meta
 from sbpflow.runtime.builder import PlanBuilder
 from sbpflow.tensor import Tensor
 

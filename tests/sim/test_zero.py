@@ -16,7 +16,7 @@ from sbpflow.demo.train_gpt import build, parameter_values, random_batches
 from sbpflow.errors import SbpflowError
 from sbpflow.models.gpt import GPTConfig
 from sbpflow.optim.zero import GATHERED
-from sbpflow.runtime.board import dry_run
+from sbpflow.runtime.memory import dry_run
 
 CONFIG = GPTConfig(vocab_size=100, block_size=16, n_layer=2, n_head=4, n_embd=64, dropout=0.1)
 STEPS = 4

@@ -12,8 +12,9 @@ default; ``micro_batches=None`` lets the search choose, for ``nn.Graph`` with
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol, runtime_checkable
 
 from ..errors import PlanError
 from .explain import explain
@@ -23,8 +24,25 @@ from .profiles import DeviceProfile, get_profile
 from .search import Fixed, SearchResult, search
 from .transformer import TransformerSpec
 
-if TYPE_CHECKING:
-    from ..models.gpt import Strategy
+Strategy = Any  # what a model's `lay_out` returns: sbpflow.models.gpt.Strategy for the GPT
+
+
+@runtime_checkable
+class Plannable(Protocol):
+    """A model the planner lays out (sbpflow.models.gpt.GPT is one): the planner reaches models only through this.
+
+    ``strategy`` is the layout applied (None before); its ``shard_inputs(ids, targets)`` places a step's inputs.
+    """
+
+    strategy: Any
+
+    def planner_sizes(self) -> dict[str, int]:
+        """The model's sizes as TransformerSpec's fields: layers, hidden, heads, seq, vocab."""
+        ...
+
+    def lay_out(self, data: int, tensor: int, pipeline: Sequence[int], device: str) -> Any:
+        """Places the parameters for the plan's degrees (``pipeline``: blocks per stage); returns the strategy."""
+        ...
 
 
 @dataclass
@@ -50,13 +68,16 @@ class AutoPlan:
 
 
 def gpt_spec(model: object) -> TransformerSpec:
-    """The planner's description of an ``sbpflow.models.gpt.GPT``."""
-    from ..models.gpt import GPT
+    """The planner's description of a :class:`Plannable` model, such as an ``sbpflow.models.gpt.GPT``."""
+    sizes: dict[str, Any] = dict(_plannable(model).planner_sizes())
+    return TransformerSpec(**sizes)
 
-    if not isinstance(model, GPT):
-        raise PlanError(f"auto_parallel plans sbpflow.models.gpt.GPT models, but got {type(model).__name__}")
-    c = model.config
-    return TransformerSpec(layers=c.n_layer, hidden=c.n_embd, heads=c.n_head, seq=c.block_size, vocab=c.vocab_size)
+
+def _plannable(model: object) -> Plannable:
+    if not isinstance(model, Plannable):
+        raise PlanError(f"auto_parallel plans models that implement autoparallel.apply.Plannable (such as "
+                        f"sbpflow.models.gpt.GPT), but got {type(model).__name__}")
+    return model
 
 
 def auto_parallel(model: object, devices: int, batch: int, device: str = "cpu",
@@ -72,19 +93,17 @@ def auto_parallel(model: object, devices: int, batch: int, device: str = "cpu",
     >>> auto.strategy.world_size, model.strategy is auto.strategy
     (2, True)
     """
-    from ..models.gpt import parallelize
-
     spec = gpt_spec(model)
     found = get_profile(profile)
     cluster = Cluster(devices, found, gpus_per_node or devices)
     # parallelize lays every block out Megatron-style (models.gpt.BLOCK_PLAN: column/row styles, the residual
     # stream B on the tensor axis); the block ILP's other choices (sequence-parallel stream, replicated or
     # token-split layers) have no parallelize style, so plans that are applied are predicted with that layout.
-    fixed = Fixed(zero=0, recompute="none", micro_batches=micro_batches, layout="megatron")
+    fixed = Fixed(zero=0, recompute="none", micro_batches=micro_batches, layout="megatron", virtual=1)
     result = search(spec, cluster, batch, fixed)
     plan = result.best.plan
-    strategy = parallelize(model, data=plan.dp, tensor=plan.tp,  # type: ignore[arg-type]
-                           pipeline=result.best.stage_layers, device=device)
+    strategy = _plannable(model).lay_out(data=plan.dp, tensor=plan.tp, pipeline=result.best.stage_layers,
+                                         device=device)
     return AutoPlan(spec, cluster, result, strategy)
 
 
@@ -104,11 +123,10 @@ def plan_graph_inputs(graph: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
 
 
 def _graph_gpt(graph: Any) -> Any:
-    from ..models.gpt import GPT
-
-    found = [m for m in graph._modules.values() if isinstance(m, GPT)]
+    found = [m for m in graph._modules.values() if isinstance(m, Plannable)]
     if len(found) != 1:
-        raise PlanError(f"enable_auto_parallel plans the one sbpflow.models.gpt.GPT a graph holds, but "
+        raise PlanError(f"enable_auto_parallel plans the one model a graph holds that implements "
+                        f"autoparallel.apply.Plannable (such as sbpflow.models.gpt.GPT), but "
                         f"{type(graph).__name__} holds {len(found)}")
     return found[0]
 
@@ -158,11 +176,9 @@ def auto_parallel_host(model: object, host: HostProfile, batch: int, device: str
     >>> auto.strategy.world_size, [p.plan.pp for p in auto.ranking][:1]   # two cores: the stages share nothing
     (2, [2])
     """
-    from ..models.gpt import parallelize
-
     spec = gpt_spec(model)
     ranking = host_search(spec, host, batch)
     best = ranking[0]
-    strategy = parallelize(model, data=best.plan.dp, tensor=best.plan.tp,  # type: ignore[arg-type]
-                           pipeline=best.stage_layers, device=device)
+    strategy = _plannable(model).lay_out(data=best.plan.dp, tensor=best.plan.tp, pipeline=best.stage_layers,
+                                         device=device)
     return HostAutoPlan(spec, ranking, strategy)

@@ -41,10 +41,12 @@ import torch
 
 from ..boxing.plan import CostModel, Layout, LinkCost, target_factors, transition_time
 from ..errors import PlanError
+from ..placement import Placement
 from ..sbp import Broadcast, Partial, SbpParallel, Split, broadcast, partial_sum, split
 from .cost import collective_time, matmul_flops, roofline
 from .profiles import DeviceProfile
 from .transformer import ACT_BYTES, TransformerSpec
+from .units import seconds, size
 
 B, S0, S1, P = broadcast, split(0), split(1), partial_sum
 PARAM_BYTES = 16  # mixed-precision Adam: fp16 weight and gradient, fp32 master, momentum, variance
@@ -88,6 +90,20 @@ CLOSING_EDGE = (10, 0)  # the block's output is the next block's input
 KEPT = {"x": 2, "ln1": 2, "qkv": 6, "attention": 2, "proj": 0, "add1": 3, "ln2": 2, "fc1": 8, "gelu": 8, "fc2": 0,
         "add2": 1}
 RECOMPUTE_KINDS = ("none", "selective", "full")
+
+
+@lru_cache(maxsize=64)
+def op_shapes(spec: TransformerSpec) -> tuple[tuple[float, tuple[float, float] | None, float], ...]:
+    """Per op of ``OPS``, for ``spec``'s sizes: (output width, weight (in, out), kept bytes per token), in units of
+    h. A GPT's are the table's; grouped-query attention narrows qkv, a SwiGLU MLP has gate and up side by side."""
+    h = spec.hidden
+    qkv, ffn = spec.qkv_width / h, spec.ffn / h
+    inner = (2 if spec.gated else 1) * ffn  # fc1's output: the MLP's input to its activation
+    width = {"qkv": qkv, "fc1": inner, "gelu": ffn}
+    weight = {"qkv": (1.0, qkv), "fc1": (1.0, inner), "fc2": (ffn, 1.0)}
+    kept = {**KEPT, "qkv": ACT_BYTES * qkv, "fc1": ACT_BYTES * inner, "gelu": ACT_BYTES * ffn}
+    return tuple((width.get(name, float(w)), weight.get(name, None if wt is None else (float(wt[0]), float(wt[1]))),
+                  float(kept[name])) for name, _, _, w, wt in OPS)
 
 
 @dataclass(frozen=True)
@@ -146,8 +162,6 @@ class BlockPlan:
 
     def __str__(self) -> str:
         ops = ", ".join(f"{op} {choice}" for op, choice in self.choices if op != "x")
-        from .explain import seconds, size
-
         return (f"stream {dict(self.choices)['x']}; {ops}: {seconds(self.seconds)} per block "
                 f"({seconds(self.comm_seconds)} communication), {size(self.memory)} per rank")
 
@@ -197,11 +211,11 @@ def _problem(spec: TransformerSpec, micro_batch: int, tp: int, profile: DevicePr
     edges = []
     for consumer, (_, _, producers, _, _) in enumerate(OPS):
         for position, producer in enumerate(producers):
-            edges.append((producer, consumer, position,
-                          _edge_costs(producer, consumer, position, tokens, h, tp, key, ranks_per_node, passes)))
+            edges.append((producer, consumer, position, _edge_costs(
+                producer, consumer, position, tokens, h, tp, key, ranks_per_node, passes, spec)))
     producer, consumer = CLOSING_EDGE
     edges.append((producer, consumer, -1, _edge_costs(producer, consumer, -1, tokens, h, tp, key, ranks_per_node,
-                                                      passes)))
+                                                      passes, spec)))
     return _Problem(tuple(tables["forward"]), tuple(tables["sync"]), tuple(tables["params"]), tuple(tables["kept"]),
                     working, tuple(edges), recompute, budget)
 
@@ -211,27 +225,34 @@ def _op_terms(op: int, c: Choice, micro_batch: int, spec: TransformerSpec, tp: i
               ) -> tuple[float, float, float, float, float]:
     """(forward seconds, weight-gradient all-reduce seconds, parameters, kept bytes, working bytes) of one op's
     choice on one rank, from its local shapes."""
-    name, kind, _, width, weight = OPS[op]
+    name, kind, producers, _, _ = OPS[op]
+    width, weight, kept_units = op_shapes(spec)[op]
     tokens, h = micro_batch * spec.seq, spec.hidden
     share = tp if c.split_work else 1
     sync, params = 0.0, 0.0
     if weight is not None:
-        k, m = weight[0] * h, weight[1] * h
+        k, m = round(weight[0] * h), round(weight[1] * h)
         forward = _linear_seconds(c, tokens, k, m, tp, profile)
         if c.reduce_weight_grad and tp > 1:
             model = _model_from_key(key, ranks_per_node)
             sync = collective_time("all_reduce", range(tp), ACT_BYTES * k * m, model, "cpu")
         column = c.split_weight and isinstance(c.out, Split)  # Megatron splits a column layer's bias too
-        params = k * m / (tp if c.split_weight else 1) + m / (tp if column else 1)
+        params = k * m / (tp if c.split_weight else 1) + (m / (tp if column else 1) if spec.bias else 0.0)
     elif kind == "attention":
-        forward = _attention_seconds(micro_batch * spec.heads / share, spec.seq, h // spec.heads, profile)
+        units = micro_batch * spec.heads / share
+        forward = (_flash_seconds if spec.attention == "flash" else _attention_seconds)(
+            units, spec.seq, h // spec.heads, profile)
     else:
-        params = 2.0 * h if kind == "norm" else 0.0  # LayerNorm's weight and bias, whole in every choice
-        forward = 0.0 if kind == "stream" else roofline(0.0, _elementwise_bytes(kind, tokens, h, width) / share,
+        params = float(spec.norm_params) if kind == "norm" else 0.0  # whole in every choice
+        read = op_shapes(spec)[producers[0]][0] if producers else width
+        forward = 0.0 if kind == "stream" else roofline(0.0, _elementwise_bytes(kind, tokens, h, read, width) / share,
                                                         profile, matmul=False)
     out_share = tp if isinstance(c.out, Split) else 1
-    scores = 5.0 * spec.heads * spec.seq * tokens if kind == "attention" else 0.0
-    whole = (KEPT[name] * tokens * h + scores) / out_share
+    # unfused attention keeps the softmax output, its dropout mask and output (5 bytes a score); flash attention
+    # keeps only a row's log-sum-exp (fp32) and rebuilds the scores in backward
+    per_token = 5.0 * spec.seq if spec.attention == "unfused" else 4.0
+    scores = per_token * spec.heads * tokens if kind == "attention" else 0.0
+    whole = (kept_units * tokens * h + scores) / out_share
     kept = {"none": whole, "selective": whole - scores / out_share, "full": whole if kind == "stream" else 0.0}
     return forward, sync, params, kept[recompute], whole - kept[recompute]
 
@@ -255,17 +276,24 @@ def _attention_seconds(units: float, s: int, d: int, profile: DeviceProfile) -> 
             + roofline(0.0, 2 * ACT_BYTES * scores + scores, profile, matmul=False))
 
 
-def _elementwise_bytes(kind: str, tokens: int, h: int, width: int) -> float:
-    """Bytes read and written by a whole elementwise kernel: LayerNorm and GeLU read and write their tensor; a
-    residual add also reads the bias and writes a 1-byte dropout mask."""
+def _flash_seconds(units: float, s: int, d: int, profile: DeviceProfile) -> float:
+    """The core attention as one fused kernel (FlashAttention): both products at GEMM speed, and only Q, K, V and
+    the output through memory."""
+    return roofline(matmul_flops(s, s, d, 1) * units * 2, ACT_BYTES * units * 4 * s * d, profile)
+
+
+def _elementwise_bytes(kind: str, tokens: int, h: int, read: float, width: float) -> float:
+    """Bytes read and written by a whole elementwise kernel: a norm or an activation reads its input (SwiGLU: gate
+    and up) and writes its output; a residual add also reads the bias and writes a 1-byte dropout mask."""
     if kind == "add":
         return 3 * ACT_BYTES * tokens * h + tokens * h
-    return 2 * ACT_BYTES * tokens * width * h
+    return ACT_BYTES * tokens * (read + width) * h
 
 
 def _edge_costs(producer: int, consumer: int, position: int, tokens: int, h: int, tp: int,
-                key: tuple[float, float, float, float], ranks_per_node: int, passes: int) -> np.ndarray:
-    shape = (tokens, OPS[producer][3] * h)
+                key: tuple[float, float, float, float], ranks_per_node: int, passes: int,
+                spec: TransformerSpec) -> np.ndarray:
+    shape = (tokens, round(op_shapes(spec)[producer][0] * h))
     srcs = [c.out for c in _choices(producer)]
     dsts = [c.out if position < 0 else c.ins[position] for c in _choices(consumer)]
     return np.array([[passes * _transition(shape, a, b, tp, key, ranks_per_node) for b in dsts] for a in srcs])
@@ -283,8 +311,6 @@ def _transition(shape: tuple[int, int], a: SbpParallel, b: SbpParallel, tp: int,
 @lru_cache(maxsize=4096)
 def _transition_cached(shape: tuple[int, int], a: SbpParallel, b: SbpParallel, tp: int,
                        key: tuple[float, float, float, float], ranks_per_node: int) -> float:
-    from ..placement import Placement
-
     placement = Placement("cpu", list(range(tp)))
     model = _model_from_key(key, ranks_per_node)
     with target_factors(()):
@@ -479,9 +505,11 @@ def megatron(plan: BlockPlan) -> bool:
 # ----------------------------------------------------------------------------- the collectives a choice issues
 
 
-def block_collectives(choices: tuple[tuple[str, str], ...] | None, tp: int) -> list[tuple[str, int]]:
+def block_collectives(choices: tuple[tuple[str, str], ...] | None, tp: int,
+                      spec: TransformerSpec | None = None) -> list[tuple[str, float]]:
     """(kind, width in units of h) of the collectives one block issues per micro-batch, forward and backward,
-    for the SBP selection's ``choices`` (``block_sbp.BlockPlan.choices``; None: Megatron's).
+    for the SBP selection's ``choices`` (``block_sbp.BlockPlan.choices``; None: Megatron's), at ``spec``'s widths
+    (None: a GPT's).
 
     Each edge of the block whose producer's SBP differs from what its consumer takes is one transition forward
     and its dual backward (all-gather <-> reduce-scatter; an all-reduce's dual is the all-reduce of the
@@ -492,15 +520,16 @@ def block_collectives(choices: tuple[tuple[str, str], ...] | None, tp: int) -> l
     if choices is None:
         choices = MEGATRON_CHOICES
     picked = dict(choices)
-    out: list[tuple[str, int]] = []
+    widths = [w for w, _, _ in op_shapes(spec)] if spec is not None else [float(op[3]) for op in OPS]
+    out: list[tuple[str, float]] = []
     edges = [(p, c, pos) for c, op in enumerate(OPS) for pos, p in enumerate(op[2])] + [(*CLOSING_EDGE, -1)]
     for producer, consumer, position in edges:
         src = _pick(_choices(producer), picked[OPS[producer][0]]).out
         chosen = _pick(_choices(consumer), picked[OPS[consumer][0]])
         dst = chosen.out if position < 0 else chosen.ins[position]
         for kind in _transition_kinds(src, dst):
-            out.append((kind, OPS[producer][3]))
-            out.append((_DUAL.get(kind, kind), OPS[producer][3]))
+            out.append((kind, widths[producer]))
+            out.append((_DUAL.get(kind, kind), widths[producer]))
     return out
 
 
@@ -518,8 +547,6 @@ def _pick(options: tuple[Choice, ...], name: str) -> Choice:
 
 def _transition_kinds(src: SbpParallel, dst: SbpParallel) -> list[str]:
     """The collectives of one SBP change on a 1-D group, as the boxing table composes them for gloo."""
-    from ..sbp import Split
-
     if src == dst or isinstance(dst, Partial):
         return []
     if isinstance(src, Partial):

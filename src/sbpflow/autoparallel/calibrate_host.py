@@ -59,10 +59,11 @@ def _cpu_per_call(fn: Callable[[], object], repeats: int) -> float:
 
 def _dispatch(dist: Any) -> tuple[float, float]:
     """(owner, outsider) CPU seconds per op of a tiny GPT's training step placed on rank 0."""
+    # lazy: a measuring tool that runs the whole stack on top of the planner (the contracts' one exception)
     import sbpflow
     from sbpflow import optim
     from sbpflow.models.gpt import GPT, GPTConfig, parallelize
-    from sbpflow.ops import registry
+    from sbpflow.ops import schema
 
     cfg = GPTConfig(vocab_size=16, block_size=8, n_layer=2, n_head=2, n_embd=16)
     sbpflow.manual_seed(0)
@@ -80,18 +81,18 @@ def _dispatch(dist: Any) -> tuple[float, float]:
         opt.step()
 
     count = [0]
-    inner = registry.apply
+    inner = schema.apply
 
     def counting(opdef: Any, args: Any, attrs: Any) -> Any:
         count[0] += 1
         return inner(opdef, args, attrs)
 
     step()
-    registry.apply = counting  # type: ignore[assignment]
+    schema.apply = counting  # type: ignore[assignment]
     try:
         step()
     finally:
-        registry.apply = inner  # type: ignore[assignment]
+        schema.apply = inner  # type: ignore[assignment]
     dist.barrier()
     per_op = _cpu_per_call(step, 10) / count[0]
     everyone = _gather(dist, per_op)
@@ -170,7 +171,7 @@ def _sync_cost(dist: Any, work: float = 2e-3, n: int = 10, repeats: int = 3) -> 
 def _all_reduce_lines(dist: Any, group_size: int, repeats: int = 8) -> tuple[tuple[float, float], tuple[float, float]]:
     """Partial sums boxed to B by sbpflow (one all-reduce each) on every group of ``group_size`` consecutive
     ranks at once: (wall a, b) and (this thread's CPU a, b) per collective, ``a + b·n`` for n bytes."""
-    import sbpflow
+    import sbpflow  # lazy: see _dispatch
 
     world = dist.get_world_size()
     placements = [sbpflow.placement("cpu", list(range(g, g + group_size))) for g in range(0, world, group_size)]

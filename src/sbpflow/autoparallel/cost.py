@@ -10,6 +10,11 @@ link. For a group of ``p`` ranks and a logical tensor of ``n`` bytes:
     all_to_all       (p-1) α  +  (p-1)/p² · n β
     send_recv        α + n β
 
+A group of ``k`` nodes with ``r > 1`` of its ranks on each is priced as NCCL runs it over a node's ``r`` NICs
+(one channel per rail): the bytes cross nodes in ``r`` parallel pieces. An all-reduce is a reduce-scatter
+inside each node, ``r`` all-reduces of ``n / r`` bytes across the nodes at once, and an all-gather inside each
+node; a reduce-scatter or an all-gather keeps its half of that.
+
 >>> from sbpflow.boxing.plan import CostModel, LinkCost
 >>> model = CostModel(links=((("cuda", "intra"), LinkCost(1e-5, 1e-9)),), ranks_per_node=8)
 >>> round(collective_time("all_reduce", range(4), 1e6, model, "cuda") * 1e6, 1)  # 6α + 1.5 MB β
@@ -62,6 +67,9 @@ def collective_time(kind: str, ranks: Iterable[int], nbytes: float, model: CostM
         raise SbpflowError(f"collective kind must be one of {COLLECTIVE_KINDS}, but got {kind!r}")
     if p <= 1 or nbytes == 0:
         return 0.0
+    rails = _rails(group, model.ranks_per_node)
+    if rails > 1 and kind in ("all_reduce", "all_gather", "reduce_scatter"):
+        return _over_rails(kind, group, rails, nbytes, model, device_type)
     link = model.link(device_type, group)
     if kind == "all_reduce":
         return 2 * (p - 1) * link.alpha + 2 * (p - 1) / p * nbytes * link.beta
@@ -70,6 +78,26 @@ def collective_time(kind: str, ranks: Iterable[int], nbytes: float, model: CostM
     if kind == "all_to_all":
         return (p - 1) * link.alpha + (p - 1) / p**2 * nbytes * link.beta
     return (p - 1) * link.alpha + (p - 1) / p * nbytes * link.beta
+
+
+def _rails(group: tuple[int, ...], ranks_per_node: int) -> int:
+    """Ranks of ``group`` on each of its nodes when it spans several nodes with the same count on each, else 1."""
+    per_node: dict[int, int] = {}
+    for r in group:
+        per_node[r // ranks_per_node] = per_node.get(r // ranks_per_node, 0) + 1
+    counts = set(per_node.values())
+    return counts.pop() if len(per_node) > 1 and len(counts) == 1 else 1
+
+
+def _over_rails(kind: str, group: tuple[int, ...], rails: int, nbytes: float, model: CostModel,
+                device_type: str) -> float:
+    """A collective over ``rails`` ranks per node: inside each node, then one rail per rank across nodes."""
+    inside = group[:rails]  # the first node's ranks (every node looks the same)
+    across = group[::rails]  # one rank per node
+    halves = {"all_reduce": ("reduce_scatter", "all_gather"), "reduce_scatter": ("reduce_scatter", None),
+              "all_gather": (None, "all_gather")}[kind]
+    local = sum(collective_time(h, inside, nbytes, model, device_type) for h in halves if h is not None)
+    return local + collective_time(kind, across, nbytes / rails, model, device_type)
 
 
 def model_state_bytes(params: float, dp: int, zero: int) -> dict[str, float]:

@@ -5,33 +5,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from .block_sbp import megatron
 from .predict import TIME_KEYS, Cluster, Prediction
 from .search import SearchResult
 from .transformer import TransformerSpec
+from .units import seconds, size
 
 GB = 1e9
-
-
-def seconds(value: float) -> str:
-    """A duration in the unit that keeps it readable: ``2.500 s``, ``12.0 ms``, ``40.0 us``.
-
-    >>> seconds(2.5), seconds(0.012), seconds(-4e-5)
-    ('2.500 s', '12.00 ms', '-40.0 us')
-    """
-    size = abs(value)
-    if size >= 1:
-        return f"{value:.3f} s"
-    if size >= 1e-3:
-        return f"{value * 1e3:.2f} ms"
-    return f"{value * 1e6:.1f} us"
-
-
-def size(nbytes: float) -> str:
-    """``69.0 GB``, ``12.5 MB``, ``3.0 KB``."""
-    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
-        if abs(nbytes) >= scale:
-            return f"{nbytes / scale:.1f} {unit}"
-    return f"{nbytes:.0f} B"
 
 
 def flops(rate: float) -> str:
@@ -59,7 +39,8 @@ def _largest_memory(prediction: Prediction) -> str:
 
 
 def plan_line(p: Prediction) -> str:
-    return (f"{p.plan}  stages {_cuts(p.stage_layers)}  {seconds(p.step_time)}  {flops(p.tflops_per_device * 1e12)}  "
+    return (f"{p.plan}  stages {_cuts(p.stage_layers)}  {seconds(p.step_time)}  "
+            f"{flops(p.tflops_per_device * 1e12)} hardware, {flops(p.model_tflops_per_device * 1e12)} model  "
             f"{size(p.memory_per_device)}")
 
 
@@ -76,14 +57,15 @@ def explain(spec: TransformerSpec, cluster: Cluster, best: Prediction, result: S
         lines += _runners_up(result)
         lines.append(f"searched {result.candidates} plans, costed {result.costed} exactly (the rest bounded out) "
                      f"in {seconds(result.seconds)}")
-    lines += _assumptions(cluster)
+    lines += _assumptions(cluster, spec)
     return "\n".join(lines)
 
 
 def _header(spec: TransformerSpec, cluster: Cluster, best: Prediction) -> str:
     nodes = -(-cluster.devices // cluster.gpus_per_node)
-    return (f"model: {spec.layers} layers, hidden {spec.hidden}, {spec.heads} heads, seq {spec.seq}, "
-            f"vocab {spec.vocab} ({_count(spec.params)} parameters), batch {best.batch}\n"
+    padded = spec.padded_vocab(best.plan.tp)
+    vocab = f" (padded to {padded})" if padded != spec.vocab else ""
+    return (f"model: {spec.describe()}{vocab}, {_count(spec.params)} parameters, batch {best.batch}\n"
             f"cluster: {cluster.devices} x {cluster.profile.name}, {cluster.gpus_per_node} per node ({nodes} nodes)")
 
 
@@ -98,8 +80,9 @@ def _count(n: float) -> str:
 def _chosen(p: Prediction) -> list[str]:
     micro_batches = p.batch // (p.plan.dp * p.plan.micro_batch)
     lines = [f"plan: {p.plan}, {micro_batches} micro-batches, stages {_cuts(p.stage_layers)} blocks",
-             f"  step {seconds(p.step_time)}   {flops(p.tflops_per_device * 1e12)} per device (Megatron's count)   "
-             f"MFU {p.mfu:.1%}",
+             f"  step {seconds(p.step_time)}   per device: {flops(p.tflops_per_device * 1e12)} hardware (the FLOPs "
+             f"this plan executes, recompute={p.plan.recompute} included), {flops(p.model_tflops_per_device * 1e12)}"
+             f" model (forward and backward alone)   MFU {p.mfu:.1%}",
              "  time by component (the slowest stage, times the micro-batches; bubble: the other stages' fill "
              "and drain):"]
     for key in TIME_KEYS:
@@ -125,8 +108,6 @@ def _block_lines(spec: TransformerSpec, cluster: Cluster, p: Prediction) -> list
 
 def block_source(p: Prediction) -> str:
     """Where a prediction's block SBPs came from, and whether they are Megatron-LM's."""
-    from .block_sbp import megatron
-
     assert p.block is not None
     kind = "Megatron-LM's column/row layers" if megatron(p.block) else "not Megatron-LM's layers"
     if p.block.method == "given":
@@ -149,7 +130,7 @@ def _runners_up(result: SearchResult) -> list[str]:
     return lines
 
 
-def _assumptions(cluster: Cluster) -> list[str]:
+def _assumptions(cluster: Cluster, spec: TransformerSpec) -> list[str]:
     prof = cluster.profile
     intra, inter = prof.intra_bandwidth * prof.eta_intra, prof.inter_bandwidth * prof.eta_inter
     return [
@@ -158,9 +139,16 @@ def _assumptions(cluster: Cluster) -> list[str]:
         f"{size(prof.mem_bandwidth)}/s x eta {prof.eta_memory:.2f}; {seconds(prof.launch_s)} per kernel",
         f"  collectives alpha-beta: intra-node {seconds(prof.intra_alpha)} + {size(intra)}/s, inter-node "
         f"{seconds(prof.inter_alpha)} + {size(inter)}/s per device; ring algorithms",
-        "  1F1B schedule; tensor parallel without sequence parallelism; gradient sync not overlapped; "
+        "  1F1B schedule (interleaved: bubble / v, v times the sends); tensor parallel without sequence "
+        "parallelism; gradient sync not overlapped, across nodes on every rank's NIC at once; "
         "mixed-precision Adam (16 bytes/parameter before ZeRO)",
         f"  {size(prof.reserved_bytes)} per device reserved (context, fragmentation)",
+        "  activations kept for backward as Korthikanti et al. count them, per token and layer: fp16 inputs of "
+        "every norm and linear layer, Q, K, V and the MLP's activation input, 1-byte dropout masks; "
+        + ("attention scores stored (softmax output, its dropout mask and output: 5·heads·seq bytes; unfused "
+           "attention), dropped by selective recompute" if spec.attention == "unfused" else
+           "no attention scores (flash attention: one fp32 log-sum-exp per head, scores rebuilt in backward)")
+        + "; the last stage's fp32 logits and their gradient",
     ]
 
 
@@ -170,7 +158,9 @@ def to_json(spec: TransformerSpec, cluster: Cluster, best: Prediction, result: S
     out = _prediction_json(best)
     out.update(
         model={"layers": spec.layers, "hidden": spec.hidden, "heads": spec.heads, "seq": spec.seq,
-               "vocab": spec.vocab, "parameters": spec.params},
+               "vocab": spec.vocab, "parameters": spec.params, "ffn_hidden": spec.ffn, "kv_heads": spec.kv,
+               "mlp": spec.mlp, "norm": spec.norm, "position": spec.position, "bias": spec.bias,
+               "tied": spec.tied, "attention": spec.attention, "padded_vocab": spec.padded_vocab(best.plan.tp)},
         cluster={"devices": cluster.devices, "device": cluster.profile.name,
                  "gpus_per_node": cluster.gpus_per_node},
         batch=best.batch,
@@ -184,8 +174,10 @@ def to_json(spec: TransformerSpec, cluster: Cluster, best: Prediction, result: S
 def _prediction_json(p: Prediction) -> dict[str, Any]:
     return {
         "tp": p.plan.tp, "pp": p.plan.pp, "dp": p.plan.dp, "micro_batch": p.plan.micro_batch,
-        "zero": p.plan.zero, "recompute": p.plan.recompute, "stage_layers": list(p.stage_layers),
-        "step_time_s": p.step_time, "tflops_per_device": p.tflops_per_device, "mfu": p.mfu,
+        "zero": p.plan.zero, "recompute": p.plan.recompute, "virtual": p.plan.virtual,
+        "stage_layers": list(p.stage_layers),
+        "step_time_s": p.step_time, "tflops_per_device": p.tflops_per_device,
+        "model_tflops_per_device": p.model_tflops_per_device, "mfu": p.mfu,
         "memory_per_device_gb": p.memory_per_device / GB, "fits": p.fits,
         "memory_gb": {k: v / GB for k, v in p.memory.items()},
         "breakdown": dict(p.breakdown),
@@ -196,8 +188,6 @@ def _prediction_json(p: Prediction) -> dict[str, Any]:
 
 
 def _is_megatron(p: Prediction) -> bool:
-    from .block_sbp import megatron
-
     return p.block is not None and megatron(p.block)
 
 
@@ -206,8 +196,10 @@ _PLAN_FIELDS = {
     "tp": {"type": "integer", "minimum": 1}, "pp": {"type": "integer", "minimum": 1},
     "dp": {"type": "integer", "minimum": 1}, "micro_batch": {"type": "integer", "minimum": 1},
     "zero": {"enum": [0, 1, 2, 3]}, "recompute": {"enum": ["none", "selective", "full"]},
+    "virtual": {"type": "integer", "minimum": 1},
     "stage_layers": {"type": "array", "items": {"type": "integer", "minimum": 1}, "minItems": 1},
     "step_time_s": {"type": "number", "exclusiveMinimum": 0}, "tflops_per_device": _NUMBER,
+    "model_tflops_per_device": _NUMBER,
     "mfu": {"type": "number", "minimum": 0, "maximum": 1}, "memory_per_device_gb": _NUMBER,
     "fits": {"type": "boolean"},
     "memory_gb": {"type": "object", "required": ["weights", "gradients", "optimizer", "activations"],

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from ..errors import PlanError, SbpflowError
 from .block_sbp import block_collectives
 from .predict import ParallelPlan
+from .stages import all_cuts
 from .transformer import TransformerSpec
 
 FP32 = 4
@@ -260,8 +261,8 @@ def _stage_comms(spec: TransformerSpec, plan: ParallelPlan, stage: int, layers: 
     first, last = stage == 0, stage == pp - 1
     h, tokens = spec.hidden, batch // dp * spec.seq
     comms: list[Comm] = []
-    per_block: dict[tuple[str, int], int] = {}
-    for kind, width in block_collectives(choices, tp):
+    per_block: dict[tuple[str, float], int] = {}
+    for kind, width in block_collectives(choices, tp, spec):
         per_block[(kind, width)] = per_block.get((kind, width), 0) + 1
     for (kind, width), n in per_block.items():
         comms.append(Comm(kind, tp, FP32 * tokens * width * h, n * layers, "tp_comm"))
@@ -404,8 +405,6 @@ def predict_host(spec: TransformerSpec, plan: ParallelPlan, stage_layers: tuple[
 def host_plans(spec: TransformerSpec, processes: int, batch: int) -> list[tuple[ParallelPlan, tuple[int, ...]]]:
     """Every plan sbpflow's eager GPT can run on ``processes`` processes: tp dividing heads and vocabulary,
     dp dividing the batch, and every stage cut (one micro-batch: ZeRO 0, no recompute)."""
-    from .stages import all_cuts
-
     out = []
     for tp in range(1, processes + 1):
         if processes % tp or spec.heads % tp or spec.vocab % tp:

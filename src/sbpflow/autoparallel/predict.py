@@ -66,10 +66,12 @@ class ParallelPlan:
     zero: int = 0
     recompute: str = "full"
     layout: str = "ilp"
+    virtual: int = 1  # model chunks per stage: > 1 is Megatron's interleaved 1F1B
 
     def __str__(self) -> str:
         return (f"tp{self.tp} pp{self.pp} dp{self.dp} micro-batch {self.micro_batch} zero{self.zero} "
-                f"recompute={self.recompute}" + ("" if self.layout == "ilp" else f" layout={self.layout}"))
+                f"recompute={self.recompute}" + ("" if self.layout == "ilp" else f" layout={self.layout}")
+                + (f" interleaved x{self.virtual}" if self.virtual > 1 else ""))
 
 
 @dataclass(frozen=True)
@@ -99,8 +101,9 @@ class Prediction:
     breakdown: dict[str, float]  # seconds, summing to step_time
     memory: dict[str, float]  # bytes on the fullest device
     usable_memory: float
-    tflops_per_device: float  # Megatron's count (recompute included) / time / devices
-    mfu: float  # useful FLOPs (no recompute) / time / (devices · peak)
+    tflops_per_device: float  # hardware: the FLOPs the plan executes (recompute included) / time / devices
+    model_tflops_per_device: float  # forward and backward alone / time / devices
+    mfu: float  # model FLOPs / time / (devices · peak)
     notes: tuple[str, ...] = field(default=())
     block: BlockPlan | None = None  # the SBPs inside every block that this prediction priced
 
@@ -136,7 +139,8 @@ class PlanCosts:
 
     def stage_cost(self, stage: int, layers: int) -> StageCost:
         first, last = stage == 0, stage == self.plan.pp - 1
-        sends = (not last) + (not first)
+        # each of the v chunks receives and sends; only the model's first input and last output stay put
+        sends = 2 * self.plan.virtual - first - last
         extra = (self.embedding if first else 0.0) + (self.head if last else 0.0)
         return StageCost(layers, layers * self.layer_compute + extra, layers * self.layer_recompute,
                          layers * self.layer_tp, sends * self.p2p, layers * self.layer_zero)
@@ -150,7 +154,9 @@ class PlanCosts:
         flight (1F1B: stage ``i`` of ``p`` holds ``min(p - i, m)``, Narayanan et al. 2021 §2.2.1)."""
         plan, spec = self.plan, self.spec
         memory = model_state_bytes(self.stage_params(stage, layers), plan.dp, plan.zero)
-        in_flight = min(plan.pp - stage, self.micro_batches)
+        in_flight = float(min(plan.pp - stage, self.micro_batches))
+        if plan.virtual > 1:  # interleaved: the first chunks run ahead (Korthikanti et al. 2023, §4.2.3)
+            in_flight *= 1 + (plan.pp - 1) / (plan.pp * plan.virtual)
         # the block being rebuilt for backward (and ZeRO-3's gathered weights): ``block.working``
         head = head_activation_bytes(spec, plan.micro_batch, plan.tp) if stage == plan.pp - 1 else 0.0
         memory["activations"] = in_flight * layers * self.block.kept + self.block.working + head
@@ -164,14 +170,15 @@ class PlanCosts:
 
 
 def fixed_params(spec: TransformerSpec, plan: ParallelPlan, stage: int) -> float:
-    """Parameters one rank of ``stage`` holds besides its blocks: the vocab-parallel token embedding and the
-    position embedding on the first stage, the final LayerNorm on the last (and the tied embedding again there
-    when pp > 1)."""
+    """Parameters one rank of ``stage`` holds besides its blocks: the vocab-parallel token embedding (and learned
+    positions) on the first stage, the final norm and the output layer on the last (a tied one is the embedding
+    again when pp > 1)."""
+    vocab_shard = spec.padded_vocab(plan.tp) * spec.hidden / plan.tp
     params = 0.0
     if stage == 0:
-        params += spec.vocab * spec.hidden / plan.tp + spec.seq * spec.hidden
+        params += vocab_shard + (spec.seq * spec.hidden if spec.position == "learned" else 0)
     if stage == plan.pp - 1:
-        params += 2 * spec.hidden + (spec.vocab * spec.hidden / plan.tp if plan.pp > 1 else 0)
+        params += spec.norm_params + (vocab_shard if plan.pp > 1 or not spec.tied else 0)
     return params
 
 
@@ -263,10 +270,12 @@ def _bound_block(spec: TransformerSpec, cluster: Cluster, plan: ParallelPlan) ->
 
 
 def min_block_params(spec: TransformerSpec, tp: int) -> float:
-    """The fewest parameters of one block a rank can hold: every linear layer's weight split, LayerNorms whole
-    (Megatron's choice: 12h²/t, the column layers' biases 7h/t, the rest 6h)."""
-    h = spec.hidden
-    return (12 * h * h + 7 * h) / tp + 6 * h
+    """The fewest parameters of one block a rank can hold: every linear layer's weight split, norms whole
+    (Megatron's choice; a GPT's: 12h²/t, the column layers' biases 7h/t, the rest 6h)."""
+    h, up = spec.hidden, 2 if spec.gated else 1
+    weights = h * spec.qkv_width + h * h + (up + 1) * h * spec.ffn
+    column_biases, row_biases = (spec.qkv_width + up * spec.ffn, 2 * h) if spec.bias else (0, 0)
+    return (weights + column_biases) / tp + row_biases + 2 * spec.norm_params
 
 
 def block_tp_time(spec: TransformerSpec, cluster: Cluster, plan: ParallelPlan,
@@ -274,7 +283,7 @@ def block_tp_time(spec: TransformerSpec, cluster: Cluster, plan: ParallelPlan,
     """One block's tensor-parallel collectives per micro-batch under the SBP ``choices``: each transition forward
     and its dual backward (``block_sbp.block_collectives``), and the forward ones again when full recompute reruns
     the forward. (The ``tokens`` layers' weight-gradient all-reduces are ``BlockPlan.weight_sync_s``.)"""
-    kinds = block_collectives(choices, plan.tp)
+    kinds = block_collectives(choices, plan.tp, spec)
     tokens, group = plan.micro_batch * spec.seq, tuple(range(plan.tp))
     times = [_coll(kind, group, ACT_BYTES * tokens * width * spec.hidden, cluster) for kind, width in kinds]
     forward = sum(times[0::2])  # (forward, backward) pairs
@@ -287,8 +296,9 @@ def check_plan(spec: TransformerSpec, cluster: Cluster, plan: ParallelPlan, batc
     if plan.tp * plan.pp * plan.dp != cluster.devices:
         raise PlanError(f"tp · pp · dp must equal the {cluster.devices} devices, but {plan} has "
                         f"{plan.tp * plan.pp * plan.dp}")
-    if spec.heads % plan.tp or spec.vocab % plan.tp:
-        raise PlanError(f"tp must divide heads ({spec.heads}) and vocab ({spec.vocab}), but got tp={plan.tp}")
+    if spec.heads % plan.tp or spec.kv % plan.tp:
+        raise PlanError(f"tensor parallelism splits whole attention heads, so tp must divide the {spec.heads} heads "
+                        f"and {spec.kv} key/value heads, but got tp={plan.tp}")
     if plan.pp > spec.layers:
         raise PlanError(f"every pipeline stage needs a block, but pp={plan.pp} > layers={spec.layers}")
     if plan.micro_batch < 1 or batch % (plan.dp * plan.micro_batch):
@@ -300,6 +310,13 @@ def check_plan(spec: TransformerSpec, cluster: Cluster, plan: ParallelPlan, batc
         raise PlanError(f"ZeRO stage must be 0, 1, 2 or 3, but got {plan.zero!r}")
     if plan.layout not in LAYOUTS:
         raise PlanError(f"a plan's block layout must be one of {LAYOUTS}, but got {plan.layout!r}")
+    if plan.virtual < 1 or (plan.virtual > 1 and (plan.pp == 1 or spec.layers < plan.pp * plan.virtual)):
+        raise PlanError(f"an interleaved pipeline gives each of the pp={plan.pp} stages {plan.virtual} chunks of at "
+                        f"least one block, so it needs pp > 1 and pp · virtual <= {spec.layers} (the layers)")
+    micro_batches = batch // (plan.dp * plan.micro_batch)
+    if plan.virtual > 1 and micro_batches % plan.pp:
+        raise PlanError(f"an interleaved pipeline runs micro-batches in groups of pp={plan.pp}, but the plan has "
+                        f"{micro_batches}")
 
 
 def dp_ranks(plan: ParallelPlan) -> tuple[int, ...]:
@@ -352,7 +369,7 @@ def predict_with_cuts(costs: PlanCosts, stage_layers: tuple[int, ...], batch: in
     breakdown = {
         "compute": m * slow.compute, "recompute": m * slow.recompute, "tp_comm": m * slow.tp_comm,
         "pp_comm": m * slow.pp_comm, "dp_comm": m * slow.dp_comm + syncs[last][0],
-        "bubble": sum(s.total for s in stages) - slow.total, "optimizer": syncs[last][1],
+        "bubble": (sum(s.total for s in stages) - slow.total) / plan.virtual, "optimizer": syncs[last][1],
     }
     memories = [costs.stage_memory(i, k) for i, k in enumerate(stage_layers)]
     memory = max(memories, key=lambda mem: sum(mem.values()))
@@ -361,8 +378,9 @@ def predict_with_cuts(costs: PlanCosts, stage_layers: tuple[int, ...], batch: in
     return Prediction(
         plan=plan, batch=batch, stage_layers=tuple(stage_layers), step_time=step, breakdown=breakdown,
         memory=memory, usable_memory=costs.cluster.profile.usable_memory,
-        tflops_per_device=costs.spec.model_flops(batch) / step / devices / 1e12,
-        mfu=costs.spec.useful_flops(batch) / step / devices / costs.cluster.profile.peak_flops,
+        tflops_per_device=costs.spec.hardware_flops(batch, plan.recompute) / step / devices / 1e12,
+        model_tflops_per_device=costs.spec.model_flops(batch) / step / devices / 1e12,
+        mfu=costs.spec.model_flops(batch) / step / devices / costs.cluster.profile.peak_flops,
         block=costs.block,
     )
 
@@ -387,4 +405,5 @@ def lower_bound(costs: PlanCosts) -> float:
     slowest = max(total / plan.pp, max(fixed) + per_layer)
     most = math.ceil(layers / plan.pp)
     sync = min(sum(costs.sync_time(i, most)) for i in {0, min(1, plan.pp - 1), plan.pp - 1})  # the kinds of stage
-    return total + (costs.micro_batches - 1) * slowest + sync
+    # m · max + (Σ - max) / v grows with max: the bound of max bounds the step
+    return costs.micro_batches * slowest + (total - slowest) / plan.virtual + sync

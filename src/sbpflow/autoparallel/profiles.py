@@ -28,6 +28,7 @@ from pathlib import Path
 
 from ..boxing.plan import CostModel, LinkCost
 from ..errors import SbpflowError
+from ..graph.costs import MEM_SECONDS_PER_BYTE, SECONDS_PER_FLOP
 
 GB = 1e9
 
@@ -92,7 +93,6 @@ PROFILES: dict[str, DeviceProfile] = {
 def _framework_cpu() -> DeviceProfile:
     """A CPU host as the rest of sbpflow already prices it: the boxing planner's default ``cpu`` links and SBP
     selection's compute rates (one profile for eager dispatch, graph selection and planning)."""
-    from ..graph.select import MEM_SECONDS_PER_BYTE, SECONDS_PER_FLOP
 
     links = dict(CostModel().links)
     intra, inter = links[("cpu", "intra")], links[("cpu", "inter")]

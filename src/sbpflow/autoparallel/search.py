@@ -35,6 +35,13 @@ class Fixed:
     recompute: str | None = None
     micro_batches: int | None = None  # micro-batches per step (1: no pipelining of micro-batches, as eager runs)
     layout: str = "ilp"  # SBPs inside a block: the ILP's choice, or "megatron" (what parallelize applies)
+    virtual: int | None = None  # model chunks per pipeline stage (interleaved 1F1B when > 1)
+
+    def describe(self) -> str:
+        """What was fixed, in words: ``with tp=8, pp=16 fixed`` (empty when nothing was)."""
+        fields = ("tp", "pp", "dp", "micro_batch", "zero", "recompute", "micro_batches", "virtual")
+        given = [f"{name.replace('_', '-')}={value}" for name in fields if (value := getattr(self, name)) is not None]
+        return f"with {', '.join(given)} fixed" if given else "(nothing fixed)"
 
 
 @dataclass
@@ -56,17 +63,24 @@ def candidate_plans(spec: TransformerSpec, cluster: Cluster, batch: int, fixed: 
     all-reduces are on the critical path of every block); ZeRO stages are only distinct with dp > 1."""
     plans = []
     for tp in _choices(fixed.tp, _divisors(min(cluster.gpus_per_node, cluster.devices))):
-        if spec.heads % tp or spec.vocab % tp or cluster.devices % tp:
+        if spec.heads % tp or spec.kv % tp or cluster.devices % tp:
             continue
         for pp in _choices(fixed.pp, _divisors(cluster.devices // tp)):
             dp = cluster.devices // (tp * pp)
             if pp > spec.layers or tp * pp * dp != cluster.devices or fixed.dp not in (None, dp):
                 continue
-            plans += _knobs(tp, pp, dp, batch, fixed)
+            for virtual in _choices(fixed.virtual, _chunks(spec.layers, pp)):
+                if virtual == 1 or (pp > 1 and spec.layers >= pp * virtual):
+                    plans += _knobs(tp, pp, dp, batch, fixed, virtual)
     return plans
 
 
-def _knobs(tp: int, pp: int, dp: int, batch: int, fixed: Fixed) -> list[ParallelPlan]:
+def _chunks(layers: int, pp: int) -> tuple[int, ...]:
+    """Interleaving degrees to try: 1, and 2, 3, 4, 6 or 8 chunks per stage of at least one block when pp > 1."""
+    return (1,) if pp == 1 else tuple(v for v in (1, 2, 3, 4, 6, 8) if pp * v <= layers)
+
+
+def _knobs(tp: int, pp: int, dp: int, batch: int, fixed: Fixed, virtual: int = 1) -> list[ParallelPlan]:
     plans = []
     sizes = MICRO_BATCHES if fixed.micro_batches is None else (batch // (dp * fixed.micro_batches),)
     for micro_batch in _choices(fixed.micro_batch, sizes):
@@ -74,9 +88,11 @@ def _knobs(tp: int, pp: int, dp: int, batch: int, fixed: Fixed) -> list[Parallel
             continue
         if fixed.micro_batches is not None and batch != dp * micro_batch * fixed.micro_batches:
             continue
+        if virtual > 1 and (batch // (dp * micro_batch)) % pp:
+            continue
         for zero in _choices(fixed.zero, (0, 1, 2, 3) if dp > 1 else (0,)):
             for recompute in _choices(fixed.recompute, RECOMPUTE):
-                plans.append(ParallelPlan(tp, pp, dp, micro_batch, zero, recompute, fixed.layout))
+                plans.append(ParallelPlan(tp, pp, dp, micro_batch, zero, recompute, fixed.layout, virtual))
     return plans
 
 
@@ -90,7 +106,7 @@ def _divisors(n: int) -> tuple[int, ...]:
 
 def cost(costs: PlanCosts, batch: int) -> Prediction:
     """The plan with its best cuts; with no cut in memory, even cuts (and ``fits`` False)."""
-    cuts = cut_stages(costs)
+    cuts = cut_stages(costs) if costs.plan.virtual == 1 else None  # interleaved: blocks spread evenly
     return predict_with_cuts(costs, cuts or even_cuts(costs.spec.layers, costs.plan.pp), batch)
 
 
@@ -107,9 +123,11 @@ def search(spec: TransformerSpec, cluster: Cluster, batch: int, fixed: Fixed = F
     start = time.perf_counter()
     plans = candidate_plans(spec, cluster, batch, fixed)
     if not plans:
-        raise PlanError(f"a plan needs tp dividing heads, vocab and the devices (searched within a node), pp dividing "
-                        f"devices / tp and at most the layers, and the batch split into dp · micro-batch; no plan of "
-                        f"{spec} on {cluster.devices} devices agrees with {fixed} for batch {batch}")
+        raise PlanError(f"no plan of {spec.describe()} on {cluster.devices} devices "
+                        f"({cluster.gpus_per_node} per node) for a batch of {batch} {fixed.describe()}: a plan needs "
+                        f"tp dividing the {spec.heads} heads, {spec.kv} key/value heads and the devices (searched "
+                        f"within a node), pp dividing devices / tp and at most {spec.layers} (the layers), and the "
+                        f"batch split into dp replicas of whole micro-batches")
     bounded = sorted(((lower_bound(plan_costs(spec, cluster, p, batch, bound=True)), i, p)
                       for i, p in enumerate(plans)), key=lambda x: x[:2])
     good: list[Prediction] = []
@@ -124,9 +142,10 @@ def search(spec: TransformerSpec, cluster: Cluster, batch: int, fixed: Fixed = F
         good.sort(key=lambda p: p.step_time)
     if not good:
         smallest = min(too_big, key=lambda p: p.memory_per_device)
-        raise PlanError(f"no plan fits in memory: the smallest, {smallest.plan}, needs "
-                        f"{smallest.memory_per_device / 1e9:.1f} GB per device, but "
-                        f"{cluster.profile.usable_memory / 1e9:.1f} GB are usable")
+        where = ", ".join(f"{k} {v / 1e9:.1f}" for k, v in smallest.memory.items())
+        raise PlanError(f"no plan of {spec.describe()} on {cluster.devices} x {cluster.profile.name} fits in memory: "
+                        f"the smallest, {smallest.plan}, needs {smallest.memory_per_device / 1e9:.1f} GB per device "
+                        f"({where} GB), but {cluster.profile.usable_memory / 1e9:.1f} GB are usable")
     faster_too_big = sorted((p for p in too_big if p.step_time < good[0].step_time), key=lambda p: p.step_time)
     return SearchResult(good[0], good[1:keep], faster_too_big[:3], len(plans), costed,
                         time.perf_counter() - start, exhaustive, fixed)

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from .. import distributed
 from .base import Backend, Transfer
 from .record import CommEvent, CommLog, record
 from .simulated import SimulatedBackend
+from .torch_dist import TorchDistBackend
 
 _backend: Backend | None = None
 
@@ -12,9 +14,7 @@ _backend: Backend | None = None
 def get_backend() -> Backend:
     """The backend that global tensors in this process use (set up on first use, see sbpflow.distributed)."""
     if _backend is None:
-        from ..distributed import init
-
-        return init()
+        return distributed.init()
     return _backend
 
 
@@ -23,6 +23,14 @@ def set_backend(backend: Backend | None) -> Backend | None:
     global _backend
     previous, _backend = _backend, backend
     return previous
+
+
+def _make_backend(cfg: distributed.Config) -> Backend:
+    return TorchDistBackend(cfg) if cfg.launched else SimulatedBackend()
+
+
+# distributed.init (below this package) starts a process's backend through these
+distributed.register_comm(distributed.CommHooks(make=_make_backend, installed=lambda: _backend, install=set_backend))
 
 
 __all__ = ["Backend", "Transfer", "CommEvent", "CommLog", "record", "SimulatedBackend", "get_backend", "set_backend"]

@@ -56,6 +56,7 @@ import torch.distributed as dist
 from .._layout import numel
 from ..distributed import Config, activity, activity_now, current_activity
 from ..errors import CommError, PlacementError
+from ..placement import Placement
 from ..sbp import Broadcast
 from .base import WIDENED_SUMS, Backend, Completed, Shape, Transfer
 
@@ -122,8 +123,6 @@ class TorchDistBackend(Backend):
         return torch.device("cpu")
 
     def everywhere(self, placement: Placement) -> Placement:
-        from ..placement import Placement
-
         if set(placement.flat_ranks) >= set(range(self.world_size)):
             return placement
         return Placement(placement.type, list(range(self.world_size)))

@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from .train_gpt import main as run
+
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Runs ``sbpflow demo`` with command-line style ``argv`` (see ``sbpflow demo --help``)."""
-    from .train_gpt import main as run
-
     return run(argv)

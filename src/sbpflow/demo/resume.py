@@ -27,7 +27,7 @@ from __future__ import annotations
 import argparse
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -35,7 +35,8 @@ import sbpflow
 from sbpflow import random as sbp_random
 from sbpflow.utils.data import DataLoader
 
-from .train_gpt import Trainer
+if TYPE_CHECKING:  # train_gpt drives this module
+    from .train_gpt import Trainer
 
 
 def rng_state() -> dict[str, Any]:

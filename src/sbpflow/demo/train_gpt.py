@@ -37,10 +37,13 @@ import torch
 import sbpflow
 from sbpflow import nn, optim
 from sbpflow.comm import CommEvent, record
+from sbpflow.graph.explain import explain, pipeline_text
 from sbpflow.models import llama, moe
 from sbpflow.models.gpt import GPT, GPTConfig, Strategy, parallelize, parse_strategy
 from sbpflow.tensor import Tensor
 from sbpflow.utils.data import DataLoader, Dataset
+
+from .resume import checkpoint_from_args, resume_from_args
 
 # ----------------------------------------------------------------------------- training
 
@@ -535,8 +538,6 @@ DESCRIPTION = (
 
 def _plan_summary(graph: Any) -> str:
     """The compiled plan's summary: node counts, selection, per-step collectives, bytes, memory, compile time."""
-    from sbpflow.graph.explain import explain, pipeline_text
-
     compiled = graph._compiled()
     text = explain(compiled.logical, compiled.plan, compiled.report)
     lines = text.splitlines()
@@ -558,8 +559,6 @@ def _matmul_tour(print_fn: Callable[[str], None]) -> None:
 
 def _train(trainer: Trainer, data: CharData, args: argparse.Namespace, schedule: Any,
            print_fn: Callable[[str], None]) -> tuple[list[float], str]:
-    from .resume import checkpoint_from_args, resume_from_args
-
     loader = demo_loader(data, trainer, args)
     first = resume_from_args(args, trainer, schedule, loader, print_fn)  # 0 without --resume
     bar = ProgressBar(args.steps)

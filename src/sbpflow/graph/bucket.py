@@ -35,11 +35,11 @@ from typing import Any
 
 from .. import boxing
 from ..sbp import Split
+from .costs import FIRST_BUCKET
 from .lower import registers, stream_of
 from .physical import Buf, PhysicalPlan, PNode
 from .select import solo_bytes as select_solo_bytes
 
-FIRST_BUCKET = 1 << 20  # DDP's first bucket (torch.distributed's _DEFAULT_FIRST_BUCKET_BYTES)
 LATENCY_SHARE = 0.05  # a bucket's latency at most this share of its transfer time (see the cap, above)
 
 

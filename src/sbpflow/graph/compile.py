@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import boxing
+from ..comm.base import TARGET_COST_FACTORS
 from .accumulate import accumulate_before_send
 from .bucket import bucket_all_reduces
 from .fuse import fuse_segments
@@ -89,24 +90,27 @@ def eliminate_dead_code(g: LogicalGraph) -> int:
     return before - len(kept)
 
 
-def compile_graph(g: LogicalGraph, method: str = "ilp", model: boxing.CostModel | None = None,
-                  factors: tuple[Any, ...] | None = None,
-                  agree: Callable[[Any], Any] | None = None,
-                  schedule: str = "1f1b", prefetch: int = 1, fused_segments: bool = True,
-                  torch_compile: bool = False,
-                  group: bool = True, late_reduce: bool = True,
-                  split_updates: bool = True) -> tuple[PhysicalPlan, LogicalGraph, CompileReport]:
-    """Runs every pass on ``g`` (modified in place) and returns the verified physical plan; ``agree`` (see
-    :func:`select`) lets processes adopt one shared SBP choice; ``schedule`` is the pipeline schedule when the
-    plan has several stages (``graph.pipeline``); ``prefetch`` is the window of ZeRO-3 gathers
-    (``graph.prefetch``; used only when tracing recorded gathers); ``fused_segments`` makes each run of plain
-    compute nodes one node of generated code (``graph.fuse``; ``torch_compile``: run under torch.compile);
-    ``group`` sums the gradients one act of the schedule makes with one accumulate node (``graph.group``);
-    ``late_reduce`` all-reduces a data-parallel gradient once a step, after its micro-batches are summed
-    (``graph.late_reduce``); ``split_updates`` cuts a multi-tensor optimizer update by the gradient collective
-    each parameter waits for (``graph.update_split``)."""
-    from ..comm.base import TARGET_COST_FACTORS
+@dataclass(frozen=True)
+class CompileOptions:
+    """Which passes run and how (nn.Graph builds one from its GraphConfig)."""
 
+    method: str = "ilp"  # SBP selection: "ilp" or the greedy "eager" baseline (graph.select)
+    schedule: str = "1f1b"  # the pipeline schedule when the plan has several stages (graph.pipeline)
+    prefetch: int = 1  # the window of ZeRO-3 gathers, used only when tracing recorded gathers (graph.prefetch)
+    fused_segments: bool = True  # each run of plain compute nodes becomes one node of generated code (graph.fuse)
+    torch_compile: bool = False  # fused segments run under torch.compile
+    group: bool = True  # one accumulate node sums the gradients one act of the schedule makes (graph.group)
+    late_reduce: bool = True  # all-reduce a data-parallel gradient once a step, after its micro-batches (late_reduce)
+    split_updates: bool = True  # cut a multi-tensor update by the collective each parameter waits for (update_split)
+
+
+def compile_graph(g: LogicalGraph, options: CompileOptions | None = None, model: boxing.CostModel | None = None,
+                  factors: tuple[Any, ...] | None = None,
+                  agree: Callable[[Any], Any] | None = None) -> tuple[PhysicalPlan, LogicalGraph, CompileReport]:
+    """Runs every pass on ``g`` (modified in place) as ``options`` say and returns the verified physical plan;
+    ``agree`` (see :func:`select`) lets processes adopt one shared SBP choice."""
+    opts = options or CompileOptions()
+    method, schedule, prefetch = opts.method, opts.schedule, opts.prefetch
     model = model or boxing.get_cost_model()
     factors = TARGET_COST_FACTORS if factors is None else factors
     report = CompileReport(logical_nodes=len(g.nodes))
@@ -122,25 +126,25 @@ def compile_graph(g: LogicalGraph, method: str = "ilp", model: boxing.CostModel 
             report.selection = select(g, model, factors, method, agree=agree)
         with report.timing("lowering"):
             plan = lower(g, model, factors)
-        if late_reduce:
+        if opts.late_reduce:
             with report.timing("reduce after accumulating"):
                 plan = reduce_after_accumulating(plan)
         with report.timing("gradient buckets"):
             plan = donate_inputs(bucket_all_reduces(plan, model, factors))
-        if split_updates:
+        if opts.split_updates:
             with report.timing("updates per bucket"):
                 plan = update_per_bucket(plan)
         with report.timing("pipeline"):
             plan_pipeline(plan, seed_buffers(plan, g), schedule)
-        if group:
+        if opts.group:
             with report.timing("grouped accumulation"):
                 plan = group_accumulates(plan)
         if plan.pipeline is None:  # a pipeline's registers and schedule are sized on its order as it is
             with report.timing("data collectives first"):
                 plan = issue_data_collectives(plan)
-        if fused_segments:
+        if opts.fused_segments:
             with report.timing("fused segments"):
-                plan = fuse_segments(plan, torch_compile)
+                plan = fuse_segments(plan, opts.torch_compile)
         with report.timing("verify"):
             verify(plan)
     report.physical_nodes = len(plan.nodes)

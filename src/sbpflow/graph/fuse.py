@@ -52,7 +52,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..ops.inplace import OVERWRITING
-from ..ops.registry import REGISTRY
+from ..ops.schema import REGISTRY
 from .physical import COMPUTE_STREAM, PhysicalPlan, PNode, Register
 
 FUSED = "fused_segment"  # the op (and name) of a fused node

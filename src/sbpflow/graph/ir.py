@@ -16,7 +16,7 @@ Node kinds::
     op         a registry op                          values -> values
     to_global  a user's explicit conversion           value -> value (output layout fixed)
     accumulate sum over the micro-batches (gradients)  micro value -> post value
-    pack       join the micro-batches (mean or cat)   micro value -> post value
+    pack       join the micro-batches (sum, mean, cat) micro value -> post value
     assign     write a variable                       value ->
     output     a step result                          value ->
 

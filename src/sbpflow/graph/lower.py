@@ -83,14 +83,20 @@ class _Lowerer:
 
     def read(self, vid: int, phase: str, layout: Layout, label: str) -> int:
         pre = self.at.get((vid, "pre"))
-        constant = pre is not None and self.at.get((vid, "micro"), pre) == pre
-        if phase == "micro" and self.m > 1 and pre is not None and constant and \
+        if phase == "micro" and self.m > 1 and pre is not None and self.step_constant(vid) and \
                 self.bufs[pre].layout.placement != layout.placement:
             # a step constant (a tied weight) read on another pipeline stage: sent once before the micro-batches
             # (its copy read there m times), rather than sent again for every micro-batch
             return self.box(pre, layout, "pre", label)
         buf = self.at_phase(vid, phase)
         return self.box(buf, layout, phase, label)
+
+    def step_constant(self, vid: int) -> bool:
+        """Whether ``vid`` is the same in every micro-batch: a variable, a constant or a value computed before the
+        micro-batches (a whole step's count), never a step input, whose micro-batches are its own slices (an
+        ``unpack`` each) wherever it is read, on this stage or another."""
+        producer = self.g.values[vid].producer
+        return producer < 0 or (self.g.nodes[producer].phase == "pre" and self.g.nodes[producer].kind != "input")
 
     def at_phase(self, vid: int, phase: str) -> int:
         key = (vid, phase)

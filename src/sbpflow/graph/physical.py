@@ -11,54 +11,7 @@ Values are :class:`Buf` s: one logical tensor in one layout (placement + SBP).
 Each has a :class:`Register` descriptor: ``register_num`` slots of
 ``bytes_per_rank`` each, read by ``consumers``.
 
-Node kinds (``PNode.kind``) and what an executor does with them::
-
-    kind        inputs -> outputs   action (per owned rank r of node.ranks)
-    input       ()     -> (b,)      the step's feed ``feeds[node.name]`` (already in b's layout)
-    variable    ()     -> (b,)      the variable ``variables[node.name]``'s current shards (no copy)
-    unpack      (a,)   -> (b,)      micro-batch k: local chunk k of a's shard along dim 0 (m chunks)
-    repeat      (a,)   -> (b,)      the same value for every micro-batch
-    compute     (...)  -> (...)     REGISTRY[op].kernel(*args, **attrs) on local shards
-    boxing      (a,)   -> (b,)      boxing.execute(node.boxing, shards): one planner step, a collective
-                                    on node.stream's process group, or a local slice/pad/zero
-    accumulate  (a..)  -> (b..)     sum of each a_i over the m micro-batches into b_i (gradients): one running
-                                    sum per input, a copy of micro-batch 0 then one torch._foreach_add_ per
-                                    micro-batch (several inputs: the gradients of one schedule act, graph.group)
-    pack        (a,)   -> (b,)      the m micro-batch values combined: mean (0-d losses) or cat on dim 0
-    assign      (a,)   -> ()        on success of the whole step: copy a into variables[node.name]
-    update      (...)  -> ()        on success of the whole step: IN_PLACE[op].kernel(*args, **attrs), which
-                                    writes new values into the variables among its inputs (an optimizer
-                                    update with its assigns, done in place: sbpflow.ops.optimizer)
-    output      (a,)   -> ()        the step's result ``outputs[node.name]``
-    route       (x, i) -> (y, r)    dynamic routing (runtime.route), over node.ranks as one group:
-                                    "dispatch": row j of x goes to member i[j] by an all-to-all whose
-                                    split sizes depend on the data; y: rows received (a bound shape),
-                                    r: the routing record. "combine" (y, r) -> (x,): the way back, in
-                                    x's order. "redispatch" (x, r) -> (y,): dispatch by a known record
-
-Phases. ``pre`` nodes run once before the micro-batches, ``micro`` nodes once
-per micro-batch (``plan.micro_batches`` times), ``post`` nodes once after. The
-in-order executor runs pre, then micro k = 0..m-1, then post, each in list order;
-an actor runtime may run anything whose inputs are ready, but collectives on
-one ``stream`` keep list order (so every member of a group issues them alike).
-
-``control`` lists nodes (same phase, same micro-batch) that must act before
-this one although no data flows: resource order, activation recomputation.
-``control_lead`` (one per control edge, default 0) shifts the micro-batch: step
-k waits for the source's step k + lead (a pipeline schedule's order, see
-``graph.pipeline``).
-
-Overwrites. A compute node with ``overwrites = i`` is the only reader of its
-input ``i``, a fresh buffer of the same shape, dtype and layout as its output:
-it writes the output there (``ops.inplace.OVERWRITING``) instead of allocating.
-A boxing node with ``overwrites = 0`` (one all-reduce step) is the only reader of
-its fresh input (a gradient bucket's flat buffer): the collective reduces in it.
-
-Watch. ``plan.watch`` names sets of buffers (ZeRO-3's gathered parameters) whose live bytes an executor
-counts apart from the total (``Stats.watch_peak``), so a bound on one kind of memory can be checked.
-
-Args. ``PNode.args`` is the op's positional argument template: ``("t", i)``
-is input buffer ``i`` of the node, ``("c", v)`` a constant scalar.
+``PNode.kind``, its phases, control edges and overwrites: the comments at :class:`PNode`.
 """
 
 from __future__ import annotations
@@ -122,9 +75,54 @@ class Register:
         return 0
 
 
+# Node kinds (PNode.kind) and what an executor does with them:
+#
+#     kind        inputs -> outputs   action (per owned rank r of node.ranks)
+#     input       ()     -> (b,)      the step's feed ``feeds[node.name]`` (already in b's layout)
+#     variable    ()     -> (b,)      the variable ``variables[node.name]``'s current shards (no copy)
+#     unpack      (a,)   -> (b,)      micro-batch k: local chunk k of a's shard along dim 0 (m chunks)
+#     repeat      (a,)   -> (b,)      the same value for every micro-batch
+#     compute     (...)  -> (...)     REGISTRY[op].kernel(*args, **attrs) on local shards
+#     boxing      (a,)   -> (b,)      boxing.execute(node.boxing, shards): one planner step, a collective
+#                                     on node.stream's process group, or a local slice/pad/zero
+#     accumulate  (a..)  -> (b..)     sum of each a_i over the m micro-batches into b_i (gradients): one running
+#                                     sum per input, a copy of micro-batch 0 then one torch._foreach_add_ per
+#                                     micro-batch (several inputs: the gradients of one schedule act, graph.group)
+#     pack        (a,)   -> (b,)      the m micro-batch values combined: mean (0-d losses) or cat on dim 0
+#     assign      (a,)   -> ()        on success of the whole step: copy a into variables[node.name]
+#     update      (...)  -> ()        on success of the whole step: IN_PLACE[op].kernel(*args, **attrs), which
+#                                     writes new values into the variables among its inputs (an optimizer
+#                                     update with its assigns, done in place: sbpflow.ops.optimizer)
+#     output      (a,)   -> ()        the step's result ``outputs[node.name]``
+#     route       (x, i) -> (y, r)    dynamic routing (runtime.route), over node.ranks as one group:
+#                                     "dispatch": row j of x goes to member i[j] by an all-to-all whose
+#                                     split sizes depend on the data; y: rows received (a bound shape),
+#                                     r: the routing record. "combine" (y, r) -> (x,): the way back, in
+#                                     x's order. "redispatch" (x, r) -> (y,): dispatch by a known record
+#
+# Phases. `pre` nodes run once before the micro-batches, `micro` nodes once
+# per micro-batch (`plan.micro_batches` times), `post` nodes once after. The
+# in-order executor runs pre, then micro k = 0..m-1, then post, each in list order;
+# an actor runtime may run anything whose inputs are ready, but collectives on
+# one `stream` keep list order (so every member of a group issues them alike).
+#
+# `control` lists nodes (same phase, same micro-batch) that must act before
+# this one although no data flows: resource order, activation recomputation.
+# `control_lead` (one per control edge, default 0) shifts the micro-batch: step
+# k waits for the source's step k + lead (a pipeline schedule's order, see
+# `graph.pipeline`).
+#
+# Overwrites. A compute node with `overwrites = i` is the only reader of its
+# input `i`, a fresh buffer of the same shape, dtype and layout as its output:
+# it writes the output there (`ops.inplace.OVERWRITING`) instead of allocating.
+# A boxing node with `overwrites = 0` (one all-reduce step) is the only reader of
+# its fresh input (a gradient bucket's flat buffer): the collective reduces in it.
+#
+# Args. `PNode.args` is the op's positional argument template: `("t", i)`
+# is input buffer `i` of the node, `("c", v)` a constant scalar.
 @dataclass(frozen=True)
 class PNode:
-    """One node of the physical plan; see the module docstring for ``kind``."""
+    """One node of the physical plan (its kinds: the comment above)."""
 
     id: int
     kind: str
@@ -143,7 +141,7 @@ class PNode:
     control: tuple[int, ...] = ()  # node ids that must act first (no data flows)
     control_lead: tuple[int, ...] = ()  # per control edge: step k waits for the source's step k + lead (default 0)
     logical: int | None = None  # the logical node it came from, for messages
-    mode: str = ""  # pack: "mean" or "cat"; route: "dispatch", "combine" or "redispatch"
+    mode: str = ""  # pack: "mean", "sum" or "cat"; route: "dispatch", "combine" or "redispatch"
     overwrites: int | None = None  # the input whose storage it writes its output into (ops.inplace; boxing: 0)
 
     def __post_init__(self) -> None:
@@ -171,6 +169,8 @@ class PhysicalPlan:
     peak_bytes: dict[int, int] = field(default_factory=dict)  # predicted per rank (memory plan)
     world: tuple[int, ...] = ()  # every rank the plan involves
     pipeline: Any = None  # graph.pipeline.Pipeline: stages, schedule and priorities (None: one stage)
+    # sets of buffers (ZeRO-3's gathered parameters) whose live bytes an executor counts apart from the total
+    # (Stats.watch_peak), so that a bound on one kind of memory can be checked
     watch: dict[str, tuple[int, ...]] = field(default_factory=dict)  # name -> buffers whose live bytes are counted
 
     def node(self, nid: int) -> PNode:

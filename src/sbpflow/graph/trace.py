@@ -2,7 +2,7 @@
 
 A lazy tensor is an ordinary :class:`~sbpflow.tensor.Tensor` without shards whose
 ``_lazy`` handle names an SSA :class:`~sbpflow.graph.ir.Value`. Ops reach
-:func:`record_op` from the registry's dispatch instead of running kernels:
+:func:`record_op` from dispatch (the tracer is on its interpreter stack) instead of running kernels:
 meta inference and the eager SBP choice (``decide``, the greedy baseline) run
 on metadata, and a node is appended to the graph. Autograd records lazy ops
 like any others, so ``loss.backward()`` traces each op's ``@op.grad`` into the
@@ -18,18 +18,26 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from .. import boxing
+from ..autograd import is_grad_enabled, no_grad
+from ..comm import get_backend
 from ..errors import SbpflowError
+from ..ops.dispatch import INTERPRETERS
+from ..ops.indexing import cat
+from ..ops.propagation import arg_meta, decide_traced, describe_args
+from ..ops.schema import REGISTRY
 from ..placement import Placement
-from ..sbp import NdSbp, broadcast
+from ..random import KEY_HOOKS
+from ..sbp import Broadcast, NdSbp, Partial, Split, broadcast
 from ..tensor import Tensor
 from .ir import LNode, LogicalGraph, Value
+from .micro import DATA, SAME, Micro, join, propagate
 
 
 class TraceError(SbpflowError):
@@ -38,7 +46,7 @@ class TraceError(SbpflowError):
 
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-ACTIVE: list[Tracer] = []  # the tracer in force (at most one); checked by ops.registry on every global op
+ACTIVE: list[Tracer] = []  # the tracer in force (at most one), also on ops.dispatch.INTERPRETERS while it traces
 
 
 class StepScalar(float):
@@ -76,6 +84,10 @@ class Lazy:
     def tensor(self) -> Tensor:
         return self.tracer.tensor_of(self.value)
 
+    def assign(self, target: Tensor, value: Tensor) -> Tensor:
+        """An in-place write of ``value`` into ``target`` while tracing (Tensor._assign asks the lazy handle)."""
+        return assign_lazy(target, value)
+
     def refuse_data(self, what: str) -> None:
         raise TraceError(
             f"{user_line()}: {what} of a lazy tensor ({self.value.name()}: {self.value.describe()}) while "
@@ -99,8 +111,12 @@ def user_line() -> str:
 class Tracer:
     """Builds one :class:`LogicalGraph` from a ``build()`` call."""
 
-    def __init__(self, micro_batches: int = 1, target_factors: tuple[Any, ...] = ()) -> None:
+    def __init__(self, micro_batches: int = 1, target_factors: tuple[Any, ...] = (), average: bool = False) -> None:
         self.graph = LogicalGraph(micro_batches=micro_batches)
+        # each value's layout over the micro-batches (graph.micro), when they join exactly (not averaged)
+        self.micro: dict[int, Micro] | None = {} if micro_batches > 1 and not average else None
+        self.data_only: set[int] = set()  # values computed from step inputs and constants alone (with micro)
+        self.whole: dict[int, Tensor | None] = {}  # value id -> its whole-step twin (pre phase), None: none
         self.phase = "micro"
         self.target_factors = target_factors
         self.constants: dict[int, dict[int, torch.Tensor]] = {}  # value id -> captured shards
@@ -109,6 +125,41 @@ class Tracer:
         self.variables: dict[str, tuple[Tensor, int]] = {}  # name -> (tensor, initial value id)
         self.random_keys = 0
         self.loss_seed: Any = None  # loss scaling: maps the backward's implicit gradient to it times the scale
+
+    @contextmanager
+    def active(self) -> Iterator[None]:
+        """Traces inside the block: ops record nodes here, random draws become the step's keys."""
+        self.push()
+        try:
+            yield
+        finally:
+            self.pop()
+
+    def push(self) -> None:
+        ACTIVE.append(self)
+        INTERPRETERS.append(self)
+        KEY_HOOKS.append(self)
+
+    def pop(self) -> None:
+        KEY_HOOKS.pop()
+        INTERPRETERS.pop()
+        ACTIVE.pop()
+
+    # dispatch's interpreter interface (ops.dispatch.Interpreter): while pushed, ops record nodes here
+    def apply_global(self, opdef: Any, args: Sequence[Any], attrs: dict[str, Any]) -> Any:
+        return record_op(opdef, args, attrs)
+
+    def to_global(self, x: Tensor, placement: Placement, sbp: NdSbp) -> Tensor:
+        return record_to_global(x, placement, sbp)
+
+    def root_grad(self, root: Tensor) -> Tensor:
+        return ones_root(root)
+
+    def next_random_key(self, value: int) -> int:
+        """A draw's key while tracing: it stands for 'the n-th draw of this micro-batch' (sbpflow.random)."""
+        key = RandomKey(value, self.random_keys)
+        self.random_keys += 1
+        return key
 
     # -- values and nodes ------------------------------------------------------------------------
 
@@ -151,6 +202,8 @@ class Tracer:
             self.add_node(LNode(0, "constant", f"const{v.id}", outputs=(v.id,), fixed=True, where=user_line()))
             vid = self._captured[key] = v.id
             self._keep.append(t)
+            if self.micro is not None:
+                self.data_only.add(vid)
         return vid
 
     # -- graph inputs and variables --------------------------------------------------------------
@@ -159,7 +212,23 @@ class Tracer:
                   sbp: NdSbp) -> Tensor:
         v = self.new_value(shape, dtype, placement, sbp)
         self.add_node(LNode(0, "input", name, outputs=(v.id,), fixed=True))
+        if self.micro is not None:
+            self.micro[v.id] = DATA
+            self.data_only.add(v.id)
         return self.tensor_of(v)
+
+    def micro_of(self, vid: int) -> Micro:
+        """``vid``'s layout over the micro-batches (variables and constants: the same in each)."""
+        return SAME if self.micro is None else self.micro.get(vid, SAME)
+
+    def join_of(self, t: Tensor, what: str) -> tuple[str, int]:
+        """How the micro-batch values of ``t`` join into the step's: ("cat" | "sum" | "mean", scale); averaged
+        (scalars by their mean) when the micro-batches are not joined exactly."""
+        m = self.graph.micro_batches
+        if self.micro is None:
+            return ("mean" if t.ndim == 0 else "cat"), (m if t.ndim == 0 else 1)
+        assert t._lazy is not None
+        return join(self.micro_of(t._lazy.value.id), t.ndim, what, m)
 
     def add_variable(self, name: str, t: Tensor) -> Value:
         """Makes the real tensor ``t`` lazy for the trace (``restore`` puts its shards back)."""
@@ -178,9 +247,7 @@ def tracing() -> Tracer | None:
 
 
 def record_op(opdef: Any, args: Sequence[Any], attrs: dict[str, Any]) -> Any:
-    """The lazy counterpart of ``ops.registry._apply_global``: meta, the greedy signature, a node."""
-    from ..ops.registry import decide
-
+    """The lazy counterpart of ``ops.dispatch._apply_global``: meta, the greedy signature, a node."""
     tracer = ACTIVE[-1]
     try:
         opdef.check_traceable()
@@ -190,50 +257,180 @@ def record_op(opdef: Any, args: Sequence[Any], attrs: dict[str, Any]) -> Any:
     placement = tensors[0].placement
     for t in tensors[1:]:
         if t.placement != placement:
-            from ..ops.registry import _describe_args
-
             raise TraceError(f"{user_line()}: op {opdef.name!r} needs all inputs on one placement, but got "
-                             f"{_describe_args(args)}; move one with .to_global(placement=...)")
+                             f"{describe_args(args)}; move one with .to_global(placement=...)")
     inputs = tuple(tracer.value_of(t, opdef.name) for t in tensors)
-    key = _decision_key(opdef, args, attrs, placement, tracer.target_factors)
-    decision = _DECISIONS.get(key)
-    if decision is None:
-        try:
-            with boxing.target_factors(tracer.target_factors):
-                decision = _DECISIONS[key] = decide(opdef, args, attrs, placement)
-        except SbpflowError as e:
-            raise type(e)(f"{user_line()}: {e}") from None
+    try:
+        decision = decide_traced(opdef, args, attrs, placement, tracer.target_factors)
+    except SbpflowError as e:
+        raise type(e)(f"{user_line()}: {e}") from None
     template = _template(args)
+    layout = None
+    if tracer.micro is not None and tracer.phase == "micro":
+        layout = _micro_layout(tracer, opdef, args, attrs, inputs, decision.out_metas)
+        whole = _whole_step(tracer, opdef, args, attrs, inputs, template, layout, decision.out_metas)
+        if whole is not None:
+            return whole
     outs = tuple(tracer.new_value(m.shape, m.dtype, placement, s).id
                  for m, s in zip(decision.out_metas, decision.out_sbps, strict=True))
+    if tracer.micro is not None and layout is not None:
+        tracer.micro.update(dict.fromkeys(outs, layout))
+        if all(v in tracer.data_only for v in inputs) and all(how in ("t", "c") for how, _ in template):
+            tracer.data_only.update(outs)
     tracer.add_node(LNode(0, "op", opdef.name, inputs, outs, template, tuple(sorted(attrs.items())),
                           tuple(decision.in_sbps), where=user_line()))
     results = tuple(tracer.tensor_of(tracer.graph.values[v]) for v in outs)
     return results[0] if len(results) == 1 else results
 
 
-# (op, placement up to a shift by whole nodes, (shape, dtype, sbp) or type per arg, attrs, cost model, factors)
-# -> Decision. Tracing keeps only a decision's metadata and SBPs, which a shift of every rank by whole nodes
-# leaves alone (the cost model tells links apart by node only): repeated layers on the stages of a pipeline
-# (each its own placement) decide once. Of the decision's boxing plans, which name the placement, nothing is used.
-_DECISIONS: dict[Any, Any] = {}
+# ----------------------------------------------------------------------------- whole-step values
+
+WHOLE_SHAPES = ("reshape", "expand", "permute_reshape")  # ops whose ``shape`` attribute is their output's shape
 
 
-def _decision_key(opdef: Any, args: Sequence[Any], attrs: dict[str, Any], placement: Placement,
-                  factors: tuple[Any, ...]) -> tuple[Any, ...]:
-    from ..ops.registry import _attrs_key
+def _whole_of(tracer: Tracer, vid: int) -> Tensor | None:
+    """The whole-step twin of data-only value ``vid``, traced in the current (pre) phase: inputs at their
+    full batch, ops and conversions again on the twins; None where an op refuses the whole batch."""
+    if vid in tracer.whole:
+        return tracer.whole[vid]
+    v = tracer.graph.values[vid]
+    node = tracer.graph.nodes[v.producer]
+    twin: Tensor | None = None
+    if node.kind == "input":
+        full = tracer.new_value((v.shape[0] * tracer.graph.micro_batches, *v.shape[1:]), v.dtype, v.placement, v.sbp)
+        tracer.add_node(LNode(0, "input", node.name, outputs=(full.id,), fixed=True))
+        twin = tracer.tensor_of(full)
+    elif node.kind == "constant":
+        twin = tracer.tensor_of(v)
+    elif node.kind == "to_global":
+        src = _whole_of(tracer, node.inputs[0])
+        twin = None if src is None else record_to_global(src, v.placement, v.sbp)
+    elif node.kind == "op":
+        srcs = _tiled(tracer, [_whole_of(tracer, i) for i in node.inputs], node, vid)
+        if all(s is not None for s in srcs):
+            out = None
+            for attrs in _whole_attrs(tracer, node, vid):
+                out = _replay(REGISTRY[node.name], node.args, attrs, srcs)
+                if out is not None:
+                    break
+            twin = out[v.index] if isinstance(out, tuple) else out
+    if twin is not None and tuple(twin.shape) != _whole_shape(tracer, vid):
+        twin = None  # an op that took the micro-batch's shape from an attribute: no whole-step twin
+    tracer.whole[vid] = twin
+    return twin
 
-    model = boxing.get_cost_model()
-    key_args = tuple((a._shape, a._dtype, a._sbp) if isinstance(a, Tensor) else type(a) for a in args)
-    return (opdef.name, _shape_of_placement(placement, model.ranks_per_node), key_args, _attrs_key(attrs),
-            model, factors)
+def _tiled(tracer: Tracer, twins: list[Tensor | None], node: LNode, vid: int) -> list[Tensor | None]:
+    """The twins of ``node``'s inputs as it reads them. One that is the same in every micro-batch but read as
+    split must be the whole step's rows: an expansion along that dim (class weights expanded to the rows) is
+    its rows m times over; any other (rows that differ, in an order the ranks' shards interleave) has none."""
+    reads = tracer.micro_of(vid).reads
+    out = list(twins)
+    for k, (i, twin) in enumerate(zip(node.inputs, twins, strict=True)):
+        want = reads[k] if k < len(reads) else None
+        if twin is None or not isinstance(tracer.micro_of(i).sbp, Broadcast) or not isinstance(want, Split):
+            continue
+        out[k] = None
+        if _expanded_along(tracer, i, want.dim):
+            try:
+                out[k] = cat([twin] * tracer.graph.micro_batches, dim=want.dim)
+            except SbpflowError:
+                pass
+    return out
+
+def _expanded_along(tracer: Tracer, vid: int, dim: int) -> bool:
+    """Whether ``vid`` is an ``expand`` that repeats one value along ``dim`` (all its rows there are equal)."""
+    v = tracer.graph.values[vid]
+    node = tracer.graph.nodes[v.producer] if v.producer >= 0 else None
+    if node is None or node.kind != "op" or node.name != "expand":
+        return False
+    src = tracer.graph.values[node.inputs[0]].shape
+    at = dim - (len(v.shape) - len(src))
+    return at < 0 or src[at] == 1
+
+def _whole_shape(tracer: Tracer, vid: int) -> tuple[int, ...]:
+    """``vid``'s shape over the whole step: its split dim over the micro-batches m times larger."""
+    v, sbp = tracer.graph.values[vid], tracer.micro_of(vid).sbp
+    if not isinstance(sbp, Split):
+        return v.shape
+    return tuple(n * tracer.graph.micro_batches if d == sbp.dim else n for d, n in enumerate(v.shape))
+
+def _whole_attrs(tracer: Tracer, node: LNode, vid: int) -> list[dict[str, Any]]:
+    """The attributes to replay ``node`` with on the whole step: its own, then, for an op whose ``shape`` is its
+    output's (a reshape of the targets, an expand), that shape with the micro-batch split dim m times larger."""
+    attrs = dict(node.attrs)
+    layout = tracer.micro_of(vid)
+    if node.name not in WHOLE_SHAPES or "shape" not in attrs or not isinstance(layout.sbp, Split):
+        return [attrs]
+    shape = list(attrs["shape"])
+    shape[layout.sbp.dim] *= tracer.graph.micro_batches
+    return [attrs, {**attrs, "shape": tuple(shape)}]
 
 
-def _shape_of_placement(placement: Placement, ranks_per_node: int) -> tuple[Any, ...]:
-    """``placement`` with its ranks shifted down by whole nodes: what the cost of a boxing on it depends on."""
-    ranks = placement.flat_ranks
-    base = min(ranks) // ranks_per_node * ranks_per_node
-    return (placement.type, placement.hierarchy, tuple(r - base for r in ranks))
+def _whole_step(tracer: Tracer, opdef: Any, args: Sequence[Any], attrs: dict[str, Any], inputs: tuple[int, ...],
+                template: tuple[tuple[str, Any], ...], layout: Micro, out_metas: Any) -> Tensor | None:
+    """A reduction over the micro-batch split of step data alone (the count of kept targets that a mean loss
+    divides by) is computed once, on the whole step's inputs, before the micro-batches: each micro-batch then reads
+    the batch's value, and a loss divided by it is an exact partial. None where that does not apply."""
+    if not isinstance(layout.sbp, Partial) or not all(v in tracer.data_only for v in inputs) or \
+            any(how not in ("t", "c") for how, _ in template):
+        return None
+    saved = tracer.phase
+    tracer.phase = "pre"
+    try:
+        twins = [_whole_of(tracer, v) for v in inputs]
+        if any(t is None for t in twins):
+            return None
+        result = _replay(opdef, template, attrs, twins)
+    finally:
+        tracer.phase = saved
+    if not isinstance(result, Tensor) or result._lazy is None or len(out_metas) != 1 or \
+            tuple(result.shape) != tuple(out_metas[0].shape):
+        return None
+    tracer.data_only.add(result._lazy.value.id)
+    return result
+
+
+def _replay(opdef: Any, template: tuple[tuple[str, Any], ...], attrs: dict[str, Any],
+            tensors: Sequence[Tensor | None]) -> Any:
+    """``opdef`` called again (no gradients) on ``tensors`` in place of its tensor arguments; None if it refuses
+    them (an attribute that holds the micro-batch's shape)."""
+    args = [tensors[v] if how == "t" else v for how, v in template]
+    try:
+        with no_grad():
+            return opdef(*args, **attrs)
+    except SbpflowError:
+        return None
+
+
+# ----------------------------------------------------------------------------- layouts over micro-batches
+
+
+def _micro_layout(tracer: Tracer, opdef: Any, args: Sequence[Any], attrs: dict[str, Any], inputs: tuple[int, ...],
+                  out_metas: Any) -> Micro:
+    """The op's output layout over the micro-batches (graph.micro). Refusals are for the forward (grad mode on):
+    a backward is exact by its seed, so there an unmatched op only makes its outputs' join unknown."""
+    ins = tuple(tracer.micro_of(v) for v in inputs)
+    if all(i == SAME for i in ins):
+        return SAME
+    m = tracer.graph.micro_batches
+    strict = is_grad_enabled()
+    key = (opdef.name, tuple(arg_meta(a) for a in args), repr(sorted(attrs.items())), ins, strict)
+    found = _MICRO.get(key)
+    if found is None:
+        # each micro-batch holds whole rows, so a split's pieces always divide (a reshape merging it): one "rank"
+        extra = {"mesh": (1,)} if opdef.mesh_aware else {}
+        sigs = opdef.sbp(*key[1], outs=out_metas, **extra, **attrs)
+        try:
+            found = propagate(opdef, sigs, ins, m, user_line())
+        except SbpflowError:
+            if strict:
+                raise
+            found = Micro(None, origin=opdef.name)
+        _MICRO[key] = found
+    return found
+
+
+_MICRO: dict[Any, Micro] = {}  # (op, arg metas, attrs, input layouts) -> output layout
 
 
 def _template(args: Sequence[Any]) -> tuple[tuple[str, Any], ...]:
@@ -258,6 +455,10 @@ def record_to_global(x: Tensor, placement: Placement, sbp: NdSbp) -> Tensor:
     src = tracer.value_of(x, "to_global")
     v = tracer.new_value(tuple(x.shape), x.dtype, placement, sbp)
     tracer.add_node(LNode(0, "to_global", "to_global", (src,), (v.id,), fixed=True, where=user_line()))
+    if tracer.micro is not None and tracer.phase == "micro":  # a move: the same rows of the same micro-batch
+        tracer.micro[v.id] = tracer.micro_of(src)
+        if src in tracer.data_only:
+            tracer.data_only.add(v.id)
     return tracer.tensor_of(v)
 
 
@@ -280,14 +481,13 @@ def assign_lazy(target: Tensor, value: Tensor) -> Tensor:
 
 
 def ones_root(root: Tensor) -> Tensor:
-    """The implicit gradient of a scalar root while tracing: 1/m (m micro-batches), broadcast."""
+    """The implicit gradient of a scalar root while tracing, broadcast: 1 / s for a root that is the sum of its
+    micro-batch values divided by s (graph.micro: 1 for a sum over the batch, m for a mean), 1/m averaged."""
     tracer = ACTIVE[-1]
-    m = tracer.graph.micro_batches
+    _, m = tracer.join_of(root, "the loss backward() starts from")
     shape = tuple(root.shape)
     sbp = (broadcast,) * root.placement.ndim
     v = tracer.new_value(shape, root.dtype, root.placement, sbp)
-    from ..comm import get_backend
-
     backend = get_backend()
     tracer.constants[v.id] = {r: torch.full(shape, 1.0 / m, dtype=root.dtype,
                                             device=backend.device_for(root.placement.type, r))
@@ -298,9 +498,4 @@ def ones_root(root: Tensor) -> Tensor:
     return seed if tracer.loss_seed is None else tracer.loss_seed(seed)
 
 
-def next_random_key(value: int) -> int:
-    """Called by sbpflow.random while tracing: the key stands for 'the n-th draw of this micro-batch'."""
-    tracer = ACTIVE[-1]
-    key = RandomKey(value, tracer.random_keys)
-    tracer.random_keys += 1
-    return key
+

@@ -23,7 +23,9 @@ The first call for a given input metadata (shape, dtype, placement, SBP) traces 
 tensors, selects SBPs for the whole graph, lowers it to a physical plan and verifies it; later calls
 only run the plan. Parameters, buffers and optimizer state are the graph's variables: the very tensors
 that ``model.state_dict()`` and the optimizer hold, updated in place after each successful step, so
-eager and compiled steps can alternate on one model.
+eager and compiled steps can alternate on one model. A plan also assumes what the trace saw of the model and
+optimizer (which tensors, ``requires_grad``, ``training``, hyperparameters but the lr): a call that finds any of it
+changed compiles again, with a :class:`GraphRecompileWarning` naming the change, as torch.compile's guards do.
 """
 
 from __future__ import annotations
@@ -37,18 +39,32 @@ from typing import Any
 
 import torch
 
+from .. import amp
 from .. import random as sbp_random
+from .._layout import shard_box, shard_shape
+from ..amp import GradScaler, trace_masked_updates
 from ..autograd import enable_grad
+from ..autoparallel.apply import plan_graph_inputs
+from ..comm import get_backend
+from ..comm.base import TARGET_COST_FACTORS
 from ..comm.simulated import SimulatedBackend
 from ..errors import SbpflowError
-from ..graph.compile import CompileReport, compile_graph, gc_paused
-from ..graph.ir import LogicalGraph
+from ..graph.compile import CompileOptions, CompileReport, compile_graph, gc_paused
+from ..graph.explain import explain, save_dot
+from ..graph.ir import LNode, LogicalGraph
 from ..graph.physical import PhysicalPlan
+from ..graph.schedule import SCHEDULES
 from ..graph.select import METHODS
-from ..graph.trace import ACTIVE, TraceError, Tracer, user_line
+from ..graph.trace import TraceError, Tracer, record_to_global, user_line
+from ..meta import refuse
+from ..optim.clip import clip_grad_norm_
+from ..optim.zero import zero
+from ..runtime import actors
 from ..runtime.inorder import RANDOM_FEED, run_plan
-from ..sbp import format_nd
+from ..runtime.memory import dry_run
+from ..sbp import Partial, Split, broadcast, format_nd
 from ..tensor import Tensor
+from ..utils.checkpoint import checkpoint
 from .module import Module
 
 FOUND_INF = "amp.found_inf"  # the hidden output of a loss-scaled step: whether its gradients overflowed
@@ -60,6 +76,9 @@ class GraphConfig:
 
     def __init__(self) -> None:
         self.micro_batches = 1
+        # False: micro-batches split the batch, and a step equals the full batch's for any loss (a sum loss sums,
+        # a mean divides by the whole batch); True: gradients and scalar results are averaged over them (OneFlow)
+        self.average_micro_batches = False
         self.executor = "actors"  # "actors" (the actor runtime) or "inorder" (the reference executor)
         self.threads: bool | None = None  # actor runtime: worker threads (None: under torch.distributed only)
         self.sbp_selection = "ilp"  # "ilp" (global, repeated layers tied), "ilp-unmerged" or "greedy" (eager's choice)
@@ -108,8 +127,6 @@ class GraphConfig:
         state unchanged on overflow (``where``, no Python branch) and updates the scale, all as graph ops. The
         host reads the overflow flag after the run only to leave step counts unadvanced, as torch does;
         ``loss_scaler.get_scale()`` follows the graph's scale."""
-        from ..amp import GradScaler
-
         if dtype not in (torch.bfloat16, torch.float16):
             raise SbpflowError(f"enable_amp(dtype=...) takes torch.bfloat16 or torch.float16, but got {dtype}")
         if isinstance(loss_scaler, str) and loss_scaler == "auto":
@@ -144,11 +161,20 @@ class GraphConfig:
                                "segments, so it needs enabled=True")
         self.fused_segments, self.segment_torch_compile = enabled, torch_compile
 
-    def set_gradient_accumulation_steps(self, steps: int) -> None:
-        """Splits dim 0 of every input into ``steps`` micro-batches; gradients accumulate over them."""
-        if not isinstance(steps, int) or steps < 1:
+    def set_gradient_accumulation_steps(self, steps: int, average: bool = False) -> None:
+        """Splits dim 0 of every input into ``steps`` micro-batches; gradients accumulate over them.
+
+        By default a step equals the full-batch step whatever the loss: a sum over the batch is summed over the
+        micro-batches, a mean divides by the whole batch's size, and per-row outputs are concatenated
+        (:mod:`sbpflow.graph.micro`; an op with no exact per-micro-batch form is refused by name). With
+        ``average=True`` the loss's gradient and every scalar output are averaged over the micro-batches, as
+        OneFlow's ``nn.Graph`` does (a sum loss then steps as ``loss / steps`` would on the full batch).
+        """
+        if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
             raise SbpflowError(f"set_gradient_accumulation_steps needs an int >= 1, but got {steps!r}")
-        self.micro_batches = steps
+        if not isinstance(average, bool):
+            raise SbpflowError(f"set_gradient_accumulation_steps(average=...) takes a bool, but got {average!r}")
+        self.micro_batches, self.average_micro_batches = steps, average
 
     def set_pipeline_schedule(self, name: str) -> None:
         """``"1f1b"`` (default: stage s holds p - s micro-batches of activations), ``"gpipe"`` (every forward,
@@ -156,8 +182,6 @@ class GraphConfig:
         bubble; p on every stage) or ``"interleaved_1f1b"`` (Megatron's: a model whose forward visits the p
         placements v times has v·p stages, stage k on placement k mod p; bubble (p - 1) / (v m + p - 1), m a
         multiple of p). Applies when the model's modules sit on several placements."""
-        from ..graph.schedule import SCHEDULES
-
         if name not in SCHEDULES:
             raise SbpflowError(f"pipeline schedule must be one of {SCHEDULES}, but got {name!r}")
         self.pipeline_schedule = name
@@ -209,8 +233,6 @@ def _attach_module_configs(module: Module) -> None:
 @contextmanager
 def _checkpointed_modules(modules: Sequence[Module]) -> Iterator[None]:
     """While tracing, the forward of every module asking for activation checkpointing runs as a segment."""
-    from ..utils.checkpoint import checkpoint
-
     marked = [m for root in modules for m in root.modules()
               if isinstance(m.__dict__.get("config"), ModuleConfig) and m.config.activation_checkpointing]
     for m in marked:
@@ -248,6 +270,9 @@ class Compiled:
     executor: Any = None
     steps: int = field(default=0)
     scaler: Any = None  # the amp.GradScaler traced into the step (its overflow flag is output FOUND_INF)
+    guard: tuple[Any, ...] = ()  # the model and optimizer state the plan assumed (_state_guard)
+    guarded: list[Any] = field(default_factory=list)  # the objects whose ids the guard holds, kept alive
+    input_sbps: list[Any] = field(default_factory=list)  # each tensor input's SBP in the plan (_trace_inputs)
 
 
 class Graph:
@@ -256,7 +281,7 @@ class Graph:
     config: GraphConfig
     _modules: dict[str, Module]
     _optimizers: list[_OptimizerEntry]
-    _cache: dict[tuple[Any, ...], Compiled]
+    _cache: dict[tuple[tuple[Any, ...], tuple[Any, ...]], Compiled]  # (input metadata, guard) -> plan
     _last: Compiled | None
 
     def __init__(self) -> None:
@@ -286,23 +311,45 @@ class Graph:
 
     def __call__(self, *args: Any) -> Any:
         if self.config.auto_parallel is not None:
-            from ..autoparallel.apply import plan_graph_inputs
-
             args = plan_graph_inputs(self, args)
-        key = _input_key(args)
-        compiled = self._cache.get(key)
+        inputs = _input_key(args)
+        compiled = self._cache.get((inputs, self._guard()))
         if compiled is None:
             if self._cache:
-                warnings.warn(f"{type(self).__name__}: compiling again for new input metadata {_key_text(key)}",
+                warnings.warn(f"{type(self).__name__}: compiling again {self._recompile_reason(inputs)}",
                               GraphRecompileWarning, stacklevel=2)
             with gc_paused():
-                compiled = self._compile(args)
-            self._cache[key] = compiled
-            object.__setattr__(self, "_last", compiled)
+                compiled = self._compile_and_cache(inputs, args)
             if SHOW:
                 self._show(*SHOW[-1])
         object.__setattr__(self, "_last", compiled)
         return self._run(compiled, args)
+
+    def _guard(self, notes: list[tuple[str, Any]] | None = None) -> tuple[Any, ...]:
+        """What a compiled step assumed besides its inputs' metadata, as one flat tuple (a cache key)."""
+        return _state_guard(self._modules, self._optimizers, notes)
+
+    def _compile_and_cache(self, inputs: tuple[Any, ...], args: Sequence[Any]) -> Compiled:
+        compiled = self._compile(args)
+        notes: list[tuple[str, Any]] = []
+        # taken after compiling, which makes optimizer state (init_state): the next call finds that state
+        compiled.guard = self._guard(notes)
+        compiled.guarded = [obj for _, obj in notes]  # its ids stay unique while the plan is cached
+        self._cache[(inputs, compiled.guard)] = compiled
+        object.__setattr__(self, "_last", compiled)
+        return compiled
+
+    def _recompile_reason(self, inputs: tuple[Any, ...]) -> str:
+        """Why no cached plan fits: new input metadata, or the first model or optimizer change since the last one."""
+        last = self._last
+        if last is None or not any(key[0] == inputs for key in self._cache):
+            return f"for new input metadata {_key_text(inputs)}"
+        notes: list[tuple[str, Any]] = []
+        now, was = self._guard(notes), last.guard
+        changed = next((i for i, (a, b) in enumerate(zip(was, now, strict=False)) if a != b), min(len(was), len(now)))
+        # the label of the entry as it is now (an added hook shifts the entries after it)
+        what = notes[changed][0] if changed < len(notes) else "the model's structure changed"
+        return f"because {what} since the last compiled step (its plan assumed it)"
 
     def compile_only(self, *args: Any) -> Compiled:
         """Traces and compiles the step for ``args``' metadata (shape, dtype, placement, SBP), running nothing.
@@ -315,11 +362,11 @@ class Graph:
         if self.config.auto_parallel is not None:
             raise SbpflowError(f"{type(self).__name__}.compile_only: enable_auto_parallel plans the model from "
                                "the first call's data; compile the planned model instead")
-        key = _input_key(args)
-        compiled = self._cache.get(key)
+        inputs = _input_key(args)
+        compiled = self._cache.get((inputs, self._guard()))
         if compiled is None:
             with gc_paused():
-                compiled = self._cache[key] = self._compile(args)
+                compiled = self._compile_and_cache(inputs, args)
         object.__setattr__(self, "_last", compiled)
         return compiled
 
@@ -354,39 +401,38 @@ class Graph:
         self._apply_zero()
         for entry in self._optimizers:
             entry.optimizer.init_state()
-        tracer = Tracer(m, target_factors(args))
+        tracer = Tracer(m, target_factors(args), self.config.average_micro_batches)
         scaler = self._scaler_variables()
         variables = self._variables()
         saved = {name: (t._shards, t.grad, t._version) for name, t in variables.items()}
         draws = sbp_random.counter()
-        ACTIVE.append(tracer)
+        tracer.push()
         try:
             for name, t in variables.items():
                 tracer.add_variable(name, t)
                 t._shards = None
                 t.grad = None
-            lazy_args, inputs = _trace_inputs(tracer, args, m)
+            lazy_args, inputs, input_sbps, rows = _trace_inputs(tracer, args, m)
             tracer.loss_seed = scaler.loss_seed if scaler is not None else None
             with enable_grad(), self._amp(), _checkpointed_modules(list(self._modules.values())):
                 result = self.build(*lazy_args)
             outputs, tree = _flatten_outputs(result)
-            feeds = self._trace_post(tracer, outputs, scaler)
+            feeds = self._trace_post(tracer, outputs, scaler, rows)
             _emit_assigns(tracer)
         finally:
-            ACTIVE.pop()
+            tracer.pop()
             sbp_random.set_counter(draws)
             for name, t in variables.items():
                 t._shards, t.grad, t._version = saved[name]
                 t._lazy = None
         trace_s, trace_cpu = time.perf_counter() - start, time.process_time() - cpu_start
-        plan, logical, report = compile_graph(tracer.graph, self.config.sbp_selection, agree=_rank0_choice,
-                                              schedule=self.config.pipeline_schedule,
-                                              prefetch=self.config.zero_prefetch,
-                                              fused_segments=self.config.fused_segments,
-                                              torch_compile=self.config.segment_torch_compile,
-                                              group=self.config.group_accumulates,
-                                              late_reduce=self.config.reduce_after_accumulating,
-                                              split_updates=self.config.update_per_bucket)
+        options = CompileOptions(method=self.config.sbp_selection, schedule=self.config.pipeline_schedule,
+                                 prefetch=self.config.zero_prefetch, fused_segments=self.config.fused_segments,
+                                 torch_compile=self.config.segment_torch_compile,
+                                 group=self.config.group_accumulates,
+                                 late_reduce=self.config.reduce_after_accumulating,
+                                 split_updates=self.config.update_per_bucket)
+        plan, logical, report = compile_graph(tracer.graph, options, agree=_rank0_choice)
         with report.timing("memory plan"):
             plan.peak_bytes = _memory_plan(plan)
         report.times = {"trace": trace_s, **report.times}
@@ -394,7 +440,7 @@ class Graph:
         out_bufs = [(n.name, plan.bufs[n.inputs[0]]) for n in plan.nodes if n.kind == "output" and n.name != FOUND_INF]
         constants = {f"const{vid}": shards for vid, shards in tracer.constants.items()}
         return Compiled(logical, plan, report, inputs, out_bufs, tree, variables, constants, feeds,
-                        tracer.random_keys, scaler=scaler)
+                        tracer.random_keys, scaler=scaler, input_sbps=input_sbps)
 
     def _scaler_variables(self) -> Any:
         """The loss scaler (if any), its scale and tracker made graph variables on the first parameter's placement."""
@@ -424,6 +470,8 @@ class Graph:
             opt = entry.optimizer
             index = {id(p): i for i, p in enumerate(opt._all_params())}
             for p, state in opt.state.items():
+                if id(p) not in index:  # a parameter taken out of the param groups: its state is no variable
+                    continue
                 for sname, value in state.items():
                     if isinstance(value, Tensor) and id(value) not in seen:
                         seen.add(id(value))
@@ -432,8 +480,6 @@ class Graph:
 
     def _apply_zero(self) -> None:
         """Turns the optimizers into ZeRO ones once (a recompile finds them already sharded)."""
-        from ..optim.zero import zero
-
         stage = self.config.zero_stage
         if not stage:
             return
@@ -448,23 +494,24 @@ class Graph:
     def _amp(self) -> Any:
         from contextlib import ExitStack
 
-        from .. import amp
-
         stack = ExitStack()
         if self.config.amp_dtype is not None:
             stack.enter_context(amp.autocast(self.config.amp_dtype))
         stack.enter_context(amp.gradient_communication(self.config.grad_comm_dtype))
         return stack
 
-    def _trace_post(self, tracer: Tracer, outputs: list[Tensor],
-                    scaler: Any = None) -> list[Callable[[], list[tuple[str, float]]]]:
+    def _trace_post(self, tracer: Tracer, outputs: list[Tensor], scaler: Any = None,
+                    rows: Any = None) -> list[Callable[[], list[tuple[str, float]]]]:
         """Outputs, gradient accumulation, loss-scale checks, clipping and optimizer updates (once per step, on
         the whole batch)."""
         for i, out in enumerate(outputs):
             if out._lazy is None:
                 raise TraceError(f"build() must return tensors computed from its inputs, but output {i} is "
                                  f"{out._describe()}")
-            _micro_to_post(tracer, out, "mean" if out.ndim == 0 else "cat", f"output{i}", output=True)
+            how, _ = tracer.join_of(out, f"output {i} of build()")
+            if how == "cat" and rows is not None:
+                out = _rows_like_inputs(out, i, rows, tracer.graph.micro_batches)
+            _micro_to_post(tracer, out, how, f"output{i}", output=True)
         tracer.phase = "post"
         per_entry = []
         for entry in self._optimizers:
@@ -478,14 +525,10 @@ class Graph:
         feeds: list[Callable[[], list[tuple[str, float]]]] = []
         for k, (entry, params) in enumerate(zip(self._optimizers, per_entry, strict=True)):
             if entry.clip_grad_max_norm is not None:
-                from ..optim.clip import clip_grad_norm_
-
                 clip_grad_norm_(params, entry.clip_grad_max_norm, entry.clip_grad_norm_type)
             entry.optimizer.trace_step(f"optim{k}")
             feeds.append(_feed_fn(entry.optimizer, f"optim{k}"))
         if found is not None:
-            from ..amp import trace_masked_updates
-
             changed = [(t, tracer.tensor_of(tracer.graph.values[before[name]]))
                        for name, (t, _) in tracer.variables.items()
                        if t._lazy is not None and name in before and t._lazy.value.id != before[name]]
@@ -523,8 +566,6 @@ class Graph:
 
     def _executor(self, compiled: Compiled) -> Any:
         if compiled.executor is None:
-            from ..runtime import actors
-
             compiled.executor = actors.ActorRuntime(compiled.plan, trace=self.config.trace_path,
                                                     threads=self.config.threads)
         return compiled.executor
@@ -546,16 +587,12 @@ class Graph:
 
     def explain(self, rank: int | None = None) -> str:
         """Each op's signature, every boxing node with bytes and time, and per-step totals (also printed)."""
-        from ..graph.explain import explain
-
         text = explain(self._compiled().logical, self._compiled().plan, self._compiled().report, rank)
         print(text)
         return text
 
     def save_dot(self, path: str, rank: int | None = None) -> list[str]:
         """Writes the logical graph and one rank's physical graph as Graphviz files (SVG too if dot exists)."""
-        from ..graph.explain import save_dot
-
         return save_dot(self._compiled().logical, self._compiled().plan, path, rank)
 
     def _show(self, folder: str, rank: int | None) -> None:
@@ -574,7 +611,7 @@ class Graph:
 
 
 class GraphRecompileWarning(UserWarning):
-    """A graph met new input metadata and compiled again."""
+    """A graph met new input metadata, or a changed model or optimizer, and compiled again."""
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -597,11 +634,100 @@ def _key_text(key: tuple[Any, ...]) -> str:
     return ", ".join(f"{list(k[0])} {k[2]} {format_nd(k[3])}" if k[0] != "py" else repr(k[1]) for k in key)
 
 
+_PLAIN = (bool, int, float, str, tuple, type(None))  # hyperparameter values compared by value in the guard
+
+
+def _state_guard(modules: dict[str, Module], optimizers: list[_OptimizerEntry],
+                 notes: list[tuple[str, Any]] | None = None) -> tuple[Any, ...]:
+    """What a traced step bakes in besides its inputs, as a flat tuple: every module's identity, training mode and
+    hooks, every parameter's identity and ``requires_grad``, every buffer's identity, each optimizer's param groups
+    (parameter and state tensor identities, hyperparameters other than the per-step fed ones).
+
+    torch.compile guards the same things. It runs every call, so it reads attributes and appends to one list
+    (O(parameters), no names built); with ``notes`` it also records a label and the object of every entry, to
+    say what changed and to keep the objects (their ids) alive while a plan is cached.
+    """
+    key: list[Any] = []
+    for name, module in modules.items():
+        _module_guard(module, name, key, notes)
+    for k, entry in enumerate(optimizers):
+        _optimizer_guard(entry.optimizer, f"optimizer {k}", key, notes)
+    return tuple(key)
+
+
+def _note(notes: list[tuple[str, Any]] | None, key: list[Any], label: str, obj: Any) -> None:
+    """Labels the entries appended to ``key`` since the last note (the slow path: callers test ``notes`` first, so
+    that the fast path builds no label)."""
+    assert notes is not None
+    notes.extend([(label, obj)] * (len(key) - len(notes)))
+
+
+def _module_guard(m: Module, name: str, key: list[Any], notes: list[tuple[str, Any]] | None) -> None:
+    append = key.append
+    append(id(m))
+    append(m.training)
+    for p in m._parameters.values():  # (plain loops: faster here than map or comprehensions over 1-2 items)
+        append(id(p))
+        append(p is not None and p.requires_grad)
+    for b in m._buffers.values():
+        append(id(b))
+    key.extend(m._pre_hooks)
+    key.extend(m._forward_hooks)
+    key.extend(m._backward_hooks)
+    append(len(m._modules))  # the hooks' ids are never reused; the count separates modules' entries
+    if notes is not None:  # labels in the order of the entries above
+        notes.append((f"{name} is another module", m))
+        notes.append((f"{name}.training changed", m))
+        for pname, p in m._parameters.items():
+            notes.append((f"{name}.{pname} is another tensor", p))
+            notes.append((f"{name}.{pname}.requires_grad changed", p))
+        notes.extend((f"{name}.{bname} is another tensor", b) for bname, b in m._buffers.items())
+        _note(notes, key, f"{name}'s hooks or submodules changed", m)
+    for child_name, child in m._modules.items():
+        if child is not None:
+            _module_guard(child, f"{name}.{child_name}" if notes is not None else name, key, notes)
+
+
+def _optimizer_guard(opt: Any, name: str, key: list[Any], notes: list[tuple[str, Any]] | None) -> None:
+    append = key.append
+    append(id(opt))
+    if notes is not None:
+        _note(notes, key, f"{name} is another optimizer", opt)
+    fed = opt.fed_hyperparameters
+    states = opt.state._by_id
+    for gi, group in enumerate(opt.param_groups):
+        append(len(group))
+        for hname, value in group.items():
+            if hname == "params":
+                append(len(value))
+                if notes is not None:
+                    _note(notes, key, f"{name}'s param group {gi} has other parameters", opt)
+                for p in value:
+                    append(id(p))
+                    if notes is not None:
+                        _note(notes, key, f"a parameter of {name}'s param group {gi} is another tensor", p)
+                    entry = states.get(id(p))
+                    if entry is not None:  # the state tensors' identity: load_state_dict makes new ones
+                        _state_tensors_guard(entry[1], key, notes, f"{name}'s param group {gi}" if notes else "")
+            elif hname not in fed:
+                append(hname)
+                append(value if isinstance(value, _PLAIN) else id(value))
+                if notes is not None:
+                    _note(notes, key, f"{name}'s param group {gi} {hname!r} changed", value)
+
+
+def _state_tensors_guard(state: dict[str, Any], key: list[Any], notes: list[tuple[str, Any]] | None,
+                         where: str) -> None:
+    for sname, value in state.items():
+        if isinstance(value, Tensor):
+            key.append(id(value))
+            if notes is not None:
+                _note(notes, key, f"the optimizer state {sname!r} of a parameter of {where} is another tensor", value)
+
+
 def target_factors(args: Sequence[Any]) -> tuple[Any, ...]:
     """The target cluster's collective cost factors (:data:`sbpflow.comm.base.TARGET_COST_FACTORS`: gloo composes
     reduce-scatter on CPU), whatever backend runs the plan."""
-    from ..comm.base import TARGET_COST_FACTORS
-
     return TARGET_COST_FACTORS
 
 
@@ -609,8 +735,6 @@ def _memory_plan(plan: PhysicalPlan) -> dict[int, int]:
     """Predicted peak bytes of every rank: the register protocol played without kernels (every rank, whatever
     this process owns), the same accounting the actor runtime reports after a real step. Ranks of one class
     (``plan.rank_classes``: the same nodes and bytes) peak alike, so one rank per class is played."""
-    from ..runtime.board import dry_run
-
     classes = plan.rank_classes()
     peaks = dry_run(plan, _Representatives(frozenset(classes))).peak_bytes
     return {r: peaks.get(rep, 0) for rep, members in classes.items() for r in members}
@@ -638,8 +762,6 @@ class _Representatives(SimulatedBackend):
 def _rank0_choice(choice: Any) -> Any:
     """Every process adopts process 0's SBP choice (one broadcast at compile time): processes compile their plans
     independently and must run one plan, even where the solver breaks a tie differently on a busy machine."""
-    from ..comm import get_backend
-
     if get_backend().name != "torch.distributed":
         return choice
     import torch.distributed as dist
@@ -651,31 +773,74 @@ def _rank0_choice(choice: Any) -> Any:
     return box[0]
 
 
-def _trace_inputs(tracer: Tracer, args: Sequence[Any], m: int) -> tuple[list[Any], list[str]]:
+def _trace_inputs(tracer: Tracer, args: Sequence[Any], m: int) -> tuple[list[Any], list[str], list[Any], Any]:
+    """Lazy micro-batch inputs, their SBPs in the plan, and input 0's layout (placement, SBP; None with m = 1).
+
+    Micro-batch k is chunk k of each shard's rows, so every input must cut dim 0 into the same blocks of rows (the
+    same rows make micro-batch k in each): an input that does not (labels B beside data S(0)) gets the first
+    input's splits of dim 0 on its own placement, converted at each call (a B input: a local slice)."""
     lazy: list[Any] = []
-    names = []
+    names, sbps = [], []
+    rows = None
     for i, a in enumerate(args):
         if not isinstance(a, Tensor):
             lazy.append(a)
             continue
-        shape = tuple(a.shape)
+        shape, sbp = tuple(a.shape), a.sbp
         if m > 1:
-            _check_micro_split(a, m, i)
+            if a.ndim == 0:
+                raise SbpflowError(f"gradient accumulation over {m} micro-batches splits dim 0 of every input, but "
+                                   f"input {i} is 0-d ({a._describe()})")
+            if rows is None:
+                rows = (a.placement, a.sbp)
+            sbp = _same_rows(a, rows, m, what=f"input {i}")
+            _check_micro_split(a, m, i, sbp)
             shape = (shape[0] // m, *shape[1:])
         name = f"input{i}"
         names.append(name)
-        lazy.append(tracer.add_input(name, shape, a.dtype, a.placement, a.sbp))
-    return lazy, names
+        sbps.append(sbp)
+        lazy.append(tracer.add_input(name, shape, a.dtype, a.placement, sbp))
+    return lazy, names, sbps, rows
 
 
-def _check_micro_split(a: Tensor, m: int, i: int) -> None:
-    from .._layout import shard_shape
+def _row_blocks(n: int, placement: Any, sbp: Any) -> tuple[tuple[int, int], ...]:
+    """The distinct row ranges (dim 0, of ``n`` rows) of a layout's shards."""
+    return tuple(sorted({shard_box((n,), placement, tuple(sbp), r)[0] for r in placement.flat_ranks}))
 
-    if a.ndim == 0:
-        raise SbpflowError(f"gradient accumulation over {m} micro-batches splits dim 0 of every input, but input "
-                           f"{i} is 0-d ({a._describe()})")
+
+def _same_rows(t: Tensor, rows: Any, m: int, what: str, n: int | None = None) -> Any:
+    """An SBP for ``t`` on its placement whose shards hold the same blocks of rows as the first input's layout
+    ``rows`` (for a tensor of ``n`` rows over the whole step): its own, else the first input's splits of dim 0
+    with its own other axes; refused if there is none."""
+    n = t.shape[0] if n is None else n
+    want = _row_blocks(n, *rows)
+    dim0 = tuple(s if isinstance(s, Split) and s.dim == 0 else broadcast for s in t.sbp)
+    if _row_blocks(n, t.placement, dim0) == want:
+        return t.sbp
+    ref_placement, ref_sbp = rows
+    if t.placement.hierarchy == ref_placement.hierarchy:
+        candidate = tuple(Split(0) if isinstance(r, Split) and r.dim == 0 else
+                          (broadcast if isinstance(s, (Split, Partial)) and getattr(s, "dim", None) == 0 else s)
+                          for r, s in zip(ref_sbp, t.sbp, strict=True))
+        if _row_blocks(n, t.placement, candidate) == want:
+            return candidate
+    raise SbpflowError(
+        f"gradient accumulation over {m} micro-batches makes micro-batch k of chunk k of each shard's rows, so every "
+        f"input and per-row output must hold the same blocks of rows as input 0 ({format_nd(ref_sbp)} on "
+        f"{ref_placement}: rows {list(want)}), but {what} ({t._describe()}) has no SBP on its placement that does; "
+        "give it input 0's split of dim 0")
+
+
+def _rows_like_inputs(out: Tensor, i: int, rows: Any, m: int) -> Tensor:
+    """A per-row output pinned (to_global) to a layout holding the inputs' blocks of rows, so that joining each
+    rank's micro-batch pieces in order gives the batch's rows in order, whatever layout SBP selection picks."""
+    sbp = _same_rows(out, rows, m, what=f"output {i} of build()", n=out.shape[0] * m)
+    return record_to_global(out, out.placement, sbp)  # recorded even if unchanged: a constraint for selection
+
+
+def _check_micro_split(a: Tensor, m: int, i: int, sbp: Any) -> None:
     for r in a.placement.flat_ranks:
-        local = shard_shape(tuple(a.shape), a.placement, a.sbp, r)
+        local = shard_shape(tuple(a.shape), a.placement, sbp, r)
         if local[0] % m:
             raise SbpflowError(
                 f"gradient accumulation over {m} micro-batches cuts every rank's shard of input {i} along dim 0, "
@@ -684,13 +849,11 @@ def _check_micro_split(a: Tensor, m: int, i: int) -> None:
 
 
 def _micro_to_post(tracer: Tracer, t: Tensor, how: str, name: str, output: bool = False) -> Tensor:
-    from ..graph.ir import LNode
-
     assert t._lazy is not None
     v = t._lazy.value
     shape = v.shape if how != "cat" else (v.shape[0] * tracer.graph.micro_batches, *v.shape[1:])
     out = tracer.new_value(shape, v.dtype, v.placement, v.sbp)
-    kind = "accumulate" if how == "sum" else "pack"
+    kind = "pack" if output else "accumulate"
     saved = tracer.phase
     tracer.phase = "post"
     tracer.add_node(LNode(0, kind, how, (v.id,), (out.id,), fixed=True))
@@ -703,8 +866,6 @@ def _micro_to_post(tracer: Tracer, t: Tensor, how: str, name: str, output: bool 
 def _trace_unscale(tracer: Tracer, scaler: Any, params: list[Tensor]) -> Tensor | None:
     """Loss scaling: the accumulated gradients divided by the scale; returns the overflow flag (also a hidden
     output, FOUND_INF), or None without a scaler."""
-    from ..graph.ir import LNode
-
     if scaler is None:
         return None
     grads = [p.grad for p in params if p.grad is not None]
@@ -717,8 +878,6 @@ def _trace_unscale(tracer: Tracer, scaler: Any, params: list[Tensor]) -> Tensor 
 
 
 def _emit_assigns(tracer: Tracer) -> None:
-    from ..graph.ir import LNode
-
     for name, (t, initial) in tracer.variables.items():
         assert t._lazy is not None
         v = t._lazy.value
@@ -753,8 +912,6 @@ def _feed_fn(optimizer: Any, prefix: str) -> Callable[[], list[tuple[str, float]
 
 def _refuse_meta(compiled: Compiled, args: Sequence[Any]) -> None:
     """A step cannot run on meta tensors (sbpflow.meta_init): the first one, input or variable, is named."""
-    from ..meta import refuse
-
     for i, a in enumerate(args):
         if isinstance(a, Tensor) and a.is_meta:
             refuse(a, f"running the compiled step on input {i}")
@@ -766,7 +923,9 @@ def _refuse_meta(compiled: Compiled, args: Sequence[Any]) -> None:
 def _input_feeds(compiled: Compiled, args: Sequence[Any]) -> dict[str, Any]:
     feeds: dict[str, Any] = {}
     tensors = [a for a in args if isinstance(a, Tensor)]
-    for name, t in zip(compiled.inputs, tensors, strict=True):
+    for k, (name, t) in enumerate(zip(compiled.inputs, tensors, strict=True)):
+        if k < len(compiled.input_sbps) and compiled.input_sbps[k] != t.sbp:  # the rows of input 0's shards
+            t = t.to_global(placement=t.placement, sbp=compiled.input_sbps[k])
         feeds[name] = t._shards or {}
     return feeds
 

@@ -28,7 +28,8 @@ from typing import TYPE_CHECKING, Any
 
 from ..autograd import is_grad_enabled
 from ..errors import AutogradError
-from ..ops.registry import OpDef, _record
+from ..ops.dispatch import record
+from ..ops.schema import OpDef
 from ..tensor import Tensor
 
 if TYPE_CHECKING:
@@ -137,7 +138,7 @@ def wrap_inputs(module: Module, args: tuple[Any, ...], hooks: list[Callable[...,
         return boundary, args
     inputs = tuple(args[i] for i in boundary.positions)
     aliases = tuple(_alias(t) for t in inputs)
-    _record(_inputs_def, inputs, {"boundary": boundary}, aliases)
+    record(_inputs_def, inputs, {"boundary": boundary}, aliases)
     new_args = list(args)
     for pos, alias in zip(boundary.positions, aliases, strict=True):
         new_args[pos] = alias
@@ -156,7 +157,7 @@ def wrap_outputs(boundary: _Boundary, output: Any) -> Any:
         return output
     tensors = tuple(items[i] for i in slots)
     aliases = tuple(_alias(t) for t in tensors)
-    _record(_outputs_def, tensors, {"boundary": boundary}, aliases)
+    record(_outputs_def, tensors, {"boundary": boundary}, aliases)
     for i, alias in zip(slots, aliases, strict=True):
         items[i] = alias
     return items[0] if single else type(output)(items)

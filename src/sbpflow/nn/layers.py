@@ -18,9 +18,12 @@ from typing import Any
 
 import torch
 
+from ..autograd import no_grad
+from ..creation import arange
 from ..errors import ShapeError
 from ..ops import functional as F
 from ..placement import Placement
+from ..sbp import Split, broadcast
 from ..tensor import Tensor
 from . import init
 from ._build import empty_param, weight_and_bias
@@ -69,8 +72,6 @@ class Embedding(Module):
 
     def _zero_padding_row(self) -> None:
         # A row mask (not an indexed write) keeps the weight's layout, whatever it is split on.
-        from ..autograd import no_grad
-        from ..creation import arange
 
         if self.weight.is_global:
             rows = arange(self.num_embeddings, placement=self.weight.placement, sbp=_rows_sbp(self.weight))
@@ -93,8 +94,6 @@ class Embedding(Module):
 
 def _rows_sbp(weight: Tensor) -> tuple[Any, ...]:
     """The SBP of a row index vector that lines up with ``weight``'s rows (split where the rows are)."""
-    from ..sbp import Split, broadcast
-
     return tuple(s if isinstance(s, Split) and s.dim == 0 else broadcast for s in weight.sbp)
 
 

@@ -19,14 +19,16 @@ out in place, so a model is built once and then placed.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
-from ..autograd import is_grad_enabled, no_grad, zero_grads
-from ..errors import AutogradError, SbpError, SbpflowError, ShapeError
+from ..autograd import is_grad_enabled, no_grad
+from ..autograd.engine import zero_grads
+from ..errors import AutogradError, LocalGlobalError, PlacementError, SbpError, SbpflowError, ShapeError
+from ..ops import functional as F
 from ..placement import Placement
 from ..sbp import NdSbp, broadcast, normalize
 from ..tensor import Tensor, logical_value, shards_from_full
@@ -137,9 +139,18 @@ class Module:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         """Pre-hooks, forward, forward hooks; with full backward hooks, the inputs and the output pass through
-        identity nodes that hand the boundary's gradients to the hooks (as torch orders them)."""
-        if not (self._pre_hooks or self._backward_hooks or self._forward_hooks):  # no hooks: forward alone
-            return self.forward(*args, **kwargs)
+        identity nodes that hand the boundary's gradients to the hooks (as torch orders them). An op that mixes
+        local and global tensors raises a :class:`LocalGlobalError` that names the innermost module it ran in."""
+        try:  # (free in Python 3.11 when nothing is raised)
+            if not (self._pre_hooks or self._backward_hooks or self._forward_hooks):  # no hooks: forward alone
+                return self.forward(*args, **kwargs)
+            return self._call_hooked(args, kwargs)
+        except LocalGlobalError as e:
+            if e.module is not None:
+                raise
+            raise mixed_layouts(self, args, str(e)) from None
+
+    def _call_hooked(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         for hook in list(self._pre_hooks.values()):
             out = hook(self, args)
             if out is not None:
@@ -380,10 +391,11 @@ class Module:
                 f"load_state_dict into {type(self).__name__}: the keys must match exactly, but "
                 f"missing keys: {missing}, unexpected keys: {unexpected}"
             )
+        sources = {name: _checked_source(target, state_dict[name], name)
+                   for name, target in own.items() if name in state_dict}  # every entry checked before any copy
         with no_grad():
-            for name, target in own.items():
-                if name in state_dict:
-                    _load_into(target, state_dict[name], name)
+            for name, source in sources.items():
+                own[name]._assign(_in_layout_of(own[name], source))
         return _IncompatibleKeys(missing, unexpected)
 
     def _persistent_tensors(self) -> dict[str, Tensor]:
@@ -411,12 +423,44 @@ class Module:
         return sorted(set(super().__dir__()) | set(self._parameters) | set(self._buffers) | set(self._modules))
 
 
+def mixed_layouts(module: Module, args: Sequence[Any], detail: str = "") -> LocalGlobalError:
+    """The error for a module whose tensors are local given global inputs, or the other way round."""
+    named: tuple[str, Tensor] | None = next(iter(module.named_parameters()), None)
+    named = next(iter(module.named_buffers()), None) if named is None else named
+    inputs = "; ".join(f"input {i}: {a._describe()}" for i, a in enumerate(args) if isinstance(a, Tensor))
+    if named is None:
+        held, fix = "holds no tensors", "use one kind of tensor (local or global) throughout"
+    elif named[1].is_global:
+        held, fix = f"holds global tensors ({named[0]}: {named[1]._describe()})", \
+            "convert the inputs with .to_global(placement, sbp)"
+    else:
+        held, fix = f"holds local tensors ({named[0]}: {named[1]._describe()})", \
+            "convert the module with .to_global(placement, sbp)"
+    name = type(module).__name__
+    error = LocalGlobalError(f"{name} {held}, but got {inputs}; {fix}" + (f" ({detail})" if detail else ""))
+    error.module = name
+    return error
+
+
+def check_input_layout(module: Module, x: Tensor) -> None:
+    """Refuses an input of another kind (local, global) or placement than ``module``'s own tensors, before a
+    forward that updates state (running statistics) changes anything."""
+    for t in list(module._parameters.values()) + list(module._buffers.values()):
+        if t is None:
+            continue
+        if t.is_global != x.is_global:
+            raise mixed_layouts(module, (x,))
+        if t.is_global and t.placement != x.placement:
+            raise PlacementError(f"{type(module).__name__} holds tensors on {t.placement} ({t._describe()}), but got "
+                                 f"input {x._describe()}; move the input with .to_global(placement={t.placement})")
+
+
 def _indent(text: str) -> str:
     return text.replace("\n", "\n  ")
 
 
-def _load_into(target: Tensor, value: Any, name: str) -> None:
-    """Copies ``value`` into ``target`` in ``target``'s own layout and dtype."""
+def _checked_source(target: Tensor, value: Any, name: str) -> Any:
+    """``value`` as a tensor that fits ``target`` (its shape), or the error that refuses it."""
     if isinstance(value, Tensor):
         source: Any = value
     elif isinstance(value, torch.Tensor):
@@ -432,13 +476,11 @@ def _load_into(target: Tensor, value: Any, name: str) -> None:
         )
     if target.requires_grad and not target.is_leaf:
         raise AutogradError(f"load_state_dict: {name!r} is not a leaf")
-    target._assign(_in_layout_of(target, source))
+    return source
 
 
 def _in_layout_of(target: Tensor, source: Any) -> Tensor:
     """``source`` (sbpflow or torch tensor) as an sbpflow tensor with ``target``'s layout and dtype."""
-    from ..ops import functional as F
-
     if isinstance(source, Tensor):
         if target.is_global and source.is_global:
             source = F.cast(source, target.dtype) if source.dtype != target.dtype else source

@@ -15,7 +15,7 @@ from ..placement import Placement
 from ..tensor import Tensor
 from . import init
 from ._build import empty_buffer, empty_param, layout_for
-from .module import Module
+from .module import Module, check_input_layout
 
 
 def _shape_tuple(shape: int | Sequence[int]) -> tuple[int, ...]:
@@ -118,6 +118,7 @@ class _BatchNorm(Module):
         if x.ndim not in self.expected_ndims:
             raise ShapeError(f"{type(self).__name__} needs a {' or '.join(map(str, self.expected_ndims))}-D input, "
                              f"but got {x._describe()}")
+        check_input_layout(self, x)  # before num_batches_tracked and the running statistics change
         factor = 0.0 if self.momentum is None else self.momentum
         if self.training and self.track_running_stats:
             with no_grad():

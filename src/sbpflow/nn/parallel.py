@@ -39,6 +39,8 @@ from ..errors import AutogradError, SbpError
 from ..placement import Placement
 from ..sbp import Broadcast, SbpParallel, Split, broadcast, normalize
 from ..tensor import Tensor, shards_from_full
+from .conv import Conv2d
+from .layers import Embedding, Linear
 from .module import Module, relayout_
 
 # -- styles (pure data) ----------------------------------------------------------------------------
@@ -75,9 +77,6 @@ Style = ColwiseParallel | RowwiseParallel | Replicate | DataParallelInput
 
 
 def _check_style_fits(module: Module, where: str, style: Any) -> None:
-    from .conv import Conv2d
-    from .layers import Embedding, Linear
-
     if isinstance(style, (ColwiseParallel, RowwiseParallel)) and not isinstance(module, (Linear, Conv2d, Embedding)):
         raise SbpError(
             f"apply_plan: {type(style).__name__} applies to Linear, Conv2d and Embedding modules, but {where} is a "
@@ -87,8 +86,6 @@ def _check_style_fits(module: Module, where: str, style: Any) -> None:
 
 def _param_sbp(module: Module, name: str, style: Any) -> SbpParallel:
     """The SBP ``style`` gives parameter ``name`` of ``module`` (checked by :func:`_check_style_fits`)."""
-    from .layers import Embedding
-
     if isinstance(style, Replicate):
         return broadcast
     column = isinstance(style, ColwiseParallel)

@@ -9,7 +9,7 @@ import torch
 
 from ..errors import DTypeError, IndexOutOfRangeError, ShapeError
 from ..sbp import Partial, SbpParallel, Split, broadcast
-from .registry import Meta, Scalar, Sig
+from .schema import Meta, Scalar, Sig
 
 
 def broadcast_shapes(*shapes: tuple[int, ...]) -> tuple[int, ...]:

@@ -27,7 +27,7 @@ from ..errors import DTypeError, OpError, ShapeError
 from ..sbp import Partial, SbpParallel, Split, broadcast
 from ..tensor import Tensor
 from . import _rules as R
-from .registry import Meta, ShardCtx, Sig, op
+from .schema import Meta, ShardCtx, Sig, op
 
 __all__ = ["scaled_dot_product_attention"]
 

@@ -19,7 +19,7 @@ import torch
 
 from .._layout import numel
 from ..sbp import Partial, broadcast
-from .registry import Meta, Sig, op
+from .schema import Meta, Sig, op
 
 # layouts whose local tensor is the whole logical tensor; moving elements keeps every kind of partial value
 _WHOLE = (broadcast, Partial("sum"), Partial("max"), Partial("min"))

@@ -33,7 +33,7 @@ from ..sbp import Partial, Split, broadcast
 from ..tensor import Tensor
 from . import _rules as R
 from .reduction import sum_
-from .registry import Meta, ShardCtx, Sig, op
+from .schema import Meta, ShardCtx, Sig, op
 
 __all__ = ["conv2d", "max_pool2d", "avg_pool2d", "adaptive_avg_pool2d"]
 

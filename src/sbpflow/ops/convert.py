@@ -15,11 +15,11 @@ from .._layout import shard_shape
 from ..autograd import is_grad_enabled
 from ..comm import get_backend
 from ..errors import SbpError, ShapeError
-from ..graph import trace as _trace
 from ..placement import Placement
 from ..sbp import NdSbp, Partial, Split, broadcast, format_nd, normalize
 from ..tensor import Tensor
-from .registry import OpDef, _record
+from .dispatch import INTERPRETERS, record
+from .schema import OpDef
 
 _to_global = OpDef("to_global", kernel=lambda *a: None, meta=lambda *a: None, sbp=lambda *a: [], shard_aware=False,
                    save_outputs=False, differentiable=True, mesh_aware=False)
@@ -40,8 +40,8 @@ def to_global(x: Tensor, placement: Placement, sbp: Any, grad_sbp: Any = None) -
     dst = boxing.Layout(placement, nd)
     if src == dst and (grad_nd is None or grad_nd == x.sbp or not x.requires_grad):
         return x
-    if _trace.ACTIVE:
-        out = _trace.record_to_global(x, placement, nd)
+    if INTERPRETERS:  # nn.Graph is tracing: the tracer records the conversion
+        out = INTERPRETERS[-1].to_global(x, placement, nd)
     elif x.is_meta:  # sbpflow.meta_init: the new layout, still no data
         out = Tensor._meta(tuple(x.shape), x.dtype, placement, nd)
     else:
@@ -49,7 +49,7 @@ def to_global(x: Tensor, placement: Placement, sbp: Any, grad_sbp: Any = None) -
         shards = boxing.execute(plan, x._shards or {})
         out = Tensor._from_shards(tuple(x.shape), x.dtype, placement, nd, shards)
     if is_grad_enabled() and x.requires_grad:
-        _record(_to_global, (x,), {"grad_sbp": grad_nd}, (out,))
+        record(_to_global, (x,), {"grad_sbp": grad_nd}, (out,))
     return out
 
 
@@ -84,7 +84,7 @@ def local_to_global(x: Tensor, placement: Placement, sbp: Any) -> Tensor:
     backend.check_replicas(placement, nd, shards, "to_global of a local tensor")
     out = Tensor._from_shards(tuple(shape), local.dtype, placement, nd, shards)
     if is_grad_enabled() and x.requires_grad:
-        _record(_local_to_global, (x,), {"placement": placement, "sbp": nd}, (out,))
+        record(_local_to_global, (x,), {"placement": placement, "sbp": nd}, (out,))
     return out
 
 

@@ -18,9 +18,8 @@ import torch
 import torch.nn.functional as TF
 
 from ..sbp import Partial, broadcast
-from . import _lazy
 from . import _rules as R
-from .registry import Meta, op
+from .schema import Meta, op
 
 PSUM, PMAX, PMIN = Partial("sum"), Partial("max"), Partial("min")
 B = broadcast
@@ -271,97 +270,6 @@ def clamp(x: torch.Tensor, lo: Any, hi: Any) -> torch.Tensor:
 def _grad_pair(ctx: Any) -> tuple[Any, Any, Any]:
     a, b = ctx.args
     return a, b, ctx.needs_input_grad
-
-
-def _per_tensor(ctx: Any, *grads: Any) -> tuple[Any, ...]:
-    """Keeps the gradients of tensor arguments only, reduced to each input's shape."""
-    F = _lazy.functional()
-    sum_to = F.sum_to
-
-    out = []
-    for arg, g in zip(ctx.args, grads, strict=False):  # scalar args may have no gradient slot
-        if hasattr(arg, "shape"):
-            out.append(None if g is None else sum_to(g, tuple(arg.shape)))
-    return tuple(out)
-
-
-@add.grad
-def _add_grad(ctx: Any, dy: Any) -> Any:
-    return _per_tensor(ctx, dy, dy)
-
-
-@sub.grad
-def _sub_grad(ctx: Any, dy: Any) -> Any:
-    return _per_tensor(ctx, dy, -dy)
-
-
-@mul.grad
-def _mul_grad(ctx: Any, dy: Any) -> Any:
-    a, b = ctx.args
-    return _per_tensor(ctx, dy * b, dy * a if hasattr(b, "shape") else None)  # a scalar b needs no gradient
-
-
-@div.grad
-def _div_grad(ctx: Any, dy: Any) -> Any:
-    a, b = ctx.args
-    ga = dy / b
-    gb = -ga * a / b if hasattr(b, "shape") else None
-    return _per_tensor(ctx, ga, gb)
-
-
-@pow_.grad
-def _pow_grad(ctx: Any, dy: Any) -> Any:
-    a, b = ctx.args
-    ga = dy * b * a ** (b - 1)
-    gb = dy * a**b * log(a) if hasattr(b, "shape") else None
-    return _per_tensor(ctx, ga, gb)
-
-
-@rsub.grad
-def _rsub_grad(ctx: Any, dy: Any) -> Any:
-    return (-dy,)
-
-
-@rdiv.grad
-def _rdiv_grad(ctx: Any, dy: Any) -> Any:
-    x, s = ctx.args
-    return (-dy * s / (x * x),)
-
-
-@rpow.grad
-def _rpow_grad(ctx: Any, dy: Any) -> Any:
-    x, s = ctx.args
-    return (dy * rpow(x, s) * math.log(s),)
-
-
-def _select_grad(ctx: Any, dy: Any, take_a: Any) -> Any:
-    return _per_tensor(ctx, where(take_a, dy, 0.0), where(take_a, 0.0, dy))
-
-
-@maximum.grad
-def _maximum_grad(ctx: Any, dy: Any) -> Any:
-    a, b = ctx.args
-    return _select_grad(ctx, dy, ge(a, b))
-
-
-@minimum.grad
-def _minimum_grad(ctx: Any, dy: Any) -> Any:
-    a, b = ctx.args
-    return _select_grad(ctx, dy, le(a, b))
-
-
-@where.grad
-def _where_grad(ctx: Any, dy: Any) -> Any:
-    F = _lazy.functional()
-    sum_to = F.sum_to
-
-    c, a, b = ctx.args
-    grads: list[Any] = [None]
-    if hasattr(a, "shape"):
-        grads.append(sum_to(where(c, dy, 0.0), tuple(a.shape)))
-    if hasattr(b, "shape"):
-        grads.append(sum_to(where(c, 0.0, dy), tuple(b.shape)))
-    return tuple(grads)
 
 
 @clamp.grad

@@ -14,8 +14,9 @@ from typing import Any
 
 import torch
 
-from ..creation import full_like, ones_like, rand_like, randn_like, zeros_like
+from ..creation import full_like, ones_like, rand_like, randn_like, uniform, zeros_like
 from ..errors import ShapeError
+from ..placement import Placement
 from ..tensor import Tensor
 from . import _rules as R
 from . import elementwise as E
@@ -28,6 +29,7 @@ from .convert import local_to_global, to_global
 from .indexing import *  # noqa: F401,F403
 from .loss import *  # noqa: F401,F403
 from .normalization import *  # noqa: F401,F403
+from .subscript import getitem, setitem  # noqa: F401
 
 Scalar = int | float | bool
 
@@ -414,6 +416,13 @@ def expand_reduced(g: Tensor, shape: tuple[int, ...], dim: Any, keepdim: bool) -
         for d in dims:
             g = unsqueeze(g, d)
     return expand(g, tuple(shape)) if tuple(g.shape) != tuple(shape) else g
+
+
+def randint(low: int, high: int, size: Sequence[int], *, placement: Placement | None = None, sbp: Any = None,
+            dtype: torch.dtype = torch.int64) -> Tensor:
+    """Integers on [low, high), from the same placement-independent stream."""
+    u = uniform(*size, low=float(low), high=float(high), placement=placement, sbp=sbp, dtype=torch.float64)
+    return cast(floor(u), dtype)
 
 
 def flatten(x: Tensor, start_dim: int = 0, end_dim: int = -1) -> Tensor:

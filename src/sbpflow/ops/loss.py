@@ -28,7 +28,7 @@ from . import elementwise as E
 from . import reduction as RD
 from . import shape as SH
 from .normalization import _log_softmax, _reduce_partials
-from .registry import Meta, ShardCtx, Sig, op
+from .schema import Meta, ShardCtx, Sig, op
 
 B = broadcast
 PSUM = Partial("sum")
@@ -263,11 +263,11 @@ def _reduce(name: str, losses: Tensor, valid: Tensor | None, reduction: str, squ
     """none/sum/mean of per-sample losses; mean divides by the logical count of valid samples."""
     if reduction == "none":
         return SH.squeeze(losses, dim=0) if squeeze else losses
+    if valid is None:  # a mean op, not a division by numel(): under gradient accumulation it divides by the batch
+        return RD.sum_(losses) if reduction == "sum" else RD.mean(losses)
     total = RD.sum_(losses)
     if reduction == "sum":
         return total
-    if valid is None:
-        return E.div(total, losses.numel())
     count = _reduce_partials(RD.sum_(valid))  # P(sum) under a batch split -> B (one scalar all-reduce)
     return E.div(total, count)
 
@@ -374,8 +374,8 @@ def _soft_cross_entropy(logits: Tensor, target: Tensor, weight: Tensor | None, r
     losses = E.neg(RD.sum_(E.mul(logp, target), dim=dim))  # P(sum) when classes are split
     if reduction == "none":
         return losses
-    total = RD.sum_(losses)
-    return total if reduction == "sum" else E.div(total, losses.numel())
+    # a mean op, not a division by numel(): under gradient accumulation it divides by the whole batch (graph.micro)
+    return RD.sum_(losses) if reduction == "sum" else RD.mean(losses)
 
 
 def mse_loss(input: Tensor, target: Tensor, reduction: str = "mean") -> Tensor:

@@ -25,9 +25,8 @@ import torch.nn.functional as TF
 
 from ..errors import ShapeError
 from ..sbp import Partial, Split, broadcast
-from . import _lazy
 from . import _rules as R
-from .registry import Meta, ShardCtx, Sig, op
+from .schema import Meta, ShardCtx, Sig, op
 
 PSUM = Partial("sum")
 B = broadcast
@@ -74,17 +73,6 @@ def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.matmul(a, b)
 
 
-@matmul.grad
-def _matmul_grad(ctx: Any, dy: Any) -> Any:
-    F = _lazy.functional()
-    sum_to, transpose = F.sum_to, F.transpose
-
-    a, b = ctx.inputs
-    da = sum_to(matmul(dy, transpose(b, -1, -2)), tuple(a.shape)) if ctx.needs_input_grad[0] else None
-    db = sum_to(matmul(transpose(a, -1, -2), dy), tuple(b.shape)) if ctx.needs_input_grad[1] else None
-    return da, db
-
-
 # -- linear -------------------------------------------------------------------------------------
 
 
@@ -124,20 +112,7 @@ def linear(x: torch.Tensor, w: torch.Tensor, b: Any = None) -> torch.Tensor:
     return TF.linear(x, w, b)
 
 
-@linear.grad
-def _linear_grad(ctx: Any, dy: Any) -> Any:
-    x, w = ctx.inputs[0], ctx.inputs[1]
-    needs = ctx.needs_input_grad
-    has_bias = len(ctx.inputs) == 3
-    if _one_place(dy):
-        return _fused_linear_grad(dy, x, w, needs, has_bias)
-    F = _lazy.functional()
-    dx = matmul_nd(dy, w) if needs[0] else None
-    dw = linear_weight_grad(dy, x) if needs[1] else None
-    grads = [dx, dw]
-    if has_bias:
-        grads.append(F.sum(dy, dim=tuple(range(dy.ndim - 1))) if needs[2] else None)
-    return tuple(grads)
+
 
 
 def _one_place(dy: Any) -> bool:

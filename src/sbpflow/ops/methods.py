@@ -10,19 +10,24 @@ mark their output so that in-place writes into it reach the input (``ops.views``
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from ..autograd import is_grad_enabled
-from ..errors import AutogradError, DTypeError, OpError, ShapeError
-from ..sbp import Partial
+from ..errors import AutogradError, DTypeError, LocalGlobalError, SbpError, ShapeError
+from ..placement import Placement
+from ..sbp import Partial, format_nd, normalize
 from ..tensor import Tensor
 from . import _rules as R
+from . import convert as _convert
+from . import elementwise as _elementwise
 from . import functional as F
-from .registry import OpDef
-from .views import Writer, mark_view, not_writable, permuted, refresh, reshaped, write_back
+from . import shape as _shape
+from .schema import OpDef
+from .views import Writer, mark_view, not_writable, refresh, write_back
 
 
 def bind_methods(table: dict[str, Callable[..., Any]]) -> None:
@@ -149,7 +154,7 @@ def _check_inplace_result(name: str, self: Tensor, result: Tensor, any_dtype: bo
             f"into a tensor with {self._describe()}; use the out-of-place form"
         )
     if (result._local is None) != (self._local is None):
-        raise OpError(f"{name} got local and global tensors together: target {self._describe()}, "
+        raise LocalGlobalError(f"{name} got local and global tensors together: target {self._describe()}, "
                       f"result {result._describe()}")
 
 
@@ -184,6 +189,36 @@ bind_methods({
 
 
 # -- views -----------------------------------------------------------------------------------------
+
+
+# -- view writers: carry a view's new value back into its base (ops.views.write_back runs them) ----------
+
+
+def assign_into(base: Tensor, value: Tensor) -> None:
+    """Writes ``value`` (of ``base``'s shape) into ``base`` in its own layout and dtype, then on to its base."""
+    if base.is_global and (value.placement, value.sbp) != (base.placement, base.sbp):
+        value = _convert.to_global(value, base.placement, base.sbp)
+    if value.dtype != base.dtype:
+        value = _elementwise.cast(value, dtype=base.dtype)
+    base._assign(value)
+    write_back(base)
+
+
+def reshaped(base: Tensor, view: Tensor) -> None:
+    """Writer of view/reshape/flatten/squeeze/unsqueeze: the same elements in row-major order."""
+    assign_into(base, _shape.reshape(view, shape=tuple(base.shape)) if view.shape != base.shape else view)
+
+
+@functools.cache
+def permuted(dims: tuple[int, ...]) -> Writer:
+    """Writer of permute/transpose/t/T/mT: the inverse permutation (one writer per ``dims``, made once: every
+    transpose of a forward pass asks for one)."""
+    inverse = tuple(sorted(range(len(dims)), key=lambda i: dims[i]))
+
+    def write(base: Tensor, view: Tensor) -> None:
+        assign_into(base, _shape.permute(view, dims=inverse))
+
+    return write
 
 
 def _viewing(name: str, fn: Callable[..., Tensor], write: Writer) -> Callable[..., Tensor]:
@@ -223,3 +258,42 @@ bind_methods({
 })
 Tensor.T = property(lambda self: _permute(self, tuple(reversed(range(self.ndim)))))  # type: ignore[attr-defined]
 Tensor.mT = property(lambda self: _transpose(self, -1, -2))  # type: ignore[attr-defined]
+
+
+def _to_global(self: Tensor, placement: Placement | None = None, sbp: Any = None, *, grad_sbp: Any = None) -> Tensor:
+    """Converts to ``placement`` and ``sbp``; an omitted argument keeps the current value.
+
+    ``grad_sbp`` (global tensors) is the SBP, on this tensor's placement, that this tensor's gradient gets
+    in backward (by default its own): ``partial_sum`` defers the gradient's reduction to its consumer.
+
+    On a local tensor, the local tensor becomes this rank's shard: every rank
+    contributes its local tensor and the SBP says what the contributions mean
+    (split axes concatenate, ``B`` keeps the replica, ``P(sum)`` adds them up).
+    Every virtual rank of this process contributes the same local tensor, so
+    the numbers match one process per rank each passing that tensor:
+
+    >>> import sbpflow
+    >>> p = sbpflow.placement("cpu", [0, 1])
+    >>> sbpflow.tensor([1.0, 1.0]).to_global(p, sbpflow.sbp.partial_sum).tolist()
+    [2.0, 2.0]
+    """
+    if self._local is not None:
+        if placement is None or sbp is None:
+            raise SbpError("to_global() of a local tensor needs both placement= and sbp=")
+        if grad_sbp is not None:
+            raise SbpError(f"to_global(grad_sbp=...) sets the SBP of a global tensor's gradient, but the input is "
+                           f"a {self._describe()}: its gradient is local")
+        return F.local_to_global(self, placement, sbp)
+    placement = self.placement if placement is None else placement
+    if not isinstance(placement, Placement):
+        raise SbpError(f"to_global(placement=...) needs an sbpflow.placement, but got {placement!r}")
+    nd = self.sbp if sbp is None else normalize(sbp, placement, self.ndim, what=f"tensor with {self._describe()}")
+    if sbp is None and placement.ndim != len(nd):
+        raise SbpError(
+            f"to_global() onto {placement} ({placement.ndim} mesh axes) needs sbp=, since the tensor's sbp "
+            f"{format_nd(self.sbp)} has {len(self.sbp)} entries"
+        )
+    return F.to_global(self, placement, nd, grad_sbp)
+
+
+Tensor.to_global = _to_global  # type: ignore[method-assign]

@@ -25,7 +25,7 @@ import torch
 from .. import boxing
 from .. import random as sbp_random
 from ..autograd import is_grad_enabled, no_grad
-from ..errors import DTypeError, OpError, ShapeError
+from ..errors import DTypeError, LocalGlobalError, OpError, ShapeError
 from ..sbp import NdSbp, Partial, Split, broadcast
 from ..tensor import Tensor
 from . import _rules as R
@@ -33,7 +33,8 @@ from . import elementwise as E
 from . import reduction as RD
 from . import shape as SH
 from .convert import to_global
-from .registry import Meta, OpDef, ShardCtx, Sig, _record, op
+from .dispatch import record
+from .schema import Meta, OpDef, ShardCtx, Sig, op
 
 B = broadcast
 PSUM = Partial("sum")
@@ -63,7 +64,7 @@ def _reduce_partials(t: Tensor) -> Tensor:
     with no_grad():
         out = to_global(t, t.placement, target)
     if is_grad_enabled() and t.requires_grad:
-        _record(_reduce_partials_def, (t,), {}, (out,))
+        record(_reduce_partials_def, (t,), {}, (out,))
     return out
 
 
@@ -367,9 +368,15 @@ def _check_batch_norm(x: Tensor, tensors: dict[str, Any]) -> None:
         raise ShapeError(f"batch_norm needs an input of shape (N, C) or (N, C, *spatial), but got {x._describe()}")
     channels = x.shape[1]
     for what, t in tensors.items():
-        if t is not None and tuple(t.shape) != (channels,):
+        if t is None:
+            continue
+        if tuple(t.shape) != (channels,):
             raise ShapeError(f"batch_norm: {what} must have shape ({channels},) (the input's channels), "
                              f"but got {t._describe()}")
+        if t.is_global != x.is_global or (t.is_global and t.placement != x.placement):
+            # checked before the running statistics are updated in place, so a refused call changes nothing
+            raise LocalGlobalError(f"batch_norm needs {what} and the input both local, or both global on one "
+                                   f"placement, but got {what}: {t._describe()}; input: {x._describe()}")
 
 
 def batch_norm(x: Tensor, running_mean: Tensor | None, running_var: Tensor | None, weight: Tensor | None = None,

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from ..sbp import Partial, broadcast, split
-from .registry import Meta, Sig, op
+from .schema import Meta, Sig, op
 
 
 def _same_metas(*metas: Any, n_out: int, **_: Any) -> tuple[Meta, ...]:

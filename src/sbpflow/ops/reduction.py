@@ -11,11 +11,12 @@ from typing import Any
 
 import torch
 
+from ..boxing import identity_element
 from ..errors import IndexOutOfRangeError
 from ..sbp import Partial, Split, broadcast
-from . import _lazy
 from . import _rules as R
-from .registry import Meta, ShardCtx, Sig, op
+from .indexing import gather_backward
+from .schema import Meta, ShardCtx, Sig, op
 
 
 def _reduced_shape(x: Meta, dims: tuple[int, ...], keepdim: bool) -> tuple[int, ...]:
@@ -100,7 +101,6 @@ def _minmax(fn: Any):  # type: ignore[no-untyped-def]
     def kernel(x: torch.Tensor, dim: Any = None, keepdim: bool = False) -> torch.Tensor:
         dims = R.normalize_dims(dim, x.dim())
         if x.numel() == 0:  # an empty shard holds the reduction's identity
-            from ..boxing import identity_element
 
             shape = _reduced_shape(Meta(tuple(x.shape), x.dtype), dims, keepdim)
             return torch.full(shape, identity_element("max" if fn is torch.amax else "min", x.dtype), dtype=x.dtype,
@@ -112,47 +112,6 @@ def _minmax(fn: Any):  # type: ignore[no-untyped-def]
 
 amax = op("amax", meta=_minmax_meta, sbp=_reduce_sigs("max"), save_outputs=True)(_minmax(torch.amax))
 amin = op("amin", meta=_minmax_meta, sbp=_reduce_sigs("min"), save_outputs=True)(_minmax(torch.amin))
-
-
-def _expand_back(ctx: Any, g: Any) -> Any:
-    """Broadcasts a reduced gradient back to the input's shape."""
-    F = _lazy.functional()
-    expand_reduced = F.expand_reduced
-
-    return expand_reduced(g, tuple(ctx.inputs[0].shape), ctx.attrs.get("dim"), ctx.attrs.get("keepdim", False))
-
-
-@sum_.grad
-def _sum_grad(ctx: Any, dy: Any) -> Any:
-    F = _lazy.functional()
-    cast = F.cast
-
-    g = _expand_back(ctx, dy)
-    return (cast(g, ctx.inputs[0].dtype) if g.dtype != ctx.inputs[0].dtype else g,)
-
-
-@mean.grad
-def _mean_grad(ctx: Any, dy: Any) -> Any:
-    x = ctx.inputs[0]
-    count = 1
-    for d in R.normalize_dims(ctx.attrs.get("dim"), x.ndim):
-        count *= x.shape[d]
-    return (_expand_back(ctx, dy) / count,)
-
-
-def _minmax_grad(ctx: Any, dy: Any) -> Any:
-    F = _lazy.functional()
-    eq, sum = F.eq, F.sum
-
-    x = ctx.inputs[0]
-    y = _expand_back(ctx, ctx.outputs[0])
-    mask = eq(x, y)
-    count = sum(mask, dim=ctx.attrs.get("dim"), keepdim=ctx.attrs.get("keepdim", False), dtype=x.dtype)
-    return (_expand_back(ctx, dy / count) * mask,)
-
-
-amax.grad(_minmax_grad)
-amin.grad(_minmax_grad)
 
 
 # -- max / min over one dim, with indices ---------------------------------------------------------
@@ -324,15 +283,6 @@ def cumsum(x: torch.Tensor, dim: int, dtype: torch.dtype | None = None, reverse:
     return torch.cumsum(x.flip(dim), dim=dim, dtype=dtype).flip(dim)
 
 
-@cumsum.grad
-def _cumsum_grad(ctx: Any, dy: Any) -> Any:
-    F = _lazy.functional()
-    cast = F.cast
-
-    g = cumsum(dy, dim=ctx.attrs["dim"], reverse=not ctx.attrs.get("reverse", False))
-    return (cast(g, ctx.inputs[0].dtype),)
-
-
 # -- topk -----------------------------------------------------------------------------------------
 
 
@@ -362,8 +312,6 @@ def topk(x: torch.Tensor, k: int, dim: int, largest: bool = True,
 
 @topk.grad
 def _topk_grad(ctx: Any, dvalues: Any, dindices: Any) -> Any:
-    from .indexing import gather_backward
-
     x = ctx.inputs[0]
     if x.ndim == 0:
         return (dvalues,)

@@ -16,9 +16,8 @@ import torch
 from .._layout import box_shape, numel
 from ..errors import ShapeError
 from ..sbp import Partial, Split, broadcast
-from . import _lazy
 from . import _rules as R
-from .registry import Meta, ShardCtx, Sig, op
+from .schema import Meta, ShardCtx, Sig, op
 
 B = broadcast
 _PARTIALS = (Partial("sum"), Partial("max"), Partial("min"))
@@ -78,11 +77,13 @@ def _reshape_sigs(x: Meta, outs: tuple[Meta, ...], shape: Any = None, mesh: tupl
     for ga, gb in _groups(x.shape, out.shape):
         da = next((d for d in ga if x.shape[d] != 1), None)
         db = next((d for d in gb if out.shape[d] != 1), None)
+        if ranks == 1:  # one piece (one rank, or whole rows of a micro-batch): a group's outermost dims map
+            sigs.append(Sig((Split(ga[0]),), (Split(gb[0]),)))
         if da is None or db is None:
             continue
         na, nb = x.shape[da], out.shape[db]
         small, big = min(na, nb), max(na, nb)
-        if na == nb or (small % ranks == 0 and big % small == 0):
+        if (na == nb or (small % ranks == 0 and big % small == 0)) and Sig((Split(da),), (Split(db),)) not in sigs:
             sigs.append(Sig((Split(da),), (Split(db),)))
     return sigs
 
@@ -198,14 +199,6 @@ def _expand_sigs(x: Meta, outs: tuple[Meta, ...], shape: tuple[int, ...]) -> lis
 @op("expand", meta=_expand_meta, sbp=_expand_sigs, shard_aware=True, grad_reads=())
 def expand(ctx: ShardCtx, x: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     return x.expand(box_shape(ctx.out_boxes[0]))
-
-
-@expand.grad
-def _expand_grad(ctx: Any, dy: Any) -> Any:
-    F = _lazy.functional()
-    sum_to = F.sum_to
-
-    return (sum_to(dy, tuple(ctx.inputs[0].shape)),)
 
 
 # -- reshape then permute, permute then reshape (attention's split into heads and merge back) ----------------------

@@ -25,7 +25,6 @@ is read by an op, ``numpy()`` and friends, or written in place.
 
 from __future__ import annotations
 
-import functools
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -53,6 +52,10 @@ class Link:
         self.parent: Tensor | tuple[int, ...] = base if base._view_of is not None else tuple(base.shape)
         self.write, self.op, self.args, self.kwargs, self.item = write, op, args, kwargs, item
         self.version = base._version  # the base's version this view's values reflect
+
+    def refresh(self, view: Tensor) -> None:
+        """Brings ``view`` (whose link this is) up to date with its base: Tensor asks its link, not this module."""
+        refresh(view)
 
     def copy(self) -> Link:
         """The same link for another tensor holding the same values (``view.detach()``), its version its own."""
@@ -129,40 +132,6 @@ def refresh(t: Tensor) -> None:
     t._assign(value if link.item is None else value[link.item])
 
 
-def assign_into(base: Tensor, value: Tensor) -> None:
-    """Writes ``value`` (of ``base``'s shape) into ``base`` in its own layout and dtype, then on to its base."""
-    from .convert import to_global
-    from .elementwise import cast
-
-    if base.is_global and (value.placement, value.sbp) != (base.placement, base.sbp):
-        value = to_global(value, base.placement, base.sbp)
-    if value.dtype != base.dtype:
-        value = cast(value, dtype=base.dtype)
-    base._assign(value)
-    write_back(base)
-
-
-def reshaped(base: Tensor, view: Tensor) -> None:
-    """Writer of view/reshape/flatten/squeeze/unsqueeze: the same elements in row-major order."""
-    from .shape import reshape
-
-    assign_into(base, reshape(view, shape=tuple(base.shape)) if view.shape != base.shape else view)
-
-
-@functools.cache
-def permuted(dims: tuple[int, ...]) -> Writer:
-    """Writer of permute/transpose/t/T/mT: the inverse permutation (one writer per ``dims``, made once: every
-    transpose of a forward pass asks for one)."""
-    inverse = tuple(sorted(range(len(dims)), key=lambda i: dims[i]))
-
-    def write(base: Tensor, view: Tensor) -> None:
-        from .shape import permute
-
-        assign_into(base, permute(view, dims=inverse))
-
-    return write
-
-
 def not_writable(name: str) -> Writer:
     """Writer of views whose elements alias one another (expand): refuses, as torch does, rather than guess."""
 
@@ -171,17 +140,6 @@ def not_writable(name: str) -> Writer:
             f"an in-place write into the output of {name}() cannot reach its input ({base._describe()}): several "
             f"elements of the view are one element of the input; write into the input, or use {name}(...).clone()"
         )
-
-    return write
-
-
-def setitem_writer(key: Any) -> Writer:
-    """Writer of basic indexing ``x[key]``: ``base[key] = view``."""
-
-    def write(base: Tensor, view: Tensor) -> None:
-        from .indexing import setitem
-
-        setitem(base, key, view)
 
     return write
 

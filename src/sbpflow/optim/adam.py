@@ -8,7 +8,8 @@ from typing import Any
 import torch
 
 from ..errors import ArgumentError, SbpflowError
-from ..ops.optimizer import adam_fused_
+from ..graph.trace import StepScalar
+from ..ops.optimizer import adam_fused_, adam_update_multi
 from .optimizer import Optimizer, ShardBatch
 
 
@@ -89,9 +90,6 @@ class Adam(Optimizer):
 
     def _trace_group(self, group: dict[str, Any], prefix: str, params: list[Any], grads: list[Any]) -> None:
         """One fused (foreach) update op per run of parameters sharing placement, SBP and dtype."""
-        from ..graph.trace import StepScalar
-        from ..ops.optimizer import adam_update_multi
-
         if group["amsgrad"]:
             raise SbpflowError(f"{type(self).__name__}(amsgrad=True) has no compiled update yet; use eager steps")
         beta1, beta2 = group["betas"]

@@ -28,6 +28,7 @@ import torch
 from ..autograd import no_grad
 from ..errors import SbpflowError
 from ..ops import functional as F
+from ..ops.optimizer import grad_norm_multi, scale_multi
 from ..sbp import Partial, Split, broadcast
 from ..tensor import Tensor
 
@@ -59,8 +60,6 @@ def _clip_traced(grads: list[Tensor], max_norm: float, norm_type: float) -> Any:
     """The compiled form: the norm stays a (broadcast, 0-d) tensor and every gradient is scaled by
     ``min(1, max_norm / (norm + 1e-6))``, computed on the first placement and moved to each other one.
     Gradients of one layout make one norm op and one scale op (foreach kernels), partial ones one op each."""
-    from ..ops.optimizer import scale_multi
-
     with no_grad():
         groups = _layout_groups(grads)
         combined, home = _combined_pieces(groups, norm_type)
@@ -93,8 +92,6 @@ def _is_partial(sbp: Any) -> bool:
 
 def _combined_pieces(groups: dict[tuple[Any, ...], list[Tensor]], norm_type: float) -> tuple[Tensor, Any]:
     """Every layout group's ``sum(|g|^p)`` (or max), combined per placement, then on the first placement (B)."""
-    from ..ops.optimizer import grad_norm_multi
-
     combine = F.maximum if math.isinf(norm_type) else F.add
     per_placement: dict[Any, Tensor] = {}
     for (placement, sbp, _), members in groups.items():

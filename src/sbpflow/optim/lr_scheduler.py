@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from ..errors import SbpflowError
 from .optimizer import Optimizer
 
 
@@ -43,12 +44,16 @@ class LRScheduler:
         raise NotImplementedError
 
     def step(self) -> None:
-        """Advances one step and sets every group's lr."""
+        """Advances one step and sets every group's lr (all computed first: a failed step changes nothing)."""
+        groups = self.optimizer.param_groups
+        if len(groups) != len(self.base_lrs):
+            raise SbpflowError(f"{type(self).__name__}.step: the schedule was made for {len(self.base_lrs)} param "
+                               f"groups, but the optimizer now has {len(groups)}; make a new schedule")
+        lrs = [self.lr_at(self.last_epoch + 1, base) for base in self.base_lrs]
         self.last_epoch += 1
-        self._last_lr = []
-        for group, base in zip(self.optimizer.param_groups, self.base_lrs, strict=True):
-            group["lr"] = self.lr_at(self.last_epoch, base)
-            self._last_lr.append(group["lr"])
+        for group, lr in zip(groups, lrs, strict=True):
+            group["lr"] = lr
+        self._last_lr = lrs
 
     def get_last_lr(self) -> list[float]:
         return list(self._last_lr)
@@ -57,6 +62,15 @@ class LRScheduler:
         return {k: v for k, v in self.__dict__.items() if k != "optimizer"}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restores a :meth:`state_dict` of a schedule of this kind made for as many param groups."""
+        own = self.state_dict()
+        if not isinstance(state, dict) or set(state) != set(own):
+            raise SbpflowError(f"{type(self).__name__}.load_state_dict needs the keys {sorted(own)} (a state_dict() of "
+                               f"this schedule), but got {sorted(state) if isinstance(state, dict) else type(state)}")
+        if not isinstance(state["last_epoch"], int) or len(state["base_lrs"]) != len(self.base_lrs):
+            raise SbpflowError(f"{type(self).__name__}.load_state_dict: the saved schedule has last_epoch "
+                               f"{state['last_epoch']!r} and {len(state['base_lrs'])} base lrs, but this one needs "
+                               f"an int and {len(self.base_lrs)} (one per param group)")
         self.__dict__.update(state)
 
 

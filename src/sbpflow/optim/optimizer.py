@@ -33,10 +33,12 @@ from typing import Any
 
 import torch
 
-from ..autograd import enable_grad, no_grad, zero_grads
+from ..autograd import enable_grad, no_grad
+from ..autograd.engine import zero_grads
 from ..creation import zeros
-from ..errors import SbpError, SbpflowError
+from ..errors import LocalGlobalError, SbpError, SbpflowError, ShapeError
 from ..meta import meta_init
+from ..ops.functional import cast
 from ..sbp import NdSbp, Partial, format_nd
 from ..tensor import Tensor, logical_value, shards_from_full
 
@@ -90,6 +92,10 @@ class ShardBatch:
 class Optimizer:
     """Base class: holds ``param_groups`` (dicts with ``"params"`` plus hyperparameters) and ``state``."""
 
+    # the hyperparameters a compiled step reads before every run (step_feeds); a traced step bakes in the others,
+    # so nn.Graph compiles again when one of those changes
+    fed_hyperparameters: tuple[str, ...] = ("lr",)
+
     def __init__(self, params: Iterable[Any], defaults: dict[str, Any]) -> None:
         self.defaults = defaults
         self.state = _StateByParam()
@@ -139,12 +145,31 @@ class Optimizer:
         if closure is not None:
             with enable_grad():
                 loss = closure()
+        self.check_grads()  # every group before any parameter or state changes
         with no_grad():
             for group in self.param_groups:
                 params = [p for p in group["params"] if p.grad is not None]
                 if params:
                     self._step_params(group, params)
         return loss
+
+    def check_grads(self) -> None:
+        """Refuses a gradient that cannot update its parameter: of another shape, or local for a global parameter
+        (or the other way round); and a partial parameter. :meth:`step` (and ``GradScaler.unscale_``) call it
+        before changing anything."""
+        who = f"{type(self).__name__}.step"
+        for p in self._all_params():
+            grad = p.grad
+            if grad is None:
+                continue
+            if grad.is_global != p.is_global:
+                raise LocalGlobalError(f"{who}: a gradient must be local or global as its parameter is, but the "
+                                       f"parameter with {p._describe()} has a gradient with {grad._describe()}")
+            if tuple(grad.shape) != tuple(p.shape):
+                raise ShapeError(f"{who}: a gradient must have its parameter's shape, but the parameter with "
+                                 f"{p._describe()} has a gradient with {grad._describe()}")
+            if p.is_global:
+                _check_not_partial(p, type(self).__name__)
 
     def _step_params(self, group: dict[str, Any], params: list[Tensor]) -> None:
         views = [self._update_view(p) for p in params]
@@ -314,21 +339,30 @@ class Optimizer:
         return {"state": state, "param_groups": groups}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Loads hyperparameters and state; tensors (sbpflow, torch or NumPy) are laid out like this optimizer's."""
+        """Loads hyperparameters and state; tensors (sbpflow, torch or NumPy) are laid out like this optimizer's.
+        Every value is checked and made first: a refused state dict changes nothing."""
+        if not isinstance(state_dict, dict) or not {"state", "param_groups"} <= set(state_dict):
+            raise SbpflowError(f"{type(self).__name__}.load_state_dict needs a dict with 'state' and 'param_groups' "
+                               f"(an optimizer's state_dict()), but got {type(state_dict).__name__} "
+                               f"{sorted(state_dict) if isinstance(state_dict, dict) else ''}")
         groups = state_dict["param_groups"]
         if len(groups) != len(self.param_groups) or any(
             len(a["params"]) != len(b["params"]) for a, b in zip(groups, self.param_groups, strict=True)
         ):
             raise SbpflowError(f"{type(self).__name__}.load_state_dict: the saved param groups do not match this "
                                "optimizer's (different number of groups or parameters per group)")
-        self.state.clear()
+        loaded: list[tuple[Tensor, dict[str, Any]]] = []  # every value made (and checked) before any state changes
         for saved, own in zip(groups, self.param_groups, strict=True):
-            own.update({k: v for k, v in saved.items() if k != "params"})
             for saved_index, p in zip(saved["params"], own["params"], strict=True):
                 entry = state_dict["state"].get(saved_index)
                 if entry:
                     dtype = _state_dtype(entry, p)
-                    self.state[p].update({k: self._load_value(k, v, p, dtype) for k, v in entry.items()})
+                    loaded.append((p, {k: self._load_value(k, v, p, dtype) for k, v in entry.items()}))
+        self.state.clear()
+        for saved, own in zip(groups, self.param_groups, strict=True):
+            own.update({k: v for k, v in saved.items() if k != "params"})
+        for p, values in loaded:
+            self.state[p].update(values)
 
     def _load_value(self, name: str, value: Any, p: Tensor, dtype: torch.dtype | None = None) -> Any:
         if name == "step":
@@ -372,8 +406,6 @@ def _check_not_partial(p: Tensor, who: str) -> None:
 
 def _master_grad(grad: Tensor, master: Tensor) -> Tensor:
     """A low-precision gradient in its master weight's layout and dtype."""
-    from ..ops.functional import cast
-
     if grad.is_global and (grad.placement, grad.sbp) != (master.placement, master.sbp):
         grad = grad.to_global(master.placement, master.sbp)
     return cast(grad, master.dtype) if grad.dtype != master.dtype else grad
@@ -382,8 +414,6 @@ def _master_grad(grad: Tensor, master: Tensor) -> Tensor:
 def _written_back(view: Tensor, p: Tensor) -> Tensor:
     """An updated view (a ZeRO slice, or a master weight) in ``p``'s dtype and layout: cast first, so the
     all-gather of a sharded update moves ``p``'s own (2-byte) dtype."""
-    from ..ops.functional import cast
-
     value = cast(view, p.dtype) if view.dtype != p.dtype else view
     if not p.is_global:
         return value

@@ -8,6 +8,8 @@ from typing import Any
 import torch
 
 from ..errors import ArgumentError
+from ..graph.trace import StepScalar
+from ..ops.optimizer import sgd_momentum_update, sgd_update
 from .optimizer import Optimizer, ShardBatch
 
 
@@ -77,9 +79,10 @@ class SGD(Optimizer):
 
     def step_feeds(self, prefix: str, group: dict[str, Any]) -> list[tuple[str, float]]:
         feeds = super().step_feeds(prefix, group)
-        if group["momentum"] != 0:
-            started = all(self.state[p].get("momentum_started", True) for p in group["params"] if p in self.state)
-            feeds.append((f"{prefix}.started", 1.0 if started else 0.0))
+        if group["momentum"] != 0:  # per parameter: one put into the group later starts its buffer later
+            for i, p in enumerate(group["params"]):
+                started = p not in self.state or self.state[p].get("momentum_started", True)
+                feeds.append((f"{prefix}.started.{i}", 1.0 if started else 0.0))
         return feeds
 
     def after_compiled_step(self) -> None:
@@ -88,18 +91,21 @@ class SGD(Optimizer):
                 for p in group["params"]:
                     self.state[p]["momentum_started"] = True
 
-    def _trace_update(self, group: dict[str, Any], prefix: str, p: Any, grad: Any) -> None:
-        from ..graph.trace import StepScalar
-        from ..ops.optimizer import sgd_momentum_update, sgd_update
+    def _trace_group(self, group: dict[str, Any], prefix: str, params: list[Any], grads: list[Any]) -> None:
+        index = {id(p): i for i, p in enumerate(group["params"])}  # names each parameter's "started" feed
+        for p, grad in zip(params, grads, strict=True):
+            self._trace_update(group, prefix, p, grad, index[id(p)])
 
+    def _trace_update(self, group: dict[str, Any], prefix: str, p: Any, grad: Any, index: int = 0) -> None:
         lr = StepScalar(group["lr"], f"{prefix}.lr")
         if group["momentum"] == 0:
             self._write_back(p, sgd_update(self._param_view(p), grad, lr, weight_decay=group["weight_decay"],
                                  maximize=group["maximize"]))
             return
         buf = self.state[p]["momentum_buffer"]
+        started = StepScalar(0.0, f"{prefix}.started.{index}")
         new_p, new_buf = sgd_momentum_update(
-            self._param_view(p), grad, buf, lr, StepScalar(0.0, f"{prefix}.started"), momentum=group["momentum"],
+            self._param_view(p), grad, buf, lr, started, momentum=group["momentum"],
             dampening=group["dampening"], weight_decay=group["weight_decay"], nesterov=group["nesterov"],
             maximize=group["maximize"])
         self._write_back(p, new_p)

@@ -57,6 +57,8 @@ from typing import Any
 from .._layout import shard_shape
 from ..autograd import is_grad_enabled, no_grad
 from ..errors import SbpflowError
+from ..graph import trace
+from ..graph.ir import Gather
 from ..nn.container import ModuleList, Sequential
 from ..nn.module import Module, relayout_
 from ..sbp import NdSbp, Split, broadcast
@@ -268,9 +270,6 @@ class _Unit:
 
     def _record_gather(self, values: tuple[int, ...], backward: bool) -> None:
         """nn.Graph: the gathered values, for the prefetch pass and the runtime's count of gathered bytes."""
-        from ..graph import trace
-        from ..graph.ir import Gather
-
         tracer = trace.tracing()
         assert tracer is not None
         tracer.graph.gathers.append(Gather(self.index, backward, values, self.nested))
@@ -307,8 +306,6 @@ class _Unit:
             return
 
         def regather(grad: Tensor) -> None:
-            from ..graph import trace
-
             tracer = trace.tracing()
             assert tracer is not None and grad._lazy is not None
             values = []

@@ -18,7 +18,7 @@ import hashlib
 
 from ..comm import Backend, SimulatedBackend
 from ..graph.physical import PhysicalPlan, PNode
-from .inorder import ExecutionError
+from .errors import ExecutionError
 
 
 def check_same_plan(plan: PhysicalPlan, backend: Backend) -> None:

@@ -9,7 +9,7 @@ caching allocator does not hand their memory out again before the reader's kerne
 the writer's own stream need neither: stream order already serialises them.
 
 Without threads (virtual ranks in one process), there are no lanes: every act runs on the caller's
-stream in the order Board.play picks, which respects every message.
+stream in the order play.play picks, which respects every message.
 """
 
 from __future__ import annotations

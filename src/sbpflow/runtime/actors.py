@@ -29,7 +29,7 @@ collectives all are (a pipeline stage's included) needs no thread of its own for
 alone, as below, posting each transfer as soon as it is ready (:meth:`~sbpflow.runtime.board.Board.issue_comm_first`).
 On virtual ranks, where a collective is a local copy that never waits for a peer, the caller's thread
 acts for every lane, earliest plan position first: deterministic, and exactly
-:func:`~sbpflow.runtime.board.dry_run`'s schedule (both are :meth:`~sbpflow.runtime.board.Board.play`:
+:func:`~sbpflow.runtime.memory.dry_run`'s schedule (both are :func:`.play.play`:
 no locks, queues or hand-offs; ``threads=True`` forces threads).
 On CUDA each thread has its own stream and registers carry events (:mod:`._cuda`).
 Threads live across runs (each run is a new generation) until :meth:`ActorRuntime.close`, or until
@@ -78,6 +78,7 @@ from .inorder import (
     prepare_groups,
     program,
 )
+from .play import play
 from .workers import CommWorker, ComputeWorker, Worker
 
 IDLE_CHECK = 1.0  # seconds an idle worker waits before checking that its runtime is still in use
@@ -147,13 +148,13 @@ class ActorRuntime:
         self._progress = time.monotonic()  # when an act last started or ended (the watchdog's clock)
         self._callers = self._caller_lanes()
         self._program: Program | None = None  # the program whose kernels the actors' ``run`` holds
-        # one thread: Board.play acts for every lane, no queues, locks or hand-offs (on CUDA, every kernel goes
+        # one thread: play.play acts for every lane, no queues, locks or hand-offs (on CUDA, every kernel goes
         # to the caller's stream in plan order, which orders them as the messages would)
         self._inline = not self.threaded
         # its kernels: send/recv in flight only on one thread (in_flight_collectives says why not with threads)
         self._prog = program(plan, self.backend, p2p=self._inline)
         if self._inline and self.backend.in_flight:
-            # transfers in flight: the one thread posts them before it waits for any (Board.play)
+            # transfers in flight: the one thread posts them before it waits for any (play.play)
             self.board.issue_comm_first(set(in_flight_collectives(plan).values()))
         for worker in self._workers.values():
             if worker not in self._callers:
@@ -203,7 +204,7 @@ class ActorRuntime:
         With threads, the caller takes the first compute lane: a step that only computes never changes
         thread, and a run ends without a hand-off back (each costs up to a GIL switch interval). Without,
         the caller acts for every lane, earliest plan position first: deterministic, and the schedule
-        :func:`~sbpflow.runtime.board.dry_run` predicts.
+        :func:`~sbpflow.runtime.memory.dry_run` predicts.
         """
         if not self.threaded:
             return list(self._workers.values())
@@ -290,7 +291,7 @@ class ActorRuntime:
         self._bind_runs()
         for worker in self._workers.values():
             worker.reset()
-        if not self._inline:  # Board.play offers the actors itself
+        if not self._inline:  # play.play offers the actors itself
             for actor in self.board.actors:
                 self._wake(actor)
 
@@ -344,8 +345,8 @@ class ActorRuntime:
             raise error
 
     def _play(self) -> None:
-        """The step on the caller's thread alone (:meth:`Board.play`): the schedule of the lanes' pick rules
-        merged by priority, which is :func:`~sbpflow.runtime.board.dry_run`'s. Nothing else can send a message,
+        """The step on the caller's thread alone (:func:`.play.play`): the schedule of the lanes' pick rules
+        merged by priority, which is :func:`~sbpflow.runtime.memory.dry_run`'s. Nothing else can send a message,
         so when no actor can act before the end, the watchdog's report comes at once."""
         state, trace, workers = self._state, self._trace, self._workers
         assert state is not None
@@ -364,7 +365,7 @@ class ActorRuntime:
 
         try:
             try:
-                self.board.play(one, state)
+                play(self.board, one, state)
             except Exception as e:
                 failed = self.board.failed
                 if failed is None or failed[0].run is None or isinstance(e, _NAMED):

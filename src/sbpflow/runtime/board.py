@@ -19,33 +19,18 @@ until the m-th read. ``control`` edges are slots with no value and no bound: ord
 Memory. A slot's bytes count from the moment its producer claims it (before the act, so an act's inputs
 and outputs are live together) until its last reader frees it; variables count for the whole step,
 since their shards live on between steps. A fused segment's intermediates (graph.fuse) count while its act
-runs, on top of its inputs and outputs. :func:`dry_run` plays a step without threads or kernels:
+runs, on top of its inputs and outputs. :func:`.memory.dry_run` plays a step without threads or kernels:
 the same accounting, for the compiler's memory plan.
 
 A buffer whose producer this process does not run (the source side of a cross-placement boxing
 node, on a process that owns only destination ranks) reads as ``{}``: no shards here.
 
 :class:`Board` is the whole state; :mod:`.actors` (ActorRuntime) drives it from worker threads under one lock
-(:meth:`Board.take`, :meth:`Board.finish`), or, when one thread acts for every lane, by :meth:`Board.play`.
-
-What :meth:`Board.play` keeps cheap (it is the runtime on virtual ranks, where an act's bookkeeping is set
-against a kernel of a few microseconds; ``benchmarks/runtime_overhead.py``): each actor counts its inputs with
-an empty queue (``missing``), so readiness is one check, not a scan of every input (an optimizer update reads
-a hundred buffers, and each of them wakes it); an actor is offered only when a message may have made it ready;
-where at most one value of a register can be live for its readers (one reader, or one slot), the queues hold
-the value itself and the register counts the reads (no :class:`Slot` object); an act with such values only, no
-control edge and no comm turn (most acts) walks tuples built once (:func:`_prepare_play`) and tests no flag that
-cannot be set for it; claims and frees are logged and counted (bytes and slots, and their peaks) only when first
-asked for; a run of variables next to each other in the plan is one pick (they would be picked one after the
-other anyway); and the heap holds ints.
-The messages, the schedule and every count are the same as :meth:`Board.take` and :meth:`Board.finish` give
-(``tests/logic/test_runtime_actors.py`` plays both side by side).
+(:meth:`Board.take`, :meth:`Board.finish`), or, when one thread acts for every lane, by :func:`.play.play`.
 """
 
 from __future__ import annotations
 
-import heapq
-import operator
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -54,7 +39,7 @@ from typing import Any
 from ..comm import Backend
 from ..graph.fuse import FUSED, transient_bytes
 from ..graph.physical import COMPUTE_STREAM, GATHERING, PhysicalPlan, PNode
-from .inorder import ExecutionError
+from .errors import ExecutionError
 
 
 @dataclass(eq=False, slots=True)
@@ -81,17 +66,17 @@ class RegisterState:
     resident: dict[int, int] = field(default_factory=dict)  # a variable's bytes: live for the whole step
     watch: tuple[str, ...] = ()  # the plan.watch sets this buffer belongs to
     sizes: tuple[tuple[int, int], ...] = ()  # bytes_by_rank's items, for the per-act count (set by Board)
-    release: _Release = field(init=False)  # this register's entry for a free in Board.play's log
-    spare: list[Slot] = field(default_factory=list)  # Board.play: slot objects freed by all readers, for reuse
+    release: _Release = field(init=False)  # this register's entry for a free in play.play's log
+    spare: list[Slot] = field(default_factory=list)  # play.play: slot objects freed by all readers, for reuse
     # set by Board once wired, read by play where a check of a list or another object would cost a memory access:
     again: bool = False  # its producer acts more than once: a freed slot may let it act again
-    # Board.play queues a value itself (no Slot) when only one can be live for its readers: one reader, or one slot
+    # play.play queues a value itself (no Slot) when only one can be live for its readers: one reader, or one slot
     # (all readers then read the same value, so the register counts their reads in ``left``)
     direct: bool = False
     shared: bool = False  # direct with several readers (so one slot): ``left`` counts the reads to come
     left: int = 0
     fanout: int = 0  # len(readers)
-    targets: tuple[tuple[deque[Any], Actor], ...] = ()  # Board.play: each reader's (queue, actor), for a direct send
+    targets: tuple[tuple[deque[Any], Actor], ...] = ()  # play.play: each reader's (queue, actor), for a direct send
 
     def __post_init__(self) -> None:
         self.release = _Release(self)
@@ -103,7 +88,7 @@ class RegisterState:
 
 @dataclass(eq=False, slots=True)
 class _Release:
-    """A free of ``register``'s slot, as logged by :meth:`Board.play`."""
+    """A free of ``register``'s slot, as logged by :meth:`play.play`."""
 
     register: RegisterState
 
@@ -118,10 +103,10 @@ class InEdge:
     reads_per_slot: int  # m for a once-written value read by an m-step actor, else 1
     lead: int = 0  # a control edge: step k waits for the source's step k + lead (pipeline schedules)
     orphan: bool = False  # no node of the plan writes it (a corrupt plan): it never becomes ready
-    queue: deque[Any] = field(default_factory=deque)  # Slots; under Board.play, values for a ``direct`` edge
+    queue: deque[Any] = field(default_factory=deque)  # Slots; under play.play, values for a ``direct`` edge
     reads: int = 0  # reads of the head slot so far
     register: RegisterState | None = None  # the register it reads (None: a control edge, or nothing here writes it)
-    direct: bool = False  # its register is direct: Board.play queues the values themselves, no Slot
+    direct: bool = False  # its register is direct: play.play queues the values themselves, no Slot
 
     @property
     def waits(self) -> bool:
@@ -172,19 +157,19 @@ class Actor:
     # every send (a slot into an empty queue: -1) and every release (a queue emptied: +1), so that a check is O(1)
     # (an optimizer update reads 100+ buffers, and is woken by each of them)
     missing: int = 0
-    arity: int = -1  # len(inputs) when every input is fed (the usual case: Board.play reads them without a loop)
+    arity: int = -1  # len(inputs) when every input is fed (the usual case: play.play reads them without a loop)
     gated: bool = False  # it has control inputs
-    codes: tuple[int, ...] = ()  # Board.play's heap entry per step: key * len(plan.nodes) + position (key 0: none)
-    # Board.play's short path (see Board._prepare_play): an act with no comm turn, control edge, Slot or absent input
+    codes: tuple[int, ...] = ()  # play.play's heap entry per step: key * len(plan.nodes) + position (key 0: none)
+    # play.play's short path (see Board._prepare_play): an act with no comm turn, control edge, Slot or absent input
     fast: bool = False
     queues: tuple[deque[Any], ...] = ()  # its inputs' queues, in input order (a fast actor's inputs are all fed)
     drops: tuple[tuple[deque[Any], RegisterState], ...] = ()  # (queue, register) of inputs read once per slot
     repeats: tuple[InEdge, ...] = ()  # inputs read on several steps (reads_per_slot > 1): counted per read
     single: RegisterState | None = None  # its one output register, if it has exactly one
-    # Board.play: the run of variables this one leads, each with its register
+    # play.play: the run of variables this one leads, each with its register
     # (see Board._group_sources)
     sources: list[tuple[Actor, RegisterState]] | None = None
-    led: bool = False  # a variable acted by the run's leader, never offered on its own by Board.play
+    led: bool = False  # a variable acted by the run's leader, never offered on its own by play.play
     comm: bool = False  # on a communication lane (acts in its stream's fixed order)
     signals: bool = False  # CUDA threads: a reader on another stream waits for this actor's event
     # set by the runtime for a run: the node's bound kernel, ``run(inputs, state, step)``, when an act needs nothing
@@ -441,301 +426,6 @@ class Board:
         self.heads = dict.fromkeys(self.streams, 0)
         self.failed = None
 
-    def play(self, perform: Callable[[Actor, int, list[Any]], list[Any]], state: Any = None) -> None:
-        """Acts every actor that can act on the calling thread, one at a time, until none can: each thread's pick
-        rule is kept (compute: earliest plan position first; a comm stream: its fixed order) and the threads are
-        merged by priority (schedule key, plan position, step). ``perform(actor, step, inputs)`` runs one act and
-        returns its output values, or, for an actor whose ``run`` is set, ``actor.run(inputs, state, step)`` does
-        (one call instead of the runtime's wrappers); an exception from either ends the play, and :attr:`failed`
-        then says which (actor, step) raised it. The caller checks :attr:`all_done`. Call it once per
-        :meth:`reset` (its log of claims starts from every slot free).
-
-        The same messages as :meth:`take` and :meth:`finish`, written out in one loop (this is the runtime's hot
-        path on one thread: a call costs as much as a message here). One heap holds every ready act (a comm
-        stream offers only its head); priorities are unique (one entry per actor, positions differ), so actors
-        are never compared. An actor is offered to the heap only when a message may have made it ready: its
-        last missing input arrived (:attr:`Actor.missing` fell to 0), a register of its went from full to one
-        free slot, a control token came, its own act ended, or its comm stream's turn came to it. Claims and
-        frees are logged and counted when first read (:attr:`stats`, :attr:`live_bytes`; :meth:`_count_bytes`):
-        the same peaks of bytes and of slots as counting on every claim.
-
-        Most acts take the short path (:attr:`Actor.fast`, set by :func:`_prepare_play`): inputs and outputs
-        passed as values, no control edge, no comm turn, so that an act walks tuples built once (its input
-        queues, (queue, register) pairs to free, each output's (queue, reader) pairs) and tests no flag that
-        cannot be set for it. The others (a comm stream's acts, control edges, :class:`Slot` registers, inputs
-        from another process, a run of variables) take the general path below it: the same messages.
-        """
-        heap: list[int] = []  # codes (key * span + position): unique, as one actor is in the heap at most once
-        # the ready act with the lowest code offered since the last pick, in front of the heap: an act that readies
-        # only its reader (a chain) hands it over without a push and a pop
-        ahead: Actor | None = None
-        ahead_code = 0
-        streams, heads, push, pop = self.streams, self.heads, heapq.heappush, heapq.heappop
-        by_position, span = self._by_position, len(self._by_position)
-        log: list[Any] = []  # claims (a register) and frees (its ``release`` twin)
-        note = log.append
-        first = operator.itemgetter(0)
-        acts = finished = 0
-
-        def offer(actor: Actor) -> None:
-            """Queues ``actor`` if it can act (callers checked that no input is missing, and busy and done):
-            :meth:`ready` written out."""
-            nonlocal ahead, ahead_code
-            step = actor.step
-            if not actor.fast:  # a fast actor has no comm turn and no control edge to check
-                if actor.comm:
-                    seq, i = streams[actor.lane], heads[actor.lane]
-                    if i >= len(seq) or seq[i][0] is not actor:
-                        return
-                if actor.gated:
-                    for edge in actor.controls:
-                        if len(edge.queue) < edge.tokens_needed():
-                            return
-            if not actor.gathers or step == 0:
-                for reg in actor.outputs:
-                    if reg.free <= 0:
-                        return
-            actor.busy = True
-            code = actor.codes[step]
-            if ahead is None:
-                ahead, ahead_code = actor, code
-            elif code < ahead_code:
-                push(heap, ahead_code)
-                ahead, ahead_code = actor, code
-            else:
-                push(heap, code)
-
-        def send(reg: RegisterState, value: Any, micro: int) -> None:
-            """A written slot to the register's readers (the main loop below writes this out)."""
-            readers = reg.readers
-            if not readers:
-                reg.free += 1  # nobody here reads it: the slot is free again at once
-                note(reg.release)
-                return
-            if reg.direct:
-                reg.left = len(readers)
-                slot: Any = value
-            else:
-                slot = _slot(reg, value, micro)
-            for edge in readers:
-                queue = edge.queue
-                queue.append(slot)
-                if len(queue) == 1:
-                    other = edge.consumer
-                    other.missing -= 1
-                    if not other.missing and not other.busy and other.step < other.steps:
-                        offer(other)
-
-        for actor in self._starters:
-            if not actor.missing and not actor.busy and actor.step < actor.steps:
-                offer(actor)
-        step = 0
-        try:
-            while True:
-                actor = ahead  # type: ignore[assignment]
-                if actor is not None and (not heap or ahead_code < heap[0]):
-                    ahead = None
-                elif heap:
-                    actor = by_position[pop(heap) % span]  # type: ignore[assignment]  # only actors are pushed
-                else:
-                    break
-                step = actor.step
-                gathers, outputs = actor.gathers, actor.outputs
-                if actor.fast:
-                    # take: claim the output slots, read the inputs (each queue's head is the value itself)
-                    if not gathers or step == 0:
-                        for reg in outputs:
-                            reg.free -= 1
-                            note(reg)
-                    queues = actor.queues
-                    arity = actor.arity
-                    if arity == 1:
-                        inputs = [queues[0][0]]
-                    elif arity == 2:
-                        inputs = [queues[0][0], queues[1][0]]
-                    else:
-                        inputs = [*map(first, queues)]
-                    run = actor.run
-                    values = run(inputs, state, step) if run is not None else perform(actor, step, inputs)
-                    # finish: "ready" to the consumers, "free" to the producers; offers follow the messages that may
-                    # make an actor ready (the module docstring's rules), after the state they read is written
-                    if outputs and (not gathers or step == actor.steps - 1):
-                        if len(values) != len(outputs):
-                            raise ExecutionError(f"{actor.label()} returned {len(values)} values for its "
-                                                 f"{len(outputs)} outputs")
-                        reg = actor.single  # type: ignore[assignment]
-                        if reg is not None:  # the usual case: one output, its value put in each reader's queue
-                            reg.left = reg.fanout  # read only where shared: a store costs less than a check
-                            value = values[0]
-                            for queue, other in reg.targets:
-                                queue.append(value)
-                                if len(queue) == 1:
-                                    other.missing -= 1
-                                    if not other.missing and not other.busy and other.step < other.steps:
-                                        offer(other)
-                        else:  # (zip(strict=True) would cost more than this whole block: the lengths were checked)
-                            for reg, value in zip(outputs, values, strict=False):
-                                reg.left = reg.fanout
-                                for queue, other in reg.targets:
-                                    queue.append(value)
-                                    if len(queue) == 1:
-                                        other.missing -= 1
-                                        if not other.missing and not other.busy and other.step < other.steps:
-                                            offer(other)
-                    missing = 0  # every queue had a value at the pick; count the ones emptied now
-                    for queue, reg in actor.drops:
-                        queue.popleft()
-                        if not queue:
-                            missing += 1
-                        if reg.shared:
-                            reg.left -= 1
-                            if reg.left:
-                                continue
-                        reg.free += 1
-                        note(reg.release)
-                        if reg.again and reg.free == 1:  # was full: its producer may act again
-                            other = reg.producer
-                            if not other.missing and not other.busy and other.step < other.steps:
-                                offer(other)
-                    for edge in actor.repeats:  # a value read on every micro-batch: freed after its last read
-                        edge.reads += 1
-                        if edge.reads < edge.reads_per_slot:
-                            continue
-                        edge.reads = 0
-                        queue = edge.queue
-                        queue.popleft()
-                        if not queue:
-                            missing += 1
-                        reg = edge.register  # type: ignore[assignment]  # a fed edge has one
-                        if reg.shared:
-                            reg.left -= 1
-                            if reg.left:
-                                continue
-                        reg.free += 1
-                        note(reg.release)
-                        if reg.again and reg.free == 1:
-                            other = reg.producer
-                            if not other.missing and not other.busy and other.step < other.steps:
-                                offer(other)
-                    actor.missing = missing
-                    actor.step = step = step + 1
-                    actor.busy = False
-                    acts += 1
-                    if step >= actor.steps:
-                        finished += 1
-                    elif not missing:
-                        offer(actor)
-                    continue
-                sources = actor.sources
-                if sources is not None:  # a run of variables (_group_sources): each one's act, in plan order
-                    for actor, reg in sources:
-                        reg.free -= 1
-                        note(reg)
-                        run = actor.run
-                        value = (run([], state, 0) if run is not None else perform(actor, 0, []))[0]
-                        actor.step = 1
-                        if not reg.direct:
-                            send(reg, value, 0)
-                            continue
-                        reg.left = reg.fanout
-                        for queue, other in reg.targets:
-                            queue.append(value)
-                            if len(queue) == 1:
-                                other.missing -= 1
-                                if not other.missing and not other.busy and other.step < other.steps:
-                                    offer(other)
-                    sources[0][0].busy = False  # the leader: the others were never offered
-                    acts += len(sources)
-                    finished += len(sources)
-                    continue
-                # the general path: the short path's messages, and Slots, control tokens, comm turns, absent inputs
-                if outputs and (not gathers or step == 0):
-                    for reg in outputs:
-                        reg.free -= 1
-                        note(reg)
-                fed = actor.fed
-                inputs = [(e.queue[0] if e.direct else e.queue[0].value) if e.producer is not None else {}
-                          for e in actor.inputs]
-                run = actor.run
-                if actor.transient is not None:
-                    note(actor.transient)
-                values = run(inputs, state, step) if run is not None else perform(actor, step, inputs)
-                if actor.transient is not None:
-                    note(actor.transient.release)
-                if outputs and (not gathers or step == actor.steps - 1):
-                    if len(values) != len(outputs):
-                        raise ExecutionError(f"{actor.label()} returned {len(values)} values for its "
-                                             f"{len(outputs)} outputs")
-                    for reg, value in zip(outputs, values, strict=False):
-                        send(reg, value, 0 if gathers else step)
-                if actor.control_out:
-                    for edge in actor.control_out:
-                        edge.queue.append(Slot(None, step, 1, None))
-                        other = edge.consumer
-                        if not other.missing and not other.busy and other.step < other.steps:
-                            offer(other)
-                for edge in fed:
-                    if edge.reads_per_slot > 1:
-                        edge.reads += 1
-                        if edge.reads < edge.reads_per_slot:
-                            continue
-                        edge.reads = 0
-                    queue = edge.queue
-                    if edge.direct:
-                        queue.popleft()
-                        if not queue:
-                            actor.missing += 1
-                        reg = edge.register  # type: ignore[assignment]  # a fed edge has one
-                        if reg.shared:
-                            reg.left -= 1
-                            if reg.left:
-                                continue
-                    else:
-                        slot = queue.popleft()
-                        if not queue:
-                            actor.missing += 1
-                        slot.reads_left -= 1
-                        if slot.reads_left:
-                            continue
-                        reg = slot.register
-                        slot.value = None  # the value may be freed now
-                        reg.spare.append(slot)
-                    reg.free += 1
-                    note(reg.release)
-                    if reg.again and reg.free == 1:  # was full: its producer may act again
-                        other = reg.producer
-                        if not other.missing and not other.busy and other.step < other.steps:
-                            offer(other)
-                if actor.gated:
-                    for edge in actor.controls:
-                        if edge.reads_per_slot > 1:
-                            edge.reads += 1
-                            if edge.reads < edge.reads_per_slot:
-                                continue
-                            edge.reads = 0
-                        edge.queue.popleft()  # a control token: no register, no value
-                actor.step = step = step + 1
-                actor.busy = False
-                acts += 1
-                if actor.comm:  # its stream's turn passes on first: offer() checks it, for this actor too
-                    seq = streams[actor.lane]
-                    i = heads[actor.lane] = heads[actor.lane] + 1
-                    if i < len(seq):
-                        other = seq[i][0]
-                        if other is not actor and not other.missing and not other.busy and other.step < other.steps:
-                            offer(other)
-                if step >= actor.steps:
-                    finished += 1
-                elif not actor.missing:  # most often an input is missing now: no call
-                    offer(actor)
-        except BaseException:
-            self.failed = (actor, step)
-            raise
-        finally:
-            self._stats.acts += acts
-            self.finished += finished
-            self._unsettled = log  # counted when stats or live_bytes are read (most steps, nobody asks)
-
     def _count_bytes(self, log: list[Any]) -> None:
         """Replays :meth:`play`'s log of claims (a register) and frees (its ``release`` twin) into live bytes, live
         slots and their peaks: the counts after every claim, as :meth:`_claim` makes them one by one (the log
@@ -927,7 +617,7 @@ def _plain_source(actor: Actor) -> bool:
 
 
 def _prepare_play(actor: Actor) -> None:
-    """The lists :meth:`Board.play`'s short path walks, and whether ``actor`` may take it: every input written by an
+    """The lists :meth:`play.play`'s short path walks, and whether ``actor`` may take it: every input written by an
     actor of this process (no ``{}``, no orphan), each passed as the value itself (``direct``: no :class:`Slot`),
     every output direct with a reader here, no control edge and no comm stream's turn to keep."""
     fed = actor.fed
@@ -990,32 +680,3 @@ def _stream_key(actor_step: tuple[Actor, int]) -> tuple[int, int]:
     """A micro-batch step's place on a stream: its schedule priority (else its micro-batch), then plan position."""
     actor, step = actor_step
     return (actor.keys[step] if actor.keys is not None else step, actor.position)
-
-
-def dry_run(plan: PhysicalPlan, backend: Backend) -> Stats:
-    """Plays one step's messages on one thread, with no kernels: the acts and register counts of a run.
-
-    Every thread's pick rule is kept (compute: earliest plan position first; a comm stream: its fixed
-    order) and the threads are merged by plan position, so this is the runtime's schedule when
-    communication takes no time. Its ``peak_bytes`` is what the runtime reports for such a run, which
-    makes it the memory plan a compiler can predict with (the same accounting, not a second model).
-
-    >>> import sbpflow
-    >>> from sbpflow import sbp
-    >>> from sbpflow.comm import SimulatedBackend
-    >>> from sbpflow.runtime.builder import PlanBuilder
-    >>> b = PlanBuilder(micro_batches=2)
-    >>> p = sbpflow.placement("cpu", [0, 1])
-    >>> b.output("y", b.pack(b.compute("relu", b.unpack(b.input("x", (8, 4), p, (sbp.split(0),))))))
-    >>> stats = dry_run(b.build(), SimulatedBackend())
-    >>> stats.acts, stats.peak_bytes   # the input or pack's output (64 B/rank), with two 32 B micro values
-    (8, {0: 128, 1: 128})
-    """
-    board = Board(plan, backend)
-    board.reset()
-    board.play(lambda actor, step, inputs: [None] * len(actor.outputs) if actor.emits(step) else [])
-    if not board.all_done:
-        stuck = [f"{a.label()}: {'; '.join(board.waits(a)) or 'its turn on ' + a.lane}"
-                 for a in board.actors if not a.done]
-        raise ExecutionError("the plan cannot finish a step; waiting actors:\n  " + "\n  ".join(stuck))
-    return board.stats

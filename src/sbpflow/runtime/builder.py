@@ -27,7 +27,7 @@ import torch
 from .. import boxing
 from ..boxing.plan import MOVES_NOTHING
 from ..graph.physical import COMPUTE_STREAM, Buf, PhysicalPlan, PNode, Register
-from ..ops.registry import REGISTRY, Meta, Scalar
+from ..ops.schema import REGISTRY, Meta, Scalar
 from ..placement import Placement
 from ..sbp import NdSbp
 

@@ -36,15 +36,13 @@ from ..graph.physical import GATHERING, PHASES, PhysicalPlan, PNode
 from ..host_memory import keep_freed_host_memory
 from ..ops.inplace import OVERWRITING
 from ..ops.optimizer import IN_PLACE
-from ..ops.registry import REGISTRY, Meta, ShardCtx
+from ..ops.schema import REGISTRY, Meta, ShardCtx
 from ..random import mix_key
+from . import route
+from .errors import ExecutionError
 
 Shards = dict[int, torch.Tensor]
 RANDOM_FEED = "__random__"  # feeds[RANDOM_FEED] = (seed, counter at step start, keys drawn per micro-batch)
-
-
-class ExecutionError(SbpflowError):
-    """A node of a physical plan failed; the message names the node and its op."""
 
 
 class StepState:
@@ -122,7 +120,7 @@ def in_flight_collectives(plan: PhysicalPlan, p2p: bool = True) -> dict[int, int
 
     ``p2p=False`` leaves send/recv out (it blocks): for the actor runtime's threads, whose compute thread would
     commit to an act as soon as its input is posted and wait in it, while a peer waits for an act behind it (the
-    one-thread runtime posts every ready transfer first instead: :meth:`~sbpflow.runtime.board.Board.play`)."""
+    one-thread runtime posts every ready transfer first instead: :meth:`~sbpflow.runtime.board.play.play`)."""
     gathering = {b for n in plan.nodes if n.kind in GATHERING for b in n.inputs}
     return {n.id: n.outputs[0] for n in plan.nodes
             if n.kind == "boxing" and n.boxing is not None and runs_async(n.boxing) and n.outputs[0] not in gathering
@@ -188,8 +186,6 @@ def _bind(node: PNode, plan: PhysicalPlan, backend: Backend, in_flight: bool = F
     if kind == "pack":
         return lambda inputs, state, micro: [_pack(node, inputs[0])]
     if kind == "route":
-        from . import route
-
         return lambda inputs, state, micro: route.act(node, list(inputs), backend)
     if kind == "assign":
         return lambda inputs, state, micro: _record(state.assigns, node.name, inputs[0])
@@ -426,6 +422,8 @@ def add_into(totals: list[Shards] | None, values: Sequence[Shards]) -> list[Shar
 def _pack(node: PNode, values: Sequence[Shards]) -> Shards:
     if node.mode == "mean":
         return {r: torch.stack([v[r] for v in values]).mean(0) for r in values[0]}
+    if node.mode == "sum":  # a partial over the micro-batches (graph.micro): a sum over the batch
+        return {r: torch.stack([v[r] for v in values]).sum(0) for r in values[0]}
     return {r: torch.cat([v[r] for v in values], 0) for r in values[0]}
 
 
@@ -444,7 +442,6 @@ def commit(state: StepState) -> None:
 def prepare_groups(plan: PhysicalPlan, backend: Backend) -> None:
     """Creates the process groups of every communication node, in plan order, on every process: group creation
     is collective over the whole job, also for processes outside the group (torch.distributed)."""
-    from . import route
 
     for node in plan.nodes:
         if node.kind == "boxing" and node.boxing is not None and not node.boxing.is_relabel:

@@ -39,7 +39,9 @@ from ..comm import Backend
 from ..comm.base import nbytes
 from ..graph.physical import Buf, PNode
 from ..sbp import Broadcast, Split
-from .inorder import ExecutionError, Shards
+from .errors import ExecutionError
+
+Shards = dict[int, torch.Tensor]  # rank -> its local shard, as in runtime.inorder
 
 MODES = ("dispatch", "combine", "redispatch")
 

@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from .inorder import ExecutionError
+from .errors import ExecutionError
 from .trace import TraceWriter
 
 IDLE_CHECK = 1.0  # seconds a waiting source thread waits before checking that its actor is still in use

@@ -18,6 +18,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from ._cuda import CudaLane
 from .board import Actor, Board, stream_order
 
 
@@ -78,7 +79,7 @@ class Worker:
         raise NotImplementedError
 
     def seek(self, head: int) -> None:
-        """Sets a comm stream's next act (after :meth:`Board.play` acted for it); nothing on a compute lane."""
+        """Sets a comm stream's next act (after :func:`.play.play` acted for it); nothing on a compute lane."""
 
     def turn(self, actor: Actor) -> list[str]:
         """Why ``actor`` is not this thread's next act although it may be ready (a comm stream's order)."""
@@ -173,6 +174,4 @@ class CommWorker(Worker):
 def _cuda_lane(device: Any) -> Any:
     if device is None:
         return None
-    from ._cuda import CudaLane
-
     return CudaLane(device)

@@ -30,11 +30,13 @@ from collections.abc import Callable
 from typing import Any
 
 from .. import random
-from ..autograd import enable_grad, grad, is_grad_enabled
+from ..autograd import enable_grad, is_grad_enabled
+from ..autograd.engine import grad
 from ..errors import AutogradError
 from ..graph import trace
 from ..nn.module import Module
-from ..ops.registry import OpDef, _record
+from ..ops.dispatch import record
+from ..ops.schema import OpDef
 from ..tensor import Tensor
 
 # not a registered op: it never dispatches, it only records the node whose gradient recomputes the segment
@@ -61,7 +63,7 @@ def checkpoint(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     results = tuple(o.detach() for o in outs)
     attrs = {"fn": fn, "args": args, "kwargs": kwargs, "rng": rng, "n_args": len(arg_inputs), "leaves": leaves}
     differentiable = tuple(r for r, o in zip(results, outs, strict=True) if o.requires_grad)
-    _record(_checkpoint_def, arg_inputs + leaves, attrs, differentiable)
+    record(_checkpoint_def, arg_inputs + leaves, attrs, differentiable)
     return _rebuild(out, outs, results)
 
 

@@ -227,9 +227,14 @@ class DataLoader:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continues from a saved position; the seed, batch size, dataset length, shuffle and drop_last must be the
         saved ones (where saved)."""
-        if "epoch" not in state or "index" not in state:
+        if not isinstance(state, dict) or "epoch" not in state or "index" not in state:
             raise SbpflowError(f"DataLoader.load_state_dict needs 'epoch' and 'index' (a state_dict() of a "
-                               f"DataLoader), but got the keys {sorted(state)}")
+                               f"DataLoader), but got {sorted(state) if isinstance(state, dict) else type(state)}")
+        try:  # integers, or what a checkpoint gives back for them (0-d tensors)
+            state = {k: int(v) for k, v in state.items()}
+        except (TypeError, ValueError, RuntimeError) as e:
+            raise SbpflowError(f"DataLoader.load_state_dict takes integers (a state_dict() of a DataLoader), but got "
+                               f"{state} ({e})") from None
         for key, mine in (("seed", self.seed), ("batch_size", self.batch_size), ("samples", len(self.dataset)),
                           ("shuffle", int(self.shuffle)), ("drop_last", int(self.drop_last))):
             if key in state and int(state[key]) != mine:

@@ -13,224 +13,25 @@ each; ``coalesce_grad_reductions(False)`` opts out (one reduction per leaf).
 
 from __future__ import annotations
 
-import threading
-import weakref
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import torch
 
-from .errors import AutogradError
-from .host_memory import keep_freed_host_memory
-from .sbp import Partial, broadcast, partial_sum
-
-if TYPE_CHECKING:
-    from .ops.registry import OpDef
-    from .tensor import Tensor
-
-
-DEFAULT_BUCKET_MB = 25.0  # DDP's default bucket_cap_mb
-FIRST_BUCKET_MB = 1.0  # DDP's first bucket: small, so that communication starts early in backward
-
-
-class _Mode(threading.local):
-    grad_enabled = True
-    coalesce = True  # see coalesce_grad_reductions: DDP-style buckets by default
-    bucket_bytes = int(DEFAULT_BUCKET_MB * 2**20)
-
-
-_mode = _Mode()
-
-
-_output_hooks = False  # whether any tensor ever got a hook or retain_grad() (note_output_hooks)
-
-
-def note_output_hooks() -> None:
-    """Called by ``Tensor.register_hook`` and ``retain_grad``: from now on backward looks for hooks and retained
-    gradients on every node's outputs (until then it skips that scan; the flag is never cleared, since a hooked
-    tensor may live on anywhere)."""
-    global _output_hooks
-    _output_hooks = True
-
-
-def is_grad_enabled() -> bool:
-    return _mode.grad_enabled
-
-
-@contextmanager
-def _set_grad(enabled: bool) -> Iterator[None]:
-    previous = _mode.grad_enabled
-    _mode.grad_enabled = enabled
-    try:
-        yield
-    finally:
-        _mode.grad_enabled = previous
-
-
-class no_grad:
-    """Context manager and decorator that turns off gradient recording."""
-
-    def __enter__(self) -> None:
-        self._previous = _mode.grad_enabled
-        _mode.grad_enabled = False
-
-    def __exit__(self, *exc: object) -> None:
-        _mode.grad_enabled = self._previous
-
-    def __call__(self, fn: Callable[..., Any]) -> Callable[..., Any]:
-        def wrapped(*args: Any, **kwargs: Any) -> Any:
-            with _set_grad(False):
-                return fn(*args, **kwargs)
-
-        wrapped.__name__ = getattr(fn, "__name__", "wrapped")
-        wrapped.__doc__ = fn.__doc__
-        return wrapped
-
-
-class enable_grad(no_grad):
-    def __enter__(self) -> None:
-        self._previous = _mode.grad_enabled
-        _mode.grad_enabled = True
-
-
-@contextmanager
-def coalesce_grad_reductions(enabled: bool = True, bucket_cap_mb: float = DEFAULT_BUCKET_MB) -> Iterator[None]:
-    """Backward passes inside the block reduce the partial-sum gradients of broadcast leaves together, in flat
-    buckets of up to ``bucket_cap_mb`` MiB per (placement, dtype, SBP) instead of one all-reduce per leaf, as
-    DDP does. This is the default; ``coalesce_grad_reductions(False)`` opts out for the block (each leaf's
-    gradient then boxes to the leaf's layout on its own, at the end of backward).
-
-    A leaf's gradient joins its bucket as soon as backward has sent it its last contribution, so buckets fill
-    in backward order; as in DDP, the first bucket of each (placement, dtype, SBP) holds up to 1 MiB only, so
-    that communication starts early. A full bucket whose boxing to B is one all-reduce per group is issued
-    asynchronously (``Backend.all_reduce_async``) while backward goes on, the rest at the end of backward, which
-    then waits for all of them. Gradients that reduce otherwise (e.g. partial on several mesh axes) get one flat
-    boxing per (placement, dtype, SBP) at the end of backward.
-
-    Values are the same (a sum of concatenated buffers is the concatenation of the sums); what changes is the
-    number of collectives, whose fixed latency dominates with many small gradients, and their overlap with
-    backward's compute.
-
-    >>> import sbpflow
-    >>> p = sbpflow.placement("cpu", [0, 1])
-    >>> w1 = sbpflow.ones(3, placement=p, sbp=sbpflow.sbp.broadcast, requires_grad=True)
-    >>> w2 = sbpflow.ones(2, placement=p, sbp=sbpflow.sbp.broadcast, requires_grad=True)
-    >>> x = sbpflow.ones(4, 1, placement=p, sbp=sbpflow.sbp.split(0))
-    >>> with sbpflow.comm.record() as log, coalesce_grad_reductions():
-    ...     ((x * w1).sum() + (x * w2).sum()).backward()
-    >>> log.counts(), w1.grad.numpy().tolist()
-    ({'all_reduce': 1}, [4.0, 4.0, 4.0])
-    """
-    if not bucket_cap_mb > 0:
-        raise AutogradError(f"coalesce_grad_reductions(bucket_cap_mb=...) must be positive, but got {bucket_cap_mb}")
-    previous = _mode.coalesce, _mode.bucket_bytes
-    _mode.coalesce, _mode.bucket_bytes = enabled, max(1, int(bucket_cap_mb * 2**20))
-    try:
-        yield
-    finally:
-        _mode.coalesce, _mode.bucket_bytes = previous
-
-
-class Node:
-    """One recorded op application: what backward needs to compute input gradients.
-
-    It is also what the op's gradient function gets as ``ctx``: ``ctx.inputs`` (tensor inputs), ``ctx.args``
-    (tensors and scalars in call order), ``ctx.outputs`` (kept with ``save_outputs``), ``ctx.attrs`` and
-    ``ctx.needs_input_grad`` (one flag per tensor input). Gradient functions run with recording off, so the
-    inputs themselves are safe to use (no detached copies).
-    """
-
-    __slots__ = ("op", "inputs", "versions", "outputs", "out_refs", "out_meta", "args", "attrs", "needs_input_grad",
-                 "freed", "out_hooks", "__weakref__")
-
-    def __init__(self, op: OpDef, inputs: Sequence[Any], outputs: Sequence[Tensor], attrs: dict[str, Any],
-                 save_outputs: bool) -> None:
-        tensor_cls: Any = _TENSOR or _tensor_class()
-        self.op = op
-        self.args = args = tuple(inputs) if op.grad_reads is None else _unread_as_shells(inputs, op.grad_reads)
-        tensors: list[Tensor] = []
-        versions: list[int] = []
-        needs: list[bool] = []
-        for a in args:  # one pass: the tensor inputs, their versions, which need a gradient
-            if isinstance(a, tensor_cls):
-                tensors.append(a)
-                versions.append(a._version)
-                needs.append(a.requires_grad)
-        self.inputs = tuple(tensors)
-        self.versions = tuple(versions)
-        self.outputs = tuple([o.detach() for o in outputs]) if save_outputs else ()
-        self.out_refs: tuple[weakref.ref[Tensor], ...]
-        self.out_meta: tuple[Any, ...]
-        if len(outputs) == 1:
-            self.out_refs = (weakref.ref(outputs[0]),)
-            self.out_meta = ()
-        else:
-            self.out_refs = tuple([weakref.ref(o) for o in outputs])
-            # with several outputs, one may be dropped before backward (max's indices): keep what its zeros need
-            self.out_meta = tuple([(tuple(o.shape), o.dtype, o._placement, o._sbp) for o in outputs])
-        self.attrs = attrs
-        self.needs_input_grad = tuple(needs)
-        self.freed = False
-        # output index -> that output's hook list (Tensor.register_hook): the hooks run even if the output itself
-        # is gone by the time backward reaches this node (as torch keeps hooks on the graph, not on the tensor)
-        self.out_hooks: dict[int, list[Any]] | None = None
-
-    @property
-    def name(self) -> str:
-        return f"{self.op.name}_backward"
-
-
-def _unread_as_shells(args: Sequence[Any], reads: tuple[int, ...]) -> tuple[Any, ...]:
-    """The op's arguments with every computed tensor input whose value the gradient does not read replaced by
-    its shell (metadata and autograd identity, no data: :meth:`Tensor._shell`). Leaves stay (their identity
-    receives the gradient; whoever made them holds them anyway), and so do traced (lazy) tensors, which hold
-    no data."""
-    tensor_cls: Any = _TENSOR or _tensor_class()
-    out = []
-    index = 0
-    for a in args:
-        if isinstance(a, tensor_cls):
-            if index not in reads and a.grad_fn is not None and a._lazy is None:
-                a = a._shell()
-            index += 1
-        out.append(a)
-    return tuple(out)
-
-
-def _tensor_class() -> type:
-    # tensor.py imports this module, so Tensor is looked up once, on first use, not per call
-    global _TENSOR
-    if _TENSOR is None:
-        from .tensor import Tensor
-
-        _TENSOR = Tensor
-    return _TENSOR
-
-
-_TENSOR: type | None = None
-_AMP: Any = None
-_FUNCTIONAL: Any = None
-
-
-def _functional() -> Any:
-    # ops.functional imports this module through the registry: looked up once, on first use, not per call
-    global _FUNCTIONAL
-    if _FUNCTIONAL is None:
-        from .ops import functional
-
-        _FUNCTIONAL = functional
-    return _FUNCTIONAL
-
-
-def _amp_module() -> Any:
-    # amp imports the ops, which import this module: looked up once, on first use, not per call
-    global _AMP
-    if _AMP is None:
-        from . import amp
-
-        _AMP = amp
-    return _AMP
+from .. import amp
+from ..boxing import Layout, execute, plan
+from ..comm import get_backend
+from ..creation import zeros
+from ..distributed import activity
+from ..errors import AutogradError
+from ..host_memory import keep_freed_host_memory
+from ..ops import functional as F
+from ..ops.dispatch import INTERPRETERS
+from ..ops.elementwise import comm_cast
+from ..sbp import Partial, broadcast, partial_sum
+from ..tensor import Tensor
+from .mode import FIRST_BUCKET_MB, _mode, _set_grad, no_grad, output_hooks
+from .node import Node
 
 
 def zero_grads(params: Iterable[Tensor], set_to_none: bool = True) -> None:
@@ -247,7 +48,6 @@ def zero_grads(params: Iterable[Tensor], set_to_none: bool = True) -> None:
 
 def backward(roots: Sequence[Tensor], grads: Sequence[Tensor | None], retain_graph: bool = False) -> None:
     """Accumulates d(roots)/d(leaf) into every reachable leaf's ``.grad``."""
-    F = _FUNCTIONAL or _functional()
     keep_freed_host_memory()  # the next step's activations reuse this one's pages
     with _set_grad(False):
         for leaf, grad in _leaf_gradients(roots, grads, retain_graph, _mode.coalesce):
@@ -276,8 +76,7 @@ def _leaf_gradients(roots: Sequence[Tensor], grads: Sequence[Tensor | None], ret
                     coalesce: bool, leaf_hooks: bool = True) -> list[tuple[Tensor, Tensor]]:
     """Runs backward from ``roots``; returns each reached leaf with its summed gradient (reduced in buckets when
     ``coalesce``)."""
-    F = _FUNCTIONAL or _functional()
-    with (_AMP or _amp_module()).suspended():  # gradients follow the dtypes forward chose, as in torch
+    with amp.suspended():  # gradients follow the dtypes forward chose, as in torch
         return _run_nodes(roots, grads, retain_graph, coalesce, F, leaf_hooks)
 
 
@@ -306,7 +105,7 @@ def _run_nodes(roots: Sequence[Tensor], grads: Sequence[Tensor | None], retain_g
             if all(g is None for g in outs):
                 outs = None
         if outs is not None:
-            if _output_hooks:
+            if output_hooks.seen:
                 outs = _run_output_hooks(node, outs)
             in_grads = _call_backward(node, outs)  # as many as node.inputs (checked there)
             for t, g in zip(node.inputs, in_grads, strict=True):
@@ -371,14 +170,11 @@ def _ones_broadcast(root: Tensor) -> Tensor:
 
     B rather than the root's own SBP: a partial root would make every gradient below it partial too.
     """
-    from .tensor import Tensor
 
     if root._local is not None:
         return Tensor._from_local(torch.ones_like(root._local))
-    if root._lazy is not None:
-        from .graph.trace import ones_root
-
-        return ones_root(root)
+    if root._lazy is not None:  # traced: the tracer in force makes the seed
+        return INTERPRETERS[-1].root_grad(root)
     shape = tuple(root.shape)
     shards = {r: torch.ones(shape, dtype=root.dtype, device=t.device) for r, t in (root._shards or {}).items()}
     return Tensor._from_shards(shape, root.dtype, root.placement, (broadcast,) * root.placement.ndim, shards)
@@ -451,7 +247,6 @@ def _call_backward(node: Node, outs: list[Tensor | None]) -> Sequence[Tensor | N
 
 
 def _zeros_for(node: Node, index: int) -> Tensor | None:
-    from .ops import functional as F
 
     out = node.out_refs[index]()
     if out is not None:
@@ -461,7 +256,6 @@ def _zeros_for(node: Node, index: int) -> Tensor | None:
     shape, dtype, placement, sbp = node.out_meta[index]
     if not (dtype.is_floating_point or dtype.is_complex):
         return None  # integer outputs (indices) have no gradient
-    from .creation import zeros
 
     return zeros(shape, dtype=dtype, placement=placement, sbp=sbp)
 
@@ -504,12 +298,10 @@ def _accumulate_leaf(leaf: Tensor, grad: Tensor, F: Any) -> None:
 
 def _reduce_grad(grad: Tensor, placement: Any, sbp: Any, F: Any) -> Tensor:
     """Boxes a leaf's gradient to its layout; a partial fp32 one travels in amp.gradient_communication's dtype."""
-    from . import amp
 
     low = amp.grad_comm_dtype()
     if low is None or grad.dtype != torch.float32 or not any(isinstance(s, Partial) for s in grad.sbp):
         return F.to_global(grad, placement, sbp)  # type: ignore[no-any-return]
-    from .ops.elementwise import comm_cast
 
     narrow = comm_cast(grad, dtype=low)  # each rank rounds its partial piece: the reduction runs narrow
     return F.cast(F.to_global(narrow, placement, sbp), grad.dtype)  # type: ignore[no-any-return]
@@ -520,7 +312,7 @@ def _coalescible(leaf: Tensor, grad: Tensor) -> bool:
     is elementwise, so concatenated buffers reduce to the concatenated results."""
     if leaf._placement is None or leaf._grad_sbp is not None or grad._sbp is None or partial_sum not in grad._sbp:
         return False  # asked per leaf, per backward: cheap checks first
-    if (_AMP or _amp_module()).grad_comm_dtype() is not None:
+    if amp.grad_comm_dtype() is not None:
         return False  # reduced one by one in the narrow dtype (_reduce_grad)
     return (grad._placement == leaf._placement and grad._dtype == leaf._dtype
             and all(s == broadcast for s in leaf._sbp or ()) and all(s in (broadcast, partial_sum) for s in grad._sbp))
@@ -548,17 +340,15 @@ def _flatten(grads: Sequence[Tensor]) -> Tensor:
     """Same-layout gradients as one logical (N,) tensor: each rank's shards raveled and concatenated."""
     first = grads[0]
     shards = {r: torch.cat([g.local_tensors()[r].reshape(-1) for g in grads]) for r in first.local_tensors()}
-    tensor_cls: Any = _tensor_class()
-    return tensor_cls._from_shards((sum(g.numel() for g in grads),), first.dtype, first.placement,  # type: ignore[no-any-return]
+    return Tensor._from_shards((sum(g.numel() for g in grads),), first.dtype, first.placement,  # type: ignore[no-any-return]
                                    first.sbp, shards)
 
 
 def _unflatten(reduced: dict[int, torch.Tensor], leaves: Sequence[Tensor], dtype: torch.dtype) -> list[Tensor]:
     """The leaves' B gradients as views of the reduced flat shards (``_flatten``'s inverse)."""
-    tensor_cls: Any = _tensor_class()
     numels = [leaf.numel() for leaf in leaves]
     pieces = {r: torch.split(t, numels) for r, t in reduced.items()}
-    return [tensor_cls._from_shards(leaf.shape, dtype, leaf.placement, leaf.sbp,
+    return [Tensor._from_shards(leaf.shape, dtype, leaf.placement, leaf.sbp,
                                     {r: ps[k].view(leaf.shape) for r, ps in pieces.items()})  # B: local = logical
             for k, leaf in enumerate(leaves)]
 
@@ -624,9 +414,6 @@ class _Bucketer:
             self._issue(bucket)
 
     def _issue(self, bucket: _Bucket) -> None:
-        from .boxing import Layout, execute, plan
-        from .comm import get_backend
-        from .distributed import activity
 
         flat = _flatten(bucket.grads)
         dst = Layout(flat.placement, bucket.leaves[0].sbp)
@@ -659,3 +446,10 @@ class _Bucketer:
             grads = _unflatten(wait(), bucket.leaves, bucket.grads[0].dtype)
             out.update((id(leaf), (leaf, g)) for leaf, g in zip(bucket.leaves, grads, strict=True))
         return out
+
+
+def _tensor_backward(self: Tensor, gradient: Tensor | None = None, retain_graph: bool = False) -> None:
+    backward([self], [gradient], retain_graph=retain_graph)
+
+
+Tensor.backward = _tensor_backward  # type: ignore[method-assign]  # Tensor is data: the engine gives it backward()

@@ -1,0 +1,173 @@
+"""The op schema: one decorator, one definition per op (what op families import; dispatch runs them).
+
+An op declares
+
+* ``meta(*args, **attrs)``: output :class:`Meta` from input metadata, never data;
+* ``sbp(*args, outs, **attrs)``: its valid 1-D signatures (:class:`Sig`), one
+  SBP per tensor input and output; n-D signatures are their product;
+* the kernel (the decorated function) on local torch tensors;
+* ``@op.grad``: its gradient, written in sbpflow ops.
+
+A ``data_dependent`` op (boolean-mask indexing) has an output size that only
+its input *values* decide: its meta gives :data:`DYNAMIC` for that size, its
+signatures never split that dim (ranks would hold pieces of sizes nobody
+planned), and eager dispatch reads the size off the kernel's result. Graph
+mode needs every shape from metadata alone, so tracing such an op fails with
+:meth:`OpDef.check_traceable`'s error.
+
+Positional arguments are tensors or *dynamic* scalars (their type is part of
+the dispatch cache key, their value is not); keyword arguments are static
+attributes and are part of the key.
+
+>>> import torch
+>>> from sbpflow.ops.schema import op, Sig, Meta
+>>> from sbpflow.sbp import broadcast, split
+>>> @op("twice", meta=lambda x: x, sbp=lambda x, outs: [Sig((split(d),), (split(d),)) for d in range(len(x.shape))])
+... def twice(x: torch.Tensor) -> torch.Tensor:
+...     return 2 * x
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .._layout import Box
+from ..errors import OpError
+from ..placement import Placement
+from ..sbp import NdSbp, SbpParallel
+
+DYNAMIC = -1  # an output size that only the data gives (see data_dependent ops in the module docstring)
+
+
+@dataclass(frozen=True)
+class Meta:
+    """Logical metadata of a tensor argument or result."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def is_static(self) -> bool:
+        """Whether every size is known from metadata (no :data:`DYNAMIC` size)."""
+        return DYNAMIC not in self.shape
+
+
+@dataclass(frozen=True)
+class Scalar:
+    """A dynamic scalar argument as meta inference sees it: only its Python type."""
+
+    type: type
+
+
+@dataclass(frozen=True)
+class Sig:
+    """A 1-D SBP signature: one SBP per tensor input, one per output."""
+
+    ins: tuple[SbpParallel, ...]
+    outs: tuple[SbpParallel, ...]
+
+
+@dataclass(frozen=True)
+class ShardCtx:
+    """What a shard-aware kernel learns about the shard it computes."""
+
+    rank: int
+    placement: Placement | None
+    in_boxes: tuple[Box, ...]  # logical box of each tensor input's shard
+    out_boxes: tuple[Box, ...]
+    in_metas: tuple[Meta, ...]
+    out_metas: tuple[Meta, ...]
+    in_sbps: tuple[NdSbp, ...]
+    out_sbps: tuple[NdSbp, ...]
+
+
+REGISTRY: dict[str, OpDef] = {}
+
+
+class OpDef:
+    """A registered op; calling it dispatches (see :func:`apply`)."""
+
+    def __init__(self, name: str, kernel: Callable[..., Any], meta: Callable[..., Any], sbp: Callable[..., Any],
+                 shard_aware: bool, save_outputs: bool, differentiable: bool, mesh_aware: bool,
+                 data_dependent: bool = False, diff_outputs: int | None = None,
+                 grad_reads: tuple[int, ...] | None = None) -> None:
+        self.name = name
+        self.kernel = kernel
+        self.meta = meta
+        self.sbp = sbp
+        self.shard_aware = shard_aware
+        self.save_outputs = save_outputs
+        self.differentiable = differentiable
+        self.mesh_aware = mesh_aware
+        self.data_dependent = data_dependent
+        self.diff_outputs = diff_outputs  # outputs that get gradients (the first n); None: all of them
+        self.grad_reads = grad_reads  # tensor inputs whose values the gradient reads; None: all of them
+        self.backward_fn: Callable[..., Any] | None = None
+        self.activity = f"op {name!r}"  # what comm errors name while this op boxes its inputs
+
+    def grad(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """Decorator: registers this op's gradient ``fn(ctx, *grad_outputs) -> input grads``."""
+        self.backward_fn = fn
+        return fn
+
+    def __call__(self, *args: Any, **attrs: Any) -> Any:
+        return apply(self, args, attrs)  # ops.dispatch.apply, once dispatch is imported
+
+    def check_traceable(self) -> None:
+        """Raises unless the op's output shapes follow from input metadata alone (what graph tracing needs)."""
+        if self.data_dependent:
+            raise OpError(
+                f"op {self.name!r} has a data-dependent output shape: its size is known only once the input values "
+                "are, so graph mode cannot trace it; run it eagerly, or keep shapes fixed (masked_fill or where "
+                "instead of boolean-mask indexing)"
+            )
+
+    def __repr__(self) -> str:
+        return f"<sbpflow op {self.name}>"
+
+
+def op(name: str, *, meta: Callable[..., Any], sbp: Callable[..., Any], shard_aware: bool = False,
+       save_outputs: bool = False, differentiable: bool = True, mesh_aware: bool = False,
+       data_dependent: bool = False, diff_outputs: int | None = None,
+       grad_reads: tuple[int, ...] | None = None) -> Callable[[Callable[..., Any]], OpDef]:
+    """Registers the decorated kernel as op ``name``.
+
+    ``shard_aware`` kernels get a :class:`ShardCtx` first; ``mesh_aware`` SBP
+    rules get ``mesh=`` (the placement's hierarchy) for rules that hold only
+    for some mesh sizes, such as a reshape of an unevenly split dim;
+    ``save_outputs`` keeps the outputs for the gradient; ``data_dependent`` ops
+    have output sizes that depend on input values (see the module docstring);
+    ``diff_outputs=n`` makes only the first ``n`` outputs differentiable, the
+    rest being saved statistics for the gradient (attention's logsumexp, a
+    norm's mean and rstd) that get no gradient and no zeros filled in for one.
+    ``grad_reads`` lists the tensor inputs (by position among the tensor
+    arguments) whose values the gradient reads; of the others, eager autograd
+    keeps only metadata (shape, dtype, layout), so that their memory is freed
+    as soon as nothing else holds them, as torch frees what no backward saves
+    (``()`` for add, views, casts, log_softmax; None, the default: all).
+    """
+
+    def register(kernel: Callable[..., Any]) -> OpDef:
+        if name in REGISTRY:
+            raise OpError(f"op {name!r} is registered twice")
+        if data_dependent and shard_aware:  # a ShardCtx holds output boxes, which need the sizes up front
+            raise OpError(f"op {name!r} cannot be both data_dependent and shard_aware: output boxes need sizes")
+        definition = OpDef(name, kernel, meta, sbp, shard_aware, save_outputs, differentiable, mesh_aware,
+                           data_dependent, diff_outputs, grad_reads)
+        REGISTRY[name] = definition
+        return definition
+
+    return register
+
+
+def apply(opdef: OpDef, args: Sequence[Any], attrs: dict[str, Any]) -> Any:
+    """Runs ``opdef`` on ``args``: ops.dispatch (a layer above) puts its ``apply`` here when it is imported."""
+    raise OpError(f"op {opdef.name!r} was called before sbpflow.ops.dispatch was imported; import sbpflow first")
