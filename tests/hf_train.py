@@ -1,4 +1,4 @@
-"""AdamW training of a Hugging Face folder's model, eager or compiled, for the Llama and Mixtral tests."""
+"""Helpers of the Llama and Mixtral tests: AdamW training (eager or compiled), transformers' gradient by name."""
 
 from __future__ import annotations
 
@@ -47,3 +47,16 @@ def train(folder: Path, parallel: dict[str, int], compiled: bool, steps: int = 3
         opt.step()
         losses.append(loss.item())
     return losses, {n: p.numpy() for n, p in model.named_parameters()}
+
+
+def hf_grad_of(name: str, grads: dict[str, np.ndarray]) -> np.ndarray:
+    """transformers 5 stacks the experts (gate_up_proj, down_proj); the checkpoint and sbpflow keep w1/w2/w3."""
+    if ".experts." not in name:
+        return grads[name.replace("block_sparse_moe", "mlp")]
+    prefix, rest = name.split(".block_sparse_moe.experts.")
+    e, w = int(rest.split(".")[0]), rest.split(".")[1]
+    if w == "w2":
+        return grads[f"{prefix}.mlp.experts.down_proj"][e]
+    gate_up = grads[f"{prefix}.mlp.experts.gate_up_proj"][e]
+    half = gate_up.shape[0] // 2
+    return gate_up[:half] if w == "w1" else gate_up[half:]

@@ -17,7 +17,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import sbpflow  # noqa: E402
-from hf_train import train  # noqa: E402
+from hf_train import hf_grad_of, train  # noqa: E402
 from sbpflow import nn  # noqa: E402
 from sbpflow.errors import SbpflowError  # noqa: E402
 from sbpflow.models import from_pretrained  # noqa: E402
@@ -57,19 +57,6 @@ def _reference(model: Any, ids: np.ndarray, targets: np.ndarray) -> dict[str, An
             "grads": grads}
 
 
-def _hf_grad_of(name: str, grads: dict[str, np.ndarray]) -> np.ndarray:
-    """transformers 5 stacks the experts (gate_up_proj, down_proj); the checkpoint and sbpflow keep w1/w2/w3."""
-    if ".experts." not in name:
-        return grads[name.replace("block_sparse_moe", "mlp")]
-    prefix, rest = name.split(".block_sparse_moe.experts.")
-    e, w = int(rest.split(".")[0]), rest.split(".")[1]
-    if w == "w2":
-        return grads[f"{prefix}.mlp.experts.down_proj"][e]
-    gate_up = grads[f"{prefix}.mlp.experts.gate_up_proj"][e]
-    half = gate_up.shape[0] // 2
-    return gate_up[:half] if w == "w1" else gate_up[half:]
-
-
 @pytest.mark.parametrize("parallel", [{}, {"data": 2}, {"tensor": 2}, {"data": 2, "tensor": 2}, {"pipeline": 2}])
 def test_logits_loss_aux_loss_and_gradients_match_transformers(hf_folder: Any, parallel: dict[str, int]) -> None:
     ref, folder = hf_folder
@@ -83,7 +70,7 @@ def test_logits_loss_aux_loss_and_gradients_match_transformers(hf_folder: Any, p
     np.testing.assert_allclose(float(loss.numpy()), want["loss"], rtol=RTOL)
     np.testing.assert_allclose(float(model.aux_loss.numpy()), want["aux"], rtol=RTOL)
     for name, p in model.named_parameters():
-        np.testing.assert_allclose(p.grad.numpy(), _hf_grad_of(name, want["grads"]), rtol=RTOL, atol=ATOL,
+        np.testing.assert_allclose(p.grad.numpy(), hf_grad_of(name, want["grads"]), rtol=RTOL, atol=ATOL,
                                    err_msg=name)
     counts = expert_tokens(model)
     assert len(counts) == 2 and all(int(c.sum()) == ids.size * K for c in counts)
