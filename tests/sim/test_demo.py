@@ -75,3 +75,20 @@ def test_demo_zero_and_amp_flags(tmp_path: Path, graph: bool) -> None:
     amp = main([*base, "--amp", "bf16"], print_fn=lambda _: None)["losses"]
     np.testing.assert_allclose(amp, plain, rtol=3e-2)
     assert amp != plain  # bf16 matmuls round
+
+
+@pytest.mark.parametrize("model", ["llama", "moe"])
+def test_demo_trains_llama_and_moe(model: str, tmp_path: Path) -> None:
+    lines: list[str] = []
+    shown = main(["--model", model, "--steps", "12", "--out", str(tmp_path), *TINY], print_fn=lines.append)
+    losses = shown["losses"]
+    assert len(losses) == 12 and np.mean(losses[-3:]) < losses[0] - 0.3
+    assert Path(shown["png"]).name == f"{model}_loss.png" and len(shown["sample"]) == 16 + 20
+    assert "model.layers.0.self_attn.q_proj.weight" in shown["strategy"]
+    experts = [line for line in lines if line.startswith("tokens each expert received")]
+    if model == "moe":  # 8 sequences of 16 characters, each at 2 of 4 experts
+        counts = [int(n) for n in experts[0].split(":")[1].replace("[", " ").replace("]", " ").replace(";", " ")
+                  .replace(",", " ").split()]
+        assert len(counts) == 4 and sum(counts) == 8 * 16 * 2
+    else:
+        assert not experts

@@ -38,6 +38,7 @@ import sbpflow
 from sbpflow import nn, optim
 from sbpflow.comm import CommEvent, record
 from sbpflow.graph.explain import explain, pipeline_text
+from sbpflow.models import llama, moe
 from sbpflow.models.gpt import GPT, GPTConfig, Strategy, parallelize, parse_strategy
 from sbpflow.tensor import Tensor
 from sbpflow.utils.data import DataLoader, Dataset
@@ -51,7 +52,7 @@ from .resume import checkpoint_from_args, resume_from_args
 class Trainer:
     """A model, its strategy (None on one device) and its optimizer: one training step at a time."""
 
-    model: GPT
+    model: GPT | llama.Llama  # a Mixtral is a Llama
     strategy: Strategy | None
     optimizer: Any
     clip: float | None = 1.0
@@ -114,7 +115,7 @@ class TrainStep(nn.Graph):
 def build(config: GPTConfig, strategy: str | dict[str, int] | None, *, seed: int = 0, lr: float = 1e-3,
           weight_decay: float = 0.1, clip: float | None = 1.0, device: str = "cpu", graph: bool = False,
           micro_batches: int = 1, executor: str | None = None, schedule: str | None = None,
-          virtual_stages: int = 1, zero: int = 0, amp: torch.dtype | None = None) -> Trainer:
+          virtual_stages: int = 1, zero: int = 0, amp: torch.dtype | None = None, model: str = "gpt") -> Trainer:
     """Builds the GPT from ``seed``, places it under ``strategy`` (None or "single": no placement), adds AdamW.
 
     ``virtual_stages`` > 1 cuts the blocks into that many stages per pipeline placement (interleaved 1F1B).
@@ -125,23 +126,52 @@ def build(config: GPTConfig, strategy: str | dict[str, int] | None, *, seed: int
     Weight decay applies to matrices (weights and embeddings), not to biases and LayerNorm scales, as in nanoGPT.
     """
     sbpflow.manual_seed(seed)
-    model = GPT(config)
+    net = _make_model(model, config)
     degrees = parse_strategy(strategy)
-    placed = None if _is_single(strategy) else parallelize(model, device=device, virtual=virtual_stages, **degrees)
-    params = list(model.parameters())
+    placed = None
+    if not _is_single(strategy) and isinstance(net, GPT):
+        placed = parallelize(net, device=device, virtual=virtual_stages, **degrees)
+    elif not _is_single(strategy):
+        if virtual_stages > 1:
+            raise sbpflow.SbpflowError(f"virtual pipeline stages are the GPT's; --model {model} takes 1, "
+                                       f"but got {virtual_stages}")
+        placed = llama.parallelize(net, device=device, **degrees)
+    params = list(net.parameters())
     groups = [
         {"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
         {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
     ]
     opt: optim.Optimizer = optim.AdamW(groups, lr=lr, betas=(0.9, 0.95))
-    step = TrainStep(model, opt, clip, micro_batches, executor, schedule) if graph else None
+    step = TrainStep(net, opt, clip, micro_batches, executor, schedule) if graph else None
     if zero and step is not None:
         step.config.enable_zero(zero)
     elif zero:
-        opt = optim.zero(opt, zero, model=model)
+        opt = optim.zero(opt, zero, model=net)
     if amp is not None and step is not None:
         step.config.enable_amp(amp)
-    return Trainer(model, placed, opt, clip, step, None if step is not None else amp)
+    return Trainer(net, placed, opt, clip, step, None if step is not None else amp)
+
+
+MODELS = ("gpt", "llama", "moe")
+
+
+def _make_model(kind: str, config: GPTConfig) -> Any:
+    """The demo's model of ``kind`` at the GPT config's sizes (Llama: half as many k/v heads, a SwiGLU of 2x width;
+    moe: a Mixtral with 4 experts, top-2, each of the residual width)."""
+    if kind == "gpt":
+        return GPT(config)
+    sizes: dict[str, Any] = {
+        "vocab_size": config.vocab_size, "hidden_size": config.n_embd, "num_hidden_layers": config.n_layer,
+        "num_attention_heads": config.n_head, "num_key_value_heads": max(1, config.n_head // 2),
+        "max_position_embeddings": config.block_size, "initializer_range": 0.02,
+    }
+    if kind == "llama":
+        return llama.Llama(llama.LlamaConfig(intermediate_size=2 * config.n_embd, **sizes))
+    if kind == "moe":
+        return moe.Mixtral(moe.MixtralConfig(intermediate_size=config.n_embd, num_local_experts=4,
+                                             num_experts_per_tok=2, output_router_logits=True,
+                                             router_aux_loss_coef=0.01, **sizes))
+    raise sbpflow.SbpflowError(f"the demo's models are {', '.join(MODELS)}, but got {kind!r}")
 
 
 def _is_single(strategy: str | dict[str, int] | None) -> bool:
@@ -205,7 +235,7 @@ class PhaseLog:
     (children finish first), so every event lands in its innermost module.
     """
 
-    def __init__(self, model: GPT | None) -> None:
+    def __init__(self, model: nn.Module | None) -> None:
         self.log: Any = None
         self.where: dict[int, str] = {}
         self._phase = ""
@@ -371,6 +401,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         help='how to use them, e.g. "dp=2,tp=2" (default for 4 devices), "dp=4", "tp=2", "pp=2" or '
                              '"dp=2,tp=2,pp=2": data, tensor (Megatron) and pipeline degrees, whose product must be '
                              "--devices; without it, dp=2,tp=2 on 4 devices and dp=N otherwise")
+    parser.add_argument("--model", choices=MODELS, default="gpt",
+                        help="gpt (nanoGPT), llama (RMSNorm, rotary, SwiGLU, grouped-query attention) or moe "
+                             "(Mixtral: 4 experts, top-2; prints the tokens each expert received) (default gpt)")
     parser.add_argument("--steps", type=int, default=300, help="training steps (default 300)")
     parser.add_argument("--n-layer", type=int, default=3, help="transformer blocks (default 3)")
     parser.add_argument("--n-embd", type=int, default=128, help="model width; a multiple of 4, the head count "
@@ -454,15 +487,15 @@ def _run(args: argparse.Namespace, degrees: dict[str, int], print_fn: Callable[[
     if not args.no_tour:
         _matmul_tour(print_fn)
     data = CharData.from_text(stdlib_text())
-    print_fn(f"\n== training a character-level GPT on {len(data.ids):,} characters of Python's standard library "
-             f"(vocabulary {len(data.chars)})")
+    print_fn(f"\n== training a character-level {args.model.upper()} on {len(data.ids):,} characters of Python's "
+             f"standard library (vocabulary {len(data.chars)})")
     config = GPTConfig(vocab_size=len(data.chars), block_size=args.block_size, n_layer=args.n_layer, n_head=4,
                        n_embd=args.n_embd, dropout=0.0)
     try:
         trainer = build(config, dict(degrees), seed=args.seed, lr=args.lr, graph=args.graph,
                         micro_batches=args.micro_batches, schedule=args.pipeline_schedule,
                         virtual_stages=_virtual_stages(args), zero=args.zero,
-                        amp=torch.bfloat16 if args.amp == "bf16" else None)
+                        amp=torch.bfloat16 if args.amp == "bf16" else None, model=args.model)
     except sbpflow.SbpflowError as e:  # e.g. more pipeline stages than blocks
         raise SystemExit(f"sbpflow demo: {e}") from None
     assert trainer.strategy is not None
@@ -483,8 +516,11 @@ def _run(args: argparse.Namespace, degrees: dict[str, int], print_fn: Callable[[
         print_fn(f"timeline: {trainer.graph.config.trace_path} (open it at ui.perfetto.dev)")
     else:
         print_fn("\n== collectives of one training step (bytes summed over ranks)\n" + comm_table)
-    png = plot_losses(losses, os.path.join(args.out, "gpt_loss.png"), trainer.strategy)
+    png = plot_losses(losses, os.path.join(args.out, f"{args.model}_loss.png"), trainer.strategy)
     print_fn(f"\nloss {losses[0]:.3f} -> {losses[-1]:.3f}; curve saved to {png}")
+    if isinstance(trainer.model, moe.Mixtral):
+        counts = [[int(n) for n in layer] for layer in moe.expert_tokens(trainer.model)]
+        print_fn("tokens each expert received in the last step, per layer: " + "; ".join(map(str, counts)))
     sample = _sample(trainer, data, args)
     print_fn("\n== sample (the prompt is a block of the training text)\n" + sample)
     return {"losses": losses, "png": png, "sample": sample, "strategy": trainer.strategy.describe(),

@@ -32,12 +32,13 @@ from .layers import (
 )
 from .loss import BCEWithLogitsLoss, CrossEntropyLoss, MSELoss, NLLLoss
 from .module import Buffer, Module, Parameter
+from .moe import MoE
 from .normalization import BatchNorm1d, BatchNorm2d, GroupNorm, LayerNorm, RMSNorm
 
 __all__ = [
     "Graph", "GraphConfig",
     "GELU", "AdaptiveAvgPool2d", "AvgPool2d", "BatchNorm1d", "BatchNorm2d", "Conv2d", "CrossEntropyLoss", "Dropout",
-    "Embedding", "Flatten", "Identity", "LayerNorm", "Linear", "MSELoss", "MaxPool2d", "Module", "ModuleDict",
+    "Embedding", "Flatten", "Identity", "LayerNorm", "Linear", "MSELoss", "MaxPool2d", "MoE", "Module", "ModuleDict",
     "ModuleList", "Parameter", "RMSNorm", "ReLU", "Sequential", "SiLU", "Tanh", "functional", "init", "parallel",
     "utils", "BCEWithLogitsLoss", "Conv1d", "GroupNorm", "LeakyReLU", "NLLLoss", "ParameterList", "Sigmoid", "Softmax",
     "Unflatten", "Buffer", "PixelShuffle", "MultiheadAttention", "ConvTranspose2d", "LSTM",

@@ -1,0 +1,122 @@
+"""A mixture-of-experts block (Mixtral, Qwen-MoE): a top-k softmax router over SwiGLU experts.
+
+Each token's router probabilities (softmax over the experts) pick its top-k
+experts; their probabilities, renormalised to sum to 1, weight the experts'
+outputs. Routing is dropless by default: every token reaches all k of its
+experts. With ``capacity_factor`` an expert takes at most
+``ceil(capacity_factor * tokens * k / experts)`` tokens, in token order, and
+drops the rest. Optional shared experts see every token. ``aux_stats`` keeps
+the last forward's tokens per expert and mean router probabilities, from which
+:func:`load_balancing_loss` forms Switch Transformer's auxiliary loss.
+
+The experts run as dense per-expert SwiGLU layers on every token, combined with
+routing weights that are zero off the chosen experts: exact for any routing,
+at ``experts / k`` times the compute of a sparse dispatch.
+
+>>> import sbpflow
+>>> from sbpflow import nn
+>>> moe = nn.MoE(8, 16, num_experts=4, top_k=2)
+>>> moe(sbpflow.randn(2, 3, 8)).shape
+torch.Size([2, 3, 8])
+>>> float(moe.aux_stats[0].sum())  # each of the 6 tokens counted at 2 experts
+12.0
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..creation import tensor
+from ..errors import SbpflowError
+from ..ops import functional as F
+from ..sbp import broadcast
+from ..tensor import Tensor
+from .container import ModuleList
+from .layers import Linear
+from .module import Module
+
+
+class Expert(Module):
+    """SwiGLU expert ``w2(silu(w1(x)) * w3(x))`` (Mixtral's names: w1 gate, w3 up, w2 down)."""
+
+    def __init__(self, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.w1 = Linear(hidden, intermediate, bias=False)
+        self.w2 = Linear(intermediate, hidden, bias=False)
+        self.w3 = Linear(hidden, intermediate, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.w2(F.mul(F.silu(self.w1(x)), self.w3(x)))
+
+
+class MoE(Module):
+    """Top-k routed experts plus ``shared_experts`` always-on experts, over logical (..., hidden) inputs."""
+
+    def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int = 2,
+                 shared_experts: int = 0, capacity_factor: float | None = None) -> None:
+        super().__init__()
+        if not 1 <= top_k <= num_experts:
+            raise SbpflowError(f"MoE needs 1 <= top_k <= num_experts, but got top_k={top_k} and {num_experts} experts")
+        if capacity_factor is not None and capacity_factor <= 0:
+            raise SbpflowError(f"MoE capacity_factor must be positive (or None: dropless), but got {capacity_factor}")
+        self.num_experts, self.top_k, self.capacity_factor = num_experts, top_k, capacity_factor
+        self.gate = Linear(hidden, num_experts, bias=False)
+        self.experts = ModuleList([Expert(hidden, intermediate) for _ in range(num_experts)])
+        self.shared = ModuleList([Expert(hidden, intermediate) for _ in range(shared_experts)])
+        self.aux_stats: tuple[Tensor, Tensor] | None = None
+
+    def forward(self, x: Tensor) -> Tensor:
+        shape = tuple(x.shape)
+        flat = F.reshape(x, (-1, shape[-1]))  # logical (N, C)
+        weights = self.route(flat)  # logical (N, E)
+        out = F.mul(self.experts[0](flat), F.narrow(weights, 1, 0, 1))  # logical (N, C)
+        for e in range(1, self.num_experts):
+            out = F.add(out, F.mul(self.experts[e](flat), F.narrow(weights, 1, e, 1)))
+        for expert in self.shared:
+            out = F.add(out, expert(flat))
+        return F.reshape(out, shape)
+
+    def route(self, flat: Tensor) -> Tensor:
+        """Each token's weight on each expert, logical (N, E): renormalised top-k probabilities, zero elsewhere."""
+        probs = F.softmax(self.gate(flat), dim=-1)  # logical (N, E)
+        top, index = F.topk(probs, self.top_k, dim=-1)  # logical (N, k)
+        top = F.div(top, F.sum(top, dim=-1, keepdim=True))
+        experts = torch.arange(self.num_experts)
+        chosen = F.cast(F.eq(F.unsqueeze(index, -1), _like(index, experts)), probs.dtype)  # logical (N, k, E)
+        weights = F.sum(F.mul(F.unsqueeze(top, -1), chosen), dim=1)  # logical (N, E)
+        hits = F.sum(chosen, dim=1)  # logical (N, E): 1 where the token chose the expert
+        self.aux_stats = (F.sum(hits, dim=0).detach(), F.mean(probs, dim=0))
+        if self.capacity_factor is None:
+            return weights
+        capacity = math.ceil(self.capacity_factor * flat.shape[0] * self.top_k / self.num_experts)
+        kept = F.le(F.mul(F.cumsum(hits, dim=0), hits), float(capacity))  # a token's place in its expert's queue
+        return F.mul(weights, F.cast(kept, weights.dtype))
+
+
+def _like(anchor: Tensor, value: torch.Tensor) -> Tensor:
+    """``value`` as a constant where ``anchor`` lives (broadcast on every mesh axis of a global anchor)."""
+    if not anchor.is_global:
+        return tensor(value)
+    return tensor(value, placement=anchor.placement, sbp=(broadcast,) * anchor.placement.ndim)
+
+
+def load_balancing_loss(stats: list[tuple[Tensor, Tensor]], num_experts: int, top_k: int) -> Tensor:
+    """Switch Transformer's auxiliary loss over layers, as transformers' Mixtral computes it.
+
+    ``E * sum_e f_e * p_e``: ``f_e`` the share of token-slots routed to expert
+    ``e`` and ``p_e`` its mean router probability, both averaged over the layers
+    given (each layer's ``aux_stats``).
+    """
+    if not stats:
+        raise SbpflowError("load_balancing_loss needs the aux_stats of at least one MoE forward, but got none")
+    counts = stats[0][0]
+    probs = stats[0][1]
+    for c, p in stats[1:]:
+        counts, probs = F.add(counts, c), F.add(probs, p)
+    share = F.div(F.mul(counts, float(top_k)), F.sum(counts))  # each token fills top_k slots in every layer
+    return F.mul(F.sum(F.mul(share, F.div(probs, float(len(stats))))), float(num_experts))
+
+
+__all__ = ["Expert", "MoE", "load_balancing_loss"]

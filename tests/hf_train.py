@@ -1,0 +1,62 @@
+"""Helpers of the Llama and Mixtral tests: AdamW training (eager or compiled), transformers' gradient by name."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+import sbpflow
+from sbpflow.models import from_pretrained
+
+
+class TrainStep(sbpflow.nn.Graph):
+    def __init__(self, model: Any, opt: Any, micro_batches: int = 1, schedule: str | None = None) -> None:
+        super().__init__()
+        self.model = model
+        self.add_optimizer(opt)
+        self.config.set_gradient_accumulation_steps(micro_batches)
+        if schedule is not None:
+            self.config.set_pipeline_schedule(schedule)
+
+    def build(self, ids: Any, targets: Any) -> Any:
+        _, loss = self.model(ids, targets)
+        loss.backward()
+        return loss
+
+
+def train(folder: Path, parallel: dict[str, int], compiled: bool, steps: int = 3, micro_batches: int = 1,
+          schedule: str | None = None) -> tuple[list[float], dict[str, Any]]:
+    """AdamW steps on random tokens, eager or as an nn.Graph; the losses and final parameters."""
+    model = from_pretrained(folder, **parallel)
+    opt = sbpflow.optim.AdamW(model.parameters(), lr=1e-2)
+    step = TrainStep(model, opt, micro_batches, schedule) if compiled else None
+    rng = np.random.default_rng(2)
+    losses = []
+    for _ in range(steps):
+        tokens = rng.integers(0, 64, size=(4, 9))
+        ids, targets = model.strategy.shard_inputs(tokens[:, :-1], tokens[:, 1:]) if model.strategy else (
+            sbpflow.tensor(tokens[:, :-1]), sbpflow.tensor(tokens[:, 1:]))
+        if step is not None:
+            losses.append(step(ids, targets).item())
+            continue
+        opt.zero_grad()
+        _, loss = model(ids, targets)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, {n: p.numpy() for n, p in model.named_parameters()}
+
+
+def hf_grad_of(name: str, grads: dict[str, np.ndarray]) -> np.ndarray:
+    """transformers 5 stacks the experts (gate_up_proj, down_proj); the checkpoint and sbpflow keep w1/w2/w3."""
+    if ".experts." not in name:
+        return grads[name.replace("block_sparse_moe", "mlp")]
+    prefix, rest = name.split(".block_sparse_moe.experts.")
+    e, w = int(rest.split(".")[0]), rest.split(".")[1]
+    if w == "w2":
+        return grads[f"{prefix}.mlp.experts.down_proj"][e]
+    gate_up = grads[f"{prefix}.mlp.experts.gate_up_proj"][e]
+    half = gate_up.shape[0] // 2
+    return gate_up[:half] if w == "w1" else gate_up[half:]
