@@ -3,7 +3,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck bench clean
+.PHONY: demo test lint typecheck bench clean fuzz
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -19,6 +19,11 @@ test: $(STAMP)
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports
 	$(PY) -m pytest src tests
+
+# a long campaign of random programs (tests/fuzz): make fuzz N=5000
+N ?= 5000
+fuzz: $(STAMP)
+	SBPFLOW_FUZZ_N=$(N) SBPFLOW_FUZZ_RANDOM=1 $(PY) -m pytest -q tests/fuzz -k random_program
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks

@@ -18,6 +18,7 @@ P(sum), the bias added by one rank only).
 from __future__ import annotations
 
 import itertools
+import math
 from typing import Any
 
 import torch
@@ -178,7 +179,12 @@ def _wgrad_sigs(dy: Meta, x: Meta, outs: tuple[Meta, ...]) -> list[Sig]:
 @op("linear_weight_grad", meta=_wgrad_meta, sbp=_wgrad_sigs)
 def linear_weight_grad(dy: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """``sum over batch dims of dy^T x``: (out, in), the weight gradient of linear."""
-    return torch.matmul(dy.reshape(-1, dy.shape[-1]).t(), x.reshape(-1, x.shape[-1]))
+    return torch.matmul(_rows(dy).t(), _rows(x))
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """(N, last): the batch dims merged; an empty shard too (reshape(-1, 0) cannot tell N from 0 elements)."""
+    return t.reshape(math.prod(t.shape[:-1]), t.shape[-1])
 
 
 @linear_weight_grad.grad
@@ -250,9 +256,9 @@ def linear_backward(dy: torch.Tensor, *rest: torch.Tensor, parts: tuple[str, ...
     outs = []
     if w is not None:
         outs.append(torch.matmul(dy, w))
-    flat = dy.reshape(-1, dy.shape[-1])  # (N, out): the batch dims merged
+    flat = _rows(dy)  # (N, out): the batch dims merged
     if x is not None:
-        outs.append(torch.matmul(flat.t(), x.reshape(-1, x.shape[-1])))
+        outs.append(torch.matmul(flat.t(), _rows(x)))
     if "db" in parts:
         outs.append(flat.sum(0))
     return tuple(outs) if len(outs) > 1 else outs[0]
