@@ -5,7 +5,8 @@ experts; their probabilities, renormalised to sum to 1, weight the experts'
 outputs. Routing is dropless by default: every token reaches all k of its
 experts. With ``capacity_factor`` an expert takes at most
 ``ceil(capacity_factor * tokens * k / experts)`` tokens, in token order, and
-drops the rest. Optional shared experts see every token. ``aux_stats`` keeps
+drops the rest. Optional shared experts see every token; Qwen-MoE's shared expert
+(``shared_expert_intermediate``) has its own width and a sigmoid gate. ``aux_stats`` keeps
 the last forward's tokens per expert and mean router probabilities, from which
 :func:`load_balancing_loss` forms Switch Transformer's auxiliary loss.
 
@@ -55,17 +56,23 @@ class MoE(Module):
     """Top-k routed experts plus ``shared_experts`` always-on experts, over logical (..., hidden) inputs."""
 
     def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int = 2,
-                 shared_experts: int = 0, capacity_factor: float | None = None) -> None:
+                 shared_experts: int = 0, capacity_factor: float | None = None, norm_topk_prob: bool = True,
+                 shared_expert_intermediate: int | None = None) -> None:
         super().__init__()
         if not 1 <= top_k <= num_experts:
             raise SbpflowError(f"MoE needs 1 <= top_k <= num_experts, but got top_k={top_k} and {num_experts} experts")
         if capacity_factor is not None and capacity_factor <= 0:
             raise SbpflowError(f"MoE capacity_factor must be positive (or None: dropless), but got {capacity_factor}")
         self.num_experts, self.top_k, self.capacity_factor = num_experts, top_k, capacity_factor
+        self.norm_topk_prob = norm_topk_prob  # renormalise the top-k probabilities to sum to 1 (Mixtral)
         self.gate = Linear(hidden, num_experts, bias=False)
         self.experts = ModuleList([Expert(hidden, intermediate) for _ in range(num_experts)])
         self.shared = ModuleList([Expert(hidden, intermediate) for _ in range(shared_experts)])
         self.aux_stats: tuple[Tensor, Tensor] | None = None
+        self.gated_shared = shared_expert_intermediate is not None
+        if shared_expert_intermediate is not None:  # Qwen-MoE: out += sigmoid(shared_expert_gate(x)) * shared_expert(x)
+            self.shared_expert = Expert(hidden, shared_expert_intermediate)
+            self.shared_expert_gate = Linear(hidden, 1, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
         shape = tuple(x.shape)
@@ -76,13 +83,16 @@ class MoE(Module):
             out = F.add(out, F.mul(self.experts[e](flat), F.narrow(weights, 1, e, 1)))
         for expert in self.shared:
             out = F.add(out, expert(flat))
+        if self.gated_shared:
+            out = F.add(out, F.mul(F.sigmoid(self.shared_expert_gate(flat)), self.shared_expert(flat)))
         return F.reshape(out, shape)
 
     def route(self, flat: Tensor) -> Tensor:
         """Each token's weight on each expert, logical (N, E): renormalised top-k probabilities, zero elsewhere."""
         probs = F.softmax(self.gate(flat), dim=-1)  # logical (N, E)
         top, index = F.topk(probs, self.top_k, dim=-1)  # logical (N, k)
-        top = F.div(top, F.sum(top, dim=-1, keepdim=True))
+        if self.norm_topk_prob:
+            top = F.div(top, F.sum(top, dim=-1, keepdim=True))
         experts = torch.arange(self.num_experts)
         chosen = F.cast(F.eq(F.unsqueeze(index, -1), _like(index, experts)), probs.dtype)  # logical (N, k, E)
         weights = F.sum(F.mul(F.unsqueeze(top, -1), chosen), dim=1)  # logical (N, E)
