@@ -26,17 +26,19 @@ torch.Size([2, 3, 8])
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 
 from ..creation import tensor
 from ..errors import SbpflowError
 from ..ops import functional as F
+from ..placement import Placement
 from ..sbp import broadcast
 from ..tensor import Tensor
 from .container import ModuleList
 from .layers import Linear
-from .module import Module
+from .module import Module, relayout_
 
 
 class Expert(Module):
@@ -78,14 +80,25 @@ class MoE(Module):
         shape = tuple(x.shape)
         flat = F.reshape(x, (-1, shape[-1]))  # logical (N, C)
         weights = self.route(flat)  # logical (N, E)
-        out = F.mul(self.experts[0](flat), F.narrow(weights, 1, 0, 1))  # logical (N, C)
+        out = F.mul(self._expert(0, flat), F.narrow(weights, 1, 0, 1))  # logical (N, C)
         for e in range(1, self.num_experts):
-            out = F.add(out, F.mul(self.experts[e](flat), F.narrow(weights, 1, e, 1)))
+            out = F.add(out, F.mul(self._expert(e, flat), F.narrow(weights, 1, e, 1)))
         for expert in self.shared:
             out = F.add(out, expert(flat))
         if self.gated_shared:
             out = F.add(out, F.mul(F.sigmoid(self.shared_expert_gate(flat)), self.shared_expert(flat)))
         return F.reshape(out, shape)
+
+    def _expert(self, e: int, flat: Tensor) -> Tensor:
+        """Expert ``e`` on every token; an expert placed elsewhere (:func:`place_experts`) gets the tokens
+        broadcast to its placement and sends its output back in ``flat``'s layout (the gradient returns the
+        same way)."""
+        expert = self.experts[e]
+        home = expert.w1.weight
+        if not (home.is_global and flat.is_global) or home.placement == flat.placement:
+            return expert(flat)  # type: ignore[no-any-return]
+        x = F.to_global(flat, home.placement, (broadcast,) * home.placement.ndim)
+        return F.to_global(expert(x), flat.placement, flat.sbp)
 
     def route(self, flat: Tensor) -> Tensor:
         """Each token's weight on each expert, logical (N, E): renormalised top-k probabilities, zero elsewhere."""
@@ -112,6 +125,30 @@ def _like(anchor: Tensor, value: torch.Tensor) -> Tensor:
     return tensor(value, placement=anchor.placement, sbp=(broadcast,) * anchor.placement.ndim)
 
 
+def place_experts(moe: MoE, placements: Sequence[Placement]) -> None:
+    """Expert parallelism by placement: expert ``e``'s weights move to ``placements[e]``, keeping their SBP
+    (a tensor-parallel split inside the expert stays). The router stays where it is.
+
+    >>> import sbpflow
+    >>> from sbpflow import nn
+    >>> moe = nn.MoE(8, 16, num_experts=2, top_k=1).to_global(sbpflow.placement("cpu", [0, 1]), sbpflow.sbp.broadcast)
+    >>> place_experts(moe, [sbpflow.placement("cpu", [0]), sbpflow.placement("cpu", [1])])
+    >>> [str(e.w1.weight.placement) for e in moe.experts]
+    ['cpu:[0]', 'cpu:[1]']
+    """
+    if len(placements) != moe.num_experts:
+        raise SbpflowError(f"place_experts needs one placement per expert ({moe.num_experts}), but got "
+                           f"{len(placements)}")
+    for expert, placement in zip(moe.experts, placements, strict=True):
+        for p in expert.parameters():
+            if not p.is_global or placement.ndim != p.placement.ndim:
+                raise SbpflowError(f"place_experts moves global expert weights to a placement of as many mesh axes, "
+                                   f"but got {p._describe()} and {placement}")
+    for expert, placement in zip(moe.experts, placements, strict=True):
+        for p in expert.parameters():
+            relayout_(p, placement, p.sbp)
+
+
 def load_balancing_loss(stats: list[tuple[Tensor, Tensor]], num_experts: int, top_k: int) -> Tensor:
     """Switch Transformer's auxiliary loss over layers, as transformers' Mixtral computes it.
 
@@ -129,4 +166,4 @@ def load_balancing_loss(stats: list[tuple[Tensor, Tensor]], num_experts: int, to
     return F.mul(F.sum(F.mul(share, F.div(probs, float(len(stats))))), float(num_experts))
 
 
-__all__ = ["Expert", "MoE", "load_balancing_loss"]
+__all__ = ["Expert", "MoE", "load_balancing_loss", "place_experts"]
