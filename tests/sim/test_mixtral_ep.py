@@ -1,7 +1,8 @@
 """Mixtral with its experts split over a mesh axis (expert parallelism by placement) equals transformers'
-``MixtralForCausalLM``: logits, loss with the load-balancing term, every gradient, under ep2 (experts over the
+``MixtralForCausalLM`` (logits, loss with the load-balancing term, every gradient) under ep2 (experts over the
 data axis of a dp2 mesh), dp2 x ep2 (a (2, 2) mesh, experts over its second axis) and ep2 x tp2 (experts over
-the data axis, Megatron inside each expert on the tensor axis)."""
+the data axis, Megatron inside each expert on the tensor axis); ep2 AdamW training, eager and nn.Graph, equals
+one device."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from hf_train import hf_grad_of  # noqa: E402
+import sbpflow  # noqa: E402
+from hf_train import TrainStep, hf_grad_of  # noqa: E402
 from sbpflow.errors import SbpflowError  # noqa: E402
 from sbpflow.models import from_pretrained  # noqa: E402
 from sbpflow.models.moe import split_experts  # noqa: E402
@@ -76,3 +78,37 @@ def test_split_experts_needs_a_divisible_axis(hf_folder: Any) -> None:
         split_experts(from_pretrained(folder, data=2), 2)
     with pytest.raises(SbpflowError, match="mesh axis 0 has 3 ranks, which must divide the 4 experts"):
         split_experts(from_pretrained(folder, data=3), 0)
+
+
+def _train(folder: Path, parallel: dict[str, int], expert_axis: int | None, compiled: bool) -> tuple[list[float], Any]:
+    model = from_pretrained(folder, **parallel)
+    if expert_axis is not None:
+        split_experts(model, expert_axis)
+    opt = sbpflow.optim.AdamW(model.parameters(), lr=1e-2)
+    step = TrainStep(model, opt) if compiled else None
+    rng = np.random.default_rng(2)
+    losses = []
+    for _ in range(3):
+        tokens = rng.integers(0, VOCAB, size=(4, 9))
+        ids, targets = model.strategy.shard_inputs(tokens[:, :-1], tokens[:, 1:]) if parallel else (
+            sbpflow.tensor(tokens[:, :-1]), sbpflow.tensor(tokens[:, 1:]))
+        if step is not None:
+            losses.append(step(ids, targets).item())
+            continue
+        opt.zero_grad()
+        _, loss = model(ids, targets)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, {n: p.numpy() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "graph"])
+def test_ep2_training_matches_one_device(hf_folder: Any, compiled: bool) -> None:
+    """AdamW steps with the experts split over the data axis (eager, and compiled by nn.Graph) against one
+    device's eager steps: the same losses and parameters."""
+    ref_losses, ref_params = _train(hf_folder[1], {}, None, False)
+    losses, params = _train(hf_folder[1], {"data": 2}, 0, compiled)
+    np.testing.assert_allclose(losses, ref_losses, rtol=RTOL)
+    for name, value in ref_params.items():
+        np.testing.assert_allclose(params[name], value, rtol=RTOL, atol=1e-4, err_msg=name)
