@@ -56,8 +56,7 @@ def test_split_experts_match_transformers(hf_folder: Any, layout: str) -> None:
     want_grads = {n: p.grad.numpy().copy() for n, p in ref.named_parameters()}
 
     parallel, axis = LAYOUTS[layout]
-    model = from_pretrained(folder, **parallel)
-    split_experts(model, axis)
+    model = from_pretrained(folder, **parallel, expert_axis=axis)  # experts split before their weights are read
     moe = model.model.layers[0].block_sparse_moe
     holders = [set(e.w1.weight.placement.flat_ranks) for e in moe.experts]
     assert holders[0] == holders[1] and holders[2] == holders[3] and not holders[0] & holders[2]
@@ -74,6 +73,8 @@ def test_split_experts_needs_a_divisible_axis(hf_folder: Any) -> None:
     _, folder = hf_folder
     with pytest.raises(SbpflowError, match="needs a parallelized Mixtral"):
         split_experts(from_pretrained(folder), 0)
+    with pytest.raises(SbpflowError, match="splits the experts of a parallel Mixtral"):
+        from_pretrained(folder, expert_axis=0)
     with pytest.raises(SbpflowError, match="mesh_axis=2"):
         split_experts(from_pretrained(folder, data=2), 2)
     with pytest.raises(SbpflowError, match="mesh axis 0 has 3 ranks, which must divide the 4 experts"):
