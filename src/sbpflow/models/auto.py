@@ -16,12 +16,14 @@ MODELS: dict[str, tuple[type[llama.LlamaConfig], Any]] = {
 
 
 def from_pretrained(folder: str | Path, data: int = 1, tensor: int = 1, pipeline: int = 1,
-                    device: str = "cpu") -> llama.Llama:
+                    device: str = "cpu", expert_axis: int | None = None) -> llama.Llama:
     """Builds the model ``folder/config.json`` describes (Llama or Mixtral) and loads its safetensors weights.
 
     With ``data``, ``tensor`` or ``pipeline`` above 1 the model is parallelized first (built
     with no data under :func:`sbpflow.meta_init`), and each process then reads
-    only the slices its ranks hold; ``model.strategy.shard_inputs`` lays out inputs.
+    only the slices its ranks hold; ``model.strategy.shard_inputs`` lays out inputs. ``expert_axis``
+    (Mixtral) splits the experts over that axis of the (data, tensor) mesh (:func:`moe.split_experts`) before
+    the weights are read, so each process reads only its experts.
     """
     config = hf.read_config(folder)
     kind = config.get("model_type")
@@ -35,6 +37,11 @@ def from_pretrained(folder: str | Path, data: int = 1, tensor: int = 1, pipeline
         model = model_cls(cfg)
     if parallel:
         llama.parallelize(model, data=data, tensor=tensor, pipeline=pipeline, device=device)
+    if expert_axis is not None:
+        if not isinstance(model, moe.Mixtral) or not parallel:
+            raise SbpflowError(f"from_pretrained(expert_axis={expert_axis}) splits the experts of a parallel "
+                               f"Mixtral, but {folder} is a {kind!r} model on data={data}, tensor={tensor}")
+        moe.split_experts(model, expert_axis)
     hf.load_weights(model, folder, skip=["lm_head.weight"] if cfg.tie_word_embeddings else [])
     return model
 

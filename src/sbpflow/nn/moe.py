@@ -5,7 +5,8 @@ experts; their probabilities, renormalised to sum to 1, weight the experts'
 outputs. Routing is dropless by default: every token reaches all k of its
 experts. With ``capacity_factor`` an expert takes at most
 ``ceil(capacity_factor * tokens * k / experts)`` tokens, in token order, and
-drops the rest. Optional shared experts see every token. ``aux_stats`` keeps
+drops the rest. Optional shared experts see every token; Qwen-MoE's shared expert
+(``shared_expert_intermediate``) has its own width and a sigmoid gate. ``aux_stats`` keeps
 the last forward's tokens per expert and mean router probabilities, from which
 :func:`load_balancing_loss` forms Switch Transformer's auxiliary loss.
 
@@ -25,17 +26,19 @@ torch.Size([2, 3, 8])
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 
 from ..creation import tensor
 from ..errors import SbpflowError
 from ..ops import functional as F
+from ..placement import Placement
 from ..sbp import broadcast
 from ..tensor import Tensor
 from .container import ModuleList
 from .layers import Linear
-from .module import Module
+from .module import Module, relayout_
 
 
 class Expert(Module):
@@ -55,34 +58,54 @@ class MoE(Module):
     """Top-k routed experts plus ``shared_experts`` always-on experts, over logical (..., hidden) inputs."""
 
     def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int = 2,
-                 shared_experts: int = 0, capacity_factor: float | None = None) -> None:
+                 shared_experts: int = 0, capacity_factor: float | None = None, norm_topk_prob: bool = True,
+                 shared_expert_intermediate: int | None = None) -> None:
         super().__init__()
         if not 1 <= top_k <= num_experts:
             raise SbpflowError(f"MoE needs 1 <= top_k <= num_experts, but got top_k={top_k} and {num_experts} experts")
         if capacity_factor is not None and capacity_factor <= 0:
             raise SbpflowError(f"MoE capacity_factor must be positive (or None: dropless), but got {capacity_factor}")
         self.num_experts, self.top_k, self.capacity_factor = num_experts, top_k, capacity_factor
+        self.norm_topk_prob = norm_topk_prob  # renormalise the top-k probabilities to sum to 1 (Mixtral)
         self.gate = Linear(hidden, num_experts, bias=False)
         self.experts = ModuleList([Expert(hidden, intermediate) for _ in range(num_experts)])
         self.shared = ModuleList([Expert(hidden, intermediate) for _ in range(shared_experts)])
         self.aux_stats: tuple[Tensor, Tensor] | None = None
+        self.gated_shared = shared_expert_intermediate is not None
+        if shared_expert_intermediate is not None:  # Qwen-MoE: out += sigmoid(shared_expert_gate(x)) * shared_expert(x)
+            self.shared_expert = Expert(hidden, shared_expert_intermediate)
+            self.shared_expert_gate = Linear(hidden, 1, bias=False)
 
     def forward(self, x: Tensor) -> Tensor:
         shape = tuple(x.shape)
         flat = F.reshape(x, (-1, shape[-1]))  # logical (N, C)
         weights = self.route(flat)  # logical (N, E)
-        out = F.mul(self.experts[0](flat), F.narrow(weights, 1, 0, 1))  # logical (N, C)
+        out = F.mul(self._expert(0, flat), F.narrow(weights, 1, 0, 1))  # logical (N, C)
         for e in range(1, self.num_experts):
-            out = F.add(out, F.mul(self.experts[e](flat), F.narrow(weights, 1, e, 1)))
+            out = F.add(out, F.mul(self._expert(e, flat), F.narrow(weights, 1, e, 1)))
         for expert in self.shared:
             out = F.add(out, expert(flat))
+        if self.gated_shared:
+            out = F.add(out, F.mul(F.sigmoid(self.shared_expert_gate(flat)), self.shared_expert(flat)))
         return F.reshape(out, shape)
+
+    def _expert(self, e: int, flat: Tensor) -> Tensor:
+        """Expert ``e`` on every token; an expert placed elsewhere (:func:`place_experts`) gets the tokens
+        broadcast to its placement and sends its output back in ``flat``'s layout (the gradient returns the
+        same way)."""
+        expert = self.experts[e]
+        home = expert.w1.weight
+        if not (home.is_global and flat.is_global) or home.placement == flat.placement:
+            return expert(flat)  # type: ignore[no-any-return]
+        x = F.to_global(flat, home.placement, (broadcast,) * home.placement.ndim)
+        return F.to_global(expert(x), flat.placement, flat.sbp)
 
     def route(self, flat: Tensor) -> Tensor:
         """Each token's weight on each expert, logical (N, E): renormalised top-k probabilities, zero elsewhere."""
         probs = F.softmax(self.gate(flat), dim=-1)  # logical (N, E)
         top, index = F.topk(probs, self.top_k, dim=-1)  # logical (N, k)
-        top = F.div(top, F.sum(top, dim=-1, keepdim=True))
+        if self.norm_topk_prob:
+            top = F.div(top, F.sum(top, dim=-1, keepdim=True))
         experts = torch.arange(self.num_experts)
         chosen = F.cast(F.eq(F.unsqueeze(index, -1), _like(index, experts)), probs.dtype)  # logical (N, k, E)
         weights = F.sum(F.mul(F.unsqueeze(top, -1), chosen), dim=1)  # logical (N, E)
@@ -102,6 +125,30 @@ def _like(anchor: Tensor, value: torch.Tensor) -> Tensor:
     return tensor(value, placement=anchor.placement, sbp=(broadcast,) * anchor.placement.ndim)
 
 
+def place_experts(moe: MoE, placements: Sequence[Placement]) -> None:
+    """Expert parallelism by placement: expert ``e``'s weights move to ``placements[e]``, keeping their SBP
+    (a tensor-parallel split inside the expert stays). The router stays where it is.
+
+    >>> import sbpflow
+    >>> from sbpflow import nn
+    >>> moe = nn.MoE(8, 16, num_experts=2, top_k=1).to_global(sbpflow.placement("cpu", [0, 1]), sbpflow.sbp.broadcast)
+    >>> place_experts(moe, [sbpflow.placement("cpu", [0]), sbpflow.placement("cpu", [1])])
+    >>> [str(e.w1.weight.placement) for e in moe.experts]
+    ['cpu:[0]', 'cpu:[1]']
+    """
+    if len(placements) != moe.num_experts:
+        raise SbpflowError(f"place_experts needs one placement per expert ({moe.num_experts}), but got "
+                           f"{len(placements)}")
+    for expert, placement in zip(moe.experts, placements, strict=True):
+        for p in expert.parameters():
+            if not p.is_global or placement.ndim != p.placement.ndim:
+                raise SbpflowError(f"place_experts moves global expert weights to a placement of as many mesh axes, "
+                                   f"but got {p._describe()} and {placement}")
+    for expert, placement in zip(moe.experts, placements, strict=True):
+        for p in expert.parameters():
+            relayout_(p, placement, p.sbp)
+
+
 def load_balancing_loss(stats: list[tuple[Tensor, Tensor]], num_experts: int, top_k: int) -> Tensor:
     """Switch Transformer's auxiliary loss over layers, as transformers' Mixtral computes it.
 
@@ -119,4 +166,4 @@ def load_balancing_loss(stats: list[tuple[Tensor, Tensor]], num_experts: int, to
     return F.mul(F.sum(F.mul(share, F.div(probs, float(len(stats))))), float(num_experts))
 
 
-__all__ = ["Expert", "MoE", "load_balancing_loss"]
+__all__ = ["Expert", "MoE", "load_balancing_loss", "place_experts"]

@@ -1,0 +1,115 @@
+"""Mixtral with its experts split over a mesh axis (expert parallelism by placement) equals transformers'
+``MixtralForCausalLM`` (logits, loss with the load-balancing term, every gradient) under ep2 (experts over the
+data axis of a dp2 mesh), dp2 x ep2 (a (2, 2) mesh, experts over its second axis) and ep2 x tp2 (experts over
+the data axis, Megatron inside each expert on the tensor axis); ep2 AdamW training, eager and nn.Graph, equals
+one device."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import sbpflow  # noqa: E402
+from hf_train import TrainStep, hf_grad_of  # noqa: E402
+from sbpflow.errors import SbpflowError  # noqa: E402
+from sbpflow.models import from_pretrained  # noqa: E402
+from sbpflow.models.moe import split_experts  # noqa: E402
+
+RTOL, ATOL = 1e-4, 1e-5
+E, K, VOCAB = 4, 2, 64
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture(scope="module")
+def hf_folder(tmp_path_factory: Any) -> tuple[Any, Path]:
+    config = transformers.MixtralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=24, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=E,
+                                        num_experts_per_tok=K, output_router_logits=True, router_aux_loss_coef=0.1)
+    torch.manual_seed(0)
+    model = transformers.MixtralForCausalLM(config).float()
+    folder = tmp_path_factory.mktemp("mixtral_ep")
+    model.save_pretrained(folder)
+    return model, folder
+
+
+# name -> (parallel arguments, mesh axis the experts split over)
+LAYOUTS = {"ep2": ({"data": 2}, 0), "dp2xep2": ({"data": 2, "tensor": 2}, 1), "ep2xtp2": ({"data": 2, "tensor": 2}, 0)}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_split_experts_match_transformers(hf_folder: Any, layout: str) -> None:
+    ref, folder = hf_folder
+    tokens = np.random.default_rng(1).integers(0, VOCAB, size=(4, 11))
+    ids, targets = tokens[:, :-1], tokens[:, 1:]
+    ref.zero_grad()
+    out = ref(input_ids=torch.as_tensor(ids), output_router_logits=True)
+    ce = torch.nn.functional.cross_entropy(out.logits.reshape(-1, VOCAB), torch.as_tensor(targets).reshape(-1))
+    want = ce + ref.config.router_aux_loss_coef * out.aux_loss
+    want.backward()
+    want_grads = {n: p.grad.numpy().copy() for n, p in ref.named_parameters()}
+
+    parallel, axis = LAYOUTS[layout]
+    model = from_pretrained(folder, **parallel, expert_axis=axis)  # experts split before their weights are read
+    moe = model.model.layers[0].block_sparse_moe
+    holders = [set(e.w1.weight.placement.flat_ranks) for e in moe.experts]
+    assert holders[0] == holders[1] and holders[2] == holders[3] and not holders[0] & holders[2]
+    x, y = model.strategy.shard_inputs(ids, targets)
+    logits, loss = model(x, y)
+    loss.backward()
+    np.testing.assert_allclose(logits.numpy(), out.logits.detach().numpy(), rtol=RTOL, atol=ATOL)
+    np.testing.assert_allclose(float(loss.numpy()), float(want.detach()), rtol=RTOL)
+    for name, p in model.named_parameters():
+        np.testing.assert_allclose(p.grad.numpy(), hf_grad_of(name, want_grads), rtol=RTOL, atol=ATOL, err_msg=name)
+
+
+def test_split_experts_needs_a_divisible_axis(hf_folder: Any) -> None:
+    _, folder = hf_folder
+    with pytest.raises(SbpflowError, match="needs a parallelized Mixtral"):
+        split_experts(from_pretrained(folder), 0)
+    with pytest.raises(SbpflowError, match="splits the experts of a parallel Mixtral"):
+        from_pretrained(folder, expert_axis=0)
+    with pytest.raises(SbpflowError, match="mesh_axis=2"):
+        split_experts(from_pretrained(folder, data=2), 2)
+    with pytest.raises(SbpflowError, match="mesh axis 0 has 3 ranks, which must divide the 4 experts"):
+        split_experts(from_pretrained(folder, data=3), 0)
+
+
+def _train(folder: Path, parallel: dict[str, int], expert_axis: int | None, compiled: bool) -> tuple[list[float], Any]:
+    model = from_pretrained(folder, **parallel)
+    if expert_axis is not None:
+        split_experts(model, expert_axis)
+    opt = sbpflow.optim.AdamW(model.parameters(), lr=1e-2)
+    step = TrainStep(model, opt) if compiled else None
+    rng = np.random.default_rng(2)
+    losses = []
+    for _ in range(3):
+        tokens = rng.integers(0, VOCAB, size=(4, 9))
+        ids, targets = model.strategy.shard_inputs(tokens[:, :-1], tokens[:, 1:]) if parallel else (
+            sbpflow.tensor(tokens[:, :-1]), sbpflow.tensor(tokens[:, 1:]))
+        if step is not None:
+            losses.append(step(ids, targets).item())
+            continue
+        opt.zero_grad()
+        _, loss = model(ids, targets)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, {n: p.numpy() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "graph"])
+def test_ep2_training_matches_one_device(hf_folder: Any, compiled: bool) -> None:
+    """AdamW steps with the experts split over the data axis (eager, and compiled by nn.Graph) against one
+    device's eager steps: the same losses and parameters."""
+    ref_losses, ref_params = _train(hf_folder[1], {}, None, False)
+    losses, params = _train(hf_folder[1], {"data": 2}, 0, compiled)
+    np.testing.assert_allclose(losses, ref_losses, rtol=RTOL)
+    for name, value in ref_params.items():
+        np.testing.assert_allclose(params[name], value, rtol=RTOL, atol=1e-4, err_msg=name)
