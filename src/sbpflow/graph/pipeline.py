@@ -100,8 +100,9 @@ def plan_pipeline(plan: PhysicalPlan, seeds: Iterable[int], schedule: str = "1f1
     p, m = len(stages), plan.micro_batches
     if m < p:
         _warn_few_micro_batches(p, m)
-    part_of = _parts(plan, set(seeds))
-    stage_of = _virtual_stage_of(plan, stages, part_of)
+    seeds = set(seeds)
+    part_of = _parts(plan, seeds)
+    stage_of = _virtual_stage_of(plan, stages, part_of, seeds)
     count = max(stage_of.values()) + 1
     if count == p:
         stage_of = _stage_of(plan, stages)
@@ -153,7 +154,7 @@ def _stage_of(plan: PhysicalPlan, stages: tuple[tuple[int, ...], ...]) -> dict[i
 
 
 def _virtual_stage_of(plan: PhysicalPlan, stages: tuple[tuple[int, ...], ...],
-                      part_of: dict[int, str]) -> dict[int, int]:
+                      part_of: dict[int, str], seeds: set[int]) -> dict[int, int]:
     """Each micro node's virtual stage, from the data flow: the forward starts a new stage each time it moves to
     another placement (stage k on placement k mod p), the backward goes back through them.
 
@@ -162,22 +163,35 @@ def _virtual_stage_of(plan: PhysicalPlan, stages: tuple[tuple[int, ...], ...],
     it (so a tied weight's gradient, summed with the embedding's, lands on stage 0). A cross-placement boxing
     node stays on its source's stage; its output is on the receiving one. Nodes that read no staged value
     (per-micro-batch views of weights, inputs such as the targets and what is computed from them alone) take
-    the earliest stage of their readers; the first placement's micro-batch inputs start stage 0."""
+    the earliest stage of their readers; the first placement's micro-batch inputs start stage 0.
+
+    A B node that reads a gradient (a B node's output, or the loss's seed, which is on the last forward stage so
+    far) follows the gradients alone: a forward value it also reads (labels moved to the last placement, first
+    lifted to that placement's earliest stage) says where the value was made, not where the backward is."""
     p = len(stages)
     place = {r: s for s, ranks in enumerate(stages) for r in ranks}
     at: dict[int, int] = {}  # buffer -> virtual stage of its value
+    grads: set[int] = set()  # buffers of the backward: seeds and B nodes' outputs
     out: dict[int, int] = {}
+    last_forward = 0
     for n in plan.nodes:
         part = part_of.get(n.id)
         if part is None:
             continue
         here = _placement(plan, n, place)
         staged = [at[b] for b in n.inputs if b in at] or ([0] if n.kind == "unpack" and here == 0 else [])
+        if part == "B":
+            grads.update(n.outputs)
+            backward = [at[b] for b in n.inputs if b in grads and b in at] + [last_forward for b in n.inputs
+                                                                              if b in seeds]
+            staged = backward or staged
         if not staged:
             continue
         lift = _lift if part == "F" else _lower
         stage = (max if part == "F" else min)(lift(k, here, p) for k in staged)
         out[n.id] = stage
+        if part == "F":
+            last_forward = max(last_forward, stage)
         for b in n.outputs:
             there = place[plan.bufs[b].layout.placement.flat_ranks[0]]
             at[b] = lift(stage, there, p)
