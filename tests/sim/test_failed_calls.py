@@ -218,3 +218,21 @@ def test_grad_scaler_refuses_bad_gradients_before_dividing_any() -> None:
     params[1].grad = sbpflow.ones(3, placement=P2, sbp=sbp.split(0))
     scaler.step(opt)  # not marked as unscaled by the refused call: this one unscales and steps
     np.testing.assert_array_equal(params[0].grad.numpy(), np.full((4, 3), 2.0, np.float32))
+
+
+def test_implicit_broadcast_takes_local_tensors_as_broadcast_and_ends_with_its_block() -> None:
+    mesh = sbpflow.placement("cpu", [[0, 1], [2, 3]])
+    w = sbpflow.randn(4, 6, placement=mesh, sbp=(sbp.split(0), sbp.split(1))).requires_grad_()
+    pos = sbpflow.arange(6).float().requires_grad_()
+    with pytest.raises(ValueError), sbpflow.implicit_broadcast():
+        raise ValueError("leaves the block")
+    with pytest.raises(sbpflow.LocalGlobalError, match=r"op 'add' .*local shape \[6\].*implicit_broadcast"):
+        w + pos  # the block above ended: mixing is refused again
+    with sbpflow.implicit_broadcast():
+        y = (w + pos) * pos
+    assert y.placement == mesh and y.sbp == (sbp.split(0), sbp.split(1))
+    y.sum().backward()
+    wv, pv = w.numpy(), pos.numpy()
+    np.testing.assert_allclose(y.numpy(), (wv + pv) * pv, rtol=1e-6)
+    np.testing.assert_allclose(pos.grad.numpy(), (wv + 2 * pv).sum(0), rtol=1e-5)  # a local gradient, summed
+    assert pos.grad.is_local

@@ -24,7 +24,7 @@ from ..creation import tensor as make_tensor
 from ..distributed import activity
 from ..errors import AutocastWarning, LocalGlobalError, OpError
 from ..placement import DEVICE_TYPES, Placement
-from ..sbp import NdSbp
+from ..sbp import NdSbp, broadcast
 from ..tensor import Tensor
 from . import schema
 from .execution import from_shards, meta_outputs, owned_ranks, run, shard_ctx, token, tokens
@@ -56,6 +56,38 @@ class _InputHooks(threading.local):
 INPUT_HOOKS = _InputHooks()  # per thread, as autocast's own state: amp.autocast pushes its casting here
 
 
+class _Implicit(threading.local):
+    def __init__(self) -> None:
+        self.depth = 0
+
+
+_IMPLICIT = _Implicit()
+
+
+@contextmanager
+def implicit_broadcast() -> Iterator[None]:
+    """Inside, a local tensor that meets global ones is taken as broadcast (B) on their placement.
+
+    For model files written for one device, such as nanoGPT's ``pos = torch.arange(0, t)`` added to a global
+    embedding: the local value must be the same on every process, as a Python scalar's is (DTensor's
+    ``implicit_replication``). Outside, mixing raises :class:`LocalGlobalError`, since a local tensor that differs
+    per process would silently become a different global value on each.
+    """
+    _IMPLICIT.depth += 1
+    try:
+        yield
+    finally:
+        _IMPLICIT.depth -= 1
+
+
+def _broadcast_locals(args: Sequence[Any]) -> tuple[Any, ...]:
+    """``args`` with each local tensor made global, broadcast on the first global tensor's placement."""
+    placement = next(a._placement for a in args if isinstance(a, Tensor) and a._local is None)
+    sbp = (broadcast,) * placement.ndim
+    return tuple(a.to_global(placement, sbp) if isinstance(a, Tensor) and a._local is not None else a
+                 for a in args)
+
+
 def apply(opdef: OpDef, args: Sequence[Any], attrs: dict[str, Any]) -> Any:
     """Runs ``opdef`` on ``args``: meta, signature choice, boxing, kernels, autograd record."""
     hooks = INPUT_HOOKS.stack
@@ -81,9 +113,12 @@ def apply(opdef: OpDef, args: Sequence[Any], attrs: dict[str, Any]) -> Any:
             if is_global is None:
                 is_global = here
             elif here != is_global:
+                if _IMPLICIT.depth:
+                    return apply(opdef, _broadcast_locals(args), attrs)
                 raise LocalGlobalError(
                     f"op {opdef.name!r} got local and global tensors together: {describe_args(args)}; "
-                    "convert the local ones with .to_global(placement, sbp)"
+                    "convert the local ones with .to_global(placement, sbp), or run under "
+                    "sbpflow.implicit_broadcast() if they hold the same values on every process"
                 )
             if not needs_grad and a.requires_grad:
                 needs_grad = True

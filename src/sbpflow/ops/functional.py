@@ -115,8 +115,9 @@ def clone(x: Tensor) -> Tensor:
 
 
 def contiguous(x: Tensor) -> Tensor:
-    """``x`` itself when every shard is row-major (as torch returns ``self``), else a row-major copy."""
-    if builtins.all(t.is_contiguous() for t in x.local_tensors().values()):
+    """``x`` itself when every shard is row-major (as torch returns ``self``), else a row-major copy. While
+    nn.Graph traces there are no shards to look at: the copy is traced, and costs what the plan's layout needs."""
+    if x._lazy is None and builtins.all(t.is_contiguous() for t in x.local_tensors().values()):
         return x
     return E.contiguous(x)
 
