@@ -264,7 +264,8 @@ __all__ = [
     "int8", "uint8", "int16", "int32", "int64",  # float, int, bool ... exist too, but a star import must not shadow
     # the builtins
     "argsort", "einsum", "flip", "logsumexp", "norm", "outer", "roll", "sort", "tril", "triu",
-    "checkpoint", "load", "save", "implicit_broadcast", "meta_init", "meta_tensor", "utils", "amp", "autocast", "GradScaler",
+    "checkpoint", "load", "save", "implicit_broadcast",
+    "meta_init", "meta_tensor", "utils", "amp", "autocast", "GradScaler",
     # tensor functions
     "abs", "add", "all", "amax", "amin", "any", "argmax", "argmin", "bmm", "cast", "cat", "ceil", "chunk", "clamp",
     "clip", "clone", "conv2d", "cos", "cumsum", "div", "dropout", "eq", "erf", "exp", "flatten", "floor", "gather",
