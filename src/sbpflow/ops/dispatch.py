@@ -82,7 +82,7 @@ def implicit_broadcast() -> Iterator[None]:
 
 def _broadcast_locals(args: Sequence[Any]) -> tuple[Any, ...]:
     """``args`` with each local tensor made global, broadcast on the first global tensor's placement."""
-    placement = next(a._placement for a in args if isinstance(a, Tensor) and a._local is None)
+    placement = next(a._placement for a in args if isinstance(a, Tensor) and a._placement is not None)
     sbp = (broadcast,) * placement.ndim
     return tuple(a.to_global(placement, sbp) if isinstance(a, Tensor) and a._local is not None else a
                  for a in args)
