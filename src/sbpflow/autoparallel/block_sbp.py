@@ -263,15 +263,21 @@ def _linear_seconds(c: Choice, tokens: int, k: int, m: int, tp: int, profile: De
     x = tokens * k / (1 if isinstance(c.ins[0], Broadcast) else tp)
     w = k * m / (tp if c.split_weight else 1)
     y = tokens * m / (tp if isinstance(c.out, Split) else 1)  # a partial sum is whole on every rank
-    return roofline(matmul_flops(tokens, m, k) / share, ACT_BYTES * (x + w + y), profile)
+    # the local GEMM: a column layer splits its output features, a row layer its inner dim, "tokens" its rows
+    rows = tokens / tp if c.name == "tokens" else tokens
+    cols = m / tp if c.split_weight and isinstance(c.out, Split) else m
+    inner = k / tp if c.split_weight and isinstance(c.out, Partial) else k
+    return roofline(matmul_flops(tokens, m, k) / share, ACT_BYTES * (x + w + y), profile, gemm=(rows, cols, inner, 1))
 
 
 def _attention_seconds(units: float, s: int, d: int, profile: DeviceProfile) -> float:
     """The core attention of ``units`` (sequence, head) pairs: scores Q·Kᵀ, fused scale-mask-softmax, dropout,
     probabilities · V."""
     scores = units * s * s
-    return (roofline(matmul_flops(s, s, d, 1) * units, ACT_BYTES * units * (2 * s * d + s * s), profile)
-            + roofline(matmul_flops(s, d, s, 1) * units, ACT_BYTES * units * (s * s + 2 * s * d), profile)
+    return (roofline(matmul_flops(s, s, d, 1) * units, ACT_BYTES * units * (2 * s * d + s * s), profile,
+                     gemm=(s, s, d, units))
+            + roofline(matmul_flops(s, d, s, 1) * units, ACT_BYTES * units * (s * s + 2 * s * d), profile,
+                       gemm=(s, d, s, units))
             + roofline(0.0, 2 * ACT_BYTES * scores, profile, matmul=False)
             + roofline(0.0, 2 * ACT_BYTES * scores + scores, profile, matmul=False))
 
@@ -279,7 +285,8 @@ def _attention_seconds(units: float, s: int, d: int, profile: DeviceProfile) -> 
 def _flash_seconds(units: float, s: int, d: int, profile: DeviceProfile) -> float:
     """The core attention as one fused kernel (FlashAttention): both products at GEMM speed, and only Q, K, V and
     the output through memory."""
-    return roofline(matmul_flops(s, s, d, 1) * units * 2, ACT_BYTES * units * 4 * s * d, profile)
+    return roofline(matmul_flops(s, s, d, 1) * units * 2, ACT_BYTES * units * 4 * s * d, profile,
+                    gemm=(s, d, s, units))  # per query tile: scores (k = d) then output (n = d), fused
 
 
 def _elementwise_bytes(kind: str, tokens: int, h: int, read: float, width: float) -> float:

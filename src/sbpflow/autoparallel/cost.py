@@ -48,13 +48,15 @@ def matmul_flops(m: int, n: int, k: int, batch: int = 1) -> float:
     return 2.0 * batch * m * n * k
 
 
-def roofline(flops: float, nbytes: float, profile: DeviceProfile, matmul: bool = True) -> float:
+def roofline(flops: float, nbytes: float, profile: DeviceProfile, matmul: bool = True,
+             gemm: tuple[float, float, float, float] | None = None) -> float:
     """Seconds for one kernel: the slower of its arithmetic and its memory traffic, plus the launch floor.
 
-    GEMMs run at ``peak · η_matmul``; other kernels (no tensor cores) are taken as memory-bound, so only their
-    bytes count.
+    GEMMs run at ``peak · η_matmul``, times the profile's tile efficiency when ``gemm`` gives their local
+    ``(m, n, k, batch)``; other kernels (no tensor cores) are taken as memory-bound, so only their bytes count.
     """
-    compute = flops / profile.matmul_flops if matmul else 0.0
+    rate = profile.matmul_flops * (profile.gemm_efficiency(*gemm) if gemm is not None else 1.0)
+    compute = flops / rate if matmul else 0.0
     memory = nbytes / profile.memory_throughput
     return max(compute, memory) + profile.launch_s
 

@@ -10,19 +10,23 @@ Public specs used (dense, no sparsity; per GPU; one direction of a link):
     a100-80gb   312 TFLOP/s    2039 GB/s    80 GB    300 GB/s (NVLink 3)      25 GB/s (HDR 200 Gb/s)
     h100-80gb   989 TFLOP/s    3350 GB/s    80 GB    450 GB/s (NVLink 4)      50 GB/s (NDR 400 Gb/s)
 
-The efficiencies are assumptions, not specs: about 60% of peak for the GEMMs of a transformer layer
-(cuBLAS reaches 70-80% on large square GEMMs; attention's per-head GEMMs and the epilogues reach less),
-80% of HBM bandwidth for elementwise kernels, and 75% of NVLink / 80% of the NIC for NCCL's ring
+The efficiencies are assumptions, not specs: 75% of peak for large GEMMs (cuBLAS reaches 70-80% on large
+fp16 GEMMs), less for small ones by a tile model (:meth:`DeviceProfile.gemm_efficiency`: the best of three output tiles,
+the last wave's idle SMs, and ``k / (k + 128)`` for each tile's fixed cost, which is what slows attention's
+per-head products), 80% of HBM bandwidth for elementwise kernels, and 75% of NVLink / 80% of the NIC for NCCL's ring
 collectives (nccl-tests' bus bandwidth on DGX A100). ``sbpflow plan --explain`` prints them next to every
 prediction so that what a prediction rests on is visible.
 
 >>> PROFILES["a100-80gb"].matmul_flops / 1e12
-187.2
+234.0
+>>> round(PROFILES["a100-80gb"].gemm_efficiency(2048, 2048, 128, batch=96), 2)  # attention's Q·Kᵀ per head
+0.5
 """
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
@@ -51,6 +55,11 @@ class DeviceProfile:
     eta_intra: float = 0.75  # sustained fraction of intra_bandwidth for collectives
     eta_inter: float = 0.8  # sustained fraction of inter_bandwidth
     launch_s: float = 5e-6  # the floor of any kernel: launch and tail
+    compute_units: int = 0  # streaming multiprocessors a GEMM's tiles are spread over; 0: no tile/wave model
+    # output tiles (rows, columns, their rate relative to the largest) the GEMM library picks from: smaller tiles
+    # waste less of a small product's last wave but load more bytes per FLOP
+    gemm_tiles: tuple[tuple[int, int, float], ...] = ((256, 128, 1.0), (128, 128, 0.9), (128, 64, 0.8))
+    gemm_k_half: float = 0.0  # inner dimension at which a GEMM sustains half its large-k rate (prologue, epilogue)
     gpus_per_node: int = 8
     reserved_bytes: float = 3 * GB  # CUDA context, allocator fragmentation, workspaces
     source: str = "public specs"
@@ -59,6 +68,22 @@ class DeviceProfile:
     def matmul_flops(self) -> float:
         """Sustained GEMM FLOP/s."""
         return self.peak_flops * self.eta_matmul
+
+    def gemm_efficiency(self, m: float, n: float, k: float, batch: float = 1.0) -> float:
+        """The fraction of ``matmul_flops`` that ``batch`` (m, k) x (k, n) products sustain, with the tile that
+        suits them best (as cuBLAS's heuristics pick one): the filled share of the output tiles, of the last
+        wave of tiles over the compute units, and ``k / (k + k_half)`` for each tile's fixed cost. 1.0 for a
+        profile without a tile model (CPUs, calibrated hosts)."""
+        if self.compute_units <= 0:
+            return 1.0
+        best = 0.0
+        for tm, tn, rate in self.gemm_tiles:
+            rows, cols = math.ceil(m / tm), math.ceil(n / tn)
+            tiles = rows * cols * math.ceil(batch)
+            fill = (m * n) / (rows * tm * cols * tn)
+            waves = tiles / (math.ceil(tiles / self.compute_units) * self.compute_units)
+            best = max(best, rate * fill * waves)
+        return best * k / (k + self.gemm_k_half)
 
     @property
     def memory_throughput(self) -> float:
@@ -78,15 +103,16 @@ class DeviceProfile:
 
 
 def _datasheet(name: str, peak_tflops: float, hbm_gbs: float, memory_gb: float, nvlink_gbs: float,
-               nic_gbs: float) -> DeviceProfile:
+               nic_gbs: float, sms: int) -> DeviceProfile:
     return DeviceProfile(name=name, device_type="cuda", peak_flops=peak_tflops * 1e12, mem_bandwidth=hbm_gbs * GB,
-                         memory_bytes=memory_gb * GB, intra_bandwidth=nvlink_gbs * GB, inter_bandwidth=nic_gbs * GB)
+                         memory_bytes=memory_gb * GB, intra_bandwidth=nvlink_gbs * GB, inter_bandwidth=nic_gbs * GB,
+                         eta_matmul=0.75, compute_units=sms, gemm_k_half=128.0)
 
 
 PROFILES: dict[str, DeviceProfile] = {
-    "a100-40gb": _datasheet("a100-40gb", 312, 1555, 40, 300, 25),
-    "a100-80gb": _datasheet("a100-80gb", 312, 2039, 80, 300, 25),
-    "h100-80gb": _datasheet("h100-80gb", 989, 3350, 80, 450, 50),
+    "a100-40gb": _datasheet("a100-40gb", 312, 1555, 40, 300, 25, 108),
+    "a100-80gb": _datasheet("a100-80gb", 312, 2039, 80, 300, 25, 108),
+    "h100-80gb": _datasheet("h100-80gb", 989, 3350, 80, 450, 50, 132),
 }
 
 
@@ -134,6 +160,8 @@ def load_profile(path: str | Path) -> DeviceProfile:
     unknown = sorted(set(data) - known)
     if unknown:
         raise SbpflowError(f"profile {path} has keys that DeviceProfile does not know: {unknown}")
+    if "gemm_tiles" in data:  # JSON has no tuples
+        data["gemm_tiles"] = tuple(tuple(t) for t in data["gemm_tiles"])
     return DeviceProfile(**data)
 
 

@@ -168,7 +168,8 @@ def head_cost(spec: TransformerSpec, micro_batch: int, tp: int, profile: DeviceP
     """Forward + backward seconds of the output layer (vocab-parallel logits) and cross-entropy, per rank."""
     tokens, vocab = micro_batch * spec.seq, spec.padded_vocab(tp) // tp
     logits = roofline(matmul_flops(tokens, vocab, spec.hidden),
-                      ACT_BYTES * (tokens * spec.hidden + spec.hidden * vocab), profile)
+                      ACT_BYTES * (tokens * spec.hidden + spec.hidden * vocab), profile,
+                      gemm=(tokens, vocab, spec.hidden, 1))
     loss = roofline(0.0, 3 * 4 * tokens * vocab, profile, matmul=False)  # fp32 softmax, its gradient
     return 3 * logits + 2 * loss
 
