@@ -26,7 +26,7 @@ from ..distributed import activity
 from ..errors import AutogradError
 from ..host_memory import keep_freed_host_memory
 from ..ops import functional as F
-from ..ops.dispatch import INTERPRETERS
+from ..ops.dispatch import interpreter_for
 from ..ops.elementwise import comm_cast
 from ..sbp import Partial, broadcast, partial_sum
 from ..tensor import Tensor
@@ -166,18 +166,10 @@ def _root_grad(root: Tensor, grad: Tensor | None) -> Tensor:
 
 
 def _ones_broadcast(root: Tensor) -> Tensor:
-    """The implicit root gradient: ones, broadcast on every rank (built directly: it is on every backward's path).
-
-    B rather than the root's own SBP: a partial root would make every gradient below it partial too.
-    """
-
+    """The implicit root gradient: ones (built directly: it is on every backward's path)."""
     if root._local is not None:
         return Tensor._from_local(torch.ones_like(root._local))
-    if root._lazy is not None:  # traced: the tracer in force makes the seed
-        return INTERPRETERS[-1].root_grad(root)
-    shape = tuple(root.shape)
-    shards = {r: torch.ones(shape, dtype=root.dtype, device=t.device) for r, t in (root._shards or {}).items()}
-    return Tensor._from_shards(shape, root.dtype, root.placement, (broadcast,) * root.placement.ndim, shards)
+    return interpreter_for(root).root_grad(root)  # traced: the tracer's seed; meta: metadata; eager: ones, B
 
 
 def _send(t: Tensor, grad: Tensor, pending: dict, leaf_grads: dict,  # type: ignore[type-arg]

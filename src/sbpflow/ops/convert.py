@@ -18,7 +18,7 @@ from ..errors import SbpError, ShapeError
 from ..placement import Placement
 from ..sbp import NdSbp, Partial, Split, broadcast, format_nd, normalize
 from ..tensor import Tensor
-from .dispatch import INTERPRETERS, record
+from .dispatch import interpreter_for, record
 from .schema import OpDef
 
 _to_global = OpDef("to_global", kernel=lambda *a: None, meta=lambda *a: None, sbp=lambda *a: [], shard_aware=False,
@@ -40,14 +40,7 @@ def to_global(x: Tensor, placement: Placement, sbp: Any, grad_sbp: Any = None) -
     dst = boxing.Layout(placement, nd)
     if src == dst and (grad_nd is None or grad_nd == x.sbp or not x.requires_grad):
         return x
-    if INTERPRETERS:  # nn.Graph is tracing: the tracer records the conversion
-        out = INTERPRETERS[-1].to_global(x, placement, nd)
-    elif x.is_meta:  # sbpflow.meta_init: the new layout, still no data
-        out = Tensor._meta(tuple(x.shape), x.dtype, placement, nd)
-    else:
-        plan = boxing.plan(tuple(x.shape), x.dtype, src, dst)
-        shards = boxing.execute(plan, x._shards or {})
-        out = Tensor._from_shards(tuple(x.shape), x.dtype, placement, nd, shards)
+    out = interpreter_for(x).to_global(x, placement, nd)  # the tracer records it, meta keeps no data, eager boxes
     if is_grad_enabled() and x.requires_grad:
         record(_to_global, (x,), {"grad_sbp": grad_nd}, (out,))
     return out

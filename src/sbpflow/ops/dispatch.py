@@ -1,9 +1,10 @@
 """Dispatch: every op call enters :func:`apply`, which runs it on local tensors, or decides and runs it on
 global ones, and records it for autograd.
 
-Dispatch owns an interpreter stack: while nn.Graph traces ``build()``, the tracer (graph.trace) is pushed
-(``with tracer.active():``) and global ops and conversions go to it instead of running. Autocast pushes an
-input-casting hook. So this module imports neither the tracer nor amp: they sit above it and register here.
+Dispatch owns an interpreter stack (:class:`Interpreter`: apply a global op, convert to global, seed backward).
+``EAGER`` runs when none is pushed, ``META`` takes tensors built under ``meta_init``, and while nn.Graph traces
+``build()`` the tracer (graph.trace) is pushed (``with tracer.active():``). Autocast pushes an input-casting hook.
+So this module imports neither the tracer nor amp: they sit above it and register here.
 """
 
 from __future__ import annotations
@@ -43,7 +44,53 @@ class Interpreter(Protocol):
     def root_grad(self, root: Tensor) -> Tensor: ...
 
 
-INTERPRETERS: list[Interpreter] = []  # the one in force is the last; empty: eager (meta tensors: by their data)
+INTERPRETERS: list[Interpreter] = []  # pushed ones (the tracer); the last is in force, and empty means Eager
+
+
+class EagerInterpreter:
+    """The interpreter when none is pushed: global ops run on their shards, conversions box them."""
+
+    def apply_global(self, opdef: OpDef, args: Sequence[Any], attrs: dict[str, Any]) -> Any:
+        return _eager_global(opdef, args, attrs)
+
+    def to_global(self, x: Tensor, placement: Placement, sbp: NdSbp) -> Tensor:
+        plan = boxing.plan(tuple(x.shape), x.dtype, boxing.Layout(x.placement, x.sbp), boxing.Layout(placement, sbp))
+        return Tensor._from_shards(tuple(x.shape), x.dtype, placement, sbp, boxing.execute(plan, x._shards or {}))
+
+    def root_grad(self, root: Tensor) -> Tensor:
+        """Ones, broadcast on every rank: B rather than the root's own SBP, since a partial root would make every
+        gradient below it partial too."""
+        shape = tuple(root.shape)
+        shards = {r: torch.ones(shape, dtype=root.dtype, device=t.device) for r, t in (root._shards or {}).items()}
+        return Tensor._from_shards(shape, root.dtype, root.placement, (broadcast,) * root.placement.ndim, shards)
+
+
+class MetaInterpreter:
+    """Tensors built under :func:`sbpflow.meta_init` (no shards) take it by their data, not a push: metadata in,
+    metadata out, with the same decisions as eager."""
+
+    def apply_global(self, opdef: OpDef, args: Sequence[Any], attrs: dict[str, Any]) -> Any:
+        return _eager_global(opdef, args, attrs)  # the decision is eager's; the first meta input ends it in outputs
+
+    def outputs(self, opdef: OpDef, decision: Decision, placement: Placement, args: Sequence[Any]) -> Any:
+        return meta_outputs(opdef, decision, placement, args)
+
+    def to_global(self, x: Tensor, placement: Placement, sbp: NdSbp) -> Tensor:
+        return Tensor._meta(tuple(x.shape), x.dtype, placement, sbp)
+
+    def root_grad(self, root: Tensor) -> Tensor:
+        return Tensor._meta(tuple(root.shape), root.dtype, root.placement, (broadcast,) * root.placement.ndim)
+
+
+EAGER, META = EagerInterpreter(), MetaInterpreter()
+
+
+def interpreter_for(x: Tensor) -> Interpreter:
+    """The interpreter that runs what ``x`` takes part in: a pushed one (tracing), else META for a meta tensor,
+    else EAGER."""
+    if INTERPRETERS:
+        return INTERPRETERS[-1]
+    return META if x.is_meta else EAGER
 
 InputHook = Callable[[str, Sequence[Any]], Sequence[Any]]  # (op name, args) -> args, e.g. autocast's casts
 
@@ -279,6 +326,12 @@ def _apply_global(opdef: OpDef, args: Sequence[Any], attrs: dict[str, Any], key_
                   placement: Placement | None = None, where: int | None = None) -> Any:
     if INTERPRETERS:  # nn.Graph is tracing build(): the tracer records a node, runs nothing
         return INTERPRETERS[-1].apply_global(opdef, args, attrs)
+    return _eager_global(opdef, args, attrs, key_args, placement, where)
+
+
+def _eager_global(opdef: OpDef, args: Sequence[Any], attrs: dict[str, Any], key_args: Any = None,
+                  placement: Placement | None = None, where: int | None = None) -> Any:
+    """:class:`EagerInterpreter`'s global op: decide (cached), box the inputs, run the kernel on every owned rank."""
     if key_args is None:
         placement, where, key_args = _global_key(opdef, args)
     assert placement is not None  # apply() saw a global tensor
@@ -291,7 +344,7 @@ def _apply_global(opdef: OpDef, args: Sequence[Any], attrs: dict[str, Any], key_
         _global_cache[key] = decision
     for pos in decision.positions:
         if args[pos]._shards is None:  # a meta tensor (sbpflow.meta_init): metadata in, metadata out
-            return meta_outputs(opdef, decision, placement, args)
+            return META.outputs(opdef, decision, placement, args)
     if decision.boxes:
         with activity(opdef.activity):  # named in comm errors raised while its inputs are boxed
             return run(opdef, decision, args, attrs, placement, where)
