@@ -267,7 +267,7 @@ def _exchange_counts(layout: ExpertLayout, send: Shards, backend: Backend) -> Sh
     """Every member learns how many slot rows each member sends it, per local expert: (p, per) counts."""
     p, per = send[next(iter(send))].shape if send else (0, 0)
     pieces = {r: list(c.unbind(0)) for r, c in send.items()}
-    shapes = {r: [(per,)] * p for r in send}
+    shapes: dict[int, list[tuple[int, ...]]] = {r: [(per,)] * p for r in send}
     out: Shards = {}
     for group in layout.mesh.axis_groups(layout.axis):
         mine = [r for r in group if r in send]
