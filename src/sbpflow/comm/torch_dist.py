@@ -325,6 +325,17 @@ class TorchDistBackend(Backend):
         by_rank = {g: c.view(s) for g, c, s in zip(order, chunks, recv, strict=True)}
         return {self.rank: [by_rank[g] for g in group]}
 
+    def _all_to_all_rows(self, group, inputs, send_rows, recv_rows):  # type: ignore[no-untyped-def]
+        if len(group) == 1 or list(group) != sorted(group):  # torch's split i goes to the i-th lowest rank
+            return super()._all_to_all_rows(group, inputs, send_rows, recv_rows)
+        rows = inputs[self.rank].contiguous()
+        out = rows.new_empty((sum(recv_rows[self.rank]), *rows.shape[1:]))
+        self._check_same("all_to_all", group, (str(rows.dtype), tuple(rows.shape[1:])))
+        pg = self._group(group, rows.device)
+        self._call("all_to_all", group, lambda: dist.all_to_all_single(
+            out, rows, output_split_sizes=recv_rows[self.rank], input_split_sizes=send_rows[self.rank], group=pg))
+        return {self.rank: out}
+
     def _broadcast(self, group, root, inputs, shape, dtype, device_type):  # type: ignore[no-untyped-def]
         device = self.device_for(device_type, self.rank)
         if self.rank == root:

@@ -7,6 +7,7 @@ rank routes its own rows. Per rank, forward::
     slots (n, k) --sorted by expert--> counts per expert --all-to-all (E counts, static)--> counts it receives
     slot rows    --all-to-all, split sizes = those counts--> its experts run on their own rows only (grouped)
     expert rows  --all-to-all back, the sizes reversed----> (n, k, C): each slot's expert output (0 if dropped)
+                 --weighted by the routing, summed over k--> (n, C)
 
 Backward is the same exchange the other way round: the slots' output gradients travel to the experts along
 the forward's counts, each rank's local backward gives its rows' and its experts' weight gradients, and the row
@@ -24,7 +25,8 @@ are zero off its tokens (the same numbers at ``experts / k`` times the expert co
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Any
 
 import numpy as np
@@ -56,6 +58,7 @@ class ExpertLayout:
     mesh: Placement
     axis: int
     num_experts: int
+    members: tuple[Placement, ...]  # member j's ranks: coordinate j on the ep axis (a size-1 axis there)
 
     @property
     def per_member(self) -> int:
@@ -63,9 +66,7 @@ class ExpertLayout:
 
     def placement_of(self, expert: int) -> Placement:
         """Where expert ``expert`` lives: the ranks at coordinate ``expert // per_member`` on the ep axis."""
-        ranks = np.asarray(self.mesh.flat_ranks).reshape(self.mesh.hierarchy)
-        member = expert // self.per_member
-        return Placement(self.mesh.type, np.take(ranks, [member], axis=self.axis).tolist())
+        return self.members[expert // self.per_member]
 
     def token_sbp(self, sbp: NdSbp, expert_sbp: NdSbp) -> NdSbp:
         """The tokens' (N, C) SBP for dispatch, from theirs (``sbp``) and an expert weight's: split on the ep axis,
@@ -84,7 +85,9 @@ def check_layout(mesh: Placement, axis: int, num_experts: int) -> ExpertLayout:
     if num_experts % mesh.hierarchy[axis]:
         raise SbpflowError(f"expert parallelism: mesh axis {axis} has {mesh.hierarchy[axis]} ranks, which must "
                            f"divide the {num_experts} experts")
-    return ExpertLayout(mesh, axis, num_experts)
+    ranks = np.asarray(mesh.flat_ranks).reshape(mesh.hierarchy)
+    members = tuple(Placement(mesh.type, np.take(ranks, [j], axis=axis).tolist()) for j in range(mesh.hierarchy[axis]))
+    return ExpertLayout(mesh, axis, num_experts, members)
 
 
 @dataclass
@@ -95,7 +98,7 @@ class _Saved:
     x_sbp: NdSbp
     y_sbp: NdSbp
     dx_sbp: NdSbp
-    w_sbps: list[NdSbp]
+    w_sbps: tuple[NdSbp, ...]
     k: int
     order: Shards  # the kept slots, sorted by expert (indices into the rank's n * k slots)
     send: Shards  # (p, per) slot rows sent to each member, per expert of that member
@@ -103,17 +106,20 @@ class _Saved:
     rows_in: dict[int, torch.Tensor]  # the received rows (a torch leaf)
     weights_in: dict[int, list[torch.Tensor]]  # the local experts' weights (torch leaves), w1, w2, w3 per expert
     rows_out: dict[int, torch.Tensor]  # the local experts' outputs, in received order
+    slots: Shards = field(default_factory=dict)  # (n, k, C): each of the rank's slots' expert output
+    top: Shards = field(default_factory=dict)  # (n, k): the routing weights
 
 
-def routed_experts(x: Tensor, index: Tensor, keep: Tensor | None, experts: Sequence[Weights],
-                   layout: ExpertLayout) -> Tensor:
-    """Each slot's SwiGLU expert output, global (N, k, C), by the all-to-all exchange (module docstring).
+def routed_experts(x: Tensor, top: Tensor, index: Tensor, keep: Tensor | None, experts: Sequence[Weights],
+                   layout: ExpertLayout) -> tuple[Tensor, Tensor]:
+    """Each token's routed experts' outputs weighted by the routing, global (N, C), by the all-to-all exchange
+    (module docstring); and the slots each expert received, global (E,).
 
-    ``x`` is the (N, C) tokens laid out as ``layout.token_sbp`` gives, ``index`` their (N, k) expert ids and
-    ``keep`` (N, k) which slots their expert takes (``None``: all, dropless), both in ``x``'s layout; expert
-    ``e``'s weights lie on ``layout.placement_of(e)``.
+    ``x`` is the (N, C) tokens laid out as ``layout.token_sbp`` gives; ``top`` their (N, k) routing weights,
+    ``index`` their (N, k) expert ids and ``keep`` (N, k) which slots their expert takes (``None``: all,
+    dropless), all three in ``x``'s layout; expert ``e``'s weights lie on ``layout.placement_of(e)``.
     """
-    y_sbp, dx_sbp, w_sbps = _sbps(x, experts, layout)
+    y_sbp, dx_sbp, w_sbps = _sbps(x.sbp, tuple((w.placement, w.sbp) for t in experts for w in t), layout)
     backend = get_backend()
     backend.prepare(_group_plan(layout.mesh))  # the ep groups' process groups, made collectively
     k = int(index.shape[1])
@@ -130,20 +136,31 @@ def routed_experts(x: Tensor, index: Tensor, keep: Tensor | None, experts: Seque
     recv = _exchange_counts(layout, send, backend)
     sent = {r: xs[r][order[r] // k] for r in xs}  # (kept slots, C), sorted by expert
     rows = _exchange(layout, sent, send, recv, backend)
-    tracked = _needs_grad(x, experts)
+    tracked = _needs_grad((x, top, *[w for triple in experts for w in triple]))
     saved = _Saved(layout, x.sbp, y_sbp, dx_sbp, w_sbps, k, order, send, recv, {}, {}, {})
     for r in xs:
         _run_local_experts(saved, r, rows[r], _local_weights(experts, layout, r), tracked)
     back = _exchange(layout, saved.rows_out, recv, send, backend)
-    ys = {}
+    tops = top.local_tensors()
+    outs = {}
     for r, rows_r in xs.items():
         slots = rows_r.new_zeros(rows_r.shape[0] * k, rows_r.shape[1])
         slots[order[r]] = back[r].detach()
-        ys[r] = slots.view(rows_r.shape[0], k, rows_r.shape[1])  # (n, k, C) local
-    out = Tensor._from_shards((x.shape[0], k, x.shape[1]), x.dtype, layout.mesh, y_sbp, ys)
+        saved.slots[r] = slots.view(rows_r.shape[0], k, rows_r.shape[1])  # (n, k, C) local: each slot's output
+        outs[r] = torch.bmm(tops[r].unsqueeze(1), saved.slots[r]).squeeze(1)  # (n, C): weighted, summed over k
+    out = Tensor._from_shards(tuple(x.shape), x.dtype, layout.mesh, y_sbp, outs)
     if tracked:
-        record(_ROUTED, (x, *[w for triple in experts for w in triple]), {"saved": saved}, (out,))
-    return out
+        saved.top = tops
+        record(_ROUTED, (x, top, *[w for triple in experts for w in triple]), {"saved": saved}, (out,))
+    return out, _expert_counts(x, send, layout)
+
+
+def _expert_counts(x: Tensor, send: Shards, layout: ExpertLayout) -> Tensor:
+    """The slots each expert received, (E,) in ``x``'s dtype: each rank's own counts, added up over the axes
+    that split the tokens (a P(sum) there)."""
+    counts = {r: c.reshape(-1).to(x.dtype) for r, c in send.items()}
+    sbp = tuple(Partial("sum") if s == Split(0) else Broadcast() for s in x.sbp)
+    return Tensor._from_shards((layout.num_experts,), x.dtype, layout.mesh, sbp, counts)
 
 
 @_ROUTED.grad
@@ -154,11 +171,15 @@ def _routed_experts_grad(ctx: Any, dy: Tensor) -> Any:
     want = tuple(Broadcast() if isinstance(s, Partial) else s for s in saved.y_sbp)
     if (dy.placement, dy.sbp) != (layout.mesh, want):
         dy = to_global(dy, layout.mesh, want)
-    dys = dy.local_tensors()
-    d_sent = {r: g.reshape(-1, g.shape[-1])[saved.order[r]] for r, g in dys.items()}  # sorted like the rows sent
+    douts = dy.local_tensors()
+    d_sent, d_top = {}, {}
+    for r, g in douts.items():  # g: (n, C); a slot's output gradient is its routing weight times the token's
+        d_slots = saved.top[r].unsqueeze(-1) * g.unsqueeze(1)  # (n, k, C)
+        d_sent[r] = d_slots.reshape(-1, g.shape[-1])[saved.order[r]]  # sorted like the rows sent
+        d_top[r] = torch.bmm(saved.slots[r], g.unsqueeze(-1)).squeeze(-1)  # (n, k)
     d_rows_out = _exchange(layout, d_sent, saved.send, saved.recv, backend)
     d_rows_in, d_weights = {}, {}
-    for r in dys:
+    for r in douts:
         leaves = [saved.rows_in[r], *saved.weights_in[r]]
         grads = torch.autograd.grad(saved.rows_out[r], leaves, d_rows_out[r], allow_unused=True)
         d_rows_in[r] = _or_zeros(grads[0], leaves[0])
@@ -167,10 +188,12 @@ def _routed_experts_grad(ctx: Any, dy: Tensor) -> Any:
     x = ctx.inputs[0]
     dxs = {}
     for r, g in d_back.items():
-        rows = torch.zeros(dys[r].shape[0], g.shape[-1], dtype=g.dtype, device=g.device)
+        rows = torch.zeros(douts[r].shape[0], g.shape[-1], dtype=g.dtype, device=g.device)
         dxs[r] = rows.index_add_(0, saved.order[r] // saved.k, g)  # each token sums its k slots
     dx = Tensor._from_shards(tuple(x.shape), x.dtype, layout.mesh, saved.dx_sbp, dxs)
-    return (dx, *_weight_grads(ctx.inputs[1:], saved, d_weights, backend))
+    top = ctx.inputs[1]
+    dtop = Tensor._from_shards(tuple(top.shape), top.dtype, layout.mesh, saved.y_sbp, d_top)
+    return (dx, dtop, *_weight_grads(ctx.inputs[2:], saved, d_weights, backend))
 
 
 def _run_local_experts(saved: _Saved, r: int, rows: torch.Tensor, weights: list[torch.Tensor],
@@ -214,36 +237,37 @@ def _weight_grads(weights: Sequence[Tensor], saved: _Saved, d_weights: dict[int,
     return out
 
 
-def _sbps(x: Tensor, experts: Sequence[Weights], layout: ExpertLayout) -> tuple[NdSbp, NdSbp, list[NdSbp]]:
-    """The slot outputs', the tokens' gradient's and each weight gradient's SBP; raises on layouts that the
-    exchange cannot run (see the module docstring)."""
-    y_sbp, dx_sbp = list(x.sbp), list(x.sbp)
-    w_sbps = []
+@lru_cache(maxsize=256)
+def _sbps(x_sbp: NdSbp, weights: tuple[tuple[Placement, NdSbp], ...],
+          layout: ExpertLayout) -> tuple[NdSbp, NdSbp, tuple[NdSbp, ...]]:
+    """The slot outputs', the tokens' gradient's and each weight gradient's SBP, from the tokens' SBP and each
+    expert weight's (placement, SBP), w1, w2, w3 per expert; raises on layouts that the exchange cannot run (see
+    the module docstring)."""
+    if x_sbp[layout.axis] != Split(0) or any(s not in (Split(0), Broadcast()) for s in x_sbp):
+        raise SbpflowError(f"routed_experts needs the tokens split on the ep axis {layout.axis} and split or whole "
+                           f"on the others, but got tokens with sbp {format_nd(x_sbp)} on {layout.mesh}")
+    y_sbp, dx_sbp = list(x_sbp), list(x_sbp)
     megatron = (Split(0), Split(1), Split(0))  # w1 column-parallel, w2 row-parallel, w3 column-parallel
-    for e, triple in enumerate(experts):
+    for e in range(len(weights) // 3):
+        triple = weights[3 * e: 3 * e + 3]
         where = layout.placement_of(e)
-        for w in triple:
-            if w.placement != where:
+        for placement, sbp in triple:
+            if placement != where:
                 raise SbpflowError(f"routed_experts: expert {e}'s weights must lie on {where} (its group on mesh "
-                                   f"axis {layout.axis}), but got {w._describe()}")
+                                   f"axis {layout.axis}), but one lies on {placement} with sbp {format_nd(sbp)}")
         for axis in range(layout.mesh.ndim):
             if axis == layout.axis:
                 continue
-            split = tuple(w.sbp[axis] for w in triple)
-            if split == megatron and x.sbp[axis] == Broadcast():
+            split = tuple(sbp[axis] for _, sbp in triple)
+            if split == megatron and x_sbp[axis] == Broadcast():
                 y_sbp[axis] = dx_sbp[axis] = Partial("sum")
             elif not all(s == Broadcast() for s in split):
                 raise SbpflowError(
                     f"routed_experts: on mesh axis {axis} an expert's (w1, w2, w3) must be whole (B) or Megatron "
                     f"(S(0), S(1), S(0)) with the tokens whole, but expert {e} has "
-                    f"{tuple(format_nd((s,)) for s in split)} and the tokens {x._describe()}")
-    for triple in experts:
-        for w in triple:
-            w_sbps.append(tuple(_weight_grad_sbp(w.sbp[a], x.sbp[a], a == layout.axis)
-                                for a in range(layout.mesh.ndim)))
-    if x.sbp[layout.axis] != Split(0) or any(s not in (Split(0), Broadcast()) for s in x.sbp):
-        raise SbpflowError(f"routed_experts needs the tokens split on the ep axis {layout.axis} and split or whole "
-                           f"on the others, but got {x._describe()}")
+                    f"{tuple(format_nd((s,)) for s in split)} and the tokens sbp {format_nd(x_sbp)}")
+    w_sbps = tuple(tuple(_weight_grad_sbp(sbp[a], x_sbp[a], a == layout.axis) for a in range(layout.mesh.ndim))
+                   for _, sbp in weights)
     return tuple(y_sbp), tuple(dx_sbp), w_sbps
 
 
@@ -255,8 +279,8 @@ def _weight_grad_sbp(weight: Any, tokens: Any, ep_axis: bool) -> Any:
     return Partial("sum") if tokens == Split(0) else Broadcast()  # each rank's tokens add to the gradient
 
 
-def _needs_grad(x: Tensor, experts: Sequence[Weights]) -> bool:
-    return is_grad_enabled() and (x.requires_grad or any(w.requires_grad for t in experts for w in t))
+def _needs_grad(inputs: Sequence[Tensor]) -> bool:
+    return is_grad_enabled() and any(t.requires_grad for t in inputs)
 
 
 def _or_zeros(grad: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
@@ -285,15 +309,10 @@ def _exchange(layout: ExpertLayout, rows: Shards, send: Shards, recv: Shards, ba
     out: Shards = {}
     for group in layout.mesh.axis_groups(layout.axis):
         mine = [r for r in group if r in rows]
-        if not mine:
-            continue
-        tail = tuple(rows[mine[0]].shape[1:])
-        dtype = rows[mine[0]].dtype
-        pieces = {r: list(torch.split(rows[r], send[r].sum(1).tolist())) for r in mine}
-        shapes = {r: [(int(n), *tail) for n in recv[r].sum(1).tolist()] for r in mine}
-        moved = sum(nbytes(s, dtype) for r in mine for j, s in enumerate(shapes[r]) if group[j] != r)
-        got = backend.all_to_all(group, pieces, shapes, dtype, moved)
-        out.update({r: torch.cat(got[r]) for r in mine})
+        if mine:
+            out.update(backend.all_to_all_rows(group, {r: rows[r] for r in mine},
+                                               {r: send[r].sum(1).tolist() for r in mine},
+                                               {r: recv[r].sum(1).tolist() for r in mine}))
     return out
 
 

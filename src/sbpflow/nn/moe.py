@@ -107,14 +107,20 @@ class MoE(Module):
 
     def _exchanged(self, flat: Tensor, layout: ExpertLayout) -> Tensor:
         """Each token's k experts on their ranks, by the all-to-all of :func:`routed_experts`: logical (N, C)."""
-        top, index, kept = self._route_topk(flat)  # logical (N, k) each
-        keep = None
-        if kept is not None:  # a slot is kept if its expert kept the token: sum over E of chosen * kept, (N, k)
+        if self.capacity_factor is None:
+            probs, top, index = self._gate(flat)  # logical (N, E), (N, k), (N, k)
+            keep = None
+        else:
+            top, index, kept = self._route_topk(flat)  # logical (N, k), (N, k), (N, E)
+            assert kept is not None
             chosen = F.eq(F.unsqueeze(index, -1), _like(index, torch.arange(self.num_experts)))  # (N, k, E)
-            keep = F.gt(F.sum(F.mul(F.cast(chosen, kept.dtype), F.unsqueeze(kept, 1)), dim=-1), 0.5)
-        slots = routed_experts(flat, _laid_like(index, flat), None if keep is None else _laid_like(keep, flat),
-                               [(e.w1.weight, e.w2.weight, e.w3.weight) for e in self.experts], layout)
-        return F.sum(F.mul(slots, F.unsqueeze(top, -1)), dim=1)  # (N, k, C) weighted, summed over k
+            # a slot is kept if its expert kept the token: (N, k)
+            keep = _laid_like(F.gt(F.sum(F.mul(F.cast(chosen, kept.dtype), F.unsqueeze(kept, 1)), dim=-1), 0.5), flat)
+        out, counts = routed_experts(flat, _laid_like(top, flat), _laid_like(index, flat), keep,
+                                     [(e.w1.weight, e.w2.weight, e.w3.weight) for e in self.experts], layout)
+        if self.capacity_factor is None:  # dropless: the slots the experts received are the slots routed
+            self.aux_stats = (counts, F.mean(probs, dim=0))
+        return out
 
     def _exchange_layout(self, flat: Tensor) -> ExpertLayout | None:
         """The experts' grouping when the all-to-all path applies: eager (not traced, not meta) global tokens on
@@ -123,7 +129,8 @@ class MoE(Module):
         if layout is None or INTERPRETERS or not flat.is_global or flat.is_meta or flat.placement != layout.mesh:
             return None
         for e, expert in enumerate(self.experts):
-            if any(p.placement != layout.placement_of(e) for p in expert.parameters()):
+            where = layout.placement_of(e)
+            if any(w.placement != where for w in (expert.w1.weight, expert.w2.weight, expert.w3.weight)):
                 return None
         return layout
 
@@ -138,13 +145,18 @@ class MoE(Module):
         x = F.to_global(flat, home.placement, (broadcast,) * home.placement.ndim)
         return F.to_global(expert(x), flat.placement, flat.sbp)
 
-    def _route_topk(self, flat: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
-        """Each token's k routing weights and experts, logical (N, k), and with a capacity which of its (N, E)
-        expert choices the expert keeps (``None``: dropless). Sets ``aux_stats``."""
+    def _gate(self, flat: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """The router's probabilities, logical (N, E), and each token's k routing weights and experts, (N, k)."""
         probs = F.softmax(self.gate(flat), dim=-1)  # logical (N, E)
         top, index = F.topk(probs, self.top_k, dim=-1)  # logical (N, k)
         if self.norm_topk_prob:
             top = F.div(top, F.sum(top, dim=-1, keepdim=True))
+        return probs, top, index
+
+    def _route_topk(self, flat: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
+        """Each token's k routing weights and experts, logical (N, k), and with a capacity which of its (N, E)
+        expert choices the expert keeps (``None``: dropless). Sets ``aux_stats``."""
+        probs, top, index = self._gate(flat)
         chosen = F.cast(F.eq(F.unsqueeze(index, -1), _like(index, torch.arange(self.num_experts))), probs.dtype)
         hits = F.sum(chosen, dim=1)  # logical (N, E): 1 where the token chose the expert
         self.aux_stats = (F.sum(hits, dim=0).detach(), F.mean(probs, dim=0))
