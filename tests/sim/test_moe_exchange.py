@@ -119,3 +119,30 @@ def test_experts_split_on_their_input_dim_are_refused() -> None:
     xs = sbpflow.tensor(np.ones((TOKENS, HIDDEN), np.float32), placement=mesh, sbp=(split(0), broadcast))
     with pytest.raises(SbpflowError, match=r"must be whole \(B\) or Megatron"):
         moe(xs)
+
+
+@pytest.mark.parametrize("tokens", [3, TOKENS], ids=["fewer_tokens_than_ranks", "skewed"])
+def test_empty_exchanges_equal_one_device(tokens: int) -> None:
+    """Every token routed to experts 0 and 1 (member 0 of ep4 gets every row, the others none), and a rank
+    without tokens: sizes of zero on both sides of the exchange."""
+    rng = np.random.default_rng(2)
+    x = np.abs(rng.standard_normal((tokens, HIDDEN))).astype(np.float32)
+    dy = rng.standard_normal((tokens, HIDDEN)).astype(np.float32)
+    moe, values = _layer(None)
+    gate = np.zeros((EXPERTS, HIDDEN), np.float32)
+    gate[:2] = 1.0 + 0.01 * np.arange(2 * HIDDEN, dtype=np.float32).reshape(2, HIDDEN)
+    local = sbpflow.tensor(x, requires_grad=True)
+    moe.gate.weight._take_storage(sbpflow.tensor(gate))
+    want = moe(local)
+    sbpflow.functional.sum(sbpflow.functional.mul(want, sbpflow.tensor(dy))).backward()
+
+    par, mesh = _parallel("ep4", None)
+    par.gate.weight._take_storage(sbpflow.tensor(gate, placement=mesh, sbp=broadcast))
+    xs = sbpflow.tensor(x, placement=mesh, sbp=split(0), requires_grad=True)
+    got = par(xs)
+    sbpflow.functional.sum(sbpflow.functional.mul(got, sbpflow.tensor(dy, placement=mesh, sbp=split(0)))).backward()
+    assert [int(c) for c in par.aux_stats[0].numpy()] == [tokens, tokens, 0, 0]
+    np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=RTOL, atol=ATOL)
+    np.testing.assert_allclose(xs.grad.numpy(), local.grad.numpy(), rtol=RTOL, atol=ATOL)
+    for (name, p), q in zip(par.named_parameters(), moe.parameters(), strict=True):
+        np.testing.assert_allclose(p.grad.numpy(), q.grad.numpy(), rtol=RTOL, atol=ATOL, err_msg=name)
