@@ -128,9 +128,11 @@ def routed_experts(x: Tensor, top: Tensor, index: Tensor, keep: Tensor | None, e
     order, send = {}, {}
     for r in xs:
         expert = ids[r].reshape(-1)  # (n * k,) local slots
-        kept = keeps[r].reshape(-1) if keeps is not None else torch.ones_like(expert, dtype=torch.bool)
-        sort = torch.argsort(torch.where(kept, expert, layout.num_experts), stable=True)
-        order[r] = sort[:int(kept.sum())]
+        if keeps is None:
+            order[r] = torch.argsort(expert, stable=True)
+        else:  # dropped slots sort last (as expert E) and stay home
+            kept = keeps[r].reshape(-1)
+            order[r] = torch.argsort(torch.where(kept, expert, layout.num_experts), stable=True)[:int(kept.sum())]
         counts = torch.bincount(expert[order[r]], minlength=layout.num_experts)
         send[r] = counts.view(-1, layout.per_member)  # (p, per)
     recv = _exchange_counts(layout, send, backend)

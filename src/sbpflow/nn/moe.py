@@ -130,8 +130,9 @@ class MoE(Module):
             return None
         for e, expert in enumerate(self.experts):
             where = layout.placement_of(e)
-            if any(w.placement != where for w in (expert.w1.weight, expert.w2.weight, expert.w3.weight)):
-                return None
+            for w in (expert.w1.weight, expert.w2.weight, expert.w3.weight):
+                if w.placement is not where and w.placement != where:  # (identical unless moved since)
+                    return None
         return layout
 
     def _expert(self, e: int, flat: Tensor) -> Tensor:
