@@ -1,7 +1,8 @@
 """Mixtral with its experts split over a mesh axis (tokens reach them by all-to-all) equals transformers'
 ``MixtralForCausalLM`` (logits, loss with the load-balancing term, every gradient) under ep2 and ep4 (experts over
 the data axis of a dp2 or dp4 mesh), dp2 x ep2 (a (2, 2) mesh, experts over its second axis) and ep2 x tp2 (experts over
-the data axis, Megatron inside each expert on the tensor axis); ep2 AdamW training, eager and nn.Graph, equals
+the data axis, Megatron inside each expert on the tensor axis) and pp2 x ep2 (each stage's experts over its
+data axis); ep2 AdamW training, eager and nn.Graph, equals
 one device."""
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ def hf_folder(tmp_path_factory: Any) -> tuple[Any, Path]:
 
 # name -> (parallel arguments, mesh axis the experts split over)
 LAYOUTS = {"ep2": ({"data": 2}, 0), "ep4": ({"data": 4}, 0), "dp2xep2": ({"data": 2, "tensor": 2}, 1),
-           "ep2xtp2": ({"data": 2, "tensor": 2}, 0)}
+           "ep2xtp2": ({"data": 2, "tensor": 2}, 0), "pp2xep2": ({"data": 2, "pipeline": 2}, 0)}
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
