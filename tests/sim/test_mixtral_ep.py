@@ -1,9 +1,8 @@
 """Mixtral with its experts split over a mesh axis (tokens reach them by all-to-all) equals transformers'
-``MixtralForCausalLM`` (logits, loss with the load-balancing term, every gradient) under ep2 and ep4 (experts over
-the data axis of a dp2 or dp4 mesh), dp2 x ep2 (a (2, 2) mesh, experts over its second axis) and ep2 x tp2 (experts over
-the data axis, Megatron inside each expert on the tensor axis) and pp2 x ep2 (each stage's experts over its
-data axis); ep2 AdamW training, eager and nn.Graph, equals
-one device."""
+``MixtralForCausalLM`` (logits, loss with the load-balancing term, every gradient) under ep2 and ep4 (experts
+over the data axis of a dp2 or dp4 mesh), dp2 x ep2 (a (2, 2) mesh, experts over its second axis), ep2 x tp2
+(experts over the data axis, Megatron inside each expert on the tensor axis) and pp2 x ep2 (each stage's experts
+over its data axis); ep2 AdamW training, eager and nn.Graph, equals one device."""
 
 from __future__ import annotations
 
