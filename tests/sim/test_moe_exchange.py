@@ -146,3 +146,24 @@ def test_empty_exchanges_equal_one_device(tokens: int) -> None:
     np.testing.assert_allclose(xs.grad.numpy(), local.grad.numpy(), rtol=RTOL, atol=ATOL)
     for (name, p), q in zip(par.named_parameters(), moe.parameters(), strict=True):
         np.testing.assert_allclose(p.grad.numpy(), q.grad.numpy(), rtol=RTOL, atol=ATOL, err_msg=name)
+
+
+def test_exchange_under_autocast_is_close_to_one_device() -> None:
+    """Under sbpflow.autocast the router's ops run in bf16 and the exchange in the tokens' dtype: no dtype clash,
+    and the numbers agree with one device's autocast to bf16's precision."""
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((TOKENS, HIDDEN)).astype(np.float32)
+    moe, _ = _layer(None)
+    local = sbpflow.tensor(x, requires_grad=True)
+    with sbpflow.autocast(dtype=torch.bfloat16):
+        want = moe(local)
+    sbpflow.functional.sum(sbpflow.functional.square(want)).backward()
+    par, mesh = _parallel("ep2", None)
+    xs = sbpflow.tensor(x, placement=mesh, sbp=split(0), requires_grad=True)
+    with sbpflow.autocast(dtype=torch.bfloat16):
+        got = par(xs)
+    sbpflow.functional.sum(sbpflow.functional.square(got)).backward()
+    assert got.dtype == want.dtype
+    for ours, theirs in ((got.numpy(), want.numpy()), (xs.grad.numpy(), local.grad.numpy())):
+        ours, theirs = ours.astype(np.float32), theirs.astype(np.float32)
+        assert np.abs(ours - theirs).max() <= 2e-2 * np.abs(theirs).max()  # bf16 keeps 8 bits of mantissa

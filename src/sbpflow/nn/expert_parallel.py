@@ -149,7 +149,8 @@ def routed_experts(x: Tensor, top: Tensor, index: Tensor, keep: Tensor | None, e
         slots = rows_r.new_zeros(rows_r.shape[0] * k, rows_r.shape[1])
         slots[order[r]] = back[r].detach()
         saved.slots[r] = slots.view(rows_r.shape[0], k, rows_r.shape[1])  # (n, k, C) local: each slot's output
-        outs[r] = torch.bmm(tops[r].unsqueeze(1), saved.slots[r]).squeeze(1)  # (n, C): weighted, summed over k
+        weights = tops[r].to(slots.dtype).unsqueeze(1)  # (n, 1, k)
+        outs[r] = torch.bmm(weights, saved.slots[r]).squeeze(1)  # (n, C): weighted, summed over k
     out = Tensor._from_shards(tuple(x.shape), x.dtype, layout.mesh, y_sbp, outs)
     if tracked:
         saved.top = tops
@@ -176,9 +177,10 @@ def _routed_experts_grad(ctx: Any, dy: Tensor) -> Any:
     douts = dy.local_tensors()
     d_sent, d_top = {}, {}
     for r, g in douts.items():  # g: (n, C); a slot's output gradient is its routing weight times the token's
-        d_slots = saved.top[r].unsqueeze(-1) * g.unsqueeze(1)  # (n, k, C)
+        top_r = saved.top[r]
+        d_slots = top_r.to(g.dtype).unsqueeze(-1) * g.unsqueeze(1)  # (n, k, C)
         d_sent[r] = d_slots.reshape(-1, g.shape[-1])[saved.order[r]]  # sorted like the rows sent
-        d_top[r] = torch.bmm(saved.slots[r], g.unsqueeze(-1)).squeeze(-1)  # (n, k)
+        d_top[r] = torch.bmm(saved.slots[r], g.unsqueeze(-1)).squeeze(-1).to(top_r.dtype)  # (n, k)
     d_rows_out = _exchange(layout, d_sent, saved.send, saved.recv, backend)
     d_rows_in, d_weights = {}, {}
     for r in douts:
@@ -209,7 +211,8 @@ def _run_local_experts(saved: _Saved, r: int, rows: torch.Tensor, weights: list[
         rows_in = rows.detach().requires_grad_(tracked)
         leaves = [w.detach().requires_grad_(tracked) for w in weights]
         chunks = torch.split(rows_in[group], counts.sum(0).tolist())  # (rows of local expert e, C)
-        outs = [_swiglu(c, *leaves[3 * e: 3 * e + 3]) for e, c in enumerate(chunks)]
+        cast = [w.to(rows.dtype) for w in leaves]  # (a no-op unless autocast gave the tokens a narrower dtype)
+        outs = [_swiglu(c, *cast[3 * e: 3 * e + 3]) for e, c in enumerate(chunks)]
         grouped = torch.cat(outs) if outs else rows_in[:0]
         out = grouped[torch.argsort(group)]  # back to received order
     saved.rows_in[r], saved.weights_in[r], saved.rows_out[r] = rows_in, leaves, out
