@@ -65,7 +65,7 @@ def _mul_grad(ctx: Any, dy: Any) -> Any:
 def _div_grad(ctx: Any, dy: Any) -> Any:
     a, b = ctx.args
     want_a, want_b = _wanted(ctx)
-    ga = dy / b if want_a or want_b else None
+    ga = dy / b
     gb = -ga * a / b if want_b else None
     return _per_tensor(ctx, ga if want_a else None, gb)
 
