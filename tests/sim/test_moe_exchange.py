@@ -167,3 +167,16 @@ def test_exchange_under_autocast_is_close_to_one_device() -> None:
     for ours, theirs in ((got.numpy(), want.numpy()), (xs.grad.numpy(), local.grad.numpy())):
         ours, theirs = ours.astype(np.float32), theirs.astype(np.float32)
         assert np.abs(ours - theirs).max() <= 2e-2 * np.abs(theirs).max()  # bf16 keeps 8 bits of mantissa
+
+
+def test_a_retained_graph_runs_backward_twice() -> None:
+    moe, mesh = _parallel("ep2", None)
+    x = np.random.default_rng(4).standard_normal((TOKENS, HIDDEN)).astype(np.float32)
+    xs = sbpflow.tensor(x, placement=mesh, sbp=split(0), requires_grad=True)
+    loss = sbpflow.functional.sum(sbpflow.functional.square(moe(xs)))
+    loss.backward(retain_graph=True)
+    once = {n: p.grad.numpy().copy() for n, p in moe.named_parameters()}
+    assert all(np.abs(g).max() > 0 for g in once.values())  # every expert got tokens
+    loss.backward()
+    for name, p in moe.named_parameters():
+        np.testing.assert_allclose(p.grad.numpy(), 2 * once[name], rtol=RTOL, atol=ATOL, err_msg=name)

@@ -185,7 +185,9 @@ def _routed_experts_grad(ctx: Any, dy: Tensor) -> Any:
     d_rows_in, d_weights = {}, {}
     for r in douts:
         leaves = [saved.rows_in[r], *saved.weights_in[r]]
-        grads = torch.autograd.grad(saved.rows_out[r], leaves, d_rows_out[r], allow_unused=True)
+        # the local graph lives as long as this node (the engine drops its attrs once backward ran without
+        # retain_graph), so that backward(retain_graph=True) can run through it again
+        grads = torch.autograd.grad(saved.rows_out[r], leaves, d_rows_out[r], allow_unused=True, retain_graph=True)
         d_rows_in[r] = _or_zeros(grads[0], leaves[0])
         d_weights[r] = [_or_zeros(g, w) for g, w in zip(grads[1:], leaves[1:], strict=True)]
     d_back = _exchange(layout, d_rows_in, saved.recv, saved.send, backend)
