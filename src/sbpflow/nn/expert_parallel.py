@@ -79,6 +79,8 @@ class ExpertLayout:
 
 
 def check_layout(mesh: Placement, axis: int, num_experts: int) -> ExpertLayout:
+    """``num_experts`` experts in contiguous groups over mesh axis ``axis`` of ``mesh``, one group per coordinate
+    (the axis's size must divide them)."""
     if not 0 <= axis < mesh.ndim:
         raise SbpflowError(f"expert parallelism needs a mesh axis of the experts' placement {mesh}, but got "
                            f"mesh_axis={axis}")
@@ -95,8 +97,7 @@ class _Saved:
     """What backward needs from one forward: the layouts, and per owned rank the exchange and the local graph."""
 
     layout: ExpertLayout
-    x_sbp: NdSbp
-    y_sbp: NdSbp
+    y_sbp: NdSbp  # the output's; its gradient's too, with partial axes made whole
     dx_sbp: NdSbp
     w_sbps: tuple[NdSbp, ...]
     k: int
@@ -139,7 +140,7 @@ def routed_experts(x: Tensor, top: Tensor, index: Tensor, keep: Tensor | None, e
     sent = {r: xs[r][order[r] // k] for r in xs}  # (kept slots, C), sorted by expert
     rows = _exchange(layout, sent, send, recv, backend)
     tracked = _needs_grad((x, top, *[w for triple in experts for w in triple]))
-    saved = _Saved(layout, x.sbp, y_sbp, dx_sbp, w_sbps, k, order, send, recv, {}, {}, {})
+    saved = _Saved(layout, y_sbp, dx_sbp, w_sbps, k, order, send, recv, {}, {}, {})
     for r in xs:
         _run_local_experts(saved, r, rows[r], _local_weights(experts, layout, r), tracked)
     back = _exchange(layout, saved.rows_out, recv, send, backend)
