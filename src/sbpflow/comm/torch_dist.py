@@ -12,6 +12,8 @@ primitive of the boxing planner maps onto torch.distributed:
                      (cost factor 2, see below)
     all_to_all       all_to_all_single with split sizes          same
                      (uneven pieces flattened into one buffer)
+    all_to_all_rows  all_to_all_single on the rows themselves,   same
+                     data-dependent split sizes (MoE dispatch)
     broadcast        broadcast                                   broadcast
     reduce           reduce                                      reduce
     send_recv        isend/irecv, tag = piece index              batch_isend_irecv
