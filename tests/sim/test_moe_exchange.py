@@ -27,6 +27,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 LAYOUTS: dict[str, tuple[Any, int, int | None]] = {
     "ep2": ([0, 1], 0, None),
     "ep4": ([0, 1, 2, 3], 0, None),
+    "ep4_permuted": ([2, 0, 3, 1], 0, None),  # member j is not rank j: pieces follow the mesh, not rank order
     "dp2xep2": ([[0, 1], [2, 3]], 1, None),
     "ep2xtp2": ([[0, 1], [2, 3]], 0, 1),
 }
