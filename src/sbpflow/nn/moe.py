@@ -111,11 +111,10 @@ class MoE(Module):
             probs, top, index = self._gate(flat)  # logical (N, E), (N, k), (N, k)
             keep = None
         else:
-            top, index, kept = self._route_topk(flat)  # logical (N, k), (N, k), (N, E)
+            top, index, chosen, kept = self._route_topk(flat)  # logical (N, k), (N, k), (N, k, E), (N, E)
             assert kept is not None
-            chosen = F.eq(F.unsqueeze(index, -1), _like(index, torch.arange(self.num_experts)))  # (N, k, E)
             # a slot is kept if its expert kept the token: (N, k)
-            keep = _laid_like(F.gt(F.sum(F.mul(F.cast(chosen, kept.dtype), F.unsqueeze(kept, 1)), dim=-1), 0.5), flat)
+            keep = _laid_like(F.gt(F.sum(F.mul(chosen, F.unsqueeze(kept, 1)), dim=-1), 0.5), flat)
         out, counts = routed_experts(flat, _laid_like(top, flat), _laid_like(index, flat), keep,
                                      [(e.w1.weight, e.w2.weight, e.w3.weight) for e in self.experts], layout)
         if self.capacity_factor is None:  # dropless: the slots the experts received are the slots routed
@@ -154,24 +153,23 @@ class MoE(Module):
             top = F.div(top, F.sum(top, dim=-1, keepdim=True))
         return probs, top, index
 
-    def _route_topk(self, flat: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
-        """Each token's k routing weights and experts, logical (N, k), and with a capacity which of its (N, E)
-        expert choices the expert keeps (``None``: dropless). Sets ``aux_stats``."""
+    def _route_topk(self, flat: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+        """Each token's k routing weights and experts, logical (N, k); its choices one-hot, (N, k, E); and with a
+        capacity which of its (N, E) expert choices the expert keeps (``None``: dropless). Sets ``aux_stats``."""
         probs, top, index = self._gate(flat)
         chosen = F.cast(F.eq(F.unsqueeze(index, -1), _like(index, torch.arange(self.num_experts))), probs.dtype)
         hits = F.sum(chosen, dim=1)  # logical (N, E): 1 where the token chose the expert
         self.aux_stats = (F.sum(hits, dim=0).detach(), F.mean(probs, dim=0))
         if self.capacity_factor is None:
-            return top, index, None
+            return top, index, chosen, None
         capacity = math.ceil(self.capacity_factor * flat.shape[0] * self.top_k / self.num_experts)
         kept = F.le(F.mul(F.cumsum(hits, dim=0), hits), float(capacity))  # a token's place in its expert's queue
-        return top, index, F.cast(kept, probs.dtype)
+        return top, index, chosen, F.cast(kept, probs.dtype)
 
     def route(self, flat: Tensor) -> Tensor:
         """Each token's weight on each expert, logical (N, E): renormalised top-k probabilities, zero elsewhere
         (and zero where a capacity drops the token)."""
-        top, index, kept = self._route_topk(flat)
-        chosen = F.cast(F.eq(F.unsqueeze(index, -1), _like(index, torch.arange(self.num_experts))), top.dtype)
+        top, _, chosen, kept = self._route_topk(flat)
         weights = F.sum(F.mul(F.unsqueeze(top, -1), chosen), dim=1)  # logical (N, E)
         return weights if kept is None else F.mul(weights, kept)
 
