@@ -176,6 +176,8 @@ def _elementwise_cases() -> list[OpCase]:
         OpCase("where", "where", lambda g: (_r(g, 3, 4) > 0, _r(g, 3, 4), _r(g, 3, 4)), {}, (), elementwise=True),
         _tt("minimum", ()),
         OpCase("gelu_backward", "gelu_backward", lambda g: (_r(g, 3, 4), _r(g, 3, 4)), {}, (), elementwise=True),
+        OpCase("silu_backward", "silu_backward", lambda g: (_r(g, 3, 4), _r(g, 3, 4)), {}, ("P(sum) B -> P(sum)",),
+               elementwise=True),
         *[_tt(n, (), small=True) for n in ("eq", "ne", "lt", "le", "gt", "ge")],
         *[OpCase(n, n, lambda g: (_r(g, 3, 4) > 0, _r(g, 3, 4) > 0), {}, (), elementwise=True, data=(0, 1))
           for n in ("logical_and", "logical_or")],

@@ -1,5 +1,6 @@
-"""Mixtral ep2 on two real processes (gloo): with the experts split over the data axis each process holds
-only its two experts, and logits, loss and every gradient equal transformers'."""
+"""Mixtral with its experts split on real processes (gloo): ep2 on two processes (each holds only its two experts)
+and dp2 x ep2 on four, tokens sent to their experts by gloo's all_to_all_single with uneven, data-dependent splits;
+logits, loss and every gradient equal transformers'."""
 
 from __future__ import annotations
 
@@ -26,20 +27,29 @@ def _batch() -> tuple[np.ndarray, np.ndarray]:
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def ep2_job(folder: str) -> dict[str, Any]:
-    """Runs on each process: data=2 with the experts split over it, one forward and backward."""
-    model = from_pretrained(folder, data=2, expert_axis=0)  # each process reads only its experts
+def ep_job(folder: str, parallel: dict[str, int], axis: int) -> dict[str, Any]:
+    """Runs on each process: the experts split over mesh axis ``axis``, one forward and backward."""
+    model = from_pretrained(folder, **parallel, expert_axis=axis)  # each process reads only its experts
     experts = model.model.layers[0].block_sparse_moe.experts
     held = [sorted(e.w1.weight._shards) for e in experts]
     ids, targets = model.strategy.shard_inputs(*_batch())
-    logits, loss = model(ids, targets)
+    with sbpflow.comm.record() as log:
+        logits, loss = model(ids, targets)
     loss.backward()
     grads = {name: p.grad.numpy() for name, p in model.named_parameters()}
     return {"rank": sbpflow.rank(), "held": held, "logits": logits.numpy(), "loss": float(loss.numpy()),
-            "grads": grads}
+            "grads": grads, "collectives": log.counts()}
 
 
-def test_ep2_on_two_processes_matches_transformers(tmp_path: Path) -> None:
+# name -> (processes, parallel arguments, expert axis, the experts each rank holds in layer 0)
+CASES = {
+    "ep2": (2, {"data": 2}, 0, lambda r: [[0], [0], [], []] if r == 0 else [[], [], [1], [1]]),
+    "dp2xep2": (4, {"data": 2, "tensor": 2}, 1, lambda r: [[r], [r], [], []] if r % 2 == 0 else [[], [], [r], [r]]),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_split_experts_on_processes_match_transformers(case: str, tmp_path: Path) -> None:
     torch.manual_seed(0)
     config = transformers.MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                                         num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
@@ -51,8 +61,11 @@ def test_ep2_on_two_processes_matches_transformers(tmp_path: Path) -> None:
     loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 64), torch.as_tensor(targets).reshape(-1))
     loss.backward()
     want = {n: p.grad.numpy() for n, p in ref.named_parameters()}
-    for r, got in enumerate(run_ranks(ep2_job, 2, args=(str(tmp_path),), timeout=TIMEOUT)):
-        assert got["rank"] == r and got["held"] == ([[0], [0], [], []] if r == 0 else [[], [], [1], [1]])
+    nprocs, parallel, axis, held = CASES[case]
+    for r, got in enumerate(run_ranks(ep_job, nprocs, args=(str(tmp_path), parallel, axis), timeout=TIMEOUT)):
+        assert got["rank"] == r and got["held"] == held(r)
+        # per layer: the counts, the rows there, the rows back, in the rank's one ep group
+        assert got["collectives"].get("all_to_all", 0) >= 2 * 3 and "broadcast" not in got["collectives"]
         np.testing.assert_allclose(got["logits"], logits.detach().numpy(), rtol=RTOL, atol=ATOL)
         np.testing.assert_allclose(got["loss"], float(loss.detach()), rtol=RTOL)
         for name, grad in got["grads"].items():

@@ -1,8 +1,8 @@
-"""Mixtral with its experts split over a mesh axis (expert parallelism by placement) equals transformers'
-``MixtralForCausalLM`` (logits, loss with the load-balancing term, every gradient) under ep2 (experts over the
-data axis of a dp2 mesh), dp2 x ep2 (a (2, 2) mesh, experts over its second axis) and ep2 x tp2 (experts over
-the data axis, Megatron inside each expert on the tensor axis); ep2 AdamW training, eager and nn.Graph, equals
-one device."""
+"""Mixtral with its experts split over a mesh axis (tokens reach them by all-to-all) equals transformers'
+``MixtralForCausalLM`` (logits, loss with the load-balancing term, every gradient) under ep2 and ep4 (experts
+over the data axis of a dp2 or dp4 mesh), dp2 x ep2 (a (2, 2) mesh, experts over its second axis), ep2 x tp2
+(experts over the data axis, Megatron inside each expert on the tensor axis) and pp2 x ep2 (each stage's experts
+over its data axis); ep2 AdamW training, eager and nn.Graph, equals one device."""
 
 from __future__ import annotations
 
@@ -40,7 +40,8 @@ def hf_folder(tmp_path_factory: Any) -> tuple[Any, Path]:
 
 
 # name -> (parallel arguments, mesh axis the experts split over)
-LAYOUTS = {"ep2": ({"data": 2}, 0), "dp2xep2": ({"data": 2, "tensor": 2}, 1), "ep2xtp2": ({"data": 2, "tensor": 2}, 0)}
+LAYOUTS = {"ep2": ({"data": 2}, 0), "ep4": ({"data": 4}, 0), "dp2xep2": ({"data": 2, "tensor": 2}, 1),
+           "ep2xtp2": ({"data": 2, "tensor": 2}, 0), "pp2xep2": ({"data": 2, "pipeline": 2}, 0)}
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -59,9 +60,15 @@ def test_split_experts_match_transformers(hf_folder: Any, layout: str) -> None:
     model = from_pretrained(folder, **parallel, expert_axis=axis)  # experts split before their weights are read
     moe = model.model.layers[0].block_sparse_moe
     holders = [set(e.w1.weight.placement.flat_ranks) for e in moe.experts]
-    assert holders[0] == holders[1] and holders[2] == holders[3] and not holders[0] & holders[2]
+    groups = list(parallel.values())[axis]
+    for e in range(E):  # contiguous groups of E / groups experts, on disjoint ranks
+        assert all((holders[e] == holders[f]) == (e * groups // E == f * groups // E) for f in range(E))
+        assert all(not holders[e] & holders[f] for f in range(E) if e * groups // E != f * groups // E)
     x, y = model.strategy.shard_inputs(ids, targets)
-    logits, loss = model(x, y)
+    with sbpflow.comm.record() as log:
+        logits, loss = model(x, y)
+    moe_groups = len(moe.experts[0].w1.weight.placement.flat_ranks)  # one ep group per rank of an expert
+    assert log.counts()["all_to_all"] >= 2 * 3 * moe_groups and "broadcast" not in log.counts()
     loss.backward()
     np.testing.assert_allclose(logits.numpy(), out.logits.detach().numpy(), rtol=RTOL, atol=ATOL)
     np.testing.assert_allclose(float(loss.numpy()), float(want.detach()), rtol=RTOL)

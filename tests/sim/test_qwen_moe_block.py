@@ -1,6 +1,6 @@
 """nn.MoE with a Qwen-MoE shared expert (its own width, sigmoid-gated) computes what transformers'
 ``Qwen2MoeSparseMoeBlock`` computes: outputs and every gradient, with and without ``norm_topk_prob``, on one
-device and with the tokens split over two ranks."""
+device, with the tokens split over two ranks, and with the experts split over them too (tokens by all-to-all)."""
 
 from __future__ import annotations
 
@@ -46,8 +46,8 @@ def _grads(block: Any) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("norm_topk_prob", [True, False])
-@pytest.mark.parametrize("tokens_split", [False, True])
-def test_shared_expert_moe_matches_qwen2_moe_block(norm_topk_prob: bool, tokens_split: bool) -> None:
+@pytest.mark.parametrize("layout", ["one_device", "tokens_split", "experts_split"])
+def test_shared_expert_moe_matches_qwen2_moe_block(norm_topk_prob: bool, layout: str) -> None:
     config = transformers.Qwen2MoeConfig(hidden_size=HIDDEN, moe_intermediate_size=INTER, num_experts=EXPERTS,
                                          shared_expert_intermediate_size=SHARED, num_experts_per_tok=2,
                                          norm_topk_prob=norm_topk_prob)
@@ -67,11 +67,15 @@ def test_shared_expert_moe_matches_qwen2_moe_block(norm_topk_prob: bool, tokens_
     for name, p in moe.named_parameters():
         p._take_storage(sbpflow.tensor(weights[name].clone()))
     xs = sbpflow.tensor(x)
-    if tokens_split:
+    if layout != "one_device":
         placement = sbpflow.placement("cpu", [0, 1])
         moe.to_global(placement, sbpflow.sbp.broadcast)
         xs = sbpflow.tensor(x, placement=placement, sbp=split(0))
-    got = moe(xs)
+        if layout == "experts_split":  # two experts per rank, tokens to them by all-to-all
+            nn.moe.split_experts(moe, placement, 0)
+    with sbpflow.comm.record() as log:
+        got = moe(xs)
+    assert ("all_to_all" in log.kinds()) == (layout == "experts_split")
     sbpflow.functional.sum(sbpflow.functional.square(got)).backward()
     np.testing.assert_allclose(got.numpy(), want.detach().numpy(), rtol=RTOL, atol=ATOL)
     grads = _grads(block)

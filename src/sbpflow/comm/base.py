@@ -208,6 +208,30 @@ class Backend(ABC):
         emit("all_to_all", group, total_bytes)
         return self._all_to_all(group, inputs, recv_shapes, dtype)
 
+    def all_to_all_rows(
+        self, group: tuple[int, ...], inputs: dict[int, torch.Tensor], send_rows: dict[int, list[int]],
+        recv_rows: dict[int, list[int]],
+    ) -> dict[int, torch.Tensor]:
+        """Rows of one tensor per member: the ``send_rows[r][j]`` rows after those for members before ``j`` go to
+        ``group[j]``; ``out[r]`` holds the ``recv_rows[r][j]`` rows from each member, in member order (uneven,
+        data-dependent sizes; torch's ``all_to_all_single`` with split sizes)."""
+        mine = list(inputs)
+        if not mine:
+            return {}
+        sample = inputs[mine[0]]
+        row = nbytes(tuple(sample.shape[1:]), sample.dtype)
+        emit("all_to_all", group, sum(row * n for r in mine for j, n in enumerate(recv_rows[r]) if group[j] != r))
+        return self._all_to_all_rows(group, inputs, send_rows, recv_rows)
+
+    def _all_to_all_rows(self, group, inputs, send_rows, recv_rows):  # type: ignore[no-untyped-def]
+        """Default: :meth:`_all_to_all` of the pieces, concatenated."""
+        sample = next(iter(inputs.values()))
+        tail = tuple(sample.shape[1:])
+        pieces = {r: list(torch.split(t, send_rows[r])) for r, t in inputs.items()}
+        shapes = {r: [(n, *tail) for n in recv_rows[r]] for r in inputs}
+        got = self._all_to_all(group, pieces, shapes, sample.dtype)
+        return {r: torch.cat(got[r]) for r in inputs}
+
     def broadcast(
         self, group: tuple[int, ...], root: int, inputs: dict[int, torch.Tensor], shape: Shape, dtype: torch.dtype,
         device_type: str = "cpu",

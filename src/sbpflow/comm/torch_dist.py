@@ -12,6 +12,8 @@ primitive of the boxing planner maps onto torch.distributed:
                      (cost factor 2, see below)
     all_to_all       all_to_all_single with split sizes          same
                      (uneven pieces flattened into one buffer)
+    all_to_all_rows  all_to_all_single on the rows themselves,   same
+                     data-dependent split sizes (MoE dispatch)
     broadcast        broadcast                                   broadcast
     reduce           reduce                                      reduce
     send_recv        isend/irecv, tag = piece index              batch_isend_irecv
@@ -324,6 +326,17 @@ class TorchDistBackend(Backend):
         chunks = torch.split(recv_buf, [numel(s) for s in recv])
         by_rank = {g: c.view(s) for g, c, s in zip(order, chunks, recv, strict=True)}
         return {self.rank: [by_rank[g] for g in group]}
+
+    def _all_to_all_rows(self, group, inputs, send_rows, recv_rows):  # type: ignore[no-untyped-def]
+        if len(group) == 1 or list(group) != sorted(group):  # torch's split i goes to the i-th lowest rank
+            return super()._all_to_all_rows(group, inputs, send_rows, recv_rows)
+        rows = inputs[self.rank].contiguous()
+        out = rows.new_empty((sum(recv_rows[self.rank]), *rows.shape[1:]))
+        self._check_same("all_to_all", group, (str(rows.dtype), tuple(rows.shape[1:])))
+        pg = self._group(group, rows.device)
+        self._call("all_to_all", group, lambda: dist.all_to_all_single(
+            out, rows, output_split_sizes=recv_rows[self.rank], input_split_sizes=send_rows[self.rank], group=pg))
+        return {self.rank: out}
 
     def _broadcast(self, group, root, inputs, shape, dtype, device_type):  # type: ignore[no-untyped-def]
         device = self.device_for(device_type, self.rank)

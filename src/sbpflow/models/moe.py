@@ -21,15 +21,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
-import sbpflow
 from sbpflow import nn
 from sbpflow.errors import SbpflowError
 from sbpflow.models import hf
 from sbpflow.models.llama import Llama, LlamaAttention, LlamaConfig
-from sbpflow.nn.moe import place_experts
 from sbpflow.nn.parallel import ColwiseParallel, RowwiseParallel
 from sbpflow.ops import functional as F
 from sbpflow.tensor import Tensor
@@ -104,23 +101,15 @@ def expert_tokens(model: Mixtral) -> list[torch.Tensor]:
 def split_experts(model: Mixtral, mesh_axis: int = 0) -> None:
     """Expert parallelism over ``mesh_axis`` of each layer's (data, tensor) mesh: the experts are cut into as
     many contiguous groups as the axis has ranks, and group ``g`` moves to the ranks at coordinate ``g`` on it
-    (a Megatron split inside each expert on the other axis stays). Call after ``parallelize``."""
+    (a Megatron split inside each expert on the other axis stays), and tokens reach them by all-to-all
+    (:func:`sbpflow.nn.moe.split_experts`). Call after ``parallelize``."""
     for layer in model.model.layers:
         moe = layer.block_sparse_moe
         weight = moe.experts[0].w1.weight
         if not weight.is_global or not 0 <= mesh_axis < weight.placement.ndim:
             raise SbpflowError(f"split_experts needs a parallelized Mixtral and a mesh axis of its mesh, but got "
                                f"mesh_axis={mesh_axis} for an expert weight with {weight._describe()}")
-        mesh = weight.placement
-        groups = mesh.hierarchy[mesh_axis]
-        if moe.num_experts % groups:
-            raise SbpflowError(f"split_experts: mesh axis {mesh_axis} has {groups} ranks, which must divide the "
-                               f"{moe.num_experts} experts")
-        ranks = np.asarray(mesh.flat_ranks).reshape(mesh.hierarchy)
-        per_group = moe.num_experts // groups
-        places = [sbpflow.placement(mesh.type, np.take(ranks, [e // per_group], axis=mesh_axis).tolist())
-                  for e in range(moe.num_experts)]
-        place_experts(moe, places)
+        nn.moe.split_experts(moe, weight.placement, mesh_axis)
 
 
 __all__ = ["Mixtral", "MixtralConfig", "MixtralDecoderLayer", "expert_tokens", "split_experts"]

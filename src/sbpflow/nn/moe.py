@@ -10,9 +10,12 @@ drops the rest. Optional shared experts see every token; Qwen-MoE's shared exper
 the last forward's tokens per expert and mean router probabilities, from which
 :func:`load_balancing_loss` forms Switch Transformer's auxiliary loss.
 
-The experts run as dense per-expert SwiGLU layers on every token, combined with
+On one device (and wherever :func:`split_experts` did not group the experts) the
+experts run as dense per-expert SwiGLU layers on every token, combined with
 routing weights that are zero off the chosen experts: exact for any routing,
-at ``experts / k`` times the compute of a sparse dispatch.
+at ``experts / k`` times the compute of a sparse dispatch. Split over a mesh axis
+(:func:`split_experts`), eager forwards send each token to its experts' ranks by
+a data-dependent all-to-all instead (:mod:`sbpflow.nn.expert_parallel`).
 
 >>> import sbpflow
 >>> from sbpflow import nn
@@ -33,10 +36,12 @@ import torch
 from ..creation import tensor
 from ..errors import SbpflowError
 from ..ops import functional as F
+from ..ops.dispatch import INTERPRETERS
 from ..placement import Placement
 from ..sbp import broadcast
 from ..tensor import Tensor
 from .container import ModuleList
+from .expert_parallel import ExpertLayout, check_layout, routed_experts
 from .layers import Linear
 from .module import Module, relayout_
 
@@ -71,6 +76,7 @@ class MoE(Module):
         self.experts = ModuleList([Expert(hidden, intermediate) for _ in range(num_experts)])
         self.shared = ModuleList([Expert(hidden, intermediate) for _ in range(shared_experts)])
         self.aux_stats: tuple[Tensor, Tensor] | None = None
+        self.expert_layout: ExpertLayout | None = None  # set by split_experts: the all-to-all path
         self.gated_shared = shared_expert_intermediate is not None
         if shared_expert_intermediate is not None:  # Qwen-MoE: out += sigmoid(shared_expert_gate(x)) * shared_expert(x)
             self.shared_expert = Expert(hidden, shared_expert_intermediate)
@@ -79,15 +85,54 @@ class MoE(Module):
     def forward(self, x: Tensor) -> Tensor:
         shape = tuple(x.shape)
         flat = F.reshape(x, (-1, shape[-1]))  # logical (N, C)
-        weights = self.route(flat)  # logical (N, E)
-        out = F.mul(self._expert(0, flat), F.narrow(weights, 1, 0, 1))  # logical (N, C)
-        for e in range(1, self.num_experts):
-            out = F.add(out, F.mul(self._expert(e, flat), F.narrow(weights, 1, e, 1)))
+        layout = self._exchange_layout(flat)
+        if layout is None:
+            out = self._dense(flat)
+        else:
+            flat = F.to_global(flat, layout.mesh, layout.token_sbp(flat.sbp, self.experts[0].w1.weight.sbp))
+            out = self._exchanged(flat, layout)
         for expert in self.shared:
             out = F.add(out, expert(flat))
         if self.gated_shared:
             out = F.add(out, F.mul(F.sigmoid(self.shared_expert_gate(flat)), self.shared_expert(flat)))
         return F.reshape(out, shape)
+
+    def _dense(self, flat: Tensor) -> Tensor:
+        """Every expert on every token, weighted by the routing (zero off a token's experts): logical (N, C)."""
+        weights = self.route(flat)  # logical (N, E)
+        out = F.mul(self._expert(0, flat), F.narrow(weights, 1, 0, 1))  # logical (N, C)
+        for e in range(1, self.num_experts):
+            out = F.add(out, F.mul(self._expert(e, flat), F.narrow(weights, 1, e, 1)))
+        return out
+
+    def _exchanged(self, flat: Tensor, layout: ExpertLayout) -> Tensor:
+        """Each token's k experts on their ranks, by the all-to-all of :func:`routed_experts`: logical (N, C)."""
+        if self.capacity_factor is None:
+            probs, top, index = self._gate(flat)  # logical (N, E), (N, k), (N, k)
+            keep = None
+        else:
+            top, index, chosen, kept = self._route_topk(flat)  # logical (N, k), (N, k), (N, k, E), (N, E)
+            assert kept is not None
+            # a slot is kept if its expert kept the token: (N, k)
+            keep = _laid_like(F.gt(F.sum(F.mul(chosen, F.unsqueeze(kept, 1)), dim=-1), 0.5), flat)
+        out, counts = routed_experts(flat, _laid_like(top, flat), _laid_like(index, flat), keep,
+                                     [(e.w1.weight, e.w2.weight, e.w3.weight) for e in self.experts], layout)
+        if self.capacity_factor is None:  # dropless: the slots the experts received are the slots routed
+            self.aux_stats = (counts, F.mean(probs, dim=0))
+        return out
+
+    def _exchange_layout(self, flat: Tensor) -> ExpertLayout | None:
+        """The experts' grouping when the all-to-all path applies: eager (not traced, not meta) global tokens on
+        the grouping's mesh, every expert still where :func:`split_experts` put it."""
+        layout = self.expert_layout
+        if layout is None or INTERPRETERS or not flat.is_global or flat.is_meta or flat.placement != layout.mesh:
+            return None
+        for e, expert in enumerate(self.experts):
+            where = layout.placement_of(e)
+            for w in (expert.w1.weight, expert.w2.weight, expert.w3.weight):
+                if w.placement is not where and w.placement != where:  # (identical unless moved since)
+                    return None
+        return layout
 
     def _expert(self, e: int, flat: Tensor) -> Tensor:
         """Expert ``e`` on every token; an expert placed elsewhere (:func:`place_experts`) gets the tokens
@@ -100,22 +145,33 @@ class MoE(Module):
         x = F.to_global(flat, home.placement, (broadcast,) * home.placement.ndim)
         return F.to_global(expert(x), flat.placement, flat.sbp)
 
-    def route(self, flat: Tensor) -> Tensor:
-        """Each token's weight on each expert, logical (N, E): renormalised top-k probabilities, zero elsewhere."""
+    def _gate(self, flat: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """The router's probabilities, logical (N, E), and each token's k routing weights and experts, (N, k)."""
         probs = F.softmax(self.gate(flat), dim=-1)  # logical (N, E)
         top, index = F.topk(probs, self.top_k, dim=-1)  # logical (N, k)
         if self.norm_topk_prob:
             top = F.div(top, F.sum(top, dim=-1, keepdim=True))
-        experts = torch.arange(self.num_experts)
-        chosen = F.cast(F.eq(F.unsqueeze(index, -1), _like(index, experts)), probs.dtype)  # logical (N, k, E)
-        weights = F.sum(F.mul(F.unsqueeze(top, -1), chosen), dim=1)  # logical (N, E)
+        return probs, top, index
+
+    def _route_topk(self, flat: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
+        """Each token's k routing weights and experts, logical (N, k); its choices one-hot, (N, k, E); and with a
+        capacity which of its (N, E) expert choices the expert keeps (``None``: dropless). Sets ``aux_stats``."""
+        probs, top, index = self._gate(flat)
+        chosen = F.cast(F.eq(F.unsqueeze(index, -1), _like(index, torch.arange(self.num_experts))), probs.dtype)
         hits = F.sum(chosen, dim=1)  # logical (N, E): 1 where the token chose the expert
         self.aux_stats = (F.sum(hits, dim=0).detach(), F.mean(probs, dim=0))
         if self.capacity_factor is None:
-            return weights
+            return top, index, chosen, None
         capacity = math.ceil(self.capacity_factor * flat.shape[0] * self.top_k / self.num_experts)
         kept = F.le(F.mul(F.cumsum(hits, dim=0), hits), float(capacity))  # a token's place in its expert's queue
-        return F.mul(weights, F.cast(kept, weights.dtype))
+        return top, index, chosen, F.cast(kept, probs.dtype)
+
+    def route(self, flat: Tensor) -> Tensor:
+        """Each token's weight on each expert, logical (N, E): renormalised top-k probabilities, zero elsewhere
+        (and zero where a capacity drops the token)."""
+        top, _, chosen, kept = self._route_topk(flat)
+        weights = F.sum(F.mul(F.unsqueeze(top, -1), chosen), dim=1)  # logical (N, E)
+        return weights if kept is None else F.mul(weights, kept)
 
 
 def _like(anchor: Tensor, value: torch.Tensor) -> Tensor:
@@ -123,6 +179,36 @@ def _like(anchor: Tensor, value: torch.Tensor) -> Tensor:
     if not anchor.is_global:
         return tensor(value)
     return tensor(value, placement=anchor.placement, sbp=(broadcast,) * anchor.placement.ndim)
+
+
+def _laid_like(t: Tensor, anchor: Tensor) -> Tensor:
+    """``t`` in ``anchor``'s layout (routing results are, unless a rule chose otherwise)."""
+    if (t.placement, t.sbp) == (anchor.placement, anchor.sbp):
+        return t
+    return F.to_global(t, anchor.placement, anchor.sbp)
+
+
+def split_experts(moe: MoE, mesh: Placement, mesh_axis: int) -> None:
+    """Expert parallelism over ``mesh_axis`` of ``mesh`` (the tokens' placement): the experts are cut into as
+    many contiguous groups as the axis has ranks, group ``g`` moves to the ranks at coordinate ``g`` on it
+    (their SBP on the other axes kept), and eager forwards send tokens to their experts by all-to-all.
+
+    >>> import sbpflow
+    >>> from sbpflow import nn
+    >>> mesh = sbpflow.placement("cpu", [0, 1])
+    >>> moe = nn.MoE(8, 16, num_experts=4, top_k=2).to_global(mesh, sbpflow.sbp.broadcast)
+    >>> split_experts(moe, mesh, 0)
+    >>> [str(e.w1.weight.placement) for e in moe.experts]
+    ['cpu:[0]', 'cpu:[0]', 'cpu:[1]', 'cpu:[1]']
+    >>> x = sbpflow.randn(6, 8).to_global(mesh, sbpflow.sbp.split(0))
+    >>> with sbpflow.comm.record() as log:
+    ...     y = moe(x)
+    >>> "all_to_all" in log.kinds() and "broadcast" not in log.kinds()
+    True
+    """
+    layout = check_layout(mesh, mesh_axis, moe.num_experts)
+    place_experts(moe, [layout.placement_of(e) for e in range(moe.num_experts)])
+    moe.expert_layout = layout
 
 
 def place_experts(moe: MoE, placements: Sequence[Placement]) -> None:
@@ -147,6 +233,7 @@ def place_experts(moe: MoE, placements: Sequence[Placement]) -> None:
     for expert, placement in zip(moe.experts, placements, strict=True):
         for p in expert.parameters():
             relayout_(p, placement, p.sbp)
+    moe.expert_layout = None  # experts placed by hand: the dense path (split_experts sets it again)
 
 
 def load_balancing_loss(stats: list[tuple[Tensor, Tensor]], num_experts: int, top_k: int) -> Tensor:
@@ -166,4 +253,4 @@ def load_balancing_loss(stats: list[tuple[Tensor, Tensor]], num_experts: int, to
     return F.mul(F.sum(F.mul(share, F.div(probs, float(len(stats))))), float(num_experts))
 
 
-__all__ = ["Expert", "MoE", "load_balancing_loss", "place_experts"]
+__all__ = ["Expert", "MoE", "load_balancing_loss", "place_experts", "split_experts"]

@@ -31,35 +31,51 @@ def _per_tensor(ctx: Any, *grads: Any) -> tuple[Any, ...]:
     return tuple(out)
 
 
+def _wanted(ctx: Any) -> tuple[bool, bool]:
+    """Whether each of a binary op's two arguments wants a gradient (a scalar or a tensor that needs none does
+    not): a gradient nobody takes costs a full-size kernel and often a reduction to a broadcast operand's shape
+    (a rotary table, a norm's weight seen by a frozen copy)."""
+    a, b = ctx.args
+    needs = ctx.needs_input_grad
+    want_a = hasattr(a, "shape") and needs[0]
+    want_b = hasattr(b, "shape") and needs[-1]
+    return want_a, want_b
+
+
 @E.add.grad
 def _add_grad(ctx: Any, dy: Any) -> Any:
-    return _per_tensor(ctx, dy, dy)
+    want_a, want_b = _wanted(ctx)
+    return _per_tensor(ctx, dy if want_a else None, dy if want_b else None)
 
 
 @E.sub.grad
 def _sub_grad(ctx: Any, dy: Any) -> Any:
-    return _per_tensor(ctx, dy, -dy)
+    want_a, want_b = _wanted(ctx)
+    return _per_tensor(ctx, dy if want_a else None, -dy if want_b else None)
 
 
 @E.mul.grad
 def _mul_grad(ctx: Any, dy: Any) -> Any:
     a, b = ctx.args
-    return _per_tensor(ctx, dy * b, dy * a if hasattr(b, "shape") else None)  # a scalar b needs no gradient
+    want_a, want_b = _wanted(ctx)
+    return _per_tensor(ctx, dy * b if want_a else None, dy * a if want_b else None)
 
 
 @E.div.grad
 def _div_grad(ctx: Any, dy: Any) -> Any:
     a, b = ctx.args
+    want_a, want_b = _wanted(ctx)
     ga = dy / b
-    gb = -ga * a / b if hasattr(b, "shape") else None
-    return _per_tensor(ctx, ga, gb)
+    gb = -ga * a / b if want_b else None
+    return _per_tensor(ctx, ga if want_a else None, gb)
 
 
 @E.pow_.grad
 def _pow_grad(ctx: Any, dy: Any) -> Any:
     a, b = ctx.args
-    ga = dy * b * a ** (b - 1)
-    gb = dy * a**b * E.log(a) if hasattr(b, "shape") else None
+    want_a, want_b = _wanted(ctx)
+    ga = dy * b * a ** (b - 1) if want_a else None
+    gb = dy * a**b * E.log(a) if want_b else None
     return _per_tensor(ctx, ga, gb)
 
 

@@ -1,0 +1,334 @@
+"""Expert parallelism by all-to-all: each routed token-slot travels to the rank that holds its expert, and back.
+
+The experts are grouped over one mesh axis (the ``ep`` axis): member ``j`` of an ep group (the ranks that differ
+only on that axis) holds experts ``[j * per, (j + 1) * per)``. The tokens enter split on the ep axis, so every
+rank routes its own rows. Per rank, forward::
+
+    slots (n, k) --sorted by expert--> counts per expert --all-to-all (E counts, static)--> counts it receives
+    slot rows    --all-to-all, split sizes = those counts--> its experts run on their own rows only (grouped)
+    expert rows  --all-to-all back, the sizes reversed----> (n, k, C): each slot's expert output (0 if dropped)
+                 --weighted by the routing, summed over k--> (n, C)
+
+Backward is the same exchange the other way round: the slots' output gradients travel to the experts along
+the forward's counts, each rank's local backward gives its rows' and its experts' weight gradients, and the row
+gradients come home, where each token sums its k slots.
+
+Other mesh axes: tokens split there (data parallel) keep their split, and the experts' weight gradients are
+partial sums there; a Megatron split inside the experts (``w1``, ``w3`` on S(0), ``w2`` on S(1)) needs the
+tokens whole there, and the slot outputs are partial sums there (as a row-parallel linear's are).
+
+The split sizes depend on the data, which ``nn.Graph``'s tracer cannot carry: under tracing (and on meta
+tensors) :class:`~sbpflow.nn.MoE` uses its dense path, each expert over every token with routing weights that
+are zero off its tokens (the same numbers at ``experts / k`` times the expert compute).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Any
+
+import numpy as np
+import torch
+
+from .. import boxing
+from ..autograd import is_grad_enabled
+from ..comm import Backend, get_backend
+from ..comm.base import nbytes
+from ..errors import SbpflowError
+from ..ops.convert import to_global
+from ..ops.dispatch import record
+from ..ops.schema import OpDef
+from ..placement import Placement
+from ..sbp import Broadcast, NdSbp, Partial, Split, format_nd
+from ..tensor import Tensor
+
+Shards = dict[int, torch.Tensor]  # owned rank -> its local tensor
+Weights = tuple[Tensor, Tensor, Tensor]  # one SwiGLU expert's (w1, w2, w3) weights: gate, down, up
+
+_ROUTED = OpDef("routed_experts", kernel=lambda *a: None, meta=lambda *a: None, sbp=lambda *a: [],
+                shard_aware=False, save_outputs=False, differentiable=True, mesh_aware=False)
+
+
+@dataclass(frozen=True)
+class ExpertLayout:
+    """Experts grouped over mesh axis ``axis`` of the tokens' placement ``mesh``, contiguously."""
+
+    mesh: Placement
+    axis: int
+    num_experts: int
+    members: tuple[Placement, ...]  # member j's ranks: coordinate j on the ep axis (a size-1 axis there)
+
+    @property
+    def per_member(self) -> int:
+        return self.num_experts // self.mesh.hierarchy[self.axis]
+
+    def placement_of(self, expert: int) -> Placement:
+        """Where expert ``expert`` lives: the ranks at coordinate ``expert // per_member`` on the ep axis."""
+        return self.members[expert // self.per_member]
+
+    def token_sbp(self, sbp: NdSbp, expert_sbp: NdSbp) -> NdSbp:
+        """The tokens' (N, C) SBP for dispatch, from theirs (``sbp``) and an expert weight's: split on the ep axis,
+        whole where the experts are split (Megatron), kept split or made whole elsewhere."""
+        def one(axis: int, s: Any) -> Any:
+            if axis == self.axis:
+                return Split(0)
+            return Split(0) if s == Split(0) and isinstance(expert_sbp[axis], Broadcast) else Broadcast()
+        return tuple(one(a, s) for a, s in enumerate(sbp))
+
+
+def check_layout(mesh: Placement, axis: int, num_experts: int) -> ExpertLayout:
+    """``num_experts`` experts in contiguous groups over mesh axis ``axis`` of ``mesh``, one group per coordinate
+    (the axis's size must divide them)."""
+    if not 0 <= axis < mesh.ndim:
+        raise SbpflowError(f"expert parallelism needs a mesh axis of the experts' placement {mesh}, but got "
+                           f"mesh_axis={axis}")
+    if num_experts % mesh.hierarchy[axis]:
+        raise SbpflowError(f"expert parallelism: mesh axis {axis} has {mesh.hierarchy[axis]} ranks, which must "
+                           f"divide the {num_experts} experts")
+    ranks = np.asarray(mesh.flat_ranks).reshape(mesh.hierarchy)
+    members = tuple(Placement(mesh.type, np.take(ranks, [j], axis=axis).tolist()) for j in range(mesh.hierarchy[axis]))
+    return ExpertLayout(mesh, axis, num_experts, members)
+
+
+@dataclass
+class _Saved:
+    """What backward needs from one forward: the layouts, and per owned rank the exchange and the local graph."""
+
+    layout: ExpertLayout
+    y_sbp: NdSbp  # the output's; its gradient's too, with partial axes made whole
+    dx_sbp: NdSbp
+    w_sbps: tuple[NdSbp, ...]
+    k: int
+    order: Shards  # the kept slots, sorted by expert (indices into the rank's n * k slots)
+    send: Shards  # (p, per) slot rows sent to each member, per expert of that member
+    recv: Shards  # (p, per) slot rows received from each member, per local expert
+    rows_in: dict[int, torch.Tensor]  # the received rows (a torch leaf)
+    weights_in: dict[int, list[torch.Tensor]]  # the local experts' weights (torch leaves), w1, w2, w3 per expert
+    rows_out: dict[int, torch.Tensor]  # the local experts' outputs, in received order
+    slots: Shards = field(default_factory=dict)  # (n, k, C): each of the rank's slots' expert output
+    top: Shards = field(default_factory=dict)  # (n, k): the routing weights
+
+
+def routed_experts(x: Tensor, top: Tensor, index: Tensor, keep: Tensor | None, experts: Sequence[Weights],
+                   layout: ExpertLayout) -> tuple[Tensor, Tensor]:
+    """Each token's routed experts' outputs weighted by the routing, global (N, C), by the all-to-all exchange
+    (module docstring); and the slots each expert received, global (E,).
+
+    ``x`` is the (N, C) tokens laid out as ``layout.token_sbp`` gives; ``top`` their (N, k) routing weights,
+    ``index`` their (N, k) expert ids and ``keep`` (N, k) which slots their expert takes (``None``: all,
+    dropless), all three in ``x``'s layout; expert ``e``'s weights lie on ``layout.placement_of(e)``.
+    """
+    y_sbp, dx_sbp, w_sbps = _sbps(x.sbp, tuple((w.placement, w.sbp) for t in experts for w in t), layout)
+    backend = get_backend()
+    backend.prepare(_group_plan(layout.mesh))  # the ep groups' process groups, made collectively
+    k = int(index.shape[1])
+    xs, ids = x.local_tensors(), index.local_tensors()
+    keeps = keep.local_tensors() if keep is not None else None
+    order, send = {}, {}
+    for r in xs:
+        expert = ids[r].reshape(-1)  # (n * k,) local slots
+        if keeps is None:
+            order[r] = torch.argsort(expert, stable=True)
+        else:  # dropped slots sort last (as expert E) and stay home
+            kept = keeps[r].reshape(-1)
+            order[r] = torch.argsort(torch.where(kept, expert, layout.num_experts), stable=True)[:int(kept.sum())]
+        counts = torch.bincount(expert[order[r]], minlength=layout.num_experts)
+        send[r] = counts.view(-1, layout.per_member)  # (p, per)
+    recv = _exchange_counts(layout, send, backend)
+    sent = {r: xs[r][order[r] // k] for r in xs}  # (kept slots, C), sorted by expert
+    rows = _exchange(layout, sent, send, recv, backend)
+    tracked = _needs_grad((x, top, *[w for triple in experts for w in triple]))
+    saved = _Saved(layout, y_sbp, dx_sbp, w_sbps, k, order, send, recv, {}, {}, {})
+    for r in xs:
+        _run_local_experts(saved, r, rows[r], _local_weights(experts, layout, r), tracked)
+    back = _exchange(layout, saved.rows_out, recv, send, backend)
+    tops = top.local_tensors()
+    outs = {}
+    for r, rows_r in xs.items():
+        slots = rows_r.new_zeros(rows_r.shape[0] * k, rows_r.shape[1])
+        slots[order[r]] = back[r].detach()
+        saved.slots[r] = slots.view(rows_r.shape[0], k, rows_r.shape[1])  # (n, k, C) local: each slot's output
+        weights = tops[r].to(slots.dtype).unsqueeze(1)  # (n, 1, k)
+        outs[r] = torch.bmm(weights, saved.slots[r]).squeeze(1)  # (n, C): weighted, summed over k
+    out = Tensor._from_shards(tuple(x.shape), x.dtype, layout.mesh, y_sbp, outs)
+    if tracked:
+        saved.top = tops
+        record(_ROUTED, (x, top, *[w for triple in experts for w in triple]), {"saved": saved}, (out,))
+    return out, _expert_counts(x, send, layout)
+
+
+def _expert_counts(x: Tensor, send: Shards, layout: ExpertLayout) -> Tensor:
+    """The slots each expert received, (E,) in ``x``'s dtype: each rank's own counts, added up over the axes
+    that split the tokens (a P(sum) there)."""
+    counts = {r: c.reshape(-1).to(x.dtype) for r, c in send.items()}
+    sbp = tuple(Partial("sum") if s == Split(0) else Broadcast() for s in x.sbp)
+    return Tensor._from_shards((layout.num_experts,), x.dtype, layout.mesh, sbp, counts)
+
+
+@_ROUTED.grad
+def _routed_experts_grad(ctx: Any, dy: Tensor) -> Any:
+    saved: _Saved = ctx.attrs["saved"]
+    layout = saved.layout
+    backend = get_backend()
+    want = tuple(Broadcast() if isinstance(s, Partial) else s for s in saved.y_sbp)
+    if (dy.placement, dy.sbp) != (layout.mesh, want):
+        dy = to_global(dy, layout.mesh, want)
+    douts = dy.local_tensors()
+    d_sent, d_top = {}, {}
+    for r, g in douts.items():  # g: (n, C); a slot's output gradient is its routing weight times the token's
+        top_r = saved.top[r]
+        d_slots = top_r.to(g.dtype).unsqueeze(-1) * g.unsqueeze(1)  # (n, k, C)
+        d_sent[r] = d_slots.reshape(-1, g.shape[-1])[saved.order[r]]  # sorted like the rows sent
+        d_top[r] = torch.bmm(saved.slots[r], g.unsqueeze(-1)).squeeze(-1).to(top_r.dtype)  # (n, k)
+    d_rows_out = _exchange(layout, d_sent, saved.send, saved.recv, backend)
+    d_rows_in, d_weights = {}, {}
+    for r in douts:
+        leaves = [saved.rows_in[r], *saved.weights_in[r]]
+        # the local graph lives as long as this node (the engine drops its attrs once backward ran without
+        # retain_graph), so that backward(retain_graph=True) can run through it again
+        grads = torch.autograd.grad(saved.rows_out[r], leaves, d_rows_out[r], allow_unused=True, retain_graph=True)
+        d_rows_in[r] = _or_zeros(grads[0], leaves[0])
+        d_weights[r] = [_or_zeros(g, w) for g, w in zip(grads[1:], leaves[1:], strict=True)]
+    d_back = _exchange(layout, d_rows_in, saved.recv, saved.send, backend)
+    x = ctx.inputs[0]
+    dxs = {}
+    for r, g in d_back.items():
+        rows = torch.zeros(douts[r].shape[0], g.shape[-1], dtype=g.dtype, device=g.device)
+        dxs[r] = rows.index_add_(0, saved.order[r] // saved.k, g)  # each token sums its k slots
+    dx = Tensor._from_shards(tuple(x.shape), x.dtype, layout.mesh, saved.dx_sbp, dxs)
+    top = ctx.inputs[1]
+    dtop = Tensor._from_shards(tuple(top.shape), top.dtype, layout.mesh, saved.y_sbp, d_top)
+    return (dx, dtop, *_weight_grads(ctx.inputs[2:], saved, d_weights, backend))
+
+
+def _run_local_experts(saved: _Saved, r: int, rows: torch.Tensor, weights: list[torch.Tensor],
+                       tracked: bool) -> None:
+    """Rank ``r``'s experts, each on its own received rows (grouped by a stable sort of their expert)."""
+    per = saved.layout.per_member
+    counts = saved.recv[r]  # (p, per): rows from member j for local expert e
+    local = torch.repeat_interleave(torch.arange(per).repeat(counts.shape[0]), counts.reshape(-1))
+    group = torch.argsort(local, stable=True)
+    with torch.enable_grad() if tracked else torch.no_grad():
+        rows_in = rows.detach().requires_grad_(tracked)
+        leaves = [w.detach().requires_grad_(tracked) for w in weights]
+        chunks = torch.split(rows_in[group], counts.sum(0).tolist())  # (rows of local expert e, C)
+        cast = [w.to(rows.dtype) for w in leaves]  # (a no-op unless autocast gave the tokens a narrower dtype)
+        outs = [_swiglu(c, *cast[3 * e: 3 * e + 3]) for e, c in enumerate(chunks)]
+        grouped = torch.cat(outs) if outs else rows_in[:0]
+        out = grouped[torch.argsort(group)]  # back to received order
+    saved.rows_in[r], saved.weights_in[r], saved.rows_out[r] = rows_in, leaves, out
+
+
+def _swiglu(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor) -> torch.Tensor:
+    """:class:`~sbpflow.nn.moe.Expert` on local shards: ``w2(silu(w1 x) * w3 x)``."""
+    return torch.nn.functional.linear(torch.nn.functional.silu(x @ w1.t()) * (x @ w3.t()), w2)
+
+
+def _local_weights(experts: Sequence[Weights], layout: ExpertLayout, r: int) -> list[torch.Tensor]:
+    """Rank ``r``'s shards of its experts' weights, w1, w2, w3 per expert, its experts in order."""
+    member = layout.mesh.coords(r)[layout.axis]
+    mine = experts[member * layout.per_member:(member + 1) * layout.per_member]
+    return [w.local_tensors()[r] for triple in mine for w in triple]
+
+
+def _weight_grads(weights: Sequence[Tensor], saved: _Saved, d_weights: dict[int, list[torch.Tensor]],
+                  backend: Backend) -> list[Tensor]:
+    """Expert ``e``'s weight gradients on its placement: each of its ranks holds the gradient of its tokens."""
+    out = []
+    per = saved.layout.per_member
+    for i, w in enumerate(weights):
+        e, which = divmod(i, 3)
+        shards = {r: d_weights[r][3 * (e % per) + which] for r in backend.owned(w.placement.flat_ranks)}
+        out.append(Tensor._from_shards(tuple(w.shape), w.dtype, w.placement, saved.w_sbps[i], shards))
+    return out
+
+
+@lru_cache(maxsize=256)
+def _sbps(x_sbp: NdSbp, weights: tuple[tuple[Placement, NdSbp], ...],
+          layout: ExpertLayout) -> tuple[NdSbp, NdSbp, tuple[NdSbp, ...]]:
+    """The slot outputs', the tokens' gradient's and each weight gradient's SBP, from the tokens' SBP and each
+    expert weight's (placement, SBP), w1, w2, w3 per expert; raises on layouts that the exchange cannot run (see
+    the module docstring)."""
+    if x_sbp[layout.axis] != Split(0) or any(s not in (Split(0), Broadcast()) for s in x_sbp):
+        raise SbpflowError(f"routed_experts needs the tokens split on the ep axis {layout.axis} and split or whole "
+                           f"on the others, but got tokens with sbp {format_nd(x_sbp)} on {layout.mesh}")
+    y_sbp, dx_sbp = list(x_sbp), list(x_sbp)
+    megatron = (Split(0), Split(1), Split(0))  # w1 column-parallel, w2 row-parallel, w3 column-parallel
+    for e in range(len(weights) // 3):
+        triple = weights[3 * e: 3 * e + 3]
+        where = layout.placement_of(e)
+        for placement, sbp in triple:
+            if placement != where:
+                raise SbpflowError(f"routed_experts: expert {e}'s weights must lie on {where} (its group on mesh "
+                                   f"axis {layout.axis}), but one lies on {placement} with sbp {format_nd(sbp)}")
+        for axis in range(layout.mesh.ndim):
+            if axis == layout.axis:
+                continue
+            split = tuple(sbp[axis] for _, sbp in triple)
+            if split == megatron and x_sbp[axis] == Broadcast():
+                y_sbp[axis] = dx_sbp[axis] = Partial("sum")
+            elif not all(s == Broadcast() for s in split):
+                raise SbpflowError(
+                    f"routed_experts: on mesh axis {axis} an expert's (w1, w2, w3) must be whole (B) or Megatron "
+                    f"(S(0), S(1), S(0)) with the tokens whole, but expert {e} has "
+                    f"{tuple(format_nd((s,)) for s in split)} and the tokens sbp {format_nd(x_sbp)}")
+    w_sbps = tuple(tuple(_weight_grad_sbp(sbp[a], x_sbp[a], a == layout.axis) for a in range(layout.mesh.ndim))
+                   for _, sbp in weights)
+    return tuple(y_sbp), tuple(dx_sbp), w_sbps
+
+
+def _weight_grad_sbp(weight: Any, tokens: Any, ep_axis: bool) -> Any:
+    if ep_axis:
+        return Broadcast()  # one rank on the expert's placement along the ep axis
+    if isinstance(weight, Split):
+        return weight  # the rank's slice of the expert
+    return Partial("sum") if tokens == Split(0) else Broadcast()  # each rank's tokens add to the gradient
+
+
+def _needs_grad(inputs: Sequence[Tensor]) -> bool:
+    return is_grad_enabled() and any(t.requires_grad for t in inputs)
+
+
+def _or_zeros(grad: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    return torch.zeros_like(like) if grad is None else grad
+
+
+def _exchange_counts(layout: ExpertLayout, send: Shards, backend: Backend) -> Shards:
+    """Every member learns how many slot rows each member sends it, per local expert: (p, per) counts."""
+    p, per = send[next(iter(send))].shape if send else (0, 0)
+    pieces = {r: list(c.unbind(0)) for r, c in send.items()}
+    shapes: dict[int, list[tuple[int, ...]]] = {r: [(per,)] * p for r in send}
+    out: Shards = {}
+    for group in layout.mesh.axis_groups(layout.axis):
+        mine = [r for r in group if r in send]
+        if mine:
+            moved = nbytes((per,), torch.int64) * p * (p - 1) * len(mine)
+            got = backend.all_to_all(group, {r: pieces[r] for r in mine}, {r: shapes[r] for r in mine},
+                                     torch.int64, moved)
+            out.update({r: torch.stack(got[r]) for r in mine})
+    return out
+
+
+def _exchange(layout: ExpertLayout, rows: Shards, send: Shards, recv: Shards, backend: Backend) -> Shards:
+    """One all-to-all of rows in every ep group: ``send[r][j].sum()`` rows of ``rows[r]`` go to member j, and
+    ``recv[r][j].sum()`` come from it (split sizes known from the count exchange)."""
+    out: Shards = {}
+    for group in layout.mesh.axis_groups(layout.axis):
+        mine = [r for r in group if r in rows]
+        if mine:
+            out.update(backend.all_to_all_rows(group, {r: rows[r] for r in mine},
+                                               {r: send[r].sum(1).tolist() for r in mine},
+                                               {r: recv[r].sum(1).tolist() for r in mine}))
+    return out
+
+
+def _group_plan(mesh: Placement) -> boxing.Plan:
+    """A boxing plan on the mesh, for ``Backend.prepare``, which makes every axis's process groups."""
+    rest = (Broadcast(),) * (mesh.ndim - 1)
+    return boxing.plan((mesh.size,), torch.float32, boxing.Layout(mesh, (Split(0), *rest)),
+                       boxing.Layout(mesh, (Broadcast(), *rest)))
+
+
+__all__ = ["ExpertLayout", "check_layout", "routed_experts"]
