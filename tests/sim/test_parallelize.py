@@ -138,7 +138,7 @@ def train(name: str, parallel: dict[str, int] | None, graph: bool = False,
         x, y = batch(i)
         if strategy is None or local_inputs:
             xt, yt = sbpflow.tensor(x), sbpflow.tensor(y)
-            if local_inputs:  # the model lays x out itself; the loss's labels go where the logits are
+            if local_inputs and loss_fn is _logits_loss:  # the model lays x out; the loss outside needs its y
                 yt = strategy.shard_inputs(x, y)[1]  # type: ignore[union-attr]
         else:
             xt, yt = strategy.shard_inputs(x, y)
@@ -190,6 +190,20 @@ def test_graph_training_matches_one_device(name: str, layout: str) -> None:
 def test_local_inputs_are_laid_out_by_the_model() -> None:
     assert_same(train("user", {"data": 2, "tensor": 2}, local_inputs=True), reference("user"))
     assert_same(train("vit", {"data": 2, "pipeline": 2}, local_inputs=True), reference("vit"))
+    assert_same(train("gpt", {"data": 2, "tensor": 2, "pipeline": 2}, local_inputs=True), reference("gpt"))
+
+
+def test_llama_reads_the_hugging_face_tp_plan_of_its_config() -> None:
+    hf_plan = {"layers.*.self_attn.q_proj": "colwise", "layers.*.self_attn.o_proj": "rowwise",
+               "layers.*.mlp.experts.gate_up_proj": "packed_colwise"}  # not sbpflow's modules nor style: skipped
+    model = Llama(LlamaConfig.from_dict({**LLAMA, "base_model_tp_plan": hf_plan}))
+    strategy = sbpflow.parallelize(model, tensor=2)
+    sbps = {n: s for n, (_, s, _) in strategy.params.items()}
+    assert sbps["model.layers.1.self_attn.q_proj.weight"] == (broadcast, split(0))
+    assert sbps["model.layers.1.self_attn.o_proj.weight"] == (broadcast, split(1))
+    assert sbps["model.layers.1.self_attn.k_proj.weight"] == sbps["model.layers.1.mlp.up_proj.weight"] == (
+        broadcast, broadcast)
+    assert sbps["model.embed_tokens.weight"] == sbps["lm_head.weight"] == (broadcast, split(0))
 
 
 # -- layouts ---------------------------------------------------------------------------------------
