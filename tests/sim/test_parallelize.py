@@ -17,6 +17,7 @@ import torch
 
 import sbpflow
 from sbpflow import nn
+from sbpflow.comm.record import record
 from sbpflow.errors import PlanError
 from sbpflow.models.cnn import ResNet
 from sbpflow.models.gpt import GPT, GPTConfig
@@ -218,6 +219,16 @@ def test_inferred_plan_is_megatron() -> None:
     assert sbps["layers.1.attn.out.weight"] == sbps["layers.1.ff.2.weight"] == (broadcast, split(1))
     assert sbps["layers.1.ff.0.weight"] == (broadcast, split(0))
     assert sbps["embed.weight"] == sbps["head.weight"] == (broadcast, broadcast)
+
+
+def test_inferred_plan_communicates_as_megatron() -> None:
+    """Forward of 2 blocks at tp2: one all-reduce after each row-parallel layer (the last may wait for its reader),
+    no all-gather (which a column split feeding a replicated layer would need)."""
+    model = UserNet(depth=2)
+    sbpflow.parallelize(model, tensor=2)
+    with sbpflow.no_grad(), record() as log:
+        model(sbpflow.tensor(_tokens(0)[0]))
+    assert set(log.counts()) == {"all_reduce"} and 3 <= log.counts()["all_reduce"] <= 4
 
 
 def test_stages_by_module_name_and_interleaved() -> None:
