@@ -109,16 +109,21 @@ MODELS: dict[str, tuple[Callable[[], Any], Callable[[int], Any], Callable[..., A
     "vit": (lambda: ViT(ViTConfig(image_size=8, patch_size=4, width=16, depth=2, n_head=2, num_classes=5)),
             _images, _lm_loss),
     "user": (UserNet, _tokens, _logits_loss),
+    "user4": (lambda: UserNet(depth=4), _tokens, _logits_loss),
 }
-LAYOUTS = {"dp2": {"data": 2}, "tp2": {"tensor": 2}, "dp2xtp2": {"data": 2, "tensor": 2}, "pp2": {"pipeline": 2}}
+LAYOUTS = {"dp2": {"data": 2}, "tp2": {"tensor": 2}, "dp2xtp2": {"data": 2, "tensor": 2}, "pp2": {"pipeline": 2},
+           "pp2v2": {"pipeline": 2, "virtual": 2}}
 
 
 class Step(nn.Graph):
-    def __init__(self, model: Any, loss: Callable[..., Any], opt: Any, micro_batches: int) -> None:
+    def __init__(self, model: Any, loss: Callable[..., Any], opt: Any, strategy: Any) -> None:
         super().__init__()
         self.model, self.loss = model, loss
         self.add_optimizer(opt)
-        self.config.set_gradient_accumulation_steps(micro_batches)
+        if strategy is not None and strategy.pipeline > 1:
+            self.config.set_gradient_accumulation_steps(2)
+        if strategy is not None and strategy.virtual > 1:
+            self.config.set_pipeline_schedule("interleaved_1f1b")
 
     def build(self, x: Any, y: Any) -> Any:
         loss = self.loss(self.model, x, y)
@@ -133,7 +138,7 @@ def train(name: str, parallel: dict[str, int] | None, graph: bool = False,
     model = factory()
     strategy = sbpflow.parallelize(model, **parallel) if parallel is not None else None
     opt = sbpflow.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
-    step = Step(model, loss_fn, opt, 2 if strategy and strategy.pipeline > 1 else 1) if graph else None
+    step = Step(model, loss_fn, opt, strategy) if graph else None
     losses = []
     for i in range(STEPS):
         x, y = batch(i)
@@ -171,15 +176,20 @@ def assert_same(got: tuple[list[float], dict[str, np.ndarray]], want: tuple[list
         np.testing.assert_allclose(got[1][n], value, rtol=RTOL, atol=ATOL, err_msg=n)
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout", ["dp2", "tp2", "dp2xtp2", "pp2"])
 @pytest.mark.parametrize("name", list(MODELS))
 def test_eager_training_matches_one_device(name: str, layout: str) -> None:
     assert_same(train(name, LAYOUTS[layout]), reference(name))
 
 
-def test_mixtral_expert_parallel_matches_one_device() -> None:
-    got = train("mixtral", {"data": 2, "expert": 2})
-    assert_same(got, reference("mixtral"))
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
+def test_mixtral_expert_parallel_matches_one_device(graph: bool) -> None:
+    assert_same(train("mixtral", {"data": 2, "expert": 2}, graph=graph), reference("mixtral"))
+
+
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
+def test_interleaved_stages_match_one_device(graph: bool) -> None:
+    assert_same(train("user4", LAYOUTS["pp2v2"], graph=graph), reference("user4"))
 
 
 @pytest.mark.parametrize(("name", "layout"), [("vit", "dp2xtp2"), ("user", "tp2"), ("user", "pp2"), ("gpt", "pp2"),
