@@ -182,7 +182,7 @@ def parallelize(model: Module, data: int = 1, tensor: int = 1, pipeline: int = 1
     placement_of = {name: k % pipeline for name, k in virtual_stage.items()}
     moes = _expert_modules(named, expert, data)
     placements = stage_placements(data, tensor, pipeline, device)
-    block_stage = tuple(placement_of[f"{blocks}.{i}"] for i in range(len(named[blocks]))) if blocks else ()
+    block_stage = tuple(placement_of[name] for name in _block_names(named, blocks))
     strategy = Strategy(data, tensor, pipeline, device, placements, block_stage, virtual, expert=expert)
     # every check is done: from here on the model changes
     for name, module in named.items():
@@ -320,12 +320,19 @@ def _largest_block_list(named: Mapping[str, Module]) -> str | None:
     return best
 
 
+def _block_names(named: Mapping[str, Module], blocks: str | None) -> list[str]:
+    if blocks is None:
+        return []
+    prefix = f"{blocks}." if blocks else ""
+    return [prefix + key for key in named[blocks]._modules]
+
+
 def _even_starts(named: Mapping[str, Module], blocks: str | None, n_stages: int) -> list[str]:
     """The first block of each of ``n_stages`` even runs of the block list (else of the root's children)."""
     if n_stages == 1:
         return []
     if blocks is not None:
-        units = [f"{blocks}.{i}" for i in range(len(named[blocks]._modules))]
+        units = _block_names(named, blocks)
     else:
         units = [n for n, m in named[""]._modules.items() if any(True for _ in m.parameters())]
     if n_stages > len(units):
