@@ -131,7 +131,7 @@ class Step(nn.Graph):
         return loss
 
 
-def train(name: str, parallel: dict[str, int] | None, graph: bool = False,
+def train(name: str, parallel: dict[str, Any] | None, graph: bool = False,
           local_inputs: bool = False) -> tuple[list[float], dict[str, np.ndarray]]:
     factory, batch, loss_fn = MODELS[name]
     sbpflow.manual_seed(0)
@@ -196,6 +196,19 @@ def test_interleaved_stages_match_one_device(graph: bool) -> None:
                                               ("cnn", "dp2"), ("llama", "dp2xtp2")])
 def test_graph_training_matches_one_device(name: str, layout: str) -> None:
     assert_same(train(name, LAYOUTS[layout], graph=True), reference(name))
+
+
+QUERY_ONLY = {"tensor": 2, "plan": {"layers.*.attn.query": "colwise"}}  # heads split for q alone, k and v whole
+
+
+def test_partial_plan_trains_as_one_device_in_eager() -> None:
+    assert_same(train("user", QUERY_ONLY), reference("user"))
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason="nn.Graph bug, not parallelize's: with only q column-split (k, v B) the "
+                   "compiled step's first gradient of layers.0.norm1.weight is off by 0.004 of 0.009 (eager exact)")
+def test_partial_plan_trains_as_one_device_under_graph() -> None:
+    assert_same(train("user", QUERY_ONLY, graph=True), reference("user"))
 
 
 def test_local_inputs_are_laid_out_by_the_model() -> None:
