@@ -63,6 +63,7 @@ from .errors import (
     ShapeError,
 )
 from .meta import meta_init
+from .nn.parallelize import parallelize
 from .ops import functional
 from .ops.dispatch import implicit_broadcast
 
@@ -251,7 +252,7 @@ def explain(x: Tensor, placement: Placement | None = None, sbp: object = None) -
 
 
 __all__ = [
-    "auto_parallel",
+    "auto_parallel", "parallelize",
     "ArgumentError", "AutocastWarning", "AutogradError", "BoxingError", "CheckpointError", "CommError", "DTypeError",
     "IndexOutOfRangeError", "LocalGlobalError", "MetaTensorError", "OpError", "Placement",
     "PlacementError", "SbpError", "SbpflowError", "ShapeError", "Tensor", "arange", "boxing", "comm", "enable_grad",

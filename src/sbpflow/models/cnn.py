@@ -48,6 +48,10 @@ class BasicBlock(nn.Module):
 class ResNet(nn.Module):
     """stem (conv-BN-ReLU) -> block(c, c) -> block(c, 2c, stride 2) -> avg pool -> flatten -> linear."""
 
+    # tensor parallel: each block's first conv split by output channels, its second by input channels (a
+    # partial sum before BatchNorm), the classifier by classes
+    parallel_plan = {"layer*.conv1": "colwise", "layer*.conv2": "rowwise", "head": "colwise"}
+
     def __init__(self, in_channels: int = 3, channels: int = 8, num_classes: int = 10) -> None:
         super().__init__()
         self.stem = nn.Sequential(nn.Conv2d(in_channels, channels, 3, padding=1, bias=False),

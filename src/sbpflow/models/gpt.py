@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -30,10 +30,10 @@ import numpy as np
 import sbpflow
 from sbpflow import nn
 from sbpflow.errors import SbpflowError
-from sbpflow.nn.parallel import ColwiseParallel, RowwiseParallel, VocabParallelEmbedding, apply_plan
+from sbpflow.nn.parallel import ColwiseParallel, RowwiseParallel, VocabParallelEmbedding
+from sbpflow.nn.parallelize import Strategy, split_blocks, stage_placements
 from sbpflow.ops import functional as F
-from sbpflow.placement import Placement
-from sbpflow.sbp import broadcast, format_nd, split
+from sbpflow.sbp import broadcast
 from sbpflow.tensor import Tensor
 
 
@@ -138,6 +138,11 @@ class GPT(nn.Module):
         c = self.config
         return {"layers": c.n_layer, "hidden": c.n_embd, "heads": c.n_head, "seq": c.block_size, "vocab": c.vocab_size}
 
+    @property
+    def parallel_plan(self) -> dict[str, Any]:
+        """The rules :func:`sbpflow.parallelize` reads (see :data:`BLOCK_PLAN`)."""
+        return _gpt_plan(self)
+
     def lay_out(self, data: int, tensor: int, pipeline: Sequence[int], device: str) -> Strategy:
         return parallelize(self, data=data, tensor=tensor, pipeline=tuple(pipeline), device=device)
 
@@ -230,102 +235,25 @@ BLOCK_PLAN = {
 TENSOR_AXIS = 1  # mesh axes are (data, tensor)
 
 
-@dataclass
-class Strategy:
-    """Where a parallelized GPT lives: one placement per pipeline stage, each a (data, tensor) mesh.
-
-    ``params`` maps each parameter name to its stage and n-D SBP; ``block_stage``
-    gives each block's stage. Inputs ``ids`` live on stage 0 and ``targets`` on
-    the last stage, both split on the batch over the data axis.
-    """
-
-    data: int
-    tensor: int
-    pipeline: int
-    device: str
-    stages: tuple[Placement, ...]
-    block_stage: tuple[int, ...]  # each block's placement (an index into ``stages``)
-    virtual: int = 1  # virtual stages per placement (interleaved 1F1B): stage k sits on placement k mod p
-    params: dict[str, tuple[int, tuple[Any, ...], tuple[int, ...]]] = field(default_factory=dict)
-
-    @property
-    def input_sbp(self) -> tuple[Any, ...]:
-        """SBP of ids and targets: split on the batch over data (B if data is 1), broadcast over tensor."""
-        return (split(0) if self.data > 1 else broadcast, broadcast)
-
-    @property
-    def world_size(self) -> int:
-        return self.data * self.tensor * self.pipeline
-
-    @property
-    def everywhere(self) -> Placement:
-        """A 1-D placement of every rank of every stage (to read a value on every process)."""
-        return sbpflow.placement(self.device, list(range(self.world_size)))
-
-    def shard_inputs(self, ids: Any, targets: Any = None) -> tuple[Tensor, Tensor | None]:
-        """Lays logical ``ids`` (and ``targets``), arrays of shape (B, T), out as this strategy's inputs."""
-        ids_t = sbpflow.tensor(_as_ids(ids), placement=self.stages[0], sbp=self.input_sbp)
-        if targets is None:
-            return ids_t, None
-        return ids_t, sbpflow.tensor(_as_ids(targets), placement=self.stages[-1], sbp=self.input_sbp)
-
-    def describe(self) -> str:
-        """A table: each stage's placement and blocks, then each parameter's logical shape, stage and SBP."""
-        lines = [f"strategy: data={self.data} x tensor={self.tensor} x pipeline={self.pipeline} "
-                 f"({self.world_size} {self.device} devices); each stage a (data, tensor) mesh"]
-        for s, p in enumerate(self.stages):
-            blocks = [str(i) for i, b in enumerate(self.block_stage) if b == s]
-            lines.append(f"  stage {s}: {p}  blocks [{', '.join(blocks)}]")
-        lines.append(f"  inputs: ids on stage 0, targets on stage {self.pipeline - 1}, sbp {format_nd(self.input_sbp)}")
-        width = max([len(n) for n in self.params] + [9])
-        lines.append(f"  {'parameter':<{width}}  {'shape':<10} stage  sbp (data, tensor)")
-        for name, (stage, nd, shape) in self.params.items():
-            lines.append(f"  {name:<{width}}  {str(list(shape)):<10} {stage:>5}  {format_nd(nd)}")
-        return "\n".join(lines)
-
-
-def _as_ids(ids: Any) -> np.ndarray:
-    return np.asarray(ids.numpy() if isinstance(ids, Tensor) else ids, dtype=np.int64)
-
-
-def stage_placements(data: int, tensor: int, pipeline: int, device: str = "cpu") -> tuple[Placement, ...]:
-    """One (data, tensor) mesh per stage; stage ``s`` holds ranks ``[s*data*tensor, (s+1)*data*tensor)``.
-
-    >>> [str(p) for p in stage_placements(2, 1, 2)]
-    ['cpu:[[0], [1]]', 'cpu:[[2], [3]]']
-    """
-    per_stage = data * tensor
-    return tuple(
-        sbpflow.placement(device, [[s * per_stage + d * tensor + t for t in range(tensor)] for d in range(data)])
-        for s in range(pipeline)
-    )
-
-
-def split_blocks(n_layer: int, pipeline: int) -> tuple[int, ...]:
-    """Stage of each block: contiguous runs, as even as possible (earlier stages take the extra ones).
-
-    >>> split_blocks(5, 2)
-    (0, 0, 0, 1, 1)
-    """
-    if pipeline > max(n_layer, 1):
-        raise SbpflowError(f"pipeline={pipeline} needs at least that many blocks, but the GPT has {n_layer}")
-    sizes = [len(part) for part in np.array_split(np.arange(n_layer), pipeline)]
-    return tuple(s for s, n in enumerate(sizes) for _ in range(n))
+def _gpt_plan(model: GPT) -> dict[str, Any]:
+    """The GPT's plan for :func:`sbpflow.parallelize`: :data:`BLOCK_PLAN` in every block, vocab-parallel
+    embedding and (untied) head."""
+    plan: dict[str, Any] = {"wte": VocabParallelEmbedding(), **{f"h.*.{k}": v for k, v in BLOCK_PLAN.items()}}
+    if not model.config.tie_weights:
+        plan["lm_head"] = ColwiseParallel()  # weight S(0): vocab parallel
+    return plan
 
 
 def parallelize(model: GPT, data: int = 1, tensor: int = 1, pipeline: int | tuple[int, ...] = 1,
                 device: str = "cpu", virtual: int = 1) -> Strategy:
     """Places ``model``'s parameters for data x tensor x pipeline parallelism; returns the :class:`Strategy`.
 
-    Stage ``s`` holds its blocks (the embeddings on stage 0, the final
-    LayerNorm and head on the last). On each stage's (data, tensor) mesh a
-    parameter is B on the data axis and laid out Megatron-style on the tensor
-    axis (:data:`BLOCK_PLAN`). Parameters keep their identity and logical
-    values. The model's forward then moves activations between stages.
-    ``pipeline`` is a number of stages (blocks spread as evenly as possible) or
-    the blocks of each stage, such as ``(1, 3)`` (the planner's cuts may be uneven).
-    ``virtual`` > 1 cuts the blocks into ``virtual * pipeline`` stages instead, stage ``k`` on placement
-    ``k mod pipeline`` (interleaved 1F1B): each placement then holds ``virtual`` separate runs of blocks.
+    :func:`sbpflow.parallelize` with the GPT's own plan (:data:`BLOCK_PLAN`, vocab-parallel embedding and
+    head): stage ``s`` holds its blocks (the embeddings on stage 0, the final LayerNorm and head on the last),
+    and on each stage's (data, tensor) mesh a parameter is B on the data axis and Megatron's split on the
+    tensor axis. ``pipeline`` is a number of stages (blocks spread as evenly as possible) or the blocks of
+    each stage, such as ``(1, 3)`` (the planner's cuts may be uneven). ``virtual`` > 1 cuts the blocks into
+    ``virtual * pipeline`` stages instead, stage ``k`` on placement ``k mod pipeline`` (interleaved 1F1B).
 
     >>> import sbpflow
     >>> sbpflow.manual_seed(0)
@@ -335,37 +263,19 @@ def parallelize(model: GPT, data: int = 1, tensor: int = 1, pipeline: int | tupl
     >>> stage, sbpflow.sbp.format_nd(sbp)
     (1, '(B, S(1))')
     """
+    stages = None
     if isinstance(pipeline, tuple):
         block_stage = _blocks_from_sizes(pipeline, model.config.n_layer)
+        stages = [f"h.{block_stage.index(s)}" for s in range(len(pipeline))]
         pipeline = len(pipeline)
-    else:
-        block_stage = None
     _check_degrees(model.config, data, tensor, pipeline)
-    if not isinstance(virtual, int) or virtual < 1 or (virtual > 1 and block_stage is not None):
+    if not isinstance(virtual, int) or virtual < 1 or (virtual > 1 and stages is not None):
         raise SbpflowError(f"parallelize needs virtual >= 1 (and pipeline as a number of stages when virtual > 1), "
                            f"but got virtual={virtual!r} with pipeline={pipeline!r}")
-    if block_stage is None:
-        if pipeline * virtual > max(model.config.n_layer, 1):
-            raise SbpflowError(f"pipeline={pipeline} with virtual={virtual} stages per placement needs at least "
-                               f"{pipeline * virtual} blocks (one per stage), but the GPT has {model.config.n_layer}")
-        block_stage = tuple(k % pipeline for k in split_blocks(model.config.n_layer, pipeline * virtual))
-    placements = stage_placements(data, tensor, pipeline, device)
-    strategy = Strategy(data, tensor, pipeline, device, placements, block_stage, virtual)
-    # A size-1 axis keeps B everywhere (inputs included): a split or partial value there is the whole
-    # value anyway, and B spares no-op collectives on one-rank groups.
-    megatron = tensor > 1
-    first, last = strategy.stages[0], strategy.stages[-1]
-    apply_plan(model.wte, {"": VocabParallelEmbedding()} if megatron else {}, first, TENSOR_AXIS)
-    apply_plan(model.wpe, {}, first, TENSOR_AXIS)
-    for block, stage in zip(model.h, strategy.block_stage, strict=True):
-        apply_plan(block, BLOCK_PLAN if megatron else {}, strategy.stages[stage], TENSOR_AXIS)
-    apply_plan(model.ln_f, {}, last, TENSOR_AXIS)
-    if not model.config.tie_weights:  # weight S(0): vocab parallel
-        apply_plan(model.lm_head, {"": ColwiseParallel()} if megatron else {}, last, TENSOR_AXIS)
-    for name, param in model.named_parameters():
-        strategy.params[name] = (strategy.stages.index(param.placement), param.sbp, tuple(param.shape))
-    model.strategy = strategy
-    return strategy
+    if pipeline * virtual > max(model.config.n_layer, 1):
+        raise SbpflowError(f"pipeline={pipeline} with virtual={virtual} stages per placement needs at least "
+                           f"{pipeline * virtual} blocks (one per stage), but the GPT has {model.config.n_layer}")
+    return sbpflow.parallelize(model, data, tensor, pipeline, virtual, stages=stages, device=device)
 
 
 def _blocks_from_sizes(sizes: tuple[int, ...], n_layer: int) -> tuple[int, ...]:

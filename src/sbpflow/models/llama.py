@@ -24,6 +24,7 @@ the rows of its own positions, so a split sequence gets the right angles.
 
 from __future__ import annotations
 
+import fnmatch
 import math
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -36,8 +37,8 @@ import sbpflow
 from sbpflow import nn
 from sbpflow.errors import SbpflowError
 from sbpflow.models import hf
-from sbpflow.models.gpt import Strategy, split_blocks, stage_placements
-from sbpflow.nn.parallel import ColwiseParallel, RowwiseParallel, VocabParallelEmbedding, apply_plan
+from sbpflow.nn.parallel import ColwiseParallel, RowwiseParallel, VocabParallelEmbedding
+from sbpflow.nn.parallelize import HF_STYLES, STYLES, Strategy
 from sbpflow.ops import functional as F
 from sbpflow.sbp import broadcast
 from sbpflow.tensor import Tensor
@@ -234,6 +235,11 @@ class Llama(nn.Module):
         self.strategy: Strategy | None = None
         self._init_weights()
 
+    @property
+    def parallel_plan(self) -> dict[str, Any]:
+        """The rules :func:`sbpflow.parallelize` reads (:func:`llama_plan`)."""
+        return llama_plan(self)
+
     def _init_weights(self) -> None:
         """N(0, initializer_range) for Linear and Embedding weights, zero biases (transformers' init)."""
         config = self.config
@@ -315,12 +321,28 @@ TENSOR_AXIS = 1  # mesh axes are (data, tensor)
 Llama.layer_plan = LAYER_PLAN
 
 
+def llama_plan(model: Llama) -> dict[str, Any]:
+    """The plan :func:`sbpflow.parallelize` reads for a Llama (or Mixtral): the model's ``layer_plan`` in
+    every layer (or, for a folder whose config.json carries Hugging Face's ``base_model_tp_plan``, its entries
+    that name sbpflow's modules with a style sbpflow has), a vocab-parallel embedding and an untied head."""
+    layers = {f"model.layers.*.{k}": v for k, v in model.layer_plan.items()}
+    hf_plan = model.config.extra.get("base_model_tp_plan")
+    if isinstance(hf_plan, dict) and hf_plan:
+        names = [name for name, _ in model.named_modules()]
+        layers = {f"model.{k}": v for k, v in hf_plan.items()
+                  if (v in STYLES or v in HF_STYLES) and any(fnmatch.fnmatchcase(n, f"model.{k}") for n in names)}
+    plan: dict[str, Any] = {"model.embed_tokens": VocabParallelEmbedding(), **layers}
+    if not model.config.tie_word_embeddings:
+        plan["lm_head"] = ColwiseParallel()
+    return plan
+
+
 def parallelize(model: Llama, data: int = 1, tensor: int = 1, pipeline: int = 1, device: str = "cpu") -> Strategy:
     """Places ``model``'s parameters on (data, tensor) meshes: B over data, Megatron over tensor, and
     ``pipeline`` stages of consecutive layers (the embedding on the first, the norm and head on the last).
 
-    The embedding and an untied head are split over the vocabulary; a tied
-    head reads the embedding's split. Returns the :class:`~sbpflow.models.gpt.Strategy`
+    :func:`sbpflow.parallelize` with :func:`llama_plan`. The embedding and an untied head are split over the
+    vocabulary; a tied head reads the embedding's split. Returns the :class:`~sbpflow.nn.parallelize.Strategy`
     whose ``shard_inputs`` lays out ids and targets.
 
     >>> import sbpflow
@@ -331,19 +353,7 @@ def parallelize(model: Llama, data: int = 1, tensor: int = 1, pipeline: int = 1,
     '(B, S(1))'
     """
     _check_degrees(model.config, data, tensor, pipeline)
-    stages = stage_placements(data, tensor, pipeline, device)
-    strategy = Strategy(data, tensor, pipeline, device, stages, split_blocks(len(model.model.layers), pipeline))
-    megatron = tensor > 1
-    apply_plan(model.model.embed_tokens, {"": VocabParallelEmbedding()} if megatron else {}, stages[0], TENSOR_AXIS)
-    for layer, stage in zip(model.model.layers, strategy.block_stage, strict=True):
-        apply_plan(layer, model.layer_plan if megatron else {}, stages[stage], TENSOR_AXIS)
-    apply_plan(model.model.norm, {}, stages[-1], TENSOR_AXIS)
-    if not model.config.tie_word_embeddings:
-        apply_plan(model.lm_head, {"": ColwiseParallel()} if megatron else {}, stages[-1], TENSOR_AXIS)
-    for name, param in model.named_parameters():
-        strategy.params[name] = (stages.index(param.placement), param.sbp, tuple(param.shape))
-    model.strategy = strategy
-    return strategy
+    return sbpflow.parallelize(model, data, tensor, pipeline, device=device)
 
 
 def _check_degrees(config: LlamaConfig, data: int, tensor: int, pipeline: int) -> None:
@@ -356,4 +366,4 @@ def _check_degrees(config: LlamaConfig, data: int, tensor: int, pipeline: int) -
 
 
 __all__ = ["Llama", "LlamaAttention", "LlamaConfig", "LlamaDecoderLayer", "LlamaMLP", "LlamaModel", "LAYER_PLAN",
-           "apply_rotary", "parallelize", "rope_inv_freq", "rope_tables"]
+           "apply_rotary", "llama_plan", "parallelize", "rope_inv_freq", "rope_tables"]

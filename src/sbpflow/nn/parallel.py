@@ -119,7 +119,7 @@ def apply_plan(module: Module, plan: Mapping[str, Any], placement: Placement, me
         if isinstance(style, DataParallelInput):
             m.register_forward_pre_hook(data_parallel_input(placement, style.dim, mesh_axis))
             style = Replicate()
-        _place_own_tensors(m, style, placement, mesh_axis)
+        place_own_tensors(m, style, placement, mesh_axis)
     return module
 
 
@@ -152,7 +152,8 @@ def _check_plan_args(module: Module, plan: Mapping[str, Any], placement: Placeme
             )
 
 
-def _place_own_tensors(m: Module, style: Any, placement: Placement, mesh_axis: int) -> None:
+def place_own_tensors(m: Module, style: Any, placement: Placement, mesh_axis: int) -> None:
+    """Places ``m``'s own parameters (``style``'s SBP on ``mesh_axis``) and buffers (B) on ``placement``."""
     for name, p in m._parameters.items():
         if p is not None:
             relayout_(p, placement, _with_axis(p, placement, mesh_axis, _param_sbp(m, name, style)))
@@ -203,7 +204,7 @@ def data_parallel_input(placement: Placement, dim: int = 0, mesh_axis: int = 0) 
 
 __all__ = [
     "ColwiseParallel", "DataParallelInput", "Replicate", "RowwiseParallel", "Style", "VocabParallelEmbedding",
-    "apply_plan", "data_parallel_input", "DistributedDataParallel",
+    "apply_plan", "data_parallel_input", "DistributedDataParallel", "place_own_tensors",
 ]
 
 
