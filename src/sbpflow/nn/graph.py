@@ -470,8 +470,20 @@ class Graph:
 
     # -- compile ---------------------------------------------------------------------------------
 
-    def _compile(self, args: Sequence[Any]) -> Compiled:
-        start, cpu_start = time.perf_counter(), time.process_time()
+    def trace(self, *args: Any) -> LogicalGraph:
+        """The logical graph of the step for ``args``' metadata, traced and not compiled (no SBP selection, no
+        lowering): what the auto-parallel planner reads. The model may be built under :func:`sbpflow.meta_init`;
+        local inputs lay the graph's modules out on this process's rank, as a call does.
+
+        >>> step.trace(ids, targets).format()  # doctest: +SKIP
+        """
+        if _all_local(args):
+            args = tuple(self._on_this_rank(args))
+        return self._trace(args)[0].graph
+
+    def _trace(self, args: Sequence[Any]) -> tuple[Tracer, list[str], list[Any], Any, dict[str, Tensor], Any, Any]:
+        """Runs ``build()`` on lazy tensors: (tracer, input names, input SBPs, output tree, variables, feeds,
+        loss scaler)."""
         m = self.config.micro_batches
         self._apply_zero()
         for entry in self._optimizers:
@@ -500,6 +512,11 @@ class Graph:
             for name, t in variables.items():
                 t._shards, t.grad, t._version = saved[name]
                 t._lazy = None
+        return tracer, inputs, input_sbps, tree, variables, feeds, scaler
+
+    def _compile(self, args: Sequence[Any]) -> Compiled:
+        start, cpu_start = time.perf_counter(), time.process_time()
+        tracer, inputs, input_sbps, tree, variables, feeds, scaler = self._trace(args)
         trace_s, trace_cpu = time.perf_counter() - start, time.process_time() - cpu_start
         options = CompileOptions(method=self.config.sbp_selection, schedule=self.config.pipeline_schedule,
                                  prefetch=self.config.zero_prefetch, fused_segments=self.config.fused_segments,
