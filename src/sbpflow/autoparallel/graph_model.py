@@ -39,6 +39,7 @@ from .profiles import DeviceProfile
 
 ACT_BYTES = 2  # bytes per element of a floating activation (fp16/bf16 training)
 STYLES = ("colwise", "rowwise", "vocab", "replicate")
+_Comm = dict[int, list[tuple[float, bool]]]  # forward op position -> (bytes all-reduced over tp, in forward)
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,7 @@ class GraphModel:
     segments: list[Segment]
     styles: dict[str, str]  # parameter name -> colwise / rowwise / vocab / replicate
     param_names: dict[int, str]  # variable value id -> name
+    param_shapes: dict[str, tuple[int, ...]]  # name -> logical shape
     tp_dims: tuple[int, ...]  # sizes that tensor parallelism must divide
     step_flops: float  # FLOPs of forward and backward as traced (every micro-phase op), at the traced batch
     step_flops_fixed: float  # of which do not scale with the batch
@@ -199,6 +201,7 @@ class _Reader:
             split=np.array([n.id in split_ops for n in self.forward]),
             wide_op=np.array([any(v in wide_vals for v in n.outputs) for n in self.forward]),
             segments=segments, styles={names[v]: s for v, s in styles.items()}, param_names=names,
+            param_shapes={name: tuple(g.values[v].shape) for v, name in names.items()},
             tp_dims=tuple(sorted(dims)), step_flops=step, step_flops_fixed=fixed, block=block, repeats=repeats)
 
     def _bytes(self, vid: int) -> float:
@@ -217,12 +220,12 @@ class _Reader:
 
     # -- tensor parallelism ------------------------------------------------------------------------
 
-    def _tensor_parallel(self) -> tuple[dict[int, str], set[int], set[int], dict[int, list[tuple[float, bool]]], set[int]]:
+    def _tensor_parallel(self) -> tuple[dict[int, str], set[int], set[int], _Comm, set[int]]:
         """(parameter -> style, split op ids, split value ids, op position -> all-reduce bytes, divisors)."""
         styles: dict[int, str] = {v: "replicate" for v in self.params}
         split_ops: set[int] = set()
         split_vals: set[int] = set()
-        comm: dict[int, list[tuple[float, bool]]] = {}
+        comm: _Comm = {}
         dims: set[int] = set()
         groups: dict[int, list[tuple[LNode, set[int]]]] = {}  # row op id -> its columns and their regions
         taken: set[int] = set()  # ops already a column or a row
@@ -342,7 +345,7 @@ class _Reader:
         return [0] + [k for k in range(1, n) if crossing[k] == 1] + [n]
 
     def _segment(self, lo: int, hi: int, modules: list[str], split_vals: set[int], wide_vals: set[int],
-                 comm: dict[int, list[tuple[float, bool]]], styles: dict[int, str]) -> Segment:
+                 comm: _Comm, styles: dict[int, str]) -> Segment:
         ops = self.forward[lo:hi]
         params = {}
         for n in ops:
@@ -361,8 +364,9 @@ class _Reader:
         for m in modules[lo:hi]:
             if not seen or seen[-1] != m:
                 seen.append(m)
-        return Segment(lo, hi, tuple(seen), params, (kept[0], kept[1]), (wide[0], wide[1]),
-                       float(self.crossing_bytes[hi]) if hi < len(self.forward) else 0.0, tuple(b for i in range(lo, hi) for b in comm.get(i, [])))
+        crossing = float(self.crossing_bytes[hi]) if hi < len(self.forward) else 0.0
+        return Segment(lo, hi, tuple(seen), params, (kept[0], kept[1]), (wide[0], wide[1]), crossing,
+                       tuple(b for i in range(lo, hi) for b in comm.get(i, [])))
 
     def _blocks(self, segments: list[Segment]) -> tuple[np.ndarray, int]:
         """Which segments repeat (graph.repeat's classes of their ops, round 0: op, attributes and shapes

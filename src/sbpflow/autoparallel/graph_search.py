@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 
@@ -110,12 +112,22 @@ class _Costs:
     send: np.ndarray  # seconds to send the activation crossing each segment's end
 
 
-@dataclass
 class _Context:
-    model: GraphModel
-    cluster: Cluster
-    batch: int
-    times: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, np.ndarray]] = field(default_factory=dict)
+    """The model's per-segment arrays, and its per-op times cached by (micro-batch, tp)."""
+
+    def __init__(self, model: GraphModel, cluster: Cluster, batch: int) -> None:
+        self.model, self.cluster, self.batch = model, cluster, batch
+        self.times: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        segs = model.segments
+        self.comm_bytes = np.array([sum(b for b, _ in s.tp_comm) for s in segs])
+        self.comm_count = np.array([float(len(s.tp_comm)) for s in segs])
+        self.comm_fwd_bytes = np.array([sum(b for b, fwd in s.tp_comm if fwd) for s in segs])
+        self.comm_fwd_count = np.array([float(sum(fwd for _, fwd in s.tp_comm)) for s in segs])
+        self.whole_params = np.array([float(sum(n for n, split in s.params.values() if not split)) for s in segs])
+        self.split_params = np.array([float(sum(n for n, split in s.params.values() if split)) for s in segs])
+        self.kept = np.array([s.kept for s in segs])
+        self.wide = np.array([s.wide for s in segs])
+        self.out_bytes = np.array([s.out_bytes for s in segs])
 
     def segment_times(self, micro_batch: int, tp: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         key = (micro_batch, tp)
@@ -124,25 +136,40 @@ class _Context:
         return self.times[key]
 
 
+def _affine(f: Callable[[float], float]) -> tuple[float, float]:
+    """(a, b) with ``f(x) = a + b·x`` for x > 0: an α-β time of x bytes (0 bytes cost nothing)."""
+    one, two = f(1.0), f(2.0)
+    return one - (two - one), two - one
+
+
+def _priced(f: Callable[[float], float], volumes: np.ndarray, counts: np.ndarray | None = None) -> np.ndarray:
+    """``f`` of each volume, summed over ``counts`` transfers sharing it (vectorised through :func:`_affine`)."""
+    a, b = _affine(f)
+    counts = (volumes > 0).astype(float) if counts is None else counts
+    return counts * a + b * volumes
+
+
 def _costs(ctx: _Context, k: Knobs) -> _Costs:
     model, cluster, plan = ctx.model, ctx.cluster, k.parallel_plan()
     forward, wide, _ = ctx.segment_times(k.micro_batch, k.tp)
     scale = k.micro_batch / model.batch
-    blocks = ctx.model.block
+    blocks = model.block
     rerun = {"none": np.zeros_like(forward), "selective": wide, "full": forward}[k.recompute] * blocks
     group = tuple(range(k.tp))
-    tp = np.array([sum(_coll("all_reduce", group, b * scale, cluster) * (1 + (fwd and k.recompute == "full" and rep))
-                       for b, fwd in s.tp_comm) for s, rep in zip(model.segments, blocks, strict=True)])
-    params = np.array([sum(n / k.tp if split else n for n, split in s.params.values()) for s in model.segments])
-    zero = np.array([_zero_per_micro_batch(cluster, plan, p) if p else 0.0 for p in params])
-    whole = np.array([s.kept[0] + s.kept[1] / k.tp for s in model.segments]) * scale
-    dropped = np.array([s.wide[0] + s.wide[1] / k.tp for s in model.segments]) * scale
-    inputs = np.array([0.0] + [s.out_bytes for s in model.segments[:-1]]) * scale
+    all_reduce = partial(_coll, "all_reduce", group, cluster=cluster)
+    tp = _priced(all_reduce, ctx.comm_bytes * scale, ctx.comm_count)
+    if k.recompute == "full":  # the forward all-reduces again
+        tp += blocks * _priced(all_reduce, ctx.comm_fwd_bytes * scale, ctx.comm_fwd_count)
+    params = ctx.whole_params + ctx.split_params / k.tp
+    zero = _priced(partial(_zero_per_micro_batch, cluster, plan), params)
+    whole = (ctx.kept[:, 0] + ctx.kept[:, 1] / k.tp) * scale
+    dropped = (ctx.wide[:, 0] + ctx.wide[:, 1] / k.tp) * scale
+    inputs = np.concatenate([[0.0], ctx.out_bytes[:-1]]) * scale
     kept = np.where(blocks, {"none": whole, "selective": whole - dropped, "full": inputs}[k.recompute], whole)
     working = float(whole[blocks].max(initial=0.0)) if k.recompute == "full" else 0.0
     if k.zero == 3:
         working += 2 * 2 * float(params.max())  # the largest segment's weights gathered, fp16, twice in flight
-    send = np.array([_p2p_time(plan, s.out_bytes * scale, cluster) for s in model.segments])
+    send = _priced(lambda b: _p2p_time(plan, b, cluster), ctx.out_bytes * scale)
     parts = {"compute": 3 * forward, "recompute": rerun, "tp_comm": tp, "dp_comm": zero}
     return _Costs(sum(parts.values()), parts, params, kept, working, send)
 
