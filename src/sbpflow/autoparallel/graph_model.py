@@ -16,8 +16,9 @@ built under ``meta_init()``). Nothing here knows a model class; it reads:
   ``colwise`` and that op ``rowwise``; the ops between them (attention included) run on ``1/tp`` of the
   features. A Linear-like op whose output reaches no other one (the output layer) and an embedding are
   ``vocab``; everything else is ``replicate``;
-* **cut points**: positions in the forward order that exactly one activation crosses. Stages are cut there
-  (between blocks, but also between a block's attention and its MLP, or between any two layers of a chain).
+* **cut points**: positions in the forward order that exactly one activation crosses, a small one (at most
+  ``CUT_FACTOR`` times the median such crossing: not the logits). Stages are cut there (between blocks, but
+  also between a block's attention and its MLP, or between any two layers of a chain).
 
 Forward ops between two cut points form a :class:`Segment`; each has its forward seconds per micro-batch as a
 function of (micro-batch, tp) through :func:`segment_times` (roofline per op), and its backward is priced as
@@ -39,6 +40,11 @@ from .profiles import DeviceProfile
 
 ACT_BYTES = 2  # bytes per element of a floating activation (fp16/bf16 training)
 STYLES = ("colwise", "rowwise", "vocab", "replicate")
+# layout ops: views, or copies fused into their neighbours' kernels (as Megatron's and the sizes planner's count)
+LAYOUT_OPS = ("reshape", "view", "expand", "flatten", "squeeze", "unsqueeze", "permute", "transpose",
+              "reshape_permute", "permute_reshape", "contiguous")
+GATHER_OPS = ("embedding", "pick", "index_select", "gather")
+CUT_FACTOR = 2.0  # a stage cut sends at most this many times the median one-tensor crossing
 _Comm = dict[int, list[tuple[float, bool]]]  # forward op position -> (bytes all-reduced over tp, in forward)
 
 
@@ -176,7 +182,7 @@ class _Reader:
     def model(self) -> GraphModel:
         modules = self._modules()
         styles, split_ops, split_vals, comm, dims = self._tensor_parallel()
-        wide_vals = self._wide()
+        wide_vals = self._wide(styles)
         cuts = self._cuts()
         segments = [self._segment(lo, hi, modules, split_vals, wide_vals, comm, styles)
                     for lo, hi in zip(cuts[:-1], cuts[1:], strict=True)]
@@ -186,7 +192,7 @@ class _Reader:
         for n in self.forward:
             ins, outs = [g.values[v].shape for v in n.inputs], [g.values[v].shape for v in n.outputs]
             flops.append(op_flops(n.name, ins, outs))
-            nbytes.append(sum(self._bytes(v) for v in n.inputs + n.outputs if v not in self.params))
+            nbytes.append(self._op_bytes(n))
         step, fixed = 0.0, 0.0
         for n in g.nodes:
             if n.kind == "op" and n.phase == "micro":
@@ -203,6 +209,15 @@ class _Reader:
             segments=segments, styles={names[v]: s for v, s in styles.items()}, param_names=names,
             param_shapes={name: tuple(g.values[v].shape) for v, name in names.items()},
             tp_dims=tuple(sorted(dims)), step_flops=step, step_flops_fixed=fixed, block=block, repeats=repeats)
+
+    def _op_bytes(self, n: LNode) -> float:
+        """Bytes an op moves: its inputs and outputs; a layout op none; a gather (embedding, pick) its indices
+        and its output, not the whole table it picks from."""
+        if n.name in LAYOUT_OPS:
+            return 0.0
+        if n.name in GATHER_OPS:
+            return self._bytes(n.outputs[0]) * 2 + sum(self._bytes(v) for v in n.inputs[1:] if v not in self.params)
+        return sum(self._bytes(v) for v in n.inputs + n.outputs)
 
     def _bytes(self, vid: int) -> float:
         v = self.g.values[vid]
@@ -316,18 +331,21 @@ class _Reader:
 
     # -- activations and cuts ----------------------------------------------------------------------
 
-    def _wide(self) -> set[int]:
-        """Forward values with more elements per sample than any GEMM operand: attention scores and the like."""
+    def _wide(self, styles: dict[int, str]) -> set[int]:
+        """Forward values with more elements per sample than any GEMM operand (the output layer's aside):
+        attention scores and the like."""
         def per_sample(v: int) -> float:
             shape = self.g.values[v].shape
             return float(np.prod(shape[1:])) if len(shape) > 1 else 0.0
 
-        gemms = [n for n in self.forward if n.name in MATMUL_OPS and self._weight(n) is not None]
+        gemms = [n for n in self.forward
+                 if n.name in MATMUL_OPS and styles.get(self._weight(n) or -1, "vocab") != "vocab"]
         widest = max((per_sample(v) for n in gemms for v in (n.inputs[0], n.outputs[0])), default=0.0)
         return {v for n in self.forward for v in n.outputs if widest and per_sample(v) > widest}
 
     def _cuts(self) -> list[int]:
-        """Forward positions that exactly one activation crosses, with 0 and the end; fills ``crossing_bytes``."""
+        """Forward positions that exactly one activation crosses, no larger than ``CUT_FACTOR`` times the median
+        such activation, with 0 and the end; fills ``crossing_bytes``."""
         n = len(self.forward)
         count = np.zeros(n + 2, dtype=np.int64)
         volume = np.zeros(n + 2)
@@ -342,7 +360,11 @@ class _Reader:
                     volume[last + 1] -= self._bytes(v)
         crossing = np.cumsum(count)
         self.crossing_bytes = np.cumsum(volume)
-        return [0] + [k for k in range(1, n) if crossing[k] == 1] + [n]
+        single = [k for k in range(1, n) if crossing[k] == 1]
+        if not single:
+            return [0, n]
+        small = CUT_FACTOR * float(np.median(self.crossing_bytes[single]))  # not a cut that sends the logits
+        return [0] + [k for k in single if self.crossing_bytes[k] <= small] + [n]
 
     def _segment(self, lo: int, hi: int, modules: list[str], split_vals: set[int], wide_vals: set[int],
                  comm: _Comm, styles: dict[int, str]) -> Segment:
@@ -391,7 +413,8 @@ def segment_times(model: GraphModel, micro_batch: int, tp: int, profile: DeviceP
     flops, nbytes = model.flops * scale, model.nbytes * scale
     compute = flops / profile.matmul_flops
     memory = nbytes / profile.memory_throughput
-    per_op = np.maximum(compute, memory) + profile.launch_s
+    launch = np.where(model.nbytes + model.flops > 0, profile.launch_s, 0.0)  # layout ops launch nothing
+    per_op = np.maximum(compute, memory) + launch
     bounds = np.array([s.lo for s in model.segments])
     forward = np.add.reduceat(per_op, bounds)
     wide = np.add.reduceat(np.where(model.wide_op, per_op, 0.0), bounds)

@@ -47,6 +47,8 @@ class Plan:
     styles: dict[str, str]  # module glob -> colwise / rowwise / vocab (replicate is the default)
     sbp: dict[str, str]  # parameter -> its SBP on the stage's (data, tensor) mesh
     parameters: int
+    mfu: float = 0.0  # model FLOPs / time / (devices · peak)
+    repeated_blocks: int = 1  # how often the most repeated segment of the graph occurs
     runners_up: list[dict[str, Any]] = field(default_factory=list)  # plan, step_time, memory, why
     too_big: list[dict[str, Any]] = field(default_factory=list)  # faster plans that did not fit
     search: dict[str, float] = field(default_factory=dict)  # candidates, costed, seconds
@@ -104,10 +106,32 @@ class Plan:
     def save(self, path: str | Path) -> None:
         Path(path).write_text(self.to_json() + "\n")
 
+    def cli_json(self) -> dict[str, Any]:
+        """``sbpflow plan --json``'s object (the sizes planner's schema, ``explain.PLAN_SCHEMA``) plus ``stages``
+        (the modules of each stage), ``sbp`` (each parameter's) and ``replay`` (this plan, for :meth:`load`)."""
+        k = self.knobs
+        other = [dict(r["fields"], why=r["why"]) for r in self.runners_up]
+        return {
+            "tp": k.tp, "pp": k.pp, "dp": k.dp, "micro_batch": k.micro_batch, "zero": k.zero,
+            "recompute": k.recompute, "virtual": k.virtual, "schedule": k.schedule,
+            "stage_layers": [len(s) for s in self.stages], "step_time_s": self.step_time,
+            "tflops_per_device": self.tflops_per_device, "model_tflops_per_device": self.model_tflops_per_device,
+            "mfu": self.mfu, "memory_per_device_gb": self.memory_per_device / GB,
+            "fits": self.memory_per_device <= self.usable_memory,
+            "memory_gb": {n: v / GB for n, v in self.memory.items()}, "breakdown": dict(self.breakdown),
+            "block": None,
+            "model": {"layers": self.repeated_blocks, "hidden": None, "heads": None, "seq": None, "vocab": None,
+                      "parameters": self.parameters},
+            "cluster": {"devices": self.devices, "device": self.device, "gpus_per_node": self.gpus_per_node},
+            "batch": self.batch, "runners_up": other, "search": dict(self.search) or None,
+            "stages": self.stages, "sbp": self.sbp, "replay": json.loads(self.to_json()),
+        }
+
     @classmethod
     def from_json(cls, text: str) -> Plan:
         try:
             data = json.loads(text)
+            data = data.get("replay", data)  # sbpflow plan --json's object holds the plan under "replay"
             data["knobs"] = Knobs(**data["knobs"])
             return cls(**data)
         except (ValueError, TypeError, KeyError) as e:
@@ -165,18 +189,31 @@ def make_plan(model: GraphModel, cluster: Cluster, result: GraphSearch) -> Plan:
         styles=_globs(styles) if tp > 1 else {},
         sbp={n: _sbp(s if tp > 1 else "replicate", best.knobs.zero, model.param_shapes[prefix + n])
              for n, s in styles.items()},
-        parameters=model.param_count,
-        runners_up=[_other(p, best) for p in result.runners_up],
+        parameters=model.param_count, mfu=best.model_tflops_per_device * 1e12 / cluster.profile.peak_flops,
+        repeated_blocks=model.repeats,
+        runners_up=[_other(p, best, cluster, len(model.segments)) for p in result.runners_up],
         too_big=[{"plan": str(p.knobs), "step_time": p.step_time, "memory": p.memory_per_device}
                  for p in result.too_big],
         search={"candidates": result.candidates, "costed": result.costed, "seconds": result.seconds})
 
 
-def _other(p: GraphPrediction, best: GraphPrediction) -> dict[str, Any]:
+def _other(p: GraphPrediction, best: GraphPrediction, cluster: Cluster, segments: int) -> dict[str, Any]:
+    """A runner-up as ``--json`` shows one: its plan's fields, and why it lost."""
     worse = sorted(((p.breakdown[n] - best.breakdown.get(n, 0.0), n) for n in p.breakdown), reverse=True)[:2]
     why = ", ".join(f"{n} +{d:.3g} s" for d, n in worse if d > 0) or "ties"
-    return {"plan": str(p.knobs), "step_time": p.step_time, "memory": p.memory_per_device,
-            "why": f"{(p.step_time / best.step_time - 1) * 100:.1f}% slower: {why}"}
+    k = p.knobs
+    bounds = list(p.cuts) + [segments]
+    return {"plan": str(k), "step_time": p.step_time, "memory": p.memory_per_device,
+            "why": f"{(p.step_time / best.step_time - 1) * 100:.1f}% slower: {why}",
+            "fields": {"tp": k.tp, "pp": k.pp, "dp": k.dp, "micro_batch": k.micro_batch, "zero": k.zero,
+                       "recompute": k.recompute, "virtual": k.virtual, "schedule": k.schedule,
+                       "stage_layers": [b - a for a, b in zip(bounds[:-1], bounds[1:], strict=True)],
+                       "step_time_s": p.step_time, "tflops_per_device": p.tflops_per_device,
+                       "model_tflops_per_device": p.model_tflops_per_device,
+                       "mfu": p.model_tflops_per_device * 1e12 / cluster.profile.peak_flops,
+                       "memory_per_device_gb": p.memory_per_device / GB, "fits": p.fits,
+                       "memory_gb": {n: v / GB for n, v in p.memory.items()}, "breakdown": dict(p.breakdown),
+                       "block": None}}
 
 
 def _prefix(names: list[str]) -> str:

@@ -21,7 +21,6 @@ costed in the order of a lower bound until the bound exceeds the ``keep``-th bes
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -128,6 +127,9 @@ class _Context:
         self.kept = np.array([s.kept for s in segs])
         self.wide = np.array([s.wide for s in segs])
         self.out_bytes = np.array([s.out_bytes for s in segs])
+        # ZeRO gathers and scatters per module holding a block (FSDP's unit): the first segment of each pays α
+        parents = [s.first_module.rpartition(".")[0] for s in segs]
+        self.unit_start = np.array([float(i == 0 or parents[i] != parents[i - 1]) for i in range(len(segs))])
 
     def segment_times(self, micro_batch: int, tp: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         key = (micro_batch, tp)
@@ -161,7 +163,7 @@ def _costs(ctx: _Context, k: Knobs) -> _Costs:
     if k.recompute == "full":  # the forward all-reduces again
         tp += blocks * _priced(all_reduce, ctx.comm_fwd_bytes * scale, ctx.comm_fwd_count)
     params = ctx.whole_params + ctx.split_params / k.tp
-    zero = _priced(partial(_zero_per_micro_batch, cluster, plan), params)
+    zero = _priced(partial(_zero_per_micro_batch, cluster, plan), params, ctx.unit_start)
     whole = (ctx.kept[:, 0] + ctx.kept[:, 1] / k.tp) * scale
     dropped = (ctx.wide[:, 0] + ctx.wide[:, 1] / k.tp) * scale
     inputs = np.concatenate([[0.0], ctx.out_bytes[:-1]]) * scale
@@ -205,21 +207,30 @@ def _cut(ctx: _Context, k: Knobs, c: _Costs, m: int) -> tuple[int, ...] | None:
     state = sum(model_state_bytes(1.0, k.dp, k.zero).values())
 
     def pack(limit: float) -> tuple[int, ...] | None:
-        starts, t, params, kept = [0], 0.0, 0.0, 0.0
-        for j in range(n):
-            stage = (len(starts) - 1) % k.pp
-            grow_t, grow_p, grow_k = t + c.time[j], params + c.params[j], kept + c.kept[j]
-            memory = state * grow_p * k.virtual + _in_flight(k, stage, m) * grow_k * k.virtual + c.working
-            must = n - j == chunks - len(starts)  # one segment left for each chunk still empty
-            if j > starts[-1] and (grow_t > limit or memory > usable or must):
-                if len(starts) == chunks:
-                    return None
-                starts.append(j)
-                grow_t, grow_p, grow_k = c.time[j], c.params[j], c.kept[j]
-            t, params, kept = grow_t, grow_p, grow_k
-        return tuple(starts) if len(starts) == chunks else None
+        """Each chunk takes segments from where the last ended up to the latest end at which it (its segments,
+        receiving its input and sending its output) stays under ``limit`` and its stage's memory."""
+        starts, lo = [], 0
+        for chunk in range(chunks):
+            if lo >= n:
+                return None
+            last = chunk == chunks - 1
+            flight = _in_flight(k, chunk % k.pp, m) * k.virtual
+            t = float(c.send[lo - 1]) if lo else 0.0
+            params = kept = 0.0
+            end = None
+            for e in range(lo + 1, n - (chunks - chunk - 1) + 1):  # the chunk is segments lo .. e - 1
+                t, params, kept = t + c.time[e - 1], params + c.params[e - 1], kept + c.kept[e - 1]
+                if t > limit or state * params * k.virtual + flight * kept + c.working > usable:
+                    break
+                if (not last and t + c.send[e - 1] <= limit) or e == n:
+                    end = e
+            if end is None:
+                return None
+            starts.append(lo)
+            lo = end
+        return tuple(starts) if lo == n else None
 
-    lo, hi = float(c.time.max()), float(c.time.sum()) * 1.0001
+    lo, hi = float(c.time.max()), float(c.time.sum() + c.send.sum()) * 1.0001
     best = pack(hi)
     if best is None:
         return None
@@ -366,10 +377,16 @@ def _smallest_memory(plans: list[Knobs], done: list[GraphPrediction]) -> list[Kn
 
 
 def _nothing_fits(model: GraphModel, cluster: Cluster, batch: int, smallest: GraphPrediction) -> str:
-    gb = 1e9
-    where = ", ".join(f"{name} {v / gb:.2f} GB" for name, v in smallest.memory.items())
-    return (f"no plan of the traced step ({model.param_count / 1e6:.1f}M parameters, batch {batch}) fits "
-            f"{cluster.devices} devices with {cluster.profile.usable_memory / gb:.2f} GB usable each: the "
-            f"smallest plan ({smallest.knobs}) needs {smallest.memory_per_device / gb:.2f} GB per device "
-            f"({where}); a device with at least {math.ceil(smallest.memory_per_device / gb * 100) / 100:.2f} GB "
-            f"usable would fit it")
+    where = ", ".join(f"{name} {_size(v)}" for name, v in smallest.memory.items())
+    return (f"no plan of the traced step ({model.param_count / 1e6:.3g}M parameters, batch {batch}) fits "
+            f"{cluster.devices} devices with {_size(cluster.profile.usable_memory)} usable each: the smallest plan "
+            f"({smallest.knobs}) needs {_size(smallest.memory_per_device)} per device ({where}); a device with "
+            f"at least {_size(smallest.memory_per_device * 1.005)} usable would fit it")
+
+
+def _size(nbytes: float) -> str:
+    """Bytes in words: ``1.23 GB``, ``45.6 MB``, ``7.8 kB``."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.3g} {unit}"
+    return f"{nbytes:.0f} bytes"

@@ -3,7 +3,7 @@
 The auto-parallel planner reads a :class:`~sbpflow.graph.ir.LogicalGraph` of a training step. A user who has
 a model and example inputs (built under ``meta_init()``: no data, no weights) gets one here. The loss is what
 the model returns when that is a scalar, a scalar in a returned tuple (a GPT's ``(logits, loss)``) or a dict's
-``"loss"``; otherwise it is ``output.square().mean()``, a stand-in whose backward reaches every parameter as a
+``"loss"``; otherwise it is ``mean(square(output))``, a stand-in whose backward reaches every parameter as a
 real loss's would (its own cost is one elementwise op).
 
 >>> import sbpflow
@@ -23,6 +23,7 @@ from typing import Any
 
 from ..errors import PlanError
 from ..graph.ir import LogicalGraph
+from ..ops import functional as F
 from ..optim import AdamW
 from ..tensor import Tensor
 from .graph import Graph
@@ -55,7 +56,7 @@ def step_loss(out: Any) -> Tensor:
     if not isinstance(out, Tensor):
         raise PlanError(f"planning traces a training step, so the model must return a tensor, a tuple holding "
                         f"one, or a dict with 'loss', but it returned {type(out).__name__}")
-    return out if out.ndim == 0 else out.square().mean()
+    return out if out.ndim == 0 else F.mean(F.square(out))
 
 
 def trace_training_step(model: Module, inputs: Sequence[Any]) -> LogicalGraph:
