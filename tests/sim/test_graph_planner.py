@@ -267,3 +267,25 @@ def test_cli_plans_a_model_from_a_factory(tmp_path: Any, monkeypatch: Any, capsy
     assert "predicted step" in capsys.readouterr().out
     assert main(["plan", "--model", "user_models:nothing", "--devices", "4"]) == 2
     assert "no callable nothing" in capsys.readouterr().err
+
+
+def test_configure_graph_takes_the_plans_knobs() -> None:
+    """The nn.Graph side of a plan (without parallelize): micro-batches, ZeRO, schedule, and the repeated blocks
+    checkpointed under full recompute."""
+    from dataclasses import replace
+
+    from sbpflow.autoparallel.apply import configure_graph
+    from sbpflow.nn.trace_step import TrainingStep
+
+    model, inputs = attention_stack(depth=4, batch=16)
+    plan = plan_graph(trace_training_step(model, inputs), 8, "a100-80gb", batch=64)
+    assert plan.blocks == [f"blocks.{i}" for i in range(4)]
+    full = replace(plan, knobs=Knobs(2, 2, 2, 2, zero=2, recompute="full", schedule="zero_bubble"))
+    model, _ = attention_stack(depth=4, batch=16)
+    step = TrainingStep(model)
+    configure_graph(step, full)
+    assert (step.config.micro_batches, step.config.zero_stage, step.config.pipeline_schedule) == (
+        full.micro_batches, 2, "zero_bubble")
+    assert full.micro_batches == 64 // (2 * 2)
+    assert [m.config.activation_checkpointing for m in model.blocks] == [True] * 4
+    assert not model.head.config.activation_checkpointing

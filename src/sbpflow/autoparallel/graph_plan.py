@@ -49,6 +49,7 @@ class Plan:
     parameters: int
     mfu: float = 0.0  # model FLOPs / time / (devices · peak)
     repeated_blocks: int = 1  # how often the most repeated segment of the graph occurs
+    blocks: list[str] = field(default_factory=list)  # the modules of the repeated blocks (what recompute reruns)
     runners_up: list[dict[str, Any]] = field(default_factory=list)  # plan, step_time, memory, why
     too_big: list[dict[str, Any]] = field(default_factory=list)  # faster plans that did not fit
     search: dict[str, float] = field(default_factory=dict)  # candidates, costed, seconds
@@ -190,7 +191,7 @@ def make_plan(model: GraphModel, cluster: Cluster, result: GraphSearch) -> Plan:
         sbp={n: _sbp(s if tp > 1 else "replicate", best.knobs.zero, model.param_shapes[prefix + n])
              for n, s in styles.items()},
         parameters=model.param_count, mfu=best.model_tflops_per_device * 1e12 / cluster.profile.peak_flops,
-        repeated_blocks=model.repeats,
+        repeated_blocks=model.repeats, blocks=_block_modules(model, prefix),
         runners_up=[_other(p, best, cluster, len(model.segments)) for p in result.runners_up],
         too_big=[{"plan": str(p.knobs), "step_time": p.step_time, "memory": p.memory_per_device}
                  for p in result.too_big],
@@ -214,6 +215,17 @@ def _other(p: GraphPrediction, best: GraphPrediction, cluster: Cluster, segments
                        "memory_per_device_gb": p.memory_per_device / GB, "fits": p.fits,
                        "memory_gb": {n: v / GB for n, v in p.memory.items()}, "breakdown": dict(p.breakdown),
                        "block": None}}
+
+
+def _block_modules(model: GraphModel, prefix: str) -> list[str]:
+    """The modules holding the repeated segments: the parent of each one's first module (``h.3``)."""
+    out: list[str] = []
+    for segment, repeated in zip(model.segments, model.block, strict=True):
+        parent = segment.first_module.rpartition(".")[0]
+        name = parent[len(prefix):] if parent.startswith(prefix) else parent
+        if repeated and name and name not in out:
+            out.append(name)
+    return out
 
 
 def _prefix(names: list[str]) -> str:
