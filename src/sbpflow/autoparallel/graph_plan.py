@@ -20,7 +20,7 @@ from typing import Any
 from ..errors import PlanError
 from ..graph.ir import LogicalGraph
 from .graph_model import GraphModel, read_graph
-from .graph_search import GraphPrediction, GraphSearch, Knobs, search_graph
+from .graph_search import GraphPrediction, GraphSearch, Knobs, _size, search_graph
 from .predict import Cluster
 from .profiles import DeviceProfile, get_profile
 
@@ -83,8 +83,8 @@ class Plan:
                  f"throughput {self.batch / self.step_time:.4g} samples/s; {self.tflops_per_device:.1f} hardware "
                  f"TFLOP/s per device (recompute included), {self.model_tflops_per_device:.1f} model TFLOP/s "
                  "(forward and backward alone)",
-                 f"memory on the fullest device {self.memory_per_device / GB:.3g} GB of "
-                 f"{self.usable_memory / GB:.3g} usable: " + _parts({n: v / GB for n, v in self.memory.items()}, "GB"),
+                 f"memory on the fullest device {_size(self.memory_per_device)} of {_size(self.usable_memory)} "
+                 "usable: " + ", ".join(f"{n} {_size(v)}" for n, v in self.memory.items()),
                  f"parameters: {self.parameters / 1e6:.4g}M"]
         for i, modules in enumerate(self.stages):
             shown = modules if len(modules) <= 4 else modules[:2] + ["..."] + modules[-2:]
@@ -95,7 +95,7 @@ class Plan:
             lines.append(f"  runner-up {other['plan']}: {other['step_time']:.4g} s ({other['why']})")
         for other in self.too_big:
             lines.append(f"  faster but too big {other['plan']}: {other['step_time']:.4g} s, needs "
-                         f"{other['memory'] / GB:.3g} GB per device")
+                         f"{_size(other['memory'])} per device")
         if self.search:
             lines.append(f"searched {self.search['candidates']:.0f} plans, costed {self.search['costed']:.0f}, in "
                          f"{self.search['seconds']:.2f} s")
@@ -192,10 +192,22 @@ def make_plan(model: GraphModel, cluster: Cluster, result: GraphSearch) -> Plan:
              for n, s in styles.items()},
         parameters=model.param_count, mfu=best.model_tflops_per_device * 1e12 / cluster.profile.peak_flops,
         repeated_blocks=model.repeats, blocks=_block_modules(model, prefix),
-        runners_up=[_other(p, best, cluster, len(model.segments)) for p in result.runners_up],
+        runners_up=[_other(p, best, cluster, len(model.segments)) for p in _distinct(best, result.runners_up)],
         too_big=[{"plan": str(p.knobs), "step_time": p.step_time, "memory": p.memory_per_device}
-                 for p in result.too_big],
+                 for p in _distinct(None, result.too_big)],
         search={"candidates": result.candidates, "costed": result.costed, "seconds": result.seconds})
+
+
+def _distinct(best: GraphPrediction | None, others: list[GraphPrediction]) -> list[GraphPrediction]:
+    """``others`` without the plans that cost exactly what an earlier one does (a recompute choice that
+    changes nothing on a graph with nothing to recompute is no alternative)."""
+    seen = set() if best is None else {(best.step_time, best.memory_per_device)}
+    out = []
+    for p in others:
+        if (p.step_time, p.memory_per_device) not in seen:
+            seen.add((p.step_time, p.memory_per_device))
+            out.append(p)
+    return out
 
 
 def _other(p: GraphPrediction, best: GraphPrediction, cluster: Cluster, segments: int) -> dict[str, Any]:
