@@ -20,7 +20,7 @@ from typing import Any
 from ..errors import PlanError
 from ..graph.ir import LogicalGraph
 from .graph_model import GraphModel, read_graph
-from .graph_search import GraphPrediction, GraphSearch, Knobs, _size, search_graph
+from .graph_search import GraphPrediction, GraphSearch, Knobs, _count, _size, search_graph
 from .predict import Cluster
 from .profiles import DeviceProfile, get_profile
 
@@ -85,7 +85,7 @@ class Plan:
                  "(forward and backward alone)",
                  f"memory on the fullest device {_size(self.memory_per_device)} of {_size(self.usable_memory)} "
                  "usable: " + ", ".join(f"{n} {_size(v)}" for n, v in self.memory.items()),
-                 f"parameters: {self.parameters / 1e6:.4g}M"]
+                 f"parameters: {_count(self.parameters)}"]
         for i, modules in enumerate(self.stages):
             shown = modules if len(modules) <= 4 else modules[:2] + ["..."] + modules[-2:]
             lines.append(f"  stage {i}: {len(modules)} modules: {', '.join(shown)}")

@@ -312,6 +312,12 @@ def _bound(ctx: _Context, k: Knobs) -> float:
     return m * slowest + share * (total - slowest) / k.virtual + sync
 
 
+def _state_bound(ctx: _Context, k: Knobs) -> float:
+    """Bytes of model state some rank holds at least: its stage's share of the parameters (1/pp of them)."""
+    params = float((ctx.whole_params + ctx.split_params / k.tp).sum()) / k.pp
+    return sum(model_state_bytes(params, k.dp, k.zero).values())
+
+
 def candidates(model: GraphModel, cluster: Cluster, batch: int) -> list[Knobs]:
     """Every plan of the graph: tp inside a node dividing the graph's tensor-parallel sizes, pp up to the
     number of segments, whole micro-batches per replica, ZeRO 1-3 only with dp > 1, and the schedules."""
@@ -354,9 +360,12 @@ def search_graph(model: GraphModel, cluster: Cluster, batch: int, keep: int = 5,
     good: list[GraphPrediction] = []
     too_big: list[GraphPrediction] = []
     costed = 0
+    usable = cluster.profile.usable_memory
     for bound, _, k in order:
         if len(good) >= keep and bound > good[keep - 1].step_time:
             break
+        if _state_bound(ctx, k) > usable:
+            continue  # its model state alone cannot fit, wherever the cuts fall
         found = predict(ctx, k)
         costed += 1
         (good if found.fits else too_big).append(found)
@@ -369,19 +378,28 @@ def search_graph(model: GraphModel, cluster: Cluster, batch: int, keep: int = 5,
 
 
 def _smallest_memory(plans: list[Knobs], done: list[GraphPrediction]) -> list[Knobs]:
-    """The plans that hold the least per device, so the error names the true minimum: the most sharding."""
+    """The plans that hold the least per device, so the error names the true minimum: every parameter sharded
+    over all devices (ZeRO-3, or no data parallelism), the smallest micro-batch, full recompute."""
     seen = {p.knobs for p in done}
-    most = sorted(plans, key=lambda k: (-(k.tp * k.pp * (k.dp if k.zero == 3 else 1)), k.micro_batch,
-                                        -RECOMPUTE.index(k.recompute)))
-    return [k for k in most[:20] if k not in seen]
+    smallest = min((k.micro_batch for k in plans), default=1)
+    return [k for k in plans if k not in seen and (k.zero == 3 or k.dp == 1) and k.micro_batch == smallest
+            and k.recompute == "full"] or [k for k in plans if k not in seen][:20]
 
 
 def _nothing_fits(model: GraphModel, cluster: Cluster, batch: int, smallest: GraphPrediction) -> str:
     where = ", ".join(f"{name} {_size(v)}" for name, v in smallest.memory.items())
-    return (f"no plan of the traced step ({model.param_count / 1e6:.3g}M parameters, batch {batch}) fits "
+    return (f"no plan of the traced step ({_count(model.param_count)} parameters, batch {batch}) fits "
             f"{cluster.devices} devices with {_size(cluster.profile.usable_memory)} usable each: the smallest plan "
             f"({smallest.knobs}) needs {_size(smallest.memory_per_device)} per device ({where}); a device with "
             f"at least {_size(smallest.memory_per_device * 1.005)} usable would fit it")
+
+
+def _count(n: float) -> str:
+    """A count in words: ``175B``, ``265k``."""
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.3g}{unit}"
+    return f"{n:.0f}"
 
 
 def _size(nbytes: float) -> str:
