@@ -105,6 +105,20 @@ class GraphModel:
         return all(d % tp == 0 for d in self.tp_dims)
 
 
+@dataclass
+class _Layout:
+    """What the tensor-parallel styles found on the graph split, and the all-reduces they add."""
+
+    styles: dict[int, str]  # parameter value id -> style
+    split_ops: set[int] = field(default_factory=set)
+    split_vals: set[int] = field(default_factory=set)
+    comm: _Comm = field(default_factory=dict)
+    dims: set[int] = field(default_factory=set)  # sizes tp must divide
+
+    def all_reduce(self, position: int, nbytes: float, forward: bool) -> None:
+        self.comm.setdefault(position, []).append((nbytes, forward))
+
+
 def op_flops(name: str, shapes_in: list[tuple[int, ...]], shapes_out: list[tuple[int, ...]]) -> float:
     """Multiply-adds x 2 of one op from its global shapes: GEMMs, attention and convolutions; 0 for the others.
 
@@ -181,7 +195,9 @@ class _Reader:
 
     def model(self) -> GraphModel:
         modules = self._modules()
-        styles, split_ops, split_vals, comm, dims = self._tensor_parallel()
+        layout = self._tensor_parallel()
+        styles, split_ops, split_vals, comm, dims = (layout.styles, layout.split_ops, layout.split_vals,
+                                                     layout.comm, layout.dims)
         wide_vals = self._wide(styles)
         cuts = self._cuts()
         segments = [self._segment(lo, hi, modules, split_vals, wide_vals, comm, styles)
@@ -235,72 +251,67 @@ class _Reader:
 
     # -- tensor parallelism ------------------------------------------------------------------------
 
-    def _tensor_parallel(self) -> tuple[dict[int, str], set[int], set[int], _Comm, set[int]]:
-        """(parameter -> style, split op ids, split value ids, op position -> all-reduce bytes, divisors)."""
-        styles: dict[int, str] = {v: "replicate" for v in self.params}
-        split_ops: set[int] = set()
-        split_vals: set[int] = set()
-        comm: _Comm = {}
-        dims: set[int] = set()
+    def _tensor_parallel(self) -> _Layout:
+        """Megatron's styles found on the graph (see the module docstring), the ops and values they split, the
+        all-reduces they add and the sizes tp must divide."""
+        layout = _Layout({v: "replicate" for v in self.params})
         groups: dict[int, list[tuple[LNode, set[int]]]] = {}  # row op id -> its columns and their regions
         taken: set[int] = set()  # ops already a column or a row
         for n in self.forward:
             w = self._weight(n)
-            if w is None:
+            if w is None or n.id in taken:
                 continue
             if n.name == "embedding":
-                if not any(v in self.data for v in n.inputs):
-                    continue  # a table read at fixed positions (learned positions) stays whole
-                styles[w] = "vocab"  # the vocabulary is padded to a multiple of tp, as Megatron-LM pads it
-                comm.setdefault(self.position[n.id], []).append((self._bytes(n.outputs[0]), True))  # partial sums
+                if any(v in self.data for v in n.inputs):  # a table read at fixed positions stays whole
+                    layout.styles[w] = "vocab"  # the vocabulary is padded to a multiple of tp, as Megatron pads it
+                    layout.all_reduce(self.position[n.id], self._bytes(n.outputs[0]), forward=True)
                 continue
-            if n.id in taken:
-                continue  # already the row of a pair
             region, ends = self._region(n)
             if region is None:
                 continue
-            if not ends and any("softmax" in self._node(r).name for r in region):
-                # the output layer: vocab-parallel logits and loss
-                styles[w] = "vocab"
-                split_ops.add(n.id)
-                split_ops.update(region)
-                split_vals.update(n.outputs)
-                split_vals.update(v for r in region for v in self._node(r).outputs)
+            if not ends and any("softmax" in self._node(r).name for r in region):  # the output layer
+                layout.styles[w] = "vocab"
+                self._split(layout, n, region)
                 tokens = float(np.prod(self.g.values[n.outputs[0]].shape[:-1]))
-                comm.setdefault(self.position[n.id], []).append((3 * 4 * tokens, True))  # max, sum, target logit
+                layout.all_reduce(self.position[n.id], 3 * 4 * tokens, forward=True)  # max, sum, target logit
             elif len(ends) == 1 and (next(iter(ends)) in groups or next(iter(ends)) not in taken):
                 end = next(iter(ends))
                 groups.setdefault(end, []).append((n, region))
                 taken.update((n.id, end))
         for row_id, columns in groups.items():
-            row = self._node(row_id)
-            w_row = self._weight(row)
-            assert w_row is not None  # ends are Linear-like
-            styles[w_row] = "rowwise"
-            split_ops.add(row_id)
-            dims.add(self.g.values[w_row].shape[1])
-            comm.setdefault(self.position[row_id], []).append((self._bytes(row.outputs[0]), True))  # forward
-            fed = set()
-            for col, region in columns:
-                w_col = self._weight(col)
-                assert w_col is not None
-                styles[w_col] = "colwise"
-                dims.add(self.g.values[w_col].shape[0])
-                split_ops.add(col.id)
-                split_ops.update(region)
-                split_vals.update(col.outputs)
-                split_vals.update(v for r in region for v in self._node(r).outputs)
-                fed.add(col.inputs[0])
-                # (B, heads, T, d) inside the region: each rank keeps whole heads
-                dims.update(self.g.values[v].shape[1] for r in region for v in self._node(r).outputs
-                            if len(self.g.values[v].shape) == 4)
-            for x in fed:  # backward: the columns' input gradient is a partial sum
-                comm.setdefault(self.position[columns[0][0].id], []).append((self._bytes(x), False))
-        for v, style in styles.items():
+            self._pair(layout, self._node(row_id), columns)
+        for v, style in list(layout.styles.items()):
             if style != "replicate":
                 for bias in self._biases(v):
-                    styles[bias] = "colwise" if style in ("colwise", "vocab") else "replicate"
-        return styles, split_ops, split_vals, comm, dims
+                    layout.styles[bias] = "colwise" if style in ("colwise", "vocab") else "replicate"
+        return layout
+
+    def _pair(self, layout: _Layout, row: LNode, columns: list[tuple[LNode, set[int]]]) -> None:
+        """Columns feeding one row: the row's output is all-reduced forward, the columns' input backward."""
+        w_row = self._weight(row)
+        assert w_row is not None  # ends are Linear-like
+        layout.styles[w_row] = "rowwise"
+        layout.split_ops.add(row.id)
+        layout.dims.add(self.g.values[w_row].shape[1])
+        layout.all_reduce(self.position[row.id], self._bytes(row.outputs[0]), forward=True)
+        fed = set()
+        for col, region in columns:
+            w_col = self._weight(col)
+            assert w_col is not None
+            layout.styles[w_col] = "colwise"
+            layout.dims.add(self.g.values[w_col].shape[0])
+            self._split(layout, col, region)
+            fed.add(col.inputs[0])
+            # (B, heads, T, d) inside the region: each rank keeps whole heads
+            layout.dims.update(self.g.values[v].shape[1] for r in region for v in self._node(r).outputs
+                               if len(self.g.values[v].shape) == 4)
+        for x in fed:
+            layout.all_reduce(self.position[columns[0][0].id], self._bytes(x), forward=False)
+
+    def _split(self, layout: _Layout, start: LNode, region: set[int]) -> None:
+        layout.split_ops.update({start.id} | region)
+        layout.split_vals.update(start.outputs)
+        layout.split_vals.update(v for r in region for v in self._node(r).outputs)
 
     def _biases(self, weight: int) -> list[int]:
         """The 1-D parameters read by the same ops as ``weight`` (a Linear's bias)."""
