@@ -274,12 +274,14 @@ def test_configure_graph_takes_the_plans_knobs() -> None:
     checkpointed under full recompute."""
     from dataclasses import replace
 
-    from sbpflow.autoparallel.apply import configure_graph
+    from sbpflow.autoparallel.apply import configure_graph, plan_step
     from sbpflow.nn.trace_step import TrainingStep
 
-    model, inputs = attention_stack(depth=4, batch=16)
-    plan = plan_graph(trace_training_step(model, inputs), 8, "a100-80gb", batch=64)
-    assert plan.blocks == [f"blocks.{i}" for i in range(4)]
+    model, inputs = attention_stack(depth=4, batch=64)
+    plan = plan_step(TrainingStep(model), inputs, 8, "a100-80gb", memory_per_device=40e9)
+    again = plan_graph(trace_training_step(model, inputs), 8, "a100-80gb", memory_per_device=40e9)
+    assert replace(plan, search={}) == replace(again, search={})  # the same plan, but for the search's time
+    assert plan.blocks == [f"blocks.{i}" for i in range(4)] and plan.usable_memory == 40e9
     full = replace(plan, knobs=Knobs(2, 2, 2, 2, zero=2, recompute="full", schedule="zero_bubble"))
     model, _ = attention_stack(depth=4, batch=16)
     step = TrainingStep(model)

@@ -18,7 +18,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from ..errors import PlanError
 from .explain import explain
-from .graph_plan import Plan
+from .graph_plan import Plan, plan_graph
 from .host import HostPrediction, HostProfile, host_search
 from .predict import Cluster, Prediction
 from .profiles import DeviceProfile, get_profile
@@ -130,6 +130,15 @@ def _graph_gpt(graph: Any) -> Any:
                         f"autoparallel.apply.Plannable (such as sbpflow.models.gpt.GPT), but "
                         f"{type(graph).__name__} holds {len(found)}")
     return found[0]
+
+
+def plan_step(graph: Any, args: tuple[Any, ...], devices: int, profile: str | DeviceProfile = "cpu",
+              memory_per_device: float | None = None) -> Plan:
+    """Plans any ``nn.Graph``'s step from its traced graph for ``args``' metadata (what
+    ``config.enable_auto_parallel(devices=, profile=, memory_per_device=)`` does at the first call, before it lays
+    the model out with ``plan.parallelize_kwargs()`` and :func:`configure_graph`). Tracing a graph of a local
+    model places it on this process's rank, as a call with local inputs does."""
+    return plan_graph(graph.trace(*args), devices, profile, memory_per_device=memory_per_device)
 
 
 def configure_graph(graph: Any, plan: Plan) -> None:
