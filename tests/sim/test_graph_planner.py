@@ -136,7 +136,7 @@ def test_the_attention_stack_is_read_as_its_structure() -> None:
             "colwise", "colwise", "colwise", "rowwise"]
         assert (styles[f"blocks.{i}.up.weight"], styles[f"blocks.{i}.down.weight"]) == ("colwise", "rowwise")
         assert styles[f"blocks.{i}.norm1.weight"] == "replicate"
-    assert styles["embed.weight"] == "vocab" and styles["head.weight"] == "vocab"
+    assert styles["embed.weight"] == "vocab" and styles["head.weight"] == "colwise"  # vocab-parallel logits
     assert 8 in read.tp_dims  # whole heads per rank
     assert read.repeats == 4 and int(read.block.sum()) == 8  # each block: attention half, MLP half
     # the scores (B, heads, T, T) are wider than any GEMM operand: what selective recompute drops

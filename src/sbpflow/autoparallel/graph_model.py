@@ -14,8 +14,9 @@ built under ``meta_init()``). Nothing here knows a model class; it reads:
 * **tensor-parallel styles** (Megatron's, found on the graph): a Linear-like op (a GEMM with a 2-D parameter)
   whose output reaches exactly one other Linear-like op through ops without parameters or normalisation is
   ``colwise`` and that op ``rowwise``; the ops between them (attention included) run on ``1/tp`` of the
-  features. A Linear-like op whose output reaches no other one (the output layer) and an embedding are
-  ``vocab``; everything else is ``replicate``;
+  features. An embedding indexed by the data is ``vocab``; a Linear-like op whose output reaches no other one but
+  a softmax (the output layer) is ``colwise`` with its loss vocab-parallel (``vocab`` when its weight is the
+  embedding's); everything else is ``replicate``;
 * **cut points**: positions in the forward order that exactly one activation crosses, a small one (at most
   ``CUT_FACTOR`` times the median such crossing: not the logits). Stages are cut there (between blocks, but
   also between a block's attention and its MLP, or between any two layers of a chain).
@@ -114,6 +115,7 @@ class _Layout:
     split_vals: set[int] = field(default_factory=set)
     comm: _Comm = field(default_factory=dict)
     dims: set[int] = field(default_factory=set)  # sizes tp must divide
+    output_layers: set[int] = field(default_factory=set)  # op ids of the Linear-like ops that make the logits
 
     def all_reduce(self, position: int, nbytes: float, forward: bool) -> None:
         self.comm.setdefault(position, []).append((nbytes, forward))
@@ -198,7 +200,7 @@ class _Reader:
         layout = self._tensor_parallel()
         styles, split_ops, split_vals, comm, dims = (layout.styles, layout.split_ops, layout.split_vals,
                                                      layout.comm, layout.dims)
-        wide_vals = self._wide(styles)
+        wide_vals = self._wide(layout)
         cuts = self._cuts()
         segments = [self._segment(lo, hi, modules, split_vals, wide_vals, comm, styles)
                     for lo, hi in zip(cuts[:-1], cuts[1:], strict=True)]
@@ -270,7 +272,9 @@ class _Reader:
             if region is None:
                 continue
             if not ends and any("softmax" in self._node(r).name for r in region):  # the output layer
-                layout.styles[w] = "vocab"
+                # column-parallel logits, the loss vocab-parallel; a weight tied to the embedding stays "vocab"
+                layout.styles[w] = "vocab" if layout.styles[w] == "vocab" else "colwise"
+                layout.output_layers.add(n.id)
                 self._split(layout, n, region)
                 tokens = float(np.prod(self.g.values[n.outputs[0]].shape[:-1]))
                 layout.all_reduce(self.position[n.id], 3 * 4 * tokens, forward=True)  # max, sum, target logit
@@ -342,7 +346,7 @@ class _Reader:
 
     # -- activations and cuts ----------------------------------------------------------------------
 
-    def _wide(self, styles: dict[int, str]) -> set[int]:
+    def _wide(self, layout: _Layout) -> set[int]:
         """Forward values with more elements per sample than any GEMM operand (the output layer's aside):
         attention scores and the like."""
         def per_sample(v: int) -> float:
@@ -350,7 +354,7 @@ class _Reader:
             return float(np.prod(shape[1:])) if len(shape) > 1 else 0.0
 
         gemms = [n for n in self.forward
-                 if n.name in MATMUL_OPS and styles.get(self._weight(n) or -1, "vocab") != "vocab"]
+                 if n.name in MATMUL_OPS and self._weight(n) is not None and n.id not in layout.output_layers]
         widest = max((per_sample(v) for n in gemms for v in (n.inputs[0], n.outputs[0])), default=0.0)
         return {v for n in self.forward for v in n.outputs if widest and per_sample(v) > widest}
 
