@@ -14,6 +14,7 @@ import textwrap
 from typing import Any
 
 import jsonschema
+import numpy as np
 import pytest
 import torch
 
@@ -291,3 +292,36 @@ def test_configure_graph_takes_the_plans_knobs() -> None:
     assert full.micro_batches == 64 // (2 * 2)
     assert [m.config.activation_checkpointing for m in model.blocks] == [True] * 4
     assert not model.head.config.activation_checkpointing
+
+
+def test_a_plan_replays_through_parallelize_and_trains_as_one_device() -> None:
+    """The plan's layout (dp2 x tp2 x pp2 of the attention stack, chosen among the plans the graph planner
+    searches) through ``sbpflow.parallelize``: one step's loss and gradients equal one device's."""
+    if not hasattr(sbpflow, "parallelize"):
+        pytest.skip("sbpflow.parallelize is another branch's (issue 25 §2)")
+    from sbpflow.autoparallel.graph_plan import make_plan
+    from sbpflow.autoparallel.graph_search import search_graph
+    from sbpflow.autoparallel.profiles import get_profile
+
+    meta, inputs = attention_stack(depth=4, batch=8)
+    read = read_graph(trace_training_step(meta, inputs))
+    cluster = Cluster(8, get_profile("cpu"), 8)
+    plan = make_plan(read, cluster, search_graph(read, cluster, 8, only=[Knobs(2, 2, 2, 4)]))
+    ids = torch.randint(0, 512, (8, 64), generator=torch.Generator().manual_seed(0))
+
+    def step(parallel: bool) -> tuple[float, dict[str, Any]]:
+        sbpflow.manual_seed(0)
+        model = AttentionStack(vocab=512, width=64, heads=8, depth=4)
+        if parallel:
+            sbpflow.parallelize(model, **plan.parallelize_kwargs())
+        loss = model(sbpflow.tensor(ids), sbpflow.tensor(ids))
+        loss.backward()
+        grads = {n: (p.grad.to_global(sbp=[sbpflow.sbp.broadcast] * len(p.grad.sbp)) if p.grad.is_global
+                     else p.grad) for n, p in model.named_parameters()}
+        return float(loss), {n: g.numpy() for n, g in grads.items()}
+
+    loss, grads = step(parallel=False)
+    loss_p, grads_p = step(parallel=True)
+    assert loss_p == pytest.approx(loss, rel=1e-5)
+    for name, g in grads.items():
+        np.testing.assert_allclose(grads_p[name], g, rtol=1e-4, atol=1e-6, err_msg=name)
