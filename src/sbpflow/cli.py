@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 from typing import Any
 
 from .autoparallel.calibrate import calibrate, describe
 from .autoparallel.explain import explain, to_json
 from .autoparallel.from_trace import calibrate_from_trace
+from .autoparallel.graph_plan import plan_graph
 from .autoparallel.planning import plan_from_args
 from .autoparallel.profiles import get_profile, save_profile
 from .demo.train_gpt import DESCRIPTION, add_arguments, run_from_args
 from .errors import SbpflowError
 from .nn import graph
+from .nn.trace_step import trace_training_step
 from .runtime.trace import merge
 
 
@@ -132,8 +135,14 @@ def _add_plan(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     sizes.add_argument("--hf-config", default=None, metavar="CONFIG_JSON",
                        help="a Hugging Face Llama-style config.json instead of the size flags (--seq overrides its "
                             "max_position_embeddings)")
-    for flag, what in (("batch", "global batch (sequences)"), ("devices", "number of devices")):
-        p.add_argument(f"--{flag}", type=int, required=True, help=what)
+    sizes.add_argument("--model", default=None, metavar="PKG.MODULE:FACTORY",
+                       help="plan any model from its traced training step instead of sizes: FACTORY() returns the "
+                            "model, built under sbpflow.meta_init(), and a tuple of example inputs (metadata; no "
+                            "data, no weights); the batch defaults to the inputs'")
+    p.add_argument("--batch", type=int, default=None, help="global batch (sequences; required with sizes)")
+    p.add_argument("--devices", type=int, required=True, help="number of devices")
+    p.add_argument("--memory-per-device", type=float, default=None, metavar="GB",
+                   help="with --model: memory a device offers the plan (default: the profile's usable memory)")
     p.add_argument("--device", default="a100-80gb", help="a100-40gb | a100-80gb | h100-80gb | a profile file "
                                                          "written by `sbpflow calibrate` (default a100-80gb)")
     p.add_argument("--gpus-per-node", type=int, default=None, help="devices per node (default: the profile's, 8)")
@@ -151,7 +160,11 @@ def plan_command(args: argparse.Namespace) -> int:
     """``sbpflow plan``: explain (or ``--json``) the best plan, or the one the flags fix completely."""
     import json
 
+    if args.model is not None:
+        return _plan_model(args, json)
     try:
+        if args.batch is None:
+            raise SbpflowError("sbpflow plan needs --batch (the global batch) with the model's sizes")
         spec, cluster, best, result = plan_from_args(args)
     except SbpflowError as e:
         print(f"sbpflow plan: {e}", file=sys.stderr)
@@ -159,6 +172,35 @@ def plan_command(args: argparse.Namespace) -> int:
     print(json.dumps(to_json(spec, cluster, best, result), indent=2) if args.json
           else explain(spec, cluster, best, result))
     return 0
+
+
+def _plan_model(args: argparse.Namespace, json: Any) -> int:
+    """``sbpflow plan --model pkg.module:factory``: the graph planner on the factory's traced training step."""
+    try:
+        model, inputs = _factory(args.model)()
+        graph_of_step = trace_training_step(model, inputs if isinstance(inputs, (tuple, list)) else (inputs,))
+        memory = None if args.memory_per_device is None else args.memory_per_device * 1e9
+        plan = plan_graph(graph_of_step, args.devices, args.device, memory_per_device=memory,
+                          gpus_per_node=args.gpus_per_node, batch=args.batch, keep=max(args.top, 1))
+    except SbpflowError as e:
+        print(f"sbpflow plan: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(plan.cli_json(), indent=2) if args.json else plan.explain())
+    return 0
+
+
+def _factory(spec: str) -> Any:
+    module_name, _, name = spec.partition(":")
+    if not module_name or not name:
+        raise SbpflowError(f"--model takes pkg.module:factory, but got {spec!r}")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise SbpflowError(f"--model {spec}: cannot import {module_name} ({e})") from e
+    factory = getattr(module, name, None)
+    if not callable(factory):
+        raise SbpflowError(f"--model {spec}: {module_name} has no callable {name}")
+    return factory
 
 
 def _add_calibrate(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

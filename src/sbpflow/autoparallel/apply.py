@@ -18,6 +18,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from ..errors import PlanError
 from .explain import explain
+from .graph_plan import Plan, plan_graph
 from .host import HostPrediction, HostProfile, host_search
 from .predict import Cluster, Prediction
 from .profiles import DeviceProfile, get_profile
@@ -129,6 +130,55 @@ def _graph_gpt(graph: Any) -> Any:
                         f"autoparallel.apply.Plannable (such as sbpflow.models.gpt.GPT), but "
                         f"{type(graph).__name__} holds {len(found)}")
     return found[0]
+
+
+def plan_step(graph: Any, args: tuple[Any, ...], devices: int, profile: str | DeviceProfile = "cpu",
+              memory_per_device: float | None = None) -> Plan:
+    """Plans any ``nn.Graph``'s step from its traced graph for ``args``' metadata (what
+    ``config.enable_auto_parallel(devices=, profile=, memory_per_device=)`` does at the first call, before it lays
+    the model out with ``plan.parallelize_kwargs()`` and :func:`configure_graph`). Tracing a graph of a local
+    model places it on this process's rank, as a call with local inputs does."""
+    return plan_graph(graph.trace(*args), devices, profile, memory_per_device=memory_per_device)
+
+
+def configure_graph(graph: Any, plan: Plan) -> None:
+    """Sets an ``nn.Graph``'s config to a graph plan's knobs: micro-batches, ZeRO stage, pipeline schedule, and
+    activation checkpointing of the repeated blocks under full recompute. (The layout itself is
+    ``sbpflow.parallelize(model, **plan.parallelize_kwargs())``.) Selective recompute has no graph setting yet:
+    such a plan runs with every activation kept, which its memory prediction over-estimates nothing of.
+
+    >>> from types import SimpleNamespace
+    >>> calls = []
+    >>> config = SimpleNamespace(set_gradient_accumulation_steps=lambda m: calls.append(("micro", m)),
+    ...                          enable_zero=lambda stage: calls.append(("zero", stage)),
+    ...                          set_pipeline_schedule=lambda s: calls.append(("schedule", s)))
+    >>> configure_graph(SimpleNamespace(config=config, _modules={}), Plan.example())
+    >>> calls
+    [('micro', 1)]
+    """
+    config = graph.config
+    config.set_gradient_accumulation_steps(plan.micro_batches)
+    if plan.knobs.zero:
+        config.enable_zero(stage=plan.knobs.zero)
+    if plan.knobs.pp > 1:
+        config.set_pipeline_schedule(plan.knobs.schedule)
+    if plan.knobs.recompute == "full":
+        for module in _named_blocks(graph, plan.blocks):
+            module.config.activation_checkpointing = True
+
+
+def _named_blocks(graph: Any, names: list[str]) -> list[Any]:
+    """The graph's modules called ``names`` (relative to the one model a graph holds, or with its attribute)."""
+    found = []
+    for attribute, root in graph._modules.items():
+        named = dict(root.named_modules())
+        for name in names:
+            module = named.get(name) or named.get(name.removeprefix(attribute + "."))
+            if module is None:
+                raise PlanError(f"the plan recomputes block {name!r}, but {type(graph).__name__}.{attribute} has no "
+                                f"such module")
+            found.append(module)
+    return found
 
 
 @dataclass

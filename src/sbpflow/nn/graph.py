@@ -48,6 +48,7 @@ from ..autoparallel.apply import plan_graph_inputs
 from ..comm import get_backend
 from ..comm.base import TARGET_COST_FACTORS
 from ..comm.simulated import SimulatedBackend
+from ..creation import meta_tensor
 from ..distributed import rank
 from ..errors import SbpflowError
 from ..graph.compile import CompileOptions, CompileReport, compile_graph, gc_paused
@@ -415,7 +416,7 @@ class Graph:
         this process's rank alone (broadcast): the graph then compiles as any other. The modules keep their
         tensors (same objects, now global on one rank: ``to_local()`` and ``numpy()`` read them as before)."""
         device = next(a for a in args if isinstance(a, Tensor)).device
-        placement = Placement(device.type, [rank()])
+        placement = Placement("cpu" if device.type == "meta" else device.type, [rank()])
         for module in self._modules.values():
             for t in list(module.parameters()) + [b for b in module.buffers() if b is not None]:
                 if not t.is_global:
@@ -423,7 +424,7 @@ class Graph:
                 elif t.placement != placement:
                     raise SbpflowError(f"{type(self).__name__} got local inputs, but its module holds a global "
                                        f"tensor ({t._describe()}); a global model takes global tensors as inputs")
-        return [a.to_global(placement, [broadcast]) if isinstance(a, Tensor) else a for a in args]
+        return [_on(a, placement) if isinstance(a, Tensor) else a for a in args]
 
     def compile_only(self, *args: Any) -> Compiled:
         """Traces and compiles the step for ``args``' metadata (shape, dtype, placement, SBP), running nothing.
@@ -470,8 +471,21 @@ class Graph:
 
     # -- compile ---------------------------------------------------------------------------------
 
-    def _compile(self, args: Sequence[Any]) -> Compiled:
-        start, cpu_start = time.perf_counter(), time.process_time()
+    def trace(self, *args: Any) -> LogicalGraph:
+        """The logical graph of the step for ``args``' metadata, traced and not compiled (no SBP selection, no
+        lowering): what the auto-parallel planner reads. The model may be built under :func:`sbpflow.meta_init`;
+        local inputs lay the graph's modules out on this process's rank, as a call does.
+
+        >>> step.trace(ids, targets).format()  # doctest: +SKIP
+        """
+        tensors = [a for a in args if isinstance(a, Tensor)]
+        if tensors and not any(a.is_global for a in tensors):
+            args = tuple(self._on_this_rank(args))
+        return self._trace(args)[0].graph
+
+    def _trace(self, args: Sequence[Any]) -> tuple[Tracer, list[str], list[Any], Any, dict[str, Tensor], Any, Any]:
+        """Runs ``build()`` on lazy tensors: (tracer, input names, input SBPs, output tree, variables, feeds,
+        loss scaler)."""
         m = self.config.micro_batches
         self._apply_zero()
         for entry in self._optimizers:
@@ -500,6 +514,11 @@ class Graph:
             for name, t in variables.items():
                 t._shards, t.grad, t._version = saved[name]
                 t._lazy = None
+        return tracer, inputs, input_sbps, tree, variables, feeds, scaler
+
+    def _compile(self, args: Sequence[Any]) -> Compiled:
+        start, cpu_start = time.perf_counter(), time.process_time()
+        tracer, inputs, input_sbps, tree, variables, feeds, scaler = self._trace(args)
         trace_s, trace_cpu = time.perf_counter() - start, time.process_time() - cpu_start
         options = CompileOptions(method=self.config.sbp_selection, schedule=self.config.pipeline_schedule,
                                  prefetch=self.config.zero_prefetch, fused_segments=self.config.fused_segments,
@@ -690,6 +709,13 @@ class GraphRecompileWarning(UserWarning):
 
 
 # ----------------------------------------------------------------------------- helpers
+
+
+def _on(t: Tensor, placement: Placement) -> Tensor:
+    """A local input broadcast on ``placement`` (a meta one stays metadata)."""
+    if t.is_meta:
+        return meta_tensor(*t.shape, dtype=t.dtype, placement=placement, sbp=[broadcast])
+    return t.to_global(placement, [broadcast])
 
 
 def _all_local(args: Sequence[Any]) -> bool:
