@@ -78,6 +78,8 @@ class GraphModel:
     nbytes: np.ndarray  # per forward op, at the traced batch
     batched: np.ndarray  # per forward op: scales with the batch
     split: np.ndarray  # per forward op: runs on 1/tp of the work under tensor parallelism
+    gemm: np.ndarray  # per forward op: (m, n, k, batch) of its GEMMs at the traced batch; zeros for other ops
+    gemm_axes: np.ndarray  # per forward op: (the gemm dim that scales with the batch, the one tp splits or -1)
     wide_op: np.ndarray  # per forward op: produces a value that selective recompute drops
     segments: list[Segment]
     styles: dict[str, str]  # parameter name -> colwise / rowwise / vocab / replicate
@@ -148,6 +150,42 @@ def op_flops(name: str, shapes_in: list[tuple[int, ...]], shapes_out: list[tuple
     return 0.0
 
 
+def gemm_shape(name: str, shapes_in: list[tuple[int, ...]], shapes_out: list[tuple[int, ...]], style: str | None,
+               split: bool) -> tuple[tuple[float, float, float, float], int, int]:
+    """((m, n, k, batch), the dim that grows with the data batch, the dim tp splits or -1) of an op's GEMMs, for
+    the profile's shape efficiency: a Linear's rows are its tokens, a column style splits n and a row style k;
+    a batched product (attention's) and the fused attention (as FlashAttention tiles it: (s, d, s) per head)
+    scale and split by their batch of heads. Zeros for ops that are not GEMMs.
+
+    >>> gemm_shape("linear", [(8, 16, 64), (256, 64)], [(8, 16, 256)], "colwise", True)
+    ((128.0, 256.0, 64.0, 1.0), 0, 1)
+    >>> gemm_shape("scaled_dot_product_attention", [(2, 4, 32, 16)] * 3, [(2, 4, 32, 16)], None, True)
+    ((32.0, 16.0, 32.0, 8.0), 3, 3)
+    """
+    none = (0.0, 0.0, 0.0, 0.0), 0, -1
+    if not shapes_in or not shapes_out or not shapes_in[0]:
+        return none
+    out = shapes_out[0]
+    weight_axis = {"colwise": 1, "vocab": 1, "rowwise": 2}.get(style or "", -1)
+    if name == "linear" or (name in MATMUL_OPS and style is not None and len(out) >= 1):
+        rows = float(np.prod(out[:-1])) if len(out) > 1 else 1.0
+        return (rows, float(out[-1]), float(shapes_in[0][-1]), 1.0), 0, weight_axis if split else -1
+    if name in MATMUL_OPS and len(out) >= 2:
+        heads = float(np.prod(out[:-2])) if len(out) > 2 else 1.0
+        batch_axis = 3 if len(out) > 2 else 0
+        return (float(out[-2]), float(out[-1]), float(shapes_in[0][-1]), heads), batch_axis, (
+            batch_axis if split else -1)
+    if name == "scaled_dot_product_attention" and len(shapes_in) >= 2 and len(shapes_in[0]) >= 2:
+        q, k = shapes_in[0], shapes_in[1]
+        heads = float(np.prod(q[:-2]))
+        return (float(q[-2]), float(q[-1]), float(k[-2]), heads), 3, 3 if split else -1
+    if name == "conv2d" and len(shapes_in) >= 2 and len(out) == 4:
+        w = shapes_in[1]
+        return (float(out[0] * out[2] * out[3]), float(out[1]), float(np.prod(w[1:])), 1.0), 0, (
+            weight_axis if split else -1)
+    return none
+
+
 def read_graph(g: LogicalGraph) -> GraphModel:
     """The :class:`GraphModel` of a traced training step (see the module docstring)."""
     reader = _Reader(g)
@@ -206,11 +244,16 @@ class _Reader:
                     for lo, hi in zip(cuts[:-1], cuts[1:], strict=True)]
         block, repeats = self._blocks(segments)
         g = self.g
-        flops, nbytes = [], []
+        flops, nbytes, gemms, axes = [], [], [], []
         for n in self.forward:
             ins, outs = [g.values[v].shape for v in n.inputs], [g.values[v].shape for v in n.outputs]
             flops.append(op_flops(n.name, ins, outs))
             nbytes.append(self._op_bytes(n))
+            weight = self._weight(n) if n.name != "conv2d" else next((v for v in n.inputs if v in self.params), None)
+            gemm, batch_axis, split_axis = gemm_shape(n.name, ins, outs, styles.get(weight, "replicate")
+                                                      if weight is not None else None, n.id in split_ops)
+            gemms.append(gemm)
+            axes.append((batch_axis, split_axis))
         step, fixed = 0.0, 0.0
         for n in g.nodes:
             if n.kind == "op" and n.phase == "micro":
@@ -223,6 +266,7 @@ class _Reader:
             flops=np.array(flops), nbytes=np.array(nbytes),
             batched=np.array([any(v in self.data for v in n.outputs) for n in self.forward]),
             split=np.array([n.id in split_ops for n in self.forward]),
+            gemm=np.array(gemms, dtype=float).reshape(-1, 4), gemm_axes=np.array(axes, dtype=int).reshape(-1, 2),
             wide_op=np.array([any(v in wide_vals for v in n.outputs) for n in self.forward]),
             segments=segments, styles={names[v]: s for v, s in styles.items()}, param_names=names,
             param_shapes={name: tuple(g.values[v].shape) for v, name in names.items()},
@@ -426,7 +470,7 @@ def segment_times(model: GraphModel, micro_batch: int, tp: int, profile: DeviceP
     """
     scale = np.where(model.batched, micro_batch / model.batch, 1.0) / np.where(model.split, tp, 1)
     flops, nbytes = model.flops * scale, model.nbytes * scale
-    compute = flops / profile.matmul_flops
+    compute = flops / (profile.matmul_flops * _gemm_efficiency(model, micro_batch, tp, profile))
     memory = nbytes / profile.memory_throughput
     launch = np.where(model.nbytes + model.flops > 0, profile.launch_s, 0.0)  # layout ops launch nothing
     per_op = np.maximum(compute, memory) + launch
@@ -434,3 +478,19 @@ def segment_times(model: GraphModel, micro_batch: int, tp: int, profile: DeviceP
     forward = np.add.reduceat(per_op, bounds)
     wide = np.add.reduceat(np.where(model.wide_op, per_op, 0.0), bounds)
     return forward, wide, np.add.reduceat(flops, bounds)
+
+
+def _gemm_efficiency(model: GraphModel, micro_batch: int, tp: int, profile: DeviceProfile) -> np.ndarray:
+    """Per forward op, the profile's efficiency for its local GEMM shape under (micro-batch, tp); 1 elsewhere."""
+    dims = model.gemm.copy()
+    rows = np.arange(len(dims))
+    batch_axis, split_axis = model.gemm_axes[:, 0], model.gemm_axes[:, 1]
+    dims[rows, batch_axis] *= np.where(model.batched, micro_batch / model.batch, 1.0)
+    has_split = split_axis >= 0
+    dims[rows[has_split], split_axis[has_split]] /= tp
+    is_gemm = dims[:, 0] > 0
+    out = np.ones(len(dims))
+    if is_gemm.any():
+        d = dims[is_gemm]
+        out[is_gemm] = profile.gemm_efficiency(d[:, 0], d[:, 1], d[:, 2], d[:, 3])
+    return out

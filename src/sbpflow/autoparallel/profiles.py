@@ -26,9 +26,11 @@ prediction so that what a prediction rests on is visible.
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
+from typing import Any
+
+import numpy as np
 
 from ..boxing.plan import CostModel, LinkCost
 from ..errors import SbpflowError
@@ -69,21 +71,23 @@ class DeviceProfile:
         """Sustained GEMM FLOP/s."""
         return self.peak_flops * self.eta_matmul
 
-    def gemm_efficiency(self, m: float, n: float, k: float, batch: float = 1.0) -> float:
+    def gemm_efficiency(self, m: Any, n: Any, k: Any, batch: Any = 1.0) -> Any:
         """The fraction of ``matmul_flops`` that ``batch`` (m, k) x (k, n) products sustain, with the tile that
         suits them best (as cuBLAS's heuristics pick one): the filled share of the output tiles, of the last
         wave of tiles over the compute units, and ``k / (k + k_half)`` for each tile's fixed cost. 1.0 for a
-        profile without a tile model (CPUs, calibrated hosts)."""
+        profile without a tile model (CPUs, calibrated hosts). Numbers or NumPy arrays of them."""
         if self.compute_units <= 0:
-            return 1.0
-        best = 0.0
+            return np.ones_like(np.asarray(m, dtype=float)) if isinstance(m, np.ndarray) else 1.0
+        m, n, k, batch = (np.maximum(np.asarray(a, dtype=float), 1.0) for a in (m, n, k, batch))
+        best = np.zeros(np.broadcast(m, n, k, batch).shape)
         for tm, tn, rate in self.gemm_tiles:
-            rows, cols = math.ceil(m / tm), math.ceil(n / tn)
-            tiles = rows * cols * math.ceil(batch)
+            rows, cols = np.ceil(m / tm), np.ceil(n / tn)
+            tiles = rows * cols * np.ceil(batch)
             fill = (m * n) / (rows * tm * cols * tn)
-            waves = tiles / (math.ceil(tiles / self.compute_units) * self.compute_units)
-            best = max(best, rate * fill * waves)
-        return best * k / (k + self.gemm_k_half)
+            waves = tiles / (np.ceil(tiles / self.compute_units) * self.compute_units)
+            best = np.maximum(best, rate * fill * waves)
+        out = best * k / (k + self.gemm_k_half)
+        return out if out.ndim else float(out)
 
     @property
     def memory_throughput(self) -> float:
