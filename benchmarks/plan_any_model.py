@@ -15,6 +15,7 @@ best is compared both over all its plans and over the schedules both share.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -30,6 +31,7 @@ from sbpflow.autoparallel import PROFILES, Cluster, Fixed, ParallelPlan, Transfo
 from sbpflow.autoparallel.graph_model import GraphModel, read_graph  # noqa: E402
 from sbpflow.autoparallel.graph_search import Knobs, _Context, candidates, search_graph  # noqa: E402
 from sbpflow.autoparallel.graph_search import predict as graph_predict  # noqa: E402
+from sbpflow.autoparallel.predict import even_cuts  # noqa: E402
 from sbpflow.models.gpt import GPT, GPTConfig, parallelize  # noqa: E402
 from sbpflow.nn.trace_step import trace_training_step  # noqa: E402
 
@@ -90,13 +92,14 @@ def main() -> None:
              ParallelPlan(8, 16, 8, 1, 0, "full"), ParallelPlan(8, 8, 16, 2, 1, "selective"),
              ParallelPlan(4, 8, 32, 1, 1, "none", virtual=6), ParallelPlan(8, 4, 32, 1, 3, "full")]
     plans = [p for p in plans if p.pp <= args.layers]
-    if sizes.best.plan not in plans:
-        plans.append(sizes.best.plan)
+    best = dataclasses.replace(sizes_megatron.best.plan, layout="ilp")  # the best that styles can express
+    if best not in plans:
+        plans.append(best)
     rows = []
     for p in plans:
         a = predict(spec, cluster, ParallelPlan(p.tp, p.pp, p.dp, p.micro_batch, p.zero, p.recompute,
                                                 layout="megatron", virtual=p.virtual), BATCH)
-        chunks = a.stage_layers if p.virtual == 1 else (args.layers // (p.pp * p.virtual),) * (p.pp * p.virtual)
+        chunks = a.stage_layers if p.virtual == 1 else even_cuts(args.layers, p.pp * p.virtual)
         same = graph_predict(ctx, knobs_of(p), layer_cuts(model, chunks))
         own = graph_predict(ctx, knobs_of(p))
         rows.append(f"| {p} | {a.step_time:.3f} | {same.step_time:.3f} | "
