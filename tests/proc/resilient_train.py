@@ -1,5 +1,6 @@
 """A training script that survives: restores from its newest checkpoint, saves every 2 steps (asynchronously),
-and (first attempt only, with ``--kill-at K``) loses rank 1 by ``os._exit`` right after step K's save began.
+and (first attempt only, with ``--kill-at K``) loses one rank (``--kill-rank``) by ``os._exit`` once K steps are
+done, just before or just after their save began (``--kill-when``).
 
 Run by tests/proc/test_restart_proc.py under ``sbpflow launch --max-restarts 1``. Rank 0 appends
 ``attempt step loss`` lines to ``OUT/losses.txt`` and, at the end, the logical parameters to ``OUT/params.npz``.
@@ -29,7 +30,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--graph", action="store_true")
     parser.add_argument("--micro-batches", type=int, default=1)
-    parser.add_argument("--kill-at", type=int, default=-1)
+    parser.add_argument("--kill-at", type=int, default=-1, help="the number of steps done when a rank leaves")
+    parser.add_argument("--kill-rank", type=int, default=1)
+    parser.add_argument("--kill-when", choices=("before-save", "after-save"), default="after-save")
     parser.add_argument("--stop-at", type=int, default=-1, help="end (cleanly) after this step's checkpoint")
     args = parser.parse_args()
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
@@ -43,9 +46,12 @@ def main() -> None:
         if sbpflow.rank() == 0:
             with open(os.path.join(args.out, "losses.txt"), "a") as f:
                 f.write(f"{attempt} {sbpflow.world_size()} {step} {loss!r}\n")
+        doomed = step + 1 == args.kill_at and attempt == 0 and sbpflow.rank() == args.kill_rank
+        if doomed and args.kill_when == "before-save":
+            os._exit(7)  # a rank lost between steps
         manager.save(step + 1, state)
-        if step + 1 == args.kill_at and attempt == 0 and sbpflow.rank() == 1:
-            os._exit(7)  # a rank lost mid-run, its writer thread with it
+        if doomed:
+            os._exit(7)  # a rank lost mid-run, its writer thread (and the save it began) with it
         if step + 1 == args.stop_at:
             break
     manager.wait()
