@@ -1,5 +1,6 @@
 """CheckpointManager on virtual ranks: bit-exact resume of a whole run (eager and nn.Graph), asynchronous saves
-write the same files as synchronous ones, pruning, and a save that fails or is killed mid-write.
+write the same files as synchronous ones, pruning, a save that fails or is killed mid-write, and a newest
+checkpoint damaged on disk (restore falls back to the one before it).
 
 A run here has dropout (the random stream), Adam (moments), a warmup-cosine LR
 schedule and a shuffled DataLoader (its position): resuming from a checkpoint
@@ -23,7 +24,7 @@ import sbpflow
 from sbpflow import nn
 from sbpflow import sbp as S
 from sbpflow.checkpoint import CheckpointManager, _save, run_state
-from sbpflow.errors import CheckpointError
+from sbpflow.errors import CheckpointError, CheckpointWarning, CorruptCheckpointError
 from sbpflow.optim.lr_scheduler import WarmupCosine
 from sbpflow.utils.data import DataLoader, TensorDataset
 
@@ -237,6 +238,74 @@ def test_a_process_killed_mid_write_restores_the_previous_checkpoint(tmp_path: A
     state = {"w": sbpflow.zeros(4096, placement=P2, sbp=S.broadcast)}
     assert CheckpointManager(folder).restore(state) == 1
     assert state["w"].tolist() == [float(i) for i in range(4096)]
+
+
+def _truncate(path: str) -> None:
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) - 3)
+
+
+def _flip_a_bit(path: str) -> None:
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) - 5)
+        byte = f.read(1)[0]
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte ^ 0x10]))
+
+
+DAMAGES = {"truncated": (_truncate, "is truncated"), "bit-flipped": (_flip_a_bit, "is corrupt: its SHA-256"),
+           "deleted": (os.remove, "is missing")}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGES))
+def test_a_damaged_newest_checkpoint_is_named_and_skipped_for_the_one_before(tmp_path: Any, damage: str) -> None:
+    run = Run(False)
+    manager = CheckpointManager(tmp_path / "c", every=2, keep=3)
+    run.train(2, manager)
+    manager.wait()
+    at_two = run.params()
+    run.train(2, manager, start=2)
+    manager.wait()
+    assert manager.steps() == [2, 4]
+    shard = os.path.join(manager.path(4), "rank-00001.safetensors")
+    harm, said = DAMAGES[damage]
+    harm(shard)
+
+    fresh = Run(False, seed=5)
+    with pytest.warns(CheckpointWarning, match=f"skipping the damaged checkpoint .*step-00000004.*{shard}.*{said}"):
+        assert CheckpointManager(tmp_path / "c").restore(fresh.state) == 2
+    assert fresh.state.step == 2 and (fresh.loader.epoch, fresh.loader.index) == (0, 2)
+    for got, want in zip(fresh.params(), at_two, strict=True):
+        np.testing.assert_array_equal(got, want)  # step 2's values: nothing of step 4 was used
+
+
+def test_a_damaged_index_is_skipped_and_every_checkpoint_damaged_is_an_error(tmp_path: Any) -> None:
+    run = Run(False)
+    manager = CheckpointManager(tmp_path / "c", every=2, keep=3, async_save=False)
+    run.train(4, manager)
+    with open(os.path.join(manager.path(4), "index.json"), "w") as f:
+        f.write('{"format": "sbpflow-checkpoint", "version": 1, "files": {')  # torn JSON
+    fresh = Run(False, seed=5)
+    with pytest.warns(CheckpointWarning, match=r"step-00000004.*index.json is damaged"):
+        assert CheckpointManager(tmp_path / "c").restore(fresh.state) == 2
+    _flip_a_bit(os.path.join(manager.path(2), "rank-00000.safetensors"))
+    before = Run(False, seed=5)
+    untouched = before.params()
+    with pytest.warns(CheckpointWarning), pytest.raises(
+            CorruptCheckpointError, match=r"every checkpoint in .* is damaged: step 4: .*; step 2: .*rank-00000"):
+        CheckpointManager(tmp_path / "c").restore(before.state)
+    assert before.state.step == 0
+    for got, want in zip(before.params(), untouched, strict=True):
+        np.testing.assert_array_equal(got, want)  # files are checked before any is read
+
+
+def test_a_mismatched_state_is_an_error_not_a_fallback(tmp_path: Any) -> None:
+    manager = CheckpointManager(tmp_path / "c", every=1, async_save=False)
+    run = Run(False)
+    run.train(2, manager)
+    with pytest.raises(CheckpointError, match="does not reshape it") as caught:
+        manager.restore(run_state(model=nn.Sequential(nn.Linear(2, 2))))
+    assert not isinstance(caught.value, CorruptCheckpointError)
 
 
 def test_run_state_covers_the_scaler_and_refuses_a_checkpoint_without_a_part(tmp_path: Any) -> None:
