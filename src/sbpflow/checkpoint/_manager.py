@@ -43,9 +43,12 @@ from typing import Any
 
 import torch
 
+from ..boxing import Layout, execute, plan
 from ..comm import get_backend
-from ..distributed import world_size
+from ..distributed import activity, world_size
 from ..errors import CheckpointError, CheckpointWarning, CorruptCheckpointError
+from ..placement import Placement
+from ..sbp import Broadcast, Partial
 from ._index import INDEX_FILE
 from ._load import load_sharded
 from ._run import RunState
@@ -67,12 +70,16 @@ def _step_of(name: str) -> int | None:
 def _everyone_succeeded(ok: bool) -> bool:
     """Whether every process's ``ok`` holds (a collective): each process reads only its shards' files, so
     they agree before any of them uses a checkpoint that one found damaged."""
-    group = tuple(range(world_size()))
-    if len(group) == 1:
+    ranks = list(range(world_size()))
+    if len(ranks) == 1:
         return ok
     backend = get_backend()
-    flags = {r: torch.tensor([0.0 if ok else 1.0]) for r in backend.owned(group)}
-    return all(float(t.item()) == 0.0 for t in backend.all_reduce(group, flags, "max").values())
+    everyone = Placement("cpu", ranks)
+    flags = {r: torch.tensor([0.0 if ok else 1.0]) for r in backend.owned(ranks)}  # P(max): any one failed
+    steps = plan((1,), torch.float32, Layout(everyone, (Partial("max"),)), Layout(everyone, (Broadcast(),)))
+    with activity("checkpoint restore: agreeing whether every process could read the checkpoint"):
+        reduced = execute(steps, flags)
+    return all(float(t.item()) == 0.0 for t in reduced.values())
 
 
 class CheckpointManager:
