@@ -14,6 +14,10 @@ printed by process 0 only
 
 Faults end a job instead of hanging it:
 
+* start-up waits at most ``SBPFLOW_INIT_TIMEOUT`` seconds for the rendezvous
+  store and every peer, then raises :class:`~sbpflow.errors.CommError` naming
+  the address, port, rank and world size and what failed (port taken, store
+  unreachable, which ranks never arrived);
 * every collective waits at most ``SBPFLOW_TIMEOUT`` seconds, then raises
   :class:`~sbpflow.errors.CommError` naming the op or boxing step it waited in
   (see :func:`activity`);
@@ -48,6 +52,7 @@ if TYPE_CHECKING:
     from .comm.base import Backend
 
 DEFAULT_TIMEOUT = 300.0
+DEFAULT_INIT_TIMEOUT = 120.0
 
 
 @dataclass(frozen=True)
@@ -66,6 +71,7 @@ class Config:
     host_cache: bool = True  # malloc keeps freed host memory for the next step (SBPFLOW_HOST_CACHE=0: not)
     restart_count: int = 0  # which attempt of a restarted job this is (TORCHELASTIC_RESTART_COUNT)
     agent_store: bool = False  # torchrun's agent hosts the store, kept across restarts (TORCHELASTIC_USE_AGENT_STORE)
+    init_timeout: float = DEFAULT_INIT_TIMEOUT  # start-up's wait for the store and every peer (SBPFLOW_INIT_TIMEOUT)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Config:
@@ -85,6 +91,7 @@ class Config:
             host_cache=_flag(env, "SBPFLOW_HOST_CACHE", True),
             restart_count=_int(env, "TORCHELASTIC_RESTART_COUNT", 0),
             agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
+            init_timeout=_float(env, "SBPFLOW_INIT_TIMEOUT", DEFAULT_INIT_TIMEOUT),
         )
 
 
