@@ -10,7 +10,11 @@ from __future__ import annotations
 import socket
 import time
 
+import pytest
 from procrun import PYTHON, free_port, run_command
+
+from sbpflow.distributed import Config
+from sbpflow.errors import SbpflowError
 
 START = "import sbpflow; sbpflow.distributed.init(); print('joined')"
 INIT_TIMEOUT = 3.0
@@ -48,3 +52,10 @@ def test_a_store_nobody_hosts_is_named() -> None:
     assert (f"rank 1 (world size 2) could not reach the rendezvous store at 127.0.0.1:{port} within "
             f"{INIT_TIMEOUT:g} s (SBPFLOW_INIT_TIMEOUT): rank 0 hosts it") in err, err
     assert seconds < 60, seconds
+
+
+def test_the_start_up_bound_is_read_from_its_variable() -> None:
+    assert Config.from_env({}).init_timeout == 120.0
+    assert Config.from_env({"SBPFLOW_INIT_TIMEOUT": "4.5"}).init_timeout == 4.5
+    with pytest.raises(SbpflowError, match="SBPFLOW_INIT_TIMEOUT must be a positive number of seconds"):
+        Config.from_env({"SBPFLOW_INIT_TIMEOUT": "0"})

@@ -43,15 +43,18 @@ class Run:
     """A fresh run (``seed`` sets its initial weights, which a restore overwrites): model with dropout, Adam,
     a warmup-cosine schedule, a shuffled loader laid out S(0) on two ranks; eager or one nn.Graph step."""
 
-    def __init__(self, graph: bool, seed: int = 0) -> None:
+    def __init__(self, graph: bool, seed: int = 0, amp: bool = False) -> None:
         sbpflow.manual_seed(seed)
+        # fp16 with a scale that overflows at first and grows every 2 clean steps: skips, backoffs and growths
+        self.scaler = sbpflow.amp.GradScaler(init_scale=2.0**22, growth_interval=2) if amp else None
         self.model = nn.Sequential(nn.Linear(IN, 16), nn.ReLU(), nn.Dropout(0.2),
                                    nn.Linear(16, OUT)).to_global(P2, S.broadcast)
         self.opt = sbpflow.optim.Adam(self.model.parameters(), lr=1e-2)
         self.sched = WarmupCosine(self.opt, warmup_steps=3, total_steps=TOTAL)
         self.loader = DataLoader(_data(), 4, shuffle=True, seed=3, drop_last=True, placement=P2, sbp=S.split(0))
         self.graph = self._graph() if graph else None
-        self.state = run_state(model=self.model, optimizer=self.opt, scheduler=self.sched, loader=self.loader)
+        self.state = run_state(model=self.model, optimizer=self.opt, scheduler=self.sched, loader=self.loader,
+                               scaler=self.scaler)
 
     def _graph(self) -> nn.Graph:
         run = self
@@ -61,6 +64,8 @@ class Run:
                 super().__init__()
                 self.model = run.model
                 self.add_optimizer(run.opt, lr_sch=run.sched)
+                if run.scaler is not None:
+                    self.config.enable_amp(torch.float16, loss_scaler=run.scaler)
 
             def build(self, x: Any, y: Any) -> Any:
                 loss = (self.model(x) - y).square().mean()
@@ -70,6 +75,7 @@ class Run:
         return Step()
 
     def train(self, steps: int, manager: CheckpointManager | None = None, start: int = 0) -> list[float]:
+        self.scales: list[float] = []
         losses = []
         for k, (x, y) in enumerate(self.loader.batches(steps=steps)):
             if self.graph is not None:
@@ -81,6 +87,8 @@ class Run:
                 self.opt.zero_grad()
                 self.sched.step()
             losses.append(float(loss.numpy()))
+            if self.scaler is not None:
+                self.scales.append(self.scaler.get_scale())
             if manager is not None:
                 manager.save(start + k + 1, self.state)
         return losses
@@ -115,6 +123,28 @@ def test_restore_continues_bit_for_bit(tmp_path: Any, graph: bool, async_save: b
     for got, want in zip(fresh.params(), final, strict=True):
         np.testing.assert_array_equal(got, want)
     assert resumed.steps() == [4, 8]  # keep=2
+
+
+def test_a_compiled_fp16_step_with_a_grad_scaler_resumes_bit_for_bit(tmp_path: Any) -> None:
+    straight = Run(True, amp=True)
+    losses = straight.train(TOTAL)
+    scales, final = straight.scales, straight.params()
+    changes = [b - a for a, b in zip(scales[:-1], scales[1:], strict=True)]
+    assert min(changes) < 0 < max(changes), scales  # backoffs (skipped steps) and growths both happened
+
+    first = Run(True, amp=True)
+    manager = CheckpointManager(tmp_path / "ckpt", every=4, keep=2)
+    head = first.train(5, manager)  # saves after step 4: the scale and growth tracker mid-way
+    manager.wait()
+    fresh = Run(True, seed=11, amp=True)
+    fresh.scaler._scale, fresh.scaler._growth_tracker = 1.0, 0  # both must come from the checkpoint
+    assert CheckpointManager(tmp_path / "ckpt").restore(fresh.state) == 4
+    assert fresh.scaler.get_scale() == scales[3]
+    tail = fresh.train(TOTAL - 4)
+    assert head[:4] + tail == losses
+    assert fresh.scales == scales[4:]
+    for got, want in zip(fresh.params(), final, strict=True):
+        np.testing.assert_array_equal(got, want)
 
 
 def _files(path: str) -> dict[str, bytes]:
