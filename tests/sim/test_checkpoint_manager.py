@@ -137,9 +137,11 @@ def test_a_compiled_fp16_step_with_a_grad_scaler_resumes_bit_for_bit(tmp_path: A
     head = first.train(5, manager)  # saves after step 4: the scale and growth tracker mid-way
     manager.wait()
     fresh = Run(True, seed=11, amp=True)
-    fresh.scaler._scale, fresh.scaler._growth_tracker = 1.0, 0  # both must come from the checkpoint
+    scaler = fresh.scaler
+    assert scaler is not None
+    scaler._scale, scaler._growth_tracker = 1.0, 0  # both must come from the checkpoint
     assert CheckpointManager(tmp_path / "ckpt").restore(fresh.state) == 4
-    assert fresh.scaler.get_scale() == scales[3]
+    assert scaler.get_scale() == scales[3]
     tail = fresh.train(TOTAL - 4)
     assert head[:4] + tail == losses
     assert fresh.scales == scales[4:]
