@@ -157,9 +157,9 @@ def _demo(*args: str) -> str:
 def test_the_demo_resumes_in_a_new_process_bit_for_bit(tmp_path: Path) -> None:
     full, resumed = tmp_path / "full", tmp_path / "resumed"
     _demo("--out", str(full))
-    out = _demo("--out", str(resumed), "--resume", str(full / "checkpoints" / "step-000003"))
+    out = _demo("--out", str(resumed), "--resume", str(full / "checkpoints" / "step-00000003"))
     assert "resumed from " in out and "at step 3" in out
-    last = "checkpoints/step-000006/index.json"
+    last = "checkpoints/step-00000006/index.json"
     assert (resumed / last).read_text() == (full / last).read_text()  # same bytes, hashes and scalars
 
 
