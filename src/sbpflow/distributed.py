@@ -53,6 +53,7 @@ if TYPE_CHECKING:
 
 DEFAULT_TIMEOUT = 300.0
 DEFAULT_INIT_TIMEOUT = 120.0
+RESTART_BASE = "SBPFLOW_RESTART_BASE"  # restarts made by `sbpflow launch -n MIN:MAX` before this torchrun job
 
 
 @dataclass(frozen=True)
@@ -69,7 +70,7 @@ class Config:
     debug: bool  # compare every collective's fingerprint across its group first (SBPFLOW_DEBUG=1)
     error_file: str | None = None  # where torchrun wants a failed worker's error (TORCHELASTIC_ERROR_FILE)
     host_cache: bool = True  # malloc keeps freed host memory for the next step (SBPFLOW_HOST_CACHE=0: not)
-    restart_count: int = 0  # which attempt of a restarted job this is (TORCHELASTIC_RESTART_COUNT)
+    restart_count: int = 0  # which attempt of a restarted job this is (TORCHELASTIC_RESTART_COUNT + RESTART_BASE)
     agent_store: bool = False  # torchrun's agent hosts the store, kept across restarts (TORCHELASTIC_USE_AGENT_STORE)
     init_timeout: float = DEFAULT_INIT_TIMEOUT  # start-up's wait for the store and every peer (SBPFLOW_INIT_TIMEOUT)
 
@@ -89,7 +90,7 @@ class Config:
             debug=_flag(env, "SBPFLOW_DEBUG", False),
             error_file=env.get("TORCHELASTIC_ERROR_FILE") or None,
             host_cache=_flag(env, "SBPFLOW_HOST_CACHE", True),
-            restart_count=_int(env, "TORCHELASTIC_RESTART_COUNT", 0),
+            restart_count=_int(env, "TORCHELASTIC_RESTART_COUNT", 0) + _int(env, RESTART_BASE, 0),
             agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
             init_timeout=_float(env, "SBPFLOW_INIT_TIMEOUT", DEFAULT_INIT_TIMEOUT),
         )

@@ -25,7 +25,7 @@ CONFIG = GPTConfig(vocab_size=64, block_size=8, n_layer=2, n_head=4, n_embd=32, 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("strategy")
+    parser.add_argument("strategy", help="a strategy, or dp: data parallel on every process launched")
     parser.add_argument("out")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--graph", action="store_true")
@@ -35,8 +35,9 @@ def main() -> None:
     parser.add_argument("--kill-when", choices=("before-save", "after-save"), default="after-save")
     parser.add_argument("--stop-at", type=int, default=-1, help="end (cleanly) after this step's checkpoint")
     args = parser.parse_args()
-    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    trainer = build(CONFIG, args.strategy, lr=1e-2, graph=args.graph, micro_batches=args.micro_batches)
+    attempt = sbpflow.distributed.config().restart_count
+    strategy = f"dp={sbpflow.world_size()}" if args.strategy == "dp" else args.strategy  # elastic: as launched
+    trainer = build(CONFIG, strategy, lr=1e-2, graph=args.graph, micro_batches=args.micro_batches)
     state = run_state(model=trainer.model, optimizer=trainer.optimizer)
     manager = CheckpointManager(os.path.join(args.out, "ckpt"), every=2, keep=2)
     start = manager.restore(state)

@@ -1,6 +1,7 @@
 """Automatic restart on real processes: ``sbpflow launch --max-restarts 1`` brings back a job that lost a rank,
 and a script that restores with ``CheckpointManager`` ends with the losses and parameters of a run that was
-never interrupted, bit for bit; a checkpoint written on 4 processes resumes on 2 and one written on 2 on 4.
+never interrupted, bit for bit; a checkpoint written on 4 processes resumes on 2 and one written on 2 on 4;
+``-n 2:4`` restarts a job that lost a rank on 2 processes, as a job relaunched on 2 from that checkpoint would.
 
 A rank leaves by ``os._exit`` in the first attempt, at a step, on a rank and just before or after a save began,
 all drawn from a seed: ``SBPFLOW_KILL_SEED`` when set (to replay a failure), else a fresh one, printed with
@@ -28,7 +29,8 @@ TIMEOUT = 180.0
 SEED = int(os.environ.get("SBPFLOW_KILL_SEED") or random.SystemRandom().randrange(1 << 32))
 
 
-def _launch(out: Path, n: int, strategy: str, *extra: str, restarts: int = 0) -> list[tuple[int, int, int, float]]:
+def _launch(out: Path, n: int | str, strategy: str, *extra: str,
+            restarts: int = 0) -> list[tuple[int, int, int, float]]:
     out.mkdir(parents=True, exist_ok=True)
     result = run_command(LAUNCH + ["-n", str(n), "--max-restarts", str(restarts), SCRIPT, strategy, str(out),
                                    "--steps", str(STEPS), *extra], timeout=TIMEOUT)
@@ -51,10 +53,10 @@ CASES = {"eager dp2": ("dp=2",), "graph tp2": ("tp=2", "--graph"),
          "pipeline pp2 x 2 micro-batches": ("pp=2", "--graph", "--micro-batches", "2")}
 
 
-def draw_kill(seed: int, case: str) -> tuple[int, int, str]:
+def draw_kill(seed: int, case: str, processes: int = 2) -> tuple[int, int, str]:
     """(steps done when the rank leaves, which rank, before or after that step's save), drawn from ``seed``."""
     rng = random.Random(f"{seed}:{case}")
-    return rng.randint(1, STEPS - 1), rng.randrange(2), rng.choice(["before-save", "after-save"])
+    return rng.randint(1, STEPS - 1), rng.randrange(processes), rng.choice(["before-save", "after-save"])
 
 
 def resumable_steps(kill_at: int, when: str) -> list[int]:
@@ -91,6 +93,38 @@ def test_a_run_killed_and_restarted_equals_the_uninterrupted_run(tmp_path: Path,
         assert loss == want[s], (drawn, case, s, loss, want[s])  # both attempts, bit for bit
     for name, value in _params(tmp_path / "straight").items():
         np.testing.assert_array_equal(_params(tmp_path / "killed")[name], value, err_msg=f"{drawn}: {name}")
+
+
+def test_elastic_n_restarts_a_failed_job_on_fewer_processes_by_resharding(tmp_path: Path) -> None:
+    """``-n 2:4``: 4 processes until a rank leaves, then 2 from the newest checkpoint; the same numbers, bit for
+    bit, as a job of 4 processes stopped at that checkpoint and launched again on 2."""
+    kill_at, kill_rank, when = draw_kill(SEED, "elastic", processes=4)
+    drawn = f"SBPFLOW_KILL_SEED={SEED}: rank {kill_rank} of 4 leaves after {kill_at} steps, {when}"
+    print(drawn)
+    elastic = _launch(tmp_path / "elastic", "2:4", "dp", "--kill-at", str(kill_at), "--kill-rank", str(kill_rank),
+                      "--kill-when", when, restarts=1)
+    assert [(w, s) for a, w, s, _ in elastic if a == 0] == [(4, s) for s in range(kill_at)], (drawn, elastic)
+    second = [(w, s, loss) for a, w, s, loss in elastic if a == 1]
+    start = second[0][1]
+    assert start in resumable_steps(kill_at, when), (drawn, elastic)
+    assert [(w, s) for w, s, _ in second] == [(2, s) for s in range(start, STEPS)], (drawn, elastic)
+
+    reference = tmp_path / "reference"
+    if start:
+        _launch(reference, 4, "dp", "--stop-at", str(start))  # writes the checkpoint of step `start` and ends
+    on_two = [(w, s, loss) for _, w, s, loss in _launch(reference, 2, "dp") if w == 2]
+    assert second == on_two, drawn
+    for name, value in _params(reference).items():
+        np.testing.assert_array_equal(_params(tmp_path / "elastic")[name], value, err_msg=f"{drawn}: {name}")
+
+
+def test_n_takes_a_count_or_an_elastic_range() -> None:
+    from sbpflow.cli import nproc_range
+
+    assert (nproc_range("4"), nproc_range("2:4"), nproc_range("3:3")) == ((4, 4), (2, 4), (3, 3))
+    for bad in ("0", "4:2", "two", "1:x"):
+        with pytest.raises(SystemExit, match="sbpflow launch: -n"):
+            nproc_range(bad)
 
 
 @pytest.mark.parametrize(("before", "after"), [(4, 2), (2, 4)])
