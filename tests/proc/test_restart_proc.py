@@ -66,11 +66,19 @@ def resumable_steps(kill_at: int, when: str) -> list[int]:
     return [s for s in (begun - EVERY, begun) if s >= 0]
 
 
+def first_attempt_logged(steps: list[int], kill_at: int) -> bool:
+    """Rank 0 logged steps 0, 1, ... up to the last one every rank finished (``kill_at - 1``), or one fewer: the
+    launcher may stop it before it logs the step that the rank which then left had finished too."""
+    return steps == list(range(len(steps))) and len(steps) in (kill_at - 1, kill_at)
+
+
 def test_resumable_steps_follow_the_saves() -> None:
     assert resumable_steps(4, "after-save") == [2, 4]
     assert resumable_steps(4, "before-save") == [0, 2]
     assert resumable_steps(5, "before-save") == [2, 4]
     assert resumable_steps(1, "after-save") == [0]
+    assert first_attempt_logged([0, 1, 2, 3], 5) and first_attempt_logged([0, 1, 2, 3, 4], 5)
+    assert not first_attempt_logged([0, 1, 2], 5) and not first_attempt_logged([0, 2, 3, 4], 5)
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -85,8 +93,8 @@ def test_a_run_killed_and_restarted_equals_the_uninterrupted_run(tmp_path: Path,
                      str(kill_rank), "--kill-when", when, restarts=1)
     first = [s for a, _, s, _ in killed if a == 0]
     second = [s for a, _, s, _ in killed if a == 1]
-    assert first == list(range(kill_at)), (drawn, killed)
-    assert second and second[0] in resumable_steps(kill_at, when), (drawn, killed)
+    assert first_attempt_logged(first, kill_at), (drawn, killed)
+    assert second and second[0] in resumable_steps(kill_at, when) and second[0] <= len(first), (drawn, killed)
     assert second == list(range(second[0], STEPS)), (drawn, killed)
     want = {s: loss for _, _, s, loss in straight}
     for _, _, s, loss in killed:
@@ -103,10 +111,11 @@ def test_elastic_n_restarts_a_failed_job_on_fewer_processes_by_resharding(tmp_pa
     print(drawn)
     elastic = _launch(tmp_path / "elastic", "2:4", "dp", "--kill-at", str(kill_at), "--kill-rank", str(kill_rank),
                       "--kill-when", when, restarts=1)
-    assert [(w, s) for a, w, s, _ in elastic if a == 0] == [(4, s) for s in range(kill_at)], (drawn, elastic)
+    first = [s for a, w, s, _ in elastic if a == 0 and w == 4]
+    assert first_attempt_logged(first, kill_at) and len(first) == sum(a == 0 for a, *_ in elastic), (drawn, elastic)
     second = [(w, s, loss) for a, w, s, loss in elastic if a == 1]
     start = second[0][1]
-    assert start in resumable_steps(kill_at, when), (drawn, elastic)
+    assert start in resumable_steps(kill_at, when) and start <= len(first), (drawn, elastic)
     assert [(w, s) for w, s, _ in second] == [(2, s) for s in range(start, STEPS)], (drawn, elastic)
 
     reference = tmp_path / "reference"
