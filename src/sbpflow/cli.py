@@ -315,8 +315,6 @@ def _run_torchrun(args: argparse.Namespace, attempt: int = 0) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
-    if args.nproc_per_node < 1:
-        raise SystemExit(f"sbpflow launch: -n must be at least 1, but got {args.nproc_per_node}")
     saved = os.environ.get(RESTART_BASE)
     os.environ[RESTART_BASE] = str(attempt)  # the launcher's own environment, which the workers inherit
     try:

@@ -167,3 +167,5 @@ def test_max_restarts_reaches_torchrun_and_the_attempt_is_read_from_its_environm
                            "TORCHELASTIC_USE_AGENT_STORE": "True"})
     assert (cfg.restart_count, cfg.agent_store) == (2, True)
     assert (Config.from_env({}).restart_count, Config.from_env({}).agent_store) == (0, False)
+    # `-n MIN:MAX` runs each attempt as a torchrun job of its own and says how many came before
+    assert Config.from_env({"TORCHELASTIC_RESTART_COUNT": "0", "SBPFLOW_RESTART_BASE": "1"}).restart_count == 1
