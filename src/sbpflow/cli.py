@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from typing import Any
 
@@ -14,6 +15,7 @@ from .autoparallel.graph_plan import plan_graph
 from .autoparallel.planning import plan_from_args
 from .autoparallel.profiles import get_profile, save_profile
 from .demo.train_gpt import DESCRIPTION, add_arguments, run_from_args
+from .distributed import RESTART_BASE
 from .errors import SbpflowError
 from .nn import graph
 from .nn.trace_step import trace_training_step
@@ -84,7 +86,10 @@ def _add_launch(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         description="Runs SCRIPT in N processes per node, one global rank each, through torchrun's c10d "
                     "rendezvous. The same script also runs as plain `python SCRIPT` on virtual ranks.",
     )
-    p.add_argument("-n", "--nproc-per-node", type=int, required=True, help="processes (ranks) on this node")
+    p.add_argument("-n", "--nproc-per-node", required=True, metavar="N|MIN:MAX",
+                   help="processes (ranks) on this node; MIN:MAX (elastic, with --max-restarts): start on MAX, and "
+                        "restart after a failure on MIN, which a script restoring with CheckpointManager resumes "
+                        "on by resharding its newest checkpoint")
     p.add_argument("--nnodes", type=int, default=1, help="number of nodes (default 1)")
     p.add_argument("--node-rank", type=int, default=0, help="this node's index, 0..nnodes-1 (default 0)")
     p.add_argument("--master-addr", default=None, help="rendezvous host (needed with --nnodes > 1)")
@@ -266,21 +271,62 @@ def torchrun_argv(args: argparse.Namespace) -> list[str]:
     return argv + [args.script, *args.script_args]
 
 
+def nproc_range(text: str) -> tuple[int, int]:
+    """``-n``'s (MIN, MAX): ``"4"`` is (4, 4), ``"2:4"`` is (2, 4).
+
+    >>> nproc_range("2:4"), nproc_range("3")
+    ((2, 4), (3, 3))
+    """
+    low, _, high = str(text).partition(":")
+    try:
+        least, most = int(low), int(high or low)
+    except ValueError:
+        raise SystemExit(f"sbpflow launch: -n takes N or MIN:MAX (whole numbers), but got {text!r}") from None
+    if not 1 <= least <= most:
+        raise SystemExit(f"sbpflow launch: -n needs 1 <= MIN <= MAX, but got {text!r}")
+    return least, most
+
+
 def launch(args: argparse.Namespace) -> int:
     """Runs the script under torchrun; on failure prints which ranks failed and returns 1.
 
-    torchrun stops every other process of the job as soon as one fails.
+    torchrun stops every other process of the job as soon as one fails. With ``-n MIN:MAX`` each attempt is a
+    torchrun job of its own: the first on MAX processes, the restarts on MIN.
     """
+    least, most = nproc_range(args.nproc_per_node)
+    torchrun_argv(argparse.Namespace(**(vars(args) | {"nproc_per_node": most})))  # checks the other arguments
+    if least == most:
+        return _run_torchrun(argparse.Namespace(**(vars(args) | {"nproc_per_node": most})))
+    restarts = args.max_restarts
+    for attempt in range(restarts + 1):
+        n = most if attempt == 0 else least
+        if attempt:
+            print(f"sbpflow launch: restart {attempt} of {restarts}, on {n} processes (was {most})", file=sys.stderr,
+                  flush=True)
+        one = argparse.Namespace(**(vars(args) | {"nproc_per_node": n, "max_restarts": 0}))
+        if _run_torchrun(one, attempt) == 0:
+            return 0
+    return 1
+
+
+def _run_torchrun(args: argparse.Namespace, attempt: int = 0) -> int:
+    """One torchrun job; ``attempt``: how many shrinking restarts came before it (``SBPFLOW_RESTART_BASE`` in the
+    workers, added to torchrun's own restart count: the rendezvous prefix and a script's attempt number)."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
-    if args.nproc_per_node < 1:
-        raise SystemExit(f"sbpflow launch: -n must be at least 1, but got {args.nproc_per_node}")
+    saved = os.environ.get(RESTART_BASE)
+    os.environ[RESTART_BASE] = str(attempt)  # the launcher's own environment, which the workers inherit
     try:
         run(get_args_parser().parse_args(torchrun_argv(args)))
     except ChildFailedError as e:
         print(_failure_summary(e), file=sys.stderr, flush=True)
         return 1
+    finally:
+        if saved is None:
+            os.environ.pop(RESTART_BASE, None)
+        else:
+            os.environ[RESTART_BASE] = saved
     return 0
 
 

@@ -14,6 +14,10 @@ printed by process 0 only
 
 Faults end a job instead of hanging it:
 
+* start-up waits at most ``SBPFLOW_INIT_TIMEOUT`` seconds for the rendezvous
+  store and every peer, then raises :class:`~sbpflow.errors.CommError` naming
+  the address, port, rank and world size and what failed (port taken, store
+  unreachable, which ranks never arrived);
 * every collective waits at most ``SBPFLOW_TIMEOUT`` seconds, then raises
   :class:`~sbpflow.errors.CommError` naming the op or boxing step it waited in
   (see :func:`activity`);
@@ -48,6 +52,8 @@ if TYPE_CHECKING:
     from .comm.base import Backend
 
 DEFAULT_TIMEOUT = 300.0
+DEFAULT_INIT_TIMEOUT = 120.0
+RESTART_BASE = "SBPFLOW_RESTART_BASE"  # restarts made by `sbpflow launch -n MIN:MAX` before this torchrun job
 
 
 @dataclass(frozen=True)
@@ -64,8 +70,9 @@ class Config:
     debug: bool  # compare every collective's fingerprint across its group first (SBPFLOW_DEBUG=1)
     error_file: str | None = None  # where torchrun wants a failed worker's error (TORCHELASTIC_ERROR_FILE)
     host_cache: bool = True  # malloc keeps freed host memory for the next step (SBPFLOW_HOST_CACHE=0: not)
-    restart_count: int = 0  # which attempt of a restarted job this is (TORCHELASTIC_RESTART_COUNT)
+    restart_count: int = 0  # which attempt of a restarted job this is (TORCHELASTIC_RESTART_COUNT + RESTART_BASE)
     agent_store: bool = False  # torchrun's agent hosts the store, kept across restarts (TORCHELASTIC_USE_AGENT_STORE)
+    init_timeout: float = DEFAULT_INIT_TIMEOUT  # start-up's wait for the store and every peer (SBPFLOW_INIT_TIMEOUT)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Config:
@@ -83,8 +90,9 @@ class Config:
             debug=_flag(env, "SBPFLOW_DEBUG", False),
             error_file=env.get("TORCHELASTIC_ERROR_FILE") or None,
             host_cache=_flag(env, "SBPFLOW_HOST_CACHE", True),
-            restart_count=_int(env, "TORCHELASTIC_RESTART_COUNT", 0),
+            restart_count=_int(env, "TORCHELASTIC_RESTART_COUNT", 0) + _int(env, RESTART_BASE, 0),
             agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
+            init_timeout=_float(env, "SBPFLOW_INIT_TIMEOUT", DEFAULT_INIT_TIMEOUT),
         )
 
 

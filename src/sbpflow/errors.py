@@ -61,6 +61,15 @@ class CheckpointError(SbpflowError, RuntimeError):
     """A checkpoint that cannot be written or read: missing, corrupt, or not matching the state to fill."""
 
 
+class CorruptCheckpointError(CheckpointError):
+    """A checkpoint whose files are damaged (truncated, altered, missing, unreadable, a damaged index): its data
+    is never read, and ``CheckpointManager.restore`` falls back to the checkpoint before it."""
+
+
+class CheckpointWarning(UserWarning):
+    """A checkpoint skipped by ``CheckpointManager.restore`` because it is damaged; the message names the file."""
+
+
 class AutocastWarning(UserWarning):
     """A torch.autocast block is active around sbpflow ops, which it does not change (see ops.registry)."""
 

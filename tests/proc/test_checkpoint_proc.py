@@ -8,12 +8,15 @@
   process reads exactly the bytes of the shards it holds.
 * A save whose second writer is killed (SIGKILL) half-way through its file
   leaves the previous checkpoint whole and loadable.
+* A newest checkpoint whose second shard is damaged, which only the second
+  process reads: both processes restore the checkpoint before it.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +25,7 @@ import pytest
 from procrun import PYTHON, REPO, run_command, run_ranks, spawn
 
 import sbpflow
-from sbpflow.checkpoint import _save, read_index
+from sbpflow.checkpoint import CheckpointManager, CheckpointWarning, _save, read_index
 from sbpflow.checkpoint._fill import target_shards
 from sbpflow.checkpoint._tree import leaves
 from sbpflow.demo.resume import save_training, training_state
@@ -154,9 +157,9 @@ def _demo(*args: str) -> str:
 def test_the_demo_resumes_in_a_new_process_bit_for_bit(tmp_path: Path) -> None:
     full, resumed = tmp_path / "full", tmp_path / "resumed"
     _demo("--out", str(full))
-    out = _demo("--out", str(resumed), "--resume", str(full / "checkpoints" / "step-000003"))
+    out = _demo("--out", str(resumed), "--resume", str(full / "checkpoints" / "step-00000003"))
     assert "resumed from " in out and "at step 3" in out
-    last = "checkpoints/step-000006/index.json"
+    last = "checkpoints/step-00000006/index.json"
     assert (resumed / last).read_text() == (full / last).read_text()  # same bytes, hashes and scalars
 
 
@@ -205,3 +208,32 @@ def test_zero3_checkpoint_loads_without_zero_on_two_processes(saved_zero: int, l
         single = load_under(per_rank[0]["path"], "single")
         for name, value in per_rank[0]["saved"].items():
             np.testing.assert_array_equal(single["values"][name], value, err_msg=name)
+
+
+def restore_past_a_damaged_shard(folder: str) -> dict[str, Any]:
+    """Runs on every process: checkpoints of steps 1 and 2 of an S(0) tensor, step 2's rank-1 file bit-flipped
+    (only rank 1 reads it), then a restore on each process."""
+    p = sbpflow.placement("cpu", [0, 1])
+    manager = CheckpointManager(folder, every=1, async_save=False)
+    for step in (1, 2):
+        state = {"w": sbpflow.full((8,), float(step), placement=p, sbp=sbpflow.sbp.split(0))}
+        manager.save(step, state)
+    if sbpflow.rank() == 1:
+        shard = os.path.join(manager.path(2), "rank-00001.safetensors")
+        with open(shard, "r+b") as f:
+            f.seek(-4, os.SEEK_END)
+            f.write(b"\xff\xff\xff\xff")
+    sbpflow.comm.get_backend().barrier()
+    state = {"w": sbpflow.zeros(8, placement=p, sbp=sbpflow.sbp.split(0))}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", CheckpointWarning)
+        step = manager.restore(state)
+    return {"step": step, "w": state["w"].to_local().tolist(), "warnings": [str(w.message) for w in caught]}
+
+
+def test_processes_agree_to_skip_a_checkpoint_one_of_them_found_damaged(tmp_path: Path) -> None:
+    per_rank = run_ranks(restore_past_a_damaged_shard, 2, args=(str(tmp_path / "c"),), timeout=TIMEOUT)
+    assert [r["step"] for r in per_rank] == [1, 1]
+    assert [r["w"] for r in per_rank] == [[1.0] * 4, [1.0] * 4]
+    assert "another process found one of its files damaged" in per_rank[0]["warnings"][0]
+    assert "rank-00001.safetensors is corrupt" in per_rank[1]["warnings"][0]

@@ -1,5 +1,6 @@
 """CheckpointManager on virtual ranks: bit-exact resume of a whole run (eager and nn.Graph), asynchronous saves
-write the same files as synchronous ones, pruning, and a save that fails or is killed mid-write.
+write the same files as synchronous ones, pruning, a save that fails or is killed mid-write, and a newest
+checkpoint damaged on disk (restore falls back to the one before it).
 
 A run here has dropout (the random stream), Adam (moments), a warmup-cosine LR
 schedule and a shuffled DataLoader (its position): resuming from a checkpoint
@@ -23,7 +24,7 @@ import sbpflow
 from sbpflow import nn
 from sbpflow import sbp as S
 from sbpflow.checkpoint import CheckpointManager, _save, run_state
-from sbpflow.errors import CheckpointError
+from sbpflow.errors import CheckpointError, CheckpointWarning, CorruptCheckpointError
 from sbpflow.optim.lr_scheduler import WarmupCosine
 from sbpflow.utils.data import DataLoader, TensorDataset
 
@@ -42,15 +43,18 @@ class Run:
     """A fresh run (``seed`` sets its initial weights, which a restore overwrites): model with dropout, Adam,
     a warmup-cosine schedule, a shuffled loader laid out S(0) on two ranks; eager or one nn.Graph step."""
 
-    def __init__(self, graph: bool, seed: int = 0) -> None:
+    def __init__(self, graph: bool, seed: int = 0, amp: bool = False) -> None:
         sbpflow.manual_seed(seed)
+        # fp16 with a scale that overflows at first and grows every 2 clean steps: skips, backoffs and growths
+        self.scaler = sbpflow.amp.GradScaler(init_scale=2.0**22, growth_interval=2) if amp else None
         self.model = nn.Sequential(nn.Linear(IN, 16), nn.ReLU(), nn.Dropout(0.2),
                                    nn.Linear(16, OUT)).to_global(P2, S.broadcast)
         self.opt = sbpflow.optim.Adam(self.model.parameters(), lr=1e-2)
         self.sched = WarmupCosine(self.opt, warmup_steps=3, total_steps=TOTAL)
         self.loader = DataLoader(_data(), 4, shuffle=True, seed=3, drop_last=True, placement=P2, sbp=S.split(0))
         self.graph = self._graph() if graph else None
-        self.state = run_state(model=self.model, optimizer=self.opt, scheduler=self.sched, loader=self.loader)
+        self.state = run_state(model=self.model, optimizer=self.opt, scheduler=self.sched, loader=self.loader,
+                               scaler=self.scaler)
 
     def _graph(self) -> nn.Graph:
         run = self
@@ -60,6 +64,8 @@ class Run:
                 super().__init__()
                 self.model = run.model
                 self.add_optimizer(run.opt, lr_sch=run.sched)
+                if run.scaler is not None:
+                    self.config.enable_amp(torch.float16, loss_scaler=run.scaler)
 
             def build(self, x: Any, y: Any) -> Any:
                 loss = (self.model(x) - y).square().mean()
@@ -69,6 +75,7 @@ class Run:
         return Step()
 
     def train(self, steps: int, manager: CheckpointManager | None = None, start: int = 0) -> list[float]:
+        self.scales: list[float] = []
         losses = []
         for k, (x, y) in enumerate(self.loader.batches(steps=steps)):
             if self.graph is not None:
@@ -80,6 +87,8 @@ class Run:
                 self.opt.zero_grad()
                 self.sched.step()
             losses.append(float(loss.numpy()))
+            if self.scaler is not None:
+                self.scales.append(self.scaler.get_scale())
             if manager is not None:
                 manager.save(start + k + 1, self.state)
         return losses
@@ -114,6 +123,30 @@ def test_restore_continues_bit_for_bit(tmp_path: Any, graph: bool, async_save: b
     for got, want in zip(fresh.params(), final, strict=True):
         np.testing.assert_array_equal(got, want)
     assert resumed.steps() == [4, 8]  # keep=2
+
+
+def test_a_compiled_fp16_step_with_a_grad_scaler_resumes_bit_for_bit(tmp_path: Any) -> None:
+    straight = Run(True, amp=True)
+    losses = straight.train(TOTAL)
+    scales, final = straight.scales, straight.params()
+    changes = [b - a for a, b in zip(scales[:-1], scales[1:], strict=True)]
+    assert min(changes) < 0 < max(changes), scales  # backoffs (skipped steps) and growths both happened
+
+    first = Run(True, amp=True)
+    manager = CheckpointManager(tmp_path / "ckpt", every=4, keep=2)
+    head = first.train(5, manager)  # saves after step 4: the scale and growth tracker mid-way
+    manager.wait()
+    fresh = Run(True, seed=11, amp=True)
+    scaler = fresh.scaler
+    assert scaler is not None
+    scaler._scale, scaler._growth_tracker = 1.0, 0  # both must come from the checkpoint
+    assert CheckpointManager(tmp_path / "ckpt").restore(fresh.state) == 4
+    assert scaler.get_scale() == scales[3]
+    tail = fresh.train(TOTAL - 4)
+    assert head[:4] + tail == losses
+    assert fresh.scales == scales[4:]
+    for got, want in zip(fresh.params(), final, strict=True):
+        np.testing.assert_array_equal(got, want)
 
 
 def _files(path: str) -> dict[str, bytes]:
@@ -237,6 +270,74 @@ def test_a_process_killed_mid_write_restores_the_previous_checkpoint(tmp_path: A
     state = {"w": sbpflow.zeros(4096, placement=P2, sbp=S.broadcast)}
     assert CheckpointManager(folder).restore(state) == 1
     assert state["w"].tolist() == [float(i) for i in range(4096)]
+
+
+def _truncate(path: str) -> None:
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) - 3)
+
+
+def _flip_a_bit(path: str) -> None:
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) - 5)
+        byte = f.read(1)[0]
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte ^ 0x10]))
+
+
+DAMAGES = {"truncated": (_truncate, "is truncated"), "bit-flipped": (_flip_a_bit, "is corrupt: its SHA-256"),
+           "deleted": (os.remove, "is missing")}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGES))
+def test_a_damaged_newest_checkpoint_is_named_and_skipped_for_the_one_before(tmp_path: Any, damage: str) -> None:
+    run = Run(False)
+    manager = CheckpointManager(tmp_path / "c", every=2, keep=3)
+    run.train(2, manager)
+    manager.wait()
+    at_two = run.params()
+    run.train(2, manager, start=2)
+    manager.wait()
+    assert manager.steps() == [2, 4]
+    shard = os.path.join(manager.path(4), "rank-00001.safetensors")
+    harm, said = DAMAGES[damage]
+    harm(shard)
+
+    fresh = Run(False, seed=5)
+    with pytest.warns(CheckpointWarning, match=f"skipping the damaged checkpoint .*step-00000004.*{shard}.*{said}"):
+        assert CheckpointManager(tmp_path / "c").restore(fresh.state) == 2
+    assert fresh.state.step == 2 and (fresh.loader.epoch, fresh.loader.index) == (0, 2)
+    for got, want in zip(fresh.params(), at_two, strict=True):
+        np.testing.assert_array_equal(got, want)  # step 2's values: nothing of step 4 was used
+
+
+def test_a_damaged_index_is_skipped_and_every_checkpoint_damaged_is_an_error(tmp_path: Any) -> None:
+    run = Run(False)
+    manager = CheckpointManager(tmp_path / "c", every=2, keep=3, async_save=False)
+    run.train(4, manager)
+    with open(os.path.join(manager.path(4), "index.json"), "w") as f:
+        f.write('{"format": "sbpflow-checkpoint", "version": 1, "files": {')  # torn JSON
+    fresh = Run(False, seed=5)
+    with pytest.warns(CheckpointWarning, match=r"step-00000004.*index.json is damaged"):
+        assert CheckpointManager(tmp_path / "c").restore(fresh.state) == 2
+    _flip_a_bit(os.path.join(manager.path(2), "rank-00000.safetensors"))
+    before = Run(False, seed=5)
+    untouched = before.params()
+    with pytest.warns(CheckpointWarning), pytest.raises(
+            CorruptCheckpointError, match=r"every checkpoint in .* is damaged: step 4: .*; step 2: .*rank-00000"):
+        CheckpointManager(tmp_path / "c").restore(before.state)
+    assert before.state.step == 0
+    for got, want in zip(before.params(), untouched, strict=True):
+        np.testing.assert_array_equal(got, want)  # files are checked before any is read
+
+
+def test_a_mismatched_state_is_an_error_not_a_fallback(tmp_path: Any) -> None:
+    manager = CheckpointManager(tmp_path / "c", every=1, async_save=False)
+    run = Run(False)
+    run.train(2, manager)
+    with pytest.raises(CheckpointError, match="does not reshape it") as caught:
+        manager.restore(run_state(model=nn.Sequential(nn.Linear(2, 2))))
+    assert not isinstance(caught.value, CorruptCheckpointError)
 
 
 def test_run_state_covers_the_scaler_and_refuses_a_checkpoint_without_a_part(tmp_path: Any) -> None:

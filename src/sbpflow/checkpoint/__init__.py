@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, CheckpointWarning, CorruptCheckpointError
 from ..tensor import Tensor
 from ._index import Index, TensorEntry, dtype_of
 from ._load import LoadReport, load_sharded, read_index
@@ -130,5 +130,5 @@ def _as_sbpflow(value: Any) -> Any:
     return value
 
 
-__all__ = ["FORMATS", "CheckpointManager", "Index", "LoadReport", "RunState", "SaveReport", "load", "read_index",
-           "rng_state", "run_state", "save", "set_rng_state"]
+__all__ = ["FORMATS", "CheckpointManager", "CheckpointWarning", "CorruptCheckpointError", "Index", "LoadReport",
+           "RunState", "SaveReport", "load", "read_index", "rng_state", "run_state", "save", "set_rng_state"]

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from .._layout import Box, Shape, box_shape, numel, shard_box
-from ..errors import CheckpointError
+from ..errors import CheckpointError, CorruptCheckpointError
 from ..placement import Placement
 from ..sbp import Broadcast, NdSbp, Partial, parse
 from ._tree import Path, path_name
@@ -108,7 +108,7 @@ class Index:
             files = {name: FileRecord(int(f["bytes"]), str(f["sha256"])) for name, f in body["files"].items()}
             entries = {name: _entry_from_json(e) for name, e in body["entries"].items()}
         except (ValueError, KeyError, TypeError) as e:
-            raise CheckpointError(f"the checkpoint index {where} is damaged or not an sbpflow index: "
+            raise CorruptCheckpointError(f"the checkpoint index {where} is damaged or not an sbpflow index: "
                                   f"{type(e).__name__}: {e}") from None
         named = set(files) | {b.file for e in entries.values() if isinstance(e, TensorEntry) for b in e.boxes}
         for name in sorted(named):
@@ -122,9 +122,9 @@ def check_file_name(name: str, where: str) -> None:
     plain = (name not in ("", ".", "..") and "/" not in name and "\\" not in name and "\0" not in name
              and ":" not in name)
     if not plain:
-        raise CheckpointError(f"the checkpoint index {where} names the shard file {name!r}, which is not a plain "
-                              "file name inside the checkpoint folder; refusing to read it (the index is damaged "
-                              "or crafted)")
+        raise CorruptCheckpointError(f"the checkpoint index {where} names the shard file {name!r}, which is not a "
+                                     "plain file name inside the checkpoint folder; refusing to read it (the index "
+                                     "is damaged or crafted)")
 
 
 def _lines(mapping: dict[str, Any]) -> str:

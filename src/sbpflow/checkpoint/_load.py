@@ -19,7 +19,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from .._layout import intersect
-from ..errors import CheckpointError
+from ..errors import CheckpointError, CorruptCheckpointError
 from ..tensor import Tensor
 from ._fill import Source, fill, target_shards
 from ._index import INDEX_FILE, Entry, FileRecord, Index, ScalarEntry, TensorEntry
@@ -142,8 +142,8 @@ class _Files:
             try:
                 return handle.get_slice(name)[slices] if slices else handle.get_tensor(name)
             except SafetensorError as e:
-                raise CheckpointError(f"reading {name!r} from {os.path.join(self.root, box.file)} failed: {e}") \
-                    from None
+                raise CorruptCheckpointError(f"reading {name!r} from {os.path.join(self.root, box.file)} failed: "
+                                             f"{e}") from None
 
         return Source(box.box, read)
 
@@ -154,15 +154,15 @@ class _Files:
         record = self.index.files.get(file)
         where = os.path.join(self.root, file)
         if record is None:
-            raise CheckpointError(f"the checkpoint index places {wanted!r} in {file}, which it does not list; the "
-                                  "index is damaged")
+            raise CorruptCheckpointError(f"the checkpoint index places {wanted!r} in {file}, which it does not "
+                                         "list; the index is damaged")
         check_inside(where, self.root)
         check_file(where, record, self.verify)
         try:
             handle = self.stack.enter_context(safe_open(where, framework="pt"))
         except SafetensorError as e:
-            raise CheckpointError(f"{where} is not a readable safetensors file ({e}); the checkpoint is damaged") \
-                from None
+            raise CorruptCheckpointError(f"{where} is not a readable safetensors file ({e}); the checkpoint is "
+                                         "damaged") from None
         self.handles[file] = handle
         self.report.files.append(file)
         return handle
@@ -172,25 +172,25 @@ def check_inside(where: str, root: str) -> None:
     """The file ``where`` resolves (symlinks followed) to a regular file inside the checkpoint folder ``root``."""
     real, folder = os.path.realpath(where), os.path.realpath(root)
     if os.path.dirname(real) != folder:
-        raise CheckpointError(f"the checkpoint file {where} resolves to {real}, outside the checkpoint folder "
-                              f"{folder}; refusing to read it")
+        raise CorruptCheckpointError(f"the checkpoint file {where} resolves to {real}, outside the checkpoint "
+                                     f"folder {folder}; refusing to read it")
     if os.path.exists(real) and not os.path.isfile(real):
-        raise CheckpointError(f"the checkpoint file {where} is not a regular file; refusing to read it")
+        raise CorruptCheckpointError(f"the checkpoint file {where} is not a regular file; refusing to read it")
 
 
 def check_file(where: str, record: FileRecord, verify: bool) -> None:
     """The file exists with the length (and, with ``verify``, the SHA-256) the index recorded."""
     if not os.path.exists(where):
-        raise CheckpointError(f"the checkpoint file {where} is missing (the index lists it with {record.nbytes} "
-                              "bytes)")
+        raise CorruptCheckpointError(f"the checkpoint file {where} is missing (the index lists it with "
+                                     f"{record.nbytes} bytes)")
     size = os.path.getsize(where)
     if size != record.nbytes:
         what = "truncated" if size < record.nbytes else "longer than written"
-        raise CheckpointError(f"the checkpoint file {where} is {what}: {size} bytes, but the index records "
-                              f"{record.nbytes}")
+        raise CorruptCheckpointError(f"the checkpoint file {where} is {what}: {size} bytes, but the index records "
+                                     f"{record.nbytes}")
     if verify and _sha256(where) != record.sha256:
-        raise CheckpointError(f"the checkpoint file {where} is corrupt: its SHA-256 differs from the one the index "
-                              "recorded when it was written (load(..., verify=False) skips this check)")
+        raise CorruptCheckpointError(f"the checkpoint file {where} is corrupt: its SHA-256 differs from the one the "
+                                     "index recorded when it was written (load(..., verify=False) skips this check)")
 
 
 def _sha256(where: str) -> str:

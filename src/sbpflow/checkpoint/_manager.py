@@ -5,6 +5,10 @@ The folder holds ``step-00000020/``, ``step-00000040/``, ... (each an
 :func:`sbpflow.save` directory). A checkpoint exists once its directory has
 its name; one still being written is ``step-N.partial`` and is never restored,
 so a crash at any moment leaves the previous checkpoint the newest complete one.
+A complete checkpoint whose files were damaged since (truncated, bit-flipped,
+missing) is skipped with a :class:`~sbpflow.errors.CheckpointWarning` naming
+the file, before any of its data is used: restore falls back to the one before
+it, on every process alike.
 
 Asynchronous save: :meth:`CheckpointManager.save` does the collective part on
 the calling thread (partial tensors reduced) and copies this process's boxes
@@ -34,12 +38,17 @@ import os
 import shutil
 import threading
 import time
+import warnings
 from typing import Any
 
 import torch
 
+from ..boxing import Layout, execute, plan
 from ..comm import get_backend
-from ..errors import CheckpointError
+from ..distributed import activity, world_size
+from ..errors import CheckpointError, CheckpointWarning, CorruptCheckpointError
+from ..placement import Placement
+from ..sbp import Broadcast, Partial
 from ._index import INDEX_FILE
 from ._load import load_sharded
 from ._run import RunState
@@ -56,6 +65,21 @@ def checkpoint_name(step: int) -> str:
 def _step_of(name: str) -> int | None:
     digits = name[len(PREFIX):]
     return int(digits) if name.startswith(PREFIX) and digits.isdigit() else None
+
+
+def _everyone_succeeded(ok: bool) -> bool:
+    """Whether every process's ``ok`` holds (a collective): each process reads only its shards' files, so
+    they agree before any of them uses a checkpoint that one found damaged."""
+    ranks = list(range(world_size()))
+    if len(ranks) == 1:
+        return ok
+    backend = get_backend()
+    everyone = Placement("cpu", ranks)
+    flags = {r: torch.tensor([0.0 if ok else 1.0]) for r in backend.owned(ranks)}  # P(max): any one failed
+    steps = plan((1,), torch.float32, Layout(everyone, (Partial("max"),)), Layout(everyone, (Broadcast(),)))
+    with activity("checkpoint restore: agreeing whether every process could read the checkpoint"):
+        reduced = execute(steps, flags)
+    return all(float(t.item()) == 0.0 for t in reduced.values())
 
 
 class CheckpointManager:
@@ -100,22 +124,35 @@ class CheckpointManager:
     # -- restore ----------------------------------------------------------------------------------
 
     def restore(self, state: Any) -> int:
-        """Fills ``state`` from the newest complete checkpoint; returns its step (the first step to run), or 0
-        (``state`` untouched) when there is none."""
+        """Fills ``state`` from the newest complete, undamaged checkpoint; returns its step (the first step to
+        run), or 0 (``state`` untouched) when there is none. A damaged one is skipped with a warning."""
         self.wait()
         get_backend().barrier()  # every process sees the same folder
-        steps = self.steps()
-        if not steps:
-            return 0
-        step = steps[-1]
-        if isinstance(state, RunState):
-            tree = state.tree(fresh=True)
+        skipped = []
+        for step in reversed(self.steps()):
+            tree, problem = self._try_load(state, step)
+            if _everyone_succeeded(problem is None):
+                if isinstance(state, RunState):
+                    state.apply(tree)
+                self.last_saved = step
+                return step
+            why = problem or "another process found one of its files damaged"
+            skipped.append(f"step {step}: {why}")
+            warnings.warn(f"CheckpointManager.restore: skipping the damaged checkpoint {self.path(step)} ({why}); "
+                          "trying the one before it", CheckpointWarning, stacklevel=2)
+        if skipped:
+            raise CorruptCheckpointError(f"every checkpoint in {self.folder} is damaged: " + "; ".join(skipped))
+        return 0
+
+    def _try_load(self, state: Any, step: int) -> tuple[Any, str | None]:
+        """The tree checkpoint ``step`` filled (``state`` itself, or a :class:`RunState`'s fresh tree, applied
+        once every process succeeded) and what is damaged in it, or None. Every file is checked before it is read."""
+        tree = state.tree(fresh=True) if isinstance(state, RunState) else state
+        try:
             load_sharded(tree, self.path(step), self.verify)
-            state.apply(tree)
-        else:
-            load_sharded(state, self.path(step), self.verify)
-        self.last_saved = step
-        return step
+        except CorruptCheckpointError as e:
+            return tree, str(e)
+        return tree, None
 
     # -- save -------------------------------------------------------------------------------------
 

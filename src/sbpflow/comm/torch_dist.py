@@ -61,6 +61,7 @@ from ..errors import CommError, PlacementError
 from ..placement import Placement
 from ..sbp import Broadcast
 from .base import WIDENED_SUMS, Backend, Completed, Shape, Transfer
+from .rendezvous import join_default_group
 
 if TYPE_CHECKING:
     from ..boxing.plan import Plan
@@ -93,19 +94,10 @@ class TorchDistBackend(Backend):
             self._call("init_process_group", tuple(range(self.world_size)), self._init_process_group)
 
     def _init_process_group(self) -> None:
-        """Joins the default gloo group. Under torchrun's agent store, which outlives a failed attempt of a job
-        restarted by ``--max-restarts``, the keys go under a prefix of this attempt: the previous attempt's keys
-        (the dead processes' addresses) must not be read. Otherwise env:// hosts a store on rank 0."""
-        cfg = self.config
-        if not cfg.agent_store:
-            dist.init_process_group("gloo", init_method="env://", rank=self.rank, world_size=self.world_size,
-                                    timeout=self.timeout)
-            return
-        agent = dist.TCPStore(cfg.master_addr, cfg.master_port, self.world_size, is_master=False,
-                              timeout=self.timeout)
-        store = dist.PrefixStore(f"sbpflow/attempt-{cfg.restart_count}", agent)
-        dist.init_process_group("gloo", store=store, rank=self.rank, world_size=self.world_size,
-                                timeout=self.timeout)
+        """Joins the default gloo group through the job's store (:mod:`.rendezvous`: start-up failures say what
+        failed). Under torchrun's agent store, which outlives a failed attempt of a job restarted by
+        ``--max-restarts``, the keys go under a prefix of this attempt: the dead processes' must not be read."""
+        join_default_group(self.config, self.timeout)
 
     def close(self) -> None:
         """Leaves every group and the default process group."""

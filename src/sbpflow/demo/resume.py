@@ -8,6 +8,10 @@ a :class:`sbpflow.checkpoint.CheckpointManager`); :func:`save_training` writes i
 :func:`resume_training` fills a freshly built run from it, in that run's own
 strategy (any other one works too, resharding on load).
 
+The demo's ``--checkpoint-every N`` saves through a :class:`~sbpflow.checkpoint.CheckpointManager`
+(asynchronously, into ``OUT/checkpoints/step-NNNNNNNN``) as the README's pattern does, and ``--resume`` takes
+one checkpoint or a folder of them (its newest complete one).
+
 The batch position is the demo's DataLoader's ``state_dict()`` (epoch, batch:
 the batches its steps took, whatever its source actor had prefetched), and a
 resumed loader continues from there; without a loader (a stream that is a pure
@@ -31,21 +35,22 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import sbpflow
-from sbpflow.checkpoint import RunState, run_state
+from sbpflow.checkpoint import CheckpointManager, RunState, run_state
 from sbpflow.utils.data import DataLoader
 
 if TYPE_CHECKING:  # train_gpt drives this module
     from .train_gpt import Trainer
 
 
-def _run(trainer: Trainer, schedule: Any, step: int, loader: DataLoader | None) -> RunState:
+def demo_run_state(trainer: Trainer, schedule: Any, step: int = 0, loader: DataLoader | None = None) -> RunState:
+    """The demo run's whole state, for :func:`sbpflow.checkpoint.run_state`'s users (save, restore, manager)."""
     return run_state(model=trainer.model, optimizer=trainer.optimizer, scheduler=schedule, loader=loader, step=step)
 
 
 def training_state(trainer: Trainer, schedule: Any, step: int, loader: DataLoader | None = None) -> dict[str, Any]:
     """Everything a resumed run needs (:func:`sbpflow.checkpoint.run_state`'s tree), as tensors (sharing the
     run's storage) and Python scalars."""
-    tree = _run(trainer, schedule, step, loader).tree()
+    tree = demo_run_state(trainer, schedule, step, loader).tree()
     if loader is None:
         tree["data"] = {"batches": step}  # see the module docstring
     return tree
@@ -60,38 +65,28 @@ def save_training(path: str, trainer: Trainer, schedule: Any, step: int,
 def resume_training(path: str, trainer: Trainer, schedule: Any, loader: DataLoader | None = None) -> int:
     """Fills a freshly built run (and its loader's position) from the checkpoint at ``path``; returns the number
     of steps it had done."""
-    run = _run(trainer, schedule, 0, loader)
+    run = demo_run_state(trainer, schedule, 0, loader)
     tree = run.tree(fresh=True)
     sbpflow.load(tree, path)
     return run.apply(tree)
 
 
-def latest_checkpoint(path: str) -> str:
-    """``path`` itself if it is a checkpoint, else its newest ``step-N`` checkpoint (``--resume out/checkpoints``)."""
-    if os.path.exists(os.path.join(path, "index.json")) or os.path.isfile(path):
-        return path
-    steps = [name for name in os.listdir(path) if name.startswith("step-") and name[5:].isdigit()] \
-        if os.path.isdir(path) else []
-    if not steps:
-        raise sbpflow.CheckpointError(f"{path} is neither a checkpoint nor a folder of step-N checkpoints")
-    return os.path.join(path, max(steps, key=lambda name: int(name[5:])))
-
-
-def checkpoint_path(folder: str, step: int) -> str:
-    return os.path.join(folder, f"step-{step:06d}")
-
-
-# ---------------------------------------------------------------- the demo's --resume and --checkpoint-every
-
-
-def resume_from_args(args: argparse.Namespace, trainer: Trainer, schedule: Any, loader: DataLoader,
-                     print_fn: Callable[[str], None]) -> int:
-    """``--resume DIR``: fills the run and moves ``loader`` to the checkpoint's position; the first step to train."""
+def resume_from_args(args: argparse.Namespace, state: RunState, print_fn: Callable[[str], None]) -> int:
+    """``--resume PATH``: fills the run (and moves its loader) from the checkpoint at PATH or, for a folder of
+    ``step-N`` checkpoints, from its newest complete one (:meth:`CheckpointManager.restore`); the first step to
+    train."""
     if args.resume is None:
         return 0
+    path = args.resume
     try:
-        path = latest_checkpoint(args.resume)
-        step = resume_training(path, trainer, schedule, loader)
+        folder = CheckpointManager(path) if os.path.isdir(path) else None
+        if folder is not None and folder.steps():
+            step = folder.restore(state)
+            path = folder.path(step)
+        else:
+            tree = state.tree(fresh=True)
+            sbpflow.load(tree, path)
+            step = state.apply(tree)
     except sbpflow.SbpflowError as e:
         raise SystemExit(f"sbpflow demo: --resume {args.resume}: {e}") from None
     if step >= args.steps:
@@ -101,13 +96,16 @@ def resume_from_args(args: argparse.Namespace, trainer: Trainer, schedule: Any, 
     return step
 
 
-def checkpoint_from_args(args: argparse.Namespace, trainer: Trainer, schedule: Any, step: int,
-                         print_fn: Callable[[str], None], loader: DataLoader | None = None) -> None:
-    """``--checkpoint-every N``: saves after every N-th step (and the last one)."""
-    every = args.checkpoint_every
-    if every <= 0 or (step % every and step != args.steps):
-        return
-    path = checkpoint_path(os.path.join(args.out, "checkpoints"), step)
-    report = save_training(path, trainer, schedule, step, loader)
-    print_fn(f"checkpoint: {path} ({len(report.files)} files, {report.bytes_written:,} bytes, "
-             f"{report.seconds * 1e3:.0f} ms)")
+def manager_from_args(args: argparse.Namespace) -> CheckpointManager | None:
+    """``--checkpoint-every N``: a manager saving into OUT/checkpoints every N steps, asynchronously, all kept."""
+    if args.checkpoint_every <= 0:
+        return None
+    return CheckpointManager(os.path.join(args.out, "checkpoints"), every=args.checkpoint_every, keep=0)
+
+
+def checkpoint_from_args(args: argparse.Namespace, manager: CheckpointManager | None, state: RunState, step: int,
+                         print_fn: Callable[[str], None]) -> None:
+    """After ``step`` steps: saves every N-th step and the last one (a writer thread writes the files)."""
+    if manager is not None and manager.save(step, state, force=step == args.steps):
+        print_fn(f"checkpoint: {manager.path(step)} (written in the background; the step paused "
+                 f"{manager.pause_s * 1e3:.0f} ms)")

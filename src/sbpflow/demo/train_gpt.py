@@ -43,7 +43,7 @@ from sbpflow.models.gpt import GPT, GPTConfig, Strategy, parallelize, parse_stra
 from sbpflow.tensor import Tensor
 from sbpflow.utils.data import DataLoader, Dataset
 
-from .resume import checkpoint_from_args, resume_from_args
+from .resume import checkpoint_from_args, demo_run_state, manager_from_args, resume_from_args
 
 # ----------------------------------------------------------------------------- training
 
@@ -422,7 +422,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--micro-batches", type=int, default=1, help="gradient accumulation steps in graph mode "
                                                                       "(default 1)")
     parser.add_argument("--checkpoint-every", type=int, default=0, metavar="N",
-                        help="save a sharded checkpoint every N steps, to OUT/checkpoints/step-NNNNNN (default: never)")
+                        help="save a sharded checkpoint every N steps, in the background, to "
+                             "OUT/checkpoints/step-NNNNNNNN (default: never)")
     parser.add_argument("--resume", default=None, metavar="DIR",
                         help="continue from a checkpoint (or the newest one in a folder of them), under this run's "
                              "own --devices and --strategy: bit-exact under the same ones")
@@ -560,7 +561,9 @@ def _matmul_tour(print_fn: Callable[[str], None]) -> None:
 def _train(trainer: Trainer, data: CharData, args: argparse.Namespace, schedule: Any,
            print_fn: Callable[[str], None]) -> tuple[list[float], str]:
     loader = demo_loader(data, trainer, args)
-    first = resume_from_args(args, trainer, schedule, loader, print_fn)  # 0 without --resume
+    state = demo_run_state(trainer, schedule, loader=loader)
+    manager = manager_from_args(args)  # None without --checkpoint-every
+    first = resume_from_args(args, state, print_fn)  # 0 without --resume
     bar = ProgressBar(args.steps)
     losses: list[float] = []
     tables: list[str] = []
@@ -569,10 +572,12 @@ def _train(trainer: Trainer, data: CharData, args: argparse.Namespace, schedule:
                           strict=True):
         losses.append(loss)
         schedule.step()
-        checkpoint_from_args(args, trainer, schedule, step + 1, print_fn, loader)
+        checkpoint_from_args(args, manager, state, step + 1, print_fn)
         tokens = (step + 1 - first) * args.batch_size * args.block_size
         bar.update(step + 1, losses[-1], tokens / max(time.perf_counter() - start, 1e-9))
     bar.close()
+    if manager is not None:
+        manager.wait()
     return losses, "".join(tables)
 
 
