@@ -98,7 +98,7 @@ class OpDef:
     def __init__(self, name: str, kernel: Callable[..., Any], meta: Callable[..., Any], sbp: Callable[..., Any],
                  shard_aware: bool, save_outputs: bool, differentiable: bool, mesh_aware: bool,
                  data_dependent: bool = False, diff_outputs: int | None = None,
-                 grad_reads: tuple[int, ...] | None = None) -> None:
+                 grad_reads: tuple[int, ...] | None = None, communicating: bool = False) -> None:
         self.name = name
         self.kernel = kernel
         self.meta = meta
@@ -110,6 +110,7 @@ class OpDef:
         self.data_dependent = data_dependent
         self.diff_outputs = diff_outputs  # outputs that get gradients (the first n); None: all of them
         self.grad_reads = grad_reads  # tensor inputs whose values the gradient reads; None: all of them
+        self.communicating = communicating  # one kernel call for all owned ranks, which may talk (run_shards)
         self.backward_fn: Callable[..., Any] | None = None
         self.activity = f"op {name!r}"  # what comm errors name while this op boxes its inputs
 
@@ -137,7 +138,8 @@ class OpDef:
 def op(name: str, *, meta: Callable[..., Any], sbp: Callable[..., Any], shard_aware: bool = False,
        save_outputs: bool = False, differentiable: bool = True, mesh_aware: bool = False,
        data_dependent: bool = False, diff_outputs: int | None = None,
-       grad_reads: tuple[int, ...] | None = None) -> Callable[[Callable[..., Any]], OpDef]:
+       grad_reads: tuple[int, ...] | None = None,
+       communicating: bool = False) -> Callable[[Callable[..., Any]], OpDef]:
     """Registers the decorated kernel as op ``name``.
 
     ``shard_aware`` kernels get a :class:`ShardCtx` first; ``mesh_aware`` SBP
@@ -153,19 +155,40 @@ def op(name: str, *, meta: Callable[..., Any], sbp: Callable[..., Any], shard_aw
     keeps only metadata (shape, dtype, layout), so that their memory is freed
     as soon as nothing else holds them, as torch frees what no backward saves
     (``()`` for add, views, casts, log_softmax; None, the default: all).
+    ``communicating`` kernels (shard-aware only) are called once per process for
+    all its ranks and may exchange shards with their peers (see :func:`run_shards`).
     """
 
     def register(kernel: Callable[..., Any]) -> OpDef:
         if name in REGISTRY:
             raise OpError(f"op {name!r} is registered twice")
+        if communicating and not shard_aware:  # its peers and their boxes come from the ShardCtx
+            raise OpError(f"op {name!r} is communicating, so it must be shard_aware")
         if data_dependent and shard_aware:  # a ShardCtx holds output boxes, which need the sizes up front
             raise OpError(f"op {name!r} cannot be both data_dependent and shard_aware: output boxes need sizes")
         definition = OpDef(name, kernel, meta, sbp, shard_aware, save_outputs, differentiable, mesh_aware,
-                           data_dependent, diff_outputs, grad_reads)
+                           data_dependent, diff_outputs, grad_reads, communicating)
         REGISTRY[name] = definition
         return definition
 
     return register
+
+
+def run_shards(opdef: OpDef, ctxs: dict[int, ShardCtx], values: dict[int, list[Any]],
+               attrs: dict[str, Any]) -> dict[int, Any]:
+    """A shard-aware kernel on every owned rank's arguments: ``{rank: result}``.
+
+    A *communicating* kernel talks to its peers (ring attention passes K/V blocks around a mesh axis). One
+    process may own every rank of the ring (virtual ranks), where a kernel run rank after rank would wait for a
+    peer that has not started, so it is called once with every owned rank's arguments:
+    ``kernel({rank: ctx}, *({rank: arg} per argument), **attrs) -> {rank: result}``, and it exchanges shards
+    through the comm backend, which moves them between virtual ranks or processes alike.
+    """
+    if opdef.communicating:
+        n = len(next(iter(values.values()))) if values else 0
+        columns = [{r: args[i] for r, args in values.items()} for i in range(n)]
+        return opdef.kernel(ctxs, *columns, **attrs)  # type: ignore[no-any-return]
+    return {r: opdef.kernel(ctxs[r], *args, **attrs) for r, args in values.items()}
 
 
 def apply(opdef: OpDef, args: Sequence[Any], attrs: dict[str, Any]) -> Any:
