@@ -67,16 +67,16 @@ def _block_shape(meta: Meta, placement: Placement, nd_sbp: tuple, rank: int) -> 
 
 def _expand(kv: torch.Tensor, heads: int) -> torch.Tensor:
     """K or V of fewer heads (grouped-query attention) repeated to q's ``heads``: local (B, H, t, D)."""
-    group = heads // kv.shape[-3]
-    return kv if group == 1 else kv.repeat_interleave(group, dim=-3)
+    if kv.shape[-3] in (0, heads):  # no grouping (or an empty shard of heads)
+        return kv
+    return kv.repeat_interleave(heads // kv.shape[-3], dim=-3)
 
 
 def _fold(grad: torch.Tensor, kv_heads: int) -> torch.Tensor:
     """The gradient of :func:`_expand`: each kv head sums its group's q heads."""
-    group = grad.shape[-3] // kv_heads
-    if group == 1:
+    if kv_heads in (0, grad.shape[-3]):
         return grad
-    return grad.unflatten(-3, (kv_heads, group)).sum(-3)  # (B, Hkv, group, t, D) -> (B, Hkv, t, D)
+    return grad.unflatten(-3, (kv_heads, grad.shape[-3] // kv_heads)).sum(-3)  # (B, Hkv, group, t, D) -> (B, Hkv, t, D)
 
 
 def _scores(q: torch.Tensor, k: torch.Tensor, q_lo: int, k_lo: int, causal: bool, scale: float) -> torch.Tensor:
