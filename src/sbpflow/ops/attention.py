@@ -273,12 +273,13 @@ def _sdpa_backward_sigs(dy: Meta, q: Meta, k: Meta, v: Meta, out: Meta, lse: Met
 def sdpa_backward(ctxs: dict[int, ShardCtx], dy: dict[int, torch.Tensor], q: dict[int, torch.Tensor],
                   k: dict[int, torch.Tensor], v: dict[int, torch.Tensor], out: dict[int, torch.Tensor],
                   lse: dict[int, torch.Tensor], *mask: dict[int, torch.Tensor], is_causal: bool,
-                  scale: float | None, enable_gqa: bool = False) -> dict[int, tuple[torch.Tensor, ...]]:
+                  scale: float | None, enable_gqa: bool = False) -> dict[int, tuple[torch.Tensor, torch.Tensor,
+                                                                                     torch.Tensor]]:
     """(dq, dk, dv) of every owned rank: the ring's backward when k is split on the sequence, else each shard
     alone."""
     if _is_ring(next(iter(ctxs.values())), k_index=2):
         return ring.backward(ctxs, dy, q, k, v, out, lse, is_causal, scale)
-    results = {}
+    results: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
     for r, ctx in ctxs.items():
         kv_heads = k[r].shape[-3]
         heads = q[r].shape[-3]

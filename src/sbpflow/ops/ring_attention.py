@@ -23,7 +23,7 @@ p + 1 blocks: the work is unbalanced (see docs/benchmarks.md).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -117,11 +117,12 @@ class _Ring:
     def rows(self, index: int, rank: int) -> tuple[int, int]:
         return _rows(self.ctx.in_metas[index], self.placement, self.ctx.in_sbps[index], rank, self.dim)
 
-    def pass_on(self, step: int, payloads: dict[int, Sequence[torch.Tensor]],
+    def pass_on(self, step: int, payloads: Mapping[int, Sequence[torch.Tensor]],
                 metas: Sequence[tuple[Meta, tuple]]) -> dict[int, list[torch.Tensor]]:
         """Every member sends the blocks it holds in ``step`` to the next member; returns what each owned rank
         receives (the blocks it holds in ``step + 1``). ``metas``: (meta, nd-SBP) of each payload tensor."""
-        transfers, tensors = [], {}
+        transfers: list[Transfer] = []
+        tensors: dict[int, torch.Tensor] = {}
         for ring in self.rings:
             for i, src in enumerate(ring):
                 owner = ring[(i - step) % len(ring)]  # whose block src holds
