@@ -27,10 +27,11 @@ def make(kind: str) -> Any:
 
 
 class _Step(sbpflow.nn.Graph):
-    def __init__(self, model: Any, opt: Any) -> None:
+    def __init__(self, model: Any, opt: Any, selection: str) -> None:
         super().__init__()
         self.model = model
         self.add_optimizer(opt)
+        self.config.sbp_selection = selection
 
     def build(self, ids: Any, targets: Any) -> Any:
         _, loss = self.model(ids, targets)
@@ -38,15 +39,16 @@ class _Step(sbpflow.nn.Graph):
         return loss
 
 
-def train(kind: str, mesh: list[list[int]] | None, graph: bool = False,
-          steps: int = 3) -> tuple[list[float], dict[str, np.ndarray], CommLog]:
-    """Losses, final parameters and the first step's collectives; ``mesh`` None: one device, local tensors."""
+def train(kind: str, mesh: list[list[int]] | None, graph: bool = False, steps: int = 3,
+          selection: str = "ilp") -> tuple[list[float], dict[str, np.ndarray], CommLog]:
+    """Losses, final parameters and the first step's collectives; ``mesh`` None: one device, local tensors;
+    ``selection``: nn.Graph's ``sbp_selection``."""
     model = make(kind)
     placement = None if mesh is None else sbpflow.placement("cpu", mesh)
     if placement is not None:
         model.to_global(placement, (broadcast, broadcast))
     opt = sbpflow.optim.AdamW(model.parameters(), lr=1e-2)
-    step = _Step(model, opt) if graph else None
+    step = _Step(model, opt, selection) if graph else None
     rng = np.random.default_rng(0)
     losses, first = [], CommLog()
     for i in range(steps):

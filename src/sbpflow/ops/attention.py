@@ -203,7 +203,7 @@ def _is_ring(ctx: ShardCtx, k_index: int) -> bool:
 
 
 @op("scaled_dot_product_attention", meta=_sdpa_meta_with_lse, sbp=_sdpa_sigs, shard_aware=True, save_outputs=True,
-    diff_outputs=1, communicating=True)
+    diff_outputs=1, communicating=ring.forward_talks)
 def _sdpa(ctxs: dict[int, ShardCtx], q: dict[int, torch.Tensor], k: dict[int, torch.Tensor],
           v: dict[int, torch.Tensor], *mask: dict[int, torch.Tensor], is_causal: bool, scale: float | None,
           enable_gqa: bool = False) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
@@ -269,7 +269,7 @@ def _sdpa_backward_sigs(dy: Meta, q: Meta, k: Meta, v: Meta, out: Meta, lse: Met
 
 
 @op("sdpa_backward", meta=_sdpa_backward_meta, sbp=_sdpa_backward_sigs, shard_aware=True, differentiable=False,
-    communicating=True)
+    communicating=ring.backward_talks)
 def sdpa_backward(ctxs: dict[int, ShardCtx], dy: dict[int, torch.Tensor], q: dict[int, torch.Tensor],
                   k: dict[int, torch.Tensor], v: dict[int, torch.Tensor], out: dict[int, torch.Tensor],
                   lse: dict[int, torch.Tensor], *mask: dict[int, torch.Tensor], is_causal: bool,

@@ -29,7 +29,7 @@ import torch
 
 from .._layout import shard_box
 from ..comm import get_backend
-from ..comm.base import Transfer
+from ..comm.base import Transfer, nbytes
 from ..placement import Placement
 from ..sbp import Split
 from .schema import Meta, ShardCtx
@@ -55,6 +55,32 @@ def rings(ctx: ShardCtx, dim: int) -> list[tuple[int, ...]]:
     k_meta, k_sbp = ctx.in_metas[1], ctx.in_sbps[1]
     return [tuple(sorted(g, key=lambda r: shard_box(k_meta.shape, placement, k_sbp, r)[dim][0]))
             for g in groups.values()]
+
+
+def forward_talks(metas: tuple[Meta, ...], sbps: tuple[tuple, ...], placement: Placement) -> tuple[int, int]:
+    """Messages and bytes one rank sends in the forward (inputs q, k, v): c - 1 hops of its K and V blocks."""
+    hops, kv = _ring_blocks(metas[1:3], sbps[1:3], placement)
+    return (hops, hops * kv) if hops else (0, 0)
+
+
+def backward_talks(metas: tuple[Meta, ...], sbps: tuple[tuple, ...], placement: Placement) -> tuple[int, int]:
+    """... in the backward (inputs dy, q, k, v, ...): c - 1 hops of K, V and their fp32 gradients, then one of
+    the gradients (counted at K and V's size: fp32 gradients of fp32 inputs)."""
+    hops, kv = _ring_blocks(metas[2:4], sbps[2:4], placement)
+    return (hops + 1, (2 * hops + 1) * kv) if hops else (0, 0)
+
+
+def _ring_blocks(kv: Sequence[Meta], sbps: Sequence[tuple], placement: Placement) -> tuple[int, int]:
+    """(c - 1, bytes of one rank's K and V blocks) for k and v split on the sequence; (0, 0) otherwise."""
+    seq = kv[0].ndim - 2
+    c = 1
+    for axis, s in enumerate(sbps[0]):
+        if isinstance(s, Split) and s.dim == seq:
+            c *= placement.hierarchy[axis]
+    if c == 1:
+        return 0, 0
+    rank = placement.flat_ranks[0]
+    return c - 1, sum(nbytes(_block_shape(m, placement, s, rank), m.dtype) for m, s in zip(kv, sbps, strict=True))
 
 
 def _rows(meta: Meta, placement: Placement, nd_sbp: tuple, rank: int, dim: int) -> tuple[int, int]:

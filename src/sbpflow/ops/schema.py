@@ -89,6 +89,10 @@ class ShardCtx:
     out_sbps: tuple[NdSbp, ...]
 
 
+# A communicating op's messages: (input metas, chosen input n-D SBPs, placement) -> (messages, bytes) one rank
+# sends in its kernel; (0, 0) when this signature keeps the kernel to its own shards.
+Talks = Callable[[tuple[Meta, ...], tuple[NdSbp, ...], Placement], tuple[int, int]]
+
 REGISTRY: dict[str, OpDef] = {}
 
 
@@ -98,7 +102,7 @@ class OpDef:
     def __init__(self, name: str, kernel: Callable[..., Any], meta: Callable[..., Any], sbp: Callable[..., Any],
                  shard_aware: bool, save_outputs: bool, differentiable: bool, mesh_aware: bool,
                  data_dependent: bool = False, diff_outputs: int | None = None,
-                 grad_reads: tuple[int, ...] | None = None, communicating: bool = False) -> None:
+                 grad_reads: tuple[int, ...] | None = None, talks: Talks | None = None) -> None:
         self.name = name
         self.kernel = kernel
         self.meta = meta
@@ -110,7 +114,8 @@ class OpDef:
         self.data_dependent = data_dependent
         self.diff_outputs = diff_outputs  # outputs that get gradients (the first n); None: all of them
         self.grad_reads = grad_reads  # tensor inputs whose values the gradient reads; None: all of them
-        self.communicating = communicating  # one kernel call for all owned ranks, which may talk (run_shards)
+        self.talks = talks  # a communicating kernel's messages and bytes per rank (see op); None: it never talks
+        self.communicating = talks is not None  # one kernel call for all owned ranks (run_shards)
         self.backward_fn: Callable[..., Any] | None = None
         self.activity = f"op {name!r}"  # what comm errors name while this op boxes its inputs
 
@@ -139,7 +144,7 @@ def op(name: str, *, meta: Callable[..., Any], sbp: Callable[..., Any], shard_aw
        save_outputs: bool = False, differentiable: bool = True, mesh_aware: bool = False,
        data_dependent: bool = False, diff_outputs: int | None = None,
        grad_reads: tuple[int, ...] | None = None,
-       communicating: bool = False) -> Callable[[Callable[..., Any]], OpDef]:
+       communicating: Talks | None = None) -> Callable[[Callable[..., Any]], OpDef]:
     """Registers the decorated kernel as op ``name``.
 
     ``shard_aware`` kernels get a :class:`ShardCtx` first; ``mesh_aware`` SBP
@@ -156,13 +161,15 @@ def op(name: str, *, meta: Callable[..., Any], sbp: Callable[..., Any], shard_aw
     as soon as nothing else holds them, as torch frees what no backward saves
     (``()`` for add, views, casts, log_softmax; None, the default: all).
     ``communicating`` kernels (shard-aware only) are called once per process for
-    all its ranks and may exchange shards with their peers (see :func:`run_shards`).
+    all its ranks and may exchange shards with their peers (see :func:`run_shards`);
+    the value is their :data:`Talks` function, which the graph compiler reads to
+    price a signature's messages and to give a talking node a stream of its own.
     """
 
     def register(kernel: Callable[..., Any]) -> OpDef:
         if name in REGISTRY:
             raise OpError(f"op {name!r} is registered twice")
-        if communicating and not shard_aware:  # its peers and their boxes come from the ShardCtx
+        if communicating is not None and not shard_aware:  # its peers and their boxes come from the ShardCtx
             raise OpError(f"op {name!r} is communicating, so it must be shard_aware")
         if data_dependent and shard_aware:  # a ShardCtx holds output boxes, which need the sizes up front
             raise OpError(f"op {name!r} cannot be both data_dependent and shard_aware: output boxes need sizes")
@@ -184,11 +191,23 @@ def run_shards(opdef: OpDef, ctxs: dict[int, ShardCtx], values: dict[int, list[A
     ``kernel({rank: ctx}, *({rank: arg} per argument), **attrs) -> {rank: result}``, and it exchanges shards
     through the comm backend, which moves them between virtual ranks or processes alike.
     """
-    if opdef.communicating:
+    if opdef.talks is not None:
         n = len(next(iter(values.values()))) if values else 0
         columns = [{r: args[i] for r, args in values.items()} for i in range(n)]
         return opdef.kernel(ctxs, *columns, **attrs)  # type: ignore[no-any-return]
     return {r: opdef.kernel(ctxs[r], *args, **attrs) for r, args in values.items()}
+
+
+def shard_kernel(opdef: OpDef) -> Callable[..., Any]:
+    """``opdef``'s kernel as one shard's call, ``kernel(ctx, *args, **attrs)``, for a caller that runs shards one by
+    one (a fused segment): a communicating kernel is wrapped, and must then be under a signature that talks not."""
+    if opdef.talks is None:
+        return opdef.kernel
+
+    def one(ctx: ShardCtx, *args: Any, **attrs: Any) -> Any:
+        return opdef.kernel({ctx.rank: ctx}, *({ctx.rank: a} for a in args), **attrs)[ctx.rank]
+
+    return one
 
 
 def apply(opdef: OpDef, args: Sequence[Any], attrs: dict[str, Any]) -> Any:
