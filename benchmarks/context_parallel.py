@@ -25,9 +25,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 
 import torch  # noqa: E402
+from _report import add_write_flag, machine, write_section  # noqa: E402
 
 import sbpflow  # noqa: E402
-from _report import add_write_flag, machine, write_section  # noqa: E402
 from sbpflow._layout import split_range  # noqa: E402
 from sbpflow.models.llama import Llama, LlamaConfig  # noqa: E402
 from sbpflow.sbp import broadcast, split  # noqa: E402
