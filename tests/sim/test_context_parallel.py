@@ -34,9 +34,10 @@ def _sdpa(causal: bool, gqa: bool) -> tuple:
 
 @pytest.mark.parametrize("cp", [2, 3, 4])
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize(("kv_heads", "t"), [(4, 12), (2, 11), (1, 7)])  # MHA even, GQA uneven, MQA uneven
-def test_ring_attention_matches_torch(cp: int, causal: bool, kv_heads: int, t: int) -> None:
-    values = _qkv(4, kv_heads, t)
+@pytest.mark.parametrize(("kv_heads", "t", "dv"), [(4, 12, 8), (2, 11, 6), (1, 7, 8)])  # MHA, GQA, MQA
+def test_ring_attention_matches_torch(cp: int, causal: bool, kv_heads: int, t: int, dv: int) -> None:
+    """Lengths even and uneven; head dims equal (torch's flash kernel per block) or not (the block's own math)."""
+    values = _qkv(4, kv_heads, t, dv)
     r = check(*_sdpa(causal, kv_heads != 4), values, sbpflow.placement("cpu", list(range(cp))), [(T,)] * 3)
     assert r.out.sbp == (T,)
     k, v = values[1], values[2]

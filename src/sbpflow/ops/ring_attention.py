@@ -35,6 +35,7 @@ from ..sbp import Split
 from .schema import Meta, ShardCtx
 
 Shards = dict[int, torch.Tensor]
+_FLASH_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 
 def ring_axes(ctx: ShardCtx, dim: int) -> tuple[int, ...]:
@@ -184,12 +185,8 @@ def forward(ctxs: dict[int, ShardCtx], q: Shards, k: Shards, v: Shards, causal: 
             q_rows, k_rows = ring.rows(0, r), ring.rows(1, owner)
             if not _visible(q_rows, k_rows, causal):
                 continue
-            heads = q[r].shape[-3]
-            s = _scores(q[r].to(acc_dtype), _expand(held[r][0], heads).to(acc_dtype), q_rows[0], k_rows[0],
-                        causal, scale_of)
-            block_lse = torch.logsumexp(s, dim=-1)  # local (B, H, tq)
-            block_out = torch.matmul(_exp_safe(s - block_lse[..., None]),
-                                     _expand(held[r][1], heads).to(acc_dtype))
+            block_out, block_lse = _block_forward(q[r], held[r][0], held[r][1], q_rows, k_rows, causal, scale_of,
+                                                  acc_dtype)
             total = torch.logaddexp(lse[r], block_lse)
             out[r] = (out[r] * _exp_safe(lse[r] - total)[..., None]
                       + block_out * _exp_safe(block_lse - total)[..., None])
@@ -220,7 +217,7 @@ def backward(ctxs: dict[int, ShardCtx], dy: Shards, q: Shards, k: Shards, v: Sha
             owner = ring.holder_block(r, step)
             q_rows, k_rows = ring.rows(0, r), ring.rows(1, owner)
             if _visible(q_rows, k_rows, causal):
-                _block_grads(q[r], dy[r], lse[r], row_term[r], held[r], dq[r], q_rows[0], k_rows[0], causal,
+                _block_grads(q[r], dy[r], out[r], lse[r], row_term[r], held[r], dq[r], q_rows, k_rows, causal,
                              scale_of, acc_dtype)
         if step < steps - 1:
             held = ring.pass_on(step, held, [k_meta, v_meta, *acc])
@@ -228,15 +225,51 @@ def backward(ctxs: dict[int, ShardCtx], dy: Shards, q: Shards, k: Shards, v: Sha
     return {r: (dq[r].to(q[r].dtype), home[r][0].to(k[r].dtype), home[r][1].to(v[r].dtype)) for r in ctxs}
 
 
-def _block_grads(q: torch.Tensor, dy: torch.Tensor, lse: torch.Tensor, row_term: torch.Tensor,
-                 held: list[torch.Tensor], dq: torch.Tensor, q_lo: int, k_lo: int, causal: bool, scale: float,
-                 acc_dtype: torch.dtype) -> None:
-    """Adds one block pair's share to dq and to the travelling dk, dv (``held[2]``, ``held[3]``) in place."""
+def _flash_mode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_rows: tuple[int, int],
+                k_rows: tuple[int, int], causal: bool) -> bool | None:
+    """The ``is_causal`` with which torch's CPU flash kernel computes this block pair exactly: False when every
+    key precedes every query (or no mask), True on the diagonal (one range of rows), None when it cannot (a
+    partial mask, a GPU shard, unequal head dims): the block is then computed by :func:`_scores`."""
+    if not (q.is_cpu and q.dim() == 4 and q.dtype in _FLASH_DTYPES and q.shape[-1] == k.shape[-1] == v.shape[-1]):
+        return None
+    if not causal or k_rows[1] - 1 <= q_rows[0]:
+        return False
+    return True if q_rows == k_rows else None
+
+
+def _block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_rows: tuple[int, int],
+                   k_rows: tuple[int, int], causal: bool, scale: float,
+                   acc_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) of one block pair in ``acc_dtype`` (local (B, H, tq, Dv) and (B, H, tq))."""
+    k, v = _expand(k, q.shape[-3]), _expand(v, q.shape[-3])
+    mode = _flash_mode(q, k, v, q_rows, k_rows, causal)
+    if mode is not None:
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, mode, scale=scale)
+        return out.to(acc_dtype), lse.to(acc_dtype)
+    s = _scores(q.to(acc_dtype), k.to(acc_dtype), q_rows[0], k_rows[0], causal, scale)
+    lse = torch.logsumexp(s, dim=-1)  # local (B, H, tq)
+    return torch.matmul(_exp_safe(s - lse[..., None]), v.to(acc_dtype)), lse
+
+
+def _block_grads(q: torch.Tensor, dy: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, row_term: torch.Tensor,
+                 held: list[torch.Tensor], dq: torch.Tensor, q_rows: tuple[int, int], k_rows: tuple[int, int],
+                 causal: bool, scale: float, acc_dtype: torch.dtype) -> None:
+    """Adds one block pair's share to dq and to the travelling dk, dv (``held[2]``, ``held[3]``) in place. With
+    the final out and lse, torch's flash backward of the block gives exactly its share (the softmax it rebuilds
+    is the whole row's)."""
     k, v, dk, dv = held
     heads, kv_heads = q.shape[-3], k.shape[-3]
-    qa, dya = q.to(acc_dtype), dy.to(acc_dtype)
-    ke, ve = _expand(k, heads).to(acc_dtype), _expand(v, heads).to(acc_dtype)
-    p = _exp_safe(_scores(qa, ke, q_lo, k_lo, causal, scale) - lse.to(acc_dtype)[..., None])  # (B, H, tq, tk)
+    ke, ve = _expand(k, heads), _expand(v, heads)
+    mode = _flash_mode(q, ke, ve, q_rows, k_rows, causal)
+    if mode is not None:
+        grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dy, q, ke, ve, out, lse, 0.0, mode, scale=scale)
+        dq.add_(grads[0])
+        dk.add_(_fold(grads[1], kv_heads))
+        dv.add_(_fold(grads[2], kv_heads))
+        return
+    qa, dya, ke, ve = q.to(acc_dtype), dy.to(acc_dtype), ke.to(acc_dtype), ve.to(acc_dtype)
+    p = _exp_safe(_scores(qa, ke, q_rows[0], k_rows[0], causal, scale) - lse.to(acc_dtype)[..., None])
     dv.add_(_fold(torch.matmul(p.transpose(-1, -2), dya), kv_heads))
     ds = p * (torch.matmul(dya, ve.transpose(-1, -2)) - row_term[..., None])
     dq.add_(torch.matmul(ds, ke) * scale)
