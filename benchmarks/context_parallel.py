@@ -9,7 +9,8 @@ ranks, ids split on the sequence, parameters broadcast, with eager's SBP choice 
 k, v stay ``S(T)`` and attention runs as a ring). The cap is the cp = 1 plan's ``peak_bytes`` at 4096 tokens;
 for each cp the longest sequence (a multiple of 64 cp) whose plan peaks under it is found by bisection. The
 plan's peak counts the registers it holds between ops (activations, parameters, gradients, optimizer state);
-the ring kernel's transient blocks (one fp32 (B, H, T/c, T/c) score block at a time) are not in it.
+the ring kernel's transient buffers (the K/V block in flight; torch's flash kernel computes each block) are not
+in it.
 
 **Balance.** Under a causal mask the ring skips the blocks wholly above the diagonal; the table gives each
 rank's computed (query, key) pairs, relative to the mean, for plain ``S(T)`` (the layout shipped: member p

@@ -103,3 +103,25 @@ def test_dp2_cp2_training_matches_one_device(one_device: tuple[str, tuple], mode
         assert log.counts()["send_recv"] == 6
     if mode == "eager":
         assert "all_gather" not in log.counts()
+
+
+class _Attention(sbpflow.nn.Graph):
+    def build(self, q: sbpflow.Tensor, k: sbpflow.Tensor, v: sbpflow.Tensor) -> sbpflow.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+@pytest.mark.parametrize(("cp", "t", "chosen"), [(2, 4096, "ring"), (4, 256, "ring"), (4, 4096, "ulysses")])
+def test_the_compiler_prices_ring_against_ulysses(cp: int, t: int, chosen: str) -> None:
+    """nn.Graph's SBP selection prices the ring's messages (ops.ring_attention.forward_talks) against the
+    all-to-alls from sequence to heads (Ulysses: q, k, v S(T) -> S(H), the output back): at four ranks and a
+    long sequence the ring's three hops of K and V cost more than four all-to-alls of a quarter each."""
+    p = sbpflow.placement("cpu", list(range(cp)))
+    args = [sbpflow.meta_tensor(1, 8, t, 64, placement=p, sbp=(T,)) for _ in range(3)]
+    plan = _Attention().compile_only(*args).plan
+    node = next(n for n in plan.nodes if n.op == "scaled_dot_product_attention")
+    comms = sorted(n.boxing.steps[0].kind for n in plan.nodes if n.kind == "boxing" and n.is_comm and n.boxing)
+    if chosen == "ring":
+        assert node.in_sbps == ((T,),) * 3 and node.stream != "compute" and comms == []
+    else:
+        assert node.in_sbps == ((S.split(1),),) * 3 and node.stream == "compute"
+        assert comms == ["all_to_all"] * 4

@@ -17,6 +17,10 @@ position, which would be 2c nodes per attention call and per layer for the plan,
 a second implementation. One kernel runs identically in eager dispatch and in both executors; nn.Graph puts
 its node on a stream of its own (graph.lower), in plan order like a collective, and never fuses it.
 
+A block pair runs torch's CPU flash kernel where that is exact (no mask, or the diagonal block with
+``is_causal``), else its own math. nn.Graph prices the ring's hops (:func:`forward_talks`) against other
+signatures: with heads split instead, boxing's all-to-alls from sequence to heads make the Ulysses variant.
+
 Under a causal mask, blocks wholly above the diagonal are skipped, so member p of plain ``S(T)`` computes
 p + 1 blocks: the work is unbalanced (see docs/benchmarks.md).
 """
