@@ -52,7 +52,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..ops.inplace import OVERWRITING
-from ..ops.schema import REGISTRY
+from ..ops.schema import REGISTRY, shard_kernel
 from .physical import COMPUTE_STREAM, PhysicalPlan, PNode, Register
 
 FUSED = "fused_segment"  # the op (and name) of a fused node
@@ -290,7 +290,7 @@ def _call_lines(k: int, sub: PNode, names: dict[str, Any], keep: set[int], last_
         names[f"k{k}"] = OVERWRITING[sub.op or sub.name]
         sub = dataclasses.replace(sub, args=(("t", sub.overwrites), ("t", 1 - sub.overwrites)), attrs=())
     else:
-        names[f"k{k}"] = REGISTRY[sub.op or sub.name].kernel
+        names[f"k{k}"] = shard_kernel(REGISTRY[sub.op or sub.name])  # a talking node never joins (lower's stream)
     if context is not None:
         names[f"x{k}"] = context
         args.append(f"x{k}")

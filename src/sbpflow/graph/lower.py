@@ -32,6 +32,7 @@ from ..boxing import Layout
 from ..boxing.plan import MOVES_NOTHING
 from ..ops.inplace import FRESH_OUTPUTS, OVERWRITING
 from ..ops.optimizer import IN_PLACE
+from ..ops.schema import REGISTRY, Meta
 from ..placement import Placement
 from .ir import LNode, LogicalGraph
 from .physical import COMPUTE_STREAM, Buf, PhysicalPlan, PNode, Register
@@ -179,9 +180,19 @@ class _Lowerer:
             outs.append(self.value_buf(vid, Layout(v.placement, v.sbp)))
             self.at[(vid, n.phase)] = outs[-1]
         placement = self.g.values[n.outputs[0]].placement if n.outputs else self.g.values[n.inputs[0]].placement
+        stream = f"comm:{placement}:kernel" if self._talks(n, placement) else COMPUTE_STREAM
         self.emit("compute", n.name, ins, tuple(outs), placement.flat_ranks, n.phase, op=n.name, args=n.args,
                   attrs=n.attrs, in_sbps=n.in_sbps, out_sbps=tuple(self.g.values[v].sbp for v in n.outputs),
-                  logical=n.id, control=self._control(n))
+                  logical=n.id, control=self._control(n), stream=stream)
+
+    def _talks(self, n: LNode, placement: Placement) -> bool:
+        """Whether ``n``'s kernel exchanges shards under its chosen SBPs (ops.schema.run_shards): it then runs on
+        a stream of its own, in plan order like a collective, and never joins a fused compute segment."""
+        op = REGISTRY.get(n.name)
+        if op is None or op.talks is None:
+            return False
+        metas = tuple(Meta(self.g.values[v].shape, self.g.values[v].dtype) for v in n.inputs)
+        return op.talks(metas, n.in_sbps, placement)[0] > 0
 
     def _control(self, n: LNode) -> tuple[int, ...]:
         """The producers of ``n``'s control values in its phase: a recomputed forward op waits for the gradient

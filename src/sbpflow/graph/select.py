@@ -241,7 +241,20 @@ class _Costs:
             nbytes += _numel(shape) * _itemsize(self.g.values[vid])
         # a roofline: an op streams its bytes or does its FLOPs, whichever takes longer (a matmul reads its weight
         # while it multiplies)
-        return max(nbytes * MEM_SECONDS_PER_BYTE, flops(n.name, local_in, out_numel) * SECONDS_PER_FLOP)
+        logical_in = [self.g.values[vid].shape for vid in n.inputs]
+        work = flops(n.name, local_in, out_numel, logical_in)
+        return max(nbytes * MEM_SECONDS_PER_BYTE, work * SECONDS_PER_FLOP) + self._talk(n, c)
+
+    def _talk(self, n: LNode, c: Candidate) -> float:
+        """The α-β time of the messages a communicating kernel sends under ``c`` (ring attention's K/V hops)."""
+        op = REGISTRY.get(n.name)
+        if op is None or op.talks is None:
+            return 0.0
+        placement = _placement_of(self.g, n)
+        metas = tuple(Meta(self.g.values[v].shape, self.g.values[v].dtype) for v in n.inputs)
+        messages, nbytes = op.talks(metas, c.ins, placement)
+        link = self.model.link(placement.type, tuple(placement.flat_ranks))
+        return messages * link.alpha + nbytes * link.beta
 
     def _local(self, vid: int, sbp: NdSbp) -> tuple[int, ...]:
         v = self.g.values[vid]
@@ -254,9 +267,11 @@ def solo_bytes(model: boxing.CostModel, placement: Any) -> int:
     return int(model.link(placement.type, tuple(placement.flat_ranks)).alpha / MEM_SECONDS_PER_BYTE)
 
 
-def flops(name: str, local_in: Sequence[tuple[int, ...]], out_numel: int) -> int:
+def flops(name: str, local_in: Sequence[tuple[int, ...]], out_numel: int,
+          logical_in: Sequence[tuple[int, ...]] = ()) -> int:
     """Multiply-adds x 2 of op ``name`` on local shards (``local_in``: its inputs' local shapes, ``out_numel``: its
-    outputs' local elements), for the ops whose FLOPs outweigh their bytes; 0 for every other op.
+    outputs' local elements, ``logical_in``: their logical shapes, for attention's key count: a ring's query
+    rows meet every key), for the ops whose FLOPs outweigh their bytes; 0 for every other op.
 
     A shard that splits a contracted dim (row-parallel, or the batch of a weight gradient) does its share of
     the work, a replicated one all of it: so a plan that computes a weight gradient whole on every rank pays
@@ -274,7 +289,9 @@ def flops(name: str, local_in: Sequence[tuple[int, ...]], out_numel: int) -> int
             local_in[1 if name == "scaled_dot_product_attention" else 2]
         if len(q) < 2 or len(k) < 2:
             return 0
-        forward = 4 * _numel(q) * k[-2]  # q k^T and p v: (..., T, d) x (..., S, d), 2 FLOPs a multiply-add
+        k_at = 1 if name == "scaled_dot_product_attention" else 2
+        keys = logical_in[k_at][-2] if len(logical_in) > k_at else k[-2]  # a ring's rows meet every key
+        forward = 4 * _numel(q) * keys  # q k^T and p v: (..., T, d) x (..., S, d), 2 FLOPs a multiply-add
         return forward if name == "scaled_dot_product_attention" else 2 * forward + forward // 2
     return 0
 

@@ -150,7 +150,7 @@ class GPT(nn.Module):
         b, t = ids.shape  # logical (B, T)
         if t > self.config.block_size:
             raise SbpflowError(f"GPT got a sequence of {t} tokens, but its block_size is {self.config.block_size}")
-        x = self.drop(self.wte(ids) + self.wpe(self._positions(t)))  # logical (B, T, C)
+        x = self.drop(self.wte(ids) + self.wpe(self._positions(ids)))  # logical (B, T, C)
         for i, block in enumerate(self.h):
             x = block(self._to_stage(x, self._block_stage(i)))
         x = self.ln_f(self._to_stage(x, -1))
@@ -161,10 +161,14 @@ class GPT(nn.Module):
         loss = F.cross_entropy(F.reshape(logits, (b * t, v)), F.reshape(targets, (b * t,)))  # logical (B*T, V)
         return logits, loss
 
-    def _positions(self, t: int) -> Tensor:
-        if self.strategy is None:
-            return sbpflow.arange(t)
-        return sbpflow.arange(t, placement=self.strategy.stages[0], sbp=(broadcast, broadcast))
+    def _positions(self, ids: Tensor) -> Tensor:
+        """Logical positions 0..T-1, broadcast where ``ids`` lives: a split sequence reads its own rows."""
+        t = ids.shape[1]
+        if self.strategy is not None:
+            return sbpflow.arange(t, placement=self.strategy.stages[0], sbp=(broadcast, broadcast))
+        if ids.is_global:
+            return sbpflow.arange(t, placement=ids.placement, sbp=(broadcast,) * ids.placement.ndim)
+        return sbpflow.arange(t)
 
     def _block_stage(self, i: int) -> int:
         return self.strategy.block_stage[i] if self.strategy is not None else 0

@@ -5,6 +5,7 @@ SBP rules (q, k, v of shape (B, H, T, D), logical; ``mask`` broadcastable to (B,
     q        k        v        out       why
     S(b)     S(b)     S(b)     S(b)      batch or head dims: attention never mixes them
     S(Tq)    B        B        S(Tq)     query rows are independent (the causal mask shifts by the shard's offset)
+    S(T)     S(T)     S(T)     S(T)      context parallel: ring attention (ops.ring_attention), no mask tensor
     B        B        P(sum)   P(sum)    linear in v
     B        B        B        B
 
@@ -13,7 +14,8 @@ The forward also returns the logsumexp of each query row (``diff_outputs=1``:
 a saved statistic, no gradient), so that the backward op calls torch's own
 flash backward kernel on each shard instead of running attention a second time.
 It maps the same splits; with queries split, dk and dv are partial sums over
-the query rows.
+the query rows. With ``enable_gqa`` (as torch's), k and v may have fewer heads
+than q, a divisor of them; heads are then never split.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from ..errors import DTypeError, OpError, ShapeError
 from ..sbp import Partial, SbpParallel, Split, broadcast
 from ..tensor import Tensor
 from . import _rules as R
+from . import ring_attention as ring
 from .schema import Meta, ShardCtx, Sig, op
 
 __all__ = ["scaled_dot_product_attention"]
@@ -35,16 +38,18 @@ B = broadcast
 PSUM = Partial("sum")
 
 
-def _sdpa_meta(q: Meta, k: Meta, v: Meta, *mask: Meta, is_causal: bool, scale: float | None) -> Meta:
+def _sdpa_meta(q: Meta, k: Meta, v: Meta, *mask: Meta, is_causal: bool, scale: float | None,
+               enable_gqa: bool = False) -> Meta:
     if not (q.ndim == k.ndim == v.ndim and q.ndim >= 2):
         raise ShapeError(f"scaled_dot_product_attention needs q, k, v with one number of dims (at least 2), but got "
                          f"q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)}")
     if q.shape[-1] != k.shape[-1]:
         raise ShapeError(f"scaled_dot_product_attention needs q and k with one head dim, but got q {list(q.shape)} "
                          f"(head dim {q.shape[-1]}) and k {list(k.shape)} (head dim {k.shape[-1]})")
-    if k.shape[-2] != v.shape[-2] or not q.shape[:-2] == k.shape[:-2] == v.shape[:-2]:
-        raise ShapeError(f"scaled_dot_product_attention needs q, k, v with equal batch/head dims and k, v of one "
-                         f"length, but got q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)}")
+    if k.shape[-2] != v.shape[-2] or not _heads_match(q, k, enable_gqa) or k.shape[:-2] != v.shape[:-2]:
+        raise ShapeError(f"scaled_dot_product_attention needs q, k, v with equal batch/head dims (with enable_gqa, "
+                         f"k and v heads dividing q heads) and k, v of one length, but got q {list(q.shape)}, "
+                         f"k {list(k.shape)}, v {list(v.shape)} (enable_gqa={enable_gqa})")
     R.check_dtypes_equal("scaled_dot_product_attention", q, k, v)
     if not q.dtype.is_floating_point:
         raise DTypeError(f"scaled_dot_product_attention needs floating-point q, k, v, but got {q.dtype}")
@@ -57,6 +62,14 @@ def _sdpa_meta(q: Meta, k: Meta, v: Meta, *mask: Meta, is_causal: bool, scale: f
             raise ShapeError(f"scaled_dot_product_attention needs attn_mask broadcastable to {list(scores)}, "
                              f"but got {list(mask[0].shape)}")
     return Meta(q.shape[:-1] + (v.shape[-1],), q.dtype)
+
+
+def _heads_match(q: Meta, k: Meta, enable_gqa: bool) -> bool:
+    """Equal batch dims, and equal heads, or (grouped-query attention) k heads dividing q heads."""
+    if q.shape[:-2] == k.shape[:-2]:
+        return True
+    return (enable_gqa and q.ndim >= 3 and q.shape[:-3] == k.shape[:-3] and k.shape[-3] > 0
+            and q.shape[-3] % k.shape[-3] == 0)
 
 
 def _mask_sbp(mask: tuple[Meta, ...], d: int, ndim: int, size: int) -> tuple[SbpParallel, ...]:
@@ -72,16 +85,20 @@ def _sdpa_sigs(q: Meta, k: Meta, v: Meta, *mask: Meta, outs: tuple[Meta, ...], *
     mb = (B,) if mask else ()
     sigs = [Sig((B, B, B) + mb, (B, B)), Sig((B, B, PSUM) + mb, (PSUM, B))]
     for d in range(q.ndim - 2):
+        if q.shape[d] != k.shape[d]:  # grouped-query heads: q's and k's head splits would not line up
+            continue
         s = Split(d)
         sigs.append(Sig((s, s, s) + _mask_sbp(mask, d, q.ndim, q.shape[d]), (s, s)))
     rows = Split(q.ndim - 2)
     sigs.append(Sig((rows, B, B) + _mask_sbp(mask, q.ndim - 2, q.ndim, q.shape[-2]), (rows, rows)))
+    if not mask:  # ring attention; a mask tensor would have to travel with its key columns
+        sigs.append(Sig((rows, rows, rows), (rows, rows)))
     return sigs
 
 
 def _sdpa_meta_with_lse(q: Meta, k: Meta, v: Meta, *mask: Meta, is_causal: bool,
-                        scale: float | None) -> tuple[Meta, Meta]:
-    out = _sdpa_meta(q, k, v, *mask, is_causal=is_causal, scale=scale)
+                        scale: float | None, enable_gqa: bool = False) -> tuple[Meta, Meta]:
+    out = _sdpa_meta(q, k, v, *mask, is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
     lse_dtype = q.dtype if q.dtype == torch.float64 else torch.float32  # torch's flash kernel keeps fp32 stats
     return out, Meta(q.shape[:-1], lse_dtype)
 
@@ -179,13 +196,31 @@ def _local_sdpa(ctx: ShardCtx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     return TF.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale)
 
 
+def _is_ring(ctx: ShardCtx, k_index: int) -> bool:
+    """Whether k is split on its sequence dim: the ring signature (k_index: k's position among the inputs)."""
+    seq = ctx.in_metas[k_index].ndim - 2
+    return any(isinstance(s, Split) and s.dim == seq for s in (ctx.in_sbps[k_index] if ctx.in_sbps else ()))
+
+
 @op("scaled_dot_product_attention", meta=_sdpa_meta_with_lse, sbp=_sdpa_sigs, shard_aware=True, save_outputs=True,
-    diff_outputs=1)
-def _sdpa(ctx: ShardCtx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *mask: torch.Tensor, is_causal: bool,
-          scale: float | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, logsumexp) per shard. The logsumexp is what torch's fused backward (CPU flash, CUDA memory-efficient)
-    needs to rebuild the probabilities without a second forward; where no such kernel applies it is left
-    unfilled."""
+    diff_outputs=1, communicating=ring.forward_talks)
+def _sdpa(ctxs: dict[int, ShardCtx], q: dict[int, torch.Tensor], k: dict[int, torch.Tensor],
+          v: dict[int, torch.Tensor], *mask: dict[int, torch.Tensor], is_causal: bool, scale: float | None,
+          enable_gqa: bool = False) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """(out, logsumexp) of every owned rank: ring attention when k and v are split on the sequence, else each
+    shard alone."""
+    if _is_ring(next(iter(ctxs.values())), k_index=1):
+        return ring.forward(ctxs, q, k, v, is_causal, scale)
+    return {r: _sdpa_shard(ctx, q[r], k[r], v[r], *[m[r] for m in mask], is_causal=is_causal, scale=scale)
+            for r, ctx in ctxs.items()}
+
+
+def _sdpa_shard(ctx: ShardCtx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *mask: torch.Tensor,
+                is_causal: bool, scale: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, logsumexp) of one shard. The logsumexp is what torch's fused backward (CPU flash, CUDA
+    memory-efficient) needs to rebuild the probabilities without a second forward; where no such kernel applies
+    it is left unfilled."""
+    k, v = ring._expand(k, q.shape[-3]), ring._expand(v, q.shape[-3])  # grouped-query heads, as torch's
     attn_mask, causal = _shard_mask(ctx, q, k, mask, is_causal, q_index=0)
     if _efficient_ok(q, k):
         return _efficient_forward(q, k, v, attn_mask, causal, scale)
@@ -221,19 +256,43 @@ def _sdpa_backward_sigs(dy: Meta, q: Meta, k: Meta, v: Meta, out: Meta, lse: Met
         Sig((B, B, B, PSUM, PSUM, B) + mb, (PSUM, PSUM, B)),
     ]
     for d in range(q.ndim - 2):
+        if q.shape[d] != k.shape[d]:  # grouped-query heads
+            continue
         s = Split(d)
         sigs.append(Sig((s,) * 6 + _mask_sbp(mask, d, q.ndim, q.shape[d]), (s, s, s)))
     rows = Split(q.ndim - 2)
     row_mask = _mask_sbp(mask, q.ndim - 2, q.ndim, q.shape[-2])
     sigs.append(Sig((rows, rows, B, B, rows, rows) + row_mask, (rows, PSUM, PSUM)))  # dk, dv sum over query rows
+    if not mask:  # ring attention: dk and dv travel the ring home
+        sigs.append(Sig((rows,) * 6, (rows, rows, rows)))
     return sigs
 
 
-@op("sdpa_backward", meta=_sdpa_backward_meta, sbp=_sdpa_backward_sigs, shard_aware=True, differentiable=False)
-def sdpa_backward(ctx: ShardCtx, dy: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                  out: torch.Tensor, lse: torch.Tensor, *mask: torch.Tensor, is_causal: bool,
-                  scale: float | None) -> tuple[torch.Tensor, ...]:
-    """(dq, dk, dv) of attention on the shard: torch's fused backward from the saved out and logsumexp (no
+@op("sdpa_backward", meta=_sdpa_backward_meta, sbp=_sdpa_backward_sigs, shard_aware=True, differentiable=False,
+    communicating=ring.backward_talks)
+def sdpa_backward(ctxs: dict[int, ShardCtx], dy: dict[int, torch.Tensor], q: dict[int, torch.Tensor],
+                  k: dict[int, torch.Tensor], v: dict[int, torch.Tensor], out: dict[int, torch.Tensor],
+                  lse: dict[int, torch.Tensor], *mask: dict[int, torch.Tensor], is_causal: bool,
+                  scale: float | None, enable_gqa: bool = False) -> dict[int, tuple[torch.Tensor, torch.Tensor,
+                                                                                     torch.Tensor]]:
+    """(dq, dk, dv) of every owned rank: the ring's backward when k is split on the sequence, else each shard
+    alone."""
+    if _is_ring(next(iter(ctxs.values())), k_index=2):
+        return ring.backward(ctxs, dy, q, k, v, out, lse, is_causal, scale)
+    results: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+    for r, ctx in ctxs.items():
+        kv_heads = k[r].shape[-3]
+        heads = q[r].shape[-3]
+        dq, dk, dv = _sdpa_backward_shard(ctx, dy[r], q[r], ring._expand(k[r], heads), ring._expand(v[r], heads),
+                                          out[r], lse[r], *[m[r] for m in mask], is_causal=is_causal, scale=scale)
+        results[r] = (dq, ring._fold(dk, kv_heads), ring._fold(dv, kv_heads))
+    return results
+
+
+def _sdpa_backward_shard(ctx: ShardCtx, dy: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         out: torch.Tensor, lse: torch.Tensor, *mask: torch.Tensor, is_causal: bool,
+                         scale: float | None) -> tuple[torch.Tensor, ...]:
+    """(dq, dk, dv) of attention on one shard: torch's fused backward from the saved out and logsumexp (no
     second forward), else a recomputation under torch autograd."""
     if q.numel() == 0 or k.numel() == 0:  # an empty shard: no query reads a key (torch's kernels assert here)
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
@@ -256,11 +315,13 @@ def sdpa_backward(ctx: ShardCtx, dy: torch.Tensor, q: torch.Tensor, k: torch.Ten
 
 def scaled_dot_product_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = None,
                                  dropout_p: float = 0.0, is_causal: bool = False,
-                                 scale: float | None = None) -> Tensor:
+                                 scale: float | None = None, enable_gqa: bool = False) -> Tensor:
     """``softmax(q k^T * scale + mask) v`` over (..., T, D) tensors, as torch's; batch and head splits need no
     communication, and neither does a split of the query rows.
 
     ``attn_mask`` is bool (True keeps) or additive float, and gets no gradient.
+    ``enable_gqa``: k and v may have fewer heads than q (grouped-query attention).
+    q, k and v all split on the sequence (``S(T)``) run ring attention (context parallelism).
     ``dropout_p`` must be 0: the backward recomputes attention per shard, and a
     dropout mask would have to be drawn identically in both passes.
 
@@ -278,5 +339,6 @@ def scaled_dot_product_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Ten
         raise OpError("scaled_dot_product_attention takes attn_mask or is_causal=True, not both (as torch); "
                       f"q {q._describe()}, attn_mask {attn_mask._describe()}")
     mask = (attn_mask,) if attn_mask is not None else ()
-    out, _ = _sdpa(q, k, v, *mask, is_causal=bool(is_causal), scale=None if scale is None else float(scale))
+    gqa = {"enable_gqa": True} if enable_gqa else {}  # left out when off: the attrs of existing plans stay
+    out, _ = _sdpa(q, k, v, *mask, is_causal=bool(is_causal), scale=None if scale is None else float(scale), **gqa)
     return out  # type: ignore[no-any-return]

@@ -30,7 +30,7 @@ from ..tensor import Tensor
 from . import schema
 from .execution import from_shards, meta_outputs, owned_ranks, run, shard_ctx, token, tokens
 from .propagation import Decision, arg_meta, attrs_key, decide, describe_args, infer
-from .schema import Meta, OpDef, ShardCtx
+from .schema import Meta, OpDef, ShardCtx, run_shards
 from .views import refresh
 
 
@@ -305,7 +305,7 @@ def _apply_local(opdef: OpDef, args: Sequence[Any], attrs: dict[str, Any], key_a
     if values is None:
         values = [a._local if isinstance(a, Tensor) else a for a in args]
     if cached[1] is not None:
-        result = opdef.kernel(cached[1], *values, **attrs)
+        result = run_shards(opdef, {0: cached[1]}, {0: values}, attrs)[0]
     else:
         result = opdef.kernel(*values, **attrs)
     if isinstance(result, tuple):
@@ -359,7 +359,7 @@ def _eager_global(opdef: OpDef, args: Sequence[Any], attrs: dict[str, Any], key_
     for pos in decision.positions:
         values[pos] = args[pos]._shards[r]  # type: ignore[index]  # global tensors always hold a shard dict
     if opdef.shard_aware:
-        result = opdef.kernel(shard_ctx(r, placement, decision, args), *values, **attrs)
+        result = run_shards(opdef, {r: shard_ctx(r, placement, decision, args)}, {r: values}, attrs)[r]
     else:
         result = opdef.kernel(*values, **attrs)
     metas, sbps = decision.out_metas, decision.out_sbps

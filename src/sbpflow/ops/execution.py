@@ -20,7 +20,7 @@ from ..errors import OpError
 from ..placement import Placement
 from ..tensor import Tensor
 from .propagation import Decision
-from .schema import DYNAMIC, Meta, OpDef, ShardCtx
+from .schema import DYNAMIC, Meta, OpDef, ShardCtx, run_shards
 
 # The dispatch caches key a placement and an nd-SBP by a small int, not by value: hashing or comparing them runs
 # Python __hash__/__eq__ methods (dataclasses) on every dispatch. id(value) -> (value, token): the entry holds the
@@ -58,14 +58,17 @@ def run(opdef: OpDef, decision: Decision, args: Sequence[Any], attrs: dict[str, 
         else:
             shard_maps = [args[pos]._shards for pos in positions]
         results = {}
-        shard_aware = opdef.shard_aware
+        per_rank: dict[int, list[Any]] = {}
         for r in owned:
             for pos, shards in zip(positions, shard_maps, strict=True):
                 values[pos] = shards[r]  # type: ignore[index]  # global tensors always hold a shard dict
-            if shard_aware:
-                results[r] = kernel(shard_ctx(r, placement, decision, args), *values, **attrs)
+            if opdef.shard_aware:
+                per_rank[r] = list(values)
             else:
                 results[r] = kernel(*values, **attrs)
+        if opdef.shard_aware:
+            ctxs = {r: shard_ctx(r, placement, decision, args) for r in owned}
+            results = run_shards(opdef, ctxs, per_rank, attrs)
     if opdef.data_dependent:
         decision = _resolved(opdef, decision, results)
     return _wrap(decision, placement, results)

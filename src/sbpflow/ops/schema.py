@@ -89,6 +89,10 @@ class ShardCtx:
     out_sbps: tuple[NdSbp, ...]
 
 
+# A communicating op's messages: (input metas, chosen input n-D SBPs, placement) -> (messages, bytes) one rank
+# sends in its kernel; (0, 0) when this signature keeps the kernel to its own shards.
+Talks = Callable[[tuple[Meta, ...], tuple[NdSbp, ...], Placement], tuple[int, int]]
+
 REGISTRY: dict[str, OpDef] = {}
 
 
@@ -98,7 +102,7 @@ class OpDef:
     def __init__(self, name: str, kernel: Callable[..., Any], meta: Callable[..., Any], sbp: Callable[..., Any],
                  shard_aware: bool, save_outputs: bool, differentiable: bool, mesh_aware: bool,
                  data_dependent: bool = False, diff_outputs: int | None = None,
-                 grad_reads: tuple[int, ...] | None = None) -> None:
+                 grad_reads: tuple[int, ...] | None = None, talks: Talks | None = None) -> None:
         self.name = name
         self.kernel = kernel
         self.meta = meta
@@ -110,6 +114,8 @@ class OpDef:
         self.data_dependent = data_dependent
         self.diff_outputs = diff_outputs  # outputs that get gradients (the first n); None: all of them
         self.grad_reads = grad_reads  # tensor inputs whose values the gradient reads; None: all of them
+        self.talks = talks  # a communicating kernel's messages and bytes per rank (see op); None: it never talks
+        self.communicating = talks is not None  # one kernel call for all owned ranks (run_shards)
         self.backward_fn: Callable[..., Any] | None = None
         self.activity = f"op {name!r}"  # what comm errors name while this op boxes its inputs
 
@@ -137,7 +143,8 @@ class OpDef:
 def op(name: str, *, meta: Callable[..., Any], sbp: Callable[..., Any], shard_aware: bool = False,
        save_outputs: bool = False, differentiable: bool = True, mesh_aware: bool = False,
        data_dependent: bool = False, diff_outputs: int | None = None,
-       grad_reads: tuple[int, ...] | None = None) -> Callable[[Callable[..., Any]], OpDef]:
+       grad_reads: tuple[int, ...] | None = None,
+       communicating: Talks | None = None) -> Callable[[Callable[..., Any]], OpDef]:
     """Registers the decorated kernel as op ``name``.
 
     ``shard_aware`` kernels get a :class:`ShardCtx` first; ``mesh_aware`` SBP
@@ -153,19 +160,54 @@ def op(name: str, *, meta: Callable[..., Any], sbp: Callable[..., Any], shard_aw
     keeps only metadata (shape, dtype, layout), so that their memory is freed
     as soon as nothing else holds them, as torch frees what no backward saves
     (``()`` for add, views, casts, log_softmax; None, the default: all).
+    ``communicating`` kernels (shard-aware only) are called once per process for
+    all its ranks and may exchange shards with their peers (see :func:`run_shards`);
+    the value is their :data:`Talks` function, which the graph compiler reads to
+    price a signature's messages and to give a talking node a stream of its own.
     """
 
     def register(kernel: Callable[..., Any]) -> OpDef:
         if name in REGISTRY:
             raise OpError(f"op {name!r} is registered twice")
+        if communicating is not None and not shard_aware:  # its peers and their boxes come from the ShardCtx
+            raise OpError(f"op {name!r} is communicating, so it must be shard_aware")
         if data_dependent and shard_aware:  # a ShardCtx holds output boxes, which need the sizes up front
             raise OpError(f"op {name!r} cannot be both data_dependent and shard_aware: output boxes need sizes")
         definition = OpDef(name, kernel, meta, sbp, shard_aware, save_outputs, differentiable, mesh_aware,
-                           data_dependent, diff_outputs, grad_reads)
+                           data_dependent, diff_outputs, grad_reads, communicating)
         REGISTRY[name] = definition
         return definition
 
     return register
+
+
+def run_shards(opdef: OpDef, ctxs: dict[int, ShardCtx], values: dict[int, list[Any]],
+               attrs: dict[str, Any]) -> dict[int, Any]:
+    """A shard-aware kernel on every owned rank's arguments: ``{rank: result}``.
+
+    A *communicating* kernel talks to its peers (ring attention passes K/V blocks around a mesh axis). One
+    process may own every rank of the ring (virtual ranks), where a kernel run rank after rank would wait for a
+    peer that has not started, so it is called once with every owned rank's arguments:
+    ``kernel({rank: ctx}, *({rank: arg} per argument), **attrs) -> {rank: result}``, and it exchanges shards
+    through the comm backend, which moves them between virtual ranks or processes alike.
+    """
+    if opdef.talks is not None:
+        n = len(next(iter(values.values()))) if values else 0
+        columns = [{r: args[i] for r, args in values.items()} for i in range(n)]
+        return opdef.kernel(ctxs, *columns, **attrs)  # type: ignore[no-any-return]
+    return {r: opdef.kernel(ctxs[r], *args, **attrs) for r, args in values.items()}
+
+
+def shard_kernel(opdef: OpDef) -> Callable[..., Any]:
+    """``opdef``'s kernel as one shard's call, ``kernel(ctx, *args, **attrs)``, for a caller that runs shards one by
+    one (a fused segment): a communicating kernel is wrapped, and must then be under a signature that talks not."""
+    if opdef.talks is None:
+        return opdef.kernel
+
+    def one(ctx: ShardCtx, *args: Any, **attrs: Any) -> Any:
+        return opdef.kernel({ctx.rank: ctx}, *({ctx.rank: a} for a in args), **attrs)[ctx.rank]
+
+    return one
 
 
 def apply(opdef: OpDef, args: Sequence[Any], attrs: dict[str, Any]) -> Any:

@@ -36,7 +36,7 @@ from ..graph.physical import GATHERING, PHASES, PhysicalPlan, PNode
 from ..host_memory import keep_freed_host_memory
 from ..ops.inplace import OVERWRITING
 from ..ops.optimizer import IN_PLACE
-from ..ops.schema import REGISTRY, Meta, ShardCtx
+from ..ops.schema import REGISTRY, Meta, ShardCtx, run_shards
 from ..random import mix_key
 from . import route
 from .errors import ExecutionError
@@ -265,8 +265,7 @@ def _bind_compute(node: PNode, plan: PhysicalPlan, owned: list[int]) -> Act:
 
         def run(inputs: Sequence[Any], state: StepState, micro: int) -> list[Any]:
             per_rank = arguments(inputs, state, micro)
-            results = {r: kernel(contexts[r], *values, **attrs) for r, values in per_rank.items()}
-            return _split_results(results, n_out)
+            return _split_results(run_shards(opdef, contexts, per_rank, attrs), n_out)
     elif len(owned) == 1 and all(how == "t" for how, _ in node.args):  # the common case: one rank, tensors only
         rank, index = owned[0], [v for _, v in node.args]
         if n_out == 1:

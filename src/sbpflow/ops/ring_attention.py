@@ -1,0 +1,286 @@
+"""Ring attention: q, k and v split on the sequence (``S(T)``) over one or more mesh axes, no gather of K or V.
+
+Each ring is the ranks that hold one sequence (every mesh coordinate equal but those of the axes splitting T),
+in sequence order. Rank p of a ring of c holds q_p, k_p, v_p (local (B, H, T/c, D)); in step s it holds the
+K/V block of member (p - s) mod c, which it sends on to member p + 1 while it computes (sends are posted
+before the block's math, so a transport with threads of its own overlaps them)::
+
+    forward    out_p, lse_p = logsumexp-combine over s of attention(q_p, k_(p-s), v_(p-s))
+    backward   dq_p += ds k_j;   dk_j, dv_j travel with k_j, v_j and each member adds its share;
+               after the last step every (dk_j, dv_j) is one hop from home and takes it
+
+K/V travel c - 1 hops in the forward; K, V, dK, dV c - 1 hops in the backward and dK, dV one more.
+
+Why a *communicating kernel* (``ops.schema.run_shards``) rather than ring nodes in the physical plan: the ring's
+c steps interleave transfers with block math whose shapes (uneven blocks, causal skips) follow from the ring
+position, which would be 2c nodes per attention call and per layer for the plan, and the eager path would need
+a second implementation. One kernel runs identically in eager dispatch and in both executors; nn.Graph puts
+its node on a stream of its own (graph.lower), in plan order like a collective, and never fuses it.
+
+A block pair runs torch's CPU flash kernel where that is exact (no mask, or the diagonal block with
+``is_causal``), else its own math. nn.Graph prices the ring's hops (:func:`forward_talks`) against other
+signatures: with heads split instead, boxing's all-to-alls from sequence to heads make the Ulysses variant.
+
+Under a causal mask, blocks wholly above the diagonal are skipped, so member p of plain ``S(T)`` computes
+p + 1 blocks: the work is unbalanced (see docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from .._layout import shard_box
+from ..comm import get_backend
+from ..comm.base import Transfer, nbytes
+from ..placement import Placement
+from ..sbp import Split
+from .schema import Meta, ShardCtx
+
+Shards = dict[int, torch.Tensor]
+_FLASH_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+
+def ring_axes(ctx: ShardCtx, dim: int) -> tuple[int, ...]:
+    """The mesh axes on which k (input 1) is split along ``dim``: K/V blocks travel along them."""
+    return tuple(a for a, s in enumerate(ctx.in_sbps[1]) if isinstance(s, Split) and s.dim == dim)
+
+
+def rings(ctx: ShardCtx, dim: int) -> list[tuple[int, ...]]:
+    """Every ring of the placement (all of them, so that every process builds the same transfers), each in
+    sequence order: the ranks sharing all coordinates off the ring axes, sorted by their K block's start."""
+    placement = ctx.placement
+    assert placement is not None  # ring signatures exist on global tensors only
+    axes = ring_axes(ctx, dim)
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for rank in placement.flat_ranks:
+        coords = placement.coords(rank)
+        groups.setdefault(tuple(c for a, c in enumerate(coords) if a not in axes), []).append(rank)
+    k_meta, k_sbp = ctx.in_metas[1], ctx.in_sbps[1]
+    return [tuple(sorted(g, key=lambda r: shard_box(k_meta.shape, placement, k_sbp, r)[dim][0]))
+            for g in groups.values()]
+
+
+def forward_talks(metas: tuple[Meta, ...], sbps: tuple[tuple, ...], placement: Placement) -> tuple[int, int]:
+    """Messages and bytes one rank sends in the forward (inputs q, k, v): c - 1 hops of its K and V blocks."""
+    hops, kv = _ring_blocks(metas[1:3], sbps[1:3], placement)
+    return (hops, hops * kv) if hops else (0, 0)
+
+
+def backward_talks(metas: tuple[Meta, ...], sbps: tuple[tuple, ...], placement: Placement) -> tuple[int, int]:
+    """... in the backward (inputs dy, q, k, v, ...): c - 1 hops of K, V and their fp32 gradients, then one of
+    the gradients (counted at K and V's size: fp32 gradients of fp32 inputs)."""
+    hops, kv = _ring_blocks(metas[2:4], sbps[2:4], placement)
+    return (hops + 1, (2 * hops + 1) * kv) if hops else (0, 0)
+
+
+def _ring_blocks(kv: Sequence[Meta], sbps: Sequence[tuple], placement: Placement) -> tuple[int, int]:
+    """(c - 1, bytes of one rank's K and V blocks) for k and v split on the sequence; (0, 0) otherwise."""
+    seq = kv[0].ndim - 2
+    c = 1
+    for axis, s in enumerate(sbps[0]):
+        if isinstance(s, Split) and s.dim == seq:
+            c *= placement.hierarchy[axis]
+    if c == 1:
+        return 0, 0
+    rank = placement.flat_ranks[0]
+    return c - 1, sum(nbytes(_block_shape(m, placement, s, rank), m.dtype) for m, s in zip(kv, sbps, strict=True))
+
+
+def _rows(meta: Meta, placement: Placement, nd_sbp: tuple, rank: int, dim: int) -> tuple[int, int]:
+    return shard_box(meta.shape, placement, nd_sbp, rank)[dim]
+
+
+def _block_shape(meta: Meta, placement: Placement, nd_sbp: tuple, rank: int) -> tuple[int, ...]:
+    return tuple(hi - lo for lo, hi in shard_box(meta.shape, placement, nd_sbp, rank))
+
+
+def _expand(kv: torch.Tensor, heads: int) -> torch.Tensor:
+    """K or V of fewer heads (grouped-query attention) repeated to q's ``heads``: local (B, H, t, D)."""
+    if kv.shape[-3] in (0, heads):  # no grouping (or an empty shard of heads)
+        return kv
+    return kv.repeat_interleave(heads // kv.shape[-3], dim=-3)
+
+
+def _fold(grad: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """The gradient of :func:`_expand`: each kv head sums its group's q heads."""
+    if kv_heads in (0, grad.shape[-3]):
+        return grad
+    return grad.unflatten(-3, (kv_heads, grad.shape[-3] // kv_heads)).sum(-3)  # (B, Hkv, group, t, D) -> (B, Hkv, t, D)
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, q_lo: int, k_lo: int, causal: bool, scale: float) -> torch.Tensor:
+    """Scaled q k^T of one block pair (local (B, H, tq, tk)); -inf above the diagonal, in logical positions."""
+    s = torch.matmul(q, k.transpose(-1, -2)) * scale
+    if causal:
+        rows = torch.arange(q_lo, q_lo + q.shape[-2], device=q.device)[:, None]
+        cols = torch.arange(k_lo, k_lo + k.shape[-2], device=q.device)[None, :]
+        s = s.masked_fill(cols > rows, float("-inf"))
+    return s
+
+
+def _visible(q_rows: tuple[int, int], k_rows: tuple[int, int], causal: bool) -> bool:
+    """Whether any query of the block sees any key of it (a causal block wholly above the diagonal: none)."""
+    empty = q_rows[0] == q_rows[1] or k_rows[0] == k_rows[1]
+    return not empty and (not causal or k_rows[0] <= q_rows[1] - 1)
+
+
+def _exp_safe(x: torch.Tensor) -> torch.Tensor:
+    """exp with exp(-inf - -inf) (a row that sees nothing) taken as 0, not nan."""
+    return torch.exp(x).nan_to_num(nan=0.0)
+
+
+class _Ring:
+    """One kernel call's rings, as seen from this process: who holds which block in step s, and the moves."""
+
+    def __init__(self, ctx: ShardCtx, dim: int, k_index: int) -> None:
+        self.ctx, self.dim, self.k_index = ctx, dim, k_index
+        self.placement: Placement = ctx.placement  # type: ignore[assignment]  # global tensors only
+        self.rings = rings(ctx, dim)
+        self.position = {r: (ring, i) for ring in self.rings for i, r in enumerate(ring)}
+
+    def holder_block(self, rank: int, step: int) -> int:
+        """The rank whose K/V block ``rank`` holds in ``step``."""
+        ring, i = self.position[rank]
+        return ring[(i - step) % len(ring)]
+
+    def rows(self, index: int, rank: int) -> tuple[int, int]:
+        return _rows(self.ctx.in_metas[index], self.placement, self.ctx.in_sbps[index], rank, self.dim)
+
+    def pass_on(self, step: int, payloads: Mapping[int, Sequence[torch.Tensor]],
+                metas: Sequence[tuple[Meta, tuple]]) -> dict[int, list[torch.Tensor]]:
+        """Every member sends the blocks it holds in ``step`` to the next member; returns what each owned rank
+        receives (the blocks it holds in ``step + 1``). ``metas``: (meta, nd-SBP) of each payload tensor."""
+        transfers: list[Transfer] = []
+        tensors: dict[int, torch.Tensor] = {}
+        for ring in self.rings:
+            for i, src in enumerate(ring):
+                owner = ring[(i - step) % len(ring)]  # whose block src holds
+                for j, (meta, nd_sbp) in enumerate(metas):
+                    if src in payloads:
+                        tensors[len(transfers)] = payloads[src][j]
+                    shape = _block_shape(meta, self.placement, nd_sbp, owner)
+                    transfers.append(Transfer(src, ring[(i + 1) % len(ring)], shape, meta.dtype))
+        received = get_backend().send_recv(transfers, tensors)
+        out: dict[int, list[torch.Tensor]] = {}
+        for n, t in enumerate(transfers):
+            if n in received:
+                out.setdefault(t.dst, []).append(received[n])
+        return out
+
+
+def forward(ctxs: dict[int, ShardCtx], q: Shards, k: Shards, v: Shards, causal: bool,
+            scale: float | None) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """(out, lse) of every owned rank (local (B, H, tq, Dv) and (B, H, tq)); lse in fp32 (fp64 for fp64)."""
+    ctx = next(iter(ctxs.values()))
+    dim = ctx.in_metas[0].ndim - 2
+    ring = _Ring(ctx, dim, k_index=1)
+    acc_dtype = torch.float64 if ctx.in_metas[0].dtype == torch.float64 else torch.float32
+    scale_of = scale if scale is not None else ctx.in_metas[0].shape[-1] ** -0.5
+    out = {r: torch.zeros(q[r].shape[:-1] + v[r].shape[-1:], dtype=acc_dtype, device=q[r].device) for r in ctxs}
+    lse = {r: torch.full(q[r].shape[:-1], float("-inf"), dtype=acc_dtype, device=q[r].device) for r in ctxs}
+    held = {r: [k[r], v[r]] for r in ctxs}
+    kv_metas = [(ctx.in_metas[1], ctx.in_sbps[1]), (ctx.in_metas[2], ctx.in_sbps[2])]
+    steps = max(len(g) for g in ring.rings)
+    for step in range(steps):
+        for r in ctxs:
+            owner = ring.holder_block(r, step)
+            q_rows, k_rows = ring.rows(0, r), ring.rows(1, owner)
+            if not _visible(q_rows, k_rows, causal):
+                continue
+            block_out, block_lse = _block_forward(q[r], held[r][0], held[r][1], q_rows, k_rows, causal, scale_of,
+                                                  acc_dtype)
+            total = torch.logaddexp(lse[r], block_lse)
+            out[r] = (out[r] * _exp_safe(lse[r] - total)[..., None]
+                      + block_out * _exp_safe(block_lse - total)[..., None])
+            lse[r] = total
+        if step < steps - 1:
+            held = ring.pass_on(step, held, kv_metas)
+    lse_dtype = ctx.out_metas[1].dtype
+    return {r: (out[r].to(q[r].dtype), lse[r].to(lse_dtype)) for r in ctxs}
+
+
+def backward(ctxs: dict[int, ShardCtx], dy: Shards, q: Shards, k: Shards, v: Shards, out: Shards, lse: Shards,
+             causal: bool, scale: float | None) -> dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """(dq, dk, dv) of every owned rank from the saved out and lse; dk, dv travel the ring with k, v."""
+    ctx = next(iter(ctxs.values()))  # inputs (dy, q, k, v, out, lse)
+    dim = ctx.in_metas[1].ndim - 2
+    ring = _Ring(_shifted(ctx), dim, k_index=1)
+    acc_dtype = torch.float64 if ctx.in_metas[1].dtype == torch.float64 else torch.float32
+    scale_of = scale if scale is not None else ctx.in_metas[1].shape[-1] ** -0.5
+    dq = {r: torch.zeros(q[r].shape, dtype=acc_dtype, device=q[r].device) for r in ctxs}
+    row_term = {r: (dy[r].to(acc_dtype) * out[r].to(acc_dtype)).sum(-1) for r in ctxs}  # local (B, H, tq)
+    held = {r: [k[r], v[r], torch.zeros(k[r].shape, dtype=acc_dtype, device=k[r].device),
+                torch.zeros(v[r].shape, dtype=acc_dtype, device=v[r].device)] for r in ctxs}
+    k_meta, v_meta = (ctx.in_metas[2], ctx.in_sbps[2]), (ctx.in_metas[3], ctx.in_sbps[3])
+    acc = [(Meta(m.shape, acc_dtype), s) for m, s in (k_meta, v_meta)]
+    steps = max(len(g) for g in ring.rings)
+    for step in range(steps):
+        for r in ctxs:
+            owner = ring.holder_block(r, step)
+            q_rows, k_rows = ring.rows(0, r), ring.rows(1, owner)
+            if _visible(q_rows, k_rows, causal):
+                _block_grads(q[r], dy[r], out[r], lse[r], row_term[r], held[r], dq[r], q_rows, k_rows, causal,
+                             scale_of, acc_dtype)
+        if step < steps - 1:
+            held = ring.pass_on(step, held, [k_meta, v_meta, *acc])
+    home = ring.pass_on(steps - 1, {r: held[r][2:] for r in ctxs}, acc)  # every dk, dv one hop from home
+    return {r: (dq[r].to(q[r].dtype), home[r][0].to(k[r].dtype), home[r][1].to(v[r].dtype)) for r in ctxs}
+
+
+def _flash_mode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_rows: tuple[int, int],
+                k_rows: tuple[int, int], causal: bool) -> bool | None:
+    """The ``is_causal`` with which torch's CPU flash kernel computes this block pair exactly: False when every
+    key precedes every query (or no mask), True on the diagonal (one range of rows), None when it cannot (a
+    partial mask, a GPU shard, unequal head dims): the block is then computed by :func:`_scores`."""
+    if not (q.is_cpu and q.dim() == 4 and q.dtype in _FLASH_DTYPES and q.shape[-1] == k.shape[-1] == v.shape[-1]):
+        return None
+    if not causal or k_rows[1] - 1 <= q_rows[0]:
+        return False
+    return True if q_rows == k_rows else None
+
+
+def _block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_rows: tuple[int, int],
+                   k_rows: tuple[int, int], causal: bool, scale: float,
+                   acc_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) of one block pair in ``acc_dtype`` (local (B, H, tq, Dv) and (B, H, tq))."""
+    k, v = _expand(k, q.shape[-3]), _expand(v, q.shape[-3])
+    mode = _flash_mode(q, k, v, q_rows, k_rows, causal)
+    if mode is not None:
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, mode, scale=scale)
+        return out.to(acc_dtype), lse.to(acc_dtype)
+    s = _scores(q.to(acc_dtype), k.to(acc_dtype), q_rows[0], k_rows[0], causal, scale)
+    lse = torch.logsumexp(s, dim=-1)  # local (B, H, tq)
+    return torch.matmul(_exp_safe(s - lse[..., None]), v.to(acc_dtype)), lse
+
+
+def _block_grads(q: torch.Tensor, dy: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, row_term: torch.Tensor,
+                 held: list[torch.Tensor], dq: torch.Tensor, q_rows: tuple[int, int], k_rows: tuple[int, int],
+                 causal: bool, scale: float, acc_dtype: torch.dtype) -> None:
+    """Adds one block pair's share to dq and to the travelling dk, dv (``held[2]``, ``held[3]``) in place. With
+    the final out and lse, torch's flash backward of the block gives exactly its share (the softmax it rebuilds
+    is the whole row's)."""
+    k, v, dk, dv = held
+    heads, kv_heads = q.shape[-3], k.shape[-3]
+    ke, ve = _expand(k, heads), _expand(v, heads)
+    mode = _flash_mode(q, ke, ve, q_rows, k_rows, causal)
+    if mode is not None:
+        grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dy, q, ke, ve, out, lse, 0.0, mode, scale=scale)
+        dq.add_(grads[0])
+        dk.add_(_fold(grads[1], kv_heads))
+        dv.add_(_fold(grads[2], kv_heads))
+        return
+    qa, dya, ke, ve = q.to(acc_dtype), dy.to(acc_dtype), ke.to(acc_dtype), ve.to(acc_dtype)
+    p = _exp_safe(_scores(qa, ke, q_rows[0], k_rows[0], causal, scale) - lse.to(acc_dtype)[..., None])
+    dv.add_(_fold(torch.matmul(p.transpose(-1, -2), dya), kv_heads))
+    ds = p * (torch.matmul(dya, ve.transpose(-1, -2)) - row_term[..., None])
+    dq.add_(torch.matmul(ds, ke) * scale)
+    dk.add_(_fold(torch.matmul(ds.transpose(-1, -2), qa) * scale, kv_heads))
+
+
+def _shifted(ctx: ShardCtx) -> ShardCtx:
+    """The backward's context with dy dropped, so that input 0 is q and input 1 is k, as in the forward."""
+    return ShardCtx(ctx.rank, ctx.placement, ctx.in_boxes[1:], ctx.out_boxes, ctx.in_metas[1:], ctx.out_metas,
+                    ctx.in_sbps[1:], ctx.out_sbps)
