@@ -392,3 +392,35 @@ def test_runtime_peak_memory_equals_the_compiled_prediction() -> None:
     predicted = step.plan.peak_bytes
     assert set(predicted) == {0, 1} and all(b > 0 for b in predicted.values())
     assert step._compiled().executor.stats.peak_bytes == predicted
+
+
+def test_backward_with_no_optimizer_needs_a_reader_of_its_gradients() -> None:
+    """With nothing reading backward's gradients the whole backward is dead code: a clear error, not a KeyError,
+    and the module unchanged; returning a gradient keeps it, and gives eager's value."""
+    lin = nn.Linear(4, 3).to_global(P2, sbp.broadcast)
+    before = lin.weight.numpy().copy()
+    x = sbpflow.randn(6, 4, placement=P2, sbp=sbp.split(0))
+
+    class LossOnly(nn.Graph):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = lin
+
+        def build(self, x: Any) -> Any:
+            loss = self.lin(x).sum()
+            loss.backward()
+            return loss
+
+    class WithGrad(LossOnly):
+        def build(self, x: Any) -> Any:
+            loss = self.lin(x).sum()
+            loss.backward()
+            return loss, self.lin.weight.grad
+
+    for _ in range(2):  # a refused compile caches nothing
+        with pytest.raises(sbpflow.AutogradError, match="nothing reads the gradients"):
+            LossOnly()(x)
+    np.testing.assert_array_equal(lin.weight.numpy(), before)
+    assert lin.weight.grad is None
+    loss, grad = WithGrad()(x)
+    np.testing.assert_allclose(grad.numpy(), np.ones((6, 3)).T @ x.numpy(), rtol=1e-5)

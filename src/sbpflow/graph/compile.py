@@ -19,6 +19,7 @@ from typing import Any
 
 from .. import boxing
 from ..comm.base import TARGET_COST_FACTORS
+from ..errors import AutogradError
 from .accumulate import accumulate_before_send
 from .bucket import bucket_all_reduces
 from .fuse import fuse_segments
@@ -87,6 +88,11 @@ def eliminate_dead_code(g: LogicalGraph) -> int:
     renumber(g, kept)
     defined = {v for n in kept for v in n.outputs}
     g.values = {vid: v for vid, v in g.values.items() if vid in defined}
+    seeds = [v for v in g.grad_seeds if v in defined]
+    if g.grad_seeds and not seeds:
+        raise AutogradError("build() calls backward(), but nothing reads the gradients it computes: nn.Graph keeps "
+                            "no .grad of its own; add an optimizer (add_optimizer) or return the gradients you need")
+    g.grad_seeds = seeds
     return before - len(kept)
 
 
