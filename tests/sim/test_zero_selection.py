@@ -79,14 +79,14 @@ def _eager() -> tuple[list[float], list[np.ndarray]]:
     return losses, [p.numpy() for p in model.parameters()]
 
 
-def _graph(mesh: str, stage: int, checkpointed: bool, selection: str = "ilp") -> dict[str, Any]:
+def _graph(mesh: str, stage: int, checkpointed: bool, selection: str = "ilp", cap: Any = "auto") -> dict[str, Any]:
     """Trains the stack compiled on ``mesh`` (the data axis first) with ZeRO ``stage`` (0: none)."""
     placement = PLACEMENTS[mesh]
     data = S.split(0) if mesh == "2" else (S.split(0), B)
     sbpflow.manual_seed(0)
     model = Stack().to_global(placement, B if mesh == "2" else (B, B))
     step = MeanSquareStep(model, optim.Adam(model.parameters(), lr=0.01))
-    step.config.set_sbp_selection(selection)
+    step.config.set_sbp_selection(selection, activation_cap=cap)
     if stage:
         step.config.enable_zero(stage, min_shard_numel=1)
     for block in model.blocks:
@@ -97,7 +97,8 @@ def _graph(mesh: str, stage: int, checkpointed: bool, selection: str = "ilp") ->
         losses += [float(step(x).numpy()) for x in xs[1:]]
     return {"losses": losses, "params": [p.numpy() for p in model.parameters()],
             "peak": max(step.plan.peak_bytes.values()), "bytes": log.total_bytes() / (STEPS - 1),
-            "kept": step._compiled().report.selection.traced_kept_bytes, "ranks": placement.size}
+            "kept": step._compiled().report.selection.traced_kept_bytes, "ranks": placement.size,
+            "chosen_kept": step._compiled().report.selection.kept_bytes}
 
 
 def _assert_traffic(got: dict[str, Any], plain: dict[str, Any], own: float) -> None:
@@ -139,6 +140,28 @@ def test_zero_selection_keeps_the_peak_of_the_step_without_zero(mesh: str, check
     np.testing.assert_allclose(got["losses"], eager[0], rtol=1e-4)
     for have, want in zip(got["params"], eager[1], strict=True):
         np.testing.assert_allclose(have, want, rtol=1e-4, atol=1e-6)
+
+
+def test_the_activation_cap_is_what_keeps_the_peak(eager: Any) -> None:
+    """Unbounded, the ZeRO-3 selection replicates activations (each rank computes the whole batch to avoid the
+    gradient reduce-scatters): twice the traced bytes kept, a higher peak. Bounded by the traced bytes (the
+    default under ZeRO, or as a number), it keeps the traced bytes; both train alike."""
+    free = _graph("2", 3, False, cap=None)
+    traced = _graph("2", 3, False)
+    assert free["chosen_kept"] == 2 * free["kept"] and traced["chosen_kept"] == traced["kept"] == free["kept"]
+    assert traced["peak"] < free["peak"]
+    given = _graph("2", 3, False, cap=traced["kept"])
+    assert given["chosen_kept"] <= traced["kept"] and given["peak"] == traced["peak"]
+    for run in (free, traced, given):
+        np.testing.assert_allclose(run["losses"], eager[0], rtol=1e-4)
+
+
+def test_activation_cap_is_checked() -> None:
+    config = sbpflow.nn.Graph().config
+    with pytest.raises(sbpflow.SbpflowError, match=r"activation_cap=...\) must be None, 'auto', 'traced' or a "
+                                                   r"number of bytes >= 0, but got -1"):
+        config.set_sbp_selection("ilp", activation_cap=-1)
+    assert config.activation_cap == "auto" and config.sbp_selection == "ilp"  # a failed call changes nothing
 
 
 # -- the GPT at the issue's sizes: dp2, 4 blocks; ZeRO-3 at batch 16, and with checkpointed blocks at batch 128 --
