@@ -9,8 +9,11 @@ continuous). Ops cost their local compute (a roofline: bytes moved through memor
 attention where those take longer), so a replicated signature pays for doing everything everywhere: a weight
 gradient computed whole on every rank as much as one summed from halves and all-reduced. Gradient all-reduces
 (P(sum) -> B of whole tensors, read by the optimizer) go out in buckets during backward (graph.bucket), so small
-ones share a bucket's latency, and together they cost only what backward's compute does not cover. The
-objective is the step's estimated time.
+ones share a bucket's latency, and together they cost only what backward's compute does not cover; ZeRO's
+gradient reduce-scatters, issued as each gradient is made, join them (whole, not bucketed). The objective is the
+step's estimated time, under an optional bound on the activation bytes the layouts keep for backward (a
+replicated activation holds the whole batch on every rank): ZeRO asks for memory, so it bounds them by the
+traced choice's (``activation_cap``).
 
 The eager, greedy choice (made while tracing, op by op in program order) is the baseline: its cost is
 evaluated in the same model, and the solver's result is kept only when it is not worse.
