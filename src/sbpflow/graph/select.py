@@ -10,10 +10,10 @@ attention where those take longer), so a replicated signature pays for doing eve
 gradient computed whole on every rank as much as one summed from halves and all-reduced. Gradient all-reduces
 (P(sum) -> B of whole tensors, read by the optimizer) go out in buckets during backward (graph.bucket), so small
 ones share a bucket's latency, and together they cost only what backward's compute does not cover; ZeRO's
-gradient reduce-scatters, issued as each gradient is made, join them (whole, not bucketed). The objective is the
-step's estimated time, under an optional bound on the activation bytes the layouts keep for backward (a
-replicated activation holds the whole batch on every rank): ZeRO asks for memory, so it bounds them by the
-traced choice's (``activation_cap``).
+gradient reduce-scatters into their parameters' layouts, issued as each gradient is made, join them (whole).
+The objective is the step's estimated time, under an optional bound on the activation bytes the layouts keep
+for backward (a replicated activation holds the whole batch on every rank): ZeRO asks for memory, so it bounds
+them by the traced choice's (``activation_cap``).
 
 The eager, greedy choice (made while tracing, op by op in program order) is the baseline: its cost is
 evaluated in the same model, and the solver's result is kept only when it is not worse.
@@ -52,6 +52,9 @@ METHODS = ("ilp", "ilp-unmerged", "greedy")
 # and on CPUs a collective takes cycles from the compute thread.
 HIDDEN_SHARE = 0.5
 MIN_GAIN = 1e-5  # a sweep's plan is taken when it saves this fraction of the step's time: less is noise and ties
+# Of plans equal in time, the one that keeps fewer activation bytes for backward wins (a data-parallel layout
+# over one that computes the whole batch on every rank): a tenth of a memory pass over them, as a tie-break.
+KEPT_TIE = 0.1 * MEM_SECONDS_PER_BYTE
 
 
 @dataclass(frozen=True)
@@ -198,17 +201,18 @@ class _Costs:
         # a tensor of at least a first bucket's bytes fills a bucket by itself: it pays the whole latency
         return seconds - latency * max(0.0, 1 - nbytes / FIRST_BUCKET), 4 * nbytes * MEM_SECONDS_PER_BYTE
 
-    def synced_matrix(self, vid: int, srcs: tuple[NdSbp, ...], dsts: tuple[NdSbp, ...]) -> tuple[np.ndarray,
-                                                                                                  np.ndarray]:
+    def synced_matrix(self, vid: int, srcs: tuple[NdSbp, ...], dsts: tuple[NdSbp, ...],
+                      scatter: bool) -> tuple[np.ndarray, np.ndarray]:
         """For each pair of ``srcs`` x ``dsts`` that is a gradient all-reduce, :meth:`synced`'s two times; for a
-        gradient reduce-scatter, its time and no copies; zeros elsewhere. Two arrays of shape (len(srcs),
-        len(dsts))."""
+        gradient reduce-scatter (where ``scatter``), its time and no copies; zeros elsewhere. Two arrays of shape
+        (len(srcs), len(dsts))."""
         v = self.g.values[vid]
-        key = ("synced", v.shape, v.dtype, v.placement, srcs, dsts)
+        key = ("synced", v.shape, v.dtype, v.placement, srcs, dsts, scatter)
         found = self._matrices.get(key)
         if found is None:
             pairs = [[self.synced(vid, s, t) if gradient_all_reduce(s, t) else
-                      (self.boxing(vid, s, t), 0.0) if gradient_reduce_scatter(s, t) else (0.0, 0.0) for t in dsts]
+                      (self.boxing(vid, s, t), 0.0) if scatter and gradient_reduce_scatter(s, t) else (0.0, 0.0)
+                      for t in dsts]
                      for s in srcs]
             found = self._matrices[key] = np.array(pairs).transpose(2, 0, 1)
         return found[0], found[1]
@@ -449,11 +453,11 @@ class _Problem:
                 comm, copies = self.costs.synced(self.root(vid), src, dst)
                 hidden += count * comm
                 total += count * copies
-            elif sync and gradient_reduce_scatter(src, dst):
+            elif sync and n.kind != "op" and gradient_reduce_scatter(src, dst):
                 hidden += count * self.costs.boxing(self.root(vid), src, dst)
             else:
                 total += count * self.costs.boxing(self.root(vid), src, dst)
-        return total + max(0.0, hidden - cover)
+        return total + max(0.0, hidden - cover) + KEPT_TIE * self.kept_bytes(choice)
 
     def kept_bytes(self, choice: dict[int, int]) -> int:
         """Bytes per rank that ``choice`` keeps from forward for backward (the activations of the peak)."""
@@ -526,12 +530,15 @@ def gradient_all_reduce(src: NdSbp, dst: NdSbp) -> bool:
 
 
 def gradient_reduce_scatter(src: NdSbp, dst: NdSbp) -> bool:
-    """Whether boxing ``src -> dst`` is one reduce-scatter (P(sum) -> S on one mesh axis): a ZeRO-2/3 gradient's
-    conversion to its parameter's layout. Lowering issues it right after backward makes the gradient, on the
-    communication stream, so like an all-reduce it hides behind the rest of backward (not bucketed: whole)."""
+    """Whether boxing ``src -> dst`` is one reduce-scatter (P(sum) -> S on one mesh axis, B on the others): a
+    ZeRO-2/3 or tensor-parallel gradient's conversion to its parameter's layout. Read by that conversion (a fixed
+    layout, in backward's phase), lowering issues it right after backward makes the gradient, on the
+    communication stream, so like an all-reduce it hides behind the rest of backward (not bucketed: whole). Read
+    by an optimizer op that chose a split, it would be boxed in the post phase: that is priced as any boxing."""
     changed = [(a, b) for a, b in zip(src, dst, strict=True) if a != b]
     return (len(changed) == 1 and isinstance(changed[0][0], Partial) and changed[0][0].op == "sum"
-            and isinstance(changed[0][1], Split))
+            and isinstance(changed[0][1], Split) and all(a == broadcast for a, b in zip(src, dst, strict=True)
+                                                         if a == b))
 
 
 def _options(sbps: list[NdSbp]) -> tuple[tuple[NdSbp, ...], np.ndarray]:
@@ -568,7 +575,12 @@ def _solve_ilp(p: _Problem, time_limit: float, kept_cap: float = np.inf) -> tupl
         seconds = [p.costs.compute(p.g.nodes[rep], c) for c in p.choices[rep]]
         choice_cost += [p.size[rep] * t for t in seconds]
         cover += [HIDDEN_SHARE * p.backward.get(rep, 0) * t for t in seconds]
-    prog = milp.Program(np.array(choice_cost), np.array(cover))
+    kept = np.zeros(len(choice_cost))  # per choice column, the activation bytes its classes keep for backward
+    for nid, outs in p.kept.items():
+        rep = p.classes[nid]
+        kept[first[rep]:first[rep] + len(p.choices[rep])] += [
+            p.costs.kept(p.g.nodes[nid], c, outs) for c in p.choices[rep]]
+    prog = milp.Program(np.array(choice_cost) + KEPT_TIE * kept, np.array(cover))
     for rep in sorted(p.size):
         k = len(p.choices[rep])
         prog.add_rows(np.zeros(k, dtype=np.int64), first[rep] + np.arange(k), np.ones(k), 1.0, 1.0)
@@ -579,8 +591,8 @@ def _solve_ilp(p: _Problem, time_limit: float, kept_cap: float = np.inf) -> tupl
         matrix = count * p.costs.matrix(p.root(vid), out_sbps, in_sbps)  # (a, b)
         hidden = np.zeros_like(matrix)
         if sync:  # gradient all-reduces as buckets send them (see _Costs.synced)
-            comm, copies = p.costs.synced_matrix(p.root(vid), out_sbps, in_sbps)
-            mask = _all_reduce_mask(out_sbps, in_sbps) > 0
+            comm, copies = p.costs.synced_matrix(p.root(vid), out_sbps, in_sbps, dst is None)
+            mask = _late_mask(out_sbps, in_sbps, dst is None) > 0
             hidden = count * comm
             matrix = np.where(mask, hidden + count * copies, matrix)
         if a == 1 and b == 1:
@@ -595,11 +607,6 @@ def _solve_ilp(p: _Problem, time_limit: float, kept_cap: float = np.inf) -> tupl
             prog.add_edge(matrix, hidden, first[src] + np.arange(len(out_of)), out_of,  # type: ignore[index]
                           first[dst] + np.arange(len(in_of)), in_of)  # type: ignore[index]
     if np.isfinite(kept_cap):
-        kept = np.zeros(len(choice_cost))
-        for nid, outs in p.kept.items():
-            rep = p.classes[nid]
-            kept[first[rep]:first[rep] + len(p.choices[rep])] += [
-                p.costs.kept(p.g.nodes[nid], c, outs) for c in p.choices[rep]]
         used = np.flatnonzero(kept)
         if len(used):
             prog.add_rows(np.zeros(len(used), dtype=np.int64), used, kept[used], -np.inf, kept_cap)
@@ -610,9 +617,10 @@ def _solve_ilp(p: _Problem, time_limit: float, kept_cap: float = np.inf) -> tupl
     return {nid: picked[rep] for nid, rep in p.classes.items()}, prog.n_col
 
 
-def _all_reduce_mask(srcs: tuple[NdSbp, ...], dsts: tuple[NdSbp, ...]) -> np.ndarray:
-    """(len(srcs), len(dsts)) floats: 1 where boxing the pair is a gradient all-reduce or reduce-scatter, else 0."""
-    return np.array([[float(gradient_all_reduce(s, t) or gradient_reduce_scatter(s, t)) for t in dsts]
+def _late_mask(srcs: tuple[NdSbp, ...], dsts: tuple[NdSbp, ...], scatter: bool) -> np.ndarray:
+    """(len(srcs), len(dsts)) floats: 1 where boxing the pair is a gradient all-reduce, or (``scatter``) a
+    gradient reduce-scatter, else 0."""
+    return np.array([[float(gradient_all_reduce(s, t) or (scatter and gradient_reduce_scatter(s, t))) for t in dsts]
                      for s in srcs])
 
 
