@@ -44,6 +44,20 @@ def test_memory_limit_forces_sharded_weights():
         solve_block(SMALL, 2, 4, A100, memory_limit=1e5)
 
 
+@pytest.mark.parametrize(("tp", "solve"), [(1, solve_block), (4, solve_block), (4, enumerate_block)])
+def test_no_fit_says_in_words_what_was_asked_and_what_it_needs(tp, solve):
+    """No internal reprs (TransformerSpec(...), raw floats): the block's sizes, the limit and the least need."""
+    with pytest.raises(PlanError) as caught:
+        solve(SMALL, 2, tp, A100, 1e5, "selective")
+    message = str(caught.value)
+    assert message.startswith(f"no SBP assignment of a block of 2 layers, hidden 256, 4 heads, MLP 1024 gelu, "
+                              f"seq 64, vocab 512 (micro-batch 2, recompute selective) on {tp} rank")
+    assert "fits in 0.10 MiB per rank: the smallest needs at least " in message
+    least = float(message.split("at least ")[1].split(" MiB")[0])
+    assert least > 0.1  # more than the limit, or an assignment would have fitted
+    assert "TransformerSpec(" not in message and "BlockBudget(" not in message
+
+
 def test_gpt3_block_on_eight_gpus_is_megatron():
     """One block stands for all 96: the choice is Megatron-LM's column/row pairing (with LayerNorm and the
     residual stream split over tokens, i.e. sequence parallelism), found in well under a second."""

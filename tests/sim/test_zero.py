@@ -235,6 +235,9 @@ def _seq_graph(window: int | None, steps: int = 3, executor: str = "actors") -> 
     step.config.set_executor(executor)
     if window is not None:
         step.config.enable_zero(3, prefetch=window, min_shard_numel=1)
+        # the traced layouts, where every layer reads its gathered copies: the selection may compute a layer from
+        # its shards instead (column-parallel on the sharded weight), which leaves that layer no gather to window
+        step.config.set_sbp_selection("greedy")
     sbpflow.manual_seed(1)
     xs = [sbpflow.randn(8, WIDTH, placement=p2, sbp=S.split(0)) for _ in range(steps)]
     losses = [float(step(x).numpy()) for x in xs]

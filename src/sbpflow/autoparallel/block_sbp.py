@@ -357,7 +357,7 @@ def solve_block(spec: TransformerSpec, micro_batch: int, tp: int, profile: Devic
     if tp == 1:
         plan = _plan(problem, _picks(MEGATRON_CHOICES), time.perf_counter() - start, "one rank")
         if memory_limit is not None and plan.memory > memory_limit:
-            raise PlanError(f"no SBP assignment of a block fits in {memory_limit} bytes per rank on 1 rank")
+            raise _no_fit(problem, spec, micro_batch, 1, recompute, memory_limit)
         return plan
     offsets = np.cumsum([0] + [len(c) for c in problem.forward])
     n_choice = int(offsets[-1])
@@ -392,7 +392,7 @@ def solve_block(spec: TransformerSpec, micro_batch: int, tp: int, profile: Devic
     result = milp(np.array(cost), integrality=integrality, bounds=Bounds(0, np.where(integrality > 0, 1, np.inf)),
                   constraints=LinearConstraint(matrix, np.array(lo), np.array(hi)), options={"mip_rel_gap": 1e-9})
     if result.x is None:
-        raise PlanError(f"no SBP assignment of a block fits in {memory_limit} bytes per rank on {tp} ranks")
+        raise _no_fit(problem, spec, micro_batch, tp, recompute, memory_limit)
     picks = tuple(int(np.argmax(result.x[offsets[op]:offsets[op + 1]])) for op in range(len(OPS)))
     return _plan(problem, picks, time.perf_counter() - start, "ilp")
 
@@ -411,8 +411,20 @@ def enumerate_block(spec: TransformerSpec, micro_batch: int, tp: int, profile: D
         if best is None or total < best[0]:
             best = (total, picks)
     if best is None or not np.isfinite(best[0]):
-        raise PlanError(f"no SBP assignment of a block fits in {memory_limit} bytes per rank on {tp} ranks")
+        raise _no_fit(problem, spec, micro_batch, tp, recompute, memory_limit)
     return _plan(problem, best[1], time.perf_counter() - start, "enumeration")
+
+
+def _no_fit(problem: _Problem, spec: TransformerSpec, micro_batch: int, tp: int, recompute: str,
+            memory_limit: float | None) -> PlanError:
+    """The error of a block with no assignment under ``memory_limit``: what was asked, in words, and the least
+    any assignment needs (each op at its smallest choice: a bound, as some pairs of choices do not connect)."""
+    least = sum(min(problem.op_memory(op, k) for k in range(len(row))) for op, row in enumerate(problem.forward))
+    limit = "no memory limit" if memory_limit is None else f"{memory_limit / 2**20:.2f} MiB per rank"
+    return PlanError(f"no SBP assignment of a block of {spec.describe()} (micro-batch {micro_batch}, recompute "
+                     f"{recompute}) on {tp} rank{'s' if tp > 1 else ''} fits in {limit}: the smallest needs at "
+                     f"least {least / 2**20:.2f} MiB per rank (parameters and optimizer state of "
+                     f"{problem.budget.blocks} block{'s' if problem.budget.blocks > 1 else ''}, and activations)")
 
 
 def evaluate_block(spec: TransformerSpec, micro_batch: int, tp: int, profile: DeviceProfile,

@@ -108,6 +108,9 @@ class CompileOptions:
     group: bool = True  # one accumulate node sums the gradients one act of the schedule makes (graph.group)
     late_reduce: bool = True  # all-reduce a data-parallel gradient once a step, after its micro-batches (late_reduce)
     split_updates: bool = True  # cut a multi-tensor update by the collective each parameter waits for (update_split)
+    # bytes per rank of the activations kept for backward that the SBP selection may choose: None (no bound),
+    # "traced" (no more than the traced layouts keep) or an int (graph.select's activation_cap)
+    activation_cap: int | str | None = None
 
 
 def compile_graph(g: LogicalGraph, options: CompileOptions | None = None, model: boxing.CostModel | None = None,
@@ -129,7 +132,7 @@ def compile_graph(g: LogicalGraph, options: CompileOptions | None = None, model:
             with report.timing("prefetch"):
                 window_gathers(g, prefetch)
         with report.timing("sbp selection"):
-            report.selection = select(g, model, factors, method, agree=agree)
+            report.selection = select(g, model, factors, method, agree=agree, activation_cap=opts.activation_cap)
         with report.timing("lowering"):
             plan = lower(g, model, factors)
         if opts.late_reduce:

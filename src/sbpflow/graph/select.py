@@ -9,8 +9,11 @@ continuous). Ops cost their local compute (a roofline: bytes moved through memor
 attention where those take longer), so a replicated signature pays for doing everything everywhere: a weight
 gradient computed whole on every rank as much as one summed from halves and all-reduced. Gradient all-reduces
 (P(sum) -> B of whole tensors, read by the optimizer) go out in buckets during backward (graph.bucket), so small
-ones share a bucket's latency, and together they cost only what backward's compute does not cover. The
-objective is the step's estimated time.
+ones share a bucket's latency, and together they cost only what backward's compute does not cover; ZeRO's
+gradient reduce-scatters into their parameters' layouts, issued as each gradient is made, join them (whole).
+The objective is the step's estimated time, under an optional bound on the activation bytes the layouts keep
+for backward (a replicated activation holds the whole batch on every rank): ZeRO asks for memory, so it bounds
+them by the traced choice's (``activation_cap``).
 
 The eager, greedy choice (made while tracing, op by op in program order) is the baseline: its cost is
 evaluated in the same model, and the solver's result is kept only when it is not worse.
@@ -49,6 +52,9 @@ METHODS = ("ilp", "ilp-unmerged", "greedy")
 # and on CPUs a collective takes cycles from the compute thread.
 HIDDEN_SHARE = 0.5
 MIN_GAIN = 1e-5  # a sweep's plan is taken when it saves this fraction of the step's time: less is noise and ties
+# Of plans equal in time, the one that keeps fewer activation bytes for backward wins (a data-parallel layout
+# over one that computes the whole batch on every rank): a tenth of a memory pass over them, as a tie-break.
+KEPT_TIE = 0.1 * MEM_SECONDS_PER_BYTE
 
 
 @dataclass(frozen=True)
@@ -67,6 +73,8 @@ class Selection:
     solve_s: float
     variables: int = 0
     classes: int = 0  # op nodes' classes: the ones whose choices the program makes (see :mod:`.repeat`)
+    kept_bytes: int = 0  # per rank, activations the chosen layouts keep for backward (see :func:`kept_for_backward`)
+    traced_kept_bytes: int = 0  # the same for the traced (greedy) choice
 
 
 def candidates(g: LogicalGraph, n: LNode, current: Candidate, free_axis: int | None = None) -> list[Candidate]:
@@ -152,6 +160,7 @@ class _Costs:
         self._matrices: dict[Any, np.ndarray] = {}
         self._latency: dict[Any, float] = {}
         self._node_keys: dict[int, Any] = {}  # op node id -> what its compute cost depends on, besides the choice
+        self._kept: dict[Any, int] = {}
 
     def boxing(self, vid: int, src: NdSbp, dst: NdSbp) -> float:
         if src == dst:
@@ -192,15 +201,18 @@ class _Costs:
         # a tensor of at least a first bucket's bytes fills a bucket by itself: it pays the whole latency
         return seconds - latency * max(0.0, 1 - nbytes / FIRST_BUCKET), 4 * nbytes * MEM_SECONDS_PER_BYTE
 
-    def synced_matrix(self, vid: int, srcs: tuple[NdSbp, ...], dsts: tuple[NdSbp, ...]) -> tuple[np.ndarray,
-                                                                                                  np.ndarray]:
-        """For each pair of ``srcs`` x ``dsts`` that is a gradient all-reduce, :meth:`synced`'s two times; zeros
-        elsewhere. Two arrays of shape (len(srcs), len(dsts))."""
+    def synced_matrix(self, vid: int, srcs: tuple[NdSbp, ...], dsts: tuple[NdSbp, ...],
+                      scatter: bool) -> tuple[np.ndarray, np.ndarray]:
+        """For each pair of ``srcs`` x ``dsts`` that is a gradient all-reduce, :meth:`synced`'s two times; for a
+        gradient reduce-scatter (where ``scatter``), its time and no copies; zeros elsewhere. Two arrays of shape
+        (len(srcs), len(dsts))."""
         v = self.g.values[vid]
-        key = ("synced", v.shape, v.dtype, v.placement, srcs, dsts)
+        key = ("synced", v.shape, v.dtype, v.placement, srcs, dsts, scatter)
         found = self._matrices.get(key)
         if found is None:
-            pairs = [[self.synced(vid, s, t) if gradient_all_reduce(s, t) else (0.0, 0.0) for t in dsts]
+            pairs = [[self.synced(vid, s, t) if gradient_all_reduce(s, t) else
+                      (self.boxing(vid, s, t), 0.0) if scatter and gradient_reduce_scatter(s, t) else (0.0, 0.0)
+                      for t in dsts]
                      for s in srcs]
             found = self._matrices[key] = np.array(pairs).transpose(2, 0, 1)
         return found[0], found[1]
@@ -255,6 +267,15 @@ class _Costs:
         messages, nbytes = op.talks(metas, c.ins, placement)
         link = self.model.link(placement.type, tuple(placement.flat_ranks))
         return messages * link.alpha + nbytes * link.beta
+
+    def kept(self, n: LNode, c: Candidate, outputs: tuple[int, ...]) -> int:
+        """Bytes per rank of op node ``n``'s ``outputs`` (indices) in the layouts candidate ``c`` gives them."""
+        key = (n.id, c, outputs)
+        nbytes = self._kept.get(key)
+        if nbytes is None:
+            nbytes = self._kept[key] = sum(_numel(self._local(n.outputs[j], c.outs[j])) * _itemsize(
+                self.g.values[n.outputs[j]]) for j in outputs)
+        return nbytes
 
     def _local(self, vid: int, sbp: NdSbp) -> tuple[int, ...]:
         v = self.g.values[vid]
@@ -347,8 +368,10 @@ class _Problem:
         self.backward: dict[int, int] = {}  # class -> how many of its nodes run in backward
         self.groups: list[Group] = []
         self.reads: list[Read] = []
+        self.kept: dict[int, tuple[int, ...]] = {}  # op node id -> its outputs kept for backward
         if like is not None:  # these do not depend on the choices: share them
             self.alias, self.size, self.backward, self.reads = like.alias, like.size, like.backward, like.reads
+            self.kept = like.kept
         else:
             for n in g.nodes:
                 if n.kind in ("accumulate", "pack"):
@@ -358,6 +381,7 @@ class _Problem:
             for nid in backward_nodes(g):
                 self.backward[classes[nid]] = self.backward.get(classes[nid], 0) + 1
             self.reads = self._reads()
+            self.kept = kept_for_backward(g)
         self.groups = self._edge_groups()
 
     def root(self, vid: int) -> int:
@@ -446,9 +470,16 @@ class _Problem:
                 comm, copies = self.costs.synced(self.root(vid), src, dst)
                 hidden += count * comm
                 total += count * copies
+            elif sync and n.kind != "op" and gradient_reduce_scatter(src, dst):
+                hidden += count * self.costs.boxing(self.root(vid), src, dst)
             else:
                 total += count * self.costs.boxing(self.root(vid), src, dst)
-        return total + max(0.0, hidden - cover)
+        return total + max(0.0, hidden - cover) + KEPT_TIE * self.kept_bytes(choice)
+
+    def kept_bytes(self, choice: dict[int, int]) -> int:
+        """Bytes per rank that ``choice`` keeps from forward for backward (the activations of the peak)."""
+        return sum(self.costs.kept(self.g.nodes[nid], self.choices[nid][choice[nid]], outs)
+                   for nid, outs in self.kept.items())
 
     def _sbp_out(self, vid: int, choice: dict[int, int]) -> NdSbp:
         vid = self.root(vid)
@@ -475,6 +506,26 @@ def backward_nodes(g: LogicalGraph) -> list[int]:
     return out
 
 
+def kept_for_backward(g: LogicalGraph) -> dict[int, tuple[int, ...]]:
+    """Forward's op nodes -> the indices of their outputs that backward reads: what a step holds from the end of
+    forward into backward (its activations), in the layout the node's choice gives them.
+
+    A checkpointed segment's inner values are made again in backward (their clones are backward's nodes), so
+    only the segment's inputs count. A value also boxed in forward to a layout backward reads shares that copy
+    (lowering boxes once per phase), which is not counted: the layout the producer gives is the bytes a choice
+    controls.
+    """
+    backward = set(backward_nodes(g))
+    read_in_backward = {v for nid in backward for v in g.nodes[nid].inputs}
+    kept = {}
+    for n in g.nodes:
+        if n.kind == "op" and n.phase == "micro" and n.id not in backward:
+            outs = tuple(j for j, v in enumerate(n.outputs) if v in read_in_backward)
+            if outs:
+                kept[n.id] = outs
+    return kept
+
+
 def late_readers(g: LogicalGraph) -> set[int]:
     """Nodes whose reads wait for nothing but the end of backward: the post phase's (the optimizer's), and
     conversions (a gradient's ``to_global`` to its parameter's layout) whose results only the post phase reads."""
@@ -495,6 +546,18 @@ def gradient_all_reduce(src: NdSbp, dst: NdSbp) -> bool:
             and changed[0][1] == broadcast and not any(isinstance(s, Split) for s in (*src, *dst)))
 
 
+def gradient_reduce_scatter(src: NdSbp, dst: NdSbp) -> bool:
+    """Whether boxing ``src -> dst`` is one reduce-scatter (P(sum) -> S on one mesh axis, B on the others): a
+    ZeRO-2/3 or tensor-parallel gradient's conversion to its parameter's layout. Read by that conversion (a fixed
+    layout, in backward's phase), lowering issues it right after backward makes the gradient, on the
+    communication stream, so like an all-reduce it hides behind the rest of backward (not bucketed: whole). Read
+    by an optimizer op that chose a split, it would be boxed in the post phase: that is priced as any boxing."""
+    changed = [(a, b) for a, b in zip(src, dst, strict=True) if a != b]
+    return (len(changed) == 1 and isinstance(changed[0][0], Partial) and changed[0][0].op == "sum"
+            and isinstance(changed[0][1], Split) and all(a == broadcast for a, b in zip(src, dst, strict=True)
+                                                         if a == b))
+
+
 def _options(sbps: list[NdSbp]) -> tuple[tuple[NdSbp, ...], np.ndarray]:
     """Distinct SBPs in order of appearance, and the index of each given one among them."""
     distinct = tuple(dict.fromkeys(sbps))
@@ -502,7 +565,7 @@ def _options(sbps: list[NdSbp]) -> tuple[tuple[NdSbp, ...], np.ndarray]:
     return distinct, np.array([where[sbp] for sbp in sbps], dtype=np.int64)
 
 
-def _solve_ilp(p: _Problem, time_limit: float) -> tuple[dict[int, int] | None, int]:
+def _solve_ilp(p: _Problem, time_limit: float, kept_cap: float = np.inf) -> tuple[dict[int, int] | None, int]:
     """One integer program over the classes' choices; returns every op node's candidate index.
 
     Columns: each class's choices, then each merged edge's ``e[s, t]`` (a block of a cost matrix, priced once
@@ -513,6 +576,9 @@ def _solve_ilp(p: _Problem, time_limit: float) -> tuple[dict[int, int] | None, i
     their sum, less the cover that backward's compute gives (:data:`HIDDEN_SHARE`), bounds one more continuous
     column from below, which the objective pays instead (so it costs ``max(0, hidden - cover)``, as
     :meth:`_Problem.cost_of`).
+
+    ``kept_cap``: one more row, the bytes per rank the choices keep for backward (:meth:`_Problem.kept_bytes`) at
+    most this many.
     """
     first: dict[int, int] = {}  # class -> its first choice column
     choice_cost: list[float] = []
@@ -526,7 +592,12 @@ def _solve_ilp(p: _Problem, time_limit: float) -> tuple[dict[int, int] | None, i
         seconds = [p.costs.compute(p.g.nodes[rep], c) for c in p.choices[rep]]
         choice_cost += [p.size[rep] * t for t in seconds]
         cover += [HIDDEN_SHARE * p.backward.get(rep, 0) * t for t in seconds]
-    prog = milp.Program(np.array(choice_cost), np.array(cover))
+    kept = np.zeros(len(choice_cost))  # per choice column, the activation bytes its classes keep for backward
+    for nid, outs in p.kept.items():
+        rep = p.classes[nid]
+        kept[first[rep]:first[rep] + len(p.choices[rep])] += [
+            p.costs.kept(p.g.nodes[nid], c, outs) for c in p.choices[rep]]
+    prog = milp.Program(np.array(choice_cost) + KEPT_TIE * kept, np.array(cover))
     for rep in sorted(p.size):
         k = len(p.choices[rep])
         prog.add_rows(np.zeros(k, dtype=np.int64), first[rep] + np.arange(k), np.ones(k), 1.0, 1.0)
@@ -537,8 +608,8 @@ def _solve_ilp(p: _Problem, time_limit: float) -> tuple[dict[int, int] | None, i
         matrix = count * p.costs.matrix(p.root(vid), out_sbps, in_sbps)  # (a, b)
         hidden = np.zeros_like(matrix)
         if sync:  # gradient all-reduces as buckets send them (see _Costs.synced)
-            comm, copies = p.costs.synced_matrix(p.root(vid), out_sbps, in_sbps)
-            mask = _all_reduce_mask(out_sbps, in_sbps) > 0
+            comm, copies = p.costs.synced_matrix(p.root(vid), out_sbps, in_sbps, dst is None)
+            mask = _late_mask(out_sbps, in_sbps, dst is None) > 0
             hidden = count * comm
             matrix = np.where(mask, hidden + count * copies, matrix)
         if a == 1 and b == 1:
@@ -552,6 +623,10 @@ def _solve_ilp(p: _Problem, time_limit: float) -> tuple[dict[int, int] | None, i
         else:
             prog.add_edge(matrix, hidden, first[src] + np.arange(len(out_of)), out_of,  # type: ignore[index]
                           first[dst] + np.arange(len(in_of)), in_of)  # type: ignore[index]
+    if np.isfinite(kept_cap):
+        used = np.flatnonzero(kept)
+        if len(used):
+            prog.add_rows(np.zeros(len(used), dtype=np.int64), used, kept[used], -np.inf, kept_cap)
     x = milp.solve(*prog.arrays(), milp.intern(twins), time_limit)
     if x is None:
         return None, prog.n_col
@@ -559,13 +634,16 @@ def _solve_ilp(p: _Problem, time_limit: float) -> tuple[dict[int, int] | None, i
     return {nid: picked[rep] for nid, rep in p.classes.items()}, prog.n_col
 
 
-def _all_reduce_mask(srcs: tuple[NdSbp, ...], dsts: tuple[NdSbp, ...]) -> np.ndarray:
-    """(len(srcs), len(dsts)) floats: 1 where boxing the pair is a gradient all-reduce, else 0."""
-    return np.array([[float(gradient_all_reduce(s, t)) for t in dsts] for s in srcs])
+def _late_mask(srcs: tuple[NdSbp, ...], dsts: tuple[NdSbp, ...], scatter: bool) -> np.ndarray:
+    """(len(srcs), len(dsts)) floats: 1 where boxing the pair is a gradient all-reduce, or (``scatter``) a
+    gradient reduce-scatter, else 0."""
+    return np.array([[float(gradient_all_reduce(s, t) or (scatter and gradient_reduce_scatter(s, t))) for t in dsts]
+                     for s in srcs])
 
 
 def select(g: LogicalGraph, model: boxing.CostModel, factors: tuple[Any, ...], method: str = "ilp",
-           time_limit: float = 600.0, agree: Callable[[Any], Any] | None = None) -> Selection:
+           time_limit: float = 600.0, agree: Callable[[Any], Any] | None = None,
+           activation_cap: int | str | None = None) -> Selection:
     """Chooses every op's signature; rewrites ``n.in_sbps`` and the output values' SBPs in place.
 
     ``method``: "ilp" ties structurally repeated nodes (:mod:`.repeat`: a 24-layer model costs about one
@@ -578,6 +656,12 @@ def select(g: LogicalGraph, model: boxing.CostModel, factors: tuple[Any, ...], m
     Each accepted step lowers the estimated time, starting from the greedy choice, so the result is never
     worse than greedy. ``agree`` makes every process adopt one process's choice (a solver may break ties
     differently under load, and processes must run one plan).
+
+    ``activation_cap`` bounds the memory the layouts decide: the bytes per rank of the activations forward keeps
+    for backward (:func:`kept_for_backward`), at the layouts chosen. None: no bound; "traced": no more than the
+    traced choice keeps (a replicated activation holds the whole batch on every rank, where the traced
+    data-parallel one holds its share); an int: that many bytes. A choice above the bound is taken only when
+    the current one is above it too and it keeps less.
     """
     if method not in METHODS:
         raise ValueError(f"SBP selection method must be one of {METHODS}, but got {method!r}")
@@ -594,6 +678,8 @@ def select(g: LogicalGraph, model: boxing.CostModel, factors: tuple[Any, ...], m
     sweeps: list[int | None] = [None] if len(axes) <= 1 else [*axes, *axes]
     first = _Problem(g, costs, current, sweeps[0], classes)
     greedy_cost = best_cost = first.cost_of(first.current)
+    traced_kept = kept = first.kept_bytes(first.current)
+    cap = _kept_cap(activation_cap, traced_kept)
     method_used, n_var = "greedy", 0
     if method != "greedy" and current:
         method_used = "ilp (greedy was as good)"
@@ -603,21 +689,33 @@ def select(g: LogicalGraph, model: boxing.CostModel, factors: tuple[Any, ...], m
                 continue
             p = first if free == sweeps[0] and _built_around(first, current) else \
                 _Problem(g, costs, current, free, classes, like=first)
-            solved, size = _solve_ilp(p, time_limit)
+            solved, size = _solve_ilp(p, time_limit, max(cap, kept))
             n_var = max(n_var, size)
             settled.add(free)
             if solved is None:
                 continue
-            cost = p.cost_of(solved)
-            if cost < best_cost * (1 - MIN_GAIN):
+            cost, solved_kept = p.cost_of(solved), p.kept_bytes(solved)
+            fits = solved_kept <= cap or (kept > cap and solved_kept < kept)
+            if fits and (cost < best_cost * (1 - MIN_GAIN) or kept > cap):
                 current = {nid: p.choices[nid][k] for nid, k in solved.items()}
-                best_cost, method_used = cost, "ilp" if len(sweeps) == 1 else "ilp per mesh axis"
+                best_cost, kept, method_used = cost, solved_kept, "ilp" if len(sweeps) == 1 else "ilp per mesh axis"
                 settled = {free}
     if agree is not None:
         current = agree(current)
     _apply(g, current)
     return Selection(greedy_cost, best_cost, method_used, time.perf_counter() - start, n_var,
-                     len(set(classes.values())))
+                     len(set(classes.values())), kept, traced_kept)
+
+
+def _kept_cap(activation_cap: int | str | None, traced: int) -> float:
+    """:func:`select`'s ``activation_cap`` as bytes (inf: no bound)."""
+    if activation_cap is None:
+        return np.inf
+    if activation_cap == "traced":
+        return float(traced)
+    if isinstance(activation_cap, int) and not isinstance(activation_cap, bool) and activation_cap >= 0:
+        return float(activation_cap)
+    raise ValueError(f"activation_cap must be None, 'traced' or a number of bytes >= 0, but got {activation_cap!r}")
 
 
 def _built_around(p: _Problem, current: dict[int, Candidate]) -> bool:

@@ -85,6 +85,9 @@ class GraphConfig:
         self.executor = "actors"  # "actors" (the actor runtime) or "inorder" (the reference executor)
         self.threads: bool | None = None  # actor runtime: worker threads (None: under torch.distributed only)
         self.sbp_selection = "ilp"  # "ilp" (global, repeated layers tied), "ilp-unmerged" or "greedy" (eager's choice)
+        # the activations the selection may keep for backward, bytes per rank (set_sbp_selection): "auto" is
+        # "traced" under ZeRO (asked for to save memory: layouts must not spend it on activations), else None
+        self.activation_cap: int | str | None = "auto"
         self.trace_path: str | None = None  # the actor runtime's timeline file (else SBPFLOW_TRACE, else none)
         self.auto_parallel: tuple[int, Any] | None = None  # (devices, profile): plan the model at the first call
         self.pipeline_schedule = "1f1b"  # how stages on several placements take turns (graph.pipeline)
@@ -238,10 +241,24 @@ class GraphConfig:
             raise SbpflowError(f"enable_auto_parallel needs devices >= 1, but got {devices!r}")
         self.auto_parallel = (devices, profile)
 
-    def set_sbp_selection(self, name: str) -> None:
+    def set_sbp_selection(self, name: str, *, activation_cap: int | str | None = "auto") -> None:
+        """The SBP selection ``name`` (graph.select's methods), and a bound on the bytes per rank of the
+        activations its layouts keep for backward: None, "traced" (no more than the traced layouts keep), a
+        number of bytes, or "auto" ("traced" when ZeRO is on, else None).
+
+        >>> import sbpflow
+        >>> config = sbpflow.nn.Graph().config
+        >>> config.set_sbp_selection("ilp", activation_cap="traced"); config.activation_cap
+        'traced'
+        """
         if name not in METHODS:
             raise SbpflowError(f"SBP selection must be one of {METHODS}, but got {name!r}")
-        self.sbp_selection = name
+        if not (activation_cap in (None, "auto", "traced") or (isinstance(activation_cap, int)
+                                                               and not isinstance(activation_cap, bool)
+                                                               and activation_cap >= 0)):
+            raise SbpflowError(f"set_sbp_selection(activation_cap=...) must be None, 'auto', 'traced' or a number "
+                               f"of bytes >= 0, but got {activation_cap!r}")
+        self.sbp_selection, self.activation_cap = name, activation_cap
 
 
 class ModuleConfig:
@@ -525,7 +542,8 @@ class Graph:
                                  torch_compile=self.config.segment_torch_compile,
                                  group=self.config.group_accumulates,
                                  late_reduce=self.config.reduce_after_accumulating,
-                                 split_updates=self.config.update_per_bucket)
+                                 split_updates=self.config.update_per_bucket,
+                                 activation_cap=self._activation_cap())
         plan, logical, report = compile_graph(tracer.graph, options, agree=_rank0_choice)
         with report.timing("memory plan"):
             plan.peak_bytes = _memory_plan(plan)
@@ -535,6 +553,12 @@ class Graph:
         constants = {f"const{vid}": shards for vid, shards in tracer.constants.items()}
         return Compiled(logical, plan, report, inputs, out_bufs, tree, variables, constants, feeds,
                         tracer.random_keys, scaler=scaler, input_sbps=input_sbps)
+
+    def _activation_cap(self) -> int | str | None:
+        cap = self.config.activation_cap
+        if cap == "auto":
+            return "traced" if self.config.zero_stage else None
+        return cap
 
     def _scaler_variables(self) -> Any:
         """The loss scaler (if any), its scale and tracker made graph variables on the first parameter's placement."""
