@@ -145,3 +145,22 @@ def test_graph_step_equals_eager_and_one_device(layout: str, capacity: float | N
     for n in plan.nodes:
         if n.kind == "boxing" and plan.bufs[n.inputs[0]].shape == (TOKENS, HIDDEN):
             assert all(s.kind != "broadcast" and s.bytes_per_rank <= TOKENS * HIDDEN * 4 for s in n.boxing.steps), n
+
+
+@pytest.mark.parametrize("layout", ["ep2", "dp2xep2"])
+def test_graph_step_over_micro_batches_equals_one_device(layout: str) -> None:
+    """Two micro-batches: each exchanges its own tokens; the summed gradients are the whole batch's."""
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((TOKENS, HIDDEN)).astype(np.float32)
+    dy = rng.standard_normal((TOKENS, HIDDEN)).astype(np.float32)
+    want_out, want_grads, _ = _one_device(None, x, dy)
+    block, mesh, sbp = _parallel(layout, None)
+    before = {n: p.numpy().copy() for n, p in block.named_parameters()}
+    step = Step(block)
+    step.config.set_gradient_accumulation_steps(2)
+    out = step(sbpflow.tensor(x, placement=mesh, sbp=sbp), sbpflow.tensor(dy, placement=mesh, sbp=sbp))
+    np.testing.assert_allclose(out.numpy(), want_out, rtol=RTOL, atol=ATOL)
+    for name, p in block.named_parameters():  # (sums of terms up to ~10 in another order: atol at their scale)
+        want = want_grads[name]
+        np.testing.assert_allclose(before[name] - p.numpy(), want, rtol=RTOL, atol=ATOL * np.abs(want).max(),
+                                   err_msg=name)
