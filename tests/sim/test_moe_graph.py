@@ -13,6 +13,7 @@ import torch
 
 import sbpflow
 from sbpflow import nn
+from sbpflow.errors import SbpflowError
 from sbpflow.nn import expert_parallel
 from sbpflow.nn.module import relayout_
 from sbpflow.nn.moe import split_experts
@@ -164,3 +165,14 @@ def test_graph_step_over_micro_batches_equals_one_device(layout: str) -> None:
         want = want_grads[name]
         np.testing.assert_allclose(before[name] - p.numpy(), want, rtol=RTOL, atol=ATOL * np.abs(want).max(),
                                    err_msg=name)
+
+
+def test_graph_refuses_experts_split_on_their_input_dim() -> None:
+    """The traced exchange checks the layouts as the eager one does, naming the expert and its SBPs."""
+    block, mesh, sbp = _parallel("ep2xtp2", None)
+    w1 = block.moe.experts[0].w1.weight
+    relayout_(w1, w1.placement, (broadcast, split(1)))
+    step = Step(block)
+    x = sbpflow.tensor(np.ones((TOKENS, HIDDEN), np.float32), placement=mesh, sbp=sbp)
+    with pytest.raises(SbpflowError, match=r"must be whole \(B\) or Megatron .* but expert 0 has"):
+        step(x, x)
