@@ -19,8 +19,8 @@ tokens whole there, and the slot outputs are partial sums there (as a row-parall
 
 The split sizes depend on the data, which ``nn.Graph``'s tracer cannot carry: a traced step uses
 :func:`member_exchange` instead, a dropless capacity buffer (every token) sent to each member by a transfer node
-of the plan, where the member's experts compute their routed rows only (the same numbers and expert FLOPs as the
-exchange, with every token's bytes sent to each member). Meta tensors take :class:`~sbpflow.nn.MoE`'s dense path.
+of the plan, where the member's experts compute their routed rows only (the same numbers; backward computes those
+rows again; every token's bytes go to each member). Meta tensors take :class:`~sbpflow.nn.MoE`'s dense path.
 """
 
 from __future__ import annotations
@@ -362,19 +362,11 @@ def member_experts(x: torch.Tensor, top: torch.Tensor, index: torch.Tensor, *wei
     """One ep member's experts ``first, first + 1, ...`` (w1, w2, w3 each), each on the token slots routed to it
     only, weighted by the routing: local (n, C), zero on tokens routed elsewhere."""
     out = x.new_zeros(x.shape)
-    for e, rows, slot in _member_slots(index, first, len(weights) // 3):
+    for e in range(len(weights) // 3):
+        rows, slot = torch.nonzero(index == first + e, as_tuple=True)  # the (token, slot) pairs routed to it
         y = _swiglu(x[rows], *(w.to(x.dtype) for w in weights[3 * e: 3 * e + 3]))
         out.index_add_(0, rows, top[rows, slot].to(y.dtype).unsqueeze(1) * y)
     return out
-
-
-def _member_slots(index: torch.Tensor, first: int, per: int) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
-    """Per local expert ``e`` of ``per``: the (token, slot) pairs routed to expert ``first + e``."""
-    found = []
-    for e in range(per):
-        rows, slot = torch.nonzero(index == first + e, as_tuple=True)
-        found.append((e, rows, slot))
-    return found
 
 
 @member_experts.grad

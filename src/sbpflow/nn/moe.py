@@ -118,7 +118,7 @@ class MoE(Module):
             # a slot is kept if its expert kept the token: (N, k)
             keep = _laid_like(F.gt(F.sum(F.mul(chosen, F.unsqueeze(kept, 1)), dim=-1), 0.5), flat)
         experts = [(e.w1.weight, e.w2.weight, e.w3.weight) for e in self.experts]
-        if INTERPRETERS:  # nn.Graph traces: static shapes, a capacity buffer of every token per member
+        if INTERPRETERS:  # (only the tracer is pushed) static shapes: a capacity buffer of every token per member
             out, counts = self._member_exchanged(flat, top, index, keep, experts, layout)
         else:
             out, counts = routed_experts(flat, _laid_like(top, flat), _laid_like(index, flat), keep, experts, layout)
