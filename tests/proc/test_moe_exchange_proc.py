@@ -1,6 +1,6 @@
 """nn.MoE's all-to-all expert exchange on 2 gloo processes, on a mesh in rank order and on a permuted one (member
 j is not rank j: gloo's all_to_all_single sends split i to the i-th lowest rank, so the pieces are reordered),
-against the same layer on one device computed in each process."""
+against the same layer on one device computed in each process; and one nn.Graph step (the traced exchange)."""
 
 from __future__ import annotations
 
@@ -53,3 +53,36 @@ def test_exchange_on_two_processes_equals_one_device(ranks: list[int]) -> None:
         for name, g in grads.items():
             np.testing.assert_allclose(g, w_grads[name], rtol=1e-4, atol=1e-5, err_msg=name)
         assert result["collectives"]["all_to_all"] >= 5  # counts, rows there and back, then two in backward
+
+
+class _Step(nn.Graph):
+    def __init__(self, moe: nn.MoE) -> None:
+        super().__init__()
+        self.moe = moe
+        self.add_optimizer(sbpflow.optim.SGD(moe.parameters(), lr=1.0))
+
+    def build(self, x: Any) -> Any:
+        out = self.moe(x)
+        sbpflow.functional.sum(sbpflow.functional.square(out)).backward()
+        return out
+
+
+def graph_job() -> dict[str, Any]:
+    """One nn.Graph SGD step (lr 1) with the experts split over 2 processes: the output, and each weight's move."""
+    x = np.random.default_rng(1).standard_normal((TOKENS, HIDDEN)).astype(np.float32)
+    want = _run(_layer(), sbpflow.tensor(x, requires_grad=True))
+    mesh = sbpflow.placement("cpu", [0, 1])
+    moe = _layer().to_global(mesh, sbpflow.sbp.broadcast)
+    split_experts(moe, mesh, 0)
+    before = {n: p.numpy().copy() for n, p in moe.named_parameters()}
+    out = _Step(moe)(sbpflow.tensor(x, placement=mesh, sbp=sbpflow.sbp.split(0))).numpy()
+    moved = {n: before[n] - p.numpy() for n, p in moe.named_parameters()}
+    return {"want": want, "out": out, "moved": moved}
+
+
+def test_graph_exchange_on_two_processes_equals_one_device() -> None:
+    for result in run_ranks(graph_job, 2, timeout=TIMEOUT):
+        w_out, _, w_grads = result["want"]
+        np.testing.assert_allclose(result["out"], w_out, rtol=1e-4, atol=1e-5)
+        for name, g in result["moved"].items():
+            np.testing.assert_allclose(g, w_grads[name], rtol=1e-4, atol=1e-5, err_msg=name)

@@ -17,9 +17,10 @@ Other mesh axes: tokens split there (data parallel) keep their split, and the ex
 partial sums there; a Megatron split inside the experts (``w1``, ``w3`` on S(0), ``w2`` on S(1)) needs the
 tokens whole there, and the slot outputs are partial sums there (as a row-parallel linear's are).
 
-The split sizes depend on the data, which ``nn.Graph``'s tracer cannot carry: under tracing (and on meta
-tensors) :class:`~sbpflow.nn.MoE` uses its dense path, each expert over every token with routing weights that
-are zero off its tokens (the same numbers at ``experts / k`` times the expert compute).
+The split sizes depend on the data, which ``nn.Graph``'s tracer cannot carry: a traced step uses
+:func:`member_exchange` instead, a dropless capacity buffer (every token) sent to each member by a transfer node
+of the plan, where the member's experts compute their routed rows only (the same numbers; backward computes those
+rows again; every token's bytes go to each member). Meta tensors take :class:`~sbpflow.nn.MoE`'s dense path.
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ from ..comm.base import nbytes
 from ..errors import SbpflowError
 from ..ops.convert import to_global
 from ..ops.dispatch import record
-from ..ops.schema import OpDef
+from ..ops.elementwise import add
+from ..ops.schema import Meta, OpDef, Sig, op
 from ..placement import Placement
 from ..sbp import Broadcast, NdSbp, Partial, Split, format_nd
 from ..tensor import Tensor
@@ -331,4 +333,91 @@ def _group_plan(mesh: Placement) -> boxing.Plan:
                        boxing.Layout(mesh, (Broadcast(), *rest)))
 
 
-__all__ = ["ExpertLayout", "check_layout", "routed_experts"]
+# ----------------------------------------------------------------------------- the compiled path (nn.Graph)
+#
+# A traced step needs every shape from metadata, so the exchange carries a dropless capacity buffer: each member
+# of an ep group receives its group's tokens and routing (capacity = every token) by one transfer node of the
+# plan, runs its experts on the rows routed to them only, and sends its weighted (N, C) contribution back.
+#
+#     tokens, top, index (mesh, S(0) on ep) --transfer--> member j: member_experts (its experts' rows only)
+#     member j's (N, C) --transfer back--> mesh, S(0) on ep --summed over the members--> routed output
+
+
+def _member_experts_meta(x: Meta, top: Meta, index: Meta, *weights: Meta, first: int) -> Meta:
+    return Meta(x.shape, x.dtype)
+
+
+def _member_experts_sigs(x: Meta, top: Meta, index: Meta, *weights: Meta, outs: Any, first: int) -> list[Sig]:
+    """Tokens whole or split (data parallel, weights whole), or whole with Megatron experts (a partial sum)."""
+    per = len(weights) // 3
+    whole, rows, psum = Broadcast(), Split(0), Partial("sum")
+    return [Sig((whole,) * (3 + 3 * per), (whole,)),
+            Sig((rows,) * 3 + (whole,) * (3 * per), (rows,)),
+            Sig((whole,) * 3 + (Split(0), Split(1), Split(0)) * per, (psum,))]
+
+
+@op("member_experts", meta=_member_experts_meta, sbp=_member_experts_sigs)
+def member_experts(x: torch.Tensor, top: torch.Tensor, index: torch.Tensor, *weights: torch.Tensor,
+                   first: int) -> torch.Tensor:
+    """One ep member's experts ``first, first + 1, ...`` (w1, w2, w3 each), each on the token slots routed to it
+    only, weighted by the routing: local (n, C), zero on tokens routed elsewhere."""
+    out = x.new_zeros(x.shape)
+    for e in range(len(weights) // 3):
+        rows, slot = torch.nonzero(index == first + e, as_tuple=True)  # the (token, slot) pairs routed to it
+        y = _swiglu(x[rows], *(w.to(x.dtype) for w in weights[3 * e: 3 * e + 3]))
+        out.index_add_(0, rows, top[rows, slot].to(y.dtype).unsqueeze(1) * y)
+    return out
+
+
+@member_experts.grad
+def _member_experts_grad(ctx: Any, dy: Tensor) -> Any:
+    x, top, index, *weights = ctx.inputs
+    grads = member_experts_backward(dy, x, top, index, *weights, **ctx.attrs)
+    return (grads[0], grads[1], None, *grads[2:])
+
+
+def _member_backward_meta(dy: Meta, x: Meta, top: Meta, index: Meta, *weights: Meta, first: int) -> tuple[Meta, ...]:
+    return (x, top, *weights)
+
+
+def _member_backward_sigs(dy: Meta, x: Meta, top: Meta, index: Meta, *weights: Meta, outs: Any,
+                          first: int) -> list[Sig]:
+    per = len(weights) // 3
+    whole, rows, psum = Broadcast(), Split(0), Partial("sum")
+    megatron = (Split(0), Split(1), Split(0)) * per
+    return [Sig((whole,) * (4 + 3 * per), (whole,) * (2 + 3 * per)),
+            Sig((rows,) * 4 + (whole,) * (3 * per), (rows, rows) + (psum,) * (3 * per)),
+            Sig((whole,) * 4 + megatron, (psum, psum) + megatron)]
+
+
+@op("member_experts_backward", meta=_member_backward_meta, sbp=_member_backward_sigs, differentiable=False)
+def member_experts_backward(dy: torch.Tensor, x: torch.Tensor, top: torch.Tensor, index: torch.Tensor,
+                            *weights: torch.Tensor, first: int) -> tuple[torch.Tensor, ...]:
+    """(dx, dtop, dw per weight) of :func:`member_experts` on local shards, by torch autograd over the routed rows."""
+    with torch.enable_grad():
+        lx, ltop = x.detach().requires_grad_(), top.detach().requires_grad_()
+        leaves = [w.detach().requires_grad_() for w in weights]
+        out = member_experts.kernel(lx, ltop, index, *leaves, first=first)
+        grads = torch.autograd.grad(out, [lx, ltop, *leaves], dy, allow_unused=True)
+    return tuple(_or_zeros(g, t) for g, t in zip(grads, [lx, ltop, *leaves], strict=True))
+
+
+def member_exchange(x: Tensor, top: Tensor, index: Tensor, experts: Sequence[Weights],
+                    layout: ExpertLayout) -> Tensor:
+    """:func:`routed_experts`' output by static-shaped ops (what ``nn.Graph`` traces): each ep member receives
+    the tokens, ``top`` and ``index`` (dropped slots: expert ``num_experts``) on its placement, computes its
+    experts on their routed rows only, and its (N, C) contribution returns in ``x``'s layout."""
+    _sbps(x.sbp, tuple((w.placement, w.sbp) for t in experts for w in t), layout)  # the eager path's checks
+    out: Tensor | None = None
+    per = layout.per_member
+    for j, member in enumerate(layout.members):
+        sbp = tuple(Broadcast() if a == layout.axis else s for a, s in enumerate(x.sbp))
+        moved = [to_global(t, member, sbp) for t in (x, top, index)]
+        weights = [w for triple in experts[j * per:(j + 1) * per] for w in triple]
+        part = to_global(member_experts(*moved, *weights, first=j * per), layout.mesh, x.sbp)
+        out = part if out is None else add(out, part)
+    assert out is not None
+    return out
+
+
+__all__ = ["ExpertLayout", "check_layout", "member_exchange", "routed_experts"]

@@ -15,7 +15,9 @@ experts run as dense per-expert SwiGLU layers on every token, combined with
 routing weights that are zero off the chosen experts: exact for any routing,
 at ``experts / k`` times the compute of a sparse dispatch. Split over a mesh axis
 (:func:`split_experts`), eager forwards send each token to its experts' ranks by
-a data-dependent all-to-all instead (:mod:`sbpflow.nn.expert_parallel`).
+a data-dependent all-to-all instead, and ``nn.Graph`` steps send each expert group
+a static buffer of every token, on which it computes only its routed rows
+(:mod:`sbpflow.nn.expert_parallel`).
 
 >>> import sbpflow
 >>> from sbpflow import nn
@@ -41,7 +43,7 @@ from ..placement import Placement
 from ..sbp import broadcast
 from ..tensor import Tensor
 from .container import ModuleList
-from .expert_parallel import ExpertLayout, check_layout, routed_experts
+from .expert_parallel import ExpertLayout, Weights, check_layout, member_exchange, routed_experts
 from .layers import Linear
 from .module import Module, relayout_
 
@@ -115,17 +117,31 @@ class MoE(Module):
             assert kept is not None
             # a slot is kept if its expert kept the token: (N, k)
             keep = _laid_like(F.gt(F.sum(F.mul(chosen, F.unsqueeze(kept, 1)), dim=-1), 0.5), flat)
-        out, counts = routed_experts(flat, _laid_like(top, flat), _laid_like(index, flat), keep,
-                                     [(e.w1.weight, e.w2.weight, e.w3.weight) for e in self.experts], layout)
+        experts = [(e.w1.weight, e.w2.weight, e.w3.weight) for e in self.experts]
+        if INTERPRETERS:  # (only the tracer is pushed) static shapes: a capacity buffer of every token per member
+            out, counts = self._member_exchanged(flat, top, index, keep, experts, layout)
+        else:
+            out, counts = routed_experts(flat, _laid_like(top, flat), _laid_like(index, flat), keep, experts, layout)
         if self.capacity_factor is None:  # dropless: the slots the experts received are the slots routed
             self.aux_stats = (counts, F.mean(probs, dim=0))
         return out
 
+    def _member_exchanged(self, flat: Tensor, top: Tensor, index: Tensor, keep: Tensor | None,
+                          experts: list[Weights], layout: ExpertLayout) -> tuple[Tensor, Tensor]:
+        """The traced exchange (:func:`member_exchange`), and the slots each expert received, logical (E,); a
+        dropped slot's expert becomes ``num_experts``, which no member holds."""
+        if keep is not None:
+            index = F.where(keep, index, _like(index, torch.tensor(self.num_experts)))
+        chosen = F.eq(F.unsqueeze(index, -1), _like(index, torch.arange(self.num_experts)))  # logical (N, k, E)
+        counts = F.sum(F.sum(F.cast(chosen, flat.dtype), dim=1), dim=0)  # logical (E,)
+        out = member_exchange(flat, _laid_like(top, flat), _laid_like(index, flat), experts, layout)
+        return out, counts
+
     def _exchange_layout(self, flat: Tensor) -> ExpertLayout | None:
-        """The experts' grouping when the all-to-all path applies: eager (not traced, not meta) global tokens on
-        the grouping's mesh, every expert still where :func:`split_experts` put it."""
+        """The experts' grouping when an exchange applies: global tokens (eager or traced, not meta) on the
+        grouping's mesh, every expert still where :func:`split_experts` put it."""
         layout = self.expert_layout
-        if layout is None or INTERPRETERS or not flat.is_global or flat.is_meta or flat.placement != layout.mesh:
+        if layout is None or not flat.is_global or flat.is_meta or flat.placement != layout.mesh:
             return None
         for e, expert in enumerate(self.experts):
             where = layout.placement_of(e)
@@ -191,7 +207,7 @@ def _laid_like(t: Tensor, anchor: Tensor) -> Tensor:
 def split_experts(moe: MoE, mesh: Placement, mesh_axis: int) -> None:
     """Expert parallelism over ``mesh_axis`` of ``mesh`` (the tokens' placement): the experts are cut into as
     many contiguous groups as the axis has ranks, group ``g`` moves to the ranks at coordinate ``g`` on it
-    (their SBP on the other axes kept), and eager forwards send tokens to their experts by all-to-all.
+    (their SBP on the other axes kept), and forwards send tokens to their experts (eager: by all-to-all).
 
     >>> import sbpflow
     >>> from sbpflow import nn
