@@ -205,9 +205,6 @@ def test_partial_plan_trains_as_one_device_in_eager() -> None:
     assert_same(train("user", QUERY_ONLY), reference("user"))
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="nn.Graph bug, not parallelize's: with only q column-split (k, v B) the compiled step's "
-                   "first gradient of layers.0.norm1.weight is off by 0.004 of 0.009 (eager exact)")
 def test_partial_plan_trains_as_one_device_under_graph() -> None:
     assert_same(train("user", QUERY_ONLY, graph=True), reference("user"))
 

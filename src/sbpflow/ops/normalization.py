@@ -262,8 +262,12 @@ def _present(t: Any) -> bool:
 @op("layer_norm_backward", meta=_norm_backward_meta, sbp=_norm_backward_sigs, differentiable=False)
 def _layer_norm_backward(dy: torch.Tensor, x: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor, w: Any, b: Any,
                          normalized_ndim: int, eps: float, n_stats: int) -> Any:
-    """torch's native backward from the saved mean and rstd: no second forward."""
+    """torch's native backward from the saved mean and rstd: no second forward.
+
+    The CPU kernel reads mean and rstd as row-major memory whatever their strides, so a strided view (a local
+    B -> S slice of the statistics, for one) is copied first: they are one value per row, a small copy."""
     mask = [True, _present(w), _present(b)]
+    mean, rstd = mean.contiguous(), rstd.contiguous()
     dx, dw, db = torch.ops.aten.native_layer_norm_backward(dy, x, _normalized_shape(x, normalized_ndim), mean, rstd,
                                                            w, b, mask)
     grads = (dx,) + tuple(g for g in (dw, db) if g is not None)
