@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from .programs import Program, check
+from sbpflow.errors import AutogradError
+
+from .programs import Program, check, run_eager, run_graph
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -84,3 +86,13 @@ def test_ids_sent_to_the_last_virtual_stage_are_held_until_its_backward() -> Non
     assert check(_program(width=4, batch=4, blocks=("gelu", "gelu", "gelu", "embed"), layout="pp2xdp2",
                           micro_batches=2, weight_sbps=((0,),) * 5, schedule="interleaved_1f1b",
                           stages=(0, 1, 2, 3)))
+
+
+def test_freezing_the_only_parameter_is_refused_alike_by_eager_and_graph() -> None:
+    """The fuzz2 report "AutogradError: backward() needs a tensor that requires grad" on frozen-weight programs:
+    those programs froze their only parameter (a tied embedding), so the loss needs no gradient. Eager refuses
+    the same backward with the same error: not a bug of the compiled step (the generator no longer draws it)."""
+    prog = _program(blocks=("gelu",), weight_sbps=((0,), (0,)), head="tied", classes=7, change="freeze")
+    for run in (run_eager, run_graph):
+        with pytest.raises(AutogradError, match="backward\\(\\) needs a tensor that requires grad"):
+            run(prog, 1)
