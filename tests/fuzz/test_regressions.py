@@ -96,3 +96,13 @@ def test_freezing_the_only_parameter_is_refused_alike_by_eager_and_graph() -> No
     for run in (run_eager, run_graph):
         with pytest.raises(AutogradError, match="backward\\(\\) needs a tensor that requires grad"):
             run(prog, 1)
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_zero3_gather_for_the_backward_is_ordered_with_the_backward(schedule: str) -> None:
+    """ZeRO-3 gathers a weight again for the backward behind a control edge on a backward node. Reading no
+    gradient, the gather was staged as forward, so its communication stream put it before the backward's own
+    gathers, one of which the controlling node waits for: the plan could not finish a step (GPipe, pp2 x dp2,
+    a loss of two terms). Fixed in graph/pipeline.py: a node waiting for a B node on a control edge is B."""
+    assert check(_program(width=4, batch=4, blocks=("gelu", "linear"), loss="ce_mean+mse_sum", layout="pp2xdp2",
+                          weight_sbps=((0,),) * 3, schedule=schedule, zero=3, stages=(0, 1)))

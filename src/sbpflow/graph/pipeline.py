@@ -231,13 +231,15 @@ def _lower(stage: int, placement: int, p: int) -> int:
 
 
 def _parts(plan: PhysicalPlan, seeds: set[int]) -> dict[int, str]:
-    """F or B for every micro node: B reads the implicit gradient of the loss, transitively."""
+    """F or B for every micro node: B reads the implicit gradient of the loss, transitively, or waits for a B node
+    on a control edge (ZeRO-3's gather of a weight for the backward, held back until the backward reaches it:
+    ordered as F on its stream, it came before the B nodes it waits for and the plan could not finish)."""
     backward = set(seeds)
-    parts = {}
+    parts: dict[int, str] = {}
     for n in plan.nodes:
         if n.phase != "micro":
             continue
-        is_b = any(b in backward for b in n.inputs)
+        is_b = any(b in backward for b in n.inputs) or any(parts.get(c) == "B" for c in n.control)
         parts[n.id] = "B" if is_b else "F"
         if is_b:
             backward.update(n.outputs)
