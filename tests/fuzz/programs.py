@@ -268,7 +268,9 @@ def loss_of(prog: Program, logits: Any, y: Any) -> Any:
         if kind == "ce":
             parts.append(F.cross_entropy(logits, y, reduction=reduction))
         else:
-            parts.append(F.mse_loss(logits, (logits.detach() * 0.5).tanh(), reduction=reduction))
+            # tanh bounds the gradient: a squared error of raw logits grows with them, and two steps took
+            # weights to 240, where float32 rounding of the first step grows past any tolerance by the second
+            parts.append(F.mse_loss(logits.tanh(), (logits.detach() * 0.5).tanh(), reduction=reduction))
     return parts[0] if len(parts) == 1 else parts[0] + parts[1]
 
 
