@@ -459,7 +459,15 @@ class Oracle:
         e, f = _entry(self.eager, kind, name), _entry(self.fp32, kind, name)
         if not e.size:
             return 0.0
-        return max(AMP_FACTOR * float(np.abs(e - f).max()), AMP_ROUNDINGS * float(np.abs(f).max()))
+        return max(AMP_FACTOR * float(np.abs(e - f).max()), AMP_ROUNDINGS * self._scale(kind, name, f))
+
+    def _scale(self, kind: int, name: Any, f: np.ndarray) -> float:
+        """An optimizer state's scale is its kind's across the model (all exp_avg): a gradient that is 0 in theory
+        (a bias whose output a later centering removes) is bf16 noise, judged against the model's gradients."""
+        if kind != 2 or self.fp32 is None:
+            return float(np.abs(f).max())
+        kind_of = name.rsplit(".", 1)[-1]
+        return max(float(np.abs(v).max()) for k, v in self.fp32[2].items() if k.endswith(kind_of) and v.size)
 
 
 def _entry(result: Result, kind: int, name: Any) -> np.ndarray:
