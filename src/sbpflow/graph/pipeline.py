@@ -231,13 +231,15 @@ def _lower(stage: int, placement: int, p: int) -> int:
 
 
 def _parts(plan: PhysicalPlan, seeds: set[int]) -> dict[int, str]:
-    """F or B for every micro node: B reads the implicit gradient of the loss, transitively."""
+    """F or B for every micro node: B reads the implicit gradient of the loss, transitively, or waits for a B node
+    on a control edge (ZeRO-3's gather of a weight for the backward, held back until the backward reaches it:
+    ordered as F on its stream, it came before the B nodes it waits for and the plan could not finish)."""
     backward = set(seeds)
-    parts = {}
+    parts: dict[int, str] = {}
     for n in plan.nodes:
         if n.phase != "micro":
             continue
-        is_b = any(b in backward for b in n.inputs)
+        is_b = any(b in backward for b in n.inputs) or any(parts.get(c) == "B" for c in n.control)
         parts[n.id] = "B" if is_b else "F"
         if is_b:
             backward.update(n.outputs)
@@ -275,25 +277,33 @@ def _crosses_stages(plan: PhysicalPlan, n: PNode, stage_of: dict[int, int]) -> b
 
 
 def _held(plan: PhysicalPlan, stage_of: dict[int, int], part_of: dict[int, str]) -> dict[int, tuple[int, ...]]:
-    """Per stage, the F-written buffers that a B node of that stage reads."""
+    """Per stage, the F-written buffers that a B node of that stage reads (a buffer that B nodes of several
+    stages read, as ids that two stages embed, is held by each: it needs the most slots of theirs)."""
     producer = plan.producers()
     out: dict[int, list[int]] = {}
     for b, reg in plan.registers.items():
         writer = producer.get(b)
         if writer is None or part_of.get(writer) != "F":
             continue
-        for reader in reg.consumers:
-            if part_of.get(reader) in ("B", "W"):
-                out.setdefault(stage_of[reader], []).append(b)
-                break
+        for stage in sorted({stage_of[r] for r in reg.consumers if part_of.get(r) in ("B", "W")}):
+            out.setdefault(stage, []).append(b)
     return {s: tuple(bufs) for s, bufs in sorted(out.items())}
+
+
+def _held_counts(pipe: Pipeline) -> dict[int, int]:
+    """Each held buffer's register count: the largest bound of the stages that hold it."""
+    counts: dict[int, int] = {}
+    for s, bufs in pipe.held.items():
+        for b in bufs:
+            counts[b] = max(counts.get(b, 1), pipe.schedule.bounds[s])
+    return counts
 
 
 # ----------------------------------------------------------------------------- registers and controls
 
 
 def _registers(plan: PhysicalPlan, pipe: Pipeline) -> dict[int, Register]:
-    counts = {b: pipe.schedule.bounds[s] for s, bufs in pipe.held.items() for b in bufs}
+    counts = _held_counts(pipe)
     for n in plan.nodes:
         if n.kind != "boxing" or n.phase != "micro":
             continue
@@ -324,19 +334,26 @@ def _weight_gradient_inputs(plan: PhysicalPlan, pipe: Pipeline) -> dict[int, int
 def _interleaved_registers(plan: PhysicalPlan, pipe: Pipeline) -> dict[int, Register]:
     """Register counts: a stage's held buffers (received activations too) get its bound; any other buffer written
     by one action (F or B of a virtual stage) and read by another holds what the schedule's dry run has in
-    flight between the two at any unit step (a cross-stage message, a tied weight's gradient)."""
+    flight between the two at any unit step (a cross-stage message, a tied weight's gradient).
+
+    A held buffer sent past a stage (ids sent in stage 0's forward for stage 3's backward) gets that many too: its
+    send waits for a slot in its channel's order, ahead of the activations stage 3's backward needs first, so
+    stage 3's bound alone deadlocks. One from the stage before (an activation) keeps the bound."""
     steps = action_steps(pipe.schedule)
     producer = plan.producers()
-    counts = {b: pipe.schedule.bounds[s] for s, bufs in pipe.held.items() for b in bufs}
+    counts = _held_counts(pipe)
     for b, reg in plan.registers.items():
         writer = producer.get(b)
-        if writer not in pipe.part_of or b in counts:
+        if writer not in pipe.part_of:
             continue
         source = (_action(pipe, writer), pipe.stage_of[writer])
         for reader in reg.consumers:
-            if reader in pipe.part_of and (_action(pipe, reader), pipe.stage_of[reader]) != source:
-                target = (_action(pipe, reader), pipe.stage_of[reader])
-                counts[b] = max(counts.get(b, 1), _in_flight(steps, source, target, plan.micro_batches))
+            if reader not in pipe.part_of or (_action(pipe, reader), pipe.stage_of[reader]) == source:
+                continue
+            if b in counts and pipe.stage_of[reader] - pipe.stage_of[writer] <= 1:
+                continue
+            target = (_action(pipe, reader), pipe.stage_of[reader])
+            counts[b] = max(counts.get(b, 1), _in_flight(steps, source, target, plan.micro_batches))
     return {b: dataclasses.replace(reg, register_num=counts.get(b, 1)) for b, reg in plan.registers.items()}
 
 

@@ -348,6 +348,7 @@ class Compiled:
     guard: tuple[Any, ...] = ()  # the model and optimizer state the plan assumed (_state_guard)
     guarded: list[Any] = field(default_factory=list)  # the objects whose ids the guard holds, kept alive
     input_sbps: list[Any] = field(default_factory=list)  # each tensor input's SBP in the plan (_trace_inputs)
+    updated: list[list[Tensor]] = field(default_factory=list)  # per optimizer: the parameters the plan updates
 
 
 class Graph:
@@ -523,7 +524,7 @@ class Graph:
             with enable_grad(), self._amp(), _checkpointed_modules(list(self._modules.values())):
                 result = self.build(*lazy_args)
             outputs, tree = _flatten_outputs(result)
-            feeds = self._trace_post(tracer, outputs, scaler, rows)
+            feeds, updated = self._trace_post(tracer, outputs, scaler, rows)
             _emit_assigns(tracer)
         finally:
             tracer.pop()
@@ -552,7 +553,7 @@ class Graph:
         out_bufs = [(n.name, plan.bufs[n.inputs[0]]) for n in plan.nodes if n.kind == "output" and n.name != FOUND_INF]
         constants = {f"const{vid}": shards for vid, shards in tracer.constants.items()}
         return Compiled(logical, plan, report, inputs, out_bufs, tree, variables, constants, feeds,
-                        tracer.random_keys, scaler=scaler, input_sbps=input_sbps)
+                        tracer.random_keys, scaler=scaler, input_sbps=input_sbps, updated=updated)
 
     def _activation_cap(self) -> int | str | None:
         cap = self.config.activation_cap
@@ -619,9 +620,10 @@ class Graph:
         return stack
 
     def _trace_post(self, tracer: Tracer, outputs: list[Tensor], scaler: Any = None,
-                    rows: Any = None) -> list[Callable[[], list[tuple[str, float]]]]:
+                    rows: Any = None) -> tuple[list[Callable[[], list[tuple[str, float]]]], list[list[Tensor]]]:
         """Outputs, gradient accumulation, loss-scale checks, clipping and optimizer updates (once per step, on
-        the whole batch)."""
+        the whole batch). Returns the feeds' makers and, per optimizer, the parameters it updates (those with a
+        gradient: a frozen one is left alone, its step count too)."""
         for i, out in enumerate(outputs):
             if out._lazy is None:
                 raise TraceError(f"build() must return tensors computed from its inputs, but output {i} is "
@@ -652,7 +654,7 @@ class Graph:
                        if t._lazy is not None and name in before and t._lazy.value.id != before[name]]
             trace_masked_updates(found, changed)
             scaler.trace_update(found)
-        return feeds
+        return feeds, per_entry
 
     # -- run -------------------------------------------------------------------------------------
 
@@ -674,9 +676,9 @@ class Graph:
         skipped = compiled.scaler is not None and any(bool(v) for v in outputs.get(FOUND_INF, {}).values())
         if compiled.scaler is not None:
             compiled.scaler.after_compiled_step()
-        for entry in self._optimizers:
+        for entry, updated in zip(self._optimizers, compiled.updated, strict=True):
             if not skipped:  # an overflowed step left parameters and state alone: step counts stay (as torch)
-                entry.optimizer.after_compiled_step()
+                entry.optimizer.after_compiled_step(updated)
             if entry.lr_scheduler is not None:
                 entry.lr_scheduler.step()
         compiled.steps += 1
@@ -943,8 +945,9 @@ def _trace_inputs(tracer: Tracer, args: Sequence[Any], m: int) -> tuple[list[Any
 
 
 def _row_blocks(n: int, placement: Any, sbp: Any) -> tuple[tuple[int, int], ...]:
-    """The distinct row ranges (dim 0, of ``n`` rows) of a layout's shards."""
-    return tuple(sorted({shard_box((n,), placement, tuple(sbp), r)[0] for r in placement.flat_ranks}))
+    """The distinct row ranges (dim 0, of ``n`` rows) of a layout's shards (a split of another dim keeps rows whole)."""
+    dim0 = tuple(s if isinstance(s, Split) and s.dim == 0 else broadcast for s in sbp)
+    return tuple(sorted({shard_box((n,), placement, dim0, r)[0] for r in placement.flat_ranks}))
 
 
 def _same_rows(t: Tensor, rows: Any, m: int, what: str, n: int | None = None) -> Any:
@@ -953,8 +956,7 @@ def _same_rows(t: Tensor, rows: Any, m: int, what: str, n: int | None = None) ->
     with its own other axes; refused if there is none."""
     n = t.shape[0] if n is None else n
     want = _row_blocks(n, *rows)
-    dim0 = tuple(s if isinstance(s, Split) and s.dim == 0 else broadcast for s in t.sbp)
-    if _row_blocks(n, t.placement, dim0) == want:
+    if _row_blocks(n, t.placement, t.sbp) == want:
         return t.sbp
     ref_placement, ref_sbp = rows
     if t.placement.hierarchy == ref_placement.hierarchy:

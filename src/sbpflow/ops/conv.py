@@ -97,6 +97,11 @@ def _conv2d(x: torch.Tensor, w: torch.Tensor, *bias: torch.Tensor, stride: Pair,
         n, _, h, wd = x.shape  # local (N, 0, H, W)
         x = x.new_zeros((n, 1, h, wd))
         w = w.new_zeros((w.shape[0], 1) + tuple(w.shape[2:]))
+    if w.shape[0] == 0:
+        # A rank holding no output channel (B x S(0) -> S(1), 2 channels over 3 ranks): its piece is (N, 0, H', W'),
+        # which torch's kernel refuses to make from an empty weight; make one channel and keep none of it.
+        one = w.new_zeros((1,) + tuple(w.shape[1:]))
+        return TF.conv2d(x, one, None, stride, padding, dilation, groups)[:, :0]
     return TF.conv2d(x, w, bias[0] if bias else None, stride, padding, dilation, groups)
 
 
@@ -127,6 +132,8 @@ def conv2d_input_grad(ctx: ShardCtx, dy: torch.Tensor, w: torch.Tensor, input_sh
                       padding: Pair, dilation: Pair, groups: int) -> torch.Tensor:
     """d(conv2d)/d(input) on the shard: torch's backward kernel for this shard's input box."""
     local_shape = box_shape(ctx.out_boxes[0])
+    if w.shape[0] == 0 or 0 in local_shape:  # a shard of no output channel (S(1) x S(0) -> P(sum)) adds nothing
+        return dy.new_zeros(local_shape)
     return torch_grad.conv2d_input(local_shape, w, dy, stride, padding, dilation, groups)
 
 
@@ -146,7 +153,7 @@ def conv2d_weight_grad(ctx: ShardCtx, dy: torch.Tensor, x: torch.Tensor, weight_
                        padding: Pair, dilation: Pair, groups: int) -> torch.Tensor:
     """d(conv2d)/d(weight) on the shard, summed over the shard's samples (a partial sum under a batch split)."""
     local_shape = box_shape(ctx.out_boxes[0])
-    if x.shape[0] == 0:  # an empty batch shard contributes nothing
+    if x.shape[0] == 0 or 0 in local_shape:  # an empty batch shard adds nothing; a weight shard of no channel is empty
         return x.new_zeros(local_shape)
     return torch_grad.conv2d_weight(x, local_shape, dy, stride, padding, dilation, groups)
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from typing import Any
 
 import torch
@@ -79,14 +79,17 @@ class Adam(Optimizer):
         torch._foreach_addcdiv_(params, exp_avgs, denom, step_size)
 
     def step_feeds(self, prefix: str, group: dict[str, Any]) -> list[tuple[str, float]]:
-        first = next((p for p in group["params"] if p in self.state), None)
-        step = self.state[first].get("step", 0.0) if first is not None else 0.0
-        return super().step_feeds(prefix, group) + [(f"{prefix}.step", float(step) + 1)]
+        # one count per parameter: one frozen for some steps (requires_grad_(False)) is behind the others
+        steps = [(f"{prefix}.step.{i}", float(self.state[p].get("step", 0.0)) + 1 if p in self.state else 1.0)
+                 for i, p in enumerate(group["params"])]
+        return super().step_feeds(prefix, group) + steps
 
-    def after_compiled_step(self) -> None:
+    def after_compiled_step(self, updated: Collection[Any]) -> None:
+        ids = {id(p) for p in updated}
         for group in self.param_groups:
             for p in group["params"]:
-                self.state[p]["step"] = self.state[p].get("step", 0.0) + 1
+                if id(p) in ids:
+                    self.state[p]["step"] = self.state[p].get("step", 0.0) + 1
 
     def _trace_group(self, group: dict[str, Any], prefix: str, params: list[Any], grads: list[Any]) -> None:
         """One fused (foreach) update op per run of parameters sharing placement, SBP and dtype."""
@@ -95,15 +98,17 @@ class Adam(Optimizer):
         beta1, beta2 = group["betas"]
         runs: dict[Any, list[int]] = {}
         views = [self._param_view(p) for p in params]  # ZeRO: the slice of the state layout
-        for i, view in enumerate(views):
-            runs.setdefault((view.placement, view.sbp, view.dtype), []).append(i)
+        for i, (p, view) in enumerate(zip(params, views, strict=True)):
+            # a run shares one step count (fed each step as the count of its first parameter)
+            runs.setdefault((view.placement, view.sbp, view.dtype, self.state[p].get("step", 0.0)), []).append(i)
+        index = {id(p): i for i, p in enumerate(group["params"])}
         for members in runs.values():
             ps = [params[i] for i in members]
             states = [self.state[p] for p in ps]
             outs = adam_update_multi(
                 *[views[i] for i in members], *[grads[i] for i in members], *[s["exp_avg"] for s in states],
                 *[s["exp_avg_sq"] for s in states], StepScalar(group["lr"], f"{prefix}.lr"),
-                StepScalar(1.0, f"{prefix}.step"), beta1=beta1, beta2=beta2, eps=group["eps"],
+                StepScalar(1.0, f"{prefix}.step.{index[id(ps[0])]}"), beta1=beta1, beta2=beta2, eps=group["eps"],
                 weight_decay=group["weight_decay"], decoupled=self.decoupled, maximize=group["maximize"])
             k = len(ps)
             for j, (p, state) in enumerate(zip(ps, states, strict=True)):

@@ -27,7 +27,7 @@ raises an :class:`~sbpflow.errors.SbpError`.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -269,7 +269,6 @@ class Optimizer:
                 params = [p for p in group["params"] if p.grad is not None]
                 if not params:
                     continue
-                _check_shared_step([self.state[p] for p in params], type(self).__name__)
                 if any(self._master_of(p) is not None for p in params):
                     raise SbpflowError(f"{type(self).__name__} with master weights (sbpflow.amp.master_weights) has "
                                        "no compiled (nn.Graph) update yet; use eager steps")
@@ -305,8 +304,10 @@ class Optimizer:
         """The per-step scalars of one group for its next compiled step."""
         return [(f"{prefix}.lr", float(group["lr"]))]
 
-    def after_compiled_step(self) -> None:
-        """Advances host-side scalar state (step counts) once a compiled step has succeeded."""
+    def after_compiled_step(self, updated: Collection[Tensor]) -> None:
+        """Advances host-side scalar state (step counts) of the parameters a compiled step ``updated`` (those
+        with a gradient when it was traced: a frozen one keeps its count, as in an eager step) once it has
+        succeeded."""
 
     def _trace_update(self, group: dict[str, Any], prefix: str, p: Tensor, grad: Tensor) -> None:
         raise SbpflowError(f"{type(self).__name__} has no compiled (nn.Graph) update")
@@ -387,13 +388,6 @@ def _check_param(p: Any, who: str) -> None:
         raise SbpflowError(f"{who} optimizes sbpflow Tensors, but got {type(p).__name__}")
     if not p.is_leaf:
         raise SbpflowError(f"{who} can only optimize leaf tensors, but got one with grad_fn ({p._describe()})")
-
-
-def _check_shared_step(states: list[ParamState], who: str) -> None:
-    steps = {s.get("step") for s in states}
-    if len(steps) > 1:
-        raise SbpflowError(f"{who}: a compiled step needs the parameters of a group to share their step count, "
-                           f"but they are at steps {sorted(x for x in steps if x is not None)}")
 
 
 def _check_not_partial(p: Tensor, who: str) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from typing import Any
 
 import torch
@@ -85,11 +85,13 @@ class SGD(Optimizer):
                 feeds.append((f"{prefix}.started.{i}", 1.0 if started else 0.0))
         return feeds
 
-    def after_compiled_step(self) -> None:
+    def after_compiled_step(self, updated: Collection[Any]) -> None:
+        ids = {id(p) for p in updated}
         for group in self.param_groups:
             if group["momentum"] != 0:
                 for p in group["params"]:
-                    self.state[p]["momentum_started"] = True
+                    if id(p) in ids:
+                        self.state[p]["momentum_started"] = True
 
     def _trace_group(self, group: dict[str, Any], prefix: str, params: list[Any], grads: list[Any]) -> None:
         index = {id(p): i for i, p in enumerate(group["params"])}  # names each parameter's "started" feed
