@@ -13,12 +13,15 @@ from __future__ import annotations
 
 import argparse
 import ast
+import difflib
+import queue
 import random
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -30,6 +33,8 @@ PASSES = {  # pass file -> its own tests (besides tests/fuzz)
     "accumulate.py": ["tests/logic/test_accumulate_before_send.py"],
     "update_split.py": ["tests/sim/test_update_split.py"], "fuse.py": ["tests/sim/test_fused_segments.py"],
 }
+# Survivors reviewed by hand that change nothing a caller can observe: "file line N: change" -> why.
+EQUIVALENT: dict[str, str] = {}
 FLIPS = {ast.Lt: ast.LtE, ast.LtE: ast.Lt, ast.Gt: ast.GtE, ast.GtE: ast.Gt, ast.Eq: ast.NotEq, ast.NotEq: ast.Eq,
          ast.Is: ast.IsNot, ast.IsNot: ast.Is, ast.In: ast.NotIn, ast.NotIn: ast.In}
 
@@ -77,66 +82,123 @@ def mutate(source: str, k: int) -> tuple[str, str] | None:
     return ast.unparse(tree), what
 
 
-def run_mutant(scratch: Path, name: str, source: str, tests: list[str], timeout: float) -> str:
+def picks(name: str, count: int, per_file: int) -> list[int]:
+    """The sampled mutant indices of one file: seeded by the file's name, so every run draws the same ones."""
+    return sorted(random.Random(name).sample(range(count), min(per_file, count)))
+
+
+def run_mutant(scratch: Path, name: str, source: str, tests: list[list[str]], timeout: float) -> str:
+    """Run each test group in turn (the pass's own tests first: they are the fast ones) until one fails."""
     target = scratch / "src" / "sbpflow" / "graph" / name
     original = target.read_text()
     target.write_text(source)
+    deadline = time.time() + timeout
     try:
-        cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-W", "ignore", *tests]
-        env = {"PYTHONPATH": str(scratch / "src"), "SBPFLOW_FUZZ_N": "60", "PATH": "/usr/bin:/bin"}
-        done = subprocess.run(cmd, cwd=scratch, env=env, capture_output=True, timeout=timeout)
-        return "survived" if done.returncode == 0 else "killed"
+        for group in tests:
+            cmd = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-W", "ignore", *group]
+            env = {"PYTHONPATH": str(scratch / "src"), "SBPFLOW_FUZZ_N": "60", "PATH": "/usr/bin:/bin"}
+            done = subprocess.run(cmd, cwd=scratch, env=env, capture_output=True,
+                                  timeout=max(deadline - time.time(), 1.0))
+            if done.returncode != 0:
+                return "killed"
+        return "survived"
     except subprocess.TimeoutExpired:
         return "timeout"
     finally:
         target.write_text(original)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--per-file", type=int, default=10, help="mutants per pass file (sampled, seeded)")
-    parser.add_argument("--timeout", type=float, default=120.0)
-    parser.add_argument("--write", action="store_true", help="write the table into docs/testing.md")
-    args = parser.parse_args()
+def show(name: str, per_file: int) -> None:
+    """Print each sampled mutant of one file as a diff, without running it."""
+    source = (REPO / "src" / "sbpflow" / "graph" / name).read_text()
+    plain = ast.unparse(ast.parse(source)).splitlines()
+    for k in picks(name, len(sites(ast.parse(source))), per_file):
+        made = mutate(source, k)
+        assert made is not None
+        print(f"== {name} #{k} {made[1]}")
+        diff = difflib.unified_diff(plain, made[0].splitlines(), lineterm="", n=2)
+        print("\n".join(list(diff)[2:]))
+
+
+def scratch_copy() -> Path:
     scratch = Path(tempfile.mkdtemp(prefix="sbpflow-mutants-"))
     for part in ("src", "tests", "pyproject.toml"):
         src = REPO / part
         (shutil.copytree if src.is_dir() else shutil.copy)(src, scratch / part)
+    return scratch
+
+
+def run_file(name: str, per_file: int, timeout: float, jobs: int) -> tuple[str, list[str]]:
+    """Run one file's sampled mutants (``jobs`` at a time, each worker in its own scratch copy): its table row and
+    its survivors."""
+    source = (REPO / "src" / "sbpflow" / "graph" / name).read_text()
+    count = len(sites(ast.parse(source)))
+    chosen = picks(name, count, per_file)
+    scratches: queue.Queue[Path] = queue.Queue()
+    for _ in range(jobs):
+        scratches.put(scratch_copy())
+
+    def one(k: int) -> tuple[str, str]:
+        made = mutate(source, k)
+        assert made is not None
+        scratch = scratches.get()
+        try:
+            result = run_mutant(scratch, name, made[0], [PASSES[name], ["tests/fuzz/test_fuzz.py"]], timeout)
+        finally:
+            scratches.put(scratch)
+        print(f"{name} {made[1]}: {result}", flush=True)
+        return made[1], result
+
+    with ThreadPoolExecutor(jobs) as pool:
+        results = list(pool.map(one, chosen))
+    while not scratches.empty():
+        shutil.rmtree(scratches.get(), ignore_errors=True)
+    survived = [what for what, result in results if result == "survived"]
+    equivalent = [what for what in survived if f"{name} {what}" in EQUIVALENT]
+    killed = sum(result == "killed" for _, result in results)
+    timed_out = sum(result == "timeout" for _, result in results)
+    caught = killed + timed_out
+    row = (f"| graph/{name} | {count} | {len(chosen)} | {killed} | {timed_out} | {len(equivalent)} | "
+           f"{len(survived) - len(equivalent)} | {caught / max(len(chosen) - len(equivalent), 1):.0%} |")
+    return row, [f"{name} {what}" for what in survived]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--per-file", type=int, default=20, help="mutants per pass file (sampled, seeded)")
+    parser.add_argument("--timeout", type=float, default=120.0)
+    parser.add_argument("--jobs", type=int, default=1, help="mutants run at once")
+    parser.add_argument("--write", action="store_true", help="write the table into docs/testing.md")
+    parser.add_argument("--only", nargs="*", default=list(PASSES), help="pass files to mutate (default: all)")
+    parser.add_argument("--show", action="store_true", help="print the sampled mutants as diffs, run nothing")
+    args = parser.parse_args()
+    if args.show:
+        for name in args.only:
+            show(name, args.per_file)
+        return
     rows, survivors, start = [], [], time.time()
-    for name, own in PASSES.items():
-        source = (REPO / "src" / "sbpflow" / "graph" / name).read_text()
-        count = len(sites(ast.parse(source)))
-        picks = sorted(random.Random(name).sample(range(count), min(args.per_file, count)))
-        outcome = {"killed": 0, "survived": 0, "timeout": 0}
-        for k in picks:
-            made = mutate(source, k)
-            assert made is not None
-            result = run_mutant(scratch, name, made[0], ["tests/fuzz/test_fuzz.py", *own], args.timeout)
-            outcome[result] += 1
-            if result == "survived":
-                survivors.append(f"{name} {made[1]}")
-            print(f"{name} {made[1]}: {result}", flush=True)
-        caught = outcome["killed"] + outcome["timeout"]
-        rows.append(f"| graph/{name} | {count} | {len(picks)} | {outcome['killed']} | {outcome['timeout']} | "
-                    f"{outcome['survived']} | {caught / max(len(picks), 1):.0%} |")
-    shutil.rmtree(scratch, ignore_errors=True)
-    table = "\n".join(["| file | mutation sites | mutants run | killed | timed out | survived | caught |",
-                       "|---|---|---|---|---|---|---|", *rows])
+    for name in args.only:
+        row, survived = run_file(name, args.per_file, args.timeout, args.jobs)
+        rows.append(row)
+        survivors += survived
+    table = "\n".join(["| file | mutation sites | mutants run | killed | timed out | equivalent | survived | caught |",
+                       "|---|---|---|---|---|---|---|---|", *rows])
     print(table)
     print(f"{time.time() - start:.0f} s")
-    print("survivors:\n" + "\n".join(survivors))
+    print("survivors:\n" + "\n".join(s + (" (equivalent)" if s in EQUIVALENT else "") for s in survivors))
     if args.write:
-        doc = REPO / "docs" / "testing.md"
-        text = doc.read_text()
-        marker = "<!-- mutation_passes -->"
-        block = f"{marker}\n{table}\n\nSurviving mutants:\n\n" + "\n".join(f"* {s}" for s in survivors) + f"\n{marker}"
-        if marker in text:
-            head, _, rest = text.partition(marker)
-            _, _, tail = rest.partition(marker)
-            text = head + block + tail
-        else:
-            text = text.rstrip() + "\n\n## Mutation check of the graph passes\n\n" + block + "\n"
-        doc.write_text(text)
+        write_table(table, survivors)
+
+
+def write_table(table: str, survivors: list[str]) -> None:
+    doc = REPO / "docs" / "testing.md"
+    text = doc.read_text()
+    marker = "<!-- mutation_passes -->"
+    lines = [f"* {s}: equivalent, {EQUIVALENT[s]}" if s in EQUIVALENT else f"* {s}" for s in survivors]
+    block = f"{marker}\n{table}\n\nSurviving mutants:\n\n" + "\n".join(lines) + f"\n{marker}"
+    head, _, rest = text.partition(marker)
+    _, _, tail = rest.partition(marker)
+    doc.write_text(head + block + tail)
 
 
 if __name__ == "__main__":
