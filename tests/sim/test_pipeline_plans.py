@@ -1,0 +1,141 @@
+"""The pipeline pass's plan on a small chain over four stages: which stage sends, how many micro-batches each
+register holds, the runtime's priorities and GPipe's control edge (graph/pipeline.py).
+
+The chain: one Linear per placement (ranks 0, 1, 2, 3), the labels given on the first placement and moved to the
+last for the loss, and a parameter of the first placement read on the last (its gradient goes back per
+micro-batch). Compiled only; the numbers of these layouts are checked against eager by tests/fuzz and
+tests/sim/test_pipeline.py.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+import sbpflow
+import sbpflow.nn.functional as F
+from sbpflow import nn
+from sbpflow import sbp as S
+from sbpflow.graph.pipeline import LAST
+
+PLACES = [sbpflow.placement("cpu", [r]) for r in range(4)]
+M = 4  # micro-batches
+
+
+class Chain(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(4, 4, placement=p, sbp=S.broadcast) for p in PLACES])
+        self.shift = nn.Parameter(sbpflow.zeros(4, placement=PLACES[0], sbp=S.broadcast))
+
+    def forward(self, x: Any) -> Any:
+        for p, layer in zip(PLACES, self.layers, strict=True):
+            x = layer(x.to_global(p, S.split(0))).tanh()
+        return x + self.shift.to_global(PLACES[3], S.broadcast)
+
+
+_PLANS: dict[str, Any] = {}
+
+
+def _plan(schedule: str) -> Any:
+    if schedule not in _PLANS:
+        sbpflow.manual_seed(0)
+        model = Chain()
+        opt = sbpflow.optim.SGD(model.parameters(), lr=0.1)
+
+        class Step(nn.Graph):
+            def __init__(self) -> None:
+                super().__init__()
+                self.model = model
+                self.add_optimizer(opt)
+                self.config.set_gradient_accumulation_steps(M)
+                self.config.set_pipeline_schedule(schedule)
+
+            def build(self, x: Any, y: Any) -> Any:
+                loss = F.cross_entropy(self.model(x), y.to_global(PLACES[3], S.split(0)))
+                loss.backward()
+                return loss
+
+        step = Step()
+        x = sbpflow.zeros(8, 4, placement=PLACES[0], sbp=S.split(0))
+        y = sbpflow.zeros(8, dtype=torch.int64, placement=PLACES[0], sbp=S.split(0))
+        step.compile_only(x, y)
+        _PLANS[schedule] = step.plan
+    return _PLANS[schedule]
+
+
+def _rank(plan: Any, buf: int) -> int:
+    return plan.bufs[buf].layout.placement.flat_ranks[0]
+
+
+def _sends(plan: Any, phase: str) -> list[Any]:
+    """Boxing nodes of ``phase`` that move a value to another stage."""
+    return [n for n in plan.nodes if n.kind == "boxing" and n.phase == phase
+            and _rank(plan, n.inputs[0]) != _rank(plan, n.outputs[0])]
+
+
+def test_a_send_belongs_to_the_stage_it_leaves() -> None:
+    """A cross-stage boxing node runs on its source's rank in that stage's order: its stage is the source's."""
+    plan = _plan("1f1b")
+    sends = _sends(plan, "micro")
+    assert len(sends) == 8  # 3 activations forward, the labels, the shift's gradient, 3 gradients back
+    for n in sends:
+        assert plan.pipeline.stage_of[n.id] == _rank(plan, n.inputs[0])
+
+
+def test_registers_hold_what_1f1b_has_in_flight() -> None:
+    """Under 1F1B stage s runs up to p - s forwards ahead of its backward. An activation sent to stage s is held
+    there until its backward: p - s slots. A message that crosses d stages is in flight d micro-batches (the
+    labels 0 -> 3, the shift's gradient 3 -> 0). A gradient sent one stage back, and what is sent once before
+    the micro-batches (weights), needs one."""
+    plan = _plan("1f1b")
+    counts = {(_rank(plan, n.inputs[0]), _rank(plan, n.outputs[0]), plan.bufs[n.inputs[0]].shape):
+              plan.registers[n.outputs[0]].register_num for n in _sends(plan, "micro")}
+    assert counts == {
+        (0, 1, (2, 4)): 3, (1, 2, (2, 4)): 2, (2, 3, (2, 4)): 1,  # activations: held p - s
+        (0, 3, (2,)): 3,  # the labels: in flight three stages
+        (3, 0, (4,)): 3,  # the shift's gradient
+        (3, 2, (2, 4)): 1, (2, 1, (2, 4)): 1, (1, 0, (2, 4)): 1,  # input gradients
+    }
+    pre = _sends(plan, "pre")
+    assert pre and all(plan.registers[b].register_num == 1 for n in pre for b in n.outputs)
+
+
+def test_priorities_follow_each_stages_schedule() -> None:
+    """A micro node's priority at micro-batch k is its action's index in its stage's 1F1B order; what runs before
+    the micro-batches comes first, what runs after them last; accumulations take their feeder's priority."""
+    plan = _plan("1f1b")
+    pipe = plan.pipeline
+    for n in plan.nodes:
+        if n.phase == "pre":
+            assert pipe.key(n, 0) == -1
+        elif n.id in pipe.part_of:
+            stage = pipe.stage_of[n.id]
+            order = pipe.schedule.compute_order(stage)
+            assert [pipe.key(n, k) for k in range(M)] == [order[(pipe.part_of[n.id], stage, k)] for k in range(M)]
+        elif n.phase == "post":
+            assert pipe.key(n, 0) == LAST
+    backward = next(n for n in plan.nodes if pipe.part_of.get(n.id) == "B" and pipe.stage_of[n.id] == 0)
+    post = next(n for n in plan.nodes if n.phase == "post")
+    assert pipe.key(post, 1, feeder=backward.id) == pipe.key(backward, 1)
+    assert pipe.key(backward, 0) == M  # stage 0 (4 slots) runs its 4 forwards first
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_only_gpipe_holds_the_last_stages_backward_behind_every_forward(schedule: str) -> None:
+    """GPipe: the last stage's first backward nodes wait for its last forward node with a lead of m - 1
+    micro-batches (B 0 after F m-1). 1F1B starts each backward as soon as its forward is done: no such edge."""
+    plan = _plan(schedule)
+    pipe = plan.pipeline
+    led = [n for n in plan.nodes if n.control_lead]
+    if schedule == "1f1b":
+        assert led == []
+        return
+    last = len(pipe.stages) - 1
+    on_last = [n for n in plan.nodes if pipe.stage_of.get(n.id) == last and n.phase == "micro"]
+    first_b = next(i for i, n in enumerate(on_last) if pipe.part_of[n.id] == "B")
+    tail = [n for n in on_last[:first_b] if pipe.part_of[n.id] == "F" and n.kind == "compute"][-1]
+    assert led == [on_last[first_b]]  # the loss's backward: the one backward node that reads no gradient
+    assert (led[0].control, led[0].control_lead) == ((tail.id,), (M - 1,))
