@@ -18,6 +18,7 @@ import sbpflow
 import sbpflow.nn.functional as F
 from sbpflow import nn
 from sbpflow import sbp as S
+from sbpflow.graph.group import group_accumulates, members
 from sbpflow.graph.pipeline import LAST
 
 PLACES = [sbpflow.placement("cpu", [r]) for r in range(4)]
@@ -39,8 +40,9 @@ class Chain(nn.Module):
 _PLANS: dict[str, Any] = {}
 
 
-def _plan(schedule: str) -> Any:
-    if schedule not in _PLANS:
+def _plan(schedule: str, passes: bool = True) -> Any:
+    """The compiled plan; with ``passes`` off, as the pipeline pass left it (no grouped accumulates, no fusion)."""
+    if (schedule, passes) not in _PLANS:
         sbpflow.manual_seed(0)
         model = Chain()
         opt = sbpflow.optim.SGD(model.parameters(), lr=0.1)
@@ -52,6 +54,8 @@ def _plan(schedule: str) -> Any:
                 self.add_optimizer(opt)
                 self.config.set_gradient_accumulation_steps(M)
                 self.config.set_pipeline_schedule(schedule)
+                self.config.group_accumulates = passes
+                self.config.enable_fused_segments(passes)
 
             def build(self, x: Any, y: Any) -> Any:
                 loss = F.cross_entropy(self.model(x), y.to_global(PLACES[3], S.split(0)))
@@ -62,8 +66,8 @@ def _plan(schedule: str) -> Any:
         x = sbpflow.zeros(8, 4, placement=PLACES[0], sbp=S.split(0))
         y = sbpflow.zeros(8, dtype=torch.int64, placement=PLACES[0], sbp=S.split(0))
         step.compile_only(x, y)
-        _PLANS[schedule] = step.plan
-    return _PLANS[schedule]
+        _PLANS[(schedule, passes)] = step.plan
+    return _PLANS[(schedule, passes)]
 
 
 def _rank(plan: Any, buf: int) -> int:
@@ -110,7 +114,7 @@ def test_priorities_follow_each_stages_schedule() -> None:
     pipe = plan.pipeline
     for n in plan.nodes:
         if n.phase == "pre":
-            assert pipe.key(n, 0) == -1
+            assert pipe.key(n, 0) < 0  # below every action's index
         elif n.id in pipe.part_of:
             stage = pipe.stage_of[n.id]
             order = pipe.schedule.compute_order(stage)
@@ -139,3 +143,42 @@ def test_only_gpipe_holds_the_last_stages_backward_behind_every_forward(schedule
     tail = [n for n in on_last[:first_b] if pipe.part_of[n.id] == "F" and n.kind == "compute"][-1]
     assert led == [on_last[first_b]]  # the loss's backward: the one backward node that reads no gradient
     assert (led[0].control, led[0].control_lead) == ((tail.id,), (M - 1,))
+
+
+def test_activations_are_the_held_buffers_computed_from_the_micro_batch() -> None:
+    """Held buffers (written by a stage's forward, read by its backward) count as activations when they depend on
+    the micro-batch's data: here those with its 2 rows. The loss's scalar held on the last stage is computed
+    from no data: it needs slots like the others but is no activation."""
+    plan = _plan("1f1b")
+    pipe = plan.pipeline
+    assert sorted(pipe.held) == [0, 1, 2, 3]
+    for s, bufs in pipe.held.items():
+        rows = tuple(b for b in bufs if plan.bufs[b].shape[:1] == (2,))
+        assert rows and pipe.activations[s] == rows
+    assert any(plan.bufs[b].shape == () for b in pipe.held[3])
+
+
+def test_a_stage_acts_weight_gradients_sums_as_one_group_in_its_slot() -> None:
+    """graph.group on the pipeline's plan: where 1F1B holds no more activations after an act's second micro-batch
+    than after its first (stages 1 to 3 here; stage 0 forwards all 4 micro-batches before its first backward),
+    the act's weight and bias gradient sums become one node. It keeps the act's stage (the runtime's priorities
+    follow it), and sits after its last gradient's producer, where its first member sat if that is later."""
+    before = _plan("1f1b", passes=False)
+    after = group_accumulates(before)
+    pipe = after.pipeline
+    grouped = [n for n in after.nodes if len(members(n)) > 1]
+    producer = {b: n for n in before.nodes for b in n.outputs}
+    acts = set()
+    for g in grouped:
+        feeders = [producer[b] for b in g.inputs]
+        act = {(before.pipeline.stage_of[f.id], before.pipeline.part_of[f.id]) for f in feeders}
+        assert len(act) == 1 and pipe.stage_of[g.id] == next(iter(act))[0]
+        acts |= act
+        inside = {m.id for h in grouped for m in members(h)}
+        kept_before = [n.id for n in before.nodes if n.id not in inside]
+        position = {nid: i for i, nid in enumerate(kept_before)}
+        first = next(i for i, n in enumerate(before.nodes) if n.id == members(g)[0].id)
+        slot = max(len([n for n in before.nodes[:first] if n.id not in inside]),
+                   max(position[f.id] for f in feeders) + 1)
+        assert len([n for n in after.nodes[:after.nodes.index(g)] if len(members(n)) <= 1]) == slot
+    assert acts == {(1, "B"), (2, "B"), (3, "B")}
