@@ -18,7 +18,9 @@ import sbpflow
 import sbpflow.nn.functional as F
 from sbpflow import nn
 from sbpflow import sbp as S
+from sbpflow.graph.fuse import _fused, sub_nodes
 from sbpflow.graph.group import group_accumulates, members
+from sbpflow.graph.physical import PNode
 from sbpflow.graph.pipeline import LAST
 
 PLACES = [sbpflow.placement("cpu", [r]) for r in range(4)]
@@ -182,3 +184,29 @@ def test_a_stage_acts_weight_gradients_sums_as_one_group_in_its_slot() -> None:
                    max(position[f.id] for f in feeders) + 1)
         assert len([n for n in after.nodes[:after.nodes.index(g)] if len(members(n)) <= 1]) == slot
     assert acts == {(1, "B"), (2, "B"), (3, "B")}
+
+
+def test_each_stages_linear_and_tanh_are_one_fused_segment() -> None:
+    """graph.fuse: consecutive compute nodes of one stage and part run as one node (two are enough), never one
+    alone; each stage's forward Linear and tanh is such a pair."""
+    plan = _plan("1f1b")
+    fused = [n for n in plan.nodes if sub_nodes(n)]
+    assert fused and all(len(sub_nodes(n)) >= 2 for n in fused)
+    pairs = [plan.pipeline.stage_of[n.id] for n in fused if [m.op for m in sub_nodes(n)] == ["linear", "tanh"]]
+    assert pairs == [0, 1, 2, 3]
+
+
+def test_a_fused_node_keeps_each_control_edges_lead() -> None:
+    """Members' control edges from outside the run become the fused node's, each with its own lead: GPipe's lead of
+    m - 1 on one member, lead 0 (none given) on another's edge, the larger lead where two members share one."""
+    def node(i: int, control: tuple[int, ...] = (), lead: tuple[int, ...] = ()) -> PNode:
+        return PNode(i, "compute", "neg", (i,), (i + 1,), (0,), op="neg", args=(("t", 0),), control=control,
+                     control_lead=lead)
+
+    led, plain = node(10, (1,), (3,)), node(11, (2,))
+    fused = _fused([led, plain], {12: [99]}, set(), False)
+    assert (fused.control, fused.control_lead) == ((1, 2), (3, 0))
+    both = _fused([node(10, (1,), (3,)), node(11, (1,), (0,))], {12: [99]}, set(), False)
+    assert (both.control, both.control_lead) == ((1,), (3,))
+    unled = _fused([node(10, (1,)), node(11, (2,))], {12: [99]}, set(), False)
+    assert (unled.control, unled.control_lead) == ((1, 2), ())
