@@ -205,6 +205,7 @@ def main() -> None:
     rows, survivors, start = [], [], time.time()
     for name in args.only:
         row, survived = run_file(name, args.per_file, args.timeout, args.jobs, args.tests)
+        print(row, flush=True)
         rows.append(row)
         survivors += survived
     table = "\n".join(["| file | mutation sites | mutants run | killed | timed out | equivalent | survived | caught |",
