@@ -151,8 +151,8 @@ def scratch_copy() -> Path:
     return scratch
 
 
-def run_file(name: str, per_file: int, timeout: float, jobs: int,
-             tests: list[str] | None = None) -> tuple[str, list[str]]:
+def run_file(name: str, per_file: int, timeout: float, jobs: int, tests: list[str] | None = None,
+             skip_equivalent: bool = False) -> tuple[str, list[str]]:
     """Run one file's sampled mutants (``jobs`` at a time, each worker in its own scratch copy): its table row and
     its survivors."""
     source = (REPO / "src" / "sbpflow" / "graph" / name).read_text()
@@ -165,6 +165,9 @@ def run_file(name: str, per_file: int, timeout: float, jobs: int,
     def one(k: int) -> tuple[str, str]:
         made = mutate(source, k)
         assert made is not None
+        if skip_equivalent and f"{name} {made[1]}" in EQUIVALENT:
+            print(f"{name} {made[1]}: survived (equivalent, not run)", flush=True)
+            return made[1], "survived"
         scratch = scratches.get()
         try:
             groups = [tests] if tests else [PASSES[name], ["tests/fuzz/test_fuzz.py"]]
@@ -197,6 +200,8 @@ def main() -> None:
     parser.add_argument("--only", nargs="*", default=list(PASSES), help="pass files to mutate (default: all)")
     parser.add_argument("--show", action="store_true", help="print the sampled mutants as diffs, run nothing")
     parser.add_argument("--tests", nargs="*", help="run these tests instead (a quick look while writing tests)")
+    parser.add_argument("--skip-equivalent", action="store_true",
+                        help="count the mutants of EQUIVALENT as survivors without running them (saves time)")
     args = parser.parse_args()
     if args.show:
         for name in args.only:
@@ -204,7 +209,7 @@ def main() -> None:
         return
     rows, survivors, start = [], [], time.time()
     for name in args.only:
-        row, survived = run_file(name, args.per_file, args.timeout, args.jobs, args.tests)
+        row, survived = run_file(name, args.per_file, args.timeout, args.jobs, args.tests, args.skip_equivalent)
         print(row, flush=True)
         rows.append(row)
         survivors += survived
