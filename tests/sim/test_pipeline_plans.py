@@ -175,6 +175,8 @@ def test_a_stage_acts_weight_gradients_sums_as_one_group_in_its_slot() -> None:
         feeders = [producer[b] for b in g.inputs]
         act = {(before.pipeline.stage_of[f.id], before.pipeline.part_of[f.id]) for f in feeders}
         assert len(act) == 1 and pipe.stage_of[g.id] == next(iter(act))[0]
+        stage, part = next(iter(act))
+        assert g.name == f"sum of {len(feeders)} gradients ({part} of stage {stage})"  # as explain() lists it
         acts |= act
         inside = {m.id for h in grouped for m in members(h)}
         kept_before = [n.id for n in before.nodes if n.id not in inside]
