@@ -99,7 +99,7 @@ def mutate(source: str, k: int) -> tuple[str, str] | None:
         node.test = ast.UnaryOp(ast.Not(), node.test)
         what = f"line {line}: if negated"
     else:
-        assert isinstance(node, ast.Constant)
+        assert isinstance(node, ast.Constant) and isinstance(node.value, int)
         node.value = node.value + 1
         what = f"line {line}: {node.value - 1} -> {node.value}"
     return ast.unparse(tree), what

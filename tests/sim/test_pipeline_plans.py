@@ -39,7 +39,7 @@ class Chain(nn.Module):
         return x + self.shift.to_global(PLACES[3], S.broadcast)
 
 
-_PLANS: dict[str, Any] = {}
+_PLANS: dict[tuple[str, bool], Any] = {}
 
 
 def _plan(schedule: str, passes: bool = True) -> Any:
