@@ -213,7 +213,9 @@ def main() -> None:
         print(row, flush=True)
         rows.append(row)
         survivors += survived
-    table = "\n".join(["| file | mutation sites | mutants run | killed | timed out | equivalent | survived | caught |",
+    header = ("| file | mutation sites | mutants run | killed | timed out | equivalent | survived "
+              "| caught (of non-equivalent) |")
+    table = "\n".join([header,
                        "|---|---|---|---|---|---|---|---|", *rows])
     print(table)
     print(f"{time.time() - start:.0f} s")
