@@ -24,19 +24,21 @@ from sbpflow.graph.physical import PNode
 from sbpflow.graph.pipeline import LAST
 
 PLACES = [sbpflow.placement("cpu", [r]) for r in range(4)]
+ALTERNATING = [PLACES[0], PLACES[1], PLACES[0], PLACES[1]]  # interleaved 1F1B: two virtual stages per placement
 M = 4  # micro-batches
 
 
 class Chain(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, places: list[Any]) -> None:
         super().__init__()
-        self.layers = nn.ModuleList([nn.Linear(4, 4, placement=p, sbp=S.broadcast) for p in PLACES])
-        self.shift = nn.Parameter(sbpflow.zeros(4, placement=PLACES[0], sbp=S.broadcast))
+        self.places = places
+        self.layers = nn.ModuleList([nn.Linear(4, 4, placement=p, sbp=S.broadcast) for p in places])
+        self.shift = nn.Parameter(sbpflow.zeros(4, placement=places[0], sbp=S.broadcast))
 
     def forward(self, x: Any) -> Any:
-        for p, layer in zip(PLACES, self.layers, strict=True):
+        for p, layer in zip(self.places, self.layers, strict=True):
             x = layer(x.to_global(p, S.split(0))).tanh()
-        return x + self.shift.to_global(PLACES[3], S.broadcast)
+        return x + self.shift.to_global(self.places[-1], S.broadcast)
 
 
 _PLANS: dict[tuple[str, bool], Any] = {}
@@ -46,7 +48,8 @@ def _plan(schedule: str, passes: bool = True) -> Any:
     """The compiled plan; with ``passes`` off, as the pipeline pass left it (no grouped accumulates, no fusion)."""
     if (schedule, passes) not in _PLANS:
         sbpflow.manual_seed(0)
-        model = Chain()
+        places = ALTERNATING if schedule == "interleaved_1f1b" else PLACES
+        model = Chain(places)
         opt = sbpflow.optim.SGD(model.parameters(), lr=0.1)
 
         class Step(nn.Graph):
@@ -60,7 +63,7 @@ def _plan(schedule: str, passes: bool = True) -> Any:
                 self.config.enable_fused_segments(passes)
 
             def build(self, x: Any, y: Any) -> Any:
-                loss = F.cross_entropy(self.model(x), y.to_global(PLACES[3], S.split(0)))
+                loss = F.cross_entropy(self.model(x), y.to_global(places[-1], S.split(0)))
                 loss.backward()
                 return loss
 
@@ -212,3 +215,19 @@ def test_a_fused_node_keeps_each_control_edges_lead() -> None:
     assert (both.control, both.control_lead) == ((1,), (3,))
     unled = _fused([node(10, (1,)), node(11, (2,))], {12: [99]}, set(), False)
     assert (unled.control, unled.control_lead) == ((1, 2), ())
+
+
+def test_interleaved_virtual_stages_follow_the_forward() -> None:
+    """Interleaved 1F1B on placements 0, 1, 0, 1: the forward starts a new virtual stage each time it moves, so
+    layer k runs on stage k and its backward too. The loss reads the logits (stage 3) and the labels, which
+    arrive on placement 1 at its first stage (1): a forward node takes the latest of its inputs' stages, 3."""
+    plan = _plan("interleaved_1f1b")
+    pipe = plan.pipeline
+    assert pipe.virtual == 2
+    layers = [n for n in plan.nodes if [m.op for m in sub_nodes(n)] == ["linear", "tanh"]]
+    assert [pipe.stage_of[n.id] for n in layers] == [0, 1, 2, 3]
+    loss = [n for n in plan.nodes if n.op == "log_softmax" or "pick" in [m.op for m in sub_nodes(n)]]
+    assert len(loss) == 2 and all((pipe.part_of[n.id], pipe.stage_of[n.id]) == ("F", 3) for n in loss)
+    weight_grads = [n for n in plan.nodes if "linear_weight_grad" in [m.op or n.op for m in sub_nodes(n) or [n]]]
+    assert sorted(pipe.stage_of[n.id] for n in weight_grads) == [0, 1, 2, 3]
+    assert all(pipe.part_of[n.id] == "B" for n in weight_grads)
