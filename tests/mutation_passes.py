@@ -39,23 +39,23 @@ PASSES = {  # pass file -> its own tests (besides tests/fuzz)
 }
 # Survivors reviewed by hand that change nothing a caller can observe: "file line N: change" -> why.
 EQUIVALENT: dict[str, str] = {
-    "accumulate.py line 148: 0 -> 1": "a new node's id; renumber() gives every node its position right after",
-    "select.py line 98: 0 -> 1": "the placement of an op with no output; every op has one (no meta returns none)",
-    "select.py line 135: Eq -> NotEq": "the Python type of a scalar argument; signature rules only ask whether an "
+    "accumulate.py line 148:14: 0 -> 1": "a new node's id; renumber() gives every node its position right after",
+    "select.py line 98:80: 0 -> 1": "the placement of an op with no output; every op has one (no meta returns none)",
+    "select.py line 135:13: Eq -> NotEq": "the Python type of a scalar argument; signature rules only ask whether an "
                                        "argument is a scalar (its type serves meta inference, not selection)",
-    "select.py line 290: 4 -> 5": "the item size of an empty tensor, which is always multiplied by its 0 elements",
-    "select.py line 576: Gt -> GtE": "a mesh axis of one rank joins the per-axis sweeps, where every op keeps its "
+    "select.py line 290:56: 4 -> 5": "the item size of an empty tensor, which is always multiplied by its 0 elements",
+    "select.py line 576:81: Gt -> GtE": "a mesh axis of one rank joins the per-axis sweeps, where every op keeps its "
                                      "choice on it: the same programs and plan (only the method's name differs)",
-    "select.py line 608: Eq -> NotEq": "whether to reuse the first sweep's program; the reuse it allows (every op "
+    "select.py line 608:15: Eq -> NotEq": "whether to reuse the first sweep's program; the reuse it allows (every op "
                                        "changed) solves a neighbourhood already beaten, so the plan is the same",
-    "pipeline.py line 80: 1 -> 2": "the priority of pre-phase steps, -2 or -1: below every action's index either way",
-    "pipeline.py line 316: 1 -> 2": "a default node id for a buffer with no producer; no node has id -1 or -2",
-    "pipeline.py line 122: Gt -> GtE": "GPipe with one micro-batch gets a control edge of lead 0 from the last "
+    "pipeline.py line 80:20: 1 -> 2": "pre-phase steps get priority -2, not -1: below every action's index either way",
+    "pipeline.py line 316:34: 1 -> 2": "a default node id for a buffer with no producer; no node has id -1 or -2",
+    "pipeline.py line 122:31: Gt -> GtE": "GPipe with one micro-batch gets a control edge of lead 0 from the last "
                                        "stage's forward to its backward: one micro-batch already runs F before B",
-    "late_reduce.py line 50: 1 -> 2": "new buffer ids start one higher: still fresh",
-    "late_reduce.py line 62: 1 -> 2": "new buffer ids are two apart: still fresh and distinct",
-    "bucket.py line 234: 1 -> 2": "new buffer ids are two apart: still fresh and distinct",
-    "bucket.py line 143: 0 -> 1": "a solo all-reduce's bytes read on its second rank: it has two or more, and a "
+    "late_reduce.py line 50:27: 1 -> 2": "new buffer ids start one higher: still fresh",
+    "late_reduce.py line 62:20: 1 -> 2": "new buffer ids are two apart: still fresh and distinct",
+    "bucket.py line 234:20: 1 -> 2": "new buffer ids are two apart: still fresh and distinct",
+    "bucket.py line 143:75: 0 -> 1": "a solo all-reduce's bytes read on its second rank: it has two or more, and a "
                                   "whole tensor has the same bytes on each",
 }
 FLIPS = {ast.Lt: ast.LtE, ast.LtE: ast.Lt, ast.Gt: ast.GtE, ast.GtE: ast.Gt, ast.Eq: ast.NotEq, ast.NotEq: ast.Eq,
@@ -84,7 +84,7 @@ def mutate(source: str, k: int) -> tuple[str, str] | None:
     if k >= len(found):
         return None
     kind, node, i = found[k]
-    line = getattr(node, "lineno", 0)
+    line = f"{getattr(node, 'lineno', 0)}:{getattr(node, 'col_offset', 0)}"  # one line can hold two sites
     if kind == "compare":
         assert isinstance(node, ast.Compare)
         old = node.ops[i]
