@@ -58,3 +58,20 @@ def test_pieces_wait_for_the_end_of_backward() -> None:
                    if any(m.op in ("linear_weight_grad", "matmul_nd") for m in members([n])))
     position = {n.id: i for i, n in enumerate(plan.nodes)}
     assert min(position[p.id] for p in pieces) > backward
+
+
+def test_small_gradients_share_one_bucket_read_where_first_needed() -> None:
+    """Under the default (gloo-like) link the 4 gradients of a Linear(4, 8), Linear(8, 4) MLP fill one bucket: one
+    all-reduce, labelled as the one step of its plan, and one split placed right before the first node that reads
+    a gradient it gives back (the optimizer), not later."""
+    sbpflow.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4)).to_global(P2, S.broadcast)
+    step = MeanSquareStep(model, optim.AdamW(model.parameters(), lr=1e-3))
+    step.compile_only(sbpflow.zeros(8, 4, placement=P2, sbp=S.split(0)))
+    plan = step.plan
+    reductions = [n for n in plan.nodes if n.kind == "boxing" and n.boxing.steps[0].kind == "all_reduce"]
+    assert len(reductions) == 1
+    assert reductions[0].name.startswith("all_reduce for bucket of 4 ") and reductions[0].name.endswith("(1/1)")
+    split = next(i for i, n in enumerate(plan.nodes) if n.op == "bucket_split")
+    first_reader = min(i for i, n in enumerate(plan.nodes) if set(n.inputs) & set(plan.nodes[split].outputs))
+    assert first_reader == split + 1
