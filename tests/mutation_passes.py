@@ -38,8 +38,12 @@ PASSES = {  # pass file -> its own tests (besides tests/fuzz)
     "update_split.py": ["tests/sim/test_update_split_plans.py", "tests/sim/test_update_split.py"],
     "fuse.py": ["tests/sim/test_pipeline_plans.py", "tests/sim/test_fused_segments.py"],
 }
+SAME_NAME = "`sub.op and sub.name`: a fusable node has an op and a compute node is named for it, so both give the op"
 # Survivors reviewed by hand that change nothing a caller can observe: "file line N: change" -> why.
 EQUIVALENT: dict[str, str] = {
+    "fuse.py line 242:51: and/or swapped": SAME_NAME,
+    "fuse.py line 296:37: and/or swapped": SAME_NAME,
+    "fuse.py line 299:34: and/or swapped": SAME_NAME,
     "accumulate.py line 148:14: 0 -> 1": "a new node's id; renumber() gives every node its position right after",
     "select.py line 98:80: 0 -> 1": "the placement of an op with no output; every op has one (no meta returns none)",
     "select.py line 135:13: Eq -> NotEq": "the Python type of a scalar argument; signature rules only ask whether an "
