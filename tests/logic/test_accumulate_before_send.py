@@ -92,3 +92,62 @@ def test_a_sum_read_elsewhere_in_the_micro_batch_keeps_its_per_micro_batch_send(
     b.node("accumulate", "sum", (s,), [0], phase="post", fixed=True)
     b.node("op", "neg", (s,), [0], args=(("t", 0),))
     assert accumulate_before_send(b.g) == 0
+
+
+def _post_add(g: LogicalGraph) -> LNode:
+    return next(n for n in g.nodes if n.kind == "op" and n.name == "add" and n.phase == "post")
+
+
+def _producer_kind(g: LogicalGraph, vid: int) -> str:
+    return g.nodes[g.values[vid].producer].kind
+
+
+def test_the_post_add_keeps_the_micro_adds_argument_order() -> None:
+    """add(a, to_global(b)) becomes add(A, to_global(B)), and add(to_global(b), a) becomes add(to_global(B), A):
+    the near sum and the sent sum each land in the position their micro-batch values had."""
+    for far in (0, 1):
+        b = _Builder(4)
+        a, remote = b.stage_gradient(0), b.stage_gradient(1)
+        sent = b.node("to_global", "to_global", (remote,), [0], fixed=True)
+        s = b.add(*((sent, a) if far == 0 else (a, sent)), [0])
+        b.node("accumulate", "sum", (s,), [0], phase="post", fixed=True)
+        assert accumulate_before_send(b.g) == 1
+        add = _post_add(b.g)
+        kinds = [_producer_kind(b.g, v) for v in add.inputs]
+        assert kinds == (["to_global", "accumulate"] if far == 0 else ["accumulate", "to_global"])
+        near = b.g.nodes[b.g.values[add.inputs[1 - far]].producer]
+        assert b.g.nodes[b.g.values[near.inputs[0]].producer].name == "neg"  # A sums stage 0's own part
+
+
+def test_the_conversion_to_the_parameters_layout_moves_after_the_accumulation() -> None:
+    """accumulate(to_global(add(a, to_global(b)))), the outer to_global on the add's own placement (a layout change):
+    post holds A, B, to_global(B), the add into a new value, and the layout conversion into the accumulated value."""
+    b = _Builder(4)
+    a, remote = b.stage_gradient(0), b.stage_gradient(1)
+    s = b.add(a, b.node("to_global", "to_global", (remote,), [0], fixed=True), [0])
+    layout = b.node("to_global", "to_global", (s,), [0], fixed=True)
+    total = b.node("accumulate", "sum", (layout,), [0], phase="post", fixed=True)
+    b.node("output", "grad", (total,), None, phase="post")
+    assert accumulate_before_send(b.g) == 1
+    assert _kinds(b.g, "micro") == ["neg", "neg"]
+    assert _kinds(b.g, "post") == ["accumulate", "accumulate", "to_global", "add", "to_global", "output"]
+    add, convert = [n for n in b.g.nodes if n.phase == "post"][3:5]
+    assert convert.inputs == add.outputs and convert.outputs == (total,)
+    assert b.g.values[total].producer == convert.id
+
+
+def test_sends_that_are_not_per_micro_batch_gradients_stay() -> None:
+    """A to_global of a value computed once (pre phase), or one held back by a control edge (recomputation), is
+    not a micro-batch gradient part: accumulating it over the micro-batches would change its meaning or order."""
+    for case in ("pre", "control"):
+        b = _Builder(4)
+        a = b.stage_gradient(0)
+        if case == "pre":
+            remote = b.node("input", "w1", (), [1], phase="pre")
+            sent = b.node("to_global", "to_global", (remote,), [0], fixed=True)
+        else:
+            remote = b.stage_gradient(1)
+            sent = b.node("to_global", "to_global", (remote,), [0], fixed=True, control=(a,))
+        s = b.add(a, sent, [0])
+        b.node("accumulate", "sum", (s,), [0], phase="post", fixed=True)
+        assert accumulate_before_send(b.g) == 0, case

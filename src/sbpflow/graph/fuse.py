@@ -149,7 +149,13 @@ def _fused(run: list[PNode], readers: dict[int, list[int]], watched: set[int], t
     made_set = set(made)
     inputs = tuple(dict.fromkeys(b for n in run for b in n.inputs if b not in made_set))
     outputs = tuple(b for b in made if b in watched or any(r not in ids for r in readers.get(b, ())))
-    control = tuple(sorted({c for n in run for c in n.control if c not in ids}))
+    edges: dict[int, int] = {}  # the run's control edges from outside it -> their largest lead (GPipe's m - 1)
+    for n in run:
+        for c, lead in zip(n.control, n.control_lead or (0,) * len(n.control), strict=True):
+            if c not in ids:
+                edges[c] = max(lead, edges.get(c, lead))
+    control = tuple(sorted(edges))
+    control_lead = tuple(edges[c] for c in control) if any(n.control_lead for n in run) else ()
     head = run[0]
     sbp_of = {b: s for n in run for b, s in zip(n.inputs, n.in_sbps, strict=False)}
     sbp_of.update({b: s for n in run for b, s in zip(n.outputs, n.out_sbps, strict=False)})
@@ -157,7 +163,7 @@ def _fused(run: list[PNode], readers: dict[int, list[int]], watched: set[int], t
                  args=tuple(("t", i) for i in range(len(inputs))),
                  attrs=(("nodes", tuple(run)), ("torch_compile", torch_compile)),
                  in_sbps=tuple(sbp_of.get(b) for b in inputs), out_sbps=tuple(sbp_of.get(b) for b in outputs),
-                 control=control, logical=head.logical)
+                 control=control, control_lead=control_lead, logical=head.logical)
 
 
 def _renumbered(n: PNode, renumber: dict[int, int], owner: dict[int, int]) -> PNode:
