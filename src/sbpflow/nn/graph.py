@@ -501,9 +501,10 @@ class Graph:
             args = tuple(self._on_this_rank(args))
         return self._trace(args)[0].graph
 
-    def _trace(self, args: Sequence[Any]) -> tuple[Tracer, list[str], list[Any], Any, dict[str, Tensor], Any, Any]:
+    def _trace(self, args: Sequence[Any]) -> tuple[Tracer, list[str], list[Any], Any, dict[str, Tensor], Any, Any,
+                                                    list[list[Tensor]]]:
         """Runs ``build()`` on lazy tensors: (tracer, input names, input SBPs, output tree, variables, feeds,
-        loss scaler)."""
+        loss scaler, the parameters each optimizer updates)."""
         m = self.config.micro_batches
         self._apply_zero()
         for entry in self._optimizers:
@@ -532,11 +533,11 @@ class Graph:
             for name, t in variables.items():
                 t._shards, t.grad, t._version = saved[name]
                 t._lazy = None
-        return tracer, inputs, input_sbps, tree, variables, feeds, scaler
+        return tracer, inputs, input_sbps, tree, variables, feeds, scaler, updated
 
     def _compile(self, args: Sequence[Any]) -> Compiled:
         start, cpu_start = time.perf_counter(), time.process_time()
-        tracer, inputs, input_sbps, tree, variables, feeds, scaler = self._trace(args)
+        tracer, inputs, input_sbps, tree, variables, feeds, scaler, updated = self._trace(args)
         trace_s, trace_cpu = time.perf_counter() - start, time.process_time() - cpu_start
         options = CompileOptions(method=self.config.sbp_selection, schedule=self.config.pipeline_schedule,
                                  prefetch=self.config.zero_prefetch, fused_segments=self.config.fused_segments,
