@@ -359,8 +359,8 @@ def test_every_top_level_name_is_exported_and_torch_has_it() -> None:
     not_in_torch = {n for n in functions if not hasattr(torch, n)}
     # sbpflow's own (placement, explain, auto_parallel, to_global ...) and OneFlow's (cast, to_global) are not torch's
     assert not_in_torch <= {"placement", "explain", "to_global", "cast", "print0", "rank", "world_size", "uniform",
-                            "gelu", "silu", "manual_seed", "tensor", "auto_parallel", "meta_init", "implicit_broadcast",
-                            "meta_tensor"}, not_in_torch
+                            "gelu", "silu", "manual_seed", "tensor", "auto_parallel", "meta_init", "meta_tensor",
+                            "implicit_broadcast", "parallelize"}, not_in_torch
 
 
 class _TwoOut(nn.Module):

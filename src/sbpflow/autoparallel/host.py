@@ -47,7 +47,7 @@ BUCKET_BYTES = 25 << 20  # autograd.DEFAULT_BUCKET_MB
 # head, cross-entropy). Counted on one rank, where each linear's gradient is one op (linear_backward) and
 # attention's head reshapes are fused (reshape_permute, permute_reshape).
 DISPATCH_PER_BLOCK = 34
-DISPATCH_FIXED = 34
+DISPATCH_FIXED = 31  # 34 until elementwise backward stopped computing gradients that no input needs
 # Parameter tensors per block: LayerNorm 1 and 2 (weight, bias), q, k, v, c_proj, c_fc, mlp c_proj (weight,
 # bias). Split on the tensor axis under Megatron's plan: q, k, v, c_fc weights and biases, the two c_proj
 # weights (10); whole: LayerNorms and the c_proj biases (6).
