@@ -178,11 +178,30 @@ def _plan_and_lay_out(graph: Any, args: tuple[Any, ...]) -> Any:
         devices, profile, memory = graph.config.auto_parallel
         with _layout_kept(graph, model):
             plan = plan_step(graph, args, devices, profile, memory_per_device=memory)
-    strategy = parallelize(model, **plan.parallelize_kwargs())
+    kwargs = plan.parallelize_kwargs()
+    if kwargs["stages"] is not None:
+        kwargs["stages"] = _whole_blocks(model, kwargs["stages"])
+    strategy = parallelize(model, **kwargs)
     configure_graph(graph, plan)
     object.__setattr__(graph, "auto_plan", plan)
     object.__setattr__(graph, "_auto_strategy", strategy)
     return strategy
+
+
+def _whole_blocks(model: Any, starts: list[str]) -> list[str]:
+    """Stage starts moved to the start of the block they fall in (the child of a ModuleList, else of the model
+    that holds them): the planner may cut inside a block, between modules whose outputs the block's own forward
+    adds (a residual), which pre-hooks on modules cannot move between stages. Starts that would meet are kept."""
+    from ..nn.container import ModuleList
+
+    named = dict(model.named_modules())
+    moved = []
+    for start in starts:
+        parts = start.split(".")
+        block = next((".".join(parts[:i]) for i in range(1, len(parts) + 1)
+                      if isinstance(named.get(".".join(parts[:i - 1])), ModuleList)), parts[0])
+        moved.append(block if block in named else start)
+    return moved if len(set(moved)) == len(moved) else list(starts)
 
 
 def _own_tensors(model: Any) -> list[tuple[str, Any]]:
