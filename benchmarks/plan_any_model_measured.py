@@ -94,8 +94,8 @@ def _traced(kind: str) -> Any:
     with sbpflow.meta_init():
         model = make()
     placement = sbpflow.parallelize(model).stages[0]
-    meta = [sbpflow.meta_tensor(*t.shape, dtype=t.dtype, placement=placement, sbp=[sbpflow.sbp.broadcast] * placement.ndim)
-            for t in (x, y)]
+    every = [sbpflow.sbp.broadcast] * placement.ndim
+    meta = [sbpflow.meta_tensor(*t.shape, dtype=t.dtype, placement=placement, sbp=every) for t in (x, y)]
     return model, read_graph(_step_class()(model, loss).trace(*meta))
 
 
