@@ -39,7 +39,8 @@ SPLITS = [(4, 1, 1), (2, 2, 1), (2, 1, 2), (1, 4, 1), (1, 2, 2), (1, 1, 4)]  # (
 FAMILIES = ["gpt", "llama", "moe", "cnn", "vit"]
 BATCH = 8
 # what the run of 2026-11-28 showed (kept with the section; rewrite it when the figures change)
-READING = """**Reading (honest misses, 2026-11-28):** every target missed. (1) The `cpu` profile prices 4 ranks as 4 free
+READING = """\
+**Reading (honest misses, 2026-11-28):** every target missed. (1) The `cpu` profile prices 4 ranks as 4 free
 cores; here 4 processes share 2 cores with other jobs, so the splits that keep fewest processes busy at once
 (pp4: one stage computes at a time) measure fastest, while the profile ranks them slowest: Spearman 0.31 / 0.10 /
 0.50 / -0.31 / 0.71 (GPT, Llama, MoE, CNN, ViT). The repo's host calibration (`calibrate_host`, the host model)
