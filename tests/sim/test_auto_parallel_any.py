@@ -140,3 +140,18 @@ def test_an_impossible_cap_names_the_smallest_memory_and_moves_nothing() -> None
     assert not any(p.is_global for p in model.parameters())
     assert all(np.array_equal(p.numpy(), before[n]) for n, p in model.named_parameters())
     assert len(step._optimizers[0].optimizer.state) == 0
+
+
+def test_a_model_built_under_meta_init_is_planned_laid_out_and_compiled() -> None:
+    """compile_only with auto-parallel: the plan and layout of a model of any size, without memory for its
+    weights; the compiled peak is the planner's to compare."""
+    with sbpflow.meta_init():
+        model = ResidualMLP(width=64)
+        x, y = sbpflow.randn(16, 64), sbpflow.zeros(16, dtype=torch.int64)
+    step = Step(model, lambda m, a, b: m(a, b))
+    step.config.enable_auto_parallel(devices=4)
+    compiled = step.compile_only(x, y)
+    k = step.auto_plan.knobs
+    assert k.dp * k.tp * k.pp == 4 and model.strategy.world_size == 4
+    assert all(p.is_meta and p.is_global for p in model.parameters())
+    assert len(compiled.plan.peak_bytes) == 4

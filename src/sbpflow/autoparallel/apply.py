@@ -242,6 +242,11 @@ def _lay_out_inputs(strategy: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
     for a in args:
         if isinstance(a, Tensor) and not a.is_global:
             placement = strategy.stages[0] if first else strategy.stages[-1]
+            if a.is_meta:  # compile_only of a model built under meta_init()
+                a = Tensor._meta(tuple(a.shape), a.dtype, placement, strategy.input_sbp)
+                out.append(a)
+                first = False
+                continue
             value = a.to_local()
             a = Tensor._from_shards(tuple(value.shape), value.dtype, placement, strategy.input_sbp,
                                     shards_from_full(value, placement, strategy.input_sbp))

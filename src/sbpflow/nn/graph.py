@@ -450,9 +450,9 @@ class Graph:
         metadata only. The result is cached as a call's would be: ``explain()``, ``plan`` and ``logical`` show
         it, and a later call with the same metadata on a model with real weights runs it without compiling.
         """
-        if self.config.auto_parallel is not None:
-            raise SbpflowError(f"{type(self).__name__}.compile_only: enable_auto_parallel plans the model from "
-                               "the first call's data; compile the planned model instead")
+        if self.config.auto_parallel is not None or self.config.plan is not None:
+            # plans (a model built under meta_init() too) and lays it out, as a call would
+            args = plan_graph_inputs(self, args)
         inputs = _input_key(args)
         compiled = self._cache.get((inputs, self._guard()))
         if compiled is None:
