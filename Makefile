@@ -1,4 +1,4 @@
-# make demo / make test set up .venv by themselves on a fresh machine.
+# make demo / make test set up .venv by themselves on a fresh machine. make demo ARGS=--auto: plan, then train.
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/sbpflow demo
+	$(VENV)/bin/sbpflow demo $(ARGS)
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks examples

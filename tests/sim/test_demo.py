@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -92,3 +93,18 @@ def test_demo_trains_llama_and_moe(model: str, tmp_path: Path) -> None:
         assert len(counts) == 4 and sum(counts) == 8 * 16 * 2
     else:
         assert not experts
+
+
+@pytest.mark.filterwarnings("ignore::sbpflow.graph.pipeline.PipelineWarning")  # the plan may pick pp with m=1
+def test_demo_auto_plans_then_trains(tmp_path: Any) -> None:
+    """``sbpflow demo --auto``: the graph planner's plan is printed and is the layout the demo trains with."""
+    shown: list[str] = []
+    result = main(["--auto", "--steps", "2", "--no-tour", "--n-layer", "2", "--n-embd", "32",
+                        "--block-size", "16", "--batch-size", "8", "--sample-length", "4", "--out", str(tmp_path)],
+                       print_fn=shown.append)
+    text = "\n".join(shown)
+    assert "the auto-parallel plan" in text and "predicted step" in text
+    plan_line = next(line for line in text.splitlines() if line.startswith("plan: "))
+    tp, pp, dp = (int(plan_line.split(f"{axis}")[1].split()[0]) for axis in ("tp", "pp", "dp"))
+    assert tp * pp * dp == 4
+    assert len(result["losses"]) == 2 and all(np.isfinite(result["losses"]))

@@ -12,11 +12,13 @@ default; ``micro_batches=None`` lets the search choose, for ``nn.Graph`` with
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 from ..errors import PlanError
+from ..tensor import Tensor, shards_from_full
 from .explain import explain
 from .graph_plan import Plan, plan_graph
 from .host import HostPrediction, HostProfile, host_search
@@ -109,11 +111,26 @@ def auto_parallel(model: object, devices: int, batch: int, device: str = "cpu",
 
 
 def plan_graph_inputs(graph: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
-    """``nn.Graph`` with ``config.enable_auto_parallel``: plans its GPT at the first call, then lays each call's
-    logical ids (and targets) out as the plan's inputs."""
+    """``nn.Graph`` with ``config.enable_auto_parallel`` or ``config.set_plan``: at the first call, plans the graph's
+    model (or takes the plan set) and lays it out; then lays each call's local inputs out as the plan's.
+
+    A graph whose one model is a :class:`Plannable` (the GPT) and that was given neither a plan nor a memory cap
+    is planned by the sizes planner, as ``sbpflow.auto_parallel`` does; every other graph by its traced step
+    (:func:`plan_step`), laid out by ``sbpflow.parallelize(model, **plan.parallelize_kwargs())`` and
+    :func:`configure_graph`."""
+    config = graph.config
+    if config.plan is None and config.auto_parallel[2] is None and _plannable_model(graph) is not None:
+        return _gpt_inputs(graph, args)
+    strategy = graph.__dict__.get("_auto_strategy")
+    if strategy is None:
+        strategy = _plan_and_lay_out(graph, args)
+    return _lay_out_inputs(strategy, args)
+
+
+def _gpt_inputs(graph: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
     model = _graph_gpt(graph)
     if model.strategy is None:
-        devices, profile = graph.config.auto_parallel
+        devices, profile, _ = graph.config.auto_parallel
         auto = auto_parallel(model, devices, batch=int(args[0].shape[0]), profile=profile, micro_batches=None)
         graph.config.set_gradient_accumulation_steps(auto.micro_batches)
         object.__setattr__(graph, "auto_plan", auto)
@@ -123,6 +140,11 @@ def plan_graph_inputs(graph: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
     return (ids,) if targets is None else (ids, targets)
 
 
+def _plannable_model(graph: Any) -> Any:
+    found = [m for m in graph._modules.values() if isinstance(m, Plannable)]
+    return found[0] if len(found) == 1 and len(graph._modules) == 1 else None
+
+
 def _graph_gpt(graph: Any) -> Any:
     found = [m for m in graph._modules.values() if isinstance(m, Plannable)]
     if len(found) != 1:
@@ -130,6 +152,107 @@ def _graph_gpt(graph: Any) -> Any:
                         f"autoparallel.apply.Plannable (such as sbpflow.models.gpt.GPT), but "
                         f"{type(graph).__name__} holds {len(found)}")
     return found[0]
+
+
+def _plan_and_lay_out(graph: Any, args: tuple[Any, ...]) -> Any:
+    """Plans (or takes ``config.plan``), then lays the graph's one model out by the plan; returns its strategy.
+    Every check runs before the model moves: a call that raises leaves graph and model as they were."""
+    from ..nn.parallelize import parallelize  # nn.parallelize sits below autoparallel (the layers contract)
+
+    name = type(graph).__name__
+    if len(graph._modules) != 1:
+        raise PlanError(f"auto-parallel lays out the one model a graph holds, but {name} holds "
+                        f"{len(graph._modules)} modules ({', '.join(graph._modules) or 'none'})")
+    (attribute, model), = graph._modules.items()
+    tensors = [a for a in args if isinstance(a, Tensor)]
+    if not tensors or any(a.is_global for a in tensors):
+        got = ", ".join(a._describe() for a in tensors) or "no tensor argument"
+        raise PlanError(f"auto-parallel {name} takes the plain local batch (the same on every process), which the "
+                        f"plan lays out, but got {got}")
+    placed = [n for n, t in _own_tensors(model) if t.is_global]
+    if placed:
+        raise PlanError(f"auto-parallel lays out a model that sits on one device, but {name}.{attribute} already "
+                        f"holds global tensors ({', '.join(placed[:3])}{', ...' if len(placed) > 3 else ''})")
+    plan = graph.config.plan
+    if plan is None:
+        devices, profile, memory = graph.config.auto_parallel
+        with _layout_kept(graph, model):
+            plan = plan_step(graph, args, devices, profile, memory_per_device=memory)
+    kwargs = plan.parallelize_kwargs()
+    if kwargs["stages"] is not None:
+        kwargs["stages"] = _whole_blocks(model, kwargs["stages"])
+    strategy = parallelize(model, **kwargs)
+    configure_graph(graph, plan)
+    object.__setattr__(graph, "auto_plan", plan)
+    object.__setattr__(graph, "_auto_strategy", strategy)
+    return strategy
+
+
+def _whole_blocks(model: Any, starts: list[str]) -> list[str]:
+    """Stage starts moved to the start of the block they fall in (the child of a ModuleList, else of the model
+    that holds them): the planner may cut inside a block, between modules whose outputs the block's own forward
+    adds (a residual), which pre-hooks on modules cannot move between stages. Starts that would meet are kept."""
+    from ..nn.container import ModuleList
+
+    named = dict(model.named_modules())
+    moved = []
+    for start in starts:
+        parts = start.split(".")
+        block = next((".".join(parts[:i]) for i in range(1, len(parts) + 1)
+                      if isinstance(named.get(".".join(parts[:i - 1])), ModuleList)), parts[0])
+        moved.append(block if block in named else start)
+    return moved if len(set(moved)) == len(moved) else list(starts)
+
+
+def _own_tensors(model: Any) -> list[tuple[str, Any]]:
+    return [*model.named_parameters(), *((n, b) for n, b in model.named_buffers() if b is not None)]
+
+
+@contextmanager
+def _layout_kept(graph: Any, model: Any) -> Iterator[None]:
+    """Tracing a graph of a local model lays its tensors out on this process's rank and makes optimizer state:
+    both are undone on leaving, so the plan lays out the model (and the first step makes state) as it was."""
+    tensors = [t for _, t in _own_tensors(model)]
+    fields = ("_shape", "_dtype", "_placement", "_sbp", "_shards", "_local")
+    saved = [({f: getattr(t, f) for f in fields}, t.grad, t._version) for t in tensors]
+    states = [(opt.state, {i: set(s) for i, (_, s) in opt.state._by_id.items()})
+              for opt in (e.optimizer for e in graph._optimizers)]
+    try:
+        yield
+    finally:
+        for t, (layout, grad, version) in zip(tensors, saved, strict=True):
+            for f, value in layout.items():
+                object.__setattr__(t, f, value)
+            if getattr(t, "_boxed", None) is not None:
+                t._boxed = {}
+            t.grad, t._version = grad, version
+        for by_param, had in states:
+            for i in list(by_param._by_id):
+                if i not in had:
+                    del by_param._by_id[i]
+                else:
+                    for key in set(by_param._by_id[i][1]) - had[i]:
+                        del by_param._by_id[i][1][key]
+
+
+def _lay_out_inputs(strategy: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """Local tensor inputs as the parallelized model's pre-hook lays them out: the first on the first stage, the
+    others on the last, split on the batch over the data axis."""
+    out, first = [], True
+    for a in args:
+        if isinstance(a, Tensor) and not a.is_global:
+            placement = strategy.stages[0] if first else strategy.stages[-1]
+            if a.is_meta:  # compile_only of a model built under meta_init()
+                a = Tensor._meta(tuple(a.shape), a.dtype, placement, strategy.input_sbp)
+                out.append(a)
+                first = False
+                continue
+            value = a.to_local()
+            a = Tensor._from_shards(tuple(value.shape), value.dtype, placement, strategy.input_sbp,
+                                    shards_from_full(value, placement, strategy.input_sbp))
+        first = first and not isinstance(a, Tensor)
+        out.append(a)
+    return tuple(out)
 
 
 def plan_step(graph: Any, args: tuple[Any, ...], devices: int, profile: str | DeviceProfile = "cpu",

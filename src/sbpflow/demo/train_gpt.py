@@ -419,6 +419,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     parser.add_argument("--no-tour", action="store_true", help="skip the matmul tour that runs before training")
     parser.add_argument("--graph", action="store_true", help="compile the training step with nn.Graph and run it on "
                                                              "the actor runtime (prints the plan, writes a timeline)")
+    parser.add_argument("--auto", action="store_true", help="plan the model for --devices with the auto-parallel "
+                        "planner (its traced step, on metadata), print the plan, then train it in graph mode")
     parser.add_argument("--micro-batches", type=int, default=1, help="gradient accumulation steps in graph mode "
                                                                       "(default 1)")
     parser.add_argument("--checkpoint-every", type=int, default=0, metavar="N",
@@ -465,6 +467,30 @@ def _virtual_stages(args: argparse.Namespace) -> int:
     return 2 if args.pipeline_schedule == "interleaved_1f1b" else 1
 
 
+def _auto_plan(args: argparse.Namespace, config: GPTConfig, print_fn: Callable[[str], None]) -> dict[str, int]:
+    """``--auto``: the graph planner's plan of the demo's model (built under ``meta_init()``, its training step
+    traced on metadata) for ``--devices`` CPU devices; sets graph mode, micro-batches, ZeRO and the schedule from
+    it and returns its degrees. (The demo cuts stages evenly by blocks, and keeps every activation.)"""
+    from ..autoparallel.graph_plan import plan_graph
+    from ..nn.trace_step import trace_training_step
+
+    with sbpflow.meta_init():
+        model = _make_model(args.model, config)
+    # on one rank: the demo's models make their position ids on their strategy's placement
+    placement = sbpflow.parallelize(model).stages[0]
+    ids = sbpflow.meta_tensor(args.batch_size, args.block_size, dtype=torch.int64, placement=placement,
+                              sbp=[sbpflow.sbp.broadcast] * placement.ndim)
+    try:
+        plan = plan_graph(trace_training_step(model, (ids, ids)), args.devices, "cpu")
+    except sbpflow.SbpflowError as e:
+        raise SystemExit(f"sbpflow demo --auto: {e}") from None
+    print_fn("\n== the auto-parallel plan (sbpflow.autoparallel, from the traced training step)\n" + plan.explain())
+    k = plan.knobs
+    args.graph, args.micro_batches, args.zero = True, plan.micro_batches, k.zero
+    args.pipeline_schedule, args.virtual_stages = k.schedule, k.virtual
+    return {"data": k.dp, "tensor": k.tp, "pipeline": k.pp}
+
+
 def main(argv: Sequence[str] | None = None, print_fn: Callable[[str], None] = print) -> dict[str, Any]:
     """Parses the demo's options and runs it; returns what it showed (losses, tables, PNG path, sample)."""
     parser = add_arguments(argparse.ArgumentParser(prog="sbpflow demo", description=DESCRIPTION))
@@ -492,6 +518,8 @@ def _run(args: argparse.Namespace, degrees: dict[str, int], print_fn: Callable[[
              f"standard library (vocabulary {len(data.chars)})")
     config = GPTConfig(vocab_size=len(data.chars), block_size=args.block_size, n_layer=args.n_layer, n_head=4,
                        n_embd=args.n_embd, dropout=0.0)
+    if args.auto:
+        degrees = _auto_plan(args, config, print_fn)
     try:
         trainer = build(config, dict(degrees), seed=args.seed, lr=args.lr, graph=args.graph,
                         micro_batches=args.micro_batches, schedule=args.pipeline_schedule,

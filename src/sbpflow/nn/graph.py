@@ -89,7 +89,9 @@ class GraphConfig:
         # "traced" under ZeRO (asked for to save memory: layouts must not spend it on activations), else None
         self.activation_cap: int | str | None = "auto"
         self.trace_path: str | None = None  # the actor runtime's timeline file (else SBPFLOW_TRACE, else none)
-        self.auto_parallel: tuple[int, Any] | None = None  # (devices, profile): plan the model at the first call
+        # (devices, profile, memory_per_device): plan the model at the first call (enable_auto_parallel)
+        self.auto_parallel: tuple[int, Any, float | None] | None = None
+        self.plan: Any = None  # a graph plan (autoparallel.graph_plan.Plan) to lay the model out by (set_plan)
         self.pipeline_schedule = "1f1b"  # how stages on several placements take turns (graph.pipeline)
         self.zero_stage = 0  # ZeRO stage of the optimizers (enable_zero); 0: plain data parallel
         self.zero_options: dict[str, Any] = {}
@@ -233,13 +235,27 @@ class GraphConfig:
         self.executor = name
         self.threads = threads
 
-    def enable_auto_parallel(self, devices: int, profile: Any = "cpu") -> None:
-        """At the first call, plan the graph's GPT for ``devices`` ranks and the call's batch
-        (``sbpflow.auto_parallel``), lay it out, and take the plan's micro-batch count; calls then pass logical
-        (B, T) ids and targets, which the plan lays out. ``profile``: a device profile name, file or object."""
-        if not isinstance(devices, int) or devices < 1:
+    def enable_auto_parallel(self, devices: int, profile: Any = "cpu", memory_per_device: float | None = None) -> None:
+        """At the first call, plan the graph's model for ``devices`` ranks from the step traced on the call's
+        metadata (``autoparallel.apply.plan_step``), lay it out by the plan (``sbpflow.parallelize`` and this
+        config's ZeRO stage, micro-batches, schedule and recompute), then compile and run; ``step.auto_plan`` is
+        the plan. The model sits on one device (or was built under ``meta_init()``) and calls pass the plain local
+        batch. ``profile``: a device profile name, file or object; ``memory_per_device``: the bytes each device
+        may use (default: the profile's). A graph whose one model is an ``autoparallel.apply.Plannable`` (the
+        GPT) is planned by its sizes, as before, unless ``memory_per_device`` is given."""
+        if not isinstance(devices, int) or isinstance(devices, bool) or devices < 1:
             raise SbpflowError(f"enable_auto_parallel needs devices >= 1, but got {devices!r}")
-        self.auto_parallel = (devices, profile)
+        if memory_per_device is not None and not memory_per_device > 0:
+            raise SbpflowError(f"enable_auto_parallel needs memory_per_device > 0 bytes, but got {memory_per_device!r}")
+        self.auto_parallel = (devices, profile, memory_per_device)
+
+    def set_plan(self, plan: Any) -> None:
+        """At the first call, lay the model out by ``plan`` (an ``autoparallel.graph_plan.Plan``, or the path of
+        one that ``Plan.save`` or ``sbpflow plan --model ... --json`` wrote) without searching: the replay of
+        ``step.auto_plan``."""
+        from ..autoparallel.graph_plan import Plan
+
+        self.plan = plan if isinstance(plan, Plan) else Plan.load(plan)
 
     def set_sbp_selection(self, name: str, *, activation_cap: int | str | None = "auto") -> None:
         """The SBP selection ``name`` (graph.select's methods), and a bound on the bytes per rank of the
@@ -386,10 +402,10 @@ class Graph:
     # -- calling ----------------------------------------------------------------------------------
 
     def __call__(self, *args: Any) -> Any:
+        if self.config.auto_parallel is not None or self.config.plan is not None:
+            args = plan_graph_inputs(self, args)  # the planned model's global inputs
         if _all_local(args):  # OneFlow runs a graph of a local model on local tensors: one rank, this process's
             return _local_outputs(self(*self._on_this_rank(args)))
-        if self.config.auto_parallel is not None:
-            args = plan_graph_inputs(self, args)
         inputs = _input_key(args)
         compiled = self._cache.get((inputs, self._guard()))
         if compiled is None:
@@ -452,9 +468,9 @@ class Graph:
         metadata only. The result is cached as a call's would be: ``explain()``, ``plan`` and ``logical`` show
         it, and a later call with the same metadata on a model with real weights runs it without compiling.
         """
-        if self.config.auto_parallel is not None:
-            raise SbpflowError(f"{type(self).__name__}.compile_only: enable_auto_parallel plans the model from "
-                               "the first call's data; compile the planned model instead")
+        if self.config.auto_parallel is not None or self.config.plan is not None:
+            # plans (a model built under meta_init() too) and lays it out, as a call would
+            args = plan_graph_inputs(self, args)
         inputs = _input_key(args)
         compiled = self._cache.get((inputs, self._guard()))
         if compiled is None:
