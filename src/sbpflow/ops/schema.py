@@ -192,7 +192,9 @@ def run_shards(opdef: OpDef, ctxs: dict[int, ShardCtx], values: dict[int, list[A
     through the comm backend, which moves them between virtual ranks or processes alike.
     """
     if opdef.talks is not None:
-        n = len(next(iter(values.values()))) if values else 0
+        if not values:  # this process owns no rank of the placement: no part in the exchange, nothing to run
+            return {}
+        n = len(next(iter(values.values())))
         columns = [{r: args[i] for r, args in values.items()} for i in range(n)]
         return opdef.kernel(ctxs, *columns, **attrs)  # type: ignore[no-any-return]
     return {r: opdef.kernel(ctxs[r], *args, **attrs) for r, args in values.items()}
