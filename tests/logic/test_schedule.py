@@ -171,3 +171,11 @@ def test_w_before_its_b_is_refused() -> None:
     last.insert(0, last.pop(w0))
     with pytest.raises(ScheduleError, match="stage 1 runs W0 before B0"):
         check(dataclasses.replace(s, actions=(s.actions[0], tuple(last))))
+
+
+def test_one_stage_runs_each_micro_batch_forward_then_backward_and_bad_counts_are_refused() -> None:
+    s = make("1f1b", stages=1, micro_batches=3)  # a placement with no pipeline: the degenerate schedule
+    assert _compute(s, 0) == ["F0", "B0", "F1", "B1", "F2", "B2"] and s.bounds == (1,)
+    for p, m, v in [(0, 2, 1), (2, 0, 1), (2, 2, 0)]:
+        with pytest.raises(ScheduleError, match="stages >= 1, micro_batches >= 1 and virtual >= 1"):
+            make("1f1b", p, m, v)
