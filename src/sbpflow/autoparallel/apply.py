@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 from ..errors import PlanError
+from ..nn.container import ModuleList
+from ..nn.parallelize import parallelize
 from ..tensor import Tensor, shards_from_full
 from .explain import explain
 from .graph_plan import Plan, plan_graph
@@ -157,8 +159,6 @@ def _graph_gpt(graph: Any) -> Any:
 def _plan_and_lay_out(graph: Any, args: tuple[Any, ...]) -> Any:
     """Plans (or takes ``config.plan``), then lays the graph's one model out by the plan; returns its strategy.
     Every check runs before the model moves: a call that raises leaves graph and model as they were."""
-    from ..nn.parallelize import parallelize  # nn.parallelize sits below autoparallel (the layers contract)
-
     name = type(graph).__name__
     if len(graph._modules) != 1:
         raise PlanError(f"auto-parallel lays out the one model a graph holds, but {name} holds "
@@ -192,8 +192,6 @@ def _whole_blocks(model: Any, starts: list[str]) -> list[str]:
     """Stage starts moved to the start of the block they fall in (the child of a ModuleList, else of the model
     that holds them): the planner may cut inside a block, between modules whose outputs the block's own forward
     adds (a residual), which pre-hooks on modules cannot move between stages. Starts that would meet are kept."""
-    from ..nn.container import ModuleList
-
     named = dict(model.named_modules())
     moved = []
     for start in starts:

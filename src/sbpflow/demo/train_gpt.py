@@ -36,10 +36,12 @@ import torch
 
 import sbpflow
 from sbpflow import nn, optim
+from sbpflow.autoparallel.graph_plan import plan_graph
 from sbpflow.comm import CommEvent, record
 from sbpflow.graph.explain import explain, pipeline_text
 from sbpflow.models import llama, moe
 from sbpflow.models.gpt import GPT, GPTConfig, Strategy, parallelize, parse_strategy
+from sbpflow.nn.trace_step import trace_training_step
 from sbpflow.tensor import Tensor
 from sbpflow.utils.data import DataLoader, Dataset
 
@@ -471,8 +473,6 @@ def _auto_plan(args: argparse.Namespace, config: GPTConfig, print_fn: Callable[[
     """``--auto``: the graph planner's plan of the demo's model (built under ``meta_init()``, its training step
     traced on metadata) for ``--devices`` CPU devices; sets graph mode, micro-batches, ZeRO and the schedule from
     it and returns its degrees. (The demo cuts stages evenly by blocks, and keeps every activation.)"""
-    from ..autoparallel.graph_plan import plan_graph
-    from ..nn.trace_step import trace_training_step
 
     with sbpflow.meta_init():
         model = _make_model(args.model, config)

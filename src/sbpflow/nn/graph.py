@@ -45,6 +45,7 @@ from .._layout import shard_box, shard_shape
 from ..amp import GradScaler, trace_masked_updates
 from ..autograd import enable_grad
 from ..autoparallel.apply import plan_graph_inputs
+from ..autoparallel.graph_plan import Plan
 from ..comm import get_backend
 from ..comm.base import TARGET_COST_FACTORS
 from ..comm.simulated import SimulatedBackend
@@ -253,8 +254,6 @@ class GraphConfig:
         """At the first call, lay the model out by ``plan`` (an ``autoparallel.graph_plan.Plan``, or the path of
         one that ``Plan.save`` or ``sbpflow plan --model ... --json`` wrote) without searching: the replay of
         ``step.auto_plan``."""
-        from ..autoparallel.graph_plan import Plan
-
         self.plan = plan if isinstance(plan, Plan) else Plan.load(plan)
 
     def set_sbp_selection(self, name: str, *, activation_cap: int | str | None = "auto") -> None:
