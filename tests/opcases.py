@@ -383,8 +383,23 @@ def _optimizer_cases() -> list[OpCase]:
     ]
 
 
+def _expert_cases() -> list[OpCase]:
+    """nn.Graph's expert-parallel member: two experts (w1, w2, w3 each) on top-2 routing of 4 tokens. No partial
+    input is declared; the flips go through the tokens (and, for the backward, the tokens x), in which the
+    SwiGLU experts are not linear."""
+    def member(g: torch.Generator) -> Args:
+        return (_r(g, 4, 6), _r(g, 4, 2).softmax(-1), _ints(g, 2, 4, 2)) + tuple(
+            w for _ in range(2) for w in (_r(g, 5, 6), _r(g, 6, 5), _r(g, 5, 6)))
+
+    return [
+        OpCase("member_experts", "member_experts", member, {"first": 0}, data=(0,)),
+        OpCase("member_experts_backward", "member_experts_backward", lambda g: (_r(g, 4, 6),) + member(g),
+               {"first": 0}, data=(1,)),
+    ]
+
+
 CASES: list[OpCase] = _elementwise_cases() + _reduction_cases() + _matrix_cases() + _conv_cases() + \
-    _indexing_cases() + _model_cases() + _optimizer_cases()
+    _indexing_cases() + _model_cases() + _optimizer_cases() + _expert_cases()
 BY_ID = {c.id: c for c in CASES}
 assert len(BY_ID) == len(CASES), "case ids must be unique"
 
