@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -53,6 +54,27 @@ def _module(name: str, source: str) -> dict[str, object]:
     return module.__dict__
 
 
+NANOGPT = EXAMPLE.parents[1] / "benchmarks" / "sources" / "nanogpt" / "model.py.txt"
+TORCH_IMPORTS = "import torch\nimport torch.nn as nn\nfrom torch.nn import functional as F"
+OUR_IMPORTS = "import sbpflow as torch\nimport sbpflow.nn as nn\nfrom sbpflow.nn import functional as F"
+
+
+def _nanogpt_pair(tag: str, vocab_size: int) -> tuple[Any, Any]:
+    """nanoGPT's GPT as published (torch) and with only its imports changed (sbpflow), with equal weights."""
+    import torch
+
+    source = NANOGPT.read_text()
+    assert source.count(TORCH_IMPORTS) == 1
+    theirs_ns = _module(f"nanogpt_torch{tag}", source)
+    ours_ns = _module(f"nanogpt_sbpflow{tag}", source.replace(TORCH_IMPORTS, OUR_IMPORTS))
+    config = dict(block_size=16, vocab_size=vocab_size, n_layer=2, n_head=2, n_embd=16, dropout=0.0, bias=True)
+    torch.manual_seed(0)
+    theirs = theirs_ns["GPT"](theirs_ns["GPTConfig"](**config))  # type: ignore[operator]
+    ours = ours_ns["GPT"](ours_ns["GPTConfig"](**config))  # type: ignore[operator]
+    ours.load_state_dict(theirs.state_dict())
+    return ours, theirs
+
+
 def test_nanogpt_model_file_with_only_its_imports_changed() -> None:
     """karpathy/nanoGPT's model.py (kept as text in benchmarks/sources): the same loss, one AdamW step from its own
     configure_optimizers to the same weights, and its generate() (top-k, multinomial, a mask write) running."""
@@ -60,17 +82,7 @@ def test_nanogpt_model_file_with_only_its_imports_changed() -> None:
 
     import sbpflow
 
-    source = (EXAMPLE.parents[1] / "benchmarks" / "sources" / "nanogpt" / "model.py.txt").read_text()
-    imports = "import torch\nimport torch.nn as nn\nfrom torch.nn import functional as F"
-    assert source.count(imports) == 1
-    ported = source.replace(imports, "import sbpflow as torch\nimport sbpflow.nn as nn\n"
-                                     "from sbpflow.nn import functional as F")
-    theirs_ns, ours_ns = _module("nanogpt_torch", source), _module("nanogpt_sbpflow", ported)
-    config = dict(block_size=16, vocab_size=50, n_layer=2, n_head=2, n_embd=16, dropout=0.0, bias=True)
-    torch.manual_seed(0)
-    theirs = theirs_ns["GPT"](theirs_ns["GPTConfig"](**config))  # type: ignore[operator]
-    ours = ours_ns["GPT"](ours_ns["GPTConfig"](**config))  # type: ignore[operator]
-    ours.load_state_dict(theirs.state_dict())
+    ours, theirs = _nanogpt_pair("", vocab_size=50)
     idx, targets = torch.randint(0, 50, (4, 16)), torch.randint(0, 50, (4, 16))
     _, loss = ours(sbpflow.tensor(idx), sbpflow.tensor(targets))
     _, ref = theirs(idx, targets)
@@ -97,15 +109,7 @@ def test_nanogpt_model_file_on_global_tensors(layout: str) -> None:
     import sbpflow
     from sbpflow.nn.parallel import ColwiseParallel, RowwiseParallel, apply_plan
 
-    source = (EXAMPLE.parents[1] / "benchmarks" / "sources" / "nanogpt" / "model.py.txt").read_text()
-    ported = source.replace("import torch\nimport torch.nn as nn\nfrom torch.nn import functional as F",
-                            "import sbpflow as torch\nimport sbpflow.nn as nn\nfrom sbpflow.nn import functional as F")
-    theirs_ns, ours_ns = _module("nanogpt_torch2", source), _module("nanogpt_sbpflow2", ported)
-    config = dict(block_size=16, vocab_size=48, n_layer=2, n_head=2, n_embd=16, dropout=0.0, bias=True)
-    torch.manual_seed(0)
-    theirs = theirs_ns["GPT"](theirs_ns["GPTConfig"](**config))  # type: ignore[operator]
-    ours = ours_ns["GPT"](ours_ns["GPTConfig"](**config))  # type: ignore[operator]
-    ours.load_state_dict(theirs.state_dict())
+    ours, theirs = _nanogpt_pair("2", vocab_size=48)
     if layout == "dp2":
         placement = sbpflow.placement("cpu", [0, 1])
         ours.to_global(placement)
@@ -148,15 +152,7 @@ def test_nanogpt_model_file_under_nn_graph() -> None:
 
     import sbpflow
 
-    source = (EXAMPLE.parents[1] / "benchmarks" / "sources" / "nanogpt" / "model.py.txt").read_text()
-    ported = source.replace("import torch\nimport torch.nn as nn\nfrom torch.nn import functional as F",
-                            "import sbpflow as torch\nimport sbpflow.nn as nn\nfrom sbpflow.nn import functional as F")
-    theirs_ns, ours_ns = _module("nanogpt_torch3", source), _module("nanogpt_sbpflow3", ported)
-    config = dict(block_size=16, vocab_size=48, n_layer=2, n_head=2, n_embd=16, dropout=0.0, bias=True)
-    torch.manual_seed(0)
-    theirs = theirs_ns["GPT"](theirs_ns["GPTConfig"](**config))  # type: ignore[operator]
-    ours = ours_ns["GPT"](ours_ns["GPTConfig"](**config))  # type: ignore[operator]
-    ours.load_state_dict(theirs.state_dict())
+    ours, theirs = _nanogpt_pair("3", vocab_size=48)
     placement = sbpflow.placement("cpu", [0, 1])
     ours.to_global(placement)
     opt, ref_opt = sbpflow.optim.SGD(ours.parameters(), lr=0.1), torch.optim.SGD(theirs.parameters(), lr=0.1)
