@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,10 +27,22 @@ class TrainStep(sbpflow.nn.Graph):
         return loss
 
 
+def batch(rows: int, vocab: int = 64) -> tuple[np.ndarray, np.ndarray]:
+    """The tests' fixed batch: ``rows`` sequences of 10 tokens and their next-token targets."""
+    tokens = np.random.default_rng(1).integers(0, vocab, size=(rows, 11))
+    return tokens[:, :-1], tokens[:, 1:]
+
+
 def train(folder: Path, parallel: dict[str, int], compiled: bool, steps: int = 3, micro_batches: int = 1,
-          schedule: str | None = None) -> tuple[list[float], dict[str, Any]]:
-    """AdamW steps on random tokens, eager or as an nn.Graph; the losses and final parameters."""
+          schedule: str | None = None, prepare: Callable[[Any], Any] | None = None
+          ) -> tuple[list[float], dict[str, Any]]:
+    """AdamW steps on random tokens, eager or as an nn.Graph; the losses and final parameters.
+
+    ``prepare`` lays the loaded model out further before its optimizer is made (e.g. splits its experts).
+    """
     model = from_pretrained(folder, **parallel)
+    if prepare is not None:
+        prepare(model)
     opt = sbpflow.optim.AdamW(model.parameters(), lr=1e-2)
     step = TrainStep(model, opt, micro_batches, schedule) if compiled else None
     rng = np.random.default_rng(2)

@@ -18,16 +18,11 @@ from procrun import run_ranks
 transformers = pytest.importorskip("transformers")
 
 import sbpflow  # noqa: E402
-from hf_train import hf_grad_of  # noqa: E402
+from hf_train import batch, hf_grad_of  # noqa: E402
 from sbpflow.models import from_pretrained  # noqa: E402
 
 RTOL, ATOL = 1e-4, 1e-5
 TIMEOUT = 150.0
-
-
-def _batch() -> tuple[np.ndarray, np.ndarray]:
-    tokens = np.random.default_rng(1).integers(0, 64, size=(2, 11))
-    return tokens[:, :-1], tokens[:, 1:]
 
 
 def tp2_job(folder: str, out: str) -> dict[str, Any]:
@@ -35,7 +30,7 @@ def tp2_job(folder: str, out: str) -> dict[str, Any]:
     model = from_pretrained(folder, tensor=2)
     q = model.model.layers[0].self_attn.q_proj.weight
     held = {rank: tuple(shard.shape) for rank, shard in q._shards.items()}
-    ids, targets = model.strategy.shard_inputs(*_batch())
+    ids, targets = model.strategy.shard_inputs(*batch(2))
     logits, loss = model(ids, targets)
     loss.backward()
     grads = {name: p.grad.numpy() for name, p in model.named_parameters()}
@@ -58,7 +53,7 @@ def _hf_model(kind: str) -> Any:
 def test_tp2_on_two_processes_matches_transformers(kind: str, tmp_path: Path) -> None:
     ref = _hf_model(kind)
     ref.save_pretrained(tmp_path / "in")
-    ids, targets = _batch()
+    ids, targets = batch(2)
     logits = ref(input_ids=torch.as_tensor(ids)).logits  # Mixtral's loss leaves out the aux term by default
     loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 64), torch.as_tensor(targets).reshape(-1))
     loss.backward()

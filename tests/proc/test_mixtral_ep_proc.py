@@ -15,16 +15,11 @@ from procrun import run_ranks
 transformers = pytest.importorskip("transformers")
 
 import sbpflow  # noqa: E402
-from hf_train import hf_grad_of  # noqa: E402
+from hf_train import batch, hf_grad_of  # noqa: E402
 from sbpflow.models import from_pretrained  # noqa: E402
 
 RTOL, ATOL = 1e-4, 1e-5
 TIMEOUT = 150.0
-
-
-def _batch() -> tuple[np.ndarray, np.ndarray]:
-    tokens = np.random.default_rng(1).integers(0, 64, size=(2, 11))
-    return tokens[:, :-1], tokens[:, 1:]
 
 
 def ep_job(folder: str, parallel: dict[str, int], axis: int) -> dict[str, Any]:
@@ -32,7 +27,7 @@ def ep_job(folder: str, parallel: dict[str, int], axis: int) -> dict[str, Any]:
     model = from_pretrained(folder, **parallel, expert_axis=axis)  # each process reads only its experts
     experts = model.model.layers[0].block_sparse_moe.experts
     held = [sorted(e.w1.weight._shards) for e in experts]
-    ids, targets = model.strategy.shard_inputs(*_batch())
+    ids, targets = model.strategy.shard_inputs(*batch(2))
     with sbpflow.comm.record() as log:
         logits, loss = model(ids, targets)
     loss.backward()
@@ -56,7 +51,7 @@ def test_split_experts_on_processes_match_transformers(case: str, tmp_path: Path
                                         num_experts_per_tok=2)
     ref = transformers.MixtralForCausalLM(config).float()
     ref.save_pretrained(tmp_path)
-    ids, targets = _batch()
+    ids, targets = batch(2)
     logits = ref(input_ids=torch.as_tensor(ids)).logits  # Mixtral's loss leaves out the aux term by default
     loss = torch.nn.functional.cross_entropy(logits.reshape(-1, 64), torch.as_tensor(targets).reshape(-1))
     loss.backward()

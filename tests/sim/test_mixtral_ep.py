@@ -16,7 +16,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import sbpflow  # noqa: E402
-from hf_train import TrainStep, hf_grad_of  # noqa: E402
+from hf_train import hf_grad_of, train  # noqa: E402
 from sbpflow.errors import SbpflowError  # noqa: E402
 from sbpflow.models import from_pretrained  # noqa: E402
 from sbpflow.models.moe import split_experts  # noqa: E402
@@ -89,26 +89,11 @@ def test_split_experts_needs_a_divisible_axis(hf_folder: Any) -> None:
 
 
 def _train(folder: Path, parallel: dict[str, int], expert_axis: int | None, compiled: bool) -> tuple[list[float], Any]:
-    model = from_pretrained(folder, **parallel)
-    if expert_axis is not None:
-        split_experts(model, expert_axis)
-    opt = sbpflow.optim.AdamW(model.parameters(), lr=1e-2)
-    step = TrainStep(model, opt) if compiled else None
-    rng = np.random.default_rng(2)
-    losses = []
-    for _ in range(3):
-        tokens = rng.integers(0, VOCAB, size=(4, 9))
-        ids, targets = model.strategy.shard_inputs(tokens[:, :-1], tokens[:, 1:]) if parallel else (
-            sbpflow.tensor(tokens[:, :-1]), sbpflow.tensor(tokens[:, 1:]))
-        if step is not None:
-            losses.append(step(ids, targets).item())
-            continue
-        opt.zero_grad()
-        _, loss = model(ids, targets)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses, {n: p.numpy() for n, p in model.named_parameters()}
+    def prepare(model: Any) -> None:
+        if expert_axis is not None:
+            split_experts(model, expert_axis)
+
+    return train(folder, parallel, compiled, prepare=prepare)
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "graph"])

@@ -17,7 +17,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 import sbpflow  # noqa: E402
-from hf_train import hf_grad_of, train  # noqa: E402
+from hf_train import batch, hf_grad_of, train  # noqa: E402
 from sbpflow import nn  # noqa: E402
 from sbpflow.errors import SbpflowError  # noqa: E402
 from sbpflow.models import from_pretrained  # noqa: E402
@@ -41,11 +41,6 @@ def hf_folder(tmp_path_factory: Any) -> tuple[Any, Path]:
     return model, folder
 
 
-def _batch() -> tuple[np.ndarray, np.ndarray]:
-    tokens = np.random.default_rng(1).integers(0, 64, size=(4, 11))
-    return tokens[:, :-1], tokens[:, 1:]
-
-
 def _reference(model: Any, ids: np.ndarray, targets: np.ndarray) -> dict[str, Any]:
     model.zero_grad()
     out = model(input_ids=torch.as_tensor(ids), output_router_logits=True)
@@ -60,7 +55,7 @@ def _reference(model: Any, ids: np.ndarray, targets: np.ndarray) -> dict[str, An
 @pytest.mark.parametrize("parallel", [{}, {"data": 2}, {"tensor": 2}, {"data": 2, "tensor": 2}, {"pipeline": 2}])
 def test_logits_loss_aux_loss_and_gradients_match_transformers(hf_folder: Any, parallel: dict[str, int]) -> None:
     ref, folder = hf_folder
-    ids, targets = _batch()
+    ids, targets = batch(4)
     want = _reference(ref, ids, targets)
     model = from_pretrained(folder, **parallel)
     x, y = model.strategy.shard_inputs(ids, targets) if parallel else (sbpflow.tensor(ids), sbpflow.tensor(targets))
