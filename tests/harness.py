@@ -258,3 +258,17 @@ class MeanSquareStep(sbpflow.nn.Graph):
         loss = (out if y is None else out - y).square().mean()
         loss.backward()
         return loss
+
+
+class LossStep(sbpflow.nn.Graph):
+    """A compiled training step for a model whose forward returns the loss: ``model(*inputs)``, backward, step."""
+
+    def __init__(self, model: Any, opt: Any) -> None:
+        super().__init__()
+        self.model = model
+        self.add_optimizer(opt)
+
+    def build(self, *inputs: Any) -> Any:
+        loss = self.model(*inputs)
+        loss.backward()
+        return loss

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import sbpflow
-from harness import PLACEMENTS, B
+from harness import PLACEMENTS, B, LossStep
 from sbpflow import nn
 from sbpflow import sbp as S
 from sbpflow.amp import FP32, LOWER
@@ -145,25 +145,13 @@ def test_errors() -> None:
     assert isinstance(config.loss_scaler, sbpflow.GradScaler)  # fp16: a scaler by default (bf16: none)
 
 
-class _Step(nn.Graph):
-    def __init__(self, model: Mlp, opt: Any) -> None:
-        super().__init__()
-        self.model = model
-        self.add_optimizer(opt)
-
-    def build(self, x: Any, y: Any) -> Any:
-        loss = self.model(x, y)
-        loss.backward()
-        return loss
-
-
 def _compiled_run(amp: bool, grad_comm: Any = None, rows: int = 64) -> tuple[float, list[np.ndarray], Any]:
     torch.manual_seed(2)
     ref = TorchMlp()
     model = Mlp()
     model.load_state_dict({k: v.detach().clone() for k, v in ref.state_dict().items()})
     model.to_global(PLACEMENTS["2"], B)
-    step = _Step(model, sbpflow.optim.SGD(model.parameters(), lr=0.1))
+    step = LossStep(model, sbpflow.optim.SGD(model.parameters(), lr=0.1))
     step.config.set_sbp_selection("greedy")  # eager's choices: DDP's gradient all-reduces (the ILP may gather x)
     if amp:
         step.config.enable_amp(torch.bfloat16, grad_comm_dtype=grad_comm)
@@ -213,7 +201,7 @@ def _scaled_graph_run(x_steps: list[torch.Tensor], y: torch.Tensor, graph: bool,
     opt = sbpflow.optim.Adam(model.parameters(), lr=1e-2)
     scaler = sbpflow.GradScaler(init_scale=INIT_SCALE, growth_interval=2)
     ys = sbpflow.tensor(y, placement=PLACEMENTS["2"], sbp=S.split(0))
-    step = _Step(model, opt)
+    step = LossStep(model, opt)
     step.config.set_sbp_selection("greedy")  # eager's layouts, so fp16 sums run in eager's order
     step.config.enable_amp(torch.float16, loss_scaler=scaler)
     if zero:
@@ -322,18 +310,6 @@ class _TwoStages(nn.Module):
         return self.fc2(h).float().square().mean()
 
 
-class _StagesStep(nn.Graph):
-    def __init__(self, model: Any, opt: Any) -> None:
-        super().__init__()
-        self.model = model
-        self.add_optimizer(opt)
-
-    def build(self, x: Any) -> Any:
-        loss = self.model(x)
-        loss.backward()
-        return loss
-
-
 def test_graph_fp16_loss_scaler_on_a_pipeline() -> None:
     """fp16 with the scaler inside a 2-stage pipeline (2 micro-batches): the scale lives on stage 0, the overflow
     flag reaches stage 1's updates; a step forced to overflow leaves both stages' parameters and moments alone,
@@ -346,7 +322,7 @@ def test_graph_fp16_loss_scaler_on_a_pipeline() -> None:
         sbpflow.manual_seed(0)
         model = _TwoStages()
         opt = sbpflow.optim.Adam(model.parameters(), lr=1e-2)
-        step = _StagesStep(model, opt)
+        step = LossStep(model, opt)
         step.config.set_gradient_accumulation_steps(2)
         scaler = sbpflow.GradScaler(init_scale=2.0**10, growth_interval=1)
         step.config.enable_amp(torch.float16, loss_scaler=scaler if scaled else None)

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import sbpflow
+from harness import LossStep
 from sbpflow import nn
 from sbpflow.nn.module import relayout_
 from sbpflow.ops import functional as F
@@ -43,18 +44,6 @@ class TwoBranches(nn.Module):
         return F.sum(self.a(h) * self.b(h))
 
 
-class Step(nn.Graph):
-    def __init__(self, model: Any, opt: Any) -> None:
-        super().__init__()
-        self.model = model
-        self.add_optimizer(opt)
-
-    def build(self, x: Any) -> Any:
-        loss = self.model(x)
-        loss.backward()
-        return loss
-
-
 def _lay_out(model: TwoBranches, placement: Any, weights: dict[str, tuple[Any, ...]]) -> None:
     """Every tensor B, then each named Linear's weight as given (a column split's bias split alike)."""
     model.to_global(placement, (B,) * placement.ndim)
@@ -74,7 +63,7 @@ def train(norm: str, shape: tuple[int, ...], layout: tuple[Any, dict[str, Any], 
     if layout is not None:
         _lay_out(model, layout[0], layout[1])
     opt = sbpflow.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    step = Step(model, opt) if layout is not None else None
+    step = LossStep(model, opt) if layout is not None else None
     losses = []
     for i in range(STEPS):
         x = torch.randn(*shape, generator=torch.Generator().manual_seed(i)).numpy()
