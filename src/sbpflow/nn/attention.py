@@ -1,11 +1,5 @@
-"""torch's ``nn.MultiheadAttention`` and ``nn.LSTM``, built from linear, matmul, softmax, sigmoid and tanh: their
-parameters and state dicts are torch's, and every op keeps the splits it can (a batch split runs per shard).
-
->>> import sbpflow
->>> mha = sbpflow.nn.MultiheadAttention(8, 2, batch_first=True)
->>> out, weights = mha(*(sbpflow.randn(3, 5, 8),) * 3)
->>> out.shape, weights.shape
-(torch.Size([3, 5, 8]), torch.Size([3, 5, 5]))
+"""torch's ``nn.MultiheadAttention`` and ``nn.LSTM`` built from sbpflow ops: torch's parameters and state dicts,
+and every op keeps the splits it can (a batch split runs per shard).
 """
 
 from __future__ import annotations
