@@ -5,11 +5,11 @@ A checkpoint is a folder of one safetensors file per writing rank plus ``index.j
 >>> import os, tempfile, sbpflow
 >>> p = sbpflow.placement("cpu", [0, 1])
 >>> path = os.path.join(tempfile.mkdtemp(), "ckpt")
->>> _ = sbpflow.save({"w": sbpflow.arange(6.0, placement=p, sbp=sbpflow.sbp.split(0))}, path)
->>> state = {"w": sbpflow.zeros(6, placement=p, sbp=sbpflow.sbp.broadcast)}
+>>> _ = sbpflow.save({"w": sbpflow.arange(6.0, placement=p, sbp=sbpflow.sbp.split(0)), "step": 7}, path)
+>>> state = {"w": sbpflow.zeros(6, placement=p, sbp=sbpflow.sbp.broadcast), "step": 0}
 >>> _ = sbpflow.load(state, path)
->>> state["w"].tolist()
-[0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+>>> state["w"].tolist(), state["step"]
+([0.0, 1.0, 2.0, 3.0, 4.0, 5.0], 7)
 """
 
 from __future__ import annotations

@@ -4,6 +4,8 @@ pruned to the newest K, and the newest complete and undamaged one restored.
 >>> import tempfile, sbpflow
 >>> state = sbpflow.checkpoint.run_state(model=sbpflow.nn.Linear(2, 2))
 >>> manager = CheckpointManager(tempfile.mkdtemp(), every=2, keep=1)
+>>> manager.restore(state)                  # nothing saved yet: start at step 0
+0
 >>> for step in range(1, 5):
 ...     _ = manager.save(step, state)       # saves after steps 2 and 4
 >>> manager.wait(); manager.steps()

@@ -22,7 +22,8 @@ NODE_KINDS = ("input", "variable", "constant", "op", "to_global", "accumulate", 
 
 @dataclass(eq=False)
 class Value:
-    """An SSA value: one logical tensor."""
+    """An SSA value: one logical tensor, with its logical shape, dtype and placement; its SBP is SBP selection's
+    choice (at first the greedy, eager-like one made while tracing)."""
 
     id: int
     shape: tuple[int, ...]

@@ -1,7 +1,7 @@
 """Micro-batches as a split of the batch over time: how each traced value joins across them.
 
-Each value gets a layout over the m micro-batches, read off the op's own SBP signatures as if they were m
-ranks of one more mesh axis::
+A step runs ``build()`` once per micro-batch, on every input cut in m along dim 0. Each value gets a layout
+over the micro-batches, read off the op's own SBP signatures as if they were m ranks of one more mesh axis::
 
     S(d)   each micro-batch holds its slice of dim d      (inputs: S(0))      joined by cat
     P      each holds a part; the step's value is their sum / scale          joined by sum / scale

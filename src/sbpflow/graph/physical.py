@@ -52,7 +52,8 @@ class Buf:
 
 @dataclass(frozen=True)
 class Register:
-    """Where a buffer's values live between producer and consumers: ``register_num`` slots."""
+    """Where a buffer's values live between producer and consumers: ``register_num`` slots of
+    ``bytes_per_rank`` each, read by ``consumers``."""
 
     buf: int
     register_num: int

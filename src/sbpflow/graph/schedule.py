@@ -34,6 +34,11 @@ class ScheduleError(SbpflowError, RuntimeError):
 class Action:
     """One entry of a rank's list: ``kind`` is F, B, W, send_F, recv_F, send_B or recv_B.
 
+    F k is micro-batch k's forward on this stage; B k its backward (under zero_bubble input gradients only);
+    W k zero_bubble's weight gradients, split from B at graph level; a send or recv moves the activation
+    (after F, to stage s+1) or its gradient (after B, to stage s-1). Every rank of a stage (itself maybe a
+    data x tensor mesh) runs its stage's list.
+
     ``chunk`` says which of the rank's virtual stages acts (interleaved 1F1B; 0 otherwise): on rank ``r`` of
     ``p``, chunk ``c`` is virtual stage ``c * p + r``."""
 

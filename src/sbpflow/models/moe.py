@@ -53,7 +53,8 @@ class MixtralDecoderLayer(nn.Module):
 
 
 class Mixtral(Llama):
-    """The causal MoE language model; after a forward, ``aux_loss`` holds the load-balancing loss."""
+    """The causal MoE language model; after a forward, ``aux_loss`` holds the load-balancing loss, which the
+    loss adds times ``router_aux_loss_coef`` when ``output_router_logits`` is set, as transformers does."""
 
     config: MixtralConfig
     # Megatron inside each expert (w1, w3 column-parallel, w2 row-parallel); the router stays whole on every rank

@@ -7,6 +7,7 @@
 >>> lin(sbpflow.randn(4, 3, requires_grad=True)).sum().backward()
 >>> seen
 [(torch.Size([4, 3]), torch.Size([4, 2]))]
+>>> handle.remove()
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@ model is built once and then placed (:meth:`Module.to_global` re-lays it out in 
 >>> import sbpflow
 >>> lin = sbpflow.nn.Linear(4, 3)
 >>> _ = lin.to_global(sbpflow.placement("cpu", [0, 1]), sbpflow.sbp.broadcast)
->>> [name for name, _ in lin.named_parameters()], lin.weight.sbp, lin.weight.is_leaf
-(['weight', 'bias'], (Broadcast(),), True)
+>>> [name for name, _ in lin.named_parameters()], lin.weight.sbp, lin.weight.is_leaf, lin.weight.requires_grad
+(['weight', 'bias'], (Broadcast(),), True, True)
 """
 
 from __future__ import annotations

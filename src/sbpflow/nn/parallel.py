@@ -97,6 +97,12 @@ def apply_plan(module: Module, plan: Mapping[str, Any], placement: Placement, me
     A column-parallel Linear gives an output split on its last dim, and a
     row-parallel Linear fed that output gives a partial sum: one all-reduce
     where a consumer needs it.
+
+    >>> import sbpflow
+    >>> mlp = sbpflow.nn.Sequential(sbpflow.nn.Linear(4, 8), sbpflow.nn.ReLU(), sbpflow.nn.Linear(8, 4))
+    >>> _ = apply_plan(mlp, {"0": ColwiseParallel(), "2": RowwiseParallel()}, sbpflow.placement("cpu", [0, 1]))
+    >>> mlp[0].weight.sbp, mlp[2].weight.sbp, mlp[2].bias.sbp
+    ((Split(dim=0),), (Split(dim=1),), (Broadcast(),))
     """
     _check_plan_args(module, plan, placement, mesh_axis)
     named = list(module.named_modules())

@@ -5,6 +5,8 @@
 >>> (w * 3.0).sum().backward()
 >>> round(sbpflow.nn.utils.clip_grad_norm_([w], max_norm=1.0), 5)  # float32 norms, as torch's
 6.0
+>>> round(float(w.grad.numpy().sum()), 4)
+2.0
 """
 
 from __future__ import annotations

@@ -6,6 +6,8 @@ values are loaded ahead of the consumer.
 >>> src = SourceActor(iter(range(3)), register_num=2, name="numbers")
 >>> [src.take() for _ in range(3)]
 [0, 1, 2]
+>>> src.stats.peak_ahead <= 2
+True
 >>> src.close()
 """
 

@@ -219,7 +219,15 @@ class DataLoader:
         self.epoch, self.index = epoch, index
 
     def state_dict(self) -> dict[str, int]:
-        """The loader's position (batches taken), as integers ``sbpflow.save`` writes with a checkpoint."""
+        """The loader's position (batches taken), as integers ``sbpflow.save`` writes with a checkpoint.
+
+        >>> import torch
+        >>> from sbpflow.utils.data import TensorDataset
+        >>> loader = DataLoader(TensorDataset(torch.arange(10.0).reshape(5, 2)), batch_size=2, shuffle=True, seed=3)
+        >>> _ = [b for b in loader]
+        >>> loader.state_dict()["epoch"], loader.state_dict()["index"]   # one epoch consumed
+        (1, 0)
+        """
         return {"epoch": self.epoch, "index": self.index, "seed": self.seed, "batch_size": self.batch_size,
                 "samples": len(self.dataset), "shuffle": int(self.shuffle), "drop_last": int(self.drop_last)}
 
