@@ -1,7 +1,4 @@
-"""sbpflow: distribution as a property of tensors.
-
-A global tensor has a logical shape, a :func:`placement` and an SBP per mesh
-axis; ops pick SBP signatures and the framework inserts the data movement.
+"""sbpflow: distribution as a property of tensors. Ops pick SBP signatures, and the framework moves the data.
 
 >>> import sbpflow
 >>> from sbpflow import sbp

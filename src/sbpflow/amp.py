@@ -1,30 +1,7 @@
 """Mixed precision: ``sbpflow.autocast`` casts op inputs by a per-op policy; ``GradScaler`` scales fp16 losses.
 
-Inside ``with sbpflow.autocast(dtype=torch.bfloat16):`` every sbpflow op looks
-up its name in two lists before it dispatches:
-
-* :data:`LOWER` (matmuls, linear, convolutions, attention) casts floating
-  inputs to the low dtype: the compute-heavy ops run in bf16/fp16;
-* :data:`FP32` (reductions, softmax, normalizations, exp/log/pow) casts them to
-  fp32, so sums and the loss (log_softmax, then a mean) keep fp32 accuracy;
-* any other op runs in its inputs' dtypes (mixed inputs promote, as in torch).
-
-Casts are ordinary sbpflow ``cast`` ops, recorded by autograd, so a parameter
-stays fp32 (the master weight), its low-precision copy is made per use, and its
-gradient arrives in fp32. As in torch, backward runs with the dtypes forward
-chose, not under the policy. This is the supported way to use mixed precision:
-``torch.autocast`` does not see sbpflow ops (they would keep fp32 under it).
-
->>> import torch, sbpflow
->>> w = sbpflow.nn.Parameter(sbpflow.randn(4, 4))
->>> with sbpflow.autocast(dtype=torch.bfloat16):
-...     y = sbpflow.randn(2, 4) @ w
-...     s = y.sum()
->>> y.dtype, s.dtype, w.dtype
-(torch.bfloat16, torch.float32, torch.float32)
->>> s.backward()
->>> w.grad.dtype
-torch.float32
+This is the supported way to use mixed precision: ``torch.autocast`` does not see sbpflow ops (they would
+keep fp32 under it).
 """
 
 from __future__ import annotations
@@ -45,6 +22,9 @@ from .ops.functional import cast, clone
 from .sbp import broadcast
 from .tensor import Tensor
 
+# Under autocast every op looks up its name before it dispatches: LOWER casts floating inputs to the low dtype
+# (the compute-heavy ops), FP32 casts them to fp32 (so sums and the loss keep fp32 accuracy), and any other op
+# runs in its inputs' dtypes (mixed inputs promote, as in torch).
 LOWER = frozenset({"matmul", "matmul_nd", "linear", "conv2d", "scaled_dot_product_attention"})
 FP32 = frozenset({"sum", "mean", "cumsum", "softmax", "log_softmax", "layer_norm", "rms_norm", "exp", "log",
                   "pow", "rsqrt"})
@@ -62,7 +42,23 @@ _state = _State()
 @contextmanager
 def autocast(dtype: torch.dtype = torch.bfloat16, enabled: bool = True) -> Iterator[None]:
     """Runs the ops of the block under the mixed-precision policy for ``dtype`` (bf16 or fp16); nests, and
-    ``enabled=False`` turns it off inside an outer block. See the module docstring."""
+    ``enabled=False`` turns it off inside an outer block.
+
+    Casts are ordinary sbpflow ``cast`` ops recorded by autograd, so a parameter stays fp32 (the master
+    weight), its low-precision copy is made per use, and its gradient arrives in fp32. As in torch, backward
+    runs with the dtypes forward chose, not under the policy.
+
+    >>> import sbpflow
+    >>> w = sbpflow.nn.Parameter(sbpflow.randn(4, 4))
+    >>> with autocast(dtype=torch.bfloat16):
+    ...     y = sbpflow.randn(2, 4) @ w
+    ...     s = y.sum()
+    >>> y.dtype, s.dtype, w.dtype
+    (torch.bfloat16, torch.float32, torch.float32)
+    >>> s.backward()
+    >>> w.grad.dtype
+    torch.float32
+    """
     if enabled and dtype not in LOW_DTYPES:
         raise SbpflowError(f"sbpflow.autocast(dtype=...) takes torch.bfloat16 or torch.float16, but got {dtype}")
     previous = _state.dtype

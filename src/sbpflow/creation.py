@@ -1,12 +1,8 @@
-"""Creating tensors: from data, constants, ranges and random streams.
-
-Without ``placement`` these make local tensors; with it, global ones whose
-shards each rank builds for itself (a rank never materialises the whole
-random tensor).
+"""Creating tensors from data, constants, ranges and random streams: local ones, or global ones whose shards
+each rank builds for itself (a rank never materialises the whole random tensor).
 
 >>> import sbpflow
->>> p = sbpflow.placement("cpu", [0, 1, 2])
->>> x = sbpflow.arange(7, placement=p, sbp=sbpflow.sbp.split(0))
+>>> x = sbpflow.arange(7, placement=sbpflow.placement("cpu", [0, 1, 2]), sbp=sbpflow.sbp.split(0))
 >>> [t.tolist() for t in x.local_tensors().values()]
 [[0, 1, 2], [3, 4], [5, 6]]
 """

@@ -1,36 +1,12 @@
 """Real processes: start-up from torchrun's environment, rank queries, and the fault machinery.
 
-One program runs in every process. Without torchrun's environment (``RANK``,
-``WORLD_SIZE``) there is one process that owns every rank of every placement
-(the simulated backend); under ``torchrun`` or ``sbpflow launch`` each process
-owns exactly its own global rank and shards move through torch.distributed.
-sbpflow initialises itself on first use, so the same script runs both ways:
+Without torchrun's environment one process owns every rank (the simulated backend); under ``torchrun`` or
+``sbpflow launch`` each process owns its own global rank. sbpflow initialises itself on first use, so the
+same script runs both ways, and faults end a job instead of hanging it.
 
 >>> import sbpflow
 >>> sbpflow.rank(), sbpflow.world_size()          # a plain `python script.py`
 (0, 1)
->>> sbpflow.print0("printed by process 0 only")
-printed by process 0 only
-
-Faults end a job instead of hanging it:
-
-* start-up waits at most ``SBPFLOW_INIT_TIMEOUT`` seconds for the rendezvous
-  store and every peer, then raises :class:`~sbpflow.errors.CommError` naming
-  the address, port, rank and world size and what failed (port taken, store
-  unreachable, which ranks never arrived);
-* every collective waits at most ``SBPFLOW_TIMEOUT`` seconds, then raises
-  :class:`~sbpflow.errors.CommError` naming the op or boxing step it waited in
-  (see :func:`activity`);
-* ``SBPFLOW_DEBUG=1`` makes every group compare what its members are about to
-  issue (kind, shapes, dtype, group) before each collective, and reports the
-  first mismatch with both sides; it also checks that the replicas of a B
-  tensor built from per-process data (``to_global`` of a local tensor,
-  ``tensor(..., placement=)``) are equal on every rank;
-* an uncaught exception in a launched process prints which rank failed and
-  exits it at once, so its peers see closed connections instead of waiting.
-
-The environment is read once, into :class:`Config`; library code never writes
-``os.environ``.
 """
 
 from __future__ import annotations
@@ -175,6 +151,17 @@ def init(cfg: Config | None = None) -> Backend:
     Under torchrun this joins the default process group (gloo; cuda placements
     get NCCL groups of their own) and binds cuda placements to GPU
     ``LOCAL_RANK``. Otherwise it installs the simulated backend.
+
+    Faults end a job instead of hanging it. Start-up waits at most
+    ``SBPFLOW_INIT_TIMEOUT`` seconds (:mod:`sbpflow.comm.rendezvous`); every
+    collective at most ``SBPFLOW_TIMEOUT`` seconds, then raises a CommError
+    naming the op or boxing step it waited in (:func:`activity`).
+    ``SBPFLOW_DEBUG=1`` makes every group compare what its members are about
+    to issue before each collective, and checks that the replicas of a B tensor
+    built from per-process data are equal on every rank. An uncaught exception
+    in a launched process names the rank and exits at once, so its peers see
+    closed connections instead of waiting. The environment is read once, into
+    :class:`Config`; library code never writes ``os.environ``.
     """
     comm = _hooks()
     with _init_lock:

@@ -1,18 +1,8 @@
 """Metadata-only tensors: a model of any size, built without memory for its weights, to compile.
 
-Under :func:`meta_init`, every tensor the creation functions make (and so every parameter a module's
-constructor registers, and every initialiser's draw) is a *meta* tensor: it has a logical shape, a dtype
-and, once placed, a placement and an SBP, but no data. A local meta tensor wraps a torch ``meta``-device
-tensor; a global one holds no shards at all, so neither its size nor the number of ranks costs memory.
-
-Ops on meta tensors compute metadata only (meta inference and the SBP signature, as tracing does), and
-``nn.Graph.compile_only`` traces, selects SBPs, lowers and verifies a step on them. Reading a meta tensor's
-data, or running a compiled step on one, raises :class:`~sbpflow.errors.MetaTensorError` naming the tensor.
-
 >>> import sbpflow
->>> from sbpflow import nn
 >>> with sbpflow.meta_init():
-...     layer = nn.Linear(100_000, 100_000)          # 10^10 parameters: 40 GB if it held data
+...     layer = sbpflow.nn.Linear(100_000, 100_000)          # 10^10 parameters: 40 GB if it held data
 >>> layer.weight.is_meta, list(layer.weight.shape)
 (True, [100000, 100000])
 """
@@ -35,7 +25,13 @@ _DEPTH = [0]  # nesting depth of meta_init blocks in force
 
 @contextmanager
 def meta_init(enabled: bool = True) -> Iterator[None]:
-    """Tensors created inside are meta tensors (see the module docstring); ``enabled=False`` is a no-op."""
+    """Tensors created inside are meta tensors; ``enabled=False`` is a no-op.
+
+    Every tensor the creation functions make (every parameter a constructor registers, every initialiser's
+    draw) has a logical shape, a dtype and, once placed, a placement and SBP, but no data: a local one wraps a
+    torch ``meta`` tensor, a global one holds no shards. Ops on them compute metadata only, as tracing does, so
+    ``nn.Graph.compile_only`` compiles a step on them; reading their data, or running a compiled step on them,
+    raises a MetaTensorError naming the tensor."""
     _DEPTH[0] += 1 if enabled else 0
     try:
         yield

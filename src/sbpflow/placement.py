@@ -1,7 +1,4 @@
-"""Placements: a device type plus the ranks of a 1-D, 2-D or 3-D device mesh.
-
-A placement is pure data. It is frozen and hashable, so it can key caches, and
-it is validated when it is built.
+"""Placements: a device type plus the ranks of a 1-D, 2-D or 3-D device mesh; frozen, hashable, validated.
 
 >>> import sbpflow
 >>> p = sbpflow.placement("cpu", [[0, 1], [2, 3]])

@@ -1,10 +1,6 @@
 """Counter-based random streams whose logical values ignore placement and SBP.
 
-Each random call takes the next key of the stream (seed, call counter). The
-logical tensor is cut into a fixed grid of tiles that depends only on its
-shape; tile ``i`` is drawn from a generator seeded by ``mix(key, i)``. A rank
-draws just the tiles that meet its shard, so a model initialised under any
-strategy starts from the same weights, and no rank ever holds the whole tensor.
+A model initialised under any strategy starts from the same weights, and no rank holds a whole tensor.
 
 >>> import sbpflow
 >>> sbpflow.manual_seed(0)
@@ -29,6 +25,9 @@ import torch
 from ._layout import Box, Shape, box_shape
 from .errors import ArgumentError
 
+# Each random call takes the stream's next key (seed, call counter). The logical tensor is cut into a fixed grid
+# of tiles that depends only on its shape; tile i is drawn from a generator seeded by mix(key, i), and a rank
+# draws just the tiles that meet its shard.
 TILE_ELEMS = 1 << 16
 _MASK64 = (1 << 64) - 1
 

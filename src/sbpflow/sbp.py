@@ -1,19 +1,10 @@
-"""SBP: how a logical tensor maps onto the shards of one mesh axis.
+"""SBP: how a logical tensor maps onto the shards of one mesh axis; an n-D SBP is a tuple, one per mesh axis.
 
-* ``split(d)`` (printed ``S(d)``): each rank holds a slice along dim ``d``; uneven
-  lengths give the first ranks one more element, as ``torch.tensor_split`` does.
-* ``broadcast`` (``B``): each rank holds the whole value.
-* ``partial_sum`` / ``partial_max`` / ``partial_min`` (``P(sum)`` ...): each rank
-  holds a same-shaped piece; the logical value is their sum / max / min.
-
-These are frozen values; the collectives that convert between them live in
-:mod:`sbpflow.boxing`. A tensor's SBP is a tuple with one entry per mesh axis.
+These are frozen values; the collectives between them live in :mod:`sbpflow.boxing`.
 
 >>> from sbpflow import sbp
->>> sbp.split(0), sbp.broadcast, sbp.partial_sum
-(Split(dim=0), Broadcast(), Partial(op='sum'))
->>> str(sbp.split(1)), sbp.parse("P(max)")
-('S(1)', Partial(op='max'))
+>>> sbp.split(0), sbp.broadcast, sbp.partial_sum, str(sbp.split(1))
+(Split(dim=0), Broadcast(), Partial(op='sum'), 'S(1)')
 """
 
 from __future__ import annotations
@@ -32,7 +23,8 @@ PARTIAL_OPS = ("sum", "max", "min")
 
 @dataclass(frozen=True)
 class Split:
-    """Each rank along the axis holds a contiguous slice along tensor dim ``dim``."""
+    """Each rank along the axis holds a contiguous slice along tensor dim ``dim``; uneven lengths give the first
+    ranks one more element, as ``torch.tensor_split`` does."""
 
     dim: int
 
@@ -93,7 +85,11 @@ _PATTERN = re.compile(r"^\s*(?:S\((\d+)\)|(B)|P\((sum|max|min)\))\s*$")
 
 
 def parse(text: str) -> SbpParallel:
-    """Parses ``S(0)``, ``B`` or ``P(sum)`` back into an SBP value."""
+    """Parses ``S(0)``, ``B`` or ``P(sum)`` back into an SBP value.
+
+    >>> parse("P(max)")
+    Partial(op='max')
+    """
     m = _PATTERN.match(text) if isinstance(text, str) else None
     if m is None:
         raise SbpError(f"cannot parse {text!r} as an SBP; expected 'S(<dim>)', 'B' or 'P(sum|max|min)'")

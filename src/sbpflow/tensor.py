@@ -1,12 +1,7 @@
-"""The one Tensor type: local (one torch tensor) or global (logical shape + shards).
-
-A global tensor has a logical ``shape`` and ``dtype``, a ``placement``, an n-D
-``sbp`` (one entry per mesh axis) and a shard for each rank this process owns.
-Shard ``r`` is the box :func:`sbpflow._layout.shard_box` assigns to rank ``r``.
+"""The one Tensor type: local (one torch tensor) or global (logical shape, placement, n-D SBP, shards).
 
 >>> import sbpflow
->>> from sbpflow import sbp
->>> x = sbpflow.tensor([[1., 2.], [3., 4.]], placement=sbpflow.placement("cpu", [0, 1]), sbp=sbp.split(0))
+>>> x = sbpflow.tensor([[1., 2.], [3., 4.]], placement=sbpflow.placement("cpu", [0, 1]), sbp=sbpflow.sbp.split(0))
 >>> x.shape, x.sbp
 (torch.Size([2, 2]), (Split(dim=0),))
 >>> x.local_tensors()[1]
@@ -36,7 +31,9 @@ if TYPE_CHECKING:
 
 
 class Tensor:
-    """A local or global tensor; see the module docstring."""
+    """A local or global tensor. A global one has a logical ``shape`` and ``dtype``, a ``placement``, an n-D
+    ``sbp`` and a shard for each rank this process owns: shard ``r`` is the box
+    :func:`sbpflow._layout.shard_box` assigns to rank ``r``."""
 
     __slots__ = (
         "_shape", "_dtype", "_placement", "_sbp", "_shards", "_local",

@@ -1,14 +1,7 @@
-"""Reverse-mode autodiff over sbpflow ops.
+"""Reverse-mode autodiff over sbpflow ops: backward gets SBP inference and boxing like forward.
 
-Every op's gradient is written in sbpflow ops, so backward gets SBP inference
-and boxing like forward: a partial gradient stays partial between ops and is
-reduced only where a consumer, or a leaf's own SBP, needs otherwise. A leaf's
-``.grad`` has the leaf's placement and SBP, unless the leaf names another
-gradient SBP in ``_grad_sbp`` (ZeRO-2 sets ``S`` there, so the partial gradient
-is reduce-scattered straight into the optimizer's shard). By default the partial
-gradients of broadcast leaves (weights under split data) are reduced as DDP
-does: flat buckets, issued asynchronously while backward runs, one all-reduce
-each; ``coalesce_grad_reductions(False)`` opts out (one reduction per leaf).
+A partial gradient stays partial between ops and is reduced only where a consumer, or a leaf's own layout,
+needs otherwise; the partial gradients of broadcast leaves are reduced in DDP-style buckets while backward runs.
 """
 
 from __future__ import annotations
@@ -277,6 +270,8 @@ def _topological(roots: Sequence[Tensor]) -> list[Node]:
 
 def _accumulate_leaf(leaf: Tensor, grad: Tensor, F: Any) -> None:
     if leaf.is_global:
+        # the leaf's layout, unless it names another gradient SBP (ZeRO-2's S: the partial gradient is
+        # reduce-scattered straight into the optimizer's shard)
         target = leaf._grad_sbp or leaf.sbp
         if grad.placement != leaf.placement or grad.sbp != target:
             grad = _reduce_grad(grad, leaf.placement, target, F)
@@ -299,6 +294,9 @@ def _reduce_grad(grad: Tensor, placement: Any, sbp: Any, F: Any) -> Tensor:
     return F.cast(F.to_global(narrow, placement, sbp), grad.dtype)  # type: ignore[no-any-return]
 
 
+# By default the partial gradients of broadcast leaves (weights under split data) are reduced as DDP does: flat
+# buckets, issued asynchronously while backward runs, one all-reduce each; coalesce_grad_reductions(False) opts
+# out (one reduction per leaf).
 def _coalescible(leaf: Tensor, grad: Tensor) -> bool:
     """A broadcast leaf whose gradient is partial on some mesh axes and broadcast on the others: the reduction
     is elementwise, so concatenated buffers reduce to the concatenated results."""

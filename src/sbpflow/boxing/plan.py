@@ -1,8 +1,7 @@
 """Boxing planner: the cheapest sequence of primitive steps between two layouts.
 
-Transition table for one mesh axis of ``p`` ranks, a group-level value of ``|T|``
-bytes, and the cost model's latency ``α`` and inverse bandwidth ``β``.
-"bytes" is what one rank receives; every row is mirrored by a case below.
+One mesh axis of ``p`` ranks, a value of ``|T|`` bytes, latency ``α``, inverse bandwidth ``β``; "bytes" is
+what one rank receives, and every row is mirrored by a case below (tests/logic/test_planner.py checks it)::
 
     from      to        step             bytes per rank      time
     S(i)      S(i)      (identity)       0                   0
@@ -15,25 +14,13 @@ bytes, and the cost model's latency ``α`` and inverse bandwidth ``β``.
     P(op)     S(i)      reduce_scatter   (p-1)/p  |T|        (p-1)α + (p-1)/p |T| β
     P(a)      P(b)      (through S or B) reduce_scatter or all_reduce, then local
 
-Across placements (the two rank sets may overlap, differ in size or in mesh):
+Across placements (the two rank sets may overlap, differ in size or in mesh)::
 
     same mesh shape, same SBP   send_recv (pairwise)   shard bytes          α + shard β
     S/B → S/B                   send_recv (general)    bytes each dst lacks  msgs α + bytes β of the busiest rank
                                                        (sent or received)
     B on one rank → B           broadcast              |T|                  ⌈log2 p⌉α + |T| β
     P on p ranks → B on one     reduce                 |T|                  ⌈log2 p⌉α + |T| β
-
-On a mesh axis of one rank every SBP names the same shard, so any change there
-is a ``relabel``: no step runs and nothing is recorded (a 1-rank placement costs
-what local tensors cost).
-
-n-D SBPs change one mesh axis at a time. A step on axis ``k`` is valid only if
-no inner axis (``j > k``) splits a tensor dim the step splits or gathers, and,
-for steps that reduce or create partial values, no inner axis is partial with
-another op. When no chain of valid steps exists, the general send_recv covers
-any pair. Intermediate SBPs come out of a shortest-path search over
-(placement, SBP) states, where edge weights are the α-β times above; ties (up to
-float rounding) go to fewer collectives, then fewer steps, then fewer bytes.
 """
 
 from __future__ import annotations
@@ -141,7 +128,9 @@ def cost_model(model: CostModel) -> Iterator[CostModel]:
 # ----------------------------------------------------------------------------- plans
 
 LOCAL = "local"
-RELABEL = "relabel"  # a mesh axis of one rank: every SBP names the same data, so nothing runs
+# a mesh axis of one rank: every SBP names the same data, so nothing runs and nothing is recorded (a 1-rank
+# placement costs what local tensors cost)
+RELABEL = "relabel"
 MOVES_NOTHING = (LOCAL, RELABEL)
 COLLECTIVES = ("all_gather", "all_reduce", "reduce_scatter", "all_to_all", "broadcast", "reduce", "send_recv")
 
@@ -302,6 +291,7 @@ def _candidates(shape: Shape, src: Layout, dst: Layout) -> tuple[SbpParallel, ..
 
 
 def _search(ctx: _Ctx, src: Layout, dst: Layout) -> list[Step]:
+    # a shortest path over (placement, SBP) states weighted by the alpha-beta times of the table above.
     # keys are (time, collectives, steps, bytes): on equal time (always, on one rank), local steps beat a
     # collective, and of two equally fast transfers the one that moves fewer bytes wins.
     # Times that differ only by float rounding count as equal (all-reduce vs reduce-scatter + all-gather), so
@@ -426,6 +416,9 @@ def _split_dims(*sbps: SbpParallel) -> set[int]:
     return {s.dim for s in sbps if isinstance(s, Split)}
 
 
+# n-D SBPs change one mesh axis at a time. A step on axis k is valid only if no inner axis (j > k) splits a tensor
+# dim the step splits or gathers and, for steps that reduce or create partial values, no inner axis is partial
+# with another op. When no chain of valid steps exists, the general send_recv covers any pair.
 def _valid_on_axis(sbp: NdSbp, axis: int, a: SbpParallel, b: SbpParallel) -> bool:
     inner = sbp[axis + 1 :]
     touched = _split_dims(a, b)

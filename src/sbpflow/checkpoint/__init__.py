@@ -1,23 +1,11 @@
 """Sharded checkpoints that reshard: save under one strategy, load under any other.
 
-A checkpoint is a directory: one safetensors file per rank that owns data to
-write (``rank-00003.safetensors``) and ``index.json``, which records every
-entry's logical shape, dtype, placement and SBP, which box of it each file
-holds, and each file's length and SHA-256 (see :mod:`._index`).
-
-* :func:`save` writes only what each process owns, and each element once:
-  broadcast copies are written by one rank, partial values are reduced first.
-  It is atomic: the files go to ``PATH.partial``, are fsynced, and the
-  directory is renamed into place, so a crash leaves the last checkpoint whole.
-* :func:`load` fills the given state in place, in *its* placements and SBPs
-  (another world size, mesh or strategy), each process reading only the parts
-  of the files its shards hold, with no communication.
+A checkpoint is a folder of one safetensors file per writing rank plus ``index.json`` (see :mod:`._index`).
 
 >>> import os, tempfile, sbpflow
 >>> p = sbpflow.placement("cpu", [0, 1])
->>> w = sbpflow.arange(6.0, placement=p, sbp=sbpflow.sbp.split(0))
 >>> path = os.path.join(tempfile.mkdtemp(), "ckpt")
->>> _ = sbpflow.save({"w": w, "step": 7}, path)
+>>> _ = sbpflow.save({"w": sbpflow.arange(6.0, placement=p, sbp=sbpflow.sbp.split(0)), "step": 7}, path)
 >>> state = {"w": sbpflow.zeros(6, placement=p, sbp=sbpflow.sbp.broadcast), "step": 0}
 >>> _ = sbpflow.load(state, path)
 >>> state["w"].tolist(), state["step"]
@@ -46,6 +34,9 @@ FORMATS = ("sbpflow", "torch")
 def save(state: Any, path: str | os.PathLike[str], *, format: str = "sbpflow") -> SaveReport:
     """Saves ``state`` at ``path``; every process calls it with the same structure. Returns what it wrote here.
 
+    Each process writes only what it owns, each element once: broadcast copies by one rank, partial values
+    reduced first. Atomic: files go to ``PATH.partial``, are fsynced, and the folder is renamed into place.
+
     ``state`` nests dicts, lists and tuples of sbpflow tensors (global or
     local), torch tensors and Python scalars, e.g. ``{"model":
     model.state_dict(), "optim": opt.state_dict(), "step": 7}``. Local and torch
@@ -64,6 +55,9 @@ def save(state: Any, path: str | os.PathLike[str], *, format: str = "sbpflow") -
 
 def load(state: Any, path: str | os.PathLike[str] | None = None, *, verify: bool = True) -> Any:
     """Fills ``state`` in place from the checkpoint at ``path``; returns what this process read.
+
+    ``state`` may be in other placements and SBPs than the saved one (another world size, mesh or strategy);
+    each process reads only the parts of the files its shards hold, with no communication.
 
     ``load(path)`` alone is OneFlow's and torch's form: it returns the saved state itself (nested dicts and
     lists, tensors as local sbpflow tensors), ready for ``model.load_state_dict``.

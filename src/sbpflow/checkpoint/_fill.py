@@ -1,14 +1,4 @@
-"""Filling a tensor of the state in place, shard by shard, from saved boxes.
-
-A target shard covers one logical box (its rank's box in the target's own
-placement and SBP); every saved box that meets it contributes the overlap,
-read on its own, so a rank reads just what it holds. Saved boxes are disjoint
-(see ``_index.writer_boxes``), so the overlaps must add up to the shard
-exactly; anything else means a damaged index.
-
-A partial-sum target gets the value on coordinate 0 of each partial axis and
-zeros elsewhere (the sum is the value); partial max/min hold it everywhere.
-"""
+"""Fills a tensor of the state in place, shard by shard, from the saved boxes that meet each shard."""
 
 from __future__ import annotations
 
@@ -73,6 +63,10 @@ def fill(t: Tensor | torch.Tensor, name: str, sources: Sequence[Source]) -> int:
     return nbytes
 
 
+# A target shard is one logical box. Every saved box meeting it contributes the overlap, read on its own (a rank
+# reads just what it holds). Saved boxes are disjoint (_index.writer_boxes), so the overlaps add up to the shard
+# exactly; anything else means a damaged index. A P(sum) target gets the value on coordinate 0 of each partial
+# axis and zeros elsewhere; P(max)/P(min) hold it everywhere.
 def _fill_shard(shard: TargetShard, name: str, sources: Sequence[Source]) -> int:
     covered = 0
     nbytes = 0

@@ -1,22 +1,6 @@
-"""The checkpoint's index (``index.json``): what each entry is and which file holds which box of it.
+"""The checkpoint's ``index.json``: what each entry is, which file holds which box of it, and each file's hash.
 
-Pure data and pure logic: no files are touched here. The index is the
-checkpoint's table of contents and its integrity record::
-
-    {"format": "sbpflow-checkpoint", "version": 1,
-     "files":   {"rank-00000.safetensors": {"bytes": 9216, "sha256": "..."}, ...},
-     "entries": {"model/wte.weight": {"kind": "tensor", "path": ["model", "wte.weight"],
-                                      "shape": [64, 32], "dtype": "float32",
-                                      "placement": {"type": "cpu", "ranks": [[0, 1], [2, 3]]},
-                                      "sbp": ["B", "S(0)"],
-                                      "boxes": [{"box": [[0, 32], [0, 32]], "file": "rank-00000.safetensors"},
-                                                {"box": [[32, 64], [0, 32]], "file": "rank-00001.safetensors"}]},
-                 "step": {"kind": "scalar", "path": ["step"], "value": 7}}}
-
-A box is ``[start, stop)`` per logical dim. The boxes of a tensor are disjoint
-and cover it: replicated data (a broadcast axis, or a partial axis once
-reduced) is written once, by one of the ranks that hold it (the least loaded).
-Inside a file, a box is stored under the entry's name.
+Pure data and logic; no files are touched here.
 """
 
 from __future__ import annotations
@@ -87,6 +71,18 @@ class FileRecord:
 Entry = TensorEntry | ScalarEntry
 
 
+# index.json, for example:
+#   {"format": "sbpflow-checkpoint", "version": 1,
+#    "files":   {"rank-00000.safetensors": {"bytes": 9216, "sha256": "..."}, ...},
+#    "entries": {"model/wte.weight": {"kind": "tensor", "path": ["model", "wte.weight"],
+#                                     "shape": [64, 32], "dtype": "float32",
+#                                     "placement": {"type": "cpu", "ranks": [[0, 1], [2, 3]]},
+#                                     "sbp": ["B", "S(0)"],
+#                                     "boxes": [{"box": [[0, 32], [0, 32]], "file": "rank-00000.safetensors"},
+#                                               {"box": [[32, 64], [0, 32]], "file": "rank-00001.safetensors"}]},
+#                "step": {"kind": "scalar", "path": ["step"], "value": 7}}}
+# A box is [start, stop) per logical dim; a tensor's boxes are disjoint and cover it (writer_boxes), and a
+# file stores a box under the entry's name.
 @dataclass
 class Index:
     entries: dict[str, Entry]

@@ -1,28 +1,8 @@
-"""``CheckpointManager``: numbered checkpoints of a run in one folder, saved every N steps (asynchronously by
-default), pruned to the newest K, and the newest complete one restored.
-
-The folder holds ``step-00000020/``, ``step-00000040/``, ... (each an
-:func:`sbpflow.save` directory). A checkpoint exists once its directory has
-its name; one still being written is ``step-N.partial`` and is never restored,
-so a crash at any moment leaves the previous checkpoint the newest complete one.
-A complete checkpoint whose files were damaged since (truncated, bit-flipped,
-missing) is skipped with a :class:`~sbpflow.errors.CheckpointWarning` naming
-the file, before any of its data is used: restore falls back to the one before
-it, on every process alike.
-
-Asynchronous save: :meth:`CheckpointManager.save` does the collective part on
-the calling thread (partial tensors reduced) and copies this process's boxes
-into host staging buffers, reused from save to save; that snapshot is the only
-pause. A writer thread then writes the files and its manifest; the lead
-process's writer waits for every process's manifest, writes the index and
-renames the directory into place, then prunes. The writer communicates only
-through the files, so the next steps run (and communicate) meanwhile. The next
-save, :meth:`~CheckpointManager.wait` and :meth:`~CheckpointManager.restore`
-wait for a save in flight and raise its error, if it failed.
+"""``CheckpointManager``: numbered checkpoints of a run, saved every N steps (asynchronously by default),
+pruned to the newest K, and the newest complete and undamaged one restored.
 
 >>> import tempfile, sbpflow
->>> model = sbpflow.nn.Linear(2, 2)
->>> state = sbpflow.checkpoint.run_state(model=model)
+>>> state = sbpflow.checkpoint.run_state(model=sbpflow.nn.Linear(2, 2))
 >>> manager = CheckpointManager(tempfile.mkdtemp(), every=2, keep=1)
 >>> manager.restore(state)                  # nothing saved yet: start at step 0
 0
@@ -88,6 +68,11 @@ class CheckpointManager:
 
     ``state`` is a :func:`~sbpflow.checkpoint.run_state` (restored into its model, optimizer, scheduler,
     scaler, loader and random stream) or any nested dict :func:`sbpflow.save` takes (filled in place).
+
+    The folder holds ``step-00000020/``, ... (each an :func:`sbpflow.save` folder); one being written is
+    ``step-N.partial`` and is never restored, so a crash leaves the previous one the newest complete one.
+    A complete checkpoint damaged since (truncated, bit-flipped, missing files) is skipped with a
+    CheckpointWarning naming the file, before any of its data is used, on every process alike.
     """
 
     def __init__(self, folder: str | os.PathLike[str], every: int = 1, keep: int = 2, async_save: bool = True,
@@ -165,6 +150,10 @@ class CheckpointManager:
             return False
         if step == self.last_saved:
             return False  # already saved (a forced save after the loop's last regular one)
+        # The calling thread does the collective part (partial tensors reduced) and copies this process's boxes
+        # into reused host buffers: the only pause. The writer thread then writes the files and a manifest; the
+        # lead's writer waits for every manifest, writes the index, renames and prunes. It talks only through
+        # files, so the next steps communicate meanwhile; wait() and restore() raise a failed save's error.
         start = time.perf_counter()
         self.wait()
         tree = self._tree(state, step)

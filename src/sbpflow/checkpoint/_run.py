@@ -1,19 +1,7 @@
 """A training run's whole state, for bit-exact resumption: :func:`run_state`.
 
-A run is more than its weights: the optimizer's moments and step counts, the
-LR schedule, the GradScaler, the random stream (dropout masks, sbpflow's and
-torch's) and how far the DataLoader has gone (the batches its steps *took*).
-:class:`RunState` gathers them as one nested dict when a checkpoint is taken
-(:meth:`RunState.tree`) and, after :func:`sbpflow.load` filled such a dict,
-hands each part back to its owner (:meth:`RunState.apply`). The same works for
-eager training and for ``nn.Graph`` steps (a graph trains the model's own
-parameters and its optimizer's own state).
-
->>> import sbpflow
->>> model = sbpflow.nn.Linear(2, 2)
->>> state = run_state(model=model, optimizer=sbpflow.optim.SGD(model.parameters(), lr=0.1), step=3)
->>> sorted(state.tree())
-['model', 'optim', 'rng', 'step']
+Weights, optimizer moments, LR schedule, GradScaler, random streams and the DataLoader's position, gathered
+as one nested dict to save and handed back to their owners after a load, for eager and ``nn.Graph`` runs.
 """
 
 from __future__ import annotations
@@ -99,5 +87,12 @@ def run_state(*, model: Any = None, optimizer: Any = None, scheduler: Any = None
               scaler: Any = None, step: int = 0) -> RunState:
     """The run to checkpoint and restore: its model (parameters and buffers), optimizer state, LR scheduler,
     GradScaler, DataLoader position, random stream and step count. Pass it to
-    :class:`~sbpflow.checkpoint.CheckpointManager`'s ``save`` and ``restore``."""
+    :class:`~sbpflow.checkpoint.CheckpointManager`'s ``save`` and ``restore``.
+
+    >>> import sbpflow
+    >>> model = sbpflow.nn.Linear(2, 2)
+    >>> state = run_state(model=model, optimizer=sbpflow.optim.SGD(model.parameters(), lr=0.1), step=3)
+    >>> sorted(state.tree())
+    ['model', 'optim', 'rng', 'step']
+    """
     return RunState(model, optimizer, scheduler, loader, scaler, step)

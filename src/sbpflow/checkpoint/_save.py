@@ -1,22 +1,7 @@
-"""Writing a sharded checkpoint: each process writes its ranks' boxes, then one process commits the directory.
+"""Writing a sharded checkpoint: each process writes its ranks' boxes, then one process commits the folder.
 
-The steps, on every process (the same program runs everywhere):
-
-1. the lead process (the owner of global rank 0) makes a fresh ``PATH.partial``
-   directory; barrier;
-2. partial tensors are reduced to broadcast (a collective); each distinct box
-   gets one writer among the ranks that hold it, the least loaded so far, so
-   replicas share the work; every process
-   writes one safetensors file per owned rank that has boxes to write
-   (``rank-0000r.safetensors``), fsyncs it, and records its length and SHA-256
-   in a per-process manifest; barrier;
-3. the lead merges the manifests into ``index.json`` (fsynced), and renames
-   ``PATH.partial`` to ``PATH`` (an older checkpoint at ``PATH`` is first
-   renamed to ``PATH.old`` and removed once the new one is in place); barrier.
-
-A crash before step 3's rename leaves ``PATH`` as it was; the stale
-``PATH.partial`` is removed by the next save. Processes must see one file
-system (one machine, or a shared one), as with torch DCP's file-system writer.
+A crash before the commit's rename leaves the previous checkpoint at ``PATH`` whole. Processes must share
+one file system, as with torch DCP's file-system writer.
 """
 
 from __future__ import annotations
@@ -59,11 +44,14 @@ def save_sharded(state: Any, path: str) -> SaveReport:
     """See :func:`sbpflow.checkpoint.save`."""
     start = time.perf_counter()
     backend = get_backend()
+    # the lead (owner of global rank 0) makes a fresh PATH.partial; partial tensors are reduced to B; each
+    # distinct box gets one writer (writer_boxes)
     staged = stage(state, path, backend)
+    # one fsynced safetensors file per owned rank with boxes, lengths and SHA-256 in a per-process manifest
     report = write_files(staged)
     backend.barrier()
-    if staged.lead:
-        publish(staged)
+    if staged.lead:  # manifests -> index.json; PATH.partial -> PATH (an older PATH via PATH.old); a stale .partial
+        publish(staged)  # is removed by the next save
     backend.barrier()
     report.seconds = time.perf_counter() - start
     return report

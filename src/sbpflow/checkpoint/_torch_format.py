@@ -1,11 +1,5 @@
-"""Interop with plain torch files: one consolidated ``torch.save`` file, written or read.
-
-Writing gathers each tensor's logical value (every process takes part) and
-the lead process saves the nested state, with torch tensors in place of
-sbpflow ones, so that ``torch.load`` reads it with no sbpflow installed.
-Reading accepts any ``torch.save`` file of nested dicts and lists (a plain
-``model.state_dict()`` included) and flat ``.safetensors`` files: each process
-maps the file (``mmap``) or slices it, and copies only the parts its shards hold.
+"""Interop with plain torch files: one consolidated ``torch.save`` file written, or any torch or flat
+safetensors file read, each process copying only the parts its shards hold.
 """
 
 from __future__ import annotations

@@ -1,14 +1,4 @@
-"""The state a user saves or fills: nested dicts, lists and tuples whose leaves are tensors or Python scalars.
-
-A leaf is named by its *path*, the keys from the root (``("optim", "state", 0,
-"exp_avg")``), and written ``optim/state/0/exp_avg``. The written name is what
-the index and the safetensors files use, so two paths that print alike (a key
-``0`` beside a key ``"0"``) are refused on save.
-
-Loading replaces scalar leaves in their containers. Dicts and lists are
-changed in place; a tuple (Adam's ``betas``) is rebuilt and put back into its
-parent, which is why the root itself must be a dict or a list.
-"""
+"""The state a user saves or fills: nested dicts, lists and tuples whose leaves are tensors or Python scalars."""
 
 from __future__ import annotations
 
@@ -42,6 +32,8 @@ class Leaf:
         return isinstance(self.value, (Tensor, torch.Tensor))
 
 
+# A leaf's path is its keys from the root, ("optim", "state", 0, "exp_avg"), written optim/state/0/exp_avg in the
+# index and files; two paths that print alike (keys 0 and "0") are refused on save.
 def path_name(path: Path) -> str:
     """``("model", "wte.weight")`` -> ``"model/wte.weight"``."""
     return "/".join(str(k) for k in path)
@@ -88,6 +80,8 @@ def _check_key(key: Any, path: Path) -> None:
                               f"but {path_name(path) or 'the root'!r} has the key {key!r}")
 
 
+# Dicts and lists change in place; a tuple (Adam's betas) is rebuilt and put back into its parent, which is why
+# the root itself must be a dict or a list.
 def replace_scalars(state: Any, value_of: Callable[[Path], Any]) -> None:
     """Puts ``value_of(path)`` in place of every scalar leaf of ``state`` (a dict or list, changed in place)."""
     _replace(state, (), value_of)

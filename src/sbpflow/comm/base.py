@@ -1,20 +1,7 @@
-"""The comm backend interface.
+"""The comm backend interface: moves shards between global ranks, ``{rank: tensor}`` in and out.
 
-A backend moves shards between global ranks. A process *owns* some ranks: the
-simulated backend owns them all, a torch.distributed process owns one. Every
-method takes and returns ``{rank: tensor}`` for the owned ranks of the group
-only, and every shape a receiver cannot know is passed in explicitly, so that
-uneven shards need no extra round trip.
-
-Collectives are issued by every owned member of ``group`` (a tuple of global
-ranks in mesh order). ``op`` is ``"sum"``, ``"max"`` or ``"min"``. A process
-records (:mod:`.record`) only the collectives it takes part in.
-
-Every process runs the same program, so every process executes the same
-boxing plans in the same order, including processes that own no rank of a
-plan's placements; :meth:`Backend.prepare` is called with each plan on every
-process, which is where a multi-process backend creates its process groups
-(creation is collective over the whole job).
+A process owns some ranks (the simulated backend all, a torch.distributed process one) and passes only
+those. Every shape a receiver cannot know is passed in, so uneven shards need no extra round trip.
 """
 
 from __future__ import annotations
@@ -87,7 +74,10 @@ TARGET_COST_FACTORS: tuple[tuple[tuple[str, str], float], ...] = ((("cpu", "redu
 
 
 class Backend(ABC):
-    """Base class of comm backends; subclasses implement the ``_``-prefixed primitives."""
+    """Base class of comm backends; subclasses implement the ``_``-prefixed primitives.
+
+    A collective is issued by every owned member of ``group`` (global ranks in mesh order); ``op`` is
+    ``"sum"``, ``"max"`` or ``"min"``. A process records (:mod:`.record`) only the collectives it joins."""
 
     name = "base"
     # whether a collective issued without waiting (all_reduce_async, ...) can progress while the caller computes:
@@ -106,7 +96,10 @@ class Backend(ABC):
         """The torch device that holds rank ``rank``'s shards for a placement type."""
 
     def prepare(self, plan: Plan) -> None:  # noqa: B027 - optional hook, a no-op unless a backend needs it
-        """Called on every process before ``plan`` runs (see the module docstring); nothing by default."""
+        """Called on every process before ``plan`` runs; nothing by default.
+
+        Every process runs every boxing plan in the same order, even one owning no rank of its placements, so a
+        multi-process backend creates its process groups here (creation is collective over the whole job)."""
 
     def cost_factors(self) -> tuple[tuple[tuple[str, str], float], ...]:
         """``((device_type, step kind), factor)``: how many times the planner's α-β time and bytes a step

@@ -1,16 +1,7 @@
 """Start-up: a launched process meets its peers, then joins the default gloo group; a failure says what failed.
 
-The steps, on every process, each bounded by ``SBPFLOW_INIT_TIMEOUT`` (not the collective timeout):
-
-1. connect to the job's TCP store at ``MASTER_ADDR:MASTER_PORT`` (rank 0 hosts it, or torchrun's agent
-   does, ``TORCHELASTIC_USE_AGENT_STORE``);
-2. say "rank r arrived" under this attempt's prefix (a restarted job's agent store still holds the previous
-   attempt's keys), and wait until every rank of ``WORLD_SIZE`` has;
-3. join the gloo group through that store (peers are known to be up, so this is quick).
-
-Each failure is a :class:`~sbpflow.errors.CommError` that names the address, port, rank and world size: the
-port taken (step 1, rank 0), the store unreachable (step 1, other ranks), and which ranks never arrived
-(step 2), instead of one timeout message after the collective timeout for all of them.
+Each step is bounded by ``SBPFLOW_INIT_TIMEOUT`` and fails with a CommError naming address, port, rank and
+world size (port taken, store unreachable, ranks that never arrived), instead of one timeout for all.
 """
 
 from __future__ import annotations
@@ -29,6 +20,12 @@ T = TypeVar("T")
 POLL_S = 0.02  # how often step 2 looks for the missing ranks
 
 
+# The steps, on every process:
+#   1. connect to the job's TCP store at MASTER_ADDR:MASTER_PORT (rank 0 hosts it, or torchrun's agent does,
+#      TORCHELASTIC_USE_AGENT_STORE);
+#   2. say "rank r arrived" under this attempt's prefix (a restarted job's agent store keeps the previous
+#      attempt's keys) and wait until every rank of WORLD_SIZE has;
+#   3. join the gloo group through that store (peers are known to be up, so this is quick).
 def join_default_group(cfg: Config, collective_timeout: datetime.timedelta) -> None:
     """Steps 1-3 for this process (``cfg`` from its environment); the group's collectives then wait at most
     ``collective_timeout``."""

@@ -1,49 +1,4 @@
-"""One process per rank: shards move through torch.distributed (gloo for cpu, NCCL for cuda).
-
-Each process owns exactly its own global rank (torchrun's ``RANK``). How each
-primitive of the boxing planner maps onto torch.distributed:
-
-    primitive        gloo (cpu placements)                      NCCL (cuda placements)
-    all_gather       all_gather_single of flat shards padded     same
-                     to the largest (uneven shards)
-    all_reduce       all_reduce                                  all_reduce
-    reduce_scatter   one all_reduce of the concatenated pieces,  reduce_scatter_tensor of flat pieces padded
-                     each member keeps its own: 2x the bytes     to the largest
-                     (cost factor 2, see below)
-    all_to_all       all_to_all_single with split sizes          same
-                     (uneven pieces flattened into one buffer)
-    all_to_all_rows  all_to_all_single on the rows themselves,   same
-                     data-dependent split sizes (MoE dispatch)
-    broadcast        broadcast                                   broadcast
-    reduce           reduce                                      reduce
-    send_recv        isend/irecv, tag = piece index              batch_isend_irecv
-
-gloo has no reduce-scatter of its own (torch's gloo ``reduce_scatter`` runs one
-all-reduce per destination), so sbpflow runs a single all-reduce: the bytes and
-rounds of an all-reduce, twice the ring reduce-scatter the planner assumes.
-:data:`~sbpflow.comm.base.TARGET_COST_FACTORS` says so (every backend costs with it,
-virtual ranks too), and the planner multiplies that step's cost by it (and the
-recorder counts the real bytes).
-
-Process groups. A collective needs a process group per rank set, and creating
-one is collective over the whole job: every process must create the same groups
-in the same order, members or not. Every process runs every boxing plan (see
-:mod:`sbpflow.comm.base`), so :meth:`TorchDistBackend.prepare` creates, on the
-first plan that touches a placement, the groups of all its mesh-axis rank sets
-and of all its ranks, in a fixed order, on every process. Groups are cached by
-(transport, sorted ranks). Shards of cuda placements live on ``cuda:LOCAL_RANK``;
-their rank sets get an NCCL group next to the gloo one, which then carries only
-the debug fingerprints.
-
-Faults. Every group has the ``SBPFLOW_TIMEOUT`` timeout; a collective that
-fails or times out raises :class:`~sbpflow.errors.CommError` naming the op or
-boxing step it ran in. With ``SBPFLOW_DEBUG=1`` each collective is preceded by
-an exchange of fingerprints (kind, group, shapes, dtype) over the gloo group of
-the same ranks, and a mismatch raises with every member's side. On NCCL a
-collective that outlives the timeout is aborted by torch's watchdog, which ends
-the process rather than raising; the gloo debug check still reports mismatched
-collectives as CommError before any NCCL call is issued.
-"""
+"""One process per rank: shards move through torch.distributed (gloo for cpu, NCCL for cuda)."""
 
 from __future__ import annotations
 
@@ -72,8 +27,34 @@ Group = tuple[int, ...]
 _OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
+# How each boxing primitive maps onto torch.distributed:
+#
+#   primitive        gloo (cpu placements)                      NCCL (cuda placements)
+#   all_gather       all_gather_single of flat shards padded     same
+#                    to the largest (uneven shards)
+#   all_reduce       all_reduce                                  all_reduce
+#   reduce_scatter   one all_reduce of the concatenated pieces,  reduce_scatter_tensor of flat pieces padded
+#                    each member keeps its own: 2x the bytes     to the largest
+#   all_to_all       all_to_all_single with split sizes          same
+#                    (uneven pieces flattened into one buffer)
+#   all_to_all_rows  all_to_all_single on the rows themselves,   same
+#                    data-dependent split sizes (MoE dispatch)
+#   broadcast        broadcast                                   broadcast
+#   reduce           reduce                                      reduce
+#   send_recv        isend/irecv, tag = piece index              batch_isend_irecv
+#
+# gloo has no reduce-scatter (torch's runs one all-reduce per destination), so sbpflow runs one all-reduce: twice
+# the ring reduce-scatter's bytes. base.TARGET_COST_FACTORS says so, the planner multiplies that step's cost by it
+# (on virtual ranks too), and the recorder counts the real bytes.
 class TorchDistBackend(Backend):
-    """Owns global rank ``config.rank``; joins the default (gloo) process group on construction."""
+    """Owns global rank ``config.rank``; joins the default (gloo) process group on construction.
+
+    Every group has the ``SBPFLOW_TIMEOUT`` timeout; a collective that fails or times out raises a CommError
+    naming the op or boxing step it ran in. With ``SBPFLOW_DEBUG=1`` each collective is preceded by an exchange
+    of fingerprints (kind, group, shapes, dtype) over the gloo group of its ranks, and a mismatch raises with
+    every member's side. On NCCL a collective that outlives the timeout is aborted by torch's watchdog, which
+    ends the process; the gloo check still reports mismatches before any NCCL call is issued.
+    """
 
     name = "torch.distributed"
     in_flight = True  # gloo's and NCCL's own threads and streams move the bytes
@@ -151,7 +132,11 @@ class TorchDistBackend(Backend):
                 self._ensure(union, "gloo")
 
     def _prepare_placement(self, placement: Placement) -> None:
-        """Creates the groups of every axis rank set and of all ranks, in one order on every process."""
+        """Creates the groups of every axis rank set and of all ranks, in one order on every process.
+
+        Called on the first plan that touches ``placement``, on every process (group creation is collective
+        over the job). Groups are cached by (transport, sorted ranks); cuda rank sets get an NCCL group next to
+        the gloo one, which then carries only the debug fingerprints."""
         self._check_ranks(placement.flat_ranks)
         rank_sets: list[Group] = []
         for axis in range(placement.ndim):
@@ -280,7 +265,7 @@ class TorchDistBackend(Backend):
         pg = self._group(group, device)
         if device.type == "cuda":
             return {self.rank: self._reduce_scatter_nccl(group, pieces, op, pg)}
-        # gloo: one all-reduce of every piece, each member keeps its own (see the module docstring)
+        # gloo: one all-reduce of every piece, each member keeps its own (see the table above the class)
         buffer, reduce_op = _reduction_buffer(torch.cat([p.reshape(-1) for p in pieces]), op)
         self._call("reduce_scatter (as all_reduce)", group, lambda: dist.all_reduce(buffer, op=reduce_op, group=pg))
         start = sum(numel(s) for s in shapes[:me])

@@ -1,9 +1,5 @@
-"""A tour of one matmul, ``x (4, 5) @ w (5, 8)``, under three parallel strategies.
-
-The same three programs as the global-tensor guide (data, model and pipeline
-parallelism), on virtual CPU devices. Each result is checked against the
-single-device product; the tour prints its shape, its SBP and the collectives
-that ran, with the boxing plan behind each conversion.
+"""A tour of one matmul, ``x (4, 5) @ w (5, 8)``, under data, model and pipeline parallelism on virtual CPU
+devices, each result checked against the single-device product.
 
 >>> result = run(print_fn=lambda line: None)
 >>> result["data_parallel"]["sbp"], result["model_parallel"]["sbp"]

@@ -1,30 +1,5 @@
-"""Checkpointing a training run so that resuming it is bit-exact.
-
-A run's state is more than its weights: the optimizer's moments and step
-counts, the LR schedule, the random stream (dropout masks) and how far the
-batch stream has gone. :func:`training_state` gathers all of it as one nested
-dict (the public :func:`sbpflow.checkpoint.run_state`, which a script uses with
-a :class:`sbpflow.checkpoint.CheckpointManager`); :func:`save_training` writes it with :func:`sbpflow.save` and
-:func:`resume_training` fills a freshly built run from it, in that run's own
-strategy (any other one works too, resharding on load).
-
-The demo's ``--checkpoint-every N`` saves through a :class:`~sbpflow.checkpoint.CheckpointManager`
-(asynchronously, into ``OUT/checkpoints/step-NNNNNNNN``) as the README's pattern does, and ``--resume`` takes
-one checkpoint or a folder of them (its newest complete one).
-
-The batch position is the demo's DataLoader's ``state_dict()`` (epoch, batch:
-the batches its steps took, whatever its source actor had prefetched), and a
-resumed loader continues from there; without a loader (a stream that is a pure
-function of its seed) it is a count of batches drawn, for the caller to skip.
-
->>> import os, tempfile
->>> from sbpflow.demo.train_gpt import build
->>> from sbpflow.models.gpt import GPTConfig
->>> cfg = GPTConfig(vocab_size=20, block_size=8, n_layer=1, n_head=2, n_embd=8)
->>> path = os.path.join(tempfile.mkdtemp(), "step-3")
->>> _ = save_training(path, build(cfg, "dp=2"), None, step=3)
->>> resume_training(path, build(cfg, "tp=2", seed=1), None)
-3
+"""The demo's checkpoints: its run's whole state saved and resumed bit-exactly, in any strategy (resharding on
+load), one checkpoint or a folder of them (``--checkpoint-every N``, ``--resume``).
 """
 
 from __future__ import annotations
@@ -52,7 +27,9 @@ def training_state(trainer: Trainer, schedule: Any, step: int, loader: DataLoade
     run's storage) and Python scalars."""
     tree = demo_run_state(trainer, schedule, step, loader).tree()
     if loader is None:
-        tree["data"] = {"batches": step}  # see the module docstring
+        # without a loader the batch stream is a pure function of its seed: a count of batches drawn, for the
+        # caller to skip (a loader's state_dict counts the batches its steps took, whatever was prefetched)
+        tree["data"] = {"batches": step}
     return tree
 
 
@@ -64,7 +41,17 @@ def save_training(path: str, trainer: Trainer, schedule: Any, step: int,
 
 def resume_training(path: str, trainer: Trainer, schedule: Any, loader: DataLoader | None = None) -> int:
     """Fills a freshly built run (and its loader's position) from the checkpoint at ``path``; returns the number
-    of steps it had done."""
+    of steps it had done.
+
+    >>> import os, tempfile
+    >>> from sbpflow.demo.train_gpt import build
+    >>> from sbpflow.models.gpt import GPTConfig
+    >>> cfg = GPTConfig(vocab_size=20, block_size=8, n_layer=1, n_head=2, n_embd=8)
+    >>> path = os.path.join(tempfile.mkdtemp(), "step-3")
+    >>> _ = save_training(path, build(cfg, "dp=2"), None, step=3)
+    >>> resume_training(path, build(cfg, "tp=2", seed=1), None)
+    3
+    """
     run = demo_run_state(trainer, schedule, 0, loader)
     tree = run.tree(fresh=True)
     sbpflow.load(tree, path)

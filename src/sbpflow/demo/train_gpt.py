@@ -1,20 +1,8 @@
 """Training a GPT under any data x tensor x pipeline strategy, and the ``sbpflow demo``.
 
-:func:`train_gpt` is the equivalence workhorse: the same seed, data and
-hyper-parameters under any strategy give the same losses and parameters as
-one device. It runs on whatever comm backend is installed (virtual ranks in
-one process, or one rank per process under torch.distributed).
-
-:func:`main` is the demo: a character-level GPT trained on Python's own
-standard-library sources, on virtual CPU devices, with the strategy table, the
-collectives of one training step, a loss curve (PNG) and a text sample.
-
->>> from sbpflow.demo.train_gpt import train_gpt
->>> from sbpflow.models.gpt import GPTConfig
->>> cfg = GPTConfig(vocab_size=20, block_size=8, n_layer=1, n_head=2, n_embd=8)
->>> losses, params = train_gpt("dp=2", steps=2, config=cfg, batch_size=4, seq_len=8)
->>> len(losses), params["wte.weight"].shape
-(2, (20, 8))
+:func:`train_gpt` is the equivalence workhorse: the same seed, data and hyper-parameters under any strategy
+give one device's losses and parameters, on whatever comm backend is installed. :func:`main` is the demo: a
+character-level GPT trained on Python's standard-library sources on virtual CPU devices.
 """
 
 from __future__ import annotations
@@ -206,6 +194,11 @@ def train_gpt(strategy: str | dict[str, int] | None, steps: int, *, config: GPTC
     ``strategy`` is None / "single" (one device, local tensors) or a spec such
     as ``"dp=2,tp=2,pp=2"``; ranks are those of the installed comm backend, on ``device`` ("cpu" or "cuda").
     Parameters are logical values by name, comparable across strategies.
+
+    >>> cfg = GPTConfig(vocab_size=20, block_size=8, n_layer=1, n_head=2, n_embd=8)
+    >>> losses, params = train_gpt("dp=2", steps=2, config=cfg, batch_size=4, seq_len=8)
+    >>> len(losses), params["wte.weight"].shape
+    (2, (20, 8))
     """
     config = config or GPTConfig(vocab_size=100, block_size=seq_len, n_layer=2, n_head=4, n_embd=64, dropout=0.1)
     trainer = build(config, strategy, seed=seed, lr=lr, clip=clip, graph=graph, micro_batches=micro_batches,

@@ -1,31 +1,18 @@
 """Accumulate before sending: a gradient summed across pipeline stages crosses them once per step.
 
-A parameter read on two stages (an embedding tied to the head) gets a gradient contribution on each stage
-for every micro-batch, and autograd sums them where the parameter lives, so the far one is sent over for
-every micro-batch::
+A parameter read on two stages (an embedding tied to the head) gets a gradient part on each, and autograd
+sums them where it lives, so the far part is sent every micro-batch::
 
     micro:  u = to_global(b)        # b on stage j, u on the parameter's stage i: m sends per step
             c = add(a, u)
-    post:   g = accumulate(c)       # the sum over the m micro-batches
+    post:   g = accumulate(c)
 
-Boxing only moves a logical value between layouts (it is linear), so
-sum_k (a_k + to_global(b_k)) = sum_k a_k + to_global(sum_k b_k): each stage accumulates its own part and the
-far part crosses once, after the micro-batches (Megatron sums a tied embedding's gradient the same way)::
+Boxing is linear, so each stage accumulates its own part and the far part crosses once (as Megatron sums a
+tied embedding's gradient)::
 
     post:   A = accumulate(a)       # on stage i
             B = accumulate(b)       # on stage j
             g = add(A, to_global(B))
-
-Autograd may convert the sum to the parameter's own layout on its placement (``accumulate(to_global(c))``);
-that conversion moves after the accumulation too. The rewrite runs on the logical graph before SBP selection,
-so the new post-phase nodes get their SBPs (and their boxing) like any other. It repeats until nothing
-matches, so a parameter read on three stages (add(add(a, to_global(b)), to_global(c))) sends both far parts
-once. Only conversions between disjoint placements are rewritten (pipeline stages); the sums differ from the
-original only by rounding.
-
->>> from sbpflow.graph.ir import LogicalGraph
->>> accumulate_before_send(LogicalGraph(micro_batches=4))
-0
 """
 
 from __future__ import annotations
@@ -51,11 +38,19 @@ class _Match:
 
 
 def accumulate_before_send(g: LogicalGraph) -> int:
-    """Rewrites every cross-stage gradient sum in ``g`` (in place) to send once per step; returns how many."""
+    """Rewrites every cross-stage gradient sum in ``g`` (in place) to send once per step; returns how many.
+
+    It runs before SBP selection, so the new post-phase nodes get their SBPs and boxing like any other. Only
+    conversions between disjoint placements (pipeline stages) are rewritten; sums differ only by rounding.
+
+    >>> from sbpflow.graph.ir import LogicalGraph
+    >>> accumulate_before_send(LogicalGraph(micro_batches=4))
+    0
+    """
     if g.micro_batches == 1:
         return 0
     done = 0
-    while True:
+    while True:  # until nothing matches: a parameter read on three stages sends both far parts once
         matches = _matches(g)
         if not matches:
             return done
@@ -79,6 +74,8 @@ def _matches(g: LogicalGraph) -> list[_Match]:
     return out
 
 
+# Autograd may convert the sum to the parameter's own layout (accumulate(to_global(c))): that conversion moves
+# after the accumulation too.
 def _through_layout(g: LogicalGraph, acc: LNode, consumers: dict[int, list[int]]) -> tuple[LNode | None, LNode | None]:
     """The accumulated value's producer, seen through one micro-batch ``to_global`` on its own placement (autograd
     converting a gradient to its parameter's layout): (that to_global or None, the producer behind it)."""

@@ -1,30 +1,8 @@
-"""Gradient buckets: a pass after lowering that packs all-reduces of whole tensors into DDP-sized buckets.
+"""Gradient buckets: a pass after lowering that packs all-reduces of whole tensors into buckets.
 
-Lowering boxes a value where a consumer reads it. The optimizer reads every gradient at the end of the step, in
-parameter order, so a data-parallel plan ends with one all-reduce per gradient, the first of them for the
-gradient that backward makes last (the embedding's): the communication stream, which keeps plan order, cannot
-start before backward ends, and pays one collective's latency per parameter. This pass:
-
-* takes the boxing nodes that run one ``all_reduce`` step on tensors with no split on any mesh axis (so every
-  rank's local tensor is the whole gradient: P(sum) -> B over one axis), without control edges;
-* orders them by the plan position of the node that makes their input (backward's order);
-* packs neighbours with the same phase, stream, layouts and dtype into buckets of ``first`` bytes (DDP's
-  1 MiB), then ``cap`` bytes, and closes a bucket before a tensor that a member's reduced value reaches
-  (that would be a cycle), or whose producer comes after a reader of a member (that reader would wait);
-* emits per bucket, right after the last member's producer: ``bucket_flatten`` (compute), the boxing of the
-  flat buffer (one all-reduce), and ``bucket_split`` (compute) writing the members' old output buffers, so
-  their readers are unchanged. A bucket of one tensor is its own all-reduce, moved there.
-
-A bucket thus goes out as soon as its last gradient is made, in backward's order, while backward goes on; the
-compute lane runs on (it acts whatever is ready) and only the optimizer reads the results. Sums are
-elementwise the same as the members' own all-reduces. The verifier then checks the new plan like any other.
-
-The cap. DDP's 25 MiB suits a framework that cannot see the step: here the plan is known, and a bucket need
-only be big enough that its latency is a small share of its transfer (:data:`LATENCY_SHARE`: ``cap`` is
-``alpha / beta / LATENCY_SHARE`` bytes of the group's link, 4 MB on the CPU model, 10 MB on NVLink's).
-Smaller buckets go out earlier, and the one that goes out after backward, which nothing hides, is smaller.
-A gradient whose copy into a bucket would take longer than a collective's latency (:func:`solo_bytes`: 2 MB
-on the CPU model) is not copied: it goes out alone, right after it is made.
+A data-parallel plan ends with one all-reduce per gradient in parameter order, the first for the gradient
+backward makes last: nothing goes out before backward ends, and each parameter pays a collective's latency.
+Packed in backward's order, each bucket goes out as soon as its last gradient is made, while backward goes on.
 """
 
 from __future__ import annotations
@@ -40,7 +18,10 @@ from .lower import registers, stream_of
 from .physical import Buf, PhysicalPlan, PNode
 from .select import solo_bytes as select_solo_bytes
 
-LATENCY_SHARE = 0.05  # a bucket's latency at most this share of its transfer time (see the cap, above)
+# DDP's 25 MiB cap suits a framework that cannot see the step; here the plan is known, and a bucket need only be
+# big enough that its latency is a small share of its transfer: cap = alpha / beta / LATENCY_SHARE bytes of the
+# group's link. Smaller buckets go out earlier, and the last one, which nothing hides, is smaller.
+LATENCY_SHARE = 0.05  # a bucket's latency at most this share of its transfer time
 
 
 @dataclass
@@ -54,10 +35,16 @@ class _Bucket:
 
 def bucket_all_reduces(plan: PhysicalPlan, model: boxing.CostModel, factors: tuple[Any, ...],
                        first: int = FIRST_BUCKET, cap: int | None = None) -> PhysicalPlan:
-    """``plan`` with its all-reduces of whole tensors packed into buckets (see the module docstring), each
-    issued right after its last member is made; the same plan if there are none. ``cap``: bytes per bucket
-    after the first (None: from the link's latency and bandwidth, see :func:`bucket_cap`); <= 0 turns the
-    pass off."""
+    """``plan`` with its all-reduces of whole tensors packed into buckets, each issued right after its last
+    member is made; the same plan if there are none. ``cap``: bytes per bucket after the first (None: from the
+    link's latency and bandwidth, see :func:`bucket_cap`); <= 0 turns the pass off.
+
+    Neighbours (in the order backward makes their inputs) with the same phase, stream, layouts and dtype share
+    a bucket of ``first`` bytes (DDP's 1 MiB), then ``cap`` bytes. A bucket closes before a tensor that a
+    member's reduced value reaches (a cycle), or whose producer comes after a member's reader (that reader
+    would wait). Each bucket is ``bucket_flatten``, one all-reduce and ``bucket_split`` writing the members'
+    old buffers, so their readers are unchanged; a bucket of one is its own all-reduce, moved. Sums are
+    elementwise the members' own."""
     if cap is not None and cap <= 0:
         return plan
     position = {n.id: i for i, n in enumerate(plan.nodes)}

@@ -1,11 +1,5 @@
-"""The compiler's passes, in order: dead code -> accumulate before send (cross-stage gradient sums) -> ZeRO-3
-prefetch window -> SBP selection -> lowering (boxing nodes) -> reduce after accumulating (a data-parallel
-gradient reduced once a step, not per micro-batch) -> gradient buckets -> pipeline -> grouped
-accumulation (one node per act's gradients) -> collectives on data alone first (no pipeline) -> fused segments
-(on by default) -> verification.
-
-Each pass is a function with a clear input and output; :func:`compile_graph` runs them and times each one,
-since compile time is where users of graph compilers suffer first.
+"""The compiler: runs the passes in order, from a traced logical graph to a verified physical plan, and times
+each one, since compile time is where the users of graph compilers suffer first.
 """
 
 from __future__ import annotations

@@ -1,43 +1,8 @@
 """Grouped accumulation: the gradients one act of the schedule makes are summed by one node, with one kernel.
 
-Lowering gives every gradient its own ``accumulate`` node, which acts once per micro-batch: a GPT stage with
-m = 8 pays 8 acts per parameter (runtime bookkeeping and one small ``add_`` each), 552 acts per step for the 69
-gradients of a small GPT on pp2. This pass, on the physical plan after the pipeline pass, makes one ``accumulate``
-node of every set of accumulates that
-
-* run on the same ranks and read gradients made by the same act of the schedule: the same (virtual) stage and
-  part (F, B or W) of a pipeline, where the runtime acts their accumulates after that act anyway (an accumulate
-  takes its feeder's priority, and comes after the act's compute nodes in the plan). With one stage, the same
-  node: a data-parallel step's gradients split from a bucket reduced per micro-batch. (Without a schedule, the
-  runtime acts an accumulate only when its gradient's next micro-batch needs the slot, late in the next
-  backward; a group of gradients made by different nodes would take the sums' registers while all of them are
-  live there, a higher peak, so they stay single);
-* feed the same collectives: the first communication nodes their sums reach through compute nodes. A gradient
-  bucket's all-reduce waits for its own members' sums only, as before (a group never spans two buckets), and a
-  sum sent or reduced alone (a tied weight's part, a large gradient) stays alone, so it goes out as early as it
-  did. Sums only the optimizer reads (no collective) form one group per act.
-
-A group node has the members' inputs and outputs in plan order and sits where its first member sat (later if a
-member's gradient is made after that: the plan mixes phases, a bucket's split may sit between accumulates; a
-member that cannot sit between its group's producers and readers starts a new group). It sums its k inputs into
-k running sums with one ``torch._foreach_add_`` per micro-batch (the first micro-batch is copied, as a single
-accumulate does, so a sum never aliases its input's register). Its ``attrs`` hold the members (pure data:
-:func:`members`), which ``explain()`` lists. The sums are bitwise those of the members: the same additions of
-the same values in micro-batch order (``_foreach_add_`` adds each pair as ``add_`` does: on CPU it runs exactly
-that loop, and its CUDA kernel makes the same one rounding per element).
-
-Memory. Each member's register is as it was. What moves is when the gradients of a micro-batch are freed and,
-on the first micro-batch, when the sums are taken: by the group once the act's last gradient is made, while
-single accumulates take one sum and free one gradient at a time (at the act's end too). From the second
-micro-batch on the two hold the same bytes; on the first the group holds all the sums and all the gradients at
-once. That raises no peak where the act's rank holds no more activations then than after the act's second
-micro-batch (1F1B's steady state, zero bubble with m > p); elsewhere (GPipe, a stage whose warm-up forwards
-every micro-batch) the accumulates stay single, so ``plan.peak_bytes`` and the activation bounds are those of
-the plan without groups (``tests/sim/test_grouped_accumulate.py`` compares them).
-
->>> from sbpflow.graph.physical import PhysicalPlan
->>> group_accumulates(PhysicalPlan([], {}, {}, micro_batches=4)).nodes
-[]
+Lowering gives every gradient its own ``accumulate`` node acting once per micro-batch, so a pipeline stage
+pays m acts per parameter. One group node per act sums k gradients with one ``torch._foreach_add_``,
+bitwise as the members would, and only where it raises no memory peak.
 """
 
 from __future__ import annotations
@@ -51,8 +16,20 @@ from .schedule import COMPUTE
 
 
 def group_accumulates(plan: PhysicalPlan) -> PhysicalPlan:
-    """``plan`` with each group of accumulates (see the module docstring) made one node; the same plan if no two
-    accumulates group. Node ids are renumbered to list positions (the pipeline's maps follow)."""
+    """``plan`` with each group of accumulates made one node; the same plan if no two accumulates group. Node ids
+    are renumbered to list positions (the pipeline's maps follow).
+
+    A group node has its members' inputs and outputs in plan order and sits where its first member sat (later
+    if a member's gradient is made after that; a member that cannot sit between its group's producers and
+    readers starts a new group). It copies the first micro-batch, as a single accumulate does (a sum never
+    aliases its input's register), then adds with one ``torch._foreach_add_``: on CPU exactly add_'s loop,
+    on CUDA the same one rounding per element, so the sums are bitwise the members'. Its ``attrs`` hold the
+    members (:func:`members`), which ``explain()`` lists.
+
+    >>> from sbpflow.graph.physical import PhysicalPlan
+    >>> group_accumulates(PhysicalPlan([], {}, {}, micro_batches=4)).nodes
+    []
+    """
     groups = [g for g in _groups(plan) if len(g.members) > 1]
     if not groups:
         return plan
@@ -125,6 +102,12 @@ def _groups(plan: PhysicalPlan) -> list[_Group]:
     return groups
 
 
+# Accumulates group when they run on the same ranks, read gradients made by the same act (the same stage and
+# part F/B/W; with one stage, the same node: a bucket reduced per micro-batch) and feed the same collectives.
+# The runtime acts them after that act anyway. Without a schedule it acts an accumulate only when its next
+# micro-batch needs the slot, so a group of different nodes' gradients would hold all their sums at once:
+# they stay single. A bucket's all-reduce still waits for its own members only, and a sum sent or reduced
+# alone (a tied weight's part) stays alone, so it goes out as early as before.
 def _key(plan: PhysicalPlan, n: PNode, feeder: PNode, reaches: dict[int, frozenset[int]]) -> Any:
     """What members of a group share: ranks, the act that makes their gradients (in a pipeline its stage and part;
     else the one node making them all, a data-parallel bucket's split), the collectives they feed; None for an
@@ -139,6 +122,10 @@ def _key(plan: PhysicalPlan, n: PNode, feeder: PNode, reaches: dict[int, frozens
     return (n.ranks, act, reaches[n.outputs[0]])
 
 
+# Memory: each member's register is as it was, but on the first micro-batch the group holds every sum and every
+# gradient of the act at once. That raises no peak where the act's rank holds no more activations then than
+# after its second micro-batch (1F1B's steady state, zero bubble with m > p); elsewhere (GPipe, a stage whose
+# warm-up forwards every micro-batch) accumulates stay single (tests/sim/test_grouped_accumulate.py).
 def _holds_less_later(pipe: Any, act: tuple[int, str]) -> bool:
     """Whether the act's rank holds as many micro-batches of activations (forwarded, not yet freed by B, or W
     under zero bubble) right after the act's micro-batch 1 as right after its micro-batch 0.

@@ -1,27 +1,8 @@
 """Collectives on the step's data alone go out first: a pass over the physical plan's order.
 
-Some collectives read nothing but the step's inputs: the global mean of a loss with ``ignore_index`` counts the
-kept labels of every rank (an all-gather or all-reduce of a mask made from the targets), whatever the model
-computes. Traced in place, such a collective sits at the end of the forward pass, and its reader waits there for
-the slowest rank to reach it: a synchronisation in the middle of every step, which data parallelism otherwise has
-only at its end (a rank that ran ahead idles, and the jitter of both halves of the step adds up). Likewise a
-batch the selection gathers for a weight gradient (the dp2 MLP's first layer, computed whole from the gathered
-batch and gradient): traced in place, it goes out at the end of backward, queued with the gradient all-reduces
-and the other gather. Issued as soon as its inputs exist, such a collective is done long before it is read.
-
-:func:`issue_data_collectives` moves every micro-batch collective whose inputs derive from inputs alone, with the
-nodes that make them, to the earliest place their dependencies allow: ahead of the other collectives, which keep
-their order among themselves, as these do. The plan is every process's, so every group's members still issue one
-sequence (the verifier checks it). Every other node keeps its relative order (a topological sort that prefers
-those nodes, then plan order). It runs only on plans without a pipeline: a pipeline's schedule fixes the order
-of its streams' acts.
-
->>> from sbpflow.graph.physical import Buf, PNode
->>> nodes = [PNode(0, "input", "y", (), (0,), (0, 1)), PNode(1, "compute", "w", (), (1,), (0, 1)),
-...          PNode(2, "compute", "matmul", (1,), (2,), (0, 1)), PNode(3, "compute", "ne", (0,), (3,), (0, 1)),
-...          PNode(4, "boxing", "all_gather", (3,), (4,), (0, 1)), PNode(5, "compute", "div", (2, 4), (5,), (0, 1))]
->>> [n.name for n in _ordered(nodes)]
-['y', 'ne', 'all_gather', 'w', 'matmul', 'div']
+Some collectives read only the step's inputs (a loss's count of kept labels, a batch gathered for a weight
+gradient). Traced in place, they make every rank wait for the slowest mid-step; issued as soon as their
+inputs exist, they are done long before they are read.
 """
 
 from __future__ import annotations
@@ -38,7 +19,11 @@ COMMUNICATING = ("boxing", "route")
 
 
 def issue_data_collectives(plan: PhysicalPlan) -> PhysicalPlan:
-    """``plan`` with its collectives on data alone, and their producers, as early as their inputs allow."""
+    """``plan`` with its collectives on data alone, and their producers, as early as their inputs allow.
+
+    They go ahead of the other collectives, and each kind keeps its order among itself, so every group's
+    members still issue one sequence (the verifier checks it); every other node keeps its relative order.
+    Only for plans without a pipeline, whose schedule fixes the order of its streams' acts."""
     nodes = _ordered(plan.nodes)
     if [n.id for n in nodes] == [n.id for n in plan.nodes]:
         return plan
@@ -48,6 +33,15 @@ def issue_data_collectives(plan: PhysicalPlan) -> PhysicalPlan:
 
 
 def _ordered(nodes: list[PNode]) -> list[PNode]:
+    """A topological order that prefers the early nodes, then plan order.
+
+    >>> from sbpflow.graph.physical import PNode
+    >>> nodes = [PNode(0, "input", "y", (), (0,), (0, 1)), PNode(1, "compute", "w", (), (1,), (0, 1)),
+    ...          PNode(2, "compute", "matmul", (1,), (2,), (0, 1)), PNode(3, "compute", "ne", (0,), (3,), (0, 1)),
+    ...          PNode(4, "boxing", "all_gather", (3,), (4,), (0, 1)), PNode(5, "compute", "div", (2, 4), (5,), (0, 1))]
+    >>> [n.name for n in _ordered(nodes)]
+    ['y', 'ne', 'all_gather', 'w', 'matmul', 'div']
+    """
     early = _early(nodes)
     if not early:
         return nodes

@@ -1,28 +1,8 @@
 """The logical IR: what tracing ``build()`` records. Small, SSA, printable.
 
-A :class:`LogicalGraph` is a list of :class:`LNode` in program order. Each node
-reads :class:`Value` s and defines new ones (SSA: a value has one producer).
-Mutations are explicit: an in-place op on a variable defines a new value, and
-an ``assign`` node writes the variable's final value back at the end of the
-step. Every value has a logical shape, dtype and placement; its SBP is the one
-chosen by SBP selection (at first the greedy, eager-like choice made while
-tracing).
-
-Node kinds::
-
-    input      a step input (graph argument)          -> value
-    variable   a parameter, buffer or optimizer state -> value (its current content)
-    constant   a tensor created while tracing         -> value (captured data)
-    op         a registry op                          values -> values
-    to_global  a user's explicit conversion           value -> value (output layout fixed)
-    accumulate sum over the micro-batches (gradients)  micro value -> post value
-    pack       join the micro-batches (sum, mean, cat) micro value -> post value
-    assign     write a variable                       value ->
-    output     a step result                          value ->
-
-``phase`` says when a node runs in a step: ``micro`` (forward and backward,
-once per micro-batch) or ``post`` (gradient clipping and the optimizer, once
-per step, on accumulated gradients).
+A :class:`LogicalGraph` is a list of :class:`LNode` in program order, each reading and defining
+:class:`Value` s (one producer each). Mutations are explicit: an in-place op defines a new value, and an
+``assign`` writes a variable back at the end of the step.
 """
 
 from __future__ import annotations
@@ -42,7 +22,8 @@ NODE_KINDS = ("input", "variable", "constant", "op", "to_global", "accumulate", 
 
 @dataclass(eq=False)
 class Value:
-    """An SSA value: one logical tensor."""
+    """An SSA value: one logical tensor, with its logical shape, dtype and placement; its SBP is SBP selection's
+    choice (at first the greedy, eager-like one made while tracing)."""
 
     id: int
     shape: tuple[int, ...]
@@ -69,7 +50,21 @@ class Value:
 
 @dataclass(eq=False)
 class LNode:
-    """One logical node; see the module docstring for ``kind``."""
+    """One logical node. ``kind``::
+
+        input      a step input (graph argument)          -> value
+        variable   a parameter, buffer or optimizer state -> value (its current content)
+        constant   a tensor created while tracing         -> value (captured data)
+        op         a registry op                          values -> values
+        to_global  a user's explicit conversion           value -> value (output layout fixed)
+        accumulate sum over the micro-batches (gradients)  micro value -> post value
+        pack       join the micro-batches (sum, mean, cat) micro value -> post value
+        assign     write a variable                       value ->
+        output     a step result                          value ->
+
+    ``phase``: ``micro`` (forward and backward, once per micro-batch) or ``post`` (clipping and the optimizer,
+    once per step, on accumulated gradients).
+    """
 
     id: int
     kind: str

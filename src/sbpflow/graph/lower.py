@@ -1,25 +1,7 @@
 """Lowering: the logical graph with chosen SBPs -> one physical plan for every rank.
 
-Every logical op becomes a compute node on its placement's ranks. Where a
-consumer needs a layout its producer does not give, the boxing planner's steps
-become nodes of their own (a collective on a communication stream, or a local
-slice/pad on the compute stream). A value boxed to one layout is boxed once and
-shared by every consumer in that phase (common subexpressions of boxing).
-
-Micro-batches: a step input is cut by an ``unpack`` node, a variable (any
-step constant) is read by the micro-batch nodes straight from its one slot (the
-runtime lets each reader read it m times; a ``repeat`` node per micro-batch
-would only add acts), gradients are summed by ``accumulate`` and results joined
-by ``pack``. With one micro-batch they are left out. A step constant that goes
-to another pipeline stage (a tied weight) is sent once, before the micro-batches.
-
-In-place updates. An optimizer update whose every output goes only to the
-``assign`` of the variable it was computed from (read as is, no boxing) becomes
-one ``update`` node (:func:`in_place_updates`): the executor then writes the
-variables in place once the step has succeeded, instead of computing new
-tensors and copying them back. Likewise a node that is the only reader of a
-fresh input of its own shape may write its result there
-(:func:`overwrite_inputs`): a residual ``add`` reuses a gradient's memory.
+Every op becomes a compute node on its placement's ranks, and where a consumer needs another layout the
+boxing planner's steps become nodes of their own, shared by every consumer of that layout in the phase.
 """
 
 from __future__ import annotations
@@ -47,6 +29,10 @@ def stream_of(step: boxing.Step) -> str:
     return f"comm:{step.src.placement}->{step.dst.placement}"
 
 
+# Micro-batches: a step input is cut by an unpack node; a variable (any step constant) is read by the micro-batch
+# nodes straight from its one slot (the runtime lets each reader read it m times: a repeat node per micro-batch
+# would only add acts); gradients are summed by accumulate and results joined by pack; with one micro-batch
+# they are left out. A step constant going to another pipeline stage (a tied weight) is sent once, before.
 class _Lowerer:
     def __init__(self, g: LogicalGraph, model: boxing.CostModel, factors: tuple[Any, ...]) -> None:
         self.g = g
@@ -247,7 +233,8 @@ def _union(a: Placement, b: Placement) -> tuple[int, ...]:
 
 def in_place_updates(nodes: list[PNode]) -> list[PNode]:
     """Turns each optimizer update that only feeds the assigns of its own variables into an ``update`` node and
-    drops those assigns; node ids are renumbered to list positions (control edges follow)."""
+    drops those assigns; node ids are renumbered to list positions (control edges follow). The executor then
+    writes the variables in place once the step succeeded, instead of making new tensors and copying them."""
     readers: dict[int, list[PNode]] = {}
     for n in nodes:
         for b in n.inputs:
@@ -272,7 +259,8 @@ def in_place_updates(nodes: list[PNode]) -> list[PNode]:
 def overwrite_inputs(nodes: list[PNode], bufs: dict[int, Buf]) -> list[PNode]:
     """Sets ``overwrites`` on each compute node of :data:`~sbpflow.ops.inplace.OVERWRITING` (tensor arguments
     only) that is the only reader of an input made fresh in its phase (:data:`~sbpflow.ops.inplace.FRESH_OUTPUTS`)
-    with its output's shape, dtype and layout; the other input must have that dtype too."""
+    with its output's shape, dtype and layout; the other input must have that dtype too. A residual ``add``
+    thus reuses a gradient's memory."""
     readers: dict[int, list[PNode]] = {}
     for n in nodes:
         for b in n.inputs:

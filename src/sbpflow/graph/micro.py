@@ -1,22 +1,13 @@
 """Micro-batches as a split of the batch over time: how each traced value joins across them.
 
-With ``set_gradient_accumulation_steps(m)`` a step runs ``build()`` once per micro-batch, on dim 0 of every input
-cut in m. Each traced value then has a layout over that time axis, read off the op's own SBP signatures as if the
-m micro-batches were m ranks of one more mesh axis::
+A step runs ``build()`` once per micro-batch, on every input cut in m along dim 0. Each value gets a layout
+over the micro-batches, read off the op's own SBP signatures as if they were m ranks of one more mesh axis::
 
     S(d)   each micro-batch holds its slice of dim d      (inputs: S(0))      joined by cat
     P      each holds a part; the step's value is their sum / scale          joined by sum / scale
     B      the same in every micro-batch                 (variables)          joined by taking one
 
-A sum over a split dim gives ``P`` (scale 1); a mean gives ``P`` with scale m, since each micro-batch divides by
-its own m-times-smaller count. A reduction of step data alone (the count of kept targets) is traced again on the
-whole step's inputs before the micro-batches (``graph.trace._whole_of``): ``B``, so a loss divided by it stays an exact
-partial. A ratio of two partials that remain (a count the whole step cannot trace, or one the model computes) is
-refused like any other non-linear function of them. So a loss ``L`` whose
-layout is ``P`` with scale s is ``sum_k L_k / s``: its backward is seeded with ``1 / s`` in every micro-batch, and
-the step returns that sum. Any other function of a ``P`` value (``sqrt``, a product of two) has no exact
-per-micro-batch form and is refused by name. ``"?"`` marks what an op without a matching signature made from
-split data: joined as before (cat, or the mean of scalars), and refused where it would need the exact join.
+A function of ``P`` values with no exact per-micro-batch form (``sqrt``, a product of two) is refused by name.
 """
 
 from __future__ import annotations
@@ -55,7 +46,15 @@ MEANS = ("mean",)  # reductions that divide by the (micro-batch's) count of what
 
 
 def propagate(opdef: Any, sigs: Sequence[Any], ins: Sequence[Micro], m: int, where: str) -> Micro:
-    """The layout of ``opdef``'s outputs from its inputs' (``sigs``: the op's 1-D signatures for these shapes)."""
+    """The layout of ``opdef``'s outputs from its inputs' (``sigs``: the op's 1-D signatures for these shapes).
+
+    A sum over a split dim gives ``P`` (scale 1); a mean gives ``P`` with scale m, since each micro-batch
+    divides by its m-times-smaller count. A reduction of step data alone (the count of kept targets) is traced
+    again on the whole step's inputs (``graph.trace._whole_of``): ``B``, so a loss divided by it stays an
+    exact partial; a ratio of two partials that remain is refused. A loss ``P`` with scale s is
+    ``sum_k L_k / s``: backward is seeded with ``1 / s`` per micro-batch. ``"?"`` marks what an op without
+    a matching signature made from split data: joined as before (cat, or the mean of scalars), and refused
+    where it would need the exact join."""
     if all(isinstance(i.sbp, Broadcast) for i in ins):
         return SAME
     partials = [i for i in ins if isinstance(i.sbp, Partial)]

@@ -1,16 +1,7 @@
 """The physical plan: what the compiler hands to an executor. Pure data.
 
-A :class:`PhysicalPlan` is one SPMD/MPMD program: a list of :class:`PNode` in a
-valid sequential order, each run by the ranks in ``node.ranks`` on their local
-shards. ``plan.for_rank(r)`` is rank ``r``'s own program (MPMD: pipeline stages
-hold different nodes). A process runs the nodes that involve a rank it owns,
-on the shards of all its owned ranks at once (one rank per process under
-torch.distributed; every rank on the simulated backend).
-
-Values are :class:`Buf` s: one logical tensor in one layout (placement + SBP).
-Each has a :class:`Register` descriptor: ``register_num`` slots of
-``bytes_per_rank`` each, read by ``consumers``.
-
+One SPMD/MPMD program: :class:`PNode` s in a valid sequential order, each run by ``node.ranks`` on their
+local shards, reading and writing :class:`Buf` s (one logical tensor in one layout) held in registers.
 ``PNode.kind``, its phases, control edges and overwrites: the comments at :class:`PNode`.
 """
 
@@ -61,7 +52,8 @@ class Buf:
 
 @dataclass(frozen=True)
 class Register:
-    """Where a buffer's values live between producer and consumers: ``register_num`` slots."""
+    """Where a buffer's values live between producer and consumers: ``register_num`` slots of
+    ``bytes_per_rank`` each, read by ``consumers``."""
 
     buf: int
     register_num: int
@@ -160,7 +152,11 @@ class PNode:
 
 @dataclass
 class PhysicalPlan:
-    """All ranks' programs, from one logical pass; see the module docstring."""
+    """All ranks' programs, from one logical pass.
+
+    ``plan.for_rank(r)`` is rank ``r``'s own program (MPMD: pipeline stages hold different nodes). A process
+    runs the nodes that involve a rank it owns, on the shards of all its owned ranks at once (one rank under
+    torch.distributed, every rank on the simulated backend)."""
 
     nodes: list[PNode]
     bufs: dict[int, Buf]

@@ -1,39 +1,16 @@
 """The pipeline pass: stages, forward/backward parts, and the register counts that make a schedule.
 
-Input: a lowered :class:`PhysicalPlan` whose compute nodes sit on several disjoint placements, and the
-buffers where the backward starts (the implicit gradient of the loss). Output: the same plan with
-``register_num`` set per buffer, a few control edges, and ``plan.pipeline`` (a :class:`Pipeline`) that the
-runtime reads for its priorities. As in OneFlow, the schedule is not a hand-written loop: it comes from
-how many micro-batches each register may hold.
+As in OneFlow, the schedule is not a hand-written loop: it comes from how many micro-batches each register
+may hold (everything else keeps 1)::
 
-* **Stages**: one per placement, in order of first use by a ``micro`` compute node.
-* **Parts**: a ``micro`` node is B (backward) if it reads, transitively, the loss's implicit gradient;
-  every other ``micro`` node is F. A cross-stage boxing node belongs to its source stage (a send).
-  Under ``zero_bubble`` a B node whose outputs only feed W nodes or the gradient accumulation is W
-  (weight gradients: ``linear_weight_grad``, bias sums, ``embedding_backward``), found backwards
-  through the graph; the rest of B is the input-gradient chain the previous stage waits for.
-* **Held** buffers of stage ``s``: written by F and read by B on ``s`` (received ones too). Those that
-  depend on a micro-batch's data are its **activations**; the others (values computed from weights alone
-  per micro-batch) need the same slots but little memory.
-* **Register counts** (everything else keeps 1, which is "backward buffers 1")::
+    schedule          held buffers of stage s       cross-stage buffer from stage a to b
+    1f1b              p - s                         |b - a|  (it is in flight that many stages)
+    gpipe             m                             |b - a|
+    zero_bubble       p (B to W buffers: s + 1)     |b - a|
+    interleaved_1f1b  its peak along its rank's     in flight in the dry run
+                      order (virtual stage s)
 
-      schedule          held buffers of stage s       cross-stage buffer from stage a to b
-      1f1b              p - s                         |b - a|  (it is in flight that many stages)
-      gpipe             m                             |b - a|
-      zero_bubble       p (B to W buffers: s + 1)     |b - a|
-      interleaved_1f1b  its peak along its rank's     in flight in the dry run
-                        order (virtual stage s)
-
-  With p - s slots, stage s can run ahead p - s forwards and then only one forward per finished
-  backward: 1F1B, without a loop saying so. GPipe's m slots would still let the last stage start B 0
-  before F m-1 when F m-1 is late, so one control edge orders the last stage's backward after its
-  m-th forward (a control edge with a lead of m - 1 micro-batches).
-* **Priorities**: each actor step gets its action's index in its stage's list (:mod:`.schedule`); compute
-  threads pick the lowest ready index, communication streams issue in that order (every member alike).
-
->>> from sbpflow.graph.schedule import make
->>> make("1f1b", 4, 8).bounds
-(4, 3, 2, 1)
+With p - s slots, stage s runs p - s forwards ahead, then one forward per finished backward: 1F1B.
 """
 
 from __future__ import annotations
@@ -93,7 +70,20 @@ class Pipeline:
 
 
 def plan_pipeline(plan: PhysicalPlan, seeds: Iterable[int], schedule: str = "1f1b") -> Pipeline | None:
-    """Sets ``plan``'s registers and ``plan.pipeline`` for ``schedule``; None when the plan has one stage."""
+    """Sets ``plan``'s registers and ``plan.pipeline`` for ``schedule``; None when the plan has one stage.
+
+    ``plan`` is lowered, its compute nodes on several disjoint placements; ``seeds`` are the buffers where
+    backward starts (the loss's implicit gradient). Stages: one per placement, in order of first use by a
+    micro compute node. Parts: a micro node is B if it reads a seed transitively, else F; a cross-stage boxing
+    belongs to its source stage (a send). Under ``zero_bubble`` a B node whose outputs only feed W nodes or the
+    accumulation is W (weight gradients), found backwards. Held buffers of stage s: written by F and read by B
+    on s; those that depend on a micro-batch's data are its activations. Each actor step's priority is its
+    action's index in its stage's list (:mod:`.schedule`).
+
+    >>> from sbpflow.graph.schedule import make
+    >>> make("1f1b", 4, 8).bounds
+    (4, 3, 2, 1)
+    """
     stages = find_stages(plan)
     if len(stages) < 2:
         return None
@@ -374,6 +364,8 @@ def _stage_of_buf(plan: PhysicalPlan, pipe: Pipeline, buf: int) -> int:
     return next(s for s, ranks in enumerate(pipe.stages) if first in ranks)
 
 
+# GPipe's m slots would still let the last stage start B 0 before F m-1 when F m-1 is late, so one control edge
+# (with a lead of m - 1 micro-batches) orders the last stage's backward after its m-th forward.
 def _gpipe_controls(plan: PhysicalPlan, pipe: Pipeline) -> list[PNode]:
     """The last stage's first backward nodes wait for its last forward node of micro-batch m - 1 (a lead of
     m - 1 micro-batches on a control edge): its backward may start only after every forward."""

@@ -1,27 +1,8 @@
 """The prefetch pass: ZeRO-3's parameter gathers run ahead of their units by a bounded window.
 
-Input: a logical graph whose ``gathers`` list (recorded by ``sbpflow.optim.zero`` while tracing) names, in
-trace order, each unit's forward gather and its gather again in backward. Without this pass a forward
-gather reads only a variable, so a runtime's communication thread may gather every layer at the start of
-the step: no bound at all. Output: the same graph with control edges that bound it, and the gathers moved
-as early as those edges allow (the plan order, which every communication stream follows).
-
-The gathers of the units that nest no other unit (the blocks) form one sequence ``e_0, e_1, ...``: forward
-in layer order, then backward in reverse. With a window ``w``:
-
-* ``e_i`` waits for every node that reads ``e_(i-w-1)``'s gathered values, so at most ``w + 1`` units hold
-  a gathered copy at once (``w = 1``: layer ``k + 1`` is gathered while layer ``k`` computes);
-* a backward gather ``e_i`` also waits for the gradient that reached the unit ``w`` places earlier in the
-  backward sequence (its own for ``w = 0``): backward prefetches from where backward is, not from forward.
-
-A unit that nests others (the model itself, holding embeddings and the head) keeps its own gathers: it is
-gathered around the blocks, outside the window.
-
-The gates act within one micro-batch: under gradient accumulation the first gathers of micro-batch ``k + 1``
-may overlap the last ones of micro-batch ``k`` (up to twice the window's copies then).
-
-Edges only come from nodes placed before the first reader of the gather they gate, so they cannot close a
-cycle (a gate that reads a later value is left out: that part of the bound is then not enforced).
+Without it a forward gather reads only a variable, so a communication thread may gather every layer at the
+start of the step. Control edges bound it to ``window + 1`` units holding a gathered copy, and each gather
+moves as early as those edges allow.
 """
 
 from __future__ import annotations
@@ -66,7 +47,16 @@ def _need(e: Gather, readers: dict[int, list[int]]) -> int:
 
 
 def _gates(g: LogicalGraph, events: list[Gather], window: int, readers: dict[int, list[int]]) -> list[tuple[int, ...]]:
-    """Each event's control values (see the module docstring)."""
+    """Each event's control values.
+
+    The gathers of units that nest no other unit (the blocks) form one sequence e_0, e_1, ...: forward in
+    layer order, then backward in reverse. e_i waits for every reader of e_(i-w-1)'s values, so at most w + 1
+    units hold a copy (w = 1: layer k + 1 is gathered while layer k computes); a backward gather also waits
+    for the gradient that reached the unit w places earlier in backward (prefetching from where backward is).
+    A unit that nests others (the model) is gathered around the blocks, outside the window. The gates act
+    within one micro-batch: micro-batch k + 1's first gathers may overlap k's last ones (up to twice the
+    copies). Edges only come from nodes placed before the first reader of the gather they gate, so they
+    cannot close a cycle (a gate reading a later value is left out, and that part of the bound unenforced)."""
     original = [tuple(sorted({c for n in _gather_nodes(g, e) for c in n.control})) for e in events]
     first_backward = next((i for i, e in enumerate(events) if e.backward), len(events))
     out = []

@@ -1,23 +1,8 @@
 """Repeated structure in a logical graph: which op nodes may share one SBP choice.
 
-A 24-layer transformer traces the same block 24 times (forward, backward and optimizer). SBP selection
-need not decide each copy apart: nodes that look alike, and whose neighbourhoods look alike, get one set
-of variables in the integer program (:mod:`.select`), so the program has about one block's variables.
-
-"Look alike" is colour refinement (1-dimensional Weisfeiler-Leman), bounded to ``rounds`` rounds:
-
-* round 0: a node's colour is its own data, the things that decide its candidate signatures and costs
-  (op name, attributes, argument and output metadata, placement, the current choice); fixed nodes
-  (inputs, variables, constants, ``to_global``) are coloured by metadata and layout, never by name;
-* each round: a node's colour becomes (its colour, its inputs' producers' colours with the output index, the
-  multiset of its outputs' consumers' colours with the input slot).
-
-After ``r`` rounds two nodes share a colour when their ``r``-hop neighbourhoods match. Refined to the end,
-colour refinement would tell every block apart (the first block is nearest the embedding, the second next
-nearest...); bounded, it separates roles inside a block (the attention's residual add from the MLP's) and the
-blocks near the graph's ends, and merges the rest. Tying nodes together only restricts the program, so a
-merged selection is never better than an unmerged one, and :func:`.select.select` still keeps it only when it
-beats the greedy baseline.
+A 24-layer transformer traces the same block 24 times; nodes whose bounded neighbourhoods look alike
+(colour refinement, 1-dimensional Weisfeiler-Leman) share one set of variables in the integer program
+(:mod:`.select`), so it has about one block's variables.
 """
 
 from __future__ import annotations
@@ -31,7 +16,14 @@ ROUNDS = 2  # neighbourhood depth: separates roles inside a transformer block an
 
 
 def op_classes(g: LogicalGraph, own: Callable[[LNode], Hashable], rounds: int = ROUNDS) -> dict[int, int]:
-    """Op node id -> class id (the smallest node id in its class); ``own(n)`` is an op node's round-0 data."""
+    """Op node id -> class id (the smallest node id in its class); ``own(n)`` is an op node's round-0 data.
+
+    Round 0 colours a node by what decides its candidate signatures and costs (op, attributes, argument and
+    output metadata, placement, current choice; fixed nodes by metadata and layout, never by name). Each round
+    adds its inputs' producers' colours (with output index) and its consumers' colours (with input slot).
+    Refined to the end this would tell every block apart (each is a different distance from the embedding);
+    bounded, it separates roles inside a block and the blocks near the ends, and merges the rest. Tying only
+    restricts the program, so :func:`.select.select` keeps a merged result only when it beats the greedy one."""
     colour = _intern_all(_initial(g, n, own) for n in g.nodes)
     readers = _readers(g)
     for _ in range(rounds):

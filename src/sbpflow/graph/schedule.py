@@ -1,13 +1,4 @@
-"""Pipeline schedules as per-stage action lists, and the checks they pass before anything runs.
-
-A schedule says, for each of the ``p`` stages, the order of its actions over ``m`` micro-batches::
-
-    F k        forward of micro-batch k on this stage
-    B k        backward of micro-batch k (input and weight gradients; under zero_bubble input gradients only)
-    W k        zero_bubble: the weight gradients of micro-batch k, split from B at graph level
-    send/recv  the activation (after F, to stage s+1) or its gradient (after B, to stage s-1)
-
-Every rank of a stage runs its stage's list (a stage may itself be a data x tensor mesh).
+"""Pipeline schedules as per-stage action lists (F, B, W k), and the checks they pass before anything runs::
 
     schedule          stage s does                                          activations held on s
     gpipe             F 0..m-1, then B 0..m-1                               m
@@ -16,12 +7,6 @@ Every rank of a stage runs its stage's list (a stage may itself be a data x tens
                       W at the end (W fills the cool-down's bubbles)        on every stage)
     interleaved_1f1b  v virtual stages per placement (stage k on k mod p):  per virtual stage, from
                       Megatron's order, 2(p-s-1) + (v-1)p warm-up Fs        its rank's order
-
-:func:`check` runs before a plan is used: every stage has each F and B once, F k before B k, and a
-dry run of all stages in unit steps (each F or B takes one step; a message sent at step t can be
-received at t+1) either finishes or raises :class:`ScheduleError` with the rank x step grid up to
-where it stuck. The same dry run gives the bubble: with equal F and B times it is
-(p - 1) / (m + p - 1) for GPipe and 1F1B, (p - 1) / (v m + p - 1) interleaved (:func:`bubble_theory`).
 
 >>> s = make("1f1b", stages=2, micro_batches=3)
 >>> print(grid(s, check(s)))
@@ -48,6 +33,11 @@ class ScheduleError(SbpflowError, RuntimeError):
 @dataclass(frozen=True)
 class Action:
     """One entry of a rank's list: ``kind`` is F, B, W, send_F, recv_F, send_B or recv_B.
+
+    F k is micro-batch k's forward on this stage; B k its backward (under zero_bubble input gradients only);
+    W k zero_bubble's weight gradients, split from B at graph level; a send or recv moves the activation
+    (after F, to stage s+1) or its gradient (after B, to stage s-1). Every rank of a stage (itself maybe a
+    data x tensor mesh) runs its stage's list.
 
     ``chunk`` says which of the rank's virtual stages acts (interleaved 1F1B; 0 otherwise): on rank ``r`` of
     ``p``, chunk ``c`` is virtual stage ``c * p + r``."""
@@ -229,7 +219,12 @@ def with_messages(order: Sequence[tuple[str, int, int]], rank: int, stages: int,
 
 
 def check(schedule: Schedule) -> list[list[str]]:
-    """Validates ``schedule`` and returns its dry run: per rank, the compute action at each unit step."""
+    """Validates ``schedule`` and returns its dry run: per rank, the compute action at each unit step.
+
+    Every stage has each F and B once, F k before B k, and a dry run of all stages in unit steps (a message
+    sent at step t is received at t+1) finishes, or a ScheduleError shows the rank x step grid up to where it
+    stuck. With equal F and B times the bubble is (p - 1) / (m + p - 1) for GPipe and 1F1B, and
+    (p - 1) / (v m + p - 1) interleaved (:func:`bubble_theory`)."""
     for r, actions in enumerate(schedule.actions):
         for chunk in range(schedule.virtual):
             mine = [a for a in actions if a.chunk == chunk]

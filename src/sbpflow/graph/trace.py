@@ -1,17 +1,7 @@
-"""Tracing: ``build()`` runs once on lazy tensors that carry metadata only.
+"""Tracing: ``build()`` runs once on lazy tensors that carry metadata only, recording one node per op.
 
-A lazy tensor is an ordinary :class:`~sbpflow.tensor.Tensor` without shards whose
-``_lazy`` handle names an SSA :class:`~sbpflow.graph.ir.Value`. Ops reach
-:func:`record_op` from dispatch (the tracer is on its interpreter stack) instead of running kernels:
-meta inference and the eager SBP choice (``decide``, the greedy baseline) run
-on metadata, and a node is appended to the graph. Autograd records lazy ops
-like any others, so ``loss.backward()`` traces each op's ``@op.grad`` into the
-same graph. Parameters and buffers are the model's own tensor objects,
-temporarily turned lazy (their shards are put back afterwards).
-
-Data never flows while tracing: reading a lazy tensor's value (``item()``,
-``bool()``, printing) raises an error that points at the user's line, since
-Python control flow on data cannot be compiled.
+Data never flows while tracing: reading a lazy tensor's value (``item()``, ``bool()``, printing) raises an
+error that points at the user's line, since Python control flow on data cannot be compiled.
 """
 
 from __future__ import annotations
@@ -109,7 +99,13 @@ def user_line() -> str:
 
 
 class Tracer:
-    """Builds one :class:`LogicalGraph` from a ``build()`` call."""
+    """Builds one :class:`LogicalGraph` from a ``build()`` call.
+
+    A lazy tensor is an ordinary Tensor without shards whose ``_lazy`` handle names an SSA value. Ops reach
+    :func:`record_op` from dispatch (the tracer is on its interpreter stack), where meta inference and the
+    eager SBP choice run on metadata. Autograd records lazy ops like any others, so ``loss.backward()`` traces
+    each op's ``@op.grad`` into the same graph. Parameters and buffers are the model's own tensors, turned
+    lazy for the trace (their shards are put back afterwards)."""
 
     def __init__(self, micro_batches: int = 1, target_factors: tuple[Any, ...] = (), average: bool = False) -> None:
         self.graph = LogicalGraph(micro_batches=micro_batches)

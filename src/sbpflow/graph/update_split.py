@@ -1,30 +1,14 @@
 """Updates per bucket: a multi-tensor optimizer update split by the collective its gradients wait for.
 
-The optimizer traces one ``adam_update_multi`` per parameter group (one fused kernel over k parameters). In a
-data-parallel plan its gradients come out of several all-reduces (``graph.bucket``'s buckets and solo
-tensors), so the one update waits for the last of them, and the step ends with::
+One ``adam_update_multi`` per parameter group waits for the last bucket, which nothing hides::
 
     compute:  ... backward ... split1 split2 split3 [wait for bucket 4] split4 update(all k)
     comm:     ............ bucket1  bucket2  bucket3 ............ bucket4
 
-The last bucket goes out after backward and nothing hides it. The update is elementwise per parameter, so
-this pass, after the buckets, cuts it by the collective each gradient waits for (a ``bucket_split``'s
-all-reduce, or a solo all-reduce) into one update per collective, each placed right after that collective's
-last node::
+The update is elementwise per parameter, so it is cut into one update per collective, bitwise the same::
 
     compute:  ... backward ... split1 update1 split2 update2 split3 update3 split4 update4
     comm:     ............ bucket1  bucket2  bucket3 ............ bucket4
-
-and the parameters of the early buckets are updated while the last one is on the wire (the compute thread acts
-what is ready, earliest plan position first; the in-order executor runs post nodes in list order). DDP's
-``optimizer.step()`` cannot start before its last bucket. Gradients that wait for no collective (one rank, a
-tensor-parallel shard) join the first piece. Clipping reads every gradient (``grad_norm_multi``, then
-``scale_multi``), so its update waits for one node and stays whole. Each piece is the same fused kernel on
-fewer tensors: parameters and moments are bitwise those of the whole update.
-
->>> from sbpflow.graph.physical import PhysicalPlan
->>> update_per_bucket(PhysicalPlan([], {}, {})).nodes
-[]
 """
 
 from __future__ import annotations
@@ -39,8 +23,17 @@ GRADIENTS = 1  # the index of the gradient list among them
 
 
 def update_per_bucket(plan: PhysicalPlan) -> PhysicalPlan:
-    """``plan`` with each splittable update cut into one update per gradient collective (see the module
-    docstring); the same plan if no update reads more than one."""
+    """``plan`` with each splittable update cut into one update per gradient collective (a bucket's or a solo
+    all-reduce), each right after that collective's last node; the same plan if no update reads more than one.
+
+    Gradients that wait for no collective (one rank, a tensor-parallel shard) join the first piece; an update
+    after clipping reads one node and stays whole. DDP's ``optimizer.step()`` cannot start before its last
+    bucket.
+
+    >>> from sbpflow.graph.physical import PhysicalPlan
+    >>> update_per_bucket(PhysicalPlan([], {}, {})).nodes
+    []
+    """
     producer = {b: n for n in plan.nodes for b in n.outputs}
     position = {n.id: i for i, n in enumerate(plan.nodes)}
     readers: dict[int, list[PNode]] = {}

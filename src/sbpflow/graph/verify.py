@@ -1,11 +1,4 @@
-"""The compile-time verifier: a plan that could deadlock or lose a message is refused before it runs.
-
-Checks, on every rank's program (``plan.for_rank``):
-
-* every process group's members issue the same collectives (kind, shape, dtype) in the same order;
-* every send has its receive (each transfer's source and destination both run the node);
-* no cycle through data and control edges, and every input is produced before it is read.
-"""
+"""The compile-time verifier: a plan that could deadlock or lose a message is refused before it runs."""
 
 from __future__ import annotations
 
@@ -30,7 +23,11 @@ def groups_of(node: PNode) -> list[tuple[int, ...]]:
 
 
 def verify(plan: PhysicalPlan) -> None:
-    """Raises :class:`PlanError` naming the first problem; returns quietly for a sound plan."""
+    """Raises :class:`PlanError` naming the first problem; returns quietly for a sound plan.
+
+    On every rank's program: no cycle through data and control edges and every input produced before it is
+    read; every group's members issue the same collectives (kind, shape, dtype) in one order; every send has
+    its receive."""
     _check_order(plan)
     _check_collectives(plan)
     _check_transfers(plan)

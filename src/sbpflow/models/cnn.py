@@ -1,10 +1,5 @@
-"""A small ResNet-style CNN and a training loop for data-parallel equivalence checks.
-
-``ResNet`` is conv-BN-ReLU stem, two residual blocks (the second halves the
-resolution and doubles the channels, with a 1x1 conv-BN shortcut), global
-average pooling and a linear head. Under data parallelism (input ``S(0)``,
-parameters ``B``) BatchNorm's batch statistics are reduced over every shard,
-so a step equals the single-device step.
+"""A small ResNet-style CNN and a training loop for data-parallel equivalence checks (BatchNorm's statistics
+are reduced over every shard, so a data-parallel step equals the single-device step).
 
 >>> import sbpflow
 >>> from sbpflow.models.cnn import ResNet
@@ -46,7 +41,8 @@ class BasicBlock(nn.Module):
 
 
 class ResNet(nn.Module):
-    """stem (conv-BN-ReLU) -> block(c, c) -> block(c, 2c, stride 2) -> avg pool -> flatten -> linear."""
+    """stem (conv-BN-ReLU) -> block(c, c) -> block(c, 2c, stride 2, 1x1 conv-BN shortcut) -> avg pool ->
+    flatten -> linear."""
 
     # tensor parallel: each block's first conv split by output channels, its second by input channels (a
     # partial sum before BatchNorm), the classifier by classes

@@ -1,11 +1,6 @@
-"""A nanoGPT-style GPT and its 3-D (data x tensor x pipeline) parallel strategy.
-
-The model is written once, for logical tensors. :func:`parallelize` gives each
-parameter a placement and an SBP (Megatron's splits on the tensor axis, B on
-the data axis, one placement per pipeline stage); from there SBP inference and
-boxing insert every collective by themselves: the all-reduce after a
-row-parallel layer, the all-reduce of data-parallel gradients, the send/recv
-between stages.
+"""A nanoGPT-style GPT, written once for logical tensors, and its data x tensor x pipeline strategy, which only
+places parameters: SBP inference and boxing insert every collective (row-parallel all-reduces, data-parallel
+gradients, sends between stages).
 
 >>> import sbpflow
 >>> from sbpflow.models.gpt import GPT, GPTConfig, parallelize
@@ -13,8 +8,7 @@ between stages.
 >>> model = GPT(GPTConfig(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=16))
 >>> strategy = parallelize(model, data=2, tensor=2)
 >>> ids, targets = strategy.shard_inputs([[1, 2, 3, 4]] * 2, [[2, 3, 4, 5]] * 2)
->>> logits, loss = model(ids, targets)
->>> logits.sbp
+>>> model(ids, targets)[0].sbp
 (Split(dim=0), Split(dim=2))
 """
 

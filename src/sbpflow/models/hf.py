@@ -1,10 +1,5 @@
-"""Hugging Face checkpoint folders: ``config.json`` plus ``model.safetensors`` (or a sharded index).
-
-:func:`load_weights` fills a model's parameters by name. For a parameter laid
-out over a placement, each process reads only the boxes its own ranks hold,
-straight from the safetensors files (``safe_open(...).get_slice``), so no
-process materialises the whole model. :func:`save_folder` writes a folder
-transformers' ``from_pretrained`` reads.
+"""Hugging Face checkpoint folders: ``config.json`` plus ``model.safetensors`` (or a sharded index), read by
+parameter name, each process reading only the boxes its ranks hold; and written for ``from_pretrained``.
 """
 
 from __future__ import annotations

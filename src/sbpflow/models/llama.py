@@ -1,24 +1,13 @@
-"""A Llama-style decoder (Llama 2 and 3), laid out like Hugging Face's ``LlamaForCausalLM``.
-
-RMSNorm, rotary embeddings (with Llama 3's frequency scaling), a SwiGLU MLP,
-grouped-query attention and tied or untied embeddings. Parameter names are
-transformers' (``model.layers.0.self_attn.q_proj.weight``), so a Hugging Face
-checkpoint loads by name (:mod:`sbpflow.models.hf`).
-
-Rotary angles are computed on the host from global positions and enter as a
-logical (T, head_dim) constant; under a split of the sequence each shard reads
-the rows of its own positions, so a split sequence gets the right angles.
+"""A Llama-style decoder (Llama 2 and 3) with transformers' parameter names, so a Hugging Face checkpoint loads
+by name (:mod:`sbpflow.models.hf`).
 
 >>> import sbpflow
 >>> from sbpflow.models.llama import Llama, LlamaConfig, parallelize
->>> sbpflow.manual_seed(0)
 >>> config = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
 ...                      num_attention_heads=4, num_key_value_heads=2)
 >>> model = Llama(config)
->>> strategy = parallelize(model, data=2, tensor=2)
->>> ids, targets = strategy.shard_inputs([[1, 2, 3, 4]] * 2, [[2, 3, 4, 5]] * 2)
->>> logits, loss = model(ids, targets)
->>> logits.sbp
+>>> ids, targets = parallelize(model, data=2, tensor=2).shard_inputs([[1, 2, 3, 4]] * 2, [[2, 3, 4, 5]] * 2)
+>>> model(ids, targets)[0].sbp
 (Split(dim=0), Split(dim=2))
 """
 
@@ -124,7 +113,10 @@ def rope_inv_freq(config: LlamaConfig) -> torch.Tensor:
 
 
 def rope_tables(config: LlamaConfig, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of the angles at global ``positions`` (T,), each (T, head_dim) fp32 as transformers makes them."""
+    """cos and sin of the angles at global ``positions`` (T,), each (T, head_dim) fp32 as transformers makes them.
+
+    Computed on the host, they enter as a logical constant: under a split of the sequence each shard reads
+    the rows of its own positions, so a split sequence gets the right angles."""
     freqs = positions.float()[:, None] * rope_inv_freq(config)[None, :]  # (T, hd/2)
     angles = torch.cat((freqs, freqs), dim=-1)  # (T, hd)
     return angles.cos(), angles.sin()

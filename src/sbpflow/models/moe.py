@@ -1,10 +1,5 @@
-"""A Mixtral-style mixture-of-experts decoder, laid out like transformers' ``MixtralForCausalLM`` checkpoints.
-
-Llama's attention, norms and rotary embeddings, with each MLP replaced by an
-:class:`sbpflow.nn.MoE` block named ``block_sparse_moe`` (router ``gate``,
-experts ``experts.N.w1/w2/w3``), so a Mixtral safetensors folder loads by name.
-The loss adds ``router_aux_loss_coef`` times the load-balancing loss when
-``output_router_logits`` is set, as transformers does.
+"""A Mixtral-style mixture-of-experts decoder: Llama's attention with :class:`sbpflow.nn.MoE` blocks, named as
+transformers' ``MixtralForCausalLM`` so a Mixtral safetensors folder loads by name.
 
 >>> import sbpflow
 >>> from sbpflow.models.moe import Mixtral, MixtralConfig
@@ -58,7 +53,8 @@ class MixtralDecoderLayer(nn.Module):
 
 
 class Mixtral(Llama):
-    """The causal MoE language model; after a forward, ``aux_loss`` holds the load-balancing loss."""
+    """The causal MoE language model; after a forward, ``aux_loss`` holds the load-balancing loss, which the
+    loss adds times ``router_aux_loss_coef`` when ``output_router_logits`` is set, as transformers does."""
 
     config: MixtralConfig
     # Megatron inside each expert (w1, w3 column-parallel, w2 row-parallel); the router stays whole on every rank

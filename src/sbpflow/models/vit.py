@@ -1,11 +1,8 @@
-"""A small Vision Transformer: patch embedding, pre-LN encoder blocks, mean pooling, a linear classifier.
-
-Written as a plain user of :mod:`sbpflow.nn`; its only tie to parallelism is the :attr:`ViT.parallel_plan`
-that :func:`sbpflow.parallelize` reads (Megatron's column/row pairs in attention and MLP).
+"""A small Vision Transformer, written as a plain user of :mod:`sbpflow.nn`; its only tie to parallelism is
+the :attr:`ViT.parallel_plan` that :func:`sbpflow.parallelize` reads.
 
 >>> import sbpflow
 >>> from sbpflow.models.vit import ViT, ViTConfig
->>> sbpflow.manual_seed(0)
 >>> model = ViT(ViTConfig(image_size=8, patch_size=4, width=16, depth=2, n_head=2, num_classes=3))
 >>> strategy = sbpflow.parallelize(model, data=2, tensor=2)
 >>> logits, loss = model(sbpflow.randn(4, 3, 8, 8), sbpflow.tensor([0, 1, 2, 0]))

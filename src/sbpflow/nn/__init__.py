@@ -1,8 +1,7 @@
 """Neural-network layers, parameters and parallel plans over sbpflow tensors.
 
 >>> import sbpflow
->>> from sbpflow import nn
->>> net = nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Linear(8, 2))
+>>> net = Sequential(Linear(4, 8), GELU(), Linear(8, 2))
 >>> net(sbpflow.randn(3, 4)).shape
 torch.Size([3, 2])
 """

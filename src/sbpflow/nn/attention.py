@@ -1,11 +1,5 @@
-"""torch's ``nn.MultiheadAttention`` and ``nn.LSTM``, built from linear, matmul, softmax, sigmoid and tanh: their
-parameters and state dicts are torch's, and every op keeps the splits it can (a batch split runs per shard).
-
->>> import sbpflow
->>> mha = sbpflow.nn.MultiheadAttention(8, 2, batch_first=True)
->>> out, weights = mha(*(sbpflow.randn(3, 5, 8),) * 3)
->>> out.shape, weights.shape
-(torch.Size([3, 5, 8]), torch.Size([3, 5, 5]))
+"""torch's ``nn.MultiheadAttention`` and ``nn.LSTM`` built from sbpflow ops: torch's parameters and state dicts,
+and every op keeps the splits it can (a batch split runs per shard).
 """
 
 from __future__ import annotations
@@ -29,7 +23,14 @@ from .module import Module
 class MultiheadAttention(Module):
     """Attention over ``num_heads`` heads of ``embed_dim // num_heads``; inputs (L, N, E), or (N, L, E) with
     ``batch_first``. Returns ``(output, weights)``: the weights averaged over heads (or per head), None when
-    ``need_weights=False``."""
+    ``need_weights=False``.
+
+    >>> import sbpflow
+    >>> mha = MultiheadAttention(8, 2, batch_first=True)
+    >>> out, weights = mha(*(sbpflow.randn(3, 5, 8),) * 3)
+    >>> out.shape, weights.shape
+    (torch.Size([3, 5, 8]), torch.Size([3, 5, 5]))
+    """
 
     def __init__(self, embed_dim: int, num_heads: int, dropout: float = 0.0, bias: bool = True,
                  add_bias_kv: bool = False, add_zero_attn: bool = False, kdim: int | None = None,

@@ -1,17 +1,7 @@
 """Module hooks: removable handles, and the identity nodes behind full backward hooks.
 
-A full backward hook ``hook(module, grad_input, grad_output)`` needs the
-gradients at the module's boundary, which backward never gathers in one place:
-grad_output arrives at the module's outputs, grad_input leaves at its inputs.
-So, as torch does, the module's tensor inputs and outputs each pass through one
-identity node: the outputs' node remembers grad_output when backward reaches
-it, and the inputs' node, which backward reaches last, calls the hooks with
-both and passes on what they return. The identities share their inputs'
-shards, so the hooks cost no copy and no communication.
-
 >>> import sbpflow
->>> from sbpflow import nn
->>> lin = nn.Linear(3, 2)
+>>> lin = sbpflow.nn.Linear(3, 2)
 >>> seen = []
 >>> handle = lin.register_full_backward_hook(lambda m, gi, go: seen.append((gi[0].shape, go[0].shape)))
 >>> lin(sbpflow.randn(4, 3, requires_grad=True)).sum().backward()
@@ -72,6 +62,11 @@ def add_hook(table: dict[int, Any], hook: Any, prepend: bool = False) -> Removab
 # -- full backward hooks ---------------------------------------------------------------------------------
 
 
+# A full backward hook needs the gradients at the module's boundary, which backward never gathers in one place:
+# grad_output arrives at the outputs, grad_input leaves at the inputs. So, as in torch, the tensor inputs and the
+# outputs each pass through one identity node: the outputs' node remembers grad_output, and the inputs' node,
+# reached last, calls the hooks with both and passes on what they return. The identities share their inputs'
+# shards: the hooks cost no copy and no communication.
 class _Boundary:
     """One forward call's state, shared by its two identity nodes."""
 

@@ -1,17 +1,12 @@
-"""In-place initialisers, drawn from sbpflow's placement-independent random stream.
-
-Every initialiser overwrites its tensor in place (under ``no_grad``) and keeps
-the tensor's placement and SBP: each rank draws only the part of the logical
-random tensor that its shard covers, so the same seed gives the same logical
-weights under any layout.
+"""In-place initialisers that keep a tensor's layout and draw from the placement-independent random stream, so
+the same seed gives the same logical weights under any layout.
 
 >>> import sbpflow
->>> from sbpflow import nn
->>> sbpflow.manual_seed(0)
->>> a = nn.init.kaiming_uniform_(nn.Parameter(sbpflow.zeros(6, 4)), a=5 ** 0.5)
->>> sbpflow.manual_seed(0)
 >>> p = sbpflow.placement("cpu", [0, 1])
->>> b = nn.init.kaiming_uniform_(nn.Parameter(sbpflow.zeros(6, 4, placement=p, sbp=sbpflow.sbp.split(0))), a=5 ** 0.5)
+>>> sbpflow.manual_seed(0)
+>>> a = kaiming_uniform_(sbpflow.nn.Parameter(sbpflow.zeros(6, 4)), a=5 ** 0.5)
+>>> sbpflow.manual_seed(0)
+>>> b = kaiming_uniform_(sbpflow.nn.Parameter(sbpflow.zeros(6, 4, placement=p, sbp=sbpflow.sbp.split(0))), a=5 ** 0.5)
 >>> bool((a.numpy() == b.numpy()).all()), b.sbp
 (True, (Split(dim=0),))
 """

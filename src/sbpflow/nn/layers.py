@@ -1,8 +1,5 @@
-"""Basic layers: Linear, Embedding, Dropout, activations, Flatten, Identity.
-
-Every layer with parameters takes ``placement=`` and ``sbp=`` (one SBP for all
-its parameters, or ``{name: sbp}``) to build them directly in a layout, and
-initialises them as torch does, from sbpflow's placement-independent stream.
+"""Basic layers: Linear, Embedding, Dropout, activations, Flatten, Identity, initialised as torch's and built
+directly in a layout with ``placement=`` and ``sbp=`` (one SBP, or ``{name: sbp}``).
 
 >>> import sbpflow
 >>> from sbpflow import nn, sbp

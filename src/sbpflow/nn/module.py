@@ -1,19 +1,11 @@
-"""Module and Parameter: the container that owns parameters, buffers and child modules.
-
-A :class:`Module` registers attributes by type, as torch does: a
-:class:`Parameter` goes to ``_parameters``, a Module to ``_modules`` and a name
-given to :meth:`Module.register_buffer` to ``_buffers``. Parameters and buffers
-are sbpflow tensors, local or global; :meth:`Module.to_global` re-lays them all
-out in place, so a model is built once and then placed.
+"""Module and Parameter: the container that owns parameters, buffers and child modules, as torch's does; a
+model is built once and then placed (:meth:`Module.to_global` re-lays it out in place).
 
 >>> import sbpflow
->>> from sbpflow import nn
->>> lin = nn.Linear(4, 3)
->>> [name for name, _ in lin.named_parameters()]
-['weight', 'bias']
+>>> lin = sbpflow.nn.Linear(4, 3)
 >>> _ = lin.to_global(sbpflow.placement("cpu", [0, 1]), sbpflow.sbp.broadcast)
->>> lin.weight.sbp, lin.weight.is_leaf, lin.weight.requires_grad
-((Broadcast(),), True, True)
+>>> [name for name, _ in lin.named_parameters()], lin.weight.sbp, lin.weight.is_leaf, lin.weight.requires_grad
+(['weight', 'bias'], (Broadcast(),), True, True)
 """
 
 from __future__ import annotations

@@ -1,29 +1,12 @@
 """Parallel plans: tensor and data parallelism as SBPs on parameters and inputs, with no new layer classes.
 
-A plan maps module-name patterns (``fnmatch`` on qualified names from
-``named_modules()``; the root is ``""``) to a style. Each style only sets the
-SBP of the matched module's own parameters on one mesh axis (other axes keep
-their SBP, broadcast by default); the ops' SBP signatures then do the rest:
-
-    style                      Linear / Conv2d               Embedding
-    ColwiseParallel()          weight S(0), bias S(0)        weight S(1)
-    RowwiseParallel()          weight S(1), bias B           weight S(0) (vocab parallel)
-    VocabParallelEmbedding()   (same as RowwiseParallel, for embeddings)
-    Replicate()                every parameter B             every parameter B
-    DataParallelInput(dim=0)   converts the module's tensor inputs to S(dim) before forward
-
-A column-parallel Linear then gives an output split on its last dim, and a
-row-parallel Linear fed that output gives a partial sum (one all-reduce where a
-consumer needs it): the Megatron MLP falls out of the signatures.
+A plan maps module-name patterns to styles that only set the SBP of the module's own parameters on one mesh
+axis; the ops' signatures do the rest, so the Megatron MLP falls out of them.
 
 >>> import sbpflow
->>> from sbpflow import nn
->>> from sbpflow.nn.parallel import ColwiseParallel, RowwiseParallel, apply_plan
->>> mlp = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4))
+>>> mlp = sbpflow.nn.Sequential(sbpflow.nn.Linear(4, 8), sbpflow.nn.ReLU(), sbpflow.nn.Linear(8, 4))
 >>> p = sbpflow.placement("cpu", [0, 1])
 >>> _ = apply_plan(mlp, {"0": ColwiseParallel(), "2": RowwiseParallel()}, p)
->>> mlp[0].weight.sbp, mlp[2].weight.sbp, mlp[2].bias.sbp
-((Split(dim=0),), (Split(dim=1),), (Broadcast(),))
 >>> mlp(sbpflow.randn(3, 4, placement=p, sbp=sbpflow.sbp.broadcast)).sbp
 (Partial(op='sum'),)
 """
@@ -105,9 +88,21 @@ def _param_sbp(module: Module, name: str, style: Any) -> SbpParallel:
 def apply_plan(module: Module, plan: Mapping[str, Any], placement: Placement, mesh_axis: int = 0) -> Module:
     """Places every parameter and buffer of ``module`` on ``placement`` with the SBPs ``plan`` asks for.
 
-    Modules matched by no pattern get broadcast parameters on ``mesh_axis``.
-    The first matching pattern (in the plan's order) wins. Parameters stay the
-    same objects (leaves with ``requires_grad``). Returns ``module``.
+    Patterns are ``fnmatch`` globs on ``named_modules()`` names (the root is
+    ``""``); the first matching one (in the plan's order) wins, and modules
+    matched by none get broadcast parameters on ``mesh_axis``. Other mesh axes
+    keep their SBPs. Parameters stay the same objects (leaves with
+    ``requires_grad``). Returns ``module``.
+
+    A column-parallel Linear gives an output split on its last dim, and a
+    row-parallel Linear fed that output gives a partial sum: one all-reduce
+    where a consumer needs it.
+
+    >>> import sbpflow
+    >>> mlp = sbpflow.nn.Sequential(sbpflow.nn.Linear(4, 8), sbpflow.nn.ReLU(), sbpflow.nn.Linear(8, 4))
+    >>> _ = apply_plan(mlp, {"0": ColwiseParallel(), "2": RowwiseParallel()}, sbpflow.placement("cpu", [0, 1]))
+    >>> mlp[0].weight.sbp, mlp[2].weight.sbp, mlp[2].bias.sbp
+    ((Split(dim=0),), (Split(dim=1),), (Broadcast(),))
     """
     _check_plan_args(module, plan, placement, mesh_axis)
     named = list(module.named_modules())

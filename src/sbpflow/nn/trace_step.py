@@ -1,18 +1,10 @@
 """A model's training step traced on metadata, for the planner: ``model(*inputs)``, a loss, backward, AdamW.
 
-The auto-parallel planner reads a :class:`~sbpflow.graph.ir.LogicalGraph` of a training step. A user who has
-a model and example inputs (built under ``meta_init()``: no data, no weights) gets one here. The loss is what
-the model returns when that is a scalar, a scalar in a returned tuple (a GPT's ``(logits, loss)``) or a dict's
-``"loss"``; otherwise it is ``mean(square(output))``, a stand-in whose backward reaches every parameter as a
-real loss's would (its own cost is one elementwise op).
-
 >>> import sbpflow
->>> from sbpflow import nn
 >>> with sbpflow.meta_init():
-...     mlp = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 8))
+...     mlp = sbpflow.nn.Sequential(sbpflow.nn.Linear(8, 32), sbpflow.nn.ReLU(), sbpflow.nn.Linear(32, 8))
 ...     x = sbpflow.randn(4, 8)
->>> g = trace_training_step(mlp, (x,))
->>> sorted({n.name for n in g.nodes if n.kind == "op" and n.name == "linear"})
+>>> sorted({n.name for n in trace_training_step(mlp, (x,)).nodes if n.name == "linear"})
 ['linear']
 """
 
@@ -31,7 +23,7 @@ from .module import Module
 
 
 class TrainingStep(Graph):
-    """One step: forward, the loss (see the module docstring), backward, AdamW."""
+    """One step: forward, the loss (:func:`step_loss`), backward, AdamW."""
 
     def __init__(self, model: Module) -> None:
         super().__init__()
@@ -45,7 +37,9 @@ class TrainingStep(Graph):
 
 
 def step_loss(out: Any) -> Tensor:
-    """The loss of a model's output: a scalar, the last scalar of a tuple, a dict's "loss", or a stand-in."""
+    """The loss of a model's output: a scalar, the last scalar of a tuple (a GPT's ``(logits, loss)``), a dict's
+    "loss", or else ``mean(square(output))``, a stand-in whose backward reaches every parameter as a real
+    loss's would (its own cost is one elementwise op)."""
     if isinstance(out, dict) and isinstance(out.get("loss"), Tensor):
         return out["loss"]
     if isinstance(out, (tuple, list)):

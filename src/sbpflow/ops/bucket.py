@@ -1,8 +1,5 @@
 """Gradient buckets (graph.bucket): many whole tensors as one flat buffer for one collective, and back.
 
-Both ops see whole local tensors (no split on any mesh axis), so a flat buffer of a partial sum is the partial
-sum of the flat buffer: one all-reduce of it is the all-reduces of its pieces, elementwise the same sums.
-
 >>> import torch
 >>> flat = bucket_flatten(torch.ones(2, 2), torch.zeros(3))
 >>> flat.tolist()
@@ -33,6 +30,8 @@ def _split_meta(flat: Meta, *, shapes: tuple[tuple[int, ...], ...]) -> tuple[Met
     return tuple(Meta(s, flat.dtype) for s in shapes)
 
 
+# Both ops see whole local tensors (no split on any mesh axis), so a flat buffer of a partial sum is the partial sum
+# of the flat buffer: one all-reduce of it is the all-reduces of its pieces, elementwise the same sums.
 def _flatten_sigs(*xs: Meta, outs: Any, **_: Any) -> list[Sig]:
     return [Sig((s,) * len(xs), (s,)) for s in _WHOLE]
 

@@ -1,22 +1,4 @@
-"""2-D convolution and pooling on (N, C, H, W) shards.
-
-conv2d signatures (x, weight, bias -> out; channel splits only for groups=1):
-
-    x        weight   bias     out       why
-    S(0)     B        B        S(0)      data parallel: samples are independent
-    B        S(0)     S(0)     S(1)      output channels: each rank owns some filters
-    S(1)     S(1)     P(sum)   P(sum)    input channels: the contraction, bias counted once
-    P(sum)   B        P(sum)   P(sum)    linear in x
-    B        P(sum)   P(sum)   P(sum)    linear in weight
-    B        B        B        B
-
-Its gradients are their own ops (torch's backward kernels on the shards) with
-the matching signatures, e.g. the weight gradient of ``x S(0), weight B`` is
-``P(sum)``: one all-reduce per weight to reach the weight's own ``B``.
-
-Pooling works per (sample, channel) plane, so splits of the batch and channel
-dims pass through; ``P(max)`` passes through max pooling, ``P(sum)`` through
-the (linear) average poolings.
+"""2-D convolution and pooling on (N, C, H, W) shards: data, channel and partial signatures (tables at the rules).
 """
 
 from __future__ import annotations
@@ -78,6 +60,18 @@ def _conv_meta(x: Meta, w: Meta, *bias: Meta, stride: Pair, padding: Pair, dilat
     return Meta(shape, x.dtype)
 
 
+# conv2d signatures (x, weight, bias -> out; channel splits only for groups=1):
+#
+#   x        weight   bias     out       why
+#   S(0)     B        B        S(0)      data parallel: samples are independent
+#   B        S(0)     S(0)     S(1)      output channels: each rank owns some filters
+#   S(1)     S(1)     P(sum)   P(sum)    input channels: the contraction, bias counted once
+#   P(sum)   B        P(sum)   P(sum)    linear in x
+#   B        P(sum)   P(sum)   P(sum)    linear in weight
+#   B        B        B        B
+#
+# The gradients are ops of their own (torch's backward kernels on shards) with the matching signatures: the
+# weight gradient of x S(0), weight B is P(sum), one all-reduce to reach the weight's B.
 def _conv_sigs(x: Meta, w: Meta, *bias: Meta, outs: tuple[Meta, ...], groups: int, **_: Any) -> list[Sig]:
     def sig(xs: Any, ws: Any, bs: Any, out: Any) -> Sig:
         return Sig((xs, ws, bs) if bias else (xs, ws), (out,))
@@ -191,6 +185,8 @@ def conv2d(x: Tensor, weight: Tensor, bias: Tensor | None = None, stride: Any = 
 # -- pooling ---------------------------------------------------------------------------------------
 
 
+# Pooling works per (sample, channel) plane, so splits of those dims pass through; P(max) passes through max
+# pooling, P(sum) through the (linear) average poolings.
 def _pool_sigs(partial: Partial):  # type: ignore[no-untyped-def]
     """Batch and channel dims (all but the last two) pass through; ``partial`` passes through too."""
 

@@ -1,10 +1,8 @@
 """Dispatch: every op call enters :func:`apply`, which runs it on local tensors, or decides and runs it on
 global ones, and records it for autograd.
 
-Dispatch owns an interpreter stack (:class:`Interpreter`: apply a global op, convert to global, seed backward).
-``EAGER`` runs when none is pushed, ``META`` takes tensors built under ``meta_init``, and while nn.Graph traces
-``build()`` the tracer (graph.trace) is pushed (``with tracer.active():``). Autocast pushes an input-casting hook.
-So this module imports neither the tracer nor amp: they sit above it and register here.
+Dispatch owns an interpreter stack (eager, meta, and the tracer pushed while nn.Graph traces) and an input
+hook list (autocast's), so this module imports neither the tracer nor amp: they register here from above.
 """
 
 from __future__ import annotations

@@ -1,12 +1,5 @@
-"""Elementwise ops with broadcasting and torch's type promotion.
-
-SBP rules: any output dim may be split (inputs broadcast along it stay B);
-partial values pass through ops that are linear in them (add, sub, neg, and mul
-or div by a broadcast factor); ``P(max)``/``P(min)`` pass through monotone
-non-decreasing unary ops defined on every value a piece can hold (±inf of an
-empty shard included), and ``neg`` swaps them. ``log``/``sqrt`` take only
-``P(min)`` and ``cast`` decides by its dtypes (see their notes). Adding a B
-value to a ``P(max)`` does not pass (an infinite B meets a -inf piece).
+"""Elementwise ops with broadcasting and torch's type promotion; any output dim may be split, and partial
+values pass through the ops that are linear or monotone in them (rules at :func:`_unary_sigs`).
 """
 
 from __future__ import annotations
@@ -32,6 +25,10 @@ def _n_tensors(args: tuple[Any, ...]) -> int:
 # -- unary ------------------------------------------------------------------------------------
 
 
+# Any output dim may be split (inputs broadcast along it stay B). Partial values pass through ops linear in them
+# (add, sub, neg, mul or div by a B factor); P(max)/P(min) through monotone non-decreasing unary ops defined on
+# every value a piece can hold (the ±inf of an empty shard included), and neg swaps them; log/sqrt take only
+# P(min), and cast decides by its dtypes. B + P(max) does not pass (an infinite B meets a -inf piece).
 def _unary_sigs(monotone: bool | str = False, linear: bool = False, flips: bool = False):  # type: ignore[no-untyped-def]
     """``monotone``: True lets P(max) and P(min) through; "min" only P(min), for functions whose domain is
     bounded below (every P(min) piece is at least the logical value; a P(max) piece may be anything lower)."""

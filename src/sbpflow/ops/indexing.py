@@ -1,30 +1,8 @@
 """Indexing and joining: slicing (``narrow``, ``x[...]``), ``index_select``, ``gather``, ``cat``/``stack``,
-``split``/``chunk``.
+``split``/``chunk``, with the SBP rules tabled above the first of them.
 
-SBP rules, with ``dim`` the dim an op indexes or joins along:
-
-    op               input(s)          output     why
-    slice/narrow     S(k), k != dim    S(k)       every shard keeps its rows along k
-                     B                 S(dim)     each rank cuts its own output box
-    index_select     S(k), k != dim    S(k)
-                     B, index S(0)     S(dim)     output rows follow the index
-                     S(dim), index B   P(sum)     each rank looks up the rows it holds, zeros elsewhere
-                                                  (the vocab-parallel embedding)
-    gather           S(k), index S(k)  S(k)       k != dim, index as long as x along k
-                     B, index S(k)     S(k)
-                     S(dim), index B   P(sum)
-    cat              all S(k), k != dim  S(k)
-    x[mask]          B, mask B         B          the output's length is the mask's count: data, not
-                     S(k), mask B      S(k-m+1)   metadata (a data-dependent op); k >= m, the mask's ndim,
-                                                  so every rank selects the same rows
-
-
-Selections are linear and pick elements without mixing them, so every partial
-(sum, max, min) passes through them; their gradients scatter into zeros, so
-only ``P(sum)`` passes through those. A split along ``dim`` itself is boxed
-(all-gathered) where no rule above applies. Kernels return fresh tensors, not
-views: sbpflow tracks in-place writes per tensor, so an output must not share
-storage with its input.
+Kernels return fresh tensors, not views: sbpflow tracks in-place writes per tensor, so an output must not
+share storage with its input (:mod:`.views` carries writes back).
 """
 
 from __future__ import annotations
@@ -84,6 +62,26 @@ def _check_index_meta(name: str, index: Meta) -> None:
 # -- slice (narrow, x[a:b:s]) ----------------------------------------------------------------------
 
 
+# SBP rules, with dim the dim an op indexes or joins along:
+#
+#   op               input(s)          output     why
+#   slice/narrow     S(k), k != dim    S(k)       every shard keeps its rows along k
+#                    B                 S(dim)     each rank cuts its own output box
+#   index_select     S(k), k != dim    S(k)
+#                    B, index S(0)     S(dim)     output rows follow the index
+#                    S(dim), index B   P(sum)     each rank looks up the rows it holds, zeros elsewhere
+#                                                 (the vocab-parallel embedding)
+#   gather           S(k), index S(k)  S(k)       k != dim, index as long as x along k
+#                    B, index S(k)     S(k)
+#                    S(dim), index B   P(sum)
+#   cat              all S(k), k != dim  S(k)
+#   x[mask]          B, mask B         B          the output's length is the mask's count: data, not
+#                    S(k), mask B      S(k-m+1)   metadata (a data-dependent op); k >= m, the mask's ndim,
+#                                                 so every rank selects the same rows
+#
+# Selections pick elements without mixing them, so every partial (sum, max, min) passes through them; their
+# gradients scatter into zeros, so only P(sum) passes through those. A split along dim itself is boxed
+# (all-gathered) where no rule above applies.
 def _slice_meta(x: Meta, dim: int, start: int, stop: int, step: int) -> Meta:
     if not (0 <= dim < x.ndim and step >= 1 and 0 <= start <= stop <= x.shape[dim]):
         raise ShapeError(

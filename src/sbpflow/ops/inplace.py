@@ -1,10 +1,7 @@
 """Which op outputs a consumer may write into, for compiled steps (nn.Graph).
 
-Eager mode never writes into an op's result behind the user's back. A compiled plan knows every reader of every
-buffer, so where a node is the only reader of an input that an op of :data:`FRESH_OUTPUTS` made (new memory, no
-view of anything else, nothing else holding it), the lowering lets the node write its result there
-(``PNode.overwrites``, :func:`sbpflow.graph.lower.overwrite_inputs`) with the in-place form in
-:data:`OVERWRITING`. The bits are the same: ``b.add_(a)`` is ``a + b`` (IEEE addition commutes).
+Eager mode never writes into an op's result behind the user's back; a compiled plan knows every reader of
+every buffer, so the lowering may (:func:`sbpflow.graph.lower.overwrite_inputs`), with the same bits.
 """
 
 from __future__ import annotations
@@ -22,5 +19,6 @@ def _add_into(target: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
     return target.add_(other)
 
 
-# op -> kernel(target, other) that writes the op's result into ``target`` (either operand of a commutative op)
+# op -> kernel(target, other) that writes the op's result into ``target`` (either operand of a commutative op);
+# the bits are the same: b.add_(a) is a + b (IEEE addition commutes)
 OVERWRITING: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {"add": _add_into}

@@ -1,16 +1,7 @@
 """Embedding and loss ops: embedding (vocab-parallel included), nll_loss, cross_entropy, mse_loss.
 
-Class-index ops meet a split class dim by letting the rank that owns a class
-act for it and the others contribute zero, which gives ``P(sum)``:
-
-    embedding      ids S(d)/B with weight B -> S(d)/B; weight S(0) (vocab-parallel) -> P(sum);
-                   weight S(1) -> output split on its last dim
-    pick           x[..., target] with x S(last) -> P(sum) (the owner of the target's class picks)
-    cross_entropy  log_softmax through partial max and sum (two all-reduces of (N, 1)), then pick:
-                   the vocab-parallel loss never gathers the logits
-
-Mean reductions divide by the logical count of non-ignored targets, so they are
-exact under uneven batch splits.
+A split class dim is met by letting the rank that owns a class act for it and the others contribute zero,
+which gives ``P(sum)``: the vocab-parallel loss never gathers the logits.
 """
 
 from __future__ import annotations
@@ -84,6 +75,10 @@ def _embedding_meta(ids: Meta, weight: Meta, padding_idx: int | None) -> Meta:
     return Meta(ids.shape + (weight.shape[1],), weight.dtype)
 
 
+# embedding      ids S(d)/B with weight B -> S(d)/B; weight S(0) (vocab-parallel) -> P(sum);
+#                weight S(1) -> output split on its last dim
+# pick           x[..., target] with x S(last) -> P(sum) (the owner of the target's class picks)
+# cross_entropy  log_softmax through partial max and sum (two all-reduces of (N, 1)), then pick
 def _embedding_sigs(ids: Meta, weight: Meta, outs: tuple[Meta, ...], padding_idx: int | None) -> list[Sig]:
     sigs = [Sig((B, B), (B,))]
     sigs += [Sig((Split(d), B), (Split(d),)) for d in range(ids.ndim)]
@@ -259,6 +254,7 @@ def _classes_last(name: str, x: Tensor, target: Tensor) -> tuple[Tensor, Tensor]
     return x, target
 
 
+# A mean divides by the logical count of non-ignored targets, so it is exact under uneven batch splits.
 def _reduce(name: str, losses: Tensor, valid: Tensor | None, reduction: str, squeeze: bool) -> Tensor:
     """none/sum/mean of per-sample losses; mean divides by the logical count of valid samples."""
     if reduction == "none":

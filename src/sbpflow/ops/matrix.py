@@ -1,18 +1,4 @@
-"""matmul / bmm and linear.
-
-Signatures (2-D view; batch dims may be split on both sides, or on the side that has them):
-
-    a       b       out
-    S(m)    B       S(m)        rows of a
-    B       S(n)    S(n)        columns of b
-    S(k)    S(k)    P(sum)      the contraction dim
-    P(sum)  B       P(sum)      linear in a
-    B       P(sum)  P(sum)      linear in b
-    B       B       B
-
-``linear(x, w, b)`` uses torch's layout ``w: (out, in)``: column-parallel is
-``w`` S(0) (output S(-1)), row-parallel is ``x`` S(-1) with ``w`` S(1) (output
-P(sum), the bias added by one rank only).
+"""matmul / bmm, linear and einsum, with Megatron's column and row parallelism as signatures (table at the rules).
 """
 
 from __future__ import annotations
@@ -51,6 +37,15 @@ def _batch_dim(m: Meta, out_ndim: int, d: int, out: Meta) -> Any:
     return Split(k) if k >= 0 and m.shape[k] == out.shape[d] else B
 
 
+# Signatures (2-D view; batch dims may be split on both sides, or on the side that has them):
+#
+#   a       b       out
+#   S(m)    B       S(m)        rows of a
+#   B       S(n)    S(n)        columns of b
+#   S(k)    S(k)    P(sum)      the contraction dim
+#   P(sum)  B       P(sum)      linear in a
+#   B       P(sum)  P(sum)      linear in b
+#   B       B       B
 def _matmul_sigs(a: Meta, b: Meta, outs: tuple[Meta, ...]) -> list[Sig]:
     out = outs[0]
     n = out.ndim
@@ -90,6 +85,8 @@ def _linear_meta(x: Meta, w: Meta, b: Any = None) -> Meta:
     return Meta(x.shape[:-1] + (w.shape[0],), x.dtype)
 
 
+# linear(x, w, b) uses torch's layout w: (out, in). Column-parallel is w S(0) (output S(-1)); row-parallel is
+# x S(-1) with w S(1) (output P(sum), the bias added by one rank only).
 def _linear_sigs(x: Meta, w: Meta, b: Any = None, *, outs: tuple[Meta, ...]) -> list[Sig]:
     has_bias = isinstance(b, Meta)
     last = x.ndim - 1

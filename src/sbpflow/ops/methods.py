@@ -1,11 +1,5 @@
-"""Tensor methods and Python operators, bound onto :class:`sbpflow.Tensor`.
-
-Op families bind their own extra methods with :func:`bind_methods`.
-In-place forms (``add_``, ``mul_`` ..., and ``+=``, ``-=``, ``*=``, ``/=``) compute
-out of place, box the result to the tensor's own layout and copy it in; when
-every operand already shares that layout (and nothing is partial) they run
-torch's in-place kernel per shard. View methods (``view``, ``t``, ``x[1:]`` ...)
-mark their output so that in-place writes into it reach the input (``ops.views``).
+"""Tensor methods and Python operators, bound onto :class:`sbpflow.Tensor`; families add theirs with
+:func:`bind_methods`.
 """
 
 from __future__ import annotations
@@ -106,6 +100,9 @@ def _fast_ok(self: Tensor, name: str, args: tuple[Any, ...]) -> bool:
     return True
 
 
+# In-place forms (add_, mul_ ..., +=, -=, *=, /=) compute out of place, box the result to the tensor's own layout
+# and copy it in; when every operand already shares that layout (nothing partial) they run torch's in-place
+# kernel per shard (_fast_ok). View methods mark their output so in-place writes into it reach the input (.views).
 def _inplace(name: str, fn: Callable[..., Tensor], any_dtype: bool = False, shown: str = "") -> Callable[..., Tensor]:
     """An in-place method ``name``: ``fn`` computes the new value; ``any_dtype`` lets it cast freely (copy_, fill_).
 

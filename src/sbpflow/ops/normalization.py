@@ -1,18 +1,7 @@
 """Normalization and activation-over-dims ops: softmax, log_softmax, layer_norm, rms_norm, batch_norm, dropout.
 
-How each op meets a split along the dim it normalizes over:
-
-    op             split on a batch/other dim           split on the normalized dim
-    softmax        fused kernel, no comm                 amax -> P(max) -> all-reduce, sum -> P(sum) -> all-reduce,
-    log_softmax                                          or box x to B first: whichever the boxing cost model prefers
-    layer_norm     fused kernel, no comm; weight         mean -> P(sum) -> all-reduce (twice: mean, then variance);
-    rms_norm       and bias grads come out P(sum)        weight and bias split like the normalized dim
-    batch_norm     statistics over the split batch dim are P(sum) and reduced by boxing (synchronized BN)
-    dropout        any split, B or P(sum): the mask is a function of (key, logical shape, shard box) only
-
-Statistics that come out partial are reduced by :func:`_reduce_partials`, which
-boxes them to B and whose gradient reduces the (equally small) partial
-gradient the same way, so backward never moves an input-sized tensor.
+A split along the normalized dim is met with partial statistics (or boxing x to B, whichever costs less),
+reduced so that backward never moves an input-sized tensor.
 """
 
 from __future__ import annotations
@@ -44,6 +33,15 @@ __all__ = ["batch_norm", "dropout", "layer_norm", "log_softmax", "rms_norm", "so
 
 # -- reducing partial statistics ---------------------------------------------------------------
 
+# How each op meets a split along the dim it normalizes over:
+#
+#   op             split on a batch/other dim           split on the normalized dim
+#   softmax        fused kernel, no comm                 amax -> P(max) -> all-reduce, sum -> P(sum) -> all-reduce,
+#   log_softmax                                          or box x to B first: whichever the boxing cost model prefers
+#   layer_norm     fused kernel, no comm; weight         mean -> P(sum) -> all-reduce (twice: mean, then variance);
+#   rms_norm       and bias grads come out P(sum)        weight and bias split like the normalized dim
+#   batch_norm     statistics over the split batch dim are P(sum) and reduced by boxing (synchronized BN)
+#   dropout        any split, B or P(sum): the mask is a function of (key, logical shape, shard box) only
 _reduce_partials_def = OpDef("reduce_partials", kernel=lambda *a: None, meta=lambda *a: None, sbp=lambda *a: [],
                              shard_aware=False, save_outputs=False, differentiable=True, mesh_aware=False)
 

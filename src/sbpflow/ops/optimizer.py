@@ -1,17 +1,7 @@
 """Optimizer updates as ops, for compiled steps (nn.Graph): pure functions of (parameter, gradient, state).
 
-Eager optimizers update shards in place with fused or foreach kernels (:mod:`sbpflow.optim`); a compiled step
-instead traces these ops, whose outputs are assigned back to the variables after the whole step succeeded. The
-arithmetic is the eager rules' (for Adam: torch's fused kernel, else the foreach sequence), so both give the
-same numbers. Every update is elementwise: any split or broadcast signature shared by all operands works,
-never a partial one.
-The learning rate and step count are per-step scalars (fed each step, not baked into the plan).
-
-In-place forms. Each op has an in-place kernel (:data:`IN_PLACE`) that writes the new values into its own
-parameter and state arguments; the op itself is that kernel run on fresh copies, so both give the same bits.
-Where every output of an update goes straight back to the variable it was computed from, the lowering turns
-the op and its ``assign`` nodes into one ``update`` node (:mod:`sbpflow.graph.lower`): executors run its
-in-place kernel on the variables' storage once the step has succeeded, with no copies and no new buffers.
+The arithmetic is the eager optimizers' (for Adam: torch's fused kernel, else the foreach sequence), so both
+give the same numbers; the learning rate and step count are fed each step, not baked into the plan.
 """
 
 from __future__ import annotations
@@ -32,6 +22,7 @@ def _same_metas(*metas: Any, n_out: int, **_: Any) -> tuple[Meta, ...]:
     return (first,) * n_out
 
 
+# Every update is elementwise: any split or broadcast signature shared by all operands works, never a partial one.
 def _elementwise_sigs(*metas: Any, outs: Any, **_: Any) -> list[Sig]:
     n_in = sum(isinstance(m, Meta) for m in metas)
     ndim = len(outs[0].shape)
@@ -227,6 +218,10 @@ def scale_multi(*args: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, ...]:
 
 
 @dataclass(frozen=True)
+# Each op has an in-place kernel (IN_PLACE) that writes its parameter and state arguments; the op itself is that
+# kernel run on fresh copies, so both give the same bits. Where an update's outputs go straight back to their
+# variables, the lowering makes the op and its assigns one update node (graph.lower.in_place_updates), run on
+# the variables' storage once the step succeeded: no copies, no new buffers.
 class InPlace:
     """The in-place form of an update op: its kernel, which tensor input each output overwrites, and whether the
     kernel takes a ``workspace`` dict (temporaries kept between steps, one dict per node and rank)."""

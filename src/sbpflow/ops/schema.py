@@ -1,27 +1,11 @@
 """The op schema: one decorator, one definition per op (what op families import; dispatch runs them).
 
-An op declares
-
-* ``meta(*args, **attrs)``: output :class:`Meta` from input metadata, never data;
-* ``sbp(*args, outs, **attrs)``: its valid 1-D signatures (:class:`Sig`), one
-  SBP per tensor input and output; n-D signatures are their product;
-* the kernel (the decorated function) on local torch tensors;
-* ``@op.grad``: its gradient, written in sbpflow ops.
-
-A ``data_dependent`` op (boolean-mask indexing) has an output size that only
-its input *values* decide: its meta gives :data:`DYNAMIC` for that size, its
-signatures never split that dim (ranks would hold pieces of sizes nobody
-planned), and eager dispatch reads the size off the kernel's result. Graph
-mode needs every shape from metadata alone, so tracing such an op fails with
-:meth:`OpDef.check_traceable`'s error.
-
-Positional arguments are tensors or *dynamic* scalars (their type is part of
-the dispatch cache key, their value is not); keyword arguments are static
-attributes and are part of the key.
+An op declares its ``meta`` (output metadata from input metadata), its valid 1-D ``sbp`` signatures (n-D
+ones are their product), the kernel on local torch tensors, and ``@op.grad`` written in sbpflow ops.
 
 >>> import torch
->>> from sbpflow.ops.schema import op, Sig, Meta
->>> from sbpflow.sbp import broadcast, split
+>>> from sbpflow.ops.schema import op, Sig
+>>> from sbpflow.sbp import split
 >>> @op("twice", meta=lambda x: x, sbp=lambda x, outs: [Sig((split(d),), (split(d),)) for d in range(len(x.shape))])
 ... def twice(x: torch.Tensor) -> torch.Tensor:
 ...     return 2 * x
@@ -40,7 +24,9 @@ from ..errors import OpError
 from ..placement import Placement
 from ..sbp import NdSbp, SbpParallel
 
-DYNAMIC = -1  # an output size that only the data gives (see data_dependent ops in the module docstring)
+# Positional arguments are tensors or dynamic scalars (their type is part of the dispatch cache key, their value is
+# not); keyword arguments are static attributes, part of the key.
+DYNAMIC = -1  # an output size that only the data gives (see data_dependent in op())
 
 
 @dataclass(frozen=True)
@@ -151,7 +137,12 @@ def op(name: str, *, meta: Callable[..., Any], sbp: Callable[..., Any], shard_aw
     rules get ``mesh=`` (the placement's hierarchy) for rules that hold only
     for some mesh sizes, such as a reshape of an unevenly split dim;
     ``save_outputs`` keeps the outputs for the gradient; ``data_dependent`` ops
-    have output sizes that depend on input values (see the module docstring);
+    have output sizes that depend on input values (boolean-mask indexing): their
+    meta gives :data:`DYNAMIC` for that size, their signatures never split that
+    dim (ranks would hold pieces of sizes nobody planned), eager dispatch reads
+    the size off the kernel's result, and tracing them fails with
+    :meth:`OpDef.check_traceable`'s error (graph mode needs every shape from
+    metadata alone);
     ``diff_outputs=n`` makes only the first ``n`` outputs differentiable, the
     rest being saved statistics for the gradient (attention's logsumexp, a
     norm's mean and rstd) that get no gradient and no zeros filled in for one.

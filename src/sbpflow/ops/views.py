@@ -1,15 +1,7 @@
 """Views: outputs of view methods (``x[1:]``, ``x.view(12)``, ``x.t()`` ...) that in-place writes reach through.
 
-In torch these share storage with their input, so ``x[:, 0].fill_(7)`` changes ``x``. sbpflow's ops return
-fresh shards (an output must not alias its input: in-place writes are tracked per tensor by a version
-counter), so a view instead records its base and a *writer* that carries a new value of the view back into
-the base. Every in-place op (``fill_``, ``+=``, ``x[...] = v``) ends with :func:`write_back`, which runs the
-writer, and the base's own writer after it, up to the tensor that owns the data.
-
-Whether a view op gave a view or a copy (torch's ``reshape`` copies a transposed tensor) is decided as torch
-decides it, from strides, on a data-free probe replayed at write time. The other direction holds too: a
-view whose base was written since it was taken is refreshed from the base (the view op replayed) before it
-is read by an op, ``numpy()`` and friends, or written in place.
+sbpflow's ops return fresh shards (in-place writes are tracked per tensor by a version counter, so an output
+must not alias its input): a view records its base and a writer that carries its new value back.
 
 >>> import sbpflow
 >>> x = sbpflow.zeros(2, 3)
@@ -17,10 +9,6 @@ is read by an op, ``numpy()`` and friends, or written in place.
 >>> _ = x.view(6)[1:3].add_(1)
 >>> x.tolist()
 [[7.0, 1.0, 1.0], [7.0, 0.0, 0.0]]
->>> row = x[1]
->>> _ = x.fill_(2)
->>> row.tolist()
-[2.0, 2.0, 2.0]
 """
 
 from __future__ import annotations
@@ -91,7 +79,9 @@ def probe(t: Tensor) -> torch.Tensor:
 def write_back(t: Tensor) -> None:
     """After an in-place write into ``t``: carries its new value into the tensor it is a view of, if any.
 
-    Where torch's op made a copy (``reshape`` of a transposed tensor) the write stays in ``t``, as in torch.
+    Every in-place op (``fill_``, ``+=``, ``x[...] = v``) ends here: ``t``'s writer runs, then its base's, up
+    to the tensor that owns the data. Where torch's op made a copy (``reshape`` of a transposed tensor, decided
+    as torch does from strides, on a data-free :func:`probe`) the write stays in ``t``, as in torch.
     """
     link: Link | None = t._view_of
     if link is None:
@@ -116,6 +106,13 @@ def refresh(t: Tensor) -> None:
     torch's views share storage, so ``v = x[0]; x.fill_(1)`` changes ``v`` too. Here ``v`` holds its own
     shards, so a read of ``v`` (dispatch, ``numpy()``, an in-place op) first replays the view op on the base.
     Cheap when nothing changed: one version comparison per base up the chain.
+
+    >>> import sbpflow
+    >>> x = sbpflow.zeros(2, 3)
+    >>> row = x[1]
+    >>> _ = x.fill_(2)
+    >>> row.tolist()
+    [2.0, 2.0, 2.0]
     """
     link: Link | None = t._view_of
     base = None if link is None else link.base()

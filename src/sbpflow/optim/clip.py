@@ -1,12 +1,4 @@
-"""Gradient clipping by global norm, correct under any mix of layouts and placements.
-
-Gradients of one (placement, SBP, dtype) get their ``sum(|g|^p)`` together,
-from torch's foreach norms over their shards: over split mesh axes the scalar
-is ``P(sum)`` (each shard counted once), over broadcast ones it is ``B`` (not
-counted once per rank). Those scalars are summed per placement
-(partial sums stay partial, so each placement reduces once), then moved to one
-common placement with ``to_global`` and summed there, so parameters on
-different placements (pipeline stages) add up to the true global norm.
+"""Gradient clipping by global norm, correct under any mix of layouts and placements (pipeline stages).
 
 >>> import sbpflow
 >>> w = sbpflow.nn.Parameter(sbpflow.ones(4, placement=sbpflow.placement("cpu", [0, 1]), sbp=sbpflow.sbp.split(0)))
@@ -92,6 +84,9 @@ def _is_partial(sbp: Any) -> bool:
 
 def _combined_pieces(groups: dict[tuple[Any, ...], list[Tensor]], norm_type: float) -> tuple[Tensor, Any]:
     """Every layout group's ``sum(|g|^p)`` (or max), combined per placement, then on the first placement (B)."""
+    # A piece is P(sum) over split mesh axes (each shard counted once) and B over broadcast ones (not counted
+    # once per rank); partial pieces stay partial while summed per placement, so each placement reduces once,
+    # and the placements (pipeline stages) add up on the first one.
     combine = F.maximum if math.isinf(norm_type) else F.add
     per_placement: dict[Any, Tensor] = {}
     for (placement, sbp, _), members in groups.items():

@@ -1,20 +1,6 @@
-"""Learning-rate schedules: linear warmup, cosine annealing, and warmup followed by cosine.
+"""Learning-rate schedules as closed-form functions of the step: linear warmup, cosine, warmup then cosine.
 
-Each schedule is a closed-form function of the step count, applied to every
-param group's initial lr; ``step()`` advances one step and ``get_last_lr()``
-returns the lrs it set. The numbers equal torch's ``LinearLR`` and
-``CosineAnnealingLR``.
-
->>> import sbpflow
->>> from sbpflow.optim.lr_scheduler import WarmupCosine
->>> opt = sbpflow.optim.SGD([sbpflow.nn.Parameter(sbpflow.zeros(1))], lr=1.0)
->>> sched = WarmupCosine(opt, warmup_steps=2, total_steps=4, min_lr=0.0)
->>> lrs = [sched.get_last_lr()[0]]
->>> for _ in range(4):
-...     sched.step()
-...     lrs.append(round(sched.get_last_lr()[0], 3))
->>> lrs
-[0.0, 0.5, 1.0, 0.5, 0.0]
+The numbers equal torch's ``LinearLR`` and ``CosineAnnealingLR``.
 """
 
 from __future__ import annotations
@@ -112,6 +98,16 @@ class WarmupCosine(LRScheduler):
     """Linear warmup over ``warmup_steps``, then cosine from the base lr down to ``min_lr`` at ``total_steps``.
 
     After ``total_steps`` the lr stays at ``min_lr``.
+
+    >>> import sbpflow
+    >>> opt = sbpflow.optim.SGD([sbpflow.nn.Parameter(sbpflow.zeros(1))], lr=1.0)
+    >>> sched = WarmupCosine(opt, warmup_steps=2, total_steps=4, min_lr=0.0)
+    >>> lrs = [sched.get_last_lr()[0]]
+    >>> for _ in range(4):
+    ...     sched.step()
+    ...     lrs.append(round(sched.get_last_lr()[0], 3))
+    >>> lrs
+    [0.0, 0.5, 1.0, 0.5, 0.0]
     """
 
     def __init__(self, optimizer: Optimizer, warmup_steps: int, total_steps: int, min_lr: float = 0.0,

@@ -1,28 +1,8 @@
-"""The optimizer base: param groups, per-parameter state in the parameter's layout, per-shard updates.
+"""The optimizer base: param groups, and state kept in each parameter's layout and updated shard by shard.
 
-Every update rule here is elementwise, so a step runs on local shards: for
-each parameter, the shards this process owns of the parameter, its gradient
-and its state tensors line up one to one, and the rule runs over all of them
-at once with ``torch._foreach_*`` kernels (no sbpflow dispatch, no comm).
-
-State layout and ZeRO. Each parameter's state tensors are sbpflow global
-tensors on the parameter's placement with SBP :meth:`Optimizer.state_sbp`,
-which defaults to the parameter's own SBP. Overriding it (say ``S(0)`` on the
-data-parallel axis while the parameter is ``B``) shards the state, ZeRO-1
-style, with no other change: the step then boxes the gradient and a detached
-view of the parameter to the state SBP (a local slice for B -> S), updates
-that, and boxes the result back into the parameter (one all-gather).
-
-A parameter whose SBP is partial has no per-shard value to update, so it
-raises an :class:`~sbpflow.errors.SbpError`.
-
->>> import sbpflow
->>> w = sbpflow.nn.Parameter(sbpflow.ones(3))
->>> opt = sbpflow.optim.SGD([w], lr=0.5)
->>> (w * w).sum().backward()
->>> opt.step()
->>> w.tolist()
-[0.0, 0.0, 0.0]
+Every update rule is elementwise, so a step runs ``torch._foreach_*`` kernels over the local shards of
+parameters, gradients and state together, with no dispatch and no communication. Overriding
+:meth:`Optimizer.state_sbp` shards the state (ZeRO-1) with no other change.
 """
 
 from __future__ import annotations
@@ -90,7 +70,18 @@ class ShardBatch:
 
 
 class Optimizer:
-    """Base class: holds ``param_groups`` (dicts with ``"params"`` plus hyperparameters) and ``state``."""
+    """Base class: holds ``param_groups`` (dicts with ``"params"`` plus hyperparameters) and ``state``.
+
+    A parameter with a partial SBP has no per-shard value to update: stepping it raises an SbpError.
+
+    >>> import sbpflow
+    >>> w = sbpflow.nn.Parameter(sbpflow.ones(3))
+    >>> opt = sbpflow.optim.SGD([w], lr=0.5)
+    >>> (w * w).sum().backward()
+    >>> opt.step()
+    >>> w.tolist()
+    [0.0, 0.0, 0.0]
+    """
 
     # the hyperparameters a compiled step reads before every run (step_feeds); a traced step bakes in the others,
     # so nn.Graph compiles again when one of those changes
@@ -201,6 +192,8 @@ class Optimizer:
         if any(isinstance(s, Partial) for s in target):
             raise SbpError(f"{type(self).__name__}.state_sbp must not be partial, but gave {format_nd(target)} "
                            f"for the parameter with {p._describe()}")
+        # ZeRO-1: B -> S(d) takes a local slice of parameter and gradient (no comm); _write_back's S -> B is the
+        # step's one all-gather
         return p.detach().to_global(p.placement, target), grad.to_global(p.placement, target)
 
     def _master_of(self, p: Tensor) -> Tensor | None:

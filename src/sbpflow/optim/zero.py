@@ -1,51 +1,7 @@
-"""ZeRO stages 1, 2 and 3, written as SBP choices on the data-parallel mesh axis.
+"""ZeRO stages 1, 2 and 3 as SBP choices on the data-parallel mesh axis.
 
-Plain data parallelism keeps parameters, gradients and optimizer state ``B`` on
-the data axis: every data-parallel rank holds all of them. ZeRO shards them on
-that axis instead, one kind more per stage, and nothing else in sbpflow
-changes, because a layout is just an SBP and boxing supplies the collectives:
-
-* **stage 1**: optimizer state ``S(d)`` (:meth:`Optimizer.state_sbp`). The step
-  slices the ``B`` gradient (no comm), updates the slice, all-gathers it into
-  the ``B`` parameter.
-* **stage 2**: the gradient too. The leaf's gradient SBP (``Tensor._grad_sbp``)
-  is ``S(d)``, so backward boxes the partial gradient ``P -> S(d)``: one
-  reduce-scatter in place of DDP's all-reduce.
-* **stage 3**: the parameter too, at rest. Each *unit* (a module: by default the
-  model and every layer of a ``ModuleList``) all-gathers its parameters
-  (``S(d) -> B``, an autograd-recorded ``to_global``) when its forward starts
-  and frees the gathered storage when it ends; the unit's outputs carry a hook
-  that gathers again when backward reaches them, and the gathered copy is freed
-  once its own gradient has been reduce-scattered (``to_global``'s backward,
-  ``P -> S(d)``). At most the units whose forward or backward is running hold a
-  gathered copy: a bounded window. Eager mode gathers just in time (no prefetch:
-  eager ops run one after another anyway); ``nn.Graph`` records the same gathers
-  and its prefetch pass (:mod:`sbpflow.graph.prefetch`) lets the next ``prefetch``
-  units' gathers run ahead while the current unit computes, within that window.
-
-Memory per data-parallel rank (fp32 Adam, Ψ parameters, N ranks; parameter 4,
-gradient 4, state 8 bytes each): plain ``16Ψ``, stage 1 ``8Ψ + 8Ψ/N``,
-stage 2 ``4Ψ + 12Ψ/N``, stage 3 ``16Ψ/N``.
-
-On an n-D mesh only the data axis (``axis``, 0 by default) changes; the SBPs of
-the other axes (tensor parallel splits) stay. A parameter is sharded along its
-first tensor dim long enough for every rank to get a piece (uneven splits
-follow ``torch.tensor_split``) when the smallest piece has at least
-``min_shard_numel`` elements; smaller ones (biases, LayerNorm scales) stay ``B``,
-since a collective per tiny tensor costs more latency than the memory it saves.
-
->>> import sbpflow
->>> from sbpflow import nn, sbp
->>> p2 = sbpflow.placement("cpu", [0, 1])
->>> lin = nn.Linear(4, 8).to_global(p2, sbp.broadcast)
->>> opt = sbpflow.optim.zero(sbpflow.optim.AdamW(lin.parameters()), stage=3, model=lin, min_shard_numel=4)
->>> lin.weight.sbp, lin.bias.sbp
-((Split(dim=0),), (Split(dim=0),))
->>> x = sbpflow.randn(6, 4, placement=p2, sbp=sbp.split(0))
->>> lin(x).sum().backward()
->>> lin.weight.grad.sbp
-(Split(dim=0),)
->>> opt.step()
+Plain data parallelism keeps parameters, gradients and optimizer state ``B`` on the data axis; each stage
+splits one kind more there, and boxing supplies the collectives (the stages: :func:`zero`).
 """
 
 from __future__ import annotations
@@ -65,6 +21,8 @@ from ..sbp import NdSbp, Split, broadcast
 from ..tensor import Tensor
 from .optimizer import Optimizer
 
+# Tensors whose smallest piece would be under this many elements (biases, norm scales) stay B: a collective per
+# tiny tensor costs more latency than the memory it saves.
 DEFAULT_MIN_SHARD_NUMEL = 64
 GATHERED = "zero3 gathered parameters"  # the plan.watch set of nn.Graph's stage-3 gathered copies
 
@@ -84,6 +42,7 @@ def zero_sbp(p: Tensor, axis: int = 0, min_shard_numel: int = DEFAULT_MIN_SHARD_
     if n == 1 or sbp[axis] != broadcast:
         return sbp
     local = shard_shape(tuple(p.shape), placement, sbp, placement.flat_ranks[0])  # this rank's box on the other axes
+    # the first dim long enough for every rank to get a piece (uneven pieces as torch.tensor_split)
     for dim, length in enumerate(local):
         if length < n:
             continue
@@ -124,7 +83,32 @@ def zero(optimizer: Optimizer, stage: int, *, model: Module | None = None, axis:
     """Turns ``optimizer`` (and for stage 3 ``model``) into ZeRO stage ``stage`` on mesh axis ``axis``; returns it.
 
     Call it after placing the model and before the first step. Stage 3 needs ``model`` (its parameters are
-    re-laid out in place, and its ``units`` get the gather hooks). See the module docstring.
+    re-laid out in place, and its ``units`` get the gather hooks).
+
+    * stage 1: optimizer state ``S(d)``; the step slices the ``B`` gradient, updates the slice and all-gathers
+      it into the ``B`` parameter.
+    * stage 2: the gradient too (``Tensor._grad_sbp``): backward boxes it ``P -> S(d)``, one reduce-scatter in
+      place of DDP's all-reduce.
+    * stage 3: the parameter too, at rest. Each unit (by default the model and every layer of a ModuleList)
+      gathers its parameters when its forward starts and frees them when it ends, gathers again when backward
+      reaches its outputs, and frees that copy once its gradient is reduce-scattered: only running units hold
+      whole parameters. nn.Graph's prefetch pass (:mod:`sbpflow.graph.prefetch`) runs the next units' gathers
+      ahead within that window.
+
+    Memory per data-parallel rank (fp32 Adam, Ψ parameters, N ranks): plain ``16Ψ``, stage 1 ``8Ψ + 8Ψ/N``,
+    stage 2 ``4Ψ + 12Ψ/N``, stage 3 ``16Ψ/N``. On an n-D mesh only mesh axis ``axis`` changes.
+
+    >>> import sbpflow
+    >>> from sbpflow import nn, sbp
+    >>> p2 = sbpflow.placement("cpu", [0, 1])
+    >>> lin = nn.Linear(4, 8).to_global(p2, sbp.broadcast)
+    >>> opt = zero(sbpflow.optim.AdamW(lin.parameters()), stage=3, model=lin, min_shard_numel=4)
+    >>> lin.weight.sbp, lin.bias.sbp
+    ((Split(dim=0),), (Split(dim=0),))
+    >>> lin(sbpflow.randn(6, 4, placement=p2, sbp=sbp.split(0))).sum().backward()
+    >>> lin.weight.grad.sbp
+    (Split(dim=0),)
+    >>> opt.step()
     """
     _check_stage(stage, model)
     plan = ZeroPlan(stage, axis)

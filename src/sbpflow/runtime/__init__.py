@@ -1,12 +1,5 @@
-"""Executors of a physical plan (:mod:`sbpflow.graph.physical`).
-
-* :func:`run_plan` (:mod:`.inorder`): node by node in list order, the reference;
-* :class:`ActorRuntime` (:mod:`.actors`, :mod:`.board`, :mod:`.workers`): every node an actor,
-  registers and ready/free messages, one thread per stream, a watchdog and a timeline (:mod:`.trace`);
-* :mod:`.route`: dynamic routing (``route`` nodes: rows to group members chosen at run time);
-* :mod:`.source`: source actors, which produce a plan's inputs ahead of its steps (a data loader's batches),
-  bounded by their register count;
-* :mod:`.builder`: hand-built plans for tests and benchmarks.
+"""Executors of a physical plan (:mod:`sbpflow.graph.physical`): :func:`run_plan`, node by node in list order,
+the reference; and :class:`ActorRuntime`, every node an actor driven by registers and messages.
 """
 
 from __future__ import annotations

@@ -1,15 +1,8 @@
 """Processes must run one plan: a check before the first act, so a disagreement is an error, not a gloo abort.
 
-Every process compiles its own copy of the physical plan. If two copies differ (a solver that breaks
-ties differently under load, a shape that differs on one rank), their collectives no longer match and
-gloo aborts the process ("Received data size doesn't match expected size") or NCCL hangs. An
-:class:`~sbpflow.runtime.ActorRuntime` on torch.distributed therefore compares a digest of the plan
-across all processes once, when it is built (one ``all_gather_object`` of a hash); only on a mismatch
-does it exchange the plans' node lists, to name the first node that differs.
-
-What must agree is what crosses processes: the communication nodes (collective boxing steps and
-route nodes), in plan order, with their ranks, streams and buffers. Compute nodes and local boxing
-steps may differ (two equally cheap local layouts that meet again before any collective).
+Each process compiles its own copy of the plan; copies that differ (a solver breaking ties differently
+under load, a shape that differs on one rank) issue mismatched collectives, which gloo aborts on and NCCL
+hangs on.
 """
 
 from __future__ import annotations
@@ -23,7 +16,10 @@ from .errors import ExecutionError
 
 def check_same_plan(plan: PhysicalPlan, backend: Backend) -> None:
     """Raises ExecutionError naming the first node on which the processes' plans differ (collective over all
-    processes; a no-op on virtual ranks, where one process holds the plan)."""
+    processes; a no-op on virtual ranks, where one process holds the plan).
+
+    One ``all_gather_object`` of a digest when the runtime is built; only on a mismatch are the node lists
+    exchanged, to name the first difference."""
     import torch.distributed as dist
 
     if isinstance(backend, SimulatedBackend) or not dist.is_available() or not dist.is_initialized():
@@ -39,6 +35,9 @@ def check_same_plan(plan: PhysicalPlan, backend: Backend) -> None:
     raise ExecutionError(first_difference([list(s) for s in sides if isinstance(s, list)]))
 
 
+# What must agree is what crosses processes: the communication nodes in plan order, with their ranks, streams and
+# buffers. Compute nodes and local boxing steps may differ (two equally cheap local layouts that meet again before
+# any collective).
 def communicates(node: PNode) -> bool:
     if node.kind == "route":
         return True

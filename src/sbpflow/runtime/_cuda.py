@@ -1,16 +1,4 @@
-"""CUDA streams and events for the actor runtime's worker threads (used when a placement is ``cuda``).
-
-With threads (under torch.distributed), each worker thread runs its acts on a CUDA stream of its
-own, set once as the thread's current stream, so a communication thread's collective can overlap
-the compute thread's kernels. An act whose output another stream reads records an event after the
-write, and the register carries it; that reader waits for it on the GPU (``wait_event``), never on
-the host, and marks the tensors it read as used by its stream (``record_stream``) so that the
-caching allocator does not hand their memory out again before the reader's kernels ran. Readers on
-the writer's own stream need neither: stream order already serialises them.
-
-Without threads (virtual ranks in one process), there are no lanes: every act runs on the caller's
-stream in the order play.play picks, which respects every message.
-"""
+"""CUDA streams and events for the actor runtime's worker threads, so that communication overlaps compute."""
 
 from __future__ import annotations
 
@@ -21,7 +9,15 @@ import torch
 
 
 class CudaLane:
-    """One worker thread's stream on ``device``."""
+    """One worker thread's stream on ``device``, set once as the thread's current stream.
+
+    An act whose output another stream reads records an event after the write, and the register carries it;
+    the reader waits for it on the GPU (``wait_event``), never on the host, and marks what it read as used by
+    its stream (``record_stream``), so the caching allocator does not reuse that memory before the reader's
+    kernels ran. Readers on the writer's stream need neither: stream order serialises them. Without threads
+    (virtual ranks) there are no lanes: every act runs on the caller's stream, in an order that respects
+    every message.
+    """
 
     def __init__(self, device: torch.device) -> None:
         self.device = device

@@ -1,48 +1,8 @@
 """The actor runtime: worker threads drive the actors of :mod:`.board` through a physical plan.
 
-``ActorRuntime(plan).run(feeds, variables)`` has :func:`~sbpflow.runtime.inorder.run_plan`'s
-signature and results; the numbers are identical because every act runs the same bound kernels
-(:func:`~sbpflow.runtime.inorder.program`). What differs is the order: an actor acts as soon as its
-registers allow (issue 9), so communication overlaps compute and back-pressure bounds memory.
-
->>> import torch, sbpflow
->>> from sbpflow import sbp as S
->>> from sbpflow.runtime.builder import PlanBuilder
->>> p = sbpflow.placement("cpu", [0, 1])
->>> b = PlanBuilder()
->>> b.output("y", b.boxing(b.compute("relu", b.input("x", (4,), p, (S.split(0),))), (S.broadcast,)))
->>> with ActorRuntime(b.build()) as rt:
-...     out = rt.run({"x": {0: torch.tensor([-1.0, 2.0]), 1: torch.tensor([3.0, -4.0])}}, {})
->>> out["y"][1].tolist()
-[0.0, 2.0, 3.0, 0.0]
-
-Threads. Actors are grouped in lanes, one per (device, stream) (:func:`~sbpflow.runtime.board.lane_for`):
-a compute lane per device (per set of ranks a node runs on: a process's one rank under
-torch.distributed, each placement on virtual ranks) acts ready actors earliest plan position first,
-so producers run ahead until their registers are full: the schedule comes from register counts.
-Each ``comm:<key>`` lane acts its actors in plan order (pre, micro-batch 0..m-1, post), so every
-member of a group issues its collectives in one order (no deadlock on gloo or NCCL). Under
-torch.distributed (and in synthetic time) every lane has a thread, so communication overlaps compute;
-the caller's thread acts for the first compute lane. All-reduces, all-gathers and send/recvs of cpu shards are
-issued in flight (their readers wait: :func:`~sbpflow.runtime.inorder.in_flight_collectives`); a process whose
-collectives all are (a pipeline stage's included) needs no thread of its own for them, and runs on the caller's
-alone, as below, posting each transfer as soon as it is ready (:meth:`~sbpflow.runtime.board.Board.issue_comm_first`).
-On virtual ranks, where a collective is a local copy that never waits for a peer, the caller's thread
-acts for every lane, earliest plan position first: deterministic, and exactly
-:func:`~sbpflow.runtime.memory.dry_run`'s schedule (both are :func:`.play.play`:
-no locks, queues or hand-offs; ``threads=True`` forces threads).
-On CUDA each thread has its own stream and registers carry events (:mod:`._cuda`).
-Threads live across runs (each run is a new generation) until :meth:`ActorRuntime.close`, or until
-the runtime is dropped.
-
-Errors. The first exception in any actor stops the step and is raised in the caller's thread,
-naming the actor and its op; variables are only written (``commit``) after a step succeeded.
-A comm error keeps its type (``CommError``): its message names the actor it ran in. On
-torch.distributed the processes first check that they hold the same plan (:mod:`._agree`).
-
-Watchdog. When no act starts or ends for ``timeout`` seconds (``SBPFLOW_TIMEOUT``), the runtime
-raises :class:`DeadlockError` listing every waiting actor, what it waits for (which register,
-from which actor, for which micro-batch) and the last act of each thread.
+It returns what :func:`~sbpflow.runtime.inorder.run_plan` returns, from the same bound kernels; only the
+order differs: an actor acts as soon as its registers allow, so communication overlaps compute and
+back-pressure bounds memory.
 """
 
 from __future__ import annotations
@@ -122,7 +82,35 @@ class DeadlockError(ExecutionError):
 
 
 class ActorRuntime:
-    """Runs a :class:`PhysicalPlan` on actors; see the module docstring."""
+    """Runs a :class:`PhysicalPlan` on actors.
+
+    Threads. Actors are grouped in lanes, one per (device, stream) (:func:`~sbpflow.runtime.board.lane_for`).
+    A compute lane acts ready actors earliest plan position first, so producers run ahead until their
+    registers are full; a ``comm:<key>`` lane acts in plan order, so every member of a group issues its
+    collectives in one order (no deadlock). Under torch.distributed every lane has a thread and the caller's
+    thread acts for the first compute lane; a process whose collectives all run in flight
+    (:func:`~sbpflow.runtime.inorder.in_flight_collectives`) needs no comm thread. On virtual ranks the
+    caller's thread acts for every lane (:func:`.play.play`, deterministic, :func:`.memory.dry_run`'s
+    schedule; ``threads=True`` forces threads). Threads live across runs until :meth:`close`.
+
+    Errors. The first exception in any actor stops the step and is raised in the caller's thread, naming the
+    actor and its op (a CommError keeps its type); variables are written only after a step succeeded. On
+    torch.distributed the processes first check that they hold the same plan (:mod:`._agree`).
+
+    Watchdog. When no act starts or ends for ``timeout`` seconds (``SBPFLOW_TIMEOUT``), a DeadlockError lists
+    every waiting actor, what it waits for, and each thread's last act.
+
+    >>> import torch, sbpflow
+    >>> from sbpflow import sbp as S
+    >>> from sbpflow.runtime.builder import PlanBuilder
+    >>> b = PlanBuilder()
+    >>> x = b.input("x", (4,), sbpflow.placement("cpu", [0, 1]), (S.split(0),))
+    >>> b.output("y", b.boxing(b.compute("relu", x), (S.broadcast,)))
+    >>> with ActorRuntime(b.build()) as rt:
+    ...     out = rt.run({"x": {0: torch.tensor([-1.0, 2.0]), 1: torch.tensor([3.0, -4.0])}}, {})
+    >>> out["y"][1].tolist()
+    [0.0, 2.0, 3.0, 0.0]
+    """
 
     def __init__(self, plan: PhysicalPlan, backend: Backend | None = None, trace: str | None = None,
                  timeout: float | None = None, synthetic: Callable[[PNode], float] | None = None,

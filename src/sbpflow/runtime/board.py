@@ -1,32 +1,8 @@
 """Actors and registers: the dependency state of one step, with no threads in it (ActorRuntime drives it).
 
-Every node of the physical plan that this process runs becomes an :class:`Actor`. Every output
-buffer becomes a :class:`RegisterState` of ``register_num`` slots. The rules (issue 9, section 1):
-
-* an actor acts (step k) when each input has a ready slot and each output has a free slot;
-* after acting it sends "ready" to every consumer (the slot goes into their input queues) and
-  "free" back to each producer (a slot is writable again once all of its readers freed it).
-
-Back-pressure comes from that alone: a producer stops when its consumers have not freed its slots.
-
-Steps. An actor of the ``micro`` phase acts once per micro-batch (m steps), ``pre``/``post`` actors
-once. ``accumulate`` and ``pack`` take their m inputs one step at a time (so each input slot is
-freed at once) and write their single output on the last step; they hold that output slot from
-the first step, which is what the memory count charges them. A value written once and read by an
-actor that acts m times (``repeat``, or any micro actor reading a ``pre`` buffer) stays in its slot
-until the m-th read. ``control`` edges are slots with no value and no bound: ordering only.
-
-Memory. A slot's bytes count from the moment its producer claims it (before the act, so an act's inputs
-and outputs are live together) until its last reader frees it; variables count for the whole step,
-since their shards live on between steps. A fused segment's intermediates (graph.fuse) count while its act
-runs, on top of its inputs and outputs. :func:`.memory.dry_run` plays a step without threads or kernels:
-the same accounting, for the compiler's memory plan.
-
-A buffer whose producer this process does not run (the source side of a cross-placement boxing
-node, on a process that owns only destination ranks) reads as ``{}``: no shards here.
-
-:class:`Board` is the whole state; :mod:`.actors` (ActorRuntime) drives it from worker threads under one lock
-(:meth:`Board.take`, :meth:`Board.finish`), or, when one thread acts for every lane, by :func:`.play.play`.
+Each node this process runs is an :class:`Actor`, each output buffer a :class:`RegisterState` of
+``register_num`` slots. An actor acts when every input has a ready slot and every output a free one, then
+sends "ready" to its consumers and "free" back to its producers: back-pressure comes from that alone.
 """
 
 from __future__ import annotations
@@ -135,7 +111,15 @@ class InEdge:
 
 @dataclass(eq=False, slots=True)
 class Actor:
-    """A node of the plan as this process runs it."""
+    """A node of the plan as this process runs it.
+
+    A ``micro`` actor acts once per micro-batch (m steps), ``pre``/``post`` ones once. ``accumulate`` and
+    ``pack`` take their m inputs one step at a time (each input slot freed at once) and write their output on
+    the last step, holding that slot from the first (as the memory count charges them). A value written once
+    and read by an actor that acts m times (``repeat``, a micro actor reading a ``pre`` buffer) stays in its
+    slot until the m-th read. ``control`` edges are slots with no value and no bound: ordering only. A buffer
+    whose producer this process does not run (the source side of a cross-placement boxing) reads as ``{}``.
+    """
 
     node: PNode
     position: int  # index in the plan's list: the compute thread's priority (earlier first)
@@ -205,7 +189,12 @@ class Actor:
 @dataclass
 class Stats:
     """What the last run did: acts, peak live bytes per rank (in all, and of each ``plan.watch`` set) and peak
-    live slots per register."""
+    live slots per register.
+
+    A slot's bytes count from when its producer claims it (before the act, so an act's inputs and outputs are
+    live together) until its last reader frees it; variables count for the whole step; a fused segment's
+    intermediates count while its act runs. :func:`.memory.dry_run` keeps the same account without threads
+    or kernels, for the compiler's memory plan."""
 
     acts: int = 0
     peak_bytes: dict[int, int] = field(default_factory=dict)
@@ -216,7 +205,10 @@ class Stats:
 
 
 class Board:
-    """The actors of one process and their registers; every method runs under the runtime's lock."""
+    """The actors of one process and their registers; every method runs under the runtime's lock.
+
+    :mod:`.actors` drives it from worker threads (:meth:`take`, :meth:`finish`), or :func:`.play.play` when one
+    thread acts for every lane."""
 
     def __init__(self, plan: PhysicalPlan, backend: Backend) -> None:
         self.plan = plan

@@ -1,19 +1,12 @@
-"""Hand-built physical plans, for the executors' tests and benchmarks.
-
-The compiler (:mod:`sbpflow.graph`) derives plans from a traced step; this builder writes one
-node at a time, so a test can state exactly the plan it means (a chain, a reconvergent DAG, a
-hand-corrupted plan) without a model or a tracer. Ops come from the registry, boxing nodes from
-the boxing planner: one node per planner step, collectives on a ``comm:<ranks>`` stream.
+"""Hand-built physical plans, so the executors' tests and benchmarks state exactly the plan they mean.
 
 >>> import torch, sbpflow
 >>> from sbpflow import sbp as S
 >>> p = sbpflow.placement("cpu", [0, 1])
 >>> b = PlanBuilder(micro_batches=2)
 >>> x = b.unpack(b.input("x", (4, 3), p, (S.split(0),)))
->>> y = b.boxing(b.compute("relu", x), (S.broadcast,))
->>> b.output("y", b.pack(y))
->>> plan = b.build()
->>> [n.kind for n in plan.nodes]
+>>> b.output("y", b.pack(b.boxing(b.compute("relu", x), (S.broadcast,))))
+>>> [n.kind for n in b.build().nodes]
 ['input', 'unpack', 'compute', 'boxing', 'pack', 'output']
 """
 

@@ -1,17 +1,6 @@
-"""The in-order executor: runs a physical plan node by node. The reference the actor runtime is checked against.
+"""The in-order executor: runs a physical plan node by node, the reference the actor runtime is checked against.
 
-``run_plan(plan, feeds, variables)`` executes one step:
-
-* ``feeds``: ``{input name: {rank: shard}}`` for the ranks this process owns (the whole batch: ``unpack``
-  nodes cut the micro-batches);
-* ``variables``: ``{name: {rank: shard}}``: read by ``variable`` nodes, written by ``update`` and ``assign``
-  nodes only after every node of the step has run (:func:`commit`), so a failing step leaves them as they were;
-* returns ``{output name: {rank: shard}}``.
-
-Node semantics are in :mod:`sbpflow.graph.physical`; :func:`act` is shared with the actor runtime. Both run a
-:class:`Program`: the plan prepared once per process, each node a callable with its kernel, attributes, owned
-ranks and shard contexts bound, so a step pays no per-node lookups. The in-order executor drops every buffer
-after its last reader, so the allocator reuses the memory within the step.
+Node semantics are in :mod:`sbpflow.graph.physical`; both executors run the same :class:`Program`.
 """
 
 from __future__ import annotations
@@ -452,7 +441,12 @@ def prepare_groups(plan: PhysicalPlan, backend: Backend) -> None:
 def run_plan(plan: PhysicalPlan, feeds: dict[str, Shards], variables: dict[str, Shards],
              backend: Backend | None = None) -> dict[str, Shards]:
     """Runs one step of ``plan`` in list order: pre, then micro-batches 0..m-1, then post. A buffer is dropped
-    after its last reader, so the allocator reuses its memory within the step."""
+    after its last reader, so the allocator reuses its memory within the step.
+
+    ``feeds`` is ``{input name: {rank: shard}}`` for the ranks this process owns (whole batches: ``unpack``
+    nodes cut the micro-batches); ``variables`` ``{name: {rank: shard}}`` are read by ``variable`` nodes and
+    written by ``update``/``assign`` only after the whole step ran (:func:`commit`), so a failing step leaves
+    them as they were. Returns ``{output name: {rank: shard}}``."""
     backend = backend or get_backend()
     prepare_groups(plan, backend)  # cheap once done: backends cache their groups
     prog = program(plan, backend)

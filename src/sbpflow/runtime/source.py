@@ -1,19 +1,7 @@
-"""Source actors: the producers that feed a plan's ``input`` nodes from across step boundaries.
+"""Source actors: producers that feed a plan's ``input`` nodes across step boundaries (a data loader's batches).
 
-A step's actors (:mod:`.board`) live for one run; a source lives for a stream of runs. It acts on a
-thread of its own (its lane, ``<device>/source:<name>`` on the timeline), producing values ahead of its
-consumer into ``register_num`` registers under the same protocol as every other actor:
-
-* it acts when it has a free register (and its producer is not exhausted);
-* after acting it sends "ready" (the value is in a register the consumer can take);
-* the consumer's :meth:`SourceActor.take` reads the oldest ready register and sends "free" back, so
-  the source acts again: while step t computes, the source loads steps t+1 .. t+k and then waits.
-
-So at most ``register_num`` values are ever loaded ahead of the consumer (:attr:`SourceStats.peak_ahead`),
-and ``register_num=0`` means no actor at all: :meth:`take` produces in the caller's thread (no overlap).
-The runtime knows nothing of what a value is: the producer is any iterator (a data loader's batches).
-End of data is the iterator's end (:meth:`take` raises ``StopIteration``); an error in the producer is
-raised in the consumer's thread at the position it happened, naming the source, and ends the source.
+A source acts on a thread of its own under the actors' register protocol, so at most ``register_num``
+values are loaded ahead of the consumer.
 
 >>> src = SourceActor(iter(range(3)), register_num=2, name="numbers")
 >>> [src.take() for _ in range(3)]
@@ -62,7 +50,13 @@ class _Span:
 
 
 class SourceActor:
-    """Produces ``producer``'s values ahead of the consumer into ``register_num`` registers; see the module doc.
+    """Produces ``producer``'s values ahead of the consumer into ``register_num`` registers.
+
+    It acts when a register is free (and the producer not exhausted) and sends "ready"; :meth:`take` reads
+    the oldest ready register and sends "free", so while step t computes the source loads t+1 .. t+k, then
+    waits. ``register_num=0``: no actor, :meth:`take` produces in the caller's thread. The producer is any
+    iterator: its end makes :meth:`take` raise StopIteration; its error is raised in the consumer's thread at
+    the position it happened, naming the source, and ends the source.
 
     ``measure(value)`` gives the bytes a value holds, for the timeline (default 0); ``device`` names the
     lane's device type. :attr:`timeline` can be attached at any time: spans made before are kept until then.

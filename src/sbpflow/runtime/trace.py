@@ -1,14 +1,5 @@
 """Timelines of the actor runtime: Chrome-trace / Perfetto JSON, one file per process.
 
-Every act is a complete event (``"ph": "X"``) on its worker thread's lane: name = the actor's
-label, ``args`` = actor, op, micro-batch, bytes written. ``pid`` is the process's global rank,
-``tid`` the lane, so ``sbpflow trace merge`` can lay several ranks' files side by side. Times are
-wall-clock microseconds, so files of processes on one machine line up.
-
-The file is written in the trace format's JSON *array* form, appended after every run: an open
-``[`` followed by events, closed with ``]`` on :meth:`TraceWriter.close`. Chrome and Perfetto read
-an unclosed array too, so a job that dies mid-way still leaves a readable timeline.
-
 >>> import tempfile, os
 >>> path = os.path.join(tempfile.mkdtemp(), "t.json")
 >>> w = TraceWriter(path, pid=0)
@@ -26,6 +17,10 @@ from pathlib import Path
 from typing import Any
 
 
+# Every act is a complete event ("ph": "X") on its thread's lane, args = actor, op, micro-batch, bytes. pid is the
+# process's global rank and tid the lane, so `sbpflow trace merge` lays ranks side by side; times are wall-clock
+# microseconds, so processes of one machine line up. The file is a JSON array appended after every run and
+# closed with "]" on close(): Chrome and Perfetto read an unclosed array, so a job that dies leaves a timeline.
 class TraceWriter:
     """Collects spans in memory; :meth:`flush` appends them to ``path`` (see :func:`claim` for a path in use)."""
 

@@ -1,13 +1,5 @@
 """The actor runtime's worker threads: one per (device type, stream), each with its own pick rule.
 
-* :class:`ComputeWorker` keeps a heap of ready actors and acts the earliest plan position first
-  (then the earliest micro-batch; under a pipeline schedule, the earliest action of its stage's
-  list first): producers run ahead until their registers are full, so the schedule is what the
-  register counts allow, and ties go to the compiled order.
-* :class:`CommWorker` acts its actors in one fixed sequence, the plan's order restricted to its
-  stream (pre, micro-batch 0..m-1, post), waiting for the head to be ready. Every member of a
-  process group derives the same sequence, so collectives meet in the same order on every rank.
-
 Every method but the thread's own loop runs under the runtime's lock.
 """
 
@@ -100,7 +92,9 @@ class Worker:
 
 
 class ComputeWorker(Worker):
-    """Acts whichever actor is ready, earliest plan position first."""
+    """Acts whichever actor is ready, earliest plan position first (then earliest micro-batch; under a pipeline
+    schedule, its stage's list first): producers run ahead until their registers are full, so the schedule is
+    what the register counts allow, and ties go to the compiled order."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -129,7 +123,8 @@ class ComputeWorker(Worker):
 
 
 class CommWorker(Worker):
-    """Acts its actors in the plan's order for its stream, one after the other."""
+    """Acts its actors in the plan's order for its stream (pre, micro-batches 0..m-1, post), waiting for the head
+    to be ready. Every member of a group derives the same sequence, so collectives meet in one order."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)

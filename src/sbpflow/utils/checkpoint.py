@@ -1,25 +1,10 @@
-"""Activation checkpointing: keep a segment's inputs, recompute its inside in backward.
-
-``checkpoint(fn, *args)`` runs ``fn`` once in forward and records a single
-autograd node in its place, whose inputs are the tensor arguments that need
-gradients plus the leaves (parameters) ``fn`` read. The segment's own graph,
-with every activation it saved, is dropped as soon as forward leaves it; only
-the arguments stay. When backward reaches the node it runs ``fn`` again, with
-the random stream replayed from where the first run started (same keys, so
-the same dropout masks), differentiates the recomputed outputs with
-:func:`sbpflow.autograd.grad` and hands the gradients of the arguments and the
-parameters to the outer backward, which reduces and accumulates them exactly
-as without checkpointing (partial gradients stay partial, ZeRO-2 shards).
-
-Peak activation memory then holds the segment inputs plus one recomputed
-segment, instead of every segment's internals.
+"""Activation checkpointing: keep a segment's inputs, recompute its inside in backward, so that peak
+activation memory holds the segments' inputs plus one recomputed segment.
 
 >>> import sbpflow
->>> from sbpflow import nn
->>> lin = nn.Linear(4, 4)
+>>> lin = sbpflow.nn.Linear(4, 4)
 >>> x = sbpflow.randn(2, 4, requires_grad=True)
->>> y = sbpflow.utils.checkpoint(lambda t: lin(t).relu(), x)
->>> y.sum().backward()
+>>> sbpflow.utils.checkpoint(lambda t: lin(t).relu(), x).sum().backward()
 >>> x.grad.shape, lin.weight.grad.shape
 (torch.Size([2, 4]), torch.Size([4, 4]))
 """
@@ -47,11 +32,15 @@ _checkpoint_def = OpDef("checkpoint", kernel=lambda *a: None, meta=lambda *a: No
 def checkpoint(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """``fn(*args, **kwargs)``, whose internal activations are recomputed in backward instead of kept.
 
-    ``fn`` returns a tensor or a tuple/list of tensors (other values pass through). See the module docstring.
+    ``fn`` returns a tensor or a tuple/list of tensors (other values pass through). Forward records one node
+    in place of the segment, whose inputs are the arguments that need gradients and the parameters ``fn``
+    read; the segment's own graph is dropped. Backward runs ``fn`` again with the same random keys (the same
+    dropout masks) and hands the gradients to the outer backward, which reduces and accumulates them as
+    without checkpointing (partial gradients stay partial, ZeRO-2 shards).
     """
     if not is_grad_enabled():
         return fn(*args, **kwargs)
-    rng = random.get_state()
+    rng = random.get_state()  # replayed by the recomputation
     detached = _detach_args(args)
     with enable_grad():
         out = fn(*detached, **kwargs)

@@ -1,10 +1,7 @@
-"""Which rows of a batch each process reads, and how the rows it read become its ranks' shards.
+"""Which rows of a batch each process reads, and how those rows become its ranks' shards.
 
-A batch of ``n`` samples is a logical tensor of shape (n, ...) per field. Under an SBP, rank r holds
-the box :func:`~sbpflow._layout.shard_box` gives; its rows are that box's dim-0 range: S(0) on a mesh
-axis cuts the rows, B and splits of other dims keep them all. A process reads the union of its ranks'
-row ranges (:func:`row_ranges`), collates them into one local part, and cuts every rank's shard
-out of that part (:func:`shards_of`).
+A process reads the union of its ranks' dim-0 ranges (:func:`row_ranges`) and cuts every rank's shard out
+of what it read (:func:`shards_of`).
 """
 
 from __future__ import annotations

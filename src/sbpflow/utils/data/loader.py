@@ -1,43 +1,13 @@
 """``DataLoader``: batches of a map-style dataset, shuffled by a seed, placed on ranks, prefetched by a source actor.
 
+Each process reads only the rows its ranks hold; a restored loader resumes mid-epoch bit-exactly.
+
 >>> import torch, sbpflow
->>> from sbpflow import sbp
 >>> from sbpflow.utils.data import TensorDataset
 >>> ds = TensorDataset(torch.arange(10.0).reshape(5, 2))
->>> p = sbpflow.placement("cpu", [0, 1])
->>> loader = DataLoader(ds, batch_size=2, shuffle=True, seed=3, placement=p, sbp=sbp.split(0))
+>>> loader = DataLoader(ds, batch_size=2, placement=sbpflow.placement("cpu", [0, 1]), sbp=sbpflow.sbp.split(0))
 >>> [list(b[0].shape) for b in loader]          # the last batch holds the 5th sample
 [[2, 2], [2, 2], [1, 2]]
->>> loader.state_dict()["epoch"], loader.state_dict()["index"]   # one epoch consumed
-(1, 0)
-
-Order. With ``shuffle``, epoch e visits the samples in ``randperm(len(dataset))`` drawn from a generator
-seeded by (seed, e) alone: every process computes the same order, and a resumed loader the same one.
-
-Position. The loader counts the batches its consumer *took* (not those prefetched): ``state_dict()`` is
-(epoch, index of the next batch), plain integers that ``sbpflow.save`` writes with a checkpoint.
-``iter(loader)`` starts an epoch, as torch's DataLoader does: a loop after a ``break`` or a peek at one batch
-starts again from the first batch (of the next epoch's order), never silently mid-epoch. Only a loader restored
-by ``load_state_dict`` continues: its next iteration yields the rest of the saved epoch, bit-exactly.
-:meth:`DataLoader.batches` with ``steps`` is a stream of steps across epochs: it always continues from the
-position (``Graph.iterate(loader, steps=N)`` twice runs 2N consecutive batches).
-
->>> peek = DataLoader(TensorDataset(torch.arange(6.0)), batch_size=2)
->>> next(iter(peek))[0].tolist()
-[0.0, 1.0]
->>> [b[0].tolist() for b in peek]           # a new iter() starts the epoch
-[[0.0, 1.0], [2.0, 3.0], [4.0, 5.0]]
-
-Placement. With ``placement`` and ``sbp`` every tensor of a batch comes out as a global tensor of that layout,
-and each process reads (calls ``dataset[i]`` for) only the rows its ranks hold: S(0) on a mesh axis gives each
-rank its slice of the batch, B the whole batch (see :mod:`._layout`). ``collate_fn`` (default: torch's
-``default_collate``) gets those rows only, so it must work row by row (dim 0 of its outputs = its samples).
-
-Prefetch. Batches are made by a :class:`~sbpflow.runtime.source.SourceActor` on a thread of its own with
-``prefetch`` registers: while the consumer (an ``nn.Graph`` step) computes, the next ``prefetch`` batches load.
-``prefetch=0`` loads each batch in the consumer's thread when it is asked for. The thread overlaps loading that
-waits (files, sleeps, I/O) or runs outside the GIL (torch kernels, decoders); a pure-Python ``__getitem__``
-shares the GIL with the step.
 """
 
 from __future__ import annotations
@@ -63,7 +33,7 @@ Position = tuple[int, int]  # (epoch, index of a batch in that epoch)
 
 
 class DataLoader:
-    """Batches of ``dataset``; see the module docstring.
+    """Batches of ``dataset``, each tensor laid out by ``placement`` and ``sbp``.
 
     ``batch_size``: samples per batch (over all ranks). ``shuffle``/``seed``: a fresh seeded order each epoch.
     ``drop_last``: drop the last, smaller batch. ``collate_fn``: samples -> batch. ``placement``/``sbp``:
@@ -71,6 +41,19 @@ class DataLoader:
     lists of them give each field of a batch its own (pipeline stages).
     ``prefetch``: the source actor's register count (batches loaded ahead; 0: none). ``read_threads``: how many
     ``dataset[i]`` calls of one batch run at once (for reads that wait; the dataset must allow concurrent reads).
+
+    ``collate_fn`` (default: torch's ``default_collate``) gets only the rows this process's ranks hold, so it
+    must work row by row (dim 0 of its outputs = its samples). The source actor's thread overlaps loading that
+    waits (files, I/O) or runs outside the GIL (torch kernels, decoders); a pure-Python ``__getitem__`` shares
+    the GIL with the step.
+
+    >>> import torch
+    >>> from sbpflow.utils.data import TensorDataset
+    >>> peek = DataLoader(TensorDataset(torch.arange(6.0)), batch_size=2)
+    >>> next(iter(peek))[0].tolist()
+    [0.0, 1.0]
+    >>> [b[0].tolist() for b in peek]           # a new iter() starts the epoch, as torch's does
+    [[0.0, 1.0], [2.0, 3.0], [4.0, 5.0]]
     """
 
     def __init__(self, dataset: Any, batch_size: int = 1, shuffle: bool = False, *, seed: int = 0,
@@ -114,7 +97,7 @@ class DataLoader:
         if cached is not None and cached[0] == epoch:
             return cached[1]
         n = len(self.dataset)
-        if self.shuffle:
+        if self.shuffle:  # seeded by (seed, epoch) alone: every process, and a resumed loader, draws the same order
             gen = torch.Generator().manual_seed(mix_key(self.seed, epoch + 1) & (2**63 - 1))
             order = torch.randperm(n, generator=gen)
         else:
@@ -236,7 +219,15 @@ class DataLoader:
         self.epoch, self.index = epoch, index
 
     def state_dict(self) -> dict[str, int]:
-        """The loader's position (batches taken), as integers ``sbpflow.save`` writes with a checkpoint."""
+        """The loader's position (batches taken), as integers ``sbpflow.save`` writes with a checkpoint.
+
+        >>> import torch
+        >>> from sbpflow.utils.data import TensorDataset
+        >>> loader = DataLoader(TensorDataset(torch.arange(10.0).reshape(5, 2)), batch_size=2, shuffle=True, seed=3)
+        >>> _ = [b for b in loader]
+        >>> loader.state_dict()["epoch"], loader.state_dict()["index"]   # one epoch consumed
+        (1, 0)
+        """
         return {"epoch": self.epoch, "index": self.index, "seed": self.seed, "batch_size": self.batch_size,
                 "samples": len(self.dataset), "shuffle": int(self.shuffle), "drop_last": int(self.drop_last)}
 
