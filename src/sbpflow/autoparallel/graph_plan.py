@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,7 @@ from typing import Any
 from ..errors import PlanError
 from ..graph.ir import LogicalGraph
 from .graph_model import GraphModel, read_graph
-from .graph_search import GraphPrediction, GraphSearch, Knobs, _count, _size, search_graph
+from .graph_search import GraphPrediction, GraphSearch, Knobs, _count, _size, candidates, search_graph
 from .predict import Cluster
 from .profiles import DeviceProfile, get_profile
 
@@ -161,9 +162,10 @@ def _parts(values: dict[str, float], unit: str) -> str:
 
 def plan_graph(g: LogicalGraph, devices: int, profile: str | DeviceProfile = "cpu", *,
                memory_per_device: float | None = None, gpus_per_node: int | None = None, batch: int | None = None,
-               keep: int = 5) -> Plan:
+               keep: int = 5, only: Callable[[Knobs], bool] | None = None) -> Plan:
     """The fastest plan of the traced step ``g`` on ``devices`` devices of ``profile`` that fits
-    ``memory_per_device`` bytes (default: the profile's usable memory); ``batch`` defaults to the traced one."""
+    ``memory_per_device`` bytes (default: the profile's usable memory); ``batch`` defaults to the traced one;
+    ``only`` keeps the candidate plans it accepts (what a caller can run, such as eager training's)."""
     found = get_profile(profile)
     if memory_per_device is not None:
         if memory_per_device <= 0:
@@ -173,7 +175,9 @@ def plan_graph(g: LogicalGraph, devices: int, profile: str | DeviceProfile = "cp
         raise PlanError(f"a plan needs devices >= 1, but got {devices}")
     model = read_graph(g)
     cluster = Cluster(devices, found, min(gpus_per_node or found.gpus_per_node, devices))
-    result = search_graph(model, cluster, batch or model.batch, keep=keep)
+    batch = batch or model.batch
+    plans = None if only is None else [k for k in candidates(model, cluster, batch) if only(k)]
+    result = search_graph(model, cluster, batch, keep=keep, only=plans)
     return make_plan(model, cluster, result)
 
 
