@@ -192,7 +192,7 @@ def make_plan(model: GraphModel, cluster: Cluster, result: GraphSearch) -> Plan:
         usable_memory=best.usable_memory, tflops_per_device=best.tflops_per_device,
         model_tflops_per_device=best.model_tflops_per_device, stages=_stages(model, best, prefix),
         styles=_globs(styles) if tp > 1 else {},
-        sbp={n: _sbp(s if tp > 1 else "replicate", best.knobs.zero, model.param_shapes[prefix + n])
+        sbp={n: param_sbp(s if tp > 1 else "replicate", best.knobs.zero, model.param_shapes[prefix + n])
              for n, s in styles.items()},
         parameters=model.param_count, mfu=best.model_tflops_per_device * 1e12 / cluster.profile.peak_flops,
         repeated_blocks=model.repeats, blocks=_block_modules(model, prefix),
@@ -272,8 +272,12 @@ def _globs(styles: dict[str, str]) -> dict[str, str]:
     return out
 
 
-def _sbp(style: str, zero: int, shape: tuple[int, ...]) -> str:
-    """A parameter's SBP on its stage's (data, tensor) mesh; ZeRO-3 also splits it over data (another dim)."""
+def param_sbp(style: str, zero: int, shape: tuple[int, ...]) -> str:
+    """A parameter's SBP on its stage's (data, tensor) mesh; ZeRO-3 also splits it over data (another dim).
+
+    >>> param_sbp("colwise", 3, (64, 16)), param_sbp("rowwise", 0, (16, 64)), param_sbp("colwise", 0, (64,))
+    ('(S(1), S(0))', '(B, S(1))', '(B, S(0))')
+    """
     if len(shape) == 2:
         tensor = TENSOR_SBP[style]
     else:
