@@ -1,6 +1,6 @@
 """The step time and memory of one 3-D parallel plan (tensor × pipeline × data) of a transformer.
 
-Ranks are laid out as Megatron and ``models.gpt.stage_placements`` do: tensor-parallel ranks innermost, then
+Ranks are laid out as Megatron and ``nn.parallelize.stage_placements`` do: tensor-parallel ranks innermost, then
 data-parallel replicas, then pipeline stages, so rank = (stage · dp + replica) · tp + shard. A group whose
 ranks span nodes pays the inter-node link (the boxing :class:`~sbpflow.boxing.plan.CostModel`).
 
@@ -9,7 +9,7 @@ Inside a block, the SBP signature of every op on the tensor-parallel group is th
 for it (``block_budget``): compute from the chosen signatures' local shapes, tensor-parallel communication from
 the collectives those signatures issue (``block_sbp.block_collectives``), parameters and activations per rank
 from the same choice. A plan with ``layout="megatron"`` uses Megatron-LM's choice instead (what
-``models.gpt.parallelize`` lays out, so what ``sbpflow.auto_parallel`` predicts for the plans it applies).
+``sbpflow.parallelize`` lays out from column/row Linear pairs, so what ``auto_parallel_host`` predicts).
 
 Per micro-batch, stage ``i`` costs ``t_i`` = its blocks' forward and backward (+ recomputation) + their
 tensor-parallel collectives (forward, their duals backward, the forward ones again when full recompute reruns
@@ -414,7 +414,7 @@ def predict_with_cuts(costs: PlanCosts, stage_layers: tuple[int, ...], batch: in
 
 
 def even_cuts(layers: int, stages: int) -> tuple[int, ...]:
-    """As even as possible, earlier stages taking the extra blocks (``models.gpt.split_blocks``).
+    """As even as possible, earlier stages taking the extra blocks (``nn.parallelize.split_blocks``).
 
     >>> even_cuts(10, 4)
     (3, 3, 2, 2)
