@@ -276,6 +276,7 @@ def predict(ctx: _Context, k: Knobs, cuts: tuple[int, ...] | None = None) -> Gra
     plan = k.parallel_plan()
     syncs = [(_grad_sync(plan, ctx.cluster, _unique_params(ctx.model, k, s)),
               _optimizer(plan, ctx.cluster, _unique_params(ctx.model, k, s))) for s in stage_segs]
+    last = max(range(k.pp), key=lambda st: sum(syncs[st]))
     share = ZERO_BUBBLE_SHARE if k.schedule == "zero_bubble" and m >= k.pp else 1.0
 
     def parts(st: int) -> dict[str, float]:
@@ -283,7 +284,7 @@ def predict(ctx: _Context, k: Knobs, cuts: tuple[int, ...] | None = None) -> Gra
         own = {name: float(v[stage_segs[st]].sum()) for name, v in c.parts.items()}
         return {**own, "pp_comm": stage_time[st] - sum(own.values())}
 
-    breakdown = pipeline_breakdown(stage_time, parts, syncs, m, k.virtual, share)
+    breakdown = pipeline_breakdown(stage_time, parts, syncs[last], m, k.virtual, share)
     memories = [_stage_memory(ctx, k, c, st, stage_segs[st], m) for st in range(k.pp)]
     memory = max(memories, key=lambda mem: sum(mem.values()))
     step = sum(breakdown.values())

@@ -366,24 +366,22 @@ def in_flight(pp: int, virtual: int, stage: int, micro_batches: int) -> float:
     return flight
 
 
-def pipeline_breakdown(totals: list[float], parts: Callable[[int], dict[str, float]],
-                       syncs: list[tuple[float, float]], micro_batches: int, virtual: int,
-                       bubble_share: float = 1.0) -> dict[str, float]:
+def pipeline_breakdown(totals: list[float], parts: Callable[[int], dict[str, float]], end: tuple[float, float],
+                       micro_batches: int, virtual: int, bubble_share: float = 1.0) -> dict[str, float]:
     """A pipelined step's seconds by component (``TIME_KEYS``), from each stage's seconds per micro-batch
-    (``totals``; ``parts(i)``: stage ``i``'s by component, compute to dp_comm) and its (gradient sync, optimizer)
-    at the end: ``m`` times the slowest stage, the bubble (the other stages' time over the ``virtual`` chunks,
-    ``bubble_share`` of it left by zero-bubble schedules), then the slowest sync and optimizer step.
+    (``totals``; ``parts(i)``: stage ``i``'s by component, compute to dp_comm) and the (gradient sync, optimizer
+    step) that ends the step (the slowest stage's): ``m`` times the slowest stage, the bubble (the other stages'
+    time over the ``virtual`` chunks, ``bubble_share`` of it left by zero-bubble schedules), then ``end``.
 
     >>> parts = [{"compute": 1.0, "recompute": 0.0, "tp_comm": 0.0, "pp_comm": 0.5, "dp_comm": 0.0}] * 2
-    >>> pipeline_breakdown([1.5, 1.5], parts.__getitem__, [(0.1, 0.2), (0.1, 0.3)], 4, 1)["bubble"]
+    >>> pipeline_breakdown([1.5, 1.5], parts.__getitem__, (0.1, 0.3), 4, 1)["bubble"]
     1.5
     """
     slow = max(range(len(totals)), key=lambda i: totals[i])
-    last = max(range(len(syncs)), key=lambda i: sum(syncs[i]))
     m, p = micro_batches, parts(slow)
     return {"compute": m * p["compute"], "recompute": m * p["recompute"], "tp_comm": m * p["tp_comm"],
-            "pp_comm": m * p["pp_comm"], "dp_comm": m * p["dp_comm"] + syncs[last][0],
-            "bubble": bubble_share * (sum(totals) - totals[slow]) / virtual, "optimizer": syncs[last][1]}
+            "pp_comm": m * p["pp_comm"], "dp_comm": m * p["dp_comm"] + end[0],
+            "bubble": bubble_share * (sum(totals) - totals[slow]) / virtual, "optimizer": end[1]}
 
 
 def _parts(stage: StageCost) -> dict[str, float]:
@@ -397,7 +395,8 @@ def predict_with_cuts(costs: PlanCosts, stage_layers: tuple[int, ...], batch: in
     plan = costs.plan
     stages = [costs.stage_cost(i, k) for i, k in enumerate(stage_layers)]
     syncs = [costs.sync_time(i, k) for i, k in enumerate(stage_layers)]
-    breakdown = pipeline_breakdown([s.total for s in stages], lambda i: _parts(stages[i]), syncs,
+    last = max(range(len(syncs)), key=lambda i: sum(syncs[i]))
+    breakdown = pipeline_breakdown([s.total for s in stages], lambda i: _parts(stages[i]), syncs[last],
                                    costs.micro_batches, plan.virtual)
     memories = [costs.stage_memory(i, k) for i, k in enumerate(stage_layers)]
     memory = max(memories, key=lambda mem: sum(mem.values()))
