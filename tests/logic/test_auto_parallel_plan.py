@@ -62,3 +62,10 @@ def test_a_memory_cap_shards_the_weights() -> None:
 def test_anything_but_a_module_is_refused() -> None:
     with pytest.raises(PlanError, match="sbpflow.nn.Module, but got object"):
         sbpflow.auto_parallel(object(), (sbpflow.randn(4, 4),), devices=2)  # type: ignore[arg-type]
+
+
+def test_an_impossible_cap_names_the_smallest_memory_and_leaves_the_model_as_it_was() -> None:
+    model, inputs = _meta()
+    with pytest.raises(PlanError, match="would fit it"):
+        sbpflow.auto_parallel(model, inputs, devices=4, memory_per_device=1000.0)
+    assert not any(p.is_global for p in model.parameters()) and getattr(model, "strategy", None) is None
