@@ -28,7 +28,7 @@ from _report import add_write_flag, machine, publish  # noqa: E402
 
 import sbpflow  # noqa: E402
 from sbpflow.autoparallel import PROFILES, Cluster, Fixed, ParallelPlan, TransformerSpec, predict, search  # noqa: E402
-from sbpflow.autoparallel.graph_model import GraphModel, read_graph  # noqa: E402
+from sbpflow.autoparallel.graph_model import layer_cuts, read_graph  # noqa: E402
 from sbpflow.autoparallel.graph_search import Knobs, _Context, candidates, search_graph  # noqa: E402
 from sbpflow.autoparallel.graph_search import predict as graph_predict  # noqa: E402
 from sbpflow.autoparallel.predict import even_cuts  # noqa: E402
@@ -48,16 +48,6 @@ def traced_gpt(layers: int) -> tuple[object, float]:
                               sbp=[sbpflow.sbp.broadcast] * 2)
     g = trace_training_step(model, (ids, ids))
     return g, time.perf_counter() - start
-
-
-def layer_cuts(model: GraphModel, chunk_layers: tuple[int, ...]) -> tuple[int, ...]:
-    """Stage cuts of the graph at the sizes planner's layer boundaries (a block starts at its first norm)."""
-    starts = [i for i, s in enumerate(model.segments) if s.modules[0].endswith(".ln_1")]
-    layer, cuts = 0, [0]
-    for n in chunk_layers[:-1]:
-        layer += n
-        cuts.append(starts[layer])
-    return tuple(cuts)
 
 
 def knobs_of(p: ParallelPlan) -> Knobs:

@@ -41,8 +41,7 @@ from _report import launch_self, machine  # noqa: E402
 
 import sbpflow  # noqa: E402
 from sbpflow import optim  # noqa: E402
-from sbpflow.autoparallel import ParallelPlan  # noqa: E402
-from sbpflow.autoparallel.apply import gpt_spec  # noqa: E402
+from sbpflow.autoparallel import ParallelPlan, TransformerSpec  # noqa: E402
 from sbpflow.autoparallel.calibrate_host import calibrate_host  # noqa: E402
 from sbpflow.autoparallel.host import HostProfile, host_plans, host_search, plan_shapes, predict_host  # noqa: E402
 from sbpflow.demo.train_gpt import Trainer  # noqa: E402
@@ -53,7 +52,8 @@ CONFIG = GPTConfig(vocab_size=256, block_size=64, n_layer=4, n_head=4, n_embd=12
 BATCH = 16
 HAND = {"dp4": (1, (4,), 4), "tp2 x dp2": (2, (4,), 2), "pp2 x dp2": (1, (2, 2), 2), "tp4": (4, (4,), 1),
         "pp2 x tp2": (2, (2, 2), 1)}
-SPEC = gpt_spec(GPT(CONFIG))
+SPEC = TransformerSpec(layers=CONFIG.n_layer, hidden=CONFIG.n_embd, heads=CONFIG.n_head, seq=CONFIG.block_size,
+                       vocab=CONFIG.vocab_size)
 CHOICE_CALIBRATIONS = 5  # the auto plan: each candidate's median prediction over this many calibrations
 
 

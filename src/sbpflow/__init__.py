@@ -18,7 +18,6 @@ from . import amp, boxing, checkpoint, comm, cuda, distributed, env, jit, nn, op
 from .amp import GradScaler, autocast
 from .autograd import enable_grad, is_grad_enabled, no_grad
 from .autograd import engine as _engine  # noqa: F401  # binds Tensor.backward
-from .autoparallel.apply import auto_parallel
 from .checkpoint import load, save
 from .creation import (
     arange,
@@ -61,6 +60,7 @@ from .errors import (
 )
 from .meta import meta_init
 from .nn.parallelize import parallelize
+from .nn.trace_step import auto_parallel
 from .ops import functional
 from .ops.dispatch import implicit_broadcast
 

@@ -125,12 +125,12 @@ def test_solves_are_cached_across_candidates():
     assert cached_solve.cache_info().misses == info.misses  # the same plan again: no new solve
 
 
-def test_applied_plans_are_predicted_with_megatrons_layout():
-    """auto_parallel lays blocks out with models.gpt's Megatron styles, so it predicts with that layout."""
-    from sbpflow.autoparallel.apply import auto_parallel
-    from sbpflow.models.gpt import GPT, GPTConfig
+def test_megatron_layout_fixes_every_plans_block_sbps():
+    """``layout="megatron"`` prices every plan with Megatron-LM's block SBPs (what sbpflow.parallelize lays out
+    from column/row pairs), even where the ILP would choose otherwise."""
+    from sbpflow.autoparallel.search import Fixed
 
-    model = GPT(GPTConfig(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=16))
-    auto = auto_parallel(model, devices=2, batch=4, profile=SLOW_TP, gpus_per_node=2, micro_batches=None)
-    for p in [auto.prediction, *auto.result.runners_up]:
+    tiny = TransformerSpec(layers=2, hidden=16, heads=2, seq=8, vocab=32)
+    result = search(tiny, Cluster(2, SLOW_TP, 2), 4, Fixed(zero=0, recompute="none", layout="megatron", virtual=1))
+    for p in [result.best, *result.runners_up]:
         assert p.plan.layout == "megatron" and p.block.choices == MEGATRON_CHOICES

@@ -152,3 +152,33 @@ def test_no_plan_in_memory_names_where_the_bytes_go():
     with pytest.raises(PlanError, match=r"no plan of 96 layers.* fits in memory: the smallest, .* needs .* GB per "
                                         r"device \(weights .*, activations .* GB\)"):
         search(spec, Cluster(8, PROFILES["a100-40gb"], 8), 64)
+
+
+def test_json_carries_stages_and_parameter_sbps_as_the_graph_planner_does(capsys):
+    """The sizes planner's ``--json`` has the graph planner's ``stages`` (modules per stage, cut as
+    ``stage_layers``) and ``sbp`` (per parameter, on the stage's (data, tensor) mesh): Megatron's block on tp 8."""
+    _, out, _ = _plan(capsys, "--tp", "8", "--pp", "16", "--dp", "8", "--micro-batch", "1", "--json")
+    data = json.loads(out)
+    jsonschema.validate(data, PLAN_SCHEMA)
+    stages = data["stages"]
+    assert [sum(m.startswith("layers.") for m in s) for s in stages] == data["stage_layers"]
+    blocks = [m for s in stages for m in s if m.startswith("layers.")]
+    assert blocks == [f"layers.{i}" for i in range(96)]  # every block once, in order
+    assert stages[0][0] == "embedding" and stages[-1][-2:] == ["final_norm", "output"]  # tied: a copy, pp > 1
+    sbp = data["sbp"]
+    assert (sbp["layers.*.qkv.weight"], sbp["layers.*.proj.weight"]) == ("(B, S(0))", "(B, S(1))")
+    assert (sbp["layers.*.fc1.weight"], sbp["layers.*.fc2.weight"]) == ("(B, S(0))", "(B, S(1))")
+    assert (sbp["layers.*.qkv.bias"], sbp["layers.*.fc2.bias"], sbp["layers.*.ln1.weight"]) == ("(B, S(0))", "(B, B)",
+                                                                                               "(B, B)")
+    assert sbp["embedding.word.weight"] == "(B, S(0))" and "output.weight" not in sbp  # tied
+
+
+def test_json_stages_of_an_interleaved_untied_zero3_plan(capsys):
+    code = main(["plan", "--layers", "8", "--hidden", "256", "--heads", "8", "--seq", "128", "--vocab", "1024",
+                 "--batch", "16", "--devices", "8", "--device", "h100-80gb", "--tp", "1", "--pp", "2", "--dp", "4",
+                 "--micro-batch", "1", "--virtual", "2", "--zero", "3", "--untied", "--json"])
+    data = json.loads(capsys.readouterr()[0])
+    jsonschema.validate(data, PLAN_SCHEMA)
+    assert code == 0 and [len([m for m in s if m.startswith("layers.")]) for s in data["stages"]] == [2, 2, 2, 2]
+    assert data["stages"][-1][-2:] == ["final_norm", "output"]
+    assert data["sbp"]["output.weight"] == data["sbp"]["layers.*.qkv.weight"] == "(S(0), B)"  # ZeRO-3, tp 1

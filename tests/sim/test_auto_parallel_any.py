@@ -15,9 +15,10 @@ import torch
 import sbpflow
 import sbpflow.autoparallel.apply as apply
 from sbpflow import nn
-from sbpflow.autoparallel.graph_plan import Plan
+from sbpflow.autoparallel.graph_plan import Plan, plan_graph
 from sbpflow.errors import PlanError
 from sbpflow.nn import functional as F
+from sbpflow.nn.trace_step import trace_training_step
 
 pytestmark = [pytest.mark.usefixtures("one_torch_thread"),
               pytest.mark.filterwarnings("ignore::sbpflow.graph.pipeline.PipelineWarning")]
@@ -63,6 +64,40 @@ def _mlp(width: int = 16) -> tuple[nn.Module, Callable[..., Any],
                                    Callable[[torch.Generator], tuple[torch.Tensor, torch.Tensor]]]:
     return (ResidualMLP(width), lambda m, x, y: m(x, y),
             lambda g: (torch.randn(16, width, generator=g), torch.randint(0, 4, (16,), generator=g)))
+
+
+class ConvBlock(nn.Module):
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(channels, channels, 3, padding=1, bias=False), nn.BatchNorm2d(channels)
+        self.conv2, self.bn2 = nn.Conv2d(channels, channels, 3, padding=1, bias=False), nn.BatchNorm2d(channels)
+
+    def forward(self, x: Any) -> Any:
+        y = F.relu(self.bn1(self.conv1(x)))
+        return F.relu(x + self.bn2(self.conv2(y)))
+
+
+class BatchNormCNN(nn.Module):
+    """A ResNet-like CNN the project did not ship: convolutions, BatchNorm with running statistics, a classifier."""
+
+    def __init__(self, channels: int = 8, depth: int = 2, classes: int = 10) -> None:
+        super().__init__()
+        self.stem, self.bn = nn.Conv2d(3, channels, 3, padding=1, bias=False), nn.BatchNorm2d(channels)
+        self.blocks = nn.ModuleList([ConvBlock(channels) for _ in range(depth)])
+        self.pool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(channels, classes)
+
+    def forward(self, x: Any, y: Any) -> Any:
+        x = F.relu(self.bn(self.stem(x)))
+        for block in self.blocks:
+            x = block(x)
+        x = self.pool(x)  # (B, C, 1, 1)
+        return F.cross_entropy(self.fc(sbpflow.reshape(x, (x.shape[0], x.shape[1]))), y)
+
+
+def _bn_cnn() -> Any:
+    return (BatchNormCNN(), lambda m, x, y: m(x, y),
+            lambda g: (torch.randn(8, 3, 8, 8, generator=g), torch.randint(0, 10, (8,), generator=g)))
 
 
 def _wide_mlp() -> Any:
@@ -155,3 +190,21 @@ def test_a_model_built_under_meta_init_is_planned_laid_out_and_compiled() -> Non
     assert k.dp * k.tp * k.pp == 4 and model.strategy.world_size == 4
     assert all(p.is_meta and p.is_global for p in model.parameters())
     assert len(compiled.plan.peak_bytes) == 4
+
+
+def test_a_batchnorm_cnn_planned_on_metadata_replays_on_a_real_copy(tmp_path: Any) -> None:
+    """BatchNorm builds under meta_init (its step counter included); the plan of the metadata model's traced step
+    lays it out with sbpflow.parallelize, and replayed on a real copy it trains as one device does."""
+    with sbpflow.meta_init():
+        meta = BatchNormCNN()
+        x, y = sbpflow.randn(8, 3, 8, 8), sbpflow.zeros(8, dtype=torch.int64)
+    assert all(b.is_meta for b in meta.buffers())
+    plan = plan_graph(trace_training_step(meta, (x, y)), 4)
+    strategy = sbpflow.parallelize(meta, **plan.parallelize_kwargs())
+    assert strategy.world_size == 4
+    assert all(t.is_meta and t.is_global for t in (*meta.parameters(), *meta.buffers()))
+    plan.save(tmp_path / "plan.json")
+    want, _ = _train(_bn_cnn, None, 2)
+    got, step = _train(_bn_cnn, lambda s: s.config.set_plan(tmp_path / "plan.json"), 2)
+    assert step.auto_plan == plan
+    np.testing.assert_allclose(got, want, rtol=1e-4)

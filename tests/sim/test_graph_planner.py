@@ -23,7 +23,7 @@ import sbpflow
 from sbpflow import nn
 from sbpflow.autoparallel import PROFILES, Cluster, ParallelPlan, TransformerSpec, predict
 from sbpflow.autoparallel.explain import PLAN_SCHEMA
-from sbpflow.autoparallel.graph_model import read_graph
+from sbpflow.autoparallel.graph_model import layer_cuts, read_graph
 from sbpflow.autoparallel.graph_plan import Plan, plan_graph
 from sbpflow.autoparallel.graph_search import Knobs, _Context
 from sbpflow.autoparallel.graph_search import predict as graph_predict
@@ -150,16 +150,6 @@ def test_the_attention_stack_is_read_as_its_structure() -> None:
     assert read.param_count == 4 * per_block + 2 * 512 * width
 
 
-def _layer_cuts(read: Any, stage_layers: tuple[int, ...]) -> tuple[int, ...]:
-    """The graph's stage cuts at the sizes planner's layer boundaries (a block starts at its first norm)."""
-    starts = [i for i, s in enumerate(read.segments) if s.modules[0].endswith(".ln_1")]
-    layer, cuts = 0, [0]
-    for n in stage_layers[:-1]:
-        layer += n
-        cuts.append(starts[layer])
-    return tuple(cuts)
-
-
 def test_graph_and_sizes_planners_agree_on_a_gpt() -> None:
     """The 175B comparison (benchmarks/plan_any_model.py) at a size CI affords: the same plans with the same
     stage cuts predict within 2% (ZeRO-2/3 aside: the sizes planner leaves the embeddings out of their per-micro-batch
@@ -186,7 +176,7 @@ def test_graph_and_sizes_planners_agree_on_a_gpt() -> None:
                                                     virtual=virtual), 512)
         knobs = Knobs(tp, pp, dp, mb, zero, recompute, "interleaved_1f1b" if virtual > 1 else "1f1b", virtual)
         chunk_layers = sizes.stage_layers if virtual == 1 else (16 // (pp * virtual),) * (pp * virtual)
-        same = graph_predict(ctx, knobs, _layer_cuts(read, chunk_layers))
+        same = graph_predict(ctx, knobs, layer_cuts(read, chunk_layers))
         assert same.step_time == pytest.approx(sizes.step_time, rel=0.02), (tp, pp, dp, recompute)
         assert graph_predict(ctx, knobs).step_time <= same.step_time * 1.001
 

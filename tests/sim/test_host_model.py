@@ -12,8 +12,7 @@ import pytest
 
 import sbpflow
 from sbpflow import optim
-from sbpflow.autoparallel import ParallelPlan
-from sbpflow.autoparallel.apply import gpt_spec
+from sbpflow.autoparallel import ParallelPlan, TransformerSpec
 from sbpflow.autoparallel.host import DISPATCH_FIXED, DISPATCH_PER_BLOCK, stage_work
 from sbpflow.comm import record
 from sbpflow.demo.train_gpt import Trainer
@@ -23,6 +22,11 @@ from sbpflow.ops import schema
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 BATCH = 8
+
+
+def _spec(c: GPTConfig) -> TransformerSpec:
+    """The sizes planner's description of a GPT of config ``c`` (the host model prices transformers by sizes)."""
+    return TransformerSpec(layers=c.n_layer, hidden=c.n_embd, heads=c.n_head, seq=c.block_size, vocab=c.vocab_size)
 
 
 def _trainer(layers: int, tp: int = 1, cuts: tuple[int, ...] | None = None, dp: int = 1) -> Trainer:
@@ -69,7 +73,7 @@ def test_collectives_per_rank_match_a_recorded_step(tp, cuts, dp):
     t.step(ids, targets)
     with record() as log:
         t.step(ids, targets)
-    spec = gpt_spec(t.model)
+    spec = _spec(t.model.config)
     plan = ParallelPlan(tp, len(cuts), dp, BATCH // dp, 0, "none")
     for stage in range(len(cuts)):
         rank = stage * tp * dp  # the stage's first rank
@@ -89,8 +93,9 @@ def test_auto_parallel_host_applies_the_fastest_plan_and_explains_it():
                        foreign_dispatch_s=1e-5, gemm_flops=1e11, elementwise_bw=1e10,
                        collectives=((2, 1e-2, 1e-7), (4, 2e-2, 1e-7)), p2p=(1e-4, 1e-9))
     sbpflow.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=4, n_head=4, n_embd=32))
-    auto = auto_parallel_host(model, host, batch=BATCH)
+    config = GPTConfig(vocab_size=64, block_size=16, n_layer=4, n_head=4, n_embd=32)
+    model = GPT(config)
+    auto = auto_parallel_host(model, _spec(config), host, batch=BATCH)
     best = auto.prediction
     assert [p.step_time for p in auto.ranking] == sorted(p.step_time for p in auto.ranking)
     assert (model.strategy.tensor, model.strategy.data) == (best.plan.tp, best.plan.dp)

@@ -1,164 +1,84 @@
-"""``sbpflow.auto_parallel``: plan a GPT for the devices at hand and lay it out by that plan.
+"""Auto-parallel for any model: plan its traced training step, then lay the model out by that plan.
 
-The plan comes from the same search as ``sbpflow plan``, restricted to what the model's
-:func:`~sbpflow.models.gpt.parallelize` realises: tensor, pipeline and data degrees and uneven stage cuts.
-sbpflow's GPT keeps whole optimizer state on every replica and stores all activations, so ZeRO stays 0 and
-recompute "none"; its blocks are laid out Megatron-style, so the search prices them with Megatron-LM's SBPs
-(``layout="megatron"``), not the block ILP's choice, and the plan predicted is the plan run.
-Eager training runs a step as one micro-batch (stages do not overlap), which is the
-default; ``micro_batches=None`` lets the search choose, for ``nn.Graph`` with
-``config.set_gradient_accumulation_steps(auto.micro_batches)``.
+``nn.Graph``'s ``config.enable_auto_parallel`` (and ``config.set_plan``) and ``sbpflow.auto_parallel`` take one
+path: the step is traced on metadata and searched (:func:`plan_model`, ``graph_plan.plan_graph``), the model is
+laid out by ``sbpflow.parallelize(model, **plan.parallelize_kwargs())`` (:func:`lay_out`), and a graph also
+takes the plan's micro-batches, ZeRO stage, schedule and recompute (:func:`configure_graph`). The planner reads
+the program, not a model class: a shipped model is planned as a user's own is.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
+import numpy as np
+
+from ..creation import tensor as make_tensor
 from ..errors import PlanError
 from ..nn.container import ModuleList
-from ..nn.parallelize import parallelize
+from ..nn.module import Module
+from ..nn.parallelize import Strategy, block_starts, parallelize
 from ..tensor import Tensor, shards_from_full
-from .explain import explain
 from .graph_plan import Plan, plan_graph
+from .graph_search import Knobs
 from .host import HostPrediction, HostProfile, host_search
-from .predict import Cluster, Prediction
-from .profiles import DeviceProfile, get_profile
-from .search import Fixed, SearchResult, search
+from .profiles import DeviceProfile
 from .transformer import TransformerSpec
-
-Strategy = Any  # what a model's `lay_out` returns: sbpflow.models.gpt.Strategy for the GPT
-
-
-@runtime_checkable
-class Plannable(Protocol):
-    """A model the planner lays out (sbpflow.models.gpt.GPT is one): the planner reaches models only through this.
-
-    ``strategy`` is the layout applied (None before); its ``shard_inputs(ids, targets)`` places a step's inputs.
-    """
-
-    strategy: Any
-
-    def planner_sizes(self) -> dict[str, int]:
-        """The model's sizes as TransformerSpec's fields: layers, hidden, heads, seq, vocab."""
-        ...
-
-    def lay_out(self, data: int, tensor: int, pipeline: Sequence[int], device: str) -> Any:
-        """Places the parameters for the plan's degrees (``pipeline``: blocks per stage); returns the strategy."""
-        ...
-
-
-@dataclass
-class AutoPlan:
-    """The search's outcome and the strategy it was applied as."""
-
-    spec: TransformerSpec
-    cluster: Cluster
-    result: SearchResult
-    strategy: Strategy
-
-    @property
-    def prediction(self) -> Prediction:
-        return self.result.best
-
-    @property
-    def micro_batches(self) -> int:
-        plan = self.prediction.plan
-        return self.prediction.batch // (plan.dp * plan.micro_batch)
-
-    def explain(self) -> str:
-        return explain(self.spec, self.cluster, self.prediction, self.result)
-
-
-def gpt_spec(model: object) -> TransformerSpec:
-    """The planner's description of a :class:`Plannable` model, such as an ``sbpflow.models.gpt.GPT``."""
-    sizes: dict[str, Any] = dict(_plannable(model).planner_sizes())
-    return TransformerSpec(**sizes)
-
-
-def _plannable(model: object) -> Plannable:
-    if not isinstance(model, Plannable):
-        raise PlanError(f"auto_parallel plans models that implement autoparallel.apply.Plannable (such as "
-                        f"sbpflow.models.gpt.GPT), but got {type(model).__name__}")
-    return model
-
-
-def auto_parallel(model: object, devices: int, batch: int, device: str = "cpu",
-                  profile: str | DeviceProfile = "cpu", gpus_per_node: int | None = None,
-                  micro_batches: int | None = 1) -> AutoPlan:
-    """Searches the fastest plan of ``model`` on ``devices`` ranks for a global ``batch`` and applies it.
-
-    >>> import sbpflow
-    >>> from sbpflow.models.gpt import GPT, GPTConfig
-    >>> sbpflow.manual_seed(0)
-    >>> model = GPT(GPTConfig(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=16))
-    >>> auto = sbpflow.auto_parallel(model, devices=2, batch=4)
-    >>> auto.strategy.world_size, model.strategy is auto.strategy
-    (2, True)
-    """
-    spec = gpt_spec(model)
-    found = get_profile(profile)
-    cluster = Cluster(devices, found, gpus_per_node or devices)
-    # parallelize lays every block out Megatron-style (models.gpt.BLOCK_PLAN: column/row styles, the residual
-    # stream B on the tensor axis); the block ILP's other choices (sequence-parallel stream, replicated or
-    # token-split layers) have no parallelize style, so plans that are applied are predicted with that layout.
-    fixed = Fixed(zero=0, recompute="none", micro_batches=micro_batches, layout="megatron", virtual=1)
-    result = search(spec, cluster, batch, fixed)
-    plan = result.best.plan
-    strategy = _plannable(model).lay_out(data=plan.dp, tensor=plan.tp, pipeline=result.best.stage_layers,
-                                         device=device)
-    return AutoPlan(spec, cluster, result, strategy)
 
 
 def plan_graph_inputs(graph: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
     """``nn.Graph`` with ``config.enable_auto_parallel`` or ``config.set_plan``: at the first call, plans the graph's
-    model (or takes the plan set) and lays it out; then lays each call's local inputs out as the plan's.
-
-    A graph whose one model is a :class:`Plannable` (the GPT) and that was given neither a plan nor a memory cap
-    is planned by the sizes planner, as ``sbpflow.auto_parallel`` does; every other graph by its traced step
-    (:func:`plan_step`), laid out by ``sbpflow.parallelize(model, **plan.parallelize_kwargs())`` and
-    :func:`configure_graph`."""
-    config = graph.config
-    if config.plan is None and config.auto_parallel[2] is None and _plannable_model(graph) is not None:
-        return _gpt_inputs(graph, args)
+    step (or takes the plan set), lays its one model out by the plan (:func:`lay_out`) and configures the graph
+    (:func:`configure_graph`); then lays each call's local inputs (tensors or NumPy arrays) out as the plan's."""
+    args = tuple(_local_tensor(a) if isinstance(a, np.ndarray) else a for a in args)
     strategy = graph.__dict__.get("_auto_strategy")
     if strategy is None:
         strategy = _plan_and_lay_out(graph, args)
     return _lay_out_inputs(strategy, args)
 
 
-def _gpt_inputs(graph: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
-    model = _graph_gpt(graph)
-    if model.strategy is None:
-        devices, profile, _ = graph.config.auto_parallel
-        auto = auto_parallel(model, devices, batch=int(args[0].shape[0]), profile=profile, micro_batches=None)
-        graph.config.set_gradient_accumulation_steps(auto.micro_batches)
-        object.__setattr__(graph, "auto_plan", auto)
-    if not 1 <= len(args) <= 2:
-        raise PlanError(f"an auto-parallel GPT step takes ids (and targets), but got {len(args)} arguments")
-    ids, targets = model.strategy.shard_inputs(*args)  # type: ignore[union-attr]
-    return (ids,) if targets is None else (ids, targets)
+def _local_tensor(array: np.ndarray) -> Tensor:
+    """A NumPy batch as a local tensor (integers as int64, as token ids and class labels are)."""
+    return make_tensor(array.astype(np.int64) if array.dtype.kind in "iu" else array)
 
 
-def _plannable_model(graph: Any) -> Any:
-    found = [m for m in graph._modules.values() if isinstance(m, Plannable)]
-    return found[0] if len(found) == 1 and len(graph._modules) == 1 else None
-
-
-def _graph_gpt(graph: Any) -> Any:
-    found = [m for m in graph._modules.values() if isinstance(m, Plannable)]
-    if len(found) != 1:
-        raise PlanError(f"enable_auto_parallel plans the one model a graph holds that implements "
-                        f"autoparallel.apply.Plannable (such as sbpflow.models.gpt.GPT), but "
-                        f"{type(graph).__name__} holds {len(found)}")
-    return found[0]
-
-
-def _plan_and_lay_out(graph: Any, args: tuple[Any, ...]) -> Any:
+def _plan_and_lay_out(graph: Any, args: tuple[Any, ...]) -> Strategy:
     """Plans (or takes ``config.plan``), then lays the graph's one model out by the plan; returns its strategy.
     Every check runs before the model moves: a call that raises leaves graph and model as they were."""
+    model = _one_model(graph, args)
+    plan = graph.config.plan
+    if plan is None:
+        devices, profile, memory = graph.config.auto_parallel
+        plan = plan_model(graph, args, devices, profile, memory_per_device=memory)
+    strategy = lay_out(model, plan)
+    configure_graph(graph, plan)
+    object.__setattr__(graph, "auto_plan", plan)
+    object.__setattr__(graph, "_auto_strategy", strategy)
+    return strategy
+
+
+def plan_model(graph: Any, args: tuple[Any, ...], devices: int, profile: str | DeviceProfile = "cpu",
+               memory_per_device: float | None = None, only: Callable[[Knobs], bool] | None = None) -> Plan:
+    """The plan of the training step ``graph`` (an ``nn.Graph`` holding one model that sits on one device or was
+    built under ``meta_init()``) on the plain local inputs ``args``; the model is left as it was."""
+    model = _one_model(graph, args)
+    with _layout_kept(graph, model):
+        return plan_step(graph, args, devices, profile, memory_per_device=memory_per_device, only=only)
+
+
+def lay_out(model: Module, plan: Plan, device: str = "cpu") -> Strategy:
+    """Lays ``model`` out by ``plan`` with ``sbpflow.parallelize`` (stage starts moved to whole blocks)."""
+    kwargs = plan.parallelize_kwargs()
+    if kwargs["stages"] is not None:
+        kwargs["stages"] = _whole_blocks(model, kwargs["stages"])
+    return parallelize(model, **kwargs, device=device)
+
+
+def _one_model(graph: Any, args: tuple[Any, ...]) -> Module:
+    """The one model ``graph`` holds, checked to sit on one device, with ``args`` the plain local batch."""
     name = type(graph).__name__
     if len(graph._modules) != 1:
         raise PlanError(f"auto-parallel lays out the one model a graph holds, but {name} holds "
@@ -173,19 +93,7 @@ def _plan_and_lay_out(graph: Any, args: tuple[Any, ...]) -> Any:
     if placed:
         raise PlanError(f"auto-parallel lays out a model that sits on one device, but {name}.{attribute} already "
                         f"holds global tensors ({', '.join(placed[:3])}{', ...' if len(placed) > 3 else ''})")
-    plan = graph.config.plan
-    if plan is None:
-        devices, profile, memory = graph.config.auto_parallel
-        with _layout_kept(graph, model):
-            plan = plan_step(graph, args, devices, profile, memory_per_device=memory)
-    kwargs = plan.parallelize_kwargs()
-    if kwargs["stages"] is not None:
-        kwargs["stages"] = _whole_blocks(model, kwargs["stages"])
-    strategy = parallelize(model, **kwargs)
-    configure_graph(graph, plan)
-    object.__setattr__(graph, "auto_plan", plan)
-    object.__setattr__(graph, "_auto_strategy", strategy)
-    return strategy
+    return model
 
 
 def _whole_blocks(model: Any, starts: list[str]) -> list[str]:
@@ -254,12 +162,13 @@ def _lay_out_inputs(strategy: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
 
 
 def plan_step(graph: Any, args: tuple[Any, ...], devices: int, profile: str | DeviceProfile = "cpu",
-              memory_per_device: float | None = None) -> Plan:
+              memory_per_device: float | None = None, only: Callable[[Knobs], bool] | None = None) -> Plan:
     """Plans any ``nn.Graph``'s step from its traced graph for ``args``' metadata (what
     ``config.enable_auto_parallel(devices=, profile=, memory_per_device=)`` does at the first call, before it lays
-    the model out with ``plan.parallelize_kwargs()`` and :func:`configure_graph`). Tracing a graph of a local
-    model places it on this process's rank, as a call with local inputs does."""
-    return plan_graph(graph.trace(*args), devices, profile, memory_per_device=memory_per_device)
+    the model out with ``plan.parallelize_kwargs()`` and :func:`configure_graph`); ``only`` keeps the plans it
+    accepts. Tracing a graph of a local model places it on this process's rank, as a call with local inputs
+    does (:func:`plan_model` undoes that)."""
+    return plan_graph(graph.trace(*args), devices, profile, memory_per_device=memory_per_device, only=only)
 
 
 def configure_graph(graph: Any, plan: Plan) -> None:
@@ -331,25 +240,27 @@ def _host_name(p: HostPrediction) -> str:
     return f"tp{p.plan.tp} pp{p.plan.pp} dp{p.plan.dp} stages {list(p.stage_layers)}"
 
 
-def auto_parallel_host(model: object, host: HostProfile, batch: int, device: str = "cpu") -> HostAutoPlan:
-    """Plans ``model``'s eager training on the processes of one host (``host`` from ``calibrate_host``) with the
-    host model, and applies the fastest plan.
+def auto_parallel_host(model: Module, spec: TransformerSpec, host: HostProfile, batch: int,
+                       device: str = "cpu") -> HostAutoPlan:
+    """Plans the eager training of a transformer of sizes ``spec`` (``model``'s) on the processes of one host
+    (``host`` from ``calibrate_host``) with the host model, and lays ``model`` out by the fastest plan with
+    ``sbpflow.parallelize``: its repeated-block list cut into the plan's blocks per stage.
 
     >>> import sbpflow
+    >>> from sbpflow import nn
     >>> from sbpflow.autoparallel.host import HostProfile
-    >>> from sbpflow.models.gpt import GPT, GPTConfig
     >>> host = HostProfile(processes=2, cores_factor=((1, 1.0), (2, 2.0)), dispatch_s=4e-5,
     ...                    foreign_dispatch_s=1e-5, gemm_flops=1e11, elementwise_bw=1e10,
     ...                    collectives=((2, 5e-4, 1e-9),), p2p=(5e-4, 1e-9))
-    >>> sbpflow.manual_seed(0)
-    >>> model = GPT(GPTConfig(vocab_size=32, block_size=8, n_layer=2, n_head=2, n_embd=16))
-    >>> auto = auto_parallel_host(model, host, batch=4)
+    >>> model = nn.Sequential(nn.Embedding(32, 16), nn.ModuleList([nn.Linear(16, 16) for _ in range(2)]))
+    >>> spec = TransformerSpec(layers=2, hidden=16, heads=2, seq=8, vocab=32)
+    >>> auto = auto_parallel_host(model, spec, host, batch=4)
     >>> auto.strategy.world_size, [p.plan.pp for p in auto.ranking][:1]   # two cores: the stages share nothing
     (2, [2])
     """
-    spec = gpt_spec(model)
     ranking = host_search(spec, host, batch)
     best = ranking[0]
-    strategy = _plannable(model).lay_out(data=best.plan.dp, tensor=best.plan.tp, pipeline=best.stage_layers,
-                                         device=device)
+    starts = block_starts(model, best.stage_layers) if best.plan.pp > 1 else None
+    strategy = parallelize(model, data=best.plan.dp, tensor=best.plan.tp, pipeline=best.plan.pp, stages=starts,
+                           device=device)
     return HostAutoPlan(spec, ranking, strategy)

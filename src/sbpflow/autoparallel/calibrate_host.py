@@ -3,8 +3,9 @@
 Call :func:`calibrate_host` on every process of a running ``torch.distributed`` (gloo) job, as ``sbpflow
 launch`` starts one; each measurement is a primitive, never a plan:
 
-    dispatch floor       a training step of a tiny GPT placed on rank 0 alone: CPU seconds per dispatched op on
-                         rank 0 (owner) and on the others (outside the placement)
+    dispatch floor       a training step of a tiny language model (built from sbpflow.nn) placed on rank 0
+                         alone: CPU seconds per dispatched op on rank 0 (owner) and on the others (outside
+                         the placement)
     GEMM, elementwise    one core's rates (thread CPU time, so other jobs on the machine do not count)
     sharing              k processes run the same CPU loop while the rest wait: wall / CPU of each, k = 1..N
     collectives          sbpflow's P -> B boxing (one all-reduce) on groups of 2 and of N at 4 B, 64 KiB and
@@ -25,7 +26,28 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..creation import zeros
 from ..errors import SbpflowError
+from ..nn.container import ModuleList
+from ..nn.layers import Embedding, Linear
+from ..nn.module import Module
+from ..nn.normalization import LayerNorm
+from ..nn.parallelize import parallelize
+from ..ops import schema
+from ..ops.functional import (
+    cross_entropy,
+    gelu,
+    linear,
+    permute_reshape,
+    reshape,
+    reshape_permute,
+    scaled_dot_product_attention,
+)
+from ..optim import AdamW
+from ..placement import Placement
+from ..random import manual_seed
+from ..sbp import broadcast, partial_sum
+from ..tensor import Tensor
 from .host import BlockShape, HeadShape, HostProfile
 
 SIZES = (4, 64 << 10, 1 << 20)
@@ -57,25 +79,56 @@ def _cpu_per_call(fn: Callable[[], object], repeats: int) -> float:
     return best
 
 
-def _dispatch(dist: Any) -> tuple[float, float]:
-    """(owner, outsider) CPU seconds per op of a tiny GPT's training step placed on rank 0."""
-    # lazy: a measuring tool that runs the whole stack on top of the planner (the contracts' one exception)
-    import sbpflow
-    from sbpflow import optim
-    from sbpflow.models.gpt import GPT, GPTConfig, parallelize
-    from sbpflow.ops import schema
+class _TinyBlock(Module):
+    """A pre-LN transformer block written with ``sbpflow.nn``: the op mix of a language model's step."""
 
-    cfg = GPTConfig(vocab_size=16, block_size=8, n_layer=2, n_head=2, n_embd=16)
-    sbpflow.manual_seed(0)
-    model = GPT(cfg)
+    def __init__(self, width: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln_1, self.ln_2 = LayerNorm(width), LayerNorm(width)
+        self.q, self.k, self.v, self.proj = (Linear(width, width) for _ in range(4))
+        self.up, self.down = Linear(width, 4 * width), Linear(4 * width, width)
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, t, c = x.shape  # logical (B, T, C)
+        y = self.ln_1(x)
+        q, k, v = (reshape_permute(f(y), (b, t, self.heads, c // self.heads), (0, 2, 1, 3))
+                   for f in (self.q, self.k, self.v))  # logical (B, H, T, hd)
+        att = permute_reshape(scaled_dot_product_attention(q, k, v, is_causal=True), (0, 2, 1, 3), (b, t, c))
+        x = x + self.proj(att)
+        return x + self.down(gelu(self.up(self.ln_2(x))))
+
+
+class _TinyLM(Module):
+    """Embedding, two blocks, final norm and a tied head with cross-entropy: a tiny language model's step."""
+
+    def __init__(self, vocab: int = 16, width: int = 16, heads: int = 2, layers: int = 2) -> None:
+        super().__init__()
+        self.wte = Embedding(vocab, width)
+        self.h = ModuleList([_TinyBlock(width, heads) for _ in range(layers)])
+        self.ln_f = LayerNorm(width)
+
+    def forward(self, ids: Tensor, targets: Tensor) -> Tensor:
+        b, t = ids.shape  # logical (B, T)
+        x = self.wte(ids)  # logical (B, T, C)
+        for block in self.h:
+            x = block(x)
+        logits = linear(self.ln_f(x), self.wte.weight)  # logical (B, T, V)
+        return cross_entropy(reshape(logits, (b * t, -1)), reshape(targets, (b * t,)))
+
+
+def _dispatch(dist: Any) -> tuple[float, float]:
+    """(owner, outsider) CPU seconds per op of a tiny language model's training step placed on rank 0."""
+    manual_seed(0)
+    model = _TinyLM()
     strategy = parallelize(model)  # one rank: rank 0
-    opt = optim.AdamW(model.parameters(), lr=1e-3)
+    opt = AdamW(model.parameters(), lr=1e-3)
     rng = np.random.default_rng(0)
     ids, targets = (rng.integers(0, 16, (2, 8)) for _ in range(2))
 
     def step() -> None:
         x, y = strategy.shard_inputs(ids, targets)
-        _, loss = model(x, y)
+        loss = model(x, y)
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -171,17 +224,15 @@ def _sync_cost(dist: Any, work: float = 2e-3, n: int = 10, repeats: int = 3) -> 
 def _all_reduce_lines(dist: Any, group_size: int, repeats: int = 8) -> tuple[tuple[float, float], tuple[float, float]]:
     """Partial sums boxed to B by sbpflow (one all-reduce each) on every group of ``group_size`` consecutive
     ranks at once: (wall a, b) and (this thread's CPU a, b) per collective, ``a + b·n`` for n bytes."""
-    import sbpflow  # lazy: see _dispatch
-
     world = dist.get_world_size()
-    placements = [sbpflow.placement("cpu", list(range(g, g + group_size))) for g in range(0, world, group_size)]
+    placements = [Placement("cpu", list(range(g, g + group_size))) for g in range(0, world, group_size)]
     walls, cpus = {}, {}
     for nbytes in SIZES:
-        parts = [sbpflow.zeros(max(nbytes // 4, 1), placement=p, sbp=sbpflow.sbp.partial_sum) for p in placements]
+        parts = [zeros(max(nbytes // 4, 1), placement=p, sbp=partial_sum) for p in placements]
 
         def reduce_all(parts: list[Any] = parts) -> None:
             for x in parts:
-                x.to_global(sbp=sbpflow.sbp.broadcast)
+                x.to_global(sbp=broadcast)
 
         reduce_all()
         dist.barrier()

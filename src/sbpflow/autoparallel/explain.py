@@ -6,7 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 from .block_sbp import megatron
-from .predict import TIME_KEYS, Cluster, Prediction
+from .graph_plan import param_sbp
+from .predict import TIME_KEYS, Cluster, Prediction, even_cuts
 from .search import SearchResult
 from .transformer import TransformerSpec
 from .units import seconds, size
@@ -167,7 +168,69 @@ def to_json(spec: TransformerSpec, cluster: Cluster, best: Prediction, result: S
         runners_up=[dict(_prediction_json(p), why=why_lost(p, best)) for p in (result.runners_up if result else [])],
         search=None if result is None else {"candidates": result.candidates, "costed": result.costed,
                                             "seconds": result.seconds},
+        stages=stage_modules(spec, best),
+        sbp=parameter_sbps(spec, best),
     )
+    return out
+
+
+# a block's linear layers as the block ILP names its choices, and the parameter style each choice lays out
+BLOCK_LINEARS = ("qkv", "proj", "fc1", "fc2")
+LINEAR_STYLES = {"column": "colwise", "row": "rowwise", "replicate": "replicate", "tokens": "replicate"}
+
+
+def stage_modules(spec: TransformerSpec, p: Prediction) -> list[list[str]]:
+    """The modules of each stage (chunk), in order, as the graph planner's ``stages``: the token embedding on the
+    first, blocks ``layers.i`` as cut, the final norm and the output layer (a tied one's copy when pp > 1) on the
+    last. Interleaved plans spread the blocks evenly over ``pp · virtual`` chunks.
+
+    >>> from sbpflow.autoparallel import ParallelPlan
+    >>> from types import SimpleNamespace
+    >>> gpt = TransformerSpec(layers=3, hidden=64, heads=4, seq=16, vocab=128)
+    >>> stage_modules(gpt, SimpleNamespace(plan=ParallelPlan(1, 2, 1, 1), stage_layers=(1, 2)))
+    [['embedding', 'layers.0'], ['layers.1', 'layers.2', 'final_norm', 'output']]
+    """
+    plan = p.plan
+    chunks = plan.pp * plan.virtual
+    sizes = list(p.stage_layers) if plan.virtual == 1 else list(even_cuts(spec.layers, chunks))
+    out, first = [], 0
+    for i, n in enumerate(sizes):
+        modules = [f"layers.{j}" for j in range(first, first + n)]
+        first += n
+        if i == 0:
+            modules.insert(0, "embedding")
+        if i == chunks - 1:
+            modules += ["final_norm"] + (["output"] if not spec.tied or plan.pp > 1 else [])
+        out.append(modules)
+    return out
+
+
+def parameter_sbps(spec: TransformerSpec, p: Prediction) -> dict[str, str]:
+    """Each parameter's SBP on its stage's (data, tensor) mesh, as the graph planner's ``sbp``: a block's linear
+    layers by the block's choice (column: weight S(0); row: S(1); replicate or token-split: B), the token embedding
+    and an untied output layer vocab-parallel, norms and learned positions B; ZeRO-3 splits them over data too.
+    Every block has the same SBPs, so blocks are one pattern (``layers.*``)."""
+    plan = p.plan
+    choices = dict(p.block.choices) if p.block is not None and plan.tp > 1 else {}
+    vocab = "vocab" if plan.tp > 1 else "replicate"
+    h = spec.hidden
+    norm = ("weight", "bias") if spec.norm == "layernorm" else ("weight",)
+    widths = {"qkv": spec.qkv_width, "proj": h, "fc1": (2 if spec.gated else 1) * spec.ffn, "fc2": h}
+    inputs = {"qkv": h, "proj": h, "fc1": h, "fc2": spec.ffn}
+    out = {"embedding.word.weight": param_sbp(vocab, plan.zero, (spec.padded_vocab(plan.tp), h))}
+    if spec.position == "learned":
+        out["embedding.position.weight"] = param_sbp("replicate", plan.zero, (spec.seq, h))
+    for layer in ("ln1", "qkv", "proj", "ln2", "fc1", "fc2"):
+        if layer in BLOCK_LINEARS:
+            style = LINEAR_STYLES[choices.get(layer, "replicate")]
+            out[f"layers.*.{layer}.weight"] = param_sbp(style, plan.zero, (widths[layer], inputs[layer]))
+            if spec.bias:
+                out[f"layers.*.{layer}.bias"] = param_sbp(style, plan.zero, (widths[layer],))
+        else:
+            out.update({f"layers.*.{layer}.{n}": param_sbp("replicate", plan.zero, (h,)) for n in norm})
+    out.update({f"final_norm.{n}": param_sbp("replicate", plan.zero, (h,)) for n in norm})
+    if not spec.tied:
+        out["output.weight"] = param_sbp(vocab, plan.zero, (spec.padded_vocab(plan.tp), h))
     return out
 
 
@@ -217,7 +280,7 @@ PLAN_SCHEMA: dict[str, Any] = {
     "$schema": "https://json-schema.org/draft/2020-12/schema",
     "title": "sbpflow plan --json",
     "type": "object",
-    "required": [*_PLAN_FIELDS, "model", "cluster", "batch", "runners_up", "search"],
+    "required": [*_PLAN_FIELDS, "model", "cluster", "batch", "runners_up", "search", "stages", "sbp"],
     "properties": {
         **_PLAN_FIELDS,
         "model": {"type": "object", "required": ["layers", "hidden", "heads", "seq", "vocab", "parameters"]},
@@ -226,5 +289,8 @@ PLAN_SCHEMA: dict[str, Any] = {
         "runners_up": {"type": "array", "items": {"type": "object", "required": [*_PLAN_FIELDS, "why"],
                                                    "properties": {**_PLAN_FIELDS, "why": {"type": "string"}}}},
         "search": {"oneOf": [{"type": "null"}, {"type": "object", "required": ["candidates", "costed", "seconds"]}]},
+        "stages": {"type": "array", "minItems": 1,
+                   "items": {"type": "array", "items": {"type": "string"}}},
+        "sbp": {"type": "object", "additionalProperties": {"type": "string", "pattern": r"^\(.*\)$"}},
     },
 }

@@ -107,6 +107,26 @@ class GraphModel:
     def tp_allowed(self, tp: int) -> bool:
         return all(d % tp == 0 for d in self.tp_dims)
 
+    def block_starts(self) -> list[int]:
+        """The first segment of each repeated block, in order: a repeated segment whose module's parent (``h.3``
+        for ``h.3.ln_1``) is not the previous segment's."""
+        parents = [s.first_module.rpartition(".")[0] for s in self.segments]
+        return [i for i, repeated in enumerate(self.block)
+                if repeated and (i == 0 or parents[i] != parents[i - 1] or not self.block[i - 1])]
+
+
+def layer_cuts(model: GraphModel, chunk_layers: tuple[int, ...]) -> tuple[int, ...]:
+    """Stage cuts (the segment where each chunk starts) that give chunk ``i`` the next ``chunk_layers[i]`` repeated
+    blocks, as the sizes planner cuts a transformer by layers; the first chunk also takes what comes before them."""
+    starts = model.block_starts()
+    if sum(chunk_layers) != len(starts):
+        raise PlanError(f"layer cuts give every repeated block a chunk, {len(starts)} in all, but got {chunk_layers}")
+    layer, cuts = 0, [0]
+    for n in chunk_layers[:-1]:
+        layer += n
+        cuts.append(starts[layer])
+    return tuple(cuts)
+
 
 @dataclass
 class _Layout:

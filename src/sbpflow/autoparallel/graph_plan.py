@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,7 @@ from typing import Any
 from ..errors import PlanError
 from ..graph.ir import LogicalGraph
 from .graph_model import GraphModel, read_graph
-from .graph_search import GraphPrediction, GraphSearch, Knobs, _count, _size, search_graph
+from .graph_search import GraphPrediction, GraphSearch, Knobs, _count, _size, candidates, search_graph
 from .predict import Cluster
 from .profiles import DeviceProfile, get_profile
 
@@ -161,9 +162,10 @@ def _parts(values: dict[str, float], unit: str) -> str:
 
 def plan_graph(g: LogicalGraph, devices: int, profile: str | DeviceProfile = "cpu", *,
                memory_per_device: float | None = None, gpus_per_node: int | None = None, batch: int | None = None,
-               keep: int = 5) -> Plan:
+               keep: int = 5, only: Callable[[Knobs], bool] | None = None) -> Plan:
     """The fastest plan of the traced step ``g`` on ``devices`` devices of ``profile`` that fits
-    ``memory_per_device`` bytes (default: the profile's usable memory); ``batch`` defaults to the traced one."""
+    ``memory_per_device`` bytes (default: the profile's usable memory); ``batch`` defaults to the traced one;
+    ``only`` keeps the candidate plans it accepts (what a caller can run, such as eager training's)."""
     found = get_profile(profile)
     if memory_per_device is not None:
         if memory_per_device <= 0:
@@ -173,7 +175,9 @@ def plan_graph(g: LogicalGraph, devices: int, profile: str | DeviceProfile = "cp
         raise PlanError(f"a plan needs devices >= 1, but got {devices}")
     model = read_graph(g)
     cluster = Cluster(devices, found, min(gpus_per_node or found.gpus_per_node, devices))
-    result = search_graph(model, cluster, batch or model.batch, keep=keep)
+    batch = batch or model.batch
+    plans = None if only is None else [k for k in candidates(model, cluster, batch) if only(k)]
+    result = search_graph(model, cluster, batch, keep=keep, only=plans)
     return make_plan(model, cluster, result)
 
 
@@ -188,7 +192,7 @@ def make_plan(model: GraphModel, cluster: Cluster, result: GraphSearch) -> Plan:
         usable_memory=best.usable_memory, tflops_per_device=best.tflops_per_device,
         model_tflops_per_device=best.model_tflops_per_device, stages=_stages(model, best, prefix),
         styles=_globs(styles) if tp > 1 else {},
-        sbp={n: _sbp(s if tp > 1 else "replicate", best.knobs.zero, model.param_shapes[prefix + n])
+        sbp={n: param_sbp(s if tp > 1 else "replicate", best.knobs.zero, model.param_shapes[prefix + n])
              for n, s in styles.items()},
         parameters=model.param_count, mfu=best.model_tflops_per_device * 1e12 / cluster.profile.peak_flops,
         repeated_blocks=model.repeats, blocks=_block_modules(model, prefix),
@@ -268,8 +272,12 @@ def _globs(styles: dict[str, str]) -> dict[str, str]:
     return out
 
 
-def _sbp(style: str, zero: int, shape: tuple[int, ...]) -> str:
-    """A parameter's SBP on its stage's (data, tensor) mesh; ZeRO-3 also splits it over data (another dim)."""
+def param_sbp(style: str, zero: int, shape: tuple[int, ...]) -> str:
+    """A parameter's SBP on its stage's (data, tensor) mesh; ZeRO-3 also splits it over data (another dim).
+
+    >>> param_sbp("colwise", 3, (64, 16)), param_sbp("rowwise", 0, (16, 64)), param_sbp("colwise", 0, (64,))
+    ('(S(1), S(0))', '(B, S(1))', '(B, S(0))')
+    """
     if len(shape) == 2:
         tensor = TENSOR_SBP[style]
     else:

@@ -31,7 +31,17 @@ import numpy as np
 from ..errors import PlanError
 from .cost import model_state_bytes
 from .graph_model import GraphModel, segment_times
-from .predict import Cluster, ParallelPlan, _coll, _grad_sync, _optimizer, _p2p_time, _zero_per_micro_batch
+from .predict import (
+    Cluster,
+    ParallelPlan,
+    _coll,
+    _grad_sync,
+    _optimizer,
+    _p2p_time,
+    _zero_per_micro_batch,
+    in_flight,
+    pipeline_breakdown,
+)
 from .transformer import RECOMPUTE
 
 MICRO_BATCHES = (1, 2, 4, 8, 16, 32)
@@ -177,10 +187,7 @@ def _costs(ctx: _Context, k: Knobs) -> _Costs:
 
 
 def _in_flight(k: Knobs, stage: int, m: int) -> float:
-    flight = float(min(k.pp - stage, m))
-    if k.virtual > 1:  # interleaved: the first chunks run ahead (Korthikanti et al. 2023, §4.2.3)
-        flight *= 1 + (k.pp - 1) / (k.pp * k.virtual)
-    return flight
+    return in_flight(k.pp, k.virtual, stage, m)
 
 
 def _stage_memory(ctx: _Context, k: Knobs, c: _Costs, stage: int, segs: list[int], m: int) -> dict[str, float]:
@@ -266,17 +273,18 @@ def predict(ctx: _Context, k: Knobs, cuts: tuple[int, ...] | None = None) -> Gra
         chunk_time.append(float(c.time[s].sum()) + receive + send)
     stage_segs = [[j for i in range(k.virtual) for j in segs[i * k.pp + st]] for st in range(k.pp)]
     stage_time = [sum(chunk_time[i * k.pp + st] for i in range(k.virtual)) for st in range(k.pp)]
-    slow = max(range(k.pp), key=lambda st: stage_time[st])
     plan = k.parallel_plan()
     syncs = [(_grad_sync(plan, ctx.cluster, _unique_params(ctx.model, k, s)),
               _optimizer(plan, ctx.cluster, _unique_params(ctx.model, k, s))) for s in stage_segs]
     last = max(range(k.pp), key=lambda st: sum(syncs[st]))
     share = ZERO_BUBBLE_SHARE if k.schedule == "zero_bubble" and m >= k.pp else 1.0
-    parts = {name: m * float(v[stage_segs[slow]].sum()) for name, v in c.parts.items()}
-    pp_comm = m * (stage_time[slow] - sum(float(v[stage_segs[slow]].sum()) for v in c.parts.values()))
-    breakdown = {"compute": parts["compute"], "recompute": parts["recompute"], "tp_comm": parts["tp_comm"],
-                 "pp_comm": pp_comm, "dp_comm": parts["dp_comm"] + syncs[last][0],
-                 "bubble": share * (sum(stage_time) - stage_time[slow]) / k.virtual, "optimizer": syncs[last][1]}
+
+    def parts(st: int) -> dict[str, float]:
+        """Stage ``st``'s seconds per micro-batch by component; its sends are the rest of its time."""
+        own = {name: float(v[stage_segs[st]].sum()) for name, v in c.parts.items()}
+        return {**own, "pp_comm": stage_time[st] - sum(own.values())}
+
+    breakdown = pipeline_breakdown(stage_time, parts, syncs[last], m, k.virtual, share)
     memories = [_stage_memory(ctx, k, c, st, stage_segs[st], m) for st in range(k.pp)]
     memory = max(memories, key=lambda mem: sum(mem.values()))
     step = sum(breakdown.values())

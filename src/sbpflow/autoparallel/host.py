@@ -438,7 +438,7 @@ def host_search(spec: TransformerSpec, host: HostProfile | Sequence[HostProfile]
         raise PlanError(f"host_search needs one or more profiles of one process count, but got "
                         f"{[h.processes for h in hosts]}")
     ranked = []
-    # choices=None: Megatron's block layout, the one models.gpt.parallelize applies (auto_parallel_host), so the
+    # choices=None: Megatron's block layout, the one sbpflow.parallelize applies (auto_parallel_host), so the
     # ranking prices the layout that runs; the block ILP's other choices have no parallelize style.
     for plan, cuts in host_plans(spec, hosts[0].processes, batch):
         predictions = sorted((predict_host(spec, plan, cuts, batch, h) for h in hosts), key=lambda p: p.step_time)

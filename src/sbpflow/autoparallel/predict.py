@@ -1,6 +1,6 @@
 """The step time and memory of one 3-D parallel plan (tensor × pipeline × data) of a transformer.
 
-Ranks are laid out as Megatron and ``models.gpt.stage_placements`` do: tensor-parallel ranks innermost, then
+Ranks are laid out as Megatron and ``nn.parallelize.stage_placements`` do: tensor-parallel ranks innermost, then
 data-parallel replicas, then pipeline stages, so rank = (stage · dp + replica) · tp + shard. A group whose
 ranks span nodes pays the inter-node link (the boxing :class:`~sbpflow.boxing.plan.CostModel`).
 
@@ -9,7 +9,7 @@ Inside a block, the SBP signature of every op on the tensor-parallel group is th
 for it (``block_budget``): compute from the chosen signatures' local shapes, tensor-parallel communication from
 the collectives those signatures issue (``block_sbp.block_collectives``), parameters and activations per rank
 from the same choice. A plan with ``layout="megatron"`` uses Megatron-LM's choice instead (what
-``models.gpt.parallelize`` lays out, so what ``sbpflow.auto_parallel`` predicts for the plans it applies).
+``sbpflow.parallelize`` lays out from column/row Linear pairs, so what ``auto_parallel_host`` predicts).
 
 Per micro-batch, stage ``i`` costs ``t_i`` = its blocks' forward and backward (+ recomputation) + their
 tensor-parallel collectives (forward, their duals backward, the forward ones again when full recompute reruns
@@ -27,6 +27,7 @@ and steps its optimizer; the slowest of those ends the step.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -154,12 +155,10 @@ class PlanCosts:
         flight (1F1B: stage ``i`` of ``p`` holds ``min(p - i, m)``, Narayanan et al. 2021 §2.2.1)."""
         plan, spec = self.plan, self.spec
         memory = model_state_bytes(self.stage_params(stage, layers), plan.dp, plan.zero)
-        in_flight = float(min(plan.pp - stage, self.micro_batches))
-        if plan.virtual > 1:  # interleaved: the first chunks run ahead (Korthikanti et al. 2023, §4.2.3)
-            in_flight *= 1 + (plan.pp - 1) / (plan.pp * plan.virtual)
+        flight = in_flight(plan.pp, plan.virtual, stage, self.micro_batches)
         # the block being rebuilt for backward (and ZeRO-3's gathered weights): ``block.working``
         head = head_activation_bytes(spec, plan.micro_batch, plan.tp) if stage == plan.pp - 1 else 0.0
-        memory["activations"] = in_flight * layers * self.block.kept + self.block.working + head
+        memory["activations"] = flight * layers * self.block.kept + self.block.working + head
         return memory
 
     def sync_time(self, stage: int, layers: int) -> tuple[float, float]:
@@ -358,19 +357,47 @@ def _zero_per_micro_batch(cluster: Cluster, plan: ParallelPlan, params: float) -
 # ----------------------------------------------------------------------------- from costs and cuts to a prediction
 
 
+def in_flight(pp: int, virtual: int, stage: int, micro_batches: int) -> float:
+    """Micro-batches whose activations ``stage`` holds at once under 1F1B: ``min(p - i, m)`` (Narayanan et al.
+    2021 §2.2.1); interleaved, the first chunks run ahead (Korthikanti et al. 2023, §4.2.3)."""
+    flight = float(min(pp - stage, micro_batches))
+    if virtual > 1:
+        flight *= 1 + (pp - 1) / (pp * virtual)
+    return flight
+
+
+def pipeline_breakdown(totals: list[float], parts: Callable[[int], dict[str, float]], end: tuple[float, float],
+                       micro_batches: int, virtual: int, bubble_share: float = 1.0) -> dict[str, float]:
+    """A pipelined step's seconds by component (``TIME_KEYS``), from each stage's seconds per micro-batch
+    (``totals``; ``parts(i)``: stage ``i``'s by component, compute to dp_comm) and the (gradient sync, optimizer
+    step) that ends the step (the slowest stage's): ``m`` times the slowest stage, the bubble (the other stages'
+    time over the ``virtual`` chunks, ``bubble_share`` of it left by zero-bubble schedules), then ``end``.
+
+    >>> parts = [{"compute": 1.0, "recompute": 0.0, "tp_comm": 0.0, "pp_comm": 0.5, "dp_comm": 0.0}] * 2
+    >>> pipeline_breakdown([1.5, 1.5], parts.__getitem__, (0.1, 0.3), 4, 1)["bubble"]
+    1.5
+    """
+    slow = max(range(len(totals)), key=lambda i: totals[i])
+    m, p = micro_batches, parts(slow)
+    return {"compute": m * p["compute"], "recompute": m * p["recompute"], "tp_comm": m * p["tp_comm"],
+            "pp_comm": m * p["pp_comm"], "dp_comm": m * p["dp_comm"] + end[0],
+            "bubble": bubble_share * (sum(totals) - totals[slow]) / virtual, "optimizer": end[1]}
+
+
+def _parts(stage: StageCost) -> dict[str, float]:
+    return {"compute": stage.compute, "recompute": stage.recompute, "tp_comm": stage.tp_comm,
+            "pp_comm": stage.pp_comm, "dp_comm": stage.dp_comm}
+
+
+
 def predict_with_cuts(costs: PlanCosts, stage_layers: tuple[int, ...], batch: int) -> Prediction:
     """The step time and memory of ``costs``' plan with ``stage_layers`` blocks on each stage."""
-    plan, m = costs.plan, costs.micro_batches
+    plan = costs.plan
     stages = [costs.stage_cost(i, k) for i, k in enumerate(stage_layers)]
-    bottleneck = max(range(len(stages)), key=lambda i: stages[i].total)
-    slow = stages[bottleneck]
     syncs = [costs.sync_time(i, k) for i, k in enumerate(stage_layers)]
     last = max(range(len(syncs)), key=lambda i: sum(syncs[i]))
-    breakdown = {
-        "compute": m * slow.compute, "recompute": m * slow.recompute, "tp_comm": m * slow.tp_comm,
-        "pp_comm": m * slow.pp_comm, "dp_comm": m * slow.dp_comm + syncs[last][0],
-        "bubble": (sum(s.total for s in stages) - slow.total) / plan.virtual, "optimizer": syncs[last][1],
-    }
+    breakdown = pipeline_breakdown([s.total for s in stages], lambda i: _parts(stages[i]), syncs[last],
+                                   costs.micro_batches, plan.virtual)
     memories = [costs.stage_memory(i, k) for i, k in enumerate(stage_layers)]
     memory = max(memories, key=lambda mem: sum(mem.values()))
     step = sum(breakdown.values())
@@ -386,7 +413,7 @@ def predict_with_cuts(costs: PlanCosts, stage_layers: tuple[int, ...], batch: in
 
 
 def even_cuts(layers: int, stages: int) -> tuple[int, ...]:
-    """As even as possible, earlier stages taking the extra blocks (``models.gpt.split_blocks``).
+    """As even as possible, earlier stages taking the extra blocks (``nn.parallelize.split_blocks``).
 
     >>> even_cuts(10, 4)
     (3, 3, 2, 2)

@@ -15,7 +15,7 @@ gradients, sends between stages).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -127,18 +127,10 @@ class GPT(nn.Module):
         self.strategy: Strategy | None = None
         _init_weights(self)
 
-    # the planner's protocol (sbpflow.autoparallel.apply.Plannable)
-    def planner_sizes(self) -> dict[str, int]:
-        c = self.config
-        return {"layers": c.n_layer, "hidden": c.n_embd, "heads": c.n_head, "seq": c.block_size, "vocab": c.vocab_size}
-
     @property
     def parallel_plan(self) -> dict[str, Any]:
         """The rules :func:`sbpflow.parallelize` reads (see :data:`BLOCK_PLAN`)."""
         return _gpt_plan(self)
-
-    def lay_out(self, data: int, tensor: int, pipeline: Sequence[int], device: str) -> Strategy:
-        return parallelize(self, data=data, tensor=tensor, pipeline=tuple(pipeline), device=device)
 
     def forward(self, ids: Tensor, targets: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
         b, t = ids.shape  # logical (B, T)

@@ -242,8 +242,7 @@ class GraphConfig:
         config's ZeRO stage, micro-batches, schedule and recompute), then compile and run; ``step.auto_plan`` is
         the plan. The model sits on one device (or was built under ``meta_init()``) and calls pass the plain local
         batch. ``profile``: a device profile name, file or object; ``memory_per_device``: the bytes each device
-        may use (default: the profile's). A graph whose one model is an ``autoparallel.apply.Plannable`` (the
-        GPT) is planned by its sizes, as before, unless ``memory_per_device`` is given."""
+        may use (default: the profile's). Every model takes this path, the shipped ones included."""
         if not isinstance(devices, int) or isinstance(devices, bool) or devices < 1:
             raise SbpflowError(f"enable_auto_parallel needs devices >= 1, but got {devices!r}")
         if memory_per_device is not None and not memory_per_device > 0:

@@ -109,7 +109,8 @@ class _BatchNorm(Module):
             if self.track_running_stats:
                 init.zeros_(self.running_mean)
                 init.ones_(self.running_var)
-                self.num_batches_tracked.zero_()
+                if not self.num_batches_tracked.is_meta:  # meta_init: metadata only, nothing to zero
+                    self.num_batches_tracked.zero_()
         if self.affine:
             init.ones_(self.weight)
             init.zeros_(self.bias)

@@ -155,6 +155,25 @@ def split_blocks(n_layer: int, pipeline: int) -> tuple[int, ...]:
     return tuple(s for s, n in enumerate(sizes) for _ in range(n))
 
 
+def block_starts(model: Module, blocks_per_stage: Sequence[int]) -> list[str]:
+    """The ``stages`` argument that gives stage ``s`` the next ``blocks_per_stage[s]`` of the model's repeated
+    blocks (its largest ModuleList of same-class modules): uneven cuts, such as a planner's.
+
+    >>> from sbpflow import nn
+    >>> net = nn.Sequential(nn.Linear(4, 4), nn.ModuleList([nn.Linear(4, 4) for _ in range(4)]))
+    >>> block_starts(net, (1, 3))
+    ['1.0', '1.1']
+    """
+    named = dict(model.named_modules())
+    blocks = _block_names(named, _largest_block_list(named))
+    sizes = list(blocks_per_stage)
+    if not sizes or sum(sizes) != len(blocks) or min(sizes) < 1:
+        raise PlanError(f"parallelize: blocks per stage must give every stage at least one block, {len(blocks)} in "
+                        f"all (the repeated blocks of {type(model).__name__}), but got {sizes}")
+    firsts = np.cumsum([0] + sizes[:-1])
+    return [blocks[int(i)] for i in firsts]
+
+
 # -- parallelize -----------------------------------------------------------------------------------
 
 
@@ -457,4 +476,4 @@ def _local_inputs(strategy: Strategy) -> Callable[[Module, tuple[Any, ...]], tup
     return hook
 
 
-__all__ = ["Strategy", "parallelize", "split_blocks", "stage_placements"]
+__all__ = ["Strategy", "block_starts", "parallelize", "split_blocks", "stage_placements"]
