@@ -1,31 +1,15 @@
-"""SBPs inside a transformer block on its tensor-parallel group: an ILP (HiGHS) with a memory limit.
+"""SBPs inside one transformer block on its tensor-parallel group: an ILP (HiGHS) with a memory limit.
 
-Every block of a GPT has the same shapes, so the choice is made once for one block and holds for all of
-them: a 96-layer model costs one block's variables (about 40 binaries), not 96 times that. The block, on a
-1-D mesh of ``t`` ranks, as logical 2-D tensors of ``N = b·s`` tokens:
+All blocks have the same shapes, so one block is solved (about 40 binaries) and its choice holds for every
+layer::
 
-    x ─ ln1 ─ qkv ─ attention ─ proj ─ add ─ ln2 ─ fc1 ─ gelu ─ fc2 ─ add ─> (the next block's x)
+    x ─ ln1 ─ qkv ─ attention ─ proj ─ add ─ ln2 ─ fc1 ─ gelu ─ fc2 ─ add ─> next block
     └──────────────────────────────────┘  └────────────────────────────┘
 
-Each linear layer picks ``replicate`` (x B, W B -> B), ``column`` (x B, W S(1) -> S(1)), ``row``
-(x S(1), W S(0) -> P(sum)) or ``tokens`` (x S(0), W B -> S(0), its weight gradient all-reduced); attention
-and GeLU keep B, S(0) or S(1) (heads); LayerNorm B or S(0); residual adds take two equal SBPs. Between a
-producer and a consumer the boxing planner's ``transition_time`` prices the change, counted twice (the
-backward pass runs the dual transition: all-gather <-> reduce-scatter, all-reduce <-> nothing and back), three
-times under full recompute. Ops cost their roofline forward kernels on their local shapes, times 3 for forward
-and backward (4 under full recompute; attention 4 under selective). Memory per rank (``BlockBudget``): the
-parameters held, at the plan's bytes per parameter (16 under mixed-precision Adam without ZeRO), the activations
-kept for backward per micro-batch in flight, and the block being rebuilt. Megatron's choice reproduces
-Korthikanti et al.'s activation counts and the per-kernel roofline of a Megatron block exactly.
-
-The plan search (``predict.plan_block``) solves this once per distinct (micro-batch, tp, recompute, budget,
-memory limit) and prices every plan with the choice: its compute, its tensor-parallel collectives
-(:func:`block_collectives`), its parameters and activations.
-
-Megatron-LM's linear layers (column, heads, row, column, S(1), row) are what the ILP finds when memory is short
-or the group is fast, with the residual stream and LayerNorms split over tokens (sequence parallelism: the same
-bytes moved as all-reduces, a t-th of the elementwise work and activations); when memory is plentiful and the
-group slow it may replicate small layers instead. The tests check the ILP against enumerating every assignment.
+Each linear picks ``replicate``, ``column``, ``row`` or ``tokens``; transitions cost the boxing planner's time
+(twice: backward runs the dual collective), ops their roofline kernels, memory is :class:`BlockBudget`. When
+memory is short or the group fast, the answer is Megatron's (column, heads, row; sequence-parallel norms), which
+reproduces Korthikanti et al.'s activation counts; the tests check the ILP against enumerating every assignment.
 """
 
 from __future__ import annotations

@@ -1,29 +1,14 @@
-"""Eager training steps of sbpflow's GPT on host processes that share CPU cores (the 4-gloo-process validation).
+"""Eager training steps on host processes that share CPU cores (the 4-gloo-process validation).
 
-On an accelerator a step is bounded by kernels and links (``predict.py``). Eager training on CPU processes is
-bounded by other things, and this model prices exactly those, from the plan's metadata and a calibrated
-:class:`HostProfile` (``calibrate_host.py``):
+On an accelerator a step is bounded by kernels and links (``predict.py``); eager training on CPU processes by
+per-op dispatch, cores shared between processes and the waits that sharing causes. This model prices those from
+the plan's metadata and a calibrated :class:`HostProfile` (``calibrate_host.py``)::
 
-* **dispatch**: every op a step dispatches costs a CPU floor (Python dispatch, SBP inference, autograd
-  bookkeeping). A rank outside an op's placement still dispatches it (SPMD eager: every process runs the whole
-  program), at a lower floor. Counts per block and per step are properties of sbpflow's GPT (:data:`DISPATCH`).
-* **kernels**: GEMM FLOPs at one core's GEMM rate, elementwise bytes at one core's bandwidth, AdamW's bytes.
-* **sharing**: ``k`` processes running at once on fewer cores stretch each CPU second to ``f(k)`` wall seconds
-  (``cores_factor``, measured with ``k`` busy processes while the others wait).
-* **synchronisation**: a blocking collective between stretches of compute also waits for the process the
-  sharing left behind (``sync_s``, measured as an all-reduce after 2 ms of CPU on every process beyond both
-  alone); the tensor-parallel and loss collectives and the receives between stages block so, the gradient
-  buckets overlap backward.
-* **collectives**: the ones the plan issues, counted from its layouts: per block the transitions of the SBP
-  selection's chosen signatures (:func:`block_collectives`; Megatron's two all-reduces forward and two
-  backward), the embedding's and the vocab-parallel loss's, the data-parallel gradient sync (flat buckets as the
-  bucketer fills them; one all-reduce per leaf for leaves split on the tensor axis of a 2-D mesh, which the
-  bucketer does not coalesce), and pipeline sends. Each costs ``a_g + b_g · n`` for its group size ``g``.
-* **schedule**: eager runs pipeline stages one after another (one micro-batch): the step is the sum over
-  stages of their sharing-stretched CPU, plus every collective on the critical path.
-
-    step = Σ_stages (f(k_s) · cpu_s + blocking_s · sync) + Σ_collectives (a_g + b_g · n)
+    step  = Σ_stages (f(k_s) · cpu_s + blocking_s · sync) + Σ_collectives (a_g + b_g · n)
     cpu_s = dispatch_own · d + dispatch_foreign · d' + FLOPs / R_gemm + bytes / R_mem
+
+``f(k)`` stretches CPU seconds when ``k`` processes share fewer cores; ``sync`` is what a blocking collective
+waits for the process the sharing left behind; eager stages run one after another.
 """
 
 from __future__ import annotations

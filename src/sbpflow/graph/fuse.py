@@ -1,45 +1,17 @@
-"""Fused segments (on by default, ``GraphConfig.enable_fused_segments``): each maximal run of plain compute nodes of a
-plan becomes one compute node whose kernel is straight-line Python generated from the run.
+"""Fused segments (``GraphConfig.enable_fused_segments``, on by default): each maximal run of plain compute
+nodes becomes one node whose kernel is straight-line Python generated from the run, so the executor pays one
+act per run instead of one per node (what torch.fx's ``GraphModule`` does for a traced graph)::
 
-A compiled plan already binds each node's kernel once (``runtime.inorder.Program``); what a step still pays per
-node is the executor's loop: one act, its inputs looked up, its outputs stored, its register claimed and freed.
-This pass removes that between communication nodes, as torch.fx's ``GraphModule`` does for a traced graph: the
-run ``matmul -> add -> gelu`` becomes one node of op :data:`FUSED` whose kernel is ::
+    matmul -> add -> gelu        def segment(b3, b7):     # the run's inputs
+                                     b9 = k0(b3, **a0)    # k0: REGISTRY["matmul"].kernel
+                                     b10 = k1(b9, b7)
+                                     del b9               # dies after its last reader
+                                     return (k2(b10),)
 
-    def segment(b3, b7):              # the run's inputs, in order of first use
-        b9 = k0(b3, **a0)             # k0: REGISTRY["matmul"].kernel, a0: its attributes
-        b10 = k1(b9, b7)
-        del b9                        # an intermediate dies after its last reader
-        b11 = k2(b10)
-        return (b11,)                 # what nodes outside the run read
-
-compiled with Python's ``compile()`` (:func:`codegen`), so each segment has a code object of its own (what
-``torch.compile`` caches on, with ``torch_compile=True``). Intermediates never reach the executor: no register,
-no act, no buffer lookup.
-
-What fuses. Consecutive nodes of the plan list (same phase, same ranks) of kind ``compute`` on the compute stream
-with only tensor and constant arguments (no per-step scalar: the learning rate, a dropout key, which the executor
-looks up per step). Shard-aware kernels get their ``ShardCtx`` as a constant of the rank's code (``contexts``
-of :func:`codegen`), and a node with ``overwrites`` calls its in-place form (``ops.inplace``): it is its input's
-only reader, inside the segment or not. Any other node (communication, boxing, update, ...) ends the run. Around
-communication the runs keep the overlap unfused nodes have: a node making what a collective sends ends a run (the
-collective is issued once its input is made), and a reader of a collective's output starts one (the executor
-waits for a collective in flight where its reader acts, so the nodes before it overlap the transfer); runs of one
-node are left as they are. In a
-plan with several pipeline stages a run also keeps to one stage and one part of the schedule (F, B or W), and the
-pipeline's maps from node ids to stages and parts follow the renumbering: the schedule orders a fused node's acts
-as it ordered its members'.
-
-While the actor runtime writes a timeline (``SBPFLOW_TRACE``), a fused act runs a twin of its code that reads the
-clock after each sub-node (``SegmentCode.timed``), and the timeline shows one span per sub-node inside the act's.
-
-The fused node is an ordinary compute node for the executors, ``explain()`` and the verifier: its inputs and
-outputs are buffers of the plan, its control edges the runs' edges from outside it, and ``attrs`` holds the
-sub-nodes themselves (pure data, see :func:`sub_nodes`), so an error inside it names the original node.
-
-Memory. A fused node's inputs and outputs are registers, as for any node. Its intermediates live only inside
-its act, like a kernel's own workspace: :func:`transient_bytes` gives their peak on a rank, and the runtime's
-count and the memory plan (``plan.peak_bytes``, its dry run) add it while the act runs, on top of its registers.
+A run ends at any other node (communication, boxing, update) and keeps to one stage and schedule part; around
+a collective it keeps the overlap unfused nodes have (:func:`_runs`). Intermediates never reach a register:
+:func:`transient_bytes` adds them to the act's peak. ``attrs`` keeps the sub-nodes, so errors, ``explain()`` and
+the timeline (``SegmentCode.timed``) still name the original nodes.
 """
 
 from __future__ import annotations

@@ -1,22 +1,11 @@
 """SBP selection for the whole graph: an integer program over every op's signature (HiGHS, through highspy).
 
-Each op node ``v`` picks one n-D signature ``k`` from its candidates (``x[v,k]`` binary, one per node).
-Fixed nodes (inputs, variables, constants, explicit ``to_global``) have their layout. For each edge
-from a value to a consumer's input, the producer's output SBP ``s`` and the consumer's required SBP
-``t`` cost the boxing planner's α-β time ``C[s,t]``: edge variables ``e[s,t] >= 0`` whose marginals are
-the producer's and the consumer's choices (with one-hot choices the coupling is exact, so ``e`` can be
-continuous). Ops cost their local compute (a roofline: bytes moved through memory, or FLOPs for matmuls and
-attention where those take longer), so a replicated signature pays for doing everything everywhere: a weight
-gradient computed whole on every rank as much as one summed from halves and all-reduced. Gradient all-reduces
-(P(sum) -> B of whole tensors, read by the optimizer) go out in buckets during backward (graph.bucket), so small
-ones share a bucket's latency, and together they cost only what backward's compute does not cover; ZeRO's
-gradient reduce-scatters into their parameters' layouts, issued as each gradient is made, join them (whole).
-The objective is the step's estimated time, under an optional bound on the activation bytes the layouts keep
-for backward (a replicated activation holds the whole batch on every rank): ZeRO asks for memory, so it bounds
-them by the traced choice's (``activation_cap``).
-
-The eager, greedy choice (made while tracing, op by op in program order) is the baseline: its cost is
-evaluated in the same model, and the solver's result is kept only when it is not worse.
+Each op picks one n-D signature (``x[v,k]`` binary); each edge pays the boxing planner's alpha-beta time from
+the producer's SBP to the consumer's (``e[s,t]``, continuous: one-hot choices make the coupling exact); each op
+pays its local roofline compute, so replicating work is never free. Gradient all-reduces cost only what
+backward's compute does not cover (they go out in buckets, graph.bucket). An optional bound on the activation
+bytes kept for backward (``activation_cap``) lets ZeRO ask for memory. The tracer's greedy choice is the
+baseline, priced in the same model: the solver's answer is kept only when it is not worse.
 """
 
 from __future__ import annotations
