@@ -106,6 +106,8 @@ class _Saved:
     order: Shards  # the kept slots, sorted by expert (indices into the rank's n * k slots)
     send: Shards  # (p, per) slot rows sent to each member, per expert of that member
     recv: Shards  # (p, per) slot rows received from each member, per local expert
+    send_rows: dict[int, list[int]]  # send's rows per member, as the all-to-alls take them
+    recv_rows: dict[int, list[int]]
     rows_in: dict[int, torch.Tensor]  # the received rows (a torch leaf)
     weights_in: dict[int, list[torch.Tensor]]  # the local experts' weights (torch leaves), w1, w2, w3 per expert
     rows_out: dict[int, torch.Tensor]  # the local experts' outputs, in received order
@@ -139,13 +141,15 @@ def routed_experts(x: Tensor, top: Tensor, index: Tensor, keep: Tensor | None, e
         counts = torch.bincount(expert[order[r]], minlength=layout.num_experts)
         send[r] = counts.view(-1, layout.per_member)  # (p, per)
     recv = _exchange_counts(layout, send, backend)
+    send_rows = {r: c.sum(1).tolist() for r, c in send.items()}
+    recv_rows = {r: c.sum(1).tolist() for r, c in recv.items()}
     sent = {r: xs[r][order[r] // k] for r in xs}  # (kept slots, C), sorted by expert
-    rows = _exchange(layout, sent, send, recv, backend)
+    rows = _exchange(layout, sent, send_rows, recv_rows, backend)
     tracked = _needs_grad((x, top, *[w for triple in experts for w in triple]))
-    saved = _Saved(layout, y_sbp, dx_sbp, w_sbps, k, order, send, recv, {}, {}, {})
+    saved = _Saved(layout, y_sbp, dx_sbp, w_sbps, k, order, send, recv, send_rows, recv_rows, {}, {}, {})
     for r in xs:
         _run_local_experts(saved, r, rows[r], _local_weights(experts, layout, r), tracked)
-    back = _exchange(layout, saved.rows_out, recv, send, backend)
+    back = _exchange(layout, saved.rows_out, recv_rows, send_rows, backend)
     tops = top.local_tensors()
     outs = {}
     for r, rows_r in xs.items():
@@ -184,7 +188,7 @@ def _routed_experts_grad(ctx: Any, dy: Tensor) -> Any:
         d_slots = top_r.to(g.dtype).unsqueeze(-1) * g.unsqueeze(1)  # (n, k, C)
         d_sent[r] = d_slots.reshape(-1, g.shape[-1])[saved.order[r]]  # sorted like the rows sent
         d_top[r] = torch.bmm(saved.slots[r], g.unsqueeze(-1)).squeeze(-1).to(top_r.dtype)  # (n, k)
-    d_rows_out = _exchange(layout, d_sent, saved.send, saved.recv, backend)
+    d_rows_out = _exchange(layout, d_sent, saved.send_rows, saved.recv_rows, backend)
     d_rows_in, d_weights = {}, {}
     for r in douts:
         leaves = [saved.rows_in[r], *saved.weights_in[r]]
@@ -193,7 +197,7 @@ def _routed_experts_grad(ctx: Any, dy: Tensor) -> Any:
         grads = torch.autograd.grad(saved.rows_out[r], leaves, d_rows_out[r], allow_unused=True, retain_graph=True)
         d_rows_in[r] = _or_zeros(grads[0], leaves[0])
         d_weights[r] = [_or_zeros(g, w) for g, w in zip(grads[1:], leaves[1:], strict=True)]
-    d_back = _exchange(layout, d_rows_in, saved.recv, saved.send, backend)
+    d_back = _exchange(layout, d_rows_in, saved.recv_rows, saved.send_rows, backend)
     x = ctx.inputs[0]
     dxs = {}
     for r, g in d_back.items():
@@ -303,7 +307,7 @@ def _exchange_counts(layout: ExpertLayout, send: Shards, backend: Backend) -> Sh
     pieces = {r: list(c.unbind(0)) for r, c in send.items()}
     shapes: dict[int, list[tuple[int, ...]]] = {r: [(per,)] * p for r in send}
     out: Shards = {}
-    for group in layout.mesh.axis_groups(layout.axis):
+    for group in _axis_groups(layout.mesh, layout.axis):
         mine = [r for r in group if r in send]
         if mine:
             moved = nbytes((per,), torch.int64) * p * (p - 1) * len(mine)
@@ -313,17 +317,23 @@ def _exchange_counts(layout: ExpertLayout, send: Shards, backend: Backend) -> Sh
     return out
 
 
-def _exchange(layout: ExpertLayout, rows: Shards, send: Shards, recv: Shards, backend: Backend) -> Shards:
-    """One all-to-all of rows in every ep group: ``send[r][j].sum()`` rows of ``rows[r]`` go to member j, and
-    ``recv[r][j].sum()`` come from it (split sizes known from the count exchange)."""
+def _exchange(layout: ExpertLayout, rows: Shards, send: dict[int, list[int]], recv: dict[int, list[int]],
+              backend: Backend) -> Shards:
+    """One all-to-all of rows in every ep group: ``send[r][j]`` rows of ``rows[r]`` go to member j, and
+    ``recv[r][j]`` come from it (split sizes known from the count exchange)."""
     out: Shards = {}
-    for group in layout.mesh.axis_groups(layout.axis):
+    for group in _axis_groups(layout.mesh, layout.axis):
         mine = [r for r in group if r in rows]
         if mine:
-            out.update(backend.all_to_all_rows(group, {r: rows[r] for r in mine},
-                                               {r: send[r].sum(1).tolist() for r in mine},
-                                               {r: recv[r].sum(1).tolist() for r in mine}))
+            out.update(backend.all_to_all_rows(group, {r: rows[r] for r in mine}, {r: send[r] for r in mine},
+                                               {r: recv[r] for r in mine}))
     return out
+
+
+@lru_cache(maxsize=64)
+def _axis_groups(mesh: Placement, axis: int) -> tuple[tuple[int, ...], ...]:
+    """``mesh.axis_groups(axis)``, once per mesh (five exchanges a step read it)."""
+    return tuple(mesh.axis_groups(axis))
 
 
 def _group_plan(mesh: Placement) -> boxing.Plan:

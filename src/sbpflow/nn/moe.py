@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -39,8 +40,9 @@ from ..creation import tensor
 from ..errors import SbpflowError
 from ..ops import functional as F
 from ..ops.dispatch import INTERPRETERS
+from ..ops.schema import Meta, Sig, op
 from ..placement import Placement
-from ..sbp import broadcast
+from ..sbp import Split, broadcast
 from ..tensor import Tensor
 from .container import ModuleList
 from .expert_parallel import ExpertLayout, Weights, check_layout, member_exchange, routed_experts
@@ -163,10 +165,7 @@ class MoE(Module):
 
     def _gate(self, flat: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """The router's probabilities, logical (N, E), and each token's k routing weights and experts, (N, k)."""
-        probs = F.softmax(self.gate(flat), dim=-1)  # logical (N, E)
-        top, index = F.topk(probs, self.top_k, dim=-1)  # logical (N, k)
-        if self.norm_topk_prob:
-            top = F.div(top, F.sum(top, dim=-1, keepdim=True))
+        top, probs, index = topk_router(self.gate(flat), k=self.top_k, normalize=self.norm_topk_prob)
         return probs, top, index
 
     def _route_topk(self, flat: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
@@ -188,6 +187,69 @@ class MoE(Module):
         top, _, chosen, kept = self._route_topk(flat)
         weights = F.sum(F.mul(F.unsqueeze(top, -1), chosen), dim=1)  # logical (N, E)
         return weights if kept is None else F.mul(weights, kept)
+
+
+# ----------------------------------------------------------------------------- the router as one op
+#
+# softmax, top-k and the renormalisation as sbpflow ops are 4 ops forward and about 10 backward, each paying
+# dispatch; as one op (and one for its gradient) the router costs two.
+
+
+def _router_meta(logits: Meta, k: int, normalize: bool) -> tuple[Meta, Meta, Meta]:
+    rows = logits.shape[:-1]
+    return Meta((*rows, k), logits.dtype), Meta(logits.shape, logits.dtype), Meta((*rows, k), torch.int64)
+
+
+def _router_sigs(logits: Meta, outs: Any, k: int, normalize: bool) -> list[Sig]:
+    """Rows whole or split on any dim but the experts' (the last)."""
+    return [Sig((broadcast,), (broadcast,) * 3)] + [Sig((Split(d),), (Split(d),) * 3)
+                                                    for d in range(len(logits.shape) - 1)]
+
+
+@op("topk_router", meta=_router_meta, sbp=_router_sigs, save_outputs=True, diff_outputs=2, grad_reads=())
+def topk_router(logits: torch.Tensor, k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A token's top-k routing weights (renormalised to sum to 1 if ``normalize``), its router probabilities
+    (softmax over the experts, the last dim) and its k experts: local (..., k), (..., E), (..., k).
+
+    >>> import sbpflow
+    >>> top, probs, index = topk_router(sbpflow.tensor([[0.0, 1.0, 2.0]]), k=2, normalize=True)
+    >>> index.tolist(), round(float(top.sum()), 6)
+    ([[2, 1]], 1.0)
+    """
+    probs = torch.softmax(logits, dim=-1)
+    top, index = torch.topk(probs, k, dim=-1)
+    if normalize:
+        top = top / top.sum(-1, keepdim=True)
+    return top, probs, index
+
+
+@topk_router.grad
+def _topk_router_grad(ctx: Any, d_top: Tensor, d_probs: Tensor) -> Any:
+    _, probs, index = ctx.outputs
+    return (topk_router_backward(d_top, d_probs, probs, index, normalize=ctx.attrs["normalize"]),)
+
+
+def _router_backward_meta(d_top: Meta, d_probs: Meta, probs: Meta, index: Meta, normalize: bool) -> Meta:
+    return probs
+
+
+def _router_backward_sigs(d_top: Meta, d_probs: Meta, probs: Meta, index: Meta, outs: Any,
+                          normalize: bool) -> list[Sig]:
+    return [Sig((broadcast,) * 4, (broadcast,))] + [Sig((Split(d),) * 4, (Split(d),))
+                                                    for d in range(len(probs.shape) - 1)]
+
+
+@op("topk_router_backward", meta=_router_backward_meta, sbp=_router_backward_sigs, differentiable=False)
+def topk_router_backward(d_top: torch.Tensor, d_probs: torch.Tensor, probs: torch.Tensor, index: torch.Tensor,
+                         normalize: bool) -> torch.Tensor:
+    """The router logits' gradient, local (..., E), from its outputs' (:func:`topk_router`)."""
+    d_raw = d_top
+    if normalize:  # top = raw / s, s = sum(raw): d raw = (d top - sum(d top * top)) / s
+        raw = probs.gather(-1, index)
+        total = raw.sum(-1, keepdim=True)
+        d_raw = (d_top - (d_top * raw).sum(-1, keepdim=True) / total) / total
+    d_p = d_probs.scatter_add(-1, index, d_raw.to(d_probs.dtype))  # (the k experts of a row are distinct)
+    return probs * (d_p - (d_p * probs).sum(-1, keepdim=True))  # softmax's gradient
 
 
 def _like(anchor: Tensor, value: torch.Tensor) -> Tensor:
@@ -269,4 +331,4 @@ def load_balancing_loss(stats: list[tuple[Tensor, Tensor]], num_experts: int, to
     return F.mul(F.sum(F.mul(share, F.div(probs, float(len(stats))))), float(num_experts))
 
 
-__all__ = ["Expert", "MoE", "load_balancing_loss", "place_experts", "split_experts"]
+__all__ = ["Expert", "MoE", "load_balancing_loss", "place_experts", "split_experts", "topk_router"]
