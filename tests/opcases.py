@@ -384,9 +384,9 @@ def _optimizer_cases() -> list[OpCase]:
 
 
 def _expert_cases() -> list[OpCase]:
-    """nn.MoE's router (softmax, top-2, renormalised; and its gradient), and nn.Graph's expert-parallel member: two experts (w1, w2, w3 each) on top-2 routing of 4 tokens. No partial
-    input is declared; the flips go through the tokens (and, for the backward, the tokens x), in which the
-    SwiGLU experts are not linear."""
+    """nn.MoE's router (softmax, top-2, renormalised; and its gradient), and nn.Graph's expert-parallel member:
+    two experts (w1, w2, w3 each) on top-2 routing of 4 tokens. No partial input is declared; the flips go
+    through the tokens (and, for the backward, the tokens x), in which the SwiGLU experts are not linear."""
     def member(g: torch.Generator) -> Args:
         return (_r(g, 4, 6), _r(g, 4, 2).softmax(-1), _ints(g, 2, 4, 2)) + tuple(
             w for _ in range(2) for w in (_r(g, 5, 6), _r(g, 6, 5), _r(g, 5, 6)))
