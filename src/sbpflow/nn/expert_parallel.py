@@ -102,15 +102,16 @@ class _Saved:
     y_sbp: NdSbp  # the output's; its gradient's too, with partial axes made whole
     dx_sbp: NdSbp
     w_sbps: tuple[NdSbp, ...]
-    k: int
     order: Shards  # the kept slots, sorted by expert (indices into the rank's n * k slots)
+    token: Shards  # each kept slot's token (order // k)
     send: Shards  # (p, per) slot rows sent to each member, per expert of that member
     recv: Shards  # (p, per) slot rows received from each member, per local expert
     send_rows: dict[int, list[int]]  # send's rows per member, as the all-to-alls take them
     recv_rows: dict[int, list[int]]
-    rows_in: dict[int, torch.Tensor]  # the received rows (a torch leaf)
+    group: dict[int, torch.Tensor]  # the received rows' order grouped by local expert (stable)
+    rows_in: dict[int, torch.Tensor]  # the received rows grouped by local expert (a torch leaf)
     weights_in: dict[int, list[torch.Tensor]]  # the local experts' weights (torch leaves), w1, w2, w3 per expert
-    rows_out: dict[int, torch.Tensor]  # the local experts' outputs, in received order
+    rows_out: dict[int, torch.Tensor]  # the local experts' outputs, grouped like rows_in
     slots: Shards = field(default_factory=dict)  # (n, k, C): each of the rank's slots' expert output
     top: Shards = field(default_factory=dict)  # (n, k): the routing weights
 
@@ -143,13 +144,13 @@ def routed_experts(x: Tensor, top: Tensor, index: Tensor, keep: Tensor | None, e
     recv = _exchange_counts(layout, send, backend)
     send_rows = {r: c.sum(1).tolist() for r, c in send.items()}
     recv_rows = {r: c.sum(1).tolist() for r, c in recv.items()}
-    sent = {r: xs[r][order[r] // k] for r in xs}  # (kept slots, C), sorted by expert
+    token = {r: o // k for r, o in order.items()}
+    sent = {r: xs[r][token[r]] for r in xs}  # (kept slots, C), sorted by expert
     rows = _exchange(layout, sent, send_rows, recv_rows, backend)
     tracked = _needs_grad((x, top, *[w for triple in experts for w in triple]))
-    saved = _Saved(layout, y_sbp, dx_sbp, w_sbps, k, order, send, recv, send_rows, recv_rows, {}, {}, {})
-    for r in xs:
-        _run_local_experts(saved, r, rows[r], _local_weights(experts, layout, r), tracked)
-    back = _exchange(layout, saved.rows_out, recv_rows, send_rows, backend)
+    saved = _Saved(layout, y_sbp, dx_sbp, w_sbps, order, token, send, recv, send_rows, recv_rows, {}, {}, {}, {})
+    outputs = {r: _run_local_experts(saved, r, rows[r], _local_weights(experts, layout, r), tracked) for r in xs}
+    back = _exchange(layout, outputs, recv_rows, send_rows, backend)
     tops = top.local_tensors()
     outs = {}
     for r, rows_r in xs.items():
@@ -185,8 +186,8 @@ def _routed_experts_grad(ctx: Any, dy: Tensor) -> Any:
     d_sent, d_top = {}, {}
     for r, g in douts.items():  # g: (n, C); a slot's output gradient is its routing weight times the token's
         top_r = saved.top[r]
-        d_slots = top_r.to(g.dtype).unsqueeze(-1) * g.unsqueeze(1)  # (n, k, C)
-        d_sent[r] = d_slots.reshape(-1, g.shape[-1])[saved.order[r]]  # sorted like the rows sent
+        weight = top_r.reshape(-1)[saved.order[r]].to(g.dtype)  # (kept slots,), sorted like the rows sent
+        d_sent[r] = g[saved.token[r]] * weight.unsqueeze(1)
         d_top[r] = torch.bmm(saved.slots[r], g.unsqueeze(-1)).squeeze(-1).to(top_r.dtype)  # (n, k)
     d_rows_out = _exchange(layout, d_sent, saved.send_rows, saved.recv_rows, backend)
     d_rows_in, d_weights = {}, {}
@@ -194,15 +195,18 @@ def _routed_experts_grad(ctx: Any, dy: Tensor) -> Any:
         leaves = [saved.rows_in[r], *saved.weights_in[r]]
         # the local graph lives as long as this node (the engine drops its attrs once backward ran without
         # retain_graph), so that backward(retain_graph=True) can run through it again
-        grads = torch.autograd.grad(saved.rows_out[r], leaves, d_rows_out[r], allow_unused=True, retain_graph=True)
-        d_rows_in[r] = _or_zeros(grads[0], leaves[0])
+        group = saved.group[r]
+        grads = torch.autograd.grad(saved.rows_out[r], leaves, d_rows_out[r][group], allow_unused=True,
+                                    retain_graph=True)
+        d_rows_in[r] = torch.empty_like(leaves[0])
+        d_rows_in[r][group] = _or_zeros(grads[0], leaves[0])  # back to received order
         d_weights[r] = [_or_zeros(g, w) for g, w in zip(grads[1:], leaves[1:], strict=True)]
     d_back = _exchange(layout, d_rows_in, saved.recv_rows, saved.send_rows, backend)
     x = ctx.inputs[0]
     dxs = {}
     for r, g in d_back.items():
         rows = torch.zeros(douts[r].shape[0], g.shape[-1], dtype=g.dtype, device=g.device)
-        dxs[r] = rows.index_add_(0, saved.order[r] // saved.k, g)  # each token sums its k slots
+        dxs[r] = rows.index_add_(0, saved.token[r], g)  # each token sums its k slots
     dx = Tensor._from_shards(tuple(x.shape), x.dtype, layout.mesh, saved.dx_sbp, dxs)
     top = ctx.inputs[1]
     dtop = Tensor._from_shards(tuple(top.shape), top.dtype, layout.mesh, saved.y_sbp, d_top)
@@ -210,21 +214,25 @@ def _routed_experts_grad(ctx: Any, dy: Tensor) -> Any:
 
 
 def _run_local_experts(saved: _Saved, r: int, rows: torch.Tensor, weights: list[torch.Tensor],
-                       tracked: bool) -> None:
-    """Rank ``r``'s experts, each on its own received rows (grouped by a stable sort of their expert)."""
+                       tracked: bool) -> torch.Tensor:
+    """Rank ``r``'s experts, each on its own received rows (grouped by a stable sort of their expert); returns
+    the outputs in received order. The two reorderings stay out of the local graph: as plain gathers both ways,
+    they cost less than autograd's accumulating scatters."""
     per = saved.layout.per_member
     counts = saved.recv[r]  # (p, per): rows from member j for local expert e
     local = torch.repeat_interleave(torch.arange(per).repeat(counts.shape[0]), counts.reshape(-1))
     group = torch.argsort(local, stable=True)
     with torch.enable_grad() if tracked else torch.no_grad():
-        rows_in = rows.detach().requires_grad_(tracked)
+        rows_in = rows[group].requires_grad_(tracked)  # (received rows, C) grouped by local expert
         leaves = [w.detach().requires_grad_(tracked) for w in weights]
-        chunks = torch.split(rows_in[group], counts.sum(0).tolist())  # (rows of local expert e, C)
         cast = [w.to(rows.dtype) for w in leaves]  # (a no-op unless autocast gave the tokens a narrower dtype)
-        outs = [_swiglu(c, *cast[3 * e: 3 * e + 3]) for e, c in enumerate(chunks)]
+        sizes = counts.sum(0).tolist()
+        outs = [_swiglu(c, *cast[3 * e: 3 * e + 3]) for e, c in enumerate(torch.split(rows_in, sizes)) if sizes[e]]
         grouped = torch.cat(outs) if outs else rows_in[:0]
-        out = grouped[torch.argsort(group)]  # back to received order
-    saved.rows_in[r], saved.weights_in[r], saved.rows_out[r] = rows_in, leaves, out
+    saved.group[r], saved.rows_in[r], saved.weights_in[r], saved.rows_out[r] = group, rows_in, leaves, grouped
+    out = torch.empty_like(rows)
+    out[group] = grouped.detach()  # back to received order
+    return out
 
 
 def _swiglu(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor) -> torch.Tensor:
@@ -234,7 +242,7 @@ def _swiglu(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tenso
 
 def _local_weights(experts: Sequence[Weights], layout: ExpertLayout, r: int) -> list[torch.Tensor]:
     """Rank ``r``'s shards of its experts' weights, w1, w2, w3 per expert, its experts in order."""
-    member = layout.mesh.coords(r)[layout.axis]
+    member = _member(layout, r)
     mine = experts[member * layout.per_member:(member + 1) * layout.per_member]
     return [w.local_tensors()[r] for triple in mine for w in triple]
 
@@ -243,12 +251,19 @@ def _weight_grads(weights: Sequence[Tensor], saved: _Saved, d_weights: dict[int,
                   backend: Backend) -> list[Tensor]:
     """Expert ``e``'s weight gradients on its placement: each of its ranks holds the gradient of its tokens."""
     out = []
-    per = saved.layout.per_member
+    layout = saved.layout
+    owned = [[r for r in d_weights if _member(layout, r) == j] for j in range(len(layout.members))]
     for i, w in enumerate(weights):
         e, which = divmod(i, 3)
-        shards = {r: d_weights[r][3 * (e % per) + which] for r in backend.owned(w.placement.flat_ranks)}
+        j, local = divmod(e, layout.per_member)
+        shards = {r: d_weights[r][3 * local + which] for r in owned[j]}
         out.append(Tensor._from_shards(tuple(w.shape), w.dtype, w.placement, saved.w_sbps[i], shards))
     return out
+
+
+def _member(layout: ExpertLayout, r: int) -> int:
+    """Rank ``r``'s member of its ep group: its coordinate on the ep axis."""
+    return layout.mesh.coords(r)[layout.axis]
 
 
 @lru_cache(maxsize=256)
@@ -302,19 +317,11 @@ def _or_zeros(grad: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
 
 
 def _exchange_counts(layout: ExpertLayout, send: Shards, backend: Backend) -> Shards:
-    """Every member learns how many slot rows each member sends it, per local expert: (p, per) counts."""
-    p, per = send[next(iter(send))].shape if send else (0, 0)
-    pieces = {r: list(c.unbind(0)) for r, c in send.items()}
-    shapes: dict[int, list[tuple[int, ...]]] = {r: [(per,)] * p for r in send}
-    out: Shards = {}
-    for group in _axis_groups(layout.mesh, layout.axis):
-        mine = [r for r in group if r in send]
-        if mine:
-            moved = nbytes((per,), torch.int64) * p * (p - 1) * len(mine)
-            got = backend.all_to_all(group, {r: pieces[r] for r in mine}, {r: shapes[r] for r in mine},
-                                     torch.int64, moved)
-            out.update({r: torch.stack(got[r]) for r in mine})
-    return out
+    """Every member learns how many slot rows each member sends it, per local expert: (p, per) counts, one row
+    from each member."""
+    p = layout.mesh.hierarchy[layout.axis]
+    ones = {r: [1] * p for r in send}
+    return _exchange(layout, send, ones, ones, backend)
 
 
 def _exchange(layout: ExpertLayout, rows: Shards, send: dict[int, list[int]], recv: dict[int, list[int]],

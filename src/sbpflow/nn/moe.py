@@ -89,12 +89,13 @@ class MoE(Module):
     def forward(self, x: Tensor) -> Tensor:
         shape = tuple(x.shape)
         flat = F.reshape(x, (-1, shape[-1]))  # logical (N, C)
-        layout = self._exchange_layout(flat)
+        experts = [(e.w1.weight, e.w2.weight, e.w3.weight) for e in self.experts]
+        layout = self._exchange_layout(flat, experts)
         if layout is None:
             out = self._dense(flat)
         else:
-            flat = F.to_global(flat, layout.mesh, layout.token_sbp(flat.sbp, self.experts[0].w1.weight.sbp))
-            out = self._exchanged(flat, layout)
+            flat = F.to_global(flat, layout.mesh, layout.token_sbp(flat.sbp, experts[0][0].sbp))
+            out = self._exchanged(flat, layout, experts)
         for expert in self.shared:
             out = F.add(out, expert(flat))
         if self.gated_shared:
@@ -109,7 +110,7 @@ class MoE(Module):
             out = F.add(out, F.mul(self._expert(e, flat), F.narrow(weights, 1, e, 1)))
         return out
 
-    def _exchanged(self, flat: Tensor, layout: ExpertLayout) -> Tensor:
+    def _exchanged(self, flat: Tensor, layout: ExpertLayout, experts: list[Weights]) -> Tensor:
         """Each token's k experts on their ranks, by the all-to-all of :func:`routed_experts`: logical (N, C)."""
         if self.capacity_factor is None:
             probs, top, index = self._gate(flat)  # logical (N, E), (N, k), (N, k)
@@ -119,7 +120,6 @@ class MoE(Module):
             assert kept is not None
             # a slot is kept if its expert kept the token: (N, k)
             keep = _laid_like(F.gt(F.sum(F.mul(chosen, F.unsqueeze(kept, 1)), dim=-1), 0.5), flat)
-        experts = [(e.w1.weight, e.w2.weight, e.w3.weight) for e in self.experts]
         if INTERPRETERS:  # (only the tracer is pushed) static shapes: a capacity buffer of every token per member
             out, counts = self._member_exchanged(flat, top, index, keep, experts, layout)
         else:
@@ -139,15 +139,15 @@ class MoE(Module):
         out = member_exchange(flat, _laid_like(top, flat), _laid_like(index, flat), experts, layout)
         return out, counts
 
-    def _exchange_layout(self, flat: Tensor) -> ExpertLayout | None:
+    def _exchange_layout(self, flat: Tensor, experts: list[Weights]) -> ExpertLayout | None:
         """The experts' grouping when an exchange applies: global tokens (eager or traced, not meta) on the
-        grouping's mesh, every expert still where :func:`split_experts` put it."""
+        grouping's mesh, every expert (``experts``: their weights) still where :func:`split_experts` put it."""
         layout = self.expert_layout
         if layout is None or not flat.is_global or flat.is_meta or flat.placement != layout.mesh:
             return None
-        for e, expert in enumerate(self.experts):
+        for e, triple in enumerate(experts):
             where = layout.placement_of(e)
-            for w in (expert.w1.weight, expert.w2.weight, expert.w3.weight):
+            for w in triple:
                 if w.placement is not where and w.placement != where:  # (identical unless moved since)
                     return None
         return layout
