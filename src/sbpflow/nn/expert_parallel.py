@@ -36,7 +36,6 @@ import torch
 from .. import boxing
 from ..autograd import is_grad_enabled
 from ..comm import Backend, get_backend
-from ..comm.base import nbytes
 from ..errors import SbpflowError
 from ..ops.convert import to_global
 from ..ops.dispatch import record
