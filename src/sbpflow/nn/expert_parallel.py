@@ -17,10 +17,12 @@ Other mesh axes: tokens split there (data parallel) keep their split, and the ex
 partial sums there; a Megatron split inside the experts (``w1``, ``w3`` on S(0), ``w2`` on S(1)) needs the
 tokens whole there, and the slot outputs are partial sums there (as a row-parallel linear's are).
 
-The split sizes depend on the data, which ``nn.Graph``'s tracer cannot carry: a traced step uses
-:func:`member_exchange` instead, a dropless capacity buffer (every token) sent to each member by a transfer node
-of the plan, where the member's experts compute their routed rows only (the same numbers; backward computes those
-rows again; every token's bytes go to each member). Meta tensors take :class:`~sbpflow.nn.MoE`'s dense path.
+A traced step (``nn.Graph``) cannot run this exchange: the routed rows would lie on the mesh (the runtime's
+``route`` nodes carry their data-dependent sizes) while each member's experts lie on the member's placement, and
+a traced op has one placement for all its tensors. It uses :func:`member_exchange` instead, a dropless capacity
+buffer (every token) sent to each member by a transfer node of the plan, where the member's experts compute their
+routed rows only (the same numbers; backward computes those rows again; every token's bytes go to each member).
+Meta tensors take :class:`~sbpflow.nn.MoE`'s dense path.
 """
 
 from __future__ import annotations
