@@ -57,3 +57,15 @@ def test_router_op_and_its_gradient_equal_torch(normalize: bool, through: str, r
     torch.testing.assert_close(torch.as_tensor(x.grad.numpy()), want.grad)
     if ranks is not None:  # rows stay where they are: only the loss's scalar sum is reduced
         assert set(log.kinds()) <= {"all_reduce"}, log.kinds()
+
+
+def test_routing_runs_in_fp32_under_autocast() -> None:
+    """As softmax under autocast: the bf16 router logits are routed in fp32 (Mixtral routes in fp32 too)."""
+    moe = sbpflow.nn.MoE(8, 16, num_experts=EXPERTS, top_k=K)
+    x = sbpflow.randn(TOKENS, 8)
+    with sbpflow.autocast(torch.bfloat16):
+        probs, top, _ = moe._gate(x)
+        logits = moe.gate(x)
+    assert probs.dtype == top.dtype == torch.float32 and logits.dtype == torch.bfloat16
+    want = torch.softmax(torch.as_tensor(logits.float().numpy()), dim=-1)
+    torch.testing.assert_close(torch.as_tensor(probs.numpy()), want)

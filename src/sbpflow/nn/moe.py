@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from ..amp import active_dtype
 from ..creation import tensor
 from ..errors import SbpflowError
 from ..ops import functional as F
@@ -165,7 +166,10 @@ class MoE(Module):
 
     def _gate(self, flat: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """The router's probabilities, logical (N, E), and each token's k routing weights and experts, (N, k)."""
-        top, probs, index = topk_router(self.gate(flat), k=self.top_k, normalize=self.norm_topk_prob)
+        logits = self.gate(flat)  # logical (N, E)
+        if active_dtype() is not None:  # under autocast the routing runs in fp32, as softmax does
+            logits = F.cast(logits, torch.float32)
+        top, probs, index = topk_router(logits, k=self.top_k, normalize=self.norm_topk_prob)
         return probs, top, index
 
     def _route_topk(self, flat: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
