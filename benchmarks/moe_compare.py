@@ -199,7 +199,7 @@ def report(results: list[dict[str, Any]], rounds: int, steps: int) -> str:
         "Where sbpflow's step went (issue 26; cProfile with a CPU clock and CPU time per step, ep2 small, 2 "
         "processes): both run the same kernels and the same six collectives a step (count, rows, rows back; two "
         "row exchanges in backward; the router's gradient all-reduce), so the difference was Python and copies. "
-        "The router was four sbpflow ops forward and ten backward (softmax, top-k, sum, divide): now one op "
+        "The router was four sbpflow ops forward (softmax, top-k, sum, divide) and twelve backward: now one op "
         "each way (`nn.moe.topk_router`). The received rows were grouped by expert inside the local autograd "
         "graph, whose backward scatters with accumulation twice: the grouping now stays outside it (plain gathers "
         "both ways). The split sizes and the ep groups were recomputed for each of the five exchanges, the counts "

@@ -195,7 +195,7 @@ class MoE(Module):
 
 # ----------------------------------------------------------------------------- the router as one op
 #
-# softmax, top-k and the renormalisation as sbpflow ops are 4 ops forward and about 10 backward, each paying
+# softmax, top-k and the renormalisation as sbpflow ops are 4 ops forward and 12 backward, each paying
 # dispatch; as one op (and one for its gradient) the router costs two.
 
 
