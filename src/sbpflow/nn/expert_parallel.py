@@ -17,10 +17,12 @@ Other mesh axes: tokens split there (data parallel) keep their split, and the ex
 partial sums there; a Megatron split inside the experts (``w1``, ``w3`` on S(0), ``w2`` on S(1)) needs the
 tokens whole there, and the slot outputs are partial sums there (as a row-parallel linear's are).
 
-The split sizes depend on the data, which ``nn.Graph``'s tracer cannot carry: a traced step uses
-:func:`member_exchange` instead, a dropless capacity buffer (every token) sent to each member by a transfer node
-of the plan, where the member's experts compute their routed rows only (the same numbers; backward computes those
-rows again; every token's bytes go to each member). Meta tensors take :class:`~sbpflow.nn.MoE`'s dense path.
+A traced step (``nn.Graph``) cannot run this exchange: the routed rows would lie on the mesh (the runtime's
+``route`` nodes carry their data-dependent sizes) while each member's experts lie on the member's placement, and
+a traced op has one placement for all its tensors. It uses :func:`member_exchange` instead, a dropless capacity
+buffer (every token) sent to each member by a transfer node of the plan, where the member's experts compute their
+routed rows only (the same numbers; backward computes those rows again; every token's bytes go to each member).
+Meta tensors take :class:`~sbpflow.nn.MoE`'s dense path.
 """
 
 from __future__ import annotations
@@ -36,7 +38,6 @@ import torch
 from .. import boxing
 from ..autograd import is_grad_enabled
 from ..comm import Backend, get_backend
-from ..comm.base import nbytes
 from ..errors import SbpflowError
 from ..ops.convert import to_global
 from ..ops.dispatch import record
@@ -102,13 +103,16 @@ class _Saved:
     y_sbp: NdSbp  # the output's; its gradient's too, with partial axes made whole
     dx_sbp: NdSbp
     w_sbps: tuple[NdSbp, ...]
-    k: int
     order: Shards  # the kept slots, sorted by expert (indices into the rank's n * k slots)
+    token: Shards  # each kept slot's token (order // k)
     send: Shards  # (p, per) slot rows sent to each member, per expert of that member
     recv: Shards  # (p, per) slot rows received from each member, per local expert
-    rows_in: dict[int, torch.Tensor]  # the received rows (a torch leaf)
+    send_rows: dict[int, list[int]]  # send's rows per member, as the all-to-alls take them
+    recv_rows: dict[int, list[int]]
+    group: dict[int, torch.Tensor]  # the received rows' order grouped by local expert (stable)
+    rows_in: dict[int, torch.Tensor]  # the received rows grouped by local expert (a torch leaf)
     weights_in: dict[int, list[torch.Tensor]]  # the local experts' weights (torch leaves), w1, w2, w3 per expert
-    rows_out: dict[int, torch.Tensor]  # the local experts' outputs, in received order
+    rows_out: dict[int, torch.Tensor]  # the local experts' outputs, grouped like rows_in
     slots: Shards = field(default_factory=dict)  # (n, k, C): each of the rank's slots' expert output
     top: Shards = field(default_factory=dict)  # (n, k): the routing weights
 
@@ -139,13 +143,15 @@ def routed_experts(x: Tensor, top: Tensor, index: Tensor, keep: Tensor | None, e
         counts = torch.bincount(expert[order[r]], minlength=layout.num_experts)
         send[r] = counts.view(-1, layout.per_member)  # (p, per)
     recv = _exchange_counts(layout, send, backend)
-    sent = {r: xs[r][order[r] // k] for r in xs}  # (kept slots, C), sorted by expert
-    rows = _exchange(layout, sent, send, recv, backend)
+    send_rows = {r: c.sum(1).tolist() for r, c in send.items()}
+    recv_rows = {r: c.sum(1).tolist() for r, c in recv.items()}
+    token = {r: o // k for r, o in order.items()}
+    sent = {r: xs[r][token[r]] for r in xs}  # (kept slots, C), sorted by expert
+    rows = _exchange(layout, sent, send_rows, recv_rows, backend)
     tracked = _needs_grad((x, top, *[w for triple in experts for w in triple]))
-    saved = _Saved(layout, y_sbp, dx_sbp, w_sbps, k, order, send, recv, {}, {}, {})
-    for r in xs:
-        _run_local_experts(saved, r, rows[r], _local_weights(experts, layout, r), tracked)
-    back = _exchange(layout, saved.rows_out, recv, send, backend)
+    saved = _Saved(layout, y_sbp, dx_sbp, w_sbps, order, token, send, recv, send_rows, recv_rows, {}, {}, {}, {})
+    outputs = {r: _run_local_experts(saved, r, rows[r], _local_weights(experts, layout, r), tracked) for r in xs}
+    back = _exchange(layout, outputs, recv_rows, send_rows, backend)
     tops = top.local_tensors()
     outs = {}
     for r, rows_r in xs.items():
@@ -181,24 +187,27 @@ def _routed_experts_grad(ctx: Any, dy: Tensor) -> Any:
     d_sent, d_top = {}, {}
     for r, g in douts.items():  # g: (n, C); a slot's output gradient is its routing weight times the token's
         top_r = saved.top[r]
-        d_slots = top_r.to(g.dtype).unsqueeze(-1) * g.unsqueeze(1)  # (n, k, C)
-        d_sent[r] = d_slots.reshape(-1, g.shape[-1])[saved.order[r]]  # sorted like the rows sent
+        weight = top_r.reshape(-1)[saved.order[r]].to(g.dtype)  # (kept slots,), sorted like the rows sent
+        d_sent[r] = g[saved.token[r]] * weight.unsqueeze(1)
         d_top[r] = torch.bmm(saved.slots[r], g.unsqueeze(-1)).squeeze(-1).to(top_r.dtype)  # (n, k)
-    d_rows_out = _exchange(layout, d_sent, saved.send, saved.recv, backend)
+    d_rows_out = _exchange(layout, d_sent, saved.send_rows, saved.recv_rows, backend)
     d_rows_in, d_weights = {}, {}
     for r in douts:
         leaves = [saved.rows_in[r], *saved.weights_in[r]]
         # the local graph lives as long as this node (the engine drops its attrs once backward ran without
         # retain_graph), so that backward(retain_graph=True) can run through it again
-        grads = torch.autograd.grad(saved.rows_out[r], leaves, d_rows_out[r], allow_unused=True, retain_graph=True)
-        d_rows_in[r] = _or_zeros(grads[0], leaves[0])
+        group = saved.group[r]
+        grads = torch.autograd.grad(saved.rows_out[r], leaves, d_rows_out[r][group], allow_unused=True,
+                                    retain_graph=True)
+        d_rows_in[r] = torch.empty_like(leaves[0])
+        d_rows_in[r][group] = _or_zeros(grads[0], leaves[0])  # back to received order
         d_weights[r] = [_or_zeros(g, w) for g, w in zip(grads[1:], leaves[1:], strict=True)]
-    d_back = _exchange(layout, d_rows_in, saved.recv, saved.send, backend)
+    d_back = _exchange(layout, d_rows_in, saved.recv_rows, saved.send_rows, backend)
     x = ctx.inputs[0]
     dxs = {}
     for r, g in d_back.items():
         rows = torch.zeros(douts[r].shape[0], g.shape[-1], dtype=g.dtype, device=g.device)
-        dxs[r] = rows.index_add_(0, saved.order[r] // saved.k, g)  # each token sums its k slots
+        dxs[r] = rows.index_add_(0, saved.token[r], g)  # each token sums its k slots
     dx = Tensor._from_shards(tuple(x.shape), x.dtype, layout.mesh, saved.dx_sbp, dxs)
     top = ctx.inputs[1]
     dtop = Tensor._from_shards(tuple(top.shape), top.dtype, layout.mesh, saved.y_sbp, d_top)
@@ -206,21 +215,25 @@ def _routed_experts_grad(ctx: Any, dy: Tensor) -> Any:
 
 
 def _run_local_experts(saved: _Saved, r: int, rows: torch.Tensor, weights: list[torch.Tensor],
-                       tracked: bool) -> None:
-    """Rank ``r``'s experts, each on its own received rows (grouped by a stable sort of their expert)."""
+                       tracked: bool) -> torch.Tensor:
+    """Rank ``r``'s experts, each on its own received rows (grouped by a stable sort of their expert); returns
+    the outputs in received order. The two reorderings stay out of the local graph: as plain gathers both ways,
+    they cost less than autograd's accumulating scatters."""
     per = saved.layout.per_member
     counts = saved.recv[r]  # (p, per): rows from member j for local expert e
     local = torch.repeat_interleave(torch.arange(per).repeat(counts.shape[0]), counts.reshape(-1))
     group = torch.argsort(local, stable=True)
     with torch.enable_grad() if tracked else torch.no_grad():
-        rows_in = rows.detach().requires_grad_(tracked)
+        rows_in = rows[group].requires_grad_(tracked)  # (received rows, C) grouped by local expert
         leaves = [w.detach().requires_grad_(tracked) for w in weights]
-        chunks = torch.split(rows_in[group], counts.sum(0).tolist())  # (rows of local expert e, C)
         cast = [w.to(rows.dtype) for w in leaves]  # (a no-op unless autocast gave the tokens a narrower dtype)
-        outs = [_swiglu(c, *cast[3 * e: 3 * e + 3]) for e, c in enumerate(chunks)]
+        sizes = counts.sum(0).tolist()
+        outs = [_swiglu(c, *cast[3 * e: 3 * e + 3]) for e, c in enumerate(torch.split(rows_in, sizes)) if sizes[e]]
         grouped = torch.cat(outs) if outs else rows_in[:0]
-        out = grouped[torch.argsort(group)]  # back to received order
-    saved.rows_in[r], saved.weights_in[r], saved.rows_out[r] = rows_in, leaves, out
+    saved.group[r], saved.rows_in[r], saved.weights_in[r], saved.rows_out[r] = group, rows_in, leaves, grouped
+    out = torch.empty_like(rows)
+    out[group] = grouped.detach()  # back to received order
+    return out
 
 
 def _swiglu(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor) -> torch.Tensor:
@@ -230,7 +243,7 @@ def _swiglu(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tenso
 
 def _local_weights(experts: Sequence[Weights], layout: ExpertLayout, r: int) -> list[torch.Tensor]:
     """Rank ``r``'s shards of its experts' weights, w1, w2, w3 per expert, its experts in order."""
-    member = layout.mesh.coords(r)[layout.axis]
+    member = _member(layout, r)
     mine = experts[member * layout.per_member:(member + 1) * layout.per_member]
     return [w.local_tensors()[r] for triple in mine for w in triple]
 
@@ -239,12 +252,19 @@ def _weight_grads(weights: Sequence[Tensor], saved: _Saved, d_weights: dict[int,
                   backend: Backend) -> list[Tensor]:
     """Expert ``e``'s weight gradients on its placement: each of its ranks holds the gradient of its tokens."""
     out = []
-    per = saved.layout.per_member
+    layout = saved.layout
+    owned = [[r for r in d_weights if _member(layout, r) == j] for j in range(len(layout.members))]
     for i, w in enumerate(weights):
         e, which = divmod(i, 3)
-        shards = {r: d_weights[r][3 * (e % per) + which] for r in backend.owned(w.placement.flat_ranks)}
+        j, local = divmod(e, layout.per_member)
+        shards = {r: d_weights[r][3 * local + which] for r in owned[j]}
         out.append(Tensor._from_shards(tuple(w.shape), w.dtype, w.placement, saved.w_sbps[i], shards))
     return out
+
+
+def _member(layout: ExpertLayout, r: int) -> int:
+    """Rank ``r``'s member of its ep group: its coordinate on the ep axis."""
+    return layout.mesh.coords(r)[layout.axis]
 
 
 @lru_cache(maxsize=256)
@@ -298,32 +318,30 @@ def _or_zeros(grad: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
 
 
 def _exchange_counts(layout: ExpertLayout, send: Shards, backend: Backend) -> Shards:
-    """Every member learns how many slot rows each member sends it, per local expert: (p, per) counts."""
-    p, per = send[next(iter(send))].shape if send else (0, 0)
-    pieces = {r: list(c.unbind(0)) for r, c in send.items()}
-    shapes: dict[int, list[tuple[int, ...]]] = {r: [(per,)] * p for r in send}
-    out: Shards = {}
-    for group in layout.mesh.axis_groups(layout.axis):
-        mine = [r for r in group if r in send]
-        if mine:
-            moved = nbytes((per,), torch.int64) * p * (p - 1) * len(mine)
-            got = backend.all_to_all(group, {r: pieces[r] for r in mine}, {r: shapes[r] for r in mine},
-                                     torch.int64, moved)
-            out.update({r: torch.stack(got[r]) for r in mine})
-    return out
+    """Every member learns how many slot rows each member sends it, per local expert: (p, per) counts, one row
+    from each member."""
+    p = layout.mesh.hierarchy[layout.axis]
+    ones = {r: [1] * p for r in send}
+    return _exchange(layout, send, ones, ones, backend)
 
 
-def _exchange(layout: ExpertLayout, rows: Shards, send: Shards, recv: Shards, backend: Backend) -> Shards:
-    """One all-to-all of rows in every ep group: ``send[r][j].sum()`` rows of ``rows[r]`` go to member j, and
-    ``recv[r][j].sum()`` come from it (split sizes known from the count exchange)."""
+def _exchange(layout: ExpertLayout, rows: Shards, send: dict[int, list[int]], recv: dict[int, list[int]],
+              backend: Backend) -> Shards:
+    """One all-to-all of rows in every ep group: ``send[r][j]`` rows of ``rows[r]`` go to member j, and
+    ``recv[r][j]`` come from it (split sizes known from the count exchange)."""
     out: Shards = {}
-    for group in layout.mesh.axis_groups(layout.axis):
+    for group in _axis_groups(layout.mesh, layout.axis):
         mine = [r for r in group if r in rows]
         if mine:
-            out.update(backend.all_to_all_rows(group, {r: rows[r] for r in mine},
-                                               {r: send[r].sum(1).tolist() for r in mine},
-                                               {r: recv[r].sum(1).tolist() for r in mine}))
+            out.update(backend.all_to_all_rows(group, {r: rows[r] for r in mine}, {r: send[r] for r in mine},
+                                               {r: recv[r] for r in mine}))
     return out
+
+
+@lru_cache(maxsize=64)
+def _axis_groups(mesh: Placement, axis: int) -> tuple[tuple[int, ...], ...]:
+    """``mesh.axis_groups(axis)``, once per mesh (five exchanges a step read it)."""
+    return tuple(mesh.axis_groups(axis))
 
 
 def _group_plan(mesh: Placement) -> boxing.Plan:

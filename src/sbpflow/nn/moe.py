@@ -32,15 +32,18 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
+from ..amp import active_dtype
 from ..creation import tensor
 from ..errors import SbpflowError
 from ..ops import functional as F
 from ..ops.dispatch import INTERPRETERS
+from ..ops.schema import Meta, Sig, op
 from ..placement import Placement
-from ..sbp import broadcast
+from ..sbp import Split, broadcast
 from ..tensor import Tensor
 from .container import ModuleList
 from .expert_parallel import ExpertLayout, Weights, check_layout, member_exchange, routed_experts
@@ -87,12 +90,13 @@ class MoE(Module):
     def forward(self, x: Tensor) -> Tensor:
         shape = tuple(x.shape)
         flat = F.reshape(x, (-1, shape[-1]))  # logical (N, C)
-        layout = self._exchange_layout(flat)
+        experts = [(e.w1.weight, e.w2.weight, e.w3.weight) for e in self.experts]
+        layout = self._exchange_layout(flat, experts)
         if layout is None:
             out = self._dense(flat)
         else:
-            flat = F.to_global(flat, layout.mesh, layout.token_sbp(flat.sbp, self.experts[0].w1.weight.sbp))
-            out = self._exchanged(flat, layout)
+            flat = F.to_global(flat, layout.mesh, layout.token_sbp(flat.sbp, experts[0][0].sbp))
+            out = self._exchanged(flat, layout, experts)
         for expert in self.shared:
             out = F.add(out, expert(flat))
         if self.gated_shared:
@@ -107,7 +111,7 @@ class MoE(Module):
             out = F.add(out, F.mul(self._expert(e, flat), F.narrow(weights, 1, e, 1)))
         return out
 
-    def _exchanged(self, flat: Tensor, layout: ExpertLayout) -> Tensor:
+    def _exchanged(self, flat: Tensor, layout: ExpertLayout, experts: list[Weights]) -> Tensor:
         """Each token's k experts on their ranks, by the all-to-all of :func:`routed_experts`: logical (N, C)."""
         if self.capacity_factor is None:
             probs, top, index = self._gate(flat)  # logical (N, E), (N, k), (N, k)
@@ -117,7 +121,6 @@ class MoE(Module):
             assert kept is not None
             # a slot is kept if its expert kept the token: (N, k)
             keep = _laid_like(F.gt(F.sum(F.mul(chosen, F.unsqueeze(kept, 1)), dim=-1), 0.5), flat)
-        experts = [(e.w1.weight, e.w2.weight, e.w3.weight) for e in self.experts]
         if INTERPRETERS:  # (only the tracer is pushed) static shapes: a capacity buffer of every token per member
             out, counts = self._member_exchanged(flat, top, index, keep, experts, layout)
         else:
@@ -137,15 +140,15 @@ class MoE(Module):
         out = member_exchange(flat, _laid_like(top, flat), _laid_like(index, flat), experts, layout)
         return out, counts
 
-    def _exchange_layout(self, flat: Tensor) -> ExpertLayout | None:
+    def _exchange_layout(self, flat: Tensor, experts: list[Weights]) -> ExpertLayout | None:
         """The experts' grouping when an exchange applies: global tokens (eager or traced, not meta) on the
-        grouping's mesh, every expert still where :func:`split_experts` put it."""
+        grouping's mesh, every expert (``experts``: their weights) still where :func:`split_experts` put it."""
         layout = self.expert_layout
         if layout is None or not flat.is_global or flat.is_meta or flat.placement != layout.mesh:
             return None
-        for e, expert in enumerate(self.experts):
+        for e, triple in enumerate(experts):
             where = layout.placement_of(e)
-            for w in (expert.w1.weight, expert.w2.weight, expert.w3.weight):
+            for w in triple:
                 if w.placement is not where and w.placement != where:  # (identical unless moved since)
                     return None
         return layout
@@ -163,10 +166,10 @@ class MoE(Module):
 
     def _gate(self, flat: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """The router's probabilities, logical (N, E), and each token's k routing weights and experts, (N, k)."""
-        probs = F.softmax(self.gate(flat), dim=-1)  # logical (N, E)
-        top, index = F.topk(probs, self.top_k, dim=-1)  # logical (N, k)
-        if self.norm_topk_prob:
-            top = F.div(top, F.sum(top, dim=-1, keepdim=True))
+        logits = self.gate(flat)  # logical (N, E)
+        if active_dtype() is not None:  # under autocast the routing runs in fp32, as softmax does
+            logits = F.cast(logits, torch.float32)
+        top, probs, index = topk_router(logits, k=self.top_k, normalize=self.norm_topk_prob)
         return probs, top, index
 
     def _route_topk(self, flat: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor | None]:
@@ -188,6 +191,69 @@ class MoE(Module):
         top, _, chosen, kept = self._route_topk(flat)
         weights = F.sum(F.mul(F.unsqueeze(top, -1), chosen), dim=1)  # logical (N, E)
         return weights if kept is None else F.mul(weights, kept)
+
+
+# ----------------------------------------------------------------------------- the router as one op
+#
+# softmax, top-k and the renormalisation as sbpflow ops are 4 ops forward and 12 backward, each paying
+# dispatch; as one op (and one for its gradient) the router costs two.
+
+
+def _router_meta(logits: Meta, k: int, normalize: bool) -> tuple[Meta, Meta, Meta]:
+    rows = logits.shape[:-1]
+    return Meta((*rows, k), logits.dtype), Meta(logits.shape, logits.dtype), Meta((*rows, k), torch.int64)
+
+
+def _router_sigs(logits: Meta, outs: Any, k: int, normalize: bool) -> list[Sig]:
+    """Rows whole or split on any dim but the experts' (the last)."""
+    return [Sig((broadcast,), (broadcast,) * 3)] + [Sig((Split(d),), (Split(d),) * 3)
+                                                    for d in range(len(logits.shape) - 1)]
+
+
+@op("topk_router", meta=_router_meta, sbp=_router_sigs, save_outputs=True, diff_outputs=2, grad_reads=())
+def topk_router(logits: torch.Tensor, k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A token's top-k routing weights (renormalised to sum to 1 if ``normalize``), its router probabilities
+    (softmax over the experts, the last dim) and its k experts: local (..., k), (..., E), (..., k).
+
+    >>> import sbpflow
+    >>> top, probs, index = topk_router(sbpflow.tensor([[0.0, 1.0, 2.0]]), k=2, normalize=True)
+    >>> index.tolist(), round(float(top.sum()), 6)
+    ([[2, 1]], 1.0)
+    """
+    probs = torch.softmax(logits, dim=-1)
+    top, index = torch.topk(probs, k, dim=-1)
+    if normalize:
+        top = top / top.sum(-1, keepdim=True)
+    return top, probs, index
+
+
+@topk_router.grad
+def _topk_router_grad(ctx: Any, d_top: Tensor, d_probs: Tensor) -> Any:
+    _, probs, index = ctx.outputs
+    return (topk_router_backward(d_top, d_probs, probs, index, normalize=ctx.attrs["normalize"]),)
+
+
+def _router_backward_meta(d_top: Meta, d_probs: Meta, probs: Meta, index: Meta, normalize: bool) -> Meta:
+    return probs
+
+
+def _router_backward_sigs(d_top: Meta, d_probs: Meta, probs: Meta, index: Meta, outs: Any,
+                          normalize: bool) -> list[Sig]:
+    return [Sig((broadcast,) * 4, (broadcast,))] + [Sig((Split(d),) * 4, (Split(d),))
+                                                    for d in range(len(probs.shape) - 1)]
+
+
+@op("topk_router_backward", meta=_router_backward_meta, sbp=_router_backward_sigs, differentiable=False)
+def topk_router_backward(d_top: torch.Tensor, d_probs: torch.Tensor, probs: torch.Tensor, index: torch.Tensor,
+                         normalize: bool) -> torch.Tensor:
+    """The router logits' gradient, local (..., E), from its outputs' (:func:`topk_router`)."""
+    d_raw = d_top
+    if normalize:  # top = raw / s, s = sum(raw): d raw = (d top - sum(d top * top)) / s
+        raw = probs.gather(-1, index)
+        total = raw.sum(-1, keepdim=True)
+        d_raw = (d_top - (d_top * raw).sum(-1, keepdim=True) / total) / total
+    d_p = d_probs.scatter_add(-1, index, d_raw.to(d_probs.dtype))  # (the k experts of a row are distinct)
+    return probs * (d_p - (d_p * probs).sum(-1, keepdim=True))  # softmax's gradient
 
 
 def _like(anchor: Tensor, value: torch.Tensor) -> Tensor:
@@ -269,4 +335,4 @@ def load_balancing_loss(stats: list[tuple[Tensor, Tensor]], num_experts: int, to
     return F.mul(F.sum(F.mul(share, F.div(probs, float(len(stats))))), float(num_experts))
 
 
-__all__ = ["Expert", "MoE", "load_balancing_loss", "place_experts", "split_experts"]
+__all__ = ["Expert", "MoE", "load_balancing_loss", "place_experts", "split_experts", "topk_router"]
