@@ -1,28 +1,19 @@
 """Expert parallelism by all-to-all: each routed token-slot travels to the rank that holds its expert, and back.
 
-The experts are grouped over one mesh axis (the ``ep`` axis): member ``j`` of an ep group (the ranks that differ
-only on that axis) holds experts ``[j * per, (j + 1) * per)``. The tokens enter split on the ep axis, so every
-rank routes its own rows. Per rank, forward::
+Member ``j`` of an ep group (the ranks that differ only on the ``ep`` mesh axis) holds experts
+``[j * per, (j + 1) * per)``; tokens enter split on that axis. Per rank, forward::
 
     slots (n, k) --sorted by expert--> counts per expert --all-to-all (E counts, static)--> counts it receives
     slot rows    --all-to-all, split sizes = those counts--> its experts run on their own rows only (grouped)
     expert rows  --all-to-all back, the sizes reversed----> (n, k, C): each slot's expert output (0 if dropped)
                  --weighted by the routing, summed over k--> (n, C)
 
-Backward is the same exchange the other way round: the slots' output gradients travel to the experts along
-the forward's counts, each rank's local backward gives its rows' and its experts' weight gradients, and the row
-gradients come home, where each token sums its k slots.
+Backward is the same exchange reversed. On other mesh axes, data-parallel tokens keep their split (the experts'
+gradients are partial there) and a Megatron split inside the experts takes the tokens whole there.
 
-Other mesh axes: tokens split there (data parallel) keep their split, and the experts' weight gradients are
-partial sums there; a Megatron split inside the experts (``w1``, ``w3`` on S(0), ``w2`` on S(1)) needs the
-tokens whole there, and the slot outputs are partial sums there (as a row-parallel linear's are).
-
-A traced step (``nn.Graph``) cannot run this exchange: the routed rows would lie on the mesh (the runtime's
-``route`` nodes carry their data-dependent sizes) while each member's experts lie on the member's placement, and
-a traced op has one placement for all its tensors. It uses :func:`member_exchange` instead, a dropless capacity
-buffer (every token) sent to each member by a transfer node of the plan, where the member's experts compute their
-routed rows only (the same numbers; backward computes those rows again; every token's bytes go to each member).
-Meta tensors take :class:`~sbpflow.nn.MoE`'s dense path.
+``nn.Graph`` cannot trace this exchange (a traced op has one placement for all its tensors, but the routed rows
+would lie on the mesh and each member's experts on the member's), so it uses :func:`member_exchange`: a dropless
+buffer of every token sent to each member, which computes its routed rows only.
 """
 
 from __future__ import annotations

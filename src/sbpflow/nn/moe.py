@@ -1,22 +1,9 @@
 """A mixture-of-experts block (Mixtral, Qwen-MoE): a top-k softmax router over SwiGLU experts.
 
-Each token's router probabilities (softmax over the experts) pick its top-k
-experts; their probabilities, renormalised to sum to 1, weight the experts'
-outputs. Routing is dropless by default: every token reaches all k of its
-experts. With ``capacity_factor`` an expert takes at most
-``ceil(capacity_factor * tokens * k / experts)`` tokens, in token order, and
-drops the rest. Optional shared experts see every token; Qwen-MoE's shared expert
-(``shared_expert_intermediate``) has its own width and a sigmoid gate. ``aux_stats`` keeps
-the last forward's tokens per expert and mean router probabilities, from which
-:func:`load_balancing_loss` forms Switch Transformer's auxiliary loss.
-
-On one device (and wherever :func:`split_experts` did not group the experts) the
-experts run as dense per-expert SwiGLU layers on every token, combined with
-routing weights that are zero off the chosen experts: exact for any routing,
-at ``experts / k`` times the compute of a sparse dispatch. Split over a mesh axis
-(:func:`split_experts`), eager forwards send each token to its experts' ranks by
-a data-dependent all-to-all instead, and ``nn.Graph`` steps send each expert group
-a static buffer of every token, on which it computes only its routed rows
+Routing is dropless unless ``capacity_factor`` caps each expert's tokens; optional shared experts see every token
+(Qwen's with a sigmoid gate); ``aux_stats`` feeds :func:`load_balancing_loss` (Switch Transformer's). Unsplit,
+the experts run dense with zero weights off the chosen ones: exact for any routing, at ``experts / k`` times the
+compute. Split over a mesh axis (:func:`split_experts`), tokens travel to their experts' ranks instead
 (:mod:`sbpflow.nn.expert_parallel`).
 
 >>> import sbpflow
@@ -181,6 +168,7 @@ class MoE(Module):
         self.aux_stats = (F.sum(hits, dim=0).detach(), F.mean(probs, dim=0))
         if self.capacity_factor is None:
             return top, index, chosen, None
+        # an expert takes at most ceil(factor * tokens * k / experts) tokens, in token order, and drops the rest
         capacity = math.ceil(self.capacity_factor * flat.shape[0] * self.top_k / self.num_experts)
         kept = F.le(F.mul(F.cumsum(hits, dim=0), hits), float(capacity))  # a token's place in its expert's queue
         return top, index, chosen, F.cast(kept, probs.dtype)
