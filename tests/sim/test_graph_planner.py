@@ -329,3 +329,48 @@ def test_a_plan_replays_through_parallelize_and_trains_as_one_device() -> None:
     assert loss_p == pytest.approx(loss, rel=1e-5)
     for name, g in grads.items():
         np.testing.assert_allclose(grads_p[name], g, rtol=1e-4, atol=1e-6, err_msg=name)
+
+
+class Residual(nn.Module):
+    """A block whose last op (the residual add's ReLU) belongs to no module of its own."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.first, self.second = nn.Linear(width, width), nn.Linear(width, width)
+
+    def forward(self, x: Any) -> Any:
+        return F.relu(x + self.second(F.relu(self.first(x))))
+
+
+def residual_chain(batch: int = 8) -> tuple[nn.Module, tuple[Any, ...]]:
+    with sbpflow.meta_init():
+        model = nn.Sequential(nn.Linear(16, 32), *(Residual(32) for _ in range(3)), nn.Linear(32, 10))
+        x = sbpflow.randn(batch, 16)
+    return model, (x,)
+
+
+def test_stages_start_where_a_module_starts() -> None:
+    """A cut after a block's residual add (before its ReLU) is one activation wide, but no module starts there:
+    a stage made of modules cannot start at it, so it is no cut point."""
+    _, g = _traced(residual_chain)
+    read = read_graph(g)
+    firsts = [s.modules[0].removeprefix("model.") for s in read.segments]
+    assert firsts == ["0", "1.first", "2.first", "3.first", "4"]
+    ops = read.names
+    assert all(ops[s.lo] == "linear" for s in read.segments)
+
+
+def test_devices_sharing_cores_stretch_the_compute_of_those_that_run_at_once() -> None:
+    """4 ranks on 2 cores: data parallelism runs all 4 at once (twice the compute of each), a 4-stage pipeline
+    of one micro-batch one stage at a time (not stretched)."""
+    _, g = _traced(attention_stack)
+    read = read_graph(g)
+    alone = dataclasses.replace(PROFILES["a100-80gb"], memory_bytes=1e12)
+    shared = dataclasses.replace(alone, cores=2.0)
+    plans = {"dp4": Knobs(1, 1, 4, 2), "pp4": Knobs(1, 4, 1, 8), "dp2 pp2": Knobs(1, 2, 2, 2)}
+    for name, k in plans.items():
+        before = graph_predict(_Context(read, Cluster(4, alone, 4), 8), k).breakdown
+        after = graph_predict(_Context(read, Cluster(4, shared, 4), 8), k).breakdown
+        stretch = {"dp4": 2.0, "pp4": 1.0, "dp2 pp2": 2.0}[name]  # dp2 pp2: 2 micro-batches, 4 ranks at once
+        assert after["compute"] == pytest.approx(stretch * before["compute"]), name
+        assert after["optimizer"] == pytest.approx(2.0 * before["optimizer"]), name  # every rank steps at once

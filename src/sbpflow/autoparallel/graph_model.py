@@ -18,8 +18,9 @@ built under ``meta_init()``). Nothing here knows a model class; it reads:
   a softmax (the output layer) is ``colwise`` with its loss vocab-parallel (``vocab`` when its weight is the
   embedding's); everything else is ``replicate``;
 * **cut points**: positions in the forward order that exactly one activation crosses, a small one (at most
-  ``CUT_FACTOR`` times the median such crossing: not the logits). Stages are cut there (between blocks, but
-  also between a block's attention and its MLP, or between any two layers of a chain).
+  ``CUT_FACTOR`` times the median such crossing: not the logits), where a module's forward starts (its first
+  parameter is read: a stage is a set of modules). Stages are cut there (between blocks, but also between a
+  block's attention and its MLP, or between any two layers of a chain; not before a residual's last op).
 
 Forward ops between two cut points form a :class:`Segment`; each has its forward seconds per micro-batch as a
 function of (micro-batch, tp) through :func:`segment_times` (roofline per op), and its backward is priced as
@@ -288,10 +289,12 @@ class _Reader:
 
     def _modules(self) -> list[str]:
         out, last = [], ""
-        for n in self.forward:
+        self.module_starts: set[int] = set()  # positions whose op opens a module (reads its first parameter)
+        for i, n in enumerate(self.forward):
             owned = [self.params[v] for v in n.inputs if v in self.params]
-            if owned:
+            if owned and owned[0].rsplit(".", 1)[0] != last:
                 last = owned[0].rsplit(".", 1)[0]
+                self.module_starts.add(i)
             out.append(last)
         return out
 
@@ -419,7 +422,8 @@ class _Reader:
                     volume[last + 1] -= self._bytes(v)
         crossing = np.cumsum(count)
         self.crossing_bytes = np.cumsum(volume)
-        single = [k for k in range(1, n) if crossing[k] == 1]
+        # a stage starts where a module's forward starts (the only place a stage's modules can be moved to)
+        single = [k for k in range(1, n) if crossing[k] == 1 and k in self.module_starts]
         if not single:
             return [0, n]
         small = CUT_FACTOR * float(np.median(self.crossing_bytes[single]))  # not a cut that sends the logits
