@@ -374,3 +374,40 @@ def test_devices_sharing_cores_stretch_the_compute_of_those_that_run_at_once() -
         stretch = {"dp4": 2.0, "pp4": 1.0, "dp2 pp2": 2.0}[name]  # dp2 pp2: 2 micro-batches, 4 ranks at once
         assert after["compute"] == pytest.approx(stretch * before["compute"]), name
         assert after["optimizer"] == pytest.approx(2.0 * before["optimizer"]), name  # every rank steps at once
+
+
+class Routed(nn.Module):
+    """A layer with a side output, as a MoE layer returns its router's logits for the load-balancing loss."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.lin, self.gate = nn.Linear(width, width), nn.Linear(width, 2)
+
+    def forward(self, x: Any) -> Any:
+        return F.relu(self.lin(x)), self.gate(x)  # (B, width), (B, 2): the side value
+
+
+class RoutedStack(nn.Module):
+    def __init__(self, width: int = 32, depth: int = 3) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([Routed(width) for _ in range(depth)])
+        self.head = nn.Linear(width, 10)
+
+    def forward(self, x: Any, y: Any) -> Any:
+        sides = []
+        for layer in self.layers:
+            x, side = layer(x)
+            sides.append(side)
+        balance = sum((s * s).mean() for s in sides)  # read at the end: every side value crosses every later cut
+        return F.cross_entropy(self.head(x), y) + balance
+
+
+def test_small_side_values_crossing_to_the_loss_do_not_stop_cuts() -> None:
+    with sbpflow.meta_init():
+        model = RoutedStack()
+        x, y = sbpflow.randn(8, 32), sbpflow.zeros(8, dtype=torch.int64)
+    read = read_graph(trace_training_step(model, (x, y)))
+    firsts = [s.modules[0].removeprefix("model.") for s in read.segments]
+    assert {"layers.1.lin", "layers.2.lin"} <= set(firsts)  # a stage may start at every layer
+    before_second = read.segments[firsts.index("layers.1.lin") - 1]
+    assert before_second.out_bytes == 2 * (8 * 32 + 8 * 2)  # the activation and the side value cross it (bf16)

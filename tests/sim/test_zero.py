@@ -175,7 +175,11 @@ def test_graph_zero_equals_plain_data_parallel(stage: int, plain_dp: Any) -> Non
     assert sum(sbp == (S.split(0), B) for sbp in updated) == sharded  # each update on its S(0) slice
     gathers = [n for n in plan.collectives(0) if n.boxing.steps[0].kind == "all_gather"
                and n.phase == ("post" if stage < 3 else "micro")]
-    assert len(gathers) >= sharded  # updated slices back into B (1, 2), or gathered before use (3)
+    if stage < 3:  # updated slices back into B: one flat all-gather per bucket of them (graph.gather_bucket)
+        unshards = [n for n in plan.nodes if n.op == "bucket_unshard" and 0 in n.ranks and n.phase == "post"]
+        assert len(gathers) == len(unshards) == 1 and len(unshards[0].outputs) == sharded
+    else:
+        assert len(gathers) >= sharded  # gathered before use
     if stage == 3:  # gathered again in backward, each behind a control edge on the unit's incoming gradient
         again = [n for n in gathers if n.control]
         assert len(again) >= 2 * trainer.model.config.n_layer and len(gathers) >= sharded + len(again)

@@ -4,8 +4,8 @@ The cost model is the sizes planner's (``predict``), applied per segment of the 
 
 * a segment's forward is the sum of its ops' roofline times on their per-rank shares, stretched when more
   devices compute at once than the cores they share (``DeviceProfile.stretch``: a CPU host's processes);
-  forward + backward is three forwards; recompute reruns the segment's forward ("full") or the ops that make its wide values
-  ("selective"); its tensor-parallel all-reduces are priced by α-β (again forward under "full");
+  forward + backward is three forwards; recompute reruns the segment's forward ("full") or the ops that make
+  its wide values ("selective"); its tensor-parallel all-reduces are priced by α-β (again forward under "full");
 * ZeRO-2/3 traffic per micro-batch and the gradient sync and optimizer step at the end are ``predict``'s
   functions of the parameters a stage holds;
 * a stage's time is the sum of its segments plus its sends (the one activation crossing each cut);

@@ -23,6 +23,7 @@ from ..errors import AutogradError
 from .accumulate import accumulate_before_send
 from .bucket import bucket_all_reduces
 from .fuse import fuse_segments
+from .gather_bucket import bucket_all_gathers
 from .group import group_accumulates
 from .hoist import issue_data_collectives
 from .ir import LogicalGraph
@@ -143,6 +144,8 @@ def compile_graph(g: LogicalGraph, options: CompileOptions | None = None, model:
         if opts.split_updates:
             with report.timing("updates per bucket"):
                 plan = update_per_bucket(plan)
+        with report.timing("gather buckets"):
+            plan = bucket_all_gathers(plan, model, factors)
         with report.timing("pipeline"):
             plan_pipeline(plan, seed_buffers(plan, g), schedule)
         if opts.group:
