@@ -6,12 +6,15 @@ docs/benchmarks.md).
 
 For each family (GPT, Llama, Mixtral-style MoE, the ResNet-style CNN, the ViT) every dp x tp x pp split of 4 that
 ``sbpflow.parallelize`` accepts is a hand plan: an ``nn.Graph`` training step (AdamW, one micro-batch), timed in
-interleaved rounds (the order turned by one each round). The graph planner predicts each split from the step traced
-on metadata (``search_graph(only=[that split])``, profile ``cpu``, not calibrated for this host), and picks its own
-plan (the full search), which is laid out as ``config.enable_auto_parallel`` lays it out (``sbpflow.parallelize``
-with ``plan.parallelize_kwargs()`` and ``configure_graph``) and timed beside the hand plans. The report: per family the
-median measured step of each split and its spread over rounds, the prediction, the Spearman rank correlation of
-the two, and the auto plan's measured step against the best hand plan's.
+interleaved rounds (the order turned by one each round). Before a family's rounds, ``calibrate_job`` measures on
+the 4 processes what the shared machine gives them now (gloo's α-β, the cost of a collective between stretches of
+compute, the cores the processes share). The graph planner predicts each split from the step traced on metadata
+(``search_graph(only=[that split])``) on the ``cpu`` profile as shipped and on that profile with the measured links
+and cores, and picks its own plan (the full search) on both; each is laid out as ``config.enable_auto_parallel``
+lays it out (``sbpflow.parallelize`` with ``plan.parallelize_kwargs()`` and ``configure_graph``) and timed beside
+the hand plans. The report: per family the median measured step of each split, its spread over rounds and the CPU
+of the busiest process, both predictions and the calibrated one's compute / communication / optimizer terms, the
+Spearman rank correlation (medians and per round), and the auto plans' measured steps against the best hand plan's.
 """
 
 from __future__ import annotations

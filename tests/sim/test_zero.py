@@ -191,6 +191,20 @@ def test_graph_zero_equals_plain_data_parallel(stage: int, plain_dp: Any) -> Non
     assert state["exp_avg"].sbp == (S.split(0), B)
 
 
+def test_graph_zero1_gathers_one_by_one_without_buckets(plain_dp: Any) -> None:
+    """config.gather_buckets = False: each updated shard is all-gathered alone (as before the pass), to the same
+    numbers as the bucketed step (the default, above) and plain data parallelism."""
+    trainer = build(CONFIG, "dp=2", seed=0, graph=True)
+    trainer.graph.config.enable_zero(1)
+    trainer.graph.config.gather_buckets = False
+    losses = [trainer.step(ids, targets) for ids, targets in random_batches(CONFIG.vocab_size, STEPS, 8, 16, seed=1)]
+    np.testing.assert_allclose(losses, plain_dp[0], rtol=1e-5)
+    gathers = [n for n in trainer.graph.plan.collectives(0) if n.boxing.steps[0].kind == "all_gather"
+               and n.phase == "post"]
+    assert len(gathers) == len(trainer.optimizer._zero.sharded)
+    assert not [n for n in trainer.graph.plan.nodes if n.op == "bucket_unshard"]
+
+
 def _assert_gpt_window(trainer: Any) -> None:
     """The default window (prefetch=1): the model's own gathered parameters (embeddings) plus two blocks."""
     zero = trainer.optimizer._zero

@@ -154,7 +154,7 @@ def _busy(seconds: float) -> None:
         torch.mm(a, a)
 
 
-def _busy_factor(dist: Any, seconds: float = 0.05, repeats: int = 3) -> float:
+def _busy_factor(dist: Any, seconds: float = 0.05, repeats: int = 8) -> float:
     """Wall seconds per CPU second of each process while every process of the job computes at once."""
     samples = []
     for _ in range(repeats):
