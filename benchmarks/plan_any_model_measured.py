@@ -188,7 +188,7 @@ def worker(out: str, rounds: int, steps: int, families: list[str]) -> None:
             uncalibrated={n: p.step_time for n, p in uncalibrated.items()},
             measured=timed, cpu=cpu, auto=str(auto.knobs), auto_predicted=auto.step_time,
             old_auto=str(old_auto.knobs), old_auto_predicted=old_auto.step_time,
-            profile={"stretches": profile.stretches, "alpha_us": profile.intra_alpha * 1e6,
+            profile={"cores": profile.cores, "alpha_us": profile.intra_alpha * 1e6,
                      "bandwidth_gbs": profile.intra_bandwidth / 1e9, "collective_us": measured.collective_s * 1e6,
                      "launch_us": profile.launch_s * 1e6})
         dist.barrier()
@@ -231,9 +231,7 @@ def report(result: dict[str, Any], rounds: int, steps: int) -> str:
         best = min(hand, key=lambda n: meas[n])
         ratios = [r["measured"]["auto"][i] / min(r["measured"][n][i] for n in hand) for i in range(rounds)]
         prof = r["profile"]
-        stretch = ", ".join(f"{f:.2f}" for _, f in prof["stretches"])
-        lines += [f"**{kind}** (calibrated: wall s per CPU s with 1..4 processes busy {stretch}; a collective in a "
-                  f"step "
+        lines += [f"**{kind}** (calibrated: {prof['cores']:.2f} cores for 4 processes, a collective in a step "
                   f"{prof['collective_us']:.0f} us, alpha {prof['alpha_us']:.0f} us per round, "
                   f"{prof['bandwidth_gbs']:.2f} GB/s): Spearman predicted vs measured over {len(hand)} splits "
                   f"**{rho:.2f}** calibrated ({rho_old:.2f} on `cpu` as shipped; per round "

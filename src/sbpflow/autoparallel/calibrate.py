@@ -8,8 +8,7 @@ What is measured, and what it becomes in the profile:
     launch floor     the same add on one element                      -> launch_s
     gloo α-β         all_reduce between local processes at sizes      -> intra_alpha, intra_bandwidth
                      from 4 B to MBs, least squares on the ring model
-    sharing          k processes busy at once, k = 1..N: wall / CPU   -> stretches (k, that factor);
-                     seconds of each (other jobs included)               cores = N / the factor of N
+    sharing          every process busy at once: wall / CPU seconds   -> cores = processes / that factor
     α in a step      a 4-byte all_reduce after 1 ms of compute on      -> intra_alpha at least that / 2(p-1)
                      every process, beyond the compute alone (waiting
                      for the process the shared cores left behind)
@@ -57,7 +56,7 @@ class Measurements:
     all_reduce_s: dict[int, float]  # bytes -> seconds
     alpha: float
     beta: float
-    busy_factors: tuple[tuple[int, float], ...] = ()  # (k, wall seconds per CPU second with k processes busy)
+    busy_factor: float = 1.0  # wall seconds per CPU second with every process busy at once
     collective_s: float = 0.0  # a small all-reduce between stretches of compute, beyond the compute alone
 
 
@@ -130,18 +129,15 @@ def _all_reduce_worker(rank: int, world: int, port: int, sizes: tuple[int, ...],
         dist.destroy_process_group()
 
 
-def measure_job(dist: Any, sizes: tuple[int, ...], repeats: int
-                ) -> tuple[dict[int, float], tuple[tuple[int, float], ...], float]:
+def measure_job(dist: Any, sizes: tuple[int, ...], repeats: int) -> tuple[dict[int, float], float, float]:
     """On every process of a running gloo job: (all_reduce seconds per message size, the slowest rank's view
-    after a barrier; (k, wall per CPU second) with k = 1..N processes busy; a 4-byte all-reduce's cost after
-    compute)."""
+    after a barrier; wall per CPU second with every process busy; a 4-byte all-reduce's cost after compute)."""
     times = {}
     for nbytes in sizes:
         t = torch.zeros(max(nbytes // 4, 1))
         dist.barrier()
         times[nbytes] = max(_gather(dist, _best_time(partial(dist.all_reduce, t), repeats)))
-    busy = tuple((k, _busy_factor(dist, k)) for k in range(1, dist.get_world_size() + 1))
-    return times, busy, _collective_after_compute(dist)
+    return times, _busy_factor(dist), _collective_after_compute(dist)
 
 
 def _gather(dist: Any, value: float) -> list[float]:
@@ -158,17 +154,15 @@ def _busy(seconds: float) -> None:
         torch.mm(a, a)
 
 
-def _busy_factor(dist: Any, active: int, seconds: float = 0.05, repeats: int = 5) -> float:
-    """Wall seconds per CPU second of each of the first ``active`` processes while they compute at once (the
-    others wait: as a pipeline's idle stages do)."""
+def _busy_factor(dist: Any, seconds: float = 0.05, repeats: int = 8) -> float:
+    """Wall seconds per CPU second of each process while every process of the job computes at once."""
     samples = []
     for _ in range(repeats):
         dist.barrier()
         start = time.perf_counter()
-        if dist.get_rank() < active:
-            _busy(seconds)
+        _busy(seconds)
         samples.append((time.perf_counter() - start) / seconds)
-    return max(1.0, statistics.median(_gather(dist, statistics.median(samples))[:active]))
+    return max(1.0, statistics.median(_gather(dist, statistics.median(samples))))
 
 
 def _collective_after_compute(dist: Any, work: float = 1e-3, n: int = 10, repeats: int = 3) -> float:
@@ -189,8 +183,7 @@ def _collective_after_compute(dist: Any, work: float = 1e-3, n: int = 10, repeat
     return max(0.0, statistics.median(_gather(dist, statistics.median(samples))))
 
 
-def measure_gloo(processes: int, sizes: tuple[int, ...], repeats: int
-                 ) -> tuple[dict[int, float], tuple[tuple[int, float], ...], float]:
+def measure_gloo(processes: int, sizes: tuple[int, ...], repeats: int) -> tuple[dict[int, float], float, float]:
     """:func:`measure_job` on ``processes`` local gloo processes started for it."""
     import torch.multiprocessing as mp
 
@@ -201,8 +194,7 @@ def measure_gloo(processes: int, sizes: tuple[int, ...], repeats: int
         mp.start_processes(_all_reduce_worker, args=(processes, _free_port(), sizes, repeats, out),
                            nprocs=processes, start_method="spawn", join=True)
         found = json.loads(Path(out).read_text())
-        busy = tuple((int(k), float(f)) for k, f in found["busy"])
-        return {int(k): v for k, v in found["times"].items()}, busy, found["collective"]
+        return {int(k): v for k, v in found["times"].items()}, found["busy"], found["collective"]
 
 
 def calibrate(name: str = "local-cpu", processes: int = 2, quick: bool = False) -> tuple[DeviceProfile, Measurements]:
@@ -241,10 +233,8 @@ def _with_links(profile: DeviceProfile, m: Measurements) -> DeviceProfile:
     """``profile`` with the measured links (α at least a collective's cost inside a step) and shared cores."""
     bandwidth = 1 / m.beta
     alpha = max(m.alpha, m.collective_s / (2 * (m.processes - 1)))
-    everyone = dict(m.busy_factors).get(m.processes, 1.0)
     return replace(profile, intra_bandwidth=bandwidth, inter_bandwidth=bandwidth, intra_alpha=alpha,
-                   inter_alpha=alpha, eta_intra=1.0, eta_inter=1.0, cores=m.processes / everyone,
-                   stretches=m.busy_factors)
+                   inter_alpha=alpha, eta_intra=1.0, eta_inter=1.0, cores=m.processes / m.busy_factor)
 
 
 def _profile(name: str, m: Measurements) -> DeviceProfile:
@@ -269,6 +259,6 @@ def describe(m: Measurements) -> str:
               f"gloo all_reduce on {m.processes} processes:"]
     lines += [f"  {n:9d} B  {t * 1e6:10.1f} us" for n, t in m.all_reduce_s.items()]
     lines.append(f"fit: alpha {m.alpha * 1e6:.1f} us, beta {m.beta * 1e9:.3f} ns/B ({1 / m.beta / 1e9:.2f} GB/s)")
-    lines.append("k processes busy, wall s per CPU s: " + ", ".join(f"{k}: {f:.2f}" for k, f in m.busy_factors))
-    lines.append(f"a 4-byte all_reduce after compute: {m.collective_s * 1e6:.0f} us")
+    lines.append(f"every process busy: {m.busy_factor:.2f} wall s per CPU s ({m.processes / m.busy_factor:.2f} "
+                 f"cores); a 4-byte all_reduce after compute: {m.collective_s * 1e6:.0f} us")
     return "\n".join(lines)

@@ -67,9 +67,6 @@ class DeviceProfile:
     # CPU cores the devices share, as measured with every process busy (a host's processes, other jobs
     # included); 0: each device computes on its own (accelerators)
     cores: float = 0.0
-    # (k, wall seconds per second of compute with k devices computing at once), measured (calibrate); when
-    # given, it is the stretch instead of the cores' k / cores
-    stretches: tuple[tuple[int, float], ...] = ()
     source: str = "public specs"
 
     @property
@@ -96,19 +93,13 @@ class DeviceProfile:
         return out if out.ndim else float(out)
 
     def stretch(self, active: int) -> float:
-        """Wall seconds per second of compute when ``active`` devices compute at once: the measured factor of the
-        nearest count at or above ``active`` when the profile has them, else ``active / cores`` when they share
-        fewer cores than that, else 1.
+        """Wall seconds per second of compute when ``active`` devices compute at once: ``active / cores`` when
+        they share fewer cores than that, else 1.
 
         >>> host = replace(PROFILES["a100-80gb"], cores=2.0)
         >>> host.stretch(1), host.stretch(4), PROFILES["a100-80gb"].stretch(4)
         (1.0, 2.0, 1.0)
-        >>> replace(host, stretches=((1, 1.2), (2, 1.5), (4, 2.6))).stretch(3)
-        2.6
         """
-        if self.stretches:
-            table = dict(self.stretches)
-            return table[min((k for k in table if k >= active), default=max(table))]
         if self.cores <= 0:
             return 1.0
         return max(1.0, active / self.cores)
@@ -188,9 +179,8 @@ def load_profile(path: str | Path) -> DeviceProfile:
     unknown = sorted(set(data) - known)
     if unknown:
         raise SbpflowError(f"profile {path} has keys that DeviceProfile does not know: {unknown}")
-    for key in ("gemm_tiles", "stretches"):  # JSON has no tuples
-        if key in data:
-            data[key] = tuple(tuple(t) for t in data[key])
+    if "gemm_tiles" in data:  # JSON has no tuples
+        data["gemm_tiles"] = tuple(tuple(t) for t in data["gemm_tiles"])
     return DeviceProfile(**data)
 
 
