@@ -55,7 +55,12 @@ which measured slower than pp4; at 12:48, before ZeRO-1 was priced as sbpflow ru
 0.90 / 1.00 / 0.94 / 0.94 and auto 1.35 / 1.71 / 0.95 / 0.95 / 1.77x (Llama and ViT got dp2 x pp2 with ZeRO-1). A
 table of stretches measured per number of busy processes, tried in place of the cores (12:59, load 12), ranked
 worse (0.60-0.77) and was reverted. The cores a short calibration sees on this shared machine move from 0.9 to 1.9
-within minutes, and pp4 against dp2 x pp2 turns on them: that is the remaining error.
+within minutes, and pp4 against dp2 x pp2 turns on them: that is the remaining error. The same code again at 13:17
+UTC (load 8): Spearman 1.00 / 0.90 / 1.00 / 0.94 / 1.00, auto 1.02 / 1.10 / 1.16 / 0.84 / 0.92x, the auto plan pp4
+in all five (for Llama the best hand plan was dp2 x pp2 that time, for MoE the 16% is the auto pp4's cuts against
+parallelize's pp4 and the noise: per round 0.95-1.48x). Over the runs at 13:10 and 13:17 the auto plan is within
+10% of the best hand plan in 6 of 10 cases (16% at worst); with the 12:54 run of the same code, 7 of 15 (1.68x at
+worst).
 
 Why the `cpu` profile missed (Spearman -0.31..0.71, auto 4.7-6.8x), from the runtime timeline (SBPFLOW_TRACE) and
 per-process CPU, GPT: (1) compute and per-op floors were right: one process running the whole step alone (batch 8)
