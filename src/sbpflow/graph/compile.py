@@ -1,6 +1,7 @@
 """The compiler's passes, in order: dead code -> accumulate before send (cross-stage gradient sums) -> ZeRO-3
 prefetch window -> SBP selection -> lowering (boxing nodes) -> reduce after accumulating (a data-parallel
-gradient reduced once a step, not per micro-batch) -> gradient buckets -> pipeline -> grouped
+gradient reduced once a step, not per micro-batch) -> gradient buckets -> updates per bucket -> gather buckets
+(ZeRO's updated slices) -> pipeline -> grouped
 accumulation (one node per act's gradients) -> collectives on data alone first (no pipeline) -> fused segments
 (on by default) -> verification.
 
