@@ -14,8 +14,8 @@ Sharded tensors (ZeRO's updated parameters, ``S(0)`` in equal pieces) are gather
 rank flattens its pieces, one all-gather puts the ranks' flat pieces one after another, and
 :func:`bucket_unshard` reads each tensor's pieces back out of every rank's part.
 
->>> gathered = torch.cat([bucket_flatten(torch.zeros(1, 2), torch.zeros(1)),    # rank 0's pieces
-...                       bucket_flatten(torch.ones(1, 2), torch.ones(1))])     # rank 1's
+>>> mine, theirs = bucket_flatten(torch.zeros(1, 2), torch.zeros(1)), bucket_flatten(torch.ones(1, 2), torch.ones(1))
+>>> gathered = bucket_flatten(mine, theirs)  # what the all-gather leaves on every rank: rank 0's part, rank 1's
 >>> [t.tolist() for t in bucket_unshard(gathered, shapes=((2, 2), (2,)), parts=2)]
 [[[0.0, 0.0], [1.0, 1.0]], [0.0, 1.0]]
 """
