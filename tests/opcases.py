@@ -317,6 +317,8 @@ def _indexing_cases() -> list[OpCase]:
         OpCase("bucket_flatten", "bucket_flatten", lambda g: (_r(g, 2, 3), _r(g, 4)), {}, _partials("_", "_")),
         OpCase("bucket_split", "bucket_split", lambda g: (_r(g, 10),), {"shapes": ((2, 3), (4,))},
                tuple(f"{k} -> {k} {k}" for k in ("P(sum)", "P(max)", "P(min)"))),
+        OpCase("bucket_unshard", "bucket_unshard", lambda g: (_r(g, 10),), {"shapes": ((2, 3), (4,)), "parts": 2},
+               ()),
         OpCase("reshape", "reshape", lambda g: (_r(g, 4, 6),), {"shape": (6, 4)}, _partials("_")),
         OpCase("permute", "permute", lambda g: (_r(g, 4, 6),), {"dims": (1, 0)}, _partials("_")),
         OpCase("unsqueeze", "unsqueeze", lambda g: (_r(g, 4, 6),), {"dim": 1}, _partials("_")),

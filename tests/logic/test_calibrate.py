@@ -93,3 +93,16 @@ def test_calibration_from_a_trace_without_usable_spans_says_so(tmp_path):
     w.close()
     with pytest.raises(SbpflowError, match="boxing collectives or elementwise"):
         calibrate_from_trace(get_profile("cpu"), [str(tmp_path / "t.json")])
+
+
+def test_a_collective_inside_a_step_and_shared_cores_enter_the_profile():
+    """α is at least what a small all-reduce costs after compute (the wait for a process the shared cores left
+    behind), per ring round; the cores are the processes over the measured stretch with all of them busy."""
+    m = Measurements(matmul_flops={256: 50e9}, memcpy_bandwidth=10e9, elementwise_bandwidth=8e9, launch_s=2e-6,
+                     processes=4, all_reduce_s={4: 1e-4, 1 << 20: 1e-3}, alpha=40e-6, beta=1e-9, busy_factor=2.5,
+                     collective_s=1.2e-3)
+    profile = _profile("here", m)
+    assert profile.intra_alpha == pytest.approx(1.2e-3 / 6) and profile.cores == pytest.approx(1.6)
+    assert profile.stretch(1) == 1.0 and profile.stretch(4) == pytest.approx(2.5)
+    quiet = _profile("here", replace(m, busy_factor=1.0, collective_s=1e-5))
+    assert quiet.intra_alpha == 40e-6 and quiet.stretch(4) == 1.0  # 4 cores for 4 processes: nothing shared

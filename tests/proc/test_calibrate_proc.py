@@ -59,3 +59,30 @@ def test_calibrate_host_measures_every_primitive_on_two_processes() -> None:
     assert all(s > 0 for _, s in host.kernels) and host.optimizer_s_per_param > 0
     assert 0 < host.foreign_dispatch_s and 0 < host.dispatch_s
     assert all(t > 0 for t in results[0]["steps"])
+
+
+def _calibrate_job() -> dict:
+    import torch
+
+    import sbpflow
+    from sbpflow.autoparallel import get_profile
+    from sbpflow.autoparallel.calibrate import calibrate_job
+
+    torch.set_num_threads(1)
+    sbpflow.distributed.init()
+    profile, measured = calibrate_job(get_profile("cpu"), quick=True)
+    return {"profile": profile, "measured": measured}
+
+
+def test_calibrate_job_measures_links_and_cores_inside_a_running_job() -> None:
+    from procrun import run_ranks
+
+    from sbpflow.autoparallel import get_profile
+
+    results = run_ranks(_calibrate_job, 2, timeout=120)
+    profile, measured = results[0]["profile"], results[0]["measured"]
+    assert results[1]["profile"].cores == profile.cores  # every process gets the same numbers
+    assert 0 < profile.cores <= 2 and profile.gpus_per_node == 2
+    assert profile.intra_alpha >= measured.collective_s / 2  # at least a collective's cost in a step, per round
+    base = get_profile("cpu")
+    assert (profile.peak_flops, profile.launch_s) == (base.peak_flops, base.launch_s)  # compute rates kept

@@ -86,3 +86,28 @@ def test_graph_zero3_prefetch_window_on_two_processes() -> None:
         for p, q in zip(got["params"], plain["params"], strict=True):
             np.testing.assert_allclose(p, q, rtol=1e-5, atol=1e-7)
         assert list(got["peak"]) == [rank] and 0 < got["peak"][rank] <= 2 * layer_bytes
+
+
+def graph_zero1_job(buckets: bool) -> dict[str, Any]:
+    """The GPT's compiled dp=2 step with ZeRO-1, its updated slices gathered in buckets or one by one."""
+    torch.set_num_threads(1)
+    sbpflow.manual_seed(0)
+    trainer = build(CONFIG, "dp=2", seed=0, graph=True)
+    trainer.graph.config.enable_zero(1)
+    trainer.graph.config.gather_buckets = buckets
+    losses = [trainer.step(ids, targets) for ids, targets in random_batches(CONFIG.vocab_size, STEPS, 8, 16, seed=1)]
+    gathers = [n for n in trainer.graph.plan.collectives(sbpflow.distributed.rank())
+               if n.boxing.steps[0].kind == "all_gather" and n.phase == "post"]
+    return {"losses": losses, "params": parameter_values(trainer), "gathers": len(gathers)}
+
+
+def test_graph_zero1_gather_buckets_on_two_processes() -> None:
+    """Over gloo, the bucketed all-gather of ZeRO-1's updated slices (one collective) trains to the numbers of
+    the one-by-one gathers."""
+    bucketed = run_ranks(graph_zero1_job, 2, args=(True,), timeout=TIMEOUT)
+    alone = run_ranks(graph_zero1_job, 2, args=(False,), timeout=TIMEOUT)
+    for got, want in zip(bucketed, alone, strict=True):
+        np.testing.assert_allclose(got["losses"], want["losses"], rtol=1e-6)
+        for name, value in want["params"].items():
+            np.testing.assert_allclose(got["params"][name], value, rtol=1e-6, atol=1e-7, err_msg=name)
+        assert got["gathers"] == 1 < want["gathers"]

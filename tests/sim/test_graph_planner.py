@@ -319,3 +319,85 @@ def test_a_plan_replays_through_parallelize_and_trains_as_one_device() -> None:
     assert loss_p == pytest.approx(loss, rel=1e-5)
     for name, g in grads.items():
         np.testing.assert_allclose(grads_p[name], g, rtol=1e-4, atol=1e-6, err_msg=name)
+
+
+class Residual(nn.Module):
+    """A block whose last op (the residual add's ReLU) belongs to no module of its own."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.first, self.second = nn.Linear(width, width), nn.Linear(width, width)
+
+    def forward(self, x: Any) -> Any:
+        return F.relu(x + self.second(F.relu(self.first(x))))
+
+
+def residual_chain(batch: int = 8) -> tuple[nn.Module, tuple[Any, ...]]:
+    with sbpflow.meta_init():
+        model = nn.Sequential(nn.Linear(16, 32), *(Residual(32) for _ in range(3)), nn.Linear(32, 10))
+        x = sbpflow.randn(batch, 16)
+    return model, (x,)
+
+
+def test_stages_start_where_a_module_starts() -> None:
+    """A cut after a block's residual add (before its ReLU) is one activation wide, but no module starts there:
+    a stage made of modules cannot start at it, so it is no cut point."""
+    _, g = _traced(residual_chain)
+    read = read_graph(g)
+    firsts = [s.modules[0].removeprefix("model.") for s in read.segments]
+    assert firsts == ["0", "1.first", "2.first", "3.first", "4"]
+    ops = read.names
+    assert all(ops[s.lo] == "linear" for s in read.segments)
+
+
+def test_devices_sharing_cores_stretch_the_compute_of_those_that_run_at_once() -> None:
+    """4 ranks on 2 cores: data parallelism runs all 4 at once (twice the compute of each), a 4-stage pipeline
+    of one micro-batch one stage at a time (not stretched)."""
+    _, g = _traced(attention_stack)
+    read = read_graph(g)
+    alone = dataclasses.replace(PROFILES["a100-80gb"], memory_bytes=1e12)
+    shared = dataclasses.replace(alone, cores=2.0)
+    plans = {"dp4": Knobs(1, 1, 4, 2), "pp4": Knobs(1, 4, 1, 8), "dp2 pp2": Knobs(1, 2, 2, 2)}
+    for name, k in plans.items():
+        before = graph_predict(_Context(read, Cluster(4, alone, 4), 8), k).breakdown
+        after = graph_predict(_Context(read, Cluster(4, shared, 4), 8), k).breakdown
+        stretch = {"dp4": 2.0, "pp4": 1.0, "dp2 pp2": 2.0}[name]  # dp2 pp2: 2 micro-batches, 4 ranks at once
+        assert after["compute"] == pytest.approx(stretch * before["compute"]), name
+        assert after["optimizer"] == pytest.approx(2.0 * before["optimizer"]), name  # every rank steps at once
+
+
+class Routed(nn.Module):
+    """A layer with a side output, as a MoE layer returns its router's logits for the load-balancing loss."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.lin, self.gate = nn.Linear(width, width), nn.Linear(width, 2)
+
+    def forward(self, x: Any) -> Any:
+        return F.relu(self.lin(x)), self.gate(x)  # (B, width), (B, 2): the side value
+
+
+class RoutedStack(nn.Module):
+    def __init__(self, width: int = 32, depth: int = 3) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([Routed(width) for _ in range(depth)])
+        self.head = nn.Linear(width, 10)
+
+    def forward(self, x: Any, y: Any) -> Any:
+        sides = []
+        for layer in self.layers:
+            x, side = layer(x)
+            sides.append(side)
+        balance = sum((s * s).mean() for s in sides)  # read at the end: every side value crosses every later cut
+        return F.cross_entropy(self.head(x), y) + balance
+
+
+def test_small_side_values_crossing_to_the_loss_do_not_stop_cuts() -> None:
+    with sbpflow.meta_init():
+        model = RoutedStack()
+        x, y = sbpflow.randn(8, 32), sbpflow.zeros(8, dtype=torch.int64)
+    read = read_graph(trace_training_step(model, (x, y)))
+    firsts = [s.modules[0].removeprefix("model.") for s in read.segments]
+    assert {"layers.1.lin", "layers.2.lin"} <= set(firsts)  # a stage may start at every layer
+    before_second = read.segments[firsts.index("layers.1.lin") - 1]
+    assert before_second.out_bytes == 2 * (8 * 32 + 8 * 2)  # the activation and the side value cross it (bf16)

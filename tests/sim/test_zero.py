@@ -175,7 +175,11 @@ def test_graph_zero_equals_plain_data_parallel(stage: int, plain_dp: Any) -> Non
     assert sum(sbp == (S.split(0), B) for sbp in updated) == sharded  # each update on its S(0) slice
     gathers = [n for n in plan.collectives(0) if n.boxing.steps[0].kind == "all_gather"
                and n.phase == ("post" if stage < 3 else "micro")]
-    assert len(gathers) >= sharded  # updated slices back into B (1, 2), or gathered before use (3)
+    if stage < 3:  # updated slices back into B: one flat all-gather per bucket of them (graph.gather_bucket)
+        unshards = [n for n in plan.nodes if n.op == "bucket_unshard" and 0 in n.ranks and n.phase == "post"]
+        assert len(gathers) == len(unshards) == 1 and len(unshards[0].outputs) == sharded
+    else:
+        assert len(gathers) >= sharded  # gathered before use
     if stage == 3:  # gathered again in backward, each behind a control edge on the unit's incoming gradient
         again = [n for n in gathers if n.control]
         assert len(again) >= 2 * trainer.model.config.n_layer and len(gathers) >= sharded + len(again)
@@ -185,6 +189,20 @@ def test_graph_zero_equals_plain_data_parallel(stage: int, plain_dp: Any) -> Non
     assert split_grads == (sharded if stage >= 2 else 0)  # stage 2 and 3: gradients S(0) where they are summed
     state = trainer.optimizer.state[trainer.model.h[0].mlp.c_fc.weight]
     assert state["exp_avg"].sbp == (S.split(0), B)
+
+
+def test_graph_zero1_gathers_one_by_one_without_buckets(plain_dp: Any) -> None:
+    """config.gather_buckets = False: each updated shard is all-gathered alone (as before the pass), to the same
+    numbers as the bucketed step (the default, above) and plain data parallelism."""
+    trainer = build(CONFIG, "dp=2", seed=0, graph=True)
+    trainer.graph.config.enable_zero(1)
+    trainer.graph.config.gather_buckets = False
+    losses = [trainer.step(ids, targets) for ids, targets in random_batches(CONFIG.vocab_size, STEPS, 8, 16, seed=1)]
+    np.testing.assert_allclose(losses, plain_dp[0], rtol=1e-5)
+    gathers = [n for n in trainer.graph.plan.collectives(0) if n.boxing.steps[0].kind == "all_gather"
+               and n.phase == "post"]
+    assert len(gathers) == len(trainer.optimizer._zero.sharded)
+    assert not [n for n in trainer.graph.plan.nodes if n.op == "bucket_unshard"]
 
 
 def _assert_gpt_window(trainer: Any) -> None:

@@ -8,9 +8,14 @@ What is measured, and what it becomes in the profile:
     launch floor     the same add on one element                      -> launch_s
     gloo α-β         all_reduce between local processes at sizes      -> intra_alpha, intra_bandwidth
                      from 4 B to MBs, least squares on the ring model
+    sharing          every process busy at once: wall / CPU seconds   -> cores = processes / that factor
+    α in a step      a 4-byte all_reduce after 1 ms of compute on      -> intra_alpha at least that / 2(p-1)
+                     every process, beyond the compute alone (waiting
+                     for the process the shared cores left behind)
 
 The inter-node link cannot be measured on one machine; the profile repeats the intra-node one and says so in
-its ``source``.
+its ``source``. :func:`calibrate_job` measures the same inside a running job (every process calls it), for a
+benchmark that predicts plans on the processes it then times.
 """
 
 from __future__ import annotations
@@ -19,19 +24,24 @@ import json
 import os
 import platform
 import socket
+import statistics
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
 from ..errors import SbpflowError
 from .profiles import DeviceProfile
+
+SIZES = (4, 1024, 16384, 262144, 1 << 20, 1 << 23)  # all_reduce message bytes of the α-β fit
+SIZES_QUICK = (4, 4096, 65536, 1 << 20)
 
 
 @dataclass(frozen=True)
@@ -46,6 +56,8 @@ class Measurements:
     all_reduce_s: dict[int, float]  # bytes -> seconds
     alpha: float
     beta: float
+    busy_factor: float = 1.0  # wall seconds per CPU second with every process busy at once
+    collective_s: float = 0.0  # a small all-reduce between stretches of compute, beyond the compute alone
 
 
 def _best_time(fn: Callable[[], object], repeats: int) -> float:
@@ -104,25 +116,75 @@ def _free_port() -> int:
 
 
 def _all_reduce_worker(rank: int, world: int, port: int, sizes: tuple[int, ...], repeats: int, out: str) -> None:
-    """One gloo process: time all_reduce at each size (the slowest rank's view, after a barrier)."""
+    """One gloo process: the job's measurements (:func:`measure_job`), written by rank 0."""
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=timedelta(seconds=60))
     try:
-        times = {}
-        for nbytes in sizes:
-            t = torch.zeros(max(nbytes // 4, 1))
-            dist.barrier()
-            times[nbytes] = _best_time(partial(dist.all_reduce, t), repeats)
+        times, busy, collective = measure_job(dist, sizes, repeats)
         if rank == 0:
-            Path(out).write_text(json.dumps(times))
+            Path(out).write_text(json.dumps({"times": times, "busy": busy, "collective": collective}))
     finally:
         dist.destroy_process_group()
 
 
-def measure_gloo(processes: int, sizes: tuple[int, ...], repeats: int) -> dict[int, float]:
-    """All-reduce seconds per message size between ``processes`` local gloo processes."""
+def measure_job(dist: Any, sizes: tuple[int, ...], repeats: int) -> tuple[dict[int, float], float, float]:
+    """On every process of a running gloo job: (all_reduce seconds per message size, the slowest rank's view
+    after a barrier; wall per CPU second with every process busy; a 4-byte all-reduce's cost after compute)."""
+    times = {}
+    for nbytes in sizes:
+        t = torch.zeros(max(nbytes // 4, 1))
+        dist.barrier()
+        times[nbytes] = max(_gather(dist, _best_time(partial(dist.all_reduce, t), repeats)))
+    return times, _busy_factor(dist), _collective_after_compute(dist)
+
+
+def _gather(dist: Any, value: float) -> list[float]:
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return [float(v) for v in out]
+
+
+def _busy(seconds: float) -> None:
+    """``seconds`` of this thread's CPU in small GEMMs."""
+    a = torch.randn(64, 64)
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        torch.mm(a, a)
+
+
+def _busy_factor(dist: Any, seconds: float = 0.05, repeats: int = 8) -> float:
+    """Wall seconds per CPU second of each process while every process of the job computes at once."""
+    samples = []
+    for _ in range(repeats):
+        dist.barrier()
+        start = time.perf_counter()
+        _busy(seconds)
+        samples.append((time.perf_counter() - start) / seconds)
+    return max(1.0, statistics.median(_gather(dist, statistics.median(samples))))
+
+
+def _collective_after_compute(dist: Any, work: float = 1e-3, n: int = 10, repeats: int = 3) -> float:
+    """Seconds a blocking 4-byte all-reduce adds after ``work`` CPU seconds on every process: its latency and
+    the wait for the process that the shared cores left behind (what a step's collectives between ops pay)."""
+    flag = torch.zeros(1)
+
+    def loop(reduce: bool) -> float:
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(n):
+            _busy(work)
+            if reduce:
+                dist.all_reduce(flag)
+        return (time.perf_counter() - start) / n
+
+    samples = [loop(True) - loop(False) for _ in range(repeats)]
+    return max(0.0, statistics.median(_gather(dist, statistics.median(samples))))
+
+
+def measure_gloo(processes: int, sizes: tuple[int, ...], repeats: int) -> tuple[dict[int, float], float, float]:
+    """:func:`measure_job` on ``processes`` local gloo processes started for it."""
     import torch.multiprocessing as mp
 
     if processes < 2:
@@ -131,7 +193,8 @@ def measure_gloo(processes: int, sizes: tuple[int, ...], repeats: int) -> dict[i
         out = str(Path(tmp) / "times.json")
         mp.start_processes(_all_reduce_worker, args=(processes, _free_port(), sizes, repeats, out),
                            nprocs=processes, start_method="spawn", join=True)
-        return {int(k): v for k, v in json.loads(Path(out).read_text()).items()}
+        found = json.loads(Path(out).read_text())
+        return {int(k): v for k, v in found["times"].items()}, found["busy"], found["collective"]
 
 
 def calibrate(name: str = "local-cpu", processes: int = 2, quick: bool = False) -> tuple[DeviceProfile, Measurements]:
@@ -139,25 +202,52 @@ def calibrate(name: str = "local-cpu", processes: int = 2, quick: bool = False) 
     repeats = 3 if quick else 10
     matmul = measure_matmul((256, 512) if quick else (256, 512, 1024, 2048), repeats)
     copy, add, launch = measure_memory(1 << (22 if quick else 25), repeats)
-    sizes = (4, 4096, 65536, 1 << 20) if quick else (4, 1024, 16384, 262144, 1 << 20, 1 << 23)
-    times = measure_gloo(processes, sizes, repeats)
+    times, busy, collective = measure_gloo(processes, SIZES_QUICK if quick else SIZES, repeats)
     alpha, beta = fit_alpha_beta(times, processes)
-    found = Measurements(matmul, copy, add, launch, processes, times, alpha, beta)
+    found = Measurements(matmul, copy, add, launch, processes, times, alpha, beta, busy, collective)
     return _profile(name, found), found
 
 
-def _profile(name: str, m: Measurements) -> DeviceProfile:
+def calibrate_job(base: DeviceProfile, name: str = "this-job", quick: bool = False
+                  ) -> tuple[DeviceProfile, Measurements]:
+    """``base`` (its compute rates and launch floor) with the links and the cores of the running job, measured
+    on every process of it (each process calls this; all get the same profile): gloo's α-β on the job's
+    group, the cores its processes share, and the cost of a collective between stretches of compute."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() < 2:
+        raise SbpflowError("calibrate_job runs on every process of a torch.distributed job of 2 processes or more "
+                           "(sbpflow launch -n N)")
+    repeats = 3 if quick else 10
+    processes = dist.get_world_size()
+    times, busy, collective = measure_job(dist, SIZES_QUICK if quick else SIZES, repeats)
+    alpha, beta = fit_alpha_beta(times, processes)
+    found = Measurements({}, base.mem_bandwidth, base.memory_throughput, base.launch_s, processes, times, alpha,
+                         beta, busy, collective)
+    named = replace(base, name=name, gpus_per_node=processes, source=f"{base.source}; links and cores: "
+                    f"calibrate_job on {processes} processes, {time.strftime('%Y-%m-%d %H:%M')}")
+    return _with_links(named, found), found
+
+
+def _with_links(profile: DeviceProfile, m: Measurements) -> DeviceProfile:
+    """``profile`` with the measured links (α at least a collective's cost inside a step) and shared cores."""
     bandwidth = 1 / m.beta
+    alpha = max(m.alpha, m.collective_s / (2 * (m.processes - 1)))
+    return replace(profile, intra_bandwidth=bandwidth, inter_bandwidth=bandwidth, intra_alpha=alpha,
+                   inter_alpha=alpha, eta_intra=1.0, eta_inter=1.0, cores=m.processes / m.busy_factor)
+
+
+def _profile(name: str, m: Measurements) -> DeviceProfile:
     total_memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else 16e9
-    return DeviceProfile(
+    measured = DeviceProfile(
         name=name, device_type="cpu", peak_flops=max(m.matmul_flops.values()), mem_bandwidth=m.memcpy_bandwidth,
-        memory_bytes=float(total_memory), intra_bandwidth=bandwidth, inter_bandwidth=bandwidth,
-        intra_alpha=m.alpha, inter_alpha=m.alpha, eta_matmul=1.0, eta_memory=min(m.elementwise_bandwidth /
-                                                                               m.memcpy_bandwidth, 1.0),
-        eta_intra=1.0, eta_inter=1.0, launch_s=m.launch_s, gpus_per_node=m.processes, reserved_bytes=0.0,
+        memory_bytes=float(total_memory), intra_bandwidth=1 / m.beta, inter_bandwidth=1 / m.beta, eta_matmul=1.0,
+        eta_memory=min(m.elementwise_bandwidth / m.memcpy_bandwidth, 1.0), launch_s=m.launch_s,
+        gpus_per_node=m.processes, reserved_bytes=0.0,
         source=f"sbpflow calibrate on {platform.node()}, {time.strftime('%Y-%m-%d')}; inter-node link not "
                "measured (copied from intra-node)",
     )
+    return _with_links(measured, m)
 
 
 def describe(m: Measurements) -> str:
@@ -169,4 +259,6 @@ def describe(m: Measurements) -> str:
               f"gloo all_reduce on {m.processes} processes:"]
     lines += [f"  {n:9d} B  {t * 1e6:10.1f} us" for n, t in m.all_reduce_s.items()]
     lines.append(f"fit: alpha {m.alpha * 1e6:.1f} us, beta {m.beta * 1e9:.3f} ns/B ({1 / m.beta / 1e9:.2f} GB/s)")
+    lines.append(f"every process busy: {m.busy_factor:.2f} wall s per CPU s ({m.processes / m.busy_factor:.2f} "
+                 f"cores); a 4-byte all_reduce after compute: {m.collective_s * 1e6:.0f} us")
     return "\n".join(lines)

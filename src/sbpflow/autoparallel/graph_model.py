@@ -17,9 +17,11 @@ built under ``meta_init()``). Nothing here knows a model class; it reads:
   features. An embedding indexed by the data is ``vocab``; a Linear-like op whose output reaches no other one but
   a softmax (the output layer) is ``colwise`` with its loss vocab-parallel (``vocab`` when its weight is the
   embedding's); everything else is ``replicate``;
-* **cut points**: positions in the forward order that exactly one activation crosses, a small one (at most
-  ``CUT_FACTOR`` times the median such crossing: not the logits). Stages are cut there (between blocks, but
-  also between a block's attention and its MLP, or between any two layers of a chain).
+* **cut points**: positions in the forward order that exactly one activation crosses (side values, at most
+  ``SIDE_SHARE`` of it, cross too: a MoE router's logits kept for the loss), a small one (at most ``CUT_FACTOR``
+  times the median such crossing: not the logits), where a module's forward starts (its first parameter is
+  read: a stage is a set of modules). Stages are cut there (between blocks, but also between a block's
+  attention and its MLP, or between any two layers of a chain; not before a residual's last op).
 
 Forward ops between two cut points form a :class:`Segment`; each has its forward seconds per micro-batch as a
 function of (micro-batch, tp) through :func:`segment_times` (roofline per op), and its backward is priced as
@@ -46,6 +48,7 @@ LAYOUT_OPS = ("reshape", "view", "expand", "flatten", "squeeze", "unsqueeze", "p
               "reshape_permute", "permute_reshape", "contiguous")
 GATHER_OPS = ("embedding", "pick", "index_select", "gather")
 CUT_FACTOR = 2.0  # a stage cut sends at most this many times the median one-tensor crossing
+SIDE_SHARE = 0.25  # a value this share of the largest one crossing a cut or less does not stop it (a side value)
 _Comm = dict[int, list[tuple[float, bool]]]  # forward op position -> (bytes all-reduced over tp, in forward)
 
 
@@ -308,10 +311,12 @@ class _Reader:
 
     def _modules(self) -> list[str]:
         out, last = [], ""
-        for n in self.forward:
+        self.module_starts: set[int] = set()  # positions whose op opens a module (reads its first parameter)
+        for i, n in enumerate(self.forward):
             owned = [self.params[v] for v in n.inputs if v in self.params]
-            if owned:
+            if owned and owned[0].rsplit(".", 1)[0] != last:
                 last = owned[0].rsplit(".", 1)[0]
+                self.module_starts.add(i)
             out.append(last)
         return out
 
@@ -423,23 +428,27 @@ class _Reader:
         return {v for n in self.forward for v in n.outputs if widest and per_sample(v) > widest}
 
     def _cuts(self) -> list[int]:
-        """Forward positions that exactly one activation crosses, no larger than ``CUT_FACTOR`` times the median
-        such activation, with 0 and the end; fills ``crossing_bytes``."""
+        """Forward positions that exactly one activation crosses (besides side values: a router's logits kept for
+        the loss), no larger than ``CUT_FACTOR`` times the median such crossing, with 0 and the end; fills
+        ``crossing_bytes`` (side values included)."""
         n = len(self.forward)
-        count = np.zeros(n + 2, dtype=np.int64)
         volume = np.zeros(n + 2)
+        spans = []  # (first position, last position it is read at, bytes) of each forward value
         for i, node in enumerate(self.forward):
             for v in node.outputs:
                 last = max((self.position[r.id] for r in self.readers.get(v, []) if r.id in self.position),
                            default=i)
-                if last > i:  # crosses the cuts i + 1 .. last
-                    count[i + 1] += 1
-                    count[last + 1] -= 1
-                    volume[i + 1] += self._bytes(v)
-                    volume[last + 1] -= self._bytes(v)
-        crossing = np.cumsum(count)
+                spans.append((i, last, self._bytes(v)))
+        for i, last, nbytes in spans:
+            if last > i:  # crosses the cuts i + 1 .. last
+                volume[i + 1] += nbytes
+                volume[last + 1] -= nbytes
         self.crossing_bytes = np.cumsum(volume)
-        single = [k for k in range(1, n) if crossing[k] == 1]
+        largest, runner_up = _two_largest([span for span in spans if span[1] > span[0]], n)
+        # one activation crosses: any other is a side value; a stage starts where a module's forward starts (the
+        # only place a stage's modules can be moved to)
+        single = [k for k in range(1, n) if largest[k] > 0 and runner_up[k] <= SIDE_SHARE * largest[k]
+                  and k in self.module_starts]
         if not single:
             return [0, n]
         small = CUT_FACTOR * float(np.median(self.crossing_bytes[single]))  # not a cut that sends the logits
@@ -479,6 +488,40 @@ class _Reader:
         for key in keys:
             count[key] = count.get(key, 0) + 1
         return np.array([count[key] > 1 for key in keys]), max(count.values(), default=1)
+
+
+def _two_largest(spans: list[tuple[int, int, float]], n: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per cut ``1 .. n - 1``: the largest and the second largest bytes of the values crossing it (value ``(i,
+    last, bytes)`` crosses the cuts ``i + 1 .. last``), by painting cuts largest value first.
+
+    >>> first, second = _two_largest([(0, 3, 8.0), (1, 2, 2.0), (0, 1, 1.0)], 4)
+    >>> first[1:4].tolist(), second[1:4].tolist()
+    ([8.0, 8.0, 8.0], [1.0, 2.0, 0.0])
+    """
+    first, second = np.zeros(n + 1), np.zeros(n + 1)
+    owner = np.full(n + 1, -1)
+    for painted, skip_own in ((first, False), (second, True)):
+        after = list(range(n + 2))  # after[k]: the first cut >= k not painted yet (path-halving find)
+
+        def find(k: int, after: list[int] = after) -> int:
+            while after[k] != k:
+                after[k] = after[after[k]]
+                k = after[k]
+            return k
+
+        for index in sorted(range(len(spans)), key=lambda j: -spans[j][2]):
+            i, last, nbytes = spans[index]
+            k = find(i + 1)
+            while k <= last:
+                if skip_own and owner[k] == index:  # the largest value is not its own runner-up
+                    k = find(k + 1)
+                    continue
+                painted[k] = nbytes
+                if not skip_own:
+                    owner[k] = index
+                after[k] = k + 1
+                k = find(k + 1)
+    return first, second
 
 
 def segment_times(model: GraphModel, micro_batch: int, tp: int, profile: DeviceProfile

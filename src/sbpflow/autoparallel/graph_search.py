@@ -2,9 +2,10 @@
 
 The cost model is the sizes planner's (``predict``), applied per segment of the graph (``graph_model``):
 
-* a segment's forward is the sum of its ops' roofline times on their per-rank shares; forward + backward is
-  three forwards; recompute reruns the segment's forward ("full") or the ops that make its wide values
-  ("selective"); its tensor-parallel all-reduces are priced by α-β (again forward under "full");
+* a segment's forward is the sum of its ops' roofline times on their per-rank shares, stretched when more
+  devices compute at once than the cores they share (``DeviceProfile.stretch``: a CPU host's processes);
+  forward + backward is three forwards; recompute reruns the segment's forward ("full") or the ops that make
+  its wide values ("selective"); its tensor-parallel all-reduces are priced by α-β (again forward under "full");
 * ZeRO-2/3 traffic per micro-batch and the gradient sync and optimizer step at the end are ``predict``'s
   functions of the parameters a stage holds;
 * a stage's time is the sum of its segments plus its sends (the one activation crossing each cut);
@@ -164,6 +165,8 @@ def _priced(f: Callable[[float], float], volumes: np.ndarray, counts: np.ndarray
 def _costs(ctx: _Context, k: Knobs) -> _Costs:
     model, cluster, plan = ctx.model, ctx.cluster, k.parallel_plan()
     forward, wide, _ = ctx.segment_times(k.micro_batch, k.tp)
+    stretch = cluster.profile.stretch(_active(ctx, k))
+    forward, wide = forward * stretch, wide * stretch
     scale = k.micro_batch / model.batch
     blocks = model.block
     rerun = {"none": np.zeros_like(forward), "selective": wide, "full": forward}[k.recompute] * blocks
@@ -184,6 +187,13 @@ def _costs(ctx: _Context, k: Knobs) -> _Costs:
     send = _priced(lambda b: _p2p_time(plan, b, cluster), ctx.out_bytes * scale)
     parts = {"compute": 3 * forward, "recompute": rerun, "tp_comm": tp, "dp_comm": zero}
     return _Costs(sum(parts.values()), parts, params, kept, working, send)
+
+
+def _active(ctx: _Context, k: Knobs) -> int:
+    """Devices computing at once: every tensor- and data-parallel rank of as many stages as there are
+    micro-batches in flight (one micro-batch runs its stages one after another)."""
+    m = ctx.batch // (k.dp * k.micro_batch)
+    return k.tp * k.dp * min(k.pp, m)
 
 
 def _in_flight(k: Knobs, stage: int, m: int) -> float:
@@ -274,8 +284,9 @@ def predict(ctx: _Context, k: Knobs, cuts: tuple[int, ...] | None = None) -> Gra
     stage_segs = [[j for i in range(k.virtual) for j in segs[i * k.pp + st]] for st in range(k.pp)]
     stage_time = [sum(chunk_time[i * k.pp + st] for i in range(k.virtual)) for st in range(k.pp)]
     plan = k.parallel_plan()
+    stretch = ctx.cluster.profile.stretch(ctx.cluster.devices)  # every rank steps its optimizer at once
     syncs = [(_grad_sync(plan, ctx.cluster, _unique_params(ctx.model, k, s)),
-              _optimizer(plan, ctx.cluster, _unique_params(ctx.model, k, s))) for s in stage_segs]
+              stretch * _optimizer(plan, ctx.cluster, _unique_params(ctx.model, k, s))) for s in stage_segs]
     last = max(range(k.pp), key=lambda st: sum(syncs[st]))
     share = ZERO_BUBBLE_SHARE if k.schedule == "zero_bubble" and m >= k.pp else 1.0
 

@@ -187,9 +187,8 @@ def _grad_sync(plan: ParallelPlan, cluster: Cluster, params: float) -> float:
     dp_group = dp_ranks(plan)
     if plan.zero == 0:
         return _coll("all_reduce", dp_group, grad_bytes, cluster)
-    if plan.zero == 1:  # reduce-scatter gradients, all-gather updated weights
-        return _coll("reduce_scatter", dp_group, grad_bytes, cluster) + _coll("all_gather", dp_group, grad_bytes,
-                                                                             cluster)
+    if plan.zero == 1:  # sbpflow's stage 1 all-reduces the gradients (B), then all-gathers the updated slices
+        return _coll("all_reduce", dp_group, grad_bytes, cluster) + _coll("all_gather", dp_group, grad_bytes, cluster)
     if plan.zero == 2:  # gradients were reduce-scattered per micro-batch
         return _coll("all_gather", dp_group, grad_bytes, cluster)
     return 0.0  # ZeRO-3 gathers weights when it needs them

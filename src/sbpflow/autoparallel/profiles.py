@@ -64,6 +64,9 @@ class DeviceProfile:
     gemm_k_half: float = 0.0  # inner dimension at which a GEMM sustains half its large-k rate (prologue, epilogue)
     gpus_per_node: int = 8
     reserved_bytes: float = 3 * GB  # CUDA context, allocator fragmentation, workspaces
+    # CPU cores the devices share, as measured with every process busy (a host's processes, other jobs
+    # included); 0: each device computes on its own (accelerators)
+    cores: float = 0.0
     source: str = "public specs"
 
     @property
@@ -88,6 +91,18 @@ class DeviceProfile:
             best = np.maximum(best, rate * fill * waves)
         out = best * k / (k + self.gemm_k_half)
         return out if out.ndim else float(out)
+
+    def stretch(self, active: int) -> float:
+        """Wall seconds per second of compute when ``active`` devices compute at once: ``active / cores`` when
+        they share fewer cores than that, else 1.
+
+        >>> host = replace(PROFILES["a100-80gb"], cores=2.0)
+        >>> host.stretch(1), host.stretch(4), PROFILES["a100-80gb"].stretch(4)
+        (1.0, 2.0, 1.0)
+        """
+        if self.cores <= 0:
+            return 1.0
+        return max(1.0, active / self.cores)
 
     @property
     def memory_throughput(self) -> float:

@@ -7,7 +7,7 @@ Packed in backward's order, each bucket goes out as soon as its last gradient is
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -55,7 +55,7 @@ def bucket_all_reduces(plan: PhysicalPlan, model: boxing.CostModel, factors: tup
     buckets = [b for b in buckets if len(b.members) > 1 or b.last_producer + 1 < position[b.members[0].id]]
     if not buckets:
         return plan
-    return _rebuild(plan, buckets, model, factors)
+    return rebuild_buckets(plan, buckets, lambda b, bufs, ids: _bucket_nodes(b, bufs, ids, model, factors))
 
 
 def bucket_cap(model: boxing.CostModel, n: PNode) -> int:
@@ -171,11 +171,14 @@ def _reach(bucket: _Bucket, n: PNode, readers: dict[int, list[int]], position: d
         todo.extend(readers.get(nid, []))
 
 
-def _rebuild(plan: PhysicalPlan, buckets: list[_Bucket], model: boxing.CostModel,
-             factors: tuple[Any, ...]) -> PhysicalPlan:
-    """The plan with each bucket's flatten and collectives right after its last member is made, and its split
-    right before the first node that reads a member's result (an executor that issues the collective without
-    waiting, runtime.inorder, then waits there: backward runs on meanwhile)."""
+BuildBucket = Callable[[_Bucket, dict[int, Buf], "_Ids"], Iterable[PNode]]
+
+
+def rebuild_buckets(plan: PhysicalPlan, buckets: list[_Bucket], build: BuildBucket) -> PhysicalPlan:
+    """The plan with each bucket's flatten and collectives (``build``'s nodes but the last) right after its last
+    member is made, and its split (the last) right before the first node that reads a member's result (an
+    executor that issues the collective without waiting, runtime.inorder, then waits there: backward runs on
+    meanwhile). A bucket of one is its own collective, moved there."""
     gone = {n.id for b in buckets for n in b.members}
     position = {n.id: i for i, n in enumerate(plan.nodes)}
     after: dict[int, list[_Bucket]] = {}
@@ -190,9 +193,9 @@ def _rebuild(plan: PhysicalPlan, buckets: list[_Bucket], model: boxing.CostModel
         if n.id not in gone:
             nodes.append(n)
         for b in after.get(i, []):
-            *issued, split = _bucket_nodes(b, bufs, ids, model, factors)
+            *issued, split = build(b, bufs, ids)
             nodes.extend(issued)
-            if split.op == "bucket_split":
+            if len(b.members) > 1:
                 before.setdefault(max(i + 1, _first_direct_reader(plan, b, position)), []).append(split)
             else:
                 nodes.append(split)  # a bucket of one: its own all-reduce

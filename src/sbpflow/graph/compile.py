@@ -17,6 +17,7 @@ from ..errors import AutogradError
 from .accumulate import accumulate_before_send
 from .bucket import bucket_all_reduces
 from .fuse import fuse_segments
+from .gather_bucket import bucket_all_gathers
 from .group import group_accumulates
 from .hoist import issue_data_collectives
 from .ir import LogicalGraph
@@ -102,6 +103,7 @@ class CompileOptions:
     group: bool = True  # one accumulate node sums the gradients one act of the schedule makes (graph.group)
     late_reduce: bool = True  # all-reduce a data-parallel gradient once a step, after its micro-batches (late_reduce)
     split_updates: bool = True  # cut a multi-tensor update by the collective each parameter waits for (update_split)
+    gather_buckets: bool = True  # ZeRO's updated shards all-gathered in flat buckets, not one by one (gather_bucket)
     # bytes per rank of the activations kept for backward that the SBP selection may choose: None (no bound),
     # "traced" (no more than the traced layouts keep) or an int (graph.select's activation_cap)
     activation_cap: int | str | None = None
@@ -137,6 +139,9 @@ def compile_graph(g: LogicalGraph, options: CompileOptions | None = None, model:
         if opts.split_updates:
             with report.timing("updates per bucket"):
                 plan = update_per_bucket(plan)
+        if opts.gather_buckets:
+            with report.timing("gather buckets"):
+                plan = bucket_all_gathers(plan, model, factors)
         with report.timing("pipeline"):
             plan_pipeline(plan, seed_buffers(plan, g), schedule)
         if opts.group:

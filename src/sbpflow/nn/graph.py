@@ -112,6 +112,9 @@ class GraphConfig:
         # early buckets' parameters update while the last bucket is on the wire (graph.update_split); False:
         # one update per parameter group (the numbers are the same)
         self.update_per_bucket = True
+        # ZeRO-1/2: the updated shards are all-gathered in flat buckets, one collective per bucket
+        # (graph.gather_bucket); False: one all-gather per parameter (the numbers are the same)
+        self.gather_buckets = True
 
     def enable_zero(self, mode: bool | int = True, *, stage: int | None = None, prefetch: int = 1,
                     **options: Any) -> None:
@@ -559,6 +562,7 @@ class Graph:
                                  group=self.config.group_accumulates,
                                  late_reduce=self.config.reduce_after_accumulating,
                                  split_updates=self.config.update_per_bucket,
+                                 gather_buckets=self.config.gather_buckets,
                                  activation_cap=self._activation_cap())
         plan, logical, report = compile_graph(tracer.graph, options, agree=_rank0_choice)
         with report.timing("memory plan"):

@@ -6,6 +6,15 @@
 [1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0]
 >>> [t.shape for t in bucket_split(flat, shapes=((2, 2), (3,)))]
 [torch.Size([2, 2]), torch.Size([3])]
+
+Sharded tensors (ZeRO's updated parameters, ``S(0)`` in equal pieces) are gathered in one flat buffer too: each
+rank flattens its pieces, one all-gather puts the ranks' flat pieces one after another, and
+:func:`bucket_unshard` reads each tensor's pieces back out of every rank's part.
+
+>>> mine, theirs = bucket_flatten(torch.zeros(1, 2), torch.zeros(1)), bucket_flatten(torch.ones(1, 2), torch.ones(1))
+>>> gathered = bucket_flatten(mine, theirs)  # what the all-gather leaves on every rank: rank 0's part, rank 1's
+>>> [t.tolist() for t in bucket_unshard(gathered, shapes=((2, 2), (2,)), parts=2)]
+[[[0.0, 0.0], [1.0, 1.0]], [0.0, 1.0]]
 """
 
 from __future__ import annotations
@@ -51,3 +60,20 @@ def bucket_split(flat: torch.Tensor, *, shapes: tuple[tuple[int, ...], ...]) -> 
     """The inverse of :func:`bucket_flatten`: views of ``flat`` in ``shapes``, in order."""
     pieces = torch.split(flat, [numel(s) for s in shapes])
     return tuple(p.view(s) for p, s in zip(pieces, shapes, strict=True))
+
+
+def _unshard_meta(flat: Meta, *, shapes: tuple[tuple[int, ...], ...], parts: int) -> tuple[Meta, ...]:
+    return tuple(Meta(s, flat.dtype) for s in shapes)
+
+
+def _unshard_sigs(flat: Meta, outs: Any, **_: Any) -> list[Sig]:
+    return [Sig((broadcast,), (broadcast,) * len(outs))]
+
+
+@op("bucket_unshard", meta=_unshard_meta, sbp=_unshard_sigs, differentiable=False)
+def bucket_unshard(flat: torch.Tensor, *, shapes: tuple[tuple[int, ...], ...], parts: int) -> tuple[torch.Tensor, ...]:
+    """Whole tensors of ``shapes`` from the all-gather of ``parts`` ranks' flattened equal dim-0 pieces."""
+    by_rank = flat.view(parts, -1)  # (ranks, one rank's flat pieces)
+    sizes = [numel(s) // parts for s in shapes]
+    pieces = torch.split(by_rank, sizes, dim=1)  # each (ranks, its piece's numel): rank r's rows come r-th
+    return tuple(p.reshape(s) for p, s in zip(pieces, shapes, strict=True))

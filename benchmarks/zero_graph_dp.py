@@ -1,0 +1,133 @@
+"""ZeRO-1 in nn.Graph against plain data parallelism, on 4 gloo processes, before and after gather buckets.
+
+Run: ``.venv/bin/python benchmarks/zero_graph_dp.py [--rounds R] [--steps S] [--families a,b] [--write]``
+(spawns its own 4 processes with ``sbpflow launch``; ``--write`` replaces the "zero_graph_dp" section of
+docs/benchmarks.md).
+
+Per family (the models of ``plan_any_model_measured.py``), three compiled training steps on dp=4, timed in
+interleaved rounds (the order turned by one each round): plain data parallelism, ZeRO-1 with the updated shards
+all-gathered one parameter at a time (``config.gather_buckets = False``: what nn.Graph did before), and ZeRO-1
+with them gathered in flat buckets (the default). The report gives each one's median step and spread, the CPU of
+the busiest process, and the collectives and nodes one rank's plan holds (the numbers of the three are the
+same: tests/sim/test_zero.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent / "src"))
+
+from _report import add_write_flag, launch_self, machine, timed_block_cpu, turned, write_section  # noqa: E402
+from plan_any_model_measured import FAMILIES, _family, _step_class  # noqa: E402
+
+WORLD = 4
+CONTENDERS = {"plain dp4": (0, True), "zero1, one all-gather per parameter": (1, False),
+              "zero1, gather buckets": (1, True)}
+
+
+def _contender(kind: str, zero: int, buckets: bool) -> tuple[Any, Any]:
+    import sbpflow
+    from sbpflow.autoparallel.apply import _lay_out_inputs
+
+    warnings.simplefilter("ignore")
+    make, loss, (x, y) = _family(kind)
+    sbpflow.manual_seed(0)
+    model = make()
+    strategy = sbpflow.parallelize(model, data=WORLD)
+    step = _step_class()(model, loss)
+    step.config.gather_buckets = buckets
+    if zero:
+        step.config.enable_zero(stage=zero)
+    args = _lay_out_inputs(strategy, (sbpflow.tensor(x), sbpflow.tensor(y)))
+    step(*args)  # compile
+    return (lambda: step(*args)), step
+
+
+def _plan_counts(step: Any) -> dict[str, int]:
+    """One rank's collectives and acts in the compiled plan."""
+    import torch.distributed as dist
+
+    plan = step._last.plan
+    mine = [n for n in plan.nodes if dist.get_rank() in n.ranks and n.kind not in ("variable", "input")]
+    return {"collectives": sum(n.kind == "boxing" and n.boxing.steps[0].kind != "local" for n in mine),
+            "nodes": len(mine)}
+
+
+def worker(out: str, rounds: int, steps: int, families: list[str]) -> None:
+    import torch.distributed as dist
+
+    import sbpflow
+
+    sbpflow.distributed.init()
+    result: dict[str, Any] = {}
+    for kind in families:
+        runs, counts = {}, {}
+        for name, (zero, buckets) in CONTENDERS.items():
+            runs[name], step = _contender(kind, zero, buckets)
+            counts[name] = _plan_counts(step)
+        timed: dict[str, list[float]] = {name: [] for name in runs}
+        cpu: dict[str, list[float]] = {name: [] for name in runs}
+        for r in range(rounds):
+            for name in turned(sorted(runs), r):
+                wall, busy = timed_block_cpu(runs[name], steps)
+                timed[name].append(wall)
+                cpu[name].append(busy)
+        result[kind] = {"measured": timed, "cpu": cpu, "counts": counts}
+        dist.barrier()
+    if int(os.environ.get("RANK", "0")) == 0:
+        Path(out).write_text(json.dumps(result))
+
+
+def report(result: dict[str, Any], rounds: int, steps: int) -> str:
+    lines = [f"Machine: {machine(processes=WORLD)}; {rounds} interleaved rounds of {steps} steps, batch 8, "
+             "nn.Graph steps (AdamW, one micro-batch), dp=4 on 4 gloo processes.", "",
+             "| model | step | collectives / plan nodes per rank | measured ms (median) | spread (min-max) | "
+             "x plain dp4 | CPU ms per step, busiest process |", "|---|---|---|---|---|---|---|"]
+    for kind, r in result.items():
+        meas = {n: statistics.median(v) for n, v in r["measured"].items()}
+        for name in CONTENDERS:
+            v, c = r["measured"][name], r["counts"][name]
+            lines.append(f"| {kind} | {name} | {c['collectives']} / {c['nodes']} | {meas[name] * 1e3:.1f} | "
+                         f"{min(v) * 1e3:.1f}-{max(v) * 1e3:.1f} | {meas[name] / meas['plain dp4']:.2f} | "
+                         f"{statistics.median(r['cpu'][name]) * 1e3:.1f} |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--families", default=",".join(FAMILIES))
+    parser.add_argument("--worker", default=None)
+    add_write_flag(parser)
+    args = parser.parse_args()
+    families = args.families.split(",")
+    if args.worker is not None:
+        worker(args.worker, args.rounds, args.steps, families)
+        return 0
+    with tempfile.TemporaryDirectory() as tmp:
+        out = str(Path(tmp) / "result.json")
+        launch_self(__file__, WORLD, ["--worker", out, "--rounds", str(args.rounds), "--steps", str(args.steps),
+                                      "--families", args.families], check=True)
+        result = json.loads(Path(out).read_text())
+    body = report(result, args.rounds, args.steps)
+    print(body)
+    if args.write:
+        write_section("zero_graph_dp", "## ZeRO-1 in nn.Graph against plain data parallelism: gather buckets "
+                      "(benchmarks/zero_graph_dp.py)\n\n" + body + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
