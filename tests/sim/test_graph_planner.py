@@ -274,7 +274,7 @@ def test_configure_graph_takes_the_plans_knobs() -> None:
 
     model, inputs = attention_stack(depth=4, batch=64)
     plan = plan_step(TrainingStep(model), inputs, 8, "a100-80gb", memory_per_device=40e9)
-    again = plan_graph(trace_training_step(model, inputs), 8, "a100-80gb", memory_per_device=40e9)
+    again = plan_graph(trace_training_step(model, inputs), 8, "a100-80gb", memory_per_device=40e9, precision="traced")
     assert replace(plan, search={}) == replace(again, search={})  # the same plan, but for the search's time
     assert plan.blocks == [f"blocks.{i}" for i in range(4)] and plan.usable_memory == 40e9
     full = replace(plan, knobs=Knobs(2, 2, 2, 2, zero=2, recompute="full", schedule="zero_bubble"))
@@ -401,3 +401,20 @@ def test_small_side_values_crossing_to_the_loss_do_not_stop_cuts() -> None:
     assert {"layers.1.lin", "layers.2.lin"} <= set(firsts)  # a stage may start at every layer
     before_second = read.segments[firsts.index("layers.1.lin") - 1]
     assert before_second.out_bytes == 2 * (8 * 32 + 8 * 2)  # the activation and the side value cross it (bf16)
+
+
+def test_traced_precision_prices_the_steps_own_bytes() -> None:
+    """precision="traced" reads a step's bytes off its IR (an fp32 AdamW step: 4 + 4 + 8 bytes per parameter, as
+    the traced moments hold them), where "mixed" keeps the ZeRO paper's (2, 2, 12); ZeRO-1 on dp2 then holds the
+    whole fp32 weights and gradients, half the moments, and the runtime's bucket and gather copies."""
+    model, inputs = attention_stack(depth=2, batch=8)
+    g = trace_training_step(model, inputs)
+    mixed, traced = read_graph(g), read_graph(g, "traced")
+    assert mixed.state_bytes == (2, 2, 12) and traced.state_bytes == (4.0, 4.0, 8.0)
+    assert traced.nbytes.sum() / mixed.nbytes.sum() == pytest.approx(2, rel=1e-3)  # fp32 activations, not bf16
+    plan = plan_graph(g, 2, "cpu", precision="traced", only=lambda k: k.dp == 2 and k.zero == 1)
+    params = float(sum(np.prod(s) for s in traced.param_shapes.values()))
+    assert plan.memory["weights"] == plan.memory["gradients"] == 4 * params
+    assert plan.memory["optimizer"] == 8 * params / 2 and plan.memory["buffers"] == 8 * params
+    with pytest.raises(PlanError, match="precision='fp8'"):
+        read_graph(g, "fp8")

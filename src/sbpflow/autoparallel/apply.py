@@ -168,7 +168,8 @@ def plan_step(graph: Any, args: tuple[Any, ...], devices: int, profile: str | De
     the model out with ``plan.parallelize_kwargs()`` and :func:`configure_graph`); ``only`` keeps the plans it
     accepts. Tracing a graph of a local model places it on this process's rank, as a call with local inputs
     does (:func:`plan_model` undoes that)."""
-    return plan_graph(graph.trace(*args), devices, profile, memory_per_device=memory_per_device, only=only)
+    return plan_graph(graph.trace(*args), devices, profile, memory_per_device=memory_per_device, only=only,
+                      precision="traced")  # the plan runs this very step: price its own bytes
 
 
 def configure_graph(graph: Any, plan: Plan) -> None:

@@ -36,6 +36,7 @@ COLLECTIVE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", 
 WEIGHT_BYTES = 2
 GRAD_BYTES = 2
 OPTIMIZER_BYTES = 12
+MIXED_STATE = (WEIGHT_BYTES, GRAD_BYTES, OPTIMIZER_BYTES)  # bytes per parameter: weights, gradients, optimizer
 ZERO_STAGES = (0, 1, 2, 3)
 
 
@@ -102,7 +103,8 @@ def _over_rails(kind: str, group: tuple[int, ...], rails: int, nbytes: float, mo
     return local + collective_time(kind, across, nbytes / rails, model, device_type)
 
 
-def model_state_bytes(params: float, dp: int, zero: int) -> dict[str, float]:
+def model_state_bytes(params: float, dp: int, zero: int,
+                      per_param: tuple[float, float, float] = MIXED_STATE) -> dict[str, float]:
     """Bytes per rank of weights, gradients and optimizer state for ``params`` parameters replicated over ``dp``
     data-parallel ranks, under ZeRO stage ``zero`` (Rajbhandari et al. 2020, Fig. 1):
 
@@ -111,12 +113,15 @@ def model_state_bytes(params: float, dp: int, zero: int) -> dict[str, float]:
 
     >>> model_state_bytes(7.5e9, 64, 1)["optimizer"] / 1e9   # the paper's 7.5B model on 64 GPUs
     1.40625
+
+    ``per_param`` replaces the paper's (2, 2, 12) bytes by a step's own (an fp32 Adam step: (4, 4, 8)).
     """
     if zero not in ZERO_STAGES:
         raise SbpflowError(f"ZeRO stage must be one of {ZERO_STAGES}, but got {zero!r}")
     shard = 1 / dp
+    weight, grad, optimizer = per_param
     return {
-        "weights": params * WEIGHT_BYTES * (shard if zero >= 3 else 1),
-        "gradients": params * GRAD_BYTES * (shard if zero >= 2 else 1),
-        "optimizer": params * OPTIMIZER_BYTES * (shard if zero >= 1 else 1),
+        "weights": params * weight * (shard if zero >= 3 else 1),
+        "gradients": params * grad * (shard if zero >= 2 else 1),
+        "optimizer": params * optimizer * (shard if zero >= 1 else 1),
     }

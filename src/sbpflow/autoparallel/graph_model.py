@@ -39,9 +39,13 @@ from ..errors import PlanError
 from ..graph.ir import LNode, LogicalGraph
 from ..graph.repeat import op_classes
 from ..graph.select import MATMUL_OPS, backward_nodes
+from .cost import MIXED_STATE
 from .profiles import DeviceProfile
 
 ACT_BYTES = 2  # bytes per element of a floating activation (fp16/bf16 training)
+# "mixed": bytes as mixed-precision training on accelerators holds them (the sizes planner's); "traced": as the
+# traced step itself holds them (its dtypes, its optimizer's state), for plans that run that very step
+PRECISIONS = ("mixed", "traced")
 STYLES = ("colwise", "rowwise", "vocab", "replicate")
 # layout ops: views, or copies fused into their neighbours' kernels (as Megatron's and the sizes planner's count)
 LAYOUT_OPS = ("reshape", "view", "expand", "flatten", "squeeze", "unsqueeze", "permute", "transpose",
@@ -94,6 +98,8 @@ class GraphModel:
     block: np.ndarray  # per segment: part of a repeated block (recomputation applies to these)
     repeats: int  # how many times the most repeated segment occurs (graph.repeat's classes)
     notes: list[str] = field(default_factory=list)
+    state_bytes: tuple[float, float, float] = MIXED_STATE  # per parameter: weights, gradients, optimizer state
+    traced: bool = False  # bytes as the traced step holds them on sbpflow's runtime (precision="traced")
 
     @property
     def param_count(self) -> int:
@@ -209,17 +215,20 @@ def gemm_shape(name: str, shapes_in: list[tuple[int, ...]], shapes_out: list[tup
     return none
 
 
-def read_graph(g: LogicalGraph) -> GraphModel:
-    """The :class:`GraphModel` of a traced training step (see the module docstring)."""
-    reader = _Reader(g)
+def read_graph(g: LogicalGraph, precision: str = "mixed") -> GraphModel:
+    """The :class:`GraphModel` of a traced training step (see the module docstring), its bytes priced by
+    ``precision`` (:data:`PRECISIONS`)."""
+    if precision not in PRECISIONS:
+        raise PlanError(f"the planner prices bytes as one of {PRECISIONS}, but got precision={precision!r}")
+    reader = _Reader(g, traced=precision == "traced")
     return reader.model()
 
 
 class _Reader:
     """One pass over the graph's nodes; the steps are small methods in the order :meth:`model` calls them."""
 
-    def __init__(self, g: LogicalGraph) -> None:
-        self.g = g
+    def __init__(self, g: LogicalGraph, traced: bool = False) -> None:
+        self.g, self.traced = g, traced
         self.backward = set(backward_nodes(g))
         if not self.backward:
             raise PlanError("the planner reads a training step, but the traced step has no backward (call "
@@ -284,7 +293,7 @@ class _Reader:
                 step += f
                 fixed += 0.0 if any(v in self.data for v in n.outputs) else f
         names = {v: self.params[v] for v in self.params}
-        return GraphModel(
+        return GraphModel(state_bytes=self._state_bytes() if self.traced else MIXED_STATE, traced=self.traced,
             batch=self.batch, names=[n.name for n in self.forward], modules=modules,
             flops=np.array(flops), nbytes=np.array(nbytes),
             batched=np.array([any(v in self.data for v in n.outputs) for n in self.forward]),
@@ -307,7 +316,18 @@ class _Reader:
     def _bytes(self, vid: int) -> float:
         v = self.g.values[vid]
         elements = float(np.prod(v.shape)) if v.shape else 1.0
-        return elements * (ACT_BYTES if v.dtype.is_floating_point else torch.empty((), dtype=v.dtype).element_size())
+        if v.dtype.is_floating_point and not self.traced:
+            return elements * ACT_BYTES
+        return elements * torch.empty((), dtype=v.dtype).element_size()
+
+    def _state_bytes(self) -> tuple[float, float, float]:
+        """Bytes per parameter element as the traced step holds them: its weights' own size (their gradients
+        alike) and the optimizer's state (the other variables the step writes back: Adam's two moments, ...)."""
+        elements = sum(float(np.prod(self.g.values[v].shape)) for v in self.params) or 1.0
+        weights = sum(self._bytes(v) for v in self.params) / elements
+        assigned = {n.name for n in self.g.nodes if n.kind == "assign"}
+        state = [v for v, name in self.variables.items() if name in assigned and v not in self.params]
+        return weights, weights, sum(self._bytes(v) for v in state) / elements
 
     def _modules(self) -> list[str]:
         out, last = [], ""

@@ -162,10 +162,12 @@ def _parts(values: dict[str, float], unit: str) -> str:
 
 def plan_graph(g: LogicalGraph, devices: int, profile: str | DeviceProfile = "cpu", *,
                memory_per_device: float | None = None, gpus_per_node: int | None = None, batch: int | None = None,
-               keep: int = 5, only: Callable[[Knobs], bool] | None = None) -> Plan:
+               keep: int = 5, only: Callable[[Knobs], bool] | None = None, precision: str = "mixed") -> Plan:
     """The fastest plan of the traced step ``g`` on ``devices`` devices of ``profile`` that fits
     ``memory_per_device`` bytes (default: the profile's usable memory); ``batch`` defaults to the traced one;
-    ``only`` keeps the candidate plans it accepts (what a caller can run, such as eager training's)."""
+    ``only`` keeps the candidate plans it accepts (what a caller can run, such as eager training's);
+    ``precision`` prices bytes as mixed-precision training holds them (a what-if for accelerators) or, with
+    ``"traced"``, as the traced step does (its dtypes and optimizer state: for plans that run that step)."""
     found = get_profile(profile)
     if memory_per_device is not None:
         if memory_per_device <= 0:
@@ -173,7 +175,7 @@ def plan_graph(g: LogicalGraph, devices: int, profile: str | DeviceProfile = "cp
         found = replace(found, memory_bytes=float(memory_per_device), reserved_bytes=0.0)
     if devices < 1:
         raise PlanError(f"a plan needs devices >= 1, but got {devices}")
-    model = read_graph(g)
+    model = read_graph(g, precision)
     cluster = Cluster(devices, found, min(gpus_per_node or found.gpus_per_node, devices))
     batch = batch or model.batch
     plans = None if only is None else [k for k in candidates(model, cluster, batch) if only(k)]

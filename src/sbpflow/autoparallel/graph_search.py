@@ -201,8 +201,19 @@ def _in_flight(k: Knobs, stage: int, m: int) -> float:
 
 
 def _stage_memory(ctx: _Context, k: Knobs, c: _Costs, stage: int, segs: list[int], m: int) -> dict[str, float]:
-    memory = model_state_bytes(_unique_params(ctx.model, k, segs), k.dp, k.zero)
+    memory = _model_state(ctx.model, _unique_params(ctx.model, k, segs), k)
     memory["activations"] = _in_flight(k, stage, m) * float(c.kept[segs].sum()) + c.working
+    return memory
+
+
+def _model_state(model: GraphModel, params: float, k: Knobs) -> dict[str, float]:
+    """Model state bytes of a rank holding ``params`` parameters. Priced as the traced step holds them, also the
+    copies sbpflow's runtime makes under data parallelism, at most: the gradients flattened into their buckets
+    and, under ZeRO 1/2, the updated weights gathered whole (an upper bound: buckets may be smaller)."""
+    memory = model_state_bytes(params, k.dp, k.zero, model.state_bytes)
+    if model.traced and k.dp > 1:
+        weight, grad, _ = model.state_bytes
+        memory["buffers"] = params * (grad + (weight if k.zero in (1, 2) else 0.0))
     return memory
 
 
@@ -221,7 +232,7 @@ def _cut(ctx: _Context, k: Knobs, c: _Costs, m: int) -> tuple[int, ...] | None:
     if n < chunks:
         return None
     usable = ctx.cluster.profile.usable_memory
-    state = sum(model_state_bytes(1.0, k.dp, k.zero).values())
+    state = sum(_model_state(ctx.model, 1.0, k).values())
 
     def pack(limit: float) -> tuple[int, ...] | None:
         """Each chunk takes segments from where the last ended up to the latest end at which it (its segments,
@@ -334,7 +345,7 @@ def _bound(ctx: _Context, k: Knobs) -> float:
 def _state_bound(ctx: _Context, k: Knobs) -> float:
     """Bytes of model state some rank holds at least: its stage's share of the parameters (1/pp of them)."""
     params = float((ctx.whole_params + ctx.split_params / k.tp).sum()) / k.pp
-    return sum(model_state_bytes(params, k.dp, k.zero).values())
+    return sum(_model_state(ctx.model, params, k).values())
 
 
 def candidates(model: GraphModel, cluster: Cluster, batch: int) -> list[Knobs]:

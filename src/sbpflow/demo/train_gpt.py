@@ -474,7 +474,7 @@ def _auto_plan(args: argparse.Namespace, config: GPTConfig, print_fn: Callable[[
     ids = sbpflow.meta_tensor(args.batch_size, args.block_size, dtype=torch.int64, placement=placement,
                               sbp=[sbpflow.sbp.broadcast] * placement.ndim)
     try:
-        plan = plan_graph(trace_training_step(model, (ids, ids)), args.devices, "cpu")
+        plan = plan_graph(trace_training_step(model, (ids, ids)), args.devices, "cpu", precision="traced")
     except sbpflow.SbpflowError as e:
         raise SystemExit(f"sbpflow demo --auto: {e}") from None
     print_fn("\n== the auto-parallel plan (sbpflow.autoparallel, from the traced training step)\n" + plan.explain())
