@@ -40,9 +40,9 @@ class _Step(sbpflow.nn.Graph):
 
 
 def train(kind: str, mesh: list[list[int]] | None, graph: bool = False, steps: int = 3,
-          selection: str = "ilp") -> tuple[list[float], dict[str, np.ndarray], CommLog]:
+          selection: str = "ilp", sequence: Any = split(1)) -> tuple[list[float], dict[str, np.ndarray], CommLog]:
     """Losses, final parameters and the first step's collectives; ``mesh`` None: one device, local tensors;
-    ``selection``: nn.Graph's ``sbp_selection``."""
+    ``selection``: nn.Graph's ``sbp_selection``; ``sequence``: the SBP of ids and targets on the cp axis."""
     model = make(kind)
     placement = None if mesh is None else sbpflow.placement("cpu", mesh)
     if placement is not None:
@@ -53,7 +53,7 @@ def train(kind: str, mesh: list[list[int]] | None, graph: bool = False, steps: i
     losses, first = [], CommLog()
     for i in range(steps):
         tokens = rng.integers(0, VOCAB, size=(4, SEQ + 1))
-        ids, targets = (_place(t, placement) for t in (tokens[:, :-1], tokens[:, 1:]))
+        ids, targets = (_place(t, placement, sequence) for t in (tokens[:, :-1], tokens[:, 1:]))
         with record() as log:
             if step is not None:
                 loss = step(ids, targets)
@@ -67,7 +67,7 @@ def train(kind: str, mesh: list[list[int]] | None, graph: bool = False, steps: i
     return losses, {n: p.numpy() for n, p in model.named_parameters()}, first
 
 
-def _place(value: np.ndarray, placement: Any) -> Any:
+def _place(value: np.ndarray, placement: Any, sequence: Any) -> Any:
     if placement is None:
         return sbpflow.tensor(value)
-    return sbpflow.tensor(value, placement=placement, sbp=(split(0), split(1)))  # (data: batch, cp: sequence)
+    return sbpflow.tensor(value, placement=placement, sbp=(split(0), sequence))  # (data: batch, cp: sequence)

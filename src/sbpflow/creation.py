@@ -17,7 +17,7 @@ import torch
 
 from . import meta as _meta
 from . import random as _rng
-from ._layout import Box, shard_box
+from ._layout import Box, logical_pieces, shard_box, zigzag_axis
 from .comm import get_backend
 from .errors import ArgumentError, AutogradError, DTypeError, SbpError, ShapeError
 from .placement import Placement
@@ -95,8 +95,19 @@ def _build(shape: tuple[int, ...], dtype: torch.dtype, placement: Placement, nd:
         coords = placement.coords(r)
         zero = any(isinstance(s, Partial) and s.op == "sum" and c != 0 for s, c in zip(nd, coords, strict=True))
         # A zero piece of a partial sum is never drawn: a rank only generates values it keeps.
-        shards[r] = torch.zeros(_box_shape(box), dtype=dtype, device=device) if zero else make(box, device)
+        shards[r] = torch.zeros(_box_shape(box), dtype=dtype, device=device) if zero else _make(
+            make, logical_pieces(shape, placement, nd, r), nd, device)
     return _finish(Tensor._from_shards(shape, dtype, placement, nd, shards), requires_grad)
+
+
+def _make(make: Callable[[Box, torch.device], torch.Tensor], pieces: tuple[Box, ...], nd: NdSbp,
+          device: torch.device) -> torch.Tensor:
+    """A shard made from its logical pieces: one box, or a zigzag split's two chunks end to end."""
+    if len(pieces) == 1:
+        return make(pieces[0], device)
+    axis = zigzag_axis(nd)
+    assert axis is not None
+    return torch.cat([make(box, device) for box in pieces], dim=nd[axis].dim)  # type: ignore[union-attr]
 
 
 def _box_shape(box: Box) -> tuple[int, ...]:

@@ -18,7 +18,7 @@ import torch
 
 from . import boxing
 from . import meta as _metamod
-from ._layout import Shape, shard_box
+from ._layout import Shape, logical_pieces, zigzag_axis
 from .autograd.mode import note_output_hooks
 from .comm import get_backend
 from .distributed import activity
@@ -468,6 +468,13 @@ def logical_value(t: Tensor) -> torch.Tensor:
     return shards[min(shards)]
 
 
+def _zigzag_dim(nd_sbp: NdSbp) -> int:
+    """The tensor dim of the zigzag entry (a shard of two logical pieces is stored along it)."""
+    axis = zigzag_axis(nd_sbp)
+    assert axis is not None
+    return nd_sbp[axis].dim  # type: ignore[union-attr]
+
+
 def _refresh_view(t: Tensor) -> None:
     """A view whose base was written since it was taken shows the base's new values (ops.views.Link.refresh)."""
     t._view_of.refresh(t)
@@ -485,8 +492,8 @@ def shards_from_full(
     out = {}
     shape = tuple(value.shape)
     for r in ranks if ranks is not None else backend.owned(placement.flat_ranks):
-        box = shard_box(shape, placement, nd_sbp, r)
-        piece = value[tuple(slice(a, b) for a, b in box)]
+        pieces = [value[tuple(slice(a, b) for a, b in box)] for box in logical_pieces(shape, placement, nd_sbp, r)]
+        piece = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=_zigzag_dim(nd_sbp))
         coords = placement.coords(r)
         zero = any(isinstance(s, Partial) and s.op == "sum" and c != 0 for s, c in zip(nd_sbp, coords, strict=True))
         device = backend.device_for(placement.type, r)

@@ -12,12 +12,13 @@ from sbpflow import sbp as S
 
 P1 = sbpflow.placement("cpu", [0, 1])
 MESH = sbpflow.placement("cpu", [[0, 1], [2, 3]])
-ALL = [S.split(0), S.split(1), S.split(12), S.broadcast, S.partial_sum, S.partial_max, S.partial_min]
+ALL = [S.split(0), S.split(1), S.split(12), S.zigzag(2), S.broadcast, S.partial_sum, S.partial_max, S.partial_min]
 
 
 def test_values_print_short_and_repr_exact() -> None:
-    assert [str(s) for s in ALL] == ["S(0)", "S(1)", "S(12)", "B", "P(sum)", "P(max)", "P(min)"]
+    assert [str(s) for s in ALL] == ["S(0)", "S(1)", "S(12)", "Z(2)", "B", "P(sum)", "P(max)", "P(min)"]
     assert repr(S.split(1)) == "Split(dim=1)"
+    assert repr(S.zigzag(2)) == "Split(dim=2, zigzag=True)"
     assert repr(S.broadcast) == "Broadcast()"
     assert repr(S.partial_max) == "Partial(op='max')"
 
@@ -32,6 +33,7 @@ def test_split_keyword_and_equality() -> None:
     assert S.split(dim=1) == S.split(1) == S.Split(1)
     assert S.split(0) != S.split(1)
     assert S.partial_sum == S.Partial("sum") and S.partial_sum != S.partial_max
+    assert S.zigzag(1) == S.Split(1, zigzag=True) != S.split(1)
     assert S.broadcast == S.Broadcast()
     assert S.split(0) != S.broadcast
 
@@ -61,7 +63,8 @@ def test_partial_op_must_be_known() -> None:
 def test_parse_rejects_naming_the_text(text: object) -> None:
     with pytest.raises(SbpError) as info:
         S.parse(text)  # type: ignore[arg-type]
-    assert repr(text) in str(info.value) and "expected 'S(<dim>)', 'B' or 'P(sum|max|min)'" in str(info.value)
+    assert repr(text) in str(info.value)
+    assert "expected 'S(<dim>)', 'Z(<dim>)', 'B' or 'P(sum|max|min)'" in str(info.value)
 
 
 def test_normalize_gives_one_entry_per_mesh_axis() -> None:
@@ -95,3 +98,12 @@ def test_normalize_checks_split_dims_against_the_tensor() -> None:
     with pytest.raises(SbpError, match=r"splits dim 2, but the tensor has only 2 dim\(s\); expected split\(d\) "
                                        r"with 0 <= d < 2"):
         S.normalize(S.split(2), P1, ndim=2)
+
+
+@pytest.mark.parametrize("bad", [(S.zigzag(0), S.split(0)), (S.split(0), S.zigzag(0)), (S.zigzag(0), S.zigzag(1))],
+                         ids=S.format_nd)
+def test_a_zigzag_split_is_the_only_split_of_its_dim(bad: S.NdSbp) -> None:
+    """Its chunks are cut from the whole dim, and one dim out of logical order is all boxing converts."""
+    with pytest.raises(SbpError, match=r"a zigzag split Z\(d\) must be the only entry splitting dim d"):
+        S.normalize(bad, MESH, ndim=2)
+    assert S.normalize((S.split(0), S.zigzag(1)), MESH, ndim=2) == (S.split(0), S.zigzag(1))

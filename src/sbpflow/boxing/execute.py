@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from .._layout import Box, Shape, box_shape, numel, relative, shard_box
+from .._layout import Box, Shape, box_shape, logical_pieces, numel, relative, shard_box, storage_index
 from ..comm import Backend, Transfer, get_backend
 from ..distributed import activity
 from ..sbp import Broadcast, Partial, Split
@@ -93,8 +93,9 @@ def execute_async(plan: Plan, shards: Shards, backend: Backend, donate: bool = F
                                                       source.op, donate) for group in groups], _same)
         assert isinstance(source, Split)
         shapes = {g: [box_shape(_box(plan.shape, step.src, r)) for r in g] for g in groups}
+        parts = step.src.placement.hierarchy[step.axis] if source.zigzag else 1  # type: ignore[index]
         return InFlight([backend.all_gather_async(g, {r: shards[r] for r in backend.owned(g)}, shapes[g], plan.dtype)
-                         for g in groups], partial(_joined, source.dim))
+                         for g in groups], partial(_joined, source.dim, parts))
 
 
 def bind_async(plan: Plan, backend: Backend, donate: bool = False) -> Callable[[Shards], InFlight]:
@@ -122,9 +123,20 @@ def _same(result: Shards) -> Shards:
     return result
 
 
-def _joined(dim: int, gathered: dict[int, list[torch.Tensor]]) -> Shards:
+def _joined(dim: int, parts: int, gathered: dict[int, list[torch.Tensor]]) -> Shards:
     """An all-gather's pieces, concatenated along the split dim (as :func:`_run_all_gather`)."""
-    return {r: torch.cat(pieces, dim=dim) for r, pieces in gathered.items()}
+    return {r: _logical_order(torch.cat(pieces, dim=dim), dim, parts) for r, pieces in gathered.items()}
+
+
+def _logical_order(t: torch.Tensor, dim: int, parts: int) -> torch.Tensor:
+    """A whole zigzag dim gathered in storage order (the ranks' shards end to end), put in logical order;
+    ``parts`` 1: not a zigzag split, nothing to do."""
+    if parts == 1:
+        return t
+    order = torch.tensor(storage_index(t.shape[dim], parts), device=t.device)
+    out = torch.empty_like(t)
+    out.index_copy_(dim, order, t)  # storage position i holds logical position order[i]
+    return out
 
 
 class _StepName:
@@ -182,8 +194,10 @@ def _run_local(step: Step, shape: Shape, dtype: torch.dtype, shards: Shards, bac
     for r in _owned(step, step.src, backend):
         old, new = _box(shape, step.src, r), _box(shape, step.dst, r)
         t = shards[r]
-        if isinstance(target, Split):  # B -> S
-            out[r] = t[relative(new, old)]
+        if isinstance(target, Split):  # B -> S; B -> Z: its two chunks, end to end
+            pieces = logical_pieces(shape, step.dst.placement, step.dst.sbp, r) if target.zigzag else (new,)
+            out[r] = t[relative(new, old)] if len(pieces) == 1 else torch.cat(
+                [t[relative(piece, old)] for piece in pieces], dim=target.dim)
         elif isinstance(source, Split):  # S -> P: pad around the slice
             assert isinstance(target, Partial)
             full = torch.full(box_shape(new), identity_element(target.op, t.dtype), dtype=t.dtype, device=t.device)
@@ -212,8 +226,9 @@ def _run_all_gather(step: Step, shape: Shape, dtype: torch.dtype, shards: Shards
     for group in _groups(step, backend):
         shapes = [box_shape(_box(shape, step.src, g)) for g in group]
         gathered = backend.all_gather(group, {r: shards[r] for r in backend.owned(group)}, shapes, dtype)
+        parts = len(group) if source.zigzag else 1
         for r, pieces in gathered.items():
-            out[r] = torch.cat(pieces, dim=source.dim)
+            out[r] = _logical_order(torch.cat(pieces, dim=source.dim), source.dim, parts)
     return out
 
 

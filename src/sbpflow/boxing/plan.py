@@ -13,6 +13,13 @@ what one rank receives, and every row is mirrored by a case below (tests/logic/t
     P(op)     B         all_reduce       2(p-1)/p |T|        2(p-1)α + 2(p-1)/p |T| β
     P(op)     S(i)      reduce_scatter   (p-1)/p  |T|        (p-1)α + (p-1)/p |T| β
     P(a)      P(b)      (through S or B) reduce_scatter or all_reduce, then local
+    Z(i)      B         all_gather       (p-1)/p  |T|        as S(i) -> B, then local reorder
+    B         Z(i)      local (2 chunks) 0                   0
+    Z(i)      other     (through B)      all_gather, then the row of B
+
+``Z(i)`` (zigzag: rank r holds chunks r and 2p-1-r) stores dim i out of logical order
+(``_layout.storage_index``); only the two rows above change that order, and a send/recv
+runs only between layouts of one order.
 
 Across placements (the two rank sets may overlap, differ in size or in mesh)::
 
@@ -38,11 +45,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from .._layout import Shape, box_shape, intersect, numel, shard_box
+from .._layout import Shape, box_shape, intersect, numel, shard_box, storage_order, zigzag_range
 from ..comm import get_backend
 from ..errors import BoxingError
 from ..placement import Placement
-from ..sbp import Broadcast, NdSbp, Partial, SbpParallel, Split, broadcast, format_nd
+from ..sbp import Broadcast, NdSbp, Partial, SbpParallel, Split, broadcast, format_nd, zigzag_valid
 
 # ----------------------------------------------------------------------------- costs
 
@@ -287,7 +294,9 @@ class _Ctx:
 def _candidates(shape: Shape, src: Layout, dst: Layout) -> tuple[SbpParallel, ...]:
     """1-D SBPs worth visiting: B, every split dim, and only the partial ops in play."""
     ops = {s.op for s in src.sbp + dst.sbp if isinstance(s, Partial)} | {"sum"}
-    return (broadcast,) + tuple(Split(d) for d in range(len(shape))) + tuple(Partial(op) for op in sorted(ops))
+    zigzags = tuple(sorted({s for s in src.sbp + dst.sbp if isinstance(s, Split) and s.zigzag}, key=str))
+    return ((broadcast,) + tuple(Split(d) for d in range(len(shape))) + zigzags
+            + tuple(Partial(op) for op in sorted(ops)))
 
 
 def _search(ctx: _Ctx, src: Layout, dst: Layout) -> list[Step]:
@@ -384,8 +393,11 @@ def _axis_steps(ctx: _Ctx, state: Layout) -> Iterator[Step]:
         for target in ctx.candidates:
             if target == current:
                 continue
+            sbp = state.sbp[:axis] + (target,) + state.sbp[axis + 1 :]
+            if not zigzag_valid(sbp):
+                continue
             if state.placement.hierarchy[axis] == 1:  # one rank holds the whole value under any SBP
-                new = Layout(state.placement, state.sbp[:axis] + (target,) + state.sbp[axis + 1 :])
+                new = Layout(state.placement, sbp)
                 yield Step(RELABEL, state, new, axis, 0, 0, 0.0)
                 continue
             if not _valid_on_axis(state.sbp, axis, current, target):
@@ -399,6 +411,9 @@ def _axis_steps(ctx: _Ctx, state: Layout) -> Iterator[Step]:
 
 def _axis_kind(a: SbpParallel, b: SbpParallel) -> str | None:
     """The 1-D transition table above, row by row."""
+    zigzag = any(isinstance(s, Split) and s.zigzag for s in (a, b))
+    if zigzag and not isinstance(a, Broadcast) and not isinstance(b, Broadcast):
+        return None  # Z(i) <-> S, Z(j), P: through B
     if isinstance(a, Split) and isinstance(b, Broadcast):
         return "all_gather"
     if isinstance(a, Split) and isinstance(b, Split):
@@ -491,6 +506,8 @@ def _cross_steps(ctx: _Ctx, state: Layout, dst: Layout) -> Iterator[Step]:
         targets = [_unpartial(dst.sbp)]
         if dst_pl.ndim == src_pl.ndim and state.sbp != targets[0]:
             targets.append(state.sbp)  # move as is, convert on the destination
+        if any(isinstance(s, Split) and s.zigzag for s in targets[0]):  # a zigzag made on the destination
+            targets.append(tuple(broadcast if isinstance(s, Split) and s.zigzag else s for s in targets[0]))
         for sbp in targets:
             yield from _general_transfer(ctx, state, Layout(dst_pl, sbp))
     all_b = all(isinstance(s, Broadcast) for s in state.sbp)
@@ -524,7 +541,10 @@ def _pairwise_transfer(ctx: _Ctx, src: Layout, dst: Layout) -> Step:
 
 def _general_transfer(ctx: _Ctx, src: Layout, dst: Layout) -> Iterator[Step]:
     """Every destination fetches the boxes it lacks. The busiest rank, sending or receiving, sets the time:
-    a lone source feeding many destinations sends every piece itself (which a broadcast tree avoids)."""
+    a lone source feeding many destinations sends every piece itself (which a broadcast tree avoids).
+    Boxes compare only in one storage order: a zigzag layout goes through B to reach any other order."""
+    if storage_order(ctx.shape, src.placement, src.sbp) != storage_order(ctx.shape, dst.placement, dst.sbp):
+        return
     total, busiest, messages = transfer_stats(ctx.shape, ctx.itemsize, src, dst)
     yield _transfer_step(ctx, src, dst, total, busiest, messages, "general")
 
@@ -602,7 +622,10 @@ def mesh_boxes(shape: Shape, mesh: tuple[int, ...], sbp: NdSbp) -> np.ndarray:
     lo = np.zeros((len(coords), len(shape)), dtype=np.int64)
     hi = np.tile(np.array(shape, dtype=np.int64), (len(coords), 1))
     for axis, s in enumerate(sbp):
-        if isinstance(s, Split):  # split_range on the box so far, as shard_box nests the axes
+        if isinstance(s, Split) and s.zigzag:  # the only split of its dim: cut from the whole dim
+            ranges = np.array([zigzag_range(shape[s.dim], mesh[axis], int(i)) for i in coords[:, axis]])
+            lo[:, s.dim], hi[:, s.dim] = ranges[:, 0], ranges[:, 1]
+        elif isinstance(s, Split):  # split_range on the box so far, as shard_box nests the axes
             q, r = np.divmod(hi[:, s.dim] - lo[:, s.dim], mesh[axis])
             index = coords[:, axis]
             start = lo[:, s.dim] + index * q + np.minimum(index, r)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .._layout import Box, box_shape, intersect, numel, relative, shard_box
+from .._layout import Box, box_shape, intersect, numel, relative, shard_box, zigzag_axis
 from ..errors import CheckpointError
 from ..sbp import Partial
 from ..tensor import Tensor
@@ -40,6 +40,9 @@ def target_shards(t: Tensor | torch.Tensor) -> list[TargetShard]:
     full = tuple((0, n) for n in t.shape)
     if not t.is_global:
         return [TargetShard(t.to_local().data, full, False)]
+    if zigzag_axis(t.sbp) is not None:  # its shards' boxes are in storage order, not the saved logical ones
+        raise CheckpointError(f"loading into a zigzag-split tensor is not supported: {t._describe()}; load into a "
+                              f"plain split or B and convert (to_global) after")
     shape = tuple(t.shape)
     out = []
     for rank, data in t.local_tensors().items():

@@ -14,7 +14,7 @@ import torch
 from .._layout import Box, Shape, box_shape, numel, shard_box
 from ..errors import CheckpointError, CorruptCheckpointError
 from ..placement import Placement
-from ..sbp import Broadcast, NdSbp, Partial, parse
+from ..sbp import Broadcast, NdSbp, Partial, Split, parse
 from ._tree import Path, path_name
 
 FORMAT = "sbpflow-checkpoint"
@@ -156,8 +156,10 @@ def _entry_from_json(e: dict[str, Any]) -> Entry:
 
 
 def written_sbp(nd_sbp: NdSbp) -> NdSbp:
-    """The layout a tensor is written in: partial axes reduced to broadcast (a partial piece is not the value)."""
-    return tuple(Broadcast() if isinstance(s, Partial) else s for s in nd_sbp)
+    """The layout a tensor is written in: partial axes reduced to broadcast (a partial piece is not the value),
+    zigzag splits made plain (the index records logical boxes)."""
+    return tuple(Broadcast() if isinstance(s, Partial) else Split(s.dim) if isinstance(s, Split) else s
+                 for s in nd_sbp)
 
 
 def writer_boxes(shape: Shape, placement: Placement, nd_sbp: NdSbp, itemsize: int,

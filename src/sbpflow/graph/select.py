@@ -26,7 +26,7 @@ from ..boxing import Layout
 from ..boxing.plan import transition_time
 from ..ops.propagation import sig_fits
 from ..ops.schema import REGISTRY, Meta, Scalar, Sig
-from ..sbp import NdSbp, Partial, Split, broadcast
+from ..sbp import NdSbp, Partial, Split, broadcast, zigzag_valid
 from . import milp
 from .costs import FIRST_BUCKET, MEM_SECONDS_PER_BYTE, SECONDS_PER_FLOP
 from .ir import LNode, LogicalGraph
@@ -115,7 +115,7 @@ def _candidates(g: LogicalGraph, n: LNode, current: Candidate, free_axis: int | 
         ins = tuple(tuple(sig.ins[i] for sig in combo) for i in range(len(n.inputs)))
         outs = tuple(tuple(sig.outs[j] for sig in combo) for j in range(len(n.outputs)))
         out.append(Candidate(ins, outs))
-    return [c for c in dict.fromkeys(out) if not _rare_partial(c)]
+    return [c for c in dict.fromkeys(out) if not _rare_partial(c) and all(zigzag_valid(s) for s in c.ins + c.outs)]
 
 
 def _rare_partial(c: Candidate) -> bool:

@@ -6,6 +6,7 @@ SBP rules (q, k, v of shape (B, H, T, D), logical; ``mask`` broadcastable to (B,
     S(b)     S(b)     S(b)     S(b)      batch or head dims: attention never mixes them
     S(Tq)    B        B        S(Tq)     query rows are independent (the causal mask shifts by the shard's offset)
     S(T)     S(T)     S(T)     S(T)      context parallel: ring attention (ops.ring_attention), no mask tensor
+    Z(T)     Z(T)     Z(T)     Z(T)      the same, zigzag: causal work balanced over the ring
     B        B        P(sum)   P(sum)    linear in v
     B        B        B        B
 
@@ -92,7 +93,8 @@ def _sdpa_sigs(q: Meta, k: Meta, v: Meta, *mask: Meta, outs: tuple[Meta, ...], *
     rows = Split(q.ndim - 2)
     sigs.append(Sig((rows, B, B) + _mask_sbp(mask, q.ndim - 2, q.ndim, q.shape[-2]), (rows, rows)))
     if not mask:  # ring attention; a mask tensor would have to travel with its key columns
-        sigs.append(Sig((rows, rows, rows), (rows, rows)))
+        zigzag = Split(q.ndim - 2, zigzag=True)
+        sigs += [Sig((rows, rows, rows), (rows, rows)), Sig((zigzag,) * 3, (zigzag, zigzag))]
     return sigs
 
 
@@ -264,7 +266,8 @@ def _sdpa_backward_sigs(dy: Meta, q: Meta, k: Meta, v: Meta, out: Meta, lse: Met
     row_mask = _mask_sbp(mask, q.ndim - 2, q.ndim, q.shape[-2])
     sigs.append(Sig((rows, rows, B, B, rows, rows) + row_mask, (rows, PSUM, PSUM)))  # dk, dv sum over query rows
     if not mask:  # ring attention: dk and dv travel the ring home
-        sigs.append(Sig((rows,) * 6, (rows, rows, rows)))
+        zigzag = Split(q.ndim - 2, zigzag=True)
+        sigs += [Sig((rows,) * 6, (rows, rows, rows)), Sig((zigzag,) * 6, (zigzag,) * 3)]
     return sigs
 
 

@@ -111,7 +111,7 @@ def _cut(ndim: int, dim: int, first: int, count: int, step: int) -> tuple[slice,
     return tuple(cut)
 
 
-@op("slice", meta=_slice_meta, sbp=_slice_sigs, shard_aware=True)
+@op("slice", meta=_slice_meta, sbp=_slice_sigs, shard_aware=True, box_offsets=("dim",))
 def slice_(ctx: ShardCtx, x: torch.Tensor, dim: int, start: int, stop: int, step: int) -> torch.Tensor:
     """Elements ``start, start + step, ...`` below ``stop`` along ``dim`` (logical indices, all normalized).
 
@@ -150,7 +150,8 @@ def _slice_backward_sigs(dy: Meta, outs: tuple[Meta, ...], dim: int, **_: Any) -
     return sigs
 
 
-@op("slice_backward", meta=_slice_backward_meta, sbp=_slice_backward_sigs, shard_aware=True)
+@op("slice_backward", meta=_slice_backward_meta, sbp=_slice_backward_sigs, shard_aware=True,
+    box_offsets=("dim",))
 def slice_backward(ctx: ShardCtx, dy: torch.Tensor, dim: int, start: int, stop: int, step: int,
                    size: int) -> torch.Tensor:
     """Scatters ``dy`` into zeros of the sliced input's shape: the gradient of :func:`slice_`."""

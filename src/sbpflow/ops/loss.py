@@ -87,7 +87,7 @@ def _embedding_sigs(ids: Meta, weight: Meta, outs: tuple[Meta, ...], padding_idx
     return sigs
 
 
-@op("embedding", meta=_embedding_meta, sbp=_embedding_sigs, shard_aware=True)
+@op("embedding", meta=_embedding_meta, sbp=_embedding_sigs, shard_aware=True, box_offsets=(1,))  # weight rows
 def _embedding(ctx: ShardCtx, ids: torch.Tensor, weight: torch.Tensor, padding_idx: int | None) -> torch.Tensor:
     lo, hi = ctx.in_boxes[1][0]  # this shard's rows of the logical weight
     if (lo, hi) == (0, ctx.in_metas[1].shape[0]):  # all rows here: torch's lookup checks the range itself
@@ -118,7 +118,7 @@ def _embedding_grad_sigs(dy: Meta, ids: Meta, outs: tuple[Meta, ...], rows_split
 
 
 @op("embedding_backward", meta=_embedding_grad_meta, sbp=_embedding_grad_sigs, shard_aware=True,
-    differentiable=False)
+    differentiable=False, box_offsets=(2,))  # dW's rows
 def _embedding_backward(ctx: ShardCtx, dy: torch.Tensor, ids: torch.Tensor, num_rows: int, padding_idx: int | None,
                         rows_split: bool) -> torch.Tensor:
     lo, hi = ctx.out_boxes[0][0]

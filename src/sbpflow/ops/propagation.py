@@ -14,7 +14,7 @@ from typing import Any
 from .. import boxing
 from ..errors import OpError, SbpflowError
 from ..placement import Placement
-from ..sbp import SBP_TYPES, Broadcast, NdSbp, Partial, Split, format_nd
+from ..sbp import SBP_TYPES, Broadcast, NdSbp, Partial, Split, format_nd, zigzag_valid
 from ..tensor import Tensor
 from .schema import DYNAMIC, Meta, OpDef, Scalar, ShardCtx, Sig
 
@@ -71,6 +71,8 @@ def decide(opdef: OpDef, args: Sequence[Any], attrs: dict[str, Any], placement: 
     sigs = [s for s in opdef.sbp(*metas, outs=out_metas, **extra, **attrs) if sig_fits(s, tensors, out_metas)]
     if not sigs:
         raise OpError(f"op {opdef.name!r} has no SBP signature for {describe_args(args)}")
+    if opdef.box_offsets is not None and any(isinstance(s, Split) and s.zigzag for t in tensors for s in t.sbp):
+        sigs += zigzag_sigs(sigs, tensors, in_metas, out_metas, _offset_places(opdef.box_offsets, attrs))
     if opdef.data_dependent:
         _check_dynamic_not_split(opdef, sigs, out_metas)
     current = tuple(t.sbp for t in tensors)
@@ -80,9 +82,12 @@ def decide(opdef: OpDef, args: Sequence[Any], attrs: dict[str, Any], placement: 
         in_sbps, out_sbps = exact
         return Decision(out_metas, in_sbps, out_sbps, (None,) * len(tensors), in_metas, positions)
     has_partial = any(isinstance(s, Partial) for sbp in current for s in sbp)
+    zigzag = any(isinstance(s, Split) and s.zigzag for sig in sigs for s in sig.ins + sig.outs)
     best: tuple[Any, ...] | None = None
     for combo in itertools.product(sigs, repeat=placement.ndim):
         in_sbps = tuple(tuple(sig.ins[i] for sig in combo) for i in range(len(tensors)))
+        if zigzag and not _zigzags_valid(combo, in_sbps):
+            continue
         plans = tuple(
             None if in_sbps[i] == t.sbp else boxing.plan(
                 tuple(t.shape), t.dtype, boxing.Layout(placement, t.sbp), boxing.Layout(placement, in_sbps[i]))
@@ -150,7 +155,48 @@ def _exact_match(sigs: Sequence[Sig], current: tuple[NdSbp, ...], ndim: int) -> 
         chosen.append(match)
     in_sbps = current
     out_sbps = tuple(tuple(sig.outs[j] for sig in chosen) for j in range(len(chosen[0].outs)))
-    return in_sbps, out_sbps
+    return (in_sbps, out_sbps) if all(zigzag_valid(nd) for nd in out_sbps) else None
+
+
+def zigzag_sigs(sigs: Sequence[Sig], tensors: Sequence[Tensor], in_metas: Sequence[Meta],
+                out_metas: Sequence[Meta], box_offsets: tuple[tuple[int | None, int | None], ...] = ()) -> list[Sig]:
+    """Zigzag twins of a kernel's signatures, offered when an input is split zigzag, so that it runs on as is.
+
+    A kernel that never learns which rows its shard holds (no ShardCtx, or one whose ``box_offsets`` it reads
+    are not split) has ``S`` rules that hold for any cut, down to one row per rank: it treats rows one by one
+    along a split, so it treats a zigzag shard (two chunks end to end) right too. The twin turns every split of
+    one signature into a zigzag when all of them cut dims of the zigzag input's length (one index space: the
+    sequence); any other (a reshape merging it into a longer dim) keeps plain splits, and the input is boxed.
+    ``box_offsets``: (tensor, dim) places where the kernel reads offsets, None for any; no twin splits them.
+    """
+    lengths = {m.shape[s.dim] for t, m in zip(tensors, in_metas, strict=True) for s in t.sbp
+               if isinstance(s, Split) and s.zigzag}
+    out = []
+    for sig in sigs:
+        splits = [(i, s, m) for i, (s, m) in enumerate(zip(sig.ins + sig.outs, (*in_metas, *out_metas), strict=True))
+                  if isinstance(s, Split)]
+        cut = {m.shape[s.dim] for _, s, m in splits}
+        read = any(t in (i, None) and d in (s.dim, None) for i, s, _ in splits for t, d in box_offsets)
+        if len(cut) == 1 and cut <= lengths and not read:
+            out.append(Sig(tuple(_zigzag(s) for s in sig.ins), tuple(_zigzag(s) for s in sig.outs)))
+    return out
+
+
+def _offset_places(box_offsets: tuple[int | str, ...], attrs: dict[str, Any]) -> tuple[tuple[int | None, int | None],
+                                                                                        ...]:
+    """An op's ``box_offsets`` as (tensor, dim) places, None for any: a tensor index reads every dim, an
+    attribute's dim is read in every tensor."""
+    return tuple((b, None) if isinstance(b, int) else (None, attrs[b]) for b in box_offsets)
+
+
+def _zigzag(s: Any) -> Any:
+    return Split(s.dim, zigzag=True) if isinstance(s, Split) else s
+
+
+def _zigzags_valid(combo: Sequence[Sig], in_sbps: tuple[NdSbp, ...]) -> bool:
+    """Whether a combination of 1-D signatures gives every input and output a valid zigzag layout."""
+    outs = (tuple(sig.outs[j] for sig in combo) for j in range(len(combo[0].outs)))
+    return all(zigzag_valid(nd) for nd in in_sbps) and all(zigzag_valid(nd) for nd in outs)
 
 
 def describe_decision(opdef: OpDef, decision: Decision) -> str:

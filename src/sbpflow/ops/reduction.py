@@ -86,7 +86,7 @@ def sum_(x: torch.Tensor, dim: Any = None, keepdim: bool = False, dtype: torch.d
     return torch.sum(x, dim=R.normalize_dims(dim, x.dim()), keepdim=keepdim, dtype=dtype)
 
 
-@op("mean", meta=_mean_meta, sbp=_reduce_sigs("sum"), shard_aware=True, grad_reads=())
+@op("mean", meta=_mean_meta, sbp=_reduce_sigs("sum"), shard_aware=True, grad_reads=(), box_offsets=())
 def mean(ctx: ShardCtx, x: torch.Tensor, dim: Any = None, keepdim: bool = False,
          dtype: torch.dtype | None = None) -> torch.Tensor:
     dims = R.normalize_dims(dim, x.dim())

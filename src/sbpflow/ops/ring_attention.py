@@ -22,7 +22,12 @@ A block pair runs torch's CPU flash kernel where that is exact (no mask, or the 
 signatures: with heads split instead, boxing's all-to-alls from sequence to heads make the Ulysses variant.
 
 Under a causal mask, blocks wholly above the diagonal are skipped, so member p of plain ``S(T)`` computes
-p + 1 blocks: the work is unbalanced (see docs/benchmarks.md).
+p + 1 of c blocks: the work is unbalanced. Under the zigzag split ``Z(T)`` (``sbp.zigzag``) member p holds the
+chunks p and 2c-1-p of 2c; each block is then two pieces by two, and every member computes 2c + 1 chunk pairs
+(two of them diagonal halves), the same work (docs/benchmarks.md)::
+
+    chunk pairs seen, c = 2     rank 0 holds c0 c3: (c0,c0) (c3,c0) (c3,c1) (c3,c2) (c3,c3)
+                                rank 1 holds c1 c2: (c1,c0) (c1,c1) (c2,c0) (c2,c1) (c2,c2)
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from .._layout import shard_box
+from .._layout import logical_pieces, shard_box
 from ..comm import get_backend
 from ..comm.base import Transfer, nbytes
 from ..placement import Placement
@@ -39,6 +44,7 @@ from ..sbp import Split
 from .schema import Meta, ShardCtx
 
 Shards = dict[int, torch.Tensor]
+Piece = tuple[slice, tuple[int, int]]  # (where along the local sequence dim, which logical rows)
 _FLASH_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 
@@ -75,6 +81,15 @@ def backward_talks(metas: tuple[Meta, ...], sbps: tuple[tuple, ...], placement: 
     return (hops + 1, (2 * hops + 1) * kv) if hops else (0, 0)
 
 
+def causal_work(length: int, placement: Placement, nd_sbp: tuple) -> list[int]:
+    """The (query, key) pairs each rank of a 1-D ring computes under a causal mask for a sequence of ``length``
+    split by ``nd_sbp`` (``(S(0),)`` or ``(Z(0),)``): every block pair the kernel does not skip, whole."""
+    shape = (length,)
+    pieces = {r: [box[0] for box in logical_pieces(shape, placement, nd_sbp, r)] for r in placement.flat_ranks}
+    return [sum((q1 - q0) * (k1 - k0) for held in pieces.values() for k0, k1 in held for q0, q1 in pieces[r]
+                if _visible((q0, q1), (k0, k1), causal=True)) for r in placement.flat_ranks]
+
+
 def _ring_blocks(kv: Sequence[Meta], sbps: Sequence[tuple], placement: Placement) -> tuple[int, int]:
     """(c - 1, bytes of one rank's K and V blocks) for k and v split on the sequence; (0, 0) otherwise."""
     seq = kv[0].ndim - 2
@@ -86,10 +101,6 @@ def _ring_blocks(kv: Sequence[Meta], sbps: Sequence[tuple], placement: Placement
         return 0, 0
     rank = placement.flat_ranks[0]
     return c - 1, sum(nbytes(_block_shape(m, placement, s, rank), m.dtype) for m, s in zip(kv, sbps, strict=True))
-
-
-def _rows(meta: Meta, placement: Placement, nd_sbp: tuple, rank: int, dim: int) -> tuple[int, int]:
-    return shard_box(meta.shape, placement, nd_sbp, rank)[dim]
 
 
 def _block_shape(meta: Meta, placement: Placement, nd_sbp: tuple, rank: int) -> tuple[int, ...]:
@@ -145,8 +156,16 @@ class _Ring:
         ring, i = self.position[rank]
         return ring[(i - step) % len(ring)]
 
-    def rows(self, index: int, rank: int) -> tuple[int, int]:
-        return _rows(self.ctx.in_metas[index], self.placement, self.ctx.in_sbps[index], rank, self.dim)
+    def pieces(self, index: int, rank: int) -> list[Piece]:
+        """The logical row ranges input ``index``'s shard on ``rank`` holds (two under a zigzag split), with
+        where each sits in the shard."""
+        meta, nd_sbp = self.ctx.in_metas[index], self.ctx.in_sbps[index]
+        out, start = [], 0
+        for box in logical_pieces(meta.shape, self.placement, nd_sbp, rank):
+            lo, hi = box[self.dim]
+            out.append((slice(start, start + hi - lo), (lo, hi)))
+            start += hi - lo
+        return out
 
     def pass_on(self, step: int, payloads: Mapping[int, Sequence[torch.Tensor]],
                 metas: Sequence[tuple[Meta, tuple]]) -> dict[int, list[torch.Tensor]]:
@@ -185,16 +204,15 @@ def forward(ctxs: dict[int, ShardCtx], q: Shards, k: Shards, v: Shards, causal: 
     steps = max(len(g) for g in ring.rings)
     for step in range(steps):
         for r in ctxs:
-            owner = ring.holder_block(r, step)
-            q_rows, k_rows = ring.rows(0, r), ring.rows(1, owner)
-            if not _visible(q_rows, k_rows, causal):
-                continue
-            block_out, block_lse = _block_forward(q[r], held[r][0], held[r][1], q_rows, k_rows, causal, scale_of,
-                                                  acc_dtype)
-            total = torch.logaddexp(lse[r], block_lse)
-            out[r] = (out[r] * _exp_safe(lse[r] - total)[..., None]
-                      + block_out * _exp_safe(block_lse - total)[..., None])
-            lse[r] = total
+            for (qs, q_rows), (ks, k_rows) in _pairs(ring, r, step, causal):
+                block_out, block_lse = _block_forward(_rows_of(q[r], qs), _rows_of(held[r][0], ks),
+                                                      _rows_of(held[r][1], ks), q_rows, k_rows, causal, scale_of,
+                                                      acc_dtype)
+                seen = lse[r][..., qs]  # local (B, H, tq)
+                total = torch.logaddexp(seen, block_lse)
+                out[r][..., qs, :] = (out[r][..., qs, :] * _exp_safe(seen - total)[..., None]
+                                      + block_out * _exp_safe(block_lse - total)[..., None])
+                lse[r][..., qs] = total
         if step < steps - 1:
             held = ring.pass_on(step, held, kv_metas)
     lse_dtype = ctx.out_metas[1].dtype
@@ -218,23 +236,38 @@ def backward(ctxs: dict[int, ShardCtx], dy: Shards, q: Shards, k: Shards, v: Sha
     steps = max(len(g) for g in ring.rings)
     for step in range(steps):
         for r in ctxs:
-            owner = ring.holder_block(r, step)
-            q_rows, k_rows = ring.rows(0, r), ring.rows(1, owner)
-            if _visible(q_rows, k_rows, causal):
-                _block_grads(q[r], dy[r], out[r], lse[r], row_term[r], held[r], dq[r], q_rows, k_rows, causal,
-                             scale_of, acc_dtype)
+            for (qs, q_rows), (ks, k_rows) in _pairs(ring, r, step, causal):
+                block = [_rows_of(t, ks) for t in held[r][:2]] + [t[..., ks, :] for t in held[r][2:]]  # dk, dv: views
+                q_r, dy_r, out_r = (_rows_of(t, qs) for t in (q[r], dy[r], out[r]))
+                _block_grads(q_r, dy_r, out_r, lse[r][..., qs].contiguous(), row_term[r][..., qs], block,
+                             dq[r][..., qs, :], q_rows, k_rows, causal, scale_of, acc_dtype)
         if step < steps - 1:
             held = ring.pass_on(step, held, [k_meta, v_meta, *acc])
     home = ring.pass_on(steps - 1, {r: held[r][2:] for r in ctxs}, acc)  # every dk, dv one hop from home
     return {r: (dq[r].to(q[r].dtype), home[r][0].to(k[r].dtype), home[r][1].to(v[r].dtype)) for r in ctxs}
 
 
+def _pairs(ring: _Ring, rank: int, step: int, causal: bool) -> list[tuple[Piece, Piece]]:
+    """The (q piece, k piece) pairs ``rank`` computes in ``step``: its q pieces by the held K block's, those that
+    see anything."""
+    owner = ring.holder_block(rank, step)
+    return [(qp, kp) for qp in ring.pieces(0, rank) for kp in ring.pieces(1, owner) if _visible(qp[1], kp[1], causal)]
+
+
+def _rows_of(t: torch.Tensor, rows: slice) -> torch.Tensor:
+    """Rows ``rows`` of a local (..., t, D) shard; a part is made contiguous for torch's fused kernels."""
+    if rows.start == 0 and rows.stop == t.shape[-2]:
+        return t
+    return t[..., rows, :].contiguous()
+
+
 def _flash_mode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_rows: tuple[int, int],
                 k_rows: tuple[int, int], causal: bool) -> bool | None:
     """The ``is_causal`` with which torch's CPU flash kernel computes this block pair exactly: False when every
     key precedes every query (or no mask), True on the diagonal (one range of rows), None when it cannot (a
-    partial mask, a GPU shard, unequal head dims): the block is then computed by :func:`_scores`."""
-    if not (q.is_cpu and q.dim() == 4 and q.dtype in _FLASH_DTYPES and q.shape[-1] == k.shape[-1] == v.shape[-1]):
+    partial mask, a GPU shard, unequal head dims, an empty shard): the block is then computed by :func:`_scores`."""
+    if not (q.is_cpu and q.dim() == 4 and q.dtype in _FLASH_DTYPES and q.shape[-1] == k.shape[-1] == v.shape[-1]
+            and q.numel() > 0 and k.numel() > 0):  # torch's kernel divides by zero on an empty batch or head shard
         return None
     if not causal or k_rows[1] - 1 <= q_rows[0]:
         return False

@@ -88,7 +88,8 @@ class OpDef:
     def __init__(self, name: str, kernel: Callable[..., Any], meta: Callable[..., Any], sbp: Callable[..., Any],
                  shard_aware: bool, save_outputs: bool, differentiable: bool, mesh_aware: bool,
                  data_dependent: bool = False, diff_outputs: int | None = None,
-                 grad_reads: tuple[int, ...] | None = None, talks: Talks | None = None) -> None:
+                 grad_reads: tuple[int, ...] | None = None, talks: Talks | None = None,
+                 box_offsets: tuple[int | str, ...] | None = None) -> None:
         self.name = name
         self.kernel = kernel
         self.meta = meta
@@ -101,6 +102,8 @@ class OpDef:
         self.diff_outputs = diff_outputs  # outputs that get gradients (the first n); None: all of them
         self.grad_reads = grad_reads  # tensor inputs whose values the gradient reads; None: all of them
         self.talks = talks  # a communicating kernel's messages and bytes per rank (see op); None: it never talks
+        # where the kernel reads box offsets (see op); None: anywhere (a kernel without a ShardCtx reads none)
+        self.box_offsets = box_offsets if shard_aware else ()
         self.communicating = talks is not None  # one kernel call for all owned ranks (run_shards)
         self.backward_fn: Callable[..., Any] | None = None
         self.activity = f"op {name!r}"  # what comm errors name while this op boxes its inputs
@@ -130,7 +133,8 @@ def op(name: str, *, meta: Callable[..., Any], sbp: Callable[..., Any], shard_aw
        save_outputs: bool = False, differentiable: bool = True, mesh_aware: bool = False,
        data_dependent: bool = False, diff_outputs: int | None = None,
        grad_reads: tuple[int, ...] | None = None,
-       communicating: Talks | None = None) -> Callable[[Callable[..., Any]], OpDef]:
+       communicating: Talks | None = None,
+       box_offsets: tuple[int | str, ...] | None = None) -> Callable[[Callable[..., Any]], OpDef]:
     """Registers the decorated kernel as op ``name``.
 
     ``shard_aware`` kernels get a :class:`ShardCtx` first; ``mesh_aware`` SBP
@@ -155,6 +159,12 @@ def op(name: str, *, meta: Callable[..., Any], sbp: Callable[..., Any], shard_aw
     all its ranks and may exchange shards with their peers (see :func:`run_shards`);
     the value is their :data:`Talks` function, which the graph compiler reads to
     price a signature's messages and to give a talking node a stream of its own.
+    ``box_offsets`` (shard-aware kernels) lists the tensors, inputs by position
+    and then outputs, where the kernel reads *where* its box lies (not only its
+    shape): ``()`` for reshapes, ``(1,)`` for embedding's weight rows, or the
+    attribute naming the one dim where it reads them (``("dim",)``). A zigzag
+    split passes through the other tensors with no boxing
+    (:func:`sbpflow.ops.propagation.zigzag_sigs`); None (the default): none.
     """
 
     def register(kernel: Callable[..., Any]) -> OpDef:
@@ -165,7 +175,7 @@ def op(name: str, *, meta: Callable[..., Any], sbp: Callable[..., Any], shard_aw
         if data_dependent and shard_aware:  # a ShardCtx holds output boxes, which need the sizes up front
             raise OpError(f"op {name!r} cannot be both data_dependent and shard_aware: output boxes need sizes")
         definition = OpDef(name, kernel, meta, sbp, shard_aware, save_outputs, differentiable, mesh_aware,
-                           data_dependent, diff_outputs, grad_reads, communicating)
+                           data_dependent, diff_outputs, grad_reads, communicating, box_offsets)
         REGISTRY[name] = definition
         return definition
 

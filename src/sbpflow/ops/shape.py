@@ -88,7 +88,8 @@ def _reshape_sigs(x: Meta, outs: tuple[Meta, ...], shape: Any = None, mesh: tupl
     return sigs
 
 
-@op("reshape", meta=_reshape_meta, sbp=_reshape_sigs, shard_aware=True, mesh_aware=True, grad_reads=())
+@op("reshape", meta=_reshape_meta, sbp=_reshape_sigs, shard_aware=True, mesh_aware=True, grad_reads=(),
+    box_offsets=())
 def reshape(ctx: ShardCtx, x: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     return x.reshape(box_shape(ctx.out_boxes[0]))
 
@@ -196,7 +197,7 @@ def _expand_sigs(x: Meta, outs: tuple[Meta, ...], shape: tuple[int, ...]) -> lis
     return sigs
 
 
-@op("expand", meta=_expand_meta, sbp=_expand_sigs, shard_aware=True, grad_reads=())
+@op("expand", meta=_expand_meta, sbp=_expand_sigs, shard_aware=True, grad_reads=(), box_offsets=())
 def expand(ctx: ShardCtx, x: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     return x.expand(box_shape(ctx.out_boxes[0]))
 
@@ -235,7 +236,7 @@ def _reshape_permute_sigs(x: Meta, outs: tuple[Meta, ...], shape: tuple[int, ...
 
 
 @op("reshape_permute", meta=_reshape_permute_meta, sbp=_reshape_permute_sigs, shard_aware=True, mesh_aware=True,
-    grad_reads=())
+    grad_reads=(), box_offsets=())
 def reshape_permute(ctx: ShardCtx, x: torch.Tensor, shape: tuple[int, ...], dims: tuple[int, ...]) -> torch.Tensor:
     """``x.reshape(shape).permute(dims)``; ``shape`` has no -1 and ``dims`` no negative dim (the functional wrapper
     resolves both)."""
@@ -257,7 +258,7 @@ def _permute_reshape_sigs(x: Meta, outs: tuple[Meta, ...], dims: tuple[int, ...]
 
 
 @op("permute_reshape", meta=_permute_reshape_meta, sbp=_permute_reshape_sigs, shard_aware=True, mesh_aware=True,
-    grad_reads=())
+    grad_reads=(), box_offsets=())
 def permute_reshape(ctx: ShardCtx, x: torch.Tensor, dims: tuple[int, ...], shape: tuple[int, ...]) -> torch.Tensor:
     """``x.permute(dims).reshape(shape)`` (a copy where torch's reshape copies); resolved ``dims`` and ``shape``."""
     return x.permute(dims).reshape(box_shape(ctx.out_boxes[0]))

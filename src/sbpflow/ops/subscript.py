@@ -10,10 +10,10 @@ from typing import Any
 
 import torch
 
-from .._layout import shard_box
+from .._layout import shard_box, zigzag_axis
 from ..autograd import is_grad_enabled
 from ..creation import tensor as make_tensor
-from ..errors import AutogradError, IndexOutOfRangeError, OpError, ShapeError
+from ..errors import AutogradError, IndexOutOfRangeError, OpError, SbpflowError, ShapeError
 from ..sbp import broadcast
 from ..tensor import Tensor
 from . import _rules as R
@@ -207,6 +207,9 @@ def _value_per_rank(x: Tensor, value: Any, counts: tuple[int, ...], shape: tuple
 
 def _write_region(x: Tensor, region: Region, values: dict[int, Any]) -> None:
     """Each owned shard takes the part of ``region`` inside its box."""
+    if x.is_global and zigzag_axis(x.sbp) is not None:  # its boxes are in storage order, not the region's
+        raise SbpflowError(f"x[...] = value writes in place, which a zigzag split does not support: {x._describe()}; "
+                           f"convert x to a plain split or B first (x.to_global(sbp=...))")
     for r, shard in x.local_tensors().items():
         box = shard_box(tuple(x.shape), x.placement, x.sbp, r) if x.is_global else tuple((0, n) for n in x.shape)
         dst, src = [], []

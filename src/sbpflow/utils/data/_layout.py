@@ -10,10 +10,10 @@ from typing import Any
 
 import torch
 
-from ..._layout import shard_box
+from ..._layout import logical_pieces, shard_box
 from ...errors import SbpflowError
 from ...placement import Placement
-from ...sbp import NdSbp, Partial, Split
+from ...sbp import NdSbp, Partial, Split, format_nd
 
 
 def check_batch_sbp(nd_sbp: NdSbp, placement: Placement) -> None:
@@ -21,6 +21,9 @@ def check_batch_sbp(nd_sbp: NdSbp, placement: Placement) -> None:
         if isinstance(s, Partial):
             raise SbpflowError(f"DataLoader batches are split or broadcast on each mesh axis of {placement}, but the "
                                f"sbp has {s}: a loaded batch holds values, not partial sums")
+        if isinstance(s, Split) and s.zigzag and s.dim == 0:
+            raise SbpflowError(f"DataLoader batches are read by rows, so dim 0 cannot be split zigzag, but the sbp "
+                               f"on {placement} is {format_nd(nd_sbp)}; zigzag a later dim (the sequence: Z(1))")
 
 
 def rank_rows(n: int, placement: Placement, nd_sbp: NdSbp, rank: int) -> tuple[int, int]:
@@ -68,9 +71,15 @@ def shards_of(part: torch.Tensor, n: int, ranges: list[tuple[int, int]], placeme
         box = shard_box(shape, placement, nd_sbp, r)
         lo, hi = box[0]
         start = part_offset(ranges, lo) if hi > lo else 0  # an empty shard cuts 0 rows anywhere
-        piece = part[(slice(start, start + hi - lo), *(slice(a, b) for a, b in box[1:]))]
+        pieces = [part[(slice(start, start + hi - lo), *(slice(a, b) for a, b in logical[1:]))]
+                  for logical in logical_pieces(shape, placement, nd_sbp, r)]  # a zigzag dim: two chunks
+        piece = pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=_zigzag_dim(nd_sbp))
         out[r] = piece.to(devices[r], copy=True)  # each shard its own memory, as sbpflow.tensor makes them
     return out
+
+
+def _zigzag_dim(nd_sbp: NdSbp) -> int:
+    return next(s.dim for s in nd_sbp if isinstance(s, Split) and s.zigzag)
 
 
 def flatten(value: Any, where: str = "batch") -> tuple[list[tuple[str, torch.Tensor]], Any]:
