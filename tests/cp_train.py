@@ -1,6 +1,6 @@
 """A few AdamW steps of a small GPT or Llama on one device or under dp x cp (context parallelism), for the sim
 and proc tiers: ids and targets split on the batch over mesh axis 0 and on the sequence over axis 1, parameters
-broadcast, attention run as a ring (sbpflow.ops.ring_attention)."""
+broadcast, attention run as a ring (sbpflow.ops.ring_attention); or laid out by ``sbpflow.parallelize``."""
 
 from __future__ import annotations
 
@@ -71,3 +71,25 @@ def _place(value: np.ndarray, placement: Any, sequence: Any) -> Any:
     if placement is None:
         return sbpflow.tensor(value)
     return sbpflow.tensor(value, placement=placement, sbp=(split(0), sequence))  # (data: batch, cp: sequence)
+
+
+def train_parallelized(kind: str, steps: int = 3, **degrees: int) -> tuple[list[float], dict[str, np.ndarray],
+                                                                           CommLog]:
+    """:func:`train` (eager) with the layout ``sbpflow.parallelize(model, **degrees)`` makes, inputs placed by the
+    strategy."""
+    model = make(kind)
+    strategy = sbpflow.parallelize(model, **degrees)
+    opt = sbpflow.optim.AdamW(model.parameters(), lr=1e-2)
+    rng = np.random.default_rng(0)
+    losses, first = [], CommLog()
+    for i in range(steps):
+        tokens = rng.integers(0, VOCAB, size=(4, SEQ + 1))
+        ids, targets = strategy.shard_inputs(tokens[:, :-1], tokens[:, 1:])
+        with record() as log:
+            opt.zero_grad()
+            _, loss = model(ids, targets)
+            loss.backward()
+            opt.step()
+        first = log if i == 0 else first
+        losses.append(float(loss.numpy()))
+    return losses, {n: p.numpy() for n, p in model.named_parameters()}, first

@@ -13,10 +13,11 @@ import torch
 import torch.nn.functional as TF
 
 import sbpflow
-from cp_train import train
+from cp_train import train, train_parallelized
 from harness import check, randn
 from sbpflow import sbp as S
 from sbpflow.comm.base import nbytes
+from sbpflow.errors import PlanError
 from sbpflow.ops import functional as F
 from sbpflow.ops.ring_attention import causal_work
 
@@ -153,6 +154,27 @@ def test_dp2_cp2_zigzag_training_matches_one_device(one_device: tuple[str, tuple
     if mode != "graph-ilp":  # the zigzag ring: one pass forward and two backward in each of two layers
         assert log.counts()["send_recv"] == 6
         assert log.counts()["all_gather"] == 4  # the loss's logits and targets, forward and backward
+
+
+@pytest.mark.parametrize("degrees", [{"data": 2, "context": 2}, {"context": 2, "tensor": 2}],
+                         ids=["dp2xcp2", "cp2xtp2"])
+def test_parallelize_context_matches_one_device(one_device: tuple[str, tuple], degrees: dict[str, int]) -> None:
+    """sbpflow.parallelize(model, context=2) knows no model: the (data, context, tensor) mesh, parameters B on
+    the context axis, ids and targets Z(1) on it; attention runs as the zigzag ring, heads split over tensor."""
+    kind, (ref_losses, ref_params, _) = one_device
+    losses, params, log = train_parallelized(kind, **degrees)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-4)
+    for name, value in ref_params.items():
+        np.testing.assert_allclose(params[name], value, rtol=1e-4, atol=1.5e-3, err_msg=name)
+    assert log.counts()["send_recv"] >= 6  # the ring: forward and backward of two layers
+
+
+def test_parallelize_context_needs_a_sequence_dim() -> None:
+    model = sbpflow.nn.Linear(4, 4)
+    sbpflow.parallelize(model, context=2)
+    with pytest.raises(PlanError, match=r"context=2\) splits inputs on their sequence \(dim 1\), but an "
+                                                 r"input has shape \[4\]"):
+        model(sbpflow.randn(4))
 
 
 class _Attention(sbpflow.nn.Graph):

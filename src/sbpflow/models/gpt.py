@@ -151,7 +151,8 @@ class GPT(nn.Module):
         """Logical positions 0..T-1, broadcast where ``ids`` lives: a split sequence reads its own rows."""
         t = ids.shape[1]
         if self.strategy is not None:
-            return sbpflow.arange(t, placement=self.strategy.stages[0], sbp=(broadcast, broadcast))
+            first = self.strategy.stages[0]
+            return sbpflow.arange(t, placement=first, sbp=(broadcast,) * first.ndim)
         if ids.is_global:
             return sbpflow.arange(t, placement=ids.placement, sbp=(broadcast,) * ids.placement.ndim)
         return sbpflow.arange(t)

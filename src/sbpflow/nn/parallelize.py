@@ -1,8 +1,12 @@
-"""``sbpflow.parallelize``: data x tensor x pipeline (x expert) parallelism for any model, from per-module rules.
+"""``sbpflow.parallelize``: data x tensor x pipeline (x expert x context) parallelism for any model, from per-module
+rules.
 
 Each process holds ranks of ``pipeline`` stage placements, each a (data, tensor) mesh with the tensor-parallel
-ranks innermost (as Megatron orders them). A parameter is B on the data axis and gets its style's SBP on the
-tensor axis; the ops' signatures then insert every collective. Three rules decide the layout:
+ranks innermost (as Megatron orders them), or (data, context, tensor) with ``context`` > 1. A parameter is B on
+the data and context axes and gets its style's SBP on the tensor axis; the ops' signatures then insert every
+collective. Context parallelism is only the inputs' layout: ids and targets (B, T, ...) are split zigzag on the
+sequence (``Z(1)``, causal work balanced) over the context axis, every op runs on its rows, and attention
+(``scaled_dot_product_attention``) runs as a ring. Three rules decide the layout:
 
     plan     module-name glob -> style ("colwise" | "rowwise" | "vocab" | "replicate" or nn.parallel's
              objects). Default: the model's ``parallel_plan`` attribute; else inferred from the module tree
@@ -45,7 +49,7 @@ import numpy as np
 from ..creation import tensor as make_tensor
 from ..errors import AutogradError, PlanError
 from ..placement import Placement
-from ..sbp import broadcast, format_nd, split
+from ..sbp import broadcast, format_nd, split, zigzag
 from ..tensor import Tensor, shards_from_full
 from .container import ModuleList
 from .conv import Conv2d
@@ -53,7 +57,7 @@ from .layers import Embedding, Linear
 from .module import Module, relayout_
 from .parallel import ColwiseParallel, Replicate, RowwiseParallel, VocabParallelEmbedding, place_own_tensors
 
-DATA_AXIS, TENSOR_AXIS = 0, 1  # each stage's mesh is (data, tensor)
+DATA_AXIS = 0  # each stage's mesh is (data, tensor), or (data, context, tensor): Strategy.tensor_axis
 
 STYLES: dict[str, Any] = {"colwise": ColwiseParallel(), "rowwise": RowwiseParallel(),
                           "vocab": VocabParallelEmbedding(), "replicate": Replicate()}
@@ -86,15 +90,22 @@ class Strategy:
     virtual: int = 1  # virtual stages per placement (interleaved 1F1B): stage k sits on placement k mod p
     params: dict[str, tuple[int, tuple[Any, ...], tuple[int, ...]]] = field(default_factory=dict)
     expert: int = 1  # groups the experts are cut into over the data axis
+    context: int = 1  # ranks a sequence is split over (a mesh axis between data and tensor when > 1)
+
+    @property
+    def tensor_axis(self) -> int:
+        return 2 if self.context > 1 else 1
 
     @property
     def input_sbp(self) -> tuple[Any, ...]:
-        """SBP of ids and targets: split on the batch over data (B if data is 1), broadcast over tensor."""
-        return (split(0) if self.data > 1 else broadcast, broadcast)
+        """SBP of ids and targets: split on the batch over data (B if data is 1), zigzag on the sequence over
+        context, broadcast over tensor."""
+        context = (zigzag(1),) if self.context > 1 else ()
+        return (split(0) if self.data > 1 else broadcast, *context, broadcast)
 
     @property
     def world_size(self) -> int:
-        return self.data * self.tensor * self.pipeline
+        return self.data * self.context * self.tensor * self.pipeline
 
     @property
     def everywhere(self) -> Placement:
@@ -110,14 +121,15 @@ class Strategy:
 
     def describe(self) -> str:
         """A table: each stage's placement and blocks, then each parameter's logical shape, stage and SBP."""
-        lines = [f"strategy: data={self.data} x tensor={self.tensor} x pipeline={self.pipeline} "
-                 f"({self.world_size} {self.device} devices); each stage a (data, tensor) mesh"]
+        mesh = "(data, context, tensor)" if self.context > 1 else "(data, tensor)"
+        lines = [f"strategy: data={self.data} x context={self.context} x tensor={self.tensor} x pipeline="
+                 f"{self.pipeline} ({self.world_size} {self.device} devices); each stage a {mesh} mesh"]
         for s, p in enumerate(self.stages):
             blocks = [str(i) for i, b in enumerate(self.block_stage) if b == s]
             lines.append(f"  stage {s}: {p}  blocks [{', '.join(blocks)}]")
         lines.append(f"  inputs: ids on stage 0, targets on stage {self.pipeline - 1}, sbp {format_nd(self.input_sbp)}")
         width = max([len(n) for n in self.params] + [9])
-        lines.append(f"  {'parameter':<{width}}  {'shape':<10} stage  sbp (data, tensor)")
+        lines.append(f"  {'parameter':<{width}}  {'shape':<10} stage  sbp {mesh}")
         for name, (stage, nd, shape) in self.params.items():
             lines.append(f"  {name:<{width}}  {str(list(shape)):<10} {stage:>5}  {format_nd(nd)}")
         return "\n".join(lines)
@@ -130,17 +142,19 @@ def _as_array(value: Any) -> np.ndarray:
     return array.astype(np.int64) if array.dtype.kind in "iu" else array
 
 
-def stage_placements(data: int, tensor: int, pipeline: int, device: str = "cpu") -> tuple[Placement, ...]:
-    """One (data, tensor) mesh per stage; stage ``s`` holds ranks ``[s*data*tensor, (s+1)*data*tensor)``.
+def stage_placements(data: int, tensor: int, pipeline: int, device: str = "cpu",
+                     context: int = 1) -> tuple[Placement, ...]:
+    """One (data, tensor) mesh per stage, (data, context, tensor) with ``context`` > 1; stage ``s`` holds the
+    next ``data * context * tensor`` ranks.
 
     >>> [str(p) for p in stage_placements(2, 1, 2)]
     ['cpu:[[0], [1]]', 'cpu:[[2], [3]]']
+    >>> str(stage_placements(1, 1, 1, context=2)[0])
+    'cpu:[[[0], [1]]]'
     """
-    per_stage = data * tensor
-    return tuple(
-        Placement(device, [[s * per_stage + d * tensor + t for t in range(tensor)] for d in range(data)])
-        for s in range(pipeline)
-    )
+    per_stage = data * context * tensor
+    meshes = np.arange(pipeline * per_stage).reshape(pipeline, data, context, tensor)
+    return tuple(Placement(device, (mesh if context > 1 else mesh[:, 0]).tolist()) for mesh in meshes)
 
 
 def split_blocks(n_layer: int, pipeline: int) -> tuple[int, ...]:
@@ -178,12 +192,15 @@ def block_starts(model: Module, blocks_per_stage: Sequence[int]) -> list[str]:
 
 
 def parallelize(model: Module, data: int = 1, tensor: int = 1, pipeline: int = 1, virtual: int = 1,
-                expert: int = 1, *, plan: Mapping[str, Any] | None = None, stages: Sequence[str] | None = None,
-                device: str = "cpu") -> Strategy:
-    """Lays ``model``'s parameters out for data x tensor x pipeline (x expert) parallelism; returns the Strategy.
+                expert: int = 1, *, context: int = 1, plan: Mapping[str, Any] | None = None,
+                stages: Sequence[str] | None = None, device: str = "cpu") -> Strategy:
+    """Lays ``model``'s parameters out for data x tensor x pipeline (x expert x context) parallelism; returns the
+    Strategy.
 
     Every check runs before any parameter moves, so a call that raises leaves the model as it was.
     ``virtual`` > 1 cuts ``virtual * pipeline`` stages, stage ``k`` on placement ``k mod pipeline``.
+    ``context`` > 1 splits the inputs' sequence (dim 1) zigzag over that many ranks: context parallelism for a
+    model whose attention is ``scaled_dot_product_attention``.
 
     >>> import sbpflow
     >>> from sbpflow import nn
@@ -192,7 +209,7 @@ def parallelize(model: Module, data: int = 1, tensor: int = 1, pipeline: int = 1
     >>> [s.params[f"1.{i}.weight"][0] for i in range(4)], s.params["0.weight"][0]
     ([0, 0, 1, 1], 0)
     """
-    _check_degrees(data, tensor, pipeline, virtual, expert)
+    _check_degrees(data, tensor, pipeline, virtual, expert, context)
     named = dict(model.named_modules())
     styles = _resolve_plan(model, named, plan, tensor)
     blocks = _largest_block_list(named)
@@ -200,12 +217,14 @@ def parallelize(model: Module, data: int = 1, tensor: int = 1, pipeline: int = 1
     virtual_stage = _virtual_stages(named, starts, pipeline * virtual)
     placement_of = {name: k % pipeline for name, k in virtual_stage.items()}
     moes = _expert_modules(named, expert, data)
-    placements = stage_placements(data, tensor, pipeline, device)
+    placements = stage_placements(data, tensor, pipeline, device, context)
     block_stage = tuple(placement_of[name] for name in _block_names(named, blocks))
-    strategy = Strategy(data, tensor, pipeline, device, placements, block_stage, virtual, expert=expert)
+    strategy = Strategy(data, tensor, pipeline, device, placements, block_stage, virtual, expert=expert,
+                        context=context)
     # every check is done: from here on the model changes
     for name, module in named.items():
-        place_own_tensors(module, styles.get(name, Replicate()), placements[placement_of[name]], TENSOR_AXIS)
+        place_own_tensors(module, styles.get(name, Replicate()), placements[placement_of[name]],
+                          strategy.tensor_axis)
     for moe in moes:
         _split_experts(moe, expert)
     _install_hooks(model, named, strategy)
@@ -215,9 +234,9 @@ def parallelize(model: Module, data: int = 1, tensor: int = 1, pipeline: int = 1
     return strategy
 
 
-def _check_degrees(data: int, tensor: int, pipeline: int, virtual: int, expert: int) -> None:
+def _check_degrees(data: int, tensor: int, pipeline: int, virtual: int, expert: int, context: int) -> None:
     for what, n in (("data", data), ("tensor", tensor), ("pipeline", pipeline), ("virtual", virtual),
-                    ("expert", expert)):
+                    ("expert", expert), ("context", context)):
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise PlanError(f"parallelize needs {what} to be an int >= 1, but got {n!r}")
     if data % expert:
@@ -461,6 +480,9 @@ def _local_inputs(strategy: Strategy) -> Callable[[Module, tuple[Any, ...]], tup
                                 f"them from the graph, but an input ({x._describe()}) requires grad; pass a "
                                 f"global tensor (strategy.shard_inputs) instead")
         value = x.to_local()
+        if strategy.context > 1 and value.dim() < 2:
+            raise PlanError(f"parallelize(context={strategy.context}) splits inputs on their sequence (dim 1), but "
+                            f"an input has shape {list(value.shape)}; pass (batch, sequence, ...) inputs")
         return Tensor._from_shards(tuple(value.shape), value.dtype, placement, strategy.input_sbp,
                                    shards_from_full(value, placement, strategy.input_sbp))
 
