@@ -2,14 +2,15 @@
 
 Each ring is the ranks that hold one sequence (every mesh coordinate equal but those of the axes splitting T),
 in sequence order. Rank p of a ring of c holds q_p, k_p, v_p (local (B, H, T/c, D)); in step s it holds the
-K/V block of member (p - s) mod c, which it sends on to member p + 1 while it computes (sends are posted
-before the block's math, so a transport with threads of its own overlaps them)::
+K/V block of member (p - s) mod c, which it sends on to member p + 1 while it computes (the send/recv is posted
+before the block's math and waited for after it: gloo's threads move the next block meanwhile)::
 
     forward    out_p, lse_p = logsumexp-combine over s of attention(q_p, k_(p-s), v_(p-s))
     backward   dq_p += ds k_j;   dk_j, dv_j travel with k_j, v_j and each member adds its share;
                after the last step every (dk_j, dv_j) is one hop from home and takes it
 
-K/V travel c - 1 hops in the forward; K, V, dK, dV c - 1 hops in the backward and dK, dV one more.
+K/V travel c - 1 hops in the forward; K, V, dK, dV c - 1 hops in the backward and dK, dV one more. In the
+backward only K and V overlap the math: dK and dV leave once the step has added its share (2c - 1 messages).
 
 Why a *communicating kernel* (``ops.schema.run_shards``) rather than ring nodes in the physical plan: the ring's
 c steps interleave transfers with block math whose shapes (uneven blocks, causal skips) follow from the ring
@@ -32,7 +33,7 @@ chunks p and 2c-1-p of 2c; each block is then two pieces by two, and every membe
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
@@ -75,10 +76,10 @@ def forward_talks(metas: tuple[Meta, ...], sbps: tuple[tuple, ...], placement: P
 
 
 def backward_talks(metas: tuple[Meta, ...], sbps: tuple[tuple, ...], placement: Placement) -> tuple[int, int]:
-    """... in the backward (inputs dy, q, k, v, ...): c - 1 hops of K, V and their fp32 gradients, then one of
-    the gradients (counted at K and V's size: fp32 gradients of fp32 inputs)."""
+    """... in the backward (inputs dy, q, k, v, ...): c - 1 hops of K and V, each followed by one of their fp32
+    gradients, then one more of the gradients (counted at K and V's size: fp32 gradients of fp32 inputs)."""
     hops, kv = _ring_blocks(metas[2:4], sbps[2:4], placement)
-    return (hops + 1, (2 * hops + 1) * kv) if hops else (0, 0)
+    return (2 * hops + 1, (2 * hops + 1) * kv) if hops else (0, 0)
 
 
 def causal_work(length: int, placement: Placement, nd_sbp: tuple) -> list[int]:
@@ -171,6 +172,12 @@ class _Ring:
                 metas: Sequence[tuple[Meta, tuple]]) -> dict[int, list[torch.Tensor]]:
         """Every member sends the blocks it holds in ``step`` to the next member; returns what each owned rank
         receives (the blocks it holds in ``step + 1``). ``metas``: (meta, nd-SBP) of each payload tensor."""
+        return self.post(step, payloads, metas)()
+
+    def post(self, step: int, payloads: Mapping[int, Sequence[torch.Tensor]],
+             metas: Sequence[tuple[Meta, tuple]]) -> Callable[[], dict[int, list[torch.Tensor]]]:
+        """:meth:`pass_on`, posted: returns at once (cpu shards: the transport's threads move them while the
+        caller computes, reading but never writing the payloads) with a function that waits for the result."""
         transfers: list[Transfer] = []
         tensors: dict[int, torch.Tensor] = {}
         for ring in self.rings:
@@ -181,12 +188,22 @@ class _Ring:
                         tensors[len(transfers)] = payloads[src][j]
                     shape = _block_shape(meta, self.placement, nd_sbp, owner)
                     transfers.append(Transfer(src, ring[(i + 1) % len(ring)], shape, meta.dtype))
-        received = get_backend().send_recv(transfers, tensors)
-        out: dict[int, list[torch.Tensor]] = {}
-        for n, t in enumerate(transfers):
-            if n in received:
-                out.setdefault(t.dst, []).append(received[n])
-        return out
+        backend = get_backend()
+        if all(t.is_cpu for t in tensors.values()):
+            pending = backend.send_recv_async(transfers, tensors)
+            return lambda: _by_destination(transfers, pending.wait())
+        received = backend.send_recv(transfers, tensors)
+        return lambda: _by_destination(transfers, received)
+
+
+def _by_destination(transfers: Sequence[Transfer],
+                    received: Mapping[int, torch.Tensor]) -> dict[int, list[torch.Tensor]]:
+    """The received pieces of each owned destination rank, in transfer order."""
+    out: dict[int, list[torch.Tensor]] = {}
+    for n, t in enumerate(transfers):
+        if n in received:
+            out.setdefault(t.dst, []).append(received[n])
+    return out
 
 
 def forward(ctxs: dict[int, ShardCtx], q: Shards, k: Shards, v: Shards, causal: bool,
@@ -203,6 +220,7 @@ def forward(ctxs: dict[int, ShardCtx], q: Shards, k: Shards, v: Shards, causal: 
     kv_metas = [(ctx.in_metas[1], ctx.in_sbps[1]), (ctx.in_metas[2], ctx.in_sbps[2])]
     steps = max(len(g) for g in ring.rings)
     for step in range(steps):
+        arriving = ring.post(step, held, kv_metas) if step < steps - 1 else None  # the next blocks, meanwhile
         for r in ctxs:
             for (qs, q_rows), (ks, k_rows) in _pairs(ring, r, step, causal):
                 block_out, block_lse = _block_forward(_rows_of(q[r], qs), _rows_of(held[r][0], ks),
@@ -213,8 +231,8 @@ def forward(ctxs: dict[int, ShardCtx], q: Shards, k: Shards, v: Shards, causal: 
                 out[r][..., qs, :] = (out[r][..., qs, :] * _exp_safe(seen - total)[..., None]
                                       + block_out * _exp_safe(block_lse - total)[..., None])
                 lse[r][..., qs] = total
-        if step < steps - 1:
-            held = ring.pass_on(step, held, kv_metas)
+        if arriving is not None:
+            held = arriving()
     lse_dtype = ctx.out_metas[1].dtype
     return {r: (out[r].to(q[r].dtype), lse[r].to(lse_dtype)) for r in ctxs}
 
@@ -235,14 +253,16 @@ def backward(ctxs: dict[int, ShardCtx], dy: Shards, q: Shards, k: Shards, v: Sha
     acc = [(Meta(m.shape, acc_dtype), s) for m, s in (k_meta, v_meta)]
     steps = max(len(g) for g in ring.rings)
     for step in range(steps):
+        arriving = ring.post(step, {r: held[r][:2] for r in ctxs}, [k_meta, v_meta]) if step < steps - 1 else None
         for r in ctxs:
             for (qs, q_rows), (ks, k_rows) in _pairs(ring, r, step, causal):
                 block = [_rows_of(t, ks) for t in held[r][:2]] + [t[..., ks, :] for t in held[r][2:]]  # dk, dv: views
                 q_r, dy_r, out_r = (_rows_of(t, qs) for t in (q[r], dy[r], out[r]))
                 _block_grads(q_r, dy_r, out_r, lse[r][..., qs].contiguous(), row_term[r][..., qs], block,
                              dq[r][..., qs, :], q_rows, k_rows, causal, scale_of, acc_dtype)
-        if step < steps - 1:
-            held = ring.pass_on(step, held, [k_meta, v_meta, *acc])
+        if arriving is not None:  # dk, dv follow once this step has added to them
+            grads = ring.pass_on(step, {r: held[r][2:] for r in ctxs}, acc)
+            held = {r: kv + grads[r] for r, kv in arriving().items()}
     home = ring.pass_on(steps - 1, {r: held[r][2:] for r in ctxs}, acc)  # every dk, dv one hop from home
     return {r: (dq[r].to(q[r].dtype), home[r][0].to(k[r].dtype), home[r][1].to(v[r].dtype)) for r in ctxs}
 
