@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as TF
 
 import sbpflow
-from cp_train import train, train_parallelized
+from cp_train import make, train, train_parallelized
 from harness import check, randn
 from sbpflow import sbp as S
 from sbpflow.comm.base import nbytes
@@ -176,6 +176,38 @@ def test_parallelize_context_needs_a_sequence_dim() -> None:
     with pytest.raises(PlanError, match=r"context=2\) splits inputs on their sequence \(dim 1\), but an "
                                                  r"input has shape \[4\]"):
         model(sbpflow.randn(4))
+
+
+class _TrainStep(sbpflow.nn.Graph):
+    def __init__(self, model: object) -> None:
+        super().__init__()
+        self.model = model
+        self.add_optimizer(sbpflow.optim.AdamW(model.parameters(), lr=1e-3))  # type: ignore[attr-defined]
+        self.config.sbp_selection = "greedy"
+
+    def build(self, ids: sbpflow.Tensor, targets: sbpflow.Tensor) -> sbpflow.Tensor:
+        _, loss = self.model(ids, targets)  # type: ignore[operator]
+        loss.backward()
+        return loss
+
+
+@pytest.mark.parametrize("kind", ["gpt", "llama"])
+def test_a_zigzag_sequence_crosses_the_whole_step_without_boxing(kind: str) -> None:
+    """Batch 1, ids and targets Z(1) on 4 ranks, compiled: embeddings, norms, matmuls, RoPE, attention (the
+    ring, a node of its own), the loss rows and their gradients all keep the zigzag. The only collectives are
+    the gradients' and the loss's all-reduces; the only other boxing cuts broadcast tables (positions, RoPE)
+    into each rank's two chunks."""
+    placement = sbpflow.placement("cpu", [0, 1, 2, 3])
+    with sbpflow.meta_init():
+        model = make(kind)
+    model.to_global(placement, (S.broadcast,))
+    ids = [sbpflow.meta_tensor(1, 16, dtype=torch.int64, placement=placement, sbp=(S.zigzag(1),)) for _ in range(2)]
+    plan = _TrainStep(model).compile_only(*ids).plan
+    moves = [n.boxing for n in plan.nodes if n.kind == "boxing" and n.boxing is not None and n.boxing.steps]
+    assert {s.kind for b in moves for s in b.steps} <= {"all_reduce", "local"}
+    assert all(b.dst.sbp == (S.zigzag(0),) for b in moves if b.steps[0].kind == "local")
+    node = next(n for n in plan.nodes if n.op == "scaled_dot_product_attention")
+    assert node.in_sbps == ((S.zigzag(2),),) * 3
 
 
 class _Attention(sbpflow.nn.Graph):

@@ -174,7 +174,8 @@ def _pick_sigs(x: Meta, target: Meta, outs: tuple[Meta, ...], **_: Any) -> list[
     return sigs
 
 
-@op("pick", meta=_pick_meta, sbp=_pick_sigs, shard_aware=True, grad_reads=(1,))  # the targets, not the log-probs
+# grad_reads: the targets, not the log-probs; box offsets: the classes' (x's last dim)
+@op("pick", meta=_pick_meta, sbp=_pick_sigs, shard_aware=True, grad_reads=(1,), box_offsets=((0, -1),))
 def _pick(ctx: ShardCtx, x: torch.Tensor, target: torch.Tensor, ignore_index: int, name: str) -> torch.Tensor:
     classes = ctx.in_metas[0].shape[-1]
     _check_labels(name, target, classes, "target label", ctx, ("input", "target"), ignore_index)
@@ -205,7 +206,7 @@ def _unpick_sigs(dy: Meta, target: Meta, outs: tuple[Meta, ...], class_split: bo
     return sigs
 
 
-@op("unpick", meta=_unpick_meta, sbp=_unpick_sigs, shard_aware=True)
+@op("unpick", meta=_unpick_meta, sbp=_unpick_sigs, shard_aware=True, box_offsets=((2, -1),))  # the classes
 def _unpick(ctx: ShardCtx, dy: torch.Tensor, target: torch.Tensor, num_classes: int, ignore_index: int,
             class_split: bool) -> torch.Tensor:
     lo, hi = ctx.out_boxes[0][-1]

@@ -176,17 +176,19 @@ def zigzag_sigs(sigs: Sequence[Sig], tensors: Sequence[Tensor], in_metas: Sequen
         splits = [(i, s, m) for i, (s, m) in enumerate(zip(sig.ins + sig.outs, (*in_metas, *out_metas), strict=True))
                   if isinstance(s, Split)]
         cut = {m.shape[s.dim] for _, s, m in splits}
-        read = any(t in (i, None) and d in (s.dim, None) for i, s, _ in splits for t, d in box_offsets)
+        read = any(t in (i, None) and (d is None or d % m.ndim == s.dim) for i, s, m in splits
+                   for t, d in box_offsets)
         if len(cut) == 1 and cut <= lengths and not read:
             out.append(Sig(tuple(_zigzag(s) for s in sig.ins), tuple(_zigzag(s) for s in sig.outs)))
     return out
 
 
-def _offset_places(box_offsets: tuple[int | str, ...], attrs: dict[str, Any]) -> tuple[tuple[int | None, int | None],
-                                                                                        ...]:
+def _offset_places(box_offsets: tuple[int | str | tuple[int, int], ...],
+                   attrs: dict[str, Any]) -> tuple[tuple[int | None, int | None], ...]:
     """An op's ``box_offsets`` as (tensor, dim) places, None for any: a tensor index reads every dim, an
-    attribute's dim is read in every tensor."""
-    return tuple((b, None) if isinstance(b, int) else (None, attrs[b]) for b in box_offsets)
+    attribute's dim is read in every tensor, a pair is one place (a negative dim counts from the end)."""
+    return tuple(b if isinstance(b, tuple) else (b, None) if isinstance(b, int) else (None, attrs[b])
+                 for b in box_offsets)
 
 
 def _zigzag(s: Any) -> Any:

@@ -89,7 +89,7 @@ class OpDef:
                  shard_aware: bool, save_outputs: bool, differentiable: bool, mesh_aware: bool,
                  data_dependent: bool = False, diff_outputs: int | None = None,
                  grad_reads: tuple[int, ...] | None = None, talks: Talks | None = None,
-                 box_offsets: tuple[int | str, ...] | None = None) -> None:
+                 box_offsets: tuple[int | str | tuple[int, int], ...] | None = None) -> None:
         self.name = name
         self.kernel = kernel
         self.meta = meta
@@ -134,7 +134,7 @@ def op(name: str, *, meta: Callable[..., Any], sbp: Callable[..., Any], shard_aw
        data_dependent: bool = False, diff_outputs: int | None = None,
        grad_reads: tuple[int, ...] | None = None,
        communicating: Talks | None = None,
-       box_offsets: tuple[int | str, ...] | None = None) -> Callable[[Callable[..., Any]], OpDef]:
+       box_offsets: tuple[int | str | tuple[int, int], ...] | None = None) -> Callable[[Callable[..., Any]], OpDef]:
     """Registers the decorated kernel as op ``name``.
 
     ``shard_aware`` kernels get a :class:`ShardCtx` first; ``mesh_aware`` SBP
@@ -161,7 +161,8 @@ def op(name: str, *, meta: Callable[..., Any], sbp: Callable[..., Any], shard_aw
     price a signature's messages and to give a talking node a stream of its own.
     ``box_offsets`` (shard-aware kernels) lists the tensors, inputs by position
     and then outputs, where the kernel reads *where* its box lies (not only its
-    shape): ``()`` for reshapes, ``(1,)`` for embedding's weight rows, or the
+    shape): ``()`` for reshapes, ``(1,)`` for embedding's weight rows, a
+    (tensor, dim) pair (``((0, -1),)``: the classes of pick's input), or the
     attribute naming the one dim where it reads them (``("dim",)``). A zigzag
     split passes through the other tensors with no boxing
     (:func:`sbpflow.ops.propagation.zigzag_sigs`); None (the default): none.
