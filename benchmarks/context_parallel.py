@@ -166,21 +166,37 @@ def launched(world: int, args: list[str]) -> dict[str, Any]:
         return dict(json.loads(Path(out).read_text()))
 
 
+def measured_longest(cp: int, cap_mib: float, lo: int, hi: int) -> int:
+    """The longest sequence (a multiple of 64 cp, between ``lo``, which fits, and ``hi``, which does not) whose
+    measured peak RSS growth on ``cp`` processes stays under ``cap_mib``: bisection on launches."""
+    unit = 64 * cp
+    lo, hi = lo // unit * unit, -(-hi // unit) * unit
+    while hi - lo > unit:
+        mid = (lo + hi) // 2 // unit * unit
+        grown = launched(cp, ["--measure", str(mid)])["rss_growth_mib"]
+        print(f"  cp {cp}, {mid} tokens: {grown:.0f} MiB", flush=True)
+        lo, hi = (mid, hi) if grown <= cap_mib else (lo, mid)
+    return lo
+
+
 def measured_rows() -> list[str]:
     cap = peak(1, MEASURED_BASE)
     rows = [f"Measured on processes: cap = the cp = 1 plan's peak at {MEASURED_BASE} tokens ({cap / 2**20:.1f} MiB); "
-            f"{MEASURED_STEPS - 1} timed steps after one warm-up; RSS growth = the largest over the ranks.", "",
+            f"{MEASURED_STEPS - 1} timed steps after one warm-up; RSS growth = the largest over the ranks. The last "
+            "column bisects on launches for the longest sequence whose measured growth stays under cp = 1's.", "",
             "| cp | sequence (plan's longest) | plan peak (MiB/rank) | measured peak RSS growth (MiB/rank) | "
-            "measured / cp = 1 | step (s, median; min-max) |", "|---|---|---|---|---|---|"]
+            "measured / cp = 1 | step (s, median; min-max) | longest under cp = 1's measured peak (× cp = 1) |",
+            "|---|---|---|---|---|---|---|"]
     first = None
     for cp in (1, 2, 4):
         t = longest(cp, cap)
         r = launched(cp, ["--measure", str(t)])
         first = first or r["rss_growth_mib"]
         secs = r["seconds"]
+        fits = t if cp == 1 else measured_longest(cp, first, MEASURED_BASE, t)
         rows.append(f"| {cp} | {t} | {peak(cp, t) / 2**20:.1f} | {r['rss_growth_mib']:.0f} | "
                     f"{r['rss_growth_mib'] / first:.2f} | {statistics.median(secs):.2f}; "
-                    f"{min(secs):.2f}-{max(secs):.2f} |")
+                    f"{min(secs):.2f}-{max(secs):.2f} | {fits} ({fits / MEASURED_BASE:.2f}) |")
         print(rows[-1], flush=True)
     return rows
 

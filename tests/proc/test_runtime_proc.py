@@ -241,6 +241,24 @@ def test_sends_in_flight_arrive_in_the_order_posted_though_nobody_waits_for_them
     assert received == [[float(k)] * 3 for k in range(4)]
 
 
+def exchange_waited_on_ranks() -> int:
+    """Both ranks swap a tensor by one posted send/recv and wait for it (as ring attention does each step): the
+    waited exchange is no longer held for settle_sends, so its buffers go with the caller's references."""
+    from sbpflow.comm.base import Transfer
+
+    rank, backend = sbpflow.rank(), get_backend()
+    swap = [Transfer(0, 1, (3,), torch.float32), Transfer(1, 0, (3,), torch.float32)]
+    posted = backend.send_recv_async(swap, {rank: torch.full((3,), float(rank))})
+    assert posted.wait()[1 - rank].tolist() == [float(1 - rank)] * 3
+    held = len(backend._sending)  # type: ignore[attr-defined]
+    backend.settle_sends()
+    return held
+
+
+def test_a_waited_exchange_is_not_held_until_the_step_ends() -> None:
+    assert run_ranks(exchange_waited_on_ranks, 2, timeout=60) == [0, 0]
+
+
 def two_stage_plan() -> Any:
     """Stage 0 (rank 0) -> stage 1 (rank 1) -> back to stage 0, 4 micro-batches: p2p both ways, as a pipeline's
     activations and gradients."""

@@ -374,6 +374,14 @@ class TorchDistBackend(Backend):
             self._hold(pending)
         return pending
 
+    def _release(self, pending: _Pending) -> None:
+        """Drops a waited-for ``pending`` from the held sends: its buffers (a ring's K/V blocks, a pipeline's
+        activations) are then freed as soon as its caller lets go, not at :meth:`settle_sends`."""
+        try:
+            self._sending.remove(pending)
+        except ValueError:  # not held (nothing sent, blocking), or settle_sends took the list meanwhile
+            pass
+
     def _hold(self, pending: _Pending) -> None:
         """Keeps ``pending`` until :meth:`settle_sends` (its work objects own the buffers gloo sends from); past
         ``SENDS_HELD`` the oldest are waited for, long since received unless a peer is stuck (then its timeout
@@ -473,6 +481,7 @@ class _Pending:
                 with activity(lambda: f"waiting for {what} issued in {issued()}"):
                     backend._call(self.call, self.group, finish)
             self.result, self.done, self.works = self.finish(), True, []
+            self.backend._release(self)
         return self.result
 
 
