@@ -57,6 +57,17 @@ CONFIG = {"vocab_size": 512, "hidden_size": 256, "intermediate_size": 768, "num_
 BASE = 4096  # the cp = 1 sequence that sets the cap
 MEASURED_BASE = 1024  # ... of the check on processes (bounded: cp = 4 trains 4x this)
 MEASURED_STEPS = 3  # one warm-up, then timed
+# what the run of 2026-11-28 13:16 UTC showed (kept with the section; rewrite it when the figures change)
+READING = """\
+**Reading (2026-11-28):** on the plan's peak the aim holds (2.03 / 4.00 / 8.00 × at cp 2 / 4 / 8, zigzag ids,
+nothing gathered: the loss rows stay Z(0)). On measured peaks it does **not**: with cp = 1's measured peak as the
+cap, cp 2 trains 1.38 × and cp 4 2.75 × the cp = 1 sequence (aim 1.8 / 3.6). RSS exceeds the plan's registers by
+35-95 MiB per rank, more with more processes; the candidates, not yet told apart: gloo's buffers and the
+gradients' all-reduce (none at cp = 1), kernels' workspaces, allocator slack (freed host memory is kept). Fixed on
+the way: a
+waited send/recv was held until the end of the step (comm.torch_dist), which kept every layer's K/V blocks alive
+(48 MiB at cp 2, 2176 tokens). RSS of one configuration varied by 30 MiB between runs (cp = 1: 190-229 MiB), so the
+bisected lengths are ±1 step. Steps: 4 processes share 2 cores, so cp 4 is slower per token than cp 1 here."""
 
 
 class _Step(sbpflow.nn.Graph):
@@ -234,7 +245,7 @@ def main() -> None:
         torch_cp = launched(2, ["--torch-cp"])["result"]
         lines += ["", f"torch's `context_parallel` (ring, DTensor) on 2 gloo processes, causal attention (1, 8, 256, "
                   f"32): {'ran' if torch_cp == 'ran' else f'raises `{torch_cp}`'}."]
-    lines += ["", "Causal work per rank (sequence 4096), max and min over the mean:", "", *balance_rows()]
+    lines += ["", "Causal work per rank (sequence 4096), max and min over the mean:", "", *balance_rows(), "", READING]
     body = "\n".join(lines)
     print(body)
     if args.write:
