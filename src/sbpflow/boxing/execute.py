@@ -13,11 +13,11 @@ from typing import Any
 
 import torch
 
-from .._layout import Box, Shape, box_shape, logical_pieces, numel, relative, shard_box, storage_index
+from .._layout import Box, Shape, box_shape, logical_pieces, numel, relative, shard_box, storage_index, zigzag_axis
 from ..comm import Backend, Transfer, get_backend
 from ..distributed import activity
 from ..sbp import Broadcast, Partial, Split
-from .plan import Layout, Plan, Step, transfer_pieces
+from .plan import Layout, Plan, Step, common_boxes, transfer_pieces
 
 Shards = dict[int, torch.Tensor]
 
@@ -256,8 +256,10 @@ def _run_reduce_scatter(step: Step, shape: Shape, dtype: torch.dtype, shards: Sh
 
 
 def _run_all_to_all(step: Step, shape: Shape, dtype: torch.dtype, shards: Shards, backend: Backend) -> Shards:
-    source = step.src.sbp[step.axis]  # type: ignore[index]
-    assert isinstance(source, Split)
+    source, target = step.src.sbp[step.axis], step.dst.sbp[step.axis]  # type: ignore[index]
+    assert isinstance(source, Split) and isinstance(target, Split)
+    if source.zigzag or target.zigzag:
+        return _run_reorder(step, shape, dtype, shards, backend)
     out: Shards = {}
     for group in _groups(step, backend):
         owned = backend.owned(group)
@@ -273,6 +275,56 @@ def _run_all_to_all(step: Step, shape: Shape, dtype: torch.dtype, shards: Shards
         for r, pieces in received.items():
             out[r] = torch.cat(pieces, dim=source.dim)
     return out
+
+
+def _run_reorder(step: Step, shape: Shape, dtype: torch.dtype, shards: Shards, backend: Backend) -> Shards:
+    """An all-to-all to or from a zigzag split: each pair of members swaps the logical boxes their shards share
+    (:func:`common_boxes`: a zigzag shard is two boxes), flattened end to end, and each rank writes what it
+    receives where its own order stores it."""
+    out: Shards = {}
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    for group in _groups(step, backend):
+        owned = backend.owned(group)
+        inputs = {r: [_flat(shards[r], [_storage_cut(shape, step.src, r, b)
+                                        for b in common_boxes(shape, step.src, r, step.dst, g)]) for g in group]
+                  for r in owned}
+        recv_shapes: dict[int, list[Shape]] = {
+            r: [(_elements(common_boxes(shape, step.src, g, step.dst, r)),) for g in group] for r in owned}
+        moved = sum(_elements(common_boxes(shape, step.src, g, step.dst, h)) for g in group for h in group if g != h)
+        received = backend.all_to_all(group, inputs, recv_shapes, dtype, moved * itemsize)
+        for r, pieces in received.items():
+            full = torch.empty(box_shape(_box(shape, step.dst, r)), dtype=dtype, device=shards[r].device)
+            for g, flat in zip(group, pieces, strict=True):
+                offset = 0
+                for b in common_boxes(shape, step.src, g, step.dst, r):
+                    n = numel(box_shape(b))
+                    full[_storage_cut(shape, step.dst, r, b)] = flat[offset:offset + n].reshape(box_shape(b))
+                    offset += n
+            out[r] = full
+    return out
+
+
+def _elements(boxes: list[Box]) -> int:
+    return sum(numel(box_shape(b)) for b in boxes)
+
+
+def _flat(shard: torch.Tensor, cuts: list[tuple[slice, ...]]) -> torch.Tensor:
+    """The pieces of ``shard`` at ``cuts``, flattened end to end (1-D)."""
+    if not cuts:
+        return shard.new_empty((0,))
+    return torch.cat([shard[c].reshape(-1) for c in cuts])
+
+
+def _storage_cut(shape: Shape, layout: Layout, rank: int, box: Box) -> tuple[slice, ...]:
+    """Where logical ``box`` (inside one of ``rank``'s logical pieces) sits in its shard: its pieces lie end to end
+    along the zigzag dim, if any."""
+    pieces = logical_pieces(shape, layout.placement, layout.sbp, rank)
+    piece = next(p for p in pieces if all(p0 <= b0 and b1 <= p1 for (p0, p1), (b0, b1) in zip(p, box, strict=True)))
+    axis = zigzag_axis(layout.sbp)
+    dim = layout.sbp[axis].dim if axis is not None else -1  # type: ignore[union-attr]
+    before = sum(p[dim][1] - p[dim][0] for p in pieces[:pieces.index(piece)]) if axis is not None else 0
+    return tuple(slice(b0 - p0 + (before if d == dim else 0), b1 - p0 + (before if d == dim else 0))
+                 for d, ((p0, _), (b0, b1)) in enumerate(zip(piece, box, strict=True)))
 
 
 def _a2a_bytes(shape: Shape, step: Step, group: tuple[int, ...], dtype: torch.dtype) -> int:

@@ -15,10 +15,12 @@ what one rank receives, and every row is mirrored by a case below (tests/logic/t
     P(a)      P(b)      (through S or B) reduce_scatter or all_reduce, then local
     Z(i)      B         all_gather       (p-1)/p  |T|        as S(i) -> B, then local reorder
     B         Z(i)      local (2 chunks) 0                   0
-    Z(i)      other     (through B)      all_gather, then the row of B
+    Z(i)      S(j)      all_to_all       what a rank lacks   as S(i) -> S(j); pieces by logical overlap
+    S(j)      Z(i)      all_to_all       what a rank lacks   the same
+    Z(i)      P, P->Z   (through B)      all_gather or all_reduce, then local
 
 ``Z(i)`` (zigzag: rank r holds chunks r and 2p-1-r) stores dim i out of logical order
-(``_layout.storage_index``); only the two rows above change that order, and a send/recv
+(``_layout.storage_index``); only the rows above change that order, and a send/recv
 runs only between layouts of one order.
 
 Across placements (the two rank sets may overlap, differ in size or in mesh)::
@@ -45,7 +47,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .._layout import Shape, box_shape, intersect, numel, shard_box, storage_order, zigzag_range
+from .._layout import Box, Shape, box_shape, intersect, logical_pieces, numel, shard_box, storage_order, zigzag_range
 from ..comm import get_backend
 from ..errors import BoxingError
 from ..placement import Placement
@@ -265,9 +267,9 @@ def _chain_time(ctx: _Ctx, src: Layout, dst: Layout, axes: list[int]) -> float |
     for axis in axes:
         a, b = current.sbp[axis], dst.sbp[axis]
         kind = _axis_kind(a, b)
-        if kind is None or not _valid_on_axis(current.sbp, axis, a, b):
-            return None
         nxt = Layout(current.placement, current.sbp[:axis] + (b,) + current.sbp[axis + 1 :])
+        if kind is None or not _valid_on_axis(current.sbp, axis, a, b) or not zigzag_valid(nxt.sbp):
+            return None
         total += _axis_step(ctx, kind, current, nxt, axis).time
         current = nxt
     return total
@@ -412,8 +414,8 @@ def _axis_steps(ctx: _Ctx, state: Layout) -> Iterator[Step]:
 def _axis_kind(a: SbpParallel, b: SbpParallel) -> str | None:
     """The 1-D transition table above, row by row."""
     zigzag = any(isinstance(s, Split) and s.zigzag for s in (a, b))
-    if zigzag and not isinstance(a, Broadcast) and not isinstance(b, Broadcast):
-        return None  # Z(i) <-> S, Z(j), P: through B
+    if zigzag and (isinstance(a, Partial) or isinstance(b, Partial)):
+        return None  # Z(i) <-> P: through B
     if isinstance(a, Split) and isinstance(b, Broadcast):
         return "all_gather"
     if isinstance(a, Split) and isinstance(b, Split):
@@ -487,12 +489,20 @@ def _held_elements(shape: Shape, layout: Layout) -> int:
 @lru_cache(maxsize=65536)
 def _kept_elements(shape: Shape, src: Layout, dst: Layout) -> int:
     """Elements a rank holds under both layouts, summed over the ranks."""
-    total = 0
-    for rank in src.placement.flat_ranks:
-        common = intersect(shard_box(shape, src.placement, src.sbp, rank),
-                           shard_box(shape, dst.placement, dst.sbp, rank))
-        total += 0 if common is None else numel(box_shape(common))
-    return total
+    ranks = src.placement.flat_ranks
+    return sum(numel(box_shape(b)) for rank in ranks for b in common_boxes(shape, src, rank, dst, rank))
+
+
+def common_boxes(shape: Shape, src: Layout, g: int, dst: Layout, h: int) -> list[Box]:
+    """The logical boxes rank ``g`` holds under ``src`` and rank ``h`` under ``dst`` (a zigzag shard is two boxes:
+    up to four), in one order every process computes alike."""
+    out = []
+    for a in logical_pieces(shape, src.placement, src.sbp, g):
+        for b in logical_pieces(shape, dst.placement, dst.sbp, h):
+            common = intersect(a, b)
+            if common is not None:
+                out.append(common)
+    return out
 
 
 # ----------------------------------------------------------------------------- across placements
