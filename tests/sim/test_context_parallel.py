@@ -231,3 +231,23 @@ def test_the_compiler_prices_ring_against_ulysses(cp: int, t: int, chosen: str) 
     else:
         assert node.in_sbps == ((S.split(1),),) * 3 and node.stream == "compute"
         assert comms == ["all_to_all"] * 4
+
+
+class _ZigzagAttention(sbpflow.nn.Graph):
+    def build(self, q: sbpflow.Tensor, k: sbpflow.Tensor, v: sbpflow.Tensor) -> sbpflow.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True) * 2.0
+
+
+@pytest.mark.parametrize(("cp", "t", "chosen"), [(2, 4096, "ring"), (4, 256, "ring"), (4, 4096, "ulysses")])
+def test_the_compiler_keeps_a_zigzag_or_goes_to_heads(cp: int, t: int, chosen: str) -> None:
+    """From Z(T) inputs nn.Graph's selection (ILP) weighs the zigzag ring, the scaling after it kept Z (its zigzag
+    twin), against Ulysses, now one all-to-all each way from Z(T) to the heads (no gather)."""
+    p = sbpflow.placement("cpu", list(range(cp)))
+    args = [sbpflow.meta_tensor(1, 8, t, 64, placement=p, sbp=(Z,)) for _ in range(3)]
+    plan = _ZigzagAttention().compile_only(*args).plan
+    node = next(n for n in plan.nodes if n.op == "scaled_dot_product_attention")
+    comms = sorted(n.boxing.steps[0].kind for n in plan.nodes if n.kind == "boxing" and n.is_comm and n.boxing)
+    if chosen == "ring":
+        assert node.in_sbps == ((Z,),) * 3 and comms == []
+    else:
+        assert node.in_sbps == ((S.split(1),),) * 3 and comms == ["all_to_all"] * 4

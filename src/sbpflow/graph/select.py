@@ -24,7 +24,7 @@ from .. import boxing
 from .._layout import shard_shape
 from ..boxing import Layout
 from ..boxing.plan import transition_time
-from ..ops.propagation import sig_fits
+from ..ops.propagation import sig_fits, zigzag_twins
 from ..ops.schema import REGISTRY, Meta, Scalar, Sig
 from ..sbp import NdSbp, Partial, Split, broadcast, zigzag_valid
 from . import milp
@@ -104,6 +104,7 @@ def _candidates(g: LogicalGraph, n: LNode, current: Candidate, free_axis: int | 
     in_metas = [m for m in metas if isinstance(m, Meta)]
     sigs = [s for s in opdef.sbp(*metas, outs=out_metas, **extra, **dict(n.attrs))
             if sig_fits(s, in_metas, out_metas)]  # type: ignore[arg-type]
+    sigs += zigzag_twins(opdef, sigs, current.ins, in_metas, out_metas, dict(n.attrs))  # the traced choice's zigzag
     per_axis = []
     for axis, size in enumerate(placement.hierarchy):
         if size == 1 or (free_axis is not None and axis != free_axis):

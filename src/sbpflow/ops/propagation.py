@@ -71,8 +71,7 @@ def decide(opdef: OpDef, args: Sequence[Any], attrs: dict[str, Any], placement: 
     sigs = [s for s in opdef.sbp(*metas, outs=out_metas, **extra, **attrs) if sig_fits(s, tensors, out_metas)]
     if not sigs:
         raise OpError(f"op {opdef.name!r} has no SBP signature for {describe_args(args)}")
-    if opdef.box_offsets is not None and any(isinstance(s, Split) and s.zigzag for t in tensors for s in t.sbp):
-        sigs += zigzag_sigs(sigs, tensors, in_metas, out_metas, _offset_places(opdef.box_offsets, attrs))
+    sigs += zigzag_twins(opdef, sigs, [t.sbp for t in tensors], in_metas, out_metas, attrs)
     if opdef.data_dependent:
         _check_dynamic_not_split(opdef, sigs, out_metas)
     current = tuple(t.sbp for t in tensors)
@@ -158,7 +157,16 @@ def _exact_match(sigs: Sequence[Sig], current: tuple[NdSbp, ...], ndim: int) -> 
     return (in_sbps, out_sbps) if all(zigzag_valid(nd) for nd in out_sbps) else None
 
 
-def zigzag_sigs(sigs: Sequence[Sig], tensors: Sequence[Tensor], in_metas: Sequence[Meta],
+def zigzag_twins(opdef: OpDef, sigs: Sequence[Sig], in_sbps: Sequence[NdSbp], in_metas: Sequence[Meta],
+                 out_metas: Sequence[Meta], attrs: dict[str, Any]) -> list[Sig]:
+    """:func:`zigzag_sigs` of an op whose inputs hold ``in_sbps``: none unless one is zigzag and the op declares
+    where it reads box offsets (eager dispatch and nn.Graph's selection both ask)."""
+    if opdef.box_offsets is None or not any(isinstance(s, Split) and s.zigzag for nd in in_sbps for s in nd):
+        return []
+    return zigzag_sigs(sigs, in_sbps, in_metas, out_metas, _offset_places(opdef.box_offsets, attrs))
+
+
+def zigzag_sigs(sigs: Sequence[Sig], in_sbps: Sequence[NdSbp], in_metas: Sequence[Meta],
                 out_metas: Sequence[Meta], box_offsets: tuple[tuple[int | None, int | None], ...] = ()) -> list[Sig]:
     """Zigzag twins of a kernel's signatures, offered when an input is split zigzag, so that it runs on as is.
 
@@ -169,7 +177,7 @@ def zigzag_sigs(sigs: Sequence[Sig], tensors: Sequence[Tensor], in_metas: Sequen
     sequence); any other (a reshape merging it into a longer dim) keeps plain splits, and the input is boxed.
     ``box_offsets``: (tensor, dim) places where the kernel reads offsets, None for any; no twin splits them.
     """
-    lengths = {m.shape[s.dim] for t, m in zip(tensors, in_metas, strict=True) for s in t.sbp
+    lengths = {m.shape[s.dim] for nd, m in zip(in_sbps, in_metas, strict=True) for s in nd
                if isinstance(s, Split) and s.zigzag}
     out = []
     for sig in sigs:
