@@ -39,7 +39,8 @@ from sbpflow.graph.pipeline import PipelineWarning
 from sbpflow.nn.graph import GraphRecompileWarning
 
 BLOCKS = ("linear", "linear_relu", "linear_tanh", "residual", "layernorm", "rmsnorm", "branch", "twice", "gelu",
-          "tanh", "center", "softmax_gate", "sum_scale", "attention", "conv", "embed", "input_residual", "tied")
+          "tanh", "center", "softmax_gate", "sum_scale", "attention", "conv", "embed", "input_residual", "tied",
+          "sequence")
 LOSSES = ("ce_mean", "ce_sum", "mse_mean", "mse_sum", "ce_mean+mse_sum")
 # layout -> the ranks of each pipeline placement; a layout in TENSOR_AXIS holds the batch broadcast over its last axis
 LAYOUTS: dict[str, tuple[Any, ...]] = {
@@ -204,6 +205,9 @@ class Net(nn.Module):
                                    sbp=_weight_and_bias(prog, i, (2, 1, 1, 3), p))
         elif kind == "embed":
             layer.emb = nn.Embedding(VOCAB, w, placement=p, sbp=_param_sbp(prog, i, (VOCAB, w), p))
+        elif kind == "sequence":  # over (B, 2 tokens, w)
+            layer.seq_norm = nn.LayerNorm(w, placement=p, sbp=_weight_and_bias(prog, i, (w,), p))
+            layer.seq_lin = nn.Linear(w, w, placement=p, sbp=_weight_and_bias(prog, i, (w, w), p))
         return layer
 
     def forward(self, x: Any, ids: Any) -> Any:
@@ -249,10 +253,24 @@ class Net(nn.Module):
             return h + layer.emb(ids.to_global(p, data_sbp(self.prog, p)))
         if kind == "input_residual":  # the input, read again on this block's stage
             return h + x.to_global(p, data_sbp(self.prog, p))
+        if kind == "sequence":  # a transformer block under sequence parallel: tokens split S(1)
+            return self._sequence(layer, h, p)
         # "tied": the first Linear block's weight (maybe on another stage), this block's bias
         source = self.layers[self.tie_source if self.tie_source is not None else i].lin.weight
         weight = source if source.placement == p else source.to_global(p, data_sbp(self.prog, p, broadcast=True))
         return F.linear(h, weight, layer.lin.bias)
+
+    def _sequence(self, layer: nn.Module, h: Any, p: Any) -> Any:
+        """Two tokens of h's width, (B, T=2, w) global, split on the tokens over the last mesh axis (2-D: the batch
+        on the first): the token-wise norm and MLP run on each rank's tokens, attention reads them all, and the sum
+        over the tokens is a partial sum. (w/2 channels would make the norm's over 2 values: ill-conditioned.)"""
+        batch, w = h.shape[0], self.prog.width
+        seq_sbp = (S.split(0), S.split(1)) if p.ndim > 1 else (S.split(1),)
+        t = F.stack([h, h.tanh()], dim=1).to_global(p, seq_sbp)  # (B, T, w)
+        t = t + F.gelu(layer.seq_lin(layer.seq_norm(t)))
+        q = t.reshape(batch, 1, 2, w)  # (B, 1 head, T, w)
+        t = t + F.scaled_dot_product_attention(q, q, q).reshape(batch, 2, w)
+        return t.sum(1) * 0.5  # (B, w)
 
     def logits(self, h: Any) -> Any:
         if self.prog.head == "linear":
