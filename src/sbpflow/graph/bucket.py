@@ -139,8 +139,11 @@ def _pack(plan: PhysicalPlan, candidates: list[PNode], producer: dict[int, int],
     done: list[_Bucket] = []
     open_: dict[tuple[Any, ...], _Bucket] = {}
     closed: set[tuple[Any, ...]] = set()  # keys whose first (smaller) bucket went out
+    packed = {n.id for n in candidates}
     for n in candidates:
         key, made = bucket_key(plan, n), position[producer[n.inputs[0]]]
+        if producer[n.inputs[0]] in packed:  # the result of another all-reduce (P, P -> B, P -> B, B): when
+            made = position[n.id]  # bucketed, its split lands as late as its first reader, n itself
         if sizes.solo(plan, n):
             done.append(_Bucket([n], plan.bufs[n.inputs[0]].nbytes(n.ranks[0]), last_producer=made))
             continue
