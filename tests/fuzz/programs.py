@@ -3,7 +3,8 @@
 A program is a chain of blocks over a hidden state of shape (batch, width): Linear (+ ReLU or tanh), a residual,
 LayerNorm, RMSNorm, one-head attention, a Conv2d, GeLU, tanh, reductions over the features (centering, a sum as a
 gate, a softmax gate), two branches that rejoin, one Linear applied twice, a weight tied to the first Linear block's
-(maybe on another stage), an embedding of ids, and the input read again on a later stage. An optional embedding of
+(maybe on another stage), an embedding of ids, the input read again on a later stage, and a transformer block
+over two tokens split on the sequence, S(1) (sequence parallel). An optional embedding of
 ids is added to the input; the head is a Linear or the embedding's weight (tied). The loss is a cross-entropy, a
 squared error or both, by sum or by mean, returned with the logits and, when drawn, the per-row losses.
 
