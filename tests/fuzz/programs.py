@@ -92,6 +92,9 @@ class Program:
     amp: bool = False  # bf16 autocast
     checkpoint: tuple[int, ...] = ()  # blocks traced as activation-checkpointed modules
     rows: bool = False  # the per-row cross-entropy is an output too
+    # ReLU blocks use ReLU; without kinks, GeLU (drawn under amp: a bf16 rounding, of a tensor-parallel partial sum
+    # or of weights a step moved, takes a pre-activation near 0 across the kink, and a gradient by a whole term)
+    kinks: bool = True
 
     def __str__(self) -> str:
         return repr(self)
@@ -125,7 +128,7 @@ def draw(rng: random.Random, max_ranks: int = 8) -> Program:
         zero=rng.choice((0, 1, 2, 3)) if any(len(_flat(r)) > 1 for r in placements) else 0,
         fused=rng.random() < 0.7, executor=rng.choice(("actors", "actors", "inorder")),
         change=change, stages=stages, head=head,
-        optimizer=rng.choice(OPTIMIZERS), amp=amp,
+        optimizer=rng.choice(OPTIMIZERS), amp=amp, kinks=not amp,
         checkpoint=tuple(i for i in range(n_blocks) if rng.random() < 0.25), rows=rng.random() < 0.3)
 
 
@@ -224,15 +227,15 @@ class Net(nn.Module):
         layer, p, w = self.layers[i], self.placements[self.stage_of[i]], self.prog.width
         if kind in ("linear", "linear_relu", "linear_tanh"):
             out = layer.lin(h)
-            return out.relu() if kind == "linear_relu" else out.tanh() if kind == "linear_tanh" else out
+            return self._relu(out) if kind == "linear_relu" else out.tanh() if kind == "linear_tanh" else out
         if kind == "residual":
-            return h + layer.lin(h).relu()
+            return h + self._relu(layer.lin(h))
         if kind in ("layernorm", "rmsnorm"):
             return layer.norm(h)
         if kind == "branch":  # two branches that rejoin
-            return layer.a(h).relu() + layer.b(h).tanh()
+            return self._relu(layer.a(h)) + layer.b(h).tanh()
         if kind == "twice":  # one weight used by two layers
-            return layer.lin(layer.lin(h).relu())
+            return layer.lin(self._relu(layer.lin(h)))
         if kind == "gelu":
             return F.gelu(h)
         if kind == "tanh":
@@ -260,6 +263,10 @@ class Net(nn.Module):
         source = self.layers[self.tie_source if self.tie_source is not None else i].lin.weight
         weight = source if source.placement == p else source.to_global(p, data_sbp(self.prog, p, broadcast=True))
         return F.linear(h, weight, layer.lin.bias)
+
+    def _relu(self, t: Any) -> Any:
+        """ReLU, or GeLU in a program without kinks (see Program.kinks)."""
+        return t.relu() if self.prog.kinks else F.gelu(t)
 
     def _sequence(self, layer: nn.Module, h: Any, p: Any) -> Any:
         """Two tokens of h's width, (B, T=2, w) global, split on the tokens over the last mesh axis (2-D: the batch
