@@ -57,11 +57,16 @@ EQUIVALENT: dict[str, str] = {
     "pipeline.py line 316:34: 1 -> 2": "a default node id for a buffer with no producer; no node has id -1 or -2",
     "pipeline.py line 122:31: Gt -> GtE": "GPipe with one micro-batch gets a control edge of lead 0 from the last "
                                        "stage's forward to its backward: one micro-batch already runs F before B",
-    "late_reduce.py line 50:27: 1 -> 2": "new buffer ids start one higher: still fresh",
-    "late_reduce.py line 62:20: 1 -> 2": "new buffer ids are two apart: still fresh and distinct",
-    "bucket.py line 234:20: 1 -> 2": "new buffer ids are two apart: still fresh and distinct",
-    "bucket.py line 143:75: 0 -> 1": "a solo all-reduce's bytes read on its second rank: it has two or more, and a "
+    "late_reduce.py line 59:27: 1 -> 2": "new buffer ids start one higher: still fresh",
+    "late_reduce.py line 71:20: 1 -> 2": "new buffer ids are two apart: still fresh and distinct",
+    "late_reduce.py line 119:85: 0 -> 1": "a gradient all-reduce's bytes read on its second rank: it has two or "
+                                       "more, and a whole tensor has the same bytes on each",
+    "late_reduce.py line 120:33: GtE -> Gt": "a move whose saved transfer time equals the latency exactly costs the "
+                                          "same either way",
+    "bucket.py line 239:20: 1 -> 2": "new buffer ids are two apart: still fresh and distinct",
+    "bucket.py line 148:75: 0 -> 1": "a solo all-reduce's bytes read on its second rank: it has two or more, and a "
                                   "whole tensor has the same bytes on each",
+    "bucket.py line 258:96: 3 -> 4": "a bucket's collective is named after its first 4 inputs, not 3: a label",
 }
 FLIPS = {ast.Lt: ast.LtE, ast.LtE: ast.Lt, ast.Gt: ast.GtE, ast.GtE: ast.Gt, ast.Eq: ast.NotEq, ast.NotEq: ast.Eq,
          ast.Is: ast.IsNot, ast.IsNot: ast.Is, ast.In: ast.NotIn, ast.NotIn: ast.In}

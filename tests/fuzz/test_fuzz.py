@@ -6,7 +6,6 @@ default, ``make fuzz N=5000`` for a campaign, random seeds when ``SBPFLOW_FUZZ_R
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import random
 
@@ -27,18 +26,12 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 @given(st.integers(min_value=0, max_value=2**32 - 1))
 def test_random_program_graph_equals_eager(seed: int) -> None:
     assume(seed not in OPEN)  # each open failure is a strict xfail below, until it is fixed
-    # bf16 amp is drawn off here while its open failure stands (OPEN: the last row of a weight or its Adam state
-    # differs beyond the tolerance in some programs); the xfail below keeps one such program running
-    check(dataclasses.replace(draw(random.Random(seed)), amp=False))
+    check(draw(random.Random(seed)))
 
 
-# Open failures of the fixed set, each a strict xfail (it turns red when fixed, and leaves OPEN then).
-OPEN = {
-    32410: "bf16 amp only (fp32 passes; also with 1f1b, ZeRO 0, no checkpointing, no eval change): the compiled "
-           "step's Adam exp_avg of layers.1.a.weight differs from eager's on 3 of 64 elements (row 7, by up to "
-           "0.10 against a tolerance of 0.037); a one-rank amp program (SGD, fused segments) differs likewise in "
-           "its last row; not triaged: rounding or a bf16-only bug",
-}
+# Open failures of the fixed set, each a strict xfail (it turns red when fixed, and leaves OPEN then): none now.
+# Seed 32410 (bf16 amp) was two bf16 trajectories parting at a ReLU, not a bug: test_regressions.py.
+OPEN: dict[int, str] = {}
 
 
 @pytest.mark.parametrize("seed", [pytest.param(s, marks=pytest.mark.xfail(strict=True, reason=r)) for s, r in

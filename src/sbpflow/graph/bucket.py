@@ -61,7 +61,7 @@ def bucket_all_reduces(plan: PhysicalPlan, model: boxing.CostModel, factors: tup
 def bucket_cap(model: boxing.CostModel, n: PNode) -> int:
     """Bytes of a bucket after the first on all-reduce ``n``'s link: its latency :data:`LATENCY_SHARE` of its
     transfer time."""
-    link = _link(model, n)
+    link = link_of(model, n)
     return max(FIRST_BUCKET, int(link.alpha / link.beta / LATENCY_SHARE))
 
 
@@ -72,7 +72,8 @@ def solo_bytes(model: boxing.CostModel, n: PNode) -> int:
     return select_solo_bytes(model, n.boxing.src.placement)
 
 
-def _link(model: boxing.CostModel, n: PNode) -> boxing.LinkCost:
+def link_of(model: boxing.CostModel, n: PNode) -> boxing.LinkCost:
+    """The α-β cost of all-reduce ``n``'s link."""
     assert n.boxing is not None
     placement = n.boxing.src.placement
     return model.link(placement.type, tuple(placement.flat_ranks))
@@ -112,7 +113,8 @@ def whole_all_reduce(n: PNode) -> bool:
             and not any(isinstance(s, Split) for s in (*step.src.sbp, *step.dst.sbp)))
 
 
-def _key(plan: PhysicalPlan, n: PNode) -> tuple[Any, ...]:
+def bucket_key(plan: PhysicalPlan, n: PNode) -> tuple[Any, ...]:
+    """What all-reduces share to share a bucket: phase, stream, ranks, layouts and dtype."""
     assert n.boxing is not None
     return (n.phase, n.stream, n.ranks, n.boxing.src, n.boxing.dst, plan.bufs[n.inputs[0]].dtype)
 
@@ -124,8 +126,11 @@ def _pack(plan: PhysicalPlan, candidates: list[PNode], producer: dict[int, int],
     done: list[_Bucket] = []
     open_: dict[tuple[Any, ...], _Bucket] = {}
     closed: set[tuple[Any, ...]] = set()  # keys whose first (smaller) bucket went out
+    packed = {n.id for n in candidates}
     for n in candidates:
-        key, made = _key(plan, n), position[producer[n.inputs[0]]]
+        key, made = bucket_key(plan, n), position[producer[n.inputs[0]]]
+        if producer[n.inputs[0]] in packed:  # the result of another all-reduce (P, P -> B, P -> B, B): when
+            made = position[n.id]  # bucketed, its split lands as late as its first reader, n itself
         if sizes.solo(plan, n):
             done.append(_Bucket([n], plan.bufs[n.inputs[0]].nbytes(n.ranks[0]), last_producer=made))
             continue

@@ -133,7 +133,7 @@ def compile_graph(g: LogicalGraph, options: CompileOptions | None = None, model:
             plan = lower(g, model, factors)
         if opts.late_reduce:
             with report.timing("reduce after accumulating"):
-                plan = reduce_after_accumulating(plan)
+                plan = reduce_after_accumulating(plan, model)
         with report.timing("gradient buckets"):
             plan = donate_inputs(bucket_all_reduces(plan, model, factors))
         if opts.split_updates:

@@ -22,6 +22,12 @@ whole gradient where the plan holds a shard. A P(max) or P(min) conversion does 
 never one of them. Results differ from the per-micro-batch plan by rounding only (the sums are associated
 differently).
 
+A move adds a collective after the micro-batches where it saves none if the gradients would have shared the
+buckets of the micro-batches' own all-reduces: on dp2 x tp2 a small GPT's LayerNorm gradients rode its
+tensor-parallel activations' buckets for their bytes alone, and moved they went out in a bucket of their own,
+one more collective a step. Given a cost model, the pass leaves such gradients (per group and dtype) where
+they are unless the bytes it saves, (m - 1) sends of them, take longer than the latency it adds.
+
 >>> from sbpflow.graph.physical import PhysicalPlan
 >>> reduce_after_accumulating(PhysicalPlan([], {}, {}, micro_batches=4)).nodes
 []
@@ -31,18 +37,21 @@ from __future__ import annotations
 
 import dataclasses
 
-from .bucket import whole_all_reduce
+from .. import boxing
+from .bucket import bucket_key, link_of, whole_all_reduce
 from .lower import registers
 from .physical import Buf, PhysicalPlan, PNode
 from .select import gradient_all_reduce
 
 
-def reduce_after_accumulating(plan: PhysicalPlan) -> PhysicalPlan:
+def reduce_after_accumulating(plan: PhysicalPlan, model: boxing.CostModel | None = None) -> PhysicalPlan:
     """``plan`` with every ``accumulate(all_reduce(p))`` of a gradient made ``all_reduce(accumulate(p))`` (see
-    the module docstring); the same plan if there is none."""
+    the module docstring); the same plan if there is none. With ``model``, only the moves that pay."""
     if plan.micro_batches == 1:
         return plan
     pairs = _pairs(plan)
+    if model is not None:
+        pairs = _paying(plan, pairs, model)
     if not pairs:
         return plan
     moved = {reduce.id for reduce in pairs.values()}
@@ -91,3 +100,23 @@ def _sum_all_reduce(n: PNode) -> bool:
     """A micro-batch node that is one all-reduce of whole tensors from P(sum), with nothing else tied to it."""
     return (n.phase == "micro" and whole_all_reduce(n) and n.boxing is not None
             and gradient_all_reduce(n.boxing.steps[0].src.sbp, n.boxing.steps[0].dst.sbp))
+
+
+def _paying(plan: PhysicalPlan, pairs: dict[int, PNode], model: boxing.CostModel) -> dict[int, PNode]:
+    """``pairs`` less those whose all-reduces would share a bucket with a micro-batch all-reduce that stays (same
+    group, layouts and dtype), unless their bytes, sent m - 1 times fewer, outweigh the latency of the post
+    phase's own bucket."""
+    moving = {reduce.id for reduce in pairs.values()}
+    carried = {bucket_key(plan, n) for n in plan.nodes
+               if n.phase == "micro" and n.id not in moving and whole_all_reduce(n)}
+    by_key: dict[tuple[object, ...], list[int]] = {}
+    for accumulate_id, reduce in pairs.items():
+        by_key.setdefault(bucket_key(plan, reduce), []).append(accumulate_id)
+    kept = {}
+    for key, ids in by_key.items():
+        reduces = [pairs[i] for i in ids]
+        link = link_of(model, reduces[0])
+        saved = (plan.micro_batches - 1) * sum(plan.bufs[r.inputs[0]].nbytes(r.ranks[0]) for r in reduces)
+        if key not in carried or saved * link.beta >= link.alpha:
+            kept.update({i: pairs[i] for i in ids})
+    return kept
