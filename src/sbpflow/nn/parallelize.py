@@ -122,7 +122,8 @@ class Strategy:
     def describe(self) -> str:
         """A table: each stage's placement and blocks, then each parameter's logical shape, stage and SBP."""
         mesh = "(data, context, tensor)" if self.context > 1 else "(data, tensor)"
-        lines = [f"strategy: data={self.data} x context={self.context} x tensor={self.tensor} x pipeline="
+        context = f" x context={self.context}" if self.context > 1 else ""
+        lines = [f"strategy: data={self.data}{context} x tensor={self.tensor} x pipeline="
                  f"{self.pipeline} ({self.world_size} {self.device} devices); each stage a {mesh} mesh"]
         for s, p in enumerate(self.stages):
             blocks = [str(i) for i, b in enumerate(self.block_stage) if b == s]
