@@ -208,3 +208,58 @@ def test_a_batchnorm_cnn_planned_on_metadata_replays_on_a_real_copy(tmp_path: An
     got, step = _train(_bn_cnn, lambda s: s.config.set_plan(tmp_path / "plan.json"), 2)
     assert step.auto_plan == plan
     np.testing.assert_allclose(got, want, rtol=1e-4)
+
+
+class CausalLM(nn.Module):
+    """A user's small causal language model whose attention goes through scaled_dot_product_attention."""
+
+    def __init__(self, vocab: int = 32, width: int = 16, heads: int = 2, depth: int = 2) -> None:
+        super().__init__()
+        self.heads = heads
+        self.embed = nn.Embedding(vocab, width)
+        self.qkv = nn.ModuleList([nn.Linear(width, 3 * width) for _ in range(depth)])
+        self.proj = nn.ModuleList([nn.Linear(width, width) for _ in range(depth)])
+        self.head = nn.Linear(width, vocab)
+
+    def forward(self, ids: Any, targets: Any) -> Any:
+        x = self.embed(ids)
+        b, t, c = x.shape
+        for qkv, proj in zip(self.qkv, self.proj, strict=True):
+            q, k, v = (y.reshape(b, t, self.heads, c // self.heads).transpose(1, 2) for y in qkv(x).chunk(3, dim=-1))
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            x = x + proj(y.transpose(1, 2).reshape(b, t, c))
+        logits = self.head(x)
+        return F.cross_entropy(logits.reshape(b * t, -1), targets.reshape(b * t))
+
+
+def _causal_lm() -> Any:
+    return (CausalLM(), lambda m, x, y: m(x, y),
+            lambda g: (torch.randint(0, 32, (4, 8), generator=g), torch.randint(0, 32, (4, 8), generator=g)))
+
+
+def test_the_planner_searches_context_parallel_and_its_plan_trains_as_one_device(tmp_path: Any) -> None:
+    """The cp axis of the graph planner: on a causal attention model it offers plans that split the sequence
+    (zigzag over cp ranks), prices the ring's hops and holds a cp-th of the activations; such a plan lays the
+    model out by parallelize(context=) and trains as one device."""
+    from sbpflow.autoparallel.graph_model import read_graph
+    from sbpflow.autoparallel.graph_search import Cluster, Knobs, _Context
+    from sbpflow.autoparallel.graph_search import predict as graph_predict
+    from sbpflow.autoparallel.profiles import get_profile
+
+    with sbpflow.meta_init():
+        meta = CausalLM()
+        ids = sbpflow.zeros(4, 8, dtype=torch.int64)
+    g = trace_training_step(meta, (ids, ids))
+    read = read_graph(g, "traced")
+    assert read.seq_len == 8 and (read.kv_bytes > 0).sum() == 2
+    ctx = _Context(read, Cluster(4, get_profile("cpu"), 4), 4)
+    whole, split = (graph_predict(ctx, Knobs(1, 1, 2, 2, cp=c)) for c in (1, 2))
+    assert split.breakdown["cp_comm"] > 0 and "cp_comm" not in whole.breakdown
+    assert split.memory["activations"] == pytest.approx(whole.memory["activations"] / 2)
+    plan = plan_graph(g, 4, "cpu", precision="traced", only=lambda k: k.cp == 2 and k.tp == 1 and k.pp == 1)
+    assert plan.knobs.cp == 2 and plan.knobs.dp == 2 and plan.parallelize_kwargs()["context"] == 2
+    plan.save(tmp_path / "plan.json")
+    want, _ = _train(_causal_lm, None, 2)
+    got, step = _train(_causal_lm, lambda s: s.config.set_plan(tmp_path / "plan.json"), 2)
+    np.testing.assert_allclose(got, want, rtol=1e-4)
+    assert step.auto_plan.knobs.cp == 2 and step.model.qkv[0].weight.placement.ndim == 3  # (data, context, tensor)

@@ -100,6 +100,8 @@ class GraphModel:
     notes: list[str] = field(default_factory=list)
     state_bytes: tuple[float, float, float] = MIXED_STATE  # per parameter: weights, gradients, optimizer state
     traced: bool = False  # bytes as the traced step holds them on sbpflow's runtime (precision="traced")
+    kv_bytes: np.ndarray | None = None  # per forward op: an attention's K and V bytes at the traced batch, else 0
+    seq_len: int = 0  # the sequence length attention sees (its query rows), 0 without attention
 
     @property
     def param_count(self) -> int:
@@ -293,7 +295,11 @@ class _Reader:
                 step += f
                 fixed += 0.0 if any(v in self.data for v in n.outputs) else f
         names = {v: self.params[v] for v in self.params}
+        attention = [n for n in self.forward if n.name == "scaled_dot_product_attention"]
+        seq = g.values[attention[0].inputs[0]].shape[-2] if attention else 0
         return GraphModel(state_bytes=self._state_bytes() if self.traced else MIXED_STATE, traced=self.traced,
+            kv_bytes=np.array([sum(self._bytes(v) for v in n.inputs[1:3]) if n in attention else 0.0
+                               for n in self.forward]), seq_len=seq,
             batch=self.batch, names=[n.name for n in self.forward], modules=modules,
             flops=np.array(flops), nbytes=np.array(nbytes),
             batched=np.array([any(v in self.data for v in n.outputs) for n in self.forward]),
@@ -544,7 +550,7 @@ def _two_largest(spans: list[tuple[int, int, float]], n: int) -> tuple[np.ndarra
     return first, second
 
 
-def segment_times(model: GraphModel, micro_batch: int, tp: int, profile: DeviceProfile
+def segment_times(model: GraphModel, micro_batch: float, tp: int, profile: DeviceProfile
                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per segment, seconds of one micro-batch: (forward, the forward of its wide values, model FLOPs forward).
 
@@ -563,7 +569,7 @@ def segment_times(model: GraphModel, micro_batch: int, tp: int, profile: DeviceP
     return forward, wide, np.add.reduceat(flops, bounds)
 
 
-def _gemm_efficiency(model: GraphModel, micro_batch: int, tp: int, profile: DeviceProfile) -> np.ndarray:
+def _gemm_efficiency(model: GraphModel, micro_batch: float, tp: int, profile: DeviceProfile) -> np.ndarray:
     """Per forward op, the profile's efficiency for its local GEMM shape under (micro-batch, tp); 1 elsewhere."""
     dims = model.gemm.copy()
     rows = np.arange(len(dims))

@@ -66,7 +66,8 @@ class Plan:
     def parallelize_kwargs(self) -> dict[str, Any]:
         """The keyword arguments of ``sbpflow.parallelize(model, **kwargs)`` that lay this plan out."""
         k = self.knobs
-        return {"data": k.dp, "tensor": k.tp, "pipeline": k.pp, "virtual": k.virtual, "plan": dict(self.styles),
+        return {"data": k.dp, "tensor": k.tp, "pipeline": k.pp, "virtual": k.virtual, "context": k.cp,
+                "plan": dict(self.styles),
                 "stages": [stage[0] for stage in self.stages] if k.pp > 1 else None}
 
     def graph_config(self) -> dict[str, Any]:
@@ -114,7 +115,7 @@ class Plan:
         k = self.knobs
         other = [dict(r["fields"], why=r["why"]) for r in self.runners_up]
         return {
-            "tp": k.tp, "pp": k.pp, "dp": k.dp, "micro_batch": k.micro_batch, "zero": k.zero,
+            "tp": k.tp, "pp": k.pp, "dp": k.dp, "cp": k.cp, "micro_batch": k.micro_batch, "zero": k.zero,
             "recompute": k.recompute, "virtual": k.virtual, "schedule": k.schedule,
             "stage_layers": [len(s) for s in self.stages], "step_time_s": self.step_time,
             "tflops_per_device": self.tflops_per_device, "model_tflops_per_device": self.model_tflops_per_device,
@@ -224,7 +225,7 @@ def _other(p: GraphPrediction, best: GraphPrediction, cluster: Cluster, segments
     bounds = list(p.cuts) + [segments]
     return {"plan": str(k), "step_time": p.step_time, "memory": p.memory_per_device,
             "why": f"{(p.step_time / best.step_time - 1) * 100:.1f}% slower: {why}",
-            "fields": {"tp": k.tp, "pp": k.pp, "dp": k.dp, "micro_batch": k.micro_batch, "zero": k.zero,
+            "fields": {"tp": k.tp, "pp": k.pp, "dp": k.dp, "cp": k.cp, "micro_batch": k.micro_batch, "zero": k.zero,
                        "recompute": k.recompute, "virtual": k.virtual, "schedule": k.schedule,
                        "stage_layers": [b - a for a, b in zip(bounds[:-1], bounds[1:], strict=True)],
                        "step_time_s": p.step_time, "tflops_per_device": p.tflops_per_device,

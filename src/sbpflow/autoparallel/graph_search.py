@@ -1,4 +1,4 @@
-"""The plan search on a traced graph: mesh (tp × pp × dp), stage cuts, micro-batches, schedule, ZeRO, recompute.
+"""The plan search on a traced graph: mesh (tp × pp × dp × cp), stage cuts, micro-batches, schedule, ZeRO, recompute.
 
 The cost model is the sizes planner's (``predict``), applied per segment of the graph (``graph_model``):
 
@@ -13,7 +13,9 @@ The cost model is the sizes planner's (``predict``), applied per segment of the 
   of the bubble with weight-gradient work, so it pays a third of 1F1B's;
 * memory per rank: model state under ZeRO (``cost.model_state_bytes``), plus the activations kept by the
   micro-batches in flight (1F1B: ``min(p - i, m)`` on stage ``i``), plus the working set of the largest
-  segment under full recompute or of ZeRO-3's gathered weights.
+  segment under full recompute or of ZeRO-3's gathered weights;
+* context parallel (``cp``, for steps whose attention is ``scaled_dot_product_attention``): a rank computes and
+  keeps a cp-th of each sample's tokens (zigzag: equal causal work) and pays the ring's K/V hops, unoverlapped.
 
 Stage cuts: for a given slowest-stage time, a greedy pass packs segments into stages in order under the time
 and each stage's memory limit; a bisection finds the smallest time the greedy pass meets. Candidates are
@@ -63,15 +65,18 @@ class Knobs:
     recompute: str = "none"
     schedule: str = "1f1b"
     virtual: int = 1  # chunks per stage (interleaved 1F1B)
+    cp: int = 1  # context parallel: each sequence split zigzag over cp ranks (attention as a ring)
 
     def __str__(self) -> str:
         sched = "" if self.pp == 1 else f" {self.schedule}" + (f" x{self.virtual}" if self.virtual > 1 else "")
-        return (f"tp{self.tp} pp{self.pp} dp{self.dp} micro-batch {self.micro_batch} zero{self.zero} "
+        cp = f" cp{self.cp}" if self.cp > 1 else ""
+        return (f"tp{self.tp} pp{self.pp} dp{self.dp}{cp} micro-batch {self.micro_batch} zero{self.zero} "
                 f"recompute={self.recompute}{sched}")
 
     def parallel_plan(self) -> ParallelPlan:
-        """The sizes planner's description of the same plan (its helpers price dp groups and sends from it)."""
-        return ParallelPlan(self.tp, self.pp, self.dp, self.micro_batch, self.zero, self.recompute,
+        """The sizes planner's description of the same plan (its helpers price dp groups and sends from it): the
+        gradients are reduced over the data and context ranks alike."""
+        return ParallelPlan(self.tp, self.pp, self.dp * self.cp, self.micro_batch, self.zero, self.recompute,
                             virtual=self.virtual)
 
 
@@ -127,7 +132,7 @@ class _Context:
 
     def __init__(self, model: GraphModel, cluster: Cluster, batch: int) -> None:
         self.model, self.cluster, self.batch = model, cluster, batch
-        self.times: dict[tuple[int, int], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        self.times: dict[tuple[float, int], tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
         segs = model.segments
         self.comm_bytes = np.array([sum(b for b, _ in s.tp_comm) for s in segs])
         self.comm_count = np.array([float(len(s.tp_comm)) for s in segs])
@@ -138,14 +143,19 @@ class _Context:
         self.kept = np.array([s.kept for s in segs])
         self.wide = np.array([s.wide for s in segs])
         self.out_bytes = np.array([s.out_bytes for s in segs])
+        kv = model.kv_bytes if model.kv_bytes is not None else np.zeros(len(model.flops))
+        self.kv_bytes = np.array([float(kv[s.lo:s.hi].sum()) for s in segs])
+        self.kv_count = np.array([float((kv[s.lo:s.hi] > 0).sum()) for s in segs])
         # ZeRO gathers and scatters per module holding a block (FSDP's unit): the first segment of each pays α
         parents = [s.first_module.rpartition(".")[0] for s in segs]
         self.unit_start = np.array([float(i == 0 or parents[i] != parents[i - 1]) for i in range(len(segs))])
 
-    def segment_times(self, micro_batch: int, tp: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        key = (micro_batch, tp)
+    def segment_times(self, micro_batch: int, tp: int, cp: int = 1) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Per-rank forward times; under context parallelism a rank holds ``1/cp`` of each sample's tokens
+        (zigzag: the same causal attention work on every rank)."""
+        key = (micro_batch / cp, tp)
         if key not in self.times:
-            self.times[key] = segment_times(self.model, micro_batch, tp, self.cluster.profile)
+            self.times[key] = segment_times(self.model, micro_batch / cp, tp, self.cluster.profile)
         return self.times[key]
 
 
@@ -164,10 +174,10 @@ def _priced(f: Callable[[float], float], volumes: np.ndarray, counts: np.ndarray
 
 def _costs(ctx: _Context, k: Knobs) -> _Costs:
     model, cluster, plan = ctx.model, ctx.cluster, k.parallel_plan()
-    forward, wide, _ = ctx.segment_times(k.micro_batch, k.tp)
+    forward, wide, _ = ctx.segment_times(k.micro_batch, k.tp, k.cp)
     stretch = cluster.profile.stretch(_active(ctx, k))
     forward, wide = forward * stretch, wide * stretch
-    scale = k.micro_batch / model.batch
+    scale = k.micro_batch / model.batch / k.cp  # a rank's share of a micro-batch's activations
     blocks = model.block
     rerun = {"none": np.zeros_like(forward), "selective": wide, "full": forward}[k.recompute] * blocks
     group = tuple(range(k.tp))
@@ -186,14 +196,27 @@ def _costs(ctx: _Context, k: Knobs) -> _Costs:
         working += 2 * 2 * float(params.max())  # the largest segment's weights gathered, fp16, twice in flight
     send = _priced(lambda b: _p2p_time(plan, b, cluster), ctx.out_bytes * scale)
     parts = {"compute": 3 * forward, "recompute": rerun, "tp_comm": tp, "dp_comm": zero}
+    if k.cp > 1:
+        parts["cp_comm"] = _ring(ctx, k, scale)
     return _Costs(sum(parts.values()), parts, params, kept, working, send)
+
+
+def _ring(ctx: _Context, k: Knobs, scale: float) -> np.ndarray:
+    """Seconds per micro-batch of ring attention's hops (``ops.ring_attention``), priced as not overlapped: a
+    rank's K/V block goes c - 1 hops forward; K, V, dK, dV c - 1 hops backward and dK, dV one more."""
+    c = k.cp
+    block = ctx.kv_bytes * scale / k.tp  # heads split by tp
+    hops = (c - 1) + 2 * (c - 1) + 1
+    pair = (0, k.tp)  # ring neighbours on a (data, context, tensor) mesh: tensor-parallel ranks innermost
+    return ctx.kv_count * hops * _priced(partial(_coll, "send_recv", pair, cluster=ctx.cluster),
+                                         block / np.maximum(ctx.kv_count, 1.0))
 
 
 def _active(ctx: _Context, k: Knobs) -> int:
     """Devices computing at once: every tensor- and data-parallel rank of as many stages as there are
     micro-batches in flight (one micro-batch runs its stages one after another)."""
     m = ctx.batch // (k.dp * k.micro_batch)
-    return k.tp * k.dp * min(k.pp, m)
+    return k.tp * k.dp * k.cp * min(k.pp, m)
 
 
 def _in_flight(k: Knobs, stage: int, m: int) -> float:
@@ -354,15 +377,22 @@ def candidates(model: GraphModel, cluster: Cluster, batch: int) -> list[Knobs]:
     out = []
     n = len(model.segments)
     for tp in (d for d in _divisors(min(cluster.gpus_per_node, cluster.devices)) if model.tp_allowed(d)):
-        for pp in (d for d in _divisors(cluster.devices // tp) if d <= n):
-            dp = cluster.devices // (tp * pp)
-            for mb in (b for b in MICRO_BATCHES if batch % (dp * b) == 0):
-                m = batch // (dp * mb)
-                for zero in (0, 1, 2, 3) if dp > 1 else (0,):
-                    for recompute in RECOMPUTE:
-                        for schedule, virtual in _schedules(pp, m, n):
-                            out.append(Knobs(tp, pp, dp, mb, zero, recompute, schedule, virtual))
+        for cp in (d for d in _divisors(cluster.devices // tp) if _cp_allowed(model, d)):
+            for pp in (d for d in _divisors(cluster.devices // (tp * cp)) if d <= n):
+                dp = cluster.devices // (tp * cp * pp)
+                for mb in (b for b in MICRO_BATCHES if batch % (dp * b) == 0):
+                    m = batch // (dp * mb)
+                    for zero in (0, 1, 2, 3) if dp > 1 and cp == 1 else (0,):
+                        for recompute in RECOMPUTE:
+                            for schedule, virtual in _schedules(pp, m, n):
+                                out.append(Knobs(tp, pp, dp, mb, zero, recompute, schedule, virtual, cp))
     return out
+
+
+def _cp_allowed(model: GraphModel, cp: int) -> bool:
+    """Context parallelism splits a step with attention whose sequence takes 2·cp zigzag chunks (no ZeRO with it:
+    ``sbpflow.parallelize`` keeps parameters whole on the context axis)."""
+    return cp == 1 or (model.seq_len > 0 and model.seq_len % (2 * cp) == 0)
 
 
 def _schedules(pp: int, m: int, segments: int) -> list[tuple[str, int]]:

@@ -378,9 +378,12 @@ def pipeline_breakdown(totals: list[float], parts: Callable[[int], dict[str, flo
     """
     slow = max(range(len(totals)), key=lambda i: totals[i])
     m, p = micro_batches, parts(slow)
-    return {"compute": m * p["compute"], "recompute": m * p["recompute"], "tp_comm": m * p["tp_comm"],
-            "pp_comm": m * p["pp_comm"], "dp_comm": m * p["dp_comm"] + end[0],
-            "bubble": bubble_share * (sum(totals) - totals[slow]) / virtual, "optimizer": end[1]}
+    out = {"compute": m * p["compute"], "recompute": m * p["recompute"], "tp_comm": m * p["tp_comm"],
+           "pp_comm": m * p["pp_comm"], "dp_comm": m * p["dp_comm"] + end[0],
+           "bubble": bubble_share * (sum(totals) - totals[slow]) / virtual, "optimizer": end[1]}
+    if "cp_comm" in p:  # context parallel's ring (the graph planner's)
+        out["cp_comm"] = m * p["cp_comm"]
+    return out
 
 
 def _parts(stage: StageCost) -> dict[str, float]:
