@@ -64,6 +64,8 @@ _HOLDS: dict[str, tuple[str, ...]] = {
     "slice_backward": _MONOTONE,
     "cat": _PASSES_MAX_MIN + ("B P(max) -> P(max)", "B P(min) -> P(min)"),
     "bucket_flatten": _PASSES_MAX_MIN + ("B P(max) -> P(max)", "B P(min) -> P(min)"),  # a cat, flattened
+    # ZeRO's gather bucket cut back into tensors: it only moves elements, so it is linear and passes max/min
+    "bucket_unshard": tuple(f"{k} -> {k} {k}" for k in ("P(sum)", "P(max)", "P(min)")),
     "embedding": ("B P(sum) -> P(sum)", "B P(max) -> P(max)", "B P(min) -> P(min)"),  # rows of the weight
     "linear": ("B P(sum) -> P(sum)", "B B P(max) -> P(max)", "B B P(min) -> P(min)"),  # in w; in the bias
     "conv2d": ("B B P(max) -> P(max)", "B B P(min) -> P(min)"),  # monotone in the bias
