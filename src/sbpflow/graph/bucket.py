@@ -25,7 +25,7 @@ LATENCY_SHARE = 0.05  # a bucket's latency at most this share of its transfer ti
 
 
 @dataclass
-class _Bucket:
+class Bucket:
     members: list[PNode] = field(default_factory=list)
     nbytes: int = 0
     reached: set[int] = field(default_factory=set)  # nodes a member's reduced value reaches
@@ -49,9 +49,9 @@ def bucket_all_reduces(plan: PhysicalPlan, model: boxing.CostModel, factors: tup
         return plan
     position = {n.id: i for i, n in enumerate(plan.nodes)}
     producer = {b: n.id for n in plan.nodes for b in n.outputs}
-    readers = _readers(plan)
-    sizes = _Sizes(model, first, cap)
-    buckets = _pack(plan, _candidates(plan, producer, position), producer, position, readers, sizes)
+    readers = readers_of(plan)
+    sizes = Sizes(model, first, cap)
+    buckets = pack_buckets(plan, _candidates(plan, producer, position), producer, position, readers, sizes)
     buckets = [b for b in buckets if len(b.members) > 1 or b.last_producer + 1 < position[b.members[0].id]]
     if not buckets:
         return plan
@@ -80,7 +80,7 @@ def link_of(model: boxing.CostModel, n: PNode) -> boxing.LinkCost:
 
 
 @dataclass(frozen=True)
-class _Sizes:
+class Sizes:
     """Bucket sizes: ``first`` bytes, then ``cap`` (None: :func:`bucket_cap`); gradients of :func:`solo_bytes`
     go alone."""
 
@@ -119,12 +119,12 @@ def bucket_key(plan: PhysicalPlan, n: PNode) -> tuple[Any, ...]:
     return (n.phase, n.stream, n.ranks, n.boxing.src, n.boxing.dst, plan.bufs[n.inputs[0]].dtype)
 
 
-def _pack(plan: PhysicalPlan, candidates: list[PNode], producer: dict[int, int], position: dict[int, int],
-          readers: dict[int, list[int]], sizes: _Sizes) -> list[_Bucket]:
+def pack_buckets(plan: PhysicalPlan, candidates: list[PNode], producer: dict[int, int], position: dict[int, int],
+          readers: dict[int, list[int]], sizes: Sizes) -> list[Bucket]:
     """Greedy buckets in production order, one open bucket per key (a group, its layouts and dtype); a big
     gradient is a bucket of its own (it goes out at once, and the open bucket stays open)."""
-    done: list[_Bucket] = []
-    open_: dict[tuple[Any, ...], _Bucket] = {}
+    done: list[Bucket] = []
+    open_: dict[tuple[Any, ...], Bucket] = {}
     closed: set[tuple[Any, ...]] = set()  # keys whose first (smaller) bucket went out
     packed = {n.id for n in candidates}
     for n in candidates:
@@ -132,7 +132,7 @@ def _pack(plan: PhysicalPlan, candidates: list[PNode], producer: dict[int, int],
         if producer[n.inputs[0]] in packed:  # the result of another all-reduce (P, P -> B, P -> B, B): when
             made = position[n.id]  # bucketed, its split lands as late as its first reader, n itself
         if sizes.solo(plan, n):
-            done.append(_Bucket([n], plan.bufs[n.inputs[0]].nbytes(n.ranks[0]), last_producer=made))
+            done.append(Bucket([n], plan.bufs[n.inputs[0]].nbytes(n.ranks[0]), last_producer=made))
             continue
         bucket = open_.get(key)
         if bucket is not None and (producer[n.inputs[0]] in bucket.reached or made >= bucket.first_reader):
@@ -140,7 +140,7 @@ def _pack(plan: PhysicalPlan, candidates: list[PNode], producer: dict[int, int],
             closed.add(key)
             bucket = None
         if bucket is None:
-            bucket = open_[key] = _Bucket()
+            bucket = open_[key] = Bucket()
         bucket.members.append(n)
         bucket.nbytes += plan.bufs[n.inputs[0]].nbytes(n.ranks[0])
         bucket.last_producer = max(bucket.last_producer, made)
@@ -151,7 +151,7 @@ def _pack(plan: PhysicalPlan, candidates: list[PNode], producer: dict[int, int],
     return done + list(open_.values())
 
 
-def _readers(plan: PhysicalPlan) -> dict[int, list[int]]:
+def readers_of(plan: PhysicalPlan) -> dict[int, list[int]]:
     """Node id -> the nodes that read one of its outputs or wait for it on a control edge."""
     by_buf: dict[int, list[int]] = {}
     for n in plan.nodes:
@@ -164,7 +164,7 @@ def _readers(plan: PhysicalPlan) -> dict[int, list[int]]:
     return out
 
 
-def _reach(bucket: _Bucket, n: PNode, readers: dict[int, list[int]], position: dict[int, int]) -> None:
+def _reach(bucket: Bucket, n: PNode, readers: dict[int, list[int]], position: dict[int, int]) -> None:
     """Adds every node that ``n``'s result reaches to the bucket's set (each node visited once per bucket)."""
     todo = list(readers.get(n.id, []))
     while todo:
@@ -176,21 +176,21 @@ def _reach(bucket: _Bucket, n: PNode, readers: dict[int, list[int]], position: d
         todo.extend(readers.get(nid, []))
 
 
-BuildBucket = Callable[[_Bucket, dict[int, Buf], "_Ids"], Iterable[PNode]]
+BuildBucket = Callable[[Bucket, dict[int, Buf], "Ids"], Iterable[PNode]]
 
 
-def rebuild_buckets(plan: PhysicalPlan, buckets: list[_Bucket], build: BuildBucket) -> PhysicalPlan:
+def rebuild_buckets(plan: PhysicalPlan, buckets: list[Bucket], build: BuildBucket) -> PhysicalPlan:
     """The plan with each bucket's flatten and collectives (``build``'s nodes but the last) right after its last
     member is made, and its split (the last) right before the first node that reads a member's result (an
     executor that issues the collective without waiting, runtime.inorder, then waits there: backward runs on
     meanwhile). A bucket of one is its own collective, moved there."""
     gone = {n.id for b in buckets for n in b.members}
     position = {n.id: i for i, n in enumerate(plan.nodes)}
-    after: dict[int, list[_Bucket]] = {}
+    after: dict[int, list[Bucket]] = {}
     for b in buckets:
         after.setdefault(b.last_producer, []).append(b)
     bufs = dict(plan.bufs)
-    ids = _Ids(max(n.id for n in plan.nodes) + 1, max(bufs) + 1)
+    ids = Ids(max(n.id for n in plan.nodes) + 1, max(bufs) + 1)
     nodes: list[PNode] = []
     before: dict[int, list[PNode]] = {}  # plan position -> bucket splits to place before that node
     for i, n in enumerate(plan.nodes):
@@ -210,14 +210,14 @@ def rebuild_buckets(plan: PhysicalPlan, buckets: list[_Bucket], build: BuildBuck
     return out
 
 
-def _first_direct_reader(plan: PhysicalPlan, bucket: _Bucket, position: dict[int, int]) -> int:
+def _first_direct_reader(plan: PhysicalPlan, bucket: Bucket, position: dict[int, int]) -> int:
     """The plan position of the first node reading a member's result (the end of the plan if none does)."""
     outs = {n.outputs[0] for n in bucket.members}
     return min((position[n.id] for n in plan.nodes if outs.intersection(n.inputs)), default=len(plan.nodes))
 
 
 @dataclass
-class _Ids:
+class Ids:
     node: int
     buf: int
 
@@ -230,7 +230,7 @@ class _Ids:
         return self.buf - 1
 
 
-def _bucket_nodes(bucket: _Bucket, bufs: dict[int, Buf], ids: _Ids, model: boxing.CostModel,
+def _bucket_nodes(bucket: Bucket, bufs: dict[int, Buf], ids: Ids, model: boxing.CostModel,
                   factors: tuple[Any, ...]) -> Iterable[PNode]:
     """flatten -> the flat buffer's boxing steps -> split into the members' old output buffers (a bucket of one:
     its own all-reduce)."""
@@ -240,30 +240,55 @@ def _bucket_nodes(bucket: _Bucket, bufs: dict[int, Buf], ids: _Ids, model: boxin
         yield head
         return
     src, dst = head.boxing.src, head.boxing.dst
+    flat = flatten_members(bucket, bufs, ids, "bucket")
+    yield flat.node
+    total, dtype = flat.total, flat.dtype
+    with boxing.target_factors(factors):
+        steps = boxing.plan((total,), dtype, src, dst, model).steps
+    current = flat.buf
+    for i, step in enumerate(steps):
+        out = ids.next_buf()
+        bufs[out] = Buf(out, (total,), dtype, step.dst)
+        one = boxing.Plan((total,), dtype, step.src, step.dst, (step,))
+        yield PNode(ids.next_node(), "boxing", f"{step.kind} for {flat.label} ({i + 1}/{len(steps)})", (current,),
+                    (out,), head.ranks, head.phase, stream=stream_of(step), boxing=one)
+        current = out
+    yield PNode(ids.next_node(), "compute", "bucket_split", (current,), flat.outs, dst.placement.flat_ranks,
+                head.phase, op="bucket_split", args=(("t", 0),), attrs=(("shapes", flat.shapes),), in_sbps=(dst.sbp,),
+                out_sbps=(dst.sbp,) * len(flat.outs))
+
+
+@dataclass(frozen=True)
+class Flat:
+    """A bucket's members packed into one flat buffer ``buf`` by ``node`` (bucket_flatten), on the source layout."""
+
+    node: PNode
+    buf: int
+    outs: tuple[int, ...]  # the members' old output buffers, which the bucket's last node writes
+    shapes: tuple[tuple[int, ...], ...]
+    dtype: Any
+    total: int  # the flat buffer's logical numel
+    label: str
+
+
+def flatten_members(bucket: Bucket, bufs: dict[int, Buf], ids: Ids, kind: str) -> Flat:
+    """The bucket_flatten node that packs ``bucket``'s inputs (each member's boxing source) into a new flat buffer;
+    adds that buffer to ``bufs``. ``kind`` names the bucket in the collective's label."""
+    head = bucket.members[0]
+    assert head.boxing is not None
+    src = head.boxing.src
     ins = tuple(n.inputs[0] for n in bucket.members)
     outs = tuple(n.outputs[0] for n in bucket.members)
     shapes = tuple(bufs[b].shape for b in ins)
     dtype = bufs[ins[0]].dtype
     total = sum(_numel(s) for s in shapes)
-    label = f"bucket of {len(ins)} ({', '.join(f'%{b}' for b in ins[:3])}{', ...' if len(ins) > 3 else ''})"
+    label = f"{kind} of {len(ins)} ({', '.join(f'%{b}' for b in ins[:3])}{', ...' if len(ins) > 3 else ''})"
     flat = ids.next_buf()
     bufs[flat] = Buf(flat, (total,), dtype, src)
-    yield PNode(ids.next_node(), "compute", "bucket_flatten", ins, (flat,), src.placement.flat_ranks, head.phase,
-                op="bucket_flatten", args=tuple(("t", i) for i in range(len(ins))), in_sbps=(src.sbp,) * len(ins),
-                out_sbps=(src.sbp,))
-    with boxing.target_factors(factors):
-        steps = boxing.plan((total,), dtype, src, dst, model).steps
-    current = flat
-    for i, step in enumerate(steps):
-        out = ids.next_buf()
-        bufs[out] = Buf(out, (total,), dtype, step.dst)
-        one = boxing.Plan((total,), dtype, step.src, step.dst, (step,))
-        yield PNode(ids.next_node(), "boxing", f"{step.kind} for {label} ({i + 1}/{len(steps)})", (current,), (out,),
-                    head.ranks, head.phase, stream=stream_of(step), boxing=one)
-        current = out
-    yield PNode(ids.next_node(), "compute", "bucket_split", (current,), outs, dst.placement.flat_ranks, head.phase,
-                op="bucket_split", args=(("t", 0),), attrs=(("shapes", shapes),), in_sbps=(dst.sbp,),
-                out_sbps=(dst.sbp,) * len(outs))
+    node = PNode(ids.next_node(), "compute", "bucket_flatten", ins, (flat,), src.placement.flat_ranks, head.phase,
+                 op="bucket_flatten", args=tuple(("t", i) for i in range(len(ins))), in_sbps=(src.sbp,) * len(ins),
+                 out_sbps=(src.sbp,))
+    return Flat(node, flat, outs, shapes, dtype, total, label)
 
 
 def _numel(shape: tuple[int, ...]) -> int:

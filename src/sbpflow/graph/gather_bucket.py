@@ -10,7 +10,7 @@ the step): one collective per parameter, each paying the group's latency. Like t
 Each rank's flat buffer is its pieces one after another; the gathered buffer holds the ranks' flat buffers in
 rank order, so :func:`~sbpflow.ops.bucket.bucket_unshard` takes each tensor's piece out of every rank's part
 (rank ``r``'s piece is the tensor's ``r``-th block of rows). The values are the members' own all-gathers'.
-Buckets close as the gradient buckets do (:func:`.bucket._pack`): before a member that waits for another's
+Buckets close as the gradient buckets do (:func:`.bucket.pack_buckets`): before a member that waits for another's
 result, and at the link's bucket size.
 """
 
@@ -21,7 +21,7 @@ from typing import Any
 
 from .. import boxing
 from ..sbp import Broadcast, Split
-from .bucket import _Bucket, _Ids, _numel, _pack, _readers, _Sizes, rebuild_buckets
+from .bucket import Bucket, Ids, Sizes, flatten_members, pack_buckets, readers_of, rebuild_buckets
 from .costs import FIRST_BUCKET
 from .lower import stream_of
 from .physical import Buf, PhysicalPlan, PNode
@@ -34,7 +34,7 @@ def bucket_all_gathers(plan: PhysicalPlan, model: boxing.CostModel, factors: tup
     producer = {b: n.id for n in plan.nodes for b in n.outputs}
     found = [n for n in plan.nodes if sharded_all_gather(plan, n) and n.inputs[0] in producer]
     found.sort(key=lambda n: (position[producer[n.inputs[0]]], position[n.id]))
-    buckets = _pack(plan, found, producer, position, _readers(plan), _Sizes(model, FIRST_BUCKET, None))
+    buckets = pack_buckets(plan, found, producer, position, readers_of(plan), Sizes(model, FIRST_BUCKET, None))
     buckets = [b for b in buckets if len(b.members) > 1]
     if not buckets:
         return plan
@@ -58,7 +58,7 @@ def sharded_all_gather(plan: PhysicalPlan, n: PNode) -> bool:
             and shape[0] % step.src.placement.hierarchy[step.axis] == 0)
 
 
-def _gather_nodes(bucket: _Bucket, bufs: dict[int, Buf], ids: _Ids, model: boxing.CostModel,
+def _gather_nodes(bucket: Bucket, bufs: dict[int, Buf], ids: Ids, model: boxing.CostModel,
                   factors: tuple[Any, ...]) -> Iterable[PNode]:
     """flatten (each rank its pieces) -> one all-gather of the flat buffer -> unshard into the members' old
     output buffers."""
@@ -67,24 +67,16 @@ def _gather_nodes(bucket: _Bucket, bufs: dict[int, Buf], ids: _Ids, model: boxin
     step = head.boxing.steps[0]
     assert step.axis is not None  # sharded_all_gather: one mesh axis
     src, dst = head.boxing.src, head.boxing.dst
-    ins = tuple(n.inputs[0] for n in bucket.members)
-    outs = tuple(n.outputs[0] for n in bucket.members)
-    shapes = tuple(bufs[b].shape for b in ins)
-    dtype = bufs[ins[0]].dtype
-    total = sum(_numel(s) for s in shapes)  # the flat buffer's logical size: every rank's pieces
-    label = f"gather bucket of {len(ins)} ({', '.join(f'%{b}' for b in ins[:3])}{', ...' if len(ins) > 3 else ''})"
-    flat = ids.next_buf()
-    bufs[flat] = Buf(flat, (total,), dtype, src)
-    yield PNode(ids.next_node(), "compute", "bucket_flatten", ins, (flat,), src.placement.flat_ranks, head.phase,
-                op="bucket_flatten", args=tuple(("t", i) for i in range(len(ins))), in_sbps=(src.sbp,) * len(ins),
-                out_sbps=(src.sbp,))
+    flat = flatten_members(bucket, bufs, ids, "gather bucket")
+    yield flat.node
+    total, dtype = flat.total, flat.dtype  # the flat buffer's logical size: every rank's pieces
     with boxing.target_factors(factors):
         gather = boxing.plan((total,), dtype, src, dst, model)
     gathered = ids.next_buf()
     bufs[gathered] = Buf(gathered, (total,), dtype, dst)
-    yield PNode(ids.next_node(), "boxing", f"all_gather for {label}", (flat,), (gathered,), head.ranks, head.phase,
-                stream=stream_of(gather.steps[0]), boxing=gather)
+    yield PNode(ids.next_node(), "boxing", f"all_gather for {flat.label}", (flat.buf,), (gathered,), head.ranks,
+                head.phase, stream=stream_of(gather.steps[0]), boxing=gather)
     parts = src.placement.hierarchy[step.axis]
-    yield PNode(ids.next_node(), "compute", "bucket_unshard", (gathered,), outs, dst.placement.flat_ranks,
-                head.phase, op="bucket_unshard", args=(("t", 0),), attrs=(("parts", parts), ("shapes", shapes)),
-                in_sbps=(dst.sbp,), out_sbps=(dst.sbp,) * len(outs))
+    yield PNode(ids.next_node(), "compute", "bucket_unshard", (gathered,), flat.outs, dst.placement.flat_ranks,
+                head.phase, op="bucket_unshard", args=(("t", 0),), attrs=(("parts", parts), ("shapes", flat.shapes)),
+                in_sbps=(dst.sbp,), out_sbps=(dst.sbp,) * len(flat.outs))
