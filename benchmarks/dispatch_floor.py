@@ -48,18 +48,9 @@ class OneRank:
 
 def counted(step: Callable[[], None]) -> int:
     """Ops one call of ``step`` dispatches."""
-    count, inner = [0], schema.apply
-
-    def counting(opdef: Any, args: Any, attrs: Any) -> Any:
-        count[0] += 1
-        return inner(opdef, args, attrs)
-
-    schema.apply = counting  # type: ignore[assignment]
-    try:
+    with schema.counting() as ops:
         step()
-    finally:
-        schema.apply = inner  # type: ignore[assignment]
-    return count[0]
+    return sum(ops.values())
 
 
 def training_step(model: Any) -> Callable[[], None]:

@@ -12,7 +12,6 @@ dispatch). Timed rounds interleave the contenders; the table gives medians.
 from __future__ import annotations
 
 import argparse
-import collections
 import statistics
 import time
 from collections.abc import Callable
@@ -71,23 +70,6 @@ def interleaved(contenders: dict[str, Callable[[], object]], inner: int,
     return ({k: statistics.median(v) for k, v in wall.items()}, {k: statistics.median(v) for k, v in cpu.items()})
 
 
-def count_ops(step: Callable[[], object]) -> collections.Counter[str]:
-    """Ops one step dispatches, by name (every call to ops.schema.apply)."""
-    counts: collections.Counter[str] = collections.Counter()
-    inner = schema.apply
-
-    def counting(opdef: Any, args: Any, attrs: Any) -> Any:
-        counts[opdef.name] += 1
-        return inner(opdef, args, attrs)
-
-    schema.apply = counting  # type: ignore[assignment]
-    try:
-        step()
-    finally:
-        schema.apply = inner  # type: ignore[assignment]
-    return counts
-
-
 def measure(name: str, cfg: GPTConfig, batch: int, rounds: int,
             show_counts: bool) -> tuple[str, dict[str, float], dict[str, float], str]:
     local, model = sbpflow_step(cfg, batch, None)
@@ -97,7 +79,8 @@ def measure(name: str, cfg: GPTConfig, batch: int, rounds: int,
     first = {k: float(fn().item()) for k, fn in contenders.items()}  # type: ignore[attr-defined]
     for fn in contenders.values():  # warm the dispatch caches
         fn()
-    counts = count_ops(local)
+    with schema.counting() as counts:
+        local()
     top = ", ".join(f"{op} {n}" for op, n in counts.most_common(6))
     dispatches = f"{name}: {sum(counts.values())} sbpflow dispatches per step ({top}, ...)"
     if show_counts:

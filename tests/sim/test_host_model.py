@@ -5,7 +5,6 @@ collectives as it does on processes)."""
 from __future__ import annotations
 
 import collections
-from typing import Any
 
 import numpy as np
 import pytest
@@ -47,18 +46,8 @@ def test_dispatch_counts_per_block_and_fixed(layers):
     t = _trainer(layers)
     ids, targets = _data()
     t.step(ids, targets)
-    counts: collections.Counter[str] = collections.Counter()
-    inner = schema.apply
-
-    def counting(opdef: Any, args: Any, attrs: Any) -> Any:
-        counts[opdef.name] += 1
-        return inner(opdef, args, attrs)
-
-    schema.apply = counting  # type: ignore[assignment]
-    try:
+    with schema.counting() as counts:
         t.step(ids, targets)
-    finally:
-        schema.apply = inner  # type: ignore[assignment]
     assert sum(counts.values()) == layers * DISPATCH_PER_BLOCK + DISPATCH_FIXED
 
 

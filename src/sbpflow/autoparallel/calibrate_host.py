@@ -133,21 +133,11 @@ def _dispatch(dist: Any) -> tuple[float, float]:
         loss.backward()
         opt.step()
 
-    count = [0]
-    inner = schema.apply
-
-    def counting(opdef: Any, args: Any, attrs: Any) -> Any:
-        count[0] += 1
-        return inner(opdef, args, attrs)
-
     step()
-    schema.apply = counting  # type: ignore[assignment]
-    try:
+    with schema.counting() as ops:
         step()
-    finally:
-        schema.apply = inner  # type: ignore[assignment]
     dist.barrier()
-    per_op = _cpu_per_call(step, 10) / count[0]
+    per_op = _cpu_per_call(step, 10) / sum(ops.values())
     everyone = _gather(dist, per_op)
     return everyone[0], statistics.median(everyone[1:]) if len(everyone) > 1 else everyone[0]
 

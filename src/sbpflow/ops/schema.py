@@ -13,7 +13,9 @@ ones are their product), the kernel on local torch tensors, and ``@op.grad`` wri
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import collections
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -217,3 +219,29 @@ def shard_kernel(opdef: OpDef) -> Callable[..., Any]:
 def apply(opdef: OpDef, args: Sequence[Any], attrs: dict[str, Any]) -> Any:
     """Runs ``opdef`` on ``args``: ops.dispatch (a layer above) puts its ``apply`` here when it is imported."""
     raise OpError(f"op {opdef.name!r} was called before sbpflow.ops.dispatch was imported; import sbpflow first")
+
+
+@contextmanager
+def counting() -> Iterator[collections.Counter[str]]:
+    """Counts, by op name, the ops dispatched inside the block (a benchmark's or calibration's op census).
+
+    >>> import sbpflow
+    >>> x = sbpflow.ones(2)
+    >>> with counting() as ops:
+    ...     _ = x * 2 + 1
+    >>> sum(ops.values())
+    2
+    """
+    counts: collections.Counter[str] = collections.Counter()
+    global apply
+    inner = apply
+
+    def counted(opdef: OpDef, args: Sequence[Any], attrs: dict[str, Any]) -> Any:
+        counts[opdef.name] += 1
+        return inner(opdef, args, attrs)
+
+    apply = counted
+    try:
+        yield counts
+    finally:
+        apply = inner
