@@ -140,3 +140,34 @@ def run_or_launch(script: str, world: int, worker: Callable[[argparse.Namespace]
         worker(args)
         return 0
     return launch_self(script, world, sys.argv[1:], check=False).returncode
+
+
+def rounds_main(script: str, world: int, doc: str, families: list[str],
+                worker: Callable[[str, int, int, list[str]], None],
+                report: Callable[[dict[str, Any], int, int], str], section: str, heading: str,
+                tail: str = "") -> int:
+    """Entry of a benchmark that times model families in interleaved rounds on ``world`` processes. A launched
+    copy (``--worker PATH``) runs ``worker(PATH, rounds, steps, families)``, which writes the JSON result to
+    PATH; the command the user typed launches them, prints ``report`` of the result and, with ``--write``,
+    replaces section ``section`` of docs/benchmarks.md (``heading``, the report, ``tail``)."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--families", default=",".join(families))
+    parser.add_argument("--worker", default=None)
+    add_write_flag(parser)
+    args = parser.parse_args()
+    chosen = args.families.split(",")
+    if args.worker is not None:
+        worker(args.worker, args.rounds, args.steps, chosen)
+        return 0
+    with tempfile.TemporaryDirectory() as tmp:
+        out = str(Path(tmp) / "result.json")
+        launch_self(script, world, ["--worker", out, "--rounds", str(args.rounds), "--steps", str(args.steps),
+                                    "--families", args.families], check=True)
+        result = json.loads(Path(out).read_text())
+    body = report(result, args.rounds, args.steps)
+    print(body)
+    if args.write:
+        write_section(section, f"{heading}\n\n{body}\n{tail}")
+    return 0

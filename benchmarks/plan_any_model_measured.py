@@ -19,12 +19,10 @@ Spearman rank correlation (medians and per round), and the auto plans' measured 
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
 import sys
-import tempfile
 import warnings
 from pathlib import Path
 from typing import Any
@@ -35,7 +33,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "src"))
 
-from _report import add_write_flag, launch_self, machine, timed_block_cpu, turned, write_section  # noqa: E402
+from _report import machine, rounds_main, timed_block_cpu, turned  # noqa: E402
 
 WORLD = 4
 SPLITS = [(4, 1, 1), (2, 2, 1), (2, 1, 2), (1, 4, 1), (1, 2, 2), (1, 1, 4)]  # (dp, tp, pp)
@@ -297,28 +295,9 @@ def report(result: dict[str, Any], rounds: int, steps: int) -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=6)
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--families", default=",".join(FAMILIES))
-    parser.add_argument("--worker", default=None)
-    add_write_flag(parser)
-    args = parser.parse_args()
-    families = args.families.split(",")
-    if args.worker is not None:
-        worker(args.worker, args.rounds, args.steps, families)
-        return 0
-    with tempfile.TemporaryDirectory() as tmp:
-        out = str(Path(tmp) / "result.json")
-        launch_self(__file__, WORLD, ["--worker", out, "--rounds", str(args.rounds), "--steps", str(args.steps),
-                                      "--families", args.families], check=True)
-        result = json.loads(Path(out).read_text())
-    body = report(result, args.rounds, args.steps)
-    print(body)
-    if args.write:
-        write_section("plan_any_model_measured", "## Auto-parallel on five model families, measured "
-                      "(benchmarks/plan_any_model_measured.py)\n\n" + body + "\n" + READING)
-    return 0
+    return rounds_main(__file__, WORLD, __doc__ or "", FAMILIES, worker, report, "plan_any_model_measured",
+                       "## Auto-parallel on five model families, measured (benchmarks/plan_any_model_measured.py)",
+                       READING)
 
 
 if __name__ == "__main__":

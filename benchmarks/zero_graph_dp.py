@@ -14,12 +14,10 @@ same: tests/sim/test_zero.py).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
 import sys
-import tempfile
 import warnings
 from pathlib import Path
 from typing import Any
@@ -28,7 +26,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "src"))
 
-from _report import add_write_flag, launch_self, machine, timed_block_cpu, turned, write_section  # noqa: E402
+from _report import machine, rounds_main, timed_block_cpu, turned  # noqa: E402
 from plan_any_model_measured import FAMILIES, _family, _step_class  # noqa: E402
 
 WORLD = 4
@@ -105,28 +103,9 @@ def report(result: dict[str, Any], rounds: int, steps: int) -> str:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=6)
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--families", default=",".join(FAMILIES))
-    parser.add_argument("--worker", default=None)
-    add_write_flag(parser)
-    args = parser.parse_args()
-    families = args.families.split(",")
-    if args.worker is not None:
-        worker(args.worker, args.rounds, args.steps, families)
-        return 0
-    with tempfile.TemporaryDirectory() as tmp:
-        out = str(Path(tmp) / "result.json")
-        launch_self(__file__, WORLD, ["--worker", out, "--rounds", str(args.rounds), "--steps", str(args.steps),
-                                      "--families", args.families], check=True)
-        result = json.loads(Path(out).read_text())
-    body = report(result, args.rounds, args.steps)
-    print(body)
-    if args.write:
-        write_section("zero_graph_dp", "## ZeRO-1 in nn.Graph against plain data parallelism: gather buckets "
-                      "(benchmarks/zero_graph_dp.py)\n\n" + body + "\n")
-    return 0
+    return rounds_main(__file__, WORLD, __doc__ or "", FAMILIES, worker, report, "zero_graph_dp",
+                       "## ZeRO-1 in nn.Graph against plain data parallelism: gather buckets "
+                       "(benchmarks/zero_graph_dp.py)")
 
 
 if __name__ == "__main__":
