@@ -218,7 +218,7 @@ def test_plan_json_round_trip_and_parallelize_kwargs(tmp_path: Any) -> None:
     text = plan.explain()
     assert "predicted step" in text and "memory on the fullest device" in text and "runner-up" in text
     kwargs = plan.parallelize_kwargs()
-    assert set(kwargs) == {"data", "tensor", "pipeline", "virtual", "context", "plan", "stages"}
+    assert set(kwargs) == {"data", "tensor", "pipeline", "virtual", "context", "expert", "plan", "stages"}
     names = dict(model.named_modules())
     for glob in kwargs["plan"]:
         assert any(fnmatch.fnmatch(name, glob) for name in names), glob

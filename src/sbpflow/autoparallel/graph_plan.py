@@ -66,7 +66,7 @@ class Plan:
     def parallelize_kwargs(self) -> dict[str, Any]:
         """The keyword arguments of ``sbpflow.parallelize(model, **kwargs)`` that lay this plan out."""
         k = self.knobs
-        return {"data": k.dp, "tensor": k.tp, "pipeline": k.pp, "virtual": k.virtual, "context": k.cp,
+        return {"data": k.dp, "tensor": k.tp, "pipeline": k.pp, "virtual": k.virtual, "context": k.cp, "expert": k.ep,
                 "plan": dict(self.styles),
                 "stages": [stage[0] for stage in self.stages] if k.pp > 1 else None}
 
@@ -115,7 +115,7 @@ class Plan:
         k = self.knobs
         other = [dict(r["fields"], why=r["why"]) for r in self.runners_up]
         return {
-            "tp": k.tp, "pp": k.pp, "dp": k.dp, "cp": k.cp, "micro_batch": k.micro_batch, "zero": k.zero,
+            "tp": k.tp, "pp": k.pp, "dp": k.dp, "cp": k.cp, "ep": k.ep, "micro_batch": k.micro_batch, "zero": k.zero,
             "recompute": k.recompute, "virtual": k.virtual, "schedule": k.schedule,
             "stage_layers": [len(s) for s in self.stages], "step_time_s": self.step_time,
             "tflops_per_device": self.tflops_per_device, "model_tflops_per_device": self.model_tflops_per_device,
@@ -225,7 +225,8 @@ def _other(p: GraphPrediction, best: GraphPrediction, cluster: Cluster, segments
     bounds = list(p.cuts) + [segments]
     return {"plan": str(k), "step_time": p.step_time, "memory": p.memory_per_device,
             "why": f"{(p.step_time / best.step_time - 1) * 100:.1f}% slower: {why}",
-            "fields": {"tp": k.tp, "pp": k.pp, "dp": k.dp, "cp": k.cp, "micro_batch": k.micro_batch, "zero": k.zero,
+            "fields": {"tp": k.tp, "pp": k.pp, "dp": k.dp, "cp": k.cp, "ep": k.ep, "micro_batch": k.micro_batch,
+                       "zero": k.zero,
                        "recompute": k.recompute, "virtual": k.virtual, "schedule": k.schedule,
                        "stage_layers": [b - a for a, b in zip(bounds[:-1], bounds[1:], strict=True)],
                        "step_time_s": p.step_time, "tflops_per_device": p.tflops_per_device,

@@ -15,7 +15,12 @@ The cost model is the sizes planner's (``predict``), applied per segment of the 
   micro-batches in flight (1F1B: ``min(p - i, m)`` on stage ``i``), plus the working set of the largest
   segment under full recompute or of ZeRO-3's gathered weights;
 * context parallel (``cp``, for steps whose attention is ``scaled_dot_product_attention``): a rank computes and
-  keeps a cp-th of each sample's tokens (zigzag: equal causal work) and pays the ring's K/V hops, unoverlapped.
+  keeps a cp-th of each sample's tokens (zigzag: equal causal work) and pays the ring's K/V hops, unoverlapped;
+* expert parallel (``ep``, for steps with routed experts, ``graph_model.Experts``): the experts are cut into ep
+  groups over the data axis, so a rank holds ``1/ep`` of their parameters, gradients and optimizer state; as
+  ``sbpflow.parallelize(expert=)`` runs them, each group computes its experts on the tokens of the ``dp/ep`` data
+  ranks it spans (and keeps their activations); each token's k routed rows go to their experts and back, forward
+  and backward, priced as all-to-alls over the ep group (``ep_comm``).
 
 Stage cuts: for a given slowest-stage time, a greedy pass packs segments into stages in order under the time
 and each stage's memory limit; a bisection finds the smallest time the greedy pass meets. Candidates are
@@ -66,10 +71,12 @@ class Knobs:
     schedule: str = "1f1b"
     virtual: int = 1  # chunks per stage (interleaved 1F1B)
     cp: int = 1  # context parallel: each sequence split zigzag over cp ranks (attention as a ring)
+    ep: int = 1  # expert parallel: routed experts cut into ep groups over the data axis
 
     def __str__(self) -> str:
         sched = "" if self.pp == 1 else f" {self.schedule}" + (f" x{self.virtual}" if self.virtual > 1 else "")
         cp = f" cp{self.cp}" if self.cp > 1 else ""
+        cp += f" ep{self.ep}" if self.ep > 1 else ""
         return (f"tp{self.tp} pp{self.pp} dp{self.dp}{cp} micro-batch {self.micro_batch} zero{self.zero} "
                 f"recompute={self.recompute}{sched}")
 
@@ -143,12 +150,34 @@ class _Context:
         self.kept = np.array([s.kept for s in segs])
         self.wide = np.array([s.wide for s in segs])
         self.out_bytes = np.array([s.out_bytes for s in segs])
+        self._experts(model)
         kv = model.kv_bytes if model.kv_bytes is not None else np.zeros(len(model.flops))
         self.kv_bytes = np.array([float(kv[s.lo:s.hi].sum()) for s in segs])
         self.kv_count = np.array([float((kv[s.lo:s.hi] > 0).sum()) for s in segs])
         # ZeRO gathers and scatters per module holding a block (FSDP's unit): the first segment of each pays α
         parents = [s.first_module.rpartition(".")[0] for s in segs]
         self.unit_start = np.array([float(i == 0 or parents[i] != parents[i - 1]) for i in range(len(segs))])
+
+    def _experts(self, model: GraphModel) -> None:
+        """Per segment: the experts' parameters (whole, split by tp), the bytes their ops keep, and the rows routed."""
+        n, experts = len(model.segments), model.experts
+        self.expert_whole, self.expert_split, self.expert_kept = np.zeros(n), np.zeros(n), np.zeros((n, 2))
+        self.routed = np.zeros(n)
+        if experts is None:
+            return
+        for i, s in enumerate(model.segments):
+            self.expert_whole[i] = sum(e for v, (e, split) in s.params.items() if v in experts.params and not split)
+            self.expert_split[i] = sum(e for v, (e, split) in s.params.items() if v in experts.params and split)
+            self.routed[i] = float(experts.routed_bytes[s.lo:s.hi].sum())
+        self.expert_kept = experts.kept
+
+    def expert_times(self, micro_batch: int, tp: int) -> np.ndarray:
+        """Per segment, the forward seconds of its expert ops alone."""
+        key = (-float(micro_batch), tp)  # (negative: apart from segment_times' keys)
+        if key not in self.times:
+            only = self.model.experts.op if self.model.experts is not None else np.zeros(len(self.model.flops), bool)
+            self.times[key] = segment_times(self.model, micro_batch, tp, self.cluster.profile, only=only)
+        return self.times[key][0]
 
     def segment_times(self, micro_batch: int, tp: int, cp: int = 1) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Per-rank forward times; under context parallelism a rank holds ``1/cp`` of each sample's tokens
@@ -178,6 +207,9 @@ def _costs(ctx: _Context, k: Knobs) -> _Costs:
     stretch = cluster.profile.stretch(_active(ctx, k))
     forward, wide = forward * stretch, wide * stretch
     scale = k.micro_batch / model.batch / k.cp  # a rank's share of a micro-batch's activations
+    spans = _expert_span(k) - 1.0  # the other data ranks' tokens an expert group also computes
+    if spans:
+        forward = forward + spans * ctx.expert_times(k.micro_batch, k.tp) * stretch
     blocks = model.block
     rerun = {"none": np.zeros_like(forward), "selective": wide, "full": forward}[k.recompute] * blocks
     group = tuple(range(k.tp))
@@ -186,8 +218,10 @@ def _costs(ctx: _Context, k: Knobs) -> _Costs:
     if k.recompute == "full":  # the forward all-reduces again
         tp += blocks * _priced(all_reduce, ctx.comm_fwd_bytes * scale, ctx.comm_fwd_count)
     params = ctx.whole_params + ctx.split_params / k.tp
+    params -= (ctx.expert_whole + ctx.expert_split / k.tp) * (1 - 1 / k.ep)
     zero = _priced(partial(_zero_per_micro_batch, cluster, plan), params, ctx.unit_start)
-    whole = (ctx.kept[:, 0] + ctx.kept[:, 1] / k.tp) * scale
+    whole = (ctx.kept[:, 0] + ctx.kept[:, 1] / k.tp + spans * (ctx.expert_kept[:, 0] + ctx.expert_kept[:, 1] / k.tp)
+             ) * scale
     dropped = (ctx.wide[:, 0] + ctx.wide[:, 1] / k.tp) * scale
     inputs = np.concatenate([[0.0], ctx.out_bytes[:-1]]) * scale
     kept = np.where(blocks, {"none": whole, "selective": whole - dropped, "full": inputs}[k.recompute], whole)
@@ -198,6 +232,8 @@ def _costs(ctx: _Context, k: Knobs) -> _Costs:
     parts = {"compute": 3 * forward, "recompute": rerun, "tp_comm": tp, "dp_comm": zero}
     if k.cp > 1:
         parts["cp_comm"] = _ring(ctx, k, scale)
+    if k.ep > 1:
+        parts["ep_comm"] = _exchange(ctx, k, scale, blocks)
     return _Costs(sum(parts.values()), parts, params, kept, working, send)
 
 
@@ -210,6 +246,22 @@ def _ring(ctx: _Context, k: Knobs, scale: float) -> np.ndarray:
     pair = (0, k.tp)  # ring neighbours on a (data, context, tensor) mesh: tensor-parallel ranks innermost
     return ctx.kv_count * hops * _priced(partial(_coll, "send_recv", pair, cluster=ctx.cluster),
                                          block / np.maximum(ctx.kv_count, 1.0))
+
+
+def _expert_span(k: Knobs) -> float:
+    """Data ranks whose tokens each rank's experts compute: ``sbpflow.parallelize(expert=)`` gives an expert group
+    ``dp/ep`` data ranks, and each of them runs the group's experts on all the group's tokens."""
+    return k.dp / k.ep if k.ep > 1 else 1.0
+
+
+def _exchange(ctx: _Context, k: Knobs, scale: float, blocks: np.ndarray) -> np.ndarray:
+    """Seconds per micro-batch of the token exchange: a rank's routed rows (k per token) go to their experts and
+    come back (two all-to-alls over the ep group), in forward and again in backward; once more forward under full
+    recompute."""
+    group = tuple(range(0, k.ep * k.tp * k.cp, k.tp * k.cp))  # ep ranks lie on the data axis
+    rows = ctx.routed * scale * k.ep  # the group's rows: an all-to-all's volume
+    passes = 4 + 2 * (blocks & (k.recompute == "full"))
+    return passes * _priced(partial(_coll, "all_to_all", group, cluster=ctx.cluster), rows)
 
 
 def _active(ctx: _Context, k: Knobs) -> int:
@@ -243,8 +295,10 @@ def _model_state(model: GraphModel, params: float, k: Knobs) -> dict[str, float]
 def _unique_params(model: GraphModel, k: Knobs, segs: list[int]) -> float:
     """Parameters one rank holds for these segments, a tied weight once."""
     seen: dict[int, float] = {}
+    experts = model.experts.params if model.experts is not None else frozenset()
     for i in segs:
-        seen.update({v: n / k.tp if split else n for v, (n, split) in model.segments[i].params.items()})
+        seen.update({v: (n / k.tp if split else n) / (k.ep if v in experts else 1)
+                     for v, (n, split) in model.segments[i].params.items()})
     return sum(seen.values())
 
 
@@ -367,7 +421,8 @@ def _bound(ctx: _Context, k: Knobs) -> float:
 
 def _state_bound(ctx: _Context, k: Knobs) -> float:
     """Bytes of model state some rank holds at least: its stage's share of the parameters (1/pp of them)."""
-    params = float((ctx.whole_params + ctx.split_params / k.tp).sum()) / k.pp
+    split = ctx.whole_params + ctx.split_params / k.tp - (ctx.expert_whole + ctx.expert_split / k.tp) * (1 - 1 / k.ep)
+    params = float(split.sum()) / k.pp
     return sum(_model_state(ctx.model, params, k).values())
 
 
@@ -382,11 +437,21 @@ def candidates(model: GraphModel, cluster: Cluster, batch: int) -> list[Knobs]:
                 dp = cluster.devices // (tp * cp * pp)
                 for mb in (b for b in MICRO_BATCHES if batch % (dp * b) == 0):
                     m = batch // (dp * mb)
-                    for zero in (0, 1, 2, 3) if dp > 1 and cp == 1 else (0,):
-                        for recompute in RECOMPUTE:
-                            for schedule, virtual in _schedules(pp, m, n):
-                                out.append(Knobs(tp, pp, dp, mb, zero, recompute, schedule, virtual, cp))
+                    for ep in _ep_degrees(model, dp, cp):
+                        for zero in (0, 1, 2, 3) if dp > 1 and cp == 1 and ep == 1 else (0,):
+                            for recompute in RECOMPUTE:
+                                for schedule, virtual in _schedules(pp, m, n):
+                                    out.append(Knobs(tp, pp, dp, mb, zero, recompute, schedule, virtual, cp, ep))
     return out
+
+
+def _ep_degrees(model: GraphModel, dp: int, cp: int) -> list[int]:
+    """Expert-parallel degrees: 1, and with routed experts every divisor of dp that divides the experts (without
+    context parallelism or ZeRO: ``sbpflow.parallelize`` cuts expert groups on a (data, tensor) mesh and keeps
+    their parameters whole on it)."""
+    if model.experts is None or cp > 1:
+        return [1]
+    return [d for d in _divisors(dp) if model.experts.count % d == 0]
 
 
 def _cp_allowed(model: GraphModel, cp: int) -> bool:
