@@ -224,7 +224,7 @@ def test_plan_json_round_trip_and_parallelize_kwargs(tmp_path: Any) -> None:
         assert any(fnmatch.fnmatch(name, glob) for name in names), glob
     if kwargs["stages"] is not None:
         assert all(start in names for start in kwargs["stages"])
-    assert set(plan.graph_config()) == {"zero", "micro_batches", "schedule", "recompute"}
+    assert set(plan.graph_config()) == {"zero", "micro_batches", "schedule", "recompute", "recomputed_blocks"}
     assert set(plan.sbp) == {name for name, _ in model.named_parameters()}
 
 

@@ -158,3 +158,59 @@ def test_a_cap_that_only_expert_splitting_meets_picks_ep() -> None:
     want, _ = _train(_user_moe, None)
     got, _ = _train(_user_moe, plan)
     np.testing.assert_allclose(got, want, rtol=1e-4)
+
+
+# -- recompute per block ---------------------------------------------------------------------------
+
+
+class Chain(nn.Module):
+    """A block whose activations outweigh its parameters: a wide chain of tanh between two Linears."""
+
+    def __init__(self, width: int, hidden: int, links: int) -> None:
+        super().__init__()
+        self.up, self.down, self.links = nn.Linear(width, hidden), nn.Linear(hidden, width), links
+
+    def forward(self, x: Any) -> Any:
+        h = self.up(x)  # (B, hidden)
+        for _ in range(self.links):
+            h = F.tanh(h)
+        return x + self.down(h)
+
+
+class ChainNet(nn.Module):
+    def __init__(self, depth: int = 4) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([Chain(16, 128, 8) for _ in range(depth)])
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: Any, y: Any) -> Any:
+        for block in self.blocks:
+            x = block(x)
+        return F.cross_entropy(self.head(x), y)
+
+
+def _chain_net() -> Any:
+    return (ChainNet(), lambda m, x, y: m(x, y),
+            lambda g: (torch.randn(32, 16, generator=g), torch.randint(0, 4, (32,), generator=g)))
+
+
+def test_a_cap_between_none_and_full_recomputes_some_blocks_and_fits_by_the_compiled_peak() -> None:
+    """One device, one micro-batch: only recompute can save memory. Half-way between the plan that keeps every
+    activation and the one that recomputes every block, the search recomputes the first blocks only: it costs less
+    time than recomputing all, fits the cap by the compiler's own peak, and trains as one device."""
+    one = lambda k: k.micro_batch == 32  # noqa: E731
+    keep = _plan(_chain_net, 1, only=lambda k: one(k) and k.recompute == "none")
+    full = _plan(_chain_net, 1, only=lambda k: one(k) and k.recompute == "full")
+    cap = (keep.memory_per_device + full.memory_per_device) / 2
+    plan = _plan(_chain_net, 1, only=one, memory_per_device=cap)
+    modes = plan.knobs.block_recompute
+    assert "full" in modes and "none" in modes and modes == tuple(sorted(modes))  # the first blocks, full
+    assert plan.memory_per_device <= cap and keep.step_time < plan.step_time < full.step_time
+    recomputed = plan.recomputed_blocks()
+    assert recomputed == [f"blocks.{i}" for i in range(modes.count("full"))]
+    assert plan.cli_json()["block_recompute"] == list(modes) and Plan.from_json(plan.to_json()) == plan
+    want, _ = _train(_chain_net, None, 3)
+    got, step = _train(_chain_net, plan, 3)
+    assert [b.config.activation_checkpointing for b in step.model.blocks] == [m == "full" for m in modes]
+    assert max(step._last.plan.peak_bytes.values()) <= cap
+    np.testing.assert_allclose(got, want, rtol=1e-4)

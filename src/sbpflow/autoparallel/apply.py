@@ -174,9 +174,9 @@ def plan_step(graph: Any, args: tuple[Any, ...], devices: int, profile: str | De
 
 def configure_graph(graph: Any, plan: Plan) -> None:
     """Sets an ``nn.Graph``'s config to a graph plan's knobs: micro-batches, ZeRO stage, pipeline schedule, and
-    activation checkpointing of the repeated blocks under full recompute. (The layout itself is
-    ``sbpflow.parallelize(model, **plan.parallelize_kwargs())``.) Selective recompute has no graph setting yet:
-    such a plan runs with every activation kept, which its memory prediction over-estimates nothing of.
+    activation checkpointing of the repeated blocks that the plan fully recomputes (all, or per block). (The
+    layout itself is ``sbpflow.parallelize(model, **plan.parallelize_kwargs())``.) Selective recompute has no graph
+    setting yet: such a plan runs with every activation kept, more than its memory prediction.
 
     >>> from types import SimpleNamespace
     >>> calls = []
@@ -193,9 +193,8 @@ def configure_graph(graph: Any, plan: Plan) -> None:
         config.enable_zero(stage=plan.knobs.zero)
     if plan.knobs.pp > 1:
         config.set_pipeline_schedule(plan.knobs.schedule)
-    if plan.knobs.recompute == "full":
-        for module in _named_blocks(graph, plan.blocks):
-            module.config.activation_checkpointing = True
+    for module in _named_blocks(graph, plan.recomputed_blocks()):
+        module.config.activation_checkpointing = True
 
 
 def _named_blocks(graph: Any, names: list[str]) -> list[Any]:

@@ -285,6 +285,7 @@ PLAN_SCHEMA: dict[str, Any] = {
     "properties": {
         **_PLAN_FIELDS,
         "cp": _CP, "ep": _CP,
+        "block_recompute": {"type": "array", "items": {"enum": ["none", "selective", "full"]}},  # per block, or []
         "model": {"type": "object", "required": ["layers", "hidden", "heads", "seq", "vocab", "parameters"]},
         "cluster": {"type": "object", "required": ["devices", "device", "gpus_per_node"]},
         "batch": {"type": "integer", "minimum": 1},

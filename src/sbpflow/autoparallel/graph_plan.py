@@ -74,7 +74,17 @@ class Plan:
         """What the ``nn.Graph`` config takes besides the layout: ZeRO stage, micro-batches, schedule, recompute."""
         k = self.knobs
         return {"zero": k.zero, "micro_batches": self.micro_batches, "schedule": k.schedule,
-                "recompute": k.recompute}
+                "recompute": k.recompute, "recomputed_blocks": self.recomputed_blocks()}
+
+    def recomputed_blocks(self) -> list[str]:
+        """The repeated blocks (module names) this plan fully recomputes: all under ``recompute="full"``, else
+        those whose ``block_recompute`` is "full"."""
+        k = self.knobs
+        modes = k.block_recompute or (k.recompute,) * len(self.blocks)
+        if len(modes) != len(self.blocks):
+            raise PlanError(f"the plan recomputes per repeated block, one choice each, but names {len(self.blocks)} "
+                            f"blocks ({', '.join(self.blocks)}) for {len(modes)} choices")
+        return [name for name, mode in zip(self.blocks, modes, strict=True) if mode == "full"]
 
     def explain(self) -> str:
         """What was chosen, the predicted time and memory by component, and the runners-up and why they lost."""
@@ -116,8 +126,8 @@ class Plan:
         other = [dict(r["fields"], why=r["why"]) for r in self.runners_up]
         return {
             "tp": k.tp, "pp": k.pp, "dp": k.dp, "cp": k.cp, "ep": k.ep, "micro_batch": k.micro_batch, "zero": k.zero,
-            "recompute": k.recompute, "virtual": k.virtual, "schedule": k.schedule,
-            "stage_layers": [len(s) for s in self.stages], "step_time_s": self.step_time,
+            "recompute": k.recompute, "block_recompute": list(k.block_recompute), "virtual": k.virtual,
+            "schedule": k.schedule, "stage_layers": [len(s) for s in self.stages], "step_time_s": self.step_time,
             "tflops_per_device": self.tflops_per_device, "model_tflops_per_device": self.model_tflops_per_device,
             "mfu": self.mfu, "memory_per_device_gb": self.memory_per_device / GB,
             "fits": self.memory_per_device <= self.usable_memory,
@@ -135,7 +145,8 @@ class Plan:
         try:
             data = json.loads(text)
             data = data.get("replay", data)  # sbpflow plan --json's object holds the plan under "replay"
-            data["knobs"] = Knobs(**data["knobs"])
+            knobs = data["knobs"]
+            data["knobs"] = Knobs(**dict(knobs, block_recompute=tuple(knobs.get("block_recompute", ()))))
             return cls(**data)
         except (ValueError, TypeError, KeyError) as e:
             raise PlanError(f"a plan file is the JSON that Plan.to_json writes, but this one could not be read: "

@@ -6,6 +6,7 @@ The cost model is the sizes planner's (``predict``), applied per segment of the 
   devices compute at once than the cores they share (``DeviceProfile.stretch``: a CPU host's processes);
   forward + backward is three forwards; recompute reruns the segment's forward ("full") or the ops that make
   its wide values ("selective"); its tensor-parallel all-reduces are priced by α-β (again forward under "full");
+  each repeated block (``GraphModel.block_starts``) takes its own recompute choice (``Knobs.block_recompute``);
 * ZeRO-2/3 traffic per micro-batch and the gradient sync and optimizer step at the end are ``predict``'s
   functions of the parameters a stage holds;
 * a stage's time is the sum of its segments plus its sends (the one activation crossing each cut);
@@ -13,14 +14,16 @@ The cost model is the sizes planner's (``predict``), applied per segment of the 
   of the bubble with weight-gradient work, so it pays a third of 1F1B's;
 * memory per rank: model state under ZeRO (``cost.model_state_bytes``), plus the activations kept by the
   micro-batches in flight (1F1B: ``min(p - i, m)`` on stage ``i``), plus the working set of the largest
-  segment under full recompute or of ZeRO-3's gathered weights;
+  block under full recompute (which keeps only its input, as a module's activation checkpointing does) or of
+  ZeRO-3's gathered weights; under a memory cap, a plan that keeps every activation and does not fit is tried
+  again with its first blocks fully recomputed, as few as fit (:func:`_mixed_recompute`);
 * context parallel (``cp``, for steps whose attention is ``scaled_dot_product_attention``): a rank computes and
   keeps a cp-th of each sample's tokens (zigzag: equal causal work) and pays the ring's K/V hops, unoverlapped;
 * expert parallel (``ep``, for steps with routed experts, ``graph_model.Experts``): the experts are cut into ep
   groups over the data axis, so a rank holds ``1/ep`` of their parameters, gradients and optimizer state; as
-  ``sbpflow.parallelize(expert=)`` runs them, each group computes its experts on the tokens of the ``dp/ep`` data
-  ranks it spans (and keeps their activations); each token's k routed rows go to their experts and back, forward
-  and backward, priced as all-to-alls over the ep group (``ep_comm``).
+  ``sbpflow.parallelize(expert=)`` runs them, a rank computes its ``E/ep`` experts on every data rank's tokens
+  (``dp/ep`` times its share of the dense experts' work and activations); each token's k routed rows go to
+  their experts and back, forward and backward, priced as all-to-alls over the ep group (``ep_comm``).
 
 Stage cuts: for a given slowest-stage time, a greedy pass packs segments into stages in order under the time
 and each stage's memory limit; a bisection finds the smallest time the greedy pass meets. Candidates are
@@ -31,8 +34,9 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
+from typing import Any
 
 import numpy as np
 
@@ -72,13 +76,26 @@ class Knobs:
     virtual: int = 1  # chunks per stage (interleaved 1F1B)
     cp: int = 1  # context parallel: each sequence split zigzag over cp ranks (attention as a ring)
     ep: int = 1  # expert parallel: routed experts cut into ep groups over the data axis
+    block_recompute: tuple[str, ...] = ()  # per repeated block, in order, its recompute; () all ``recompute``
 
     def __str__(self) -> str:
         sched = "" if self.pp == 1 else f" {self.schedule}" + (f" x{self.virtual}" if self.virtual > 1 else "")
         cp = f" cp{self.cp}" if self.cp > 1 else ""
         cp += f" ep{self.ep}" if self.ep > 1 else ""
         return (f"tp{self.tp} pp{self.pp} dp{self.dp}{cp} micro-batch {self.micro_batch} zero{self.zero} "
-                f"recompute={self.recompute}{sched}")
+                f"recompute={self._recompute()}{sched}")
+
+    def _recompute(self) -> str:
+        """``full``, or per block in runs: ``full x2 + none x6``."""
+        if not self.block_recompute:
+            return self.recompute
+        runs: list[list[Any]] = []
+        for mode in self.block_recompute:
+            if runs and runs[-1][0] == mode:
+                runs[-1][1] += 1
+            else:
+                runs.append([mode, 1])
+        return " + ".join(f"{mode} x{n}" for mode, n in runs)
 
     def parallel_plan(self) -> ParallelPlan:
         """The sizes planner's description of the same plan (its helpers price dp groups and sends from it): the
@@ -154,6 +171,12 @@ class _Context:
         kv = model.kv_bytes if model.kv_bytes is not None else np.zeros(len(model.flops))
         self.kv_bytes = np.array([float(kv[s.lo:s.hi].sum()) for s in segs])
         self.kv_count = np.array([float((kv[s.lo:s.hi] > 0).sum()) for s in segs])
+        starts = model.block_starts()
+        self.block_of = np.full(len(segs), -1)  # per segment: the repeated block it belongs to, -1 outside them
+        for b, (lo, hi) in enumerate(zip(starts, [*starts[1:], len(segs)][:len(starts)], strict=True)):
+            self.block_of[lo:hi] = np.where(model.block[lo:hi], b, -1)
+        self.block_first = np.array([b >= 0 and (i == 0 or self.block_of[i - 1] != b)
+                                     for i, b in enumerate(self.block_of)])
         # ZeRO gathers and scatters per module holding a block (FSDP's unit): the first segment of each pays α
         parents = [s.first_module.rpartition(".")[0] for s in segs]
         self.unit_start = np.array([float(i == 0 or parents[i] != parents[i - 1]) for i in range(len(segs))])
@@ -207,16 +230,17 @@ def _costs(ctx: _Context, k: Knobs) -> _Costs:
     stretch = cluster.profile.stretch(_active(ctx, k))
     forward, wide = forward * stretch, wide * stretch
     scale = k.micro_batch / model.batch / k.cp  # a rank's share of a micro-batch's activations
-    spans = _expert_span(k) - 1.0  # the other data ranks' tokens an expert group also computes
+    spans = _expert_span(k) - 1.0  # expert work beyond a rank's dense share
     if spans:
         forward = forward + spans * ctx.expert_times(k.micro_batch, k.tp) * stretch
-    blocks = model.block
-    rerun = {"none": np.zeros_like(forward), "selective": wide, "full": forward}[k.recompute] * blocks
+    mode = _modes(ctx, k)
+    full, selective = mode == RECOMPUTE.index("full"), mode == RECOMPUTE.index("selective")
+    rerun = np.where(full, forward, np.where(selective, wide, 0.0))
     group = tuple(range(k.tp))
     all_reduce = partial(_coll, "all_reduce", group, cluster=cluster)
     tp = _priced(all_reduce, ctx.comm_bytes * scale, ctx.comm_count)
-    if k.recompute == "full":  # the forward all-reduces again
-        tp += blocks * _priced(all_reduce, ctx.comm_fwd_bytes * scale, ctx.comm_fwd_count)
+    if full.any():  # the forward all-reduces again
+        tp += full * _priced(all_reduce, ctx.comm_fwd_bytes * scale, ctx.comm_fwd_count)
     params = ctx.whole_params + ctx.split_params / k.tp
     params -= (ctx.expert_whole + ctx.expert_split / k.tp) * (1 - 1 / k.ep)
     zero = _priced(partial(_zero_per_micro_batch, cluster, plan), params, ctx.unit_start)
@@ -224,17 +248,19 @@ def _costs(ctx: _Context, k: Knobs) -> _Costs:
              ) * scale
     dropped = (ctx.wide[:, 0] + ctx.wide[:, 1] / k.tp) * scale
     inputs = np.concatenate([[0.0], ctx.out_bytes[:-1]]) * scale
-    kept = np.where(blocks, {"none": whole, "selective": whole - dropped, "full": inputs}[k.recompute], whole)
-    working = float(whole[blocks].max(initial=0.0)) if k.recompute == "full" else 0.0
+    # a fully recomputed block keeps its input alone, and rebuilds its activations one block at a time
+    kept = np.where(full, np.where(ctx.block_first, inputs, 0.0), np.where(selective, whole - dropped, whole))
+    rebuilt = np.bincount(ctx.block_of[full], weights=whole[full]) if full.any() else np.zeros(1)
+    working = float(rebuilt.max())
     if k.zero == 3:
         working += 2 * 2 * float(params.max())  # the largest segment's weights gathered, fp16, twice in flight
     send = _priced(lambda b: _p2p_time(plan, b, cluster), ctx.out_bytes * scale)
-    parts = {"compute": 3 * forward, "recompute": rerun, "tp_comm": tp, "dp_comm": zero}
+    parts: dict[str, np.ndarray] = {"compute": 3 * forward, "recompute": rerun, "tp_comm": tp, "dp_comm": zero}
     if k.cp > 1:
         parts["cp_comm"] = _ring(ctx, k, scale)
     if k.ep > 1:
-        parts["ep_comm"] = _exchange(ctx, k, scale, blocks)
-    return _Costs(sum(parts.values()), parts, params, kept, working, send)
+        parts["ep_comm"] = _exchange(ctx, k, scale, full)
+    return _Costs(np.sum(list(parts.values()), axis=0), parts, params, kept, working, send)
 
 
 def _ring(ctx: _Context, k: Knobs, scale: float) -> np.ndarray:
@@ -248,19 +274,32 @@ def _ring(ctx: _Context, k: Knobs, scale: float) -> np.ndarray:
                                          block / np.maximum(ctx.kv_count, 1.0))
 
 
+def _modes(ctx: _Context, k: Knobs) -> np.ndarray:
+    """Per segment, its recompute as an index into ``RECOMPUTE``: its block's choice, "none" outside blocks."""
+    if k.block_recompute:
+        if len(k.block_recompute) != ctx.block_first.sum():
+            raise PlanError(f"a plan recomputes per repeated block, one choice each, but the traced step has "
+                            f"{int(ctx.block_first.sum())} blocks and the plan {len(k.block_recompute)} choices")
+        codes = np.array([RECOMPUTE.index(m) for m in k.block_recompute])
+    else:
+        codes = np.full(max(int(ctx.block_first.sum()), 1), RECOMPUTE.index(k.recompute))
+    return np.where(ctx.block_of >= 0, codes[np.maximum(ctx.block_of, 0)], 0)
+
+
 def _expert_span(k: Knobs) -> float:
-    """Data ranks whose tokens each rank's experts compute: ``sbpflow.parallelize(expert=)`` gives an expert group
-    ``dp/ep`` data ranks, and each of them runs the group's experts on all the group's tokens."""
+    """A rank's expert work over its share of the dense experts' (every expert on its own tokens): under
+    ``sbpflow.parallelize(expert=)`` each rank of a group runs the group's ``E/ep`` experts on every data rank's
+    tokens, which the group gathers."""
     return k.dp / k.ep if k.ep > 1 else 1.0
 
 
-def _exchange(ctx: _Context, k: Knobs, scale: float, blocks: np.ndarray) -> np.ndarray:
+def _exchange(ctx: _Context, k: Knobs, scale: float, full: np.ndarray) -> np.ndarray:
     """Seconds per micro-batch of the token exchange: a rank's routed rows (k per token) go to their experts and
     come back (two all-to-alls over the ep group), in forward and again in backward; once more forward under full
     recompute."""
     group = tuple(range(0, k.ep * k.tp * k.cp, k.tp * k.cp))  # ep ranks lie on the data axis
     rows = ctx.routed * scale * k.ep  # the group's rows: an all-to-all's volume
-    passes = 4 + 2 * (blocks & (k.recompute == "full"))
+    passes = 4 + 2 * full
     return passes * _priced(partial(_coll, "all_to_all", group, cluster=ctx.cluster), rows)
 
 
@@ -389,18 +428,19 @@ def predict(ctx: _Context, k: Knobs, cuts: tuple[int, ...] | None = None) -> Gra
     step = sum(breakdown.values())
     devices = ctx.cluster.devices
     model_flops = ctx.model.model_flops(ctx.batch)
-    hardware = model_flops + _rerun_flops(ctx.model, k.recompute, ctx.batch)
+    hardware = model_flops + _rerun_flops(ctx.model, _modes(ctx, k), ctx.batch)
     return GraphPrediction(k, ctx.batch, tuple(cuts), step, breakdown, memory,
                            ctx.cluster.profile.usable_memory, hardware / step / devices / 1e12,
                            model_flops / step / devices / 1e12)
 
 
-def _rerun_flops(model: GraphModel, recompute: str, batch: int) -> float:
-    """FLOPs that recomputation adds to a step of ``batch`` samples: the forward again, or its wide ops'."""
-    in_block = np.zeros(len(model.flops), dtype=bool)
-    for s, rep in zip(model.segments, model.block, strict=True):
-        in_block[s.lo:s.hi] = rep
-    rerun = {"none": np.zeros_like(in_block), "selective": model.wide_op & in_block, "full": in_block}[recompute]
+def _rerun_flops(model: GraphModel, modes: np.ndarray, batch: int) -> float:
+    """FLOPs that recomputation adds to a step of ``batch`` samples: per segment (``modes``, as :func:`_modes`)
+    the forward again, or its wide ops'."""
+    mode = np.zeros(len(model.flops), dtype=int)
+    for s, m in zip(model.segments, modes, strict=True):
+        mode[s.lo:s.hi] = m
+    rerun = (mode == RECOMPUTE.index("full")) | ((mode == RECOMPUTE.index("selective")) & model.wide_op)
     scale = np.where(model.batched, batch / model.batch, 1.0)
     return float((model.flops * scale * rerun).sum())
 
@@ -495,11 +535,46 @@ def search_graph(model: GraphModel, cluster: Cluster, batch: int, keep: int = 5,
         costed += 1
         (good if found.fits else too_big).append(found)
         good.sort(key=lambda p: p.step_time)
+    for over in sorted((p for p in too_big if p.knobs.recompute == "none"), key=lambda p: p.step_time):
+        if len(good) >= keep and over.step_time > good[keep - 1].step_time:
+            break  # recomputing some blocks only adds time
+        mixed = _mixed_recompute(ctx, over.knobs)
+        costed += len(mixed)
+        good.extend(p for p in mixed if p.fits)
+        good.sort(key=lambda p: p.step_time)
     if not good:
         too_big += [predict(ctx, k) for k in _smallest_memory(plans, too_big)]
         raise PlanError(_nothing_fits(model, cluster, batch, min(too_big, key=lambda p: p.memory_per_device)))
     faster = sorted((p for p in too_big if p.step_time < good[0].step_time), key=lambda p: p.step_time)
     return GraphSearch(good[0], good[1:keep], faster[:3], len(plans), costed, time.perf_counter() - start)
+
+
+def _mixed_recompute(ctx: _Context, k: Knobs) -> list[GraphPrediction]:
+    """Plans of ``k`` (which keeps every activation) with its first ``j`` repeated blocks fully recomputed and the
+    rest kept (or, for a what-if that need not run the traced step, recomputed selectively): per choice of the
+    rest, the smallest ``j`` that fits (bisection: memory falls as ``j`` grows), and the plan at ``j`` when none
+    does. Early blocks first: under 1F1B the first stages hold the most micro-batches in flight."""
+    blocks = int(ctx.block_first.sum())
+    out = []
+    for rest in ("none",) if ctx.model.traced else ("none", "selective"):
+        def at(j: int, rest: str = rest) -> GraphPrediction:
+            modes = ("full",) * j + (rest,) * (blocks - j)
+            return predict(ctx, replace(k, recompute="full", block_recompute=modes))
+
+        lo, hi = 1, blocks - 1
+        if hi < lo:
+            break
+        best = at(hi)
+        out.append(best)
+        while best.fits and lo < hi:
+            mid = (lo + hi) // 2
+            found = at(mid)
+            out.append(found)
+            if found.fits:
+                best, hi = found, mid
+            else:
+                lo = mid + 1
+    return out
 
 
 def _smallest_memory(plans: list[Knobs], done: list[GraphPrediction]) -> list[Knobs]:
