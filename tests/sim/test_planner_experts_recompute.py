@@ -17,6 +17,10 @@ from sbpflow import nn
 from sbpflow.autoparallel.apply import plan_model
 from sbpflow.autoparallel.graph_model import read_graph
 from sbpflow.autoparallel.graph_plan import Plan
+from sbpflow.autoparallel.graph_search import Cluster, Knobs, _coll, _Context, candidates
+from sbpflow.autoparallel.graph_search import predict as graph_predict
+from sbpflow.autoparallel.profiles import get_profile
+from sbpflow.models.moe import Mixtral, MixtralConfig
 from sbpflow.nn import functional as F
 from sbpflow.nn.trace_step import trace_training_step
 
@@ -62,8 +66,6 @@ def _user_moe() -> Any:
 
 
 def _mixtral() -> Any:
-    from sbpflow.models.moe import Mixtral, MixtralConfig
-
     config = MixtralConfig(vocab_size=32, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
                            num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
                            output_router_logits=True, router_aux_loss_coef=0.1)
@@ -113,6 +115,25 @@ def test_the_experts_are_read_off_the_router_ops() -> None:
     assert sorted(experts.routed_bytes[experts.routed_bytes > 0]) == [16 * 8 * 4 * 2] * 2  # fp32 tokens, k = 2
 
 
+def test_ep_splits_the_experts_state_and_prices_their_exchange() -> None:
+    """dp4: at ep2 a rank holds half of every expert's weights, computes twice its dense share of the experts'
+    work (its 2 experts on the 4 data ranks' tokens) and sends 4 all-to-alls of its routed rows per router."""
+    with sbpflow.meta_init():
+        model = UserMoE()
+        x, y = sbpflow.randn(16, 8), sbpflow.zeros(16, dtype=torch.int64)
+    read = read_graph(trace_training_step(model, (x, y)), "traced")
+    cluster = Cluster(4, get_profile("cpu"), 4)
+    ctx = _Context(read, cluster, 16)
+    whole, split = (graph_predict(ctx, Knobs(1, 1, 4, 4, ep=e)) for e in (1, 2))
+    expert_bytes = 4.0 * 2 * 4 * 3 * 8 * 12  # fp32, 2 layers x 4 experts x 3 (8 x 12) weights
+    assert whole.memory["weights"] - split.memory["weights"] == pytest.approx(expert_bytes / 2)
+    assert split.breakdown["compute"] > whole.breakdown["compute"]
+    rows = 4 * 8 * 4 * 2  # a rank's 4 tokens of 8 fp32 features, k = 2
+    # 2 routers; rank 0's peer holding the other experts is rank 2 (groups are data rows {0, 1} and {2, 3})
+    exchange = 2 * 4 * _coll("all_to_all", (0, 2), rows * 2, cluster=cluster)
+    assert split.breakdown["ep_comm"] == pytest.approx(exchange)
+
+
 def test_a_model_without_a_router_has_no_expert_axis() -> None:
     with sbpflow.meta_init():
         model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
@@ -123,9 +144,6 @@ def test_a_model_without_a_router_has_no_expert_axis() -> None:
 
 
 def _candidates(read: Any, devices: int, batch: int) -> list[Any]:
-    from sbpflow.autoparallel.graph_search import Cluster, candidates
-    from sbpflow.autoparallel.profiles import get_profile
-
     return candidates(read, Cluster(devices, get_profile("cpu"), devices), batch)
 
 

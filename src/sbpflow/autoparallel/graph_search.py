@@ -297,7 +297,8 @@ def _exchange(ctx: _Context, k: Knobs, scale: float, full: np.ndarray) -> np.nda
     """Seconds per micro-batch of the token exchange: a rank's routed rows (k per token) go to their experts and
     come back (two all-to-alls over the ep group), in forward and again in backward; once more forward under full
     recompute."""
-    group = tuple(range(0, k.ep * k.tp * k.cp, k.tp * k.cp))  # ep ranks lie on the data axis
+    stride = k.dp // k.ep * k.tp * k.cp  # a rank's peers in the other groups: parallelize's groups are data rows
+    group = tuple(range(0, k.ep * stride, stride))
     rows = ctx.routed * scale * k.ep  # the group's rows: an all-to-all's volume
     passes = 4 + 2 * full
     return passes * _priced(partial(_coll, "all_to_all", group, cluster=ctx.cluster), rows)
