@@ -132,6 +132,11 @@ def test_ep_splits_the_experts_state_and_prices_their_exchange() -> None:
     # 2 routers; rank 0's peer holding the other experts is rank 2 (groups are data rows {0, 1} and {2, 3})
     exchange = 2 * 4 * _coll("all_to_all", (0, 2), rows * 2, cluster=cluster)
     assert split.breakdown["ep_comm"] == pytest.approx(exchange)
+    # ZeRO-1 shards the optimizer state over all 4 data ranks, an expert's over its group's 2
+    adam = 8.0  # fp32 Adam: two moments
+    non_expert = read.param_count - expert_bytes / 4
+    zero = graph_predict(ctx, Knobs(1, 1, 4, 4, zero=1, ep=2))
+    assert zero.memory["optimizer"] == pytest.approx(adam * (non_expert / 4 + expert_bytes / 4 / 2 / 2))
 
 
 def test_a_model_without_a_router_has_no_expert_axis() -> None:
@@ -160,6 +165,14 @@ def test_an_ep2_plan_trains_as_one_device(factory: Factory) -> None:
     np.testing.assert_allclose(got, want, rtol=1e-4)
     moe = next(m for m in step.model.modules() if isinstance(m, nn.MoE))
     assert [len(e.w1.weight.placement.flat_ranks) for e in moe.experts] == [2, 2, 2, 2]
+
+
+def test_an_ep2_plan_with_zero_trains_as_one_device() -> None:
+    plan = _plan(_user_moe, 4, only=lambda k: k.ep == 2 and k.zero == 1 and k.tp == 1 and k.pp == 1)
+    assert (plan.knobs.ep, plan.knobs.zero) == (2, 1)
+    want, _ = _train(_user_moe, None)
+    got, _ = _train(_user_moe, plan)
+    np.testing.assert_allclose(got, want, rtol=1e-4)
 
 
 def test_a_cap_that_only_expert_splitting_meets_picks_ep() -> None:

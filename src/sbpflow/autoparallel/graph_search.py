@@ -1,4 +1,4 @@
-"""The plan search on a traced graph: mesh (tp × pp × dp × cp), stage cuts, micro-batches, schedule, ZeRO, recompute.
+"""The plan search on a traced graph: mesh (tp × pp × dp × cp, ep in dp), cuts, micro-batches, schedule, ZeRO, recompute
 
 The cost model is the sizes planner's (``predict``), applied per segment of the graph (``graph_model``):
 
@@ -20,7 +20,8 @@ The cost model is the sizes planner's (``predict``), applied per segment of the 
 * context parallel (``cp``, for steps whose attention is ``scaled_dot_product_attention``): a rank computes and
   keeps a cp-th of each sample's tokens (zigzag: equal causal work) and pays the ring's K/V hops, unoverlapped;
 * expert parallel (``ep``, for steps with routed experts, ``graph_model.Experts``): the experts are cut into ep
-  groups over the data axis, so a rank holds ``1/ep`` of their parameters, gradients and optimizer state; as
+  groups over the data axis, so a rank holds ``1/ep`` of their parameters, gradients and optimizer state (ZeRO
+  shards those over the group's ``dp/ep`` data ranks); as
   ``sbpflow.parallelize(expert=)`` runs them, a rank computes its ``E/ep`` experts on every data rank's tokens
   (``dp/ep`` times its share of the dense experts' work and activations); each token's k routed rows go to
   their experts and back, forward and backward, priced as all-to-alls over the ep group (``ep_comm``).
@@ -316,29 +317,34 @@ def _in_flight(k: Knobs, stage: int, m: int) -> float:
 
 
 def _stage_memory(ctx: _Context, k: Knobs, c: _Costs, stage: int, segs: list[int], m: int) -> dict[str, float]:
-    memory = _model_state(ctx.model, _unique_params(ctx.model, k, segs), k)
+    experts = _unique_params(ctx.model, k, segs, experts_only=True) if k.ep > 1 else 0.0
+    memory = _model_state(ctx.model, _unique_params(ctx.model, k, segs), k, experts)
     memory["activations"] = _in_flight(k, stage, m) * float(c.kept[segs].sum()) + c.working
     return memory
 
 
-def _model_state(model: GraphModel, params: float, k: Knobs) -> dict[str, float]:
-    """Model state bytes of a rank holding ``params`` parameters. Priced as the traced step holds them, also the
-    copies sbpflow's runtime makes under data parallelism, at most: the gradients flattened into their buckets
-    and, under ZeRO 1/2, the updated weights gathered whole (an upper bound: buckets may be smaller)."""
-    memory = model_state_bytes(params, k.dp, k.zero, model.state_bytes)
+def _model_state(model: GraphModel, params: float, k: Knobs, experts: float = 0.0) -> dict[str, float]:
+    """Model state bytes of a rank holding ``params`` parameters, ``experts`` of them an ep group's (ZeRO shards
+    those over the group's ``dp/ep`` data ranks). Priced as the traced step holds them, also the copies sbpflow's
+    runtime makes under data parallelism, at most: the gradients flattened into their buckets and, under ZeRO 1/2,
+    the updated weights gathered whole (an upper bound: buckets may be smaller)."""
+    memory = model_state_bytes(params - experts, k.dp, k.zero, model.state_bytes)
+    if experts:
+        for name, nbytes in model_state_bytes(experts, k.dp // k.ep, k.zero, model.state_bytes).items():
+            memory[name] += nbytes
     if model.traced and k.dp > 1:
         weight, grad, _ = model.state_bytes
         memory["buffers"] = params * (grad + (weight if k.zero in (1, 2) else 0.0))
     return memory
 
 
-def _unique_params(model: GraphModel, k: Knobs, segs: list[int]) -> float:
-    """Parameters one rank holds for these segments, a tied weight once."""
+def _unique_params(model: GraphModel, k: Knobs, segs: list[int], experts_only: bool = False) -> float:
+    """Parameters one rank holds for these segments (or of them, the experts'), a tied weight once."""
     seen: dict[int, float] = {}
     experts = model.experts.params if model.experts is not None else frozenset()
     for i in segs:
         seen.update({v: (n / k.tp if split else n) / (k.ep if v in experts else 1)
-                     for v, (n, split) in model.segments[i].params.items()})
+                     for v, (n, split) in model.segments[i].params.items() if v in experts or not experts_only})
     return sum(seen.values())
 
 
@@ -349,7 +355,8 @@ def _cut(ctx: _Context, k: Knobs, c: _Costs, m: int) -> tuple[int, ...] | None:
     if n < chunks:
         return None
     usable = ctx.cluster.profile.usable_memory
-    state = sum(_model_state(ctx.model, 1.0, k).values())
+    # bytes per parameter, an expert's where they differ (ZeRO shards those over fewer ranks): at most
+    state = sum(_model_state(ctx.model, 1.0, k, experts=1.0 if k.ep > 1 else 0.0).values())
 
     def pack(limit: float) -> tuple[int, ...] | None:
         """Each chunk takes segments from where the last ended up to the latest end at which it (its segments,
@@ -479,7 +486,7 @@ def candidates(model: GraphModel, cluster: Cluster, batch: int) -> list[Knobs]:
                 for mb in (b for b in MICRO_BATCHES if batch % (dp * b) == 0):
                     m = batch // (dp * mb)
                     for ep in _ep_degrees(model, dp, cp):
-                        for zero in (0, 1, 2, 3) if dp > 1 and cp == 1 and ep == 1 else (0,):
+                        for zero in (0, 1, 2, 3) if dp > 1 and cp == 1 else (0,):
                             for recompute in RECOMPUTE:
                                 for schedule, virtual in _schedules(pp, m, n):
                                     out.append(Knobs(tp, pp, dp, mb, zero, recompute, schedule, virtual, cp, ep))
@@ -488,8 +495,7 @@ def candidates(model: GraphModel, cluster: Cluster, batch: int) -> list[Knobs]:
 
 def _ep_degrees(model: GraphModel, dp: int, cp: int) -> list[int]:
     """Expert-parallel degrees: 1, and with routed experts every divisor of dp that divides the experts (without
-    context parallelism or ZeRO: ``sbpflow.parallelize`` cuts expert groups on a (data, tensor) mesh and keeps
-    their parameters whole on it)."""
+    context parallelism: ``sbpflow.parallelize`` cuts expert groups on a (data, tensor) mesh)."""
     if model.experts is None or cp > 1:
         return [1]
     return [d for d in _divisors(dp) if model.experts.count % d == 0]
