@@ -20,6 +20,7 @@ from sbpflow.autoparallel.graph_plan import Plan
 from sbpflow.autoparallel.graph_search import Cluster, Knobs, _coll, _Context, candidates
 from sbpflow.autoparallel.graph_search import predict as graph_predict
 from sbpflow.autoparallel.profiles import get_profile
+from sbpflow.errors import PlanError
 from sbpflow.models.moe import Mixtral, MixtralConfig
 from sbpflow.nn import functional as F
 from sbpflow.nn.trace_step import trace_training_step
@@ -245,3 +246,14 @@ def test_a_cap_between_none_and_full_recomputes_some_blocks_and_fits_by_the_comp
     assert [b.config.activation_checkpointing for b in step.model.blocks] == [m == "full" for m in modes]
     assert max(step._last.plan.peak_bytes.values()) <= cap
     np.testing.assert_allclose(got, want, rtol=1e-4)
+
+
+def test_plans_that_recompute_some_blocks_pass_the_callers_filter() -> None:
+    """A caller that runs no recompute (eager training's filter) gets no plan recomputing some blocks: under a cap
+    only those meet, the search says nothing fits."""
+    one = lambda k: k.micro_batch == 32  # noqa: E731
+    keep = _plan(_chain_net, 1, only=lambda k: one(k) and k.recompute == "none")
+    full = _plan(_chain_net, 1, only=lambda k: one(k) and k.recompute == "full")
+    cap = (keep.memory_per_device + full.memory_per_device) / 2
+    with pytest.raises(PlanError, match="would fit it"):
+        _plan(_chain_net, 1, only=lambda k: one(k) and k.recompute == "none", memory_per_device=cap)

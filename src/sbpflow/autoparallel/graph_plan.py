@@ -191,7 +191,7 @@ def plan_graph(g: LogicalGraph, devices: int, profile: str | DeviceProfile = "cp
     cluster = Cluster(devices, found, min(gpus_per_node or found.gpus_per_node, devices))
     batch = batch or model.batch
     plans = None if only is None else [k for k in candidates(model, cluster, batch) if only(k)]
-    result = search_graph(model, cluster, batch, keep=keep, only=plans)
+    result = search_graph(model, cluster, batch, keep=keep, only=plans, accept=only)
     return make_plan(model, cluster, result)
 
 

@@ -519,8 +519,10 @@ def _divisors(n: int) -> tuple[int, ...]:
 
 
 def search_graph(model: GraphModel, cluster: Cluster, batch: int, keep: int = 5,
-                 only: list[Knobs] | None = None) -> GraphSearch:
-    """The fastest plan that fits, with ``keep - 1`` runners-up; ``only`` restricts the candidates."""
+                 only: list[Knobs] | None = None, accept: Callable[[Knobs], bool] | None = None) -> GraphSearch:
+    """The fastest plan that fits, with ``keep - 1`` runners-up; ``only`` restricts the candidates, and the plans
+    recomputing some blocks derived from them (:func:`_mixed_recompute`) are tried only where ``accept`` takes
+    them (always without ``only``, never with ``only`` alone)."""
     start = time.perf_counter()
     ctx = _Context(model, cluster, batch)
     plans = only if only is not None else candidates(model, cluster, batch)
@@ -545,9 +547,11 @@ def search_graph(model: GraphModel, cluster: Cluster, batch: int, keep: int = 5,
     for over in sorted((p for p in too_big if p.knobs.recompute == "none"), key=lambda p: p.step_time):
         if len(good) >= keep and over.step_time > good[keep - 1].step_time:
             break  # recomputing some blocks only adds time
+        if only is not None and accept is None:
+            break
         mixed = _mixed_recompute(ctx, over.knobs)
         costed += len(mixed)
-        good.extend(p for p in mixed if p.fits)
+        good.extend(p for p in mixed if p.fits and (accept is None or accept(p.knobs)))
         good.sort(key=lambda p: p.step_time)
     if not good:
         too_big += [predict(ctx, k) for k in _smallest_memory(plans, too_big)]
