@@ -257,3 +257,15 @@ def test_plans_that_recompute_some_blocks_pass_the_callers_filter() -> None:
     cap = (keep.memory_per_device + full.memory_per_device) / 2
     with pytest.raises(PlanError, match="would fit it"):
         _plan(_chain_net, 1, only=lambda k: one(k) and k.recompute == "none", memory_per_device=cap)
+
+
+def test_plans_that_run_the_traced_step_recompute_as_nn_graph_can() -> None:
+    """nn.Graph recomputes by checkpointing whole modules: a plan that runs the traced step is offered none and
+    full only; a what-if (mixed precision, for accelerators) also selective."""
+    with sbpflow.meta_init():
+        model = ChainNet()
+        x, y = sbpflow.randn(32, 16), sbpflow.zeros(32, dtype=torch.int64)
+    g = trace_training_step(model, (x, y))
+    traced, mixed = (read_graph(g, precision) for precision in ("traced", "mixed"))
+    assert {k.recompute for k in _candidates(traced, 2, 32)} == {"none", "full"}
+    assert {k.recompute for k in _candidates(mixed, 2, 32)} == {"none", "selective", "full"}

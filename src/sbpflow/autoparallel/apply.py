@@ -176,7 +176,7 @@ def configure_graph(graph: Any, plan: Plan) -> None:
     """Sets an ``nn.Graph``'s config to a graph plan's knobs: micro-batches, ZeRO stage, pipeline schedule, and
     activation checkpointing of the repeated blocks that the plan fully recomputes (all, or per block). (The
     layout itself is ``sbpflow.parallelize(model, **plan.parallelize_kwargs())``.) Selective recompute has no graph
-    setting yet: such a plan runs with every activation kept, more than its memory prediction.
+    setting yet (the planner offers it to what-ifs only): such a plan runs with every activation kept.
 
     >>> from types import SimpleNamespace
     >>> calls = []

@@ -487,10 +487,16 @@ def candidates(model: GraphModel, cluster: Cluster, batch: int) -> list[Knobs]:
                     m = batch // (dp * mb)
                     for ep in _ep_degrees(model, dp, cp):
                         for zero in (0, 1, 2, 3) if dp > 1 and cp == 1 else (0,):
-                            for recompute in RECOMPUTE:
+                            for recompute in _recomputes(model):
                                 for schedule, virtual in _schedules(pp, m, n):
                                     out.append(Knobs(tp, pp, dp, mb, zero, recompute, schedule, virtual, cp, ep))
     return out
+
+
+def _recomputes(model: GraphModel) -> tuple[str, ...]:
+    """The recompute choices: all for a what-if; none and full for plans that run the traced step, as nn.Graph
+    recomputes only by activation checkpointing of whole modules (selective recompute has no graph setting)."""
+    return ("none", "full") if model.traced else RECOMPUTE
 
 
 def _ep_degrees(model: GraphModel, dp: int, cp: int) -> list[int]:
@@ -562,12 +568,12 @@ def search_graph(model: GraphModel, cluster: Cluster, batch: int, keep: int = 5,
 
 def _mixed_recompute(ctx: _Context, k: Knobs) -> list[GraphPrediction]:
     """Plans of ``k`` (which keeps every activation) with its first ``j`` repeated blocks fully recomputed and the
-    rest kept (or, for a what-if that need not run the traced step, recomputed selectively): per choice of the
+    rest kept (or, for a what-if, which need not run the traced step, recomputed selectively): per choice of the
     rest, the smallest ``j`` that fits (bisection: memory falls as ``j`` grows), and the plan at ``j`` when none
     does. Early blocks first: under 1F1B the first stages hold the most micro-batches in flight."""
     blocks = int(ctx.block_first.sum())
     out = []
-    for rest in ("none",) if ctx.model.traced else ("none", "selective"):
+    for rest in _recomputes(ctx.model)[:-1]:  # (not full: that is the uniform plan)
         def at(j: int, rest: str = rest) -> GraphPrediction:
             modes = ("full",) * j + (rest,) * (blocks - j)
             return predict(ctx, replace(k, recompute="full", block_recompute=modes))
