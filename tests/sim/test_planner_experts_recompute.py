@@ -6,6 +6,7 @@ recomputes some blocks only, fits by the compiler's own peak and trains as one d
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -269,3 +270,17 @@ def test_plans_that_run_the_traced_step_recompute_as_nn_graph_can() -> None:
     traced, mixed = (read_graph(g, precision) for precision in ("traced", "mixed"))
     assert {k.recompute for k in _candidates(traced, 2, 32)} == {"none", "full"}
     assert {k.recompute for k in _candidates(mixed, 2, 32)} == {"none", "selective", "full"}
+
+
+def test_a_plan_recomputing_blocks_the_model_lacks_raises_before_anything_moves() -> None:
+    plan = _plan(_chain_net, 1, only=lambda k: k.micro_batch == 32 and k.recompute == "none")
+    plan = replace(plan, knobs=replace(plan.knobs, recompute="full", block_recompute=("full", "none")))
+    sbpflow.manual_seed(0)
+    model, loss, batch = _chain_net()
+    step = Step(model, loss)
+    step.config.set_plan(plan)
+    x, y = batch(torch.Generator().manual_seed(1))
+    with pytest.raises(PlanError, match="names 4 blocks .* for 2 choices"):
+        step(sbpflow.tensor(x), sbpflow.tensor(y))
+    assert not any(p.is_global for p in model.parameters())
+    assert not any(b.config.activation_checkpointing for b in model.blocks)

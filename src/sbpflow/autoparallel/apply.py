@@ -53,6 +53,7 @@ def _plan_and_lay_out(graph: Any, args: tuple[Any, ...]) -> Strategy:
     if plan is None:
         devices, profile, memory = graph.config.auto_parallel
         plan = plan_model(graph, args, devices, profile, memory_per_device=memory)
+    _named_blocks(graph, plan.recomputed_blocks())  # (checked before the model moves)
     strategy = lay_out(model, plan)
     configure_graph(graph, plan)
     object.__setattr__(graph, "auto_plan", plan)
