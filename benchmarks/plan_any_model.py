@@ -125,8 +125,9 @@ def main() -> None:
         "column/row styles cannot express), which the graph planner does not: that search is the faster by the "
         "difference between the two sizes rows. ZeRO-2/3 differ most in time: the graph planner also counts the "
         "embeddings' parameters in their per-micro-batch traffic, which the sizes planner leaves out. "
-        "Full-recompute plans differ most in memory: the graph planner cuts a block in two (after attention and "
-        "after the MLP, where one tensor crosses) and keeps both inputs.",
+        "Under full recompute both keep a block's input alone (the graph planner cuts a block in two, after "
+        "attention and after the MLP, but recomputes the whole block as activation checkpointing of its module "
+        "does).",
         "",
         f"Machine: {machine()}.",
     ])

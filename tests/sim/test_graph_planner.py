@@ -218,13 +218,13 @@ def test_plan_json_round_trip_and_parallelize_kwargs(tmp_path: Any) -> None:
     text = plan.explain()
     assert "predicted step" in text and "memory on the fullest device" in text and "runner-up" in text
     kwargs = plan.parallelize_kwargs()
-    assert set(kwargs) == {"data", "tensor", "pipeline", "virtual", "context", "plan", "stages"}
+    assert set(kwargs) == {"data", "tensor", "pipeline", "virtual", "context", "expert", "plan", "stages"}
     names = dict(model.named_modules())
     for glob in kwargs["plan"]:
         assert any(fnmatch.fnmatch(name, glob) for name in names), glob
     if kwargs["stages"] is not None:
         assert all(start in names for start in kwargs["stages"])
-    assert set(plan.graph_config()) == {"zero", "micro_batches", "schedule", "recompute"}
+    assert set(plan.graph_config()) == {"zero", "micro_batches", "schedule", "recompute", "recomputed_blocks"}
     assert set(plan.sbp) == {name for name, _ in model.named_parameters()}
 
 

@@ -53,6 +53,7 @@ def _plan_and_lay_out(graph: Any, args: tuple[Any, ...]) -> Strategy:
     if plan is None:
         devices, profile, memory = graph.config.auto_parallel
         plan = plan_model(graph, args, devices, profile, memory_per_device=memory)
+    _named_blocks(graph, plan.recomputed_blocks())  # (checked before the model moves)
     strategy = lay_out(model, plan)
     configure_graph(graph, plan)
     object.__setattr__(graph, "auto_plan", plan)
@@ -174,9 +175,9 @@ def plan_step(graph: Any, args: tuple[Any, ...], devices: int, profile: str | De
 
 def configure_graph(graph: Any, plan: Plan) -> None:
     """Sets an ``nn.Graph``'s config to a graph plan's knobs: micro-batches, ZeRO stage, pipeline schedule, and
-    activation checkpointing of the repeated blocks under full recompute. (The layout itself is
-    ``sbpflow.parallelize(model, **plan.parallelize_kwargs())``.) Selective recompute has no graph setting yet:
-    such a plan runs with every activation kept, which its memory prediction over-estimates nothing of.
+    activation checkpointing of the repeated blocks that the plan fully recomputes (all, or per block). (The
+    layout itself is ``sbpflow.parallelize(model, **plan.parallelize_kwargs())``.) Selective recompute has no graph
+    setting yet (the planner offers it to what-ifs only): such a plan runs with every activation kept.
 
     >>> from types import SimpleNamespace
     >>> calls = []
@@ -193,9 +194,8 @@ def configure_graph(graph: Any, plan: Plan) -> None:
         config.enable_zero(stage=plan.knobs.zero)
     if plan.knobs.pp > 1:
         config.set_pipeline_schedule(plan.knobs.schedule)
-    if plan.knobs.recompute == "full":
-        for module in _named_blocks(graph, plan.blocks):
-            module.config.activation_checkpointing = True
+    for module in _named_blocks(graph, plan.recomputed_blocks()):
+        module.config.activation_checkpointing = True
 
 
 def _named_blocks(graph: Any, names: list[str]) -> list[Any]:

@@ -268,7 +268,7 @@ _PLAN_FIELDS = {
     "memory_gb": {"type": "object", "required": ["weights", "gradients", "optimizer", "activations"],
                   "additionalProperties": _NUMBER},
     "breakdown": {"type": "object", "required": list(TIME_KEYS), "additionalProperties": False,
-                  "properties": {k: _NUMBER for k in (*TIME_KEYS, "cp_comm")}},
+                  "properties": {k: _NUMBER for k in (*TIME_KEYS, "cp_comm", "ep_comm")}},
     "block": {"oneOf": [{"type": "null"}, {
         "type": "object", "required": ["choices", "method", "layout", "megatron", "seconds", "comm_seconds"],
         "properties": {"choices": {"type": "object", "additionalProperties": {"type": "string"}},
@@ -276,7 +276,7 @@ _PLAN_FIELDS = {
                        "megatron": {"type": "boolean"}, "seconds": _NUMBER, "comm_seconds": _NUMBER}}]},
 }
 
-_CP = {"type": "integer", "minimum": 1}  # the graph planner's context-parallel degree (optional)
+_CP = {"type": "integer", "minimum": 1}  # the graph planner's context- and expert-parallel degrees (optional)
 PLAN_SCHEMA: dict[str, Any] = {
     "$schema": "https://json-schema.org/draft/2020-12/schema",
     "title": "sbpflow plan --json",
@@ -284,13 +284,14 @@ PLAN_SCHEMA: dict[str, Any] = {
     "required": [*_PLAN_FIELDS, "model", "cluster", "batch", "runners_up", "search", "stages", "sbp"],
     "properties": {
         **_PLAN_FIELDS,
-        "cp": _CP,
+        "cp": _CP, "ep": _CP,
+        "block_recompute": {"type": "array", "items": {"enum": ["none", "selective", "full"]}},  # per block, or []
         "model": {"type": "object", "required": ["layers", "hidden", "heads", "seq", "vocab", "parameters"]},
         "cluster": {"type": "object", "required": ["devices", "device", "gpus_per_node"]},
         "batch": {"type": "integer", "minimum": 1},
         "runners_up": {"type": "array", "items": {
             "type": "object", "required": [*_PLAN_FIELDS, "why"],
-            "properties": {**_PLAN_FIELDS, "cp": _CP, "why": {"type": "string"}}}},
+            "properties": {**_PLAN_FIELDS, "cp": _CP, "ep": _CP, "why": {"type": "string"}}}},
         "search": {"oneOf": [{"type": "null"}, {"type": "object", "required": ["candidates", "costed", "seconds"]}]},
         "stages": {"type": "array", "minItems": 1,
                    "items": {"type": "array", "items": {"type": "string"}}},

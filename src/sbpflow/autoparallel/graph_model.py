@@ -74,6 +74,18 @@ class Segment:
         return self.modules[0] if self.modules else ""
 
 
+@dataclass(frozen=True)
+class Experts:
+    """A step's routed experts, read off its router ops (``topk_router``): the ops that run an expert's tokens, and
+    what expert parallelism splits (their parameters) and exchanges (each token's k routed rows, each way)."""
+
+    count: int  # experts per router (the fewest of any router: ep must divide every layer's)
+    op: np.ndarray  # per forward op: runs an expert (its weights split over ep)
+    params: frozenset[int]  # the experts' parameter value ids
+    routed_bytes: np.ndarray  # per forward op: at a router, its tokens' bytes times k (rows routed), traced batch
+    kept: np.ndarray  # per segment: (whole, split by tp) bytes the expert ops keep for backward, traced batch
+
+
 @dataclass
 class GraphModel:
     """A traced training step as the planner prices it (see the module docstring)."""
@@ -102,6 +114,7 @@ class GraphModel:
     traced: bool = False  # bytes as the traced step holds them on sbpflow's runtime (precision="traced")
     kv_bytes: np.ndarray | None = None  # per forward op: an attention's K and V bytes at the traced batch, else 0
     seq_len: int = 0  # the sequence length attention sees (its query rows), 0 without attention
+    experts: Experts | None = None  # routed experts (a MoE's), found on the graph; None without a router
 
     @property
     def param_count(self) -> int:
@@ -297,7 +310,8 @@ class _Reader:
         names = {v: self.params[v] for v in self.params}
         attention = [n for n in self.forward if n.name == "scaled_dot_product_attention"]
         seq = g.values[attention[0].inputs[0]].shape[-2] if attention else 0
-        return GraphModel(state_bytes=self._state_bytes() if self.traced else MIXED_STATE, traced=self.traced,
+        return GraphModel(experts=self._experts(segments, split_vals),
+            state_bytes=self._state_bytes() if self.traced else MIXED_STATE, traced=self.traced,
             kv_bytes=np.array([sum(self._bytes(v) for v in n.inputs[1:3]) if n in attention else 0.0
                                for n in self.forward]), seq_len=seq,
             batch=self.batch, names=[n.name for n in self.forward], modules=modules,
@@ -439,6 +453,73 @@ class _Reader:
                 todo.extend(reader.outputs)
         return region, ends
 
+    # -- routed experts ----------------------------------------------------------------------------
+
+    def _experts(self, segments: list[Segment], split_vals: set[int]) -> Experts | None:
+        """The routed experts of every router (see :class:`Experts`): an expert is the forward ops between the
+        router's tokens (its gate's input) and a product with a routing weight (the dense form, every expert on
+        every token), or a ``member_experts`` op (the traced exchange)."""
+        routers = [n for n in self.forward if n.name == "topk_router"]
+        if not routers:
+            return None
+        ops: set[int] = set()
+        routed = np.zeros(len(self.forward))
+        counts = []
+        for router in routers:
+            tokens = self._router_tokens(router)
+            counts.append(self.g.values[router.outputs[1]].shape[-1])  # probabilities (..., E)
+            k = self.g.values[router.outputs[0]].shape[-1]  # routing weights (..., k)
+            routed[self.position[router.id]] = self._bytes(tokens) * k
+            ops |= self._expert_ops(router, tokens)
+        ops |= {n.id for n in self.forward if n.name == "member_experts"}
+        params = frozenset(v for i in ops for v in self._node(i).inputs if v in self.params)
+        kept = np.zeros((len(segments), 2))
+        for i, segment in enumerate(segments):
+            for n in self.forward[segment.lo:segment.hi]:
+                for v in n.outputs if n.id in ops else ():
+                    if any(r.id in self.backward for r in self.readers.get(v, [])):
+                        kept[i, int(v in split_vals)] += self._bytes(v)
+        return Experts(min(counts), np.array([n.id in ops for n in self.forward]), params, routed, kept)
+
+    def _router_tokens(self, router: LNode) -> int:
+        """The tokens a router routes: the input of the Linear-like op (its gate) that makes its logits, through
+        casts and other ops without parameters."""
+        producer = {v: n for n in self.forward for v in n.outputs}
+        value = router.inputs[0]
+        while value in producer:
+            n = producer[value]
+            if self._weight(n) is not None:
+                return n.inputs[0]
+            value = n.inputs[0]
+        return router.inputs[0]
+
+    def _expert_ops(self, router: LNode, tokens: int) -> set[int]:
+        """Forward ops that the router's tokens reach, the routing does not, and whose result a routing weight
+        multiplies: each expert's (a shared expert's sum is not weighted by the routing)."""
+        routing = self._descendants(set(router.outputs))
+        reached = self._descendants({tokens})
+        producer = {v: n for n in self.forward for v in n.outputs}
+        out: set[int] = set()
+        for n in self.forward:
+            if n.name != "mul" or not any(v in routing for v in n.inputs):
+                continue
+            todo = [v for v in n.inputs if v not in routing and v in reached and v != tokens]
+            while todo:
+                op = producer.get(todo.pop())
+                if op is None or op.id in out or not all(v in reached for v in op.outputs):
+                    continue
+                out.add(op.id)
+                todo.extend(v for v in op.inputs if v in reached and v not in routing and v != tokens)
+        return out
+
+    def _descendants(self, seeds: set[int]) -> set[int]:
+        """Forward values computed from ``seeds`` (the seeds included)."""
+        out = set(seeds)
+        for n in self.forward:
+            if any(v in out for v in n.inputs):
+                out.update(n.outputs)
+        return out
+
     # -- activations and cuts ----------------------------------------------------------------------
 
     def _wide(self, layout: _Layout) -> set[int]:
@@ -550,9 +631,10 @@ def _two_largest(spans: list[tuple[int, int, float]], n: int) -> tuple[np.ndarra
     return first, second
 
 
-def segment_times(model: GraphModel, micro_batch: float, tp: int, profile: DeviceProfile
-                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Per segment, seconds of one micro-batch: (forward, the forward of its wide values, model FLOPs forward).
+def segment_times(model: GraphModel, micro_batch: float, tp: int, profile: DeviceProfile,
+                  only: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per segment, seconds of one micro-batch: (forward, the forward of its wide values, model FLOPs forward);
+    ``only`` (per forward op) counts those ops alone.
 
     Each op is a roofline kernel on its per-rank share: ``micro_batch / batch`` of the traced work when it
     scales with the batch, and ``1 / tp`` when tensor parallelism splits it.
@@ -563,6 +645,8 @@ def segment_times(model: GraphModel, micro_batch: float, tp: int, profile: Devic
     memory = nbytes / profile.memory_throughput
     launch = np.where(model.nbytes + model.flops > 0, profile.launch_s, 0.0)  # layout ops launch nothing
     per_op = np.maximum(compute, memory) + launch
+    if only is not None:
+        per_op, flops = np.where(only, per_op, 0.0), np.where(only, flops, 0.0)
     bounds = np.array([s.lo for s in model.segments])
     forward = np.add.reduceat(per_op, bounds)
     wide = np.add.reduceat(np.where(model.wide_op, per_op, 0.0), bounds)

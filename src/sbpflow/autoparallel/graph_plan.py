@@ -66,7 +66,7 @@ class Plan:
     def parallelize_kwargs(self) -> dict[str, Any]:
         """The keyword arguments of ``sbpflow.parallelize(model, **kwargs)`` that lay this plan out."""
         k = self.knobs
-        return {"data": k.dp, "tensor": k.tp, "pipeline": k.pp, "virtual": k.virtual, "context": k.cp,
+        return {"data": k.dp, "tensor": k.tp, "pipeline": k.pp, "virtual": k.virtual, "context": k.cp, "expert": k.ep,
                 "plan": dict(self.styles),
                 "stages": [stage[0] for stage in self.stages] if k.pp > 1 else None}
 
@@ -74,7 +74,17 @@ class Plan:
         """What the ``nn.Graph`` config takes besides the layout: ZeRO stage, micro-batches, schedule, recompute."""
         k = self.knobs
         return {"zero": k.zero, "micro_batches": self.micro_batches, "schedule": k.schedule,
-                "recompute": k.recompute}
+                "recompute": k.recompute, "recomputed_blocks": self.recomputed_blocks()}
+
+    def recomputed_blocks(self) -> list[str]:
+        """The repeated blocks (module names) this plan fully recomputes: all under ``recompute="full"``, else
+        those whose ``block_recompute`` is "full"."""
+        k = self.knobs
+        modes = k.block_recompute or (k.recompute,) * len(self.blocks)
+        if len(modes) != len(self.blocks):
+            raise PlanError(f"the plan recomputes per repeated block, one choice each, but names {len(self.blocks)} "
+                            f"blocks ({', '.join(self.blocks)}) for {len(modes)} choices")
+        return [name for name, mode in zip(self.blocks, modes, strict=True) if mode == "full"]
 
     def explain(self) -> str:
         """What was chosen, the predicted time and memory by component, and the runners-up and why they lost."""
@@ -115,9 +125,9 @@ class Plan:
         k = self.knobs
         other = [dict(r["fields"], why=r["why"]) for r in self.runners_up]
         return {
-            "tp": k.tp, "pp": k.pp, "dp": k.dp, "cp": k.cp, "micro_batch": k.micro_batch, "zero": k.zero,
-            "recompute": k.recompute, "virtual": k.virtual, "schedule": k.schedule,
-            "stage_layers": [len(s) for s in self.stages], "step_time_s": self.step_time,
+            "tp": k.tp, "pp": k.pp, "dp": k.dp, "cp": k.cp, "ep": k.ep, "micro_batch": k.micro_batch, "zero": k.zero,
+            "recompute": k.recompute, "block_recompute": list(k.block_recompute), "virtual": k.virtual,
+            "schedule": k.schedule, "stage_layers": [len(s) for s in self.stages], "step_time_s": self.step_time,
             "tflops_per_device": self.tflops_per_device, "model_tflops_per_device": self.model_tflops_per_device,
             "mfu": self.mfu, "memory_per_device_gb": self.memory_per_device / GB,
             "fits": self.memory_per_device <= self.usable_memory,
@@ -135,7 +145,8 @@ class Plan:
         try:
             data = json.loads(text)
             data = data.get("replay", data)  # sbpflow plan --json's object holds the plan under "replay"
-            data["knobs"] = Knobs(**data["knobs"])
+            knobs = data["knobs"]
+            data["knobs"] = Knobs(**dict(knobs, block_recompute=tuple(knobs.get("block_recompute", ()))))
             return cls(**data)
         except (ValueError, TypeError, KeyError) as e:
             raise PlanError(f"a plan file is the JSON that Plan.to_json writes, but this one could not be read: "
@@ -180,7 +191,7 @@ def plan_graph(g: LogicalGraph, devices: int, profile: str | DeviceProfile = "cp
     cluster = Cluster(devices, found, min(gpus_per_node or found.gpus_per_node, devices))
     batch = batch or model.batch
     plans = None if only is None else [k for k in candidates(model, cluster, batch) if only(k)]
-    result = search_graph(model, cluster, batch, keep=keep, only=plans)
+    result = search_graph(model, cluster, batch, keep=keep, only=plans, accept=only)
     return make_plan(model, cluster, result)
 
 
@@ -225,7 +236,8 @@ def _other(p: GraphPrediction, best: GraphPrediction, cluster: Cluster, segments
     bounds = list(p.cuts) + [segments]
     return {"plan": str(k), "step_time": p.step_time, "memory": p.memory_per_device,
             "why": f"{(p.step_time / best.step_time - 1) * 100:.1f}% slower: {why}",
-            "fields": {"tp": k.tp, "pp": k.pp, "dp": k.dp, "cp": k.cp, "micro_batch": k.micro_batch, "zero": k.zero,
+            "fields": {"tp": k.tp, "pp": k.pp, "dp": k.dp, "cp": k.cp, "ep": k.ep, "micro_batch": k.micro_batch,
+                       "zero": k.zero,
                        "recompute": k.recompute, "virtual": k.virtual, "schedule": k.schedule,
                        "stage_layers": [b - a for a, b in zip(bounds[:-1], bounds[1:], strict=True)],
                        "step_time_s": p.step_time, "tflops_per_device": p.tflops_per_device,

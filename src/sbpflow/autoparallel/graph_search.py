@@ -1,4 +1,4 @@
-"""The plan search on a traced graph: mesh (tp × pp × dp × cp), stage cuts, micro-batches, schedule, ZeRO, recompute.
+"""The plan search on a traced graph: mesh (tp × pp × dp × cp, ep in dp), cuts, micro-batches, schedule, ZeRO, recompute
 
 The cost model is the sizes planner's (``predict``), applied per segment of the graph (``graph_model``):
 
@@ -6,6 +6,7 @@ The cost model is the sizes planner's (``predict``), applied per segment of the 
   devices compute at once than the cores they share (``DeviceProfile.stretch``: a CPU host's processes);
   forward + backward is three forwards; recompute reruns the segment's forward ("full") or the ops that make
   its wide values ("selective"); its tensor-parallel all-reduces are priced by α-β (again forward under "full");
+  each repeated block (``GraphModel.block_starts``) takes its own recompute choice (``Knobs.block_recompute``);
 * ZeRO-2/3 traffic per micro-batch and the gradient sync and optimizer step at the end are ``predict``'s
   functions of the parameters a stage holds;
 * a stage's time is the sum of its segments plus its sends (the one activation crossing each cut);
@@ -13,9 +14,17 @@ The cost model is the sizes planner's (``predict``), applied per segment of the 
   of the bubble with weight-gradient work, so it pays a third of 1F1B's;
 * memory per rank: model state under ZeRO (``cost.model_state_bytes``), plus the activations kept by the
   micro-batches in flight (1F1B: ``min(p - i, m)`` on stage ``i``), plus the working set of the largest
-  segment under full recompute or of ZeRO-3's gathered weights;
+  block under full recompute (which keeps only its input, as a module's activation checkpointing does) or of
+  ZeRO-3's gathered weights; under a memory cap, a plan that keeps every activation and does not fit is tried
+  again with its first blocks fully recomputed, as few as fit (:func:`_mixed_recompute`);
 * context parallel (``cp``, for steps whose attention is ``scaled_dot_product_attention``): a rank computes and
-  keeps a cp-th of each sample's tokens (zigzag: equal causal work) and pays the ring's K/V hops, unoverlapped.
+  keeps a cp-th of each sample's tokens (zigzag: equal causal work) and pays the ring's K/V hops, unoverlapped;
+* expert parallel (``ep``, for steps with routed experts, ``graph_model.Experts``): the experts are cut into ep
+  groups over the data axis, so a rank holds ``1/ep`` of their parameters, gradients and optimizer state (ZeRO
+  shards those over the group's ``dp/ep`` data ranks); as
+  ``sbpflow.parallelize(expert=)`` runs them, a rank computes its ``E/ep`` experts on every data rank's tokens
+  (``dp/ep`` times its share of the dense experts' work and activations); each token's k routed rows go to
+  their experts and back, forward and backward, priced as all-to-alls over the ep group (``ep_comm``).
 
 Stage cuts: for a given slowest-stage time, a greedy pass packs segments into stages in order under the time
 and each stage's memory limit; a bisection finds the smallest time the greedy pass meets. Candidates are
@@ -26,8 +35,9 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
+from typing import Any
 
 import numpy as np
 
@@ -66,12 +76,27 @@ class Knobs:
     schedule: str = "1f1b"
     virtual: int = 1  # chunks per stage (interleaved 1F1B)
     cp: int = 1  # context parallel: each sequence split zigzag over cp ranks (attention as a ring)
+    ep: int = 1  # expert parallel: routed experts cut into ep groups over the data axis
+    block_recompute: tuple[str, ...] = ()  # per repeated block, in order, its recompute; () all ``recompute``
 
     def __str__(self) -> str:
         sched = "" if self.pp == 1 else f" {self.schedule}" + (f" x{self.virtual}" if self.virtual > 1 else "")
         cp = f" cp{self.cp}" if self.cp > 1 else ""
+        cp += f" ep{self.ep}" if self.ep > 1 else ""
         return (f"tp{self.tp} pp{self.pp} dp{self.dp}{cp} micro-batch {self.micro_batch} zero{self.zero} "
-                f"recompute={self.recompute}{sched}")
+                f"recompute={self._recompute()}{sched}")
+
+    def _recompute(self) -> str:
+        """``full``, or per block in runs: ``full x2 + none x6``."""
+        if not self.block_recompute:
+            return self.recompute
+        runs: list[list[Any]] = []
+        for mode in self.block_recompute:
+            if runs and runs[-1][0] == mode:
+                runs[-1][1] += 1
+            else:
+                runs.append([mode, 1])
+        return " + ".join(f"{mode} x{n}" for mode, n in runs)
 
     def parallel_plan(self) -> ParallelPlan:
         """The sizes planner's description of the same plan (its helpers price dp groups and sends from it): the
@@ -143,12 +168,40 @@ class _Context:
         self.kept = np.array([s.kept for s in segs])
         self.wide = np.array([s.wide for s in segs])
         self.out_bytes = np.array([s.out_bytes for s in segs])
+        self._experts(model)
         kv = model.kv_bytes if model.kv_bytes is not None else np.zeros(len(model.flops))
         self.kv_bytes = np.array([float(kv[s.lo:s.hi].sum()) for s in segs])
         self.kv_count = np.array([float((kv[s.lo:s.hi] > 0).sum()) for s in segs])
+        starts = model.block_starts()
+        self.block_of = np.full(len(segs), -1)  # per segment: the repeated block it belongs to, -1 outside them
+        for b, (lo, hi) in enumerate(zip(starts, [*starts[1:], len(segs)][:len(starts)], strict=True)):
+            self.block_of[lo:hi] = np.where(model.block[lo:hi], b, -1)
+        self.block_first = np.array([b >= 0 and (i == 0 or self.block_of[i - 1] != b)
+                                     for i, b in enumerate(self.block_of)])
         # ZeRO gathers and scatters per module holding a block (FSDP's unit): the first segment of each pays α
         parents = [s.first_module.rpartition(".")[0] for s in segs]
         self.unit_start = np.array([float(i == 0 or parents[i] != parents[i - 1]) for i in range(len(segs))])
+
+    def _experts(self, model: GraphModel) -> None:
+        """Per segment: the experts' parameters (whole, split by tp), the bytes their ops keep, and the rows routed."""
+        n, experts = len(model.segments), model.experts
+        self.expert_whole, self.expert_split, self.expert_kept = np.zeros(n), np.zeros(n), np.zeros((n, 2))
+        self.routed = np.zeros(n)
+        if experts is None:
+            return
+        for i, s in enumerate(model.segments):
+            self.expert_whole[i] = sum(e for v, (e, split) in s.params.items() if v in experts.params and not split)
+            self.expert_split[i] = sum(e for v, (e, split) in s.params.items() if v in experts.params and split)
+            self.routed[i] = float(experts.routed_bytes[s.lo:s.hi].sum())
+        self.expert_kept = experts.kept
+
+    def expert_times(self, micro_batch: int, tp: int) -> np.ndarray:
+        """Per segment, the forward seconds of its expert ops alone."""
+        key = (-float(micro_batch), tp)  # (negative: apart from segment_times' keys)
+        if key not in self.times:
+            only = self.model.experts.op if self.model.experts is not None else np.zeros(len(self.model.flops), bool)
+            self.times[key] = segment_times(self.model, micro_batch, tp, self.cluster.profile, only=only)
+        return self.times[key][0]
 
     def segment_times(self, micro_batch: int, tp: int, cp: int = 1) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Per-rank forward times; under context parallelism a rank holds ``1/cp`` of each sample's tokens
@@ -178,27 +231,37 @@ def _costs(ctx: _Context, k: Knobs) -> _Costs:
     stretch = cluster.profile.stretch(_active(ctx, k))
     forward, wide = forward * stretch, wide * stretch
     scale = k.micro_batch / model.batch / k.cp  # a rank's share of a micro-batch's activations
-    blocks = model.block
-    rerun = {"none": np.zeros_like(forward), "selective": wide, "full": forward}[k.recompute] * blocks
+    spans = _expert_span(k) - 1.0  # expert work beyond a rank's dense share
+    if spans:
+        forward = forward + spans * ctx.expert_times(k.micro_batch, k.tp) * stretch
+    mode = _modes(ctx, k)
+    full, selective = mode == RECOMPUTE.index("full"), mode == RECOMPUTE.index("selective")
+    rerun = np.where(full, forward, np.where(selective, wide, 0.0))
     group = tuple(range(k.tp))
     all_reduce = partial(_coll, "all_reduce", group, cluster=cluster)
     tp = _priced(all_reduce, ctx.comm_bytes * scale, ctx.comm_count)
-    if k.recompute == "full":  # the forward all-reduces again
-        tp += blocks * _priced(all_reduce, ctx.comm_fwd_bytes * scale, ctx.comm_fwd_count)
+    if full.any():  # the forward all-reduces again
+        tp += full * _priced(all_reduce, ctx.comm_fwd_bytes * scale, ctx.comm_fwd_count)
     params = ctx.whole_params + ctx.split_params / k.tp
+    params -= (ctx.expert_whole + ctx.expert_split / k.tp) * (1 - 1 / k.ep)
     zero = _priced(partial(_zero_per_micro_batch, cluster, plan), params, ctx.unit_start)
-    whole = (ctx.kept[:, 0] + ctx.kept[:, 1] / k.tp) * scale
+    whole = (ctx.kept[:, 0] + ctx.kept[:, 1] / k.tp + spans * (ctx.expert_kept[:, 0] + ctx.expert_kept[:, 1] / k.tp)
+             ) * scale
     dropped = (ctx.wide[:, 0] + ctx.wide[:, 1] / k.tp) * scale
     inputs = np.concatenate([[0.0], ctx.out_bytes[:-1]]) * scale
-    kept = np.where(blocks, {"none": whole, "selective": whole - dropped, "full": inputs}[k.recompute], whole)
-    working = float(whole[blocks].max(initial=0.0)) if k.recompute == "full" else 0.0
+    # a fully recomputed block keeps its input alone, and rebuilds its activations one block at a time
+    kept = np.where(full, np.where(ctx.block_first, inputs, 0.0), np.where(selective, whole - dropped, whole))
+    rebuilt = np.bincount(ctx.block_of[full], weights=whole[full]) if full.any() else np.zeros(1)
+    working = float(rebuilt.max())
     if k.zero == 3:
         working += 2 * 2 * float(params.max())  # the largest segment's weights gathered, fp16, twice in flight
     send = _priced(lambda b: _p2p_time(plan, b, cluster), ctx.out_bytes * scale)
-    parts = {"compute": 3 * forward, "recompute": rerun, "tp_comm": tp, "dp_comm": zero}
+    parts: dict[str, np.ndarray] = {"compute": 3 * forward, "recompute": rerun, "tp_comm": tp, "dp_comm": zero}
     if k.cp > 1:
         parts["cp_comm"] = _ring(ctx, k, scale)
-    return _Costs(sum(parts.values()), parts, params, kept, working, send)
+    if k.ep > 1:
+        parts["ep_comm"] = _exchange(ctx, k, scale, full)
+    return _Costs(np.sum(list(parts.values()), axis=0), parts, params, kept, working, send)
 
 
 def _ring(ctx: _Context, k: Knobs, scale: float) -> np.ndarray:
@@ -210,6 +273,36 @@ def _ring(ctx: _Context, k: Knobs, scale: float) -> np.ndarray:
     pair = (0, k.tp)  # ring neighbours on a (data, context, tensor) mesh: tensor-parallel ranks innermost
     return ctx.kv_count * hops * _priced(partial(_coll, "send_recv", pair, cluster=ctx.cluster),
                                          block / np.maximum(ctx.kv_count, 1.0))
+
+
+def _modes(ctx: _Context, k: Knobs) -> np.ndarray:
+    """Per segment, its recompute as an index into ``RECOMPUTE``: its block's choice, "none" outside blocks."""
+    if k.block_recompute:
+        if len(k.block_recompute) != ctx.block_first.sum():
+            raise PlanError(f"a plan recomputes per repeated block, one choice each, but the traced step has "
+                            f"{int(ctx.block_first.sum())} blocks and the plan {len(k.block_recompute)} choices")
+        codes = np.array([RECOMPUTE.index(m) for m in k.block_recompute])
+    else:
+        codes = np.full(max(int(ctx.block_first.sum()), 1), RECOMPUTE.index(k.recompute))
+    return np.where(ctx.block_of >= 0, codes[np.maximum(ctx.block_of, 0)], 0)
+
+
+def _expert_span(k: Knobs) -> float:
+    """A rank's expert work over its share of the dense experts' (every expert on its own tokens): under
+    ``sbpflow.parallelize(expert=)`` each rank of a group runs the group's ``E/ep`` experts on every data rank's
+    tokens, which the group gathers."""
+    return k.dp / k.ep if k.ep > 1 else 1.0
+
+
+def _exchange(ctx: _Context, k: Knobs, scale: float, full: np.ndarray) -> np.ndarray:
+    """Seconds per micro-batch of the token exchange: a rank's routed rows (k per token) go to their experts and
+    come back (two all-to-alls over the ep group), in forward and again in backward; once more forward under full
+    recompute."""
+    stride = k.dp // k.ep * k.tp * k.cp  # a rank's peers in the other groups: parallelize's groups are data rows
+    group = tuple(range(0, k.ep * stride, stride))
+    rows = ctx.routed * scale * k.ep  # the group's rows: an all-to-all's volume
+    passes = 4 + 2 * full
+    return passes * _priced(partial(_coll, "all_to_all", group, cluster=ctx.cluster), rows)
 
 
 def _active(ctx: _Context, k: Knobs) -> int:
@@ -224,27 +317,34 @@ def _in_flight(k: Knobs, stage: int, m: int) -> float:
 
 
 def _stage_memory(ctx: _Context, k: Knobs, c: _Costs, stage: int, segs: list[int], m: int) -> dict[str, float]:
-    memory = _model_state(ctx.model, _unique_params(ctx.model, k, segs), k)
+    experts = _unique_params(ctx.model, k, segs, experts_only=True) if k.ep > 1 else 0.0
+    memory = _model_state(ctx.model, _unique_params(ctx.model, k, segs), k, experts)
     memory["activations"] = _in_flight(k, stage, m) * float(c.kept[segs].sum()) + c.working
     return memory
 
 
-def _model_state(model: GraphModel, params: float, k: Knobs) -> dict[str, float]:
-    """Model state bytes of a rank holding ``params`` parameters. Priced as the traced step holds them, also the
-    copies sbpflow's runtime makes under data parallelism, at most: the gradients flattened into their buckets
-    and, under ZeRO 1/2, the updated weights gathered whole (an upper bound: buckets may be smaller)."""
-    memory = model_state_bytes(params, k.dp, k.zero, model.state_bytes)
+def _model_state(model: GraphModel, params: float, k: Knobs, experts: float = 0.0) -> dict[str, float]:
+    """Model state bytes of a rank holding ``params`` parameters, ``experts`` of them an ep group's (ZeRO shards
+    those over the group's ``dp/ep`` data ranks). Priced as the traced step holds them, also the copies sbpflow's
+    runtime makes under data parallelism, at most: the gradients flattened into their buckets and, under ZeRO 1/2,
+    the updated weights gathered whole (an upper bound: buckets may be smaller)."""
+    memory = model_state_bytes(params - experts, k.dp, k.zero, model.state_bytes)
+    if experts:
+        for name, nbytes in model_state_bytes(experts, k.dp // k.ep, k.zero, model.state_bytes).items():
+            memory[name] += nbytes
     if model.traced and k.dp > 1:
         weight, grad, _ = model.state_bytes
         memory["buffers"] = params * (grad + (weight if k.zero in (1, 2) else 0.0))
     return memory
 
 
-def _unique_params(model: GraphModel, k: Knobs, segs: list[int]) -> float:
-    """Parameters one rank holds for these segments, a tied weight once."""
+def _unique_params(model: GraphModel, k: Knobs, segs: list[int], experts_only: bool = False) -> float:
+    """Parameters one rank holds for these segments (or of them, the experts'), a tied weight once."""
     seen: dict[int, float] = {}
+    experts = model.experts.params if model.experts is not None else frozenset()
     for i in segs:
-        seen.update({v: n / k.tp if split else n for v, (n, split) in model.segments[i].params.items()})
+        seen.update({v: (n / k.tp if split else n) / (k.ep if v in experts else 1)
+                     for v, (n, split) in model.segments[i].params.items() if v in experts or not experts_only})
     return sum(seen.values())
 
 
@@ -255,7 +355,8 @@ def _cut(ctx: _Context, k: Knobs, c: _Costs, m: int) -> tuple[int, ...] | None:
     if n < chunks:
         return None
     usable = ctx.cluster.profile.usable_memory
-    state = sum(_model_state(ctx.model, 1.0, k).values())
+    # bytes per parameter, an expert's where they differ (ZeRO shards those over fewer ranks): at most
+    state = sum(_model_state(ctx.model, 1.0, k, experts=1.0 if k.ep > 1 else 0.0).values())
 
     def pack(limit: float) -> tuple[int, ...] | None:
         """Each chunk takes segments from where the last ended up to the latest end at which it (its segments,
@@ -335,18 +436,19 @@ def predict(ctx: _Context, k: Knobs, cuts: tuple[int, ...] | None = None) -> Gra
     step = sum(breakdown.values())
     devices = ctx.cluster.devices
     model_flops = ctx.model.model_flops(ctx.batch)
-    hardware = model_flops + _rerun_flops(ctx.model, k.recompute, ctx.batch)
+    hardware = model_flops + _rerun_flops(ctx.model, _modes(ctx, k), ctx.batch)
     return GraphPrediction(k, ctx.batch, tuple(cuts), step, breakdown, memory,
                            ctx.cluster.profile.usable_memory, hardware / step / devices / 1e12,
                            model_flops / step / devices / 1e12)
 
 
-def _rerun_flops(model: GraphModel, recompute: str, batch: int) -> float:
-    """FLOPs that recomputation adds to a step of ``batch`` samples: the forward again, or its wide ops'."""
-    in_block = np.zeros(len(model.flops), dtype=bool)
-    for s, rep in zip(model.segments, model.block, strict=True):
-        in_block[s.lo:s.hi] = rep
-    rerun = {"none": np.zeros_like(in_block), "selective": model.wide_op & in_block, "full": in_block}[recompute]
+def _rerun_flops(model: GraphModel, modes: np.ndarray, batch: int) -> float:
+    """FLOPs that recomputation adds to a step of ``batch`` samples: per segment (``modes``, as :func:`_modes`)
+    the forward again, or its wide ops'."""
+    mode = np.zeros(len(model.flops), dtype=int)
+    for s, m in zip(model.segments, modes, strict=True):
+        mode[s.lo:s.hi] = m
+    rerun = (mode == RECOMPUTE.index("full")) | ((mode == RECOMPUTE.index("selective")) & model.wide_op)
     scale = np.where(model.batched, batch / model.batch, 1.0)
     return float((model.flops * scale * rerun).sum())
 
@@ -367,7 +469,8 @@ def _bound(ctx: _Context, k: Knobs) -> float:
 
 def _state_bound(ctx: _Context, k: Knobs) -> float:
     """Bytes of model state some rank holds at least: its stage's share of the parameters (1/pp of them)."""
-    params = float((ctx.whole_params + ctx.split_params / k.tp).sum()) / k.pp
+    split = ctx.whole_params + ctx.split_params / k.tp - (ctx.expert_whole + ctx.expert_split / k.tp) * (1 - 1 / k.ep)
+    params = float(split.sum()) / k.pp
     return sum(_model_state(ctx.model, params, k).values())
 
 
@@ -382,11 +485,26 @@ def candidates(model: GraphModel, cluster: Cluster, batch: int) -> list[Knobs]:
                 dp = cluster.devices // (tp * cp * pp)
                 for mb in (b for b in MICRO_BATCHES if batch % (dp * b) == 0):
                     m = batch // (dp * mb)
-                    for zero in (0, 1, 2, 3) if dp > 1 and cp == 1 else (0,):
-                        for recompute in RECOMPUTE:
-                            for schedule, virtual in _schedules(pp, m, n):
-                                out.append(Knobs(tp, pp, dp, mb, zero, recompute, schedule, virtual, cp))
+                    for ep in _ep_degrees(model, dp, cp):
+                        for zero in (0, 1, 2, 3) if dp > 1 and cp == 1 else (0,):
+                            for recompute in _recomputes(model):
+                                for schedule, virtual in _schedules(pp, m, n):
+                                    out.append(Knobs(tp, pp, dp, mb, zero, recompute, schedule, virtual, cp, ep))
     return out
+
+
+def _recomputes(model: GraphModel) -> tuple[str, ...]:
+    """The recompute choices: all for a what-if; none and full for plans that run the traced step, as nn.Graph
+    recomputes only by activation checkpointing of whole modules (selective recompute has no graph setting)."""
+    return ("none", "full") if model.traced else RECOMPUTE
+
+
+def _ep_degrees(model: GraphModel, dp: int, cp: int) -> list[int]:
+    """Expert-parallel degrees: 1, and with routed experts every divisor of dp that divides the experts (without
+    context parallelism: ``sbpflow.parallelize`` cuts expert groups on a (data, tensor) mesh)."""
+    if model.experts is None or cp > 1:
+        return [1]
+    return [d for d in _divisors(dp) if model.experts.count % d == 0]
 
 
 def _cp_allowed(model: GraphModel, cp: int) -> bool:
@@ -407,8 +525,10 @@ def _divisors(n: int) -> tuple[int, ...]:
 
 
 def search_graph(model: GraphModel, cluster: Cluster, batch: int, keep: int = 5,
-                 only: list[Knobs] | None = None) -> GraphSearch:
-    """The fastest plan that fits, with ``keep - 1`` runners-up; ``only`` restricts the candidates."""
+                 only: list[Knobs] | None = None, accept: Callable[[Knobs], bool] | None = None) -> GraphSearch:
+    """The fastest plan that fits, with ``keep - 1`` runners-up; ``only`` restricts the candidates, and the plans
+    recomputing some blocks derived from them (:func:`_mixed_recompute`) are tried only where ``accept`` takes
+    them (always without ``only``, never with ``only`` alone)."""
     start = time.perf_counter()
     ctx = _Context(model, cluster, batch)
     plans = only if only is not None else candidates(model, cluster, batch)
@@ -430,11 +550,48 @@ def search_graph(model: GraphModel, cluster: Cluster, batch: int, keep: int = 5,
         costed += 1
         (good if found.fits else too_big).append(found)
         good.sort(key=lambda p: p.step_time)
+    for over in sorted((p for p in too_big if p.knobs.recompute == "none"), key=lambda p: p.step_time):
+        if len(good) >= keep and over.step_time > good[keep - 1].step_time:
+            break  # recomputing some blocks only adds time
+        if only is not None and accept is None:
+            break
+        mixed = _mixed_recompute(ctx, over.knobs)
+        costed += len(mixed)
+        good.extend(p for p in mixed if p.fits and (accept is None or accept(p.knobs)))
+        good.sort(key=lambda p: p.step_time)
     if not good:
         too_big += [predict(ctx, k) for k in _smallest_memory(plans, too_big)]
         raise PlanError(_nothing_fits(model, cluster, batch, min(too_big, key=lambda p: p.memory_per_device)))
     faster = sorted((p for p in too_big if p.step_time < good[0].step_time), key=lambda p: p.step_time)
     return GraphSearch(good[0], good[1:keep], faster[:3], len(plans), costed, time.perf_counter() - start)
+
+
+def _mixed_recompute(ctx: _Context, k: Knobs) -> list[GraphPrediction]:
+    """Plans of ``k`` (which keeps every activation) with its first ``j`` repeated blocks fully recomputed and the
+    rest kept (or, for a what-if, which need not run the traced step, recomputed selectively): per choice of the
+    rest, the smallest ``j`` that fits (bisection: memory falls as ``j`` grows), and the plan at ``j`` when none
+    does. Early blocks first: under 1F1B the first stages hold the most micro-batches in flight."""
+    blocks = int(ctx.block_first.sum())
+    out = []
+    for rest in _recomputes(ctx.model)[:-1]:  # (not full: that is the uniform plan)
+        def at(j: int, rest: str = rest) -> GraphPrediction:
+            modes = ("full",) * j + (rest,) * (blocks - j)
+            return predict(ctx, replace(k, recompute="full", block_recompute=modes))
+
+        lo, hi = 1, blocks - 1
+        if hi < lo:
+            break
+        best = at(hi)
+        out.append(best)
+        while best.fits and lo < hi:
+            mid = (lo + hi) // 2
+            found = at(mid)
+            out.append(found)
+            if found.fits:
+                best, hi = found, mid
+            else:
+                lo = mid + 1
+    return out
 
 
 def _smallest_memory(plans: list[Knobs], done: list[GraphPrediction]) -> list[Knobs]:

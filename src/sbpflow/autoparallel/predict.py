@@ -381,8 +381,9 @@ def pipeline_breakdown(totals: list[float], parts: Callable[[int], dict[str, flo
     out = {"compute": m * p["compute"], "recompute": m * p["recompute"], "tp_comm": m * p["tp_comm"],
            "pp_comm": m * p["pp_comm"], "dp_comm": m * p["dp_comm"] + end[0],
            "bubble": bubble_share * (sum(totals) - totals[slow]) / virtual, "optimizer": end[1]}
-    if "cp_comm" in p:  # context parallel's ring (the graph planner's)
-        out["cp_comm"] = m * p["cp_comm"]
+    for extra in ("cp_comm", "ep_comm"):  # context parallel's ring, expert parallel's exchange (the graph planner's)
+        if extra in p:
+            out[extra] = m * p[extra]
     return out
 
 
