@@ -287,6 +287,9 @@ def _cut(ctx: _Context, k: Knobs, c: _Costs, m: int) -> tuple[int, ...] | None:
         return None
     usable = ctx.cluster.profile.usable_memory
     state = sum(_model_state(ctx.model, 1.0, k).values())
+    if ctx.model.traced and k.dp > 1 and k.zero in (1, 2):  # the update phase's bytes per parameter, if more
+        weight, _, optimizer = ctx.model.state_bytes  # (_update_phase: weights, state shards, gather bucket,
+        state = max(state, 3 * weight + optimizer / k.dp + (weight + optimizer) / k.dp)  # copies, new shards)
     transient = sum(_transient(ctx.model, c, list(range(n))).values())  # the largest op's, wherever it falls
 
     def pack(limit: float) -> tuple[int, ...] | None:
