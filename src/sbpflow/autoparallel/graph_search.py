@@ -13,7 +13,9 @@ The cost model is the sizes planner's (``predict``), applied per segment of the 
   of the bubble with weight-gradient work, so it pays a third of 1F1B's;
 * memory per rank: model state under ZeRO (``cost.model_state_bytes``), plus the activations kept by the
   micro-batches in flight (1F1B: ``min(p - i, m)`` on stage ``i``), plus the working set of the largest
-  segment under full recompute or of ZeRO-3's gathered weights;
+  segment under full recompute or of ZeRO-3's gathered weights; for a plan of the traced step itself, also its
+  inputs, backward's working set and ZeRO-1/2's update phase (``_transient``, ``_update_phase``), so the
+  prediction bounds the compiled step's peak;
 * context parallel (``cp``, for steps whose attention is ``scaled_dot_product_attention``): a rank computes and
   keeps a cp-th of each sample's tokens (zigzag: equal causal work) and pays the ring's K/V hops, unoverlapped.
 
