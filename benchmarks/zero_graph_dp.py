@@ -32,6 +32,28 @@ from plan_any_model_measured import FAMILIES, _family, _step_class  # noqa: E402
 WORLD = 4
 CONTENDERS = {"plain dp4": (0, True), "zero1, one all-gather per parameter": (1, False),
               "zero1, gather buckets": (1, True)}
+# what the last written run showed (kept with the section; rewrite it when the figures change)
+READING = """\
+**Reading.** The 2-4x of ZeRO-1 over plain dp4 in `nn.Graph` was a real overhead: after the step, each updated
+parameter slice was all-gathered back on its own (GPT: 32 collectives per rank per step against plain dp's 2; a
+collective between stretches of compute costs 2-3 ms on this loaded host). `graph/gather_bucket.py` packs those
+all-gathers into flat buckets (`bucket_flatten`, one all-gather, `bucket_unshard`): 3 collectives per rank, and
+ZeRO-1 at 1.21-1.41x plain dp4 in this run (GPT, Llama, MoE, ViT; 1.24-1.74x in the 12:50 run: the load moves
+these by a few tenths). What is left there: one all-gather more than plain dp (stage 1 all-reduces the gradients,
+then gathers the slices), the slices and per-parameter assigns (164 nodes against 10).
+The CNN was at 2.11x (12:50 run) with 27 collectives: 25 all-gathers of BatchNorm activations (its batch
+statistics) in forward and backward, picked because ZeRO-1 capped the SBP selection's kept activations at the
+traced layouts'. Plain dp4 has none: at batch 2 per rank its selection computes the whole batch on every rank
+(one input gather; 853 kB kept for backward against 214 kB, peak 1096 kB against 365 kB capped), which the
+alpha-beta model prices lower than two collectives per BatchNorm statistic. ZeRO-1 shards only the update, so
+its forward and backward are the plain step's and need no cap to keep the plain step's peak: the cap ("auto")
+now applies under ZeRO 2 and 3 only. ZeRO-1's CNN step then selects plain dp4's layouts (5 collectives: plain's
+4 and the gather bucket), runs at 1.05x plain dp4 (1.10x in a second run, 15:45) and peaks at 1068 kB against
+plain's 1096 kB (tests/sim/test_memory_prediction.py). A user who wants the 337 kB peak of the split layouts
+asks for it with `set_sbp_selection("ilp", activation_cap="traced")`, and pays the 27 collectives; auto plans do
+so (`configure_graph`), since the planner priced the split layouts' activations.
+"""
+
 
 
 def _contender(kind: str, zero: int, buckets: bool) -> tuple[Any, Any]:
@@ -105,7 +127,7 @@ def report(result: dict[str, Any], rounds: int, steps: int) -> str:
 def main() -> int:
     return rounds_main(__file__, WORLD, __doc__ or "", FAMILIES, worker, report, "zero_graph_dp",
                        "## ZeRO-1 in nn.Graph against plain data parallelism: gather buckets "
-                       "(benchmarks/zero_graph_dp.py)")
+                       "(benchmarks/zero_graph_dp.py)", "\n" + READING)
 
 
 if __name__ == "__main__":

@@ -406,7 +406,8 @@ def test_small_side_values_crossing_to_the_loss_do_not_stop_cuts() -> None:
 def test_traced_precision_prices_the_steps_own_bytes() -> None:
     """precision="traced" reads a step's bytes off its IR (an fp32 AdamW step: 4 + 4 + 8 bytes per parameter, as
     the traced moments hold them), where "mixed" keeps the ZeRO paper's (2, 2, 12); ZeRO-1 on dp2 then holds the
-    whole fp32 weights and gradients, half the moments, and the runtime's bucket and gather copies."""
+    whole fp32 weights and gradients, half the moments, the runtime's gradient bucket, and the update phase's gather
+    bucket and copies with the new shards where they outgrow backward's peak."""
     model, inputs = attention_stack(depth=2, batch=8)
     g = trace_training_step(model, inputs)
     mixed, traced = read_graph(g), read_graph(g, "traced")
@@ -415,6 +416,9 @@ def test_traced_precision_prices_the_steps_own_bytes() -> None:
     plan = plan_graph(g, 2, "cpu", precision="traced", only=lambda k: k.dp == 2 and k.zero == 1)
     params = float(sum(np.prod(s) for s in traced.param_shapes.values()))
     assert plan.memory["weights"] == plan.memory["gradients"] == 4 * params
-    assert plan.memory["optimizer"] == 8 * params / 2 and plan.memory["buffers"] == 8 * params
+    assert plan.memory["optimizer"] == 8 * params / 2 and plan.memory["buffers"] == 4 * params
+    backward = 8 * params + plan.memory["activations"] + plan.memory["working"]  # gradients, bucket, activations
+    update = 2 * 4 * params + (4 + 8) * params / 2  # the gather bucket and its copies, the new shards
+    assert plan.memory["update"] == pytest.approx(max(0.0, update - backward))
     with pytest.raises(PlanError, match="precision='fp8'"):
         read_graph(g, "fp8")

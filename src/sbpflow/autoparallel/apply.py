@@ -175,21 +175,24 @@ def plan_step(graph: Any, args: tuple[Any, ...], devices: int, profile: str | De
 
 def configure_graph(graph: Any, plan: Plan) -> None:
     """Sets an ``nn.Graph``'s config to a graph plan's knobs: micro-batches, ZeRO stage, pipeline schedule, and
-    activation checkpointing of the repeated blocks that the plan fully recomputes (all, or per block). (The
-    layout itself is ``sbpflow.parallelize(model, **plan.parallelize_kwargs())``.) Selective recompute has no graph
-    setting yet (the planner offers it to what-ifs only): such a plan runs with every activation kept.
+    activation checkpointing of the repeated blocks that the plan fully recomputes (all, or per block), and the SBP
+    selection's activation cap at the traced layouts' (what the plan priced). (The layout itself is
+    ``sbpflow.parallelize(model, **plan.parallelize_kwargs())``.) Selective recompute has no graph setting yet (the
+    planner offers it to what-ifs only): such a plan runs with every activation kept.
 
     >>> from types import SimpleNamespace
     >>> calls = []
     >>> config = SimpleNamespace(set_gradient_accumulation_steps=lambda m: calls.append(("micro", m)),
     ...                          enable_zero=lambda stage: calls.append(("zero", stage)),
-    ...                          set_pipeline_schedule=lambda s: calls.append(("schedule", s)))
+    ...                          set_pipeline_schedule=lambda s: calls.append(("schedule", s)), activation_cap="auto")
     >>> configure_graph(SimpleNamespace(config=config, _modules={}), Plan.example())
-    >>> calls
-    [('micro', 1)]
+    >>> calls, config.activation_cap
+    ([('micro', 1)], 'traced')
     """
     config = graph.config
     config.set_gradient_accumulation_steps(plan.micro_batches)
+    if config.activation_cap == "auto":  # the plan priced what the laid-out (traced) layouts keep: no more
+        config.activation_cap = "traced"
     if plan.knobs.zero:
         config.enable_zero(stage=plan.knobs.zero)
     if plan.knobs.pp > 1:

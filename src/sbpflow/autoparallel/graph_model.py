@@ -115,6 +115,7 @@ class GraphModel:
     kv_bytes: np.ndarray | None = None  # per forward op: an attention's K and V bytes at the traced batch, else 0
     seq_len: int = 0  # the sequence length attention sees (its query rows), 0 without attention
     experts: Experts | None = None  # routed experts (a MoE's), found on the graph; None without a router
+    input_bytes: float = 0.0  # the step's inputs (a batch and its labels) at the traced batch, live the whole step
 
     @property
     def param_count(self) -> int:
@@ -322,7 +323,8 @@ class _Reader:
             wide_op=np.array([any(v in wide_vals for v in n.outputs) for n in self.forward]),
             segments=segments, styles={names[v]: s for v, s in styles.items()}, param_names=names,
             param_shapes={name: tuple(g.values[v].shape) for v, name in names.items()},
-            tp_dims=tuple(sorted(dims)), step_flops=step, step_flops_fixed=fixed, block=block, repeats=repeats)
+            tp_dims=tuple(sorted(dims)), step_flops=step, step_flops_fixed=fixed, block=block, repeats=repeats,
+            input_bytes=sum(self._bytes(v) for n in g.nodes if n.kind == "input" for v in n.outputs))
 
     def _op_bytes(self, n: LNode) -> float:
         """Bytes an op moves: its inputs and outputs; a layout op none; a gather (embedding, pick) its indices

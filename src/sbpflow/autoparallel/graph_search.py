@@ -16,7 +16,9 @@ The cost model is the sizes planner's (``predict``), applied per segment of the 
   micro-batches in flight (1F1B: ``min(p - i, m)`` on stage ``i``), plus the working set of the largest
   block under full recompute (which keeps only its input, as a module's activation checkpointing does) or of
   ZeRO-3's gathered weights; under a memory cap, a plan that keeps every activation and does not fit is tried
-  again with its first blocks fully recomputed, as few as fit (:func:`_mixed_recompute`);
+  again with its first blocks fully recomputed, as few as fit (:func:`_mixed_recompute`); for a plan of the
+  traced step itself, also its inputs, backward's working set and ZeRO-1/2's update phase (``_transient``,
+  ``_update_phase``), so the prediction bounds the compiled step's peak;
 * context parallel (``cp``, for steps whose attention is ``scaled_dot_product_attention``): a rank computes and
   keeps a cp-th of each sample's tokens (zigzag: equal causal work) and pays the ring's K/V hops, unoverlapped;
 * expert parallel (``ep``, for steps with routed experts, ``graph_model.Experts``): the experts are cut into ep
@@ -61,6 +63,7 @@ MICRO_BATCHES = (1, 2, 4, 8, 16, 32)
 SCHEDULES = ("1f1b", "interleaved_1f1b", "zero_bubble")  # nn.Graph's pipeline schedule names
 VIRTUAL = (2, 3, 4, 6, 8)  # model chunks per stage tried for interleaved 1F1B
 ZERO_BUBBLE_SHARE = 1 / 3  # of 1F1B's bubble that zero-bubble (ZB-H1) leaves
+WORKING_OPS = 3.0  # backward's working set, in the largest op's bytes (its inputs and outputs): see _transient
 
 
 @dataclass(frozen=True)
@@ -150,6 +153,8 @@ class _Costs:
     kept: np.ndarray  # activation bytes kept per micro-batch in flight
     working: float  # bytes of the largest rebuilt segment or gathered weights
     send: np.ndarray  # seconds to send the activation crossing each segment's end
+    op_bytes: np.ndarray  # bytes of the largest op's inputs and outputs, per rank and micro-batch
+    inputs: float  # bytes of the step's inputs a rank holds for the whole step
 
 
 class _Context:
@@ -256,12 +261,15 @@ def _costs(ctx: _Context, k: Knobs) -> _Costs:
     if k.zero == 3:
         working += 2 * 2 * float(params.max())  # the largest segment's weights gathered, fp16, twice in flight
     send = _priced(lambda b: _p2p_time(plan, b, cluster), ctx.out_bytes * scale)
+    per_op = model.nbytes * np.where(model.batched, scale, 1.0) / np.where(model.split, k.tp, 1)
+    op_bytes = np.maximum.reduceat(per_op, np.array([s.lo for s in model.segments]))
+    step_inputs = model.input_bytes * ctx.batch / (k.dp * k.cp * model.batch)  # every micro-batch's, fed at once
     parts: dict[str, np.ndarray] = {"compute": 3 * forward, "recompute": rerun, "tp_comm": tp, "dp_comm": zero}
     if k.cp > 1:
         parts["cp_comm"] = _ring(ctx, k, scale)
     if k.ep > 1:
         parts["ep_comm"] = _exchange(ctx, k, scale, full)
-    return _Costs(np.sum(list(parts.values()), axis=0), parts, params, kept, working, send)
+    return _Costs(np.sum(list(parts.values()), axis=0), parts, params, kept, working, send, op_bytes, step_inputs)
 
 
 def _ring(ctx: _Context, k: Knobs, scale: float) -> np.ndarray:
@@ -317,10 +325,35 @@ def _in_flight(k: Knobs, stage: int, m: int) -> float:
 
 
 def _stage_memory(ctx: _Context, k: Knobs, c: _Costs, stage: int, segs: list[int], m: int) -> dict[str, float]:
+    params = _unique_params(ctx.model, k, segs)
     experts = _unique_params(ctx.model, k, segs, experts_only=True) if k.ep > 1 else 0.0
-    memory = _model_state(ctx.model, _unique_params(ctx.model, k, segs), k, experts)
+    memory = _model_state(ctx.model, params, k, experts)
     memory["activations"] = _in_flight(k, stage, m) * float(c.kept[segs].sum()) + c.working
+    memory.update(_transient(ctx.model, c, segs))
+    if ctx.model.traced and k.dp > 1 and k.zero in (1, 2):
+        memory.update(_update_phase(ctx.model, params, k, memory))
     return memory
+
+
+def _update_phase(model: GraphModel, params: float, k: Knobs, memory: dict[str, float]) -> dict[str, float]:
+    """ZeRO 1/2 on sbpflow's runtime peaks in one of two phases: backward (the gradients, their bucket, the
+    activations and working set) or the update (the updated shards all-gathered into a flat bucket and copied out
+    of it, with the update's new weight and state shards, once the gradients are gone). ``buffers`` becomes the
+    gradient bucket, and ``update`` what the update phase holds beyond backward's peak."""
+    weight, grad, state = model.state_bytes
+    buffers = params * grad
+    backward = memory["gradients"] + buffers + memory["activations"] + memory.get("working", 0.0)
+    update = 2 * params * weight + params * (weight + state) / k.dp
+    return {"buffers": buffers, "update": max(0.0, update - backward)}
+
+
+def _transient(model: GraphModel, c: _Costs, segs: list[int]) -> dict[str, float]:
+    """Bytes besides state and kept activations, priced for plans that run the traced step on sbpflow's runtime:
+    the step's inputs, and backward's working set: a fused backward segment holds the gradients of its ops'
+    inputs and its intermediates at once, ``WORKING_OPS`` times the largest op's inputs and outputs."""
+    if not model.traced:
+        return {}
+    return {"inputs": c.inputs, "working": WORKING_OPS * float(c.op_bytes[segs].max(initial=0.0))}
 
 
 def _model_state(model: GraphModel, params: float, k: Knobs, experts: float = 0.0) -> dict[str, float]:
@@ -357,6 +390,10 @@ def _cut(ctx: _Context, k: Knobs, c: _Costs, m: int) -> tuple[int, ...] | None:
     usable = ctx.cluster.profile.usable_memory
     # bytes per parameter, an expert's where they differ (ZeRO shards those over fewer ranks): at most
     state = sum(_model_state(ctx.model, 1.0, k, experts=1.0 if k.ep > 1 else 0.0).values())
+    if ctx.model.traced and k.dp > 1 and k.zero in (1, 2):  # the update phase's bytes per parameter, if more
+        weight, _, optimizer = ctx.model.state_bytes  # (_update_phase: weights, state shards, gather bucket,
+        state = max(state, 3 * weight + optimizer / k.dp + (weight + optimizer) / k.dp)  # copies, new shards)
+    transient = sum(_transient(ctx.model, c, list(range(n))).values())  # the largest op's, wherever it falls
 
     def pack(limit: float) -> tuple[int, ...] | None:
         """Each chunk takes segments from where the last ended up to the latest end at which it (its segments,
@@ -372,7 +409,7 @@ def _cut(ctx: _Context, k: Knobs, c: _Costs, m: int) -> tuple[int, ...] | None:
             end = None
             for e in range(lo + 1, n - (chunks - chunk - 1) + 1):  # the chunk is segments lo .. e - 1
                 t, params, kept = t + c.time[e - 1], params + c.params[e - 1], kept + c.kept[e - 1]
-                if t > limit or state * params * k.virtual + flight * kept + c.working > usable:
+                if t > limit or state * params * k.virtual + flight * kept + c.working + transient > usable:
                     break
                 if (not last and t + c.send[e - 1] <= limit) or e == n:
                     end = e

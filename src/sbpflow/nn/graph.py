@@ -87,7 +87,9 @@ class GraphConfig:
         self.threads: bool | None = None  # actor runtime: worker threads (None: under torch.distributed only)
         self.sbp_selection = "ilp"  # "ilp" (global, repeated layers tied), "ilp-unmerged" or "greedy" (eager's choice)
         # the activations the selection may keep for backward, bytes per rank (set_sbp_selection): "auto" is
-        # "traced" under ZeRO (asked for to save memory: layouts must not spend it on activations), else None
+        # "traced" under ZeRO 2 and 3 (whose sharded gradients or weights make replicated layouts cheap, so the
+        # memory ZeRO was asked to save would go to activations), else None (ZeRO 1 shards only the update: its
+        # forward and backward are the plain step's, and so is their choice)
         self.activation_cap: int | str | None = "auto"
         self.trace_path: str | None = None  # the actor runtime's timeline file (else SBPFLOW_TRACE, else none)
         # (devices, profile, memory_per_device): plan the model at the first call (enable_auto_parallel)
@@ -261,7 +263,7 @@ class GraphConfig:
     def set_sbp_selection(self, name: str, *, activation_cap: int | str | None = "auto") -> None:
         """The SBP selection ``name`` (graph.select's methods), and a bound on the bytes per rank of the
         activations its layouts keep for backward: None, "traced" (no more than the traced layouts keep), a
-        number of bytes, or "auto" ("traced" when ZeRO is on, else None).
+        number of bytes, or "auto" ("traced" under ZeRO 2 and 3, else None).
 
         >>> import sbpflow
         >>> config = sbpflow.nn.Graph().config
@@ -577,7 +579,7 @@ class Graph:
     def _activation_cap(self) -> int | str | None:
         cap = self.config.activation_cap
         if cap == "auto":
-            return "traced" if self.config.zero_stage else None
+            return "traced" if self.config.zero_stage >= 2 else None
         return cap
 
     def _scaler_variables(self) -> Any:
