@@ -264,3 +264,16 @@ def test_the_planner_searches_context_parallel_and_its_plan_trains_as_one_device
     got, step = _train(_causal_lm, lambda s: s.config.set_plan(tmp_path / "plan.json"), 2)
     np.testing.assert_allclose(got, want, rtol=1e-4)
     assert step.auto_plan.knobs.cp == 2 and step.model.qkv[0].weight.placement.ndim == 3  # (data, context, tensor)
+
+
+def test_a_stage_starts_with_a_whole_block_not_the_block_list_that_spans_the_stages() -> None:
+    """ResidualMLP's first parameters are its first block's: the block list starts where stage 0 does, but it
+    spans both stages, so stage 0 names ``blocks.0``, and the runner-up lines carry no rounding noise."""
+    with sbpflow.meta_init():
+        meta = ResidualMLP()
+        x, y = sbpflow.zeros(16, 16), sbpflow.zeros(16, dtype=torch.int64)
+    g = trace_training_step(meta, (x, y))
+    plan = plan_graph(g, 2, "cpu", precision="traced", only=lambda k: k.pp == 2)
+    assert [s[0] for s in plan.stages] == ["blocks.0", f"blocks.{plan.stages[1][0].split('.')[1]}"]
+    assert all("blocks" not in s for s in plan.stages)
+    assert all("e-1" not in r["why"] for r in plan.runners_up), [r["why"] for r in plan.runners_up]

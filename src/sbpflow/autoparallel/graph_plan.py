@@ -24,6 +24,7 @@ from .graph_model import GraphModel, read_graph
 from .graph_search import GraphPrediction, GraphSearch, Knobs, _count, _size, candidates, search_graph
 from .predict import Cluster
 from .profiles import DeviceProfile, get_profile
+from .units import seconds
 
 GB = 1e9
 TENSOR_SBP = {"colwise": "S(0)", "rowwise": "S(1)", "vocab": "S(0)", "replicate": "B"}  # a (out, in) weight's
@@ -231,7 +232,7 @@ def _distinct(best: GraphPrediction | None, others: list[GraphPrediction]) -> li
 def _other(p: GraphPrediction, best: GraphPrediction, cluster: Cluster, segments: int) -> dict[str, Any]:
     """A runner-up as ``--json`` shows one: its plan's fields, and why it lost."""
     worse = sorted(((p.breakdown[n] - best.breakdown.get(n, 0.0), n) for n in p.breakdown), reverse=True)[:2]
-    why = ", ".join(f"{n} +{d:.3g} s" for d, n in worse if d > 0) or "ties"
+    why = ", ".join(f"{n} +{seconds(d)}" for d, n in worse if d > 1e-6 * best.step_time) or "ties"
     k = p.knobs
     bounds = list(p.cuts) + [segments]
     return {"plan": str(k), "step_time": p.step_time, "memory": p.memory_per_device,
@@ -309,7 +310,7 @@ def _stages(model: GraphModel, best: GraphPrediction, prefix: str) -> list[list[
     first: dict[str, int] = {}
     for i, m in enumerate(order):
         first.setdefault(m, i)
-    out = []
+    stages = []
     for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
         modules: list[str] = []
         for seg in model.segments[lo:hi]:
@@ -317,17 +318,24 @@ def _stages(model: GraphModel, best: GraphPrediction, prefix: str) -> list[list[
                 short = m[len(prefix):] if m.startswith(prefix) else m
                 if short not in modules:
                     modules.append(short)
-        out.append([_outermost(modules[0], first)] + modules[1:] if modules else modules)
+        stages.append(modules)
+    out = []
+    for i, modules in enumerate(stages):
+        elsewhere = {m for j, other in enumerate(stages) if j != i for m in other}
+        out.append([_outermost(modules[0], first, elsewhere)] + modules[1:] if modules else modules)
     return out
 
 
-def _outermost(module: str, first: dict[str, int]) -> str:
+def _outermost(module: str, first: dict[str, int], elsewhere: set[str]) -> str:
     """The outermost module that starts where ``module`` does (``h.3`` for ``h.3.ln_1``), so a stage begins
-    with a whole block: the parent's first parameter is this module's."""
+    with a whole block: the parent's first parameter is this module's, and no module of another stage is inside
+    it (``h`` itself spans the stages)."""
     at = first.get(module)
     parts = module.split(".")
     for i in range(1, len(parts)):
         parent = ".".join(parts[:i])
+        if any(m == parent or m.startswith(parent + ".") for m in elsewhere):
+            continue
         if at is not None and min((v for m, v in first.items() if m == parent or m.startswith(parent + ".")),
                                   default=None) == at:
             return parent
