@@ -3,7 +3,8 @@
 The cost model is the sizes planner's (``predict``), applied per segment of the graph (``graph_model``):
 
 * a segment's forward is the sum of its ops' roofline times on their per-rank shares, stretched when more
-  devices compute at once than the cores they share (``DeviceProfile.stretch``: a CPU host's processes);
+  devices compute at once than the cores they share (``DeviceProfile.stretch``: a CPU host's processes), and
+  each blocking collective waits for the peers those cores are not running (``DeviceProfile.sync_wait``);
   forward + backward is three forwards; recompute reruns the segment's forward ("full") or the ops that make
   its wide values ("selective"); its tensor-parallel all-reduces are priced by α-β (again forward under "full");
 * ZeRO-2/3 traffic per micro-batch and the gradient sync and optimizer step at the end are ``predict``'s
@@ -51,6 +52,9 @@ MICRO_BATCHES = (1, 2, 4, 8, 16, 32)
 SCHEDULES = ("1f1b", "interleaved_1f1b", "zero_bubble")  # nn.Graph's pipeline schedule names
 VIRTUAL = (2, 3, 4, 6, 8)  # model chunks per stage tried for interleaved 1F1B
 ZERO_BUBBLE_SHARE = 1 / 3  # of 1F1B's bubble that zero-bubble (ZB-H1) leaves
+# blocking collectives over the data-parallel group by ZeRO stage: (per module and micro-batch, at the step's
+# end), as ``predict``'s _zero_per_micro_batch and _grad_sync issue them
+ZERO_COLLECTIVES = {0: (0, 1), 1: (0, 2), 2: (1, 1), 3: (3, 0)}
 
 
 @dataclass(frozen=True)
@@ -175,18 +179,21 @@ def _priced(f: Callable[[float], float], volumes: np.ndarray, counts: np.ndarray
 def _costs(ctx: _Context, k: Knobs) -> _Costs:
     model, cluster, plan = ctx.model, ctx.cluster, k.parallel_plan()
     forward, wide, _ = ctx.segment_times(k.micro_batch, k.tp, k.cp)
-    stretch = cluster.profile.stretch(_active(ctx, k))
+    active = _active(ctx, k)
+    stretch, wait = cluster.profile.stretch(active), cluster.profile.sync_wait(active)
     forward, wide = forward * stretch, wide * stretch
     scale = k.micro_batch / model.batch / k.cp  # a rank's share of a micro-batch's activations
     blocks = model.block
     rerun = {"none": np.zeros_like(forward), "selective": wide, "full": forward}[k.recompute] * blocks
     group = tuple(range(k.tp))
     all_reduce = partial(_coll, "all_reduce", group, cluster=cluster)
-    tp = _priced(all_reduce, ctx.comm_bytes * scale, ctx.comm_count)
+    tp = _priced(all_reduce, ctx.comm_bytes * scale, ctx.comm_count) + wait * ctx.comm_count * (k.tp > 1)
     if k.recompute == "full":  # the forward all-reduces again
-        tp += blocks * _priced(all_reduce, ctx.comm_fwd_bytes * scale, ctx.comm_fwd_count)
+        tp += blocks * (_priced(all_reduce, ctx.comm_fwd_bytes * scale, ctx.comm_fwd_count)
+                        + wait * ctx.comm_fwd_count * (k.tp > 1))
     params = ctx.whole_params + ctx.split_params / k.tp
     zero = _priced(partial(_zero_per_micro_batch, cluster, plan), params, ctx.unit_start)
+    zero += wait * ZERO_COLLECTIVES[k.zero][0] * ctx.unit_start * (k.dp > 1)
     whole = (ctx.kept[:, 0] + ctx.kept[:, 1] / k.tp) * scale
     dropped = (ctx.wide[:, 0] + ctx.wide[:, 1] / k.tp) * scale
     inputs = np.concatenate([[0.0], ctx.out_bytes[:-1]]) * scale
@@ -319,7 +326,9 @@ def predict(ctx: _Context, k: Knobs, cuts: tuple[int, ...] | None = None) -> Gra
     stage_time = [sum(chunk_time[i * k.pp + st] for i in range(k.virtual)) for st in range(k.pp)]
     plan = k.parallel_plan()
     stretch = ctx.cluster.profile.stretch(ctx.cluster.devices)  # every rank steps its optimizer at once
-    syncs = [(_grad_sync(plan, ctx.cluster, _unique_params(ctx.model, k, s)),
+    # the gradient sync's collectives wait for replicas still in backward, as those between ops do
+    wait = ctx.cluster.profile.sync_wait(_active(ctx, k)) * ZERO_COLLECTIVES[k.zero][1] * (k.dp * k.cp > 1)
+    syncs = [(_grad_sync(plan, ctx.cluster, _unique_params(ctx.model, k, s)) + wait,
               stretch * _optimizer(plan, ctx.cluster, _unique_params(ctx.model, k, s))) for s in stage_segs]
     last = max(range(k.pp), key=lambda st: sum(syncs[st]))
     share = ZERO_BUBBLE_SHARE if k.schedule == "zero_bubble" and m >= k.pp else 1.0
