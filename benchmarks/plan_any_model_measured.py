@@ -224,7 +224,8 @@ def worker(out: str, rounds: int, steps: int, families: list[str]) -> None:
             uncalibrated={n: p.step_time for n, p in uncalibrated.items()},
             measured=timed, cpu=cpu, auto=str(auto.knobs), auto_predicted=auto.step_time,
             old_auto=str(old_auto.knobs), old_auto_predicted=old_auto.step_time,
-            profile={"cores": profile.cores, "alpha_us": profile.intra_alpha * 1e6,
+            profile={"cores": profile.cores, "background": profile.background, "sync_us": profile.sync_s * 1e6,
+                     "sharing": measured.sharing, "alpha_us": profile.intra_alpha * 1e6,
                      "bandwidth_gbs": profile.intra_bandwidth / 1e9, "collective_us": measured.collective_s * 1e6,
                      "launch_us": profile.launch_s * 1e6})
         dist.barrier()
@@ -267,9 +268,15 @@ def report(result: dict[str, Any], rounds: int, steps: int) -> str:
         best = min(hand, key=lambda n: meas[n])
         ratios = [r["measured"]["auto"][i] / min(r["measured"][n][i] for n in hand) for i in range(rounds)]
         prof = r["profile"]
-        lines += [f"**{kind}** (calibrated: {prof['cores']:.2f} cores for 4 processes, a collective in a step "
-                  f"{prof['collective_us']:.0f} us, alpha {prof['alpha_us']:.0f} us per round, "
-                  f"{prof['bandwidth_gbs']:.2f} GB/s): Spearman predicted vs measured over {len(hand)} splits "
+        absolute = [meas[n] / r["predicted"][n] for n in hand] + [meas["auto"] / r["auto_predicted"]]
+        stretches = ", ".join(f"{f:.1f}" for _, f in prof["sharing"])
+        lines += [f"**{kind}** (calibrated: fixed work stretched {stretches}x with 1..4 processes busy, fitted as "
+                  f"{prof['cores']:.2f} cores and {prof['background']:.2f} busy processes of other jobs; a "
+                  f"collective after compute {prof['collective_us']:.0f} us, of which a wait of "
+                  f"{prof['sync_us']:.0f} us x (1 - 1/stretch); alpha {prof['alpha_us']:.0f} us per round, "
+                  f"{prof['bandwidth_gbs']:.2f} GB/s): measured / predicted (calibrated) "
+                  f"{min(absolute):.2f}-{max(absolute):.2f} (median {statistics.median(absolute):.2f}). "
+                  f"Spearman predicted vs measured over {len(hand)} splits "
                   f"**{rho:.2f}** calibrated ({rho_old:.2f} on `cpu` as shipped; per round "
                   f"{', '.join(f'{x:.2f}' for x in per_round)}; target >= 0.9). Auto plan `{r['auto']}`: "
                   f"{meas['auto'] * 1e3:.1f} ms vs best hand plan {best} {meas[best] * 1e3:.1f} ms: "
@@ -277,21 +284,22 @@ def report(result: dict[str, Any], rounds: int, steps: int) -> str:
                   f"{min(ratios):.2f}-{max(ratios):.2f}; target <= 1.10). On `cpu` as shipped the planner picked "
                   f"`{r['old_auto']}`: {meas['auto, cpu profile'] * 1e3:.1f} ms.", "",
                   "| split | predicted ms, `cpu` | predicted ms, calibrated | of which compute / comm / optimizer |"
-                  " measured ms (median) | spread (min-max) | CPU ms per step, busiest process |",
-                  "|---|---|---|---|---|---|---|"]
+                  " measured ms (median) | spread (min-max) | measured / predicted | CPU ms per step, busiest |",
+                  "|---|---|---|---|---|---|---|---|"]
         for n in sorted(meas, key=lambda n: meas[n]):
             v = r["measured"][n]
             if n == "auto":
                 old, new, terms = "", f"{r['auto_predicted'] * 1e3:.2f}", ""
+                ratio = f"{meas[n] / r['auto_predicted']:.2f}"
             elif n == "auto, cpu profile":
-                old, new, terms = f"{r['old_auto_predicted'] * 1e3:.2f}", "", ""
+                old, new, terms, ratio = f"{r['old_auto_predicted'] * 1e3:.2f}", "", "", ""
             else:
                 old, new = f"{r['uncalibrated'][n] * 1e3:.2f}", f"{r['predicted'][n] * 1e3:.2f}"
-                terms = _terms(r["breakdown"][n])
+                terms, ratio = _terms(r["breakdown"][n]), f"{meas[n] / r['predicted'][n]:.2f}"
             lines.append(f"| {n} | {old} | {new} | {terms} | {meas[n] * 1e3:.1f} | {min(v) * 1e3:.1f}-"
-                         f"{max(v) * 1e3:.1f} | {statistics.median(r['cpu'][n]) * 1e3:.1f} |")
+                         f"{max(v) * 1e3:.1f} | {ratio} | {statistics.median(r['cpu'][n]) * 1e3:.1f} |")
         for n, why in r.get("refused", {}).items():
-            lines.append(f"| {n} | refused by parallelize: {why} | | | | | |")
+            lines.append(f"| {n} | refused by parallelize: {why} | | | | | | |")
         lines.append("")
     return "\n".join(lines)
 
