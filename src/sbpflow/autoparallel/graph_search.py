@@ -4,7 +4,8 @@ The cost model is the sizes planner's (``predict``), applied per segment of the 
 
 * a segment's forward is the sum of its ops' roofline times on their per-rank shares, stretched when more
   devices compute at once than the cores they share (``DeviceProfile.stretch``: a CPU host's processes), and
-  each blocking collective waits for the peers those cores are not running (``DeviceProfile.sync_wait``);
+  each blocking collective or stage hand-off waits for peers those cores are not running
+  (``DeviceProfile.sync_wait``);
   forward + backward is three forwards; recompute reruns the segment's forward ("full") or the ops that make
   its wide values ("selective"); its tensor-parallel all-reduces are priced by α-β (again forward under "full");
 * ZeRO-2/3 traffic per micro-batch and the gradient sync and optimizer step at the end are ``predict``'s
@@ -201,7 +202,8 @@ def _costs(ctx: _Context, k: Knobs) -> _Costs:
     working = float(whole[blocks].max(initial=0.0)) if k.recompute == "full" else 0.0
     if k.zero == 3:
         working += 2 * 2 * float(params.max())  # the largest segment's weights gathered, fp16, twice in flight
-    send = _priced(lambda b: _p2p_time(plan, b, cluster), ctx.out_bytes * scale)
+    handoff = wait if k.pp > 1 else 0.0  # the receiving stage must get a core to go on, as a collective's peers
+    send = _priced(lambda b: _p2p_time(plan, b, cluster), ctx.out_bytes * scale) + handoff * (ctx.out_bytes > 0)
     parts = {"compute": 3 * forward, "recompute": rerun, "tp_comm": tp, "dp_comm": zero}
     if k.cp > 1:
         parts["cp_comm"] = _ring(ctx, k, scale)
