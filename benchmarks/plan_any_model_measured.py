@@ -148,24 +148,32 @@ def _traced(kind: str) -> Any:
     return model, read_graph(_step_class()(model, loss).trace(*meta))
 
 
-def _predict(kind: str, profile: Any) -> tuple[dict[str, Any], Any]:
+def _predict(read: Any, profile: Any) -> tuple[dict[str, Any], Any]:
     """Each split's prediction (``search_graph(only=[that split])``) and the planner's own plan (the full
     search), on ``profile``."""
     from sbpflow.autoparallel.graph_plan import make_plan
+    from sbpflow.autoparallel.graph_search import search_graph
+    from sbpflow.autoparallel.predict import Cluster
+
+    cluster = Cluster(WORLD, profile, WORLD)
+    auto = make_plan(read, cluster, search_graph(read, cluster, BATCH))
+    return _predict_splits(read, profile), auto
+
+
+def _predict_splits(read: Any, profile: Any, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Each split's prediction on ``profile``, and of the plans ``extra`` names (name -> Knobs)."""
     from sbpflow.autoparallel.graph_search import Knobs, search_graph
     from sbpflow.autoparallel.predict import Cluster
 
-    _, read = _traced(kind)
     cluster = Cluster(WORLD, profile, WORLD)
+    plans = {f"dp{dp} tp{tp} pp{pp}": Knobs(tp, pp, dp, BATCH // dp) for dp, tp, pp in SPLITS}
     predicted = {}
-    for dp, tp, pp in SPLITS:
+    for name, knobs in {**plans, **(extra or {})}.items():
         try:
-            found = search_graph(read, cluster, BATCH, only=[Knobs(tp, pp, dp, BATCH // dp)])
-            predicted[f"dp{dp} tp{tp} pp{pp}"] = found.best
+            predicted[name] = search_graph(read, cluster, BATCH, only=[knobs]).best
         except Exception:  # noqa: BLE001 - a split the planner cannot cost (heads, widths) is left out
             continue
-    auto = make_plan(read, cluster, search_graph(read, cluster, BATCH))
-    return predicted, auto
+    return predicted
 
 
 def _contender(kind: str, layout: dict[str, Any], plan: Any = None) -> tuple[Any, Any]:
@@ -203,8 +211,9 @@ def worker(out: str, rounds: int, steps: int, families: list[str]) -> None:
     for kind in families:
         # the links and cores as this job finds them now (the machine is shared): calibrated before each family
         profile, measured = calibrate_job(get_profile("cpu"), quick=True)
-        uncalibrated, old_auto = _predict(kind, get_profile("cpu"))
-        predicted, auto = _predict(kind, profile)
+        _, read = _traced(kind)
+        uncalibrated, old_auto = _predict(read, get_profile("cpu"))
+        predicted, auto = _predict(read, profile)
         runs: dict[str, Any] = {}
         layouts: dict[str, Any] = {}
         for name in predicted:
@@ -218,7 +227,13 @@ def worker(out: str, rounds: int, steps: int, families: list[str]) -> None:
         runs["auto, cpu profile"], _ = _contender(kind, old_auto.parallelize_kwargs(), old_auto)
         timed: dict[str, list[float]] = {name: [] for name, fn in runs.items() if fn is not None}
         cpu: dict[str, list[float]] = {name: [] for name in timed}
+        # the load of other jobs moves within minutes: each round is calibrated again and predicted with it
+        per_round: dict[str, list[float]] = {name: [] for name in timed}
         for r in range(rounds):
+            now, _ = calibrate_job(get_profile("cpu"), quick=True)
+            splits = _predict_splits(read, now, {"auto": auto.knobs, "auto, cpu profile": old_auto.knobs})
+            for name in timed:
+                per_round[name].append(splits[name].step_time if name in splits else float("nan"))
             for name in turned(sorted(timed), r):
                 wall, busy = timed_block_cpu(runs[name], steps)
                 timed[name].append(wall)
@@ -227,7 +242,7 @@ def worker(out: str, rounds: int, steps: int, families: list[str]) -> None:
             predicted={n: p.step_time for n, p in predicted.items()},
             breakdown={n: p.breakdown for n, p in predicted.items()},
             uncalibrated={n: p.step_time for n, p in uncalibrated.items()},
-            measured=timed, cpu=cpu, auto=str(auto.knobs), auto_predicted=auto.step_time,
+            measured=timed, cpu=cpu, per_round=per_round, auto=str(auto.knobs), auto_predicted=auto.step_time,
             auto_same=[n for n, same in layouts.items() if same == auto_layout],
             old_auto=str(old_auto.knobs), old_auto_predicted=old_auto.step_time,
             profile={"cores": profile.cores, "background": profile.background, "sync_us": profile.sync_s * 1e6,
@@ -269,21 +284,24 @@ def report(result: dict[str, Any], rounds: int, steps: int) -> str:
         hand = [n for n in meas if not n.startswith("auto")]
         rho = _spearman([r["predicted"][n] for n in hand], [meas[n] for n in hand])
         rho_old = _spearman([r["uncalibrated"][n] for n in hand], [meas[n] for n in hand])
-        per_round = [_spearman([r["predicted"][n] for n in hand], [r["measured"][n][i] for n in hand])
+        per_round = [_spearman([r["per_round"][n][i] for n in hand], [r["measured"][n][i] for n in hand])
                      for i in range(rounds)]
+        # measured over predicted, each round with its own calibration: the median over rounds per split
+        own = {n: statistics.median(m / p for m, p in zip(r["measured"][n], r["per_round"][n], strict=True))
+               for n in meas}
         best = min(hand, key=lambda n: meas[n])
         ratios = [r["measured"]["auto"][i] / min(r["measured"][n][i] for n in hand) for i in range(rounds)]
         prof = r["profile"]
-        absolute = [meas[n] / r["predicted"][n] for n in hand] + [meas["auto"] / r["auto_predicted"]]
+        absolute = [own[n] for n in meas]
         stretches = ", ".join(f"{f:.1f}" for _, f in prof["sharing"])
         lines += [f"**{kind}** (calibrated: fixed work stretched {stretches}x with 1..4 processes busy, fitted as "
                   f"{prof['cores']:.2f} cores and {prof['background']:.2f} busy processes of other jobs; a "
                   f"collective after compute {prof['collective_us']:.0f} us, of which a wait of "
                   f"{prof['sync_us']:.0f} us x (1 - 1/stretch); alpha {prof['alpha_us']:.0f} us per round, "
-                  f"{prof['bandwidth_gbs']:.2f} GB/s): measured / predicted (calibrated) "
-                  f"{min(absolute):.2f}-{max(absolute):.2f} (median {statistics.median(absolute):.2f}). "
+                  f"{prof['bandwidth_gbs']:.2f} GB/s): measured / predicted with each round's calibration "
+                  f"{min(absolute):.2f}-{max(absolute):.2f} over the rows (median {statistics.median(absolute):.2f}). "
                   f"Spearman predicted vs measured over {len(hand)} splits "
-                  f"**{rho:.2f}** calibrated ({rho_old:.2f} on `cpu` as shipped; per round "
+                  f"**{rho:.2f}** calibrated ({rho_old:.2f} on `cpu` as shipped; per round, each with its calibration, "
                   f"{', '.join(f'{x:.2f}' for x in per_round)}; target >= 0.9). Auto plan `{r['auto']}`: "
                   f"{meas['auto'] * 1e3:.1f} ms vs best hand plan {best} {meas[best] * 1e3:.1f} ms: "
                   f"**{meas['auto'] / meas[best]:.2f}x** (per round against that round's best: "
@@ -293,18 +311,18 @@ def report(result: dict[str, Any], rounds: int, steps: int) -> str:
                      if r.get("auto_same") else "") + ". On `cpu` as shipped the planner picked "
                   f"`{r['old_auto']}`: {meas['auto, cpu profile'] * 1e3:.1f} ms.", "",
                   "| split | predicted ms, `cpu` | predicted ms, calibrated | of which compute / comm / optimizer |"
-                  " measured ms (median) | spread (min-max) | measured / predicted | CPU ms per step, busiest |",
+                  " measured ms (median) | spread (min-max) | measured / predicted, per round | CPU ms, busiest |",
                   "|---|---|---|---|---|---|---|---|"]
         for n in sorted(meas, key=lambda n: meas[n]):
             v = r["measured"][n]
             if n == "auto":
                 old, new, terms = "", f"{r['auto_predicted'] * 1e3:.2f}", ""
-                ratio = f"{meas[n] / r['auto_predicted']:.2f}"
             elif n == "auto, cpu profile":
-                old, new, terms, ratio = f"{r['old_auto_predicted'] * 1e3:.2f}", "", "", ""
+                old, new, terms = f"{r['old_auto_predicted'] * 1e3:.2f}", "", ""
             else:
                 old, new = f"{r['uncalibrated'][n] * 1e3:.2f}", f"{r['predicted'][n] * 1e3:.2f}"
-                terms, ratio = _terms(r["breakdown"][n]), f"{meas[n] / r['predicted'][n]:.2f}"
+                terms = _terms(r["breakdown"][n])
+            ratio = f"{own[n]:.2f}"
             lines.append(f"| {n} | {old} | {new} | {terms} | {meas[n] * 1e3:.1f} | {min(v) * 1e3:.1f}-"
                          f"{max(v) * 1e3:.1f} | {ratio} | {statistics.median(r['cpu'][n]) * 1e3:.1f} |")
         for n, why in r.get("refused", {}).items():
