@@ -1,20 +1,22 @@
 """The graph planner against measurements on five model families (issue 25 §4), 4 gloo processes.
 
-Run: ``.venv/bin/python benchmarks/plan_any_model_measured.py [--rounds R] [--steps S] [--families a,b] [--write]``
-(spawns its own 4 processes with ``sbpflow launch``; ``--write`` replaces the "plan_any_model_measured" section of
-docs/benchmarks.md).
+Run: ``.venv/bin/python benchmarks/plan_any_model_measured.py [--rounds R] [--steps S] [--families a,b] [--write]
+[--save run.json | --from-result run.json]`` (spawns its own 4 processes with ``sbpflow launch``; ``--write``
+replaces the "plan_any_model_measured" section of docs/benchmarks.md).
 
 For each family (GPT, Llama, Mixtral-style MoE, the ResNet-style CNN, the ViT) every dp x tp x pp split of 4 that
 ``sbpflow.parallelize`` accepts is a hand plan: an ``nn.Graph`` training step (AdamW, one micro-batch), timed in
-interleaved rounds (the order turned by one each round). Before a family's rounds, ``calibrate_job`` measures on
-the 4 processes what the shared machine gives them now (gloo's α-β, the cost of a collective between stretches of
-compute, the cores the processes share). The graph planner predicts each split from the step traced on metadata
-(``search_graph(only=[that split])``) on the ``cpu`` profile as shipped and on that profile with the measured links
-and cores, and picks its own plan (the full search) on both; each is laid out as ``config.enable_auto_parallel``
-lays it out (``sbpflow.parallelize`` with ``plan.parallelize_kwargs()`` and ``configure_graph``) and timed beside
+interleaved rounds (the order turned by one each round). Before a family's rounds, and again before each round,
+``calibrate_job`` measures on the 4 processes what the shared machine gives them now (gloo's α-β, the cost of a
+collective between stretches of compute, the cores the processes share and the other jobs' load); each round's
+splits are predicted with that round's profile too. The graph planner predicts each split from the step traced on
+metadata (``search_graph(only=[that split])``) on the ``cpu`` profile as shipped and on that profile with the
+measured links and cores, and picks its own plan (the full search) on both; each is laid out as
+``config.enable_auto_parallel`` lays it out (``sbpflow.parallelize`` with ``plan.parallelize_kwargs()`` and ``configure_graph``) and timed beside
 the hand plans. The report: per family the median measured step of each split, its spread over rounds and the CPU
-of the busiest process, both predictions and the calibrated one's compute / communication / optimizer terms, the
-Spearman rank correlation (medians and per round), and the auto plans' measured steps against the best hand plan's.
+of the busiest process, both predictions and the calibrated one's compute / communication / optimizer terms,
+measured over predicted (each round's), the Spearman rank correlation (medians and per round), and the auto
+plans' measured steps against the best hand plan's (and whether the auto plan is that very step).
 """
 
 from __future__ import annotations
@@ -274,8 +276,9 @@ def _terms(breakdown: dict[str, float]) -> str:
     return f"{compute * 1e3:.1f} / {comm * 1e3:.1f} / {breakdown['optimizer'] * 1e3:.1f}"
 
 
-def report(result: dict[str, Any], rounds: int, steps: int) -> str:
-    lines = [f"Machine: {machine(processes=WORLD)}; {rounds} interleaved rounds of {steps} steps, batch {BATCH}, "
+def report(run: dict[str, Any]) -> str:
+    result, rounds, steps = run["families"], run["rounds"], run["steps"]
+    lines = [f"Machine: {run['machine']}; {rounds} interleaved rounds of {steps} steps, batch {BATCH}, "
              "nn.Graph steps (AdamW, one micro-batch for the hand plans). Predictions: the graph planner on the "
              "`cpu` profile as shipped, and on the same profile with the links and shared cores that "
              "`calibrate_job` measured on these 4 processes just before the family's rounds.", ""]
@@ -337,18 +340,26 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--families", default=",".join(FAMILIES))
     parser.add_argument("--worker", default=None)
+    parser.add_argument("--save", default=None, help="also write the raw measurements to this JSON file")
+    parser.add_argument("--from-result", default=None, help="report a run that --save wrote, without running")
     add_write_flag(parser)
     args = parser.parse_args()
     families = args.families.split(",")
     if args.worker is not None:
         worker(args.worker, args.rounds, args.steps, families)
         return 0
-    with tempfile.TemporaryDirectory() as tmp:
-        out = str(Path(tmp) / "result.json")
-        launch_self(__file__, WORLD, ["--worker", out, "--rounds", str(args.rounds), "--steps", str(args.steps),
-                                      "--families", args.families], check=True)
-        result = json.loads(Path(out).read_text())
-    body = report(result, args.rounds, args.steps)
+    if args.from_result is not None:
+        run = json.loads(Path(args.from_result).read_text())
+    else:
+        run = {"machine": machine(processes=WORLD), "rounds": args.rounds, "steps": args.steps}
+        with tempfile.TemporaryDirectory() as tmp:
+            out = str(Path(tmp) / "result.json")
+            launch_self(__file__, WORLD, ["--worker", out, "--rounds", str(args.rounds), "--steps",
+                                          str(args.steps), "--families", args.families], check=True)
+            run["families"] = json.loads(Path(out).read_text())
+        if args.save is not None:
+            Path(args.save).write_text(json.dumps(run))
+    body = report(run)
     print(body)
     if args.write:
         write_section("plan_any_model_measured", "## Auto-parallel on five model families, measured "

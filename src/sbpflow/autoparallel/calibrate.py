@@ -216,7 +216,7 @@ def fit_sharing(sharing: tuple[tuple[int, float], ...]) -> tuple[float, float]:
     return round(float(1 / slope), 6), round(float(intercept / slope), 6)
 
 
-def _collective_after_compute(dist: Any, work: float = 1e-3, n: int = 10, repeats: int = 3) -> float:
+def _collective_after_compute(dist: Any, work: float = 1e-3, n: int = 20, repeats: int = 5) -> float:
     """Seconds a blocking 4-byte all-reduce adds after ``work`` CPU seconds on every process: its latency and
     the wait for the process that the shared cores left behind (what a step's collectives between ops pay)."""
     flag = torch.zeros(1)
