@@ -12,11 +12,12 @@ collective between stretches of compute, the cores the processes share and the o
 splits are predicted with that round's profile too. The graph planner predicts each split from the step traced on
 metadata (``search_graph(only=[that split])``) on the ``cpu`` profile as shipped and on that profile with the
 measured links and cores, and picks its own plan (the full search) on both; each is laid out as
-``config.enable_auto_parallel`` lays it out (``sbpflow.parallelize`` with ``plan.parallelize_kwargs()`` and ``configure_graph``) and timed beside
-the hand plans. The report: per family the median measured step of each split, its spread over rounds and the CPU
-of the busiest process, both predictions and the calibrated one's compute / communication / optimizer terms,
-measured over predicted (each round's), the Spearman rank correlation (medians and per round), and the auto
-plans' measured steps against the best hand plan's (and whether the auto plan is that very step).
+``config.enable_auto_parallel`` lays it out (``sbpflow.parallelize`` with ``plan.parallelize_kwargs()`` and
+``configure_graph``) and timed beside the hand plans. The report: per family the median measured step of each split,
+its spread over rounds and the CPU of the busiest process, both predictions and the calibrated one's compute /
+communication / optimizer terms, measured over predicted (each round's), the Spearman rank correlation (medians and
+per round), and the auto plans' measured steps against the best hand plan's (and whether the auto plan is that very
+step).
 """
 
 from __future__ import annotations
