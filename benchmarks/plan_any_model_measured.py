@@ -282,7 +282,9 @@ def report(run: dict[str, Any]) -> str:
     lines = [f"Machine: {run['machine']}; {rounds} interleaved rounds of {steps} steps, batch {BATCH}, "
              "nn.Graph steps (AdamW, one micro-batch for the hand plans). Predictions: the graph planner on the "
              "`cpu` profile as shipped, and on the same profile with the links and shared cores that "
-             "`calibrate_job` measured on these 4 processes just before the family's rounds.", ""]
+             "`calibrate_job` measured on these 4 processes just before the family's rounds (the auto plan is "
+             "chosen on it); measured / predicted, per round: each round predicted with a calibration made just "
+             "before it, the median over rounds.", ""]
     for kind, r in result.items():
         meas = {n: statistics.median(v) for n, v in r["measured"].items()}
         hand = [n for n in meas if not n.startswith("auto")]

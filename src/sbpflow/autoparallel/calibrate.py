@@ -42,7 +42,7 @@ import numpy as np
 import torch
 
 from ..errors import SbpflowError
-from .profiles import DeviceProfile
+from .profiles import DeviceProfile, host_cores
 
 SIZES = (4, 1024, 16384, 262144, 1 << 20, 1 << 23)  # all_reduce message bytes of the α-β fit
 SIZES_QUICK = (4, 4096, 65536, 1 << 20)
@@ -193,11 +193,11 @@ def _sharing(dist: Any, gemms: int = 1200, repeats: int = 5) -> tuple[tuple[int,
     return tuple((k, max(1.0, statistics.median(t) / free)) for k, t in spans.items())
 
 
-def fit_sharing(sharing: tuple[tuple[int, float], ...]) -> tuple[float, float]:
+def fit_sharing(sharing: tuple[tuple[int, float], ...], most: float = float("inf")) -> tuple[float, float]:
     """(cores, background) of the stretches measured with k processes busy: the line ``(k + background) /
     cores`` (a fair share of the cores among k processes and the other jobs' busy ones) by least squares
     through the stretched points (over ``1 + SHARING_NOISE``: below them each process had a core), background
-    >= 0; (0, 0) when nothing was stretched.
+    >= 0 and cores at most ``most`` (the host's); (0, 0) when nothing was stretched.
 
     >>> fit_sharing(((1, 1.5), (2, 2.0), (3, 2.5), (4, 3.0)))  # 2 cores, 2 busy processes of other jobs
     (2.0, 2.0)
@@ -205,6 +205,8 @@ def fit_sharing(sharing: tuple[tuple[int, float], ...]) -> tuple[float, float]:
     (2.0, 0.0)
     >>> fit_sharing(((1, 1.0), (2, 1.0)))
     (0.0, 0.0)
+    >>> fit_sharing(((1, 1.3), (2, 1.5)), most=2)  # a shallow line: more other jobs on the host's 2 cores
+    (2.0, 1.3)
     """
     stretched = [(float(n), float(f)) for n, f in sharing if f > 1 + SHARING_NOISE]
     if not stretched:
@@ -213,7 +215,10 @@ def fit_sharing(sharing: tuple[tuple[int, float], ...]) -> tuple[float, float]:
     slope, intercept = np.polyfit(k, s, 1) if len(k) > 1 else (s[0] / k[0], 0.0)
     if intercept < 0 or slope <= 0:  # no other jobs: the line through the origin
         slope, intercept = float(k @ s / (k @ k)), 0.0
-    return round(float(1 / slope), 6), round(float(intercept / slope), 6)
+    cores, background = 1 / slope, intercept / slope
+    if cores > most:  # the host has no more: the rest of the stretch is other jobs
+        cores, background = most, max(0.0, float(np.mean(s * most - k)))
+    return round(float(cores), 6), round(float(background), 6)
 
 
 def _collective_after_compute(dist: Any, work: float = 1e-3, n: int = 20, repeats: int = 5) -> float:
@@ -287,7 +292,7 @@ def _with_links(profile: DeviceProfile, m: Measurements) -> DeviceProfile:
     time: on shared cores, the wait for the peers they are not running (``sync_s``, scaled to the share of time
     a process waits for a core with every process busy); on cores of their own, at least a longer α."""
     bandwidth = 1 / m.beta
-    cores, background = fit_sharing(m.sharing)
+    cores, background = fit_sharing(m.sharing, host_cores())
     shared = replace(profile, cores=cores, background=background)
     waiting = 1 - 1 / shared.stretch(m.processes)
     alpha, sync = max(m.alpha, m.collective_s / (2 * (m.processes - 1))), 0.0
@@ -319,7 +324,7 @@ def describe(m: Measurements) -> str:
               f"gloo all_reduce on {m.processes} processes:"]
     lines += [f"  {n:9d} B  {t * 1e6:10.1f} us" for n, t in m.all_reduce_s.items()]
     lines.append(f"fit: alpha {m.alpha * 1e6:.1f} us, beta {m.beta * 1e9:.3f} ns/B ({1 / m.beta / 1e9:.2f} GB/s)")
-    cores, background = fit_sharing(m.sharing)
+    cores, background = fit_sharing(m.sharing, host_cores())
     stretches = ", ".join(f"{k} busy {f:.2f}x" for k, f in m.sharing)
     lines.append(f"fixed work with k processes busy: {stretches} ({cores:.2f} cores, {background:.2f} busy "
                  f"processes of other jobs); a 4-byte all_reduce after compute: {m.collective_s * 1e6:.0f} us")
