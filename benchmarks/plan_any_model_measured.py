@@ -44,9 +44,10 @@ WORLD = 4
 SPLITS = [(4, 1, 1), (2, 2, 1), (2, 1, 2), (1, 4, 1), (1, 2, 2), (1, 1, 4)]  # (dp, tp, pp)
 FAMILIES = ["gpt", "llama", "moe", "cnn", "vit"]
 BATCH = 8
-# what the runs of 2026-11-28 15:40-16:08 UTC showed (kept with the section; rewrite it when the figures change)
+# what the runs of 2026-11-28 15:40-16:22 UTC showed (kept with the section; rewrite it when the figures change)
 READING = """\
-**Reading (2026-11-28; the run above at 16:03 UTC, load 4-8 from other jobs; the same code at 16:01, load 9-11).**
+**Reading (2026-11-28; the run above at 16:14 UTC, load 3-4 from other jobs; the same code at 16:03, load 4-8,
+and at 16:01, load 9-11).**
 
 Where the `cpu` profile's and the 13:10 run's absolute times (1.6-5.3x low) went wrong, per term, from the runtime
 timeline (SBPFLOW_TRACE), per-process CPU and the calibration's primitives (15:22-15:30 UTC, load 1-4):
@@ -69,19 +70,24 @@ timeline (SBPFLOW_TRACE), per-process CPU and the calibration's primitives (15:2
 * Not separated: the optimizer step (priced 0-1.7 ms), the boxing copies and the runtime's thread hand-offs:
   they are inside the measured CPU per process (last column) and inside the collectives' measured cost.
 
-What holds: rank correlation of the calibrated predictions against the medians 0.83 / 1.00 / 1.00 / 0.94 / 1.00
-(GPT, Llama, MoE, CNN, ViT; at 16:01: 0.94 / 1.00 / 1.00 / 0.77 / 1.00; target >= 0.9, per round 0.77-1.00 here).
-Measured over predicted, each round with its own calibration: median 1.48 / 1.40 / 1.25 / 1.59 / 1.57 (rows
-0.81-2.40; at 16:01 1.44 / 1.52 / 1.85 / 1.99 / 1.67, rows 0.98-3.54; at 15:40, with one calibration per family
-and before the hand-off waits, 1.16 / 1.25 / 1.08 / 1.85 / 1.43), against 1.6-5.3x before: closer, still low by a
-quarter to a half at these loads. The auto plan against the best hand plan: 1.33 / 0.99 / 1.16 / 1.22 / 0.90x
-here, 0.97 / 1.03 / 0.84 / 1.20 / 1.16x at 16:01. In 9 of these 10 cases the auto plan is the best hand split
-itself (pp4, the same stages, SBPs and one micro-batch as parallelize's): its two rows time one step twice, and
-their ratio (0.84-1.22) is the noise of this machine at that load, not a worse plan. Counting those as within
-10%, 9 of 10; taking the ratios as measured, 5 of 10. The miss: GPT at 16:03, where the calibration before the
-rounds saw 2.2 busy processes of other jobs and 1.8x stretch for one process, so the planner chose dp2 x pp2
-(predicted 23.5 against pp4's 27.9 ms), which measured 1.33x pp4: the other jobs' load moves within minutes, and
-pp4 against dp2 x pp2 turns on it.
+What holds: rank correlation of the calibrated predictions against the medians 1.00 / 1.00 / 1.00 / 0.94 / 1.00
+(GPT, Llama, MoE, CNN, ViT; per round 0.77-1.00; at 16:03 0.83 / 1.00 / 1.00 / 0.94 / 1.00, at 16:01 0.94 / 1.00 /
+1.00 / 0.77 / 1.00; target >= 0.9). The auto plan against the best hand plan: 1.05 / 0.97 / 0.91 / 1.03 / 1.00x
+(per round against that round's best 0.73-1.53), at 16:03 1.33 / 0.99 / 1.16 / 1.22 / 0.90x, at 16:01 0.97 / 1.03
+/ 0.84 / 1.20 / 1.16x. In 14 of these 15 cases the auto plan is the best hand split itself (pp4, the same stages,
+SBPs and one micro-batch as parallelize's): its two rows time one step twice, and their ratio (0.84-1.22) is the
+noise of this machine at that load, not a worse plan. As measured, 10 of 15 are within 10% (all 5 in the run
+above). The miss: GPT at 16:03, where the calibration before the rounds saw 2.2 busy processes of other jobs and
+1.8x stretch for one process, so the planner chose dp2 x pp2 (predicted 23.5 against pp4's 27.9 ms), which
+measured 1.33x pp4: the other jobs' load moves within minutes, and pp4 against dp2 x pp2 turns on it.
+
+Absolute times, measured over predicted with each round's own calibration: median 1.56 / 1.26 / 1.03 / 1.91 /
+1.83 (rows 1.01-2.74; at 16:03 1.48 / 1.40 / 1.25 / 1.59 / 1.57, rows 0.81-2.40; at 16:01 1.44 / 1.52 / 1.85 /
+1.99 / 1.67, rows 0.98-3.54), against 1.6-5.3x before: closer, still low. pp4 and dp2 x pp2 are 1.0-1.9x; the
+tensor-parallel splits at this lower load 1.1-2.7x (most over 1.7): with little sharing their waits are small,
+yet their 20-29 collectives per rank seem to cost more inside sbpflow's runtime (a comm thread per group, its
+hand-offs with the compute thread) than the plain gloo all_reduce after compute that calibration times: the
+largest term left, by the CPU per process (last column), though not measured apart.
 
 Not reached: absolute times within a few percent. What is left: the load of other jobs changes within a round
 (spread up to 3x on one split); the CNN's tensor-parallel splits run 1.8-3.5x their prediction (the planner
