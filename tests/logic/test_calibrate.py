@@ -96,13 +96,22 @@ def test_calibration_from_a_trace_without_usable_spans_says_so(tmp_path):
 
 
 def test_a_collective_inside_a_step_and_shared_cores_enter_the_profile():
-    """α is at least what a small all-reduce costs after compute (the wait for a process the shared cores left
-    behind), per ring round; the cores are the processes over the measured stretch with all of them busy."""
+    """The cores and the other jobs' busy processes are the line through the stretches of fixed work with k
+    processes busy, and the profile stretches k devices' compute by it. What a small all-reduce costs after
+    compute beyond its α-β time is the wait for a peer the shared cores are not running: the profile's
+    collectives wait that long with every process busy, less with fewer; on cores of their own, it is α."""
     m = Measurements(matmul_flops={256: 50e9}, memcpy_bandwidth=10e9, elementwise_bandwidth=8e9, launch_s=2e-6,
-                     processes=4, all_reduce_s={4: 1e-4, 1 << 20: 1e-3}, alpha=40e-6, beta=1e-9, busy_factor=2.5,
-                     collective_s=1.2e-3)
+                     processes=4, all_reduce_s={4: 1e-4, 1 << 20: 1e-3}, alpha=40e-6, beta=1e-9,
+                     sharing=((1, 1.25), (2, 1.9), (3, 2.5), (4, 3.1)), collective_s=1.2e-3)
     profile = _profile("here", m)
-    assert profile.intra_alpha == pytest.approx(1.2e-3 / 6) and profile.cores == pytest.approx(1.6)
-    assert profile.stretch(1) == 1.0 and profile.stretch(4) == pytest.approx(2.5)
-    quiet = _profile("here", replace(m, busy_factor=1.0, collective_s=1e-5))
+    assert profile.intra_alpha == 40e-6 and profile.sync_wait(4) == pytest.approx(1.2e-3 - 6 * 40e-6)
+    assert 0 < profile.sync_wait(1) < profile.sync_wait(2) < profile.sync_wait(4)
+    assert profile.cores == pytest.approx(1.6, rel=0.05) and profile.background == pytest.approx(1.0, abs=0.1)
+    assert [profile.stretch(k) for k in (1, 4)] == pytest.approx([1.25, 3.1], rel=0.05)
+    alone = _profile("here", replace(m, sharing=((1, 1.0), (2, 1.05), (3, 1.5), (4, 2.0))))
+    assert (alone.cores, alone.background, alone.stretch(2)) == (2.0, 0.0, 1.0)  # 2 processes, 2 free cores
+    assert alone.sync_wait(2) == 0.0
+    quiet = _profile("here", replace(m, sharing=((1, 1.0), (4, 1.02)), collective_s=1e-5))
     assert quiet.intra_alpha == 40e-6 and quiet.stretch(4) == 1.0  # 4 cores for 4 processes: nothing shared
+    slow = _profile("here", replace(m, sharing=((1, 1.0), (4, 1.02))))
+    assert slow.intra_alpha == pytest.approx(1.2e-3 / 6) and slow.sync_wait(4) == 0.0  # per ring round

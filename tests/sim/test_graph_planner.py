@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import json
+import os
 import textwrap
 from typing import Any
 
@@ -21,7 +22,7 @@ import torch
 
 import sbpflow
 from sbpflow import nn
-from sbpflow.autoparallel import PROFILES, Cluster, ParallelPlan, TransformerSpec, predict
+from sbpflow.autoparallel import PROFILES, Cluster, ParallelPlan, TransformerSpec, get_profile, predict
 from sbpflow.autoparallel.explain import PLAN_SCHEMA
 from sbpflow.autoparallel.graph_model import layer_cuts, read_graph
 from sbpflow.autoparallel.graph_plan import Plan, plan_graph
@@ -364,6 +365,32 @@ def test_devices_sharing_cores_stretch_the_compute_of_those_that_run_at_once() -
         stretch = {"dp4": 2.0, "pp4": 1.0, "dp2 pp2": 2.0}[name]  # dp2 pp2: 2 micro-batches, 4 ranks at once
         assert after["compute"] == pytest.approx(stretch * before["compute"]), name
         assert after["optimizer"] == pytest.approx(2.0 * before["optimizer"]), name  # every rank steps at once
+
+
+def test_collectives_on_shared_cores_wait_for_the_peers_the_cores_are_not_running() -> None:
+    """On 2 cores with 2 busy processes of other jobs, 4 ranks at once run a third of the time and 1 rank alone
+    two thirds: each blocking collective of tp4 waits 2/3 of ``sync_s``, the gradient sync of dp4 too, and
+    each of the 6 hand-offs of a 4-stage pipeline of one micro-batch (one rank at a time) waits 1/3."""
+    _, g = _traced(attention_stack)
+    read = read_graph(g)
+    cores = dataclasses.replace(PROFILES["a100-80gb"], memory_bytes=1e12, cores=2.0, background=2.0)
+    waiting = dataclasses.replace(cores, sync_s=3e-3)
+    ctx = _Context(read, Cluster(4, cores, 4), 8)
+    collectives = float(ctx.comm_count.sum())
+    assert collectives > 0
+    plans = {"tp4": (Knobs(4, 1, 1, 8), collectives * 2 / 3), "dp4": (Knobs(1, 1, 4, 2), 2 / 3),
+             "pp4": (Knobs(1, 4, 1, 8), 2 * 3 * 1 / 3)}
+    for name, (k, waits) in plans.items():
+        before = graph_predict(ctx, k)
+        after = graph_predict(_Context(read, Cluster(4, waiting, 4), 8), k, before.cuts)
+        assert after.step_time - before.step_time == pytest.approx(waits * 3e-3), name
+        if name != "pp4":  # (a pipeline's compute term is its slowest stage's, which the waits may change)
+            assert after.breakdown["compute"] == before.breakdown["compute"], name
+
+
+def test_the_cpu_profile_has_the_cores_of_this_host() -> None:
+    assert get_profile("cpu").cores == len(os.sched_getaffinity(0))
+    assert get_profile("cpu").stretch(2 * len(os.sched_getaffinity(0))) == 2.0
 
 
 class Routed(nn.Module):

@@ -3,7 +3,9 @@
 The cost model is the sizes planner's (``predict``), applied per segment of the graph (``graph_model``):
 
 * a segment's forward is the sum of its ops' roofline times on their per-rank shares, stretched when more
-  devices compute at once than the cores they share (``DeviceProfile.stretch``: a CPU host's processes);
+  devices compute at once than the cores they share (``DeviceProfile.stretch``: a CPU host's processes), and
+  each blocking collective or stage hand-off waits for peers those cores are not running
+  (``DeviceProfile.sync_wait``);
   forward + backward is three forwards; recompute reruns the segment's forward ("full") or the ops that make
   its wide values ("selective"); its tensor-parallel all-reduces are priced by α-β (again forward under "full");
   each repeated block (``GraphModel.block_starts``) takes its own recompute choice (``Knobs.block_recompute``);
@@ -64,6 +66,9 @@ SCHEDULES = ("1f1b", "interleaved_1f1b", "zero_bubble")  # nn.Graph's pipeline s
 VIRTUAL = (2, 3, 4, 6, 8)  # model chunks per stage tried for interleaved 1F1B
 ZERO_BUBBLE_SHARE = 1 / 3  # of 1F1B's bubble that zero-bubble (ZB-H1) leaves
 WORKING_OPS = 3.0  # backward's working set, in the largest op's bytes (its inputs and outputs): see _transient
+# blocking collectives over the data-parallel group by ZeRO stage: (per module and micro-batch, at the step's
+# end), as ``predict``'s _zero_per_micro_batch and _grad_sync issue them
+ZERO_COLLECTIVES = {0: (0, 1), 1: (0, 2), 2: (1, 1), 3: (3, 0)}
 
 
 @dataclass(frozen=True)
@@ -233,7 +238,8 @@ def _priced(f: Callable[[float], float], volumes: np.ndarray, counts: np.ndarray
 def _costs(ctx: _Context, k: Knobs) -> _Costs:
     model, cluster, plan = ctx.model, ctx.cluster, k.parallel_plan()
     forward, wide, _ = ctx.segment_times(k.micro_batch, k.tp, k.cp)
-    stretch = cluster.profile.stretch(_active(ctx, k))
+    active = _active(ctx, k)
+    stretch, wait = cluster.profile.stretch(active), cluster.profile.sync_wait(active)
     forward, wide = forward * stretch, wide * stretch
     scale = k.micro_batch / model.batch / k.cp  # a rank's share of a micro-batch's activations
     spans = _expert_span(k) - 1.0  # expert work beyond a rank's dense share
@@ -244,12 +250,14 @@ def _costs(ctx: _Context, k: Knobs) -> _Costs:
     rerun = np.where(full, forward, np.where(selective, wide, 0.0))
     group = tuple(range(k.tp))
     all_reduce = partial(_coll, "all_reduce", group, cluster=cluster)
-    tp = _priced(all_reduce, ctx.comm_bytes * scale, ctx.comm_count)
+    tp = _priced(all_reduce, ctx.comm_bytes * scale, ctx.comm_count) + wait * ctx.comm_count * (k.tp > 1)
     if full.any():  # the forward all-reduces again
-        tp += full * _priced(all_reduce, ctx.comm_fwd_bytes * scale, ctx.comm_fwd_count)
+        tp += full * (_priced(all_reduce, ctx.comm_fwd_bytes * scale, ctx.comm_fwd_count)
+                      + wait * ctx.comm_fwd_count * (k.tp > 1))
     params = ctx.whole_params + ctx.split_params / k.tp
     params -= (ctx.expert_whole + ctx.expert_split / k.tp) * (1 - 1 / k.ep)
     zero = _priced(partial(_zero_per_micro_batch, cluster, plan), params, ctx.unit_start)
+    zero += wait * ZERO_COLLECTIVES[k.zero][0] * ctx.unit_start * (k.dp > 1)
     whole = (ctx.kept[:, 0] + ctx.kept[:, 1] / k.tp + spans * (ctx.expert_kept[:, 0] + ctx.expert_kept[:, 1] / k.tp)
              ) * scale
     dropped = (ctx.wide[:, 0] + ctx.wide[:, 1] / k.tp) * scale
@@ -260,7 +268,8 @@ def _costs(ctx: _Context, k: Knobs) -> _Costs:
     working = float(rebuilt.max())
     if k.zero == 3:
         working += 2 * 2 * float(params.max())  # the largest segment's weights gathered, fp16, twice in flight
-    send = _priced(lambda b: _p2p_time(plan, b, cluster), ctx.out_bytes * scale)
+    handoff = wait if k.pp > 1 else 0.0  # the receiving stage must get a core to go on, as a collective's peers
+    send = _priced(lambda b: _p2p_time(plan, b, cluster), ctx.out_bytes * scale) + handoff * (ctx.out_bytes > 0)
     per_op = model.nbytes * np.where(model.batched, scale, 1.0) / np.where(model.split, k.tp, 1)
     op_bytes = np.maximum.reduceat(per_op, np.array([s.lo for s in model.segments]))
     step_inputs = model.input_bytes * ctx.batch / (k.dp * k.cp * model.batch)  # every micro-batch's, fed at once
@@ -457,7 +466,9 @@ def predict(ctx: _Context, k: Knobs, cuts: tuple[int, ...] | None = None) -> Gra
     stage_time = [sum(chunk_time[i * k.pp + st] for i in range(k.virtual)) for st in range(k.pp)]
     plan = k.parallel_plan()
     stretch = ctx.cluster.profile.stretch(ctx.cluster.devices)  # every rank steps its optimizer at once
-    syncs = [(_grad_sync(plan, ctx.cluster, _unique_params(ctx.model, k, s)),
+    # the gradient sync's collectives wait for replicas still in backward, as those between ops do
+    wait = ctx.cluster.profile.sync_wait(_active(ctx, k)) * ZERO_COLLECTIVES[k.zero][1] * (k.dp * k.cp > 1)
+    syncs = [(_grad_sync(plan, ctx.cluster, _unique_params(ctx.model, k, s)) + wait,
               stretch * _optimizer(plan, ctx.cluster, _unique_params(ctx.model, k, s))) for s in stage_segs]
     last = max(range(k.pp), key=lambda st: sum(syncs[st]))
     share = ZERO_BUBBLE_SHARE if k.schedule == "zero_bubble" and m >= k.pp else 1.0

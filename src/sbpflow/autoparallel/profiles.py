@@ -26,6 +26,7 @@ prediction so that what a prediction rests on is visible.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 from typing import Any
@@ -64,9 +65,12 @@ class DeviceProfile:
     gemm_k_half: float = 0.0  # inner dimension at which a GEMM sustains half its large-k rate (prologue, epilogue)
     gpus_per_node: int = 8
     reserved_bytes: float = 3 * GB  # CUDA context, allocator fragmentation, workspaces
-    # CPU cores the devices share, as measured with every process busy (a host's processes, other jobs
-    # included); 0: each device computes on its own (accelerators)
+    # CPU cores the devices share (a host's processes); 0: each device computes on its own (accelerators)
     cores: float = 0.0
+    background: float = 0.0  # busy processes of other jobs on those cores, as calibration found them
+    # seconds a blocking collective would wait for peers the shared cores never run; a collective waits this
+    # times the share of time a process waits for a core (:meth:`sync_wait`); 0 on accelerators
+    sync_s: float = 0.0
     source: str = "public specs"
 
     @property
@@ -93,16 +97,29 @@ class DeviceProfile:
         return out if out.ndim else float(out)
 
     def stretch(self, active: int) -> float:
-        """Wall seconds per second of compute when ``active`` devices compute at once: ``active / cores`` when
-        they share fewer cores than that, else 1.
+        """Wall seconds per second of compute (on a free core) when ``active`` devices compute at once: the
+        cores are shared fairly by them and the ``background`` processes of other jobs, ``(active +
+        background) / cores`` when that is over 1.
 
         >>> host = replace(PROFILES["a100-80gb"], cores=2.0)
         >>> host.stretch(1), host.stretch(4), PROFILES["a100-80gb"].stretch(4)
         (1.0, 2.0, 1.0)
+        >>> replace(host, background=1.0).stretch(2)
+        1.5
         """
         if self.cores <= 0:
             return 1.0
-        return max(1.0, active / self.cores)
+        return max(1.0, (active + self.background) / self.cores)
+
+    def sync_wait(self, active: int) -> float:
+        """Seconds a blocking collective waits beyond its α-β time when ``active`` devices compute at once: its
+        peers may be the processes the shared cores are not running, ``sync_s · (1 - 1 / stretch)``.
+
+        >>> host = replace(PROFILES["a100-80gb"], cores=2.0, sync_s=4e-3)
+        >>> host.sync_wait(2), host.sync_wait(4)
+        (0.0, 0.002)
+        """
+        return self.sync_s * (1 - 1 / self.stretch(active))
 
     @property
     def memory_throughput(self) -> float:
@@ -137,7 +154,9 @@ PROFILES: dict[str, DeviceProfile] = {
 
 def _framework_cpu() -> DeviceProfile:
     """A CPU host as the rest of sbpflow already prices it: the boxing planner's default ``cpu`` links and SBP
-    selection's compute rates (one profile for eager dispatch, graph selection and planning)."""
+    selection's compute rates (one profile for eager dispatch, graph selection and planning), on the cores this
+    process may run on (its devices are this host's processes, one torch thread each; other jobs on the host
+    are not counted: ``sbpflow calibrate`` measures them)."""
 
     links = dict(CostModel().links)
     intra, inter = links[("cpu", "intra")], links[("cpu", "inter")]
@@ -145,7 +164,15 @@ def _framework_cpu() -> DeviceProfile:
                          mem_bandwidth=1 / MEM_SECONDS_PER_BYTE, memory_bytes=16 * GB, intra_bandwidth=1 / intra.beta,
                          inter_bandwidth=1 / inter.beta, intra_alpha=intra.alpha, inter_alpha=inter.alpha,
                          eta_matmul=1.0, eta_memory=1.0, eta_intra=1.0, eta_inter=1.0, launch_s=20e-6,
-                         reserved_bytes=0.0, source="sbpflow's default CPU costs (boxing.plan, graph.select)")
+                         reserved_bytes=0.0, cores=float(host_cores()),
+                         source="sbpflow's default CPU costs (boxing.plan, graph.select)")
+
+
+def host_cores() -> int:
+    """The CPU cores this process may run on (its affinity where the platform has one)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 def get_profile(name_or_path: str | DeviceProfile) -> DeviceProfile:
