@@ -275,21 +275,22 @@ def _costs(ctx: _Context, k: Knobs) -> _Costs:
     step_inputs = model.input_bytes * ctx.batch / (k.dp * k.cp * model.batch)  # every micro-batch's, fed at once
     parts: dict[str, np.ndarray] = {"compute": 3 * forward, "recompute": rerun, "tp_comm": tp, "dp_comm": zero}
     if k.cp > 1:
-        parts["cp_comm"] = _ring(ctx, k, scale)
+        parts["cp_comm"] = _ring(ctx, k, scale, wait)
     if k.ep > 1:
-        parts["ep_comm"] = _exchange(ctx, k, scale, full)
+        parts["ep_comm"] = _exchange(ctx, k, scale, full, wait)
     return _Costs(np.sum(list(parts.values()), axis=0), parts, params, kept, working, send, op_bytes, step_inputs)
 
 
-def _ring(ctx: _Context, k: Knobs, scale: float) -> np.ndarray:
+def _ring(ctx: _Context, k: Knobs, scale: float, wait: float) -> np.ndarray:
     """Seconds per micro-batch of ring attention's hops (``ops.ring_attention``), priced as not overlapped: a
-    rank's K/V block goes c - 1 hops forward; K, V, dK, dV c - 1 hops backward and dK, dV one more."""
+    rank's K/V block goes c - 1 hops forward; K, V, dK, dV c - 1 hops backward and dK, dV one more. Each hop
+    also ``wait``s for a neighbour that shared cores are not running."""
     c = k.cp
     block = ctx.kv_bytes * scale / k.tp  # heads split by tp
     hops = (c - 1) + 2 * (c - 1) + 1
     pair = (0, k.tp)  # ring neighbours on a (data, context, tensor) mesh: tensor-parallel ranks innermost
-    return ctx.kv_count * hops * _priced(partial(_coll, "send_recv", pair, cluster=ctx.cluster),
-                                         block / np.maximum(ctx.kv_count, 1.0))
+    return ctx.kv_count * hops * (_priced(partial(_coll, "send_recv", pair, cluster=ctx.cluster),
+                                          block / np.maximum(ctx.kv_count, 1.0)) + wait)
 
 
 def _modes(ctx: _Context, k: Knobs) -> np.ndarray:
@@ -311,15 +312,15 @@ def _expert_span(k: Knobs) -> float:
     return k.dp / k.ep if k.ep > 1 else 1.0
 
 
-def _exchange(ctx: _Context, k: Knobs, scale: float, full: np.ndarray) -> np.ndarray:
+def _exchange(ctx: _Context, k: Knobs, scale: float, full: np.ndarray, wait: float) -> np.ndarray:
     """Seconds per micro-batch of the token exchange: a rank's routed rows (k per token) go to their experts and
     come back (two all-to-alls over the ep group), in forward and again in backward; once more forward under full
-    recompute."""
+    recompute. Each all-to-all blocks: it also ``wait``s for peers that shared cores are not running."""
     stride = k.dp // k.ep * k.tp * k.cp  # a rank's peers in the other groups: parallelize's groups are data rows
     group = tuple(range(0, k.ep * stride, stride))
     rows = ctx.routed * scale * k.ep  # the group's rows: an all-to-all's volume
     passes = 4 + 2 * full
-    return passes * _priced(partial(_coll, "all_to_all", group, cluster=ctx.cluster), rows)
+    return passes * (_priced(partial(_coll, "all_to_all", group, cluster=ctx.cluster), rows) + wait * (rows > 0))
 
 
 def _active(ctx: _Context, k: Knobs) -> int:
