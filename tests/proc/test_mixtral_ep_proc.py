@@ -16,6 +16,7 @@ transformers = pytest.importorskip("transformers")
 
 import sbpflow  # noqa: E402
 from hf_train import batch, hf_grad_of  # noqa: E402
+from sbpflow._layout import shard_box  # noqa: E402
 from sbpflow.models import from_pretrained  # noqa: E402
 
 RTOL, ATOL = 1e-4, 1e-5
@@ -25,8 +26,8 @@ TIMEOUT = 150.0
 def ep_job(folder: str, parallel: dict[str, int], axis: int) -> dict[str, Any]:
     """Runs on each process: the experts split over mesh axis ``axis``, one forward and backward."""
     model = from_pretrained(folder, **parallel, expert_axis=axis)  # each process reads only its experts
-    experts = model.model.layers[0].block_sparse_moe.experts
-    held = [sorted(e.w1.weight._shards) for e in experts]
+    w1 = model.model.layers[0].block_sparse_moe.experts.w1  # stacked (E, I, C), split S(0) on the ep axis
+    held = {r: shard_box(tuple(w1.shape), w1.placement, w1.sbp, r)[0] for r in w1.local_tensors()}
     ids, targets = model.strategy.shard_inputs(*batch(2))
     with sbpflow.comm.record() as log:
         logits, loss = model(ids, targets)
@@ -36,10 +37,10 @@ def ep_job(folder: str, parallel: dict[str, int], axis: int) -> dict[str, Any]:
             "grads": grads, "collectives": log.counts()}
 
 
-# name -> (processes, parallel arguments, expert axis, the experts each rank holds in layer 0)
+# name -> (processes, parallel arguments, expert axis, the experts [first, last) each rank holds in layer 0)
 CASES = {
-    "ep2": (2, {"data": 2}, 0, lambda r: [[0], [0], [], []] if r == 0 else [[], [], [1], [1]]),
-    "dp2xep2": (4, {"data": 2, "tensor": 2}, 1, lambda r: [[r], [r], [], []] if r % 2 == 0 else [[], [], [r], [r]]),
+    "ep2": (2, {"data": 2}, 0, lambda r: {r: (2 * r, 2 * r + 2)}),
+    "dp2xep2": (4, {"data": 2, "tensor": 2}, 1, lambda r: {r: (0, 2) if r % 2 == 0 else (2, 4)}),
 }
 
 

@@ -17,6 +17,7 @@ transformers = pytest.importorskip("transformers")
 
 import sbpflow  # noqa: E402
 from hf_train import hf_grad_of, train  # noqa: E402
+from sbpflow._layout import shard_box  # noqa: E402
 from sbpflow.errors import SbpflowError  # noqa: E402
 from sbpflow.models import from_pretrained  # noqa: E402
 from sbpflow.models.moe import split_experts  # noqa: E402
@@ -59,15 +60,16 @@ def test_split_experts_match_transformers(hf_folder: Any, layout: str) -> None:
     parallel, axis = LAYOUTS[layout]
     model = from_pretrained(folder, **parallel, expert_axis=axis)  # experts split before their weights are read
     moe = model.model.layers[0].block_sparse_moe
-    holders = [set(e.w1.weight.placement.flat_ranks) for e in moe.experts]
+    w1 = moe.experts.w1  # stacked (E, I, C), split S(0) on the ep axis
+    mesh = w1.placement
     groups = list(parallel.values())[axis]
-    for e in range(E):  # contiguous groups of E / groups experts, on disjoint ranks
-        assert all((holders[e] == holders[f]) == (e * groups // E == f * groups // E) for f in range(E))
-        assert all(not holders[e] & holders[f] for f in range(E) if e * groups // E != f * groups // E)
+    for r in mesh.flat_ranks:  # contiguous groups of E / groups experts, at the rank's coordinate on the axis
+        per, j = E // groups, mesh.coords(r)[axis]
+        assert shard_box(tuple(w1.shape), mesh, w1.sbp, r)[0] == (j * per, (j + 1) * per)
     x, y = model.strategy.shard_inputs(ids, targets)
     with sbpflow.comm.record() as log:
         logits, loss = model(x, y)
-    moe_groups = len(moe.experts[0].w1.weight.placement.flat_ranks)  # one ep group per rank of an expert
+    moe_groups = mesh.size // groups  # the ep groups of one stage
     assert log.counts()["all_to_all"] >= 2 * 3 * moe_groups and "broadcast" not in log.counts()
     loss.backward()
     np.testing.assert_allclose(logits.numpy(), out.logits.detach().numpy(), rtol=RTOL, atol=ATOL)

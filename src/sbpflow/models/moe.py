@@ -86,7 +86,7 @@ class Mixtral(Llama):
     def save_pretrained(self, folder: str | Path) -> None:
         """Writes ``config.json`` and ``model.safetensors`` that transformers' ``MixtralForCausalLM`` loads."""
         config = dict(self.config.to_dict(), architectures=["MixtralForCausalLM"], dtype="float32")
-        hf.save_folder(folder, config, dict(self.named_parameters()))
+        hf.save_folder(folder, config, self)
 
 
 def expert_tokens(model: Mixtral) -> list[torch.Tensor]:
@@ -95,10 +95,10 @@ def expert_tokens(model: Mixtral) -> list[torch.Tensor]:
 
 
 def split_experts(model: Mixtral, mesh_axis: int = 0) -> None:
-    """Expert parallelism over ``mesh_axis`` of each layer's (data, tensor) mesh: the experts are cut into as
-    many contiguous groups as the axis has ranks, and group ``g`` moves to the ranks at coordinate ``g`` on it
-    (a Megatron split inside each expert on the other axis stays), and tokens reach them by all-to-all
-    (:func:`sbpflow.nn.moe.split_experts`). Call after ``parallelize``."""
+    """Expert parallelism over ``mesh_axis`` of each layer's (data, tensor) mesh: the experts are stacked and split
+    S(0) on that axis, so group ``g`` of them lies on the ranks at coordinate ``g`` (a Megatron split inside each
+    expert on the other axis stays), and tokens reach them by all-to-all (:func:`sbpflow.nn.moe.split_experts`).
+    Call after ``parallelize``; checkpoints keep one tensor per expert (:func:`hf.checkpoint_names`)."""
     for layer in model.model.layers:
         moe = layer.block_sparse_moe
         weight = moe.experts[0].w1.weight

@@ -158,7 +158,7 @@ def _experts(rows: torch.Tensor, sizes: list[int], w1: torch.Tensor, w2: torch.T
              w3: torch.Tensor) -> torch.Tensor:
     """Local expert ``e`` (stacked weights, local (per, ...)) on its ``sizes[e]`` rows of ``rows`` (grouped)."""
     outs = [_swiglu(x, w1[e], w2[e], w3[e]) for e, x in enumerate(torch.split(rows, sizes)) if sizes[e]]
-    return torch.cat(outs) if outs else rows.new_zeros(0, w2.shape[1])
+    return torch.cat(outs) if outs else rows[:0]  # (as wide: w2 maps back to C; a slice keeps the graph)
 
 
 def _swiglu(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor) -> torch.Tensor:
@@ -178,7 +178,7 @@ def _combine(back: torch.Tensor, route: _Route, top: torch.Tensor) -> tuple[torc
     n, k = top.shape
     slots = back.new_zeros(n * k, back.shape[1])
     slots[route.order] = back
-    slots = slots.view(n, k, -1)
+    slots = slots.view(n, k, back.shape[1])
     return torch.bmm(top.to(slots.dtype).unsqueeze(1), slots).squeeze(1), slots
 
 

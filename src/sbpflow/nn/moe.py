@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from ..amp import active_dtype
+from ..autograd import no_grad
 from ..creation import tensor
 from ..errors import SbpflowError
 from ..ops import functional as F
@@ -283,29 +284,29 @@ def split_experts(moe: MoE, mesh: Placement, mesh_axis: int) -> None:
         raise SbpflowError(f"split_experts: the experts of this MoE are split already (over mesh axis "
                            f"{layout.axis if moe.expert_layout is None else moe.expert_layout.axis})")
     triples = [(e.w1.weight, e.w2.weight, e.w3.weight) for e in moe.experts]
-    for w in (w for triple in triples for w in triple):
-        if not w.is_global or w.placement != mesh or w.sbp[mesh_axis] != broadcast:
-            raise SbpflowError(f"split_experts stacks expert weights laid out on {mesh}, whole (B) on mesh axis "
-                               f"{mesh_axis}, but got one with {w._describe()}")
+    for i in range(3):
+        for w in (t[i] for t in triples):
+            if not w.is_global or w.placement != mesh or w.sbp != triples[0][i].sbp:
+                raise SbpflowError(f"split_experts stacks expert weights laid out alike on {mesh}, but got one with "
+                                   f"{w._describe()} and another with {triples[0][i]._describe()}")
     moe.experts = StackedExperts(*(_stack([t[i] for t in triples], layout) for i in range(3)))
     moe.expert_layout = layout
 
 
 def _stack(weights: list[Tensor], layout: ExpertLayout) -> Tensor:
-    """The experts' weights, each (O, I) whole on the ep axis, as one (E, O, I) split S(0) there: each rank
-    stacks its own experts' shards."""
+    """The experts' weights, each (O, I), as one (E, O, I) split S(0) on the ep axis: each rank stacks its own
+    experts' shards (a weight split on the ep axis is first gathered there: its member holds it whole)."""
     first = weights[0]
-    for w in weights:
-        if w.sbp != first.sbp:
-            raise SbpflowError(f"split_experts stacks experts laid out alike, but one weight has {w._describe()} "
-                               f"and another {first._describe()}")
+    whole = tuple(broadcast if a == layout.axis else s for a, s in enumerate(first.sbp))
     shape = (len(weights), *first.shape)
     sbp = layout.weight_sbp(first.sbp)
     if first.is_meta:  # built under meta_init: a layout and no data
         return Tensor._meta(shape, first.dtype, layout.mesh, sbp)
+    with no_grad():
+        weights = [w if w.sbp == whole else F.to_global(w.detach(), layout.mesh, whole) for w in weights]
     per = layout.per_member
     shards = {}
-    for r in first.local_tensors():
+    for r in weights[0].local_tensors():
         j = layout.mesh.coords(r)[layout.axis]
         shards[r] = torch.stack([w.local_tensors()[r] for w in weights[j * per:(j + 1) * per]])
     return Tensor._from_shards(shape, first.dtype, layout.mesh, sbp, shards)
