@@ -19,7 +19,8 @@ static (n, C) output hides the data-dependent sizes, and whose backward op route
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
@@ -104,23 +105,23 @@ class _Route:
     sizes: list[int]  # received rows per local expert
 
 
-def _routes(index: Shards, first: int, members: int, per: int, groups: Sequence[tuple[int, ...]] | None,
-            backend: Backend) -> dict[int, _Route]:
-    """Every owned rank's route of its (n, k) slots to experts ``[first, first + members * per)``, ``per`` to a
-    member; other experts (a dropped slot's ``num_experts``, or experts held elsewhere when nothing is
+def _routes(index: Shards, first: Mapping[int, int], members: int, per: Mapping[int, int],
+            groups: Sequence[tuple[int, ...]] | None, backend: Backend) -> dict[int, _Route]:
+    """Every owned rank r's route of its (n, k) slots to experts ``[first[r], first[r] + members * per[r])``,
+    ``per[r]`` to a member; other experts (a dropped slot's ``num_experts``, or experts held elsewhere when nothing is
     exchanged) stay out. ``groups``: the ep groups (the count all-to-all); None: each rank alone."""
     k = next(iter(index.values())).shape[-1] if index else 1
     order, send = {}, {}
     for r, ids in index.items():
-        expert = ids.reshape(-1) - first  # (n * k,) local slots
-        routed = (expert >= 0) & (expert < members * per)
-        order[r] = torch.argsort(torch.where(routed, expert, members * per), stable=True)[:int(routed.sum())]
-        send[r] = torch.bincount(expert[order[r]], minlength=members * per).view(members, per)
+        expert = ids.reshape(-1) - first[r]  # (n * k,) local slots
+        routed = (expert >= 0) & (expert < members * per[r])
+        order[r] = torch.argsort(torch.where(routed, expert, members * per[r]), stable=True)[:int(routed.sum())]
+        send[r] = torch.bincount(expert[order[r]], minlength=members * per[r]).view(members, per[r])
     recv = send if groups is None else _exchange_counts(groups, send, members, backend)
     routes = {}
     for r, o in order.items():
         counts = recv[r]  # (members, per): rows from member j for local expert e
-        local = torch.repeat_interleave(torch.arange(per).repeat(members), counts.reshape(-1))
+        local = torch.repeat_interleave(torch.arange(per[r]).repeat(members), counts.reshape(-1))
         routes[r] = _Route(o, o // k, send[r].sum(1).tolist(), counts.sum(1).tolist(),
                            torch.argsort(local, stable=True), counts.sum(0).tolist())
     return routes
@@ -219,7 +220,7 @@ def routed_experts(x: Tensor, top: Tensor, index: Tensor, keep: Tensor | None, e
         ids = {r: torch.where(keeps[r], i, layout.num_experts) for r, i in ids.items()}
     groups = _axis_groups(layout.mesh, layout.axis)
     p = layout.mesh.hierarchy[layout.axis]
-    routes = _routes(ids, 0, p, layout.per_member, groups, backend)
+    routes = _routes(ids, dict.fromkeys(ids, 0), p, dict.fromkeys(ids, layout.per_member), groups, backend)
     xs = x.local_tensors()
     rows = _send(groups, {r: xs[r][route.token] for r, route in routes.items()}, routes, backend)
     tracked = is_grad_enabled() and any(t.requires_grad for t in (x, top, *experts))
@@ -382,14 +383,20 @@ def _exchange_sigs(x: Meta, top: Meta, index: Meta, w1: Meta, w2: Meta, w3: Meta
     return [Sig(ins, (out,)) for ins, out in _FORWARD_SIGS]
 
 
+_UNSUPPORTED = (1 << 20, 1 << 60)  # (messages, bytes) that no selection picks: a layout the kernel refuses
+
+
 def _routed_row_bytes(metas: tuple[Meta, ...], sbps: tuple[NdSbp, ...], placement: Placement,
                       width: int) -> tuple[int, int]:
     """(messages, bytes) one rank sends in one exchange of ``width``-wide rows, if routing is uniform: each of
     its n * k slots leaves with probability (p - 1) / p."""
-    axis = _exchange_axis(sbps)
-    if axis is None:
+    try:
+        axes = _exchange_axes(sbps, metas[3].shape[0], placement)
+    except SbpflowError:
+        return _UNSUPPORTED
+    p = math.prod(placement.hierarchy[a] for a in axes)
+    if p == 1:
         return 0, 0
-    p = placement.hierarchy[axis]
     box = shard_box(metas[0].shape, placement, sbps[0], placement.flat_ranks[0])
     slots = (box[0][1] - box[0][0]) * metas[2].shape[-1]
     return 2 * (p - 1), 2 * nbytes((slots * (p - 1) // p, width), metas[0].dtype)
@@ -406,38 +413,48 @@ def _backward_talks(metas: tuple[Meta, ...], sbps: tuple[NdSbp, ...], placement:
     return messages, there_and_back // 2
 
 
-def _exchange_axis(sbps: Sequence[NdSbp]) -> int | None:
-    """The mesh axis on which both the tokens (input 0) and the stacked w1 (input 3) are split on dim 0."""
-    axes = [a for a, (s, w) in enumerate(zip(sbps[0], sbps[3], strict=True)) if s == Split(0) == w]
-    if len(axes) > 1:
-        raise SbpflowError(f"expert_exchange routes over one mesh axis, but the tokens {format_nd(sbps[0])} and "
-                           f"the experts {format_nd(sbps[3])} are both split on axes {axes}")
-    return axes[0] if axes else None
+def _exchange_axes(sbps: Sequence[NdSbp], experts: int, placement: Placement) -> tuple[int, ...]:
+    """The mesh axes on which both the tokens (input 0) and the stacked w1 (input 3) are split on dim 0: the
+    routing's. Raises where the experts are split on another axis too, or unevenly over these."""
+    axes = tuple(a for a, (s, w) in enumerate(zip(sbps[0], sbps[3], strict=True)) if s == Split(0) == w)
+    split = tuple(a for a, w in enumerate(sbps[3]) if w == Split(0))
+    members = math.prod(placement.hierarchy[a] for a in axes)
+    if axes and (split != axes or experts % members):
+        raise SbpflowError(f"expert_exchange routes over the mesh axes that split both the tokens and the experts "
+                           f"(evenly), but the tokens {format_nd(sbps[0])} and the experts {format_nd(sbps[3])} "
+                           f"on {placement} split {experts} experts over {members} members on axes {axes}, and "
+                           f"the experts on axes {split}")
+    return axes
 
 
 @dataclass(frozen=True)
 class _Where:
-    """Which experts an op call routes to, and over which groups: from one rank's ShardCtx."""
+    """Which experts an op call routes to, and over which groups: from the ranks' ShardCtxs."""
 
-    first: int  # the first expert routed to
+    first: dict[int, int]  # per owned rank, the first expert routed to
     members: int  # members of an ep group (1: no exchange, the rank's own experts only)
-    per: int  # experts per member
-    groups: tuple[tuple[int, ...], ...] | None  # the ep groups; None: no exchange
+    per: dict[int, int]  # per owned rank, experts per member
+    groups: tuple[tuple[int, ...], ...] | None  # the ep groups, members in expert order; None: no exchange
 
 
-def _where(ctx: ShardCtx, w1: int = 3) -> _Where:
+def _where(ctxs: dict[int, ShardCtx], w1: int = 3) -> _Where:
     """For the forward (w1 at input 3) and the backward (w1 at input 4)."""
-    assert ctx.placement is not None  # the op runs on global tensors
-    sbps = ctx.in_sbps[w1 - 3:]
-    axis = _exchange_axis(sbps)
-    if axis is None:  # the rank's own experts, on its own tokens
-        lo, hi = ctx.in_boxes[w1][0]
-        return _Where(lo, 1, hi - lo, None)
-    experts, p = ctx.in_metas[w1].shape[0], ctx.placement.hierarchy[axis]
-    if experts % p:
-        raise SbpflowError(f"expert_exchange: mesh axis {axis} has {p} ranks, which must divide the {experts} "
-                           f"experts")
-    return _Where(0, p, experts // p, _axis_groups(ctx.placement, axis))
+    ctx = next(iter(ctxs.values()))
+    placement = ctx.placement
+    shape = ctx.in_metas[w1].shape
+    if placement is None:  # local tensors: every expert here
+        return _Where(dict.fromkeys(ctxs, 0), 1, dict.fromkeys(ctxs, shape[0]), None)
+    sbp = ctx.in_sbps[w1]
+    axes = _exchange_axes(ctx.in_sbps[w1 - 3:], shape[0], placement)
+    if not axes:  # each rank its own experts, on its own tokens
+        boxes = {r: c.in_boxes[w1][0] for r, c in ctxs.items()}
+        return _Where({r: lo for r, (lo, _) in boxes.items()}, 1, {r: hi - lo for r, (lo, hi) in boxes.items()}, None)
+    groups: dict[tuple[int, ...], list[int]] = {}  # ranks alike off the routing axes, by their experts
+    for r in placement.flat_ranks:
+        groups.setdefault(tuple(c for a, c in enumerate(placement.coords(r)) if a not in axes), []).append(r)
+    ordered = tuple(tuple(sorted(g, key=lambda r: shard_box(shape, placement, sbp, r)[0][0])) for g in groups.values())
+    members = len(ordered[0])
+    return _Where(dict.fromkeys(ctxs, 0), members, dict.fromkeys(ctxs, shape[0] // members), ordered)
 
 
 @op("expert_exchange", meta=_exchange_meta, sbp=_exchange_sigs, shard_aware=True, communicating=_forward_talks)
@@ -446,7 +463,7 @@ def expert_exchange(ctxs: dict[int, ShardCtx], x: Shards, top: Shards, index: Sh
     """Each token's experts' outputs weighted by the routing, local (n, C) per owned rank: ``x`` (N, C) tokens,
     ``top`` and ``index`` their (N, k) routing weights and experts (a dropped slot: expert E), and the stacked
     experts (w1, w2, w3); the table above gives the layouts."""
-    where = _where(next(iter(ctxs.values())))
+    where = _where(ctxs)
     backend = get_backend()
     routes = _routes(index, where.first, where.members, where.per, where.groups, backend)
     rows = _send(where.groups, {r: x[r][route.token] for r, route in routes.items()}, routes, backend)
@@ -483,7 +500,7 @@ def _backward_sigs(dy: Meta, x: Meta, top: Meta, index: Meta, w1: Meta, w2: Meta
 def expert_exchange_backward(ctxs: dict[int, ShardCtx], dy: Shards, x: Shards, top: Shards, index: Shards,
                              w1: Shards, w2: Shards, w3: Shards) -> dict[int, tuple[torch.Tensor, ...]]:
     """(dx, dtop, dw1, dw2, dw3) of :func:`expert_exchange`, local per owned rank."""
-    where = _where(next(iter(ctxs.values())), w1=4)
+    where = _where(ctxs, w1=4)
     backend = get_backend()
     routes = _routes(index, where.first, where.members, where.per, where.groups, backend)
     sent = {}
