@@ -155,9 +155,10 @@ def _exchange_counts(groups: Sequence[tuple[int, ...]], send: Shards, members: i
     return out
 
 
-def _experts(rows: torch.Tensor, sizes: list[int], w1: torch.Tensor, w2: torch.Tensor,
-             w3: torch.Tensor) -> torch.Tensor:
-    """Local expert ``e`` (stacked weights, local (per, ...)) on its ``sizes[e]`` rows of ``rows`` (grouped)."""
+def _experts(rows: torch.Tensor, sizes: list[int], w1: Sequence[torch.Tensor], w2: Sequence[torch.Tensor],
+             w3: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Local expert ``e`` (weights ``w1[e]`` ..., stacked local (per, ...) or one per expert) on its ``sizes[e]``
+    rows of ``rows`` (grouped)."""
     outs = [_swiglu(x, w1[e], w2[e], w3[e]) for e, x in enumerate(torch.split(rows, sizes)) if sizes[e]]
     return torch.cat(outs) if outs else rows[:0]  # (as wide: w2 maps back to C; a slice keeps the graph)
 
@@ -196,7 +197,7 @@ class _Saved:
     w_sbps: tuple[NdSbp, ...]
     routes: dict[int, _Route]
     rows_in: dict[int, torch.Tensor] = field(default_factory=dict)  # received rows grouped by local expert (leaf)
-    weights_in: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # local stacked w1, w2, w3 (leaves)
+    weights_in: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # per local expert w1, w2, w3 (leaves)
     rows_out: dict[int, torch.Tensor] = field(default_factory=dict)  # the local experts' outputs, grouped
     slots: Shards = field(default_factory=dict)  # (n, k, C): each of the rank's slots' expert output
     top: Shards = field(default_factory=dict)  # (n, k): the routing weights
@@ -274,7 +275,7 @@ def _routed_experts_grad(ctx: Any, dy: Tensor) -> Any:
         grads = torch.autograd.grad(saved.rows_out[r], leaves, d_rows_out[r][group], allow_unused=True,
                                     retain_graph=True)
         d_rows_in[r] = _ungroup(_or_zeros(grads[0], leaves[0]), group, leaves[0])
-        d_weights[r] = [_or_zeros(g, w) for g, w in zip(grads[1:], leaves[1:], strict=True)]
+        d_weights[r] = _stacked(grads[1:], leaves[1:])
     d_back = _send(groups, d_rows_in, saved.routes, backend, back=True)
     x, top = ctx.inputs[0], ctx.inputs[1]
     dxs = {}
@@ -296,9 +297,11 @@ def _run_local_experts(saved: _Saved, r: int, rows: torch.Tensor, weights: list[
     route = saved.routes[r]
     with torch.enable_grad() if tracked else torch.no_grad():
         rows_in = rows[route.group].requires_grad_(tracked)  # (received rows, C) grouped by local expert
-        leaves = [w.detach().requires_grad_(tracked) for w in weights]
+        # one leaf per expert: the slices of a stacked leaf would each scatter into a zeroed (per, ...) gradient
+        leaves = [w[e].detach().requires_grad_(tracked) for w in weights for e in range(w.shape[0])]
         cast = [w.to(rows.dtype) for w in leaves]  # (a no-op unless autocast gave the tokens a narrower dtype)
-        grouped = _experts(rows_in, route.sizes, *cast)
+        per = len(leaves) // 3
+        grouped = _experts(rows_in, route.sizes, cast[:per], cast[per:2 * per], cast[2 * per:])
     saved.rows_in[r], saved.weights_in[r], saved.rows_out[r] = rows_in, leaves, grouped
     return _ungroup(grouped.detach(), route.group, rows)
 
@@ -340,6 +343,13 @@ def _weight_grad_sbp(weight: Any, tokens: Any, ep_axis: bool) -> Any:
 
 def _or_zeros(grad: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
     return torch.zeros_like(like) if grad is None else grad
+
+
+def _stacked(grads: Sequence[torch.Tensor | None], leaves: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Per-expert gradients (w1 of each expert, then w2, then w3) as the stacked (per, ...) w1, w2, w3's."""
+    per = len(leaves) // 3
+    return [torch.stack([_or_zeros(g, w) for g, w in zip(grads[i * per:(i + 1) * per], leaves[i * per:(i + 1) * per],
+                                                          strict=True)]) for i in range(3)]
 
 
 @lru_cache(maxsize=64)
@@ -531,12 +541,14 @@ def _experts_backward(rows: torch.Tensor, route: _Route, w1: torch.Tensor, w2: t
     xs, dys, weight = grouped[:, :width], grouped[:, width:2 * width], grouped[:, 2 * width:]
     with torch.enable_grad():
         leaf = xs.detach().requires_grad_()
-        leaves = [w.detach().requires_grad_() for w in (w1, w2, w3)]
-        out = _experts(leaf, route.sizes, *(w.to(xs.dtype) for w in leaves))
+        leaves = [w[e].detach().requires_grad_() for w in (w1, w2, w3) for e in range(w.shape[0])]
+        cast = [w.to(xs.dtype) for w in leaves]
+        per = len(leaves) // 3
+        out = _experts(leaf, route.sizes, cast[:per], cast[per:2 * per], cast[2 * per:])
         grads = torch.autograd.grad(out, [leaf, *leaves], dys * weight, allow_unused=True)
     d_weight = (out.detach() * dys).sum(1, keepdim=True)  # the slot's output against its token's gradient
     reply = _ungroup(torch.cat([_or_zeros(grads[0], leaf), d_weight], dim=1), route.group, rows)
-    return reply, [_or_zeros(g, w).to(w.dtype) for g, w in zip(grads[1:], (w1, w2, w3), strict=True)]
+    return reply, _stacked(grads[1:], leaves)
 
 
 __all__ = ["ExpertLayout", "check_layout", "expert_exchange", "routed_experts"]

@@ -436,6 +436,8 @@ def prepare_groups(plan: PhysicalPlan, backend: Backend) -> None:
             backend.prepare(node.boxing)
         elif node.kind == "route":
             backend.prepare(route.group_plan(plan.bufs[node.outputs[0]]))
+        elif node.kind == "compute" and node.op in REGISTRY and REGISTRY[node.op].talks is not None:
+            backend.prepare(route.group_plan(plan.bufs[node.inputs[0]]))  # a kernel that talks over its mesh
 
 
 def run_plan(plan: PhysicalPlan, feeds: dict[str, Shards], variables: dict[str, Shards],
