@@ -358,6 +358,7 @@ def _axis_groups(mesh: Placement, axis: int) -> tuple[tuple[int, ...], ...]:
     return tuple(mesh.axis_groups(axis))
 
 
+@lru_cache(maxsize=64)
 def _group_plan(mesh: Placement) -> boxing.Plan:
     """A boxing plan on the mesh, for ``Backend.prepare``, which makes every axis's process groups."""
     rest = (Broadcast(),) * (mesh.ndim - 1)
