@@ -2,7 +2,7 @@
 ``MixtralForCausalLM`` (logits, loss with the load-balancing term, every gradient) under ep2 and ep4 (experts
 over the data axis of a dp2 or dp4 mesh), dp2 x ep2 (a (2, 2) mesh, experts over its second axis), ep2 x tp2
 (experts over the data axis, Megatron inside each expert on the tensor axis) and pp2 x ep2 (each stage's experts
-over its data axis); ep2 AdamW training, eager and nn.Graph, equals one device."""
+over its data axis); ep2 and dp2 x ep2 AdamW training, eager and nn.Graph, equals one device."""
 
 from __future__ import annotations
 
@@ -99,11 +99,13 @@ def _train(folder: Path, parallel: dict[str, int], expert_axis: int | None, comp
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "graph"])
-def test_ep2_training_matches_one_device(hf_folder: Any, compiled: bool) -> None:
-    """AdamW steps with the experts split over the data axis (eager, and compiled by nn.Graph) against one
-    device's eager steps: the same losses and parameters."""
+@pytest.mark.parametrize("layout", ["ep2", "dp2xep2"])
+def test_ep_training_matches_one_device(hf_folder: Any, layout: str, compiled: bool) -> None:
+    """AdamW steps with the experts split (eager, and compiled by nn.Graph, where the exchange is one node that
+    moves only routed rows) against one device's eager steps: the same losses and parameters."""
     ref_losses, ref_params = _train(hf_folder[1], {}, None, False)
-    losses, params = _train(hf_folder[1], {"data": 2}, 0, compiled)
+    parallel, axis = LAYOUTS[layout]
+    losses, params = _train(hf_folder[1], parallel, axis, compiled)
     np.testing.assert_allclose(losses, ref_losses, rtol=RTOL)
     for name, value in ref_params.items():
         np.testing.assert_allclose(params[name], value, rtol=RTOL, atol=1e-4, err_msg=name)
