@@ -155,17 +155,54 @@ def _exchange_counts(groups: Sequence[tuple[int, ...]], send: Shards, members: i
     return out
 
 
-def _experts(rows: torch.Tensor, sizes: list[int], w1: Sequence[torch.Tensor], w2: Sequence[torch.Tensor],
-             w3: Sequence[torch.Tensor]) -> torch.Tensor:
-    """Local expert ``e`` (weights ``w1[e]`` ..., stacked local (per, ...) or one per expert) on its ``sizes[e]``
-    rows of ``rows`` (grouped)."""
-    outs = [_swiglu(x, w1[e], w2[e], w3[e]) for e, x in enumerate(torch.split(rows, sizes)) if sizes[e]]
-    return torch.cat(outs) if outs else rows[:0]  # (as wide: w2 maps back to C; a slice keeps the graph)
+Pre = list[tuple[torch.Tensor, torch.Tensor]]  # per local expert with rows: its (gate, up) pre-activations
 
 
-def _swiglu(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, w3: torch.Tensor) -> torch.Tensor:
-    """:class:`~sbpflow.nn.moe.Expert` on local shards: ``w2(silu(w1 x) * w3 x)``."""
-    return torch.nn.functional.linear(torch.nn.functional.silu(x @ w1.t()) * (x @ w3.t()), w2)
+def _experts(rows: torch.Tensor, sizes: list[int], w1: torch.Tensor, w2: torch.Tensor,
+             w3: torch.Tensor) -> tuple[torch.Tensor, Pre]:
+    """Local expert ``e`` (stacked local weights (per, ...)) on its ``sizes[e]`` rows of ``rows`` (grouped): its
+    :class:`~sbpflow.nn.moe.Expert`, ``w2(silu(w1 x) * w3 x)``; and what :func:`_experts_grad` reads."""
+    outs, pre = [], []
+    for e, x in enumerate(torch.split(rows, sizes)):
+        if sizes[e]:
+            gate, up = x @ w1[e].t(), x @ w3[e].t()  # (rows, I) local
+            outs.append(torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, w2[e]))
+            pre.append((gate, up))
+    return (torch.cat(outs) if outs else rows.new_zeros(0, w2.shape[1])), pre
+
+
+def _experts_grad(rows: torch.Tensor, sizes: list[int], pre: Pre, weights: Sequence[torch.Tensor],
+                  d_out: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """:func:`_experts`' gradient by hand, no autograd graph: the rows' (grouped) and the stacked (w1, w2, w3)'s
+    in ``dtype``, each expert's written in place (zero for an expert without rows)."""
+    w1, w2, w3 = weights
+    d_rows = torch.empty_like(rows)
+    d_weights = [torch.empty(w.shape, dtype=dtype, device=w.device) for w in weights]
+    saved = iter(pre)
+    for e, (x, dy, dx) in enumerate(zip(*(torch.split(t, sizes) for t in (rows, d_out, d_rows)), strict=True)):
+        if not sizes[e]:
+            for d in d_weights:
+                d[e].zero_()
+            continue
+        gate, up = next(saved)
+        sig = torch.sigmoid(gate)
+        act = gate * sig  # silu(gate)
+        dh = dy @ w2[e]  # (rows, I)
+        d_gate = dh * up * sig * (1 + gate * (1 - sig))  # silu' = sig (1 + gate (1 - sig))
+        d_up = dh * act
+        _mm_into(d_weights[1][e], dy.t(), act * up)
+        _mm_into(d_weights[0][e], d_gate.t(), x)
+        _mm_into(d_weights[2][e], d_up.t(), x)
+        torch.mm(d_gate, w1[e], out=dx)
+        dx.addmm_(d_up, w3[e])
+    return d_rows, d_weights
+
+
+def _mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    if out.dtype == a.dtype:
+        torch.mm(a, b, out=out)
+    else:  # (autocast: a narrower compute dtype than the weights')
+        out.copy_(a @ b)
 
 
 def _ungroup(grouped: torch.Tensor, group: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -196,9 +233,9 @@ class _Saved:
     dx_sbp: NdSbp
     w_sbps: tuple[NdSbp, ...]
     routes: dict[int, _Route]
-    rows_in: dict[int, torch.Tensor] = field(default_factory=dict)  # received rows grouped by local expert (leaf)
-    weights_in: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # per local expert w1, w2, w3 (leaves)
-    rows_out: dict[int, torch.Tensor] = field(default_factory=dict)  # the local experts' outputs, grouped
+    rows_in: dict[int, torch.Tensor] = field(default_factory=dict)  # received rows grouped by local expert
+    weights_in: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # the local stacked w1, w2, w3 (cast)
+    pre: dict[int, Pre] = field(default_factory=dict)  # the local experts' pre-activations
     slots: Shards = field(default_factory=dict)  # (n, k, C): each of the rank's slots' expert output
     top: Shards = field(default_factory=dict)  # (n, k): the routing weights
 
@@ -268,14 +305,10 @@ def _routed_experts_grad(ctx: Any, dy: Tensor) -> Any:
     d_rows_out = _send(groups, d_sent, saved.routes, backend)
     d_rows_in, d_weights = {}, {}
     for r in douts:
-        leaves = [saved.rows_in[r], *saved.weights_in[r]]
-        # the local graph lives as long as this node (the engine drops its attrs once backward ran without
-        # retain_graph), so that backward(retain_graph=True) can run through it again
-        group = saved.routes[r].group
-        grads = torch.autograd.grad(saved.rows_out[r], leaves, d_rows_out[r][group], allow_unused=True,
-                                    retain_graph=True)
-        d_rows_in[r] = _ungroup(_or_zeros(grads[0], leaves[0]), group, leaves[0])
-        d_weights[r] = _stacked(grads[1:], leaves[1:])
+        route, rows = saved.routes[r], saved.rows_in[r]
+        d_grouped, d_weights[r] = _experts_grad(rows, route.sizes, saved.pre[r], saved.weights_in[r],
+                                                d_rows_out[r][route.group], ctx.inputs[2].dtype)
+        d_rows_in[r] = _ungroup(d_grouped, route.group, rows)
     d_back = _send(groups, d_rows_in, saved.routes, backend, back=True)
     x, top = ctx.inputs[0], ctx.inputs[1]
     dxs = {}
@@ -291,19 +324,15 @@ def _routed_experts_grad(ctx: Any, dy: Tensor) -> Any:
 
 def _run_local_experts(saved: _Saved, r: int, rows: torch.Tensor, weights: list[torch.Tensor],
                        tracked: bool) -> torch.Tensor:
-    """Rank ``r``'s experts, each on its own received rows; returns the outputs in received order. The two
-    reorderings stay out of the local graph: as plain gathers both ways, they cost less than autograd's
-    accumulating scatters."""
+    """Rank ``r``'s experts, each on its own received rows; returns the outputs in received order, and keeps
+    what the backward (:func:`_experts_grad`, by hand: no local autograd graph) reads."""
     route = saved.routes[r]
-    with torch.enable_grad() if tracked else torch.no_grad():
-        rows_in = rows[route.group].requires_grad_(tracked)  # (received rows, C) grouped by local expert
-        # one leaf per expert: the slices of a stacked leaf would each scatter into a zeroed (per, ...) gradient
-        leaves = [w[e].detach().requires_grad_(tracked) for w in weights for e in range(w.shape[0])]
-        cast = [w.to(rows.dtype) for w in leaves]  # (a no-op unless autocast gave the tokens a narrower dtype)
-        per = len(leaves) // 3
-        grouped = _experts(rows_in, route.sizes, cast[:per], cast[per:2 * per], cast[2 * per:])
-    saved.rows_in[r], saved.weights_in[r], saved.rows_out[r] = rows_in, leaves, grouped
-    return _ungroup(grouped.detach(), route.group, rows)
+    rows_in = rows[route.group]  # (received rows, C) grouped by local expert
+    cast = [w.to(rows.dtype) for w in weights]  # (a no-op unless autocast gave the tokens a narrower dtype)
+    grouped, pre = _experts(rows_in, route.sizes, *cast)
+    if tracked:
+        saved.rows_in[r], saved.weights_in[r], saved.pre[r] = rows_in, cast, pre
+    return _ungroup(grouped, route.group, rows)
 
 
 @lru_cache(maxsize=256)
@@ -339,17 +368,6 @@ def _weight_grad_sbp(weight: Any, tokens: Any, ep_axis: bool) -> Any:
     if ep_axis or isinstance(weight, Split):
         return weight  # the rank's experts, or its slice of them
     return Partial("sum") if tokens == Split(0) else Broadcast()  # each rank's tokens add to the gradient
-
-
-def _or_zeros(grad: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
-    return torch.zeros_like(like) if grad is None else grad
-
-
-def _stacked(grads: Sequence[torch.Tensor | None], leaves: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """Per-expert gradients (w1 of each expert, then w2, then w3) as the stacked (per, ...) w1, w2, w3's."""
-    per = len(leaves) // 3
-    return [torch.stack([_or_zeros(g, w) for g, w in zip(grads[i * per:(i + 1) * per], leaves[i * per:(i + 1) * per],
-                                                          strict=True)]) for i in range(3)]
 
 
 @lru_cache(maxsize=64)
@@ -480,7 +498,7 @@ def expert_exchange(ctxs: dict[int, ShardCtx], x: Shards, top: Shards, index: Sh
     rows = _send(where.groups, {r: x[r][route.token] for r, route in routes.items()}, routes, backend)
     outs = {}
     for r, route in routes.items():
-        grouped = _experts(rows[r][route.group], route.sizes, *(w[r].to(x[r].dtype) for w in (w1, w2, w3)))
+        grouped, _ = _experts(rows[r][route.group], route.sizes, *(w[r].to(x[r].dtype) for w in (w1, w2, w3)))
         outs[r] = _ungroup(grouped, route.group, rows[r])
     back = _send(where.groups, outs, routes, backend, back=True)
     return {r: _combine(back[r], route, top[r])[0] for r, route in routes.items()}
@@ -540,16 +558,12 @@ def _experts_backward(rows: torch.Tensor, route: _Route, w1: torch.Tensor, w2: t
     width = (rows.shape[1] - 1) // 2
     grouped = rows[route.group]
     xs, dys, weight = grouped[:, :width], grouped[:, width:2 * width], grouped[:, 2 * width:]
-    with torch.enable_grad():
-        leaf = xs.detach().requires_grad_()
-        leaves = [w[e].detach().requires_grad_() for w in (w1, w2, w3) for e in range(w.shape[0])]
-        cast = [w.to(xs.dtype) for w in leaves]
-        per = len(leaves) // 3
-        out = _experts(leaf, route.sizes, cast[:per], cast[per:2 * per], cast[2 * per:])
-        grads = torch.autograd.grad(out, [leaf, *leaves], dys * weight, allow_unused=True)
-    d_weight = (out.detach() * dys).sum(1, keepdim=True)  # the slot's output against its token's gradient
-    reply = _ungroup(torch.cat([_or_zeros(grads[0], leaf), d_weight], dim=1), route.group, rows)
-    return reply, _stacked(grads[1:], leaves)
+    cast = [w.to(xs.dtype) for w in (w1, w2, w3)]
+    out, pre = _experts(xs, route.sizes, *cast)
+    d_rows, d_weights = _experts_grad(xs, route.sizes, pre, cast, dys * weight, w1.dtype)
+    d_weight = (out * dys).sum(1, keepdim=True)  # the slot's output against its token's gradient
+    reply = _ungroup(torch.cat([d_rows, d_weight], dim=1), route.group, rows)
+    return reply, d_weights
 
 
 __all__ = ["ExpertLayout", "check_layout", "expert_exchange", "routed_experts"]
