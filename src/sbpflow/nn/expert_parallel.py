@@ -155,7 +155,7 @@ def _exchange_counts(groups: Sequence[tuple[int, ...]], send: Shards, members: i
     return out
 
 
-Pre = list[tuple[torch.Tensor, torch.Tensor]]  # per local expert with rows: its (gate, up) pre-activations
+Pre = list[tuple[torch.Tensor, ...]]  # per local expert with rows: gate, up, silu(gate), silu(gate) * up
 
 
 def _experts(rows: torch.Tensor, sizes: list[int], w1: torch.Tensor, w2: torch.Tensor,
@@ -166,8 +166,10 @@ def _experts(rows: torch.Tensor, sizes: list[int], w1: torch.Tensor, w2: torch.T
     for e, x in enumerate(torch.split(rows, sizes)):
         if sizes[e]:
             gate, up = x @ w1[e].t(), x @ w3[e].t()  # (rows, I) local
-            outs.append(torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, w2[e]))
-            pre.append((gate, up))
+            act = torch.nn.functional.silu(gate)
+            hidden = act * up
+            outs.append(torch.nn.functional.linear(hidden, w2[e]))
+            pre.append((gate, up, act, hidden))
     return (torch.cat(outs) if outs else rows.new_zeros(0, w2.shape[1])), pre
 
 
@@ -184,13 +186,11 @@ def _experts_grad(rows: torch.Tensor, sizes: list[int], pre: Pre, weights: Seque
             for d in d_weights:
                 d[e].zero_()
             continue
-        gate, up = next(saved)
-        sig = torch.sigmoid(gate)
-        act = gate * sig  # silu(gate)
+        gate, up, act, hidden = next(saved)
         dh = dy @ w2[e]  # (rows, I)
-        d_gate = dh * up * sig * (1 + gate * (1 - sig))  # silu' = sig (1 + gate (1 - sig))
+        d_gate = torch.ops.aten.silu_backward(dh * up, gate)
         d_up = dh * act
-        _mm_into(d_weights[1][e], dy.t(), act * up)
+        _mm_into(d_weights[1][e], dy.t(), hidden)
         _mm_into(d_weights[0][e], d_gate.t(), x)
         _mm_into(d_weights[2][e], d_up.t(), x)
         torch.mm(d_gate, w1[e], out=dx)
