@@ -12,9 +12,10 @@ enter split on that axis. Per rank, forward::
 Backward is the same exchange reversed. On other mesh axes, data-parallel tokens keep their split (the experts'
 gradients are partial there) and a Megatron split inside the experts takes the tokens whole there.
 
-Two front ends share the routing: eager :func:`routed_experts` keeps each rank's local torch graph for its
-backward; ``nn.Graph`` traces the op :func:`expert_exchange`, a communicating kernel (as ring attention is) whose
-static (n, C) output hides the data-dependent sizes, and whose backward op routes once more and recomputes.
+Two front ends share the routing and the experts' math (a hand-written SwiGLU backward): eager
+:func:`routed_experts` keeps each rank's activations for its backward; ``nn.Graph`` traces the op
+:func:`expert_exchange`, a communicating kernel (as ring attention is) whose static (n, C) output hides the
+data-dependent sizes, and whose backward op routes once more and recomputes.
 """
 
 from __future__ import annotations
@@ -221,12 +222,12 @@ def _combine(back: torch.Tensor, route: _Route, top: torch.Tensor) -> tuple[torc
     return torch.bmm(top.to(slots.dtype).unsqueeze(1), slots).squeeze(1), slots
 
 
-# ----------------------------------------------------------------------------- eager: one node, local graphs
+# ----------------------------------------------------------------------------- eager: one node, activations kept
 
 
 @dataclass
 class _Saved:
-    """What backward needs from one forward: the layouts, and per owned rank the route and its local graph."""
+    """What backward needs from one forward: the layouts, and per owned rank the route and the activations."""
 
     layout: ExpertLayout
     y_sbp: NdSbp  # the output's; its gradient's too, with partial axes made whole
