@@ -156,14 +156,15 @@ def _exchange_counts(groups: Sequence[tuple[int, ...]], send: Shards, members: i
     return out
 
 
-Pre = list[tuple[torch.Tensor, ...]]  # per local expert with rows: gate, up, silu(gate), silu(gate) * up
+Pre = list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]  # gate, up, silu(gate), silu(gate) * up
 
 
 def _experts(rows: torch.Tensor, sizes: list[int], w1: torch.Tensor, w2: torch.Tensor,
              w3: torch.Tensor) -> tuple[torch.Tensor, Pre]:
     """Local expert ``e`` (stacked local weights (per, ...)) on its ``sizes[e]`` rows of ``rows`` (grouped): its
     :class:`~sbpflow.nn.moe.Expert`, ``w2(silu(w1 x) * w3 x)``; and what :func:`_experts_grad` reads."""
-    outs, pre = [], []
+    outs: list[torch.Tensor] = []
+    pre: Pre = []  # per local expert with rows
     for e, x in enumerate(torch.split(rows, sizes)):
         if sizes[e]:
             gate, up = x @ w1[e].t(), x @ w3[e].t()  # (rows, I) local

@@ -82,7 +82,9 @@ class MoE(Module):
         self.num_experts, self.top_k, self.capacity_factor = num_experts, top_k, capacity_factor
         self.norm_topk_prob = norm_topk_prob  # renormalise the top-k probabilities to sum to 1 (Mixtral)
         self.gate = Linear(hidden, num_experts, bias=False)
-        self.experts = ModuleList([Expert(hidden, intermediate) for _ in range(num_experts)])
+        # one Expert each, until split_experts stacks them (StackedExperts)
+        self.experts: ModuleList | StackedExperts = ModuleList([Expert(hidden, intermediate)
+                                                                for _ in range(num_experts)])
         self.shared = ModuleList([Expert(hidden, intermediate) for _ in range(shared_experts)])
         self.aux_stats: tuple[Tensor, Tensor] | None = None
         self.expert_layout: ExpertLayout | None = None  # set by split_experts: the all-to-all path
@@ -146,6 +148,7 @@ class MoE(Module):
         """Expert ``e`` on every token; an expert placed elsewhere (:func:`place_experts`) gets the tokens
         broadcast to its placement and sends its output back in ``flat``'s layout (the gradient returns the
         same way)."""
+        assert isinstance(self.experts, ModuleList)  # (stacked experts take the exchange instead)
         expert = self.experts[e]
         home = expert.w1.weight
         if not (home.is_global and flat.is_global) or home.placement == flat.placement:
