@@ -95,7 +95,7 @@ class MoE(Module):
 
     def forward(self, x: Tensor) -> Tensor:
         shape = tuple(x.shape)
-        flat = F.reshape(x, (-1, shape[-1]))  # logical (N, C)
+        flat = x if x.ndim == 2 else F.reshape(x, (-1, shape[-1]))  # logical (N, C) (a reshape less per pass)
         if isinstance(self.experts, StackedExperts):
             assert self.expert_layout is not None  # (set with the stack, by split_experts)
             out = self._exchanged(flat, self.expert_layout, self.experts.weights())
@@ -105,7 +105,7 @@ class MoE(Module):
             out = F.add(out, expert(flat))
         if self.gated_shared:
             out = F.add(out, F.mul(F.sigmoid(self.shared_expert_gate(flat)), self.shared_expert(flat)))
-        return F.reshape(out, shape)
+        return out if x.ndim == 2 else F.reshape(out, shape)
 
     def _dense(self, flat: Tensor) -> Tensor:
         """Every expert on every token, weighted by the routing (zero off a token's experts): logical (N, C)."""
