@@ -214,13 +214,11 @@ def _ungroup(grouped: torch.Tensor, group: torch.Tensor, like: torch.Tensor) -> 
     return out
 
 
-def _combine(back: torch.Tensor, route: _Route, top: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(n, C) each token's slots' outputs weighted by the routing and summed; and the (n, k, C) slots."""
-    n, k = top.shape
-    slots = back.new_zeros(n * k, back.shape[1])
-    slots[route.order] = back
-    slots = slots.view(n, k, back.shape[1])
-    return torch.bmm(top.to(slots.dtype).unsqueeze(1), slots).squeeze(1), slots
+def _combine(back: torch.Tensor, route: _Route, top: torch.Tensor) -> torch.Tensor:
+    """(n, C) each token's routed slots' outputs (``back``, sorted like the rows sent) weighted by the routing
+    and summed (a dropped slot adds nothing)."""
+    weight = top.reshape(-1)[route.order].to(back.dtype).unsqueeze(1)  # (routed slots, 1)
+    return back.new_zeros(top.shape[0], back.shape[1]).index_add_(0, route.token, back * weight)
 
 
 # ----------------------------------------------------------------------------- eager: one node, activations kept
@@ -238,7 +236,7 @@ class _Saved:
     rows_in: dict[int, torch.Tensor] = field(default_factory=dict)  # received rows grouped by local expert
     weights_in: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # the local stacked w1, w2, w3 (cast)
     pre: dict[int, Pre] = field(default_factory=dict)  # the local experts' pre-activations
-    slots: Shards = field(default_factory=dict)  # (n, k, C): each of the rank's slots' expert output
+    back: Shards = field(default_factory=dict)  # (routed slots, C): their expert outputs, sorted like the rows sent
     top: Shards = field(default_factory=dict)  # (n, k): the routing weights
 
 
@@ -271,10 +269,10 @@ def routed_experts(x: Tensor, top: Tensor, index: Tensor, keep: Tensor | None, e
     tops = top.local_tensors()
     outs = {}
     for r, route in routes.items():
-        outs[r], saved.slots[r] = _combine(back[r], route, tops[r])
+        outs[r] = _combine(back[r], route, tops[r])
     out = Tensor._from_shards(tuple(x.shape), x.dtype, layout.mesh, y_sbp, outs)
     if tracked:
-        saved.top = tops
+        saved.top, saved.back = tops, back
         record(_ROUTED, (x, top, *experts), {"saved": saved}, (out,))
     return out, _expert_counts(x, routes, ids, layout)
 
@@ -302,8 +300,10 @@ def _routed_experts_grad(ctx: Any, dy: Tensor) -> Any:
     for r, g in douts.items():  # g: (n, C); a slot's output gradient is its routing weight times the token's
         route, top_r = saved.routes[r], saved.top[r]
         weight = top_r.reshape(-1)[route.order].to(g.dtype)  # (routed slots,), sorted like the rows sent
-        d_sent[r] = g[route.token] * weight.unsqueeze(1)
-        d_top[r] = torch.bmm(saved.slots[r], g.unsqueeze(-1)).squeeze(-1).to(top_r.dtype)  # (n, k)
+        g_slots = g[route.token]  # (routed slots, C): each slot's token's gradient
+        d_sent[r] = g_slots * weight.unsqueeze(1)
+        d_top[r] = top_r.new_zeros(top_r.shape)
+        d_top[r].view(-1)[route.order] = (saved.back[r] * g_slots).sum(1).to(top_r.dtype)  # 0 where dropped
     d_rows_out = _send(groups, d_sent, saved.routes, backend)
     d_rows_in, d_weights = {}, {}
     for r in douts:
@@ -503,7 +503,7 @@ def expert_exchange(ctxs: dict[int, ShardCtx], x: Shards, top: Shards, index: Sh
         grouped, _ = _experts(rows[r][route.group], route.sizes, *(w[r].to(x[r].dtype) for w in (w1, w2, w3)))
         outs[r] = _ungroup(grouped, route.group, rows[r])
     back = _send(where.groups, outs, routes, backend, back=True)
-    return {r: _combine(back[r], route, top[r])[0] for r, route in routes.items()}
+    return {r: _combine(back[r], route, top[r]) for r, route in routes.items()}
 
 
 @expert_exchange.grad
