@@ -183,3 +183,19 @@ def test_a_retained_graph_runs_backward_twice() -> None:
     loss.backward()
     for name, p in moe.named_parameters():
         np.testing.assert_allclose(p.grad.numpy(), 2 * once[name], rtol=RTOL, atol=ATOL, err_msg=name)
+
+
+def test_split_experts_refuses_twice_and_unalike_experts_leaving_the_layer_as_it_was() -> None:
+    moe, mesh = _parallel("ep2", None)
+    with pytest.raises(SbpflowError, match="split already"):
+        split_experts(moe, mesh, 0)
+    with pytest.raises(SbpflowError, match="place_experts moves Expert modules"):
+        nn.moe.place_experts(moe, [mesh] * EXPERTS)
+    moe, _ = _layer(None)
+    moe.to_global(mesh, broadcast)
+    w2 = moe.experts[1].w2.weight
+    relayout_(w2, mesh, split(1))  # one expert's w2 split unlike the others'
+    before = [(n, p.placement, p.sbp) for n, p in moe.named_parameters()]
+    with pytest.raises(SbpflowError, match="stacks expert weights laid out alike"):
+        split_experts(moe, mesh, 0)
+    assert [(n, p.placement, p.sbp) for n, p in moe.named_parameters()] == before and moe.expert_layout is None
