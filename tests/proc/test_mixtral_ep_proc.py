@@ -15,9 +15,10 @@ from procrun import run_ranks
 transformers = pytest.importorskip("transformers")
 
 import sbpflow  # noqa: E402
-from hf_train import batch, hf_grad_of  # noqa: E402
+from hf_train import batch, hf_grad_of, train  # noqa: E402
 from sbpflow._layout import shard_box  # noqa: E402
 from sbpflow.models import from_pretrained  # noqa: E402
+from sbpflow.models.moe import split_experts  # noqa: E402
 
 RTOL, ATOL = 1e-4, 1e-5
 TIMEOUT = 150.0
@@ -66,3 +67,23 @@ def test_split_experts_on_processes_match_transformers(case: str, tmp_path: Path
         np.testing.assert_allclose(got["loss"], float(loss.detach()), rtol=RTOL)
         for name, grad in got["grads"].items():
             np.testing.assert_allclose(grad, hf_grad_of(name, want), rtol=RTOL, atol=ATOL, err_msg=name)
+
+
+def compiled_job(folder: str) -> dict[str, Any]:
+    """Runs on each process: ep2 AdamW steps of a 2-layer Mixtral compiled by nn.Graph (each layer's exchange one
+    communicating node, beside the layers' gradient all-reduces in flight)."""
+    losses, params = train(Path(folder), {"data": 2}, True, prepare=lambda model: split_experts(model, 0))
+    return {"losses": losses, "params": params}
+
+
+def test_compiled_ep2_training_on_two_processes_matches_one_device(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    config = transformers.MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                        num_experts_per_tok=2)
+    transformers.MixtralForCausalLM(config).float().save_pretrained(tmp_path)
+    want_losses, want_params = train(tmp_path, {}, False)
+    for got in run_ranks(compiled_job, 2, args=(str(tmp_path),), timeout=TIMEOUT):
+        np.testing.assert_allclose(got["losses"], want_losses, rtol=RTOL)
+        for name, value in want_params.items():
+            np.testing.assert_allclose(got["params"][name], value, rtol=RTOL, atol=1e-4, err_msg=name)

@@ -21,7 +21,8 @@ data-dependent sizes, and whose backward op routes once more and recomputes.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Any
@@ -32,7 +33,7 @@ from .. import boxing
 from .._layout import shard_box
 from ..autograd import is_grad_enabled
 from ..comm import Backend, get_backend
-from ..comm.base import nbytes
+from ..comm.base import KERNEL_CHANNEL, nbytes
 from ..errors import SbpflowError
 from ..ops.convert import to_global
 from ..ops.dispatch import record
@@ -488,6 +489,17 @@ def _where(ctxs: dict[int, ShardCtx], w1: int = 3) -> _Where:
     return _Where(dict.fromkeys(ctxs, 0), members, dict.fromkeys(ctxs, shape[0] // members), ordered)
 
 
+@contextmanager
+def _kernel_channel(ctxs: dict[int, ShardCtx], backend: Backend) -> Iterator[None]:
+    """The kernel's all-to-alls over process groups of their own: under nn.Graph it runs on a thread of its own,
+    beside other threads' collectives over the same ranks (the runtime makes the groups before a step)."""
+    placement = next(iter(ctxs.values())).placement
+    if placement is not None:
+        backend.prepare_channel(placement, KERNEL_CHANNEL)
+    with backend.on_channel(KERNEL_CHANNEL):
+        yield
+
+
 @op("expert_exchange", meta=_exchange_meta, sbp=_exchange_sigs, shard_aware=True, communicating=_forward_talks)
 def expert_exchange(ctxs: dict[int, ShardCtx], x: Shards, top: Shards, index: Shards, w1: Shards, w2: Shards,
                     w3: Shards) -> Shards:
@@ -496,6 +508,12 @@ def expert_exchange(ctxs: dict[int, ShardCtx], x: Shards, top: Shards, index: Sh
     experts (w1, w2, w3); the table above gives the layouts."""
     where = _where(ctxs)
     backend = get_backend()
+    with _kernel_channel(ctxs, backend):
+        return _exchange_forward(where, x, top, index, w1, w2, w3, backend)
+
+
+def _exchange_forward(where: _Where, x: Shards, top: Shards, index: Shards, w1: Shards, w2: Shards, w3: Shards,
+                      backend: Backend) -> Shards:
     routes = _routes(index, where.first, where.members, where.per, where.groups, backend)
     rows = _send(where.groups, {r: x[r][route.token] for r, route in routes.items()}, routes, backend)
     outs = {}
@@ -533,6 +551,12 @@ def expert_exchange_backward(ctxs: dict[int, ShardCtx], dy: Shards, x: Shards, t
     """(dx, dtop, dw1, dw2, dw3) of :func:`expert_exchange`, local per owned rank."""
     where = _where(ctxs, w1=4)
     backend = get_backend()
+    with _kernel_channel(ctxs, backend):
+        return _exchange_backward(where, dy, x, top, index, w1, w2, w3, backend)
+
+
+def _exchange_backward(where: _Where, dy: Shards, x: Shards, top: Shards, index: Shards, w1: Shards, w2: Shards,
+                       w3: Shards, backend: Backend) -> dict[int, tuple[torch.Tensor, ...]]:
     routes = _routes(index, where.first, where.members, where.per, where.groups, backend)
     sent = {}
     for r, route in routes.items():  # each routed slot's token, its output's gradient and its routing weight
