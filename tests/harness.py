@@ -30,6 +30,7 @@ import sbpflow
 from sbpflow import sbp as S
 from sbpflow._layout import shard_box
 from sbpflow.comm import CommLog, get_backend, record
+from sbpflow.models.hf import checkpoint_names
 from sbpflow.sbp import Partial
 
 # SBPFLOW_TEST_DEVICE=cuda runs the same cases on GPU shards (every virtual rank on cuda:(r % count)),
@@ -272,3 +273,13 @@ class LossStep(sbpflow.nn.Graph):
         loss = self.model(*inputs)
         loss.backward()
         return loss
+
+
+def per_expert(module: sbpflow.nn.Module, values: Callable[[Any], Any]) -> dict[str, np.ndarray]:
+    """``values(p)`` (a numpy array) of every parameter by its unsplit name: the stacked experts' weights
+    (``experts.w1``, split over an ep axis) as one ``experts.{e}.w1.weight`` per expert."""
+    out = {}
+    for name, p in module.named_parameters():
+        names, value = checkpoint_names(module)[name], values(p)
+        out.update({names[0]: value} if len(names) == 1 else dict(zip(names, value, strict=True)))
+    return out

@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 
 import sbpflow
+from harness import per_expert
 from sbpflow.models import from_pretrained
 
 
@@ -59,17 +60,19 @@ def train(folder: Path, parallel: dict[str, int], compiled: bool, steps: int = 3
         loss.backward()
         opt.step()
         losses.append(loss.item())
-    return losses, {n: p.numpy() for n, p in model.named_parameters()}
+    return losses, per_expert(model, lambda p: p.numpy())  # stacked experts by each expert's name
 
 
 def hf_grad_of(name: str, grads: dict[str, np.ndarray]) -> np.ndarray:
-    """transformers 5 stacks the experts (gate_up_proj, down_proj); the checkpoint and sbpflow keep w1/w2/w3."""
+    """transformers 5 stacks the experts (gate_up_proj, down_proj); the checkpoint and sbpflow keep w1/w2/w3, per
+    expert (``experts.{e}.w1.weight``) or, split over an ep axis, stacked (``experts.w1``)."""
     if ".experts." not in name:
         return grads[name.replace("block_sparse_moe", "mlp")]
     prefix, rest = name.split(".block_sparse_moe.experts.")
-    e, w = int(rest.split(".")[0]), rest.split(".")[1]
+    parts = rest.split(".")
+    e, w = (slice(None), parts[0]) if len(parts) == 1 else (int(parts[0]), parts[1])
     if w == "w2":
         return grads[f"{prefix}.mlp.experts.down_proj"][e]
     gate_up = grads[f"{prefix}.mlp.experts.gate_up_proj"][e]
-    half = gate_up.shape[0] // 2
-    return gate_up[:half] if w == "w1" else gate_up[half:]
+    half = gate_up.shape[-2] // 2
+    return gate_up[..., :half, :] if w == "w1" else gate_up[..., half:, :]

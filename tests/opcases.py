@@ -386,12 +386,13 @@ def _optimizer_cases() -> list[OpCase]:
 
 
 def _expert_cases() -> list[OpCase]:
-    """nn.MoE's router (softmax, top-2, renormalised; and its gradient), and nn.Graph's expert-parallel member:
-    two experts (w1, w2, w3 each) on top-2 routing of 4 tokens. No partial input is declared; the flips go
-    through the tokens (and, for the backward, the tokens x), in which the SwiGLU experts are not linear."""
-    def member(g: torch.Generator) -> Args:
-        return (_r(g, 4, 6), _r(g, 4, 2).softmax(-1), _ints(g, 2, 4, 2)) + tuple(
-            w for _ in range(2) for w in (_r(g, 5, 6), _r(g, 6, 5), _r(g, 5, 6)))
+    """nn.MoE's router (softmax, top-2, renormalised; and its gradient), and the expert exchange (nn.Graph's
+    expert parallel): two stacked experts (w1, w2, w3) on top-2 routing of 4 tokens. No partial input is declared;
+    the flips go through the tokens (and, for the backward, the tokens x), in which the SwiGLU experts are not
+    linear."""
+    def exchange(g: torch.Generator) -> Args:
+        return (_r(g, 4, 6), _r(g, 4, 2).softmax(-1), _ints(g, 2, 4, 2), _r(g, 2, 5, 6), _r(g, 2, 6, 5),
+                _r(g, 2, 5, 6))
 
     def routed(g: torch.Generator) -> Args:  # d top, d probs, probs, index: each row's 2 experts distinct
         probs = _r(g, 4, 3).softmax(-1)
@@ -400,9 +401,9 @@ def _expert_cases() -> list[OpCase]:
     return [
         OpCase("topk_router", "topk_router", lambda g: (_r(g, 4, 3),), {"k": 2, "normalize": True}),
         OpCase("topk_router_backward", "topk_router_backward", routed, {"normalize": True}, data=(0, 1)),
-        OpCase("member_experts", "member_experts", member, {"first": 0}, data=(0,)),
-        OpCase("member_experts_backward", "member_experts_backward", lambda g: (_r(g, 4, 6),) + member(g),
-               {"first": 0}, data=(1,)),
+        OpCase("expert_exchange", "expert_exchange", exchange, data=(0,)),
+        OpCase("expert_exchange_backward", "expert_exchange_backward", lambda g: (_r(g, 4, 6),) + exchange(g),
+               data=(1,)),
     ]
 
 

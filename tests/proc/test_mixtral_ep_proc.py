@@ -15,8 +15,10 @@ from procrun import run_ranks
 transformers = pytest.importorskip("transformers")
 
 import sbpflow  # noqa: E402
-from hf_train import batch, hf_grad_of  # noqa: E402
+from hf_train import batch, hf_grad_of, train  # noqa: E402
+from sbpflow._layout import shard_box  # noqa: E402
 from sbpflow.models import from_pretrained  # noqa: E402
+from sbpflow.models.moe import split_experts  # noqa: E402
 
 RTOL, ATOL = 1e-4, 1e-5
 TIMEOUT = 150.0
@@ -25,8 +27,8 @@ TIMEOUT = 150.0
 def ep_job(folder: str, parallel: dict[str, int], axis: int) -> dict[str, Any]:
     """Runs on each process: the experts split over mesh axis ``axis``, one forward and backward."""
     model = from_pretrained(folder, **parallel, expert_axis=axis)  # each process reads only its experts
-    experts = model.model.layers[0].block_sparse_moe.experts
-    held = [sorted(e.w1.weight._shards) for e in experts]
+    w1 = model.model.layers[0].block_sparse_moe.experts.w1  # stacked (E, I, C), split S(0) on the ep axis
+    held = {r: shard_box(tuple(w1.shape), w1.placement, w1.sbp, r)[0] for r in w1.local_tensors()}
     ids, targets = model.strategy.shard_inputs(*batch(2))
     with sbpflow.comm.record() as log:
         logits, loss = model(ids, targets)
@@ -36,10 +38,10 @@ def ep_job(folder: str, parallel: dict[str, int], axis: int) -> dict[str, Any]:
             "grads": grads, "collectives": log.counts()}
 
 
-# name -> (processes, parallel arguments, expert axis, the experts each rank holds in layer 0)
+# name -> (processes, parallel arguments, expert axis, the experts [first, last) each rank holds in layer 0)
 CASES = {
-    "ep2": (2, {"data": 2}, 0, lambda r: [[0], [0], [], []] if r == 0 else [[], [], [1], [1]]),
-    "dp2xep2": (4, {"data": 2, "tensor": 2}, 1, lambda r: [[r], [r], [], []] if r % 2 == 0 else [[], [], [r], [r]]),
+    "ep2": (2, {"data": 2}, 0, lambda r: {r: (2 * r, 2 * r + 2)}),
+    "dp2xep2": (4, {"data": 2, "tensor": 2}, 1, lambda r: {r: (0, 2) if r % 2 == 0 else (2, 4)}),
 }
 
 
@@ -65,3 +67,23 @@ def test_split_experts_on_processes_match_transformers(case: str, tmp_path: Path
         np.testing.assert_allclose(got["loss"], float(loss.detach()), rtol=RTOL)
         for name, grad in got["grads"].items():
             np.testing.assert_allclose(grad, hf_grad_of(name, want), rtol=RTOL, atol=ATOL, err_msg=name)
+
+
+def compiled_job(folder: str) -> dict[str, Any]:
+    """Runs on each process: ep2 AdamW steps of a 2-layer Mixtral compiled by nn.Graph (each layer's exchange one
+    communicating node, beside the layers' gradient all-reduces in flight)."""
+    losses, params = train(Path(folder), {"data": 2}, True, prepare=lambda model: split_experts(model, 0))
+    return {"losses": losses, "params": params}
+
+
+def test_compiled_ep2_training_on_two_processes_matches_one_device(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    config = transformers.MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                        num_experts_per_tok=2)
+    transformers.MixtralForCausalLM(config).float().save_pretrained(tmp_path)
+    want_losses, want_params = train(tmp_path, {}, False)
+    for got in run_ranks(compiled_job, 2, args=(str(tmp_path),), timeout=TIMEOUT):
+        np.testing.assert_allclose(got["losses"], want_losses, rtol=RTOL)
+        for name, value in want_params.items():
+            np.testing.assert_allclose(got["params"][name], value, rtol=RTOL, atol=1e-4, err_msg=name)

@@ -1,6 +1,7 @@
 """nn.MoE's all-to-all expert exchange on 2 gloo processes, on a mesh in rank order and on a permuted one (member
 j is not rank j: gloo's all_to_all_single sends split i to the i-th lowest rank, so the pieces are reordered),
-against the same layer on one device computed in each process; and one nn.Graph step (the traced exchange)."""
+against the same layer on one device computed in each process; and one nn.Graph step (the exchange as one
+communicating node that moves only routed rows)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 from procrun import run_ranks
 
 import sbpflow
+from harness import per_expert
 from sbpflow import nn
 from sbpflow.nn.moe import split_experts
 
@@ -29,7 +31,7 @@ def _layer() -> nn.MoE:
 def _run(moe: nn.MoE, x: Any) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]]:
     out = moe(x)
     sbpflow.functional.sum(sbpflow.functional.square(out)).backward()
-    return out.numpy(), x.grad.numpy(), {n: p.grad.numpy() for n, p in moe.named_parameters()}
+    return out.numpy(), x.grad.numpy(), per_expert(moe, lambda p: p.grad.numpy())
 
 
 def exchange_job(ranks: list[int]) -> dict[str, Any]:
@@ -74,14 +76,21 @@ def graph_job() -> dict[str, Any]:
     mesh = sbpflow.placement("cpu", [0, 1])
     moe = _layer().to_global(mesh, sbpflow.sbp.broadcast)
     split_experts(moe, mesh, 0)
-    before = {n: p.numpy().copy() for n, p in moe.named_parameters()}
-    out = _Step(moe)(sbpflow.tensor(x, placement=mesh, sbp=sbpflow.sbp.split(0))).numpy()
-    moved = {n: before[n] - p.numpy() for n, p in moe.named_parameters()}
-    return {"want": want, "out": out, "moved": moved}
+    before = per_expert(moe, lambda p: p.numpy().copy())
+    step = _Step(moe)
+    with sbpflow.comm.record() as log:
+        out = step(sbpflow.tensor(x, placement=mesh, sbp=sbpflow.sbp.split(0))).numpy()
+    after = per_expert(moe, lambda p: p.numpy())
+    nodes = [n.name for n in step.plan.nodes if n.kind == "compute" and n.name.startswith("expert_exchange")]
+    return {"want": want, "out": out, "moved": {n: before[n] - after[n] for n in before},
+            "collectives": log.counts(), "nodes": nodes}
 
 
 def test_graph_exchange_on_two_processes_equals_one_device() -> None:
     for result in run_ranks(graph_job, 2, timeout=TIMEOUT):
+        # one communicating node each way; the forward's counts and rows there and back are all-to-alls
+        assert result["nodes"] == ["expert_exchange", "expert_exchange_backward"]
+        assert result["collectives"]["all_to_all"] >= 3 and "broadcast" not in result["collectives"]
         w_out, _, w_grads = result["want"]
         np.testing.assert_allclose(result["out"], w_out, rtol=1e-4, atol=1e-5)
         for name, g in result["moved"].items():

@@ -71,9 +71,12 @@ def test_logits_loss_aux_loss_and_gradients_match_transformers(hf_folder: Any, p
     assert len(counts) == 2 and all(int(c.sum()) == ids.size * K for c in counts)
 
 
-def test_save_pretrained_round_trips_through_transformers(hf_folder: Any, tmp_path: Path) -> None:
+@pytest.mark.parametrize("parallel", [{}, {"data": 2, "tensor": 2, "expert_axis": 1}], ids=["whole", "dp2xep2"])
+def test_save_pretrained_round_trips_through_transformers(hf_folder: Any, tmp_path: Path,
+                                                          parallel: dict[str, int]) -> None:
+    """Also from experts stacked and split over an ep axis: the folder keeps one tensor per expert."""
     ref, folder = hf_folder
-    from_pretrained(folder).save_pretrained(tmp_path)
+    from_pretrained(folder, **parallel).save_pretrained(tmp_path)
     back = transformers.MixtralForCausalLM.from_pretrained(tmp_path)
     want = ref.state_dict()
     for name, value in back.state_dict().items():

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import sbpflow
+from harness import per_expert
 from sbpflow import nn
 from sbpflow.errors import SbpflowError
 from sbpflow.nn.module import relayout_
@@ -97,8 +98,8 @@ def test_exchanged_experts_equal_one_device(layout: str, capacity: float | None)
         sbpflow.functional.sum(sbpflow.functional.mul(out, sbpflow.tensor(dy, placement=mesh, sbp=sbp))).backward()
     np.testing.assert_allclose(out.numpy(), want_out, rtol=RTOL, atol=ATOL)
     np.testing.assert_allclose(xs.grad.numpy(), want_dx, rtol=RTOL, atol=ATOL)
-    for name, p in moe.named_parameters():
-        np.testing.assert_allclose(p.grad.numpy(), want_grads[name], rtol=RTOL, atol=ATOL, err_msg=name)
+    for name, grad in per_expert(moe, lambda p: p.grad.numpy()).items():
+        np.testing.assert_allclose(grad, want_grads[name], rtol=RTOL, atol=ATOL, err_msg=name)
 
     axis = LAYOUTS[layout][1]
     groups = len(mesh.axis_groups(axis))
@@ -115,8 +116,8 @@ def test_exchanged_experts_equal_one_device(layout: str, capacity: float | None)
 
 def test_experts_split_on_their_input_dim_are_refused() -> None:
     moe, mesh = _parallel("ep2xtp2", None)
-    w1 = moe.experts[0].w1.weight
-    relayout_(w1, w1.placement, (broadcast, split(1)))
+    w1 = moe.experts.w1  # stacked (E, I, C): S(0) on the ep axis, now its input dim split on the tp axis
+    relayout_(w1, w1.placement, (split(0), split(2)))
     xs = sbpflow.tensor(np.ones((TOKENS, HIDDEN), np.float32), placement=mesh, sbp=(split(0), broadcast))
     with pytest.raises(SbpflowError, match=r"must be whole \(B\) or Megatron"):
         moe(xs)
@@ -145,8 +146,9 @@ def test_empty_exchanges_equal_one_device(tokens: int) -> None:
     assert [int(c) for c in par.aux_stats[0].numpy()] == [tokens, tokens, 0, 0]
     np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=RTOL, atol=ATOL)
     np.testing.assert_allclose(xs.grad.numpy(), local.grad.numpy(), rtol=RTOL, atol=ATOL)
-    for (name, p), q in zip(par.named_parameters(), moe.parameters(), strict=True):
-        np.testing.assert_allclose(p.grad.numpy(), q.grad.numpy(), rtol=RTOL, atol=ATOL, err_msg=name)
+    want_grads = {n: p.grad.numpy() for n, p in moe.named_parameters()}
+    for name, grad in per_expert(par, lambda p: p.grad.numpy()).items():
+        np.testing.assert_allclose(grad, want_grads[name], rtol=RTOL, atol=ATOL, err_msg=name)
 
 
 def test_exchange_under_autocast_is_close_to_one_device() -> None:
@@ -181,3 +183,19 @@ def test_a_retained_graph_runs_backward_twice() -> None:
     loss.backward()
     for name, p in moe.named_parameters():
         np.testing.assert_allclose(p.grad.numpy(), 2 * once[name], rtol=RTOL, atol=ATOL, err_msg=name)
+
+
+def test_split_experts_refuses_twice_and_unalike_experts_leaving_the_layer_as_it_was() -> None:
+    moe, mesh = _parallel("ep2", None)
+    with pytest.raises(SbpflowError, match="split already"):
+        split_experts(moe, mesh, 0)
+    with pytest.raises(SbpflowError, match="place_experts moves Expert modules"):
+        nn.moe.place_experts(moe, [mesh] * EXPERTS)
+    moe, _ = _layer(None)
+    moe.to_global(mesh, broadcast)
+    w2 = moe.experts[1].w2.weight
+    relayout_(w2, mesh, split(1))  # one expert's w2 split unlike the others'
+    before = [(n, p.placement, p.sbp) for n, p in moe.named_parameters()]
+    with pytest.raises(SbpflowError, match="stacks expert weights laid out alike"):
+        split_experts(moe, mesh, 0)
+    assert [(n, p.placement, p.sbp) for n, p in moe.named_parameters()] == before and moe.expert_layout is None

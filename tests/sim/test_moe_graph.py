@@ -1,10 +1,11 @@
-"""nn.MoE with split experts under nn.Graph: the traced step carries the exchange as plan nodes (each ep member
-receives its group's tokens and routing by a transfer node, computes its experts on their routed rows only, and
-its output returns by another), and one SGD step equals the eager exchange and one device (outputs and every
-gradient, the tokens' through a Linear in front) for ep2, dp2 x ep2 and ep2 x tp2."""
+"""nn.MoE with split experts under nn.Graph: the traced step carries the exchange as one communicating node on the
+mesh (expert_exchange, and its backward), which moves only the routed rows: each rank receives exactly the slots
+routed to its experts, never its group's every token. One SGD step equals the eager exchange and one device
+(outputs and every gradient, the tokens' through a Linear in front) for ep2, dp2 x ep2 and ep2 x tp2."""
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 import numpy as np
@@ -12,7 +13,9 @@ import pytest
 import torch
 
 import sbpflow
+from harness import per_expert
 from sbpflow import nn
+from sbpflow._layout import shard_box
 from sbpflow.errors import SbpflowError
 from sbpflow.nn import expert_parallel
 from sbpflow.nn.module import relayout_
@@ -89,23 +92,40 @@ class Step(nn.Graph):
 
 
 @pytest.fixture
-def counted_rows(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """The token rows each expert kernel computes, one entry per call (forward and backward recomputation)."""
+def received_rows(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The rows a rank's experts compute, one entry per rank and call (forward, and the backward's recompute)."""
     rows: list[int] = []
-    swiglu = expert_parallel._swiglu
+    experts = expert_parallel._experts
 
-    def counting(x: torch.Tensor, *weights: torch.Tensor) -> torch.Tensor:
+    def counting(x: torch.Tensor, *args: Any) -> torch.Tensor:
         rows.append(int(x.shape[0]))
-        return swiglu(x, *weights)
+        return experts(x, *args)
 
-    monkeypatch.setattr(expert_parallel, "_swiglu", counting)
+    monkeypatch.setattr(expert_parallel, "_experts", counting)
     return rows
+
+
+def _routing(block: Block, layout: str, x: np.ndarray, mesh: Any, sbp: Any) -> tuple[list[int], int]:
+    """Per rank of the mesh, the kept slots of its ep group's tokens routed to its experts; and over all ranks,
+    the kept slots of a rank's own tokens routed to another member's experts (the rows that leave it)."""
+    _, axis, _ = LAYOUTS[layout]
+    one = _block(block.moe.capacity_factor)
+    kept = one.moe.route(one.inp(sbpflow.tensor(x))).numpy() != 0  # (N, E): the kept slots
+    per = EXPERTS // mesh.hierarchy[axis]
+    received, leaving = [], 0
+    for r in mesh.flat_ranks:
+        j = mesh.coords(r)[axis]
+        group = {t for q in mesh.axis_group_of(r, axis) for t in range(*shard_box((TOKENS, HIDDEN), mesh, sbp, q)[0])}
+        received.append(int(kept[sorted(group), j * per:(j + 1) * per].sum()))
+        own = range(*shard_box((TOKENS, HIDDEN), mesh, sbp, r)[0])
+        leaving += int(kept[own].sum() - kept[own, j * per:(j + 1) * per].sum())
+    return received, leaving
 
 
 @pytest.mark.parametrize("capacity", [None, 0.75], ids=["dropless", "capacity"])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_graph_step_equals_eager_and_one_device(layout: str, capacity: float | None,
-                                                counted_rows: list[int]) -> None:
+                                                received_rows: list[int]) -> None:
     rng = np.random.default_rng(1)
     x = rng.standard_normal((TOKENS, HIDDEN)).astype(np.float32)
     dy = rng.standard_normal((TOKENS, HIDDEN)).astype(np.float32)
@@ -115,35 +135,51 @@ def test_graph_step_equals_eager_and_one_device(layout: str, capacity: float | N
     out = block(sbpflow.tensor(x, placement=mesh, sbp=sbp))
     sbpflow.functional.sum(sbpflow.functional.mul(out, sbpflow.tensor(dy, placement=mesh, sbp=sbp))).backward()
     np.testing.assert_allclose(out.numpy(), want_out, rtol=RTOL, atol=ATOL)
-    eager_grads = {n: p.grad.numpy() for n, p in block.named_parameters()}
+    eager_grads = per_expert(block, lambda p: p.grad.numpy())
 
     block, mesh, sbp = _parallel(layout, capacity)
-    before = {n: p.numpy().copy() for n, p in block.named_parameters()}
+    before = per_expert(block, lambda p: p.numpy().copy())
     step = Step(block)
-    counted_rows.clear()
-    out = step(sbpflow.tensor(x, placement=mesh, sbp=sbp), sbpflow.tensor(dy, placement=mesh, sbp=sbp))
+    received_rows.clear()
+    with sbpflow.comm.record() as log:
+        out = step(sbpflow.tensor(x, placement=mesh, sbp=sbp), sbpflow.tensor(dy, placement=mesh, sbp=sbp))
     np.testing.assert_allclose(out.numpy(), want_out, rtol=RTOL, atol=ATOL)
-    for name, p in block.named_parameters():  # SGD at lr 1: the step moved each weight by minus its gradient
-        grad = before[name] - p.numpy()
+    after = per_expert(block, lambda p: p.numpy())
+    for name in want_grads:  # SGD at lr 1: the step moved each weight by minus its gradient
+        grad = before[name] - after[name]
         np.testing.assert_allclose(grad, want_grads[name], rtol=RTOL, atol=ATOL, err_msg=name)
         np.testing.assert_allclose(grad, eager_grads[name], rtol=RTOL, atol=ATOL, err_msg=name)
 
-    # each member ran its experts on their routed rows only (forward, and once more in backward), on each of
-    # its ranks' tokens: over the tp axis every rank of a member computes the same rows
+    # the forward: each rank's experts ran on the slots routed to them only; the backward recomputes them on the
+    # rows its own signature routes (the selection may gather the tokens over the data axis there, for instance)
+    received, leaving = _routing(block, layout, x, mesh, sbp)
+    forward, backward = received_rows[:mesh.size], received_rows[mesh.size:]
+    assert Counter(forward) == Counter(received), (forward, received)
     tp = LAYOUTS[layout][2]
-    copies = 1 if tp is None else mesh.hierarchy[tp]
-    assert sum(counted_rows) == 2 * copies * kept, counted_rows
-    assert kept == TOKENS * K if capacity is None else kept < TOKENS * K
+    copies = 1 if tp is None else mesh.hierarchy[tp]  # over the tp axis every rank of a member has the rows
+    assert sum(received) == copies * kept and kept == (TOKENS * K if capacity is None else kept)
+    p = mesh.hierarchy[LAYOUTS[layout][1]]
+    assert len(backward) == mesh.size and max(backward) <= kept * p // EXPERTS * 2  # (at most its experts' slots)
+    # only routed rows travel: the forward's count exchange (one all-to-all per ep group), then its rows there
+    # and back (C wide), exactly the slots that leave their rank
+    groups = mesh.size // p
+    exchanges = [e.bytes for e in log.events if e.kind == "all_to_all"][:3 * groups]
+    if capacity is None:  # (with a capacity the selection may gather the tokens for the queue, a cumsum over
+        # them, and each member then computes its experts' rows with no exchange)
+        assert sum(exchanges[:groups]) == mesh.size * 8 * (EXPERTS // p) * (p - 1)
+        assert sum(exchanges[groups:]) == 2 * leaving * HIDDEN * 4, log.events
 
     plan = step.plan
-    members = [n for n in plan.nodes if n.kind == "compute" and n.name == "member_experts"]
-    ep = mesh.hierarchy[LAYOUTS[layout][1]]
-    assert len(members) == ep and all(len(n.ranks) == mesh.size // ep for n in members)
-    transfers = [n for n in plan.nodes if n.kind == "boxing" and n.name.startswith("send_recv for to_global")]
-    assert len(transfers) >= 2 * 3 * ep  # tokens, top, index to each member, and back (again in backward)
-    # a dropless capacity buffer holds every token: no boxing of the tokens moves more than them once to a rank
-    # (the selection may gather them on the mesh first, for the router, and the transfers then move nothing)
-    for n in plan.nodes:
+    axis = LAYOUTS[layout][1]
+    for name in ("expert_exchange", "expert_exchange_backward"):
+        nodes = [n for n in plan.nodes if n.kind == "compute" and n.name == name]
+        assert len(nodes) == 1 and nodes[0].ranks == tuple(sorted(mesh.flat_ranks)), nodes
+        first = 1 if name.endswith("backward") else 0  # (dy comes first)
+        tokens, w1 = nodes[0].in_sbps[first], nodes[0].in_sbps[first + 3]
+        assert w1[axis] == split(0)  # the experts never move
+        if name == "expert_exchange" and capacity is None:  # (the backward's selection may gather the tokens
+            assert tokens[axis] == split(0)  # where that moves fewer bytes than 3C + 2 per routed row: top-2, ep2)
+    for n in plan.nodes:  # the tokens are never broadcast or gathered whole onto a rank
         if n.kind == "boxing" and plan.bufs[n.inputs[0]].shape == (TOKENS, HIDDEN):
             assert all(s.kind != "broadcast" and s.bytes_per_rank <= TOKENS * HIDDEN * 4 for s in n.boxing.steps), n
 
@@ -156,23 +192,32 @@ def test_graph_step_over_micro_batches_equals_one_device(layout: str) -> None:
     dy = rng.standard_normal((TOKENS, HIDDEN)).astype(np.float32)
     want_out, want_grads, _ = _one_device(None, x, dy)
     block, mesh, sbp = _parallel(layout, None)
-    before = {n: p.numpy().copy() for n, p in block.named_parameters()}
+    before = per_expert(block, lambda p: p.numpy().copy())
     step = Step(block)
     step.config.set_gradient_accumulation_steps(2)
     out = step(sbpflow.tensor(x, placement=mesh, sbp=sbp), sbpflow.tensor(dy, placement=mesh, sbp=sbp))
     np.testing.assert_allclose(out.numpy(), want_out, rtol=RTOL, atol=ATOL)
-    for name, p in block.named_parameters():  # (sums of terms up to ~10 in another order: atol at their scale)
-        want = want_grads[name]
-        np.testing.assert_allclose(before[name] - p.numpy(), want, rtol=RTOL, atol=ATOL * np.abs(want).max(),
+    after = per_expert(block, lambda p: p.numpy())
+    for name, want in want_grads.items():  # (sums of terms up to ~10 in another order: atol at their scale)
+        np.testing.assert_allclose(before[name] - after[name], want, rtol=RTOL, atol=ATOL * np.abs(want).max(),
                                    err_msg=name)
 
 
-def test_graph_refuses_experts_split_on_their_input_dim() -> None:
-    """The traced exchange checks the layouts as the eager one does, naming the expert and its SBPs."""
+def test_graph_boxes_experts_split_on_their_input_dim() -> None:
+    """The eager exchange refuses experts split on their input dim (C); the traced op has no such signature
+    either, so the step boxes them to one it has, and still trains as one device."""
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((TOKENS, HIDDEN)).astype(np.float32)
+    dy = rng.standard_normal((TOKENS, HIDDEN)).astype(np.float32)
+    want_out, want_grads, _ = _one_device(None, x, dy)
     block, mesh, sbp = _parallel("ep2xtp2", None)
-    w1 = block.moe.experts[0].w1.weight
-    relayout_(w1, w1.placement, (broadcast, split(1)))
-    step = Step(block)
-    x = sbpflow.tensor(np.ones((TOKENS, HIDDEN), np.float32), placement=mesh, sbp=sbp)
-    with pytest.raises(SbpflowError, match=r"must be whole \(B\) or Megatron .* but expert 0 has"):
-        step(x, x)
+    w1 = block.moe.experts.w1  # stacked (E, I, C): S(0) on the ep axis, now its input dim split on the tp axis
+    relayout_(w1, w1.placement, (split(0), split(2)))
+    with pytest.raises(SbpflowError, match=r"must be whole \(B\) or Megatron"):
+        block(sbpflow.tensor(x, placement=mesh, sbp=sbp))
+    before = per_expert(block, lambda p: p.numpy().copy())
+    out = Step(block)(sbpflow.tensor(x, placement=mesh, sbp=sbp), sbpflow.tensor(dy, placement=mesh, sbp=sbp))
+    np.testing.assert_allclose(out.numpy(), want_out, rtol=RTOL, atol=ATOL)
+    after = per_expert(block, lambda p: p.numpy())
+    for name, want in want_grads.items():
+        np.testing.assert_allclose(before[name] - after[name], want, rtol=RTOL, atol=ATOL, err_msg=name)

@@ -15,6 +15,7 @@ transformers = pytest.importorskip("transformers")
 from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock  # noqa: E402
 
 import sbpflow  # noqa: E402
+from harness import per_expert  # noqa: E402
 from sbpflow import nn  # noqa: E402
 from sbpflow.sbp import split  # noqa: E402
 
@@ -79,8 +80,8 @@ def test_shared_expert_moe_matches_qwen2_moe_block(norm_topk_prob: bool, layout:
     sbpflow.functional.sum(sbpflow.functional.square(got)).backward()
     np.testing.assert_allclose(got.numpy(), want.detach().numpy(), rtol=RTOL, atol=ATOL)
     grads = _grads(block)
-    for name, p in moe.named_parameters():
-        np.testing.assert_allclose(p.grad.numpy(), grads[name].numpy(), rtol=RTOL, atol=ATOL, err_msg=name)
+    for name, grad in per_expert(moe, lambda p: p.grad.numpy()).items():  # (split: stacked, compared per expert)
+        np.testing.assert_allclose(grad, grads[name].numpy(), rtol=RTOL, atol=ATOL, err_msg=name)
 
 
 def test_without_a_shared_expert_there_is_no_gate() -> None:

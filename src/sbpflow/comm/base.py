@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -73,6 +74,9 @@ class Completed:
 TARGET_COST_FACTORS: tuple[tuple[tuple[str, str], float], ...] = ((("cpu", "reduce_scatter"), 2.0),)
 
 
+KERNEL_CHANNEL = "kernel"  # the channel (Backend.on_channel) of communicating kernels' collectives
+
+
 class Backend(ABC):
     """Base class of comm backends; subclasses implement the ``_``-prefixed primitives.
 
@@ -100,6 +104,16 @@ class Backend(ABC):
 
         Every process runs every boxing plan in the same order, even one owning no rank of its placements, so a
         multi-process backend creates its process groups here (creation is collective over the whole job)."""
+
+    def prepare_channel(self, placement: Placement, channel: str) -> None:  # noqa: B027 - optional hook
+        """Called on every process, in one order: the process groups of ``placement``'s axes for ``channel`` (see
+        :meth:`on_channel`); nothing by default."""
+
+    def on_channel(self, channel: str) -> AbstractContextManager[None]:
+        """Collectives issued in this block by this thread go over ``channel``'s own process groups (made by
+        :meth:`prepare_channel`): a kernel that talks on a thread of its own then never interleaves with other
+        threads' collectives over the same ranks. A no-op by default (one thread issues everything)."""
+        return nullcontext()
 
     def cost_factors(self) -> tuple[tuple[tuple[str, str], float], ...]:
         """``((device_type, step kind), factor)``: how many times the planner's α-β time and bytes a step

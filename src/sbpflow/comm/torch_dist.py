@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import datetime
 import hashlib
-from collections.abc import Callable, Iterable, Sequence
+import threading
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -69,6 +71,7 @@ class TorchDistBackend(Backend):
         # sends posted in flight that nobody waits for (a process that only sends): gloo drops a send whose work
         # object goes before the peer posted its receive, so they are held until settle_sends()
         self._sending: list[_Pending] = []
+        self._channel = threading.local()  # .name: the channel this thread's collectives use (on_channel)
         if torch.cuda.is_available():
             torch.cuda.set_device(config.local_rank)
         if not dist.is_initialized():
@@ -150,20 +153,40 @@ class TorchDistBackend(Backend):
                 self._ensure(tuple(sorted(ranks)), "nccl")
         self._ready.add(placement)
 
-    def _ensure(self, ranks: Group, transport: str) -> None:
-        key = (transport, ranks)
+    def _ensure(self, ranks: Group, transport: str, channel: str = "") -> None:
+        key = (transport + channel, ranks)
         if key in self._groups or len(ranks) < 2:
             return
-        if transport == "gloo" and len(ranks) == self.world_size:
+        if transport == "gloo" and len(ranks) == self.world_size and not channel:
             self._groups[key] = dist.group.WORLD
             return
         self._groups[key] = self._call(
             f"new_group({transport})", ranks,
             lambda: dist.new_group(list(ranks), timeout=self.timeout, backend=transport))
 
+    def prepare_channel(self, placement: Placement, channel: str) -> None:
+        """Groups of every axis rank set of ``placement`` for ``channel``, made on every process in one order."""
+        if (placement, channel) in self._ready:
+            return
+        self._check_ranks(placement.flat_ranks)
+        transport = "nccl" if placement.type == "cuda" else "gloo"
+        for axis in range(placement.ndim):
+            for ranks in placement.axis_groups(axis):
+                self._ensure(tuple(sorted(ranks)), transport, ":" + channel)
+        self._ready.add((placement, channel))
+
+    @contextmanager
+    def on_channel(self, channel: str) -> Iterator[None]:
+        before = getattr(self._channel, "name", "")
+        self._channel.name = ":" + channel
+        try:
+            yield
+        finally:
+            self._channel.name = before
+
     def _group(self, group: Group, device: torch.device) -> Any:
         transport = "nccl" if device.type == "cuda" else "gloo"
-        pg = self._groups.get((transport, tuple(sorted(group))))
+        pg = self._groups.get((transport + getattr(self._channel, "name", ""), tuple(sorted(group))))
         if pg is None:
             raise CommError(
                 f"internal: no {transport} process group for ranks {list(group)} on rank {self.rank} while "

@@ -280,7 +280,7 @@ class Llama(nn.Module):
     def save_pretrained(self, folder: str | Path) -> None:
         """Writes ``config.json`` and ``model.safetensors`` that transformers' ``LlamaForCausalLM`` loads."""
         config = dict(self.config.to_dict(), architectures=["LlamaForCausalLM"], dtype="float32")
-        hf.save_folder(folder, config, dict(self.named_parameters()))
+        hf.save_folder(folder, config, self)
 
     def _to_stage(self, x: Tensor, layer: int) -> Tensor:
         """Moves ``x`` to the pipeline stage of ``layer`` (-1: the last), its SBP kept; the gradient moves back."""

@@ -69,24 +69,33 @@ class Mixtral(Llama):
         super().__init__(config)
         self.model.layers = nn.ModuleList([MixtralDecoderLayer(config) for _ in range(config.num_hidden_layers)])
         self._init_weights()
-        self.aux_loss: Tensor | None = None
+        self._routed = False  # whether a forward ran: aux_loss reads its layers' routing statistics
 
     def forward(self, ids: Tensor, targets: Tensor | None = None,
                 positions: Any = None) -> tuple[Tensor, Tensor | None]:
         logits, loss = super().forward(ids, targets, positions)
+        self._routed = True
         c = self.config
-        # each layer's routing statistics, gathered on the last pipeline stage (where the loss is)
-        stats = [(self._to_stage(counts, -1), self._to_stage(probs, -1))
-                 for counts, probs in (layer.block_sparse_moe.aux_stats for layer in self.model.layers)]
-        self.aux_loss = nn.moe.load_balancing_loss(stats, c.num_local_experts, c.num_experts_per_tok)
         if loss is not None and c.output_router_logits:
             loss = F.add(loss, F.mul(self.aux_loss, c.router_aux_loss_coef))
         return logits, loss
 
+    @property
+    def aux_loss(self) -> Tensor | None:
+        """The load-balancing loss of the last forward, built when read (a traced step that leaves it out of its
+        loss has none of its ops, which do not split over micro-batches); None before any forward."""
+        if not self._routed:
+            return None
+        c = self.config
+        # each layer's routing statistics, gathered on the last pipeline stage (where the loss is)
+        stats = [(self._to_stage(counts, -1), self._to_stage(probs, -1))
+                 for counts, probs in (layer.block_sparse_moe.aux_stats for layer in self.model.layers)]
+        return nn.moe.load_balancing_loss(stats, c.num_local_experts, c.num_experts_per_tok)
+
     def save_pretrained(self, folder: str | Path) -> None:
         """Writes ``config.json`` and ``model.safetensors`` that transformers' ``MixtralForCausalLM`` loads."""
         config = dict(self.config.to_dict(), architectures=["MixtralForCausalLM"], dtype="float32")
-        hf.save_folder(folder, config, dict(self.named_parameters()))
+        hf.save_folder(folder, config, self)
 
 
 def expert_tokens(model: Mixtral) -> list[torch.Tensor]:
@@ -95,10 +104,10 @@ def expert_tokens(model: Mixtral) -> list[torch.Tensor]:
 
 
 def split_experts(model: Mixtral, mesh_axis: int = 0) -> None:
-    """Expert parallelism over ``mesh_axis`` of each layer's (data, tensor) mesh: the experts are cut into as
-    many contiguous groups as the axis has ranks, and group ``g`` moves to the ranks at coordinate ``g`` on it
-    (a Megatron split inside each expert on the other axis stays), and tokens reach them by all-to-all
-    (:func:`sbpflow.nn.moe.split_experts`). Call after ``parallelize``."""
+    """Expert parallelism over ``mesh_axis`` of each layer's (data, tensor) mesh: the experts are stacked and split
+    S(0) on that axis, so group ``g`` of them lies on the ranks at coordinate ``g`` (a Megatron split inside each
+    expert on the other axis stays), and tokens reach them by all-to-all (:func:`sbpflow.nn.moe.split_experts`).
+    Call after ``parallelize``; checkpoints keep one tensor per expert (:func:`hf.checkpoint_names`)."""
     for layer in model.model.layers:
         moe = layer.block_sparse_moe
         weight = moe.experts[0].w1.weight

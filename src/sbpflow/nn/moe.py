@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from ..amp import active_dtype
+from ..autograd import no_grad
 from ..creation import tensor
 from ..errors import SbpflowError
 from ..ops import functional as F
@@ -33,9 +34,9 @@ from ..placement import Placement
 from ..sbp import Split, broadcast
 from ..tensor import Tensor
 from .container import ModuleList
-from .expert_parallel import ExpertLayout, Weights, check_layout, member_exchange, routed_experts
+from .expert_parallel import ExpertLayout, Weights, check_layout, expert_exchange, routed_experts
 from .layers import Linear
-from .module import Module, relayout_
+from .module import Module, Parameter, relayout_
 
 
 class Expert(Module):
@@ -49,6 +50,22 @@ class Expert(Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return self.w2(F.mul(F.silu(self.w1(x)), self.w3(x)))
+
+
+class StackedExperts(Module):
+    """The routed experts as three stacked weights, gate ``w1`` (E, I, C), down ``w2`` (E, C, I), up ``w3``
+    (E, I, C): what :func:`split_experts` splits S(0) over an ep mesh axis, so that one op on the mesh reads them
+    all. ``stacked_names`` gives each expert's weight its :class:`Expert` name (checkpoints)."""
+
+    def __init__(self, w1: Tensor, w2: Tensor, w3: Tensor) -> None:
+        super().__init__()
+        self.w1, self.w2, self.w3 = Parameter(w1), Parameter(w2), Parameter(w3)
+
+    def __len__(self) -> int:
+        return int(self.w1.shape[0])
+
+    def weights(self) -> Weights:
+        return self.w1, self.w2, self.w3
 
 
 class MoE(Module):
@@ -65,7 +82,9 @@ class MoE(Module):
         self.num_experts, self.top_k, self.capacity_factor = num_experts, top_k, capacity_factor
         self.norm_topk_prob = norm_topk_prob  # renormalise the top-k probabilities to sum to 1 (Mixtral)
         self.gate = Linear(hidden, num_experts, bias=False)
-        self.experts = ModuleList([Expert(hidden, intermediate) for _ in range(num_experts)])
+        # one Expert each, until split_experts stacks them (StackedExperts)
+        self.experts: ModuleList | StackedExperts = ModuleList([Expert(hidden, intermediate)
+                                                                for _ in range(num_experts)])
         self.shared = ModuleList([Expert(hidden, intermediate) for _ in range(shared_experts)])
         self.aux_stats: tuple[Tensor, Tensor] | None = None
         self.expert_layout: ExpertLayout | None = None  # set by split_experts: the all-to-all path
@@ -76,19 +95,17 @@ class MoE(Module):
 
     def forward(self, x: Tensor) -> Tensor:
         shape = tuple(x.shape)
-        flat = F.reshape(x, (-1, shape[-1]))  # logical (N, C)
-        experts = [(e.w1.weight, e.w2.weight, e.w3.weight) for e in self.experts]
-        layout = self._exchange_layout(flat, experts)
-        if layout is None:
-            out = self._dense(flat)
+        flat = x if x.ndim == 2 else F.reshape(x, (-1, shape[-1]))  # logical (N, C) (a reshape less per pass)
+        if isinstance(self.experts, StackedExperts):
+            assert self.expert_layout is not None  # (set with the stack, by split_experts)
+            out = self._exchanged(flat, self.expert_layout, self.experts.weights())
         else:
-            flat = F.to_global(flat, layout.mesh, layout.token_sbp(flat.sbp, experts[0][0].sbp))
-            out = self._exchanged(flat, layout, experts)
+            out = self._dense(flat)
         for expert in self.shared:
             out = F.add(out, expert(flat))
         if self.gated_shared:
             out = F.add(out, F.mul(F.sigmoid(self.shared_expert_gate(flat)), self.shared_expert(flat)))
-        return F.reshape(out, shape)
+        return out if x.ndim == 2 else F.reshape(out, shape)
 
     def _dense(self, flat: Tensor) -> Tensor:
         """Every expert on every token, weighted by the routing (zero off a token's experts): logical (N, C)."""
@@ -98,8 +115,13 @@ class MoE(Module):
             out = F.add(out, F.mul(self._expert(e, flat), F.narrow(weights, 1, e, 1)))
         return out
 
-    def _exchanged(self, flat: Tensor, layout: ExpertLayout, experts: list[Weights]) -> Tensor:
-        """Each token's k experts on their ranks, by the all-to-all of :func:`routed_experts`: logical (N, C)."""
+    def _exchanged(self, flat: Tensor, layout: ExpertLayout, experts: Weights) -> Tensor:
+        """Each token's k experts on their ranks, by the all-to-all of :func:`routed_experts` (eager) or
+        :func:`expert_exchange` (traced, or meta tokens): logical (N, C)."""
+        # local tokens (a model built whole, then split) are every rank's; tokens elsewhere move to the mesh
+        sbp = flat.sbp if flat.is_global and flat.placement == layout.mesh else (broadcast,) * layout.mesh.ndim
+        flat = F.to_global(flat, layout.mesh, layout.token_sbp(sbp, experts[0].sbp))
+        eager = not INTERPRETERS and not flat.is_meta
         if self.capacity_factor is None:
             probs, top, index = self._gate(flat)  # logical (N, E), (N, k), (N, k)
             keep = None
@@ -107,43 +129,26 @@ class MoE(Module):
             top, index, chosen, kept = self._route_topk(flat)  # logical (N, k), (N, k), (N, k, E), (N, E)
             assert kept is not None
             # a slot is kept if its expert kept the token: (N, k)
-            keep = _laid_like(F.gt(F.sum(F.mul(chosen, F.unsqueeze(kept, 1)), dim=-1), 0.5), flat)
-        if INTERPRETERS:  # (only the tracer is pushed) static shapes: a capacity buffer of every token per member
-            out, counts = self._member_exchanged(flat, top, index, keep, experts, layout)
-        else:
-            out, counts = routed_experts(flat, _laid_like(top, flat), _laid_like(index, flat), keep, experts, layout)
+            keep = F.gt(F.sum(F.mul(chosen, F.unsqueeze(kept, 1)), dim=-1), 0.5)
+        top, index = _laid_like(top, flat), _laid_like(index, flat)
+        keep = None if keep is None else _laid_like(keep, flat)
+        if eager:
+            out, counts = routed_experts(flat, top, index, keep, experts, layout)
+        else:  # (only the tracer is pushed, or meta tensors) one op with a static output: the routed rows inside
+            if keep is not None:  # a dropped slot's expert becomes num_experts, which no member holds
+                index = F.where(keep, index, _like(index, torch.tensor(self.num_experts)))
+            chosen = F.eq(F.unsqueeze(index, -1), _like(index, torch.arange(self.num_experts)))  # (N, k, E)
+            counts = F.sum(F.sum(F.cast(chosen, flat.dtype), dim=1), dim=0)  # logical (E,)
+            out = expert_exchange(flat, top, index, *experts)
         if self.capacity_factor is None:  # dropless: the slots the experts received are the slots routed
             self.aux_stats = (counts, F.mean(probs, dim=0))
         return out
-
-    def _member_exchanged(self, flat: Tensor, top: Tensor, index: Tensor, keep: Tensor | None,
-                          experts: list[Weights], layout: ExpertLayout) -> tuple[Tensor, Tensor]:
-        """The traced exchange (:func:`member_exchange`), and the slots each expert received, logical (E,); a
-        dropped slot's expert becomes ``num_experts``, which no member holds."""
-        if keep is not None:
-            index = F.where(keep, index, _like(index, torch.tensor(self.num_experts)))
-        chosen = F.eq(F.unsqueeze(index, -1), _like(index, torch.arange(self.num_experts)))  # logical (N, k, E)
-        counts = F.sum(F.sum(F.cast(chosen, flat.dtype), dim=1), dim=0)  # logical (E,)
-        out = member_exchange(flat, _laid_like(top, flat), _laid_like(index, flat), experts, layout)
-        return out, counts
-
-    def _exchange_layout(self, flat: Tensor, experts: list[Weights]) -> ExpertLayout | None:
-        """The experts' grouping when an exchange applies: global tokens (eager or traced, not meta) on the
-        grouping's mesh, every expert (``experts``: their weights) still where :func:`split_experts` put it."""
-        layout = self.expert_layout
-        if layout is None or not flat.is_global or flat.is_meta or flat.placement != layout.mesh:
-            return None
-        for e, triple in enumerate(experts):
-            where = layout.placement_of(e)
-            for w in triple:
-                if w.placement is not where and w.placement != where:  # (identical unless moved since)
-                    return None
-        return layout
 
     def _expert(self, e: int, flat: Tensor) -> Tensor:
         """Expert ``e`` on every token; an expert placed elsewhere (:func:`place_experts`) gets the tokens
         broadcast to its placement and sends its output back in ``flat``'s layout (the gradient returns the
         same way)."""
+        assert isinstance(self.experts, ModuleList)  # (stacked experts take the exchange instead)
         expert = self.experts[e]
         home = expert.w1.weight
         if not (home.is_global and flat.is_global) or home.placement == flat.placement:
@@ -259,17 +264,18 @@ def _laid_like(t: Tensor, anchor: Tensor) -> Tensor:
 
 
 def split_experts(moe: MoE, mesh: Placement, mesh_axis: int) -> None:
-    """Expert parallelism over ``mesh_axis`` of ``mesh`` (the tokens' placement): the experts are cut into as
-    many contiguous groups as the axis has ranks, group ``g`` moves to the ranks at coordinate ``g`` on it
-    (their SBP on the other axes kept), and forwards send tokens to their experts (eager: by all-to-all).
+    """Expert parallelism over ``mesh_axis`` of ``mesh`` (the tokens' placement): the experts' weights are
+    stacked (:class:`StackedExperts`) and split S(0) on that axis, so the ranks at coordinate ``g`` hold the
+    ``g``-th contiguous group of experts (an expert's SBP on the other axes kept, one dim up), and forwards send
+    tokens to their experts by all-to-all. Each rank stacks only its own experts' shards: nothing moves.
 
     >>> import sbpflow
     >>> from sbpflow import nn
     >>> mesh = sbpflow.placement("cpu", [0, 1])
     >>> moe = nn.MoE(8, 16, num_experts=4, top_k=2).to_global(mesh, sbpflow.sbp.broadcast)
     >>> split_experts(moe, mesh, 0)
-    >>> [str(e.w1.weight.placement) for e in moe.experts]
-    ['cpu:[0]', 'cpu:[0]', 'cpu:[1]', 'cpu:[1]']
+    >>> tuple(moe.experts.w1.shape), moe.experts.w1.sbp
+    ((4, 16, 8), (Split(dim=0),))
     >>> x = sbpflow.randn(6, 8).to_global(mesh, sbpflow.sbp.split(0))
     >>> with sbpflow.comm.record() as log:
     ...     y = moe(x)
@@ -277,8 +283,36 @@ def split_experts(moe: MoE, mesh: Placement, mesh_axis: int) -> None:
     True
     """
     layout = check_layout(mesh, mesh_axis, moe.num_experts)
-    place_experts(moe, [layout.placement_of(e) for e in range(moe.num_experts)])
+    if isinstance(moe.experts, StackedExperts):
+        raise SbpflowError(f"split_experts: the experts of this MoE are split already (over mesh axis "
+                           f"{layout.axis if moe.expert_layout is None else moe.expert_layout.axis})")
+    triples = [(e.w1.weight, e.w2.weight, e.w3.weight) for e in moe.experts]
+    for i in range(3):
+        for w in (t[i] for t in triples):
+            if not w.is_global or w.placement != mesh or w.sbp != triples[0][i].sbp:
+                raise SbpflowError(f"split_experts stacks expert weights laid out alike on {mesh}, but got one with "
+                                   f"{w._describe()} and another with {triples[0][i]._describe()}")
+    moe.experts = StackedExperts(*(_stack([t[i] for t in triples], layout) for i in range(3)))
     moe.expert_layout = layout
+
+
+def _stack(weights: list[Tensor], layout: ExpertLayout) -> Tensor:
+    """The experts' weights, each (O, I), as one (E, O, I) split S(0) on the ep axis: each rank stacks its own
+    experts' shards (a weight split on the ep axis is first gathered there: its member holds it whole)."""
+    first = weights[0]
+    whole = tuple(broadcast if a == layout.axis else s for a, s in enumerate(first.sbp))
+    shape = (len(weights), *first.shape)
+    sbp = layout.weight_sbp(first.sbp)
+    if first.is_meta:  # built under meta_init: a layout and no data
+        return Tensor._meta(shape, first.dtype, layout.mesh, sbp)
+    with no_grad():
+        weights = [w if w.sbp == whole else F.to_global(w.detach(), layout.mesh, whole) for w in weights]
+    per = layout.per_member
+    shards = {}
+    for r in weights[0].local_tensors():
+        j = layout.mesh.coords(r)[layout.axis]
+        shards[r] = torch.stack([w.local_tensors()[r] for w in weights[j * per:(j + 1) * per]])
+    return Tensor._from_shards(shape, first.dtype, layout.mesh, sbp, shards)
 
 
 def place_experts(moe: MoE, placements: Sequence[Placement]) -> None:
@@ -292,6 +326,8 @@ def place_experts(moe: MoE, placements: Sequence[Placement]) -> None:
     >>> [str(e.w1.weight.placement) for e in moe.experts]
     ['cpu:[0]', 'cpu:[1]']
     """
+    if isinstance(moe.experts, StackedExperts):
+        raise SbpflowError("place_experts moves Expert modules, but split_experts stacked this MoE's experts")
     if len(placements) != moe.num_experts:
         raise SbpflowError(f"place_experts needs one placement per expert ({moe.num_experts}), but got "
                            f"{len(placements)}")
@@ -323,4 +359,4 @@ def load_balancing_loss(stats: list[tuple[Tensor, Tensor]], num_experts: int, to
     return F.mul(F.sum(F.mul(share, F.div(probs, float(len(stats))))), float(num_experts))
 
 
-__all__ = ["Expert", "MoE", "load_balancing_loss", "place_experts", "split_experts", "topk_router"]
+__all__ = ["Expert", "MoE", "StackedExperts", "load_balancing_loss", "place_experts", "split_experts", "topk_router"]

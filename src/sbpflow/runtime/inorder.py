@@ -18,6 +18,7 @@ from .. import boxing
 from .._layout import shard_box
 from ..boxing.execute import InFlight, bind_async, runs_async
 from ..comm import Backend, get_backend
+from ..comm.base import KERNEL_CHANNEL
 from ..distributed import activity
 from ..errors import SbpflowError
 from ..graph import fuse
@@ -436,6 +437,8 @@ def prepare_groups(plan: PhysicalPlan, backend: Backend) -> None:
             backend.prepare(node.boxing)
         elif node.kind == "route":
             backend.prepare(route.group_plan(plan.bufs[node.outputs[0]]))
+        elif node.kind == "compute" and node.op in REGISTRY and REGISTRY[node.op].talks is not None:
+            backend.prepare_channel(plan.bufs[node.inputs[0]].layout.placement, KERNEL_CHANNEL)  # a talking kernel
 
 
 def run_plan(plan: PhysicalPlan, feeds: dict[str, Shards], variables: dict[str, Shards],
