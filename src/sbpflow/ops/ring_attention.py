@@ -91,6 +91,18 @@ def causal_work(length: int, placement: Placement, nd_sbp: tuple) -> list[int]:
                 if _visible((q0, q1), (k0, k1), causal=True)) for r in placement.flat_ranks]
 
 
+def contexts(placement: Placement, in_metas: tuple[Meta, ...], out_metas: tuple[Meta, ...],
+             nd_sbp: tuple) -> dict[int, ShardCtx]:
+    """The kernel contexts of every rank of ``placement`` with each input and output laid out ``nd_sbp``: to call
+    :func:`forward` (inputs q, k, v; outputs out, lse) or :func:`backward` (inputs dy, q, k, v, out, lse) outside
+    dispatch, as the benchmarks do."""
+    def boxes(metas: tuple[Meta, ...], rank: int) -> tuple:
+        return tuple(shard_box(m.shape, placement, nd_sbp, rank) for m in metas)
+
+    return {r: ShardCtx(r, placement, boxes(in_metas, r), boxes(out_metas, r), in_metas, out_metas,
+                        (nd_sbp,) * len(in_metas), (nd_sbp,) * len(out_metas)) for r in placement.flat_ranks}
+
+
 def _ring_blocks(kv: Sequence[Meta], sbps: Sequence[tuple], placement: Placement) -> tuple[int, int]:
     """(c - 1, bytes of one rank's K and V blocks) for k and v split on the sequence; (0, 0) otherwise."""
     seq = kv[0].ndim - 2
@@ -207,8 +219,10 @@ def _by_destination(transfers: Sequence[Transfer],
 
 
 def forward(ctxs: dict[int, ShardCtx], q: Shards, k: Shards, v: Shards, causal: bool,
-            scale: float | None) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-    """(out, lse) of every owned rank (local (B, H, tq, Dv) and (B, H, tq)); lse in fp32 (fp64 for fp64)."""
+            scale: float | None, overlap: bool = True) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """(out, lse) of every owned rank (local (B, H, tq, Dv) and (B, H, tq)); lse in fp32 (fp64 for fp64).
+    ``overlap=False``: each hop waits until the step's math is done (the same messages and math, for timing the
+    overlap against)."""
     ctx = next(iter(ctxs.values()))
     dim = ctx.in_metas[0].ndim - 2
     ring = _Ring(ctx, dim, k_index=1)
@@ -220,7 +234,8 @@ def forward(ctxs: dict[int, ShardCtx], q: Shards, k: Shards, v: Shards, causal: 
     kv_metas = [(ctx.in_metas[1], ctx.in_sbps[1]), (ctx.in_metas[2], ctx.in_sbps[2])]
     steps = max(len(g) for g in ring.rings)
     for step in range(steps):
-        arriving = ring.post(step, held, kv_metas) if step < steps - 1 else None  # the next blocks, meanwhile
+        last = step == steps - 1
+        arriving = ring.post(step, held, kv_metas) if overlap and not last else None  # the next blocks, meanwhile
         for r in ctxs:
             for (qs, q_rows), (ks, k_rows) in _pairs(ring, r, step, causal):
                 block_out, block_lse = _block_forward(_rows_of(q[r], qs), _rows_of(held[r][0], ks),
@@ -231,15 +246,17 @@ def forward(ctxs: dict[int, ShardCtx], q: Shards, k: Shards, v: Shards, causal: 
                 out[r][..., qs, :] = (out[r][..., qs, :] * _exp_safe(seen - total)[..., None]
                                       + block_out * _exp_safe(block_lse - total)[..., None])
                 lse[r][..., qs] = total
-        if arriving is not None:
-            held = arriving()
+        if not last:
+            held = (arriving if arriving is not None else ring.post(step, held, kv_metas))()
     lse_dtype = ctx.out_metas[1].dtype
     return {r: (out[r].to(q[r].dtype), lse[r].to(lse_dtype)) for r in ctxs}
 
 
 def backward(ctxs: dict[int, ShardCtx], dy: Shards, q: Shards, k: Shards, v: Shards, out: Shards, lse: Shards,
-             causal: bool, scale: float | None) -> dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """(dq, dk, dv) of every owned rank from the saved out and lse; dk, dv travel the ring with k, v."""
+             causal: bool, scale: float | None,
+             overlap: bool = True) -> dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """(dq, dk, dv) of every owned rank from the saved out and lse; dk, dv travel the ring with k, v.
+    ``overlap=False``: K and V hop after the step's math, as in :func:`forward`."""
     ctx = next(iter(ctxs.values()))  # inputs (dy, q, k, v, out, lse)
     dim = ctx.in_metas[1].ndim - 2
     ring = _Ring(_shifted(ctx), dim, k_index=1)
@@ -253,14 +270,17 @@ def backward(ctxs: dict[int, ShardCtx], dy: Shards, q: Shards, k: Shards, v: Sha
     acc = [(Meta(m.shape, acc_dtype), s) for m, s in (k_meta, v_meta)]
     steps = max(len(g) for g in ring.rings)
     for step in range(steps):
-        arriving = ring.post(step, {r: held[r][:2] for r in ctxs}, [k_meta, v_meta]) if step < steps - 1 else None
+        last = step == steps - 1
+        arriving = ring.post(step, {r: held[r][:2] for r in ctxs}, [k_meta, v_meta]) if overlap and not last else None
         for r in ctxs:
             for (qs, q_rows), (ks, k_rows) in _pairs(ring, r, step, causal):
                 block = [_rows_of(t, ks) for t in held[r][:2]] + [t[..., ks, :] for t in held[r][2:]]  # dk, dv: views
                 q_r, dy_r, out_r = (_rows_of(t, qs) for t in (q[r], dy[r], out[r]))
                 _block_grads(q_r, dy_r, out_r, lse[r][..., qs].contiguous(), row_term[r][..., qs], block,
                              dq[r][..., qs, :], q_rows, k_rows, causal, scale_of, acc_dtype)
-        if arriving is not None:  # dk, dv follow once this step has added to them
+        if not last:  # dk, dv follow once this step has added to them
+            if arriving is None:  # not overlapped: K and V leave after the math
+                arriving = ring.post(step, {r: held[r][:2] for r in ctxs}, [k_meta, v_meta])
             grads = ring.pass_on(step, {r: held[r][2:] for r in ctxs}, acc)
             held = {r: kv + grads[r] for r, kv in arriving().items()}
     home = ring.pass_on(steps - 1, {r: held[r][2:] for r in ctxs}, acc)  # every dk, dv one hop from home
