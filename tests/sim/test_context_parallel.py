@@ -217,6 +217,12 @@ def test_parallelize_context_matches_one_device(one_device: tuple[str, tuple], d
     for name, value in ref_params.items():
         np.testing.assert_allclose(params[name], value, rtol=1e-4, atol=1.5e-3, err_msg=name)
     assert log.counts()["send_recv"] >= 8  # the ring: forward and backward of two layers
+    if kind == "gpt" and degrees.get("tensor") == 2:
+        # per tensor group 13, Megatron's own: 2 layers x (2 row-parallel outputs forward, 2 column-parallel
+        # inputs' gradients backward), the vocab-parallel embedding's output and its tied head's input gradient,
+        # and the vocab-parallel cross-entropy's max, target logit and sum; per context group 2: one bucket of
+        # every weight's gradient, split on tensor or not, and the loss
+        assert log.counts()["all_reduce"] == 2 * 13 + 2 * 2
 
 
 def test_parallelize_context_needs_a_sequence_dim() -> None:
