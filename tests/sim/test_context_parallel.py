@@ -106,6 +106,20 @@ def test_the_blocking_ring_computes_what_the_overlapped_one_does(cp: int, layout
         torch.testing.assert_close(_gathered(shards, placement, layout, want.shape), want, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("cp", [2, 3, 4])
+def test_a_zigzag_ring_step_is_one_kernel_call(cp: int) -> None:
+    """Under Z(T) and a causal mask every step of every rank is one call: its own two chunks causally in local
+    positions, then both chunks against an earlier member's first chunk, or its second chunk against a later
+    member's two, unmasked (as torch's ring with its head-tail balance)."""
+    placement = sbpflow.placement("cpu", list(range(cp)))
+    meta = Meta((1, 2, 16 * cp, 4), torch.float32)
+    ctx = ring.contexts(placement, (meta,) * 3, (meta, Meta(meta.shape[:-1], torch.float32)), (Z,))[0]
+    kernel = ring._Ring(ctx, 2, k_index=1)
+    calls = {(r, step): ring._blocks(kernel, r, step, causal=True) for r in range(cp) for step in range(cp)}
+    assert all(len(blocks) == 1 for blocks in calls.values())
+    assert all(calls[r, 0][0][4] and all(not calls[r, s][0][4] for s in range(1, cp)) for r in range(cp))
+
+
 def _gathered(shards: list[torch.Tensor], placement: Placement, layout: S.SbpParallel,
               shape: torch.Size) -> torch.Tensor:
     """The logical tensor from each rank's shard (rank order), zigzag chunks put back in place."""

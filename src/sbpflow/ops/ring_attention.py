@@ -46,6 +46,9 @@ from .schema import Meta, ShardCtx
 
 Shards = dict[int, torch.Tensor]
 Piece = tuple[slice, tuple[int, int]]  # (where along the local sequence dim, which logical rows)
+# one kernel call: (q's local rows, K/V's local rows, q_rows, k_rows, masked); q_rows and k_rows are the logical
+# positions a masked block is cut by (local ones for a diagonal of increasing rows), unused when it is not masked
+Block = tuple[slice, slice, tuple[int, int], tuple[int, int], bool]
 _FLASH_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 
@@ -237,9 +240,9 @@ def forward(ctxs: dict[int, ShardCtx], q: Shards, k: Shards, v: Shards, causal: 
         last = step == steps - 1
         arriving = ring.post(step, held, kv_metas) if overlap and not last else None  # the next blocks, meanwhile
         for r in ctxs:
-            for (qs, q_rows), (ks, k_rows) in _pairs(ring, r, step, causal):
+            for qs, ks, q_rows, k_rows, masked in _blocks(ring, r, step, causal):
                 block_out, block_lse = _block_forward(_rows_of(q[r], qs), _rows_of(held[r][0], ks),
-                                                      _rows_of(held[r][1], ks), q_rows, k_rows, causal, scale_of,
+                                                      _rows_of(held[r][1], ks), q_rows, k_rows, masked, scale_of,
                                                       acc_dtype)
                 seen = lse[r][..., qs]  # local (B, H, tq)
                 total = torch.logaddexp(seen, block_lse)
@@ -273,11 +276,11 @@ def backward(ctxs: dict[int, ShardCtx], dy: Shards, q: Shards, k: Shards, v: Sha
         last = step == steps - 1
         arriving = ring.post(step, {r: held[r][:2] for r in ctxs}, [k_meta, v_meta]) if overlap and not last else None
         for r in ctxs:
-            for (qs, q_rows), (ks, k_rows) in _pairs(ring, r, step, causal):
+            for qs, ks, q_rows, k_rows, masked in _blocks(ring, r, step, causal):
                 block = [_rows_of(t, ks) for t in held[r][:2]] + [t[..., ks, :] for t in held[r][2:]]  # dk, dv: views
                 q_r, dy_r, out_r = (_rows_of(t, qs) for t in (q[r], dy[r], out[r]))
                 _block_grads(q_r, dy_r, out_r, lse[r][..., qs].contiguous(), row_term[r][..., qs], block,
-                             dq[r][..., qs, :], q_rows, k_rows, causal, scale_of, acc_dtype)
+                             dq[r][..., qs, :], q_rows, k_rows, masked, scale_of, acc_dtype)
         if not last:  # dk, dv follow once this step has added to them
             if arriving is None:  # not overlapped: K and V leave after the math
                 arriving = ring.post(step, {r: held[r][:2] for r in ctxs}, [k_meta, v_meta])
@@ -287,11 +290,46 @@ def backward(ctxs: dict[int, ShardCtx], dy: Shards, q: Shards, k: Shards, v: Sha
     return {r: (dq[r].to(q[r].dtype), home[r][0].to(k[r].dtype), home[r][1].to(v[r].dtype)) for r in ctxs}
 
 
-def _pairs(ring: _Ring, rank: int, step: int, causal: bool) -> list[tuple[Piece, Piece]]:
-    """The (q piece, k piece) pairs ``rank`` computes in ``step``: its q pieces by the held K block's, those that
-    see anything."""
-    owner = ring.holder_block(rank, step)
-    return [(qp, kp) for qp in ring.pieces(0, rank) for kp in ring.pieces(1, owner) if _visible(qp[1], kp[1], causal)]
+def _blocks(ring: _Ring, rank: int, step: int, causal: bool) -> list[Block]:
+    """The kernel calls ``rank`` makes in ``step``: its q pieces by the held K block's, as few calls as exact.
+    Its own block under a causal mask, rows increasing (a zigzag's two chunks), is one causal call in local
+    positions; q pieces that see the same K pieces whole share one unmasked call (a zigzag rank's two chunks
+    against an earlier member's first chunk, or its second chunk against a later member's two); a pair cut by
+    the mask is a call of its own."""
+    q_pieces = [p for p in ring.pieces(0, rank) if p[1][0] < p[1][1]]
+    k_pieces = [p for p in ring.pieces(1, ring.holder_block(rank, step)) if p[1][0] < p[1][1]]
+    rows = [p[1] for p in q_pieces]
+    if causal and rows == [p[1] for p in k_pieces] and rows == sorted(rows):
+        n = sum(hi - lo for lo, hi in rows)
+        return [(_span(q_pieces), _span(k_pieces), (0, n), (0, n), True)] if n else []
+    blocks: list[Block] = []
+    whole: dict[tuple[int, ...], list[Piece]] = {}  # the K pieces a q piece sees whole -> those q pieces
+    for qp in q_pieces:
+        seen = tuple(i for i, kp in enumerate(k_pieces) if not causal or kp[1][1] - 1 <= qp[1][0])
+        blocks += [(qp[0], kp[0], qp[1], kp[1], True) for i, kp in enumerate(k_pieces)
+                   if i not in seen and _visible(qp[1], kp[1], causal)]
+        if seen:
+            whole.setdefault(seen, []).append(qp)
+    for seen, qps in whole.items():
+        blocks += [(qs, ks, (0, 0), (0, 0), False) for qs in _runs(qps) for ks in _runs([k_pieces[i] for i in seen])]
+    return blocks
+
+
+def _runs(pieces: list[Piece]) -> list[slice]:
+    """The storage ranges of ``pieces`` (in storage order), adjacent ones joined."""
+    out: list[slice] = []
+    for where, _ in pieces:
+        if out and out[-1].stop == where.start:
+            out[-1] = slice(out[-1].start, where.stop)
+        else:
+            out.append(where)
+    return out
+
+
+def _span(pieces: list[Piece]) -> slice:
+    """The one storage range of adjacent ``pieces``."""
+    (joined,) = _runs(pieces)
+    return joined
 
 
 def _rows_of(t: torch.Tensor, rows: slice) -> torch.Tensor:
