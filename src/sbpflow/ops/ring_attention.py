@@ -6,11 +6,13 @@ K/V block of member (p - s) mod c, which it sends on to member p + 1 while it co
 before the block's math and waited for after it: gloo's threads move the next block meanwhile)::
 
     forward    out_p, lse_p = logsumexp-combine over s of attention(q_p, k_(p-s), v_(p-s))
-    backward   dq_p += ds k_j;   dk_j, dv_j travel with k_j, v_j and each member adds its share;
+    backward   dq_p += ds k_j;   dk_j, dv_j follow k_j, v_j and each member adds its share;
                after the last step every (dk_j, dv_j) is one hop from home and takes it
 
-K/V travel c - 1 hops in the forward; K, V, dK, dV c - 1 hops in the backward and dK, dV one more. In the
-backward only K and V overlap the math: dK and dV leave once the step has added its share (2c - 1 messages).
+K/V travel c - 1 hops in the forward; K, V, dK, dV c - 1 hops in the backward and dK, dV one more (2c - 1
+messages). In the backward dK and dV travel one step behind K and V: a member computes its share of the held
+block's, then waits for what the earlier holders summed, adds, and posts the sum on, which moves while the
+next step computes.
 
 Why a *communicating kernel* (``ops.schema.run_shards``) rather than ring nodes in the physical plan: the ring's
 c steps interleave transfers with block math whose shapes (uneven blocks, causal skips) follow from the ring
@@ -258,8 +260,10 @@ def forward(ctxs: dict[int, ShardCtx], q: Shards, k: Shards, v: Shards, causal: 
 def backward(ctxs: dict[int, ShardCtx], dy: Shards, q: Shards, k: Shards, v: Shards, out: Shards, lse: Shards,
              causal: bool, scale: float | None,
              overlap: bool = True) -> dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """(dq, dk, dv) of every owned rank from the saved out and lse; dk, dv travel the ring with k, v.
-    ``overlap=False``: K and V hop after the step's math, as in :func:`forward`."""
+    """(dq, dk, dv) of every owned rank from the saved out and lse; dk, dv travel the ring one step behind k, v:
+    a member adds its share of the held block's dK, dV to what the previous holders summed (waited for after its
+    math, posted on at once, so that the sum's hop overlaps the next step's math). ``overlap=False``: every hop
+    is posted after the step's math and waited for at once."""
     ctx = next(iter(ctxs.values()))  # inputs (dy, q, k, v, out, lse)
     dim = ctx.in_metas[1].ndim - 2
     ring = _Ring(_shifted(ctx), dim, k_index=1)
@@ -267,27 +271,40 @@ def backward(ctxs: dict[int, ShardCtx], dy: Shards, q: Shards, k: Shards, v: Sha
     scale_of = scale if scale is not None else ctx.in_metas[1].shape[-1] ** -0.5
     dq = {r: torch.zeros(q[r].shape, dtype=acc_dtype, device=q[r].device) for r in ctxs}
     row_term = {r: (dy[r].to(acc_dtype) * out[r].to(acc_dtype)).sum(-1) for r in ctxs}  # local (B, H, tq)
-    held = {r: [k[r], v[r], torch.zeros(k[r].shape, dtype=acc_dtype, device=k[r].device),
-                torch.zeros(v[r].shape, dtype=acc_dtype, device=v[r].device)] for r in ctxs}
+    held = {r: [k[r], v[r]] for r in ctxs}
     k_meta, v_meta = (ctx.in_metas[2], ctx.in_sbps[2]), (ctx.in_metas[3], ctx.in_sbps[3])
     acc = [(Meta(m.shape, acc_dtype), s) for m, s in (k_meta, v_meta)]
     steps = max(len(g) for g in ring.rings)
+    summed: Callable[[], dict[int, list[torch.Tensor]]] | None = None  # the held block's dK, dV from earlier holders
     for step in range(steps):
         last = step == steps - 1
-        arriving = ring.post(step, {r: held[r][:2] for r in ctxs}, [k_meta, v_meta]) if overlap and not last else None
+        arriving = ring.post(step, held, [k_meta, v_meta]) if overlap and not last else None
+        shares = {r: [torch.zeros(t.shape, dtype=acc_dtype, device=t.device) for t in held[r]] for r in ctxs}
         for r in ctxs:
             for qs, ks, q_rows, k_rows, masked in _blocks(ring, r, step, causal):
-                block = [_rows_of(t, ks) for t in held[r][:2]] + [t[..., ks, :] for t in held[r][2:]]  # dk, dv: views
+                block = [_rows_of(t, ks) for t in held[r]] + [t[..., ks, :] for t in shares[r]]  # dk, dv: views
                 q_r, dy_r, out_r = (_rows_of(t, qs) for t in (q[r], dy[r], out[r]))
                 _block_grads(q_r, dy_r, out_r, lse[r][..., qs].contiguous(), row_term[r][..., qs], block,
                              dq[r][..., qs, :], q_rows, k_rows, masked, scale_of, acc_dtype)
-        if not last:  # dk, dv follow once this step has added to them
+        if summed is not None:
+            for r, earlier in summed().items():
+                for share, other in zip(shares[r], earlier, strict=True):
+                    share.add_(other)
+        if not last:
             if arriving is None:  # not overlapped: K and V leave after the math
-                arriving = ring.post(step, {r: held[r][:2] for r in ctxs}, [k_meta, v_meta])
-            grads = ring.pass_on(step, {r: held[r][2:] for r in ctxs}, acc)
-            held = {r: kv + grads[r] for r, kv in arriving().items()}
-    home = ring.pass_on(steps - 1, {r: held[r][2:] for r in ctxs}, acc)  # every dk, dv one hop from home
+                arriving = ring.post(step, held, [k_meta, v_meta])
+            summed = ring.post(step, shares, acc)
+            if not overlap:
+                summed = _waited(summed)
+            held = arriving()
+    home = ring.pass_on(steps - 1, shares, acc)  # every dk, dv one hop from home
     return {r: (dq[r].to(q[r].dtype), home[r][0].to(k[r].dtype), home[r][1].to(v[r].dtype)) for r in ctxs}
+
+
+def _waited(pending: Callable[[], dict[int, list[torch.Tensor]]]) -> Callable[[], dict[int, list[torch.Tensor]]]:
+    """``pending`` waited for now; returns its result when called."""
+    result = pending()
+    return lambda: result
 
 
 def _blocks(ring: _Ring, rank: int, step: int, causal: bool) -> list[Block]:
