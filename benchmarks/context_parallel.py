@@ -81,17 +81,25 @@ MEASURED_STEPS = 3  # one warm-up, then timed
 ATTENTION = (1, 8, 4096, 32)  # (B, H, T, D) of the timed ring: the Llama's heads, a longer sequence
 ATTENTION_ROUNDS = 8  # interleaved rounds of the four ring contenders
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_ARENA_MAX = -1, -3, -8  # glibc's mallopt parameters (malloc.h)
-# what the run of 2026-11-28 13:16 UTC showed (kept with the section; rewrite it when the figures change)
+# what the run of 2026-11-28 16:19 UTC showed (kept with the section; rewrite it when the figures change)
 READING = """\
-**Reading (2026-11-28):** on the plan's peak the aim holds (2.03 / 4.00 / 8.00 × at cp 2 / 4 / 8, zigzag ids,
-nothing gathered: the loss rows stay Z(0)). On measured peaks it does **not**: with cp = 1's measured peak as the
-cap, cp 2 trains 1.38 × and cp 4 2.75 × the cp = 1 sequence (aim 1.8 / 3.6). RSS exceeds the plan's registers by
-35-95 MiB per rank, more with more processes; the candidates, not yet told apart: gloo's buffers and the
-gradients' all-reduce (none at cp = 1), kernels' workspaces, allocator slack (freed host memory is kept). Fixed on
-the way: a
-waited send/recv was held until the end of the step (comm.torch_dist), which kept every layer's K/V blocks alive
-(48 MiB at cp 2, 2176 tokens). RSS of one configuration varied by 30 MiB between runs (cp = 1: 190-229 MiB), so the
-bisected lengths are ±1 step. Steps: 4 processes share 2 cores, so cp 4 is slower per token than cp 1 here."""
+**Reading (2026-11-28):** on the allocated peak the aim holds: cp 2 trains 2.06 × and cp 4 4.00 × the cp = 1
+sequence (aim 1.8 / 3.6), and at the plan's longest sequences the measured peak is 1.02 × cp = 1's. So the plan's
+registers predict the per-rank bytes: no rank holds a full-sequence tensor (ids, logits and loss rows stay
+zigzag), and ring buffers, gloo's buffers and the gradients' all-reduce add 1-3 MiB. What stays between steps
+(84-86 MiB: weights, gradients and AdamW's moments, 56 MiB, plus the runtime and code paged in) is the same at
+every cp, so it does not bound the ratio, although this model is small; the step's own peak (91-92 MiB) is
+activations. The 1.38 × / 2.75 × measured last session came from the allocator, not from buffers held by the
+framework. Under sbpflow's host cache, RSS also holds what malloc keeps free: 47-73 MiB per rank here, more
+at cp > 1 (1.10 / 1.13 × cp = 1's at the plan's lengths). The ring kernel and the runtime's lanes allocate on
+threads of their own, and each thread's glibc arena keeps its own peak. In a trial, one arena for every thread
+(M_ARENA_MAX=1) took 10-25 MiB off cp 2. It was not adopted: it changes the allocator for the whole process,
+and RSS under the cache varied by 30 MiB between runs. Ring: the overlapped ring is 1.02 × faster than the
+blocking one at cp 2 and no faster at cp 4, because on 2 shared cores gloo's threads compete with the math for
+CPU. Against torch's ring kernels on the same shards, torch takes 0.94-0.99 × sbpflow's time, within the rounds'
+spread. Before this session's two kernel changes it was 0.83-0.88 ×: a zigzag step is now one flash call
+instead of 2-3 plus merges, and dK/dV's hop overlaps the next step's math. torch's `context_parallel` itself
+cannot run on CPU (above), so a whole-model step-time comparison needs a GPU. Steps: cp processes share 2 cores."""
 
 
 class _Step(sbpflow.nn.Graph):
