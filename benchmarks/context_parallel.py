@@ -319,9 +319,10 @@ def measured_rows() -> list[str]:
     with sbpflow.meta_init():
         params = sum(p.numel() for p in Llama(LlamaConfig(**CONFIG)).parameters())  # type: ignore[arg-type]
     rows = [f"Measured on processes: cap = the cp = 1 plan's peak at {MEASURED_BASE} tokens ({cap / 2**20:.1f} MiB); "
-            f"{MEASURED_STEPS - 1} timed steps after one warm-up; growth of the resident size over the process's "
-            f"before the model is built (MiB per rank, the largest rank). Weights, gradients and AdamW's two moments "
-            f"are {params * 16 / 2**20:.1f} MiB on every rank at every cp ({params / 1e6:.2f} M parameters, fp32).",
+            f"{MEASURED_STEPS - 1} timed steps after one warm-up; growth of the resident size over the "
+            f"process's RSS before the model is built (MiB per rank, the largest rank). Weights, gradients and "
+            f"AdamW's two moments are {params * 16 / 2**20:.1f} MiB on every rank at every cp "
+            f"({params / 1e6:.2f} M parameters, fp32).",
             "", "| cp | sequence (plan's longest) | plan peak | allocated: between steps | allocated: step's peak "
             "over it | allocated peak growth | / cp = 1 | longest under cp = 1's allocated peak (× cp = 1) | kept "
             "(host cache): peak growth | / cp = 1 | step (s, median; min-max) |", "|---|---|---|---|---|---|---|---|"
