@@ -16,10 +16,14 @@ import sbpflow
 from cp_train import make, train, train_parallelized
 from harness import check, randn
 from sbpflow import sbp as S
+from sbpflow._layout import logical_pieces
 from sbpflow.comm.base import nbytes
 from sbpflow.errors import PlanError
 from sbpflow.ops import functional as F
+from sbpflow.ops import ring_attention as ring
 from sbpflow.ops.ring_attention import causal_work
+from sbpflow.ops.schema import Meta
+from sbpflow.placement import Placement
 
 T = S.split(2)  # the sequence dim of (B, H, T, D)
 
@@ -69,6 +73,64 @@ def test_zigzag_ring_attention_matches_torch(cp: int, causal: bool, kv_heads: in
     assert r.forward_log.counts() == {"send_recv": cp - 1}
     assert r.forward_log.total_bytes() == (cp - 1) * kv_bytes
     assert r.backward_log.counts() == {"send_recv": 2 * cp - 1}
+
+
+@pytest.mark.parametrize("cp", [2, 3])
+@pytest.mark.parametrize("layout", [T, Z], ids=["S(T)", "Z(T)"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_the_blocking_ring_computes_what_the_overlapped_one_does(cp: int, layout: S.SbpParallel,
+                                                                 causal: bool) -> None:
+    """``overlap=False`` (the benchmark's baseline) posts each hop after the step's math: the same values as the
+    overlapped ring, bit for bit, and both equal torch."""
+    q, k, v = _qkv(4, 2, 13, dv=8)  # GQA; out has q's shape
+    placement = sbpflow.placement("cpu", list(range(cp)))
+    sharded = [sbpflow.tensor(t, placement=placement, sbp=(layout,)).local_tensors() for t in (q, k, v)]
+    metas = tuple(Meta(tuple(t.shape), t.dtype) for t in (q, k, v))
+    lse_meta = Meta(tuple(q.shape[:-1]), torch.float32)
+    fwd = ring.contexts(placement, metas, (metas[0], lse_meta), (layout,))
+    bwd = ring.contexts(placement, (metas[0], *metas, metas[0], lse_meta), metas, (layout,))
+    dy_full = randn(*q.shape, seed=9)
+    dy = sbpflow.tensor(dy_full, placement=placement, sbp=(layout,)).local_tensors()
+    results = []
+    for overlap in (True, False):
+        outs = ring.forward(fwd, *sharded, causal, None, overlap=overlap)
+        out, lse = ({r: o[i] for r, o in outs.items()} for i in range(2))
+        grads = ring.backward(bwd, dy, *sharded, out, lse, causal, None, overlap=overlap)
+        results.append([out[r] for r in placement.flat_ranks] + [g for r in placement.flat_ranks for g in grads[r]])
+    assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    expected = TF.scaled_dot_product_attention(*leaves, is_causal=causal, enable_gqa=True)
+    expected.backward(dy_full)
+    got = [results[1][:cp], *(results[1][cp + i::3] for i in range(3))]  # out, then dq, dk, dv of every rank
+    for shards, want in zip(got, [expected.detach()] + [t.grad for t in leaves], strict=True):
+        torch.testing.assert_close(_gathered(shards, placement, layout, want.shape), want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("cp", [2, 3, 4])
+def test_a_zigzag_ring_step_is_one_kernel_call(cp: int) -> None:
+    """Under Z(T) and a causal mask every step of every rank is one call: its own two chunks causally in local
+    positions, then both chunks against an earlier member's first chunk, or its second chunk against a later
+    member's two, unmasked (as torch's ring with its head-tail balance)."""
+    placement = sbpflow.placement("cpu", list(range(cp)))
+    meta = Meta((1, 2, 16 * cp, 4), torch.float32)
+    ctx = ring.contexts(placement, (meta,) * 3, (meta, Meta(meta.shape[:-1], torch.float32)), (Z,))[0]
+    kernel = ring._Ring(ctx, 2, k_index=1)
+    calls = {(r, step): ring._blocks(kernel, r, step, causal=True) for r in range(cp) for step in range(cp)}
+    assert all(len(blocks) == 1 for blocks in calls.values())
+    assert all(calls[r, 0][0][4] and all(not calls[r, s][0][4] for s in range(1, cp)) for r in range(cp))
+
+
+def _gathered(shards: list[torch.Tensor], placement: Placement, layout: S.SbpParallel,
+              shape: torch.Size) -> torch.Tensor:
+    """The logical tensor from each rank's shard (rank order), zigzag chunks put back in place."""
+    whole = torch.empty(shape)
+    for r, shard in zip(placement.flat_ranks, shards, strict=True):
+        start = 0
+        for box in logical_pieces(tuple(shape), placement, (layout,), r):
+            lo, hi = box[2]
+            whole[:, :, lo:hi] = shard[:, :, start:start + hi - lo]
+            start += hi - lo
+    return whole
 
 
 @pytest.mark.parametrize("other", [S.split(0), S.split(1)], ids=["dp x cp", "tp x cp"])
@@ -169,6 +231,12 @@ def test_parallelize_context_matches_one_device(one_device: tuple[str, tuple], d
     for name, value in ref_params.items():
         np.testing.assert_allclose(params[name], value, rtol=1e-4, atol=1.5e-3, err_msg=name)
     assert log.counts()["send_recv"] >= 8  # the ring: forward and backward of two layers
+    if kind == "gpt" and degrees.get("tensor") == 2:
+        # per tensor group 13, Megatron's own: 2 layers x (2 row-parallel outputs forward, 2 column-parallel
+        # inputs' gradients backward), the vocab-parallel embedding's output and its tied head's input gradient,
+        # and the vocab-parallel cross-entropy's max, target logit and sum; per context group 2: one bucket of
+        # every weight's gradient, split on tensor or not, and the loss
+        assert log.counts()["all_reduce"] == 2 * 13 + 2 * 2
 
 
 def test_parallelize_context_needs_a_sequence_dim() -> None:

@@ -272,3 +272,35 @@ def test_bucket_cap_must_be_positive() -> None:
     with pytest.raises(sbpflow.errors.AutogradError, match="bucket_cap_mb"):
         with coalesce_grad_reductions(bucket_cap_mb=0):
             pass
+
+
+def _tensor_parallel_mlp(coalesce: bool) -> tuple[dict[str, np.ndarray], Counter[tuple[str, tuple[int, ...]]], Any]:
+    """A Megatron MLP on a (data, tensor) 2x2 mesh: w1 and b1 split on their 7 outputs (shards of 4 and 3), w2 on
+    its inputs, b2 broadcast; x split on the batch over data."""
+    placement = PLACEMENTS["2x2"]
+    g = torch.Generator().manual_seed(0)
+    x = sbpflow.tensor(torch.randn(6, 5, generator=g), placement=placement, sbp=(S.split(0), B))
+    layouts = {"w1": ((5, 7), S.split(1)), "b1": ((7,), S.split(0)), "w2": ((7, 3), S.split(0)), "b2": ((3,), B)}
+    params = {k: sbpflow.tensor(torch.randn(*shape, generator=g), placement=placement, sbp=(B, tp),
+                                requires_grad=True) for k, (shape, tp) in layouts.items()}
+    y = ((x @ params["w1"]) + params["b1"]).relu() @ params["w2"]
+    loss = ((y + params["b2"]) ** 2).sum()
+    with record() as log, coalesce_grad_reductions(coalesce):
+        loss.backward()
+    return ({k: _grad(p) for k, p in params.items()}, Counter((e.kind, e.ranks) for e in log.events),
+            {k: (_sbp(p), p.sbp) for k, p in params.items()})
+
+
+def test_tensor_parallel_weights_join_their_data_axis_bucket() -> None:
+    """Gradients partial on the data axis and split like their weights on the tensor axis are reduced together:
+    each rank ravels its shards (4 or 3 columns: the groups' buffers differ in length), one all-reduce per data
+    group instead of one per weight; the values are the per-leaf reductions'."""
+    want, per_leaf, _ = _tensor_parallel_mlp(False)
+    got, coalesced, sbps = _tensor_parallel_mlp(True)
+    for k in want:
+        np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+    assert all(grad_sbp == leaf_sbp for grad_sbp, leaf_sbp in sbps.values())
+    data_groups = [("all_reduce", (0, 2)), ("all_reduce", (1, 3))]
+    assert [per_leaf[g] for g in data_groups] == [4, 4] and [coalesced[g] for g in data_groups] == [1, 1]
+    tensor_groups = [k for k in per_leaf if k not in data_groups]
+    assert {k: coalesced[k] for k in tensor_groups} == {k: per_leaf[k] for k in tensor_groups}  # activations: kept

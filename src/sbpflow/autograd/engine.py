@@ -296,7 +296,8 @@ def _reduce_grad(grad: Tensor, placement: Any, sbp: Any, F: Any) -> Tensor:
 
 # By default the partial gradients of broadcast leaves (weights under split data) are reduced as DDP does: flat
 # buckets, issued asynchronously while backward runs, one all-reduce each; coalesce_grad_reductions(False) opts
-# out (one reduction per leaf).
+# out (one reduction per leaf). Weights split on other axes (tensor parallel) join the bucket of their partial
+# axis: each rank's shards are raveled, and the all-reduce runs in that axis's groups.
 def _coalescible(leaf: Tensor, grad: Tensor) -> bool:
     """A broadcast leaf whose gradient is partial on some mesh axes and broadcast on the others: the reduction
     is elementwise, so concatenated buffers reduce to the concatenated results."""
@@ -306,6 +307,28 @@ def _coalescible(leaf: Tensor, grad: Tensor) -> bool:
         return False  # reduced one by one in the narrow dtype (_reduce_grad)
     return (grad._placement == leaf._placement and grad._dtype == leaf._dtype
             and all(s == broadcast for s in leaf._sbp or ()) and all(s in (broadcast, partial_sum) for s in grad._sbp))
+
+
+def _coalescible_in_groups(leaf: Tensor, grad: Tensor) -> bool:
+    """A leaf split on some mesh axes (a tensor-parallel weight) whose gradient is partial on exactly one axis,
+    where the leaf is broadcast, and laid out as the leaf on the others: the reduction runs in the groups along
+    that axis, whose members hold shards of one shape, so their raveled shards reduce together with other
+    gradients' (a bucket holds local shards, not a logical tensor)."""
+    if leaf._placement is None or leaf._grad_sbp is not None or grad._sbp is None or leaf._sbp is None:
+        return False
+    partial = [a for a, s in enumerate(grad._sbp) if s == partial_sum]
+    if len(partial) != 1 or leaf._sbp[partial[0]] != broadcast or amp.grad_comm_dtype() is not None:
+        return False
+    sizes = leaf._placement.hierarchy  # on an axis of one rank, a split is the whole tensor too
+    return (grad._placement == leaf._placement and grad._dtype == leaf._dtype
+            and all(g == s or sizes[a] == 1 for a, (g, s) in enumerate(zip(grad._sbp, leaf._sbp, strict=True))
+                    if a != partial[0]))
+
+
+def _reduced_axes(grad: Tensor) -> tuple[Any, ...]:
+    """A bucket's layout: the gradient's partial axes, every other axis broadcast (the reduction's groups do not
+    depend on how the other axes split)."""
+    return tuple(s if s == partial_sum else broadcast for s in grad.sbp)
 
 
 def _coalesced(pairs: list[tuple[Tensor, Tensor]], F: Any) -> list[tuple[Tensor, Tensor]]:
@@ -321,7 +344,8 @@ def _coalesced(pairs: list[tuple[Tensor, Tensor]], F: Any) -> list[tuple[Tensor,
             continue
         flat = _flatten([pairs[i][1] for i in members])
         reduced = F.to_global(flat, flat.placement, pairs[members[0]][0].sbp).local_tensors()
-        for i, grad in zip(members, _unflatten(reduced, [pairs[i][0] for i in members], flat.dtype), strict=True):
+        leaves, grads = [pairs[i][0] for i in members], [pairs[i][1] for i in members]
+        for i, grad in zip(members, _unflatten(reduced, leaves, grads, flat.dtype), strict=True):
             out[i] = (pairs[i][0], grad)
     return out
 
@@ -334,12 +358,14 @@ def _flatten(grads: Sequence[Tensor]) -> Tensor:
                                    first.sbp, shards)
 
 
-def _unflatten(reduced: dict[int, torch.Tensor], leaves: Sequence[Tensor], dtype: torch.dtype) -> list[Tensor]:
-    """The leaves' B gradients as views of the reduced flat shards (``_flatten``'s inverse)."""
-    numels = [leaf.numel() for leaf in leaves]
-    pieces = {r: torch.split(t, numels) for r, t in reduced.items()}
+def _unflatten(reduced: dict[int, torch.Tensor], leaves: Sequence[Tensor], grads: Sequence[Tensor],
+               dtype: torch.dtype) -> list[Tensor]:
+    """The leaves' reduced gradients, in the leaves' layouts, as views of each rank's reduced flat shard (the
+    inverse of raveling the gradients' shards one after another)."""
+    shapes = {r: [g.local_tensors()[r].shape for g in grads] for r in reduced}
+    pieces = {r: torch.split(t, [s.numel() for s in shapes[r]]) for r, t in reduced.items()}
     return [Tensor._from_shards(leaf.shape, dtype, leaf.placement, leaf.sbp,
-                                    {r: ps[k].view(leaf.shape) for r, ps in pieces.items()})  # B: local = logical
+                                    {r: ps[k].view(shapes[r][k]) for r, ps in pieces.items()})
             for k, leaf in enumerate(leaves)]
 
 
@@ -389,11 +415,11 @@ class _Bucketer:
                 continue
             del self.uses[id(t)]
             pair = leaf_grads.get(id(t))
-            if pair is not None and _coalescible(*pair):
+            if pair is not None and (_coalescible(*pair) or _coalescible_in_groups(*pair)):
                 self._add(*pair)
 
     def _add(self, leaf: Tensor, grad: Tensor) -> None:
-        key = (grad.placement, grad.dtype, grad.sbp)
+        key = (grad.placement, grad.dtype, _reduced_axes(grad))
         bucket = self.open.setdefault(key, _Bucket())
         bucket.leaves.append(leaf)
         bucket.grads.append(grad)
@@ -404,11 +430,11 @@ class _Bucketer:
             self._issue(bucket)
 
     def _issue(self, bucket: _Bucket) -> None:
-
-        flat = _flatten(bucket.grads)
-        dst = Layout(flat.placement, bucket.leaves[0].sbp)
-        steps = plan((flat.numel(),), flat.dtype, Layout(flat.placement, flat.sbp), dst)
-        shards = flat.local_tensors()
+        first = bucket.grads[0]
+        shards = {r: torch.cat([g.local_tensors()[r].reshape(-1) for g in bucket.grads]) for r in first.local_tensors()}
+        placement, src = first.placement, _reduced_axes(first)
+        length = next(iter(shards.values())).numel()  # the same on every rank of a group (not across groups)
+        steps = plan((length,), first.dtype, Layout(placement, src), Layout(placement, (broadcast,) * len(src)))
         if len(steps.steps) != 1 or steps.steps[0].kind != "all_reduce":
             reduced = execute(steps, shards)  # another plan: run it now, in order
             self.issued.append((bucket, lambda: reduced))
@@ -417,7 +443,7 @@ class _Bucketer:
         backend.prepare(steps)
         step = steps.steps[0]
         assert step.axis is not None
-        source = flat.sbp[step.axis]
+        source = src[step.axis]
         assert isinstance(source, Partial)
         with activity(lambda: f"coalesced gradient bucket of {len(bucket.leaves)} leaves: {steps.steps[0]}"):
             # the flat shards were built for this reduction alone: donated, reduced without another copy
@@ -433,7 +459,7 @@ class _Bucketer:
         self.open.clear()
         out: dict[int, tuple[Tensor, Tensor]] = {}
         for bucket, wait in self.issued:
-            grads = _unflatten(wait(), bucket.leaves, bucket.grads[0].dtype)
+            grads = _unflatten(wait(), bucket.leaves, bucket.grads, bucket.grads[0].dtype)
             out.update((id(leaf), (leaf, g)) for leaf, g in zip(bucket.leaves, grads, strict=True))
         return out
 

@@ -6,11 +6,13 @@ K/V block of member (p - s) mod c, which it sends on to member p + 1 while it co
 before the block's math and waited for after it: gloo's threads move the next block meanwhile)::
 
     forward    out_p, lse_p = logsumexp-combine over s of attention(q_p, k_(p-s), v_(p-s))
-    backward   dq_p += ds k_j;   dk_j, dv_j travel with k_j, v_j and each member adds its share;
+    backward   dq_p += ds k_j;   dk_j, dv_j follow k_j, v_j and each member adds its share;
                after the last step every (dk_j, dv_j) is one hop from home and takes it
 
-K/V travel c - 1 hops in the forward; K, V, dK, dV c - 1 hops in the backward and dK, dV one more. In the
-backward only K and V overlap the math: dK and dV leave once the step has added its share (2c - 1 messages).
+K/V travel c - 1 hops in the forward; K, V, dK, dV c - 1 hops in the backward and dK, dV one more (2c - 1
+messages). In the backward dK and dV travel one step behind K and V: a member computes its share of the held
+block's, then waits for what the earlier holders summed, adds, and posts the sum on, which moves while the
+next step computes.
 
 Why a *communicating kernel* (``ops.schema.run_shards``) rather than ring nodes in the physical plan: the ring's
 c steps interleave transfers with block math whose shapes (uneven blocks, causal skips) follow from the ring
@@ -46,6 +48,9 @@ from .schema import Meta, ShardCtx
 
 Shards = dict[int, torch.Tensor]
 Piece = tuple[slice, tuple[int, int]]  # (where along the local sequence dim, which logical rows)
+# one kernel call: (q's local rows, K/V's local rows, q_rows, k_rows, masked); q_rows and k_rows are the logical
+# positions a masked block is cut by (local ones for a diagonal of increasing rows), unused when it is not masked
+Block = tuple[slice, slice, tuple[int, int], tuple[int, int], bool]
 _FLASH_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 
@@ -89,6 +94,18 @@ def causal_work(length: int, placement: Placement, nd_sbp: tuple) -> list[int]:
     pieces = {r: [box[0] for box in logical_pieces(shape, placement, nd_sbp, r)] for r in placement.flat_ranks}
     return [sum((q1 - q0) * (k1 - k0) for held in pieces.values() for k0, k1 in held for q0, q1 in pieces[r]
                 if _visible((q0, q1), (k0, k1), causal=True)) for r in placement.flat_ranks]
+
+
+def contexts(placement: Placement, in_metas: tuple[Meta, ...], out_metas: tuple[Meta, ...],
+             nd_sbp: tuple) -> dict[int, ShardCtx]:
+    """The kernel contexts of every rank of ``placement`` with each input and output laid out ``nd_sbp``: to call
+    :func:`forward` (inputs q, k, v; outputs out, lse) or :func:`backward` (inputs dy, q, k, v, out, lse) outside
+    dispatch, as the benchmarks do."""
+    def boxes(metas: tuple[Meta, ...], rank: int) -> tuple:
+        return tuple(shard_box(m.shape, placement, nd_sbp, rank) for m in metas)
+
+    return {r: ShardCtx(r, placement, boxes(in_metas, r), boxes(out_metas, r), in_metas, out_metas,
+                        (nd_sbp,) * len(in_metas), (nd_sbp,) * len(out_metas)) for r in placement.flat_ranks}
 
 
 def _ring_blocks(kv: Sequence[Meta], sbps: Sequence[tuple], placement: Placement) -> tuple[int, int]:
@@ -207,8 +224,10 @@ def _by_destination(transfers: Sequence[Transfer],
 
 
 def forward(ctxs: dict[int, ShardCtx], q: Shards, k: Shards, v: Shards, causal: bool,
-            scale: float | None) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-    """(out, lse) of every owned rank (local (B, H, tq, Dv) and (B, H, tq)); lse in fp32 (fp64 for fp64)."""
+            scale: float | None, overlap: bool = True) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """(out, lse) of every owned rank (local (B, H, tq, Dv) and (B, H, tq)); lse in fp32 (fp64 for fp64).
+    ``overlap=False``: each hop waits until the step's math is done (the same messages and math, for timing the
+    overlap against)."""
     ctx = next(iter(ctxs.values()))
     dim = ctx.in_metas[0].ndim - 2
     ring = _Ring(ctx, dim, k_index=1)
@@ -220,26 +239,31 @@ def forward(ctxs: dict[int, ShardCtx], q: Shards, k: Shards, v: Shards, causal: 
     kv_metas = [(ctx.in_metas[1], ctx.in_sbps[1]), (ctx.in_metas[2], ctx.in_sbps[2])]
     steps = max(len(g) for g in ring.rings)
     for step in range(steps):
-        arriving = ring.post(step, held, kv_metas) if step < steps - 1 else None  # the next blocks, meanwhile
+        last = step == steps - 1
+        arriving = ring.post(step, held, kv_metas) if overlap and not last else None  # the next blocks, meanwhile
         for r in ctxs:
-            for (qs, q_rows), (ks, k_rows) in _pairs(ring, r, step, causal):
+            for qs, ks, q_rows, k_rows, masked in _blocks(ring, r, step, causal):
                 block_out, block_lse = _block_forward(_rows_of(q[r], qs), _rows_of(held[r][0], ks),
-                                                      _rows_of(held[r][1], ks), q_rows, k_rows, causal, scale_of,
+                                                      _rows_of(held[r][1], ks), q_rows, k_rows, masked, scale_of,
                                                       acc_dtype)
                 seen = lse[r][..., qs]  # local (B, H, tq)
                 total = torch.logaddexp(seen, block_lse)
                 out[r][..., qs, :] = (out[r][..., qs, :] * _exp_safe(seen - total)[..., None]
                                       + block_out * _exp_safe(block_lse - total)[..., None])
                 lse[r][..., qs] = total
-        if arriving is not None:
-            held = arriving()
+        if not last:
+            held = (arriving if arriving is not None else ring.post(step, held, kv_metas))()
     lse_dtype = ctx.out_metas[1].dtype
     return {r: (out[r].to(q[r].dtype), lse[r].to(lse_dtype)) for r in ctxs}
 
 
 def backward(ctxs: dict[int, ShardCtx], dy: Shards, q: Shards, k: Shards, v: Shards, out: Shards, lse: Shards,
-             causal: bool, scale: float | None) -> dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """(dq, dk, dv) of every owned rank from the saved out and lse; dk, dv travel the ring with k, v."""
+             causal: bool, scale: float | None,
+             overlap: bool = True) -> dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """(dq, dk, dv) of every owned rank from the saved out and lse; dk, dv travel the ring one step behind k, v:
+    a member adds its share of the held block's dK, dV to what the previous holders summed (waited for after its
+    math, posted on at once, so that the sum's hop overlaps the next step's math). ``overlap=False``: every hop
+    is posted after the step's math and waited for at once."""
     ctx = next(iter(ctxs.values()))  # inputs (dy, q, k, v, out, lse)
     dim = ctx.in_metas[1].ndim - 2
     ring = _Ring(_shifted(ctx), dim, k_index=1)
@@ -247,31 +271,82 @@ def backward(ctxs: dict[int, ShardCtx], dy: Shards, q: Shards, k: Shards, v: Sha
     scale_of = scale if scale is not None else ctx.in_metas[1].shape[-1] ** -0.5
     dq = {r: torch.zeros(q[r].shape, dtype=acc_dtype, device=q[r].device) for r in ctxs}
     row_term = {r: (dy[r].to(acc_dtype) * out[r].to(acc_dtype)).sum(-1) for r in ctxs}  # local (B, H, tq)
-    held = {r: [k[r], v[r], torch.zeros(k[r].shape, dtype=acc_dtype, device=k[r].device),
-                torch.zeros(v[r].shape, dtype=acc_dtype, device=v[r].device)] for r in ctxs}
+    held = {r: [k[r], v[r]] for r in ctxs}
     k_meta, v_meta = (ctx.in_metas[2], ctx.in_sbps[2]), (ctx.in_metas[3], ctx.in_sbps[3])
     acc = [(Meta(m.shape, acc_dtype), s) for m, s in (k_meta, v_meta)]
     steps = max(len(g) for g in ring.rings)
+    summed: Callable[[], dict[int, list[torch.Tensor]]] | None = None  # the held block's dK, dV from earlier holders
     for step in range(steps):
-        arriving = ring.post(step, {r: held[r][:2] for r in ctxs}, [k_meta, v_meta]) if step < steps - 1 else None
+        last = step == steps - 1
+        arriving = ring.post(step, held, [k_meta, v_meta]) if overlap and not last else None
+        shares = {r: [torch.zeros(t.shape, dtype=acc_dtype, device=t.device) for t in held[r]] for r in ctxs}
         for r in ctxs:
-            for (qs, q_rows), (ks, k_rows) in _pairs(ring, r, step, causal):
-                block = [_rows_of(t, ks) for t in held[r][:2]] + [t[..., ks, :] for t in held[r][2:]]  # dk, dv: views
+            for qs, ks, q_rows, k_rows, masked in _blocks(ring, r, step, causal):
+                block = [_rows_of(t, ks) for t in held[r]] + [t[..., ks, :] for t in shares[r]]  # dk, dv: views
                 q_r, dy_r, out_r = (_rows_of(t, qs) for t in (q[r], dy[r], out[r]))
                 _block_grads(q_r, dy_r, out_r, lse[r][..., qs].contiguous(), row_term[r][..., qs], block,
-                             dq[r][..., qs, :], q_rows, k_rows, causal, scale_of, acc_dtype)
-        if arriving is not None:  # dk, dv follow once this step has added to them
-            grads = ring.pass_on(step, {r: held[r][2:] for r in ctxs}, acc)
-            held = {r: kv + grads[r] for r, kv in arriving().items()}
-    home = ring.pass_on(steps - 1, {r: held[r][2:] for r in ctxs}, acc)  # every dk, dv one hop from home
+                             dq[r][..., qs, :], q_rows, k_rows, masked, scale_of, acc_dtype)
+        if summed is not None:
+            for r, earlier in summed().items():
+                for share, other in zip(shares[r], earlier, strict=True):
+                    share.add_(other)
+        if not last:
+            if arriving is None:  # not overlapped: K and V leave after the math
+                arriving = ring.post(step, held, [k_meta, v_meta])
+            summed = ring.post(step, shares, acc)
+            if not overlap:
+                summed = _waited(summed)
+            held = arriving()
+    home = ring.pass_on(steps - 1, shares, acc)  # every dk, dv one hop from home
     return {r: (dq[r].to(q[r].dtype), home[r][0].to(k[r].dtype), home[r][1].to(v[r].dtype)) for r in ctxs}
 
 
-def _pairs(ring: _Ring, rank: int, step: int, causal: bool) -> list[tuple[Piece, Piece]]:
-    """The (q piece, k piece) pairs ``rank`` computes in ``step``: its q pieces by the held K block's, those that
-    see anything."""
-    owner = ring.holder_block(rank, step)
-    return [(qp, kp) for qp in ring.pieces(0, rank) for kp in ring.pieces(1, owner) if _visible(qp[1], kp[1], causal)]
+def _waited(pending: Callable[[], dict[int, list[torch.Tensor]]]) -> Callable[[], dict[int, list[torch.Tensor]]]:
+    """``pending`` waited for now; returns its result when called."""
+    result = pending()
+    return lambda: result
+
+
+def _blocks(ring: _Ring, rank: int, step: int, causal: bool) -> list[Block]:
+    """The kernel calls ``rank`` makes in ``step``: its q pieces by the held K block's, as few calls as exact.
+    Its own block under a causal mask, rows increasing (a zigzag's two chunks), is one causal call in local
+    positions; q pieces that see the same K pieces whole share one unmasked call (a zigzag rank's two chunks
+    against an earlier member's first chunk, or its second chunk against a later member's two); a pair cut by
+    the mask is a call of its own."""
+    q_pieces = [p for p in ring.pieces(0, rank) if p[1][0] < p[1][1]]
+    k_pieces = [p for p in ring.pieces(1, ring.holder_block(rank, step)) if p[1][0] < p[1][1]]
+    rows = [p[1] for p in q_pieces]
+    if causal and rows == [p[1] for p in k_pieces] and rows == sorted(rows):
+        n = sum(hi - lo for lo, hi in rows)
+        return [(_span(q_pieces), _span(k_pieces), (0, n), (0, n), True)] if n else []
+    blocks: list[Block] = []
+    whole: dict[tuple[int, ...], list[Piece]] = {}  # the K pieces a q piece sees whole -> those q pieces
+    for qp in q_pieces:
+        seen = tuple(i for i, kp in enumerate(k_pieces) if not causal or kp[1][1] - 1 <= qp[1][0])
+        blocks += [(qp[0], kp[0], qp[1], kp[1], True) for i, kp in enumerate(k_pieces)
+                   if i not in seen and _visible(qp[1], kp[1], causal)]
+        if seen:
+            whole.setdefault(seen, []).append(qp)
+    for seen, qps in whole.items():
+        blocks += [(qs, ks, (0, 0), (0, 0), False) for qs in _runs(qps) for ks in _runs([k_pieces[i] for i in seen])]
+    return blocks
+
+
+def _runs(pieces: list[Piece]) -> list[slice]:
+    """The storage ranges of ``pieces`` (in storage order), adjacent ones joined."""
+    out: list[slice] = []
+    for where, _ in pieces:
+        if out and out[-1].stop == where.start:
+            out[-1] = slice(out[-1].start, where.stop)
+        else:
+            out.append(where)
+    return out
+
+
+def _span(pieces: list[Piece]) -> slice:
+    """The one storage range of adjacent ``pieces``."""
+    (joined,) = _runs(pieces)
+    return joined
 
 
 def _rows_of(t: torch.Tensor, rows: slice) -> torch.Tensor:
