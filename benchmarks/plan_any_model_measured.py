@@ -46,8 +46,9 @@ FAMILIES = ["gpt", "llama", "moe", "cnn", "vit"]
 BATCH = 8
 # what the runs of 2026-11-28 15:40-16:22 UTC showed (kept with the section; rewrite it when the figures change)
 READING = """\
-**Reading (2026-11-28; the run above at 16:14 UTC, load 3-4 from other jobs; the same code at 16:03, load 4-8,
-and at 16:01, load 9-11).**
+**Reading (2026-11-28; the run above at 16:31 UTC, load 1.4 at start, on the merged planner: ep axis, per-block
+recompute, the traced step's memory terms and these waits; the waits alone at 16:14, load 3-4, at 16:03, load
+4-8, and at 16:01, load 9-11).**
 
 Where the `cpu` profile's and the 13:10 run's absolute times (1.6-5.3x low) went wrong, per term, from the runtime
 timeline (SBPFLOW_TRACE), per-process CPU and the calibration's primitives (15:22-15:30 UTC, load 1-4):
@@ -70,19 +71,22 @@ timeline (SBPFLOW_TRACE), per-process CPU and the calibration's primitives (15:2
 * Not separated: the optimizer step (priced 0-1.7 ms), the boxing copies and the runtime's thread hand-offs:
   they are inside the measured CPU per process (last column) and inside the collectives' measured cost.
 
-What holds: rank correlation of the calibrated predictions against the medians 1.00 / 1.00 / 1.00 / 0.94 / 1.00
-(GPT, Llama, MoE, CNN, ViT; per round 0.77-1.00; at 16:03 0.83 / 1.00 / 1.00 / 0.94 / 1.00, at 16:01 0.94 / 1.00 /
-1.00 / 0.77 / 1.00; target >= 0.9). The auto plan against the best hand plan: 1.05 / 0.97 / 0.91 / 1.03 / 1.00x
-(per round against that round's best 0.73-1.53), at 16:03 1.33 / 0.99 / 1.16 / 1.22 / 0.90x, at 16:01 0.97 / 1.03
-/ 0.84 / 1.20 / 1.16x. In 14 of these 15 cases the auto plan is the best hand split itself (pp4, the same stages,
-SBPs and one micro-batch as parallelize's): its two rows time one step twice, and their ratio (0.84-1.22) is the
-noise of this machine at that load, not a worse plan. As measured, 10 of 15 are within 10% (all 5 in the run
-above). The miss: GPT at 16:03, where the calibration before the rounds saw 2.2 busy processes of other jobs and
-1.8x stretch for one process, so the planner chose dp2 x pp2 (predicted 23.5 against pp4's 27.9 ms), which
-measured 1.33x pp4: the other jobs' load moves within minutes, and pp4 against dp2 x pp2 turns on it.
+What holds, in the run above: rank correlation of the calibrated predictions against the medians 1.00 / 1.00 / 1.00
+/ 0.94 / 1.00 (GPT, Llama, MoE, CNN, ViT; per round 0.90-1.00), the auto plan against the best hand plan 1.00 / 0.93
+/ 1.03 / 0.93 / 0.95x (each the pp4 hand split itself), measured / predicted median 1.25 / 0.97 / 0.90 / 1.44 / 1.12
+(rows 0.76-2.85). Earlier runs: rank correlation at 16:14 1.00 / 1.00 / 1.00 / 0.94 / 1.00, at 16:03 0.83 / 1.00 /
+1.00 / 0.94 / 1.00, at 16:01 0.94 / 1.00 / 1.00 / 0.77 / 1.00; target >= 0.9). The auto plan against the best hand
+plan at 16:14: 1.05 / 0.97 / 0.91 / 1.03 / 1.00x (per round against that round's best 0.73-1.53), at 16:03 1.33 /
+0.99 / 1.16 / 1.22 / 0.90x, at 16:01 0.97 / 1.03 / 0.84 / 1.20 / 1.16x. In 14 of these 15 cases the auto plan is the
+best hand split itself (pp4, the same stages, SBPs and one micro-batch as parallelize's): its two rows time one step
+twice, and their ratio (0.84-1.22) is the noise of this machine at that load, not a worse plan. As measured, 10 of
+those 15 are within 10% (all 5 at 16:14, and all 5 at 16:31). The miss: GPT at 16:03, where the calibration before
+the rounds saw 2.2 busy processes of other jobs and 1.8x stretch for one process, so the planner chose dp2 x pp2
+(predicted 23.5 against pp4's 27.9 ms), which measured 1.33x pp4: the other jobs' load moves within minutes, and pp4
+against dp2 x pp2 turns on it.
 
-Absolute times, measured over predicted with each round's own calibration: median 1.56 / 1.26 / 1.03 / 1.91 /
-1.83 (rows 1.01-2.74; at 16:03 1.48 / 1.40 / 1.25 / 1.59 / 1.57, rows 0.81-2.40; at 16:01 1.44 / 1.52 / 1.85 /
+Absolute times, measured over predicted with each round's own calibration, at 16:14: median 1.56 / 1.26 / 1.03 /
+1.91 / 1.83 (rows 1.01-2.74; at 16:03 1.48 / 1.40 / 1.25 / 1.59 / 1.57, rows 0.81-2.40; at 16:01 1.44 / 1.52 / 1.85 /
 1.99 / 1.67, rows 0.98-3.54), against 1.6-5.3x before: closer, still low. pp4 and dp2 x pp2 are 1.0-1.9x; the
 tensor-parallel splits at this lower load 1.1-2.7x (most over 1.7): with little sharing their waits are small,
 yet their 20-29 collectives per rank seem to cost more inside sbpflow's runtime (a comm thread per group, its
