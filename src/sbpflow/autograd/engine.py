@@ -433,6 +433,9 @@ class _Bucketer:
         first = bucket.grads[0]
         shards = {r: torch.cat([g.local_tensors()[r].reshape(-1) for g in bucket.grads]) for r in first.local_tensors()}
         placement, src = first.placement, _reduced_axes(first)
+        if not shards:  # a process that holds no rank of the bucket's placement (another pipeline stage's)
+            self.issued.append((bucket, dict))
+            return
         length = next(iter(shards.values())).numel()  # the same on every rank of a group (not across groups)
         steps = plan((length,), first.dtype, Layout(placement, src), Layout(placement, (broadcast,) * len(src)))
         if len(steps.steps) != 1 or steps.steps[0].kind != "all_reduce":
