@@ -33,11 +33,6 @@ BUCKET_BYTES = 25 << 20  # autograd.DEFAULT_BUCKET_MB
 # attention's head reshapes are fused (reshape_permute, permute_reshape).
 DISPATCH_PER_BLOCK = 34
 DISPATCH_FIXED = 31  # 34 until elementwise backward stopped computing gradients that no input needs
-# Parameter tensors per block: LayerNorm 1 and 2 (weight, bias), q, k, v, c_proj, c_fc, mlp c_proj (weight,
-# bias). Split on the tensor axis under Megatron's plan: q, k, v, c_fc weights and biases, the two c_proj
-# weights (10); whole: LayerNorms and the c_proj biases (6).
-LEAVES_SPLIT_PER_BLOCK = 10
-LEAVES_WHOLE_PER_BLOCK = 6
 ADAMW_BYTES_PER_PARAM = FP32 * 7  # read p, g, m, v; write p, m, v (fp32 foreach kernels)
 
 
@@ -273,30 +268,24 @@ def _stage_comms(spec: TransformerSpec, plan: ParallelPlan, stage: int, layers: 
 
 
 def _dp_sync(spec: TransformerSpec, plan: ParallelPlan, stage: int, layers: int) -> list[Comm]:
-    """Gradient all-reduces over replicas: leaves whole on the tensor axis go in flat buckets (the first closes
-    past 1 MiB, the others past 25 MiB); leaves split on it (2-D meshes) are reduced one by one."""
+    """Gradient all-reduces over replicas: every leaf's per-rank shard, whole or split on the tensor axis, goes
+    in flat buckets (the first closes past 1 MiB, the others past 25 MiB)."""
     tp, dp, pp = plan.tp, plan.dp, plan.pp
     if dp == 1:
         return []
     h = spec.hidden
     first, last = stage == 0, stage == pp - 1
     whole: float = layers * (4 * h + 2 * h)  # LayerNorms, c_proj biases
-    split = layers * (spec.layer_params - 6 * h) / tp
-    n_split = LEAVES_SPLIT_PER_BLOCK * layers if tp > 1 else 0
+    split = layers * (spec.layer_params - 6 * h) / tp  # a rank's shards of the tensor-split weights
     if first:
         whole += spec.seq * h
         split += spec.vocab * h / tp
-        n_split += tp > 1
     if last:
         whole += 2 * h
-    if tp == 1:
-        whole, split = whole + split, 0.0
     comms = []
-    if whole:
-        buckets = _buckets(FP32 * whole)
-        comms.append(Comm("all_reduce", dp, FP32 * whole / buckets, buckets, "dp_comm"))
-    if n_split:
-        comms.append(Comm("all_reduce", dp, FP32 * split / n_split, n_split, "dp_comm"))
+    if whole + split:
+        buckets = _buckets(FP32 * (whole + split))
+        comms.append(Comm("all_reduce", dp, FP32 * (whole + split) / buckets, buckets, "dp_comm"))
     if pp > 1 and first:  # the head's share of the tied embedding's gradient, once it came back
         comms.append(Comm("all_reduce", dp, FP32 * spec.vocab * h / tp, 1, "dp_comm"))
     return comms
