@@ -197,20 +197,21 @@ def fit_sharing(sharing: tuple[tuple[int, float], ...], most: float = float("inf
     """(cores, background) of the stretches measured with k processes busy: the line ``(k + background) /
     cores`` (a fair share of the cores among k processes and the other jobs' busy ones) by least squares
     through the stretched points (over ``1 + SHARING_NOISE``: below them each process had a core), background
-    >= 0 and cores at most ``most`` (the host's); (0, 0) when nothing was stretched.
+    >= 0 and cores at most ``most`` (the host's). When nothing was stretched, each busy process had a core:
+    as many cores as the most processes measured, and no other jobs.
 
     >>> fit_sharing(((1, 1.5), (2, 2.0), (3, 2.5), (4, 3.0)))  # 2 cores, 2 busy processes of other jobs
     (2.0, 2.0)
     >>> fit_sharing(((1, 1.0), (2, 1.02), (3, 1.5), (4, 2.0)))  # 2 cores, nothing else running
     (2.0, 0.0)
     >>> fit_sharing(((1, 1.0), (2, 1.0)))
-    (0.0, 0.0)
+    (2.0, 0.0)
     >>> fit_sharing(((1, 1.3), (2, 1.5)), most=2)  # a shallow line: more other jobs on the host's 2 cores
     (2.0, 1.3)
     """
     stretched = [(float(n), float(f)) for n, f in sharing if f > 1 + SHARING_NOISE]
     if not stretched:
-        return 0.0, 0.0
+        return float(max((n for n, _ in sharing), default=0)), 0.0
     k, s = np.array(stretched).T
     slope, intercept = np.polyfit(k, s, 1) if len(k) > 1 else (s[0] / k[0], 0.0)
     if intercept < 0 or slope <= 0:  # no other jobs: the line through the origin
