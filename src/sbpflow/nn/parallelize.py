@@ -48,6 +48,7 @@ import numpy as np
 
 from ..creation import tensor as make_tensor
 from ..errors import AutogradError, PlanError
+from ..ops.dispatch import register_stage_order
 from ..placement import Placement
 from ..sbp import broadcast, format_nd, split, zigzag
 from ..tensor import Tensor, shards_from_full
@@ -444,6 +445,8 @@ def _install_hooks(model: Module, named: Mapping[str, Module], strategy: Strateg
         handle.remove()
     handles = [model.register_forward_pre_hook(_local_inputs(strategy), prepend=True)]
     if strategy.pipeline > 1:
+        if strategy.virtual == 1:  # with virtual stages a placement is not one place in the order
+            register_stage_order(strategy.stages)
         for module, target in _stage_units(named, strategy.stages):
             handles.append(module.register_forward_pre_hook(_to_stage(target)))
     object.__setattr__(model, "_parallelize_handles", handles)
