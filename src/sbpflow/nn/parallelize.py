@@ -24,7 +24,9 @@ q, k, v -> o and fc -> proj as Megatron splits them. Its parent's head counts (`
 
 Forward pre-hooks move activations between stages (a module whose parameters sit on one stage gets its global
 inputs moved there) and lay out plain local inputs (the same on every process): the first tensor argument on
-the first stage, every other one on the last, split on the batch over the data axis.
+the first stage, every other one on the last, split on the batch over the data axis. Ops in a parent's forward
+that meet tensors of several stages (a residual ``x = x + blk(x)`` added outside the block) run on the latest
+of them: the stage order is registered with dispatch (``ops.dispatch.register_stage_order``, ``virtual=1``).
 
 >>> import sbpflow
 >>> from sbpflow import nn

@@ -135,7 +135,8 @@ def register_stage_order(stages: Sequence[Placement]) -> None:
 
     A residual added in a parent's forward (``x = x + blk(x)``) meets ``x`` on one stage and ``blk(x)`` on the
     next; the earlier one moves as a pipeline send would (SBP kept, the gradient moves back). Placements on no
-    registered pipeline, or on two different ones, still raise :class:`OpError`.
+    registered pipeline, or on two different ones, still raise :class:`OpError`. The order stays registered for
+    the process (a later op between the same stage placements moves too, outside the model's forward as well).
     """
     order = tuple(stages)
     if len(order) > 1 and order not in _STAGE_ORDERS:
