@@ -24,7 +24,9 @@ q, k, v -> o and fc -> proj as Megatron splits them. Its parent's head counts (`
 
 Forward pre-hooks move activations between stages (a module whose parameters sit on one stage gets its global
 inputs moved there) and lay out plain local inputs (the same on every process): the first tensor argument on
-the first stage, every other one on the last, split on the batch over the data axis.
+the first stage, every other one on the last, split on the batch over the data axis. Ops in a parent's forward
+that meet tensors of several stages (a residual ``x = x + blk(x)`` added outside the block) run on the latest
+of them: the stage order is registered with dispatch (``ops.dispatch.register_stage_order``, ``virtual=1``).
 
 >>> import sbpflow
 >>> from sbpflow import nn
@@ -48,6 +50,7 @@ import numpy as np
 
 from ..creation import tensor as make_tensor
 from ..errors import AutogradError, PlanError
+from ..ops.dispatch import register_stage_order
 from ..placement import Placement
 from ..sbp import broadcast, format_nd, split, zigzag
 from ..tensor import Tensor, shards_from_full
@@ -444,6 +447,8 @@ def _install_hooks(model: Module, named: Mapping[str, Module], strategy: Strateg
         handle.remove()
     handles = [model.register_forward_pre_hook(_local_inputs(strategy), prepend=True)]
     if strategy.pipeline > 1:
+        if strategy.virtual == 1:  # with virtual stages a placement is not one place in the order
+            register_stage_order(strategy.stages)
         for module, target in _stage_units(named, strategy.stages):
             handles.append(module.register_forward_pre_hook(_to_stage(target)))
     object.__setattr__(model, "_parallelize_handles", handles)

@@ -125,6 +125,35 @@ def implicit_broadcast() -> Iterator[None]:
         _IMPLICIT.depth -= 1
 
 
+# Pipelines' stage orders, earliest stage first, registered from above (sbpflow.parallelize): an op whose global
+# inputs lie on different stages of one pipeline runs on the latest of them (see _to_latest_stage).
+_STAGE_ORDERS: list[tuple[Placement, ...]] = []
+
+
+def register_stage_order(stages: Sequence[Placement]) -> None:
+    """Lets an op whose inputs lie on several of ``stages`` run on the latest: the earlier inputs move there.
+
+    A residual added in a parent's forward (``x = x + blk(x)``) meets ``x`` on one stage and ``blk(x)`` on the
+    next; the earlier one moves as a pipeline send would (SBP kept, the gradient moves back). Placements on no
+    registered pipeline, or on two different ones, still raise :class:`OpError`. The order stays registered for
+    the process (a later op between the same stage placements moves too, outside the model's forward as well).
+    """
+    order = tuple(stages)
+    if len(order) > 1 and order not in _STAGE_ORDERS:
+        _STAGE_ORDERS.append(order)
+
+
+def _to_latest_stage(args: Sequence[Any]) -> tuple[Any, ...] | None:
+    """``args`` with each global tensor moved to the latest of their stages, if one pipeline holds them all."""
+    places = {a._placement for a in args if isinstance(a, Tensor) and a._placement is not None}
+    for order in _STAGE_ORDERS:
+        if places.issubset(order):
+            latest = max(places, key=order.index)
+            return tuple(a.to_global(placement=latest) if isinstance(a, Tensor) and a._placement is not None
+                         and a._placement != latest else a for a in args)
+    return None
+
+
 def _broadcast_locals(args: Sequence[Any]) -> tuple[Any, ...]:
     """``args`` with each local tensor made global, broadcast on the first global tensor's placement."""
     placement = next(a._placement for a in args if isinstance(a, Tensor) and a._placement is not None)
@@ -187,6 +216,10 @@ def apply(opdef: OpDef, args: Sequence[Any], attrs: dict[str, Any]) -> Any:
         else:
             key_args.append(type(a))
             values.append(a)
+    if not one_placement and _STAGE_ORDERS:
+        moved = _to_latest_stage(args)
+        if moved is not None:
+            return apply(opdef, moved, attrs)
     if has_torch:
         args = _adopt_torch_tensors(opdef, args, bool(is_global))
         is_global = bool(is_global)
