@@ -142,8 +142,11 @@ def test_stages_are_crossed_in_eager_mode() -> None:
 
 
 def test_mismatch_outside_a_pipeline_still_raises() -> None:
-    sbpflow.parallelize(ResidualMLP(depth=2), pipeline=2)  # a registered pipeline on ranks 0 and 1
+    strategy = sbpflow.parallelize(ResidualMLP(depth=2), pipeline=2)  # a pipeline on ranks 0 and 1
     b = sbpflow.sbp.broadcast
+    first, last = (sbpflow.ones(2, 3, placement=p, sbp=(b,) * p.ndim) for p in strategy.stages)
+    with pytest.raises(OpError, match="needs all inputs on one placement"):  # its stages, outside its forward
+        F.add(first, last)
     a = sbpflow.ones(2, 3, placement=Placement("cpu", [0]), sbp=b)
     c = sbpflow.ones(2, 3, placement=Placement("cpu", [5]), sbp=b)
     with pytest.raises(OpError, match="needs all inputs on one placement"):

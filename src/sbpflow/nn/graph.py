@@ -329,14 +329,18 @@ def _checkpointed_modules(modules: Sequence[Module]) -> Iterator[None]:
     """While tracing, the forward of every module asking for activation checkpointing runs as a segment."""
     marked = [m for root in modules for m in root.modules()
               if isinstance(m.__dict__.get("config"), ModuleConfig) and m.config.activation_checkpointing]
+    own = [m.__dict__.get("forward") for m in marked]  # a forward the instance set (parallelize's), kept
     for m in marked:
         forward = m.forward
         object.__setattr__(m, "forward", lambda *a, _f=forward, **k: checkpoint(_f, *a, **k))
     try:
         yield
     finally:
-        for m in marked:
-            m.__dict__.pop("forward", None)
+        for m, kept in zip(marked, own, strict=True):
+            if kept is None:
+                m.__dict__.pop("forward", None)
+            else:
+                object.__setattr__(m, "forward", kept)
 
 
 @dataclass

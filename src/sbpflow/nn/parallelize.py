@@ -26,7 +26,7 @@ Forward pre-hooks move activations between stages (a module whose parameters sit
 inputs moved there) and lay out plain local inputs (the same on every process): the first tensor argument on
 the first stage, every other one on the last, split on the batch over the data axis. Ops in a parent's forward
 that meet tensors of several stages (a residual ``x = x + blk(x)`` added outside the block) run on the latest
-of them: the stage order is registered with dispatch (``ops.dispatch.register_stage_order``, ``virtual=1``).
+of them: the model's forward runs inside ``ops.dispatch.stage_order`` (``virtual=1``).
 
 >>> import sbpflow
 >>> from sbpflow import nn
@@ -50,7 +50,7 @@ import numpy as np
 
 from ..creation import tensor as make_tensor
 from ..errors import AutogradError, PlanError
-from ..ops.dispatch import register_stage_order
+from ..ops.dispatch import stage_order
 from ..placement import Placement
 from ..sbp import broadcast, format_nd, split, zigzag
 from ..tensor import Tensor, shards_from_full
@@ -445,13 +445,28 @@ def _split_experts(moe: Module, groups: int) -> None:
 def _install_hooks(model: Module, named: Mapping[str, Module], strategy: Strategy) -> None:
     for handle in model.__dict__.get("_parallelize_handles", ()):
         handle.remove()
+    if getattr(model.__dict__.get("forward"), "_stage_order", False):
+        del model.__dict__["forward"]  # laid out again: the last layout's stage order goes
     handles = [model.register_forward_pre_hook(_local_inputs(strategy), prepend=True)]
     if strategy.pipeline > 1:
         if strategy.virtual == 1:  # with virtual stages a placement is not one place in the order
-            register_stage_order(strategy.stages)
+            _forward_in_stage_order(model, strategy.stages)
         for module, target in _stage_units(named, strategy.stages):
             handles.append(module.register_forward_pre_hook(_to_stage(target)))
     object.__setattr__(model, "_parallelize_handles", handles)
+
+
+def _forward_in_stage_order(model: Module, stages: Sequence[Placement]) -> None:
+    """The model's forward runs inside ``stage_order(stages)``: an op there that meets tensors of several stages
+    (a residual added in the parent's forward) runs on the latest of them; outside it such an op still raises."""
+    forward = model.forward
+
+    def staged(*args: Any, **kwargs: Any) -> Any:
+        with stage_order(stages):
+            return forward(*args, **kwargs)
+
+    staged._stage_order = True  # type: ignore[attr-defined]
+    object.__setattr__(model, "forward", staged)
 
 
 def _stage_units(named: Mapping[str, Module], stages: Sequence[Placement]) -> list[tuple[Module, Placement]]:

@@ -125,22 +125,25 @@ def implicit_broadcast() -> Iterator[None]:
         _IMPLICIT.depth -= 1
 
 
-# Pipelines' stage orders, earliest stage first, registered from above (sbpflow.parallelize): an op whose global
-# inputs lie on different stages of one pipeline runs on the latest of them (see _to_latest_stage).
+# Pipelines' stage orders, earliest stage first, entered from above (sbpflow.parallelize, for its model's
+# forward): an op whose global inputs lie on different stages of one pipeline runs on the latest of them.
 _STAGE_ORDERS: list[tuple[Placement, ...]] = []
 
 
-def register_stage_order(stages: Sequence[Placement]) -> None:
-    """Lets an op whose inputs lie on several of ``stages`` run on the latest: the earlier inputs move there.
+@contextmanager
+def stage_order(stages: Sequence[Placement]) -> Iterator[None]:
+    """Inside the block, an op whose inputs lie on several of ``stages`` runs on the latest: the earlier inputs
+    move there.
 
     A residual added in a parent's forward (``x = x + blk(x)``) meets ``x`` on one stage and ``blk(x)`` on the
     next; the earlier one moves as a pipeline send would (SBP kept, the gradient moves back). Placements on no
-    registered pipeline, or on two different ones, still raise :class:`OpError`. The order stays registered for
-    the process (a later op between the same stage placements moves too, outside the model's forward as well).
+    entered pipeline, on two different ones, or outside the block still raise :class:`OpError`.
     """
-    order = tuple(stages)
-    if len(order) > 1 and order not in _STAGE_ORDERS:
-        _STAGE_ORDERS.append(order)
+    _STAGE_ORDERS.append(tuple(stages))
+    try:
+        yield
+    finally:
+        _STAGE_ORDERS.pop()
 
 
 def _to_latest_stage(args: Sequence[Any]) -> tuple[Any, ...] | None:
