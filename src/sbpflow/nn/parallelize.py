@@ -17,9 +17,10 @@ sequence (``Z(1)``, causal work balanced) over the context axis, every op runs o
     expert   a module with ``num_experts`` and an ``experts`` ModuleList of that length has its experts cut
              into ``expert`` groups over the data axis; the router stays on every rank. With ``expert ==
              data`` an :class:`~sbpflow.nn.MoE`'s experts are stacked and split S(0) over the data axis
-             (:func:`~sbpflow.nn.moe.split_experts`: tokens travel to their experts, only routed rows move);
-             with fewer groups (or another module) each expert moves to its group's data rows and gets every
-             token of its group.
+             (:func:`~sbpflow.nn.moe.split_experts`: tokens travel to their experts, only routed rows move;
+             the stacked weights are new parameters, so make the optimizer after parallelize); with fewer
+             groups (or another module) each expert moves to its group's data rows and gets every token of
+             its group.
 
 The inferred plan reads sibling Linears: the Linear ``R`` that most siblings feed (their output width is its
 input width and their input width its output width) is row-parallel and those siblings are column-parallel:
