@@ -449,7 +449,7 @@ def _split_experts(moe: Module, groups: int, data: int) -> None:
     """Stacked over the data axis when each data rank is one group (:func:`_stacks`); else expert ``e`` moves to
     the data rows of group ``e // (num_experts / groups)`` of its stage's mesh."""
     if _stacks(moe, groups, data):
-        assert isinstance(moe, MoE)  # (for mypy: _stacks checked it)
+        assert isinstance(moe, MoE) and isinstance(moe.experts, ModuleList)  # (for mypy: _expert_modules checked)
         split_experts(moe, moe.experts[0].w1.weight.placement, DATA_AXIS)
         return
     experts = list(moe._modules["experts"]._modules.values())
