@@ -183,9 +183,12 @@ def test_eager_training_matches_one_device(name: str, layout: str) -> None:
     assert_same(train(name, LAYOUTS[layout]), reference(name))
 
 
-@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
-def test_mixtral_expert_parallel_matches_one_device(graph: bool) -> None:
-    assert_same(train("mixtral", {"data": 2, "expert": 2}, graph=graph), reference("mixtral"))
+@pytest.mark.parametrize(("layout", "graph"), [({"data": 2}, False), ({"data": 2}, True),
+                                               ({"data": 2, "tensor": 2}, True), ({"data": 2, "pipeline": 2}, False)],
+                         ids=["ep2-eager", "ep2-graph", "ep2xtp2-graph", "pp2xep2-eager"])
+def test_mixtral_expert_parallel_matches_one_device(layout: dict[str, int], graph: bool) -> None:
+    """expert == data: the experts stacked over each stage's data axis (Megatron inside them with tensor=2)."""
+    assert_same(train("mixtral", {**layout, "expert": 2}, graph=graph), reference("mixtral"))
 
 
 @pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
