@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import sbpflow
+from harness import per_expert
 from sbpflow import nn
 from sbpflow.comm.record import record
 from sbpflow.errors import PlanError
@@ -156,7 +157,7 @@ def train(name: str, parallel: dict[str, Any] | None, graph: bool = False,
         loss.backward()
         opt.step()
         losses.append(float(loss.item()))
-    return losses, {n: p.numpy() for n, p in model.named_parameters()}
+    return losses, per_expert(model, lambda p: p.numpy())  # stacked experts by each expert's name
 
 
 _REFERENCE: dict[str, tuple[list[float], dict[str, np.ndarray]]] = {}
@@ -182,9 +183,12 @@ def test_eager_training_matches_one_device(name: str, layout: str) -> None:
     assert_same(train(name, LAYOUTS[layout]), reference(name))
 
 
-@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
-def test_mixtral_expert_parallel_matches_one_device(graph: bool) -> None:
-    assert_same(train("mixtral", {"data": 2, "expert": 2}, graph=graph), reference("mixtral"))
+@pytest.mark.parametrize(("layout", "graph"), [({"data": 2}, False), ({"data": 2}, True),
+                                               ({"data": 2, "tensor": 2}, True), ({"data": 2, "pipeline": 2}, False)],
+                         ids=["ep2-eager", "ep2-graph", "ep2xtp2-graph", "pp2xep2-eager"])
+def test_mixtral_expert_parallel_matches_one_device(layout: dict[str, int], graph: bool) -> None:
+    """expert == data: the experts stacked over each stage's data axis (Megatron inside them with tensor=2)."""
+    assert_same(train("mixtral", {**layout, "expert": 2}, graph=graph), reference("mixtral"))
 
 
 @pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
@@ -263,11 +267,16 @@ def test_stages_by_module_name_and_interleaved() -> None:
 
 
 def test_expert_groups_over_the_data_axis() -> None:
+    """Fewer groups than data ranks: each expert on its group's data rows; one group per data rank: stacked."""
+    model = MODELS["mixtral"][0]()
+    sbpflow.parallelize(model, data=4, tensor=2, expert=2)
+    experts = model.model.layers[0].block_sparse_moe.experts
+    assert [e.w1.weight.placement.flat_ranks for e in experts] == [(0, 1, 2, 3)] * 2 + [(4, 5, 6, 7)] * 2
+    assert experts[0].w1.weight.sbp == (broadcast, split(0))  # Megatron inside the expert stays
     model = MODELS["mixtral"][0]()
     sbpflow.parallelize(model, data=2, tensor=2, expert=2)
-    experts = model.model.layers[0].block_sparse_moe.experts
-    assert [e.w1.weight.placement.flat_ranks for e in experts] == [(0, 1), (0, 1), (2, 3), (2, 3)]
-    assert experts[0].w1.weight.sbp == (broadcast, split(0))  # Megatron inside the expert stays
+    stacked = model.model.layers[0].block_sparse_moe.experts
+    assert stacked.w1.sbp == (split(0), split(1)) and tuple(stacked.w1.shape) == (4, 24, 16)
 
 
 # -- bad input -------------------------------------------------------------------------------------

@@ -24,6 +24,7 @@ from sbpflow.autoparallel.profiles import get_profile
 from sbpflow.errors import PlanError
 from sbpflow.models.moe import Mixtral, MixtralConfig
 from sbpflow.nn import functional as F
+from sbpflow.nn.moe import StackedExperts
 from sbpflow.nn.trace_step import trace_training_step
 
 pytestmark = [pytest.mark.usefixtures("one_torch_thread"),
@@ -141,6 +142,24 @@ def test_ep_splits_the_experts_state_and_prices_their_exchange() -> None:
     assert zero.memory["optimizer"] == pytest.approx(adam * (non_expert / 4 + expert_bytes / 4 / 2 / 2))
 
 
+def test_ep_equal_to_dp_prices_routed_rows_only() -> None:
+    """dp4: at ep4 parallelize stacks the experts over the data axis, so a rank runs its experts on the rows routed
+    to them only, k/E = 1/2 of its dense share of the experts' work (the traced step's: every expert on every
+    token) and of what they keep; at ep2 (per placement) twice that share. The exchange is priced alike."""
+    with sbpflow.meta_init():
+        model = UserMoE()
+        x, y = sbpflow.randn(16, 8), sbpflow.zeros(16, dtype=torch.int64)
+    read = read_graph(trace_training_step(model, (x, y)), "traced")
+    assert read.experts is not None and read.experts.routed_share == 2 / 4
+    cluster = Cluster(4, get_profile("cpu"), 4)
+    ctx = _Context(read, cluster, 16)
+    whole, two, four = (graph_predict(ctx, Knobs(1, 1, 4, 4, ep=e)) for e in (1, 2, 4))
+    dense = whole.breakdown["compute"] - four.breakdown["compute"]  # half the dense experts' work, saved
+    assert dense > 0 and two.breakdown["compute"] - whole.breakdown["compute"] == pytest.approx(2 * dense)
+    assert four.memory["activations"] < whole.memory["activations"] < two.memory["activations"]
+    assert four.breakdown["ep_comm"] > 0
+
+
 def test_a_model_without_a_router_has_no_expert_axis() -> None:
     with sbpflow.meta_init():
         model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
@@ -189,8 +208,12 @@ def test_a_cap_that_only_expert_splitting_meets_picks_ep() -> None:
     assert plan.knobs.ep > 1 and plan.memory_per_device <= cap
     assert all(" ep" in r["plan"] for r in plan.runners_up)  # every plan that fits splits the experts
     want, _ = _train(_user_moe, None)
-    got, _ = _train(_user_moe, plan)
+    got, step = _train(_user_moe, plan)
     np.testing.assert_allclose(got, want, rtol=1e-4)
+    if plan.knobs.ep == plan.knobs.dp:  # stacked experts, which the graph's optimizer (made before) now updates
+        moe = next(m for m in step.model.modules() if isinstance(m, nn.MoE))
+        assert isinstance(moe.experts, StackedExperts)
+        assert any(p is moe.experts.w1 for g in step._optimizers[0].optimizer.param_groups for p in g["params"])
 
 
 # -- recompute per block ---------------------------------------------------------------------------

@@ -54,7 +54,9 @@ def _plan_and_lay_out(graph: Any, args: tuple[Any, ...]) -> Strategy:
         devices, profile, memory = graph.config.auto_parallel
         plan = plan_model(graph, args, devices, profile, memory_per_device=memory)
     _named_blocks(graph, plan.recomputed_blocks())  # (checked before the model moves)
+    before = dict(model.named_parameters())
     strategy = lay_out(model, plan)
+    _take_stacked_experts(graph, model, before)
     configure_graph(graph, plan)
     object.__setattr__(graph, "auto_plan", plan)
     object.__setattr__(graph, "_auto_strategy", strategy)
@@ -95,6 +97,23 @@ def _one_model(graph: Any, args: tuple[Any, ...]) -> Module:
         raise PlanError(f"auto-parallel lays out a model that sits on one device, but {name}.{attribute} already "
                         f"holds global tensors ({', '.join(placed[:3])}{', ...' if len(placed) > 3 else ''})")
     return model
+
+
+def _take_stacked_experts(graph: Any, model: Module, before: dict[str, Any]) -> None:
+    """``parallelize(expert=data)`` stacks each MoE's experts into new (E, ...) parameters (``prefix.w1`` for the
+    ``prefix.{e}.w1.weight``): the graph's optimizers, made before the plan laid the model out, take them in place
+    of the experts' own."""
+    stacked = {}
+    for name, p in model.named_parameters():
+        if name not in before:
+            prefix, _, weight = name.rpartition(".")
+            stacked.update({id(before[f"{prefix}.{e}.{weight}.weight"]): p for e in range(p.shape[0])})
+    if not stacked:
+        return
+    for entry in graph._optimizers:
+        for group in entry.optimizer.param_groups:
+            params = [stacked.get(id(p), p) for p in group["params"]]
+            group["params"] = list({id(p): p for p in params}.values())  # one stacked weight per E experts
 
 
 def _whole_blocks(model: Any, starts: list[str]) -> list[str]:

@@ -84,6 +84,7 @@ class Experts:
     params: frozenset[int]  # the experts' parameter value ids
     routed_bytes: np.ndarray  # per forward op: at a router, its tokens' bytes times k (rows routed), traced batch
     kept: np.ndarray  # per segment: (whole, split by tp) bytes the expert ops keep for backward, traced batch
+    routed_share: float = 1.0  # k / E (the largest of any router): a token's routed rows' share of the dense work
 
 
 @dataclass
@@ -466,11 +467,12 @@ class _Reader:
             return None
         ops: set[int] = set()
         routed = np.zeros(len(self.forward))
-        counts = []
+        counts, shares = [], []
         for router in routers:
             tokens = self._router_tokens(router)
             counts.append(self.g.values[router.outputs[1]].shape[-1])  # probabilities (..., E)
             k = self.g.values[router.outputs[0]].shape[-1]  # routing weights (..., k)
+            shares.append(k / counts[-1])
             routed[self.position[router.id]] = self._bytes(tokens) * k
             ops |= self._expert_ops(router, tokens)
         ops |= {n.id for n in self.forward if n.name == "member_experts"}
@@ -481,7 +483,7 @@ class _Reader:
                 for v in n.outputs if n.id in ops else ():
                     if any(r.id in self.backward for r in self.readers.get(v, [])):
                         kept[i, int(v in split_vals)] += self._bytes(v)
-        return Experts(min(counts), np.array([n.id in ops for n in self.forward]), params, routed, kept)
+        return Experts(min(counts), np.array([n.id in ops for n in self.forward]), params, routed, kept, max(shares))
 
     def _router_tokens(self, router: LNode) -> int:
         """The tokens a router routes: the input of the Linear-like op (its gate) that makes its logits, through

@@ -26,8 +26,9 @@ The cost model is the sizes planner's (``predict``), applied per segment of the 
 * expert parallel (``ep``, for steps with routed experts, ``graph_model.Experts``): the experts are cut into ep
   groups over the data axis, so a rank holds ``1/ep`` of their parameters, gradients and optimizer state (ZeRO
   shards those over the group's ``dp/ep`` data ranks); as
-  ``sbpflow.parallelize(expert=)`` runs them, a rank computes its ``E/ep`` experts on every data rank's tokens
-  (``dp/ep`` times its share of the dense experts' work and activations); each token's k routed rows go to
+  ``sbpflow.parallelize(expert=)`` runs them, with ``ep == dp`` (stacked experts) a rank computes its experts on
+  the rows routed to them only (``k/E`` of its share of the dense experts' work and activations), with fewer
+  groups on every token of its group's data ranks (``dp/ep`` times that share); each token's k routed rows go to
   their experts and back, forward and backward, priced as all-to-alls over the ep group (``ep_comm``).
 
 Stage cuts: for a given slowest-stage time, a greedy pass packs segments into stages in order under the time
@@ -242,7 +243,7 @@ def _costs(ctx: _Context, k: Knobs) -> _Costs:
     stretch, wait = cluster.profile.stretch(active), cluster.profile.sync_wait(active)
     forward, wide = forward * stretch, wide * stretch
     scale = k.micro_batch / model.batch / k.cp  # a rank's share of a micro-batch's activations
-    spans = _expert_span(k) - 1.0  # expert work beyond a rank's dense share
+    spans = _expert_span(ctx, k) - 1.0  # expert work beyond (or, routed rows only, below) a rank's dense share
     if spans:
         forward = forward + spans * ctx.expert_times(k.micro_batch, k.tp) * stretch
     mode = _modes(ctx, k)
@@ -305,11 +306,16 @@ def _modes(ctx: _Context, k: Knobs) -> np.ndarray:
     return np.where(ctx.block_of >= 0, codes[np.maximum(ctx.block_of, 0)], 0)
 
 
-def _expert_span(k: Knobs) -> float:
-    """A rank's expert work over its share of the dense experts' (every expert on its own tokens): under
-    ``sbpflow.parallelize(expert=)`` each rank of a group runs the group's ``E/ep`` experts on every data rank's
-    tokens, which the group gathers."""
-    return k.dp / k.ep if k.ep > 1 else 1.0
+def _expert_span(ctx: _Context, k: Knobs) -> float:
+    """A rank's expert work over its share of the dense experts' (every expert on its own tokens), as
+    ``sbpflow.parallelize(expert=)`` runs them: with one group per data rank (``ep == dp``) the experts are
+    stacked and a rank runs its experts on the rows routed to them only, ``k/E`` of its dense share (routing
+    even); with fewer groups each rank of a group runs the group's ``E/ep`` experts on every token of the group's
+    ``dp/ep`` data ranks."""
+    if k.ep == 1:
+        return 1.0
+    assert ctx.model.experts is not None  # (candidates offer ep > 1 only to steps with routed experts)
+    return ctx.model.experts.routed_share if k.ep == k.dp else k.dp / k.ep
 
 
 def _exchange(ctx: _Context, k: Knobs, scale: float, full: np.ndarray, wait: float) -> np.ndarray:

@@ -16,14 +16,15 @@ MODELS: dict[str, tuple[type[llama.LlamaConfig], Any]] = {
 
 
 def from_pretrained(folder: str | Path, data: int = 1, tensor: int = 1, pipeline: int = 1,
-                    device: str = "cpu", expert_axis: int | None = None) -> llama.Llama:
+                    device: str = "cpu", expert_axis: int | None = None, expert: int = 1) -> llama.Llama:
     """Builds the model ``folder/config.json`` describes (Llama or Mixtral) and loads its safetensors weights.
 
     With ``data``, ``tensor`` or ``pipeline`` above 1 the model is parallelized first (built
     with no data under :func:`sbpflow.meta_init`), and each process then reads
     only the slices its ranks hold; ``model.strategy.shard_inputs`` lays out inputs. ``expert_axis``
     (Mixtral) splits the experts over that axis of the (data, tensor) mesh (:func:`moe.split_experts`) before
-    the weights are read, so each process reads only its experts.
+    the weights are read, so each process reads only its experts; ``expert`` is :func:`sbpflow.parallelize`'s
+    (``expert=data`` stacks the experts over the data axis, before the weights are read too).
     """
     config = hf.read_config(folder)
     kind = config.get("model_type")
@@ -32,11 +33,11 @@ def from_pretrained(folder: str | Path, data: int = 1, tensor: int = 1, pipeline
                            f"{Path(folder) / 'config.json'} has {kind!r}")
     config_cls, model_cls = MODELS[kind]
     cfg = config_cls.from_dict(config)
-    parallel = data > 1 or tensor > 1 or pipeline > 1
+    parallel = data > 1 or tensor > 1 or pipeline > 1 or expert > 1
     with sbpflow.meta_init(parallel):
         model = model_cls(cfg)
     if parallel:
-        llama.parallelize(model, data=data, tensor=tensor, pipeline=pipeline, device=device)
+        llama.parallelize(model, data=data, tensor=tensor, pipeline=pipeline, device=device, expert=expert)
     if expert_axis is not None:
         if not isinstance(model, moe.Mixtral) or not parallel:
             raise SbpflowError(f"from_pretrained(expert_axis={expert_axis}) splits the experts of a parallel "

@@ -329,13 +329,15 @@ def llama_plan(model: Llama) -> dict[str, Any]:
     return plan
 
 
-def parallelize(model: Llama, data: int = 1, tensor: int = 1, pipeline: int = 1, device: str = "cpu") -> Strategy:
+def parallelize(model: Llama, data: int = 1, tensor: int = 1, pipeline: int = 1, device: str = "cpu",
+                expert: int = 1) -> Strategy:
     """Places ``model``'s parameters on (data, tensor) meshes: B over data, Megatron over tensor, and
     ``pipeline`` stages of consecutive layers (the embedding on the first, the norm and head on the last).
 
     :func:`sbpflow.parallelize` with :func:`llama_plan`. The embedding and an untied head are split over the
     vocabulary; a tied head reads the embedding's split. Returns the :class:`~sbpflow.nn.parallelize.Strategy`
-    whose ``shard_inputs`` lays out ids and targets.
+    whose ``shard_inputs`` lays out ids and targets. ``expert`` cuts a Mixtral's experts into groups over the data
+    axis (:func:`sbpflow.parallelize`).
 
     >>> import sbpflow
     >>> sbpflow.manual_seed(0)
@@ -345,7 +347,7 @@ def parallelize(model: Llama, data: int = 1, tensor: int = 1, pipeline: int = 1,
     '(B, S(1))'
     """
     _check_degrees(model.config, data, tensor, pipeline)
-    return sbpflow.parallelize(model, data, tensor, pipeline, device=device)
+    return sbpflow.parallelize(model, data, tensor, pipeline, expert=expert, device=device)
 
 
 def _check_degrees(config: LlamaConfig, data: int, tensor: int, pipeline: int) -> None:

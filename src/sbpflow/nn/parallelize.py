@@ -15,7 +15,12 @@ sequence (``Z(1)``, causal work balanced) over the context axis, every op runs o
              blocks cut evenly (modules before it join the first stage, those after it the last). Modules
              take the stage of the last start at or before them in registration (pre-)order.
     expert   a module with ``num_experts`` and an ``experts`` ModuleList of that length has its experts cut
-             into ``expert`` groups over the data axis; the router stays on every rank.
+             into ``expert`` groups over the data axis; the router stays on every rank. With ``expert ==
+             data`` an :class:`~sbpflow.nn.MoE`'s experts are stacked and split S(0) over the data axis
+             (:func:`~sbpflow.nn.moe.split_experts`: tokens travel to their experts, only routed rows move;
+             the stacked weights are new parameters, so make the optimizer after parallelize); with fewer
+             groups (or another module) each expert moves to its group's data rows and gets every token of
+             its group.
 
 The inferred plan reads sibling Linears: the Linear ``R`` that most siblings feed (their output width is its
 input width and their input width its output width) is row-parallel and those siblings are column-parallel:
@@ -58,6 +63,7 @@ from .container import ModuleList
 from .conv import Conv2d
 from .layers import Embedding, Linear
 from .module import Module, relayout_
+from .moe import MoE, split_experts
 from .parallel import ColwiseParallel, Replicate, RowwiseParallel, VocabParallelEmbedding, place_own_tensors
 
 DATA_AXIS = 0  # each stage's mesh is (data, tensor), or (data, context, tensor): Strategy.tensor_axis
@@ -220,7 +226,7 @@ def parallelize(model: Module, data: int = 1, tensor: int = 1, pipeline: int = 1
     starts = list(stages) if stages is not None else _even_starts(named, blocks, pipeline * virtual)
     virtual_stage = _virtual_stages(named, starts, pipeline * virtual)
     placement_of = {name: k % pipeline for name, k in virtual_stage.items()}
-    moes = _expert_modules(named, expert, data)
+    moes = _expert_modules(named, expert, data, styles)
     placements = stage_placements(data, tensor, pipeline, device, context)
     block_stage = tuple(placement_of[name] for name in _block_names(named, blocks))
     strategy = Strategy(data, tensor, pipeline, device, placements, block_stage, virtual, expert=expert,
@@ -230,9 +236,9 @@ def parallelize(model: Module, data: int = 1, tensor: int = 1, pipeline: int = 1
         place_own_tensors(module, styles.get(name, Replicate()), placements[placement_of[name]],
                           strategy.tensor_axis)
     for moe in moes:
-        _split_experts(moe, expert)
+        _split_experts(moe, expert, data)
     _install_hooks(model, named, strategy)
-    for name, param in model.named_parameters():  # an expert on a sub-mesh keeps its owner's stage
+    for name, param in model.named_parameters():  # an expert (stacked, or on a sub-mesh) keeps its owner's stage
         strategy.params[name] = (placement_of[name.rpartition(".")[0]], param.sbp, tuple(param.shape))
     model.strategy = strategy
     return strategy
@@ -409,7 +415,7 @@ def _virtual_stages(named: Mapping[str, Module], starts: list[str], n_stages: in
 # -- experts ---------------------------------------------------------------------------------------
 
 
-def _expert_modules(named: Mapping[str, Module], expert: int, data: int) -> list[Module]:
+def _expert_modules(named: Mapping[str, Module], expert: int, data: int, styles: Mapping[str, Any]) -> list[Module]:
     """Modules that declare experts (``num_experts`` and an ``experts`` list of that length), checked."""
     if expert == 1:
         return []
@@ -419,6 +425,8 @@ def _expert_modules(named: Mapping[str, Module], expert: int, data: int) -> list
         if isinstance(n, int) and isinstance(experts, ModuleList) and len(experts._modules) == n:
             if n % expert:
                 raise PlanError(f"parallelize: expert={expert} must divide {name}.num_experts={n}")
+            if _stacks(m, expert, data):
+                _check_alike(name, n, styles)
             found.append(m)
     if not found:
         raise PlanError(f"parallelize: expert={expert} splits experts, but no module declares them (an int "
@@ -426,8 +434,27 @@ def _expert_modules(named: Mapping[str, Module], expert: int, data: int) -> list
     return found
 
 
-def _split_experts(moe: Module, groups: int) -> None:
-    """Expert ``e`` moves to the data rows of group ``e // (num_experts / groups)`` of its stage's mesh."""
+def _stacks(moe: Module, groups: int, data: int) -> bool:
+    """One expert group per data rank of an nn.MoE: its experts stack, split S(0) over the data axis."""
+    return groups == data and isinstance(moe, MoE)
+
+
+def _check_alike(name: str, n: int, styles: Mapping[str, Any]) -> None:
+    """Stacked experts share one layout: the plan must give every expert's w1 (w2, w3) the same style."""
+    for weight in ("w1", "w2", "w3"):
+        chosen = {styles.get(f"{name}.experts.{e}.{weight}", Replicate()) for e in range(n)}
+        if len(chosen) > 1:
+            raise PlanError(f"parallelize: expert=data stacks the experts of {name}, so the plan must give every "
+                            f"experts.*.{weight} one style, but it gives {sorted(map(repr, chosen))}")
+
+
+def _split_experts(moe: Module, groups: int, data: int) -> None:
+    """Stacked over the data axis when each data rank is one group (:func:`_stacks`); else expert ``e`` moves to
+    the data rows of group ``e // (num_experts / groups)`` of its stage's mesh."""
+    if _stacks(moe, groups, data):
+        assert isinstance(moe, MoE) and isinstance(moe.experts, ModuleList)  # (for mypy: _expert_modules checked)
+        split_experts(moe, moe.experts[0].w1.weight.placement, DATA_AXIS)
+        return
     experts = list(moe._modules["experts"]._modules.values())
     per_group = len(experts) // groups
     for e, module in enumerate(experts):
