@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -33,3 +34,13 @@ def native_collectives() -> Iterator[None]:
     for tests of what the α-β table alone prefers, such as reduce-scatter over all-reduce + slice."""
     with sbpflow.boxing.target_factors(()):
         yield
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under CI=true, cases marked ``long`` are skipped: each has a representative in the CI set."""
+    if os.environ.get("CI") != "true":
+        return
+    skip = pytest.mark.skip(reason="long: run by make test outside CI")
+    for item in items:
+        if "long" in item.keywords:
+            item.add_marker(skip)
